@@ -1,0 +1,178 @@
+//! `fsdp env`: what to paste into a bug report. The machine, the launch environment, and the
+//! resolved configuration with where each value came from.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use fsdp::config::{Layer, ResolvedConfig, existing_default_config};
+use fsdp_comm::WorldInfo;
+
+use crate::system::{SystemInfo, gib};
+
+/// Print the machine, the launch environment and the resolved configuration.
+#[derive(Args)]
+pub struct EnvArgs {
+    /// Config file to resolve [default: fsdp-rs's default file, else Accelerate's, if present].
+    #[arg(
+        long = "config_file",
+        visible_alias = "config-file",
+        value_name = "PATH"
+    )]
+    config_file: Option<PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `fsdp env`.
+pub fn run(args: EnvArgs) -> Result<()> {
+    let system = SystemInfo::collect();
+    let world = WorldInfo::from_env();
+    let file = args.config_file.or_else(existing_default_config);
+    let resolved = resolve(file.as_ref());
+    if args.json {
+        print_json(&system, &world, file.as_ref(), &resolved);
+    } else {
+        print_text(&system, &world, file.as_ref(), &resolved);
+    }
+    resolved.map(|_| ())
+}
+
+fn resolve(file: Option<&PathBuf>) -> Result<ResolvedConfig> {
+    let file_layer = file.map(|p| Layer::from_yaml_file(p)).transpose()?;
+    let env_layer = Layer::from_process_env()?;
+    let mut layers = vec![&env_layer];
+    layers.extend(file_layer.as_ref());
+    Ok(ResolvedConfig::resolve(&layers)?)
+}
+
+fn cuda_line(s: &SystemInfo) -> String {
+    let lib = |p: &Option<PathBuf>| {
+        p.as_ref()
+            .map_or("not found".to_string(), |p| p.display().to_string())
+    };
+    format!(
+        "driver {}, libcuda {}, libnccl {}, built with NCCL support: no",
+        s.nvidia_driver.as_deref().unwrap_or("not loaded"),
+        lib(&s.libcuda),
+        lib(&s.libnccl)
+    )
+}
+
+fn world_line(world: &Result<WorldInfo, fsdp_comm::WorldError>) -> String {
+    match world {
+        Ok(w) => format!(
+            "{:?}: rank {} of {}, local rank {} of {}, node {}, rendezvous {}:{}",
+            w.launcher,
+            w.rank,
+            w.world_size,
+            w.local_rank,
+            w.local_world_size,
+            w.node_rank,
+            w.master_addr,
+            w.master_port
+        ),
+        Err(e) => format!("invalid: {e}"),
+    }
+}
+
+fn print_text(
+    s: &SystemInfo,
+    world: &Result<WorldInfo, fsdp_comm::WorldError>,
+    file: Option<&PathBuf>,
+    resolved: &Result<ResolvedConfig>,
+) {
+    println!("Copy-and-paste the text below in your issue.\n");
+    println!("- `fsdp` version: {}", env!("CARGO_PKG_VERSION"));
+    println!("- Platform: {} ({})", s.os, s.arch);
+    println!(
+        "- CPU: {}, {} cores available",
+        s.cpu_model, s.available_cores
+    );
+    let mem = |m: Option<u64>| m.map_or("unknown".into(), gib);
+    println!(
+        "- Memory: {} total, {} available",
+        mem(s.mem_total),
+        mem(s.mem_available)
+    );
+    println!("- CUDA: {}", cuda_line(s));
+    println!("- Launch environment: {}", world_line(world));
+    println!(
+        "- Config file: {}",
+        file.map_or("none (environment and defaults only)".to_string(), |p| p
+            .display()
+            .to_string())
+    );
+    match resolved {
+        Ok(config) => {
+            println!("- Resolved configuration:");
+            let width = config
+                .iter()
+                .map(|(k, _)| k.name().len())
+                .max()
+                .unwrap_or(0);
+            let value_width = config
+                .iter()
+                .map(|(_, s)| s.value.to_string().len())
+                .max()
+                .unwrap_or(0);
+            for (key, setting) in config.iter() {
+                let value = setting.value.to_string();
+                println!(
+                    "    {:width$}  {value:value_width$}  [{}]",
+                    key.name(),
+                    setting.source
+                );
+            }
+            for (key, setting, reason) in config.not_applicable() {
+                println!(
+                    "- Not applicable: `{}: {}` ({}): {reason}",
+                    key.name(),
+                    setting.value,
+                    setting.source
+                );
+            }
+        }
+        Err(e) => println!("- Configuration: INVALID: {e:#}"),
+    }
+}
+
+fn print_json(
+    s: &SystemInfo,
+    world: &Result<WorldInfo, fsdp_comm::WorldError>,
+    file: Option<&PathBuf>,
+    resolved: &Result<ResolvedConfig>,
+) {
+    let config = match resolved {
+        Ok(config) => serde_json::json!({
+            "valid": true,
+            "settings": config.iter().map(|(k, s)| serde_json::json!({
+                "key": k.name(), "value": s.value.to_string(), "source": s.source.to_string(),
+            })).collect::<Vec<_>>(),
+            "not_applicable": config.not_applicable().iter().map(|(k, s, reason)| serde_json::json!({
+                "key": k.name(), "value": s.value.to_string(), "reason": reason,
+            })).collect::<Vec<_>>(),
+        }),
+        Err(e) => serde_json::json!({ "valid": false, "error": format!("{e:#}") }),
+    };
+    let doc = serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "os": s.os,
+        "arch": s.arch,
+        "cpu_model": s.cpu_model,
+        "available_cores": s.available_cores,
+        "mem_total_bytes": s.mem_total,
+        "mem_available_bytes": s.mem_available,
+        "cuda": {
+            "nvidia_driver": s.nvidia_driver,
+            "libcuda": s.libcuda,
+            "libnccl": s.libnccl,
+            "nccl_support_built": false,
+        },
+        "launch_environment": world_line(world),
+        "config_file": file,
+        "config": config,
+    });
+    println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+}

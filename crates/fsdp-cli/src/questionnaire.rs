@@ -1,0 +1,274 @@
+//! The `fsdp config` questionnaire, in the order Accelerate asks: machine type, machines and
+//! multi-node details, debug checks, CPU use, FSDP settings, number of processes, GPUs, mixed
+//! precision. Defaults shown come from the schema.
+
+use anyhow::Result;
+use fsdp::config::{
+    AutoWrapPolicy, BackwardPrefetch, Choice, DefaultValue, Key, Layer, MixedPrecision,
+    ShardingStrategy, Source, StateDictType, Value, parse_text,
+};
+
+use crate::prompt::Prompter;
+
+/// Where questionnaire answers say they came from.
+fn source() -> Source {
+    Source::Cli {
+        flag: "fsdp config".into(),
+    }
+}
+
+/// Asks the questions and returns the answers as a layer ready to validate and write.
+pub fn ask(p: &mut dyn Prompter) -> Result<Layer> {
+    let mut answers = Answers(Layer::new());
+    answers.set(Key::ComputeEnvironment, text("LOCAL_MACHINE"));
+    p.note("Compute environment: this machine (LOCAL_MACHINE)")?;
+
+    let machine = p.select(
+        "Which type of machine are you using?",
+        &["No distributed training", "multi-CPU", "multi-GPU"],
+        1,
+    )?;
+    let distributed = machine > 0;
+    let on_cpu = machine == 1;
+
+    let mut num_machines = 1;
+    if distributed {
+        num_machines = answers.ask_uint(
+            p,
+            Key::NumMachines,
+            "How many different machines will you use (use more than 1 for multi-node training)?",
+        )?;
+        if num_machines > 1 {
+            let ranks: Vec<String> = (0..num_machines).map(|r| r.to_string()).collect();
+            let ranks: Vec<&str> = ranks.iter().map(String::as_str).collect();
+            let rank = p.select("What is the rank of this machine?", &ranks, 0)?;
+            answers.set(Key::MachineRank, Value::UInt(rank as u64));
+            answers.ask_parsed(
+                p,
+                Key::MainProcessIp,
+                "What is the IP address of the machine that will host the main process?",
+                None,
+            )?;
+            answers.ask_parsed(
+                p,
+                Key::MainProcessPort,
+                "What is the port you will use to communicate with the main process?",
+                Some("29500"),
+            )?;
+        } else {
+            answers.set(Key::MachineRank, Value::UInt(0));
+        }
+        answers.ask_bool(
+            p,
+            Key::Debug,
+            "Should distributed operations be checked while running for errors? This can avoid timeout issues but will be slower.",
+        )?;
+    } else {
+        answers.set(Key::MachineRank, Value::UInt(0));
+        answers.set(Key::Debug, Value::Bool(false));
+    }
+    answers.set(Key::NumMachines, Value::UInt(num_machines));
+
+    let use_cpu = if machine == 0 {
+        answers.ask_bool(
+            p,
+            Key::UseCpu,
+            "Do you want to run your training on CPU only (even if a GPU is available)?",
+        )?
+    } else {
+        answers.set(Key::UseCpu, Value::Bool(on_cpu));
+        on_cpu
+    };
+
+    let use_fsdp =
+        distributed && p.confirm("Do you want to use FullyShardedDataParallel?", true)?;
+    let distributed_type = match (use_fsdp, machine) {
+        (true, _) => "FSDP",
+        (false, 0) => "NO",
+        (false, 1) => "MULTI_CPU",
+        _ => "MULTI_GPU",
+    };
+    answers.set(Key::DistributedType, text(distributed_type));
+    if use_fsdp {
+        ask_fsdp(p, &mut answers)?;
+    }
+
+    if distributed {
+        let what = if on_cpu { "processes" } else { "GPU(s)" };
+        answers.ask_uint(
+            p,
+            Key::NumProcesses,
+            &format!("How many {what} should be used for distributed training?"),
+        )?;
+    } else {
+        answers.set(Key::NumProcesses, Value::UInt(1));
+    }
+    if !use_cpu {
+        answers.ask_parsed(
+            p,
+            Key::GpuIds,
+            "What GPU(s) (by id) should be used for training on this machine as a comma-separated list?",
+            Some("all"),
+        )?;
+    }
+    answers.ask_choice::<MixedPrecision>(
+        p,
+        Key::MixedPrecision,
+        "Do you wish to use mixed precision?",
+    )?;
+
+    // Written as Accelerate writes them, so the file stays interchangeable with it.
+    answers.set(Key::DowncastBf16, text("no"));
+    answers.set(Key::MainTrainingFunction, text("main"));
+    answers.set(Key::RdzvBackend, text("static"));
+    answers.set(Key::SameNetwork, Value::Bool(true));
+    answers.set(Key::TpuEnv, Value::List(Vec::new()));
+    answers.set(Key::TpuUseCluster, Value::Bool(false));
+    answers.set(Key::TpuUseSudo, Value::Bool(false));
+    Ok(answers.0)
+}
+
+fn ask_fsdp(p: &mut dyn Prompter, answers: &mut Answers) -> Result<()> {
+    answers.ask_choice::<ShardingStrategy>(
+        p,
+        Key::FsdpShardingStrategy,
+        "What should be your sharding strategy?",
+    )?;
+    answers.ask_bool(
+        p,
+        Key::FsdpOffloadParams,
+        "Do you want to offload parameters and gradients to CPU?",
+    )?;
+    let policy = answers.ask_choice::<AutoWrapPolicy>(
+        p,
+        Key::FsdpAutoWrapPolicy,
+        "What should be your auto wrap policy?",
+    )?;
+    match policy {
+        AutoWrapPolicy::TransformerBasedWrap => {
+            let model_default = p.confirm(
+                "Do you want to use the model's default list of layer classes to wrap (its `_no_split_modules`)?",
+                false,
+            )?;
+            if !model_default {
+                answers.ask_parsed(
+                    p,
+                    Key::FsdpTransformerLayerClsToWrap,
+                    "Specify the comma-separated list of transformer layer class names (case-sensitive) to wrap, e.g. `BertLayer`, `GPT2Block`, `BertLayer,BertEmbeddings`",
+                    None,
+                )?;
+            }
+        }
+        AutoWrapPolicy::SizeBasedWrap => {
+            answers.ask_uint(
+                p,
+                Key::FsdpMinNumParams,
+                "What should be your FSDP's minimum number of parameters per unit?",
+            )?;
+        }
+        AutoWrapPolicy::NoWrap => {}
+    }
+    answers.ask_choice::<BackwardPrefetch>(
+        p,
+        Key::FsdpBackwardPrefetch,
+        "What should be your FSDP's backward prefetch policy?",
+    )?;
+    answers.ask_choice::<StateDictType>(
+        p,
+        Key::FsdpStateDictType,
+        "What should be your FSDP's state dict type?",
+    )?;
+    answers.ask_bool(
+        p,
+        Key::FsdpForwardPrefetch,
+        "Do you want to enable FSDP's forward prefetch policy?",
+    )?;
+    // fsdp-rs always keeps original parameters (per-parameter sharding); written for Accelerate.
+    answers.set(Key::FsdpUseOrigParams, Value::Bool(true));
+    let efficient = answers.ask_bool(
+        p,
+        Key::FsdpCpuRamEfficientLoading,
+        "Do you want to enable CPU RAM efficient model loading (only rank 0 reads the full weights)?",
+    )?;
+    if efficient {
+        answers.set(Key::FsdpSyncModuleStates, Value::Bool(true));
+    } else {
+        answers.ask_bool(
+            p,
+            Key::FsdpSyncModuleStates,
+            "Do you want each FSDP unit to broadcast module parameters from rank 0 at the start?",
+        )?;
+    }
+    answers.ask_bool(
+        p,
+        Key::FsdpActivationCheckpointing,
+        "Do you want to enable FSDP activation checkpointing?",
+    )?;
+    Ok(())
+}
+
+fn text(t: &str) -> Value {
+    Value::Text(t.to_string())
+}
+
+/// The layer being filled, with question helpers that take defaults from the schema.
+struct Answers(Layer);
+
+impl Answers {
+    fn set(&mut self, key: Key, value: Value) {
+        self.0.set(key, value, source());
+    }
+
+    fn ask_bool(&mut self, p: &mut dyn Prompter, key: Key, question: &str) -> Result<bool> {
+        let default = matches!(key.spec().default, DefaultValue::Bool(true));
+        let answer = p.confirm(question, default)?;
+        self.set(key, Value::Bool(answer));
+        Ok(answer)
+    }
+
+    fn ask_choice<T: Choice>(
+        &mut self,
+        p: &mut dyn Prompter,
+        key: Key,
+        question: &str,
+    ) -> Result<T> {
+        let default = match key.spec().default {
+            DefaultValue::Text(d) => T::NAMES.iter().position(|n| *n == d).unwrap_or(0),
+            _ => 0,
+        };
+        let chosen = T::ALL[p.select(question, T::NAMES, default)?];
+        self.set(key, text(chosen.name()));
+        Ok(chosen)
+    }
+
+    fn ask_uint(&mut self, p: &mut dyn Prompter, key: Key, question: &str) -> Result<u64> {
+        let default = match key.spec().default {
+            DefaultValue::UInt(n) => Some(n.to_string()),
+            _ => None,
+        };
+        match self.ask_parsed(p, key, question, default.as_deref())? {
+            Value::UInt(n) => Ok(n),
+            other => anyhow::bail!("schema bug: {} parsed as {other:?}", key.name()),
+        }
+    }
+
+    /// Asks until the answer parses for `key`.
+    fn ask_parsed(
+        &mut self,
+        p: &mut dyn Prompter,
+        key: Key,
+        question: &str,
+        default: Option<&str>,
+    ) -> Result<Value> {
+        loop {
+            let answer = p.input(question, default)?;
+            match parse_text(key.spec(), &answer) {
+                Ok(value) => {
+                    self.set(key, value.clone());
+                    return Ok(value);
+                }
+                Err(reason) => p.note(&format!("  `{answer}` is not valid: {reason}"))?,
+            }
+        }
+    }
+}

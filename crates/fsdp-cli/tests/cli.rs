@@ -1,0 +1,351 @@
+//! The `fsdp` binary as a user runs it: the questionnaire driven through piped input,
+//! `config default`, `config update`, `env`, and the help texts.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use fsdp::config::{Layer, ResolvedConfig};
+
+const GUIDE: &str = include_str!("../../fsdp/tests/data/accelerate_guide_fsdp.yaml");
+
+/// `fsdp` with a private HOME, so no real config file is read or written.
+fn fsdp(home: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fsdp"));
+    cmd.env("HOME", home)
+        .env_remove("FSDP_CONFIG_FILE")
+        .env_remove("FSDP_HOME")
+        .env_remove("HF_HOME")
+        .env_remove("XDG_CACHE_HOME");
+    for (var, _) in std::env::vars() {
+        if var.starts_with("FSDP_") || var.starts_with("ACCELERATE_") {
+            cmd.env_remove(var);
+        }
+    }
+    cmd
+}
+
+fn run_with_input(mut cmd: Command, input: &str) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn resolved(path: &Path) -> ResolvedConfig {
+    ResolvedConfig::resolve(&[&Layer::from_yaml_file(path).unwrap()]).unwrap()
+}
+
+/// Every key's resolved value, sources left out.
+fn values(config: &ResolvedConfig) -> Vec<(String, String)> {
+    config
+        .iter()
+        .map(|(k, s)| (k.name().to_string(), s.value.to_string()))
+        .collect()
+}
+
+/// The answers that, asked in order, describe the Accelerate guide's FSDP example.
+const GUIDE_ANSWERS: &[&str] = &[
+    "3",  // multi-GPU
+    "",   // one machine (default)
+    "no", // no debug checks
+    "",   // use FSDP (default yes)
+    "1",  // FULL_SHARD
+    "",   // no offload (default)
+    "TRANSFORMER_BASED_WRAP",
+    "no",        // not the model's default list
+    "BertLayer", // class to wrap
+    "1",         // BACKWARD_PRE
+    "",          // SHARDED_STATE_DICT (default)
+    "",          // no forward prefetch (default)
+    "yes",       // CPU RAM efficient loading
+    "",          // no activation checkpointing (default)
+    "2",         // two processes
+    "",          // all GPUs
+    "bf16",
+];
+
+#[test]
+fn questionnaire_produces_the_guides_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out").join("config.yaml");
+    let mut cmd = fsdp(dir.path());
+    cmd.args(["config", "--config_file"]).arg(&path);
+    let out = run_with_input(cmd, &(GUIDE_ANSWERS.join("\n") + "\n"));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("What should be your sharding strategy?"),
+        "{}",
+        text(&out)
+    );
+    let guide_path = dir.path().join("guide.yaml");
+    std::fs::write(&guide_path, GUIDE).unwrap();
+    assert_eq!(values(&resolved(&path)), values(&resolved(&guide_path)));
+
+    // Every key of the guide is written with the guide's value (the alias under its
+    // canonical name); the file adds only the questions newer than the guide.
+    let written = std::fs::read_to_string(&path).unwrap();
+    let guide = GUIDE.replace("fsdp_backward_prefetch_policy", "fsdp_backward_prefetch");
+    for line in guide.lines() {
+        assert!(
+            written.lines().any(|l| l == line),
+            "missing {line:?} in:\n{written}"
+        );
+    }
+    let extra: Vec<&str> = written
+        .lines()
+        .filter(|l| !guide.lines().any(|g| g == *l))
+        .collect();
+    assert_eq!(
+        extra,
+        ["  fsdp_activation_checkpointing: false", "gpu_ids: all"]
+    );
+}
+
+#[test]
+fn questionnaire_rejects_bad_answers_and_never_hangs_on_short_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.yaml");
+    let mut answers: Vec<&str> = GUIDE_ANSWERS.to_vec();
+    answers.insert(14, "zero"); // not a number: asked again
+    let mut cmd = fsdp(dir.path());
+    cmd.args(["config", "--config_file"]).arg(&path);
+    let out = run_with_input(cmd, &(answers.join("\n") + "\n"));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("`zero` is not valid: expected a whole number from 1"),
+        "{}",
+        text(&out)
+    );
+
+    let mut cmd = fsdp(dir.path());
+    cmd.args(["config", "--config_file"])
+        .arg(dir.path().join("never.yaml"));
+    let out = run_with_input(cmd, "3\n\n");
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("input ended before the question"),
+        "{}",
+        text(&out)
+    );
+    assert!(!dir.path().join("never.yaml").exists());
+
+    // Answers that make an invalid whole (HYBRID on one machine) are refused, nothing written.
+    let mut hybrid = GUIDE_ANSWERS.to_vec();
+    hybrid[4] = "HYBRID_SHARD";
+    let mut cmd = fsdp(dir.path());
+    cmd.args(["config", "--config_file"])
+        .arg(dir.path().join("hybrid.yaml"));
+    let out = run_with_input(cmd, &(hybrid.join("\n") + "\n"));
+    assert!(!out.status.success());
+    assert!(text(&out).contains("at least 2 machines"), "{}", text(&out));
+    assert!(!dir.path().join("hybrid.yaml").exists());
+}
+
+#[test]
+fn config_default_writes_a_valid_file_and_keeps_existing_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = fsdp(dir.path())
+        .args(["config", "default", "--num_processes", "4"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let path: PathBuf = dir.path().join(".cache/fsdp-rs/default_config.yaml");
+    assert!(
+        text(&out).contains(&path.display().to_string()),
+        "{}",
+        text(&out)
+    );
+    let config = resolved(&path);
+    assert_eq!(config.launch.num_processes, 4);
+    assert_eq!(
+        config.launch.distributed_type,
+        fsdp::config::DistributedType::Fsdp
+    );
+
+    let out = fsdp(dir.path())
+        .args(["config", "default"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("already exists; pass --force"),
+        "{}",
+        text(&out)
+    );
+    let out = fsdp(dir.path())
+        .args(["config", "default", "--force", "--mixed_precision", "bf16"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        resolved(&path).launch.mixed_precision,
+        fsdp::config::MixedPrecision::Bf16
+    );
+}
+
+#[test]
+fn config_update_rewrites_canonically_and_refuses_invalid_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.yaml");
+    let original = GUIDE.replace(
+        "fsdp_sharding_strategy: FULL_SHARD",
+        "fsdp_sharding_strategy: 2",
+    );
+    std::fs::write(&path, &original).unwrap();
+    let out = fsdp(dir.path())
+        .args(["config", "update", "--config_file"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let updated = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        updated.contains("  fsdp_sharding_strategy: SHARD_GRAD_OP\n"),
+        "{updated}"
+    );
+    assert!(
+        updated.contains("  fsdp_backward_prefetch: BACKWARD_PRE\n"),
+        "{updated}"
+    );
+    assert!(updated.contains("downcast_bf16: 'no'\n"), "{updated}");
+
+    let broken = "num_processes: 2\nfsdp_config:\n  fsdp_sharding_stratgy: FULL_SHARD\n";
+    std::fs::write(&path, broken).unwrap();
+    let out = fsdp(dir.path())
+        .args(["config", "update", "--config_file"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("c.yaml:3: unknown key `fsdp_sharding_stratgy`"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap(),
+        broken,
+        "an invalid file is left untouched"
+    );
+}
+
+#[test]
+fn env_reports_machine_and_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.yaml");
+    std::fs::write(&path, GUIDE).unwrap();
+    let out = fsdp(dir.path())
+        .args(["env", "--config_file"])
+        .arg(&path)
+        .env("FSDP_OFFLOAD_PARAMS", "true")
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for part in [
+        "`fsdp` version: 0.1.0",
+        "- CPU: ",
+        "- Memory: ",
+        "- CUDA: ",
+        "Standalone: rank 0 of 1",
+    ] {
+        assert!(t.contains(part), "{part:?} missing in:\n{t}");
+    }
+    assert!(
+        t.lines().any(|l| l.contains("fsdp_offload_params")
+            && l.contains("[environment variable FSDP_OFFLOAD_PARAMS]")),
+        "{t}"
+    );
+    assert!(
+        t.lines()
+            .any(|l| l.contains("fsdp_sharding_strategy") && l.contains("c.yaml:11]")),
+        "{t}"
+    );
+    assert!(
+        t.lines()
+            .any(|l| l.contains("fsdp_activation_checkpointing") && l.contains("[default]")),
+        "{t}"
+    );
+
+    let out = fsdp(dir.path())
+        .args(["env", "--json"])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["config"]["valid"], true);
+    assert!(doc["config_file"].is_null());
+    assert!(
+        doc["launch_environment"]
+            .as_str()
+            .unwrap()
+            .contains("rank 1 of 2")
+    );
+    assert!(doc["available_cores"].as_u64().unwrap() >= 1);
+
+    let out = fsdp(dir.path())
+        .args(["env"])
+        .env("FSDP_SHARDING_STRATEGY", "SIDEWAYS")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("environment variable FSDP_SHARDING_STRATEGY"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn accelerates_default_file_is_used_when_there_is_no_fsdp_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let accelerate = dir
+        .path()
+        .join(".cache/huggingface/accelerate/default_config.yaml");
+    std::fs::create_dir_all(accelerate.parent().unwrap()).unwrap();
+    std::fs::write(&accelerate, GUIDE).unwrap();
+    let out = fsdp(dir.path()).args(["env"]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("Config file: {}", accelerate.display())),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn help_texts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = fsdp(dir.path()).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let t = text(&out);
+    assert!(t.contains("config") && t.contains("env"), "{t}");
+    let out = fsdp(dir.path())
+        .args(["config", "--help"])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(
+        t.contains("default") && t.contains("update") && t.contains("--config_file"),
+        "{t}"
+    );
+}

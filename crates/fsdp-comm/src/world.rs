@@ -1,0 +1,315 @@
+//! Reading a worker's place in the job from its environment: the torchrun contract that
+//! `fsdp launch` sets, and the variables SLURM and Open MPI set.
+
+use std::collections::HashMap;
+
+/// Which launcher's variables described the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// `RANK`, `WORLD_SIZE`, ... as set by `fsdp launch` and torchrun.
+    Torchrun,
+    /// `SLURM_PROCID`, `SLURM_NTASKS`, ...
+    Slurm,
+    /// `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, ...
+    OpenMpi,
+    /// No launcher variables: a single process.
+    Standalone,
+}
+
+/// A worker's place in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorldInfo {
+    /// Global rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of processes in the job.
+    pub world_size: usize,
+    /// Rank among the processes on this machine.
+    pub local_rank: usize,
+    /// Number of processes on this machine.
+    pub local_world_size: usize,
+    /// This machine's index.
+    pub node_rank: usize,
+    /// Address of the rendezvous store (rank 0's machine).
+    pub master_addr: String,
+    /// Port of the rendezvous store.
+    pub master_port: u16,
+    /// Where these values came from.
+    pub launcher: Launcher,
+}
+
+/// A launch environment that is incomplete or contradictory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorldError {
+    /// A variable is set but not a number of the right range.
+    #[error("environment variable {var}={value:?} is not valid: {reason}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What was expected.
+        reason: String,
+    },
+    /// One variable of a launcher's set is there but a required one is missing.
+    #[error("{launcher:?} launch environment is incomplete: {var} is not set")]
+    Missing {
+        /// The launcher whose variables were found.
+        launcher: Launcher,
+        /// The missing variable.
+        var: &'static str,
+    },
+    /// The values contradict each other.
+    #[error("inconsistent launch environment: {0}")]
+    Inconsistent(String),
+}
+
+/// Default rendezvous port, as torchrun's.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+struct Vars<'a>(&'a HashMap<String, String>);
+
+impl Vars<'_> {
+    fn get(&self, var: &str) -> Option<&str> {
+        self.0
+            .get(var)
+            .map(String::as_str)
+            .filter(|v| !v.trim().is_empty())
+    }
+
+    fn number(&self, var: &'static str) -> Result<Option<usize>, WorldError> {
+        self.get(var)
+            .map(|v| {
+                v.trim().parse::<usize>().map_err(|_| WorldError::Invalid {
+                    var,
+                    value: v.to_string(),
+                    reason: "expected a non-negative whole number".into(),
+                })
+            })
+            .transpose()
+    }
+
+    fn required(&self, launcher: Launcher, var: &'static str) -> Result<usize, WorldError> {
+        self.number(var)?
+            .ok_or(WorldError::Missing { launcher, var })
+    }
+
+    fn port(&self) -> Result<u16, WorldError> {
+        match self.get("MASTER_PORT") {
+            None => Ok(DEFAULT_MASTER_PORT),
+            Some(v) => v.trim().parse::<u16>().map_err(|_| WorldError::Invalid {
+                var: "MASTER_PORT",
+                value: v.to_string(),
+                reason: "expected a port number 0..65535".into(),
+            }),
+        }
+    }
+
+    fn addr(&self) -> String {
+        self.get("MASTER_ADDR").unwrap_or("127.0.0.1").to_string()
+    }
+}
+
+impl WorldInfo {
+    /// Reads this process's environment.
+    pub fn from_env() -> Result<WorldInfo, WorldError> {
+        let vars: HashMap<String, String> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect();
+        WorldInfo::from_vars(&vars)
+    }
+
+    /// Reads a given set of variables: torchrun's if `RANK` is set, else SLURM's if
+    /// `SLURM_PROCID` is, else Open MPI's if `OMPI_COMM_WORLD_RANK` is, else a single process.
+    pub fn from_vars(vars: &HashMap<String, String>) -> Result<WorldInfo, WorldError> {
+        let v = Vars(vars);
+        let info = if v.get("RANK").is_some() {
+            let l = Launcher::Torchrun;
+            let world_size = v.required(l, "WORLD_SIZE")?;
+            let local_world_size = v.number("LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
+            WorldInfo {
+                rank: v.required(l, "RANK")?,
+                world_size,
+                local_rank: v.number("LOCAL_RANK")?.unwrap_or(0),
+                local_world_size,
+                node_rank: v
+                    .number("NODE_RANK")?
+                    .or(v.number("GROUP_RANK")?)
+                    .unwrap_or(0),
+                master_addr: v.addr(),
+                master_port: v.port()?,
+                launcher: l,
+            }
+        } else if v.get("SLURM_PROCID").is_some() {
+            let l = Launcher::Slurm;
+            let world_size = v.required(l, "SLURM_NTASKS")?;
+            let nodes = v.number("SLURM_NNODES")?.unwrap_or(1).max(1);
+            let local_world_size = v
+                .get("SLURM_NTASKS_PER_NODE")
+                .and_then(|t| t.split(['(', ',']).next()?.trim().parse().ok())
+                .unwrap_or(world_size.div_ceil(nodes));
+            WorldInfo {
+                rank: v.required(l, "SLURM_PROCID")?,
+                world_size,
+                local_rank: v.number("SLURM_LOCALID")?.unwrap_or(0),
+                local_world_size,
+                node_rank: v.number("SLURM_NODEID")?.unwrap_or(0),
+                master_addr: v.addr(),
+                master_port: v.port()?,
+                launcher: l,
+            }
+        } else if v.get("OMPI_COMM_WORLD_RANK").is_some() {
+            let l = Launcher::OpenMpi;
+            let world_size = v.required(l, "OMPI_COMM_WORLD_SIZE")?;
+            let local_world_size = v
+                .number("OMPI_COMM_WORLD_LOCAL_SIZE")?
+                .unwrap_or(world_size);
+            let rank = v.required(l, "OMPI_COMM_WORLD_RANK")?;
+            WorldInfo {
+                rank,
+                world_size,
+                local_rank: v.number("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0),
+                local_world_size,
+                node_rank: v
+                    .number("OMPI_COMM_WORLD_NODE_RANK")?
+                    .unwrap_or(rank / local_world_size.max(1)),
+                master_addr: v.addr(),
+                master_port: v.port()?,
+                launcher: l,
+            }
+        } else {
+            WorldInfo {
+                rank: 0,
+                world_size: 1,
+                local_rank: 0,
+                local_world_size: 1,
+                node_rank: 0,
+                master_addr: v.addr(),
+                master_port: v.port()?,
+                launcher: Launcher::Standalone,
+            }
+        };
+        info.check()?;
+        Ok(info)
+    }
+
+    fn check(&self) -> Result<(), WorldError> {
+        let fail = |m: String| Err(WorldError::Inconsistent(m));
+        if self.world_size == 0 {
+            return fail("world size is 0".into());
+        }
+        if self.rank >= self.world_size {
+            return fail(format!(
+                "rank {} is not below world size {}",
+                self.rank, self.world_size
+            ));
+        }
+        if self.local_world_size == 0 || self.local_rank >= self.local_world_size {
+            return fail(format!(
+                "local rank {} is not below local world size {}",
+                self.local_rank, self.local_world_size
+            ));
+        }
+        if self.local_world_size > self.world_size {
+            return fail(format!(
+                "local world size {} exceeds world size {}",
+                self.local_world_size, self.world_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn torchrun_contract() {
+        let w = WorldInfo::from_vars(&vars(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("NODE_RANK", "1"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "1234"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (
+                w.rank,
+                w.world_size,
+                w.local_rank,
+                w.local_world_size,
+                w.node_rank
+            ),
+            (3, 4, 1, 2, 1)
+        );
+        assert_eq!(
+            (w.master_addr.as_str(), w.master_port, w.launcher),
+            ("10.1.2.3", 1234, Launcher::Torchrun)
+        );
+    }
+
+    #[test]
+    fn slurm_and_openmpi() {
+        let w = WorldInfo::from_vars(&vars(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_NNODES", "4"),
+            ("SLURM_NTASKS_PER_NODE", "2(x4)"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (
+                w.rank,
+                w.world_size,
+                w.local_rank,
+                w.local_world_size,
+                w.node_rank
+            ),
+            (5, 8, 1, 2, 2)
+        );
+        let w = WorldInfo::from_vars(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ]))
+        .unwrap();
+        assert_eq!((w.rank, w.node_rank, w.launcher), (3, 1, Launcher::OpenMpi));
+    }
+
+    #[test]
+    fn standalone_and_errors() {
+        let w = WorldInfo::from_vars(&vars(&[])).unwrap();
+        assert_eq!(
+            (w.rank, w.world_size, w.master_port),
+            (0, 1, DEFAULT_MASTER_PORT)
+        );
+        let err = WorldInfo::from_vars(&vars(&[("RANK", "0")])).unwrap_err();
+        assert_eq!(
+            err,
+            WorldError::Missing {
+                launcher: Launcher::Torchrun,
+                var: "WORLD_SIZE"
+            }
+        );
+        let err = WorldInfo::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(
+            err.to_string().contains("rank 2 is not below world size 2"),
+            "{err}"
+        );
+        let err = WorldInfo::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(err.to_string().contains("RANK=\"x\""), "{err}");
+    }
+}

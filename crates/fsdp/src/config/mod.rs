@@ -1,0 +1,27 @@
+//! Configuration: one schema for the plugin builder, `FSDP_*`/`ACCELERATE_*` environment
+//! variables, Accelerate YAML files and command-line flags. Sources, strongest first: code,
+//! command line, environment, file, defaults.
+
+mod builder;
+mod choices;
+mod error;
+mod layer;
+mod paths;
+mod resolve;
+mod schema;
+mod value;
+pub mod yaml;
+
+pub use builder::FsdpPluginBuilder;
+pub use choices::{
+    AutoWrapPolicy, BackwardPrefetch, Choice, ComputeEnvironment, DistributedType, MixedPrecision,
+    RendezvousBackend, ShardingStrategy, StateDictType, describe_choices, parse_choice_index,
+};
+pub use error::ConfigError;
+pub use layer::Layer;
+pub use paths::{
+    CONFIG_FILE_ENV, accelerate_config_path, default_config_path, existing_default_config,
+};
+pub use resolve::{FsdpPlugin, LaunchSettings, ResolvedConfig};
+pub use schema::{Applicability, DefaultValue, FSDP_SECTION, Key, KeySpec, Kind, Section};
+pub use value::{Setting, Source, Value, parse_bool, parse_text};

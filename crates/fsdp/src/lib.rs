@@ -1,0 +1,4 @@
+//! fsdp-rs: fully sharded data-parallel training on candle, configured like Hugging Face
+//! Accelerate's FSDP plugin.
+
+pub mod config;
