@@ -9,6 +9,7 @@ use fsdp::config::{
     Key, Layer, MixedPrecision, ResolvedConfig, Section, Source, Value, default_config_path,
 };
 
+use crate::ConfigFileArg;
 use crate::prompt::{LinePrompter, Prompter, TerminalPrompter};
 use crate::questionnaire;
 use crate::system::{SystemInfo, available_cores};
@@ -23,27 +24,16 @@ use crate::system::{SystemInfo, available_cores};
 pub struct ConfigArgs {
     #[command(subcommand)]
     action: Option<ConfigAction>,
-    /// Where to write the config file [default: $FSDP_CONFIG_FILE, else
-    /// ~/.cache/fsdp-rs/default_config.yaml].
-    #[arg(
-        long = "config_file",
-        visible_alias = "config-file",
-        value_name = "PATH"
-    )]
-    config_file: Option<PathBuf>,
+    #[command(flatten)]
+    file: ConfigFileArg,
 }
 
 #[derive(Subcommand)]
 enum ConfigAction {
     /// Write a sensible FSDP config for this machine without asking questions.
     Default {
-        /// Where to write it.
-        #[arg(
-            long = "config_file",
-            visible_alias = "config-file",
-            value_name = "PATH"
-        )]
-        config_file: Option<PathBuf>,
+        #[command(flatten)]
+        file: ConfigFileArg,
         /// Mixed precision: no, fp16 or bf16.
         #[arg(
             long = "mixed_precision",
@@ -61,33 +51,28 @@ enum ConfigAction {
     /// Check a config file against the schema and rewrite it in canonical form (aliases
     /// replaced, menu numbers turned into names, keys sorted); other sections are kept.
     Update {
-        /// The file to update [default: the default config file].
-        #[arg(
-            long = "config_file",
-            visible_alias = "config-file",
-            value_name = "PATH"
-        )]
-        config_file: Option<PathBuf>,
+        #[command(flatten)]
+        file: ConfigFileArg,
     },
 }
 
 /// Runs `fsdp config ...`.
 pub fn run(args: ConfigArgs) -> Result<()> {
     match args.action {
-        None => interactive(args.config_file.unwrap_or_else(default_config_path)),
+        None => interactive(args.file.config_file.unwrap_or_else(default_config_path)),
         Some(ConfigAction::Default {
-            config_file,
+            file,
             mixed_precision,
             num_processes,
             force,
         }) => write_default(
-            &config_file.unwrap_or_else(default_config_path),
+            &file.config_file.unwrap_or_else(default_config_path),
             mixed_precision,
             num_processes,
             force,
         ),
-        Some(ConfigAction::Update { config_file }) => {
-            update(&config_file.unwrap_or_else(default_config_path))
+        Some(ConfigAction::Update { file }) => {
+            update(&file.config_file.unwrap_or_else(default_config_path))
         }
     }
 }

@@ -8,18 +8,14 @@ use clap::Args;
 use fsdp::config::{Layer, ResolvedConfig, existing_default_config};
 use fsdp_comm::WorldInfo;
 
+use crate::ConfigFileArg;
 use crate::system::{SystemInfo, gib};
 
 /// Print the machine, the launch environment and the resolved configuration.
 #[derive(Args)]
 pub struct EnvArgs {
-    /// Config file to resolve [default: fsdp-rs's default file, else Accelerate's, if present].
-    #[arg(
-        long = "config_file",
-        visible_alias = "config-file",
-        value_name = "PATH"
-    )]
-    config_file: Option<PathBuf>,
+    #[command(flatten)]
+    file: ConfigFileArg,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -29,7 +25,7 @@ pub struct EnvArgs {
 pub fn run(args: EnvArgs) -> Result<()> {
     let system = SystemInfo::collect();
     let world = WorldInfo::from_env();
-    let file = args.config_file.or_else(existing_default_config);
+    let file = args.file.config_file.or_else(existing_default_config);
     let resolved = resolve(file.as_ref());
     if args.json {
         print_json(&system, &world, file.as_ref(), &resolved);

@@ -7,7 +7,9 @@ mod prompt;
 mod questionnaire;
 mod system;
 
-use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
 
 /// Fully sharded data-parallel training for Rust.
 ///
@@ -27,6 +29,19 @@ enum Command {
     Config(config_cmd::ConfigArgs),
     /// Print the machine, the launch environment and the resolved configuration.
     Env(env_cmd::EnvArgs),
+}
+
+/// The `--config_file` option every command that reads or writes a config file takes.
+#[derive(Args, Clone, Debug, Default)]
+pub struct ConfigFileArg {
+    /// Config file [default: $FSDP_CONFIG_FILE, else ~/.cache/fsdp-rs/default_config.yaml;
+    /// when reading and that is absent, Accelerate's default file].
+    #[arg(
+        long = "config_file",
+        visible_alias = "config-file",
+        value_name = "PATH"
+    )]
+    pub config_file: Option<PathBuf>,
 }
 
 fn main() -> std::process::ExitCode {
