@@ -1,0 +1,631 @@
+//! Collectives across real processes over real sockets. The test binary re-runs itself as
+//! the workers: `worker_entry` does the work when `FSDP_TEST_SCENARIO` is set. Every job is
+//! bounded in time and its processes are killed on the way out.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fsdp_comm::{Element, GroupOptions, ProcessGroup, ReduceOp, WorldInfo};
+use half::{bf16, f16};
+
+const SCENARIO: &str = "FSDP_TEST_SCENARIO";
+
+struct Job {
+    children: Vec<Child>,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+struct Outcome {
+    code: Option<i32>,
+    output: String,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `ranks` (each `(rank, extra env)`) of a `world`-rank job running `scenario`.
+fn spawn(scenario: &str, world: usize, ranks: &[(usize, Vec<(&str, String)>)]) -> Job {
+    let port = free_port().to_string();
+    let children = ranks
+        .iter()
+        .map(|(rank, extra)| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+                .env(SCENARIO, scenario)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("FSDP_JOB_SECRET", "test-secret")
+                .env("FSDP_RENDEZVOUS_TIMEOUT_SECS", "30")
+                .env("RUST_BACKTRACE", "0")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    Job { children }
+}
+
+/// Waits for every process (killing all after `limit`) and returns each one's outcome.
+fn finish(mut job: Job, limit: Duration) -> Vec<Outcome> {
+    let deadline = Instant::now() + limit;
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; job.children.len()];
+    while codes.iter().any(Option::is_none) && Instant::now() < deadline {
+        for (i, c) in job.children.iter_mut().enumerate() {
+            if codes[i].is_none()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                codes[i] = Some(status.code());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let timed_out = codes.iter().any(Option::is_none);
+    let mut outcomes = Vec::new();
+    for (i, c) in job.children.iter_mut().enumerate() {
+        if codes[i].is_none() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let mut output = String::new();
+        use std::io::Read;
+        if let Some(mut o) = c.stdout.take() {
+            let _ = o.read_to_string(&mut output);
+        }
+        if let Some(mut e) = c.stderr.take() {
+            let _ = e.read_to_string(&mut output);
+        }
+        outcomes.push(Outcome {
+            code: codes[i].flatten(),
+            output,
+        });
+    }
+    job.children.clear();
+    assert!(
+        !timed_out,
+        "job did not finish within {limit:?}:\n{}",
+        dump(&outcomes)
+    );
+    outcomes
+}
+
+fn dump(outcomes: &[Outcome]) -> String {
+    outcomes
+        .iter()
+        .enumerate()
+        .map(|(i, o)| format!("--- process {i} (exit {:?}):\n{}", o.code, o.output))
+        .collect()
+}
+
+fn run_all(
+    scenario: &str,
+    world: usize,
+    extra: Vec<(&str, String)>,
+    limit: Duration,
+) -> Vec<Outcome> {
+    let ranks: Vec<_> = (0..world).map(|r| (r, extra.clone())).collect();
+    finish(spawn(scenario, world, &ranks), limit)
+}
+
+fn assert_all_ok(outcomes: &[Outcome]) {
+    for o in outcomes {
+        assert!(
+            o.code == Some(0) && o.output.contains("WORKER OK"),
+            "{}",
+            dump(outcomes)
+        );
+    }
+}
+
+// ---------------------------------------------------------------- worker side
+
+/// Entry point of the worker processes; does nothing in a normal test run.
+#[test]
+fn worker_entry() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let result = std::panic::catch_unwind(|| run_scenario(&scenario));
+    match result {
+        Ok(Ok(())) => {
+            println!("WORKER OK");
+            std::process::exit(0)
+        }
+        Ok(Err(msg)) => {
+            println!("WORKER FAILED: {msg}");
+            std::process::exit(1)
+        }
+        Err(_) => std::process::exit(2),
+    }
+}
+
+fn group() -> Result<ProcessGroup, String> {
+    ProcessGroup::from_env().map_err(|e| format!("init: {e}"))
+}
+
+fn run_scenario(scenario: &str) -> Result<(), String> {
+    match scenario {
+        "collectives" => collectives(),
+        "large" => large(),
+        "subgroups" => subgroups(),
+        "mismatch" => expect_error(|pg| {
+            if pg.rank() == 0 {
+                pg.all_gather(vec![1.0f32; 8]).wait().map(|_| ())
+            } else {
+                pg.reduce_scatter(vec![1.0f32; 8 * pg.size()], ReduceOp::Sum)
+                    .wait()
+                    .map(|_| ())
+            }
+        }),
+        "size_mismatch" => expect_error(|pg| {
+            let n = if pg.rank() == 0 { 10 } else { 12 };
+            pg.all_reduce(vec![1.0f32; n], ReduceOp::Sum)
+                .wait()
+                .map(|_| ())
+        }),
+        "peer_dies" => {
+            let pg = group()?;
+            if pg.rank() == 1 {
+                std::process::exit(17);
+            }
+            expect_error_on(&pg, |pg| {
+                pg.all_reduce(vec![1.0f32; 1 << 20], ReduceOp::Sum)
+                    .wait()
+                    .map(|_| ())?;
+                pg.barrier().wait()
+            })
+        }
+        "peer_hangs" => {
+            let pg = group()?;
+            if pg.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(20));
+                return Ok(());
+            }
+            expect_error_on(&pg, |pg| pg.barrier().wait())
+        }
+        "init_only" => group().map(|_| ()),
+        "init_error" => match group() {
+            Ok(_) => Err("expected initialisation to fail".into()),
+            Err(e) => {
+                println!("ERROR: {e}");
+                Ok(())
+            }
+        },
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+fn expect_error(f: impl Fn(&ProcessGroup) -> fsdp_comm::Result<()>) -> Result<(), String> {
+    let pg = group()?;
+    expect_error_on(&pg, f)
+}
+
+fn expect_error_on(
+    pg: &ProcessGroup,
+    f: impl Fn(&ProcessGroup) -> fsdp_comm::Result<()>,
+) -> Result<(), String> {
+    let started = Instant::now();
+    match f(pg) {
+        Ok(()) => Err("expected an error".into()),
+        Err(e) => {
+            println!("ERROR after {:?}: {e}", started.elapsed());
+            // The group stays broken: later calls fail at once.
+            let again = pg.barrier().wait();
+            if again.is_ok() {
+                return Err("group still worked after a failure".into());
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Rank `r`'s value at index `i`: small integers, so float sums are exact in every dtype.
+fn value(r: usize, i: usize) -> f64 {
+    ((r * 7 + i * 3) % 5) as f64
+}
+
+trait TestElement: Element + std::fmt::Debug {
+    fn from_f64(v: f64) -> Self;
+}
+impl TestElement for f32 {
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+impl TestElement for f64 {
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+}
+impl TestElement for f16 {
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+}
+impl TestElement for bf16 {
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+}
+impl TestElement for i32 {
+    fn from_f64(v: f64) -> Self {
+        v as i32
+    }
+}
+impl TestElement for i64 {
+    fn from_f64(v: f64) -> Self {
+        v as i64
+    }
+}
+impl TestElement for u8 {
+    fn from_f64(v: f64) -> Self {
+        v as u8
+    }
+}
+
+fn data<T: TestElement>(r: usize, n: usize) -> Vec<T> {
+    (0..n).map(|i| T::from_f64(value(r, i))).collect()
+}
+
+fn expect_eq<T: TestElement>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: length {} != {}", got.len(), want.len()));
+    }
+    match got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a.partial_cmp(b) != Some(std::cmp::Ordering::Equal))
+    {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: element {i}: got {:?}, want {:?}",
+            got[i], want[i]
+        )),
+    }
+}
+
+fn check_dtype<T: TestElement>(
+    pg: &ProcessGroup,
+    name: &str,
+    sizes: &[usize],
+) -> Result<(), String> {
+    let (rank, n) = (pg.rank(), pg.size());
+    let err = |e: fsdp_comm::CommError| e.to_string();
+    for &len in sizes {
+        let ctx = |op: &str| format!("{op} {name} x {len}");
+        let all: Vec<Vec<T>> = (0..n).map(|r| data::<T>(r, len)).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let got = pg
+                .all_reduce(data::<T>(rank, len), op)
+                .wait()
+                .map_err(err)?;
+            let mut want = all[0].clone();
+            for other in &all[1..] {
+                fsdp_comm::dtype::reduce_into(&mut want, other, op);
+            }
+            fsdp_comm::dtype::finish_avg(&mut want, op, n);
+            expect_eq(&ctx(&format!("all_reduce {op:?}")), &got, &want)?;
+        }
+        let got = pg.all_gather(data::<T>(rank, len)).wait().map_err(err)?;
+        expect_eq(&ctx("all_gather"), &got, &all.concat())?;
+
+        let full: Vec<Vec<T>> = (0..n).map(|r| data::<T>(r, len * n)).collect();
+        let got = pg
+            .reduce_scatter(full[rank].clone(), ReduceOp::Sum)
+            .wait()
+            .map_err(err)?;
+        let mut want = full[0][rank * len..(rank + 1) * len].to_vec();
+        for f in &full[1..] {
+            fsdp_comm::dtype::reduce_into(
+                &mut want,
+                &f[rank * len..(rank + 1) * len],
+                ReduceOp::Sum,
+            );
+        }
+        expect_eq(&ctx("reduce_scatter"), &got, &want)?;
+
+        let root = n - 1;
+        let got = pg
+            .broadcast(data::<T>(rank, len), root)
+            .wait()
+            .map_err(err)?;
+        expect_eq(&ctx("broadcast"), &got, &all[root])?;
+        let got = pg.gather(data::<T>(rank, len), 0).wait().map_err(err)?;
+        if rank == 0 {
+            expect_eq(
+                &ctx("gather"),
+                &got.ok_or("gather gave root nothing")?,
+                &all.concat(),
+            )?;
+        }
+        let input = if rank == root {
+            full[root].clone()
+        } else {
+            Vec::new()
+        };
+        let got = pg.scatter(input, len, root).wait().map_err(err)?;
+        expect_eq(
+            &ctx("scatter"),
+            &got,
+            &full[root][rank * len..(rank + 1) * len],
+        )?;
+
+        let counts: Vec<usize> = (0..n).map(|r| len + r).collect();
+        let got = pg
+            .all_gather_v(data::<T>(rank, len + rank), counts.clone())
+            .wait()
+            .map_err(err)?;
+        let want: Vec<T> = (0..n).flat_map(|r| data::<T>(r, counts[r])).collect();
+        expect_eq(&ctx("all_gather_v"), &got, &want)?;
+
+        if n > 1 {
+            let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+            let sent = pg.send(data::<T>(rank, len), next);
+            let got = pg.recv::<T>(len, prev).wait().map_err(err)?;
+            sent.wait().map_err(err)?;
+            expect_eq(&ctx("send/recv"), &got, &all[prev])?;
+        }
+        pg.barrier().wait().map_err(err)?;
+    }
+    Ok(())
+}
+
+fn collectives() -> Result<(), String> {
+    let pg = group()?;
+    let sizes = [0, 1, 7, 1024, (1 << 18) + 3];
+    check_dtype::<f32>(&pg, "f32", &sizes)?;
+    check_dtype::<f64>(&pg, "f64", &sizes)?;
+    check_dtype::<f16>(&pg, "f16", &sizes)?;
+    check_dtype::<bf16>(&pg, "bf16", &sizes)?;
+    check_dtype::<i32>(&pg, "i32", &sizes)?;
+    check_dtype::<i64>(&pg, "i64", &sizes)?;
+    check_dtype::<u8>(&pg, "u8", &sizes)?;
+    Ok(())
+}
+
+fn large() -> Result<(), String> {
+    let pg = group()?;
+    check_dtype::<f32>(&pg, "f32", &[16 << 20])
+}
+
+fn subgroups() -> Result<(), String> {
+    let pg = group()?;
+    let err = |e: fsdp_comm::CommError| e.to_string();
+    let (rank, n) = (pg.rank(), pg.size());
+    // Evens and odds as two concurrent groups.
+    let evens: Vec<usize> = (0..n).step_by(2).collect();
+    let odds: Vec<usize> = (1..n).step_by(2).collect();
+    let g_even = pg.new_group(&evens).map_err(err)?;
+    let g_odd = pg.new_group(&odds).map_err(err)?;
+    let mine = g_even
+        .as_ref()
+        .or(g_odd.as_ref())
+        .ok_or("rank in no group")?;
+    let members = if rank % 2 == 0 { &evens } else { &odds };
+    let got = mine
+        .all_reduce(vec![rank as i64], ReduceOp::Sum)
+        .wait()
+        .map_err(err)?;
+    let want: i64 = members.iter().map(|&r| r as i64).sum();
+    expect_eq("subgroup all_reduce", &got, &[want])?;
+    if mine.global_ranks() != members.as_slice() {
+        return Err(format!(
+            "global ranks {:?} != {members:?}",
+            mine.global_ranks()
+        ));
+    }
+
+    // 2-D mesh: shard groups of 2, replicate groups across them.
+    let (shard, replicate) = pg.mesh_2d(2).map_err(err)?;
+    // Async handles on different groups, waited in reverse order of issue.
+    let w1 = shard.all_gather(vec![rank as i32]).wait_later();
+    let w2 = replicate.all_reduce(vec![rank as i32], ReduceOp::Sum);
+    let w3 = pg.all_reduce(vec![1i32], ReduceOp::Sum);
+    let total = w3.wait().map_err(err)?;
+    let rep = w2.wait().map_err(err)?;
+    let gathered = w1.wait().map_err(err)?;
+    expect_eq("world all_reduce", &total, &[n as i32])?;
+    let base = rank / 2 * 2;
+    expect_eq(
+        "shard all_gather",
+        &gathered,
+        &[base as i32, base as i32 + 1],
+    )?;
+    let want: i32 = (0..n / 2).map(|r| (r * 2 + rank % 2) as i32).sum();
+    expect_eq("replicate all_reduce", &rep, &[want])?;
+    Ok(())
+}
+
+trait WaitLater: Sized {
+    fn wait_later(self) -> Self {
+        self
+    }
+}
+impl<T> WaitLater for fsdp_comm::Work<T> {}
+
+// ---------------------------------------------------------------- tests
+
+#[test]
+fn every_collective_dtype_and_size_for_world_sizes_1_to_8() {
+    for world in [1, 2, 3, 4, 5, 8] {
+        let outcomes = run_all("collectives", world, vec![], Duration::from_secs(240));
+        assert_all_ok(&outcomes);
+    }
+}
+
+#[test]
+fn sixty_four_mib_collectives() {
+    for world in [2, 3] {
+        assert_all_ok(&run_all("large", world, vec![], Duration::from_secs(240)));
+    }
+}
+
+#[test]
+fn subgroups_mesh_and_out_of_order_waits() {
+    assert_all_ok(&run_all("subgroups", 4, vec![], Duration::from_secs(60)));
+}
+
+fn errors_of(outcomes: &[Outcome]) -> Vec<String> {
+    outcomes
+        .iter()
+        .map(|o| {
+            let line = o
+                .output
+                .lines()
+                .find(|l| l.contains("ERROR"))
+                .unwrap_or_default();
+            line[line.find("ERROR").unwrap_or(0)..].to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn mismatched_collectives_fail_on_every_rank() {
+    for world in [2, 3] {
+        let outcomes = run_all("mismatch", world, vec![], Duration::from_secs(30));
+        assert_all_ok(&outcomes);
+        let errors = errors_of(&outcomes);
+        assert!(
+            errors.iter().any(|e| e.contains("collective mismatch")
+                && e.contains("all_gather(f32 x")
+                && e.contains("reduce_scatter(f32 x")),
+            "{errors:#?}"
+        );
+        assert!(
+            errors
+                .iter()
+                .all(|e| e.contains("mismatch") || e.contains("aborted because rank")),
+            "{errors:#?}"
+        );
+    }
+    let outcomes = run_all("size_mismatch", 2, vec![], Duration::from_secs(30));
+    assert_all_ok(&outcomes);
+    let errors = errors_of(&outcomes);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("all_reduce(f32 x 10, sum)")
+                && e.contains("all_reduce(f32 x 12, sum)")),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn a_dead_peer_fails_the_others_within_seconds() {
+    let started = Instant::now();
+    let outcomes = run_all("peer_dies", 3, vec![], Duration::from_secs(30));
+    assert_eq!(outcomes[1].code, Some(17));
+    for r in [0, 2] {
+        assert_eq!(outcomes[r].code, Some(0), "{}", dump(&outcomes));
+    }
+    let errors = errors_of(&outcomes);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("connection to rank 1 lost")),
+        "{errors:#?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_hung_peer_times_out_naming_it() {
+    let outcomes = run_all(
+        "peer_hangs",
+        2,
+        vec![("FSDP_COMM_TIMEOUT_SECS", "1".into())],
+        Duration::from_secs(40),
+    );
+    assert_eq!(outcomes[0].code, Some(0), "{}", dump(&outcomes));
+    let e = &errors_of(&outcomes)[0];
+    assert!(
+        e.contains(
+            "rank 0: barrier(u8 x 0) as collective #1 waiting for rank 1 timed out after 1s"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn rendezvous_timeout_names_missing_ranks() {
+    let extra = vec![("FSDP_RENDEZVOUS_TIMEOUT_SECS", "2".to_string())];
+    let job = spawn("init_error", 3, &[(0, extra.clone()), (1, extra)]);
+    let outcomes = finish(job, Duration::from_secs(30));
+    assert_all_ok(&outcomes);
+    for e in errors_of(&outcomes) {
+        assert!(
+            e.contains("rendezvous timed out after 2s; ranks that never arrived: [2]"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn wrong_secret_and_duplicate_rank_are_refused() {
+    let long = vec![("FSDP_RENDEZVOUS_TIMEOUT_SECS", "3".to_string())];
+    let mut bad = long.clone();
+    bad.push(("FSDP_JOB_SECRET", "intruder".to_string()));
+    let job = spawn("init_error", 2, &[(0, long.clone()), (1, bad)]);
+    let outcomes = finish(job, Duration::from_secs(30));
+    assert_eq!(outcomes[1].code, Some(0), "{}", dump(&outcomes));
+    assert!(
+        errors_of(&outcomes)[1].contains("wrong or missing job secret"),
+        "{}",
+        dump(&outcomes)
+    );
+
+    // Two processes claim rank 1: one of them is refused.
+    let job = spawn(
+        "init_error",
+        3,
+        &[(0, long.clone()), (1, long.clone()), (1, long)],
+    );
+    let outcomes = finish(job, Duration::from_secs(30));
+    let errors = errors_of(&outcomes);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("rank 1 of group `world` is already claimed")),
+        "{}",
+        dump(&outcomes)
+    );
+}
+
+#[test]
+fn single_process_group_needs_no_store() {
+    let world = WorldInfo::from_vars(&HashMap::new()).unwrap();
+    let pg = ProcessGroup::init(&world, GroupOptions::default()).unwrap();
+    assert_eq!(
+        pg.all_reduce(vec![2.0f32, 4.0], ReduceOp::Avg)
+            .wait()
+            .unwrap(),
+        vec![2.0, 4.0]
+    );
+    assert_eq!(pg.all_gather(vec![1u8]).wait().unwrap(), vec![1]);
+    assert!(pg.send(vec![1u8], 0).wait().is_err());
+}
