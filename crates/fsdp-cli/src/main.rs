@@ -1,6 +1,7 @@
 //! `fsdp`: configure, inspect and (as the engine lands) launch fully sharded data-parallel
 //! training, the way `accelerate` does.
 
+mod bench;
 mod config_cmd;
 mod env_cmd;
 mod prompt;
@@ -29,6 +30,8 @@ enum Command {
     Config(config_cmd::ConfigArgs),
     /// Print the machine, the launch environment and the resolved configuration.
     Env(env_cmd::EnvArgs),
+    /// Measure collectives (and, as they land, layers and memory).
+    Bench(bench::BenchArgs),
 }
 
 /// The `--config_file` option every command that reads or writes a config file takes.
@@ -49,6 +52,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Config(args) => config_cmd::run(args),
         Command::Env(args) => env_cmd::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -349,3 +349,35 @@ fn help_texts() {
         "{t}"
     );
 }
+
+#[test]
+fn bench_collectives_prints_a_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let out = fsdp(dir.path())
+        .args([
+            "bench",
+            "collectives",
+            "--iters",
+            "2",
+            "--max_mib",
+            "1",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("busbw_GB/s"), "{}", text(&out));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let results = doc["results"].as_array().unwrap();
+    // 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB for each of the four ops.
+    assert_eq!(results.len(), 20);
+    assert!(
+        results
+            .iter()
+            .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0)
+    );
+    assert!(doc["memcpy_gbps"].as_f64().unwrap() > 0.0);
+}

@@ -1,0 +1,289 @@
+//! `fsdp bench collectives`: collective bandwidth between processes on this machine, with
+//! NCCL-tests conventions (algorithm bandwidth = bytes / time; bus bandwidth scaled by
+//! 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter), next to a memcpy
+//! baseline measured in the same run.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use fsdp_comm::{ProcessGroup, ReduceOp};
+
+/// Run benchmarks.
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchWhat,
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Median time and bandwidth of all_reduce, all_gather, reduce_scatter and broadcast
+    /// (f32) between local processes, sizes 4 KiB to 64 MiB; prints a table and JSON.
+    Collectives(CollectiveArgs),
+}
+
+#[derive(Args, Clone)]
+struct CollectiveArgs {
+    /// Number of processes.
+    #[arg(
+        long = "num_processes",
+        visible_alias = "num-processes",
+        default_value_t = 2
+    )]
+    num_processes: usize,
+    /// Timed repetitions per op and size (after one warm-up).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Largest message in MiB.
+    #[arg(long = "max_mib", default_value_t = 64)]
+    max_mib: usize,
+    /// Write the JSON results to this file too.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Internal: run as one of the benchmark's workers.
+    #[arg(long, hide = true)]
+    worker: bool,
+}
+
+/// Runs `fsdp bench ...`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    match args.what {
+        BenchWhat::Collectives(a) if a.worker => worker(&a),
+        BenchWhat::Collectives(a) => launch(&a),
+    }
+}
+
+fn sizes(max_mib: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut s = 4usize << 10;
+    while s <= max_mib << 20 {
+        out.push(s);
+        s *= 4;
+    }
+    out
+}
+
+/// Starts the workers (this binary with `--worker`) and relays rank 0's report.
+fn launch(a: &CollectiveArgs) -> Result<()> {
+    if a.num_processes < 2 {
+        bail!("--num_processes must be at least 2 to measure communication");
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let exe = std::env::current_exe()?;
+    let threads = (crate::system::available_cores() / a.num_processes)
+        .max(1)
+        .to_string();
+    let mut workers = Workers(Vec::new());
+    for rank in 0..a.num_processes {
+        let mut cmd = Command::new(&exe);
+        cmd.args([
+            "bench",
+            "collectives",
+            "--worker",
+            "--iters",
+            &a.iters.to_string(),
+        ])
+        .args([
+            "--max_mib",
+            &a.max_mib.to_string(),
+            "--num_processes",
+            &a.num_processes.to_string(),
+        ])
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", a.num_processes.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", a.num_processes.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env(
+            "FSDP_JOB_SECRET",
+            format!("bench-{}-{port}", std::process::id()),
+        )
+        .env("RAYON_NUM_THREADS", &threads)
+        .stdout(if rank == 0 {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        });
+        if let Some(path) = &a.json {
+            cmd.arg("--json").arg(path);
+        }
+        workers
+            .0
+            .push(cmd.spawn().context("starting a benchmark worker")?);
+    }
+    let mut report = String::new();
+    if let Some(mut out) = workers.0[0].stdout.take() {
+        use std::io::Read;
+        out.read_to_string(&mut report)?;
+    }
+    let mut failed = false;
+    for c in &mut workers.0 {
+        failed |= !c.wait()?.success();
+    }
+    print!("{report}");
+    if failed {
+        bail!("a benchmark worker failed");
+    }
+    Ok(())
+}
+
+/// Worker processes, killed if the launcher leaves early (an error while starting or
+/// reading), so none outlives it.
+struct Workers(Vec<std::process::Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+struct Row {
+    op: &'static str,
+    bytes: usize,
+    median: Duration,
+    algbw: f64,
+    busbw: f64,
+}
+
+fn worker(a: &CollectiveArgs) -> Result<()> {
+    let pg = ProcessGroup::from_env()?;
+    let n = pg.size();
+    let mut rows = Vec::new();
+    for bytes in sizes(a.max_mib) {
+        let elems = bytes / 4;
+        let nf = n as f64;
+        type Case<'a> = (&'static str, f64, Box<dyn Fn() -> Result<()> + 'a>);
+        let cases: Vec<Case> = vec![
+            (
+                "all_reduce",
+                2.0 * (nf - 1.0) / nf,
+                Box::new(|| {
+                    pg.all_reduce(vec![1.0f32; elems], ReduceOp::Sum).wait()?;
+                    Ok(())
+                }),
+            ),
+            (
+                "all_gather",
+                (nf - 1.0) / nf,
+                Box::new(|| {
+                    pg.all_gather(vec![1.0f32; elems / n]).wait()?;
+                    Ok(())
+                }),
+            ),
+            (
+                "reduce_scatter",
+                (nf - 1.0) / nf,
+                Box::new(|| {
+                    pg.reduce_scatter(vec![1.0f32; elems / n * n], ReduceOp::Sum)
+                        .wait()?;
+                    Ok(())
+                }),
+            ),
+            (
+                "broadcast",
+                1.0,
+                Box::new(|| {
+                    pg.broadcast(vec![1.0f32; elems], 0).wait()?;
+                    Ok(())
+                }),
+            ),
+        ];
+        for (op, bus_factor, f) in cases {
+            let median = time_op(&pg, a.iters, &*f)?;
+            let algbw = bytes as f64 / median.as_secs_f64() / 1e9;
+            rows.push(Row {
+                op,
+                bytes,
+                median,
+                algbw,
+                busbw: algbw * bus_factor,
+            });
+        }
+    }
+    if pg.rank() == 0 {
+        let memcpy = memcpy_gbps(64 << 20);
+        report(&rows, memcpy, n, a)?;
+    }
+    pg.barrier().wait()?;
+    Ok(())
+}
+
+/// Median over ranks' slowest time per repetition (buffers allocated inside are part of the
+/// cost, as they are for a caller).
+fn time_op(pg: &ProcessGroup, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<Duration> {
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        pg.barrier().wait()?;
+        let t = Instant::now();
+        f()?;
+        let mine = t.elapsed().as_secs_f64();
+        let slowest = pg.all_reduce(vec![mine], ReduceOp::Max).wait()?[0];
+        if i > 0 {
+            times.push(slowest);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(Duration::from_secs_f64(times[times.len() / 2]))
+}
+
+/// Single-thread copy bandwidth (GB/s) of a buffer of `bytes`, median of 10.
+fn memcpy_gbps(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut times: Vec<f64> = (0..10)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    bytes as f64 / times[5] / 1e9
+}
+
+fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs) -> Result<()> {
+    println!("fsdp-comm collectives, f32, {n} processes on this machine, TCP loopback transport");
+    println!(
+        "{:>15} {:>10} {:>12} {:>12} {:>12}",
+        "op", "bytes", "median_us", "algbw_GB/s", "busbw_GB/s"
+    );
+    for r in rows {
+        println!(
+            "{:>15} {:>10} {:>12.1} {:>12.3} {:>12.3}",
+            r.op,
+            r.bytes,
+            r.median.as_secs_f64() * 1e6,
+            r.algbw,
+            r.busbw
+        );
+    }
+    println!("memcpy (1 thread, 64 MiB): {memcpy:.2} GB/s");
+    let json = serde_json::json!({
+        "benchmark": "collectives",
+        "transport": "tcp",
+        "dtype": "f32",
+        "num_processes": n,
+        "iters": a.iters,
+        "memcpy_gbps": memcpy,
+        "results": rows.iter().map(|r| serde_json::json!({
+            "op": r.op, "bytes": r.bytes, "median_us": r.median.as_secs_f64() * 1e6,
+            "algbw_gbps": r.algbw, "busbw_gbps": r.busbw,
+        })).collect::<Vec<_>>(),
+    });
+    println!("{json}");
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
+    Ok(())
+}
