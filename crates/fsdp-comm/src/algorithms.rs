@@ -101,10 +101,10 @@ impl Engine {
         let result = f(self);
         self.current = None;
         if let Err(err) = &result {
-            if !matches!(err, CommError::InvalidArgument { .. }) {
-                self.links.broadcast_abort(&err.to_string());
-                self.failed = Some(err.clone());
-            }
+            // Even a bad argument breaks the group: the other ranks are already inside the
+            // collective and would otherwise wait for this rank until they time out.
+            self.links.broadcast_abort(&err.to_string());
+            self.failed = Some(err.clone());
         }
         result
     }

@@ -15,6 +15,9 @@ pub const KIND_DATA: u8 = 1;
 /// An abort: the payload is the sender's error message.
 pub const KIND_ABORT: u8 = 2;
 
+/// How long closing links waits for queued frames to be written.
+const FLUSH_ON_CLOSE: Duration = Duration::from_secs(5);
+
 /// The fixed header of every frame: what collective it belongs to, so ranks that disagree
 /// are caught on the first message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -309,12 +312,20 @@ impl Links {
 impl Drop for Links {
     fn drop(&mut self) {
         // Flush queued frames, then close so peers' readers see end of stream.
+        // A peer that stopped reading must not block this process's exit: give writers a
+        // bounded time to flush, then cut the connection (which unblocks them).
         for w in self.writers.iter_mut().flatten() {
             let _ = w.tx.send(Outgoing::Close);
+        }
+        let deadline = Instant::now() + FLUSH_ON_CLOSE;
+        for w in self.writers.iter_mut().flatten() {
+            while w.thread.as_ref().is_some_and(|t| !t.is_finished()) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let _ = w.stream.shutdown(std::net::Shutdown::Both);
             if let Some(t) = w.thread.take() {
                 let _ = t.join();
             }
-            let _ = w.stream.shutdown(std::net::Shutdown::Both);
         }
         for r in self.readers.drain(..) {
             let _ = r.join();

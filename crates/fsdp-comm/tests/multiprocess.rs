@@ -184,6 +184,16 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
                 .wait()
                 .map(|_| ())
         }),
+        "bad_argument" => expect_error(|pg| {
+            let n = if pg.rank() == 0 {
+                2 * pg.size() + 1
+            } else {
+                2 * pg.size()
+            };
+            pg.reduce_scatter(vec![1.0f32; n], ReduceOp::Sum)
+                .wait()
+                .map(|_| ())
+        }),
         "peer_dies" => {
             let pg = group()?;
             if pg.rank() == 1 {
@@ -527,6 +537,23 @@ fn mismatched_collectives_fail_on_every_rank() {
             .iter()
             .any(|e| e.contains("all_reduce(f32 x 10, sum)")
                 && e.contains("all_reduce(f32 x 12, sum)")),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn a_bad_argument_on_one_rank_stops_the_others_at_once() {
+    let outcomes = run_all("bad_argument", 2, vec![], Duration::from_secs(30));
+    assert_all_ok(&outcomes);
+    let errors = errors_of(&outcomes);
+    assert!(
+        errors[0].contains(
+            "invalid reduce_scatter call: input length 5 is not a multiple of the group size 2"
+        ),
+        "{errors:#?}"
+    );
+    assert!(
+        errors[1].contains("aborted because rank 0 failed"),
         "{errors:#?}"
     );
 }
