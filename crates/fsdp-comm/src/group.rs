@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::algorithms::Engine;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::store::{StoreClient, StoreServer};
+use crate::store::{StoreClient, StoreServer, constant_time_eq};
 use crate::transport::Links;
 use crate::world::WorldInfo;
 
@@ -185,19 +185,13 @@ impl ProcessGroup {
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let global_rank = global_ranks[rank];
-        let links = if size > 1 {
-            Links::start(streams, &format!("fsdp-{name}")).map_err(|e| CommError::Io {
-                rank: global_rank,
-                what: "starting peer links".into(),
-                message: e.to_string(),
-            })?
-        } else {
-            Links::start(vec![None], "fsdp-solo").map_err(|e| CommError::Io {
-                rank: global_rank,
-                what: "starting peer links".into(),
-                message: e.to_string(),
-            })?
-        };
+        // A single-rank group has no peers: its links are empty.
+        let streams = if size > 1 { streams } else { vec![None] };
+        let links = Links::start(streams, &format!("fsdp-{name}")).map_err(|e| CommError::Io {
+            rank: global_rank,
+            what: "starting peer links".into(),
+            message: e.to_string(),
+        })?;
         let (tx, rx) = mpsc::channel::<Job>();
         let mut engine = Engine::new(rank, global_ranks.clone(), links, options.timeout);
         let thread = std::thread::Builder::new()
@@ -563,11 +557,6 @@ fn read_hello(stream: &mut TcpStream, secret: &[u8], n: usize) -> Option<usize> 
     }
     let mut presented = vec![0u8; len];
     stream.read_exact(&mut presented).ok()?;
-    let same = presented
-        .iter()
-        .zip(secret)
-        .fold(0u8, |a, (x, y)| a | (x ^ y))
-        == 0;
     stream.set_read_timeout(None).ok()?;
-    same.then_some(peer)
+    constant_time_eq(&presented, secret).then_some(peer)
 }

@@ -259,7 +259,8 @@ fn err_reply(msg: &str) -> Vec<u8> {
     out
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+/// Compares secrets without an early exit, so timing does not reveal a matching prefix.
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

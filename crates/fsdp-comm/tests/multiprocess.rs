@@ -449,7 +449,7 @@ fn subgroups() -> Result<(), String> {
     // 2-D mesh: shard groups of 2, replicate groups across them.
     let (shard, replicate) = pg.mesh_2d(2).map_err(err)?;
     // Async handles on different groups, waited in reverse order of issue.
-    let w1 = shard.all_gather(vec![rank as i32]).wait_later();
+    let w1 = shard.all_gather(vec![rank as i32]);
     let w2 = replicate.all_reduce(vec![rank as i32], ReduceOp::Sum);
     let w3 = pg.all_reduce(vec![1i32], ReduceOp::Sum);
     let total = w3.wait().map_err(err)?;
@@ -466,13 +466,6 @@ fn subgroups() -> Result<(), String> {
     expect_eq("replicate all_reduce", &rep, &[want])?;
     Ok(())
 }
-
-trait WaitLater: Sized {
-    fn wait_later(self) -> Self {
-        self
-    }
-}
-impl<T> WaitLater for fsdp_comm::Work<T> {}
 
 // ---------------------------------------------------------------- tests
 
