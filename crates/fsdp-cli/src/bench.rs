@@ -39,6 +39,9 @@ struct CollectiveArgs {
     /// Largest message in MiB.
     #[arg(long = "max_mib", default_value_t = 64)]
     max_mib: usize,
+    /// Transports to measure: shm, tcp, or both (side by side, with ratios).
+    #[arg(long, default_value = "both", value_parser = ["shm", "tcp", "both"])]
+    transport: String,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -65,11 +68,56 @@ fn sizes(max_mib: usize) -> Vec<usize> {
     out
 }
 
-/// Starts the workers (this binary with `--worker`) and relays rank 0's report.
+/// Runs the workers once per transport and prints each table, then one JSON document with
+/// every result and the shared-memory / TCP bus-bandwidth ratios.
 fn launch(a: &CollectiveArgs) -> Result<()> {
     if a.num_processes < 2 {
         bail!("--num_processes must be at least 2 to measure communication");
     }
+    let transports: &[&str] = match a.transport.as_str() {
+        "both" => &["shm", "tcp"],
+        "shm" => &["shm"],
+        _ => &["tcp"],
+    };
+    let mut docs = Vec::new();
+    for t in transports {
+        let report = run_workers(a, t)?;
+        let (table, json) = report.trim_end().rsplit_once('\n').unwrap_or(("", &report));
+        println!("{table}");
+        docs.push(
+            serde_json::from_str::<serde_json::Value>(json)
+                .context("reading a worker's JSON report")?,
+        );
+    }
+    let mut ratios = Vec::new();
+    if let [shm, tcp] = docs.as_slice() {
+        println!("\nshared memory / TCP bus bandwidth:");
+        let (s, t) = (shm["results"].as_array(), tcp["results"].as_array());
+        for (rs, rt) in s.into_iter().flatten().zip(t.into_iter().flatten()) {
+            let ratio = rs["busbw_gbps"].as_f64().unwrap_or(0.0)
+                / rt["busbw_gbps"].as_f64().unwrap_or(f64::NAN);
+            println!(
+                "{:>15} {:>10} {ratio:>8.2}x",
+                rs["op"].as_str().unwrap_or("?"),
+                rs["bytes"]
+            );
+            ratios.push(
+                serde_json::json!({"op": rs["op"], "bytes": rs["bytes"], "shm_over_tcp": ratio}),
+            );
+        }
+    }
+    let doc =
+        serde_json::json!({ "benchmark": "collectives", "runs": docs, "shm_over_tcp": ratios });
+    println!("{doc}");
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+    }
+    Ok(())
+}
+
+/// Starts the workers (this binary with `--worker`) over one transport and returns rank 0's
+/// report.
+fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -103,15 +151,13 @@ fn launch(a: &CollectiveArgs) -> Result<()> {
             "FSDP_JOB_SECRET",
             format!("bench-{}-{port}", std::process::id()),
         )
+        .env("FSDP_COMM_TRANSPORT", transport)
         .env("RAYON_NUM_THREADS", &threads)
         .stdout(if rank == 0 {
             Stdio::piped()
         } else {
             Stdio::null()
         });
-        if let Some(path) = &a.json {
-            cmd.arg("--json").arg(path);
-        }
         workers
             .0
             .push(cmd.spawn().context("starting a benchmark worker")?);
@@ -125,11 +171,10 @@ fn launch(a: &CollectiveArgs) -> Result<()> {
     for c in &mut workers.0 {
         failed |= !c.wait()?.success();
     }
-    print!("{report}");
     if failed {
-        bail!("a benchmark worker failed");
+        bail!("a benchmark worker failed ({transport})");
     }
-    Ok(())
+    Ok(report)
 }
 
 /// Worker processes, killed if the launcher leaves early (an error while starting or
@@ -162,13 +207,18 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
     for bytes in sizes(a.max_mib) {
         let elems = bytes / 4;
         let nf = n as f64;
+        // Buffers live across repetitions, as in a training loop (NCCL-tests does the same).
+        let buf = std::cell::RefCell::new((vec![1.0f32; elems], vec![0.0f32; elems]));
+        let shard = elems / n;
         type Case<'a> = (&'static str, f64, Box<dyn Fn() -> Result<()> + 'a>);
         let cases: Vec<Case> = vec![
             (
                 "all_reduce",
                 2.0 * (nf - 1.0) / nf,
                 Box::new(|| {
-                    pg.all_reduce(vec![1.0f32; elems], ReduceOp::Sum).wait()?;
+                    let mut b = buf.borrow_mut();
+                    let data = std::mem::take(&mut b.0);
+                    b.0 = pg.all_reduce(data, ReduceOp::Sum).wait()?;
                     Ok(())
                 }),
             ),
@@ -176,7 +226,12 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 "all_gather",
                 (nf - 1.0) / nf,
                 Box::new(|| {
-                    pg.all_gather(vec![1.0f32; elems / n]).wait()?;
+                    let mut b = buf.borrow_mut();
+                    let (mut input, output) = (std::mem::take(&mut b.0), std::mem::take(&mut b.1));
+                    input.truncate(shard);
+                    let (mut input, output) = pg.all_gather_into(input, output).wait()?;
+                    input.resize(elems, 1.0);
+                    *b = (input, output);
                     Ok(())
                 }),
             ),
@@ -184,8 +239,15 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 "reduce_scatter",
                 (nf - 1.0) / nf,
                 Box::new(|| {
-                    pg.reduce_scatter(vec![1.0f32; elems / n * n], ReduceOp::Sum)
+                    let mut b = buf.borrow_mut();
+                    let (mut input, output) = (std::mem::take(&mut b.0), std::mem::take(&mut b.1));
+                    input.truncate(shard * n);
+                    let (mut input, mut output) = pg
+                        .reduce_scatter_into(input, output, ReduceOp::Sum)
                         .wait()?;
+                    input.resize(elems, 1.0);
+                    output.resize(elems, 0.0);
+                    *b = (input, output);
                     Ok(())
                 }),
             ),
@@ -193,7 +255,9 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 "broadcast",
                 1.0,
                 Box::new(|| {
-                    pg.broadcast(vec![1.0f32; elems], 0).wait()?;
+                    let mut b = buf.borrow_mut();
+                    let data = std::mem::take(&mut b.0);
+                    b.0 = pg.broadcast(data, 0).wait()?;
                     Ok(())
                 }),
             ),
@@ -212,7 +276,7 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
     }
     if pg.rank() == 0 {
         let memcpy = memcpy_gbps(64 << 20);
-        report(&rows, memcpy, n, a)?;
+        report(&rows, memcpy, n, a, pg.transport())?;
     }
     pg.barrier().wait()?;
     Ok(())
@@ -252,8 +316,8 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / times[5] / 1e9
 }
 
-fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs) -> Result<()> {
-    println!("fsdp-comm collectives, f32, {n} processes on this machine, TCP loopback transport");
+fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &str) -> Result<()> {
+    println!("fsdp-comm collectives, f32, {n} processes on this machine, transport: {transport}");
     println!(
         "{:>15} {:>10} {:>12} {:>12} {:>12}",
         "op", "bytes", "median_us", "algbw_GB/s", "busbw_GB/s"
@@ -271,7 +335,7 @@ fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs) -> Result<()>
     println!("memcpy (1 thread, 64 MiB): {memcpy:.2} GB/s");
     let json = serde_json::json!({
         "benchmark": "collectives",
-        "transport": "tcp",
+        "transport": transport,
         "dtype": "f32",
         "num_processes": n,
         "iters": a.iters,
@@ -282,8 +346,5 @@ fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs) -> Result<()>
         })).collect::<Vec<_>>(),
     });
     println!("{json}");
-    if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
-    }
     Ok(())
 }

@@ -371,13 +371,22 @@ fn bench_collectives_prints_a_table_and_json() {
     assert!(text(&out).contains("busbw_GB/s"), "{}", text(&out));
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let results = doc["results"].as_array().unwrap();
-    // 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB for each of the four ops.
-    assert_eq!(results.len(), 20);
-    assert!(
-        results
-            .iter()
-            .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0)
-    );
-    assert!(doc["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    let runs = doc["runs"].as_array().unwrap();
+    let transports: Vec<&str> = runs
+        .iter()
+        .map(|r| r["transport"].as_str().unwrap())
+        .collect();
+    assert_eq!(transports, ["shm", "tcp"]);
+    for run in runs {
+        let results = run["results"].as_array().unwrap();
+        // 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB for each of the four ops.
+        assert_eq!(results.len(), 20);
+        assert!(
+            results
+                .iter()
+                .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0)
+        );
+        assert!(run["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(doc["shm_over_tcp"].as_array().unwrap().len(), 20);
 }

@@ -2,11 +2,55 @@
 //! (each rank moves (n-1)/n of the data for all-gather and reduce-scatter), a direct exchange
 //! for small all-reduces, and mismatch and failure handling.
 
+use std::cell::RefCell;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::dtype::{DType, Element, ReduceOp, as_bytes, as_bytes_mut, finish_avg, reduce_into};
 use crate::error::{CommError, Result};
+use crate::shm::{InFrame, OutFrame, Segment, Sink, TransferError};
 use crate::transport::{Header, KIND_DATA, Links, RecvFailure};
+
+/// How a group's ranks reach each other.
+pub enum Net {
+    /// TCP links only.
+    Tcp(Links),
+    /// Shared memory for data; the TCP links stay open to notice peers that die.
+    Shm {
+        /// The group's segment.
+        seg: Arc<Segment>,
+        /// Liveness (and abort) links.
+        links: Links,
+    },
+}
+
+impl Net {
+    fn links(&self) -> &Links {
+        match self {
+            Net::Tcp(l) | Net::Shm { links: l, .. } => l,
+        }
+    }
+
+    /// Which transport carries data, for reports.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Net::Tcp(_) => "tcp",
+            Net::Shm { .. } => "shm",
+        }
+    }
+}
+
+/// One frame to send in a transfer: (peer, step, bytes).
+type Out<'a> = (usize, u32, &'a [u8]);
+
+/// One frame to receive in a transfer: the expected byte length and where the bytes go
+/// (called with each piece's offset).
+struct In<'a> {
+    peer: usize,
+    step: u32,
+    len: usize,
+    sink: Sink<'a>,
+}
 
 /// Collective kinds on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +105,7 @@ pub struct Engine {
     rank: usize,
     size: usize,
     global_ranks: Vec<usize>,
-    links: Links,
+    net: Net,
     timeout: Duration,
     seq: u64,
     sent: Vec<u64>,
@@ -72,13 +116,13 @@ pub struct Engine {
 
 impl Engine {
     /// An engine for group rank `rank` of `global_ranks.len()` ranks.
-    pub fn new(rank: usize, global_ranks: Vec<usize>, links: Links, timeout: Duration) -> Engine {
+    pub fn new(rank: usize, global_ranks: Vec<usize>, net: Net, timeout: Duration) -> Engine {
         let size = global_ranks.len();
         Engine {
             rank,
             size,
             global_ranks,
-            links,
+            net,
             timeout,
             seq: 0,
             sent: vec![0; size],
@@ -103,7 +147,11 @@ impl Engine {
         if let Err(err) = &result {
             // Even a bad argument breaks the group: the other ranks are already inside the
             // collective and would otherwise wait for this rank until they time out.
-            self.links.broadcast_abort(&err.to_string());
+            let message = err.to_string();
+            if let Net::Shm { seg, .. } = &self.net {
+                seg.abort(self.rank, &message);
+            }
+            self.net.links().broadcast_abort(&message);
             self.failed = Some(err.clone());
         }
         result
@@ -133,16 +181,6 @@ impl Engine {
         }
     }
 
-    fn send_bytes(&mut self, peer: usize, mut h: Header, step: u32, data: &[u8]) -> Result<()> {
-        h.step = step;
-        h.len = data.len() as u64;
-        if self.links.send(peer, h, data.to_vec()) {
-            Ok(())
-        } else {
-            Err(self.lost(peer))
-        }
-    }
-
     fn lost(&self, peer: usize) -> CommError {
         CommError::PeerLost {
             rank: self.me(),
@@ -151,79 +189,201 @@ impl Engine {
         }
     }
 
-    /// Receives the frame for `step` of the current collective from `peer` and hands its
-    /// payload (8-byte aligned) to `use_payload`.
-    fn recv_with<R>(
-        &mut self,
-        peer: usize,
-        mut h: Header,
-        step: u32,
-        use_payload: impl FnOnce(&[u8]) -> R,
-    ) -> Result<R> {
-        h.step = step;
-        match self.links.inbox.recv(peer, self.timeout) {
-            Ok(frame) if frame.header.same_collective(&h) => {
-                Ok(use_payload(frame.payload.as_slice()))
-            }
-            Ok(frame) => Err(CommError::Mismatch {
+    fn aborted(&self, origin: usize, message: String) -> CommError {
+        CommError::Aborted {
+            rank: self.me(),
+            origin: self.global_ranks[origin],
+            message,
+        }
+    }
+
+    /// Checks a received header against what this rank expects.
+    fn check_header(&self, peer: usize, want: &Header, got: &Header, len: usize) -> Result<()> {
+        if !got.same_collective(want) {
+            return Err(CommError::Mismatch {
                 rank: self.me(),
                 peer: self.global_ranks[peer],
-                mine: describe(&h),
-                theirs: describe(&frame.header),
-            }),
-            Err(RecvFailure::Lost) => Err(self.lost(peer)),
-            Err(RecvFailure::Aborted(origin, message)) => Err(CommError::Aborted {
+                mine: describe(want),
+                theirs: describe(got),
+            });
+        }
+        if got.len as usize != len {
+            return Err(CommError::InvalidArgument {
                 rank: self.me(),
-                origin: self.global_ranks[origin],
-                message,
-            }),
-            Err(RecvFailure::Timeout) => Err(CommError::Timeout {
-                rank: self.me(),
-                what: format!(
-                    "{} waiting for rank {}",
-                    describe(&h),
-                    self.global_ranks[peer]
+                op: describe(want),
+                reason: format!(
+                    "rank {} sent {} bytes where this rank expected {len}: ranks passed buffers of different sizes",
+                    self.global_ranks[peer], got.len
                 ),
-                timeout: self.timeout,
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends and receives frames of the current collective, progressing all of them together.
+    fn transfer(&mut self, h: Header, outs: &[Out<'_>], ins: Vec<In<'_>>) -> Result<()> {
+        let with = |step: u32, len: usize| Header {
+            step,
+            len: len as u64,
+            ..h
+        };
+        match &self.net {
+            Net::Tcp(links) => self.transfer_over_links(links, h, outs, ins),
+            Net::Shm { seg, links } => {
+                let mut out_frames: Vec<OutFrame> = outs
+                    .iter()
+                    .map(|&(peer, step, data)| {
+                        OutFrame::new(peer, with(step, data.len()).encode(), data)
+                    })
+                    .collect();
+                let refused: RefCell<Option<CommError>> = RefCell::new(None);
+                let this = &*self;
+                let mut in_frames: Vec<InFrame> = ins
+                    .into_iter()
+                    .map(|r| {
+                        let want = with(r.step, r.len);
+                        let (peer, len, refused) = (r.peer, r.len, &refused);
+                        InFrame::new(
+                            peer,
+                            move |bytes| {
+                                let got = Header::decode(bytes)
+                                    .ok_or_else(|| "corrupt header".to_string());
+                                let checked = got
+                                    .map_err(|m| CommError::Io {
+                                        rank: this.me(),
+                                        what: describe(&want),
+                                        message: m,
+                                    })
+                                    .and_then(|got| this.check_header(peer, &want, &got, len));
+                                match checked {
+                                    Ok(()) => Some(len),
+                                    Err(e) => {
+                                        *refused.borrow_mut() = Some(e);
+                                        None
+                                    }
+                                }
+                            },
+                            r.sink,
+                        )
+                    })
+                    .collect();
+                let lost = |peer: usize| links.inbox.is_lost(peer);
+                let result = seg.transfer(&mut out_frames, &mut in_frames, self.timeout, &lost);
+                drop(in_frames);
+                match result {
+                    Ok(()) => Ok(()),
+                    Err(TransferError::Refused(peer)) => {
+                        Err(refused.into_inner().unwrap_or_else(|| self.lost(peer)))
+                    }
+                    Err(TransferError::Aborted(origin, message)) => {
+                        Err(self.aborted(origin, message))
+                    }
+                    Err(TransferError::Lost(peer)) => Err(match links.inbox.abort_received() {
+                        Some((origin, message)) => self.aborted(origin, message),
+                        None => self.lost(peer),
+                    }),
+                    Err(TransferError::Timeout(peer)) => {
+                        let want = with(0, 0);
+                        Err(self.timed_out(&want, peer))
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Engine::transfer`] over the TCP links: sends are queued to the writer threads (so
+    /// they never wait for the receiver), receives wait on the inbox.
+    fn transfer_over_links(
+        &self,
+        links: &Links,
+        h: Header,
+        outs: &[Out<'_>],
+        ins: Vec<In<'_>>,
+    ) -> Result<()> {
+        let with = |step: u32, len: usize| Header {
+            step,
+            len: len as u64,
+            ..h
+        };
+        for &(peer, step, data) in outs {
+            if !links.send(peer, with(step, data.len()), data.to_vec()) {
+                return Err(self.lost(peer));
+            }
+        }
+        for mut r in ins {
+            let want = with(r.step, r.len);
+            match links.inbox.recv(r.peer, self.timeout) {
+                Ok(frame) => {
+                    self.check_header(r.peer, &want, &frame.header, r.len)?;
+                    (r.sink)(0, frame.payload.as_slice());
+                }
+                Err(RecvFailure::Lost) => return Err(self.lost(r.peer)),
+                Err(RecvFailure::Aborted(origin, message)) => {
+                    return Err(self.aborted(origin, message));
+                }
+                Err(RecvFailure::Timeout) => return Err(self.timed_out(&want, r.peer)),
+            }
+        }
+        Ok(())
+    }
+
+    fn timed_out(&self, h: &Header, peer: usize) -> CommError {
+        CommError::Timeout {
+            rank: self.me(),
+            what: format!(
+                "{} waiting for rank {}",
+                describe(h),
+                self.global_ranks[peer]
+            ),
+            timeout: self.timeout,
+        }
+    }
+
+    /// A receive that copies into `dst`.
+    fn into_slice<'a, T: Element>(peer: usize, step: u32, dst: &'a mut [T]) -> In<'a> {
+        let bytes = as_bytes_mut(dst);
+        In {
+            peer,
+            step,
+            len: bytes.len(),
+            sink: Box::new(move |off, piece| bytes[off..off + piece.len()].copy_from_slice(piece)),
+        }
+    }
+
+    /// A receive that reduces into `dst`.
+    fn reducing<'a, T: Element>(peer: usize, step: u32, dst: &'a mut [T], op: ReduceOp) -> In<'a> {
+        let size = std::mem::size_of::<T>();
+        let len = std::mem::size_of_val(dst);
+        In {
+            peer,
+            step,
+            len,
+            sink: Box::new(move |off, piece| {
+                let start = off / size;
+                let src = cast::<T>(piece);
+                reduce_into(&mut dst[start..start + src.len()], src, op);
             }),
         }
     }
 
-    fn recv_into<T: Element>(
+    /// One ring step: send `buf[send]` to the next rank while receiving the previous rank's
+    /// part into `buf[recv]` (copied, or reduced with `op`).
+    fn ring_step<T: Element>(
         &mut self,
-        peer: usize,
         h: Header,
         step: u32,
-        dst: &mut [T],
+        buf: &mut [T],
+        send: (usize, usize),
+        recv: (usize, usize),
+        op: Option<ReduceOp>,
     ) -> Result<()> {
-        let me = self.me();
-        let want = std::mem::size_of_val(dst);
-        let got = self.recv_with(peer, h, step, |p| {
-            if p.len() == want {
-                as_bytes_mut(dst).copy_from_slice(p);
-            }
-            p.len()
-        })?;
-        check_len(me, &h, got, want)
-    }
-
-    fn recv_reduce<T: Element>(
-        &mut self,
-        peer: usize,
-        h: Header,
-        step: u32,
-        dst: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        let me = self.me();
-        let want = std::mem::size_of_val(dst);
-        let got = self.recv_with(peer, h, step, |p| {
-            if p.len() == want {
-                reduce_into(dst, cast::<T>(p), op);
-            }
-            p.len()
-        })?;
-        check_len(me, &h, got, want)
+        let (next, prev) = (self.next(), self.prev());
+        let (send_part, recv_part) = disjoint(buf, send, recv);
+        let sink = match op {
+            Some(op) => Self::reducing(prev, step, recv_part, op),
+            None => Self::into_slice(prev, step, recv_part),
+        };
+        self.transfer(h, &[(next, step, as_bytes(send_part))], vec![sink])
     }
 
     /// Every other group rank.
@@ -252,10 +412,7 @@ impl Engine {
         for s in 0..n - 1 {
             let send = (self.rank + 2 * n - 1 - s) % n;
             let recv = (self.rank + 2 * n - 2 - s) % n;
-            let (a, b) = parts[send];
-            self.send_bytes(self.next(), h, s as u32, as_bytes(&buf[a..b]))?;
-            let (a, b) = parts[recv];
-            self.recv_reduce(self.prev(), h, s as u32, &mut buf[a..b], op)?;
+            self.ring_step(h, s as u32, buf, parts[send], parts[recv], Some(op))?;
         }
         Ok(())
     }
@@ -272,11 +429,14 @@ impl Engine {
         for s in 0..n - 1 {
             let send = (self.rank + n - s) % n;
             let recv = (self.rank + 2 * n - 1 - s) % n;
-            let step = first_step + s as u32;
-            let (a, b) = parts[send];
-            self.send_bytes(self.next(), h, step, as_bytes(&buf[a..b]))?;
-            let (a, b) = parts[recv];
-            self.recv_into(self.prev(), h, step, &mut buf[a..b])?;
+            self.ring_step(
+                h,
+                first_step + s as u32,
+                buf,
+                parts[send],
+                parts[recv],
+                None,
+            )?;
         }
         Ok(())
     }
@@ -291,25 +451,37 @@ impl Engine {
         }
         if std::mem::size_of_val(buf.as_slice()) <= DIRECT_ALL_REDUCE_BYTES {
             // Everyone gets everyone's buffer and reduces in rank order: identical results.
-            for peer in self.others() {
-                self.send_bytes(peer, h, 0, as_bytes(&buf))?;
-            }
             let mine = std::mem::take(&mut buf);
-            let mut acc: Option<Vec<T>> = None;
-            for peer in 0..n {
-                let contribution = if peer == self.rank {
-                    mine.clone()
-                } else {
-                    let mut v = vec![T::default(); mine.len()];
-                    self.recv_into(peer, h, 0, &mut v)?;
-                    v
-                };
-                match acc.as_mut() {
-                    None => acc = Some(contribution),
-                    Some(a) => reduce_into(a, &contribution, op),
-                }
+            let mut received: Vec<Vec<T>> = (0..n)
+                .map(|p| {
+                    if p == self.rank {
+                        Vec::new()
+                    } else {
+                        vec![T::default(); mine.len()]
+                    }
+                })
+                .collect();
+            let others = self.others();
+            let outs: Vec<Out> = others.iter().map(|&p| (p, 0, as_bytes(&mine))).collect();
+            let ins = received
+                .iter_mut()
+                .enumerate()
+                .filter(|(p, _)| *p != self.rank)
+                .map(|(p, v)| Self::into_slice(p, 0, v.as_mut_slice()))
+                .collect();
+            self.transfer(h, &outs, ins)?;
+            let mut out = if self.rank == 0 {
+                mine.clone()
+            } else {
+                std::mem::take(&mut received[0])
+            };
+            for (p, contribution) in received.iter().enumerate().skip(1) {
+                reduce_into(
+                    &mut out,
+                    if p == self.rank { &mine } else { contribution },
+                    op,
+                );
             }
-            let mut out = acc.unwrap_or_default();
             finish_avg(&mut out, op, n);
             return Ok(out);
         }
@@ -323,9 +495,17 @@ impl Engine {
 
     /// See [`crate::ProcessGroup::all_gather`].
     pub fn all_gather<T: Element>(&mut self, input: Vec<T>) -> Result<Vec<T>> {
-        let k = input.len();
-        let counts = vec![k; self.size];
-        self.gather_parts(Op::AllGather, input, &counts)
+        self.all_gather_into(input, Vec::new()).map(|(_, out)| out)
+    }
+
+    /// See [`crate::ProcessGroup::all_gather_into`].
+    pub fn all_gather_into<T: Element>(
+        &mut self,
+        input: Vec<T>,
+        out: Vec<T>,
+    ) -> Result<(Vec<T>, Vec<T>)> {
+        let counts = vec![input.len(); self.size];
+        self.gather_parts(Op::AllGather, input, out, &counts)
     }
 
     /// See [`crate::ProcessGroup::all_gather_v`].
@@ -345,15 +525,17 @@ impl Engine {
                 ),
             ));
         }
-        self.gather_parts(Op::AllGatherV, input, &counts)
+        self.gather_parts(Op::AllGatherV, input, Vec::new(), &counts)
+            .map(|(_, out)| out)
     }
 
     fn gather_parts<T: Element>(
         &mut self,
         op: Op,
         input: Vec<T>,
+        mut out: Vec<T>,
         counts: &[usize],
-    ) -> Result<Vec<T>> {
+    ) -> Result<(Vec<T>, Vec<T>)> {
         let total: usize = counts.iter().sum();
         let h = self.begin::<T>(op, total, None);
         let mut parts = Vec::with_capacity(counts.len());
@@ -362,22 +544,28 @@ impl Engine {
             parts.push((start, start + c));
             start += c;
         }
-        let mut out = vec![T::default(); total];
+        out.resize(total, T::default());
         let (a, b) = parts[self.rank];
         out[a..b].copy_from_slice(&input);
-        drop(input);
         if self.size > 1 {
             self.ring_all_gather(h, &mut out, &parts, 0)?;
         }
-        Ok(out)
+        Ok((input, out))
     }
 
     /// See [`crate::ProcessGroup::reduce_scatter`].
-    pub fn reduce_scatter<T: Element>(
+    pub fn reduce_scatter<T: Element>(&mut self, input: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
+        self.reduce_scatter_into(input, Vec::new(), op)
+            .map(|(_, out)| out)
+    }
+
+    /// See [`crate::ProcessGroup::reduce_scatter_into`].
+    pub fn reduce_scatter_into<T: Element>(
         &mut self,
         mut input: Vec<T>,
+        mut out: Vec<T>,
         op: ReduceOp,
-    ) -> Result<Vec<T>> {
+    ) -> Result<(Vec<T>, Vec<T>)> {
         let n = self.size;
         if input.len() % n != 0 {
             return Err(self.invalid(
@@ -395,9 +583,10 @@ impl Engine {
             self.ring_reduce_scatter(h, &mut input, &parts, op)?;
         }
         let (a, b) = parts[self.rank];
-        let mut out = input[a..b].to_vec();
+        out.clear();
+        out.extend_from_slice(&input[a..b]);
         finish_avg(&mut out, op, n);
-        Ok(out)
+        Ok((input, out))
     }
 
     /// See [`crate::ProcessGroup::broadcast`].
@@ -405,11 +594,14 @@ impl Engine {
         self.check_root("broadcast", root)?;
         let h = self.begin::<T>(Op::Broadcast, buf.len(), None);
         if self.rank == root {
-            for peer in (0..self.size).filter(|p| *p != root) {
-                self.send_bytes(peer, h, 0, as_bytes(&buf))?;
-            }
+            let outs: Vec<Out> = self
+                .others()
+                .into_iter()
+                .map(|p| (p, 0, as_bytes(&buf)))
+                .collect();
+            self.transfer(h, &outs, Vec::new())?;
         } else {
-            self.recv_into(root, h, 0, &mut buf)?;
+            self.transfer(h, &[], vec![Self::into_slice(root, 0, &mut buf)])?;
         }
         Ok(buf)
     }
@@ -420,16 +612,26 @@ impl Engine {
         let k = input.len();
         let h = self.begin::<T>(Op::Gather, k * self.size, None);
         if self.rank != root {
-            self.send_bytes(root, h, 0, as_bytes(&input))?;
+            self.transfer(h, &[(root, 0, as_bytes(&input))], Vec::new())?;
             return Ok(None);
         }
         let mut out = vec![T::default(); k * self.size];
-        for peer in 0..self.size {
-            if peer == root {
-                out[peer * k..(peer + 1) * k].copy_from_slice(&input);
-            } else {
-                self.recv_into(peer, h, 0, &mut out[peer * k..(peer + 1) * k])?;
+        out[root * k..(root + 1) * k].copy_from_slice(&input);
+        {
+            let mut parts: Vec<&mut [T]> = Vec::with_capacity(self.size);
+            let mut rest = out.as_mut_slice();
+            for _ in 0..self.size {
+                let (part, tail) = rest.split_at_mut(k);
+                parts.push(part);
+                rest = tail;
             }
+            let ins = parts
+                .into_iter()
+                .enumerate()
+                .filter(|(peer, _)| *peer != root)
+                .map(|(peer, part)| Self::into_slice(peer, 0, part))
+                .collect();
+            self.transfer(h, &[], ins)?;
         }
         Ok(Some(out))
     }
@@ -449,26 +651,29 @@ impl Engine {
         }
         let h = self.begin::<T>(Op::Scatter, k * self.size, None);
         if self.rank == root {
-            for peer in (0..self.size).filter(|p| *p != root) {
-                self.send_bytes(peer, h, 0, as_bytes(&input[peer * k..(peer + 1) * k]))?;
-            }
+            let outs: Vec<Out> = self
+                .others()
+                .into_iter()
+                .map(|p| (p, 0, as_bytes(&input[p * k..(p + 1) * k])))
+                .collect();
+            self.transfer(h, &outs, Vec::new())?;
             return Ok(input[root * k..(root + 1) * k].to_vec());
         }
         let mut out = vec![T::default(); k];
-        self.recv_into(root, h, 0, &mut out)?;
+        self.transfer(h, &[], vec![Self::into_slice(root, 0, &mut out)])?;
         Ok(out)
     }
 
     /// See [`crate::ProcessGroup::barrier`].
     pub fn barrier(&mut self) -> Result<()> {
         let h = self.begin::<u8>(Op::Barrier, 0, None);
-        for peer in self.others() {
-            self.send_bytes(peer, h, 0, &[])?;
-        }
-        for peer in self.others() {
-            self.recv_with(peer, h, 0, |_| ())?;
-        }
-        Ok(())
+        let others = self.others();
+        let outs: Vec<Out> = others.iter().map(|&p| (p, 0, &[][..])).collect();
+        let ins = others
+            .iter()
+            .map(|&p| Self::into_slice::<u8>(p, 0, &mut []))
+            .collect();
+        self.transfer(h, &outs, ins)
     }
 
     /// Point-to-point messages are numbered per direction and peer, apart from collectives.
@@ -498,7 +703,10 @@ impl Engine {
     pub fn send<T: Element>(&mut self, buf: Vec<T>, dst: usize) -> Result<()> {
         self.check_peer("send", dst)?;
         let h = self.p2p_header::<T>(dst, buf.len(), true);
-        self.send_bytes(dst, h, 0, as_bytes(&buf))
+        // Point-to-point always goes over the links: a send must not wait for its receiver
+        // (the two may be queued behind each other's sends), which a bounded ring cannot
+        // promise.
+        self.transfer_over_links(self.net.links(), h, &[(dst, 0, as_bytes(&buf))], Vec::new())
     }
 
     /// See [`crate::ProcessGroup::recv`].
@@ -506,7 +714,8 @@ impl Engine {
         self.check_peer("recv", src)?;
         let h = self.p2p_header::<T>(src, len, false);
         let mut out = vec![T::default(); len];
-        self.recv_into(src, h, 0, &mut out)?;
+        let ins = vec![Self::into_slice(src, 0, &mut out)];
+        self.transfer_over_links(self.net.links(), h, &[], ins)?;
         Ok(out)
     }
 
@@ -531,17 +740,15 @@ impl Engine {
     }
 }
 
-fn check_len(rank: usize, h: &Header, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
+/// `buf[send]` to read and `buf[recv]` to write, for ranges that do not overlap.
+fn disjoint<T>(buf: &mut [T], send: (usize, usize), recv: (usize, usize)) -> (&[T], &mut [T]) {
+    if send.1 <= recv.0 {
+        let (a, b) = buf.split_at_mut(recv.0);
+        (&a[send.0..send.1], &mut b[..recv.1 - recv.0])
+    } else {
+        let (a, b) = buf.split_at_mut(send.0);
+        (&b[..send.1 - send.0], &mut a[recv.0..recv.1])
     }
-    Err(CommError::InvalidArgument {
-        rank,
-        op: describe(h),
-        reason: format!(
-            "received {got} bytes where this rank expected {want}: ranks passed buffers of different sizes"
-        ),
-    })
 }
 
 /// `len` elements split into `n` contiguous parts differing by at most one element.

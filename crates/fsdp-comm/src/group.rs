@@ -8,9 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use crate::algorithms::Engine;
+use crate::algorithms::{Engine, Net};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
+use crate::shm::Segment;
 use crate::store::{StoreClient, StoreServer, constant_time_eq};
 use crate::transport::Links;
 use crate::world::WorldInfo;
@@ -21,6 +22,20 @@ pub const SECRET_ENV: &str = "FSDP_JOB_SECRET";
 pub const TIMEOUT_ENV: &str = "FSDP_COMM_TIMEOUT_SECS";
 /// Environment variable: rendezvous timeout in seconds.
 pub const RENDEZVOUS_TIMEOUT_ENV: &str = "FSDP_RENDEZVOUS_TIMEOUT_SECS";
+/// Environment variable: `auto` (shared memory when every member is on this host, else TCP),
+/// `tcp` or `shm`.
+pub const TRANSPORT_ENV: &str = "FSDP_COMM_TRANSPORT";
+
+/// Which transport carries a group's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory when all members share this host, TCP otherwise.
+    Auto,
+    /// TCP only (for testing the network path on one host).
+    Tcp,
+    /// Shared memory; an error if members are on different hosts.
+    Shm,
+}
 
 /// How a group behaves when things go wrong.
 #[derive(Debug, Clone)]
@@ -32,6 +47,8 @@ pub struct GroupOptions {
     pub rendezvous_timeout: Duration,
     /// The per-job secret every process must present.
     pub secret: Vec<u8>,
+    /// Which transport carries data.
+    pub transport: TransportChoice,
 }
 
 impl Default for GroupOptions {
@@ -40,13 +57,15 @@ impl Default for GroupOptions {
             timeout: Duration::from_secs(300),
             rendezvous_timeout: Duration::from_secs(120),
             secret: Vec::new(),
+            transport: TransportChoice::Auto,
         }
     }
 }
 
 impl GroupOptions {
-    /// Defaults overridden by `FSDP_COMM_TIMEOUT_SECS`, `FSDP_RENDEZVOUS_TIMEOUT_SECS` and
-    /// `FSDP_JOB_SECRET`.
+    /// Defaults overridden by `FSDP_COMM_TIMEOUT_SECS`, `FSDP_RENDEZVOUS_TIMEOUT_SECS`,
+    /// `FSDP_JOB_SECRET` and `FSDP_COMM_TRANSPORT` (an unknown transport name is treated as
+    /// `auto`).
     pub fn from_env() -> GroupOptions {
         let secs = |var: &str| {
             std::env::var(var)
@@ -60,6 +79,15 @@ impl GroupOptions {
             timeout: secs(TIMEOUT_ENV).unwrap_or(d.timeout),
             rendezvous_timeout: secs(RENDEZVOUS_TIMEOUT_ENV).unwrap_or(d.rendezvous_timeout),
             secret: std::env::var(SECRET_ENV).unwrap_or_default().into_bytes(),
+            transport: match std::env::var(TRANSPORT_ENV)
+                .unwrap_or_default()
+                .to_ascii_lowercase()
+                .as_str()
+            {
+                "tcp" => TransportChoice::Tcp,
+                "shm" => TransportChoice::Shm,
+                _ => TransportChoice::Auto,
+            },
         }
     }
 }
@@ -95,6 +123,7 @@ pub struct ProcessGroup {
     data_ip: String,
     name: String,
     subgroups: AtomicU64,
+    transport: &'static str,
 }
 
 impl ProcessGroup {
@@ -127,6 +156,7 @@ impl ProcessGroup {
                 world.master_addr.clone(),
                 "world".into(),
                 Vec::new(),
+                None,
             );
         }
         let server = if rank == 0 {
@@ -160,6 +190,7 @@ impl ProcessGroup {
             &world.master_addr,
             &options,
         )?;
+        let shm = setup_shm(&store, "world", rank, &members, &options)?;
         ProcessGroup::start(
             rank,
             members,
@@ -169,6 +200,7 @@ impl ProcessGroup {
             world.master_addr.clone(),
             "world".into(),
             streams,
+            shm,
         )
     }
 
@@ -182,6 +214,7 @@ impl ProcessGroup {
         data_ip: String,
         name: String,
         streams: Vec<Option<TcpStream>>,
+        shm: Option<Arc<Segment>>,
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let global_rank = global_ranks[rank];
@@ -192,8 +225,19 @@ impl ProcessGroup {
             what: "starting peer links".into(),
             message: e.to_string(),
         })?;
+        let net = match shm {
+            Some(seg) => {
+                let waker_seg = seg.clone();
+                links
+                    .inbox
+                    .set_waker(Box::new(move || waker_seg.ring_doorbell(rank)));
+                Net::Shm { seg, links }
+            }
+            None => Net::Tcp(links),
+        };
+        let transport = net.kind();
         let (tx, rx) = mpsc::channel::<Job>();
-        let mut engine = Engine::new(rank, global_ranks.clone(), links, options.timeout);
+        let mut engine = Engine::new(rank, global_ranks.clone(), net, options.timeout);
         let thread = std::thread::Builder::new()
             .name(format!("fsdp-comm-{name}"))
             .spawn(move || {
@@ -218,7 +262,13 @@ impl ProcessGroup {
             data_ip,
             name,
             subgroups: AtomicU64::new(0),
+            transport,
         })
+    }
+
+    /// The transport carrying this group's data: `"tcp"` or `"shm"`.
+    pub fn transport(&self) -> &'static str {
+        self.transport
     }
 
     /// This process's rank in the group.
@@ -266,6 +316,27 @@ impl ProcessGroup {
     /// Concatenation of every rank's `input` (all the same length) in rank order.
     pub fn all_gather<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
         self.submit(move |e| e.all_gather(input))
+    }
+
+    /// [`ProcessGroup::all_gather`] into a caller's buffer (resized to fit), so steady-state
+    /// callers allocate nothing; returns (input, output) for reuse.
+    pub fn all_gather_into<T: Element>(
+        &self,
+        input: Vec<T>,
+        output: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        self.submit(move |e| e.all_gather_into(input, output))
+    }
+
+    /// [`ProcessGroup::reduce_scatter`] into a caller's buffer; `input` is used as scratch.
+    /// Returns (input, output) for reuse.
+    pub fn reduce_scatter_into<T: Element>(
+        &self,
+        input: Vec<T>,
+        output: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        self.submit(move |e| e.reduce_scatter_into(input, output, op))
     }
 
     /// Concatenation of inputs of different lengths; `counts[r]` is rank r's length.
@@ -341,11 +412,12 @@ impl ProcessGroup {
                 .collect::<Vec<_>>()
                 .join(",")
         );
-        let streams = match (&self.store, members.len()) {
-            (_, 1) => Vec::new(),
-            (Some(store), _) => {
-                connect_mesh(store, &name, me, &members, &self.data_ip, &self.options)?
-            }
+        let (streams, shm) = match (&self.store, members.len()) {
+            (_, 1) => (Vec::new(), None),
+            (Some(store), _) => (
+                connect_mesh(store, &name, me, &members, &self.data_ip, &self.options)?,
+                setup_shm(store, &name, me, &members, &self.options)?,
+            ),
             (None, _) => {
                 return Err(invalid(
                     "no rendezvous store in a single-process job".into(),
@@ -361,6 +433,7 @@ impl ProcessGroup {
             self.data_ip.clone(),
             name,
             streams,
+            shm,
         )
         .map(Some)
     }
@@ -420,6 +493,132 @@ impl Drop for ProcessGroup {
 
 const HELLO_MAGIC: &[u8; 8] = b"FSDPHELO";
 
+/// This host's identity: members with the same one can share memory.
+fn host_id() -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    format!(
+        "{}/{}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
+}
+
+/// Creates (member 0) or maps (the others) the group's shared-memory segment when every
+/// member runs on this host and the options allow it. Member 0 unlinks the file once all have
+/// mapped it, so nothing is left in /dev/shm even if a process crashes later.
+fn setup_shm(
+    store: &StoreClient,
+    name: &str,
+    me: usize,
+    members: &[usize],
+    options: &GroupOptions,
+) -> Result<Option<Arc<Segment>>> {
+    let rank = members[me];
+    let n = members.len();
+    if options.transport == TransportChoice::Tcp || n < 2 {
+        return Ok(None);
+    }
+    store.set(&format!("{name}/host/{me}"), host_id().as_bytes())?;
+    let keys: Vec<String> = (0..n).map(|i| format!("{name}/host/{i}")).collect();
+    if let Err(missing) = store.wait(&keys, options.rendezvous_timeout)? {
+        return Err(CommError::RendezvousTimeout {
+            rank,
+            missing: missing_members(&missing, members),
+            timeout: options.rendezvous_timeout,
+        });
+    }
+    let mine = host_id();
+    let mut same_host = true;
+    for key in &keys {
+        same_host &= store.get(key)?.as_deref() == Some(mine.as_bytes());
+    }
+    if !same_host {
+        return match options.transport {
+            TransportChoice::Shm => Err(CommError::InvalidArgument {
+                rank,
+                op: "process group initialisation".into(),
+                reason: format!(
+                    "{TRANSPORT_ENV}=shm but the members of group `{name}` are on different hosts"
+                ),
+            }),
+            _ => Ok(None),
+        };
+    }
+    let io = |what: &str, e: std::io::Error| CommError::Io {
+        rank,
+        what: what.to_string(),
+        message: e.to_string(),
+    };
+    let path_key = format!("{name}/shm_path");
+    let mapped_keys: Vec<String> = (1..n).map(|i| format!("{name}/shm_mapped/{i}")).collect();
+    if me == 0 {
+        let safe: String = name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let path = std::path::PathBuf::from(format!(
+            "/dev/shm/fsdp-{}-{safe}-{nanos}",
+            std::process::id()
+        ));
+        let seg = Segment::create(&path, n, me)
+            .map_err(|e| io(&format!("creating shared memory {}", path.display()), e))?;
+        let unlink = Unlink(path.clone());
+        store.set(&path_key, path.to_string_lossy().as_bytes())?;
+        if let Err(missing) = store.wait(&mapped_keys, options.rendezvous_timeout)? {
+            return Err(CommError::RendezvousTimeout {
+                rank,
+                missing: missing_members(&missing, members),
+                timeout: options.rendezvous_timeout,
+            });
+        }
+        drop(unlink);
+        Ok(Some(Arc::new(seg)))
+    } else {
+        if let Err(missing) =
+            store.wait(std::slice::from_ref(&path_key), options.rendezvous_timeout)?
+        {
+            return Err(CommError::RendezvousTimeout {
+                rank,
+                missing: missing_members(&missing, members),
+                timeout: options.rendezvous_timeout,
+            });
+        }
+        let path = std::path::PathBuf::from(
+            String::from_utf8_lossy(&store.get(&path_key)?.unwrap_or_default()).into_owned(),
+        );
+        let seg = Segment::open(&path, n, me)
+            .map_err(|e| io(&format!("mapping shared memory {}", path.display()), e))?;
+        store.set(&format!("{name}/shm_mapped/{me}"), b"1")?;
+        Ok(Some(Arc::new(seg)))
+    }
+}
+
+/// Removes a file when dropped (on success and on every error path).
+struct Unlink(std::path::PathBuf);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Job-wide ranks of the members whose `.../<index>` keys are missing.
+fn missing_members(missing: &[String], members: &[usize]) -> Vec<usize> {
+    missing
+        .iter()
+        .filter_map(|k| k.rsplit('/').next()?.parse::<usize>().ok())
+        .filter_map(|i| members.get(i).copied())
+        .collect()
+}
+
 /// Registers this rank under `name` in the store and connects to every other member: lower
 /// ranks dial higher ones' listeners. `me` is the index into `members` (global ranks).
 fn connect_mesh(
@@ -463,14 +662,9 @@ fn connect_mesh(
     store.set(&format!("{name}/addr/{me}"), addr.to_string().as_bytes())?;
     let keys: Vec<String> = (0..n).map(|i| format!("{name}/addr/{i}")).collect();
     if let Err(missing) = store.wait(&keys, options.rendezvous_timeout)? {
-        let missing_ranks = missing
-            .iter()
-            .filter_map(|k| k.rsplit('/').next()?.parse::<usize>().ok())
-            .map(|i| members[i])
-            .collect();
         return Err(CommError::RendezvousTimeout {
             rank,
-            missing: missing_ranks,
+            missing: missing_members(&missing, members),
             timeout: options.rendezvous_timeout,
         });
     }

@@ -10,11 +10,12 @@ mod algorithms;
 pub mod dtype;
 pub mod error;
 pub mod group;
+mod shm;
 pub mod store;
 mod transport;
 pub mod world;
 
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
-pub use group::{GroupOptions, ProcessGroup, Work};
+pub use group::{GroupOptions, ProcessGroup, TransportChoice, Work};
 pub use world::{Launcher, WorldError, WorldInfo};

@@ -40,11 +40,13 @@ pub struct Header {
     pub len: u64,
 }
 
-const HEADER_BYTES: usize = 40;
+/// Bytes of an encoded header.
+pub const HEADER_BYTES: usize = 40;
 const MAGIC: u32 = 0x4653_4450; // "FSDP"
 
 impl Header {
-    fn encode(&self) -> [u8; HEADER_BYTES] {
+    /// The header's wire form.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
         let mut b = [0u8; HEADER_BYTES];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4] = self.kind;
@@ -58,7 +60,8 @@ impl Header {
         b
     }
 
-    fn decode(b: &[u8; HEADER_BYTES]) -> Option<Header> {
+    /// Parses a wire header (`None` if the magic is wrong).
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Option<Header> {
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
         (u32::from_le_bytes(b[0..4].try_into().unwrap_or_default()) == MAGIC).then(|| Header {
             kind: b[4],
@@ -149,6 +152,8 @@ struct InboxState {
 pub struct Inbox {
     state: Mutex<InboxState>,
     arrived: Condvar,
+    /// Also called when a peer is lost or an abort arrives (wakes a shared-memory waiter).
+    waker: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl Inbox {
@@ -160,6 +165,32 @@ impl Inbox {
                 abort: None,
             }),
             arrived: Condvar::new(),
+            waker: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Installs a callback run whenever a peer is lost or an abort arrives.
+    pub fn set_waker(&self, waker: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.waker.set(waker);
+    }
+
+    /// True once the connection to `peer` has closed.
+    pub fn is_lost(&self, peer: usize) -> bool {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).lost[peer]
+    }
+
+    /// The first abort received over the links, if any: (origin, message).
+    pub fn abort_received(&self) -> Option<(usize, String)> {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .abort
+            .clone()
+    }
+
+    fn wake(&self) {
+        if let Some(w) = self.waker.get() {
+            w();
         }
     }
 
@@ -197,15 +228,20 @@ impl Inbox {
                 let msg = String::from_utf8_lossy(frame.payload.as_slice()).into_owned();
                 state.abort = Some((peer, msg));
             }
-        } else {
-            state.queues[peer].push_back(frame);
+            drop(state);
+            self.wake();
+            self.arrived.notify_all();
+            return;
         }
+        state.queues[peer].push_back(frame);
         self.arrived.notify_all();
     }
 
     fn mark_lost(&self, peer: usize) {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.lost[peer] = true;
+        drop(state);
+        self.wake();
         self.arrived.notify_all();
     }
 }

@@ -469,18 +469,47 @@ fn subgroups() -> Result<(), String> {
 
 // ---------------------------------------------------------------- tests
 
+fn transport(name: &str) -> Vec<(&'static str, String)> {
+    vec![("FSDP_COMM_TRANSPORT", name.to_string())]
+}
+
 #[test]
-fn every_collective_dtype_and_size_for_world_sizes_1_to_8() {
+fn every_collective_dtype_and_size_for_world_sizes_1_to_8_over_shared_memory() {
     for world in [1, 2, 3, 4, 5, 8] {
-        let outcomes = run_all("collectives", world, vec![], Duration::from_secs(240));
+        let outcomes = run_all(
+            "collectives",
+            world,
+            transport("shm"),
+            Duration::from_secs(240),
+        );
         assert_all_ok(&outcomes);
     }
 }
 
 #[test]
-fn sixty_four_mib_collectives() {
+fn every_collective_dtype_and_size_for_world_sizes_1_to_8_over_tcp() {
+    for world in [1, 2, 3, 4, 5, 8] {
+        let outcomes = run_all(
+            "collectives",
+            world,
+            transport("tcp"),
+            Duration::from_secs(240),
+        );
+        assert_all_ok(&outcomes);
+    }
+}
+
+#[test]
+fn sixty_four_mib_collectives_over_both_transports() {
     for world in [2, 3] {
-        assert_all_ok(&run_all("large", world, vec![], Duration::from_secs(240)));
+        for t in ["shm", "tcp"] {
+            assert_all_ok(&run_all(
+                "large",
+                world,
+                transport(t),
+                Duration::from_secs(240),
+            ));
+        }
     }
 }
 
