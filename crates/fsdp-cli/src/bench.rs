@@ -207,18 +207,21 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
     for bytes in sizes(a.max_mib) {
         let elems = bytes / 4;
         let nf = n as f64;
-        // Buffers live across repetitions, as in a training loop (NCCL-tests does the same).
-        let buf = std::cell::RefCell::new((vec![1.0f32; elems], vec![0.0f32; elems]));
+        // Buffers live across repetitions, as in a training loop (NCCL-tests does the same):
+        // one full-size buffer and one shard-size buffer, each op's pair passed through.
         let shard = elems / n;
+        let full = std::cell::RefCell::new(vec![1.0f32; elems]);
+        let part = std::cell::RefCell::new(vec![1.0f32; shard]);
+        let gathered = std::cell::RefCell::new(vec![0.0f32; shard * n]);
+        let scattered = std::cell::RefCell::new(vec![0.0f32; shard]);
+        let take = |c: &std::cell::RefCell<Vec<f32>>| std::mem::take(&mut *c.borrow_mut());
         type Case<'a> = (&'static str, f64, Box<dyn Fn() -> Result<()> + 'a>);
         let cases: Vec<Case> = vec![
             (
                 "all_reduce",
                 2.0 * (nf - 1.0) / nf,
                 Box::new(|| {
-                    let mut b = buf.borrow_mut();
-                    let data = std::mem::take(&mut b.0);
-                    b.0 = pg.all_reduce(data, ReduceOp::Sum).wait()?;
+                    *full.borrow_mut() = pg.all_reduce(take(&full), ReduceOp::Sum).wait()?;
                     Ok(())
                 }),
             ),
@@ -226,12 +229,8 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 "all_gather",
                 (nf - 1.0) / nf,
                 Box::new(|| {
-                    let mut b = buf.borrow_mut();
-                    let (mut input, output) = (std::mem::take(&mut b.0), std::mem::take(&mut b.1));
-                    input.truncate(shard);
-                    let (mut input, output) = pg.all_gather_into(input, output).wait()?;
-                    input.resize(elems, 1.0);
-                    *b = (input, output);
+                    let (i, o) = pg.all_gather_into(take(&part), take(&gathered)).wait()?;
+                    (*part.borrow_mut(), *gathered.borrow_mut()) = (i, o);
                     Ok(())
                 }),
             ),
@@ -239,15 +238,10 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 "reduce_scatter",
                 (nf - 1.0) / nf,
                 Box::new(|| {
-                    let mut b = buf.borrow_mut();
-                    let (mut input, output) = (std::mem::take(&mut b.0), std::mem::take(&mut b.1));
-                    input.truncate(shard * n);
-                    let (mut input, mut output) = pg
-                        .reduce_scatter_into(input, output, ReduceOp::Sum)
+                    let (i, o) = pg
+                        .reduce_scatter_into(take(&gathered), take(&scattered), ReduceOp::Sum)
                         .wait()?;
-                    input.resize(elems, 1.0);
-                    output.resize(elems, 0.0);
-                    *b = (input, output);
+                    (*gathered.borrow_mut(), *scattered.borrow_mut()) = (i, o);
                     Ok(())
                 }),
             ),
@@ -255,9 +249,7 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 "broadcast",
                 1.0,
                 Box::new(|| {
-                    let mut b = buf.borrow_mut();
-                    let data = std::mem::take(&mut b.0);
-                    b.0 = pg.broadcast(data, 0).wait()?;
+                    *full.borrow_mut() = pg.broadcast(take(&full), 0).wait()?;
                     Ok(())
                 }),
             ),
