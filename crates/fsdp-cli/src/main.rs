@@ -4,13 +4,15 @@
 mod bench;
 mod config_cmd;
 mod env_cmd;
+mod launch;
 mod prompt;
 mod questionnaire;
 mod system;
+mod test_cmd;
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Fully sharded data-parallel training for Rust.
 ///
@@ -30,6 +32,10 @@ enum Command {
     Config(config_cmd::ConfigArgs),
     /// Print the machine, the launch environment and the resolved configuration.
     Env(env_cmd::EnvArgs),
+    /// Start a training program on this machine's processes (like `accelerate launch`).
+    Launch(Box<launch::LaunchArgs>),
+    /// Check that a job with this configuration starts and communicates.
+    Test(test_cmd::TestArgs),
     /// Measure collectives (and, as they land, layers and memory).
     Bench(bench::BenchArgs),
 }
@@ -48,14 +54,26 @@ pub struct ConfigFileArg {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    // `fsdp launch` takes one `--fsdp_*` flag per FSDP key of the schema.
+    let matches = Cli::command()
+        .mut_subcommand("launch", launch::augment)
+        .get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let result = match cli.command {
-        Command::Config(args) => config_cmd::run(args),
-        Command::Env(args) => env_cmd::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Config(args) => config_cmd::run(args).map(|()| 0),
+        Command::Env(args) => env_cmd::run(args).map(|()| 0),
+        Command::Launch(_) => match matches.subcommand_matches("launch") {
+            Some(m) => launch::LaunchArgs::from_matches(m).and_then(launch::run),
+            None => Ok(2),
+        },
+        Command::Test(args) => test_cmd::run(args),
+        Command::Bench(args) => bench::run(args).map(|()| 0),
     };
     match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
         Err(err) => {
             eprintln!("error: {err:#}");
             std::process::ExitCode::FAILURE

@@ -26,6 +26,13 @@ pub const RENDEZVOUS_TIMEOUT_ENV: &str = "FSDP_RENDEZVOUS_TIMEOUT_SECS";
 /// `tcp` or `shm`.
 pub const TRANSPORT_ENV: &str = "FSDP_COMM_TRANSPORT";
 
+/// Environment variable: set to 1 when the launcher hosts the rendezvous store (rank 0 then
+/// connects to it like every other rank).
+pub const STORE_HOSTED_ENV: &str = "FSDP_STORE_HOSTED";
+/// Environment variable: prefix of this attempt's keys in the store (a restarted job uses a
+/// new prefix on the same store).
+pub const PREFIX_ENV: &str = "FSDP_RENDEZVOUS_PREFIX";
+
 /// Which transport carries a group's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportChoice {
@@ -49,6 +56,10 @@ pub struct GroupOptions {
     pub secret: Vec<u8>,
     /// Which transport carries data.
     pub transport: TransportChoice,
+    /// Whether rank 0 starts the store (false when the launcher hosts it).
+    pub host_store: bool,
+    /// Prefix of this job attempt's store keys.
+    pub store_prefix: String,
 }
 
 impl Default for GroupOptions {
@@ -58,6 +69,8 @@ impl Default for GroupOptions {
             rendezvous_timeout: Duration::from_secs(120),
             secret: Vec::new(),
             transport: TransportChoice::Auto,
+            host_store: true,
+            store_prefix: String::new(),
         }
     }
 }
@@ -88,6 +101,8 @@ impl GroupOptions {
                 "shm" => TransportChoice::Shm,
                 _ => TransportChoice::Auto,
             },
+            host_store: std::env::var(STORE_HOSTED_ENV).map_or(true, |v| v.trim() != "1"),
+            store_prefix: std::env::var(PREFIX_ENV).unwrap_or_default(),
         }
     }
 }
@@ -159,7 +174,7 @@ impl ProcessGroup {
                 None,
             );
         }
-        let server = if rank == 0 {
+        let server = if rank == 0 && options.host_store {
             let addr = (world.master_addr.as_str(), world.master_port);
             let server = StoreServer::bind(addr, &options.secret).map_err(|e| {
                 io(
@@ -182,15 +197,9 @@ impl ProcessGroup {
             options.rendezvous_timeout,
         )?);
         let members: Vec<usize> = (0..world.world_size).collect();
-        let streams = connect_mesh(
-            &store,
-            "world",
-            rank,
-            &members,
-            &world.master_addr,
-            &options,
-        )?;
-        let shm = setup_shm(&store, "world", rank, &members, &options)?;
+        let name = format!("{}world", options.store_prefix);
+        let streams = connect_mesh(&store, &name, rank, &members, &world.master_addr, &options)?;
+        let shm = setup_shm(&store, &name, rank, &members, &options)?;
         ProcessGroup::start(
             rank,
             members,
@@ -198,7 +207,7 @@ impl ProcessGroup {
             server,
             options,
             world.master_addr.clone(),
-            "world".into(),
+            name,
             streams,
             shm,
         )

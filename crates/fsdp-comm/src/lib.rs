@@ -17,5 +17,7 @@ pub mod world;
 
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
-pub use group::{GroupOptions, ProcessGroup, TransportChoice, Work};
+pub use group::{
+    GroupOptions, PREFIX_ENV, ProcessGroup, SECRET_ENV, STORE_HOSTED_ENV, TransportChoice, Work,
+};
 pub use world::{Launcher, WorldError, WorldInfo};

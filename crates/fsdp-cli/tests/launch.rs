@@ -1,0 +1,515 @@
+//! `fsdp launch` and `fsdp test` with real worker processes: layouts, the environment
+//! contract, two "machines" on loopback, failure injection, signals and restarts. Every
+//! launch is bounded in time and killed if it overruns.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn fsdp() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fsdp"));
+    let home = std::env::temp_dir().join(format!("fsdp-launch-test-home-{}", std::process::id()));
+    cmd.env("HOME", home)
+        .env_remove("FSDP_CONFIG_FILE")
+        .env_remove("FSDP_HOME")
+        .env_remove("HF_HOME");
+    for (var, _) in std::env::vars() {
+        if var.starts_with("FSDP_") || var.starts_with("ACCELERATE_") {
+            cmd.env_remove(var);
+        }
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+struct Run {
+    code: Option<i32>,
+    out: String,
+    elapsed: Duration,
+}
+
+/// Waits for a launcher (killing it after `limit`) and collects its output.
+fn finish(mut child: Child, limit: Duration) -> Run {
+    let start = Instant::now();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("launcher did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = start.elapsed();
+    let out = format!("{}{}", out_t.join().unwrap(), err_t.join().unwrap());
+    Run { code, out, elapsed }
+}
+
+fn launch(args: &[&str], limit: Duration) -> Run {
+    finish(fsdp().arg("launch").args(args).spawn().unwrap(), limit)
+}
+
+/// PIDs printed by workers as `pid N` or `rank R pid N`.
+fn pids(out: &str) -> Vec<u32> {
+    out.lines()
+        .filter(|l| l.starts_with("[rank"))
+        .filter_map(|l| {
+            l.split("pid ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Processes still alive in any of these process groups (workers and their children).
+fn survivors(groups: &[u32]) -> Vec<u32> {
+    let mut alive = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // Fields after the command name: state, ppid, pgrp.
+        let rest: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        if rest.len() > 2 && rest[0] != "Z" && groups.iter().any(|g| rest[2] == g.to_string()) {
+            alive.push(pid);
+        }
+    }
+    alive
+}
+
+const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
+
+#[test]
+fn one_two_and_four_workers_see_consistent_ranks_and_all_reduce() {
+    for n in ["1", "2", "4"] {
+        let run = launch(
+            &["--num_processes", n, EXE, "test", "--worker"],
+            Duration::from_secs(60),
+        );
+        assert_eq!(run.code, Some(0), "{}", run.out);
+        let n: usize = n.parse().unwrap();
+        for r in 0..n {
+            assert!(
+                run.out.contains(&format!(
+                    "[rank{r}]: rank {r} of {n} (local {r} of {n}, machine 0): all_reduce ok"
+                )),
+                "{}",
+                run.out
+            );
+        }
+    }
+    let run = finish(
+        fsdp()
+            .args(["test", "--num_processes", "2"])
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(60),
+    );
+    assert_eq!(run.code, Some(0), "{}", run.out);
+    assert!(run.out.contains("Test is a success!"), "{}", run.out);
+}
+
+#[test]
+fn workers_get_the_torchrun_contract_and_the_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(&cfg, "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_offload_params: true\n").unwrap();
+    let script = "echo \"R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE N=$NODE_RANK A=$MASTER_ADDR P=$MASTER_PORT S=${FSDP_JOB_SECRET:+set} F=$ACCELERATE_USE_FSDP SS=$FSDP_SHARDING_STRATEGY O=$FSDP_OFFLOAD_PARAMS MP=$ACCELERATE_MIXED_PRECISION BP=$FSDP_BACKWARD_PREFETCH T=$RAYON_NUM_THREADS\"";
+    let run = launch(
+        &[
+            "--config_file",
+            cfg.to_str().unwrap(),
+            "--fsdp_backward_prefetch",
+            "BACKWARD_POST",
+            "--num_cpu_threads_per_process",
+            "3",
+            "--main_process_port",
+            "0",
+            "sh",
+            "-c",
+            script,
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(0), "{}", run.out);
+    for r in 0..2 {
+        let line = run
+            .out
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank{r}]: R={r} ")))
+            .unwrap_or_else(|| panic!("{}", run.out));
+        for part in [
+            &format!("L={r}") as &str,
+            "W=2",
+            "LW=2",
+            "N=0",
+            "A=127.0.0.1",
+            "S=set",
+            "F=true",
+            "SS=SHARD_GRAD_OP",
+            "O=true",
+            "MP=bf16",
+            "BP=BACKWARD_POST",
+            "T=3",
+        ] {
+            assert!(line.contains(part), "{part} missing in {line}");
+        }
+        assert!(
+            !line.contains("P= ") && !line.contains("P=29500"),
+            "port 0 picks a free port: {line}"
+        );
+    }
+}
+
+#[test]
+fn two_machines_on_loopback() {
+    let p = port();
+    let common = |rank: &str| {
+        let mut cmd = fsdp();
+        cmd.args([
+            "launch",
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "4",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            &p,
+            "--machine_rank",
+            rank,
+            EXE,
+            "test",
+            "--worker",
+        ])
+        .env("FSDP_JOB_SECRET", "two-machines");
+        cmd.spawn().unwrap()
+    };
+    let m0 = common("0");
+    let m1 = common("1");
+    let (r0, r1) = (
+        finish(m0, Duration::from_secs(60)),
+        finish(m1, Duration::from_secs(60)),
+    );
+    assert_eq!(
+        (r0.code, r1.code),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        r0.out,
+        r1.out
+    );
+    assert!(
+        r0.out
+            .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1"),
+        "{}",
+        r0.out
+    );
+    assert!(
+        r1.out
+            .contains("[rank3]: rank 3 of 4 (local 1 of 2, machine 1)"),
+        "{}",
+        r1.out
+    );
+}
+
+#[test]
+fn duplicate_or_missing_machine_ranks_are_named() {
+    let p = port();
+    let start = |rank: &str| {
+        let mut cmd = fsdp();
+        cmd.args([
+            "launch",
+            "-q",
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            &p,
+            "--machine_rank",
+            rank,
+            "sleep",
+            "3",
+        ])
+        .env("FSDP_JOB_SECRET", "dup")
+        .env("FSDP_RENDEZVOUS_TIMEOUT_SECS", "3");
+        cmd.spawn().unwrap()
+    };
+    let m0 = start("0");
+    std::thread::sleep(Duration::from_millis(300));
+    let a = start("1");
+    std::thread::sleep(Duration::from_millis(300));
+    let b = start("1");
+    let runs = [
+        finish(m0, Duration::from_secs(30)),
+        finish(a, Duration::from_secs(30)),
+        finish(b, Duration::from_secs(30)),
+    ];
+    let all: String = runs.iter().map(|r| r.out.clone()).collect();
+    assert!(
+        all.contains("machine rank 1 is already taken by another launch"),
+        "{all}"
+    );
+
+    let run = finish(
+        {
+            let mut cmd = fsdp();
+            cmd.args([
+                "launch",
+                "-q",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                &port(),
+                "--machine_rank",
+                "0",
+                "true",
+            ])
+            .env("FSDP_JOB_SECRET", "missing")
+            .env("FSDP_RENDEZVOUS_TIMEOUT_SECS", "2");
+            cmd.spawn().unwrap()
+        },
+        Duration::from_secs(30),
+    );
+    assert_ne!(run.code, Some(0));
+    assert!(
+        run.out
+            .contains("machine rank(s) 1 never joined the rendezvous at 127.0.0.1:"),
+        "{}",
+        run.out
+    );
+}
+
+#[test]
+fn a_failing_rank_stops_the_job_with_its_exit_code() {
+    let script = "echo \"pid $$\"; if [ \"$RANK\" = 1 ]; then sleep 0.5; echo 'bad things' >&2; exit 3; fi; sleep 60";
+    let run = launch(
+        &["--num_processes", "3", "sh", "-c", script],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(3), "{}", run.out);
+    assert!(
+        run.elapsed < Duration::from_secs(10),
+        "took {:?}",
+        run.elapsed
+    );
+    assert!(
+        run.out.contains("rank 1 (pid") && run.out.contains("exited with code 3"),
+        "{}",
+        run.out
+    );
+    assert!(
+        run.out.contains("[fsdp launch]   bad things"),
+        "{}",
+        run.out
+    );
+    let workers = pids(&run.out);
+    assert_eq!(workers.len(), 3, "{}", run.out);
+    assert!(
+        survivors(&workers).is_empty(),
+        "left running: {:?}",
+        survivors(&workers)
+    );
+
+    let script = "echo \"pid $$\"; if [ \"$RANK\" = 0 ]; then sleep 0.5; kill -9 $$; fi; sleep 60";
+    let run = launch(
+        &["--num_processes", "2", "sh", "-c", script],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(137), "{}", run.out);
+    assert!(
+        run.out.contains("rank 0 (pid") && run.out.contains("killed by signal 9"),
+        "{}",
+        run.out
+    );
+    assert!(survivors(&pids(&run.out)).is_empty());
+}
+
+#[test]
+fn a_rank_waiting_in_a_collective_is_stopped_when_its_peer_dies() {
+    let run = launch(
+        &[
+            "--num_processes",
+            "2",
+            EXE,
+            "test",
+            "--worker",
+            "--fault",
+            "die:1",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(3), "{}", run.out);
+    assert!(
+        run.elapsed < Duration::from_secs(15),
+        "took {:?}",
+        run.elapsed
+    );
+    assert!(run.out.contains("rank 1 exits on purpose"), "{}", run.out);
+    assert!(survivors(&pids(&run.out)).is_empty());
+}
+
+#[test]
+fn sigint_to_the_launcher_ends_every_worker() {
+    let mut child = fsdp()
+        .args([
+            "launch",
+            "--num_processes",
+            "2",
+            "sh",
+            "-c",
+            "echo \"pid $$\"; sleep 60",
+        ])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let run = finish(child, Duration::from_secs(5));
+    assert_eq!(run.code, Some(130), "{}", run.out);
+    let workers = pids(&run.out);
+    assert_eq!(workers.len(), 2, "{}", run.out);
+    assert!(survivors(&workers).is_empty());
+}
+
+#[test]
+fn max_restarts_recovers_from_a_one_time_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("failed-once");
+    let script = format!(
+        "if [ \"$RANK\" = 1 ] && [ ! -e {m} ]; then touch {m}; exit 5; fi; echo \"rank $RANK done\"",
+        m = marker.display()
+    );
+    let run = launch(
+        &[
+            "--num_processes",
+            "2",
+            "--max_restarts",
+            "1",
+            "sh",
+            "-c",
+            &script,
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(0), "{}", run.out);
+    assert!(run.out.contains("restarting (1 of 1)"), "{}", run.out);
+    assert!(run.out.contains("[rank1]: rank 1 done"), "{}", run.out);
+    let run = launch(
+        &["--num_processes", "2", "sh", "-c", "exit 5"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(5));
+}
+
+#[test]
+fn logs_filters_and_bad_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let run = launch(
+        &[
+            "--num_processes",
+            "2",
+            "--log_dir",
+            logs.to_str().unwrap(),
+            "--local_ranks_filter",
+            "0",
+            "sh",
+            "-c",
+            "echo out-$RANK; echo err-$RANK >&2",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(0), "{}", run.out);
+    assert!(
+        run.out.contains("[rank0]: out-0") && !run.out.contains("[rank1]:"),
+        "{}",
+        run.out
+    );
+    assert_eq!(
+        std::fs::read_to_string(logs.join("rank1.stdout")).unwrap(),
+        "out-1\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(logs.join("rank1.stderr")).unwrap(),
+        "err-1\n"
+    );
+
+    let run = launch(&["--num_proceses", "2", "true"], Duration::from_secs(10));
+    assert_eq!(run.code, Some(2));
+    assert!(run.out.contains("--num_processes"), "{}", run.out);
+    let run = launch(
+        &["--fsdp_sharding_strategy", "SIDEWAYS", "true"],
+        Duration::from_secs(10),
+    );
+    assert_ne!(run.code, Some(0));
+    assert!(
+        run.out
+            .contains("invalid value `SIDEWAYS` for --fsdp_sharding_strategy"),
+        "{}",
+        run.out
+    );
+    let run = launch(
+        &[
+            "--num_processes",
+            "3",
+            "--num_machines",
+            "2",
+            "--main_process_ip",
+            "127.0.0.1",
+            "true",
+        ],
+        Duration::from_secs(10),
+    );
+    assert!(run.out.contains("must be a multiple of"), "{}", run.out);
+    assert!(Path::new(EXE).exists());
+}
