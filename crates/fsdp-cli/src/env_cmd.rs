@@ -49,10 +49,11 @@ fn cuda_line(s: &SystemInfo) -> String {
             .map_or("not found".to_string(), |p| p.display().to_string())
     };
     format!(
-        "driver {}, libcuda {}, libnccl {}, built with NCCL support: no",
+        "driver {}, libcuda {}, libnccl {}, built with NCCL support: {}",
         s.nvidia_driver.as_deref().unwrap_or("not loaded"),
         lib(&s.libcuda),
-        lib(&s.libnccl)
+        lib(&s.libnccl),
+        if cfg!(feature = "nccl") { "yes" } else { "no" }
     )
 }
 
@@ -164,7 +165,7 @@ fn print_json(
             "nvidia_driver": s.nvidia_driver,
             "libcuda": s.libcuda,
             "libnccl": s.libnccl,
-            "nccl_support_built": false,
+            "nccl_support_built": cfg!(feature = "nccl"),
         },
         "launch_environment": world_line(world),
         "config_file": file,

@@ -10,6 +10,8 @@ mod algorithms;
 pub mod dtype;
 pub mod error;
 pub mod group;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod shm;
 pub mod store;
 mod transport;

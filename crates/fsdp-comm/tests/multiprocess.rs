@@ -222,6 +222,8 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
                 Ok(())
             }
         },
+        #[cfg(feature = "nccl")]
+        "nccl" => nccl_collectives(),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -677,4 +679,74 @@ fn single_process_group_needs_no_store() {
     );
     assert_eq!(pg.all_gather(vec![1u8]).wait().unwrap(), vec![1]);
     assert!(pg.send(vec![1u8], 0).wait().is_err());
+}
+
+/// CUDA devices usable here, or `None` when the CUDA driver library cannot be loaded.
+#[cfg(feature = "nccl")]
+fn cuda_devices() -> Option<usize> {
+    let count =
+        std::panic::catch_unwind(fsdp_comm::nccl::cudarc::driver::CudaContext::device_count)
+            .ok()?
+            .ok()?;
+    Some(count.max(0) as usize)
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_collectives() -> Result<(), String> {
+    use fsdp_comm::nccl::NcclGroup;
+    let pg = group()?;
+    let (rank, n) = (pg.rank(), pg.size());
+    let e = |e: fsdp_comm::CommError| e.to_string();
+    let ctx =
+        fsdp_comm::nccl::cudarc::driver::CudaContext::new(rank).map_err(|e| format!("{e:?}"))?;
+    let stream = ctx.default_stream();
+    let nccl = NcclGroup::new(&pg, stream.clone()).map_err(e)?;
+    let len = 1 << 20;
+    let host: Vec<f32> = (0..len).map(|i| (rank * 3 + i % 7) as f32).collect();
+    let mut buf = stream.clone_htod(&host).map_err(|e| format!("{e:?}"))?;
+    nccl.all_reduce(&mut buf, ReduceOp::Sum).map_err(e)?;
+    let got = stream.clone_dtoh(&buf).map_err(|e| format!("{e:?}"))?;
+    let want: Vec<f32> = (0..len)
+        .map(|i| (0..n).map(|r| (r * 3 + i % 7) as f32).sum())
+        .collect();
+    expect_eq("nccl all_reduce", &got, &want)?;
+    let mut gathered = stream
+        .alloc_zeros::<f32>(len * n)
+        .map_err(|e| format!("{e:?}"))?;
+    let input = stream.clone_htod(&host).map_err(|e| format!("{e:?}"))?;
+    nccl.all_gather(&input, &mut gathered).map_err(e)?;
+    let got = stream.clone_dtoh(&gathered).map_err(|e| format!("{e:?}"))?;
+    let want: Vec<f32> = (0..n)
+        .flat_map(|r| (0..len).map(move |i| (r * 3 + i % 7) as f32))
+        .collect();
+    expect_eq("nccl all_gather", &got, &want)?;
+    let full: Vec<f32> = (0..len * n).map(|i| (rank + i % 5) as f32).collect();
+    let input = stream.clone_htod(&full).map_err(|e| format!("{e:?}"))?;
+    let mut part = stream
+        .alloc_zeros::<f32>(len)
+        .map_err(|e| format!("{e:?}"))?;
+    nccl.reduce_scatter(&input, &mut part, ReduceOp::Sum)
+        .map_err(e)?;
+    let got = stream.clone_dtoh(&part).map_err(|e| format!("{e:?}"))?;
+    let want: Vec<f32> = (rank * len..(rank + 1) * len)
+        .map(|i| (0..n).map(|r| (r + i % 5) as f32).sum())
+        .collect();
+    expect_eq("nccl reduce_scatter", &got, &want)
+}
+
+/// NCCL needs one GPU per rank: runs on min(GPUs, 2) ranks; says so and passes without CUDA.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_collectives_on_gpus() {
+    match cuda_devices() {
+        None | Some(0) => {
+            eprintln!("SKIPPED nccl_collectives_on_gpus: no CUDA driver or device on this machine")
+        }
+        Some(count) => assert_all_ok(&run_all(
+            "nccl",
+            count.min(2),
+            vec![],
+            Duration::from_secs(120),
+        )),
+    }
 }
