@@ -2,3 +2,4 @@
 //! Accelerate's FSDP plugin.
 
 pub mod config;
+pub mod nn;

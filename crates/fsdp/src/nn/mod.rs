@@ -1,0 +1,3 @@
+//! Layers and fused training kernels on candle.
+
+pub mod ops;

@@ -1,0 +1,201 @@
+//! LayerNorm and RMSNorm over the last dimension, with affine parameters.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::{Float, contiguous, float_dispatch, rows, tensor, with_slice};
+
+/// Per-row mean and 1/std (mean 0 for RMSNorm).
+fn row_stats<T: Float>(row: &[T], eps: f64, center: bool) -> (f64, f64) {
+    let n = row.len() as f64;
+    let mean = if center {
+        row.iter().map(|v| v.f()).sum::<f64>() / n
+    } else {
+        0.0
+    };
+    let var = row
+        .iter()
+        .map(|v| (v.f() - mean) * (v.f() - mean))
+        .sum::<f64>()
+        / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+fn check_param(op: &str, len: usize, d: usize) -> Result<()> {
+    if len != d {
+        return Err(candle_core::Error::Msg(format!(
+            "{op}: parameter has {len} elements, last dimension is {d}"
+        )));
+    }
+    Ok(())
+}
+
+/// Forward for both norms: `y = (x - mean) * rstd * gamma (+ beta)`.
+fn norm_fwd<T: Float>(
+    x: &[T],
+    gamma: &[T],
+    beta: Option<&[T]>,
+    d: usize,
+    eps: f64,
+    center: bool,
+) -> Vec<T> {
+    let mut y = vec![T::of(0.0); x.len()];
+    for (xr, yr) in x.chunks(d.max(1)).zip(y.chunks_mut(d.max(1))) {
+        let (mean, rstd) = row_stats(xr, eps, center);
+        for j in 0..xr.len() {
+            let b = beta.map_or(0.0, |b| b[j].f());
+            yr[j] = T::of((xr[j].f() - mean) * rstd * gamma[j].f() + b);
+        }
+    }
+    y
+}
+
+/// Backward for both norms: (dx, dgamma, dbeta).
+fn norm_bwd<T: Float>(
+    x: &[T],
+    gamma: &[T],
+    g: &[T],
+    d: usize,
+    eps: f64,
+    center: bool,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let mut dx = vec![T::of(0.0); x.len()];
+    let mut dgamma = vec![0f64; d];
+    let mut dbeta = vec![0f64; d];
+    let n = d as f64;
+    let mut xhat = vec![0f64; d];
+    let mut dxhat = vec![0f64; d];
+    for ((xr, gr), dr) in x
+        .chunks(d.max(1))
+        .zip(g.chunks(d.max(1)))
+        .zip(dx.chunks_mut(d.max(1)))
+    {
+        let (mean, rstd) = row_stats(xr, eps, center);
+        let (mut sum_dxhat, mut sum_dxhat_xhat) = (0.0, 0.0);
+        for j in 0..d {
+            xhat[j] = (xr[j].f() - mean) * rstd;
+            dxhat[j] = gr[j].f() * gamma[j].f();
+            sum_dxhat += dxhat[j];
+            sum_dxhat_xhat += dxhat[j] * xhat[j];
+            dgamma[j] += gr[j].f() * xhat[j];
+            dbeta[j] += gr[j].f();
+        }
+        let mean_dxhat = if center { sum_dxhat / n } else { 0.0 };
+        for j in 0..d {
+            dr[j] = T::of(rstd * (dxhat[j] - mean_dxhat - xhat[j] * sum_dxhat_xhat / n));
+        }
+    }
+    (
+        dx,
+        dgamma.into_iter().map(T::of).collect(),
+        dbeta.into_iter().map(T::of).collect(),
+    )
+}
+
+struct LayerNorm {
+    eps: f64,
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let gamma = contiguous::<T>(s2, l2, self.name())?;
+            let beta = contiguous::<T>(s3, l3, self.name())?;
+            let (_, d) = rows(l1.shape());
+            check_param(self.name(), gamma.len(), d)?;
+            check_param(self.name(), beta.len(), d)?;
+            Ok((T::storage(norm_fwd(x, gamma, Some(beta), d, self.eps, true)), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        g_t: &Tensor,
+        b_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        float_dispatch!(x_t.dtype(), self.name(), T => {
+            with_slice::<T, _>(x_t, self.name(), |x| {
+                with_slice::<T, _>(g_t, self.name(), |gamma| {
+                    with_slice::<T, _>(grad, self.name(), |g| {
+                        let (dx, dgamma, dbeta) = norm_bwd(x, gamma, g, gamma.len(), self.eps, true);
+                        Ok((Some(tensor(dx, x_t.shape(), x_t)?), Some(tensor(dgamma, g_t.shape(), g_t)?), Some(tensor(dbeta, b_t.shape(), b_t)?)))
+                    })
+                })
+            })
+        })
+    }
+}
+
+/// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * gamma + beta`
+/// (biased variance, as PyTorch), with a hand-written backward for all three inputs.
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, LayerNorm { eps })
+}
+
+struct RmsNorm {
+    eps: f64,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let w = contiguous::<T>(s2, l2, self.name())?;
+            let (_, d) = rows(l1.shape());
+            check_param(self.name(), w.len(), d)?;
+            Ok((T::storage(norm_fwd(x, w, None, d, self.eps, false)), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        w_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        float_dispatch!(x_t.dtype(), self.name(), T => {
+            with_slice::<T, _>(x_t, self.name(), |x| {
+                with_slice::<T, _>(w_t, self.name(), |w| {
+                    with_slice::<T, _>(grad, self.name(), |g| {
+                        let (dx, dw, _) = norm_bwd(x, w, g, w.len(), self.eps, false);
+                        Ok((Some(tensor(dx, x_t.shape(), x_t)?), Some(tensor(dw, w_t.shape(), w_t)?)))
+                    })
+                })
+            })
+        })
+    }
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2(&weight.contiguous()?, RmsNorm { eps })
+}

@@ -1,0 +1,333 @@
+//! Every fused op against the same math composed from plain candle ops (values and
+//! gradients, f64 tight, f32 within 1e-5) and against central finite differences (f64).
+
+use candle_core::{D, DType, Device, Result, Tensor, Var};
+use fsdp::nn::ops::{self, CrossEntropy, GeluApprox, Reduction};
+
+/// A deterministic pseudo-random tensor (xorshift), values in [-scale, scale).
+fn rand(shape: &[usize], seed: u64, scale: f64, dtype: DType) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let v: Vec<f64> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+type Fun = dyn Fn(&[Tensor]) -> Result<Tensor>;
+
+/// `sum(f(inputs) * w)` for a fixed random `w`, so every output element gets its own weight.
+fn weighted(f: &Fun, inputs: &[Tensor], seed: u64) -> Result<Tensor> {
+    let out = f(inputs)?;
+    let w = rand(out.dims(), seed, 1.0, out.dtype());
+    (out * w)?.sum_all()
+}
+
+/// Values and gradients of `f` at `inputs` (each input a fresh variable).
+fn eval(f: &Fun, inputs: &[Tensor]) -> (Tensor, Vec<Tensor>) {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let out = f(&ts).unwrap();
+    let loss = weighted(f, &ts, 99).unwrap();
+    let grads = loss.backward().unwrap();
+    let g = vars
+        .iter()
+        .map(|v| grads.get(v).expect("no gradient").clone())
+        .collect();
+    (out, g)
+}
+
+fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let a: Vec<f64> = a
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let b: Vec<f64> = b
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
+    a.iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs() / scale))
+}
+
+/// Fused `fused` vs composed `reference`, values and gradients.
+fn against_composed(name: &str, fused: &Fun, reference: &Fun, inputs: &[Tensor], tol: f64) {
+    let (out_a, g_a) = eval(fused, inputs);
+    let (out_b, g_b) = eval(reference, inputs);
+    let d = max_rel_diff(&out_a, &out_b);
+    assert!(d < tol, "{name}: value differs by {d:e} (tol {tol:e})");
+    for (i, (a, b)) in g_a.iter().zip(&g_b).enumerate() {
+        let d = max_rel_diff(a, b);
+        assert!(
+            d < tol,
+            "{name}: gradient of input {i} differs by {d:e} (tol {tol:e})"
+        );
+    }
+}
+
+/// Analytic gradients vs central differences at a sample of positions (f64).
+fn against_finite_differences(name: &str, f: &Fun, inputs: &[Tensor]) {
+    let (_, grads) = eval(f, inputs);
+    let h = 1e-6;
+    for (i, input) in inputs.iter().enumerate() {
+        let base: Vec<f64> = input.flatten_all().unwrap().to_vec1().unwrap();
+        let analytic: Vec<f64> = grads[i].flatten_all().unwrap().to_vec1().unwrap();
+        let step = (base.len() / 23).max(1);
+        for k in (0..base.len()).step_by(step) {
+            let at = |delta: f64| {
+                let mut v = base.clone();
+                v[k] += delta;
+                let mut ins = inputs.to_vec();
+                ins[i] = Tensor::from_vec(v, input.dims(), &Device::Cpu).unwrap();
+                weighted(f, &ins, 99).unwrap().to_scalar::<f64>().unwrap()
+            };
+            let numeric = (at(h) - at(-h)) / (2.0 * h);
+            let err =
+                (numeric - analytic[k]).abs() / numeric.abs().max(analytic[k].abs()).max(1e-3);
+            assert!(
+                err < 1e-6,
+                "{name}: input {i} element {k}: analytic {} vs numeric {numeric} (rel {err:e})",
+                analytic[k]
+            );
+        }
+    }
+}
+
+fn composed_gelu_erf(x: &Tensor) -> Result<Tensor> {
+    // x * Phi(x), with Phi from exp-based erf-free pieces: use candle's erf (differentiable).
+    let phi = ((x / std::f64::consts::SQRT_2)?.erf()? + 1.0)? * 0.5;
+    x * phi?
+}
+
+fn composed_gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    let inner = ((x + (x.powf(3.0)? * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
+    (x * 0.5)? * (inner.tanh()? + 1.0)?
+}
+
+fn composed_softmax(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+fn composed_layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    xc.broadcast_div(&(var + eps)?.sqrt()?)?
+        .broadcast_mul(g)?
+        .broadcast_add(b)
+}
+
+fn composed_rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+}
+
+fn composed_cross_entropy(logits: &Tensor, targets: &[i64], s: CrossEntropy) -> Result<Tensor> {
+    let (_, c) = logits.dims2()?;
+    let logp = logits.broadcast_sub(&composed_lse(logits)?)?;
+    let mut terms = Vec::new();
+    for (row, &t) in targets.iter().enumerate() {
+        if t == s.ignore_index {
+            continue;
+        }
+        let lp = logp.get(row)?;
+        let nll = lp.get(t as usize)?.neg()?;
+        let smooth = (lp.sum_all()? / c as f64)?.neg()?;
+        terms.push(((nll * (1.0 - s.label_smoothing))? + (smooth * s.label_smoothing)?)?);
+    }
+    let total = Tensor::stack(&terms, 0)?.sum_all()?;
+    match s.reduction {
+        Reduction::Sum => Ok(total),
+        Reduction::Mean => total / terms.len() as f64,
+    }
+}
+
+fn composed_lse(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    x.broadcast_sub(&m)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        .broadcast_add(&m)
+}
+
+#[test]
+fn gelu_both_forms() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let x = rand(&[6, 33], 1, 4.0, dtype);
+        against_composed(
+            "gelu erf",
+            &|t| ops::gelu(&t[0], GeluApprox::Erf),
+            &|t| composed_gelu_erf(&t[0]),
+            &[x.clone()],
+            tol,
+        );
+        against_composed(
+            "gelu tanh",
+            &|t| ops::gelu(&t[0], GeluApprox::Tanh),
+            &|t| composed_gelu_tanh(&t[0]),
+            &[x.clone()],
+            tol,
+        );
+        let b = rand(&[33], 2, 1.0, dtype);
+        against_composed(
+            "bias gelu",
+            &|t| ops::bias_gelu(&t[0], &t[1], GeluApprox::Erf),
+            &|t| composed_gelu_erf(&t[0].broadcast_add(&t[1])?),
+            &[x, b],
+            tol,
+        );
+    }
+    let x = rand(&[4, 9], 3, 4.0, DType::F64);
+    against_finite_differences(
+        "gelu erf",
+        &|t| ops::gelu(&t[0], GeluApprox::Erf),
+        &[x.clone()],
+    );
+    against_finite_differences(
+        "gelu tanh",
+        &|t| ops::gelu(&t[0], GeluApprox::Tanh),
+        &[x.clone()],
+    );
+    let b = rand(&[9], 4, 1.0, DType::F64);
+    against_finite_differences(
+        "bias gelu",
+        &|t| ops::bias_gelu(&t[0], &t[1], GeluApprox::Tanh),
+        &[x, b],
+    );
+}
+
+#[test]
+fn softmax_last_dim() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let x = rand(&[2, 5, 17], 5, 6.0, dtype);
+        against_composed(
+            "softmax",
+            &|t| ops::softmax_last_dim(&t[0]),
+            &|t| composed_softmax(&t[0]),
+            &[x],
+            tol,
+        );
+    }
+    against_finite_differences(
+        "softmax",
+        &|t| ops::softmax_last_dim(&t[0]),
+        &[rand(&[3, 7], 6, 3.0, DType::F64)],
+    );
+}
+
+#[test]
+fn layer_norm_and_rms_norm() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-10 } else { 1e-5 };
+        let x = (rand(&[3, 4, 32], 7, 2.0, dtype) + 0.7).unwrap();
+        let g = (rand(&[32], 8, 0.5, dtype) + 1.0).unwrap();
+        let b = rand(&[32], 9, 0.5, dtype);
+        against_composed(
+            "layer_norm",
+            &|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-12),
+            &|t| composed_layer_norm(&t[0], &t[1], &t[2], 1e-12),
+            &[x.clone(), g.clone(), b],
+            tol,
+        );
+        against_composed(
+            "rms_norm",
+            &|t| ops::rms_norm(&t[0], &t[1], 1e-6),
+            &|t| composed_rms_norm(&t[0], &t[1], 1e-6),
+            &[x, g],
+            tol,
+        );
+    }
+    let x = rand(&[3, 8], 10, 2.0, DType::F64);
+    let g = (rand(&[8], 11, 0.5, DType::F64) + 1.0).unwrap();
+    let b = rand(&[8], 12, 0.5, DType::F64);
+    against_finite_differences(
+        "layer_norm",
+        &|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        &[x.clone(), g.clone(), b],
+    );
+    against_finite_differences("rms_norm", &|t| ops::rms_norm(&t[0], &t[1], 1e-5), &[x, g]);
+}
+
+#[test]
+fn cross_entropy_variants() {
+    let targets: Vec<i64> = vec![3, 0, -100, 6, 2, 2, -100, 1];
+    let t = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let logits = rand(&[8, 7], 13, 5.0, dtype);
+        for (reduction, smoothing) in [
+            (Reduction::Mean, 0.0),
+            (Reduction::Sum, 0.0),
+            (Reduction::Mean, 0.1),
+            (Reduction::Sum, 0.25),
+        ] {
+            let s = CrossEntropy {
+                reduction,
+                label_smoothing: smoothing,
+                ..Default::default()
+            };
+            let t = t.clone();
+            let targets = targets.clone();
+            against_composed(
+                &format!("cross_entropy {reduction:?} smoothing {smoothing}"),
+                &move |x| ops::cross_entropy(&x[0], &t, s),
+                &move |x| composed_cross_entropy(&x[0], &targets, s),
+                &[logits.clone()],
+                tol,
+            );
+        }
+    }
+    let s = CrossEntropy {
+        label_smoothing: 0.2,
+        ..Default::default()
+    };
+    let logits = rand(&[8, 7], 14, 3.0, DType::F64);
+    against_finite_differences(
+        "cross_entropy",
+        &move |x| ops::cross_entropy(&x[0], &t, s),
+        &[logits],
+    );
+    // u32 targets work too; out-of-range targets are an error, not a panic.
+    let logits = rand(&[2, 3], 15, 1.0, DType::F32);
+    let ok = ops::cross_entropy(
+        &logits,
+        &Tensor::new(&[0u32, 2], &Device::Cpu).unwrap(),
+        CrossEntropy::default(),
+    );
+    assert!(ok.is_ok());
+    let bad = ops::cross_entropy(
+        &logits,
+        &Tensor::new(&[0u32, 3], &Device::Cpu).unwrap(),
+        CrossEntropy::default(),
+    );
+    assert!(
+        bad.unwrap_err()
+            .to_string()
+            .contains("target 3 is outside 0..3")
+    );
+}
