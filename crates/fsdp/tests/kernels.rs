@@ -182,14 +182,14 @@ fn gelu_both_forms() {
             "gelu erf",
             &|t| ops::gelu(&t[0], GeluApprox::Erf),
             &|t| composed_gelu_erf(&t[0]),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             tol,
         );
         against_composed(
             "gelu tanh",
             &|t| ops::gelu(&t[0], GeluApprox::Tanh),
             &|t| composed_gelu_tanh(&t[0]),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             tol,
         );
         let b = rand(&[33], 2, 1.0, dtype);
@@ -205,12 +205,12 @@ fn gelu_both_forms() {
     against_finite_differences(
         "gelu erf",
         &|t| ops::gelu(&t[0], GeluApprox::Erf),
-        &[x.clone()],
+        std::slice::from_ref(&x),
     );
     against_finite_differences(
         "gelu tanh",
         &|t| ops::gelu(&t[0], GeluApprox::Tanh),
-        &[x.clone()],
+        std::slice::from_ref(&x),
     );
     let b = rand(&[9], 4, 1.0, DType::F64);
     against_finite_differences(
