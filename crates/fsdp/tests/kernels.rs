@@ -297,7 +297,7 @@ fn cross_entropy_variants() {
                 &format!("cross_entropy {reduction:?} smoothing {smoothing}"),
                 &move |x| ops::cross_entropy(&x[0], &t, s),
                 &move |x| composed_cross_entropy(&x[0], &targets, s),
-                &[logits.clone()],
+                std::slice::from_ref(&logits),
                 tol,
             );
         }
