@@ -2,4 +2,6 @@
 //! Accelerate's FSDP plugin.
 
 pub mod config;
+pub mod models;
 pub mod nn;
+pub mod optim;

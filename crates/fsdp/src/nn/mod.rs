@@ -1,3 +1,9 @@
-//! Layers and fused training kernels on candle.
+//! Layers, the module system and fused training kernels on candle.
 
+pub mod layers;
+pub mod module;
 pub mod ops;
+
+pub use module::{
+    Init, LoadReport, LocalParams, ModuleInfo, NormalRng, ParamSpec, Params, load_by_name,
+};

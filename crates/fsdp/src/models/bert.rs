@@ -1,0 +1,336 @@
+//! BERT (`BertModel`, `BertForSequenceClassification`) with Hugging Face tensor names and
+//! semantics: word + position + token-type embeddings, post-LayerNorm encoder layers, pooler
+//! on the first token with tanh, classifier.
+
+use std::path::Path;
+
+use candle_core::{D, DType, Result, Tensor};
+use serde::Deserialize;
+
+use crate::nn::layers::{
+    attention, embedding, embedding_info, layer_norm, layer_norm_info, linear, linear_gelu,
+    linear_info,
+};
+use crate::nn::module::{ModuleInfo, Params};
+use crate::nn::ops::GeluApprox;
+
+/// The fields of a Hugging Face BERT `config.json` this implementation uses.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct BertConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// Number of encoder layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Feed-forward inner size.
+    pub intermediate_size: usize,
+    /// Activation: `gelu` (erf form) or `gelu_new` / `gelu_pytorch_tanh` (tanh form).
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    /// Position table size.
+    pub max_position_embeddings: usize,
+    /// Token-type table size.
+    #[serde(default = "default_type_vocab")]
+    pub type_vocab_size: usize,
+    /// LayerNorm epsilon.
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    /// Standard deviation of the normal initialisation.
+    #[serde(default = "default_init_range")]
+    pub initializer_range: f64,
+    /// Hidden dropout (training runs here support 0 only until dropout lands).
+    #[serde(default)]
+    pub hidden_dropout_prob: f64,
+    /// Attention dropout (as above).
+    #[serde(default)]
+    pub attention_probs_dropout_prob: f64,
+    /// Labels of the classification head.
+    #[serde(default = "default_labels")]
+    pub num_labels: usize,
+}
+
+fn default_act() -> String {
+    "gelu".into()
+}
+fn default_type_vocab() -> usize {
+    2
+}
+fn default_eps() -> f64 {
+    1e-12
+}
+fn default_init_range() -> f64 {
+    0.02
+}
+fn default_labels() -> usize {
+    2
+}
+
+impl BertConfig {
+    /// Parses `config.json` text.
+    pub fn from_json(text: &str) -> Result<BertConfig> {
+        serde_json::from_str(text)
+            .map_err(|e| candle_core::Error::Msg(format!("invalid BERT config: {e}")))
+    }
+
+    /// Reads a `config.json` file.
+    pub fn from_file(path: &Path) -> Result<BertConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+        BertConfig::from_json(&text)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))
+    }
+
+    fn gelu(&self) -> Result<GeluApprox> {
+        match self.hidden_act.as_str() {
+            "gelu" => Ok(GeluApprox::Erf),
+            "gelu_new" | "gelu_pytorch_tanh" => Ok(GeluApprox::Tanh),
+            other => Err(candle_core::Error::Msg(format!(
+                "unsupported hidden_act {other:?}"
+            ))),
+        }
+    }
+
+    fn head_dim(&self) -> Result<usize> {
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "hidden_size {} is not a multiple of num_attention_heads {}",
+                self.hidden_size, self.num_attention_heads
+            )));
+        }
+        Ok(self.hidden_size / self.num_attention_heads)
+    }
+}
+
+/// The encoder: embeddings, layers, pooler. `prefix` is `bert` inside task models, empty for
+/// a bare `BertModel`.
+#[derive(Debug, Clone)]
+pub struct BertModel {
+    /// Its configuration.
+    pub config: BertConfig,
+    prefix: String,
+}
+
+fn join(prefix: &str, leaf: &str) -> String {
+    if prefix.is_empty() {
+        leaf.to_string()
+    } else {
+        format!("{prefix}.{leaf}")
+    }
+}
+
+impl BertModel {
+    /// A model whose parameter names start with `prefix`.
+    pub fn new(config: BertConfig, prefix: &str) -> BertModel {
+        BertModel {
+            config,
+            prefix: prefix.to_string(),
+        }
+    }
+
+    /// The module tree (types `BertEmbeddings`, `BertLayer`, `BertPooler`, ...).
+    pub fn info(&self) -> ModuleInfo {
+        let c = &self.config;
+        let (h, std) = (c.hidden_size, c.initializer_range);
+        let p = |leaf: &str| join(&self.prefix, leaf);
+        let embeddings = ModuleInfo::new(p("embeddings"), "BertEmbeddings")
+            .child(embedding_info(
+                p("embeddings.word_embeddings"),
+                c.vocab_size,
+                h,
+                std,
+            ))
+            .child(embedding_info(
+                p("embeddings.position_embeddings"),
+                c.max_position_embeddings,
+                h,
+                std,
+            ))
+            .child(embedding_info(
+                p("embeddings.token_type_embeddings"),
+                c.type_vocab_size,
+                h,
+                std,
+            ))
+            .child(layer_norm_info(p("embeddings.LayerNorm"), h));
+        let mut encoder = ModuleInfo::new(p("encoder"), "BertEncoder");
+        for i in 0..c.num_hidden_layers {
+            let l = |leaf: &str| p(&format!("encoder.layer.{i}.{leaf}"));
+            let layer = ModuleInfo::new(l("").trim_end_matches('.').to_string(), "BertLayer")
+                .child(
+                    ModuleInfo::new(l("attention"), "BertAttention")
+                        .child(
+                            ModuleInfo::new(l("attention.self"), "BertSelfAttention")
+                                .child(linear_info(l("attention.self.query"), h, h, std))
+                                .child(linear_info(l("attention.self.key"), h, h, std))
+                                .child(linear_info(l("attention.self.value"), h, h, std)),
+                        )
+                        .child(
+                            ModuleInfo::new(l("attention.output"), "BertSelfOutput")
+                                .child(linear_info(l("attention.output.dense"), h, h, std))
+                                .child(layer_norm_info(l("attention.output.LayerNorm"), h)),
+                        ),
+                )
+                .child(
+                    ModuleInfo::new(l("intermediate"), "BertIntermediate").child(linear_info(
+                        l("intermediate.dense"),
+                        h,
+                        c.intermediate_size,
+                        std,
+                    )),
+                )
+                .child(
+                    ModuleInfo::new(l("output"), "BertOutput")
+                        .child(linear_info(l("output.dense"), c.intermediate_size, h, std))
+                        .child(layer_norm_info(l("output.LayerNorm"), h)),
+                );
+            encoder = encoder.child(layer);
+        }
+        let pooler = ModuleInfo::new(p("pooler"), "BertPooler").child(linear_info(
+            p("pooler.dense"),
+            h,
+            h,
+            std,
+        ));
+        ModuleInfo::new(self.prefix.clone(), "BertModel")
+            .child(embeddings)
+            .child(encoder)
+            .child(pooler)
+    }
+
+    /// The module types that make good FSDP units (transformers' `_no_split_modules`).
+    pub fn no_split_modules() -> &'static [&'static str] {
+        &["BertEmbeddings", "BertLayer"]
+    }
+
+    /// Sequence output [batch, seq, hidden] and pooled output [batch, hidden].
+    /// `attention_mask` (1 = attend) and `token_type_ids` default to all ones and all zeros.
+    pub fn forward(
+        &self,
+        p: &dyn Params,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let c = &self.config;
+        if c.hidden_dropout_prob != 0.0 || c.attention_probs_dropout_prob != 0.0 {
+            return Err(candle_core::Error::Msg(
+                "dropout is not implemented yet: set the dropout probabilities to 0".into(),
+            ));
+        }
+        let pre = |leaf: &str| join(&self.prefix, leaf);
+        let (batch, seq) = input_ids.dims2()?;
+        if seq > c.max_position_embeddings {
+            return Err(candle_core::Error::Msg(format!(
+                "sequence length {seq} exceeds max_position_embeddings {}",
+                c.max_position_embeddings
+            )));
+        }
+        let device = input_ids.device();
+        // Embeddings.
+        let words = embedding(p, &pre("embeddings.word_embeddings"), input_ids)?;
+        let positions = Tensor::arange(0u32, seq as u32, device)?;
+        let pos = embedding(p, &pre("embeddings.position_embeddings"), &positions)?;
+        let types = match token_type_ids {
+            Some(t) => t.clone(),
+            None => Tensor::zeros((batch, seq), DType::U32, device)?,
+        };
+        let typ = embedding(p, &pre("embeddings.token_type_embeddings"), &types)?;
+        let emb = (words.broadcast_add(&pos)? + typ)?;
+        let mut hidden = layer_norm(p, &pre("embeddings.LayerNorm"), &emb, c.layer_norm_eps)?;
+        hidden = p.module_output(&pre("embeddings"), hidden)?;
+        // Additive mask: 0 where attended, the dtype's lowest value elsewhere (as transformers).
+        let mask = match attention_mask {
+            None => None,
+            Some(m) => {
+                let dtype = hidden.dtype();
+                let lowest = if dtype == DType::F64 {
+                    f64::MIN
+                } else {
+                    f32::MIN as f64
+                };
+                let m = m.to_dtype(dtype)?.reshape((batch, 1, 1, seq))?;
+                Some(((m.ones_like()? - m)? * lowest)?)
+            }
+        };
+        let heads = c.num_attention_heads;
+        let hd = c.head_dim()?;
+        let gelu = c.gelu()?;
+        for i in 0..c.num_hidden_layers {
+            let l = |leaf: &str| pre(&format!("encoder.layer.{i}.{leaf}"));
+            let split = |t: Tensor| t.reshape((batch, seq, heads, hd))?.transpose(1, 2);
+            let q = split(linear(p, &l("attention.self.query"), &hidden)?)?;
+            let k = split(linear(p, &l("attention.self.key"), &hidden)?)?;
+            let v = split(linear(p, &l("attention.self.value"), &hidden)?)?;
+            let ctx = attention(&q, &k, &v, mask.as_ref())?
+                .transpose(1, 2)?
+                .reshape((batch, seq, c.hidden_size))?;
+            let attn = linear(p, &l("attention.output.dense"), &ctx)?;
+            let attn = layer_norm(
+                p,
+                &l("attention.output.LayerNorm"),
+                &(attn + &hidden)?,
+                c.layer_norm_eps,
+            )?;
+            let inter = linear_gelu(p, &l("intermediate.dense"), &attn, gelu)?;
+            let out = linear(p, &l("output.dense"), &inter)?;
+            hidden = layer_norm(p, &l("output.LayerNorm"), &(out + attn)?, c.layer_norm_eps)?;
+            hidden = p.module_output(&pre(&format!("encoder.layer.{i}")), hidden)?;
+        }
+        let first = hidden.narrow(1, 0, 1)?.squeeze(1)?;
+        let pooled = linear(p, &pre("pooler.dense"), &first)?.tanh()?;
+        let pooled = p.module_output(&pre("pooler"), pooled)?;
+        Ok((hidden, pooled))
+    }
+}
+
+/// BERT with a classification head (`classifier` on the pooled output).
+#[derive(Debug, Clone)]
+pub struct BertForSequenceClassification {
+    /// The encoder, named `bert.*`.
+    pub bert: BertModel,
+}
+
+impl BertForSequenceClassification {
+    /// A model for `config` (its `num_labels` outputs).
+    pub fn new(config: BertConfig) -> Self {
+        BertForSequenceClassification {
+            bert: BertModel::new(config, "bert"),
+        }
+    }
+
+    /// The module tree.
+    pub fn info(&self) -> ModuleInfo {
+        let c = &self.bert.config;
+        ModuleInfo::new("", "BertForSequenceClassification")
+            .child(self.bert.info())
+            .child(linear_info(
+                "classifier".into(),
+                c.hidden_size,
+                c.num_labels,
+                c.initializer_range,
+            ))
+    }
+
+    /// Logits [batch, num_labels].
+    pub fn forward(
+        &self,
+        p: &dyn Params,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (_, pooled) = self
+            .bert
+            .forward(p, input_ids, attention_mask, token_type_ids)?;
+        let logits = linear(p, "classifier", &pooled)?;
+        p.module_output("classifier", logits)
+    }
+}
+
+/// Index of the largest logit per row (for accuracy).
+pub fn argmax(logits: &Tensor) -> Result<Tensor> {
+    logits.argmax(D::Minus1)
+}

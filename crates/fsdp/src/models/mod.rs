@@ -1,0 +1,5 @@
+//! Models with Hugging Face tensor names.
+
+pub mod bert;
+
+pub use bert::{BertConfig, BertForSequenceClassification, BertModel};

@@ -1,0 +1,320 @@
+//! A module system built for FSDP: a model describes its tree of modules (Hugging Face paths
+//! and type names such as `BertLayer`) and their parameters up front, so wrap policies can
+//! choose units and checkpoints can load by name; forward reads parameters through [`Params`],
+//! which a single process backs with plain variables and the FSDP engine with gathered shards.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+/// How a parameter is initialised (Hugging Face's `_init_weights`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// Normal with mean 0 and this standard deviation (`initializer_range`).
+    Normal {
+        /// Standard deviation.
+        std: f64,
+    },
+    /// All zeros (biases, LayerNorm bias).
+    Zeros,
+    /// All ones (LayerNorm weight).
+    Ones,
+}
+
+/// A parameter a module owns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    /// Fully qualified Hugging Face name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Initialisation.
+    pub init: Init,
+    /// False for frozen parameters (no gradient, not updated).
+    pub requires_grad: bool,
+}
+
+/// A node of a model's module tree.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModuleInfo {
+    /// Dotted path (`bert.encoder.layer.3`); empty for the root.
+    pub path: String,
+    /// The module's type name (`BertLayer`), as wrap policies name them.
+    pub type_name: &'static str,
+    /// Parameters owned directly by this module.
+    pub params: Vec<ParamSpec>,
+    /// Child modules in registration order.
+    pub children: Vec<ModuleInfo>,
+}
+
+impl ModuleInfo {
+    /// A module with no parameters yet.
+    pub fn new(path: impl Into<String>, type_name: &'static str) -> ModuleInfo {
+        ModuleInfo {
+            path: path.into(),
+            type_name,
+            params: Vec::new(),
+            children: Vec::new(),
+        }
+    }
+
+    /// `path.leaf`, or `leaf` at the root.
+    pub fn join(&self, leaf: &str) -> String {
+        if self.path.is_empty() {
+            leaf.to_string()
+        } else {
+            format!("{}.{leaf}", self.path)
+        }
+    }
+
+    /// Adds a trainable parameter named `path.leaf`.
+    pub fn param(mut self, leaf: &str, shape: &[usize], init: Init) -> ModuleInfo {
+        let name = self.join(leaf);
+        self.params.push(ParamSpec {
+            name,
+            shape: shape.to_vec(),
+            init,
+            requires_grad: true,
+        });
+        self
+    }
+
+    /// Adds a child module.
+    pub fn child(mut self, child: ModuleInfo) -> ModuleInfo {
+        self.children.push(child);
+        self
+    }
+
+    /// Every module, parents before children.
+    pub fn modules(&self) -> Vec<&ModuleInfo> {
+        let mut out = vec![self];
+        for c in &self.children {
+            out.extend(c.modules());
+        }
+        out
+    }
+
+    /// Every parameter in registration order.
+    pub fn all_params(&self) -> Vec<&ParamSpec> {
+        self.modules()
+            .into_iter()
+            .flat_map(|m| m.params.iter())
+            .collect()
+    }
+
+    /// Total number of parameter elements.
+    pub fn num_params(&self) -> usize {
+        self.all_params()
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum()
+    }
+}
+
+/// Where a forward pass reads parameter values and reports module outputs.
+pub trait Params {
+    /// The current value of a parameter (by fully qualified name).
+    fn get(&self, name: &str) -> Result<Tensor>;
+
+    /// Called with each module's output as forward leaves it; the FSDP engine hooks it (to
+    /// refill the module's parameters before its backward). The default passes it through.
+    fn module_output(&self, _path: &str, output: Tensor) -> Result<Tensor> {
+        Ok(output)
+    }
+}
+
+/// A seeded normal generator (xorshift64* + Box-Muller) so initial weights are the same on
+/// every rank and every run.
+pub struct NormalRng {
+    state: u64,
+    spare: Option<f64>,
+}
+
+impl NormalRng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> NormalRng {
+        NormalRng {
+            state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03 | 1,
+            spare: None,
+        }
+    }
+
+    fn uniform(&mut self) -> f64 {
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        let x = self.state.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    /// A standard normal sample.
+    pub fn normal(&mut self) -> f64 {
+        if let Some(s) = self.spare.take() {
+            return s;
+        }
+        let (u1, u2) = (self.uniform(), self.uniform());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let theta = 2.0 * std::f64::consts::PI * u2;
+        self.spare = Some(r * theta.sin());
+        r * theta.cos()
+    }
+}
+
+/// Single-process parameters: one variable per parameter.
+pub struct LocalParams {
+    vars: BTreeMap<String, Var>,
+    frozen: BTreeMap<String, Tensor>,
+}
+
+impl LocalParams {
+    /// Initialises every parameter of `model` from `seed` (each parameter drawn from its own
+    /// stream keyed by name, so adding a parameter does not shift the others).
+    pub fn init(
+        model: &ModuleInfo,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<LocalParams> {
+        let mut tensors = BTreeMap::new();
+        for spec in model.all_params() {
+            let n: usize = spec.shape.iter().product();
+            let data: Vec<f64> = match spec.init {
+                Init::Zeros => vec![0.0; n],
+                Init::Ones => vec![1.0; n],
+                Init::Normal { std } => {
+                    let mut rng = NormalRng::new(seed ^ fnv1a(&spec.name));
+                    (0..n).map(|_| rng.normal() * std).collect()
+                }
+            };
+            tensors.insert(
+                spec.name.clone(),
+                Tensor::from_vec(data, spec.shape.as_slice(), device)?.to_dtype(dtype)?,
+            );
+        }
+        LocalParams::from_tensors(model, tensors)
+    }
+
+    /// Wraps given tensors; every parameter of `model` must be present with its shape.
+    pub fn from_tensors(
+        model: &ModuleInfo,
+        mut tensors: BTreeMap<String, Tensor>,
+    ) -> Result<LocalParams> {
+        let mut vars = BTreeMap::new();
+        let mut frozen = BTreeMap::new();
+        for spec in model.all_params() {
+            let t = tensors.remove(&spec.name).ok_or_else(|| {
+                candle_core::Error::Msg(format!("missing parameter {}", spec.name))
+            })?;
+            if t.dims() != spec.shape.as_slice() {
+                return Err(candle_core::Error::Msg(format!(
+                    "parameter {} has shape {:?}, the model expects {:?}",
+                    spec.name,
+                    t.dims(),
+                    spec.shape
+                )));
+            }
+            if spec.requires_grad {
+                vars.insert(spec.name.clone(), Var::from_tensor(&t)?);
+            } else {
+                frozen.insert(spec.name.clone(), t);
+            }
+        }
+        Ok(LocalParams { vars, frozen })
+    }
+
+    /// Loads `model`'s parameters from a safetensors file by name (see [`load_by_name`]).
+    pub fn load(
+        model: &ModuleInfo,
+        path: &Path,
+        device: &Device,
+    ) -> Result<(LocalParams, LoadReport)> {
+        let tensors = candle_core::safetensors::load(path, device)?;
+        let (matched, report) = load_by_name(model, tensors);
+        if !report.missing.is_empty() {
+            return Err(candle_core::Error::Msg(format!(
+                "{}: missing parameters {:?}",
+                path.display(),
+                report.missing
+            )));
+        }
+        Ok((LocalParams::from_tensors(model, matched)?, report))
+    }
+
+    /// The trainable variables by name.
+    pub fn vars(&self) -> &BTreeMap<String, Var> {
+        &self.vars
+    }
+
+    /// Every parameter's current value by name.
+    pub fn tensors(&self) -> BTreeMap<String, Tensor> {
+        let mut out: BTreeMap<String, Tensor> = self
+            .vars
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        out.extend(self.frozen.iter().map(|(k, t)| (k.clone(), t.clone())));
+        out
+    }
+}
+
+impl Params for LocalParams {
+    fn get(&self, name: &str) -> Result<Tensor> {
+        self.vars
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+            .or_else(|| self.frozen.get(name).cloned())
+            .ok_or_else(|| candle_core::Error::Msg(format!("unknown parameter {name}")))
+    }
+}
+
+/// What loading by name found, as transformers reports it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadReport {
+    /// Model parameters the file lacks.
+    pub missing: Vec<String>,
+    /// File tensors the model has no parameter for.
+    pub unexpected: Vec<String>,
+}
+
+/// Matches a file's tensors to `model`'s parameter names, accepting files saved from the base
+/// model (`embeddings.…` for `bert.embeddings.…`) and from the task model (`bert.…` for a
+/// base model's `embeddings.…`).
+pub fn load_by_name(
+    model: &ModuleInfo,
+    mut tensors: std::collections::HashMap<String, Tensor>,
+) -> (BTreeMap<String, Tensor>, LoadReport) {
+    let mut matched = BTreeMap::new();
+    let mut report = LoadReport::default();
+    for spec in model.all_params() {
+        let name = &spec.name;
+        let found = tensors.remove(name).or_else(|| {
+            let (prefix, rest) = name.split_once('.')?;
+            // The file has the base model's names; ours carry a task prefix.
+            tensors.remove(rest).filter(|_| !prefix.is_empty())
+        });
+        let found = found.or_else(|| {
+            // The file has a task model's names; ours are the base model's.
+            let key = tensors
+                .keys()
+                .find(|k| k.split_once('.').is_some_and(|(_, rest)| rest == name))?
+                .clone();
+            tensors.remove(&key)
+        });
+        match found {
+            Some(t) => {
+                matched.insert(name.clone(), t);
+            }
+            None => report.missing.push(name.clone()),
+        }
+    }
+    report.unexpected = tensors.into_keys().collect();
+    report.unexpected.sort();
+    (matched, report)
+}
+
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}

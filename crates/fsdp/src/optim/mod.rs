@@ -1,0 +1,5 @@
+//! Optimizers.
+
+pub mod adamw;
+
+pub use adamw::{AdamWConfig, AdamWState};
