@@ -22,6 +22,8 @@ enum BenchWhat {
     /// Median time and bandwidth of all_reduce, all_gather, reduce_scatter and broadcast
     /// (f32) between local processes, sizes 4 KiB to 64 MiB; prints a table and JSON.
     Collectives(CollectiveArgs),
+    /// One BERT encoder layer, forward and forward+backward, with a per-part breakdown.
+    Layer(crate::bench_layer::LayerArgs),
 }
 
 #[derive(Args, Clone)]
@@ -55,6 +57,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         BenchWhat::Collectives(a) if a.worker => worker(&a),
         BenchWhat::Collectives(a) => launch(&a),
+        BenchWhat::Layer(a) => crate::bench_layer::run(a),
     }
 }
 

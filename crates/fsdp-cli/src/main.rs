@@ -2,6 +2,7 @@
 //! training, the way `accelerate` does.
 
 mod bench;
+mod bench_layer;
 mod config_cmd;
 mod env_cmd;
 mod launch;

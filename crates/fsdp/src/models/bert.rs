@@ -255,34 +255,50 @@ impl BertModel {
                 Some(((m.ones_like()? - m)? * lowest)?)
             }
         };
-        let heads = c.num_attention_heads;
-        let hd = c.head_dim()?;
-        let gelu = c.gelu()?;
         for i in 0..c.num_hidden_layers {
-            let l = |leaf: &str| pre(&format!("encoder.layer.{i}.{leaf}"));
-            let split = |t: Tensor| t.reshape((batch, seq, heads, hd))?.transpose(1, 2);
-            let q = split(linear(p, &l("attention.self.query"), &hidden)?)?;
-            let k = split(linear(p, &l("attention.self.key"), &hidden)?)?;
-            let v = split(linear(p, &l("attention.self.value"), &hidden)?)?;
-            let ctx = attention(&q, &k, &v, mask.as_ref())?
-                .transpose(1, 2)?
-                .reshape((batch, seq, c.hidden_size))?;
-            let attn = linear(p, &l("attention.output.dense"), &ctx)?;
-            let attn = layer_norm(
-                p,
-                &l("attention.output.LayerNorm"),
-                &(attn + &hidden)?,
-                c.layer_norm_eps,
-            )?;
-            let inter = linear_gelu(p, &l("intermediate.dense"), &attn, gelu)?;
-            let out = linear(p, &l("output.dense"), &inter)?;
-            hidden = layer_norm(p, &l("output.LayerNorm"), &(out + attn)?, c.layer_norm_eps)?;
+            hidden = self.layer(p, i, &hidden, mask.as_ref())?;
             hidden = p.module_output(&pre(&format!("encoder.layer.{i}")), hidden)?;
         }
         let first = hidden.narrow(1, 0, 1)?.squeeze(1)?;
         let pooled = linear(p, &pre("pooler.dense"), &first)?.tanh()?;
         let pooled = p.module_output(&pre("pooler"), pooled)?;
         Ok((hidden, pooled))
+    }
+}
+
+impl BertModel {
+    /// Encoder layer `i` on `hidden` [batch, seq, hidden] with an optional additive mask
+    /// [batch, 1, 1, seq].
+    pub fn layer(
+        &self,
+        p: &dyn Params,
+        i: usize,
+        hidden: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (batch, seq, _) = hidden.dims3()?;
+        let heads = c.num_attention_heads;
+        let hd = c.head_dim()?;
+        let l = |leaf: &str| join(&self.prefix, &format!("encoder.layer.{i}.{leaf}"));
+        let split = |t: Tensor| t.reshape((batch, seq, heads, hd))?.transpose(1, 2);
+        let q = split(linear(p, &l("attention.self.query"), hidden)?)?;
+        let k = split(linear(p, &l("attention.self.key"), hidden)?)?;
+        let v = split(linear(p, &l("attention.self.value"), hidden)?)?;
+        let ctx =
+            attention(&q, &k, &v, mask)?
+                .transpose(1, 2)?
+                .reshape((batch, seq, c.hidden_size))?;
+        let attn = linear(p, &l("attention.output.dense"), &ctx)?;
+        let attn = layer_norm(
+            p,
+            &l("attention.output.LayerNorm"),
+            &(attn + hidden)?,
+            c.layer_norm_eps,
+        )?;
+        let inter = linear_gelu(p, &l("intermediate.dense"), &attn, c.gelu()?)?;
+        let out = linear(p, &l("output.dense"), &inter)?;
+        layer_norm(p, &l("output.LayerNorm"), &(out + attn)?, c.layer_norm_eps)
     }
 }
 

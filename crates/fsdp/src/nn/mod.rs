@@ -1,5 +1,8 @@
 //! Layers, the module system and fused training kernels on candle.
 
+/// The tensor library, re-exported so users build on the same version.
+pub use candle_core as candle;
+
 pub mod layers;
 pub mod module;
 pub mod ops;

@@ -1,0 +1,232 @@
+//! `fsdp bench layer`: one BERT encoder layer, forward and forward+backward, on a fixed
+//! number of threads, with a per-component breakdown; prints a table and JSON.
+
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use fsdp::models::{BertConfig, BertModel};
+use fsdp::nn::candle::{DType, Device, Tensor, Var};
+use fsdp::nn::layers::{attention, layer_norm, linear, linear_gelu};
+use fsdp::nn::ops::GeluApprox;
+use fsdp::nn::{LocalParams, Params};
+
+/// Options of `fsdp bench layer`.
+#[derive(Args, Clone)]
+pub struct LayerArgs {
+    /// Batch size.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Sequence length.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Feed-forward size.
+    #[arg(long, default_value_t = 1024)]
+    intermediate: usize,
+    /// Compute threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Timed repetitions (after two warm-ups).
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+}
+
+fn config(a: &LayerArgs) -> BertConfig {
+    BertConfig {
+        vocab_size: 16,
+        hidden_size: a.hidden,
+        num_hidden_layers: 1,
+        num_attention_heads: a.heads,
+        intermediate_size: a.intermediate,
+        hidden_act: "gelu".into(),
+        max_position_embeddings: a.seq,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        initializer_range: 0.02,
+        hidden_dropout_prob: 0.0,
+        attention_probs_dropout_prob: 0.0,
+        num_labels: 2,
+    }
+}
+
+/// (median, min) in milliseconds of `reps` runs of `f` after two warm-ups.
+fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    f()?;
+    f()?;
+    let mut ms = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok((ms[ms.len() / 2], ms[0]))
+}
+
+/// Runs `fsdp bench layer`.
+pub fn run(a: LayerArgs) -> Result<()> {
+    // candle sizes its thread pools from RAYON_NUM_THREADS at first use: re-run with it set.
+    if std::env::var("RAYON_NUM_THREADS").ok() != Some(a.threads.to_string()) {
+        let status = Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .env("RAYON_NUM_THREADS", a.threads.to_string())
+            .env("CANDLE_NUM_THREADS", a.threads.to_string())
+            .status()
+            .context("re-running with the thread count set")?;
+        if !status.success() {
+            bail!("layer benchmark failed");
+        }
+        return Ok(());
+    }
+    let device = Device::Cpu;
+    let model = BertModel::new(config(&a), "");
+    let params = LocalParams::init(&model.info(), 0, DType::F32, &device)?;
+    let x = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (a.batch, a.seq, a.hidden), &device)?))?;
+    let p: &dyn Params = &params;
+    let x_t = x.as_tensor().clone();
+    let w = Tensor::randn(0f32, 1.0, (a.batch, a.seq, a.hidden), &device)?;
+
+    let mut rows: Vec<(String, f64, f64, f64, f64)> = Vec::new();
+    let layer = |t: &Tensor| model.layer(p, 0, t, None).map_err(anyhow::Error::from);
+    let (fwd_med, fwd_min) = time(a.reps, || layer(&x_t).map(|_| ()))?;
+    let (all_med, all_min) = time(a.reps, || {
+        let y = layer(&x_t)?;
+        (y * &w)?.sum_all()?.backward()?;
+        Ok(())
+    })?;
+    rows.push(("layer".into(), fwd_med, fwd_min, all_med, all_min));
+
+    // Components, each measured alone on inputs of the shapes the layer gives it.
+    let (b, s, h, i) = (a.batch, a.seq, a.hidden, a.intermediate);
+    let hd = h / a.heads;
+    let rand = |dims: &[usize]| -> Result<Var> {
+        Ok(Var::from_tensor(&Tensor::randn(0f32, 1.0, dims, &device)?)?)
+    };
+    let xh = rand(&[b, s, h])?;
+    let xi = rand(&[b, s, i])?;
+    let qkv = [
+        rand(&[b, a.heads, s, hd])?,
+        rand(&[b, a.heads, s, hd])?,
+        rand(&[b, a.heads, s, hd])?,
+    ];
+    type Part<'a> = (&'static str, Box<dyn Fn() -> Result<Tensor> + 'a>);
+    let parts: Vec<Part> = vec![
+        (
+            "4 x linear h->h (q, k, v, out)",
+            Box::new(|| {
+                let mut acc = linear(p, "encoder.layer.0.attention.self.query", xh.as_tensor())?;
+                for name in ["key", "value"] {
+                    acc = (acc
+                        + linear(
+                            p,
+                            &format!("encoder.layer.0.attention.self.{name}"),
+                            xh.as_tensor(),
+                        )?)?;
+                }
+                Ok((acc + linear(p, "encoder.layer.0.attention.output.dense", xh.as_tensor())?)?)
+            }),
+        ),
+        (
+            "attention (scores, softmax, context)",
+            Box::new(|| {
+                Ok(attention(
+                    qkv[0].as_tensor(),
+                    qkv[1].as_tensor(),
+                    qkv[2].as_tensor(),
+                    None,
+                )?)
+            }),
+        ),
+        (
+            "linear h->i + bias-gelu",
+            Box::new(|| {
+                Ok(linear_gelu(
+                    p,
+                    "encoder.layer.0.intermediate.dense",
+                    xh.as_tensor(),
+                    GeluApprox::Erf,
+                )?)
+            }),
+        ),
+        (
+            "  of which: matmul h->i",
+            Box::new(|| {
+                let w = p.get("encoder.layer.0.intermediate.dense.weight")?;
+                Ok(xh.as_tensor().reshape((b * s, h))?.matmul(&w.t()?)?)
+            }),
+        ),
+        (
+            "  of which: bias-gelu",
+            Box::new(|| {
+                let bias = p.get("encoder.layer.0.intermediate.dense.bias")?;
+                Ok(fsdp::nn::ops::bias_gelu(
+                    xi.as_tensor(),
+                    &bias,
+                    GeluApprox::Erf,
+                )?)
+            }),
+        ),
+        (
+            "linear i->h",
+            Box::new(|| Ok(linear(p, "encoder.layer.0.output.dense", xi.as_tensor())?)),
+        ),
+        (
+            "2 x layer_norm (+ residual add)",
+            Box::new(|| {
+                let y = layer_norm(
+                    p,
+                    "encoder.layer.0.attention.output.LayerNorm",
+                    &(xh.as_tensor() + xh.as_tensor())?,
+                    1e-12,
+                )?;
+                Ok(layer_norm(
+                    p,
+                    "encoder.layer.0.output.LayerNorm",
+                    &(&y + xh.as_tensor())?,
+                    1e-12,
+                )?)
+            }),
+        ),
+    ];
+    for (name, f) in &parts {
+        let (fm, fmin) = time(a.reps, || f().map(|_| ()))?;
+        let (am, amin) = time(a.reps, || {
+            let y = f()?;
+            let wy = Tensor::ones_like(&y)?;
+            (y * wy)?.sum_all()?.backward()?;
+            Ok(())
+        })?;
+        rows.push((name.to_string(), fm, fmin, am, amin));
+    }
+
+    println!(
+        "one BERT layer, f32, batch {} seq {} hidden {} heads {} intermediate {}, {} thread(s)",
+        a.batch, a.seq, a.hidden, a.heads, a.intermediate, a.threads
+    );
+    println!(
+        "{:<38} {:>10} {:>10} {:>12} {:>12}",
+        "part", "fwd_med", "fwd_min", "fwd+bwd_med", "fwd+bwd_min"
+    );
+    for (name, fm, fmin, am, amin) in &rows {
+        println!("{name:<38} {fm:>8.2}ms {fmin:>8.2}ms {am:>10.2}ms {amin:>10.2}ms");
+    }
+    let json = serde_json::json!({
+        "benchmark": "layer",
+        "shape": {"batch": a.batch, "seq": a.seq, "hidden": a.hidden, "heads": a.heads, "intermediate": a.intermediate},
+        "threads": a.threads,
+        "reps": a.reps,
+        "results": rows.iter().map(|(name, fm, fmin, am, amin)| serde_json::json!({
+            "part": name, "forward_median_ms": fm, "forward_min_ms": fmin,
+            "forward_backward_median_ms": am, "forward_backward_min_ms": amin,
+        })).collect::<Vec<_>>(),
+    });
+    println!("{json}");
+    Ok(())
+}
