@@ -111,6 +111,8 @@ pub struct BertModel {
     /// Its configuration.
     pub config: BertConfig,
     prefix: String,
+    /// Training mode (dropout active); evaluation mode when false.
+    pub training: bool,
 }
 
 fn join(prefix: &str, leaf: &str) -> String {
@@ -127,6 +129,7 @@ impl BertModel {
         BertModel {
             config,
             prefix: prefix.to_string(),
+            training: false,
         }
     }
 
@@ -215,9 +218,10 @@ impl BertModel {
         token_type_ids: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let c = &self.config;
-        if c.hidden_dropout_prob != 0.0 || c.attention_probs_dropout_prob != 0.0 {
+        if self.training && (c.hidden_dropout_prob != 0.0 || c.attention_probs_dropout_prob != 0.0)
+        {
             return Err(candle_core::Error::Msg(
-                "dropout is not implemented yet: set the dropout probabilities to 0".into(),
+                "dropout is not implemented yet: train with hidden_dropout_prob and attention_probs_dropout_prob 0".into(),
             ));
         }
         let pre = |leaf: &str| join(&self.prefix, leaf);
