@@ -46,6 +46,10 @@ pub struct ModuleInfo {
     pub params: Vec<ParamSpec>,
     /// Child modules in registration order.
     pub children: Vec<ModuleInfo>,
+    /// Parameters owned by another module that this one also uses (tied weights, such as
+    /// GPT-2's output projection reusing the token embedding): FSDP must keep both users in
+    /// one unit.
+    pub uses: Vec<String>,
 }
 
 impl ModuleInfo {
@@ -56,7 +60,22 @@ impl ModuleInfo {
             type_name,
             params: Vec::new(),
             children: Vec::new(),
+            uses: Vec::new(),
         }
+    }
+
+    /// Records that this module also uses `name`, owned elsewhere.
+    pub fn uses(mut self, name: &str) -> ModuleInfo {
+        self.uses.push(name.to_string());
+        self
+    }
+
+    /// Every (user module path, parameter name) pair of tied parameters.
+    pub fn tied(&self) -> Vec<(&str, &str)> {
+        self.modules()
+            .into_iter()
+            .flat_map(|m| m.uses.iter().map(move |u| (m.path.as_str(), u.as_str())))
+            .collect()
     }
 
     /// `path.leaf`, or `leaf` at the root.

@@ -1,0 +1,236 @@
+//! Model structure and behaviour: Hugging Face names, tied weights, causality, training, and
+//! loading by name with and without the task prefix.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use fsdp::models::{
+    BertConfig, BertForSequenceClassification, BertModel, Gpt2Config, Gpt2LmHeadModel,
+};
+use fsdp::nn::{LocalParams, Params};
+use fsdp::optim::{AdamWConfig, AdamWState};
+
+fn tiny_gpt2() -> Gpt2LmHeadModel {
+    Gpt2LmHeadModel::new(
+        Gpt2Config::from_json(
+            r#"{"vocab_size": 50, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 4}"#,
+        )
+        .unwrap(),
+    )
+}
+
+fn tiny_bert() -> BertConfig {
+    BertConfig::from_json(r#"{"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 16, "num_labels": 3}"#).unwrap()
+}
+
+#[test]
+fn gpt2_names_types_and_tied_embedding() {
+    let model = tiny_gpt2();
+    let info = model.info();
+    let shapes: HashMap<String, Vec<usize>> = info
+        .all_params()
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.clone()))
+        .collect();
+    assert_eq!(shapes["transformer.h.1.attn.c_attn.weight"], [32, 96]);
+    assert_eq!(shapes["transformer.h.0.mlp.c_proj.weight"], [128, 32]);
+    assert_eq!(shapes["transformer.wte.weight"], [50, 32]);
+    assert!(
+        !shapes.contains_key("lm_head.weight"),
+        "the head has no weight of its own"
+    );
+    assert_eq!(info.tied(), [("lm_head", "transformer.wte.weight")]);
+    let blocks = info
+        .modules()
+        .into_iter()
+        .filter(|m| m.type_name == "GPT2Block")
+        .count();
+    assert_eq!(blocks, 2);
+}
+
+fn step(
+    model: &Gpt2LmHeadModel,
+    params: &LocalParams,
+    ids: &Tensor,
+    states: &mut HashMap<String, AdamWState>,
+    t: u64,
+) -> f32 {
+    let loss = model
+        .loss(&model.forward(params, ids).unwrap(), ids)
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let adamw = AdamWConfig {
+        lr: 3e-3,
+        ..Default::default()
+    };
+    for (name, var) in params.vars() {
+        let g: Vec<f32> = grads
+            .get(var)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut p: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        adamw.update(&mut p, &g, states.entry(name.clone()).or_default(), t);
+        var.set(&Tensor::from_vec(p, var.dims(), &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    loss.to_scalar::<f32>().unwrap()
+}
+
+#[test]
+fn gpt2_is_causal_ties_gradients_and_learns() {
+    let model = tiny_gpt2();
+    let params = LocalParams::init(&model.info(), 7, DType::F32, &Device::Cpu).unwrap();
+    let ids = Tensor::new(
+        &[
+            [1u32, 5, 9, 13, 17, 21, 25, 29],
+            [2, 6, 10, 14, 18, 22, 26, 30],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    // Changing the last token leaves every earlier position's logits unchanged.
+    let a = model.forward(&params, &ids).unwrap();
+    let changed = Tensor::new(
+        &[
+            [1u32, 5, 9, 13, 17, 21, 25, 40],
+            [2, 6, 10, 14, 18, 22, 26, 30],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let b = model.forward(&params, &changed).unwrap();
+    let diff = (a.narrow(1, 0, 7).unwrap() - b.narrow(1, 0, 7).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(diff, 0.0);
+    let last = (a.narrow(1, 7, 1).unwrap() - b.narrow(1, 7, 1).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(last > 0.0);
+    // The tied embedding receives gradient through the head for tokens never in the input.
+    let loss = model.loss(&a, &ids).unwrap();
+    let grads = loss.backward().unwrap();
+    let g = grads.get(&params.vars()["transformer.wte.weight"]).unwrap();
+    let unseen = g
+        .get(45)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(unseen > 0.0, "no gradient through lm_head");
+    // A few steps of AdamW memorise the two sequences.
+    let mut states = HashMap::new();
+    let first = step(&model, &params, &ids, &mut states, 1);
+    let mut last_loss = first;
+    for t in 2..=40 {
+        last_loss = step(&model, &params, &ids, &mut states, t);
+    }
+    assert!(last_loss < first * 0.2, "loss {first} -> {last_loss}");
+}
+
+#[test]
+fn bert_loads_with_and_without_task_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let task = BertForSequenceClassification::new(tiny_bert());
+    let params = LocalParams::init(&task.info(), 3, DType::F32, &Device::Cpu).unwrap();
+    let path = dir.path().join("task.safetensors");
+    candle_core::safetensors::save(
+        &params.tensors().into_iter().collect::<HashMap<_, _>>(),
+        &path,
+    )
+    .unwrap();
+    // A bare BertModel reads a task checkpoint: `bert.` is dropped, the classifier unexpected.
+    let base = BertModel::new(tiny_bert(), "");
+    let (base_params, report) = LocalParams::load(&base.info(), &path, &Device::Cpu).unwrap();
+    assert_eq!(report.unexpected, ["classifier.bias", "classifier.weight"]);
+    let a = base_params
+        .get("embeddings.word_embeddings.weight")
+        .unwrap();
+    let b = params
+        .get("bert.embeddings.word_embeddings.weight")
+        .unwrap();
+    assert_eq!(a.to_vec2::<f32>().unwrap(), b.to_vec2::<f32>().unwrap());
+    // A task model reads a base checkpoint only if the head is there: the error names it.
+    let base_path = dir.path().join("base.safetensors");
+    candle_core::safetensors::save(
+        &base_params.tensors().into_iter().collect::<HashMap<_, _>>(),
+        &base_path,
+    )
+    .unwrap();
+    let err = LocalParams::load(&task.info(), &base_path, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("missing parameters [\"classifier.weight\", \"classifier.bias\"]"),
+        "{err}"
+    );
+    // Wrong shapes are errors naming the parameter.
+    let mut tensors: HashMap<String, Tensor> = params.tensors().into_iter().collect();
+    tensors.insert(
+        "classifier.bias".into(),
+        Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let err = LocalParams::load(&task.info(), &path, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("parameter classifier.bias has shape [5], the model expects [3]"),
+        "{err}"
+    );
+    // Module types for wrap policies.
+    let types: Vec<&str> = task.info().modules().iter().map(|m| m.type_name).collect();
+    assert_eq!(types.iter().filter(|t| **t == "BertLayer").count(), 2);
+    assert!(types.contains(&"BertEmbeddings") && types.contains(&"BertPooler"));
+}
+
+#[test]
+fn bert_attention_mask_hides_padding() {
+    let model = BertModel::new(tiny_bert(), "");
+    let params = LocalParams::init(&model.info(), 5, DType::F32, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[2u32, 7, 9, 0, 0]], &Device::Cpu).unwrap();
+    let other = Tensor::new(&[[2u32, 7, 9, 33, 11]], &Device::Cpu).unwrap();
+    let mask = Tensor::new(&[[1u32, 1, 1, 0, 0]], &Device::Cpu).unwrap();
+    let (a, _) = model.forward(&params, &ids, Some(&mask), None).unwrap();
+    let (b, _) = model.forward(&params, &other, Some(&mask), None).unwrap();
+    let d = (a.narrow(1, 0, 3).unwrap() - b.narrow(1, 0, 3).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(d < 1e-6, "masked tokens changed attended outputs by {d}");
+    let types = Tensor::new(&[[0u32, 0, 1, 1, 1]], &Device::Cpu).unwrap();
+    let (c, _) = model
+        .forward(&params, &ids, Some(&mask), Some(&types))
+        .unwrap();
+    let d = (a - c)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(d > 0.0, "token_type_ids had no effect");
+}
