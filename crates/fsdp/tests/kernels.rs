@@ -331,3 +331,36 @@ fn cross_entropy_variants() {
             .contains("target 3 is outside 0..3")
     );
 }
+
+#[test]
+fn dropout_is_seeded_scaled_and_differentiable() {
+    let x = (rand(&[64, 64], 16, 1.0, DType::F64).abs().unwrap() + 1.0).unwrap();
+    let y = ops::dropout(&x, 0.25, 42).unwrap();
+    let yv: Vec<f64> = y.flatten_all().unwrap().to_vec1().unwrap();
+    let xv: Vec<f64> = x.flatten_all().unwrap().to_vec1().unwrap();
+    let zeros = yv.iter().filter(|v| **v == 0.0).count() as f64 / yv.len() as f64;
+    assert!((zeros - 0.25).abs() < 0.03, "dropped fraction {zeros}");
+    for (a, b) in yv.iter().zip(&xv) {
+        assert!(*a == 0.0 || (a - b / 0.75).abs() < 1e-12);
+    }
+    let again: Vec<f64> = ops::dropout(&x, 0.25, 42)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(yv, again, "same seed, same mask");
+    let other: Vec<f64> = ops::dropout(&x, 0.25, 43)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_ne!(yv, other);
+    against_finite_differences(
+        "dropout",
+        &|t| ops::dropout(&t[0], 0.3, 7),
+        &[rand(&[5, 9], 17, 2.0, DType::F64)],
+    );
+    assert!(ops::dropout(&x, 1.0, 0).is_err());
+}

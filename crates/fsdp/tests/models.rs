@@ -234,3 +234,31 @@ fn bert_attention_mask_hides_padding() {
         .unwrap();
     assert!(d > 0.0, "token_type_ids had no effect");
 }
+
+#[test]
+fn bert_dropout_only_in_training_mode_and_reproducible() {
+    let mut config = tiny_bert();
+    config.hidden_dropout_prob = 0.1;
+    config.attention_probs_dropout_prob = 0.1;
+    let mut model = BertModel::new(config, "");
+    let params = LocalParams::init(&model.info(), 5, DType::F32, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[2u32, 7, 9, 4, 1]], &Device::Cpu).unwrap();
+    let eval = |m: &BertModel| {
+        m.forward(&params, &ids, None, None)
+            .unwrap()
+            .0
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let a = eval(&model);
+    model.dropout_seed = Some(11);
+    let b = eval(&model);
+    let c = eval(&model);
+    model.dropout_seed = Some(12);
+    let d = eval(&model);
+    assert_ne!(a, b, "training mode drops");
+    assert_eq!(b, c, "same step seed, same masks");
+    assert_ne!(b, d);
+}

@@ -8,11 +8,11 @@ use candle_core::{D, DType, Result, Tensor};
 use serde::Deserialize;
 
 use crate::nn::layers::{
-    attention, embedding, embedding_info, layer_norm, layer_norm_info, linear, linear_gelu,
-    linear_info,
+    attention_with_dropout, embedding, embedding_info, layer_norm, layer_norm_info, linear,
+    linear_gelu, linear_info,
 };
 use crate::nn::module::{ModuleInfo, Params};
-use crate::nn::ops::GeluApprox;
+use crate::nn::ops::{self, GeluApprox};
 
 /// The fields of a Hugging Face BERT `config.json` this implementation uses.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -111,8 +111,16 @@ pub struct BertModel {
     /// Its configuration.
     pub config: BertConfig,
     prefix: String,
-    /// Training mode (dropout active); evaluation mode when false.
-    pub training: bool,
+    /// Training mode: dropout is active, with masks drawn from this seed (set a new one each
+    /// step, e.g. from the run seed, rank and step). `None` is evaluation mode.
+    pub dropout_seed: Option<u64>,
+}
+
+/// A seed per (step seed, call site), so every dropout site draws its own mask.
+fn site_seed(seed: u64, site: &str) -> u64 {
+    site.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn join(prefix: &str, leaf: &str) -> String {
@@ -129,7 +137,7 @@ impl BertModel {
         BertModel {
             config,
             prefix: prefix.to_string(),
-            training: false,
+            dropout_seed: None,
         }
     }
 
@@ -218,12 +226,6 @@ impl BertModel {
         token_type_ids: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let c = &self.config;
-        if self.training && (c.hidden_dropout_prob != 0.0 || c.attention_probs_dropout_prob != 0.0)
-        {
-            return Err(candle_core::Error::Msg(
-                "dropout is not implemented yet: train with hidden_dropout_prob and attention_probs_dropout_prob 0".into(),
-            ));
-        }
         let pre = |leaf: &str| join(&self.prefix, leaf);
         let (batch, seq) = input_ids.dims2()?;
         if seq > c.max_position_embeddings {
@@ -243,7 +245,8 @@ impl BertModel {
         };
         let typ = embedding(p, &pre("embeddings.token_type_embeddings"), &types)?;
         let emb = (words.broadcast_add(&pos)? + typ)?;
-        let mut hidden = layer_norm(p, &pre("embeddings.LayerNorm"), &emb, c.layer_norm_eps)?;
+        let hidden = layer_norm(p, &pre("embeddings.LayerNorm"), &emb, c.layer_norm_eps)?;
+        let mut hidden = self.dropout(&hidden, c.hidden_dropout_prob, &pre("embeddings"))?;
         hidden = p.module_output(&pre("embeddings"), hidden)?;
         // Additive mask: 0 where attended, the dtype's lowest value elsewhere (as transformers).
         let mask = match attention_mask {
@@ -289,11 +292,18 @@ impl BertModel {
         let q = split(linear(p, &l("attention.self.query"), hidden)?)?;
         let k = split(linear(p, &l("attention.self.key"), hidden)?)?;
         let v = split(linear(p, &l("attention.self.value"), hidden)?)?;
-        let ctx =
-            attention(&q, &k, &v, mask)?
-                .transpose(1, 2)?
-                .reshape((batch, seq, c.hidden_size))?;
+        let probs_dropout = match self.dropout_seed {
+            Some(seed) if c.attention_probs_dropout_prob > 0.0 => Some((
+                c.attention_probs_dropout_prob,
+                site_seed(seed, &l("attention.self")),
+            )),
+            _ => None,
+        };
+        let ctx = attention_with_dropout(&q, &k, &v, mask, probs_dropout)?
+            .transpose(1, 2)?
+            .reshape((batch, seq, c.hidden_size))?;
         let attn = linear(p, &l("attention.output.dense"), &ctx)?;
+        let attn = self.dropout(&attn, c.hidden_dropout_prob, &l("attention.output"))?;
         let attn = layer_norm(
             p,
             &l("attention.output.LayerNorm"),
@@ -302,7 +312,16 @@ impl BertModel {
         )?;
         let inter = linear_gelu(p, &l("intermediate.dense"), &attn, c.gelu()?)?;
         let out = linear(p, &l("output.dense"), &inter)?;
+        let out = self.dropout(&out, c.hidden_dropout_prob, &l("output"))?;
         layer_norm(p, &l("output.LayerNorm"), &(out + attn)?, c.layer_norm_eps)
+    }
+
+    /// Dropout at a call site in training mode; identity in evaluation mode.
+    fn dropout(&self, x: &Tensor, prob: f64, site: &str) -> Result<Tensor> {
+        match self.dropout_seed {
+            Some(seed) if prob > 0.0 => ops::dropout(x, prob, site_seed(seed, site)),
+            _ => Ok(x.clone()),
+        }
     }
 }
 

@@ -73,11 +73,27 @@ pub fn layer_norm(p: &dyn Params, path: &str, x: &Tensor, eps: f64) -> Result<Te
 /// Scaled dot-product attention of `q`, `k`, `v` [batch, heads, seq, head_dim] with an additive
 /// mask broadcast to [batch, heads, seq, seq]; softmax with the fused kernel.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    attention_with_dropout(q, k, v, mask, None)
+}
+
+/// [`attention`] with dropout `(probability, seed)` on the attention probabilities.
+pub fn attention_with_dropout(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
     let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
     let scores = match mask {
         Some(m) => scores.broadcast_add(m)?,
         None => scores,
     };
-    ops::softmax_last_dim(&scores)?.matmul(&v.contiguous()?)
+    let probs = ops::softmax_last_dim(&scores)?;
+    let probs = match dropout {
+        Some((p, seed)) => ops::dropout(&probs, p, seed)?,
+        None => probs,
+    };
+    probs.matmul(&v.contiguous()?)
 }

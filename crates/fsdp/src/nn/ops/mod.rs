@@ -3,11 +3,13 @@
 //! at all, and candle's composed backward formulas are slow and memory-hungry).
 
 mod cross_entropy;
+mod dropout;
 mod gelu;
 mod norm;
 mod softmax;
 
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
+pub use dropout::dropout;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
 pub use norm::{layer_norm, rms_norm};
 pub use softmax::softmax_last_dim;

@@ -1,0 +1,72 @@
+//! Dropout whose mask is a pure function of (seed, element index): the backward pass
+//! regenerates it instead of storing it, and a run is reproducible per rank and step.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+use super::{Float, contiguous, float_dispatch, tensor, with_slice};
+
+/// SplitMix64 of (seed, index): a counter-based generator, so any element's draw is known
+/// without drawing the others.
+#[inline]
+fn keep(seed: u64, index: u64, p: f64) -> bool {
+    let mut z = seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    ((z >> 11) as f64 / (1u64 << 53) as f64) >= p
+}
+
+struct Dropout {
+    p: f64,
+    seed: u64,
+}
+
+impl Dropout {
+    fn apply<T: Float>(&self, x: &[T]) -> Vec<T> {
+        let scale = 1.0 / (1.0 - self.p);
+        x.iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                if keep(self.seed, i as u64, self.p) {
+                    T::of(v.f() * scale)
+                } else {
+                    T::of(0.0)
+                }
+            })
+            .collect()
+    }
+}
+
+impl CustomOp1 for Dropout {
+    fn name(&self) -> &'static str {
+        "seeded-dropout"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s, l, self.name())?;
+            Ok((T::storage(self.apply(x)), l.shape().clone()))
+        })
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        float_dispatch!(grad.dtype(), self.name(), T => {
+            with_slice::<T, _>(grad, self.name(), |g| tensor(self.apply(g), arg.shape(), arg).map(Some))
+        })
+    }
+}
+
+/// Zeroes each element with probability `p` and scales the rest by `1/(1-p)`; the mask is
+/// determined by `seed` (derive it from the run seed, rank, step and call site).
+pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(candle_core::Error::Msg(format!(
+            "dropout probability {p} is not in [0, 1)"
+        )));
+    }
+    if p == 0.0 {
+        return Ok(x.clone());
+    }
+    x.contiguous()?.apply_op1(Dropout { p, seed })
+}
