@@ -145,7 +145,7 @@ pub fn run(a: LayerArgs) -> Result<()> {
             }),
         ),
         (
-            "linear h->i + bias-gelu",
+            "linear h->i + gelu",
             Box::new(|| {
                 Ok(linear_gelu(
                     p,
@@ -156,22 +156,18 @@ pub fn run(a: LayerArgs) -> Result<()> {
             }),
         ),
         (
-            "  of which: matmul h->i",
+            "  of which: linear h->i",
             Box::new(|| {
-                let w = p.get("encoder.layer.0.intermediate.dense.weight")?;
-                Ok(xh.as_tensor().reshape((b * s, h))?.matmul(&w.t()?)?)
+                Ok(linear(
+                    p,
+                    "encoder.layer.0.intermediate.dense",
+                    xh.as_tensor(),
+                )?)
             }),
         ),
         (
-            "  of which: bias-gelu",
-            Box::new(|| {
-                let bias = p.get("encoder.layer.0.intermediate.dense.bias")?;
-                Ok(fsdp::nn::ops::bias_gelu(
-                    xi.as_tensor(),
-                    &bias,
-                    GeluApprox::Erf,
-                )?)
-            }),
+            "  of which: gelu",
+            Box::new(|| Ok(fsdp::nn::ops::gelu(xi.as_tensor(), GeluApprox::Erf)?)),
         ),
         (
             "linear i->h",

@@ -364,3 +364,34 @@ fn dropout_is_seeded_scaled_and_differentiable() {
     );
     assert!(ops::dropout(&x, 1.0, 0).is_err());
 }
+
+fn composed_linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (rows, d) = (x.elem_count() / x.dim(D::Minus1)?, x.dim(D::Minus1)?);
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().unwrap() = w.dim(0)?;
+    x.reshape((rows, d))?
+        .matmul(&w.t()?)?
+        .broadcast_add(b)?
+        .reshape(dims)
+}
+
+#[test]
+fn linear_with_bias() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let x = rand(&[3, 5, 24], 20, 1.0, dtype);
+        let w = rand(&[17, 24], 21, 0.5, dtype);
+        let b = rand(&[17], 22, 0.5, dtype);
+        against_composed(
+            "linear",
+            &|t| ops::linear(&t[0], &t[1], &t[2]),
+            &|t| composed_linear(&t[0], &t[1], &t[2]),
+            &[x, w, b],
+            tol,
+        );
+    }
+    let x = rand(&[4, 6], 23, 1.0, DType::F64);
+    let w = rand(&[5, 6], 24, 0.5, DType::F64);
+    let b = rand(&[5], 25, 0.5, DType::F64);
+    against_finite_differences("linear", &|t| ops::linear(&t[0], &t[1], &t[2]), &[x, w, b]);
+}

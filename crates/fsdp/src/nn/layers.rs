@@ -13,31 +13,16 @@ pub fn linear_info(path: String, d_in: usize, d_out: usize, std: f64) -> ModuleI
         .param("bias", &[d_out], Init::Zeros)
 }
 
-/// `x W^T + b` over the last dimension.
+/// `x W^T + b` over the last dimension, as one fused op.
 pub fn linear(p: &dyn Params, path: &str, x: &Tensor) -> Result<Tensor> {
-    let (y, b) = linear_no_bias(p, path, x)?;
-    y.broadcast_add(&b)
-}
-
-/// `x W^T` and the bias, for callers that fuse the bias into the next op.
-pub fn linear_no_bias(p: &dyn Params, path: &str, x: &Tensor) -> Result<(Tensor, Tensor)> {
     let w = p.get(&format!("{path}.weight"))?;
     let b = p.get(&format!("{path}.bias"))?;
-    let dims = x.dims().to_vec();
-    let d_in = *dims.last().unwrap_or(&1);
-    let rows = x.elem_count() / d_in.max(1);
-    let y = x.reshape((rows, d_in))?.matmul(&w.t()?)?;
-    let mut out_dims = dims;
-    if let Some(last) = out_dims.last_mut() {
-        *last = w.dim(0)?;
-    }
-    Ok((y.reshape(out_dims)?, b))
+    ops::linear(x, &w, &b)
 }
 
-/// `gelu(x W^T + b)` with the bias add fused into the activation.
+/// `gelu(x W^T + b)`.
 pub fn linear_gelu(p: &dyn Params, path: &str, x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
-    let (y, b) = linear_no_bias(p, path, x)?;
-    ops::bias_gelu(&y, &b, approx)
+    ops::gelu(&linear(p, path, x)?, approx)
 }
 
 /// An `Embedding` module (`weight` [count, dim]).

@@ -5,12 +5,14 @@
 mod cross_entropy;
 mod dropout;
 mod gelu;
+mod linear;
 mod norm;
 mod softmax;
 
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
+pub use linear::linear;
 pub use norm::{layer_norm, rms_norm};
 pub use softmax::softmax_last_dim;
 

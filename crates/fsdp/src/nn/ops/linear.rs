@@ -1,0 +1,152 @@
+//! Linear (`x W^T + b`) as one op: the bias is folded into the GEMM's output, and the backward
+//! computes dx = g W, dW = g^T x and db = column sums of g with three direct GEMM calls,
+//! instead of candle's transposes, broadcasts and zero-initialised accumulations.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::{Float, contiguous, float_dispatch, tensor, with_slice};
+
+fn parallelism() -> gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+/// `dst[m×n] (+)= lhs[m×k] · rhs[k×n]` with explicit (row, column) strides.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    accumulate: bool,
+    lhs: &[T],
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: &[T],
+    rhs_rs: usize,
+    rhs_cs: usize,
+) {
+    debug_assert!(dst.len() >= m * n);
+    // SAFETY: every index the strides reach is inside the given slices (callers pass the
+    // dimensions of those slices).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            T::of(1.0),
+            T::of(1.0),
+            false,
+            false,
+            false,
+            parallelism(),
+        )
+    }
+}
+
+struct Linear;
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (n, k2) = l2.shape().dims2()?;
+        if k != k2 || l3.shape().elem_count() != n {
+            return Err(candle_core::Error::Msg(format!(
+                "linear: input {:?}, weight {:?} and bias {:?} do not fit",
+                l1.shape().dims(),
+                l2.shape().dims(),
+                l3.shape().dims()
+            )));
+        }
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let w = contiguous::<T>(s2, l2, self.name())?;
+            let b = contiguous::<T>(s3, l3, self.name())?;
+            let mut y = Vec::with_capacity(m * n);
+            for _ in 0..m {
+                y.extend_from_slice(b);
+            }
+            // y += x · W^T  (W^T[k][n] = W[n][k]: row stride 1, column stride k)
+            gemm_into(m, n, k, &mut y, true, x, k, 1, w, 1, k);
+            Ok((T::storage(y), Shape::from((m, n))))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        w_t: &Tensor,
+        b_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (m, k) = x_t.dims2()?;
+        let n = w_t.dim(0)?;
+        float_dispatch!(x_t.dtype(), self.name(), T => {
+            with_slice::<T, _>(x_t, self.name(), |x| {
+                with_slice::<T, _>(w_t, self.name(), |w| {
+                    with_slice::<T, _>(grad, self.name(), |g| {
+                        // dx[m×k] = g[m×n] · W[n×k]
+                        let mut dx = vec![T::of(0.0); m * k];
+                        gemm_into(m, k, n, &mut dx, false, g, n, 1, w, k, 1);
+                        // dW[n×k] = g^T[n×m] · x[m×k]
+                        let mut dw = vec![T::of(0.0); n * k];
+                        gemm_into(n, k, m, &mut dw, false, g, 1, n, x, k, 1);
+                        let mut db = vec![0f64; n];
+                        for row in g.chunks(n.max(1)) {
+                            for (acc, v) in db.iter_mut().zip(row) {
+                                *acc += v.f();
+                            }
+                        }
+                        let db: Vec<T> = db.into_iter().map(T::of).collect();
+                        Ok((
+                            Some(tensor(dx, x_t.shape(), x_t)?),
+                            Some(tensor(dw, w_t.shape(), w_t)?),
+                            Some(tensor(db, b_t.shape(), b_t)?),
+                        ))
+                    })
+                })
+            })
+        })
+    }
+}
+
+/// `x W^T + b` over the last dimension of `x` (any leading shape), `W` [out, in], `b` [out].
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let d_in = *dims.last().unwrap_or(&1);
+    let x2 = x
+        .reshape((x.elem_count() / d_in.max(1), d_in))?
+        .contiguous()?;
+    let y = x2.apply_op3(&w.contiguous()?, &b.contiguous()?, Linear)?;
+    let mut out = dims;
+    if let Some(last) = out.last_mut() {
+        *last = w.dim(0)?;
+    }
+    y.reshape(out)
+}
