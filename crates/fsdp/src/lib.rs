@@ -2,6 +2,7 @@
 //! Accelerate's FSDP plugin.
 
 pub mod config;
+pub mod engine;
 pub mod models;
 pub mod nn;
 pub mod optim;

@@ -1,0 +1,404 @@
+//! The unit plan: which parameters form each FSDP unit (the wrap policy), which are kept out
+//! of FSDP (ignored modules, replicated), how each parameter is sharded on dim 0, and what a
+//! rank holds. Built and checked before any tensor exists, so a bad wrap configuration stops
+//! the run with a message instead of a wrong training.
+
+use std::fmt::Write as _;
+
+use crate::config::{AutoWrapPolicy, FsdpPlugin, ShardingStrategy};
+use crate::nn::{ModuleInfo, ParamSpec};
+
+/// Why a plan cannot be built.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// TRANSFORMER_BASED_WRAP named module types the model does not have.
+    #[error(
+        "fsdp_transformer_layer_cls_to_wrap names {missing:?}, which match no module of this model; its module types are: {available}"
+    )]
+    NoSuchModuleType {
+        /// The names that matched nothing.
+        missing: Vec<String>,
+        /// The model's module type names, comma-separated.
+        available: String,
+    },
+    /// A tied parameter's owner and another user landed in different units.
+    #[error(
+        "parameter `{param}` is shared by `{owner}` (unit {owner_unit}) and `{user}` (unit {user_unit}); tied parameters must be in one unit: wrap a module that contains both, or do not wrap either"
+    )]
+    TiedAcrossUnits {
+        /// The tied parameter.
+        param: String,
+        /// The module owning it.
+        owner: String,
+        /// The owner's unit.
+        owner_unit: usize,
+        /// The other module using it.
+        user: String,
+        /// That module's unit.
+        user_unit: usize,
+    },
+    /// The shard group size is zero.
+    #[error("the shard group size must be at least 1")]
+    EmptyGroup,
+}
+
+/// How one parameter is laid out across the shard group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardLayout {
+    /// Fully qualified name.
+    pub name: String,
+    /// Full shape.
+    pub shape: Vec<usize>,
+    /// Trainable.
+    pub requires_grad: bool,
+    /// Rows of dim 0 each rank owns (dim 0 padded up to a multiple of the group size).
+    pub rows_per_rank: usize,
+    /// Elements per row (product of the other dims).
+    pub row_elems: usize,
+}
+
+impl ShardLayout {
+    fn new(spec: &ParamSpec, group: usize) -> ShardLayout {
+        let rows = spec.shape.first().copied().unwrap_or(1);
+        ShardLayout {
+            name: spec.name.clone(),
+            shape: spec.shape.clone(),
+            requires_grad: spec.requires_grad,
+            rows_per_rank: rows.div_ceil(group),
+            row_elems: spec.shape.iter().skip(1).product(),
+        }
+    }
+
+    /// Elements of the full parameter.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Elements each rank stores (padding included).
+    pub fn shard_numel(&self) -> usize {
+        self.rows_per_rank * self.row_elems
+    }
+
+    /// The rows `[start, end)` of the full parameter that `rank` owns (empty for ranks that
+    /// hold only padding).
+    pub fn rows_of(&self, rank: usize) -> (usize, usize) {
+        let rows = self.shape.first().copied().unwrap_or(1);
+        let start = (rank * self.rows_per_rank).min(rows);
+        (start, ((rank + 1) * self.rows_per_rank).min(rows))
+    }
+}
+
+/// One unit: the parameters gathered together and reduced together.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unit {
+    /// Path of the module the unit wraps (empty for the root unit).
+    pub path: String,
+    /// That module's type name.
+    pub type_name: &'static str,
+    /// Its parameters, in registration order.
+    pub params: Vec<ShardLayout>,
+}
+
+impl Unit {
+    /// Elements of all full parameters.
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(ShardLayout::numel).sum()
+    }
+
+    /// Elements a rank stores.
+    pub fn shard_numel(&self) -> usize {
+        self.params.iter().map(ShardLayout::shard_numel).sum()
+    }
+}
+
+/// The whole plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnitPlan {
+    /// Units; the root unit (leftover parameters) comes first.
+    pub units: Vec<Unit>,
+    /// Parameters kept out of FSDP (replicated on every rank).
+    pub ignored: Vec<ShardLayout>,
+    /// Ranks a parameter is sharded over.
+    pub group_size: usize,
+    /// The strategy the memory estimate assumes.
+    pub strategy: ShardingStrategy,
+}
+
+/// Per-rank bytes of model state, for f32 master weights and AdamW.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryEstimate {
+    /// Parameters stored between steps.
+    pub params: usize,
+    /// Gradients at the optimizer step.
+    pub grads: usize,
+    /// Optimizer state (two moments).
+    pub optimizer: usize,
+    /// Full parameters gathered at the peak of forward/backward, beyond the stored shards.
+    pub gathered_peak: usize,
+}
+
+impl MemoryEstimate {
+    /// Sum of the components.
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optimizer + self.gathered_peak
+    }
+}
+
+impl UnitPlan {
+    /// Splits `model` into units per `plugin`'s wrap policy; `default_wrap` is the model's own
+    /// list for TRANSFORMER_BASED_WRAP without class names. `group_size` is the number of
+    /// ranks parameters are sharded over (1 for NO_SHARD).
+    pub fn build(
+        model: &ModuleInfo,
+        plugin: &FsdpPlugin,
+        default_wrap: &[&str],
+        group_size: usize,
+    ) -> Result<UnitPlan, PlanError> {
+        if group_size == 0 {
+            return Err(PlanError::EmptyGroup);
+        }
+        let group = if plugin.sharding_strategy == ShardingStrategy::NoShard {
+            1
+        } else {
+            group_size
+        };
+        let ignored_paths: Vec<&ModuleInfo> = match &plugin.ignored_modules {
+            Some(re) => model
+                .modules()
+                .into_iter()
+                .filter(|m| !m.path.is_empty() && re.is_match(&m.path))
+                .collect(),
+            None => Vec::new(),
+        };
+        let is_ignored = |path: &str| {
+            ignored_paths
+                .iter()
+                .any(|m| path == m.path || path.starts_with(&format!("{}.", m.path)))
+        };
+
+        // Which modules become units.
+        let roots: Vec<&ModuleInfo> = match plugin.auto_wrap_policy {
+            AutoWrapPolicy::NoWrap => Vec::new(),
+            AutoWrapPolicy::TransformerBasedWrap => {
+                let wanted: Vec<String> = match &plugin.transformer_layer_cls_to_wrap {
+                    Some(list) => list.clone(),
+                    None => default_wrap.iter().map(|s| s.to_string()).collect(),
+                };
+                let modules = model.modules();
+                let missing: Vec<String> = wanted
+                    .iter()
+                    .filter(|w| !modules.iter().any(|m| m.type_name == w.as_str()))
+                    .cloned()
+                    .collect();
+                if !missing.is_empty() {
+                    let mut types: Vec<&str> = modules.iter().map(|m| m.type_name).collect();
+                    types.sort_unstable();
+                    types.dedup();
+                    return Err(PlanError::NoSuchModuleType {
+                        missing,
+                        available: types.join(", "),
+                    });
+                }
+                modules
+                    .into_iter()
+                    .filter(|m| {
+                        !m.path.is_empty()
+                            && wanted.iter().any(|w| w == m.type_name)
+                            && !is_ignored(&m.path)
+                    })
+                    .collect()
+            }
+            AutoWrapPolicy::SizeBasedWrap => {
+                let mut roots = Vec::new();
+                size_based(
+                    model,
+                    plugin.min_num_params as usize,
+                    &is_ignored,
+                    &mut roots,
+                );
+                roots
+            }
+        };
+
+        // Each parameter goes to the innermost unit root containing its module.
+        let mut units: Vec<Unit> = std::iter::once(Unit {
+            path: String::new(),
+            type_name: model.type_name,
+            params: Vec::new(),
+        })
+        .chain(roots.iter().map(|m| Unit {
+            path: m.path.clone(),
+            type_name: m.type_name,
+            params: Vec::new(),
+        }))
+        .collect();
+        let mut ignored = Vec::new();
+        let unit_of = |path: &str| -> usize {
+            roots
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| path == r.path || path.starts_with(&format!("{}.", r.path)))
+                .max_by_key(|(_, r)| r.path.len())
+                .map_or(0, |(i, _)| i + 1)
+        };
+        for module in model.modules() {
+            for spec in &module.params {
+                if is_ignored(&module.path) {
+                    ignored.push(ShardLayout::new(spec, 1));
+                } else {
+                    units[unit_of(&module.path)]
+                        .params
+                        .push(ShardLayout::new(spec, group));
+                }
+            }
+        }
+        // Tied parameters: every user must be in the owner's unit.
+        for module in model.modules() {
+            for param in &module.uses {
+                let Some(owner) = model
+                    .modules()
+                    .into_iter()
+                    .find(|m| m.params.iter().any(|p| &p.name == param))
+                else {
+                    continue;
+                };
+                let (owner_unit, user_unit) = (unit_of(&owner.path), unit_of(&module.path));
+                if owner_unit != user_unit && !is_ignored(&owner.path) {
+                    return Err(PlanError::TiedAcrossUnits {
+                        param: param.clone(),
+                        owner: owner.path.clone(),
+                        owner_unit,
+                        user: module.path.clone(),
+                        user_unit,
+                    });
+                }
+            }
+        }
+        // A root unit left without parameters is dropped (everything was wrapped).
+        if units[0].params.is_empty() && units.len() > 1 {
+            units.remove(0);
+        }
+        Ok(UnitPlan {
+            units,
+            ignored,
+            group_size: group,
+            strategy: plugin.sharding_strategy,
+        })
+    }
+
+    /// Bytes per rank for f32 master weights, f32 gradients and AdamW's two f32 moments.
+    pub fn memory_estimate(&self) -> MemoryEstimate {
+        let f = 4usize;
+        let shard: usize = self.units.iter().map(Unit::shard_numel).sum();
+        let full: usize = self.units.iter().map(Unit::numel).sum();
+        let trainable_shard: usize = self
+            .units
+            .iter()
+            .flat_map(|u| &u.params)
+            .filter(|p| p.requires_grad)
+            .map(ShardLayout::shard_numel)
+            .sum();
+        let ignored: usize = self.ignored.iter().map(ShardLayout::numel).sum();
+        let ignored_trainable: usize = self
+            .ignored
+            .iter()
+            .filter(|p| p.requires_grad)
+            .map(ShardLayout::numel)
+            .sum();
+        let mut largest: Vec<usize> = self.units.iter().map(Unit::numel).collect();
+        largest.sort_unstable_by(|a, b| b.cmp(a));
+        let two_largest: usize = largest.iter().take(2).sum();
+        let gathered_peak = match self.strategy {
+            // The unit in use and the one being prefetched.
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard => two_largest,
+            // Everything stays gathered from forward through backward.
+            ShardingStrategy::ShardGradOp | ShardingStrategy::HybridShardZero2 => full,
+            ShardingStrategy::NoShard => 0,
+        };
+        MemoryEstimate {
+            params: (shard + ignored) * f,
+            grads: (trainable_shard + ignored_trainable) * f,
+            optimizer: 2 * (trainable_shard + ignored_trainable) * f,
+            // With one rank per group the stored parameters are already whole.
+            gathered_peak: if self.group_size == 1 {
+                0
+            } else {
+                gathered_peak * f
+            },
+        }
+    }
+
+    /// A table of units, their parameters and sizes per rank, and the memory estimate.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{} unit(s), sharded over {} rank(s), {:?}",
+            self.units.len(),
+            self.group_size,
+            self.strategy
+        );
+        for (i, u) in self.units.iter().enumerate() {
+            let path = if u.path.is_empty() { "<root>" } else { &u.path };
+            let _ = writeln!(
+                out,
+                "unit {i}: {path} ({}), {} params, {} per rank",
+                u.type_name,
+                u.numel(),
+                u.shard_numel()
+            );
+            for p in &u.params {
+                let _ = writeln!(
+                    out,
+                    "    {} {:?}: {} rows per rank",
+                    p.name, p.shape, p.rows_per_rank
+                );
+            }
+        }
+        for p in &self.ignored {
+            let _ = writeln!(out, "ignored (replicated): {} {:?}", p.name, p.shape);
+        }
+        let m = self.memory_estimate();
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        let _ = writeln!(
+            out,
+            "per rank: params {:.1} MiB, grads {:.1} MiB, optimizer {:.1} MiB, gathered at peak {:.1} MiB, total {:.1} MiB",
+            mib(m.params),
+            mib(m.grads),
+            mib(m.optimizer),
+            mib(m.gathered_peak),
+            mib(m.total())
+        );
+        out
+    }
+}
+
+/// Post-order: a subtree whose not-yet-wrapped parameters reach `min` becomes a unit.
+/// Returns the subtree's unwrapped parameter count.
+fn size_based<'a>(
+    m: &'a ModuleInfo,
+    min: usize,
+    is_ignored: &dyn Fn(&str) -> bool,
+    roots: &mut Vec<&'a ModuleInfo>,
+) -> usize {
+    if is_ignored(&m.path) {
+        return 0;
+    }
+    let own: usize = m
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>())
+        .sum();
+    let children: usize = m
+        .children
+        .iter()
+        .map(|c| size_based(c, min, is_ignored, roots))
+        .sum();
+    let total = own + children;
+    if !m.path.is_empty() && total >= min.max(1) {
+        roots.push(m);
+        0
+    } else {
+        total
+    }
+}
