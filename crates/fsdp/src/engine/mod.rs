@@ -1,6 +1,9 @@
-//! The FSDP engine. Today: the unit plan (wrap policies, ignored modules, tied-parameter
-//! checks, dim-0 shard layout, memory estimate).
+//! The FSDP engine: the unit plan (wrap policies, ignored modules, tied-parameter checks,
+//! dim-0 shard layout, memory estimate) and the sharded training step.
 
 pub mod plan;
+pub mod sharded;
+
+pub use sharded::{EngineError, Fsdp, StepParams};
 
 pub use plan::{MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};

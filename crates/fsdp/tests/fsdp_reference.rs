@@ -1,0 +1,237 @@
+//! Sharded training over real processes reproduces the PyTorch FSDP reference run: the
+//! reference BERT on 2 and 4 ranks (the 16-sample global batch split across them), losses
+//! per step and final weights. The test binary re-runs itself as the workers.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use fsdp::config::{FsdpPlugin, Layer};
+use fsdp::engine::Fsdp;
+use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
+use fsdp::nn::LocalParams;
+use fsdp::nn::ops::{CrossEntropy, cross_entropy};
+use fsdp::optim::AdamWConfig;
+use fsdp_comm::{ProcessGroup, ReduceOp};
+
+const ROLE: &str = "FSDP_REFERENCE_WORKER";
+
+fn reference_dir() -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference");
+    dir.join("init.safetensors").is_file().then_some(dir)
+}
+
+fn config_of(path: &std::path::Path) -> BertConfig {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    BertConfig::from_json(meta.metadata().as_ref().unwrap().get("config").unwrap()).unwrap()
+}
+
+/// The worker: trains `steps` steps on its share of each global batch and reports.
+#[test]
+fn worker_entry() {
+    let Ok(steps) = std::env::var(ROLE) else {
+        return;
+    };
+    let steps: usize = steps.parse().unwrap();
+    let dir = reference_dir().unwrap();
+    let device = Device::Cpu;
+    let model = BertForSequenceClassification::new(config_of(&dir.join("init.safetensors")));
+    let info = model.info();
+    let (init, _) = LocalParams::load(&info, &dir.join("init.safetensors"), &device).unwrap();
+    let plugin = FsdpPlugin::builder()
+        .resolve(&Layer::from_process_env().unwrap(), None)
+        .unwrap()
+        .fsdp;
+    let pg = ProcessGroup::from_env().unwrap();
+    let (rank, n) = (pg.rank(), pg.size());
+    let mut fsdp = Fsdp::new(
+        &info,
+        &init.tensors(),
+        &plugin,
+        BertModel::no_split_modules(),
+        pg,
+    )
+    .unwrap();
+    drop(init);
+    let data = candle_core::safetensors::load(dir.join("data.safetensors"), &device).unwrap();
+    let per_rank = 16 / n;
+    let adamw = AdamWConfig {
+        lr: 1e-4,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let ids = data["input_ids"]
+            .get(step)
+            .unwrap()
+            .narrow(0, rank * per_rank, per_rank)
+            .unwrap();
+        let labels = data["labels"]
+            .get(step)
+            .unwrap()
+            .narrow(0, rank * per_rank, per_rank)
+            .unwrap();
+        let params = fsdp.begin_step().unwrap();
+        let logits = model.forward(&params, &ids, None, None).unwrap();
+        let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+        let grads = loss.backward().unwrap();
+        let local = loss.to_scalar::<f32>().unwrap() as f64;
+        fsdp.finish_step(params, &grads, &adamw).unwrap();
+        losses.push(
+            fsdp.group()
+                .all_reduce(vec![local], ReduceOp::Avg)
+                .wait()
+                .unwrap()[0],
+        );
+    }
+    let state = fsdp.full_state().unwrap();
+    if rank == 0 {
+        let reference =
+            candle_core::safetensors::load(dir.join("final_after_30_steps.safetensors"), &device)
+                .unwrap();
+        let max_abs = if steps == 30 {
+            state
+                .iter()
+                .map(|(k, t)| {
+                    (t - &reference[k])
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap()
+                })
+                .fold(0f32, f32::max)
+        } else {
+            f32::NAN
+        };
+        println!(
+            "RESULT {}",
+            serde_json::json!({"losses": losses, "max_abs_weight_diff": max_abs, "resident_bytes": fsdp.resident_bytes()})
+        );
+    }
+    let _: BTreeMap<String, Tensor> = state;
+}
+
+fn run(world: usize, steps: usize) -> serde_json::Value {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let mut children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+                .env(ROLE, steps.to_string())
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("FSDP_JOB_SECRET", "reference")
+                .env("RAYON_NUM_THREADS", "1")
+                .env("FSDP_COMM_TIMEOUT_SECS", "120")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut outputs = Vec::new();
+    for c in children.iter_mut() {
+        while c.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                panic!("FSDP workers did not finish in time");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        outputs.push(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+        assert!(
+            out.status.success(),
+            "worker failed:\n{}",
+            outputs.last().unwrap()
+        );
+    }
+    let line = outputs[0]
+        .lines()
+        .find_map(|l| l.split("RESULT ").nth(1))
+        .unwrap_or_else(|| panic!("{}", outputs[0]));
+    serde_json::from_str(line).unwrap()
+}
+
+fn expected() -> Vec<f64> {
+    let dir = reference_dir().unwrap();
+    let losses: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("losses.json")).unwrap()).unwrap();
+    losses["fsdp_full_shard_2_ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect()
+}
+
+fn check_losses(result: &serde_json::Value, steps: usize) -> f64 {
+    let got: Vec<f64> = result["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(got.len(), steps);
+    let mut worst = 0f64;
+    for (s, (g, w)) in got.iter().zip(expected()).enumerate() {
+        let rel = (g - w).abs() / w;
+        worst = worst.max(rel);
+        let tol = if s < 3 { 1e-5 } else { 5e-5 };
+        assert!(
+            rel < tol,
+            "step {}: loss {g} vs PyTorch FSDP {w} (relative {rel:e})",
+            s + 1
+        );
+    }
+    worst
+}
+
+#[test]
+fn full_shard_on_two_ranks_matches_pytorch_fsdp() {
+    if reference_dir().is_none() {
+        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        return;
+    }
+    let result = run(2, 30);
+    let worst = check_losses(&result, 30);
+    let diff = result["max_abs_weight_diff"].as_f64().unwrap();
+    eprintln!("2 ranks: worst relative loss difference {worst:e}, final weights within {diff:e}");
+    assert!(diff < 2e-5, "final weights differ by {diff}");
+}
+
+#[test]
+fn four_ranks_match_too() {
+    if reference_dir().is_none() {
+        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        return;
+    }
+    let worst = check_losses(&run(4, 8), 8);
+    eprintln!("4 ranks: worst relative loss difference {worst:e}");
+}
