@@ -99,8 +99,16 @@ pub struct LaunchArgs {
     /// Run with collective and FSDP state checks.
     #[arg(long)]
     debug: bool,
+    /// Build this example of the workspace with cargo (release) and run it; PROGRAM ARGS are
+    /// then the example's arguments.
+    #[arg(long)]
+    example: Option<String>,
     /// The program to run, then its arguments.
-    #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM")]
+    #[arg(
+        required_unless_present = "example",
+        trailing_var_arg = true,
+        value_name = "PROGRAM"
+    )]
     program: Vec<String>,
     /// `--fsdp_*` flags, one per FSDP key of the schema (filled from the matches).
     #[arg(skip)]
@@ -201,7 +209,11 @@ fn install_signal_handlers() {
 }
 
 /// Runs `fsdp launch ...`; returns the exit code for the launcher.
-pub fn run(args: LaunchArgs) -> Result<i32> {
+pub fn run(mut args: LaunchArgs) -> Result<i32> {
+    if let Some(example) = args.example.clone() {
+        let exe = build_example(&example)?;
+        args.program.insert(0, exe);
+    }
     let file_path = args
         .file
         .config_file
@@ -408,6 +420,30 @@ impl Plan {
         }
         Ok(server)
     }
+}
+
+/// `cargo build --release --example NAME` in the current workspace; returns the executable.
+fn build_example(name: &str) -> Result<String> {
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "build",
+            "--release",
+            "--example",
+            name,
+            "--message-format=json-render-diagnostics",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo to build the example (is this a checkout of the workspace?)")?;
+    if !out.status.success() {
+        bail!("cargo could not build example `{name}`");
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(String::from))
+        .with_context(|| format!("cargo built no executable for example `{name}`"))
 }
 
 fn rendezvous_timeout() -> Duration {
