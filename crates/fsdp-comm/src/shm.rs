@@ -20,7 +20,7 @@ const DOORBELL_BYTES: usize = 64;
 const RING_HEADER_BYTES: usize = 128;
 /// How long a waiting rank spins, then yields, before sleeping on its doorbell.
 const SPIN_FOR: Duration = Duration::from_micros(20);
-const YIELD_FOR: Duration = Duration::from_micros(200);
+const YIELD_FOR: Duration = Duration::from_millis(2);
 /// Largest piece copied before the peer is told about it, so both sides work in parallel.
 const PIECE: usize = 512 << 10;
 
