@@ -168,13 +168,27 @@ fn main() -> Result<()> {
             );
         }
     }
+    let secs = started.elapsed().as_secs_f64();
+    let peaks = fsdp.group().all_gather(vec![peak_rss_mib()]).wait()?;
     if rank == 0 {
-        let secs = started.elapsed().as_secs_f64();
         println!(
-            "{:.1} samples/s over {} steps",
+            "{:.1} samples/s over {} steps; peak RSS per rank (MiB): {:?}",
             (a.steps * a.global_batch) as f64 / secs,
-            a.steps
+            a.steps,
+            peaks
         );
     }
     Ok(())
+}
+
+/// This process's peak resident set size (VmHWM), in MiB.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| (kb / 1024.0 * 10.0).round() / 10.0)
 }

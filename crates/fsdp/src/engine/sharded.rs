@@ -2,19 +2,21 @@
 //! per unit, gradients captured at each full parameter's autograd node and reduce-scattered
 //! with one collective per unit, AdamW on the local shards only.
 //!
-//! This version gathers every unit for the step and releases them after the optimizer step
-//! (SHARD_GRAD_OP's memory behaviour for every strategy); releasing after forward and
-//! refilling before backward (FULL_SHARD), prefetch and NO_SHARD's all-reduce come next.
+//! With FULL_SHARD (and HYBRID_SHARD) a unit's full parameters are released as soon as its
+//! forward is done (their pages go back to the system; in debug mode they are poisoned with
+//! NaN instead, so a stray read shows) and re-gathered in place just before its backward, by
+//! an identity op on the unit's output whose backward runs first. SHARD_GRAD_OP keeps them
+//! from forward through backward. Prefetch and NO_SHARD's all-reduce path come next.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, Device, InplaceOp1, Layout, Shape, Tensor, Var};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 use super::plan::{PlanError, ShardLayout, UnitPlan};
-use crate::config::FsdpPlugin;
+use crate::config::{FsdpPlugin, ShardingStrategy};
 use crate::nn::{ModuleInfo, Params};
 use crate::optim::{AdamWConfig, AdamWState};
 
@@ -89,11 +91,167 @@ struct ShardState {
 /// A model's parameters sharded across a process group.
 pub struct Fsdp {
     plan: UnitPlan,
-    pg: ProcessGroup,
+    pg: Arc<ProcessGroup>,
+    /// Poison released parameters with NaN instead of returning their memory.
+    debug: bool,
     shards: BTreeMap<String, ShardState>,
     replicated: BTreeMap<String, (Var, AdamWState)>,
     step: u64,
     device: Device,
+}
+
+/// Full values of a unit's parameters from an all-gathered block (rank r's shards at
+/// `r * block`), without the padding rows.
+fn unpack(params: &[ShardLayout], gathered: &[f32], ranks: usize) -> Vec<(ShardLayout, Vec<f32>)> {
+    let block: usize = params.iter().map(ShardLayout::shard_numel).sum();
+    let mut out = Vec::with_capacity(params.len());
+    let mut offset = 0;
+    for p in params {
+        let mut full = Vec::with_capacity(p.numel());
+        for r in 0..ranks {
+            let (start, end) = p.rows_of(r);
+            let base = r * block + offset;
+            full.extend_from_slice(&gathered[base..base + (end - start) * p.row_elems]);
+        }
+        offset += p.shard_numel();
+        out.push((p.clone(), full));
+    }
+    out
+}
+
+/// What a resharded unit needs to release its parameters after forward and refill them
+/// before backward.
+struct UnitHandle {
+    pg: Arc<ProcessGroup>,
+    /// This rank's shards of the unit (unchanged until the optimizer step).
+    packed: Vec<f32>,
+    tensors: Vec<(ShardLayout, Tensor)>,
+    debug: bool,
+}
+
+/// Releases a full parameter's memory in place, keeping the storage's length (candle's
+/// kernels index without bounds checks, so a shorter storage would be unsound).
+struct Release {
+    poison: bool,
+}
+
+impl InplaceOp1 for Release {
+    fn name(&self) -> &'static str {
+        "fsdp-release"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, _l: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(v) = s else {
+            return Err(candle_core::Error::Msg(
+                "fsdp-release: parameters are f32".into(),
+            ));
+        };
+        if self.poison {
+            v.iter_mut().for_each(|x| *x = f32::NAN);
+            return Ok(());
+        }
+        // Return the whole pages inside the buffer; they read as zeros until refilled.
+        let page = 4096usize;
+        let start = v.as_mut_ptr() as usize;
+        let end = start + std::mem::size_of_val(v.as_slice());
+        let (first, last) = (start.div_ceil(page) * page, end / page * page);
+        if last > first {
+            // SAFETY: [first, last) lies inside the vector's allocation; MADV_DONTNEED on
+            // private anonymous memory keeps the mapping valid (pages read back as zeros).
+            unsafe {
+                libc::madvise(
+                    first as *mut libc::c_void,
+                    last - first,
+                    libc::MADV_DONTNEED,
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes gathered values back into a released parameter's storage.
+struct Refill<'a> {
+    values: &'a [f32],
+}
+
+impl InplaceOp1 for Refill<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-refill"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(v) = s else {
+            return Err(candle_core::Error::Msg(
+                "fsdp-refill: parameters are f32".into(),
+            ));
+        };
+        let start = l.start_offset();
+        v[start..start + self.values.len()].copy_from_slice(self.values);
+        Ok(())
+    }
+}
+
+impl UnitHandle {
+    fn release(&self) -> candle_core::Result<()> {
+        for (_, t) in &self.tensors {
+            t.inplace_op1(&Release { poison: self.debug })?;
+        }
+        Ok(())
+    }
+
+    fn refill(&self) -> candle_core::Result<()> {
+        let gathered = self
+            .pg
+            .all_gather(self.packed.clone())
+            .wait()
+            .map_err(|e| {
+                candle_core::Error::Msg(format!("re-gathering a unit before its backward: {e}"))
+            })?;
+        let layouts: Vec<ShardLayout> = self.tensors.iter().map(|(l, _)| l.clone()).collect();
+        for ((_, t), (_, values)) in
+            self.tensors
+                .iter()
+                .zip(unpack(&layouts, &gathered, self.pg.size()))
+        {
+            t.inplace_op1(&Refill { values: &values })?;
+        }
+        Ok(())
+    }
+}
+
+/// Identity on a unit's output; its backward runs before any backward node of the unit and
+/// refills the unit's parameters.
+struct PreBackward {
+    unit: Arc<UnitHandle>,
+}
+
+impl CustomOp1 for PreBackward {
+    fn name(&self) -> &'static str {
+        "fsdp-pre-backward"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(v) = s else {
+            return Err(candle_core::Error::Msg(
+                "fsdp-pre-backward: activations are f32".into(),
+            ));
+        };
+        let (start, end) = l.contiguous_offsets().ok_or_else(|| {
+            candle_core::Error::Msg("fsdp-pre-backward: unit output must be contiguous".into())
+        })?;
+        Ok((CpuStorage::F32(v[start..end].to_vec()), l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        self.unit.refill()?;
+        Ok(Some(grad.clone()))
+    }
 }
 
 /// The parameters of one step: gathered full tensors (graph nodes) and replicated variables.
@@ -101,6 +259,8 @@ pub struct StepParams {
     full: HashMap<String, Tensor>,
     slots: HashMap<String, Slot>,
     replicated: HashMap<String, Tensor>,
+    /// Resharded units by module path.
+    units: HashMap<String, Arc<UnitHandle>>,
     _anchors: Vec<Var>,
 }
 
@@ -111,6 +271,17 @@ impl Params for StepParams {
             .or_else(|| self.replicated.get(name))
             .cloned()
             .ok_or_else(|| candle_core::Error::Msg(format!("unknown parameter {name}")))
+    }
+
+    fn module_output(&self, path: &str, output: Tensor) -> candle_core::Result<Tensor> {
+        let Some(unit) = self.units.get(path) else {
+            return Ok(output);
+        };
+        let hooked = output
+            .contiguous()?
+            .apply_op1(PreBackward { unit: unit.clone() })?;
+        unit.release()?;
+        Ok(hooked)
     }
 }
 
@@ -171,9 +342,13 @@ impl Fsdp {
             .values()
             .next()
             .map_or(Device::Cpu, |t| t.device().clone());
+        let debug = std::env::var("FSDP_DEBUG").is_ok_and(|v| v == "1")
+            || std::env::var("ACCELERATE_DEBUG_MODE")
+                .is_ok_and(|v| crate::config::parse_bool(&v) == Ok(true));
         Ok(Fsdp {
             plan,
-            pg,
+            pg: Arc::new(pg),
+            debug,
             shards,
             replicated,
             step: 0,
@@ -194,25 +369,14 @@ impl Fsdp {
     /// All-gathers one unit's shards; returns each parameter's full values.
     fn gather_unit(&self, unit: usize) -> Result<Vec<(ShardLayout, Vec<f32>)>, EngineError> {
         let params = &self.plan.units[unit].params;
-        let block: usize = params.iter().map(ShardLayout::shard_numel).sum();
-        let mut packed = Vec::with_capacity(block);
-        for p in params {
-            packed.extend_from_slice(&self.shards[&p.name].data);
-        }
-        let gathered = self.pg.all_gather(packed).wait()?;
-        let mut out = Vec::with_capacity(params.len());
-        let mut offset = 0;
-        for p in params {
-            let mut full = Vec::with_capacity(p.numel());
-            for r in 0..self.pg.size() {
-                let (start, end) = p.rows_of(r);
-                let base = r * block + offset;
-                full.extend_from_slice(&gathered[base..base + (end - start) * p.row_elems]);
-            }
-            offset += p.shard_numel();
-            out.push((p.clone(), full));
-        }
-        Ok(out)
+        let gathered = self.pg.all_gather(self.packed_unit(unit)).wait()?;
+        Ok(unpack(params, &gathered, self.pg.size()))
+    }
+
+    /// Turns on NaN poisoning of released parameters (also `FSDP_DEBUG=1` or
+    /// `ACCELERATE_DEBUG_MODE=true`).
+    pub fn set_debug(&mut self, on: bool) {
+        self.debug = on;
     }
 
     /// Gathers every unit and returns the parameters for this step's forward and backward.
@@ -220,8 +384,14 @@ impl Fsdp {
         let mut full = HashMap::new();
         let mut slots = HashMap::new();
         let mut anchors = Vec::new();
+        let mut units = HashMap::new();
+        let reshard = matches!(
+            self.plan.strategy,
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+        ) && self.pg.size() > 1;
         for unit in 0..self.plan.units.len() {
             let anchor = Var::zeros(1, candle_core::DType::F32, &self.device)?;
+            let mut unit_tensors = Vec::new();
             for (layout, values) in self.gather_unit(unit)? {
                 let slot: Slot = Arc::new(Mutex::new(None));
                 let op = Unshard {
@@ -235,10 +405,23 @@ impl Fsdp {
                 } else {
                     anchor.as_tensor().detach().apply_op1_no_bwd(&op)?
                 };
+                unit_tensors.push((layout.clone(), t.clone()));
                 full.insert(layout.name.clone(), t);
                 slots.insert(layout.name.clone(), slot);
             }
             anchors.push(anchor);
+            let path = &self.plan.units[unit].path;
+            if reshard && !path.is_empty() {
+                units.insert(
+                    path.clone(),
+                    Arc::new(UnitHandle {
+                        pg: self.pg.clone(),
+                        packed: self.packed_unit(unit),
+                        tensors: unit_tensors,
+                        debug: self.debug,
+                    }),
+                );
+            }
         }
         let replicated = self
             .replicated
@@ -249,8 +432,18 @@ impl Fsdp {
             full,
             slots,
             replicated,
+            units,
             _anchors: anchors,
         })
+    }
+
+    /// This rank's shards of one unit, packed in the unit's parameter order.
+    fn packed_unit(&self, unit: usize) -> Vec<f32> {
+        self.plan.units[unit]
+            .params
+            .iter()
+            .flat_map(|p| self.shards[&p.name].data.iter().copied())
+            .collect()
     }
 
     /// Reduce-scatters every unit's gradients (mean over ranks), all-reduces replicated ones,
