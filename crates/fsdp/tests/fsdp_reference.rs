@@ -247,7 +247,7 @@ fn four_ranks_match_too() {
 }
 
 #[test]
-fn shard_grad_op_and_no_release_match_too() {
+fn shard_grad_op_no_shard_and_released_full_shard_match_too() {
     if reference_dir().is_none() {
         eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
         return;
@@ -257,6 +257,8 @@ fn shard_grad_op_and_no_release_match_too() {
         8,
     );
     eprintln!("SHARD_GRAD_OP, 2 ranks: worst relative loss difference {worst:e}");
+    let worst = check_losses(&run(2, 8, &[("FSDP_SHARDING_STRATEGY", "NO_SHARD")]), 8);
+    eprintln!("NO_SHARD, 2 ranks: worst relative loss difference {worst:e}");
     // FULL_SHARD with real release (pages returned, not poisoned).
     let worst = check_losses(&run(2, 8, &[]), 8);
     eprintln!("FULL_SHARD with pages released, 2 ranks: worst relative loss difference {worst:e}");

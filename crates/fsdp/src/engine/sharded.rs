@@ -314,7 +314,8 @@ impl Fsdp {
                 .flatten_all()?
                 .to_dtype(candle_core::DType::F32)?
                 .to_vec1()?;
-            let (start, end) = layout.rows_of(rank);
+            // NO_SHARD (group of one): every rank holds the whole parameter.
+            let (start, end) = layout.rows_of(if plan.group_size == 1 { 0 } else { rank });
             let mut data = values[start * layout.row_elems..end * layout.row_elems].to_vec();
             data.resize(layout.shard_numel(), 0.0);
             shards.insert(
@@ -367,10 +368,19 @@ impl Fsdp {
     }
 
     /// All-gathers one unit's shards; returns each parameter's full values.
+    /// With NO_SHARD every rank holds whole parameters: nothing to gather.
     fn gather_unit(&self, unit: usize) -> Result<Vec<(ShardLayout, Vec<f32>)>, EngineError> {
         let params = &self.plan.units[unit].params;
+        if self.replicated_units() {
+            return Ok(unpack(params, &self.packed_unit(unit), 1));
+        }
         let gathered = self.pg.all_gather(self.packed_unit(unit)).wait()?;
         Ok(unpack(params, &gathered, self.pg.size()))
+    }
+
+    /// True when units are replicated rather than sharded (NO_SHARD, or one rank).
+    fn replicated_units(&self) -> bool {
+        self.plan.group_size == 1
     }
 
     /// Turns on NaN poisoning of released parameters (also `FSDP_DEBUG=1` or
@@ -455,7 +465,12 @@ impl Fsdp {
         adamw: &AdamWConfig,
     ) -> Result<(), EngineError> {
         self.step += 1;
-        let n = self.pg.size();
+        // Sharded units reduce-scatter their gradients; replicated ones (NO_SHARD) all-reduce.
+        let n = if self.replicated_units() {
+            1
+        } else {
+            self.pg.size()
+        };
         for unit in &self.plan.units {
             let block: usize = unit.params.iter().map(ShardLayout::shard_numel).sum();
             let mut packed = vec![0f32; block * n];
@@ -475,7 +490,11 @@ impl Fsdp {
                 }
                 offset += p.shard_numel();
             }
-            let reduced = self.pg.reduce_scatter(packed, ReduceOp::Avg).wait()?;
+            let reduced = if self.replicated_units() {
+                self.pg.all_reduce(packed, ReduceOp::Avg).wait()?
+            } else {
+                self.pg.reduce_scatter(packed, ReduceOp::Avg).wait()?
+            };
             let mut offset = 0;
             for p in &unit.params {
                 let len = p.shard_numel();
