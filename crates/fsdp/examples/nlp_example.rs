@@ -154,7 +154,7 @@ fn main() -> Result<()> {
             .to_dtype(DType::F32)?
             .sum_all()?
             .to_scalar::<f32>()?;
-        fsdp.finish_step(params, &grads, &adamw)?;
+        fsdp.finish_step(params, &grads, &adamw, Some(1.0))?;
         let stats = fsdp
             .group()
             .all_reduce(vec![loss.to_scalar::<f32>()?, correct], ReduceOp::Sum)

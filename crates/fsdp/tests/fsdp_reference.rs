@@ -65,6 +65,7 @@ fn worker_entry() {
         weight_decay: 0.01,
     };
     let mut losses = Vec::new();
+    let mut norms = Vec::new();
     for step in 0..steps {
         let ids = data["input_ids"]
             .get(step)
@@ -81,7 +82,11 @@ fn worker_entry() {
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
         let grads = loss.backward().unwrap();
         let local = loss.to_scalar::<f32>().unwrap() as f64;
-        fsdp.finish_step(params, &grads, &adamw).unwrap();
+        let max_norm = std::env::var("FSDP_TEST_MAX_GRAD_NORM")
+            .ok()
+            .map(|v| v.parse::<f64>().unwrap());
+        let report = fsdp.finish_step(params, &grads, &adamw, max_norm).unwrap();
+        norms.push(report.grad_norm);
         losses.push(
             fsdp.group()
                 .all_reduce(vec![local], ReduceOp::Avg)
@@ -113,7 +118,7 @@ fn worker_entry() {
         };
         println!(
             "RESULT {}",
-            serde_json::json!({"losses": losses, "max_abs_weight_diff": max_abs, "resident_bytes": fsdp.resident_bytes()})
+            serde_json::json!({"losses": losses, "grad_norms": norms, "max_abs_weight_diff": max_abs, "resident_bytes": fsdp.resident_bytes()})
         );
     }
     let _: BTreeMap<String, Tensor> = state;
@@ -262,4 +267,36 @@ fn shard_grad_op_no_shard_and_released_full_shard_match_too() {
     // FULL_SHARD with real release (pages returned, not poisoned).
     let worst = check_losses(&run(2, 8, &[]), 8);
     eprintln!("FULL_SHARD with pages released, 2 ranks: worst relative loss difference {worst:e}");
+}
+
+#[test]
+fn global_grad_norm_clipping_matches_one_process() {
+    if reference_dir().is_none() {
+        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        return;
+    }
+    // A small limit so every step clips; the norm must be the global one, not a shard's.
+    let env = [("FSDP_TEST_MAX_GRAD_NORM", "0.5")];
+    let one = run(1, 6, &env);
+    let two = run(2, 6, &env);
+    let values = |r: &serde_json::Value, k: &str| -> Vec<f64> {
+        r[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    for (a, b) in values(&one, "grad_norms")
+        .iter()
+        .zip(values(&two, "grad_norms"))
+    {
+        assert!(
+            (a - b).abs() / a < 1e-4,
+            "grad norm {a} on 1 rank vs {b} on 2"
+        );
+        assert!(*a > 0.5, "the limit should clip");
+    }
+    for (a, b) in values(&one, "losses").iter().zip(values(&two, "losses")) {
+        assert!((a - b).abs() / a < 2e-5, "loss {a} on 1 rank vs {b} on 2");
+    }
 }

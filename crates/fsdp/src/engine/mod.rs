@@ -4,6 +4,6 @@
 pub mod plan;
 pub mod sharded;
 
-pub use sharded::{EngineError, Fsdp, StepParams};
+pub use sharded::{EngineError, Fsdp, StepParams, StepReport};
 
 pub use plan::{MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};

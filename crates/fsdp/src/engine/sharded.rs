@@ -37,6 +37,15 @@ pub enum EngineError {
     Weights(String),
 }
 
+/// What a step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// The global gradient norm before clipping (over every parameter, all ranks).
+    pub grad_norm: f64,
+    /// Whether gradients were scaled down to `max_grad_norm`.
+    pub clipped: bool,
+}
+
 /// A gradient slot filled by a full parameter's backward.
 type Slot = Arc<Mutex<Option<Vec<f32>>>>;
 
@@ -456,21 +465,22 @@ impl Fsdp {
             .collect()
     }
 
-    /// Reduce-scatters every unit's gradients (mean over ranks), all-reduces replicated ones,
-    /// and updates this rank's shards with AdamW. `grads` is the store `backward` returned.
+    /// Reduce-scatters every unit's gradients (mean over ranks; all-reduce for NO_SHARD),
+    /// all-reduces replicated ones, clips by the global gradient norm when `max_grad_norm` is
+    /// set (the norm over all shards, not a rank's own), and updates this rank's shards with
+    /// AdamW. `grads` is the store `backward` returned.
     pub fn finish_step(
         &mut self,
         params: StepParams,
         grads: &GradStore,
         adamw: &AdamWConfig,
-    ) -> Result<(), EngineError> {
+        max_grad_norm: Option<f64>,
+    ) -> Result<StepReport, EngineError> {
         self.step += 1;
+        let replicated_units = self.replicated_units();
         // Sharded units reduce-scatter their gradients; replicated ones (NO_SHARD) all-reduce.
-        let n = if self.replicated_units() {
-            1
-        } else {
-            self.pg.size()
-        };
+        let n = if replicated_units { 1 } else { self.pg.size() };
+        let mut unit_grads = Vec::with_capacity(self.plan.units.len());
         for unit in &self.plan.units {
             let block: usize = unit.params.iter().map(ShardLayout::shard_numel).sum();
             let mut packed = vec![0f32; block * n];
@@ -490,11 +500,36 @@ impl Fsdp {
                 }
                 offset += p.shard_numel();
             }
-            let reduced = if self.replicated_units() {
+            unit_grads.push(if replicated_units {
                 self.pg.all_reduce(packed, ReduceOp::Avg).wait()?
             } else {
                 self.pg.reduce_scatter(packed, ReduceOp::Avg).wait()?
-            };
+            });
+        }
+        let mut replicated_grads = Vec::new();
+        for (name, (var, _)) in &self.replicated {
+            if let Some(g) = grads.get(var) {
+                let g: Vec<f32> = g.flatten_all()?.to_vec1()?;
+                replicated_grads.push((name.clone(), self.pg.all_reduce(g, ReduceOp::Avg).wait()?));
+            }
+        }
+        // Global norm: shards are disjoint across ranks (padding holds zeros), so their
+        // squares are summed over ranks; whole copies are counted once.
+        let square = |v: &[f32]| v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
+        let mut sharded_sq: f64 = unit_grads.iter().map(|g| square(g)).sum();
+        if !replicated_units && self.pg.size() > 1 {
+            sharded_sq = self.pg.all_reduce(vec![sharded_sq], ReduceOp::Sum).wait()?[0];
+        }
+        let total_sq = sharded_sq + replicated_grads.iter().map(|(_, g)| square(g)).sum::<f64>();
+        let grad_norm = total_sq.sqrt();
+        let scale = match max_grad_norm {
+            Some(max) if grad_norm > max => (max / (grad_norm + 1e-6)) as f32,
+            _ => 1.0,
+        };
+        for (unit, reduced) in self.plan.units.iter().zip(&mut unit_grads) {
+            if scale != 1.0 {
+                reduced.iter_mut().for_each(|g| *g *= scale);
+            }
             let mut offset = 0;
             for p in &unit.params {
                 let len = p.shard_numel();
@@ -513,17 +548,23 @@ impl Fsdp {
                 offset += len;
             }
         }
-        for (name, (var, state)) in self.replicated.iter_mut() {
-            let Some(g) = grads.get(var) else { continue };
-            let g: Vec<f32> = g.flatten_all()?.to_vec1()?;
-            let g = self.pg.all_reduce(g, ReduceOp::Avg).wait()?;
+        for (name, mut g) in replicated_grads {
+            if scale != 1.0 {
+                g.iter_mut().for_each(|v| *v *= scale);
+            }
+            let Some((var, state)) = self.replicated.get_mut(&name) else {
+                continue;
+            };
             let mut p: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
             adamw.update(&mut p, &g, state, self.step);
             var.set(&Tensor::from_vec(p, var.dims(), &self.device)?)
                 .map_err(|e| EngineError::Weights(format!("{name}: {e}")))?;
         }
         drop(params);
-        Ok(())
+        Ok(StepReport {
+            grad_norm,
+            clipped: scale != 1.0,
+        })
     }
 
     /// Every parameter's full value (gathered; identical on every rank).
