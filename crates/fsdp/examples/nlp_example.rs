@@ -17,7 +17,7 @@ use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
 use fsdp::nn::LocalParams;
 use fsdp::nn::candle::{DType, Device, Tensor};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::AdamWConfig;
+use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 struct Args {
@@ -33,7 +33,7 @@ fn args() -> Result<Args> {
         steps: 20,
         global_batch: 16,
         seq: 64,
-        lr: 1e-4,
+        lr: 2e-4,
         seed: 42,
     };
     let mut it = std::env::args().skip(1);
@@ -134,9 +134,10 @@ fn main() -> Result<()> {
             plugin.sharding_strategy, a.global_batch, a.steps
         );
     }
-    let adamw = AdamWConfig {
-        lr: a.lr,
-        ..Default::default()
+    // Linear warmup over the first tenth of the steps, then linear decay (transformers').
+    let schedule = LrSchedule::Linear {
+        warmup: (a.steps / 10) as u64,
+        total: a.steps as u64,
     };
     let per_rank = a.global_batch / world;
     let started = std::time::Instant::now();
@@ -154,6 +155,10 @@ fn main() -> Result<()> {
             .to_dtype(DType::F32)?
             .sum_all()?
             .to_scalar::<f32>()?;
+        let adamw = AdamWConfig {
+            lr: schedule.lr(a.lr, step as u64 + 1),
+            ..Default::default()
+        };
         fsdp.finish_step(params, &grads, &adamw, Some(1.0))?;
         let stats = fsdp
             .group()

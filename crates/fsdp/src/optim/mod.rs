@@ -1,5 +1,7 @@
 //! Optimizers.
 
 pub mod adamw;
+pub mod schedule;
 
 pub use adamw::{AdamWConfig, AdamWState};
+pub use schedule::LrSchedule;
