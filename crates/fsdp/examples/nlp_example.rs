@@ -120,6 +120,9 @@ fn main() -> Result<()> {
     )?;
     drop(init);
     if rank == 0 {
+        for note in Fsdp::unapplied_settings(&plugin) {
+            println!("note: {note}");
+        }
         let plan = fsdp.plan();
         let m = plan.memory_estimate();
         println!(

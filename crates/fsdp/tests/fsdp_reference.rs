@@ -41,20 +41,20 @@ fn worker_entry() {
     let model = BertForSequenceClassification::new(config_of(&dir.join("init.safetensors")));
     let info = model.info();
     let (init, _) = LocalParams::load(&info, &dir.join("init.safetensors"), &device).unwrap();
+    let mut initial = init.tensors();
+    if std::env::var("FSDP_TEST_PERTURB").is_ok() && std::env::var("RANK").as_deref() == Ok("1") {
+        // Rank 1 starts from different weights: only fsdp_sync_module_states can fix that.
+        for t in initial.values_mut() {
+            *t = (&*t + 0.05).unwrap();
+        }
+    }
     let plugin = FsdpPlugin::builder()
         .resolve(&Layer::from_process_env().unwrap(), None)
         .unwrap()
         .fsdp;
     let pg = ProcessGroup::from_env().unwrap();
     let (rank, n) = (pg.rank(), pg.size());
-    let mut fsdp = Fsdp::new(
-        &info,
-        &init.tensors(),
-        &plugin,
-        BertModel::no_split_modules(),
-        pg,
-    )
-    .unwrap();
+    let mut fsdp = Fsdp::new(&info, &initial, &plugin, BertModel::no_split_modules(), pg).unwrap();
     drop(init);
     let data = candle_core::safetensors::load(dir.join("data.safetensors"), &device).unwrap();
     let per_rank = 16 / n;
@@ -298,5 +298,78 @@ fn global_grad_norm_clipping_matches_one_process() {
     }
     for (a, b) in values(&one, "losses").iter().zip(values(&two, "losses")) {
         assert!((a - b).abs() / a < 2e-5, "loss {a} on 1 rank vs {b} on 2");
+    }
+}
+
+#[test]
+fn sync_module_states_starts_every_rank_from_rank_zero() {
+    if reference_dir().is_none() {
+        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        return;
+    }
+    let worst = check_losses(&run(2, 3, &[("FSDP_TEST_PERTURB", "1")]), 3);
+    eprintln!("rank 1 perturbed, synced: worst relative loss difference {worst:e}");
+    let unsynced = run(
+        2,
+        1,
+        &[
+            ("FSDP_TEST_PERTURB", "1"),
+            ("FSDP_SYNC_MODULE_STATES", "false"),
+        ],
+    );
+    let loss = unsynced["losses"][0].as_f64().unwrap();
+    assert!(
+        (loss - expected()[0]).abs() / expected()[0] > 1e-3,
+        "without sync the perturbed rank must change the result ({loss})"
+    );
+}
+
+#[test]
+fn unsupported_settings_are_refused_not_ignored() {
+    use fsdp::config::MixedPrecision;
+    let world = fsdp_comm::WorldInfo::from_vars(&Default::default()).unwrap();
+    let model = BertForSequenceClassification::new(
+        BertConfig::from_json(r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16, "max_position_embeddings": 4}"#).unwrap(),
+    );
+    let info = model.info();
+    let init = LocalParams::init(&info, 0, candle_core::DType::F32, &Device::Cpu)
+        .unwrap()
+        .tensors();
+    let cases: Vec<(FsdpPlugin, &str)> = vec![
+        (
+            FsdpPlugin::builder()
+                .offload_params(true)
+                .resolve(&Layer::new(), None)
+                .unwrap()
+                .fsdp,
+            "fsdp_offload_params: true",
+        ),
+        (
+            FsdpPlugin::builder()
+                .mixed_precision(MixedPrecision::Bf16)
+                .resolve(&Layer::new(), None)
+                .unwrap()
+                .fsdp,
+            "mixed_precision: bf16",
+        ),
+        (
+            FsdpPlugin::builder()
+                .activation_checkpointing(true)
+                .resolve(&Layer::new(), None)
+                .unwrap()
+                .fsdp,
+            "fsdp_activation_checkpointing: true",
+        ),
+    ];
+    for (plugin, setting) in cases {
+        let pg = ProcessGroup::init(&world, fsdp_comm::GroupOptions::default()).unwrap();
+        let err = Fsdp::new(&info, &init, &plugin, BertModel::no_split_modules(), pg)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains(setting) && err.contains("not supported by the FSDP engine yet"),
+            "{err}"
+        );
     }
 }

@@ -35,6 +35,47 @@ pub enum EngineError {
     /// The initial weights do not match the model.
     #[error("initial weights: {0}")]
     Weights(String),
+    /// A configured feature this engine does not provide yet: refused rather than ignored.
+    #[error("{setting} is not supported by the FSDP engine yet; {hint}")]
+    Unsupported {
+        /// The setting as configured.
+        setting: String,
+        /// What to do instead.
+        hint: &'static str,
+    },
+}
+
+/// Refuses settings that would change results or memory but are not implemented yet.
+fn check_supported(plugin: &FsdpPlugin) -> Result<(), EngineError> {
+    let refuse = |setting: String, hint| Err(EngineError::Unsupported { setting, hint });
+    if plugin.offload_params {
+        return refuse("fsdp_offload_params: true".into(), "set it to false");
+    }
+    if plugin.mixed_precision != crate::config::MixedPrecision::No {
+        return refuse(
+            format!("mixed_precision: {}", plugin.mixed_precision),
+            "train with mixed_precision: no (f32)",
+        );
+    }
+    if plugin.activation_checkpointing {
+        return refuse(
+            "fsdp_activation_checkpointing: true".into(),
+            "set it to false",
+        );
+    }
+    if plugin.cpu_ram_efficient_loading {
+        return refuse(
+            "fsdp_cpu_ram_efficient_loading: true".into(),
+            "set it to false (every rank loads the weights; fsdp_sync_module_states broadcasts rank 0's)",
+        );
+    }
+    if plugin.sharding_strategy.is_hybrid() {
+        return refuse(
+            format!("fsdp_sharding_strategy: {}", plugin.sharding_strategy),
+            "use FULL_SHARD or SHARD_GRAD_OP",
+        );
+    }
+    Ok(())
 }
 
 /// What a step did.
@@ -304,7 +345,28 @@ impl Fsdp {
         default_wrap: &[&str],
         pg: ProcessGroup,
     ) -> Result<Fsdp, EngineError> {
+        check_supported(plugin)?;
         let plan = UnitPlan::build(model, plugin, default_wrap, pg.size())?;
+        // fsdp_sync_module_states: every rank starts from rank 0's weights.
+        let synced;
+        let initial = if plugin.sync_module_states && pg.size() > 1 {
+            let mut out = BTreeMap::new();
+            for (name, t) in initial {
+                let values: Vec<f32> = t
+                    .flatten_all()?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec1()?;
+                let values = pg.broadcast(values, 0).wait()?;
+                out.insert(
+                    name.clone(),
+                    Tensor::from_vec(values, t.dims(), t.device())?,
+                );
+            }
+            synced = out;
+            &synced
+        } else {
+            initial
+        };
         let rank = pg.rank();
         let mut shards = BTreeMap::new();
         for layout in plan.units.iter().flat_map(|u| &u.params) {
@@ -364,6 +426,25 @@ impl Fsdp {
             step: 0,
             device,
         })
+    }
+
+    /// Configured behaviours that do not change results and are not applied yet (so callers
+    /// can report them): backward and forward prefetch.
+    pub fn unapplied_settings(plugin: &FsdpPlugin) -> Vec<String> {
+        let mut out = Vec::new();
+        if plugin.backward_prefetch != crate::config::BackwardPrefetch::NoPrefetch {
+            out.push(format!(
+                "fsdp_backward_prefetch: {} (collectives are not overlapped with compute yet)",
+                plugin.backward_prefetch
+            ));
+        }
+        if plugin.forward_prefetch {
+            out.push(
+                "fsdp_forward_prefetch: true (collectives are not overlapped with compute yet)"
+                    .into(),
+            );
+        }
+        out
     }
 
     /// The plan in use.
