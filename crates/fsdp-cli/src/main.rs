@@ -5,6 +5,7 @@ mod bench;
 mod bench_layer;
 mod config_cmd;
 mod env_cmd;
+mod estimate_cmd;
 mod launch;
 mod prompt;
 mod questionnaire;
@@ -37,6 +38,9 @@ enum Command {
     Launch(Box<launch::LaunchArgs>),
     /// Check that a job with this configuration starts and communicates.
     Test(test_cmd::TestArgs),
+    /// Print a model's FSDP units and the memory each rank needs.
+    #[command(name = "estimate-memory")]
+    EstimateMemory(estimate_cmd::EstimateArgs),
     /// Measure collectives (and, as they land, layers and memory).
     Bench(bench::BenchArgs),
 }
@@ -71,6 +75,7 @@ fn main() -> std::process::ExitCode {
             None => Ok(2),
         },
         Command::Test(args) => test_cmd::run(args),
+        Command::EstimateMemory(args) => estimate_cmd::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
     };
     match result {

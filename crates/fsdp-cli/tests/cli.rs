@@ -390,3 +390,37 @@ fn bench_collectives_prints_a_table_and_json() {
     }
     assert_eq!(doc["shm_over_tcp"].as_array().unwrap().len(), 20);
 }
+
+#[test]
+fn estimate_memory_prints_units_and_per_rank_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("config.json");
+    std::fs::write(&model, r#"{"model_type": "bert", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 32}"#).unwrap();
+    let out = fsdp(dir.path())
+        .args(["estimate-memory", "--num_processes", "4", "--model_config"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("4 unit(s), sharded over 4 rank(s), FullShard"),
+        "{t}"
+    );
+    assert!(
+        t.contains("unit 2: bert.encoder.layer.0 (BertLayer)") && t.contains("per rank: params"),
+        "{t}"
+    );
+    let out = fsdp(dir.path())
+        .args(["estimate-memory", "--model_config"])
+        .arg(&model)
+        .env("FSDP_TRANSFORMER_CLS_TO_WRAP", "NoSuchLayer")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("match no module of this model"),
+        "{}",
+        text(&out)
+    );
+}
