@@ -45,14 +45,8 @@ fn config(a: &LayerArgs) -> BertConfig {
         num_hidden_layers: 1,
         num_attention_heads: a.heads,
         intermediate_size: a.intermediate,
-        hidden_act: "gelu".into(),
         max_position_embeddings: a.seq,
-        type_vocab_size: 2,
-        layer_norm_eps: 1e-12,
-        initializer_range: 0.02,
-        hidden_dropout_prob: 0.0,
-        attention_probs_dropout_prob: 0.0,
-        num_labels: 2,
+        ..BertConfig::default()
     }
 }
 

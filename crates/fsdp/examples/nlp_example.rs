@@ -93,19 +93,8 @@ fn main() -> Result<()> {
         a.global_batch
     );
     let config = BertConfig {
-        vocab_size: 8192,
-        hidden_size: 256,
-        num_hidden_layers: 4,
-        num_attention_heads: 4,
-        intermediate_size: 1024,
-        hidden_act: "gelu".into(),
         max_position_embeddings: a.seq,
-        type_vocab_size: 2,
-        layer_norm_eps: 1e-12,
-        initializer_range: 0.02,
-        hidden_dropout_prob: 0.0,
-        attention_probs_dropout_prob: 0.0,
-        num_labels: 2,
+        ..BertConfig::default()
     };
     let model = BertForSequenceClassification::new(config);
     let info = model.info();

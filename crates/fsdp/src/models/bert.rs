@@ -68,6 +68,28 @@ fn default_labels() -> usize {
     2
 }
 
+impl Default for BertConfig {
+    /// The small BERT of the reference run: vocabulary 8192, hidden 256, 4 layers of 4 heads,
+    /// feed-forward 1024, 128 positions, exact GELU, no dropout, 2 labels.
+    fn default() -> Self {
+        BertConfig {
+            vocab_size: 8192,
+            hidden_size: 256,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            intermediate_size: 1024,
+            hidden_act: default_act(),
+            max_position_embeddings: 128,
+            type_vocab_size: default_type_vocab(),
+            layer_norm_eps: default_eps(),
+            initializer_range: default_init_range(),
+            hidden_dropout_prob: 0.0,
+            attention_probs_dropout_prob: 0.0,
+            num_labels: default_labels(),
+        }
+    }
+}
+
 impl BertConfig {
     /// Parses `config.json` text.
     pub fn from_json(text: &str) -> Result<BertConfig> {
