@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use fsdp::config::{Layer, ResolvedConfig, existing_default_config};
+use fsdp::config::ResolvedConfig;
 use fsdp_comm::WorldInfo;
 
 use crate::ConfigFileArg;
@@ -25,22 +25,14 @@ pub struct EnvArgs {
 pub fn run(args: EnvArgs) -> Result<()> {
     let system = SystemInfo::collect();
     let world = WorldInfo::from_env();
-    let file = args.file.config_file.or_else(existing_default_config);
-    let resolved = resolve(file.as_ref());
+    let file = args.file.path();
+    let resolved = args.file.resolve(&[]);
     if args.json {
         print_json(&system, &world, file.as_ref(), &resolved);
     } else {
         print_text(&system, &world, file.as_ref(), &resolved);
     }
     resolved.map(|_| ())
-}
-
-fn resolve(file: Option<&PathBuf>) -> Result<ResolvedConfig> {
-    let file_layer = file.map(|p| Layer::from_yaml_file(p)).transpose()?;
-    let env_layer = Layer::from_process_env()?;
-    let mut layers = vec![&env_layer];
-    layers.extend(file_layer.as_ref());
-    Ok(ResolvedConfig::resolve(&layers)?)
 }
 
 fn cuda_line(s: &SystemInfo) -> String {

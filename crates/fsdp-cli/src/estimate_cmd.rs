@@ -6,7 +6,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use fsdp::config::{Layer, ResolvedConfig, existing_default_config};
 use fsdp::engine::UnitPlan;
 use fsdp::models::{
     BertConfig, BertForSequenceClassification, BertModel, Gpt2Config, Gpt2LmHeadModel,
@@ -33,15 +32,7 @@ pub struct EstimateArgs {
 
 /// Runs `fsdp estimate-memory`.
 pub fn run(args: EstimateArgs) -> Result<()> {
-    let file_path = args.file.config_file.or_else(existing_default_config);
-    let file = file_path
-        .as_deref()
-        .map(Layer::from_yaml_file)
-        .transpose()?;
-    let env = Layer::from_process_env()?;
-    let mut layers = vec![&env];
-    layers.extend(file.as_ref());
-    let config = ResolvedConfig::resolve(&layers)?;
+    let config = args.file.resolve(&[])?;
     let n = args.num_processes.unwrap_or(config.launch.num_processes);
     let text = std::fs::read_to_string(&args.model_config)
         .with_context(|| format!("reading {}", args.model_config.display()))?;

@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{ArgMatches, Args, FromArgMatches};
 use fsdp::config::{
-    DistributedType, Key, Layer, ResolvedConfig, Section, Source, Value, existing_default_config,
-    parse_text,
+    DistributedType, Key, Layer, ResolvedConfig, Section, Source, Value, parse_text,
 };
 use fsdp_comm::store::{StoreClient, StoreServer};
 
@@ -214,20 +213,7 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
         let exe = build_example(&example)?;
         args.program.insert(0, exe);
     }
-    let file_path = args
-        .file
-        .config_file
-        .clone()
-        .or_else(existing_default_config);
-    let file = file_path
-        .as_deref()
-        .map(Layer::from_yaml_file)
-        .transpose()?;
-    let env = Layer::from_process_env()?;
-    let cli = args.cli_layer()?;
-    let mut layers = vec![&cli, &env];
-    layers.extend(file.as_ref());
-    let config = ResolvedConfig::resolve(&layers)?;
+    let config = args.file.resolve(&[&args.cli_layer()?])?;
     let plan = Plan::new(&config, &args)?;
     let say = |msg: String| {
         if !args.quiet {
@@ -300,20 +286,14 @@ impl Plan {
             .unwrap_or_else(|| "127.0.0.1".into());
         let port = match l.main_process_port {
             // One machine and no port asked for: a free one, so jobs never collide.
-            None if l.num_machines == 1 => std::net::TcpListener::bind((addr.as_str(), 0))
-                .and_then(|l| l.local_addr())
-                .with_context(|| format!("picking a free port on {addr}"))?
-                .port(),
+            None if l.num_machines == 1 => free_port(&addr)?,
             None => DEFAULT_PORT,
             Some(0) if l.num_machines > 1 => {
                 bail!(
                     "--main_process_port 0 (pick a free port) only works on one machine: the others must know the port"
                 )
             }
-            Some(0) => std::net::TcpListener::bind((addr.as_str(), 0))
-                .and_then(|l| l.local_addr())
-                .with_context(|| format!("picking a free port on {addr}"))?
-                .port(),
+            Some(0) => free_port(&addr)?,
             Some(p) => p,
         };
         let secret = match std::env::var(fsdp_comm::SECRET_ENV) {
@@ -444,6 +424,14 @@ fn build_example(name: &str) -> Result<String> {
         .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
         .find_map(|m| m["executable"].as_str().map(String::from))
         .with_context(|| format!("cargo built no executable for example `{name}`"))
+}
+
+/// A port on `addr` that is free now.
+fn free_port(addr: &str) -> Result<u16> {
+    Ok(std::net::TcpListener::bind((addr, 0))
+        .and_then(|l| l.local_addr())
+        .with_context(|| format!("picking a free port on {addr}"))?
+        .port())
 }
 
 fn rendezvous_timeout() -> Duration {

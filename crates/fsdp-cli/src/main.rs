@@ -58,6 +58,33 @@ pub struct ConfigFileArg {
     pub config_file: Option<PathBuf>,
 }
 
+impl ConfigFileArg {
+    /// The file to read: the one given, else the default (fsdp-rs's, then Accelerate's).
+    pub fn path(&self) -> Option<PathBuf> {
+        self.config_file
+            .clone()
+            .or_else(fsdp::config::existing_default_config)
+    }
+
+    /// Resolves `stronger` layers (strongest first) over the environment, this file and the
+    /// defaults.
+    pub fn resolve(
+        &self,
+        stronger: &[&fsdp::config::Layer],
+    ) -> anyhow::Result<fsdp::config::ResolvedConfig> {
+        let file = self
+            .path()
+            .as_deref()
+            .map(fsdp::config::Layer::from_yaml_file)
+            .transpose()?;
+        let env = fsdp::config::Layer::from_process_env()?;
+        let mut layers = stronger.to_vec();
+        layers.push(&env);
+        layers.extend(file.as_ref());
+        Ok(fsdp::config::ResolvedConfig::resolve(&layers)?)
+    }
+}
+
 fn main() -> std::process::ExitCode {
     // `fsdp launch` takes one `--fsdp_*` flag per FSDP key of the schema.
     let matches = Cli::command()
