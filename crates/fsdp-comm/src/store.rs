@@ -30,6 +30,9 @@ struct State {
 
 struct Shared {
     state: Mutex<State>,
+    /// Connection threads, joined on drop so clients waiting on a key get their reply
+    /// (the keys still missing) before this process goes away.
+    connections: Mutex<Vec<std::thread::JoinHandle<()>>>,
     changed: Condvar,
     stop: AtomicBool,
     secret: Vec<u8>,
@@ -50,6 +53,7 @@ impl StoreServer {
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
+            connections: Mutex::new(Vec::new()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             secret: secret.to_vec(),
@@ -78,6 +82,17 @@ impl Drop for StoreServer {
         if let Some(t) = self.accept_thread.take() {
             let _ = t.join();
         }
+        // Waiters are answered at once on stop; idle connections notice within 200 ms.
+        let connections = std::mem::take(
+            &mut *self
+                .shared
+                .connections
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        for c in connections {
+            let _ = c.join();
+        }
     }
 }
 
@@ -86,9 +101,16 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         match listener.accept() {
             Ok((stream, _)) => {
                 let s = shared.clone();
-                let _ = std::thread::Builder::new()
+                if let Ok(handle) = std::thread::Builder::new()
                     .name("fsdp-store-conn".into())
-                    .spawn(move || serve(stream, s));
+                    .spawn(move || serve(stream, s))
+                {
+                    shared
+                        .connections
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(handle);
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(5));
