@@ -4,6 +4,7 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::dtype::{DType, Element, ReduceOp, as_bytes, as_bytes_mut, finish_avg, reduce_into};
@@ -112,6 +113,7 @@ pub struct Engine {
     received: Vec<u64>,
     failed: Option<CommError>,
     current: Option<Header>,
+    bytes_sent: Arc<AtomicU64>,
 }
 
 impl Engine {
@@ -129,7 +131,14 @@ impl Engine {
             received: vec![0; size],
             failed: None,
             current: None,
+            bytes_sent: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// A counter of the payload bytes this rank has sent (headers excluded), shared with the
+    /// group so callers can measure traffic against theory.
+    pub fn bytes_sent(&self) -> Arc<AtomicU64> {
+        self.bytes_sent.clone()
     }
 
     fn me(&self) -> usize {
@@ -222,6 +231,8 @@ impl Engine {
 
     /// Sends and receives frames of the current collective, progressing all of them together.
     fn transfer(&mut self, h: Header, outs: &[Out<'_>], ins: Vec<In<'_>>) -> Result<()> {
+        let payload: usize = outs.iter().map(|(_, _, data)| data.len()).sum();
+        self.bytes_sent.fetch_add(payload as u64, Ordering::Relaxed);
         let with = |step: u32, len: usize| Header {
             step,
             len: len as u64,
@@ -706,6 +717,10 @@ impl Engine {
         // Point-to-point always goes over the links: a send must not wait for its receiver
         // (the two may be queued behind each other's sends), which a bounded ring cannot
         // promise.
+        self.bytes_sent.fetch_add(
+            std::mem::size_of_val(buf.as_slice()) as u64,
+            Ordering::Relaxed,
+        );
         self.transfer_over_links(self.net.links(), h, &[(dst, 0, as_bytes(&buf))], Vec::new())
     }
 

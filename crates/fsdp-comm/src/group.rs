@@ -139,6 +139,7 @@ pub struct ProcessGroup {
     name: String,
     subgroups: AtomicU64,
     transport: &'static str,
+    bytes_sent: Arc<AtomicU64>,
 }
 
 impl ProcessGroup {
@@ -247,6 +248,7 @@ impl ProcessGroup {
         let transport = net.kind();
         let (tx, rx) = mpsc::channel::<Job>();
         let mut engine = Engine::new(rank, global_ranks.clone(), net, options.timeout);
+        let bytes_sent = engine.bytes_sent();
         let thread = std::thread::Builder::new()
             .name(format!("fsdp-comm-{name}"))
             .spawn(move || {
@@ -272,7 +274,14 @@ impl ProcessGroup {
             name,
             subgroups: AtomicU64::new(0),
             transport,
+            bytes_sent,
         })
+    }
+
+    /// Payload bytes this rank has sent in this group's collectives so far (headers and
+    /// rendezvous excluded): the figure to compare with an algorithm's theoretical traffic.
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent.load(Ordering::Relaxed)
     }
 
     /// The transport carrying this group's data: `"tcp"` or `"shm"`.

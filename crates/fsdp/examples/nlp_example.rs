@@ -17,7 +17,7 @@ use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
 use fsdp::nn::LocalParams;
 use fsdp::nn::candle::{DType, Device, Tensor};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp::optim::{AdamWConfig, LrSchedule, Optimizer};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 struct Args {
@@ -109,9 +109,6 @@ fn main() -> Result<()> {
     )?;
     drop(init);
     if rank == 0 {
-        for note in Fsdp::unapplied_settings(&plugin) {
-            println!("note: {note}");
-        }
         let plan = fsdp.plan();
         let m = plan.memory_estimate();
         println!(
@@ -140,21 +137,23 @@ fn main() -> Result<()> {
         let params = fsdp.begin_step()?;
         let logits = model.forward(&params, &ids, None, None)?;
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
-        let grads = loss.backward()?;
         let correct = logits
             .argmax(1)?
             .eq(&labels)?
             .to_dtype(DType::F32)?
             .sum_all()?
             .to_scalar::<f32>()?;
+        let local_loss = loss.to_scalar::<f32>()?;
+        drop(logits);
+        let grads = fsdp.backward(params, loss)?;
         let adamw = AdamWConfig {
             lr: schedule.lr(a.lr, step as u64 + 1),
             ..Default::default()
         };
-        fsdp.finish_step(params, &grads, &adamw, Some(1.0))?;
+        fsdp.step(grads, &Optimizer::AdamW(adamw), Some(1.0))?;
         let stats = fsdp
             .group()
-            .all_reduce(vec![loss.to_scalar::<f32>()?, correct], ReduceOp::Sum)
+            .all_reduce(vec![local_loss, correct], ReduceOp::Sum)
             .wait()?;
         if rank == 0 {
             println!(

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod optim;

@@ -13,7 +13,7 @@ use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
 use fsdp::nn::LocalParams;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::AdamWConfig;
+use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 const ROLE: &str = "FSDP_REFERENCE_WORKER";
@@ -80,12 +80,14 @@ fn worker_entry() {
         let params = fsdp.begin_step().unwrap();
         let logits = model.forward(&params, &ids, None, None).unwrap();
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
-        let grads = loss.backward().unwrap();
         let local = loss.to_scalar::<f32>().unwrap() as f64;
+        let grads = fsdp.backward(params, loss).unwrap();
         let max_norm = std::env::var("FSDP_TEST_MAX_GRAD_NORM")
             .ok()
             .map(|v| v.parse::<f64>().unwrap());
-        let report = fsdp.finish_step(params, &grads, &adamw, max_norm).unwrap();
+        let report = fsdp
+            .step(grads, &Optimizer::AdamW(adamw), max_norm)
+            .unwrap();
         norms.push(report.grad_norm);
         losses.push(
             fsdp.group()
@@ -118,7 +120,7 @@ fn worker_entry() {
         };
         println!(
             "RESULT {}",
-            serde_json::json!({"losses": losses, "grad_norms": norms, "max_abs_weight_diff": max_abs, "resident_bytes": fsdp.resident_bytes()})
+            serde_json::json!({"losses": losses, "grad_norms": norms, "max_abs_weight_diff": max_abs, "model_state_bytes": fsdp.model_state_bytes()})
         );
     }
     let _: BTreeMap<String, Tensor> = state;

@@ -1,24 +1,25 @@
-//! The first FSDP engine: parameters sharded on dim 0 per unit, gathered with one all-gather
-//! per unit, gradients captured at each full parameter's autograd node and reduce-scattered
-//! with one collective per unit, AdamW on the local shards only.
+//! The FSDP engine: parameters sharded on dim 0 per unit, each rank keeping its rows and its
+//! optimizer state; a training step is `begin_step` (units gathered as forward reaches them),
+//! `backward` (units refilled and their gradients reduce-scattered as backward passes them,
+//! see `engine::step`), and `step` (global gradient-norm clipping and the optimizer on the
+//! local shards only).
 //!
-//! With FULL_SHARD (and HYBRID_SHARD) a unit's full parameters are released as soon as its
-//! forward is done (their pages go back to the system; in debug mode they are poisoned with
-//! NaN instead, so a stray read shows) and re-gathered in place just before its backward, by
-//! an identity op on the unit's output whose backward runs first. SHARD_GRAD_OP keeps them
-//! from forward through backward. Prefetch and NO_SHARD's all-reduce path come next.
+//! FULL_SHARD frees a unit's full parameters after its forward and again after its backward;
+//! SHARD_GRAD_OP keeps them from forward through backward and frees them after; NO_SHARD keeps
+//! whole parameters on every rank and all-reduces gradients (DDP).
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, Device, InplaceOp1, Layout, Shape, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 use super::plan::{PlanError, ShardLayout, UnitPlan};
-use crate::config::{FsdpPlugin, ShardingStrategy};
-use crate::nn::{ModuleInfo, Params};
-use crate::optim::{AdamWConfig, AdamWState};
+pub use super::step::StepParams;
+use super::step::{StepOptions, StepShared, UnitSpec};
+use crate::config::{BackwardPrefetch, FsdpPlugin, ShardingStrategy};
+use crate::nn::ModuleInfo;
+use crate::optim::{Optimizer, ParamState};
 
 /// Why the engine stopped.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +36,13 @@ pub enum EngineError {
     /// The initial weights do not match the model.
     #[error("initial weights: {0}")]
     Weights(String),
+    /// The model was used against the engine's rules (a parameter outside its unit, a unit
+    /// output not hooked, ...); names the parameter and unit.
+    #[error("FSDP usage: {0}")]
+    Usage(String),
+    /// The optimizer's settings are invalid.
+    #[error("optimizer: {0}")]
+    Optimizer(String),
     /// A configured feature this engine does not provide yet: refused rather than ignored.
     #[error("{setting} is not supported by the FSDP engine yet; {hint}")]
     Unsupported {
@@ -85,254 +93,79 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// Whether gradients were scaled down to `max_grad_norm`.
     pub clipped: bool,
+    /// Bytes of live allocations just after the update, measured by
+    /// [`crate::memory::CountingAllocator`] when the program installed it.
+    pub resident_bytes: Option<usize>,
 }
 
-/// A gradient slot filled by a full parameter's backward.
-type Slot = Arc<Mutex<Option<Vec<f32>>>>;
-
-/// Produces a gathered parameter as the output of an op on the unit's anchor variable, so the
-/// parameter is a node of the graph; its backward receives the full gradient after every
-/// consumer ran, keeps it for the reduce-scatter, and sends nothing to the anchor.
-struct Unshard {
-    data: Mutex<Option<Vec<f32>>>,
-    shape: Shape,
-    slot: Slot,
-    name: String,
+/// One backward's gradients, reduced: each rank holds the rows of the parameters it owns
+/// (whole parameters with NO_SHARD). Dropping them is `zero_grad`.
+pub struct Gradients {
+    units: Vec<Option<Vec<f32>>>,
+    has_grad: Vec<Vec<bool>>,
+    replicated: BTreeMap<String, Vec<f32>>,
 }
 
-impl CustomOp1 for Unshard {
-    fn name(&self) -> &'static str {
-        "fsdp-unshard"
-    }
-
-    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let data = self
-            .data
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                candle_core::Error::Msg(format!("parameter {} was already materialised", self.name))
-            })?;
-        Ok((CpuStorage::F32(data), self.shape.clone()))
-    }
-
-    fn bwd(
-        &self,
-        _arg: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        let g: Vec<f32> = grad.flatten_all()?.to_vec1()?;
-        let mut slot = self.slot.lock().unwrap_or_else(|e| e.into_inner());
-        match slot.as_mut() {
-            Some(acc) => acc.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
-            None => *slot = Some(g),
+impl Gradients {
+    /// Adds another backward's gradients (gradient accumulation over micro-batches).
+    pub fn accumulate(&mut self, other: Gradients) {
+        for (mine, theirs) in self.units.iter_mut().zip(other.units) {
+            match (mine.as_mut(), theirs) {
+                (Some(a), Some(b)) => a.iter_mut().zip(&b).for_each(|(x, y)| *x += y),
+                (None, Some(b)) => *mine = Some(b),
+                _ => {}
+            }
         }
-        Ok(None)
+        for (mine, theirs) in self.has_grad.iter_mut().zip(other.has_grad) {
+            mine.iter_mut().zip(theirs).for_each(|(a, b)| *a |= b);
+        }
+        for (name, g) in other.replicated {
+            match self.replicated.get_mut(&name) {
+                Some(a) => a.iter_mut().zip(&g).for_each(|(x, y)| *x += y),
+                None => {
+                    self.replicated.insert(name, g);
+                }
+            }
+        }
+    }
+
+    /// Scales every gradient (e.g. by 1/accumulation steps).
+    pub fn scale(&mut self, factor: f32) {
+        self.units
+            .iter_mut()
+            .flatten()
+            .chain(self.replicated.values_mut())
+            .for_each(|g| g.iter_mut().for_each(|x| *x *= factor));
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        let units: usize = self.units.iter().flatten().map(Vec::len).sum();
+        let replicated: usize = self.replicated.values().map(Vec::len).sum();
+        (units + replicated) * 4
     }
 }
 
 struct ShardState {
     data: Vec<f32>,
-    adam: AdamWState,
+    optim: ParamState,
 }
 
 /// A model's parameters sharded across a process group.
 pub struct Fsdp {
     plan: UnitPlan,
     pg: Arc<ProcessGroup>,
-    /// Poison released parameters with NaN instead of returning their memory.
+    /// Poison released parameters with NaN instead of returning their memory, and check the
+    /// graph before backward.
     debug: bool,
+    forward_prefetch: bool,
+    backward_prefetch: BackwardPrefetch,
     shards: BTreeMap<String, ShardState>,
-    replicated: BTreeMap<String, (Var, AdamWState)>,
+    replicated: BTreeMap<String, (Var, ParamState)>,
     step: u64,
     device: Device,
-}
-
-/// Full values of a unit's parameters from an all-gathered block (rank r's shards at
-/// `r * block`), without the padding rows.
-fn unpack(params: &[ShardLayout], gathered: &[f32], ranks: usize) -> Vec<(ShardLayout, Vec<f32>)> {
-    let block: usize = params.iter().map(ShardLayout::shard_numel).sum();
-    let mut out = Vec::with_capacity(params.len());
-    let mut offset = 0;
-    for p in params {
-        let mut full = Vec::with_capacity(p.numel());
-        for r in 0..ranks {
-            let (start, end) = p.rows_of(r);
-            let base = r * block + offset;
-            full.extend_from_slice(&gathered[base..base + (end - start) * p.row_elems]);
-        }
-        offset += p.shard_numel();
-        out.push((p.clone(), full));
-    }
-    out
-}
-
-/// What a resharded unit needs to release its parameters after forward and refill them
-/// before backward.
-struct UnitHandle {
-    pg: Arc<ProcessGroup>,
-    /// This rank's shards of the unit (unchanged until the optimizer step).
-    packed: Vec<f32>,
-    tensors: Vec<(ShardLayout, Tensor)>,
-    debug: bool,
-}
-
-/// Releases a full parameter's memory in place, keeping the storage's length (candle's
-/// kernels index without bounds checks, so a shorter storage would be unsound).
-struct Release {
-    poison: bool,
-}
-
-impl InplaceOp1 for Release {
-    fn name(&self) -> &'static str {
-        "fsdp-release"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, _l: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(v) = s else {
-            return Err(candle_core::Error::Msg(
-                "fsdp-release: parameters are f32".into(),
-            ));
-        };
-        if self.poison {
-            v.iter_mut().for_each(|x| *x = f32::NAN);
-            return Ok(());
-        }
-        // Return the whole pages inside the buffer; they read as zeros until refilled.
-        let page = 4096usize;
-        let start = v.as_mut_ptr() as usize;
-        let end = start + std::mem::size_of_val(v.as_slice());
-        let (first, last) = (start.div_ceil(page) * page, end / page * page);
-        if last > first {
-            // SAFETY: [first, last) lies inside the vector's allocation; MADV_DONTNEED on
-            // private anonymous memory keeps the mapping valid (pages read back as zeros).
-            unsafe {
-                libc::madvise(
-                    first as *mut libc::c_void,
-                    last - first,
-                    libc::MADV_DONTNEED,
-                );
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Writes gathered values back into a released parameter's storage.
-struct Refill<'a> {
-    values: &'a [f32],
-}
-
-impl InplaceOp1 for Refill<'_> {
-    fn name(&self) -> &'static str {
-        "fsdp-refill"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(v) = s else {
-            return Err(candle_core::Error::Msg(
-                "fsdp-refill: parameters are f32".into(),
-            ));
-        };
-        let start = l.start_offset();
-        v[start..start + self.values.len()].copy_from_slice(self.values);
-        Ok(())
-    }
-}
-
-impl UnitHandle {
-    fn release(&self) -> candle_core::Result<()> {
-        for (_, t) in &self.tensors {
-            t.inplace_op1(&Release { poison: self.debug })?;
-        }
-        Ok(())
-    }
-
-    fn refill(&self) -> candle_core::Result<()> {
-        let gathered = self
-            .pg
-            .all_gather(self.packed.clone())
-            .wait()
-            .map_err(|e| {
-                candle_core::Error::Msg(format!("re-gathering a unit before its backward: {e}"))
-            })?;
-        let layouts: Vec<ShardLayout> = self.tensors.iter().map(|(l, _)| l.clone()).collect();
-        for ((_, t), (_, values)) in
-            self.tensors
-                .iter()
-                .zip(unpack(&layouts, &gathered, self.pg.size()))
-        {
-            t.inplace_op1(&Refill { values: &values })?;
-        }
-        Ok(())
-    }
-}
-
-/// Identity on a unit's output; its backward runs before any backward node of the unit and
-/// refills the unit's parameters.
-struct PreBackward {
-    unit: Arc<UnitHandle>,
-}
-
-impl CustomOp1 for PreBackward {
-    fn name(&self) -> &'static str {
-        "fsdp-pre-backward"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(v) = s else {
-            return Err(candle_core::Error::Msg(
-                "fsdp-pre-backward: activations are f32".into(),
-            ));
-        };
-        let (start, end) = l.contiguous_offsets().ok_or_else(|| {
-            candle_core::Error::Msg("fsdp-pre-backward: unit output must be contiguous".into())
-        })?;
-        Ok((CpuStorage::F32(v[start..end].to_vec()), l.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        _arg: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        self.unit.refill()?;
-        Ok(Some(grad.clone()))
-    }
-}
-
-/// The parameters of one step: gathered full tensors (graph nodes) and replicated variables.
-pub struct StepParams {
-    full: HashMap<String, Tensor>,
-    slots: HashMap<String, Slot>,
-    replicated: HashMap<String, Tensor>,
-    /// Resharded units by module path.
-    units: HashMap<String, Arc<UnitHandle>>,
-    _anchors: Vec<Var>,
-}
-
-impl Params for StepParams {
-    fn get(&self, name: &str) -> candle_core::Result<Tensor> {
-        self.full
-            .get(name)
-            .or_else(|| self.replicated.get(name))
-            .cloned()
-            .ok_or_else(|| candle_core::Error::Msg(format!("unknown parameter {name}")))
-    }
-
-    fn module_output(&self, path: &str, output: Tensor) -> candle_core::Result<Tensor> {
-        let Some(unit) = self.units.get(path) else {
-            return Ok(output);
-        };
-        let hooked = output
-            .contiguous()?
-            .apply_op1(PreBackward { unit: unit.clone() })?;
-        unit.release()?;
-        Ok(hooked)
-    }
+    /// The previous step's forward order of units.
+    forward_order: Vec<usize>,
 }
 
 impl Fsdp {
@@ -393,7 +226,7 @@ impl Fsdp {
                 layout.name.clone(),
                 ShardState {
                     data,
-                    adam: AdamWState::default(),
+                    optim: ParamState::default(),
                 },
             );
         }
@@ -406,7 +239,7 @@ impl Fsdp {
                 layout.name.clone(),
                 (
                     Var::from_tensor(&full.to_dtype(candle_core::DType::F32)?)?,
-                    AdamWState::default(),
+                    ParamState::default(),
                 ),
             );
         }
@@ -421,30 +254,14 @@ impl Fsdp {
             plan,
             pg: Arc::new(pg),
             debug,
+            forward_prefetch: plugin.forward_prefetch,
+            backward_prefetch: plugin.backward_prefetch,
             shards,
             replicated,
             step: 0,
             device,
+            forward_order: Vec::new(),
         })
-    }
-
-    /// Configured behaviours that do not change results and are not applied yet (so callers
-    /// can report them): backward and forward prefetch.
-    pub fn unapplied_settings(plugin: &FsdpPlugin) -> Vec<String> {
-        let mut out = Vec::new();
-        if plugin.backward_prefetch != crate::config::BackwardPrefetch::NoPrefetch {
-            out.push(format!(
-                "fsdp_backward_prefetch: {} (collectives are not overlapped with compute yet)",
-                plugin.backward_prefetch
-            ));
-        }
-        if plugin.forward_prefetch {
-            out.push(
-                "fsdp_forward_prefetch: true (collectives are not overlapped with compute yet)"
-                    .into(),
-            );
-        }
-        out
     }
 
     /// The plan in use.
@@ -457,84 +274,52 @@ impl Fsdp {
         &self.pg
     }
 
-    /// All-gathers one unit's shards; returns each parameter's full values.
-    /// With NO_SHARD every rank holds whole parameters: nothing to gather.
-    fn gather_unit(&self, unit: usize) -> Result<Vec<(ShardLayout, Vec<f32>)>, EngineError> {
-        let params = &self.plan.units[unit].params;
-        if self.replicated_units() {
-            return Ok(unpack(params, &self.packed_unit(unit), 1));
-        }
-        let gathered = self.pg.all_gather(self.packed_unit(unit)).wait()?;
-        Ok(unpack(params, &gathered, self.pg.size()))
-    }
-
     /// True when units are replicated rather than sharded (NO_SHARD, or one rank).
     fn replicated_units(&self) -> bool {
-        self.plan.group_size == 1
+        self.plan.group_size == 1 || self.pg.size() == 1
     }
 
-    /// Turns on NaN poisoning of released parameters (also `FSDP_DEBUG=1` or
-    /// `ACCELERATE_DEBUG_MODE=true`).
+    /// Turns debug mode on or off (also `FSDP_DEBUG=1` or `ACCELERATE_DEBUG_MODE=true`):
+    /// released parameters are poisoned with NaN, and the graph is checked before backward.
     pub fn set_debug(&mut self, on: bool) {
         self.debug = on;
     }
 
-    /// Gathers every unit and returns the parameters for this step's forward and backward.
+    /// Starts a step: the returned parameters gather each unit when forward first reads it.
     pub fn begin_step(&self) -> Result<StepParams, EngineError> {
-        let mut full = HashMap::new();
-        let mut slots = HashMap::new();
-        let mut anchors = Vec::new();
-        let mut units = HashMap::new();
-        let reshard = matches!(
-            self.plan.strategy,
-            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-        ) && self.pg.size() > 1;
-        for unit in 0..self.plan.units.len() {
-            let anchor = Var::zeros(1, candle_core::DType::F32, &self.device)?;
-            let mut unit_tensors = Vec::new();
-            for (layout, values) in self.gather_unit(unit)? {
-                let slot: Slot = Arc::new(Mutex::new(None));
-                let op = Unshard {
-                    data: Mutex::new(Some(values)),
-                    shape: Shape::from(layout.shape.clone()),
-                    slot: slot.clone(),
-                    name: layout.name.clone(),
-                };
-                let t = if layout.requires_grad {
-                    anchor.as_tensor().apply_op1(op)?
-                } else {
-                    anchor.as_tensor().detach().apply_op1_no_bwd(&op)?
-                };
-                unit_tensors.push((layout.clone(), t.clone()));
-                full.insert(layout.name.clone(), t);
-                slots.insert(layout.name.clone(), slot);
-            }
-            anchors.push(anchor);
-            let path = &self.plan.units[unit].path;
-            if reshard && !path.is_empty() {
-                units.insert(
-                    path.clone(),
-                    Arc::new(UnitHandle {
-                        pg: self.pg.clone(),
-                        packed: self.packed_unit(unit),
-                        tensors: unit_tensors,
-                        debug: self.debug,
-                    }),
-                );
-            }
-        }
+        let sharded = !self.replicated_units();
+        let units = self
+            .plan
+            .units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| UnitSpec {
+                path: unit.path.clone(),
+                params: unit.params.clone(),
+                packed: self.packed_unit(u),
+                release_after_forward: sharded
+                    && !unit.path.is_empty()
+                    && matches!(
+                        self.plan.strategy,
+                        ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+                    ),
+            })
+            .collect();
+        let opts = StepOptions {
+            sharded,
+            release_after_backward: sharded,
+            forward_prefetch: self.forward_prefetch,
+            backward_prefetch: self.backward_prefetch,
+            debug: self.debug,
+            device: self.device.clone(),
+        };
+        let shared = StepShared::new(self.pg.clone(), units, self.forward_order.clone(), opts);
         let replicated = self
             .replicated
             .iter()
             .map(|(k, (v, _))| (k.clone(), v.as_tensor().clone()))
             .collect();
-        Ok(StepParams {
-            full,
-            slots,
-            replicated,
-            units,
-            _anchors: anchors,
-        })
+        Ok(StepParams { shared, replicated })
     }
 
     /// This rank's shards of one unit, packed in the unit's parameter order.
@@ -546,116 +331,138 @@ impl Fsdp {
             .collect()
     }
 
-    /// Reduce-scatters every unit's gradients (mean over ranks; all-reduce for NO_SHARD),
-    /// all-reduces replicated ones, clips by the global gradient norm when `max_grad_norm` is
-    /// set (the norm over all shards, not a rank's own), and updates this rank's shards with
-    /// AdamW. `grads` is the store `backward` returned.
-    pub fn finish_step(
+    /// Back-propagates `loss` (consumed, so the graph is freed when this returns): plans the
+    /// units' backward order from the graph (and, in debug mode, checks it), runs backward
+    /// with each unit refilled before and reduced right after its gradient computation, and
+    /// returns this rank's reduced gradients.
+    pub fn backward(&mut self, params: StepParams, loss: Tensor) -> Result<Gradients, EngineError> {
+        params
+            .shared
+            .plan_backward(&loss, self.debug)
+            .map_err(EngineError::Usage)?;
+        let store = loss.backward()?;
+        let mut pending = Vec::new();
+        for (name, (var, _)) in &self.replicated {
+            if let Some(g) = store.get(var) {
+                let g: Vec<f32> = g.flatten_all()?.to_vec1()?;
+                pending.push((name.clone(), self.pg.all_reduce(g, ReduceOp::Avg)));
+            }
+        }
+        drop(store);
+        drop(loss);
+        let (units, has_grad) = params.shared.finish()?;
+        self.forward_order = params.shared.forward_order();
+        drop(params);
+        let mut replicated = BTreeMap::new();
+        for (name, work) in pending {
+            replicated.insert(name, work.wait()?);
+        }
+        Ok(Gradients {
+            units,
+            has_grad,
+            replicated,
+        })
+    }
+
+    /// Clips by the global gradient norm when `max_grad_norm` is set (the norm over all
+    /// shards, not a rank's own) and updates this rank's shards with `optimizer`. Parameters
+    /// that received no gradient are left alone, as PyTorch's optimizers do.
+    pub fn step(
         &mut self,
-        params: StepParams,
-        grads: &GradStore,
-        adamw: &AdamWConfig,
+        mut grads: Gradients,
+        optimizer: &Optimizer,
         max_grad_norm: Option<f64>,
     ) -> Result<StepReport, EngineError> {
+        optimizer.validate().map_err(EngineError::Optimizer)?;
         self.step += 1;
-        let replicated_units = self.replicated_units();
-        // Sharded units reduce-scatter their gradients; replicated ones (NO_SHARD) all-reduce.
-        let n = if replicated_units { 1 } else { self.pg.size() };
-        let mut unit_grads = Vec::with_capacity(self.plan.units.len());
-        for unit in &self.plan.units {
-            let block: usize = unit.params.iter().map(ShardLayout::shard_numel).sum();
-            let mut packed = vec![0f32; block * n];
-            let mut offset = 0;
-            for p in &unit.params {
-                let grad = params.slots[&p.name]
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
-                if let Some(g) = grad {
-                    for r in 0..n {
-                        let (start, end) = p.rows_of(r);
-                        let src = &g[start * p.row_elems..end * p.row_elems];
-                        let dst = r * block + offset;
-                        packed[dst..dst + src.len()].copy_from_slice(src);
-                    }
-                }
-                offset += p.shard_numel();
-            }
-            unit_grads.push(if replicated_units {
-                self.pg.all_reduce(packed, ReduceOp::Avg).wait()?
-            } else {
-                self.pg.reduce_scatter(packed, ReduceOp::Avg).wait()?
-            });
-        }
-        let mut replicated_grads = Vec::new();
-        for (name, (var, _)) in &self.replicated {
-            if let Some(g) = grads.get(var) {
-                let g: Vec<f32> = g.flatten_all()?.to_vec1()?;
-                replicated_grads.push((name.clone(), self.pg.all_reduce(g, ReduceOp::Avg).wait()?));
-            }
-        }
         // Global norm: shards are disjoint across ranks (padding holds zeros), so their
         // squares are summed over ranks; whole copies are counted once.
         let square = |v: &[f32]| v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-        let mut sharded_sq: f64 = unit_grads.iter().map(|g| square(g)).sum();
-        if !replicated_units && self.pg.size() > 1 {
+        let mut sharded_sq: f64 = grads.units.iter().flatten().map(|g| square(g)).sum();
+        if !self.replicated_units() {
             sharded_sq = self.pg.all_reduce(vec![sharded_sq], ReduceOp::Sum).wait()?[0];
         }
-        let total_sq = sharded_sq + replicated_grads.iter().map(|(_, g)| square(g)).sum::<f64>();
+        let total_sq = sharded_sq + grads.replicated.values().map(|g| square(g)).sum::<f64>();
         let grad_norm = total_sq.sqrt();
         let scale = match max_grad_norm {
             Some(max) if grad_norm > max => (max / (grad_norm + 1e-6)) as f32,
             _ => 1.0,
         };
-        for (unit, reduced) in self.plan.units.iter().zip(&mut unit_grads) {
-            if scale != 1.0 {
-                reduced.iter_mut().for_each(|g| *g *= scale);
-            }
+        if scale != 1.0 {
+            grads.scale(scale);
+        }
+        for ((unit, reduced), has_grad) in self
+            .plan
+            .units
+            .iter()
+            .zip(&grads.units)
+            .zip(&grads.has_grad)
+        {
+            let Some(reduced) = reduced else { continue };
             let mut offset = 0;
-            for p in &unit.params {
+            for (p, &has) in unit.params.iter().zip(has_grad) {
                 let len = p.shard_numel();
-                if p.requires_grad {
+                if p.requires_grad && has {
                     let state = self
                         .shards
                         .get_mut(&p.name)
                         .ok_or_else(|| EngineError::Weights(format!("no shard for {}", p.name)))?;
-                    adamw.update(
+                    optimizer.update(
                         &mut state.data,
                         &reduced[offset..offset + len],
-                        &mut state.adam,
+                        &mut state.optim,
                         self.step,
                     );
                 }
                 offset += len;
             }
         }
-        for (name, mut g) in replicated_grads {
-            if scale != 1.0 {
-                g.iter_mut().for_each(|v| *v *= scale);
-            }
-            let Some((var, state)) = self.replicated.get_mut(&name) else {
+        for (name, g) in &grads.replicated {
+            let Some((var, state)) = self.replicated.get_mut(name) else {
                 continue;
             };
             let mut p: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
-            adamw.update(&mut p, &g, state, self.step);
+            optimizer.update(&mut p, g, state, self.step);
             var.set(&Tensor::from_vec(p, var.dims(), &self.device)?)
                 .map_err(|e| EngineError::Weights(format!("{name}: {e}")))?;
         }
-        drop(params);
+        let resident_bytes = crate::memory::counting().then(crate::memory::resident_bytes);
+        drop(grads);
         Ok(StepReport {
             grad_norm,
             clipped: scale != 1.0,
+            resident_bytes,
         })
     }
 
-    /// Every parameter's full value (gathered; identical on every rank).
+    /// Every parameter's full value (gathered unit by unit; identical on every rank).
     pub fn full_state(&self) -> Result<BTreeMap<String, Tensor>, EngineError> {
         let mut out = BTreeMap::new();
-        for unit in 0..self.plan.units.len() {
-            for (layout, values) in self.gather_unit(unit)? {
+        let ranks = if self.replicated_units() {
+            1
+        } else {
+            self.pg.size()
+        };
+        for (u, unit) in self.plan.units.iter().enumerate() {
+            let packed = self.packed_unit(u);
+            let gathered = if ranks == 1 {
+                packed
+            } else {
+                self.pg.all_gather(packed).wait()?
+            };
+            let block = unit.shard_numel();
+            let mut offset = 0;
+            for p in &unit.params {
+                let mut full = Vec::with_capacity(p.numel());
+                for r in 0..ranks {
+                    let (start, end) = p.rows_of(r);
+                    let base = r * block + offset;
+                    full.extend_from_slice(&gathered[base..base + (end - start) * p.row_elems]);
+                }
+                offset += p.shard_numel();
                 out.insert(
-                    layout.name.clone(),
-                    Tensor::from_vec(values, layout.shape.as_slice(), &self.device)?,
+                    p.name.clone(),
+                    Tensor::from_vec(full, p.shape.as_slice(), &self.device)?,
                 );
             }
         }
@@ -665,12 +472,28 @@ impl Fsdp {
         Ok(out)
     }
 
-    /// Bytes of parameter, gradient-free optimizer and shard state this rank holds between
-    /// steps (f32 shards and AdamW moments).
-    pub fn resident_bytes(&self) -> usize {
-        self.shards
+    /// Bytes of model state this rank holds between steps: parameter shards (and replicated
+    /// parameters) and optimizer state.
+    pub fn model_state_bytes(&self) -> usize {
+        let shards: usize = self
+            .shards
             .values()
-            .map(|s| (s.data.len() + s.adam.exp_avg.len() + s.adam.exp_avg_sq.len()) * 4)
-            .sum()
+            .map(|s| s.data.len() * 4 + s.optim.bytes())
+            .sum();
+        let replicated: usize = self
+            .replicated
+            .values()
+            .map(|(v, s)| v.elem_count() * 4 + s.bytes())
+            .sum();
+        shards + replicated
+    }
+
+    /// The parameters of the unit plan each rank holds, by name: (shard values, layout).
+    pub fn local_shards(&self) -> impl Iterator<Item = (&ShardLayout, &[f32])> {
+        self.plan
+            .units
+            .iter()
+            .flat_map(|u| &u.params)
+            .map(|p| (p, self.shards[&p.name].data.as_slice()))
     }
 }

@@ -288,9 +288,13 @@ impl BertModel {
             hidden = self.layer(p, i, &hidden, mask.as_ref())?;
             hidden = p.module_output(&pre(&format!("encoder.layer.{i}")), hidden)?;
         }
+        let hidden = p.module_output(&pre("encoder"), hidden)?;
         let first = hidden.narrow(1, 0, 1)?.squeeze(1)?;
         let pooled = linear(p, &pre("pooler.dense"), &first)?.tanh()?;
         let pooled = p.module_output(&pre("pooler"), pooled)?;
+        // Both outputs of the model module are computed before either is hooked.
+        let hidden = p.module_output(&self.prefix, hidden)?;
+        let pooled = p.module_output(&self.prefix, pooled)?;
         Ok((hidden, pooled))
     }
 }
@@ -324,6 +328,7 @@ impl BertModel {
         let ctx = attention_with_dropout(&q, &k, &v, mask, probs_dropout)?
             .transpose(1, 2)?
             .reshape((batch, seq, c.hidden_size))?;
+        let ctx = p.module_output(&l("attention.self"), ctx)?;
         let attn = linear(p, &l("attention.output.dense"), &ctx)?;
         let attn = self.dropout(&attn, c.hidden_dropout_prob, &l("attention.output"))?;
         let attn = layer_norm(
@@ -332,10 +337,14 @@ impl BertModel {
             &(attn + hidden)?,
             c.layer_norm_eps,
         )?;
+        let attn = p.module_output(&l("attention.output"), attn)?;
+        let attn = p.module_output(&l("attention"), attn)?;
         let inter = linear_gelu(p, &l("intermediate.dense"), &attn, c.gelu()?)?;
+        let inter = p.module_output(&l("intermediate"), inter)?;
         let out = linear(p, &l("output.dense"), &inter)?;
         let out = self.dropout(&out, c.hidden_dropout_prob, &l("output"))?;
-        layer_norm(p, &l("output.LayerNorm"), &(out + attn)?, c.layer_norm_eps)
+        let out = layer_norm(p, &l("output.LayerNorm"), &(out + attn)?, c.layer_norm_eps)?;
+        p.module_output(&l("output"), out)
     }
 
     /// Dropout at a call site in training mode; identity in evaluation mode.
@@ -386,8 +395,7 @@ impl BertForSequenceClassification {
         let (_, pooled) = self
             .bert
             .forward(p, input_ids, attention_mask, token_type_ids)?;
-        let logits = linear(p, "classifier", &pooled)?;
-        p.module_output("classifier", logits)
+        linear(p, "classifier", &pooled)
     }
 }
 

@@ -79,11 +79,12 @@ fn conv1d(p: &dyn Params, path: &str, x: &Tensor, gelu: bool) -> Result<Tensor> 
         *last = w.dim(1)?;
     }
     let y = y.reshape(dims)?;
-    if gelu {
-        ops::bias_gelu(&y, &b, GeluApprox::Tanh)
+    let y = if gelu {
+        ops::bias_gelu(&y, &b, GeluApprox::Tanh)?
     } else {
-        y.broadcast_add(&b)
-    }
+        y.broadcast_add(&b)?
+    };
+    p.module_output(path, y)
 }
 
 impl Gpt2LmHeadModel {
@@ -187,13 +188,16 @@ impl Gpt2LmHeadModel {
             let ctx = attention(&split(0)?, &split(1)?, &split(2)?, Some(&mask))?
                 .transpose(1, 2)?
                 .reshape((batch, seq, c.n_embd))?;
-            x = (x + conv1d(p, &b("attn.c_proj"), &ctx, false)?)?;
+            let attn = conv1d(p, &b("attn.c_proj"), &ctx, false)?;
+            x = (x + p.module_output(&b("attn"), attn)?)?;
             let m = layer_norm(p, &b("ln_2"), &x, c.layer_norm_epsilon)?;
             let inner = conv1d(p, &b("mlp.c_fc"), &m, true)?;
-            x = (x + conv1d(p, &b("mlp.c_proj"), &inner, false)?)?;
+            let mlp = conv1d(p, &b("mlp.c_proj"), &inner, false)?;
+            x = (x + p.module_output(&b("mlp"), mlp)?)?;
             x = p.module_output(&format!("transformer.h.{i}"), x)?;
         }
         let x = layer_norm(p, "transformer.ln_f", &x, c.layer_norm_epsilon)?;
+        let x = p.module_output("transformer", x)?;
         let wte = p.get("transformer.wte.weight")?;
         let logits = x
             .reshape((batch * seq, c.n_embd))?

@@ -17,7 +17,7 @@ pub fn linear_info(path: String, d_in: usize, d_out: usize, std: f64) -> ModuleI
 pub fn linear(p: &dyn Params, path: &str, x: &Tensor) -> Result<Tensor> {
     let w = p.get(&format!("{path}.weight"))?;
     let b = p.get(&format!("{path}.bias"))?;
-    ops::linear(x, &w, &b)
+    p.module_output(path, ops::linear(x, &w, &b)?)
 }
 
 /// `gelu(x W^T + b)`.
@@ -35,7 +35,7 @@ pub fn embedding(p: &dyn Params, path: &str, ids: &Tensor) -> Result<Tensor> {
     let w = p.get(&format!("{path}.weight"))?;
     let mut dims = ids.dims().to_vec();
     dims.push(w.dim(1)?);
-    w.index_select(&ids.flatten_all()?, 0)?.reshape(dims)
+    p.module_output(path, w.index_select(&ids.flatten_all()?, 0)?.reshape(dims)?)
 }
 
 /// A `LayerNorm` module (`weight` ones, `bias` zeros).
@@ -47,12 +47,13 @@ pub fn layer_norm_info(path: String, dim: usize) -> ModuleInfo {
 
 /// LayerNorm over the last dimension with the fused kernel.
 pub fn layer_norm(p: &dyn Params, path: &str, x: &Tensor, eps: f64) -> Result<Tensor> {
-    ops::layer_norm(
+    let y = ops::layer_norm(
         x,
         &p.get(&format!("{path}.weight"))?,
         &p.get(&format!("{path}.bias"))?,
         eps,
-    )
+    )?;
+    p.module_output(path, y)
 }
 
 /// Scaled dot-product attention of `q`, `k`, `v` [batch, heads, seq, head_dim] with an additive
