@@ -4,8 +4,9 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
 
 use candle_core::{Device, Tensor};
 use fsdp::config::{FsdpPlugin, Layer};
@@ -32,10 +33,10 @@ fn config_of(path: &std::path::Path) -> BertConfig {
 /// The worker: trains `steps` steps on its share of each global batch and reports.
 #[test]
 fn worker_entry() {
-    let Ok(steps) = std::env::var(ROLE) else {
+    if std::env::var(ROLE).is_err() {
         return;
-    };
-    let steps: usize = steps.parse().unwrap();
+    }
+    let steps: usize = std::env::var("FSDP_REFERENCE_STEPS").unwrap().parse().unwrap();
     let dir = reference_dir().unwrap();
     let device = Device::Cpu;
     let model = BertForSequenceClassification::new(config_of(&dir.join("init.safetensors")));
@@ -127,64 +128,11 @@ fn worker_entry() {
 }
 
 fn run(world: usize, steps: usize, env: &[(&str, &str)]) -> serde_json::Value {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let mut children: Vec<_> = (0..world)
-        .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
-                .env(ROLE, steps.to_string())
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("FSDP_JOB_SECRET", "reference")
-                .env("RAYON_NUM_THREADS", "1")
-                .env("FSDP_COMM_TIMEOUT_SECS", "120")
-                .envs(env.iter().copied())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut outputs = Vec::new();
-    for c in children.iter_mut() {
-        while c.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                for c in children.iter_mut() {
-                    let _ = c.kill();
-                }
-                panic!("FSDP workers did not finish in time");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-    for c in children {
-        let out = c.wait_with_output().unwrap();
-        outputs.push(format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ));
-        assert!(
-            out.status.success(),
-            "worker failed:\n{}",
-            outputs.last().unwrap()
-        );
-    }
-    let line = outputs[0]
-        .lines()
-        .find_map(|l| l.split("RESULT ").nth(1))
-        .unwrap_or_else(|| panic!("{}", outputs[0]));
-    serde_json::from_str(line).unwrap()
+    let steps = steps.to_string();
+    let mut env = env.to_vec();
+    env.push(("FSDP_REFERENCE_STEPS", &steps));
+    let outputs = common::run_workers("worker_entry", ROLE, world, &env, Duration::from_secs(600));
+    common::result_of(&outputs[0])
 }
 
 fn expected() -> Vec<f64> {

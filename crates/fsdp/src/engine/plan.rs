@@ -212,6 +212,7 @@ impl UnitPlan {
                 let mut roots = Vec::new();
                 size_based(
                     model,
+                    model,
                     plugin.min_num_params as usize,
                     &is_ignored,
                     &mut roots,
@@ -375,7 +376,12 @@ impl UnitPlan {
 
 /// Post-order: a subtree whose not-yet-wrapped parameters reach `min` becomes a unit.
 /// Returns the subtree's unwrapped parameter count.
+/// PyTorch's size-based policy: a module becomes a unit when the parameters not already in
+/// a wrapped descendant reach `min`. A module whose tied parameters are shared with a module
+/// outside it is never wrapped on its own (the policy chose it, not the user): its
+/// parameters stay with the enclosing unit, so tied weights share one unit.
 fn size_based<'a>(
+    model: &ModuleInfo,
     m: &'a ModuleInfo,
     min: usize,
     is_ignored: &dyn Fn(&str) -> bool,
@@ -392,13 +398,24 @@ fn size_based<'a>(
     let children: usize = m
         .children
         .iter()
-        .map(|c| size_based(c, min, is_ignored, roots))
+        .map(|c| size_based(model, c, min, is_ignored, roots))
         .sum();
     let total = own + children;
-    if !m.path.is_empty() && total >= min.max(1) {
+    if !m.path.is_empty() && total >= min.max(1) && !tied_outside(model, m) {
         roots.push(m);
         0
     } else {
         total
     }
+}
+
+/// Whether a parameter owned inside `m` is used outside it, or `m` uses one owned outside.
+fn tied_outside(model: &ModuleInfo, m: &ModuleInfo) -> bool {
+    let inside = |path: &str| path == m.path || path.starts_with(&format!("{}.", m.path));
+    let owned_inside = |name: &str| m.all_params().iter().any(|p| p.name == name);
+    model.modules().iter().any(|user| {
+        user.uses
+            .iter()
+            .any(|name| inside(&user.path) != owned_inside(name))
+    })
 }

@@ -176,8 +176,9 @@ impl Fsdp {
         initial: &BTreeMap<String, Tensor>,
         plugin: &FsdpPlugin,
         default_wrap: &[&str],
-        pg: ProcessGroup,
+        pg: impl Into<Arc<ProcessGroup>>,
     ) -> Result<Fsdp, EngineError> {
+        let pg: Arc<ProcessGroup> = pg.into();
         check_supported(plugin)?;
         let plan = UnitPlan::build(model, plugin, default_wrap, pg.size())?;
         // fsdp_sync_module_states: every rank starts from rank 0's weights.
@@ -252,7 +253,7 @@ impl Fsdp {
                 .is_ok_and(|v| crate::config::parse_bool(&v) == Ok(true));
         Ok(Fsdp {
             plan,
-            pg: Arc::new(pg),
+            pg,
             debug,
             forward_prefetch: plugin.forward_prefetch,
             backward_prefetch: plugin.backward_prefetch,

@@ -99,6 +99,17 @@ impl ModuleInfo {
         self
     }
 
+    /// Freezes every parameter whose name starts with `prefix` (no gradient, not updated).
+    pub fn freeze(mut self, prefix: &str) -> ModuleInfo {
+        for p in &mut self.params {
+            if p.name.starts_with(prefix) {
+                p.requires_grad = false;
+            }
+        }
+        self.children = self.children.into_iter().map(|c| c.freeze(prefix)).collect();
+        self
+    }
+
     /// Adds a child module.
     pub fn child(mut self, child: ModuleInfo) -> ModuleInfo {
         self.children.push(child);
