@@ -24,6 +24,10 @@ enum BenchWhat {
     Collectives(CollectiveArgs),
     /// One BERT encoder layer, forward and forward+backward, with a per-part breakdown.
     Layer(crate::bench_layer::LayerArgs),
+    /// FSDP training of a BERT classifier per sharding strategy: model-state bytes per rank
+    /// against the formula, peak above it during forward/backward against the largest unit,
+    /// bytes sent per step against theory, samples/s and peak RSS.
+    Memory(crate::bench_memory::MemoryArgs),
 }
 
 #[derive(Args, Clone)]
@@ -58,6 +62,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Collectives(a) if a.worker => worker(&a),
         BenchWhat::Collectives(a) => launch(&a),
         BenchWhat::Layer(a) => crate::bench_layer::run(a),
+        BenchWhat::Memory(a) => crate::bench_memory::run(a),
     }
 }
 
@@ -121,46 +126,55 @@ fn launch(a: &CollectiveArgs) -> Result<()> {
 /// Starts the workers (this binary with `--worker`) over one transport and returns rank 0's
 /// report.
 fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
+    let args = [
+        "bench",
+        "collectives",
+        "--worker",
+        "--iters",
+        &a.iters.to_string(),
+        "--max_mib",
+        &a.max_mib.to_string(),
+        "--num_processes",
+        &a.num_processes.to_string(),
+    ]
+    .map(String::from);
+    spawn_workers(
+        &args,
+        a.num_processes,
+        &[("FSDP_COMM_TRANSPORT", transport)],
+    )
+    .with_context(|| format!("over {transport}"))
+}
+
+/// Runs this binary with `args` as `n` local worker processes (torchrun environment, a fresh
+/// port and job secret, threads split between them) and returns rank 0's standard output.
+pub(crate) fn spawn_workers(args: &[String], n: usize, env: &[(&str, &str)]) -> Result<String> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
     let exe = std::env::current_exe()?;
-    let threads = (crate::system::available_cores() / a.num_processes)
-        .max(1)
-        .to_string();
+    let threads = (crate::system::available_cores() / n).max(1).to_string();
     let mut workers = Workers(Vec::new());
-    for rank in 0..a.num_processes {
+    for rank in 0..n {
         let mut cmd = Command::new(&exe);
-        cmd.args([
-            "bench",
-            "collectives",
-            "--worker",
-            "--iters",
-            &a.iters.to_string(),
-        ])
-        .args([
-            "--max_mib",
-            &a.max_mib.to_string(),
-            "--num_processes",
-            &a.num_processes.to_string(),
-        ])
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", a.num_processes.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", a.num_processes.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env(
-            "FSDP_JOB_SECRET",
-            format!("bench-{}-{port}", std::process::id()),
-        )
-        .env("FSDP_COMM_TRANSPORT", transport)
-        .env("RAYON_NUM_THREADS", &threads)
-        .stdout(if rank == 0 {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        });
+        cmd.args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env(
+                "FSDP_JOB_SECRET",
+                format!("bench-{}-{port}", std::process::id()),
+            )
+            .env("RAYON_NUM_THREADS", &threads)
+            .envs(env.iter().copied())
+            .stdout(if rank == 0 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
         workers
             .0
             .push(cmd.spawn().context("starting a benchmark worker")?);
@@ -175,7 +189,7 @@ fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
         failed |= !c.wait()?.success();
     }
     if failed {
-        bail!("a benchmark worker failed ({transport})");
+        bail!("a benchmark worker failed");
     }
     Ok(report)
 }

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_layer;
+mod bench_memory;
 mod config_cmd;
 mod env_cmd;
 mod estimate_cmd;
@@ -15,6 +16,10 @@ mod test_cmd;
 use std::path::PathBuf;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+
+/// Live bytes are counted so `fsdp bench memory` can measure what FSDP holds and frees.
+#[global_allocator]
+static ALLOCATOR: fsdp::memory::CountingAllocator = fsdp::memory::CountingAllocator;
 
 /// Fully sharded data-parallel training for Rust.
 ///

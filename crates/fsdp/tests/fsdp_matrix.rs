@@ -42,6 +42,12 @@ enum Variant {
     Clipped,
 }
 
+/// Losses per step and final weights of one training run.
+type Run = (Vec<f64>, BTreeMap<String, Tensor>);
+
+/// What a single-process baseline depends on: model, optimizer (index) and variant.
+type BaselineKey = (ModelKind, usize, Variant);
+
 #[derive(Clone, Debug)]
 struct Case {
     model: ModelKind,
@@ -213,7 +219,7 @@ fn max_norm(variant: Variant) -> Option<f64> {
 }
 
 /// Plain candle training of the whole model on the whole global batch, in one process.
-fn single_process(case: &Case) -> (Vec<f64>, BTreeMap<String, Tensor>) {
+fn single_process(case: &Case) -> Run {
     let model = Model::new(case.model);
     let info = model.info(case.variant);
     let params = LocalParams::init(&info, 7, DType::F32, &Device::Cpu).unwrap();
@@ -244,12 +250,8 @@ fn single_process(case: &Case) -> (Vec<f64>, BTreeMap<String, Tensor>) {
             g.iter_mut().for_each(|x| *x *= scale);
             let var = &params.vars()[&name];
             let mut p: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
-            case.optimizer.update(
-                &mut p,
-                &g,
-                states.entry(name).or_default(),
-                step as u64 + 1,
-            );
+            case.optimizer
+                .update(&mut p, &g, states.entry(name).or_default(), step as u64 + 1);
             var.set(&Tensor::from_vec(p, var.dims(), &Device::Cpu).unwrap())
                 .unwrap();
         }
@@ -259,10 +261,7 @@ fn single_process(case: &Case) -> (Vec<f64>, BTreeMap<String, Tensor>) {
 
 /// The same training sharded over `pg`; every rank returns the losses (averaged over ranks)
 /// and the gathered final weights.
-fn sharded(
-    case: &Case,
-    pg: &std::sync::Arc<ProcessGroup>,
-) -> Result<(Vec<f64>, BTreeMap<String, Tensor>), String> {
+fn sharded(case: &Case, pg: &std::sync::Arc<ProcessGroup>) -> Result<Run, String> {
     let model = Model::new(case.model);
     let info = model.info(case.variant);
     let init = LocalParams::init(&info, 7, DType::F32, &Device::Cpu).unwrap();
@@ -326,16 +325,12 @@ fn gauge_elements(name: &str, numel: usize) -> std::ops::Range<usize> {
 /// Largest relative difference of losses, of weights (per tensor, norm-wise:
 /// |a - b| / |b|, gauge elements left out), and the largest absolute difference of the gauge
 /// elements.
-fn differences(
-    a: &(Vec<f64>, BTreeMap<String, Tensor>),
-    b: &(Vec<f64>, BTreeMap<String, Tensor>),
-) -> (f64, f64, f64) {
-    let loss = a
-        .0
-        .iter()
-        .zip(&b.0)
-        .map(|(x, y)| (x - y).abs() / y.abs())
-        .fold(0f64, f64::max);
+fn differences(a: &Run, b: &Run) -> (f64, f64, f64) {
+    let loss =
+        a.0.iter()
+            .zip(&b.0)
+            .map(|(x, y)| (x - y).abs() / y.abs())
+            .fold(0f64, f64::max);
     let (mut weight, mut gauge) = (0f64, 0f64);
     for (name, t) in &b.1 {
         let got: Vec<f32> = a.1[name].flatten_all().unwrap().to_vec1().unwrap();
@@ -366,8 +361,7 @@ fn matrix_worker() {
     let pg = std::sync::Arc::new(ProcessGroup::from_env().unwrap());
     let mut failures = Vec::new();
     let (mut worst_loss, mut worst_weight, mut worst_gauge) = (0f64, 0f64, 0f64);
-    let mut baselines: Vec<((ModelKind, usize, Variant), (Vec<f64>, BTreeMap<String, Tensor>))> =
-        Vec::new();
+    let mut baselines: Vec<(BaselineKey, Run)> = Vec::new();
     let cases = cases();
     for case in &cases {
         let key = (

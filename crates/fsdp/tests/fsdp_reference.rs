@@ -36,7 +36,10 @@ fn worker_entry() {
     if std::env::var(ROLE).is_err() {
         return;
     }
-    let steps: usize = std::env::var("FSDP_REFERENCE_STEPS").unwrap().parse().unwrap();
+    let steps: usize = std::env::var("FSDP_REFERENCE_STEPS")
+        .unwrap()
+        .parse()
+        .unwrap();
     let dir = reference_dir().unwrap();
     let device = Device::Cpu;
     let model = BertForSequenceClassification::new(config_of(&dir.join("init.safetensors")));

@@ -146,9 +146,12 @@ impl Gradients {
     }
 }
 
-struct ShardState {
-    data: Vec<f32>,
-    optim: ParamState,
+/// This rank's shards of one unit, packed in the unit's parameter order (the all-gather's
+/// input), shared with the step in flight without a copy.
+struct UnitShards {
+    packed: Arc<Vec<f32>>,
+    /// Optimizer state per parameter, in the unit's order.
+    optim: Vec<ParamState>,
 }
 
 /// A model's parameters sharded across a process group.
@@ -160,7 +163,7 @@ pub struct Fsdp {
     debug: bool,
     forward_prefetch: bool,
     backward_prefetch: BackwardPrefetch,
-    shards: BTreeMap<String, ShardState>,
+    shards: Vec<UnitShards>,
     replicated: BTreeMap<String, (Var, ParamState)>,
     step: u64,
     device: Device,
@@ -202,34 +205,36 @@ impl Fsdp {
             initial
         };
         let rank = pg.rank();
-        let mut shards = BTreeMap::new();
-        for layout in plan.units.iter().flat_map(|u| &u.params) {
-            let full = initial
-                .get(&layout.name)
-                .ok_or_else(|| EngineError::Weights(format!("missing {}", layout.name)))?;
-            if full.dims() != layout.shape.as_slice() {
-                return Err(EngineError::Weights(format!(
-                    "{} has shape {:?}, the model expects {:?}",
-                    layout.name,
-                    full.dims(),
-                    layout.shape
-                )));
+        let mut shards = Vec::with_capacity(plan.units.len());
+        for unit in &plan.units {
+            let mut packed = Vec::with_capacity(unit.shard_numel());
+            for layout in &unit.params {
+                let full = initial
+                    .get(&layout.name)
+                    .ok_or_else(|| EngineError::Weights(format!("missing {}", layout.name)))?;
+                if full.dims() != layout.shape.as_slice() {
+                    return Err(EngineError::Weights(format!(
+                        "{} has shape {:?}, the model expects {:?}",
+                        layout.name,
+                        full.dims(),
+                        layout.shape
+                    )));
+                }
+                let values: Vec<f32> = full
+                    .flatten_all()?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec1()?;
+                // NO_SHARD (group of one): every rank holds the whole parameter.
+                let (start, end) = layout.rows_of(if plan.group_size == 1 { 0 } else { rank });
+                let rows = &values[start * layout.row_elems..end * layout.row_elems];
+                packed.extend_from_slice(rows);
+                // Padding rows hold zeros (so squares and reductions ignore them).
+                packed.resize(packed.len() + layout.shard_numel() - rows.len(), 0.0);
             }
-            let values: Vec<f32> = full
-                .flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1()?;
-            // NO_SHARD (group of one): every rank holds the whole parameter.
-            let (start, end) = layout.rows_of(if plan.group_size == 1 { 0 } else { rank });
-            let mut data = values[start * layout.row_elems..end * layout.row_elems].to_vec();
-            data.resize(layout.shard_numel(), 0.0);
-            shards.insert(
-                layout.name.clone(),
-                ShardState {
-                    data,
-                    optim: ParamState::default(),
-                },
-            );
+            shards.push(UnitShards {
+                packed: Arc::new(packed),
+                optim: vec![ParamState::default(); unit.params.len()],
+            });
         }
         let mut replicated = BTreeMap::new();
         for layout in &plan.ignored {
@@ -297,7 +302,7 @@ impl Fsdp {
             .map(|(u, unit)| UnitSpec {
                 path: unit.path.clone(),
                 params: unit.params.clone(),
-                packed: self.packed_unit(u),
+                packed: self.shards[u].packed.clone(),
                 release_after_forward: sharded
                     && !unit.path.is_empty()
                     && matches!(
@@ -321,15 +326,6 @@ impl Fsdp {
             .map(|(k, (v, _))| (k.clone(), v.as_tensor().clone()))
             .collect();
         Ok(StepParams { shared, replicated })
-    }
-
-    /// This rank's shards of one unit, packed in the unit's parameter order.
-    fn packed_unit(&self, unit: usize) -> Vec<f32> {
-        self.plan.units[unit]
-            .params
-            .iter()
-            .flat_map(|p| self.shards[&p.name].data.iter().copied())
-            .collect()
     }
 
     /// Back-propagates `loss` (consumed, so the graph is freed when this returns): plans the
@@ -392,26 +388,20 @@ impl Fsdp {
         if scale != 1.0 {
             grads.scale(scale);
         }
-        for ((unit, reduced), has_grad) in self
-            .plan
-            .units
-            .iter()
-            .zip(&grads.units)
-            .zip(&grads.has_grad)
-        {
+        for (u, (reduced, has_grad)) in grads.units.iter().zip(&grads.has_grad).enumerate() {
             let Some(reduced) = reduced else { continue };
+            let unit = &self.plan.units[u];
+            let shards = &mut self.shards[u];
+            // The step in flight has ended, so the packed shards are not shared: no copy.
+            let packed = Arc::make_mut(&mut shards.packed);
             let mut offset = 0;
-            for (p, &has) in unit.params.iter().zip(has_grad) {
+            for ((p, &has), state) in unit.params.iter().zip(has_grad).zip(&mut shards.optim) {
                 let len = p.shard_numel();
                 if p.requires_grad && has {
-                    let state = self
-                        .shards
-                        .get_mut(&p.name)
-                        .ok_or_else(|| EngineError::Weights(format!("no shard for {}", p.name)))?;
                     optimizer.update(
-                        &mut state.data,
+                        &mut packed[offset..offset + len],
                         &reduced[offset..offset + len],
-                        &mut state.optim,
+                        state,
                         self.step,
                     );
                 }
@@ -445,11 +435,11 @@ impl Fsdp {
             self.pg.size()
         };
         for (u, unit) in self.plan.units.iter().enumerate() {
-            let packed = self.packed_unit(u);
+            let packed = &self.shards[u].packed;
             let gathered = if ranks == 1 {
-                packed
+                packed.to_vec()
             } else {
-                self.pg.all_gather(packed).wait()?
+                self.pg.all_gather(packed.to_vec()).wait()?
             };
             let block = unit.shard_numel();
             let mut offset = 0;
@@ -478,8 +468,8 @@ impl Fsdp {
     pub fn model_state_bytes(&self) -> usize {
         let shards: usize = self
             .shards
-            .values()
-            .map(|s| s.data.len() * 4 + s.optim.bytes())
+            .iter()
+            .map(|s| s.packed.len() * 4 + s.optim.iter().map(ParamState::bytes).sum::<usize>())
             .sum();
         let replicated: usize = self
             .replicated
@@ -489,12 +479,18 @@ impl Fsdp {
         shards + replicated
     }
 
-    /// The parameters of the unit plan each rank holds, by name: (shard values, layout).
+    /// This rank's shard of every sharded parameter (padding rows included), with its layout.
     pub fn local_shards(&self) -> impl Iterator<Item = (&ShardLayout, &[f32])> {
         self.plan
             .units
             .iter()
-            .flat_map(|u| &u.params)
-            .map(|p| (p, self.shards[&p.name].data.as_slice()))
+            .zip(&self.shards)
+            .flat_map(|(unit, shards)| {
+                unit.params.iter().scan(0, move |offset, p| {
+                    let at = *offset;
+                    *offset += p.shard_numel();
+                    Some((p, &shards.packed[at..at + p.shard_numel()]))
+                })
+            })
     }
 }

@@ -29,8 +29,9 @@ pub(crate) struct UnitSpec {
     pub path: String,
     /// Parameters in the unit's packing order.
     pub params: Vec<ShardLayout>,
-    /// This rank's shards, packed (the all-gather's input; whole parameters when replicated).
-    pub packed: Vec<f32>,
+    /// This rank's shards, packed (the all-gather's input; whole parameters when replicated),
+    /// shared with the engine without a copy.
+    pub packed: Arc<Vec<f32>>,
     /// Free the full parameters after the unit's forward (FULL_SHARD, non-root units).
     pub release_after_forward: bool,
 }
@@ -390,7 +391,7 @@ impl StepShared {
     fn start_gather(&self, u: usize) -> Option<Work<Vec<f32>>> {
         self.opts
             .sharded
-            .then(|| self.pg.all_gather(self.units[u].packed.clone()))
+            .then(|| self.pg.all_gather(self.units[u].packed.to_vec()))
     }
 
     /// The gathered block of unit `u`: the prefetched one, or a fresh all-gather.
@@ -533,11 +534,23 @@ impl StepShared {
         let ranks = self.ranks();
         let block: usize = spec.params.iter().map(ShardLayout::shard_numel).sum();
         let offset = offsets(&spec.params)[i];
-        let g = grad.flatten_all()?.to_vec1::<f32>()?;
         let run = &mut inner.units[u];
         let pack = run
             .grad_pack
             .get_or_insert_with(|| vec![0f32; block * ranks]);
+        // Read the gradient in place when it is a contiguous f32 buffer (no copy).
+        let grad = grad.contiguous()?;
+        let (storage, layout) = grad.storage_and_layout();
+        let candle_core::Storage::Cpu(CpuStorage::F32(values)) = &*storage else {
+            return Err(msg(format!(
+                "gradient of `{}` is not an f32 CPU tensor",
+                p.name
+            )));
+        };
+        let (first, last) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| msg("fsdp: gradient not contiguous".into()))?;
+        let g = &values[first..last];
         let mut at = 0;
         for r in 0..ranks {
             let (start, end) = p.rows_of(r);
@@ -545,7 +558,7 @@ impl StepShared {
             pack[r * block + offset..r * block + offset + len].copy_from_slice(&g[at..at + len]);
             at += len;
         }
-        drop(g);
+        drop(storage);
         run.has_grad[i] = true;
         run.received += 1;
         if Some(run.received) != run.expected {

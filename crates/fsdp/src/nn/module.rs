@@ -106,7 +106,11 @@ impl ModuleInfo {
                 p.requires_grad = false;
             }
         }
-        self.children = self.children.into_iter().map(|c| c.freeze(prefix)).collect();
+        self.children = self
+            .children
+            .into_iter()
+            .map(|c| c.freeze(prefix))
+            .collect();
         self
     }
 

@@ -1,0 +1,290 @@
+//! `fsdp bench memory`: trains a BERT classifier with FSDP on local processes, once per
+//! sharding strategy (fresh processes each, so peak RSS is per strategy), and reports per
+//! rank, side by side:
+//!
+//! * model state at the optimizer step (parameters + gradients + optimizer state), counted by
+//!   the counting allocator, against the plan's formula;
+//! * the peak during forward and backward above that state (full parameters and gradients
+//!   of the units in flight, communication buffers, activations), against the largest unit;
+//! * bytes sent per step against the ring algorithms' theory (FULL_SHARD: all-gather in
+//!   forward, again in backward for resharded units, reduce-scatter: about 3 x parameter
+//!   bytes x (N-1)/N);
+//! * samples/s and peak RSS.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::engine::{Fsdp, UnitPlan};
+use fsdp::memory;
+use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
+use fsdp::nn::LocalParams;
+use fsdp::nn::candle::{DType, Device, Tensor};
+use fsdp::nn::ops::{CrossEntropy, cross_entropy};
+use fsdp::optim::{AdamWConfig, Optimizer};
+use fsdp_comm::ProcessGroup;
+
+/// Options of `fsdp bench memory`.
+#[derive(Args, Clone)]
+pub struct MemoryArgs {
+    /// Number of processes.
+    #[arg(
+        long = "num_processes",
+        visible_alias = "num-processes",
+        default_value_t = 2
+    )]
+    num_processes: usize,
+    /// Strategies to measure, comma-separated.
+    #[arg(long, default_value = "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD")]
+    strategies: String,
+    /// Timed steps (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Sequence length.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Hidden size (the reference BERT: 256).
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// Encoder layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 8192)]
+    vocab: usize,
+    /// FSDP backward prefetch (BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH).
+    #[arg(long = "backward_prefetch", default_value = "BACKWARD_PRE")]
+    backward_prefetch: String,
+    /// Write the JSON results to this file too.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Internal: run as one of the benchmark's workers with this strategy.
+    #[arg(long, hide = true)]
+    worker: Option<String>,
+}
+
+/// Runs `fsdp bench memory`.
+pub fn run(a: MemoryArgs) -> Result<()> {
+    match &a.worker {
+        Some(strategy) => worker(&a, strategy),
+        None => launch(&a),
+    }
+}
+
+fn launch(a: &MemoryArgs) -> Result<()> {
+    if a.num_processes < 1 {
+        bail!("--num_processes must be at least 1");
+    }
+    let mut results = Vec::new();
+    for strategy in a.strategies.split(',').map(str::trim) {
+        strategy
+            .parse::<ShardingStrategy>()
+            .map_err(|e| anyhow::anyhow!("--strategies: {e}"))?;
+        let args: Vec<String> = [
+            "bench",
+            "memory",
+            "--worker",
+            strategy,
+            "--steps",
+            &a.steps.to_string(),
+            "--batch",
+            &a.batch.to_string(),
+            "--seq",
+            &a.seq.to_string(),
+            "--hidden",
+            &a.hidden.to_string(),
+            "--layers",
+            &a.layers.to_string(),
+            "--vocab",
+            &a.vocab.to_string(),
+            "--backward_prefetch",
+            &a.backward_prefetch,
+        ]
+        .map(String::from)
+        .to_vec();
+        let out = crate::bench::spawn_workers(&args, a.num_processes, &[])
+            .with_context(|| format!("measuring {strategy}"))?;
+        let line = out
+            .lines()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .with_context(|| format!("no result from the {strategy} workers:\n{out}"))?;
+        results.push(serde_json::from_str::<serde_json::Value>(line)?);
+    }
+    let mib = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN) / (1u64 << 20) as f64;
+    println!(
+        "{} processes, BERT hidden {} x {} layers, vocab {}, batch {}/rank, seq {}; MiB per rank",
+        a.num_processes, a.hidden, a.layers, a.vocab, a.batch, a.seq
+    );
+    println!(
+        "{:>14} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>9} {:>8}",
+        "strategy",
+        "state",
+        "formula",
+        "ratio",
+        "peak+",
+        "unit",
+        "units",
+        "sent/step",
+        "theory",
+        "ratio",
+        "samples/s",
+        "peakRSS"
+    );
+    for r in &results {
+        println!(
+            "{:>14} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>9.1} {:>8.1}",
+            r["strategy"].as_str().unwrap_or("?"),
+            mib(&r["state_bytes"]),
+            mib(&r["state_formula_bytes"]),
+            r["state_bytes"].as_f64().unwrap_or(0.0)
+                / r["state_formula_bytes"].as_f64().unwrap_or(f64::NAN),
+            mib(&r["peak_above_state_bytes"]),
+            mib(&r["largest_unit_bytes"]),
+            r["peak_above_state_bytes"].as_f64().unwrap_or(0.0)
+                / r["largest_unit_bytes"].as_f64().unwrap_or(f64::NAN),
+            mib(&r["bytes_sent_per_step"]),
+            mib(&r["bytes_theory_per_step"]),
+            r["bytes_sent_per_step"].as_f64().unwrap_or(0.0)
+                / r["bytes_theory_per_step"].as_f64().unwrap_or(f64::NAN),
+            r["samples_per_s"].as_f64().unwrap_or(f64::NAN),
+            mib(&r["peak_rss_bytes"]),
+        );
+    }
+    let doc = serde_json::json!({"benchmark": "memory", "num_processes": a.num_processes, "results": results});
+    println!("{doc}");
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+    }
+    Ok(())
+}
+
+/// Bytes each rank sends per step by the ring algorithms: per unit an all-gather in forward,
+/// another before backward when the unit was resharded after forward, and a reduce-scatter
+/// ((N-1) shard blocks each); NO_SHARD all-reduces ((2(N-1)/N) of the gradients).
+fn bytes_theory(plan: &UnitPlan, ranks: usize) -> usize {
+    let n = ranks;
+    if n == 1 {
+        return 0;
+    }
+    plan.units
+        .iter()
+        .map(|u| {
+            if plan.group_size == 1 {
+                return 2 * (n - 1) * u.numel() * 4 / n;
+            }
+            let block = u.shard_numel() * 4;
+            let regather = plan.strategy == ShardingStrategy::FullShard && !u.path.is_empty();
+            (n - 1) * block * (2 + usize::from(regather))
+        })
+        .sum()
+}
+
+fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
+    memory::CountingAllocator::mark_installed();
+    let pg = ProcessGroup::from_env()?;
+    let (rank, n) = (pg.rank(), pg.size());
+    let plugin = FsdpPlugin::builder()
+        .sharding_strategy(strategy.parse().map_err(anyhow::Error::msg)?)
+        .backward_prefetch(a.backward_prefetch.parse().map_err(anyhow::Error::msg)?)
+        .resolve(&Layer::new(), None)?
+        .fsdp;
+    let config = BertConfig {
+        vocab_size: a.vocab,
+        hidden_size: a.hidden,
+        num_hidden_layers: a.layers,
+        num_attention_heads: (a.hidden / 64).max(1),
+        intermediate_size: 4 * a.hidden,
+        max_position_embeddings: a.seq,
+        ..BertConfig::default()
+    };
+    let model = BertForSequenceClassification::new(config);
+    let info = model.info();
+    let base = memory::resident_bytes();
+    let init = LocalParams::init(&info, 42, DType::F32, &Device::Cpu)?;
+    let mut fsdp = Fsdp::new(
+        &info,
+        &init.tensors(),
+        &plugin,
+        BertModel::no_split_modules(),
+        pg,
+    )?;
+    drop(init);
+    let plan = fsdp.plan().clone();
+    let estimate = plan.memory_estimate();
+    let formula = estimate.params + estimate.grads + estimate.optimizer;
+    let largest_unit = plan.units.iter().map(|u| u.numel() * 4).max().unwrap_or(0);
+    let optimizer = Optimizer::AdamW(AdamWConfig {
+        lr: 1e-4,
+        ..Default::default()
+    });
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ rank as u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let (mut state, mut peak_above, mut sent) = (0usize, 0usize, 0u64);
+    let mut timed = 0f64;
+    for step in 0..=a.steps {
+        let ids: Vec<u32> = (0..a.batch * a.seq)
+            .map(|_| (next() % a.vocab as u64) as u32)
+            .collect();
+        let labels: Vec<u32> = (0..a.batch).map(|_| (next() % 2) as u32).collect();
+        let ids = Tensor::from_vec(ids, (a.batch, a.seq), &Device::Cpu)?;
+        let labels = Tensor::from_vec(labels, a.batch, &Device::Cpu)?;
+        let sent_before = fsdp.group().bytes_sent();
+        let started = Instant::now();
+        memory::reset_peak();
+        let params = fsdp.begin_step()?;
+        let logits = model.forward(&params, &ids, None, None)?;
+        let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
+        drop(logits);
+        let grads = fsdp.backward(params, loss)?;
+        let peak = memory::peak_bytes();
+        let report = fsdp.step(grads, &optimizer, Some(1.0))?;
+        // Resident at the optimizer step: parameters, gradients and optimizer state.
+        let at_step = report.resident_bytes.unwrap_or(0);
+        if step > 0 {
+            timed += started.elapsed().as_secs_f64();
+            peak_above = peak_above.max(peak.saturating_sub(at_step));
+            state = state.max(at_step.saturating_sub(base));
+            sent += fsdp.group().bytes_sent() - sent_before;
+        }
+    }
+    let steps = a.steps.max(1) as f64;
+    // Every rank reports; rank 0 prints the worst rank's figures.
+    let mine = vec![
+        state as f64,
+        peak_above as f64,
+        sent as f64 / steps,
+        memory::peak_rss_bytes().unwrap_or(0) as f64,
+        timed,
+    ];
+    let all = fsdp.group().all_gather(mine).wait()?;
+    if rank == 0 {
+        let worst = |k: usize| (0..n).map(|r| all[r * 5 + k]).fold(0f64, f64::max);
+        let samples_per_s = steps * (a.batch * n) as f64 / worst(4);
+        println!(
+            "RESULT {}",
+            serde_json::json!({
+                "strategy": strategy,
+                "state_bytes": worst(0),
+                "state_formula_bytes": formula,
+                "peak_above_state_bytes": worst(1),
+                "largest_unit_bytes": largest_unit,
+                "bytes_sent_per_step": worst(2),
+                "bytes_theory_per_step": bytes_theory(&plan, n),
+                "params_bytes": plan.units.iter().map(|u| u.numel() * 4).sum::<usize>(),
+                "samples_per_s": samples_per_s,
+                "peak_rss_bytes": worst(3),
+                "units": plan.units.len(),
+            })
+        );
+    }
+    Ok(())
+}
