@@ -337,6 +337,11 @@ impl Fsdp {
             .shared
             .plan_backward(&loss, self.debug)
             .map_err(EngineError::Usage)?;
+        if self.debug {
+            if let Some(problem) = params.shared.diagnose_non_finite(&loss) {
+                return Err(EngineError::Usage(problem));
+            }
+        }
         let store = loss.backward()?;
         let mut pending = Vec::new();
         for (name, (var, _)) in &self.replicated {

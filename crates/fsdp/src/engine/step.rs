@@ -646,6 +646,59 @@ impl StepShared {
         Ok(())
     }
 
+    /// In debug mode released parameters read as NaN, so a non-finite loss may come from a
+    /// parameter used after its unit released it. Finds the first non-finite value in forward
+    /// order outside every released unit's own subgraph and names the released parameters it
+    /// depends on; `None` when the cause is not a released parameter.
+    pub(crate) fn diagnose_non_finite(&self, loss: &Tensor) -> Option<String> {
+        let finite = |t: &Tensor| -> bool {
+            t.to_dtype(candle_core::DType::F32)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .map(|v| v.iter().all(|x| x.is_finite()))
+                .unwrap_or(true)
+        };
+        if finite(loss) {
+            return None;
+        }
+        let inner = self.lock();
+        let mut released: HashMap<TensorId, (usize, &str)> = HashMap::new();
+        let mut inside: std::collections::HashSet<TensorId> = Default::default();
+        for (u, run) in inner.units.iter().enumerate() {
+            if run.phase != Phase::Released {
+                continue;
+            }
+            for (p, f) in self.units[u].params.iter().zip(&run.full) {
+                released.insert(f.tensor.id(), (u, p.name.as_str()));
+            }
+            for o in &run.outputs {
+                inside.extend(o.sorted_nodes().iter().map(|t| t.id()));
+            }
+        }
+        if released.is_empty() {
+            return None;
+        }
+        let sorted = loss.sorted_nodes();
+        let first_bad = sorted.iter().rev().find(|n| {
+            !n.is_variable()
+                && !released.contains_key(&n.id())
+                && !inside.contains(&n.id())
+                && !finite(n)
+        })?;
+        let culprits: Vec<String> = first_bad
+            .sorted_nodes()
+            .iter()
+            .filter_map(|a| released.get(&a.id()))
+            .map(|(u, name)| format!("`{name}` of {}", unit_name(&self.units[*u])))
+            .collect();
+        (!culprits.is_empty()).then(|| {
+            format!(
+                "the loss is not finite because a released parameter was read after its unit's forward (debug mode poisons released parameters with NaN): {} used outside its unit",
+                culprits.join(", ")
+            )
+        })
+    }
+
     /// After backward: waits for every reduction; returns each unit's reduced gradient block
     /// and which parameters had a gradient. Drops the step's tensors.
     pub(crate) fn finish(&self) -> candle_core::Result<ReducedGrads> {

@@ -1,0 +1,151 @@
+//! Using a model against FULL_SHARD's rules gives errors that name the parameter and the unit,
+//! on every rank, never a hang or a silently wrong gradient: a parameter read after its unit
+//! released it, a parameter tensor kept from inside its unit and used after it (found before
+//! backward from the NaN poisoning of debug mode), a unit whose output never reaches `module_output`, and a
+//! model whose graph differs between ranks (a mismatched collective). Two real processes.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use fsdp::config::{AutoWrapPolicy, FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::engine::Fsdp;
+use fsdp::nn::layers::{linear, linear_info};
+use fsdp::nn::{LocalParams, ModuleInfo, Params};
+use fsdp::optim::{Optimizer, SgdConfig};
+use fsdp_comm::ProcessGroup;
+
+mod common;
+
+const ROLE: &str = "FSDP_USAGE_WORKER";
+
+fn toy() -> ModuleInfo {
+    ModuleInfo::new("", "Toy")
+        .child(ModuleInfo::new("a", "Block").child(linear_info("a.lin".into(), 8, 8, 0.2)))
+        .child(ModuleInfo::new("b", "Block").child(linear_info("b.lin".into(), 8, 8, 0.2)))
+        .child(linear_info("head".into(), 8, 2, 0.2))
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Misuse {
+    None,
+    ReadAfterRelease,
+    HeldAcrossUnits,
+    NotHooked,
+}
+
+fn forward(p: &dyn Params, x: &Tensor, misuse: Misuse) -> candle_core::Result<Tensor> {
+    let held = p.get("a.lin.weight")?;
+    let mut h = linear(p, "a.lin", x)?;
+    h = p.module_output("a", h)?;
+    match misuse {
+        Misuse::ReadAfterRelease => {
+            h = (h + linear(p, "a.lin", x)?)?;
+        }
+        Misuse::HeldAcrossUnits => {
+            h = (h + x.matmul(&held.t()?)?)?;
+        }
+        _ => {}
+    }
+    h = linear(p, "b.lin", &h)?;
+    if !matches!(misuse, Misuse::NotHooked) {
+        h = p.module_output("b", h)?;
+    }
+    linear(p, "head", &h)?.sqr()?.sum_all()
+}
+
+fn attempt(pg: &std::sync::Arc<ProcessGroup>, misuse: Misuse) -> Result<(), String> {
+    let info = toy();
+    let init = LocalParams::init(&info, 3, DType::F32, &Device::Cpu).unwrap();
+    let plugin = FsdpPlugin::builder()
+        .sharding_strategy(ShardingStrategy::FullShard)
+        .auto_wrap_policy(AutoWrapPolicy::TransformerBasedWrap)
+        .transformer_layer_cls_to_wrap("Block")
+        .resolve(&Layer::new(), None)
+        .unwrap()
+        .fsdp;
+    let mut engine =
+        Fsdp::new(&info, &init.tensors(), &plugin, &[], pg.clone()).map_err(|e| e.to_string())?;
+    engine.set_debug(true);
+    let x = Tensor::ones((3, 8), DType::F32, &Device::Cpu).unwrap();
+    let params = engine.begin_step().map_err(|e| e.to_string())?;
+    let loss = forward(&params, &x, misuse).map_err(|e| e.to_string())?;
+    let grads = engine.backward(params, loss).map_err(|e| e.to_string())?;
+    let sgd = Optimizer::Sgd(SgdConfig::default());
+    engine.step(grads, &sgd, None).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[test]
+fn usage_worker() {
+    if std::env::var(ROLE).is_err() {
+        return;
+    }
+    let pg = std::sync::Arc::new(ProcessGroup::from_env().unwrap());
+    let mut out = BTreeMap::new();
+    for misuse in [
+        Misuse::None,
+        Misuse::ReadAfterRelease,
+        Misuse::HeldAcrossUnits,
+        Misuse::NotHooked,
+        Misuse::None,
+    ] {
+        let result = attempt(&pg, misuse);
+        out.insert(
+            format!("{misuse:?}"),
+            result.err().unwrap_or_else(|| "ok".into()),
+        );
+    }
+    // Ranks whose graphs differ: rank 1 skips unit b's hook, so its backward order and
+    // collectives differ; every rank must stop with an error instead of hanging.
+    let diverged = attempt(
+        &pg,
+        if pg.rank() == 1 {
+            Misuse::NotHooked
+        } else {
+            Misuse::None
+        },
+    );
+    out.insert(
+        "Diverged".into(),
+        diverged.err().unwrap_or_else(|| "ok".into()),
+    );
+    println!("RESULT {}", serde_json::json!(out));
+}
+
+#[test]
+fn misuse_is_an_error_naming_the_parameter_and_unit() {
+    let outputs = common::run_workers(
+        "usage_worker",
+        ROLE,
+        2,
+        &[("FSDP_COMM_TIMEOUT_SECS", "20")],
+        Duration::from_secs(120),
+    );
+    for (rank, output) in outputs.iter().enumerate() {
+        let r = common::result_of(output);
+        let get = |k: &str| r[k].as_str().unwrap().to_string();
+        assert_eq!(get("None"), "ok", "rank {rank}");
+        let e = get("ReadAfterRelease");
+        assert!(
+            e.contains("`a.lin.weight`") && e.contains("unit `a`") && e.contains("released"),
+            "rank {rank}: {e}"
+        );
+        let e = get("HeldAcrossUnits");
+        assert!(
+            e.contains("`a.lin.weight`")
+                && e.contains("unit `a`")
+                && e.contains("used outside its unit"),
+            "rank {rank}: {e}"
+        );
+        let e = get("NotHooked");
+        assert!(
+            e.contains("unit `b`") && e.contains("module_output"),
+            "rank {rank}: {e}"
+        );
+        let e = get("Diverged");
+        assert_ne!(e, "ok", "rank {rank}: diverged ranks must fail");
+        eprintln!("rank {rank} diverged: {e}");
+        eprintln!("rank {rank} held: {}", get("HeldAcrossUnits"));
+    }
+}
