@@ -647,9 +647,10 @@ impl StepShared {
     }
 
     /// In debug mode released parameters read as NaN, so a non-finite loss may come from a
-    /// parameter used after its unit released it. Finds the first non-finite value in forward
-    /// order outside every released unit's own subgraph and names the released parameters it
-    /// depends on; `None` when the cause is not a released parameter.
+    /// parameter used after its unit released it. Finds the first computed (not a view of a
+    /// released parameter) non-finite value in forward order (values computed before a
+    /// release stay finite) and names the released parameters it depends on; `None` when the
+    /// cause is not a released parameter.
     pub(crate) fn diagnose_non_finite(&self, loss: &Tensor) -> Option<String> {
         let finite = |t: &Tensor| -> bool {
             t.to_dtype(candle_core::DType::F32)
@@ -658,33 +659,36 @@ impl StepShared {
                 .map(|v| v.iter().all(|x| x.is_finite()))
                 .unwrap_or(true)
         };
+        let buffer = |t: &Tensor| -> usize {
+            let (storage, _) = t.storage_and_layout();
+            match &*storage {
+                candle_core::Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr() as usize,
+                _ => 0,
+            }
+        };
         if finite(loss) {
             return None;
         }
         let inner = self.lock();
         let mut released: HashMap<TensorId, (usize, &str)> = HashMap::new();
-        let mut inside: std::collections::HashSet<TensorId> = Default::default();
+        let mut released_buffers = std::collections::HashSet::new();
         for (u, run) in inner.units.iter().enumerate() {
             if run.phase != Phase::Released {
                 continue;
             }
             for (p, f) in self.units[u].params.iter().zip(&run.full) {
                 released.insert(f.tensor.id(), (u, p.name.as_str()));
-            }
-            for o in &run.outputs {
-                inside.extend(o.sorted_nodes().iter().map(|t| t.id()));
+                released_buffers.insert(buffer(&f.tensor));
             }
         }
         if released.is_empty() {
             return None;
         }
         let sorted = loss.sorted_nodes();
-        let first_bad = sorted.iter().rev().find(|n| {
-            !n.is_variable()
-                && !released.contains_key(&n.id())
-                && !inside.contains(&n.id())
-                && !finite(n)
-        })?;
+        let first_bad = sorted
+            .iter()
+            .rev()
+            .find(|n| !n.is_variable() && !released_buffers.contains(&buffer(n)) && !finite(n))?;
         let culprits: Vec<String> = first_bad
             .sorted_nodes()
             .iter()
@@ -694,7 +698,7 @@ impl StepShared {
         (!culprits.is_empty()).then(|| {
             format!(
                 "the loss is not finite because a released parameter was read after its unit's forward (debug mode poisons released parameters with NaN): {} used outside its unit",
-                culprits.join(", ")
+                culprits.join(" or ")
             )
         })
     }
