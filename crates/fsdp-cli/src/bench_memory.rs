@@ -59,6 +59,9 @@ pub struct MemoryArgs {
     /// FSDP backward prefetch (BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH).
     #[arg(long = "backward_prefetch", default_value = "BACKWARD_PRE")]
     backward_prefetch: String,
+    /// FSDP forward prefetch.
+    #[arg(long = "forward_prefetch")]
+    forward_prefetch: bool,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -106,6 +109,10 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         ]
         .map(String::from)
         .to_vec();
+        let mut args = args;
+        if a.forward_prefetch {
+            args.push("--forward_prefetch".into());
+        }
         let out = crate::bench::spawn_workers(&args, a.num_processes, &[])
             .with_context(|| format!("measuring {strategy}"))?;
         let line = out
@@ -116,8 +123,15 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     }
     let mib = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN) / (1u64 << 20) as f64;
     println!(
-        "{} processes, BERT hidden {} x {} layers, vocab {}, batch {}/rank, seq {}; MiB per rank",
-        a.num_processes, a.hidden, a.layers, a.vocab, a.batch, a.seq
+        "{} processes, BERT hidden {} x {} layers, vocab {}, batch {}/rank, seq {}, backward prefetch {}, forward prefetch {}; MiB per rank",
+        a.num_processes,
+        a.hidden,
+        a.layers,
+        a.vocab,
+        a.batch,
+        a.seq,
+        a.backward_prefetch,
+        a.forward_prefetch
     );
     println!(
         "{:>14} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>9} {:>8}",
@@ -190,6 +204,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     let plugin = FsdpPlugin::builder()
         .sharding_strategy(strategy.parse().map_err(anyhow::Error::msg)?)
         .backward_prefetch(a.backward_prefetch.parse().map_err(anyhow::Error::msg)?)
+        .forward_prefetch(a.forward_prefetch)
         .resolve(&Layer::new(), None)?
         .fsdp;
     let config = BertConfig {

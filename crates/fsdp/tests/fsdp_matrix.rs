@@ -1,7 +1,8 @@
 //! Sharded training equals single-process training on the global batch, over real processes
 //! and the real transport: every sharding strategy x wrap policy x prefetch mode, for a BERT
 //! classifier and a GPT-2 LM, on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
-//! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated) and clipped variants.
+//! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated), clipped and
+//! gradient-accumulation variants.
 //! 10 steps each; losses and final weights within 1e-5 relative (f32). Debug mode is on:
 //! released parameters are NaN-poisoned and the graph is checked before every backward.
 
@@ -40,6 +41,8 @@ enum Variant {
     Ignored,
     /// Global gradient-norm clipping that bites.
     Clipped,
+    /// Each rank's batch as two micro-batches, gradients accumulated.
+    Accumulated,
 }
 
 /// Losses per step and final weights of one training run.
@@ -92,6 +95,7 @@ fn cases() -> Vec<Case> {
         Variant::Frozen,
         Variant::Ignored,
         Variant::Clipped,
+        Variant::Accumulated,
     ];
     let mut i = 0;
     for model in [ModelKind::Bert, ModelKind::Gpt2] {
@@ -113,7 +117,7 @@ fn cases() -> Vec<Case> {
                         backward_prefetch,
                         forward_prefetch,
                         optimizer: optimizers()[i % 3],
-                        variant: variants[(i / 3) % 4],
+                        variant: variants[(i / 3) % variants.len()],
                     });
                     i += 1;
                 }
@@ -293,12 +297,32 @@ fn sharded(case: &Case, pg: &std::sync::Arc<ProcessGroup>) -> Result<Run, String
         let (ids, labels) = batch(step);
         let ids = ids.narrow(0, rank * per_rank, per_rank).unwrap();
         let labels = labels.narrow(0, rank * per_rank, per_rank).unwrap();
-        let params = engine.begin_step().map_err(|e| e.to_string())?;
-        let loss = model
-            .loss(&params, &ids, &labels)
-            .map_err(|e| e.to_string())?;
-        let local = loss.to_scalar::<f32>().unwrap() as f64;
-        let grads = engine.backward(params, loss).map_err(|e| e.to_string())?;
+        let micro = if case.variant == Variant::Accumulated {
+            vec![(0, per_rank.div_ceil(2)), (per_rank.div_ceil(2), per_rank / 2)]
+        } else {
+            vec![(0, per_rank)]
+        };
+        let mut local = 0.0;
+        let mut grads: Option<fsdp::engine::Gradients> = None;
+        for (start, len) in micro {
+            let weight = len as f64 / per_rank as f64;
+            let params = engine.begin_step().map_err(|e| e.to_string())?;
+            let loss = model
+                .loss(
+                    &params,
+                    &ids.narrow(0, start, len).unwrap(),
+                    &labels.narrow(0, start, len).unwrap(),
+                )
+                .map_err(|e| e.to_string())?;
+            local += weight * loss.to_scalar::<f32>().unwrap() as f64;
+            let mut g = engine.backward(params, loss).map_err(|e| e.to_string())?;
+            g.scale(weight as f32);
+            match grads.as_mut() {
+                Some(acc) => acc.accumulate(g),
+                None => grads = Some(g),
+            }
+        }
+        let grads = grads.unwrap();
         engine
             .step(grads, &case.optimizer, max_norm(case.variant))
             .map_err(|e| e.to_string())?;
