@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, rows, tensor, with_slice};
+use super::{Float, contiguous, float_dispatch, rows, simd, tensor, with_slice};
 
 /// Which GELU formula.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,14 +19,10 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
 const INV_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7; // 1 / sqrt(2 pi)
 
-/// (gelu(x), gelu'(x)) for one element. f32 runs in f32 with one `exp` shared by the CDF and
-/// the PDF (erf by Abramowitz-Stegun 7.1.26, absolute error below 1.5e-7); f64 uses libm.
+/// (gelu(x), gelu'(x)) for one element in f64 (f32 tensors take the vectorised kernels in
+/// `simd`).
 #[inline]
 fn gelu_and_grad<T: Float>(x: T, approx: GeluApprox) -> (T, T) {
-    if std::mem::size_of::<T>() == 4 {
-        let (y, d) = gelu_and_grad_f32(x.f() as f32, approx);
-        return (T::of(y as f64), T::of(d as f64));
-    }
     let xf = x.f();
     match approx {
         GeluApprox::Erf => {
@@ -46,62 +42,10 @@ fn gelu_and_grad<T: Float>(x: T, approx: GeluApprox) -> (T, T) {
     }
 }
 
-/// gelu(x) alone (the forward pass needs no derivative).
+/// gelu(x) alone.
 #[inline]
 fn gelu_value<T: Float>(x: T, approx: GeluApprox) -> T {
-    if std::mem::size_of::<T>() == 4 {
-        let x = x.f() as f32;
-        let y = match approx {
-            GeluApprox::Erf => x * 0.5 * (1.0 + erf_f32(x * INV_SQRT_2 as f32)),
-            GeluApprox::Tanh => {
-                0.5 * x * (1.0 + (SQRT_2_OVER_PI as f32 * (x + 0.044715 * x * x * x)).tanh())
-            }
-        };
-        return T::of(y as f64);
-    }
     gelu_and_grad(x, approx).0
-}
-
-/// erf by Abramowitz-Stegun 7.1.26 (absolute error below 1.5e-7).
-#[inline]
-fn erf_f32(x: f32) -> f32 {
-    let z = x.abs();
-    let t = 1.0 / (1.0 + 0.327_591_1 * z);
-    let poly = t
-        * (0.254_829_6
-            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
-    let r = 1.0 - poly * (-z * z).exp();
-    if x < 0.0 { -r } else { r }
-}
-
-#[inline]
-fn gelu_and_grad_f32(x: f32, approx: GeluApprox) -> (f32, f32) {
-    match approx {
-        GeluApprox::Erf => {
-            let z = x.abs() * INV_SQRT_2 as f32;
-            let e = (-0.5 * x * x).exp(); // exp(-z^2), shared with the PDF
-            let t = 1.0 / (1.0 + 0.327_591_1 * z);
-            let poly = t
-                * (0.254_829_6
-                    + t * (-0.284_496_74
-                        + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
-            let erf_abs = 1.0 - poly * e;
-            let erf = if x < 0.0 { -erf_abs } else { erf_abs };
-            let cdf = 0.5 * (1.0 + erf);
-            let pdf = INV_SQRT_2PI as f32 * e;
-            (x * cdf, cdf + x * pdf)
-        }
-        GeluApprox::Tanh => {
-            let c = SQRT_2_OVER_PI as f32;
-            let inner = c * (x + 0.044715 * x * x * x);
-            let t = inner.tanh();
-            let dinner = c * (1.0 + 3.0 * 0.044715 * x * x);
-            (
-                0.5 * x * (1.0 + t),
-                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner,
-            )
-        }
-    }
 }
 
 struct Gelu(GeluApprox);
@@ -112,6 +56,12 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if let CpuStorage::F32(_) = s {
+            let x = contiguous::<f32>(s, l, self.name())?;
+            let mut y = vec![0f32; x.len()];
+            simd::gelu_forward(x, &[], &mut y, self.0 == GeluApprox::Tanh);
+            return Ok((CpuStorage::F32(y), l.shape().clone()));
+        }
         float_dispatch!(s.dtype(), self.name(), T => {
             let x = contiguous::<T>(s, l, self.name())?;
             let y: Vec<T> = x.iter().map(|&v| gelu_value(v, self.0)).collect();
@@ -120,6 +70,15 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if arg.dtype() == candle_core::DType::F32 {
+            return with_slice::<f32, _>(arg, self.name(), |x| {
+                with_slice::<f32, _>(grad, self.name(), |g| {
+                    let mut dx = vec![0f32; x.len()];
+                    simd::gelu_backward(x, &[], g, &mut dx, &mut [], self.0 == GeluApprox::Tanh);
+                    tensor(dx, arg.shape(), arg).map(Some)
+                })
+            });
+        }
         float_dispatch!(arg.dtype(), self.name(), T => {
             with_slice::<T, _>(arg, self.name(), |x| {
                 with_slice::<T, _>(grad, self.name(), |g| {
@@ -150,13 +109,24 @@ impl CustomOp2 for BiasGelu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let (_, d) = rows(l1.shape());
+        if l2.shape().elem_count() != d {
+            return Err(candle_core::Error::Msg(format!(
+                "{}: bias has {} elements, last dimension is {d}",
+                self.name(),
+                l2.shape().elem_count()
+            )));
+        }
+        if let CpuStorage::F32(_) = s1 {
+            let x = contiguous::<f32>(s1, l1, self.name())?;
+            let b = contiguous::<f32>(s2, l2, self.name())?;
+            let mut y = vec![0f32; x.len()];
+            simd::gelu_forward(x, b, &mut y, self.0 == GeluApprox::Tanh);
+            return Ok((CpuStorage::F32(y), l1.shape().clone()));
+        }
         float_dispatch!(s1.dtype(), self.name(), T => {
             let x = contiguous::<T>(s1, l1, self.name())?;
             let b = contiguous::<T>(s2, l2, self.name())?;
-            let (_, d) = rows(l1.shape());
-            if b.len() != d {
-                return Err(candle_core::Error::Msg(format!("{}: bias has {} elements, last dimension is {d}", self.name(), b.len())));
-            }
             let mut y = Vec::with_capacity(x.len());
             for row in x.chunks(d.max(1)) {
                 y.extend(row.iter().zip(b).map(|(&v, &bj)| gelu_value(T::of(v.f() + bj.f()), self.0)));
@@ -172,6 +142,19 @@ impl CustomOp2 for BiasGelu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if x_t.dtype() == candle_core::DType::F32 {
+            return with_slice::<f32, _>(x_t, self.name(), |x| {
+                with_slice::<f32, _>(b_t, self.name(), |b| {
+                    with_slice::<f32, _>(grad, self.name(), |g| {
+                        let mut dx = vec![0f32; x.len()];
+                        let mut db = vec![0f64; b.len()];
+                        simd::gelu_backward(x, b, g, &mut dx, &mut db, self.0 == GeluApprox::Tanh);
+                        let db: Vec<f32> = db.into_iter().map(|v| v as f32).collect();
+                        Ok((Some(tensor(dx, x_t.shape(), x_t)?), Some(tensor(db, b_t.shape(), b_t)?)))
+                    })
+                })
+            });
+        }
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(b_t, self.name(), |b| {

@@ -7,6 +7,7 @@ mod dropout;
 mod gelu;
 mod linear;
 mod norm;
+mod simd;
 mod softmax;
 
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};

@@ -3,7 +3,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, rows, tensor, with_slice};
+use super::{Float, contiguous, float_dispatch, rows, simd, tensor, with_slice};
 
 struct Softmax;
 
@@ -13,6 +13,12 @@ impl CustomOp1 for Softmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if let CpuStorage::F32(_) = s {
+            let x = contiguous::<f32>(s, l, self.name())?;
+            let mut y = vec![0f32; x.len()];
+            simd::softmax_rows(x, &mut y, rows(l.shape()).1);
+            return Ok((CpuStorage::F32(y), l.shape().clone()));
+        }
         float_dispatch!(s.dtype(), self.name(), T => {
             let x = contiguous::<T>(s, l, self.name())?;
             let (_, d) = rows(l.shape());
@@ -33,6 +39,15 @@ impl CustomOp1 for Softmax {
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if res.dtype() == candle_core::DType::F32 {
+            return with_slice::<f32, _>(res, self.name(), |y| {
+                with_slice::<f32, _>(grad, self.name(), |g| {
+                    let mut dx = vec![0f32; y.len()];
+                    simd::softmax_rows_backward(y, g, &mut dx, rows(res.shape()).1);
+                    tensor(dx, res.shape(), res).map(Some)
+                })
+            });
+        }
         float_dispatch!(res.dtype(), self.name(), T => {
             with_slice::<T, _>(res, self.name(), |y| {
                 with_slice::<T, _>(grad, self.name(), |g| {

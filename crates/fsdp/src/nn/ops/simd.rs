@@ -1,0 +1,242 @@
+//! f32 element-wise kernels written so the compiler vectorises them (no calls, no branches in
+//! the loops: `exp` by range reduction and a polynomial, `erf` by Abramowitz-Stegun 7.1.26),
+//! compiled for AVX-512, AVX2+FMA and the baseline, and chosen at run time.
+//!
+//! Accuracy (tested): `exp` within 2.5e-7 relative over its range (exactly 0 below -87.3);
+//! `erf` within 1e-6 absolute (Abramowitz-Stegun's 1.5e-7 plus f32 rounding; PyTorch's
+//! vectorised CPU erf uses the same formula); GELU within 2e-7 of max(|x|, 1).
+
+/// Defines `pub(crate) fn $name(args)` that runs `$body` compiled for the best instruction
+/// set this CPU has.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
+        $(#[$meta])*
+        pub(crate) fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn portable($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+                fn avx512($($arg: $ty),*) {
+                    portable($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2($($arg: $ty),*) {
+                    portable($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                {
+                    // SAFETY: the CPU has the features `avx512` is compiled for.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU has the features `avx2` is compiled for.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            portable($($arg),*)
+        }
+    };
+}
+
+/// Independent accumulators in reductions (vectorisable, unlike one sequential sum).
+const LANES: usize = 16;
+
+/// e^x, branch-free.
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let c = x.clamp(-87.0, 88.0);
+    let n = (c * LOG2E + ROUND) - ROUND;
+    let r = c - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0
+                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    let e = p * scale;
+    if x < -87.3 { 0.0 } else { e }
+}
+
+/// erf(x) and e^{-x^2} (the latter is needed by GELU's derivative).
+#[inline(always)]
+fn erf_and_gauss(x: f32) -> (f32, f32) {
+    let z = x.abs();
+    let e = exp(-z * z);
+    let t = 1.0 / (1.0 + 0.327_591_1 * z);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
+    let r = 1.0 - poly * e;
+    (if x < 0.0 { -r } else { r }, e)
+}
+
+/// tanh(u) = 1 - 2 / (e^{2u} + 1).
+#[inline(always)]
+fn tanh(u: f32) -> f32 {
+    1.0 - 2.0 / (exp(2.0 * u) + 1.0)
+}
+
+const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// (gelu(x), gelu'(x)), exact (erf) form.
+#[inline(always)]
+fn gelu_erf(x: f32) -> (f32, f32) {
+    let (erf, gauss) = erf_and_gauss(x * INV_SQRT_2);
+    let cdf = 0.5 * (1.0 + erf);
+    (x * cdf, cdf + x * INV_SQRT_2PI * gauss)
+}
+
+/// (gelu(x), gelu'(x)), tanh form.
+#[inline(always)]
+fn gelu_tanh(x: f32) -> (f32, f32) {
+    let inner = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+    let t = tanh(inner);
+    let dinner = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x * x);
+    (
+        0.5 * x * (1.0 + t),
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner,
+    )
+}
+
+multiversion! {
+    /// `out = gelu(x + bias)`, bias broadcast over rows of `bias.len()` (empty: no bias).
+    fn gelu_forward(x: &[f32], bias: &[f32], out: &mut [f32], tanh_form: bool) {
+        let d = if bias.is_empty() { x.len().max(1) } else { bias.len() };
+        for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
+            if tanh_form {
+                if bias.is_empty() {
+                    xr.iter().zip(or.iter_mut()).for_each(|(&v, o)| *o = gelu_tanh(v).0);
+                } else {
+                    xr.iter().zip(bias).zip(or.iter_mut()).for_each(|((&v, &b), o)| *o = gelu_tanh(v + b).0);
+                }
+            } else if bias.is_empty() {
+                xr.iter().zip(or.iter_mut()).for_each(|(&v, o)| *o = gelu_erf(v).0);
+            } else {
+                xr.iter().zip(bias).zip(or.iter_mut()).for_each(|((&v, &b), o)| *o = gelu_erf(v + b).0);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `dx = g * gelu'(x + bias)`; with a bias, also its gradient (column sums of `dx`,
+    /// accumulated in f64) into `dbias`.
+    fn gelu_backward(x: &[f32], bias: &[f32], g: &[f32], dx: &mut [f32], dbias: &mut [f64], tanh_form: bool) {
+        let d = if bias.is_empty() { x.len().max(1) } else { bias.len() };
+        for ((xr, gr), dr) in x.chunks(d).zip(g.chunks(d)).zip(dx.chunks_mut(d)) {
+            if bias.is_empty() {
+                if tanh_form {
+                    for ((&v, &gv), o) in xr.iter().zip(gr).zip(dr.iter_mut()) {
+                        *o = gv * gelu_tanh(v).1;
+                    }
+                } else {
+                    for ((&v, &gv), o) in xr.iter().zip(gr).zip(dr.iter_mut()) {
+                        *o = gv * gelu_erf(v).1;
+                    }
+                }
+            } else {
+                if tanh_form {
+                    for (((&v, &b), &gv), o) in xr.iter().zip(bias).zip(gr).zip(dr.iter_mut()) {
+                        *o = gv * gelu_tanh(v + b).1;
+                    }
+                } else {
+                    for (((&v, &b), &gv), o) in xr.iter().zip(bias).zip(gr).zip(dr.iter_mut()) {
+                        *o = gv * gelu_erf(v + b).1;
+                    }
+                }
+                for (acc, &v) in dbias.iter_mut().zip(dr.iter()) {
+                    *acc += v as f64;
+                }
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// Softmax of each row of length `d`.
+    fn softmax_rows(x: &[f32], y: &mut [f32], d: usize) {
+        let d = d.max(1);
+        for (xr, yr) in x.chunks(d).zip(y.chunks_mut(d)) {
+            let max = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for (o, &v) in yr.iter_mut().zip(xr) {
+                *o = exp(v - max);
+            }
+            let mut acc = [0f32; LANES];
+            for chunk in yr.chunks(LANES) {
+                for (a, &v) in acc.iter_mut().zip(chunk) {
+                    *a += v;
+                }
+            }
+            let inv = 1.0 / acc.iter().sum::<f32>();
+            yr.iter_mut().for_each(|o| *o *= inv);
+        }
+    }
+}
+
+multiversion! {
+    /// Softmax backward per row: `dx = y * (g - sum(g * y))`.
+    fn softmax_rows_backward(y: &[f32], g: &[f32], dx: &mut [f32], d: usize) {
+        let d = d.max(1);
+        for ((yr, gr), dr) in y.chunks(d).zip(g.chunks(d)).zip(dx.chunks_mut(d)) {
+            let mut acc = [0f32; LANES];
+            for (yc, gc) in yr.chunks(LANES).zip(gr.chunks(LANES)) {
+                for ((a, &yv), &gv) in acc.iter_mut().zip(yc).zip(gc) {
+                    *a += yv * gv;
+                }
+            }
+            let dot: f32 = acc.iter().sum();
+            for ((o, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
+                *o = yv * (gv - dot);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp_and_underflows_to_zero() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 2.5e-7, "relative error {worst:e}");
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(f32::MIN), 0.0);
+        assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn erf_and_gelu_match_libm() {
+        let mut worst_erf = 0f64;
+        let mut worst_gelu = 0f64;
+        let mut x = -8.0f32;
+        while x < 8.0 {
+            let (erf, _) = erf_and_gauss(x);
+            worst_erf = worst_erf.max((erf as f64 - libm::erf(x as f64)).abs());
+            let xf = x as f64;
+            let want = 0.5 * xf * (1.0 + libm::erf(xf / std::f64::consts::SQRT_2));
+            worst_gelu = worst_gelu.max((gelu_erf(x).0 as f64 - want).abs() / xf.abs().max(1.0));
+            x += 0.001;
+        }
+        assert!(worst_erf < 1e-6, "erf error {worst_erf:e}");
+        assert!(worst_gelu < 2e-7, "gelu error {worst_gelu:e}");
+    }
+}
