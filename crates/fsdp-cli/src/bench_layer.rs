@@ -79,6 +79,8 @@ pub fn run(a: LayerArgs) -> Result<()> {
         }
         return Ok(());
     }
+    // As in training under the engine (Fsdp::new does the same).
+    fsdp::memory::retain_freed_memory();
     let device = Device::Cpu;
     let model = BertModel::new(config(&a), "");
     let params = LocalParams::init(&model.info(), 0, DType::F32, &device)?;

@@ -183,6 +183,7 @@ impl Fsdp {
     ) -> Result<Fsdp, EngineError> {
         let pg: Arc<ProcessGroup> = pg.into();
         check_supported(plugin)?;
+        crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, pg.size())?;
         // fsdp_sync_module_states: every rank starts from rank 0's weights.
         let synced;
