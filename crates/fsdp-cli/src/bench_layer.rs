@@ -101,17 +101,12 @@ pub fn run(a: LayerArgs) -> Result<()> {
 
     // Components, each measured alone on inputs of the shapes the layer gives it.
     let (b, s, h, i) = (a.batch, a.seq, a.hidden, a.intermediate);
-    let hd = h / a.heads;
     let rand = |dims: &[usize]| -> Result<Var> {
         Ok(Var::from_tensor(&Tensor::randn(0f32, 1.0, dims, &device)?)?)
     };
     let xh = rand(&[b, s, h])?;
     let xi = rand(&[b, s, i])?;
-    let qkv = [
-        rand(&[b, a.heads, s, hd])?,
-        rand(&[b, a.heads, s, hd])?,
-        rand(&[b, a.heads, s, hd])?,
-    ];
+    let qkv = [rand(&[b, s, h])?, rand(&[b, s, h])?, rand(&[b, s, h])?];
     type Part<'a> = (&'static str, Box<dyn Fn() -> Result<Tensor> + 'a>);
     let parts: Vec<Part> = vec![
         (
@@ -136,6 +131,7 @@ pub fn run(a: LayerArgs) -> Result<()> {
                     qkv[0].as_tensor(),
                     qkv[1].as_tensor(),
                     qkv[2].as_tensor(),
+                    a.heads,
                     None,
                 )?)
             }),

@@ -112,9 +112,8 @@ pub(crate) fn note_reclaimed(bytes: usize) {
 pub fn retain_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        let user_set = std::env::vars().any(|(k, _)| {
-            k.starts_with("MALLOC_") && k.ends_with('_') || k == "GLIBC_TUNABLES"
-        });
+        let user_set = std::env::vars()
+            .any(|(k, _)| k.starts_with("MALLOC_") && k.ends_with('_') || k == "GLIBC_TUNABLES");
         if user_set || std::env::var("FSDP_MALLOC_TUNING").is_ok_and(|v| v == "0") {
             return;
         }

@@ -298,7 +298,10 @@ fn sharded(case: &Case, pg: &std::sync::Arc<ProcessGroup>) -> Result<Run, String
         let ids = ids.narrow(0, rank * per_rank, per_rank).unwrap();
         let labels = labels.narrow(0, rank * per_rank, per_rank).unwrap();
         let micro = if case.variant == Variant::Accumulated {
-            vec![(0, per_rank.div_ceil(2)), (per_rank.div_ceil(2), per_rank / 2)]
+            vec![
+                (0, per_rank.div_ceil(2)),
+                (per_rank.div_ceil(2), per_rank / 2),
+            ]
         } else {
             vec![(0, per_rank)]
         };

@@ -22,17 +22,17 @@ fn rand(shape: &[usize], seed: u64, scale: f64, dtype: DType) -> Tensor {
         .unwrap()
 }
 
-type Fun = dyn Fn(&[Tensor]) -> Result<Tensor>;
+type Fun<'a> = dyn Fn(&[Tensor]) -> Result<Tensor> + 'a;
 
 /// `sum(f(inputs) * w)` for a fixed random `w`, so every output element gets its own weight.
-fn weighted(f: &Fun, inputs: &[Tensor], seed: u64) -> Result<Tensor> {
+fn weighted(f: &Fun<'_>, inputs: &[Tensor], seed: u64) -> Result<Tensor> {
     let out = f(inputs)?;
     let w = rand(out.dims(), seed, 1.0, out.dtype());
     (out * w)?.sum_all()
 }
 
 /// Values and gradients of `f` at `inputs` (each input a fresh variable).
-fn eval(f: &Fun, inputs: &[Tensor]) -> (Tensor, Vec<Tensor>) {
+fn eval(f: &Fun<'_>, inputs: &[Tensor]) -> (Tensor, Vec<Tensor>) {
     let vars: Vec<Var> = inputs
         .iter()
         .map(|t| Var::from_tensor(t).unwrap())
@@ -71,7 +71,7 @@ fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 /// Fused `fused` vs composed `reference`, values and gradients.
-fn against_composed(name: &str, fused: &Fun, reference: &Fun, inputs: &[Tensor], tol: f64) {
+fn against_composed(name: &str, fused: &Fun<'_>, reference: &Fun<'_>, inputs: &[Tensor], tol: f64) {
     let (out_a, g_a) = eval(fused, inputs);
     let (out_b, g_b) = eval(reference, inputs);
     let d = max_rel_diff(&out_a, &out_b);
@@ -86,7 +86,7 @@ fn against_composed(name: &str, fused: &Fun, reference: &Fun, inputs: &[Tensor],
 }
 
 /// Analytic gradients vs central differences at a sample of positions (f64).
-fn against_finite_differences(name: &str, f: &Fun, inputs: &[Tensor]) {
+fn against_finite_differences(name: &str, f: &Fun<'_>, inputs: &[Tensor]) {
     let (_, grads) = eval(f, inputs);
     let h = 1e-6;
     for (i, input) in inputs.iter().enumerate() {
@@ -394,4 +394,104 @@ fn linear_with_bias() {
     let w = rand(&[5, 6], 24, 0.5, DType::F64);
     let b = rand(&[5], 25, 0.5, DType::F64);
     against_finite_differences("linear", &|t| ops::linear(&t[0], &t[1], &t[2]), &[x, w, b]);
+}
+
+/// Attention from plain candle ops (heads split by reshape + transpose).
+fn composed_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    let (b, s, w) = q.dims3()?;
+    let d = w / heads;
+    let split = |t: &Tensor| t.reshape((b, s, heads, d))?.transpose(1, 2)?.contiguous();
+    let scores = (split(q)?.matmul(&split(k)?.t()?.contiguous()?)? / (d as f64).sqrt())?;
+    let scores = match mask {
+        Some(m) => scores.broadcast_add(&m.to_dtype(q.dtype())?)?,
+        None => scores,
+    };
+    let probs = composed_softmax(&scores)?;
+    let probs = match dropout {
+        Some((p, seed)) => ops::dropout(&probs, p, seed)?,
+        None => probs,
+    };
+    probs
+        .matmul(&split(v)?)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, s, w))
+}
+
+#[test]
+fn scaled_dot_product_attention() {
+    let (b, s, heads, d) = (2, 5, 3, 4);
+    let w = heads * d;
+    // Padding mask [b, 1, 1, s] (last key of batch 1 masked) and causal [1, 1, s, s].
+    let lowest = f32::MIN as f64;
+    let pad: Vec<f64> = (0..b * s)
+        .map(|i| if i == b * s - 1 { lowest } else { 0.0 })
+        .collect();
+    let pad = Tensor::from_vec(pad, (b, 1, 1, s), &Device::Cpu).unwrap();
+    let causal: Vec<f64> = (0..s * s)
+        .map(|i| if i % s > i / s { lowest } else { 0.0 })
+        .collect();
+    let causal = Tensor::from_vec(causal, (1, 1, s, s), &Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        for (mask, dropout) in [
+            (None, None),
+            (Some(&pad), None),
+            (Some(&causal), None),
+            (Some(&pad), Some((0.3, 17u64))),
+        ] {
+            let inputs = [
+                rand(&[b, s, w], 21, 2.0, dtype),
+                rand(&[b, s, w], 22, 2.0, dtype),
+                rand(&[b, s, w], 23, 2.0, dtype),
+            ];
+            against_composed(
+                &format!(
+                    "attention {dtype:?} mask {} dropout {dropout:?}",
+                    mask.is_some()
+                ),
+                &|t| ops::scaled_dot_product_attention(&t[0], &t[1], &t[2], heads, mask, dropout),
+                &|t| composed_attention(&t[0], &t[1], &t[2], heads, mask, dropout),
+                &inputs,
+                tol,
+            );
+        }
+        // Strided rows: q, k, v as slices of one fused projection [b, s, 3w].
+        let qkv = rand(&[b, s, 3 * w], 24, 2.0, dtype);
+        let sliced = |t: &[Tensor], f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>| {
+            let part = |i: usize| t[0].narrow(D::Minus1, i * w, w);
+            f(&part(0)?, &part(1)?, &part(2)?)
+        };
+        against_composed(
+            &format!("attention {dtype:?} on strided slices"),
+            &|t| {
+                sliced(t, &|q, k, v| {
+                    ops::scaled_dot_product_attention(q, k, v, heads, Some(&causal), None)
+                })
+            },
+            &|t| {
+                sliced(t, &|q, k, v| {
+                    composed_attention(q, k, v, heads, Some(&causal), None)
+                })
+            },
+            &[qkv],
+            tol,
+        );
+    }
+    against_finite_differences(
+        "attention",
+        &|t| ops::scaled_dot_product_attention(&t[0], &t[1], &t[2], 2, Some(&pad), Some((0.2, 5))),
+        &[
+            rand(&[b, s, 4], 31, 1.0, DType::F64),
+            rand(&[b, s, 4], 32, 1.0, DType::F64),
+            rand(&[b, s, 4], 33, 1.0, DType::F64),
+        ],
+    );
 }

@@ -310,14 +310,12 @@ impl BertModel {
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let (batch, seq, _) = hidden.dims3()?;
+        c.head_dim()?; // checks that the heads divide the hidden size
         let heads = c.num_attention_heads;
-        let hd = c.head_dim()?;
         let l = |leaf: &str| join(&self.prefix, &format!("encoder.layer.{i}.{leaf}"));
-        let split = |t: Tensor| t.reshape((batch, seq, heads, hd))?.transpose(1, 2);
-        let q = split(linear(p, &l("attention.self.query"), hidden)?)?;
-        let k = split(linear(p, &l("attention.self.key"), hidden)?)?;
-        let v = split(linear(p, &l("attention.self.value"), hidden)?)?;
+        let q = linear(p, &l("attention.self.query"), hidden)?;
+        let k = linear(p, &l("attention.self.key"), hidden)?;
+        let v = linear(p, &l("attention.self.value"), hidden)?;
         let probs_dropout = match self.dropout_seed {
             Some(seed) if c.attention_probs_dropout_prob > 0.0 => Some((
                 c.attention_probs_dropout_prob,
@@ -325,9 +323,7 @@ impl BertModel {
             )),
             _ => None,
         };
-        let ctx = attention_with_dropout(&q, &k, &v, mask, probs_dropout)?
-            .transpose(1, 2)?
-            .reshape((batch, seq, c.hidden_size))?;
+        let ctx = attention_with_dropout(&q, &k, &v, heads, mask, probs_dropout)?;
         let ctx = p.module_output(&l("attention.self"), ctx)?;
         let attn = linear(p, &l("attention.output.dense"), &ctx)?;
         let attn = self.dropout(&attn, c.hidden_dropout_prob, &l("attention.output"))?;

@@ -175,19 +175,13 @@ impl Gpt2LmHeadModel {
             .map(|i| if i % seq > i / seq { lowest } else { 0.0 })
             .collect();
         let mask = Tensor::from_vec(causal, (1, 1, seq, seq), device)?.to_dtype(dtype)?;
-        let (heads, hd) = (c.n_head, c.n_embd / c.n_head);
+        let heads = c.n_head;
         for i in 0..c.n_layer {
             let b = |leaf: &str| format!("transformer.h.{i}.{leaf}");
             let a = layer_norm(p, &b("ln_1"), &x, c.layer_norm_epsilon)?;
             let qkv = conv1d(p, &b("attn.c_attn"), &a, false)?;
-            let split = |k: usize| {
-                qkv.narrow(D::Minus1, k * c.n_embd, c.n_embd)?
-                    .reshape((batch, seq, heads, hd))?
-                    .transpose(1, 2)
-            };
-            let ctx = attention(&split(0)?, &split(1)?, &split(2)?, Some(&mask))?
-                .transpose(1, 2)?
-                .reshape((batch, seq, c.n_embd))?;
+            let part = |i: usize| qkv.narrow(D::Minus1, i * c.n_embd, c.n_embd);
+            let ctx = attention(&part(0)?, &part(1)?, &part(2)?, heads, Some(&mask))?;
             let attn = conv1d(p, &b("attn.c_proj"), &ctx, false)?;
             x = (x + p.module_output(&b("attn"), attn)?)?;
             let m = layer_norm(p, &b("ln_2"), &x, c.layer_norm_epsilon)?;

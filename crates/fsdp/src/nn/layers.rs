@@ -1,7 +1,7 @@
 //! Layers as functions of [`Params`]: each reads its parameters by name at call time, so the
 //! same model code runs on plain and on sharded parameters.
 
-use candle_core::{D, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::module::{Init, ModuleInfo, Params};
 use super::ops::{self, GeluApprox};
@@ -56,10 +56,17 @@ pub fn layer_norm(p: &dyn Params, path: &str, x: &Tensor, eps: f64) -> Result<Te
     p.module_output(path, y)
 }
 
-/// Scaled dot-product attention of `q`, `k`, `v` [batch, heads, seq, head_dim] with an additive
-/// mask broadcast to [batch, heads, seq, seq]; softmax with the fused kernel.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-    attention_with_dropout(q, k, v, mask, None)
+/// Multi-head scaled dot-product attention on projections `q`, `k`, `v`
+/// `[batch, seq, heads * head_dim]` with an additive mask broadcastable to
+/// `[batch, heads, seq, seq]`, as one fused op; returns `[batch, seq, heads * head_dim]`.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    ops::scaled_dot_product_attention(q, k, v, heads, mask, None)
 }
 
 /// [`attention`] with dropout `(probability, seed)` on the attention probabilities.
@@ -67,19 +74,9 @@ pub fn attention_with_dropout(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    heads: usize,
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-    let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
-    let scores = match mask {
-        Some(m) => scores.broadcast_add(m)?,
-        None => scores,
-    };
-    let probs = ops::softmax_last_dim(&scores)?;
-    let probs = match dropout {
-        Some((p, seed)) => ops::dropout(&probs, p, seed)?,
-        None => probs,
-    };
-    probs.matmul(&v.contiguous()?)
+    ops::scaled_dot_product_attention(q, k, v, heads, mask, dropout)
 }

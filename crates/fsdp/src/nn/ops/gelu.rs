@@ -150,7 +150,10 @@ impl CustomOp2 for BiasGelu {
                         let mut db = vec![0f64; b.len()];
                         simd::gelu_backward(x, b, g, &mut dx, &mut db, self.0 == GeluApprox::Tanh);
                         let db: Vec<f32> = db.into_iter().map(|v| v as f32).collect();
-                        Ok((Some(tensor(dx, x_t.shape(), x_t)?), Some(tensor(db, b_t.shape(), b_t)?)))
+                        Ok((
+                            Some(tensor(dx, x_t.shape(), x_t)?),
+                            Some(tensor(db, b_t.shape(), b_t)?),
+                        ))
                     })
                 })
             });

@@ -5,57 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, tensor, with_slice};
-
-fn parallelism() -> gemm::Parallelism {
-    match candle_core::utils::get_num_threads() {
-        0 | 1 => gemm::Parallelism::None,
-        n => gemm::Parallelism::Rayon(n),
-    }
-}
-
-/// `dst[m×n] (+)= lhs[m×k] · rhs[k×n]` with explicit (row, column) strides.
-#[allow(clippy::too_many_arguments)]
-fn gemm_into<T: Float>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [T],
-    accumulate: bool,
-    lhs: &[T],
-    lhs_rs: usize,
-    lhs_cs: usize,
-    rhs: &[T],
-    rhs_rs: usize,
-    rhs_cs: usize,
-) {
-    debug_assert!(dst.len() >= m * n);
-    // SAFETY: every index the strides reach is inside the given slices (callers pass the
-    // dimensions of those slices).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            T::of(1.0),
-            T::of(1.0),
-            false,
-            false,
-            false,
-            parallelism(),
-        )
-    }
-}
+use super::{Float, contiguous, float_dispatch, gemm_into, tensor, with_slice};
 
 struct Linear;
 
@@ -92,7 +42,7 @@ impl CustomOp3 for Linear {
                 y.extend_from_slice(b);
             }
             // y += x · W^T  (W^T[k][n] = W[n][k]: row stride 1, column stride k)
-            gemm_into(m, n, k, &mut y, true, x, k, 1, w, 1, k);
+            gemm_into(m, n, k, &mut y, n, true, x, k, 1, w, 1, k, 1.0);
             Ok((T::storage(y), Shape::from((m, n))))
         })
     }
@@ -113,10 +63,10 @@ impl CustomOp3 for Linear {
                     with_slice::<T, _>(grad, self.name(), |g| {
                         // dx[m×k] = g[m×n] · W[n×k]
                         let mut dx = vec![T::of(0.0); m * k];
-                        gemm_into(m, k, n, &mut dx, false, g, n, 1, w, k, 1);
+                        gemm_into(m, k, n, &mut dx, k, false, g, n, 1, w, k, 1, 1.0);
                         // dW[n×k] = g^T[n×m] · x[m×k]
                         let mut dw = vec![T::of(0.0); n * k];
-                        gemm_into(n, k, m, &mut dw, false, g, 1, n, x, k, 1);
+                        gemm_into(n, k, m, &mut dw, k, false, g, 1, n, x, k, 1, 1.0);
                         let mut db = vec![0f64; n];
                         for row in g.chunks(n.max(1)) {
                             for (acc, v) in db.iter_mut().zip(row) {

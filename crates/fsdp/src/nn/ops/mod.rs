@@ -2,6 +2,7 @@
 //! backward that records no graph (candle-nn's fast layer_norm and softmax have no backward
 //! at all, and candle's composed backward formulas are slow and memory-hungry).
 
+mod attention;
 mod cross_entropy;
 mod dropout;
 mod gelu;
@@ -10,6 +11,7 @@ mod norm;
 mod simd;
 mod softmax;
 
+pub use attention::scaled_dot_product_attention;
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
@@ -30,6 +32,10 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
     fn f(self) -> f64;
     /// From f64.
     fn of(v: f64) -> Self;
+    /// Softmax of each row of `s` (length `d`) in place, writing each row's log-sum-exp.
+    fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize);
+    /// `s = exp(s - lse)` per row of length `d`.
+    fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize);
 }
 
 impl Float for f32 {
@@ -50,6 +56,12 @@ impl Float for f32 {
     fn of(v: f64) -> Self {
         v as f32
     }
+    fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
+        simd::softmax_rows_in_place(s, lse, d)
+    }
+    fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
+        simd::exp_rows_minus(s, lse, d)
+    }
 }
 
 impl Float for f64 {
@@ -69,6 +81,20 @@ impl Float for f64 {
     #[inline]
     fn of(v: f64) -> Self {
         v
+    }
+    fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
+        for (row, l) in s.chunks_mut(d.max(1)).zip(lse.iter_mut()) {
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v));
+            row.iter_mut().for_each(|v| *v = (*v - max).exp());
+            let sum: f64 = row.iter().sum();
+            row.iter_mut().for_each(|v| *v /= sum);
+            *l = max + sum.ln();
+        }
+    }
+    fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
+        for (row, &l) in s.chunks_mut(d.max(1)).zip(lse) {
+            row.iter_mut().for_each(|v| *v = (*v - l).exp());
+        }
     }
 }
 
@@ -126,4 +152,72 @@ fn rows(shape: &Shape) -> (usize, usize) {
     let dims = shape.dims();
     let d = dims.last().copied().unwrap_or(1);
     (shape.elem_count() / d.max(1), d)
+}
+
+fn parallelism() -> gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+/// `dst[m×n] = (dst if accumulate) + scale · lhs[m×k] · rhs[k×n]`, every operand given by
+/// (row, column) strides (`dst` by its row stride, columns contiguous).
+#[allow(clippy::too_many_arguments)]
+fn gemm_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: &[T],
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: &[T],
+    rhs_rs: usize,
+    rhs_cs: usize,
+    scale: f64,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        dst.len() >= (m - 1) * dst_rs + n,
+        "gemm: destination too short"
+    );
+    if k > 0 {
+        assert!(
+            lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
+            "gemm: lhs too short"
+        );
+        assert!(
+            rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
+            "gemm: rhs too short"
+        );
+    }
+    // SAFETY: the assertions above keep every index the strides reach inside the slices.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            T::of(1.0),
+            T::of(scale),
+            false,
+            false,
+            false,
+            parallelism(),
+        )
+    }
 }

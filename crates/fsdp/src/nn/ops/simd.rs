@@ -185,6 +185,40 @@ multiversion! {
 }
 
 multiversion! {
+    /// Softmax of each row of `s` (length `d`) in place, keeping each row's log-sum-exp (so a
+    /// backward pass can recompute the probabilities instead of storing them).
+    fn softmax_rows_in_place(s: &mut [f32], lse: &mut [f64], d: usize) {
+        let d = d.max(1);
+        for (row, l) in s.chunks_mut(d).zip(lse.iter_mut()) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            row.iter_mut().for_each(|v| *v = exp(*v - max));
+            let mut acc = [0f32; LANES];
+            for chunk in row.chunks(LANES) {
+                for (a, &v) in acc.iter_mut().zip(chunk) {
+                    *a += v;
+                }
+            }
+            let sum = acc.iter().sum::<f32>();
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|v| *v *= inv);
+            *l = max as f64 + (sum as f64).ln();
+        }
+    }
+}
+
+multiversion! {
+    /// `s = exp(s - lse)` per row of length `d`: probabilities from scores and saved
+    /// log-sum-exps.
+    fn exp_rows_minus(s: &mut [f32], lse: &[f64], d: usize) {
+        let d = d.max(1);
+        for (row, &l) in s.chunks_mut(d).zip(lse) {
+            let l = l as f32;
+            row.iter_mut().for_each(|v| *v = exp(*v - l));
+        }
+    }
+}
+
+multiversion! {
     /// Softmax backward per row: `dx = y * (g - sum(g * y))`.
     fn softmax_rows_backward(y: &[f32], g: &[f32], dx: &mut [f32], d: usize) {
         let d = d.max(1);

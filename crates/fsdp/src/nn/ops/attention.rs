@@ -1,0 +1,449 @@
+//! Scaled dot-product attention as one op: scores, additive mask, softmax, dropout and the
+//! weighted sum per (batch, head), with memory for one head's scores at a time. Forward keeps
+//! only each row's log-sum-exp; backward recomputes that head's probabilities (one extra
+//! scores GEMM) instead of storing every head's, and regenerates the seeded dropout mask.
+//!
+//! Inputs and output are `[batch, seq, heads * head_dim]` (the projections' own layout, rows
+//! may be strided such as a slice of a fused QKV projection), so no head transposes are
+//! materialised.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::dropout::keep;
+use super::{Float, float_dispatch, gemm_into, tensor, with_slice};
+
+/// An additive mask broadcast to [batch, heads, query, key].
+struct Mask {
+    values: Tensor,
+    /// Extents of the mask's four dims (each 1 or the full size).
+    dims: [usize; 4],
+}
+
+struct Sdpa {
+    heads: usize,
+    scale: f64,
+    mask: Option<Mask>,
+    dropout: Option<(f64, u64)>,
+    /// Log-sum-exp of every score row, saved by forward for backward.
+    lse: Mutex<Vec<f64>>,
+}
+
+/// A `[batch, seq, width]` operand: data from its start and its batch and row strides.
+struct View<'a, T> {
+    data: &'a [T],
+    batch: usize,
+    row: usize,
+}
+
+impl<T> View<'_, T> {
+    /// Elements from row 0 of `b`'s head `h` (head width `d`).
+    fn head(&self, b: usize, h: usize, d: usize) -> &[T] {
+        &self.data[b * self.batch + h * d..]
+    }
+}
+
+fn view<'a, T: Float>(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<View<'a, T>> {
+    let stride = l.stride();
+    if l.dims().len() != 3 || stride[2] != 1 {
+        return Err(candle_core::Error::Msg(format!(
+            "{name}: inputs must be [batch, seq, heads*head_dim] with contiguous rows (got shape {:?}, strides {stride:?})",
+            l.dims()
+        )));
+    }
+    let all =
+        T::slice(s).ok_or_else(|| candle_core::Error::Msg(format!("{name}: unexpected dtype")))?;
+    Ok(View {
+        data: &all[l.start_offset()..],
+        batch: stride[0],
+        row: stride[1],
+    })
+}
+
+impl Sdpa {
+    /// Scores of (b, h) into `s` [seq × seq]: `scale · Q K^T + mask`.
+    #[allow(clippy::too_many_arguments)]
+    fn scores<T: Float>(
+        &self,
+        q: &View<T>,
+        k: &View<T>,
+        mask: Option<&[T]>,
+        b: usize,
+        h: usize,
+        (seq, d): (usize, usize),
+        s: &mut [T],
+    ) {
+        gemm_into(
+            seq,
+            seq,
+            d,
+            s,
+            seq,
+            false,
+            q.head(b, h, d),
+            q.row,
+            1,
+            k.head(b, h, d),
+            1,
+            k.row,
+            self.scale,
+        );
+        if let (Some(m), Some(spec)) = (mask, &self.mask) {
+            let [mb, mh, mq, mk] = spec.dims;
+            let base = ((if mb == 1 { 0 } else { b }) * mh + if mh == 1 { 0 } else { h }) * mq;
+            for (i, row) in s.chunks_mut(seq).enumerate() {
+                let mrow = &m[(base + if mq == 1 { 0 } else { i }) * mk..][..mk];
+                if mk == 1 {
+                    row.iter_mut().for_each(|v| *v = T::of(v.f() + mrow[0].f()));
+                } else {
+                    for (v, &a) in row.iter_mut().zip(mrow) {
+                        *v = T::of(v.f() + a.f());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Applies the dropout mask of (b, h) to probabilities `p` (scaled by 1/(1-p)).
+    fn drop<T: Float>(&self, b: usize, h: usize, seq: usize, p: &mut [T]) {
+        if let Some((prob, seed)) = self.dropout {
+            let scale = 1.0 / (1.0 - prob);
+            let base = ((b * self.heads + h) * seq * seq) as u64;
+            for (i, v) in p.iter_mut().enumerate() {
+                *v = if keep(seed, base + i as u64, prob) {
+                    T::of(v.f() * scale)
+                } else {
+                    T::of(0.0)
+                };
+            }
+        }
+    }
+
+    fn forward<T: Float>(
+        &self,
+        q: &View<T>,
+        k: &View<T>,
+        v: &View<T>,
+        (batch, seq, width): (usize, usize, usize),
+    ) -> Result<Vec<T>> {
+        let d = width / self.heads;
+        let mut out = vec![T::of(0.0); batch * seq * width];
+        let mut lse = vec![0f64; batch * self.heads * seq];
+        let mut s = vec![T::of(0.0); seq * seq];
+        let mut run = |mask: Option<&[T]>| {
+            for b in 0..batch {
+                for h in 0..self.heads {
+                    self.scores(q, k, mask, b, h, (seq, d), &mut s);
+                    let at = (b * self.heads + h) * seq;
+                    T::softmax_rows_in_place(&mut s, &mut lse[at..at + seq], seq);
+                    self.drop(b, h, seq, &mut s);
+                    gemm_into(
+                        seq,
+                        d,
+                        seq,
+                        &mut out[b * seq * width + h * d..],
+                        width,
+                        false,
+                        &s,
+                        seq,
+                        1,
+                        v.head(b, h, d),
+                        v.row,
+                        1,
+                        1.0,
+                    );
+                }
+            }
+        };
+        match &self.mask {
+            Some(m) => with_slice::<T, _>(&m.values, "sdpa mask", |mv| {
+                run(Some(mv));
+                Ok(())
+            })?,
+            None => run(None),
+        }
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward<T: Float>(
+        &self,
+        q: &View<T>,
+        k: &View<T>,
+        v: &View<T>,
+        o: &[T],
+        g: &[T],
+        (batch, seq, width): (usize, usize, usize),
+    ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+        let d = width / self.heads;
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if lse.len() != batch * self.heads * seq {
+            return Err(candle_core::Error::Msg(
+                "sdpa: backward without a matching forward".into(),
+            ));
+        }
+        let n = batch * seq * width;
+        let (mut dq, mut dk, mut dv) = (
+            vec![T::of(0.0); n],
+            vec![T::of(0.0); n],
+            vec![T::of(0.0); n],
+        );
+        let mut p = vec![T::of(0.0); seq * seq];
+        let mut dp = vec![T::of(0.0); seq * seq];
+        let mut rowdot = vec![0f64; seq];
+        let keep_scale = self.dropout.map(|(prob, _)| 1.0 / (1.0 - prob));
+        let mut run = |mask: Option<&[T]>| {
+            for b in 0..batch {
+                for h in 0..self.heads {
+                    let at = b * seq * width + h * d;
+                    self.scores(q, k, mask, b, h, (seq, d), &mut p);
+                    let l = (b * self.heads + h) * seq;
+                    T::exp_rows_minus(&mut p, &lse[l..l + seq], seq);
+                    // dV = P'^T dO, with P' the dropped-out probabilities.
+                    let dropped: &[T] = if self.dropout.is_some() {
+                        dp.copy_from_slice(&p);
+                        self.drop(b, h, seq, &mut dp);
+                        &dp
+                    } else {
+                        &p
+                    };
+                    gemm_into(
+                        seq,
+                        d,
+                        seq,
+                        &mut dv[at..],
+                        width,
+                        false,
+                        dropped,
+                        1,
+                        seq,
+                        &g[at..],
+                        width,
+                        1,
+                        1.0,
+                    );
+                    // dP' = dO V^T
+                    gemm_into(
+                        seq,
+                        seq,
+                        d,
+                        &mut dp,
+                        seq,
+                        false,
+                        &g[at..],
+                        width,
+                        1,
+                        v.head(b, h, d),
+                        1,
+                        v.row,
+                        1.0,
+                    );
+                    // D_i = sum_j P'_ij dP'_ij = dO_i . O_i
+                    for (i, r) in rowdot.iter_mut().enumerate() {
+                        let row = at + i * width;
+                        *r = g[row..row + d]
+                            .iter()
+                            .zip(&o[row..row + d])
+                            .map(|(a, b)| a.f() * b.f())
+                            .sum();
+                    }
+                    // dS = P (dP - D), dP = dP' * dropout mask / (1-p)
+                    let base = ((b * self.heads + h) * seq * seq) as u64;
+                    for (i, (prow, dprow)) in p.chunks(seq).zip(dp.chunks_mut(seq)).enumerate() {
+                        for (j, (pv, dv)) in prow.iter().zip(dprow.iter_mut()).enumerate() {
+                            let dpv = match (keep_scale, self.dropout) {
+                                (Some(s), Some((prob, seed))) => {
+                                    if keep(seed, base + (i * seq + j) as u64, prob) {
+                                        dv.f() * s
+                                    } else {
+                                        0.0
+                                    }
+                                }
+                                _ => dv.f(),
+                            };
+                            *dv = T::of(pv.f() * (dpv - rowdot[i]));
+                        }
+                    }
+                    // dQ = scale dS K; dK = scale dS^T Q
+                    gemm_into(
+                        seq,
+                        d,
+                        seq,
+                        &mut dq[at..],
+                        width,
+                        false,
+                        &dp,
+                        seq,
+                        1,
+                        k.head(b, h, d),
+                        k.row,
+                        1,
+                        self.scale,
+                    );
+                    gemm_into(
+                        seq,
+                        d,
+                        seq,
+                        &mut dk[at..],
+                        width,
+                        false,
+                        &dp,
+                        1,
+                        seq,
+                        q.head(b, h, d),
+                        q.row,
+                        1,
+                        self.scale,
+                    );
+                }
+            }
+        };
+        match &self.mask {
+            Some(m) => with_slice::<T, _>(&m.values, "sdpa mask", |mv| {
+                run(Some(mv));
+                Ok(())
+            })?,
+            None => run(None),
+        }
+        Ok((dq, dk, dv))
+    }
+}
+
+fn dims3(l: &Layout) -> Result<(usize, usize, usize)> {
+    l.shape().dims3()
+}
+
+impl CustomOp3 for Sdpa {
+    fn name(&self) -> &'static str {
+        "fused-sdpa"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = dims3(l1)?;
+        if dims3(l2)? != shape || dims3(l3)? != shape {
+            return Err(candle_core::Error::Msg(format!(
+                "sdpa: q {:?}, k {:?} and v {:?} differ",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )));
+        }
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let out = self.forward::<T>(
+                &view(s1, l1, self.name())?,
+                &view(s2, l2, self.name())?,
+                &view(s3, l3, self.name())?,
+                shape,
+            )?;
+            Ok((T::storage(out), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        q_t: &Tensor,
+        k_t: &Tensor,
+        v_t: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let shape = q_t.dims3()?;
+        let (_, s, w) = shape;
+        float_dispatch!(q_t.dtype(), self.name(), T => {
+            with_slice::<T, _>(q_t, self.name(), |q| {
+                with_slice::<T, _>(k_t, self.name(), |k| {
+                    with_slice::<T, _>(v_t, self.name(), |v| {
+                        with_slice::<T, _>(res, self.name(), |o| {
+                            with_slice::<T, _>(grad, self.name(), |g| {
+                                let (dq, dk, dv) = self.backward::<T>(
+                                    &View { data: q, batch: s * w, row: w },
+                                    &View { data: k, batch: s * w, row: w },
+                                    &View { data: v, batch: s * w, row: w },
+                                    o,
+                                    g,
+                                    shape,
+                                )?;
+                                Ok((
+                                    Some(tensor(dq, q_t.shape(), q_t)?),
+                                    Some(tensor(dk, k_t.shape(), k_t)?),
+                                    Some(tensor(dv, v_t.shape(), v_t)?),
+                                ))
+                            })
+                        })
+                    })
+                })
+            })
+        })
+    }
+}
+
+/// `softmax(Q K^T / sqrt(head_dim) + mask) V` per head, with optional dropout
+/// `(probability, seed)` on the probabilities. `q`, `k`, `v`: `[batch, seq, heads * head_dim]`
+/// (rows may be strided); `mask`: additive, broadcastable to `[batch, heads, seq, seq]`
+/// (e.g. `[batch, 1, 1, seq]` padding or `[1, 1, seq, seq]` causal). Returns
+/// `[batch, seq, heads * head_dim]`.
+pub fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    let (batch, seq, width) = q.dims3()?;
+    if heads == 0 || width % heads != 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "sdpa: width {width} is not a multiple of {heads} heads"
+        )));
+    }
+    if let Some((p, _)) = dropout {
+        if !(0.0..1.0).contains(&p) {
+            return Err(candle_core::Error::Msg(format!(
+                "attention dropout probability {p} is not in [0, 1)"
+            )));
+        }
+    }
+    let mask = match mask {
+        None => None,
+        Some(m) => {
+            let md = m.dims();
+            if md.len() > 4 {
+                return Err(candle_core::Error::Msg(format!(
+                    "sdpa: mask has {} dims (at most 4)",
+                    md.len()
+                )));
+            }
+            let mut dims = [1usize; 4];
+            dims[4 - md.len()..].copy_from_slice(md);
+            let full = [batch, heads, seq, seq];
+            if dims.iter().zip(full).any(|(&d, f)| d != 1 && d != f) {
+                return Err(candle_core::Error::Msg(format!(
+                    "sdpa: mask {md:?} does not broadcast to {full:?}"
+                )));
+            }
+            Some(Mask {
+                values: m.detach().to_dtype(q.dtype())?.contiguous()?,
+                dims,
+            })
+        }
+    };
+    let op = Sdpa {
+        heads,
+        scale: 1.0 / ((width / heads) as f64).sqrt(),
+        mask,
+        dropout: dropout.filter(|(p, _)| *p > 0.0),
+        lse: Mutex::new(Vec::new()),
+    };
+    q.apply_op3(k, v, op)
+}
