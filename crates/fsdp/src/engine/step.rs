@@ -177,6 +177,12 @@ fn offsets(params: &[ShardLayout]) -> Vec<usize> {
         .collect()
 }
 
+/// The step a graph op belongs to, while it runs.
+fn live(step: &Weak<StepShared>) -> candle_core::Result<Arc<StepShared>> {
+    step.upgrade()
+        .ok_or_else(|| msg("fsdp: backward ran after its step ended".into()))
+}
+
 /// Produces a gathered parameter as the output of an op on the unit's anchor variable, so the
 /// parameter is a node of the graph; its backward receives the full gradient after every
 /// consumer ran (the post-backward hook).
@@ -209,10 +215,7 @@ impl CustomOp1 for Unshard {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let step = self
-            .step
-            .upgrade()
-            .ok_or_else(|| msg("fsdp: backward ran after its step ended".into()))?;
+        let step = live(&self.step)?;
         step.gradient_arrived(self.unit, self.param, grad)?;
         Ok(None)
     }
@@ -246,10 +249,7 @@ impl CustomOp1 for PreBackward {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let step = self
-            .step
-            .upgrade()
-            .ok_or_else(|| msg("fsdp: backward ran after its step ended".into()))?;
+        let step = live(&self.step)?;
         step.pre_backward(self.unit)?;
         Ok(Some(grad.clone()))
     }

@@ -8,8 +8,7 @@ use candle_core::{D, DType, Result, Tensor};
 use serde::Deserialize;
 
 use crate::nn::layers::{
-    attention_with_dropout, embedding, embedding_info, layer_norm, layer_norm_info, linear,
-    linear_gelu, linear_info,
+    embedding, embedding_info, layer_norm, layer_norm_info, linear, linear_gelu, linear_info,
 };
 use crate::nn::module::{ModuleInfo, Params};
 use crate::nn::ops::{self, GeluApprox};
@@ -323,7 +322,7 @@ impl BertModel {
             )),
             _ => None,
         };
-        let ctx = attention_with_dropout(&q, &k, &v, heads, mask, probs_dropout)?;
+        let ctx = ops::scaled_dot_product_attention(&q, &k, &v, heads, mask, probs_dropout)?;
         let ctx = p.module_output(&l("attention.self"), ctx)?;
         let attn = linear(p, &l("attention.output.dense"), &ctx)?;
         let attn = self.dropout(&attn, c.hidden_dropout_prob, &l("attention.output"))?;

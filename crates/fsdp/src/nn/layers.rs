@@ -68,15 +68,3 @@ pub fn attention(
 ) -> Result<Tensor> {
     ops::scaled_dot_product_attention(q, k, v, heads, mask, None)
 }
-
-/// [`attention`] with dropout `(probability, seed)` on the attention probabilities.
-pub fn attention_with_dropout(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    heads: usize,
-    mask: Option<&Tensor>,
-    dropout: Option<(f64, u64)>,
-) -> Result<Tensor> {
-    ops::scaled_dot_product_attention(q, k, v, heads, mask, dropout)
-}

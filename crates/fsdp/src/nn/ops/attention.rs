@@ -106,6 +106,20 @@ impl Sdpa {
         }
     }
 
+    /// Runs `f` with the mask's values (if any) as a slice of `T`.
+    fn with_mask<T: Float>(&self, mut f: impl FnMut(Option<&[T]>)) -> Result<()> {
+        match &self.mask {
+            Some(m) => with_slice::<T, _>(&m.values, "sdpa mask", |mv| {
+                f(Some(mv));
+                Ok(())
+            }),
+            None => {
+                f(None);
+                Ok(())
+            }
+        }
+    }
+
     /// Applies the dropout mask of (b, h) to probabilities `p` (scaled by 1/(1-p)).
     fn drop<T: Float>(&self, b: usize, h: usize, seq: usize, p: &mut [T]) {
         if let Some((prob, seed)) = self.dropout {
@@ -132,7 +146,7 @@ impl Sdpa {
         let mut out = vec![T::of(0.0); batch * seq * width];
         let mut lse = vec![0f64; batch * self.heads * seq];
         let mut s = vec![T::of(0.0); seq * seq];
-        let mut run = |mask: Option<&[T]>| {
+        let run = |mask: Option<&[T]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
                     self.scores(q, k, mask, b, h, (seq, d), &mut s);
@@ -157,13 +171,7 @@ impl Sdpa {
                 }
             }
         };
-        match &self.mask {
-            Some(m) => with_slice::<T, _>(&m.values, "sdpa mask", |mv| {
-                run(Some(mv));
-                Ok(())
-            })?,
-            None => run(None),
-        }
+        self.with_mask(run)?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
         Ok(out)
     }
@@ -195,7 +203,7 @@ impl Sdpa {
         let mut dp = vec![T::of(0.0); seq * seq];
         let mut rowdot = vec![0f64; seq];
         let keep_scale = self.dropout.map(|(prob, _)| 1.0 / (1.0 - prob));
-        let mut run = |mask: Option<&[T]>| {
+        let run = |mask: Option<&[T]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
                     let at = b * seq * width + h * d;
@@ -301,13 +309,7 @@ impl Sdpa {
                 }
             }
         };
-        match &self.mask {
-            Some(m) => with_slice::<T, _>(&m.values, "sdpa mask", |mv| {
-                run(Some(mv));
-                Ok(())
-            })?,
-            None => run(None),
-        }
+        self.with_mask(run)?;
         Ok((dq, dk, dv))
     }
 }
