@@ -156,6 +156,9 @@ impl Model {
                 n_inner: Some(36),
                 layer_norm_epsilon: 1e-5,
                 initializer_range: 0.02,
+                embd_pdrop: 0.0,
+                attn_pdrop: 0.0,
+                resid_pdrop: 0.0,
             })),
         }
     }

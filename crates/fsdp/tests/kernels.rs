@@ -396,6 +396,41 @@ fn linear_with_bias() {
     against_finite_differences("linear", &|t| ops::linear(&t[0], &t[1], &t[2]), &[x, w, b]);
 }
 
+#[test]
+fn linear_gelu_fused() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        for (approx, composed) in [
+            (
+                GeluApprox::Erf,
+                composed_gelu_erf as fn(&Tensor) -> Result<Tensor>,
+            ),
+            (GeluApprox::Tanh, composed_gelu_tanh),
+        ] {
+            let x = rand(&[3, 5, 24], 40, 1.0, dtype);
+            let w = rand(&[17, 24], 41, 0.5, dtype);
+            let b = rand(&[17], 42, 0.5, dtype);
+            against_composed(
+                &format!("linear+gelu {approx:?} {dtype:?}"),
+                &|t| ops::linear_gelu(&t[0], &t[1], &t[2], approx),
+                &|t| composed(&composed_linear(&t[0], &t[1], &t[2])?),
+                &[x, w, b],
+                tol,
+            );
+        }
+    }
+    for approx in [GeluApprox::Erf, GeluApprox::Tanh] {
+        let x = rand(&[4, 6], 43, 1.0, DType::F64);
+        let w = rand(&[5, 6], 44, 0.5, DType::F64);
+        let b = rand(&[5], 45, 0.5, DType::F64);
+        against_finite_differences(
+            "linear+gelu",
+            &|t| ops::linear_gelu(&t[0], &t[1], &t[2], approx),
+            &[x, w, b],
+        );
+    }
+}
+
 /// Attention from plain candle ops (heads split by reshape + transpose).
 fn composed_attention(
     q: &Tensor,

@@ -7,6 +7,7 @@ use std::path::Path;
 use candle_core::{D, DType, Result, Tensor};
 use serde::Deserialize;
 
+use super::site_seed;
 use crate::nn::layers::{
     embedding, embedding_info, layer_norm, layer_norm_info, linear, linear_gelu, linear_info,
 };
@@ -135,13 +136,6 @@ pub struct BertModel {
     /// Training mode: dropout is active, with masks drawn from this seed (set a new one each
     /// step, e.g. from the run seed, rank and step). `None` is evaluation mode.
     pub dropout_seed: Option<u64>,
-}
-
-/// A seed per (step seed, call site), so every dropout site draws its own mask.
-fn site_seed(seed: u64, site: &str) -> u64 {
-    site.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 fn join(prefix: &str, leaf: &str) -> String {

@@ -5,7 +5,8 @@
 use candle_core::{D, DType, Result, Tensor};
 use serde::Deserialize;
 
-use crate::nn::layers::{attention, embedding, embedding_info, layer_norm, layer_norm_info};
+use super::site_seed;
+use crate::nn::layers::{embedding, embedding_info, layer_norm, layer_norm_info};
 use crate::nn::module::{Init, ModuleInfo, Params};
 use crate::nn::ops::{self, CrossEntropy, GeluApprox};
 
@@ -31,6 +32,19 @@ pub struct Gpt2Config {
     /// Standard deviation of the normal initialisation.
     #[serde(default = "default_init")]
     pub initializer_range: f64,
+    /// Dropout on the embeddings' sum (`transformer.drop`).
+    #[serde(default = "default_dropout")]
+    pub embd_pdrop: f64,
+    /// Dropout on the attention probabilities.
+    #[serde(default = "default_dropout")]
+    pub attn_pdrop: f64,
+    /// Dropout on the attention and MLP outputs before each residual add.
+    #[serde(default = "default_dropout")]
+    pub resid_pdrop: f64,
+}
+
+fn default_dropout() -> f64 {
+    0.1
 }
 
 fn default_eps() -> f64 {
@@ -57,6 +71,9 @@ impl Gpt2Config {
 pub struct Gpt2LmHeadModel {
     /// Its configuration.
     pub config: Gpt2Config,
+    /// Training mode: dropout is active, with masks drawn from this seed (set a new one each
+    /// step, e.g. from the run seed, rank and step). `None` is evaluation mode.
+    pub dropout_seed: Option<u64>,
 }
 
 /// A `Conv1D` module: `weight` [in, out], `bias` [out].
@@ -90,7 +107,18 @@ fn conv1d(p: &dyn Params, path: &str, x: &Tensor, gelu: bool) -> Result<Tensor> 
 impl Gpt2LmHeadModel {
     /// A model for `config`.
     pub fn new(config: Gpt2Config) -> Self {
-        Gpt2LmHeadModel { config }
+        Gpt2LmHeadModel {
+            config,
+            dropout_seed: None,
+        }
+    }
+
+    /// Dropout at a call site in training mode; identity in evaluation mode.
+    fn dropout(&self, x: &Tensor, prob: f64, site: &str) -> Result<Tensor> {
+        match self.dropout_seed {
+            Some(seed) if prob > 0.0 => ops::dropout(x, prob, site_seed(seed, site)),
+            _ => Ok(x.clone()),
+        }
     }
 
     /// The module tree (blocks are `GPT2Block`); `lm_head` uses `transformer.wte.weight`.
@@ -164,7 +192,7 @@ impl Gpt2LmHeadModel {
             "transformer.wpe",
             &Tensor::arange(0u32, seq as u32, device)?,
         )?;
-        let mut x = tok.broadcast_add(&pos)?;
+        let mut x = self.dropout(&tok.broadcast_add(&pos)?, c.embd_pdrop, "transformer.drop")?;
         let dtype = x.dtype();
         let lowest = if dtype == DType::F64 {
             f64::MIN
@@ -181,12 +209,27 @@ impl Gpt2LmHeadModel {
             let a = layer_norm(p, &b("ln_1"), &x, c.layer_norm_epsilon)?;
             let qkv = conv1d(p, &b("attn.c_attn"), &a, false)?;
             let part = |i: usize| qkv.narrow(D::Minus1, i * c.n_embd, c.n_embd);
-            let ctx = attention(&part(0)?, &part(1)?, &part(2)?, heads, Some(&mask))?;
+            let probs_dropout = match self.dropout_seed {
+                Some(seed) if c.attn_pdrop > 0.0 => {
+                    Some((c.attn_pdrop, site_seed(seed, &b("attn.attn_dropout"))))
+                }
+                _ => None,
+            };
+            let ctx = ops::scaled_dot_product_attention(
+                &part(0)?,
+                &part(1)?,
+                &part(2)?,
+                heads,
+                Some(&mask),
+                probs_dropout,
+            )?;
             let attn = conv1d(p, &b("attn.c_proj"), &ctx, false)?;
+            let attn = self.dropout(&attn, c.resid_pdrop, &b("attn.resid_dropout"))?;
             x = (x + p.module_output(&b("attn"), attn)?)?;
             let m = layer_norm(p, &b("ln_2"), &x, c.layer_norm_epsilon)?;
             let inner = conv1d(p, &b("mlp.c_fc"), &m, true)?;
             let mlp = conv1d(p, &b("mlp.c_proj"), &inner, false)?;
+            let mlp = self.dropout(&mlp, c.resid_pdrop, &b("mlp.dropout"))?;
             x = (x + p.module_output(&b("mlp"), mlp)?)?;
             x = p.module_output(&format!("transformer.h.{i}"), x)?;
         }

@@ -22,7 +22,9 @@ pub fn linear(p: &dyn Params, path: &str, x: &Tensor) -> Result<Tensor> {
 
 /// `gelu(x W^T + b)`.
 pub fn linear_gelu(p: &dyn Params, path: &str, x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
-    ops::gelu(&linear(p, path, x)?, approx)
+    let w = p.get(&format!("{path}.weight"))?;
+    let b = p.get(&format!("{path}.bias"))?;
+    p.module_output(path, ops::linear_gelu(x, &w, &b, approx)?)
 }
 
 /// An `Embedding` module (`weight` [count, dim]).

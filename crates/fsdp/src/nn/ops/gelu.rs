@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, rows, simd, tensor, with_slice};
+use super::{Float, contiguous, float_dispatch, rows, tensor, with_slice};
 
 /// Which GELU formula.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,10 +42,45 @@ fn gelu_and_grad<T: Float>(x: T, approx: GeluApprox) -> (T, T) {
     }
 }
 
-/// gelu(x) alone.
-#[inline]
-fn gelu_value<T: Float>(x: T, approx: GeluApprox) -> T {
-    gelu_and_grad(x, approx).0
+/// `out = gelu(x + bias)` in f64 arithmetic (bias broadcast over rows; empty: none). The f32
+/// path is the vectorised `simd::gelu_forward`.
+pub(super) fn forward_scalar<T: Float>(x: &[T], bias: &[T], out: &mut [T], approx: GeluApprox) {
+    let d = if bias.is_empty() {
+        x.len().max(1)
+    } else {
+        bias.len()
+    };
+    for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
+        for (j, (&v, o)) in xr.iter().zip(or.iter_mut()).enumerate() {
+            let b = bias.get(j).map_or(0.0, |b| b.f());
+            *o = gelu_and_grad(T::of(v.f() + b), approx).0;
+        }
+    }
+}
+
+/// `dx = g * gelu'(x + bias)` and, with a bias, its column sums added to `dbias`.
+pub(super) fn backward_scalar<T: Float>(
+    x: &[T],
+    bias: &[T],
+    g: &[T],
+    dx: &mut [T],
+    dbias: &mut [f64],
+    approx: GeluApprox,
+) {
+    let d = if bias.is_empty() {
+        x.len().max(1)
+    } else {
+        bias.len()
+    };
+    for ((xr, gr), dr) in x.chunks(d).zip(g.chunks(d)).zip(dx.chunks_mut(d)) {
+        for (j, ((&v, &gv), o)) in xr.iter().zip(gr).zip(dr.iter_mut()).enumerate() {
+            let b = bias.get(j).map_or(0.0, |b| b.f());
+            *o = T::of(gelu_and_grad(T::of(v.f() + b), approx).1.f() * gv.f());
+            if let Some(acc) = dbias.get_mut(j) {
+                *acc += o.f();
+            }
+        }
+    }
 }
 
 struct Gelu(GeluApprox);
@@ -56,33 +91,20 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if let CpuStorage::F32(_) = s {
-            let x = contiguous::<f32>(s, l, self.name())?;
-            let mut y = vec![0f32; x.len()];
-            simd::gelu_forward(x, &[], &mut y, self.0 == GeluApprox::Tanh);
-            return Ok((CpuStorage::F32(y), l.shape().clone()));
-        }
         float_dispatch!(s.dtype(), self.name(), T => {
             let x = contiguous::<T>(s, l, self.name())?;
-            let y: Vec<T> = x.iter().map(|&v| gelu_value(v, self.0)).collect();
+            let mut y = vec![T::of(0.0); x.len()];
+            T::gelu_forward(x, &[], &mut y, self.0);
             Ok((T::storage(y), l.shape().clone()))
         })
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        if arg.dtype() == candle_core::DType::F32 {
-            return with_slice::<f32, _>(arg, self.name(), |x| {
-                with_slice::<f32, _>(grad, self.name(), |g| {
-                    let mut dx = vec![0f32; x.len()];
-                    simd::gelu_backward(x, &[], g, &mut dx, &mut [], self.0 == GeluApprox::Tanh);
-                    tensor(dx, arg.shape(), arg).map(Some)
-                })
-            });
-        }
         float_dispatch!(arg.dtype(), self.name(), T => {
             with_slice::<T, _>(arg, self.name(), |x| {
                 with_slice::<T, _>(grad, self.name(), |g| {
-                    let dx: Vec<T> = x.iter().zip(g).map(|(&v, &gv)| T::of(gelu_and_grad(v, self.0).1.f() * gv.f())).collect();
+                    let mut dx = vec![T::of(0.0); x.len()];
+                    T::gelu_backward(x, &[], g, &mut dx, &mut [], self.0);
                     tensor(dx, arg.shape(), arg).map(Some)
                 })
             })
@@ -117,20 +139,11 @@ impl CustomOp2 for BiasGelu {
                 l2.shape().elem_count()
             )));
         }
-        if let CpuStorage::F32(_) = s1 {
-            let x = contiguous::<f32>(s1, l1, self.name())?;
-            let b = contiguous::<f32>(s2, l2, self.name())?;
-            let mut y = vec![0f32; x.len()];
-            simd::gelu_forward(x, b, &mut y, self.0 == GeluApprox::Tanh);
-            return Ok((CpuStorage::F32(y), l1.shape().clone()));
-        }
         float_dispatch!(s1.dtype(), self.name(), T => {
             let x = contiguous::<T>(s1, l1, self.name())?;
             let b = contiguous::<T>(s2, l2, self.name())?;
-            let mut y = Vec::with_capacity(x.len());
-            for row in x.chunks(d.max(1)) {
-                y.extend(row.iter().zip(b).map(|(&v, &bj)| gelu_value(T::of(v.f() + bj.f()), self.0)));
-            }
+            let mut y = vec![T::of(0.0); x.len()];
+            T::gelu_forward(x, b, &mut y, self.0);
             Ok((T::storage(y), l1.shape().clone()))
         })
     }
@@ -142,36 +155,13 @@ impl CustomOp2 for BiasGelu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        if x_t.dtype() == candle_core::DType::F32 {
-            return with_slice::<f32, _>(x_t, self.name(), |x| {
-                with_slice::<f32, _>(b_t, self.name(), |b| {
-                    with_slice::<f32, _>(grad, self.name(), |g| {
-                        let mut dx = vec![0f32; x.len()];
-                        let mut db = vec![0f64; b.len()];
-                        simd::gelu_backward(x, b, g, &mut dx, &mut db, self.0 == GeluApprox::Tanh);
-                        let db: Vec<f32> = db.into_iter().map(|v| v as f32).collect();
-                        Ok((
-                            Some(tensor(dx, x_t.shape(), x_t)?),
-                            Some(tensor(db, b_t.shape(), b_t)?),
-                        ))
-                    })
-                })
-            });
-        }
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(b_t, self.name(), |b| {
                     with_slice::<T, _>(grad, self.name(), |g| {
-                        let d = b.len().max(1);
+                        let mut dx = vec![T::of(0.0); x.len()];
                         let mut db = vec![0f64; b.len()];
-                        let mut dx = Vec::with_capacity(x.len());
-                        for (row, grow) in x.chunks(d).zip(g.chunks(d)) {
-                            for (j, (&v, &gv)) in row.iter().zip(grow).enumerate() {
-                                let dv = T::of(gelu_and_grad(T::of(v.f() + b[j].f()), self.0).1.f() * gv.f());
-                                db[j] += dv.f();
-                                dx.push(dv);
-                            }
-                        }
+                        T::gelu_backward(x, b, g, &mut dx, &mut db, self.0);
                         let db: Vec<T> = db.into_iter().map(T::of).collect();
                         Ok((Some(tensor(dx, x_t.shape(), x_t)?), Some(tensor(db, b_t.shape(), b_t)?)))
                     })

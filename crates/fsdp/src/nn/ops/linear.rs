@@ -3,7 +3,11 @@
 //! instead of candle's transposes, broadcasts and zero-initialised accumulations.
 
 use candle_core::backend::BackendStorage;
+use std::sync::Mutex;
+
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::GeluApprox;
 
 use super::{Float, contiguous, float_dispatch, gemm_into, tensor, with_slice};
 
@@ -23,26 +27,14 @@ impl CustomOp3 for Linear {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (m, k) = l1.shape().dims2()?;
-        let (n, k2) = l2.shape().dims2()?;
-        if k != k2 || l3.shape().elem_count() != n {
-            return Err(candle_core::Error::Msg(format!(
-                "linear: input {:?}, weight {:?} and bias {:?} do not fit",
-                l1.shape().dims(),
-                l2.shape().dims(),
-                l3.shape().dims()
-            )));
-        }
+        let (m, k, n) = linear_dims(l1, l2, l3)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
-            let x = contiguous::<T>(s1, l1, self.name())?;
-            let w = contiguous::<T>(s2, l2, self.name())?;
-            let b = contiguous::<T>(s3, l3, self.name())?;
-            let mut y = Vec::with_capacity(m * n);
-            for _ in 0..m {
-                y.extend_from_slice(b);
-            }
-            // y += x · W^T  (W^T[k][n] = W[n][k]: row stride 1, column stride k)
-            gemm_into(m, n, k, &mut y, n, true, x, k, 1, w, 1, k, 1.0);
+            let y = linear_forward(
+                contiguous::<T>(s1, l1, self.name())?,
+                contiguous::<T>(s2, l2, self.name())?,
+                contiguous::<T>(s3, l3, self.name())?,
+                (m, k, n),
+            );
             Ok((T::storage(y), Shape::from((m, n))))
         })
     }
@@ -55,48 +47,166 @@ impl CustomOp3 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (m, k) = x_t.dims2()?;
-        let n = w_t.dim(0)?;
         float_dispatch!(x_t.dtype(), self.name(), T => {
-            with_slice::<T, _>(x_t, self.name(), |x| {
-                with_slice::<T, _>(w_t, self.name(), |w| {
-                    with_slice::<T, _>(grad, self.name(), |g| {
-                        // dx[m×k] = g[m×n] · W[n×k]
-                        let mut dx = vec![T::of(0.0); m * k];
-                        gemm_into(m, k, n, &mut dx, k, false, g, n, 1, w, k, 1, 1.0);
-                        // dW[n×k] = g^T[n×m] · x[m×k]
-                        let mut dw = vec![T::of(0.0); n * k];
-                        gemm_into(n, k, m, &mut dw, k, false, g, 1, n, x, k, 1, 1.0);
-                        let mut db = vec![0f64; n];
-                        for row in g.chunks(n.max(1)) {
-                            for (acc, v) in db.iter_mut().zip(row) {
-                                *acc += v.f();
-                            }
-                        }
-                        let db: Vec<T> = db.into_iter().map(T::of).collect();
-                        Ok((
-                            Some(tensor(dx, x_t.shape(), x_t)?),
-                            Some(tensor(dw, w_t.shape(), w_t)?),
-                            Some(tensor(db, b_t.shape(), b_t)?),
-                        ))
-                    })
-                })
+            with_slice::<T, _>(grad, self.name(), |g| linear_grads::<T>(x_t, w_t, b_t, g, self.name()))
+        })
+    }
+}
+
+/// `y = x W^T + b` for contiguous `x` [m, k], `W` [n, k], `b` [n].
+fn linear_forward<T: Float>(x: &[T], w: &[T], b: &[T], (m, k, n): (usize, usize, usize)) -> Vec<T> {
+    let mut y = Vec::with_capacity(m * n);
+    for _ in 0..m {
+        y.extend_from_slice(b);
+    }
+    // y += x · W^T  (W^T[k][n] = W[n][k]: row stride 1, column stride k)
+    gemm_into(m, n, k, &mut y, n, true, x, k, 1, w, 1, k, 1.0);
+    y
+}
+
+/// Checks the operands of a linear op; returns (m, k, n).
+fn linear_dims(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, usize)> {
+    let (m, k) = l1.shape().dims2()?;
+    let (n, k2) = l2.shape().dims2()?;
+    if k != k2 || l3.shape().elem_count() != n {
+        return Err(candle_core::Error::Msg(format!(
+            "linear: input {:?}, weight {:?} and bias {:?} do not fit",
+            l1.shape().dims(),
+            l2.shape().dims(),
+            l3.shape().dims()
+        )));
+    }
+    Ok((m, k, n))
+}
+
+/// Gradients of `x W^T + b` for output gradient `g` [m, n]: dx = g W, dW = g^T x, db = column
+/// sums of g, with two direct GEMMs.
+fn linear_grads<T: Float>(
+    x_t: &Tensor,
+    w_t: &Tensor,
+    b_t: &Tensor,
+    g: &[T],
+    name: &str,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (m, k) = x_t.dims2()?;
+    let n = w_t.dim(0)?;
+    with_slice::<T, _>(x_t, name, |x| {
+        with_slice::<T, _>(w_t, name, |w| {
+            // dx[m×k] = g[m×n] · W[n×k]
+            let mut dx = vec![T::of(0.0); m * k];
+            gemm_into(m, k, n, &mut dx, k, false, g, n, 1, w, k, 1, 1.0);
+            // dW[n×k] = g^T[n×m] · x[m×k]
+            let mut dw = vec![T::of(0.0); n * k];
+            gemm_into(n, k, m, &mut dw, k, false, g, 1, n, x, k, 1, 1.0);
+            let mut db = vec![0f64; n];
+            for row in g.chunks(n.max(1)) {
+                for (acc, v) in db.iter_mut().zip(row) {
+                    *acc += v.f();
+                }
+            }
+            let db: Vec<T> = db.into_iter().map(T::of).collect();
+            Ok((
+                Some(tensor(dx, x_t.shape(), x_t)?),
+                Some(tensor(dw, w_t.shape(), w_t)?),
+                Some(tensor(db, b_t.shape(), b_t)?),
+            ))
+        })
+    })
+}
+
+/// `gelu(x W^T + b)` as one op: the pre-activation is kept inside the op for backward instead
+/// of being a graph node of its own (one fewer activation-sized gradient to accumulate).
+struct LinearGelu {
+    approx: GeluApprox,
+    pre: Mutex<Option<CpuStorage>>,
+}
+
+impl CustomOp3 for LinearGelu {
+    fn name(&self) -> &'static str {
+        "fused-linear-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k, n) = linear_dims(l1, l2, l3)?;
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let y = linear_forward(
+                contiguous::<T>(s1, l1, self.name())?,
+                contiguous::<T>(s2, l2, self.name())?,
+                contiguous::<T>(s3, l3, self.name())?,
+                (m, k, n),
+            );
+            let mut a = vec![T::of(0.0); y.len()];
+            T::gelu_forward(&y, &[], &mut a, self.approx);
+            *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(T::storage(y));
+            Ok((T::storage(a), Shape::from((m, n))))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        w_t: &Tensor,
+        b_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner());
+        let pre = pre.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg("linear-gelu: backward before forward".into())
+        })?;
+        float_dispatch!(x_t.dtype(), self.name(), T => {
+            let y = T::slice(pre).ok_or_else(|| candle_core::Error::Msg("linear-gelu: dtype changed".into()))?;
+            with_slice::<T, _>(grad, self.name(), |g| {
+                let mut gy = vec![T::of(0.0); y.len()];
+                T::gelu_backward(y, &[], g, &mut gy, &mut [], self.approx);
+                linear_grads::<T>(x_t, w_t, b_t, &gy, self.name())
             })
         })
     }
 }
 
-/// `x W^T + b` over the last dimension of `x` (any leading shape), `W` [out, in], `b` [out].
-pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// Applies a linear-type op over the last dimension of `x` (any leading shape).
+fn over_last_dim(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    op: impl CustomOp3 + Send + Sync + 'static,
+) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let d_in = *dims.last().unwrap_or(&1);
     let x2 = x
         .reshape((x.elem_count() / d_in.max(1), d_in))?
         .contiguous()?;
-    let y = x2.apply_op3(&w.contiguous()?, &b.contiguous()?, Linear)?;
+    let y = x2.apply_op3(&w.contiguous()?, &b.contiguous()?, op)?;
     let mut out = dims;
     if let Some(last) = out.last_mut() {
         *last = w.dim(0)?;
     }
     y.reshape(out)
+}
+
+/// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Result<Tensor> {
+    over_last_dim(
+        x,
+        w,
+        b,
+        LinearGelu {
+            approx,
+            pre: Mutex::new(None),
+        },
+    )
+}
+
+/// `x W^T + b` over the last dimension of `x` (any leading shape), `W` [out, in], `b` [out].
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    over_last_dim(x, w, b, Linear)
 }

@@ -15,7 +15,7 @@ pub use attention::scaled_dot_product_attention;
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
-pub use linear::linear;
+pub use linear::{linear, linear_gelu};
 pub use norm::{layer_norm, rms_norm};
 pub use softmax::softmax_last_dim;
 
@@ -36,6 +36,17 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
     fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize);
     /// `s = exp(s - lse)` per row of length `d`.
     fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize);
+    /// `out = gelu(x + bias)`, bias broadcast over rows (empty: no bias).
+    fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox);
+    /// `dx = g * gelu'(x + bias)`; with a bias, its column sums are added to `dbias`.
+    fn gelu_backward(
+        x: &[Self],
+        bias: &[Self],
+        g: &[Self],
+        dx: &mut [Self],
+        dbias: &mut [f64],
+        approx: GeluApprox,
+    );
 }
 
 impl Float for f32 {
@@ -61,6 +72,19 @@ impl Float for f32 {
     }
     fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
         simd::exp_rows_minus(s, lse, d)
+    }
+    fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
+        simd::gelu_forward(x, bias, out, approx == GeluApprox::Tanh)
+    }
+    fn gelu_backward(
+        x: &[Self],
+        bias: &[Self],
+        g: &[Self],
+        dx: &mut [Self],
+        dbias: &mut [f64],
+        approx: GeluApprox,
+    ) {
+        simd::gelu_backward(x, bias, g, dx, dbias, approx == GeluApprox::Tanh)
     }
 }
 
@@ -95,6 +119,19 @@ impl Float for f64 {
         for (row, &l) in s.chunks_mut(d.max(1)).zip(lse) {
             row.iter_mut().for_each(|v| *v = (*v - l).exp());
         }
+    }
+    fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
+        gelu::forward_scalar(x, bias, out, approx)
+    }
+    fn gelu_backward(
+        x: &[Self],
+        bias: &[Self],
+        g: &[Self],
+        dx: &mut [Self],
+        dbias: &mut [f64],
+        approx: GeluApprox,
+    ) {
+        gelu::backward_scalar(x, bias, g, dx, dbias, approx)
     }
 }
 
