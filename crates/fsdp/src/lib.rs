@@ -2,6 +2,7 @@
 //! Accelerate's FSDP plugin.
 
 pub mod config;
+pub mod data;
 pub mod engine;
 pub mod memory;
 pub mod models;

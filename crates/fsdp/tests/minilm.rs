@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
+use fsdp::data::TextTokenizer;
 use fsdp::models::{BertConfig, BertModel};
 use fsdp::nn::LocalParams;
 
@@ -17,6 +18,17 @@ fn model_dir() -> Option<PathBuf> {
         });
     dir.join("model.safetensors").is_file().then_some(dir)
 }
+
+/// Mean-pooled embeddings (first 6 values) of "hello world" and "the cat sat" from the NumPy
+/// implementation.
+const MEAN_POOLED: [[f64; 6]; 2] = [
+    [
+        -0.1974461, 0.1776651, 0.0385701, 0.1495223, -0.2254204, -0.918028,
+    ],
+    [
+        0.7865401, 0.0428074, -0.0351389, 0.4013854, -0.7711649, 0.1066679,
+    ],
+];
 
 fn close(got: &[f32], want: &[f64], what: &str) {
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -110,13 +122,7 @@ fn minilm_matches_an_independent_implementation() {
         .unwrap()
         .to_vec1()
         .unwrap();
-    close(
-        &e0,
-        &[
-            -0.1974461, 0.1776651, 0.0385701, 0.1495223, -0.2254204, -0.918028,
-        ],
-        "mean_pooled[0]",
-    );
+    close(&e0, &MEAN_POOLED[0], "mean_pooled[0]");
     let e1: Vec<f32> = emb
         .get(1)
         .unwrap()
@@ -124,13 +130,7 @@ fn minilm_matches_an_independent_implementation() {
         .unwrap()
         .to_vec1()
         .unwrap();
-    close(
-        &e1,
-        &[
-            0.7865401, 0.0428074, -0.0351389, 0.4013854, -0.7711649, 0.1066679,
-        ],
-        "mean_pooled[1]",
-    );
+    close(&e1, &MEAN_POOLED[1], "mean_pooled[1]");
     let total = hidden
         .broadcast_mul(&m)
         .unwrap()
@@ -144,4 +144,83 @@ fn minilm_matches_an_independent_implementation() {
         (total as f64 - 1134.1223335196107).abs() < 1e-2,
         "sum |hidden| {total}"
     );
+}
+
+#[test]
+fn tokenizer_json_gives_the_reference_inputs_and_embeddings() {
+    let Some(dir) = model_dir() else {
+        eprintln!("SKIPPED: all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh");
+        return;
+    };
+    let device = Device::Cpu;
+    // The file pads to 128 and truncates: both are replaced (batch-longest padding).
+    let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"), Some(128)).unwrap();
+    let batch = tokenizer
+        .encode_batch(&["hello world", "The cat sat"], &device)
+        .unwrap();
+    assert_eq!(
+        batch.input_ids.to_vec2::<u32>().unwrap(),
+        [[101, 7592, 2088, 102, 0], [101, 1996, 4937, 2938, 102]]
+    );
+    assert_eq!(
+        batch.attention_mask.to_vec2::<u32>().unwrap(),
+        [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    );
+    assert_eq!(tokenizer.token_id("[PAD]"), Some(0));
+    let short = TextTokenizer::from_file(&dir.join("tokenizer.json"), Some(3)).unwrap();
+    assert_eq!(
+        short
+            .encode_batch(&["hello world"], &device)
+            .unwrap()
+            .input_ids
+            .to_vec2::<u32>()
+            .unwrap(),
+        [[101, 7592, 102]],
+        "truncated to 3 with the special tokens kept"
+    );
+    // Text in, sentence embeddings out: the same as the reference (computed with one more
+    // padding column, which the mask makes irrelevant).
+    let model = BertModel::new(BertConfig::from_file(&dir.join("config.json")).unwrap(), "");
+    let (params, _) =
+        LocalParams::load(&model.info(), &dir.join("model.safetensors"), &device).unwrap();
+    let (hidden, _) = model
+        .forward(
+            &params,
+            &batch.input_ids,
+            Some(&batch.attention_mask),
+            Some(&batch.token_type_ids),
+        )
+        .unwrap();
+    let m = batch
+        .attention_mask
+        .to_dtype(DType::F32)
+        .unwrap()
+        .unsqueeze(2)
+        .unwrap();
+    let emb = hidden
+        .broadcast_mul(&m)
+        .unwrap()
+        .sum(1)
+        .unwrap()
+        .broadcast_div(&m.sum(1).unwrap())
+        .unwrap();
+    for (row, want) in MEAN_POOLED.iter().enumerate() {
+        let got: Vec<f32> = emb
+            .get(row)
+            .unwrap()
+            .narrow(0, 0, 6)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        close(&got, want, &format!("tokenized mean_pooled[{row}]"));
+    }
+}
+
+#[test]
+fn a_missing_tokenizer_file_is_named() {
+    let err = TextTokenizer::from_file(std::path::Path::new("/nonexistent/tokenizer.json"), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
 }
