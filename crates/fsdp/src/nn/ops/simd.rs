@@ -53,7 +53,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let c = x.clamp(-87.0, 88.0);
-    let n = (c * LOG2E + ROUND) - ROUND;
+    let t = c * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = c - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -61,7 +62,10 @@ pub(crate) fn exp(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    // n sits in the low mantissa bits of t (|n| < 2^22): 2^n from integer operations only
+    // (a float-to-int cast would not vectorise, as Rust's `as` saturates).
+    let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits());
+    let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
     let e = p * scale;
     if x < -87.3 { 0.0 } else { e }
 }
