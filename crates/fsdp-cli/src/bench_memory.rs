@@ -245,6 +245,8 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     };
     let (mut state, mut peak_above, mut sent) = (0usize, 0usize, 0u64);
     let mut timed = 0f64;
+    // Seconds in forward, backward and the optimizer step, over the timed steps.
+    let mut phases = [0f64; 3];
     for step in 0..=a.steps {
         let ids: Vec<u32> = (0..a.batch * a.seq)
             .map(|_| (next() % a.vocab as u64) as u32)
@@ -259,13 +261,18 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let logits = model.forward(&params, &ids, None, None)?;
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
         drop(logits);
+        let forward_done = Instant::now();
         let grads = fsdp.backward(params, loss)?;
+        let backward_done = Instant::now();
         let peak = memory::peak_bytes();
         let report = fsdp.step(grads, &optimizer, Some(1.0))?;
         // Resident at the optimizer step: parameters, gradients and optimizer state.
         let at_step = report.resident_bytes.unwrap_or(0);
         if step > 0 {
             timed += started.elapsed().as_secs_f64();
+            phases[0] += (forward_done - started).as_secs_f64();
+            phases[1] += (backward_done - forward_done).as_secs_f64();
+            phases[2] += backward_done.elapsed().as_secs_f64();
             peak_above = peak_above.max(peak.saturating_sub(at_step));
             state = state.max(at_step.saturating_sub(base));
             sent += fsdp.group().bytes_sent() - sent_before;
@@ -280,6 +287,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         memory::peak_rss_bytes().unwrap_or(0) as f64,
         timed,
     ];
+    let per_step_ms = phases.map(|s| s / steps * 1e3);
     let all = fsdp.group().all_gather(mine).wait()?;
     if rank == 0 {
         let worst = |k: usize| (0..n).map(|r| all[r * 5 + k]).fold(0f64, f64::max);
@@ -298,6 +306,9 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "samples_per_s": samples_per_s,
                 "peak_rss_bytes": worst(3),
                 "units": plan.units.len(),
+                "rank0_forward_ms": per_step_ms[0],
+                "rank0_backward_ms": per_step_ms[1],
+                "rank0_optimizer_ms": per_step_ms[2],
             })
         );
     }
