@@ -47,6 +47,25 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
         dbias: &mut [f64],
         approx: GeluApprox,
     );
+    /// LayerNorm (`center`) or RMSNorm rows of length `d`, affine.
+    fn norm_forward(
+        x: &[Self],
+        gamma: &[Self],
+        beta: Option<&[Self]>,
+        d: usize,
+        eps: f64,
+        center: bool,
+    ) -> Vec<Self>;
+    /// Their backward: (dx, dgamma, dbeta).
+    #[allow(clippy::type_complexity)]
+    fn norm_backward(
+        x: &[Self],
+        gamma: &[Self],
+        g: &[Self],
+        d: usize,
+        eps: f64,
+        center: bool,
+    ) -> (Vec<Self>, Vec<Self>, Vec<Self>);
 }
 
 impl Float for f32 {
@@ -85,6 +104,42 @@ impl Float for f32 {
         approx: GeluApprox,
     ) {
         simd::gelu_backward(x, bias, g, dx, dbias, approx == GeluApprox::Tanh)
+    }
+    fn norm_forward(
+        x: &[Self],
+        gamma: &[Self],
+        beta: Option<&[Self]>,
+        d: usize,
+        eps: f64,
+        center: bool,
+    ) -> Vec<Self> {
+        let mut y = vec![0f32; x.len()];
+        simd::norm_rows(x, gamma, beta.unwrap_or(&[]), &mut y, d, eps as f32, center);
+        y
+    }
+    fn norm_backward(
+        x: &[Self],
+        gamma: &[Self],
+        g: &[Self],
+        d: usize,
+        eps: f64,
+        center: bool,
+    ) -> (Vec<Self>, Vec<Self>, Vec<Self>) {
+        let mut dx = vec![0f32; x.len()];
+        let (mut dgamma, mut dbeta) = (vec![0f64; d], vec![0f64; d]);
+        simd::norm_rows_backward(
+            x,
+            gamma,
+            g,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+            d,
+            eps as f32,
+            center,
+        );
+        let narrow = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect();
+        (dx, narrow(dgamma), narrow(dbeta))
     }
 }
 
@@ -132,6 +187,26 @@ impl Float for f64 {
         approx: GeluApprox,
     ) {
         gelu::backward_scalar(x, bias, g, dx, dbias, approx)
+    }
+    fn norm_forward(
+        x: &[Self],
+        gamma: &[Self],
+        beta: Option<&[Self]>,
+        d: usize,
+        eps: f64,
+        center: bool,
+    ) -> Vec<Self> {
+        norm::norm_fwd(x, gamma, beta, d, eps, center)
+    }
+    fn norm_backward(
+        x: &[Self],
+        gamma: &[Self],
+        g: &[Self],
+        d: usize,
+        eps: f64,
+        center: bool,
+    ) -> (Vec<Self>, Vec<Self>, Vec<Self>) {
+        norm::norm_bwd(x, gamma, g, d, eps, center)
     }
 }
 

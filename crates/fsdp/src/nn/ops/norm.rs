@@ -30,8 +30,9 @@ fn check_param(op: &str, len: usize, d: usize) -> Result<()> {
     Ok(())
 }
 
-/// Forward for both norms: `y = (x - mean) * rstd * gamma (+ beta)`.
-fn norm_fwd<T: Float>(
+/// Forward for both norms: `y = (x - mean) * rstd * gamma (+ beta)`, in f64 arithmetic (f32
+/// takes the vectorised `simd::norm_rows`).
+pub(super) fn norm_fwd<T: Float>(
     x: &[T],
     gamma: &[T],
     beta: Option<&[T]>,
@@ -50,8 +51,8 @@ fn norm_fwd<T: Float>(
     y
 }
 
-/// Backward for both norms: (dx, dgamma, dbeta).
-fn norm_bwd<T: Float>(
+/// Backward for both norms: (dx, dgamma, dbeta), in f64 arithmetic.
+pub(super) fn norm_bwd<T: Float>(
     x: &[T],
     gamma: &[T],
     g: &[T],
@@ -117,7 +118,7 @@ impl CustomOp3 for LayerNorm {
             let (_, d) = rows(l1.shape());
             check_param(self.name(), gamma.len(), d)?;
             check_param(self.name(), beta.len(), d)?;
-            Ok((T::storage(norm_fwd(x, gamma, Some(beta), d, self.eps, true)), l1.shape().clone()))
+            Ok((T::storage(T::norm_forward(x, gamma, Some(beta), d, self.eps, true)), l1.shape().clone()))
         })
     }
 
@@ -133,7 +134,7 @@ impl CustomOp3 for LayerNorm {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(g_t, self.name(), |gamma| {
                     with_slice::<T, _>(grad, self.name(), |g| {
-                        let (dx, dgamma, dbeta) = norm_bwd(x, gamma, g, gamma.len(), self.eps, true);
+                        let (dx, dgamma, dbeta) = T::norm_backward(x, gamma, g, gamma.len(), self.eps, true);
                         Ok((Some(tensor(dx, x_t.shape(), x_t)?), Some(tensor(dgamma, g_t.shape(), g_t)?), Some(tensor(dbeta, b_t.shape(), b_t)?)))
                     })
                 })
@@ -170,7 +171,7 @@ impl CustomOp2 for RmsNorm {
             let w = contiguous::<T>(s2, l2, self.name())?;
             let (_, d) = rows(l1.shape());
             check_param(self.name(), w.len(), d)?;
-            Ok((T::storage(norm_fwd(x, w, None, d, self.eps, false)), l1.shape().clone()))
+            Ok((T::storage(T::norm_forward(x, w, None, d, self.eps, false)), l1.shape().clone()))
         })
     }
 
@@ -185,7 +186,7 @@ impl CustomOp2 for RmsNorm {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(w_t, self.name(), |w| {
                     with_slice::<T, _>(grad, self.name(), |g| {
-                        let (dx, dw, _) = norm_bwd(x, w, g, w.len(), self.eps, false);
+                        let (dx, dw, _) = T::norm_backward(x, w, g, w.len(), self.eps, false);
                         Ok((Some(tensor(dx, x_t.shape(), x_t)?), Some(tensor(dw, w_t.shape(), w_t)?)))
                     })
                 })

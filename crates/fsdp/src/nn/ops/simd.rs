@@ -11,16 +11,20 @@
 macro_rules! multiversion {
     ($(#[$meta:meta])* fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
         $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
         pub(crate) fn $name($($arg: $ty),*) {
             #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
             fn portable($($arg: $ty),*) $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
                 fn avx512($($arg: $ty),*) {
                     portable($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
                 fn avx2($($arg: $ty),*) {
                     portable($($arg),*)
                 }
@@ -236,6 +240,87 @@ multiversion! {
             let dot: f32 = acc.iter().sum();
             for ((o, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
                 *o = yv * (gv - dot);
+            }
+        }
+    }
+}
+
+/// Sum of a row with `LANES` independent accumulators.
+#[inline(always)]
+fn row_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    for chunk in row.chunks(LANES) {
+        for (a, &v) in acc.iter_mut().zip(chunk) {
+            *a += f(v);
+        }
+    }
+    acc.iter().sum()
+}
+
+multiversion! {
+    /// LayerNorm (`center`) or RMSNorm of each row of length `d`: `(x - mean) * rstd * gamma
+    /// (+ beta)`; `beta` empty for none.
+    fn norm_rows(x: &[f32], gamma: &[f32], beta: &[f32], y: &mut [f32], d: usize, eps: f32, center: bool) {
+        let d = d.max(1);
+        let n = d as f32;
+        for (xr, yr) in x.chunks(d).zip(y.chunks_mut(d)) {
+            let mean = if center { row_sum(xr, |v| v) / n } else { 0.0 };
+            let var = row_sum(xr, |v| (v - mean) * (v - mean)) / n;
+            let rstd = 1.0 / (var + eps).sqrt();
+            if beta.is_empty() {
+                for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(gamma) {
+                    *o = (v - mean) * rstd * g;
+                }
+            } else {
+                for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                    *o = (v - mean) * rstd * g + b;
+                }
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// Backward of [`norm_rows`]: `dx`, and the column sums `dgamma += g * xhat`,
+    /// `dbeta += g` (f64).
+    fn norm_rows_backward(
+        x: &[f32],
+        gamma: &[f32],
+        g: &[f32],
+        dx: &mut [f32],
+        dgamma: &mut [f64],
+        dbeta: &mut [f64],
+        d: usize,
+        eps: f32,
+        center: bool,
+    ) {
+        let d = d.max(1);
+        let n = d as f32;
+        let mut xhat = vec![0f32; d];
+        let mut dxhat = vec![0f32; d];
+        for ((xr, gr), dr) in x.chunks(d).zip(g.chunks(d)).zip(dx.chunks_mut(d)) {
+            let mean = if center { row_sum(xr, |v| v) / n } else { 0.0 };
+            let var = row_sum(xr, |v| (v - mean) * (v - mean)) / n;
+            let rstd = 1.0 / (var + eps).sqrt();
+            for ((h, dh), ((&v, &gv), &ga)) in xhat.iter_mut().zip(dxhat.iter_mut()).zip(xr.iter().zip(gr).zip(gamma)) {
+                *h = (v - mean) * rstd;
+                *dh = gv * ga;
+            }
+            let sum_dxhat = row_sum(&dxhat, |v| v);
+            let mut acc = [0f32; LANES];
+            for (hc, dc) in xhat.chunks(LANES).zip(dxhat.chunks(LANES)) {
+                for ((a, &h), &dh) in acc.iter_mut().zip(hc).zip(dc) {
+                    *a += h * dh;
+                }
+            }
+            let sum_dxhat_xhat: f32 = acc.iter().sum();
+            let mean_dxhat = if center { sum_dxhat / n } else { 0.0 };
+            for ((o, &h), &dh) in dr.iter_mut().zip(&xhat).zip(&dxhat) {
+                *o = rstd * (dh - mean_dxhat - h * sum_dxhat_xhat / n);
+            }
+            for (((dga, dbe), &gv), &h) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(gr).zip(&xhat) {
+                *dga += (gv * h) as f64;
+                *dbe += gv as f64;
             }
         }
     }
