@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use fsdp::models::{BertConfig, BertModel};
 use fsdp::nn::candle::{DType, Device, Tensor, Var};
-use fsdp::nn::layers::{attention, layer_norm, linear, linear_gelu};
+use fsdp::nn::layers::{add_layer_norm, attention, linear, linear_gelu};
 use fsdp::nn::ops::GeluApprox;
 use fsdp::nn::{LocalParams, Params};
 
@@ -166,18 +166,20 @@ pub fn run(a: LayerArgs) -> Result<()> {
             Box::new(|| Ok(linear(p, "encoder.layer.0.output.dense", xi.as_tensor())?)),
         ),
         (
-            "2 x layer_norm (+ residual add)",
+            "2 x residual add + layer_norm",
             Box::new(|| {
-                let y = layer_norm(
+                let y = add_layer_norm(
                     p,
                     "encoder.layer.0.attention.output.LayerNorm",
-                    &(xh.as_tensor() + xh.as_tensor())?,
+                    xh.as_tensor(),
+                    xh.as_tensor(),
                     1e-12,
                 )?;
-                Ok(layer_norm(
+                Ok(add_layer_norm(
                     p,
                     "encoder.layer.0.output.LayerNorm",
-                    &(&y + xh.as_tensor())?,
+                    &y,
+                    xh.as_tensor(),
                     1e-12,
                 )?)
             }),

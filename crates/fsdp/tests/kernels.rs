@@ -274,6 +274,34 @@ fn layer_norm_and_rms_norm() {
 }
 
 #[test]
+fn add_layer_norm_fused() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-10 } else { 1e-5 };
+        let x = rand(&[3, 4, 32], 50, 2.0, dtype);
+        let r = (rand(&[3, 4, 32], 51, 1.0, dtype) + 0.3).unwrap();
+        let g = (rand(&[32], 52, 0.5, dtype) + 1.0).unwrap();
+        let b = rand(&[32], 53, 0.5, dtype);
+        against_composed(
+            "add_layer_norm",
+            &|t| ops::add_layer_norm(&t[0], &t[1], &t[2], &t[3], 1e-12),
+            &|t| composed_layer_norm(&(&t[0] + &t[1])?, &t[2], &t[3], 1e-12),
+            &[x, r, g, b],
+            tol,
+        );
+    }
+    against_finite_differences(
+        "add_layer_norm",
+        &|t| ops::add_layer_norm(&t[0], &t[1], &t[2], &t[3], 1e-5),
+        &[
+            rand(&[3, 8], 54, 2.0, DType::F64),
+            rand(&[3, 8], 55, 1.0, DType::F64),
+            (rand(&[8], 56, 0.5, DType::F64) + 1.0).unwrap(),
+            rand(&[8], 57, 0.5, DType::F64),
+        ],
+    );
+}
+
+#[test]
 fn cross_entropy_variants() {
     let targets: Vec<i64> = vec![3, 0, -100, 6, 2, 2, -100, 1];
     let t = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();

@@ -9,7 +9,8 @@ use serde::Deserialize;
 
 use super::site_seed;
 use crate::nn::layers::{
-    embedding, embedding_info, layer_norm, layer_norm_info, linear, linear_gelu, linear_info,
+    add_layer_norm, embedding, embedding_info, layer_norm, layer_norm_info, linear, linear_gelu,
+    linear_info,
 };
 use crate::nn::module::{ModuleInfo, Params};
 use crate::nn::ops::{self, GeluApprox};
@@ -320,10 +321,11 @@ impl BertModel {
         let ctx = p.module_output(&l("attention.self"), ctx)?;
         let attn = linear(p, &l("attention.output.dense"), &ctx)?;
         let attn = self.dropout(&attn, c.hidden_dropout_prob, &l("attention.output"))?;
-        let attn = layer_norm(
+        let attn = add_layer_norm(
             p,
             &l("attention.output.LayerNorm"),
-            &(attn + hidden)?,
+            &attn,
+            hidden,
             c.layer_norm_eps,
         )?;
         let attn = p.module_output(&l("attention.output"), attn)?;
@@ -332,7 +334,7 @@ impl BertModel {
         let inter = p.module_output(&l("intermediate"), inter)?;
         let out = linear(p, &l("output.dense"), &inter)?;
         let out = self.dropout(&out, c.hidden_dropout_prob, &l("output"))?;
-        let out = layer_norm(p, &l("output.LayerNorm"), &(out + attn)?, c.layer_norm_eps)?;
+        let out = add_layer_norm(p, &l("output.LayerNorm"), &out, &attn, c.layer_norm_eps)?;
         p.module_output(&l("output"), out)
     }
 

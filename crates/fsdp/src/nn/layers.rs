@@ -58,6 +58,24 @@ pub fn layer_norm(p: &dyn Params, path: &str, x: &Tensor, eps: f64) -> Result<Te
     p.module_output(path, y)
 }
 
+/// LayerNorm of `x + residual` with the fused kernel (post-norm residual blocks).
+pub fn add_layer_norm(
+    p: &dyn Params,
+    path: &str,
+    x: &Tensor,
+    residual: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
+    let y = ops::add_layer_norm(
+        x,
+        residual,
+        &p.get(&format!("{path}.weight"))?,
+        &p.get(&format!("{path}.bias"))?,
+        eps,
+    )?;
+    p.module_output(path, y)
+}
+
 /// Multi-head scaled dot-product attention on projections `q`, `k`, `v`
 /// `[batch, seq, heads * head_dim]` with an additive mask broadcastable to
 /// `[batch, heads, seq, seq]`, as one fused op; returns `[batch, seq, heads * head_dim]`.

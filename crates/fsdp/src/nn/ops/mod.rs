@@ -16,7 +16,7 @@ pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
 pub use linear::{linear, linear_gelu};
-pub use norm::{layer_norm, rms_norm};
+pub use norm::{add_layer_norm, layer_norm, rms_norm};
 pub use softmax::softmax_last_dim;
 
 use candle_core::backend::BackendStorage;

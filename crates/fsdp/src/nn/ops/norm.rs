@@ -150,6 +150,89 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result
         .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, LayerNorm { eps })
 }
 
+/// `LayerNorm(x + residual)` with gamma and beta as one `[2, d]` tensor (candle ops take at
+/// most three inputs). The sum is recomputed in backward rather than kept.
+struct AddLayerNorm {
+    eps: f64,
+}
+
+impl CustomOp3 for AddLayerNorm {
+    fn name(&self) -> &'static str {
+        "fused-add-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            return Err(candle_core::Error::Msg(format!(
+                "{}: input {:?} and residual {:?} differ",
+                self.name(),
+                l1.dims(),
+                l2.dims()
+            )));
+        }
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let r = contiguous::<T>(s2, l2, self.name())?;
+            let gb = contiguous::<T>(s3, l3, self.name())?;
+            let (_, d) = rows(l1.shape());
+            check_param(self.name(), gb.len(), 2 * d)?;
+            let sum: Vec<T> = x.iter().zip(r).map(|(a, b)| T::of(a.f() + b.f())).collect();
+            let y = T::norm_forward(&sum, &gb[..d], Some(&gb[d..]), d, self.eps, true);
+            Ok((T::storage(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        r_t: &Tensor,
+        gb_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        float_dispatch!(x_t.dtype(), self.name(), T => {
+            with_slice::<T, _>(x_t, self.name(), |x| {
+                with_slice::<T, _>(r_t, self.name(), |r| {
+                    with_slice::<T, _>(gb_t, self.name(), |gb| {
+                        with_slice::<T, _>(grad, self.name(), |g| {
+                            let d = gb.len() / 2;
+                            let sum: Vec<T> = x.iter().zip(r).map(|(a, b)| T::of(a.f() + b.f())).collect();
+                            let (ds, dgamma, dbeta) = T::norm_backward(&sum, &gb[..d], g, d, self.eps, true);
+                            let mut dgb = dgamma;
+                            dgb.extend(dbeta);
+                            let ds = tensor(ds, x_t.shape(), x_t)?;
+                            Ok((Some(ds.clone()), Some(ds), Some(tensor(dgb, gb_t.shape(), gb_t)?)))
+                        })
+                    })
+                })
+            })
+        })
+    }
+}
+
+/// `LayerNorm(x + residual)` (BERT's post-norm residual) as one op: no separate sum node, and
+/// one gradient for both inputs.
+pub fn add_layer_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
+    let d = gamma.elem_count();
+    let gb = Tensor::cat(&[gamma.flatten_all()?, beta.flatten_all()?], 0)?.reshape((2, d))?;
+    x.contiguous()?
+        .apply_op3(&residual.contiguous()?, &gb, AddLayerNorm { eps })
+}
+
 struct RmsNorm {
     eps: f64,
 }
