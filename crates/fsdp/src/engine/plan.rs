@@ -55,6 +55,8 @@ pub struct ShardLayout {
     pub rows_per_rank: usize,
     /// Elements per row (product of the other dims).
     pub row_elems: usize,
+    /// Where this parameter's shard starts inside its unit's packed shard block.
+    pub offset: usize,
 }
 
 impl ShardLayout {
@@ -66,6 +68,38 @@ impl ShardLayout {
             requires_grad: spec.requires_grad,
             rows_per_rank: rows.div_ceil(group),
             row_elems: spec.shape.iter().skip(1).product(),
+            offset: 0,
+        }
+    }
+
+    /// This parameter's elements inside its unit's packed shard block.
+    pub fn shard_range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.shard_numel()
+    }
+
+    /// Copies the full parameter out of an all-gathered unit (rank r's shard block of `block`
+    /// elements at `r * block`, `ranks` blocks) into `out`, leaving the padding rows out.
+    pub fn unpack(&self, gathered: &[f32], block: usize, ranks: usize, out: &mut [f32]) {
+        let mut at = 0;
+        for r in 0..ranks {
+            let (start, end) = self.rows_of(r);
+            let len = (end - start) * self.row_elems;
+            let base = r * block + self.offset;
+            out[at..at + len].copy_from_slice(&gathered[base..base + len]);
+            at += len;
+        }
+    }
+
+    /// The inverse of [`ShardLayout::unpack`]: scatters the full `values` into `ranks` shard
+    /// blocks of `block` elements (padding rows untouched).
+    pub fn pack(&self, values: &[f32], block: usize, ranks: usize, packed: &mut [f32]) {
+        let mut at = 0;
+        for r in 0..ranks {
+            let (start, end) = self.rows_of(r);
+            let len = (end - start) * self.row_elems;
+            let base = r * block + self.offset;
+            packed[base..base + len].copy_from_slice(&values[at..at + len]);
+            at += len;
         }
     }
 
@@ -278,6 +312,13 @@ impl UnitPlan {
         // A root unit left without parameters is dropped (everything was wrapped).
         if units[0].params.is_empty() && units.len() > 1 {
             units.remove(0);
+        }
+        for unit in &mut units {
+            let mut offset = 0;
+            for p in &mut unit.params {
+                p.offset = offset;
+                offset += p.shard_numel();
+            }
         }
         Ok(UnitPlan {
             units,

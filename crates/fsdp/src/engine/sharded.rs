@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor, Var};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
-use super::plan::{PlanError, ShardLayout, UnitPlan};
+use super::plan::{PlanError, UnitPlan};
 pub use super::step::StepParams;
 use super::step::{StepOptions, StepShared, UnitSpec};
 use crate::config::{BackwardPrefetch, FsdpPlugin, ShardingStrategy};
@@ -136,13 +136,6 @@ impl Gradients {
             .flatten()
             .chain(self.replicated.values_mut())
             .for_each(|g| g.iter_mut().for_each(|x| *x *= factor));
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        let units: usize = self.units.iter().flatten().map(Vec::len).sum();
-        let replicated: usize = self.replicated.values().map(Vec::len).sum();
-        (units + replicated) * 4
     }
 }
 
@@ -400,18 +393,11 @@ impl Fsdp {
             let shards = &mut self.shards[u];
             // The step in flight has ended, so the packed shards are not shared: no copy.
             let packed = Arc::make_mut(&mut shards.packed);
-            let mut offset = 0;
             for ((p, &has), state) in unit.params.iter().zip(has_grad).zip(&mut shards.optim) {
-                let len = p.shard_numel();
                 if p.requires_grad && has {
-                    optimizer.update(
-                        &mut packed[offset..offset + len],
-                        &reduced[offset..offset + len],
-                        state,
-                        self.step,
-                    );
+                    let rows = p.shard_range();
+                    optimizer.update(&mut packed[rows.clone()], &reduced[rows], state, self.step);
                 }
-                offset += len;
             }
         }
         for (name, g) in &grads.replicated {
@@ -447,16 +433,9 @@ impl Fsdp {
             } else {
                 self.pg.all_gather(packed.to_vec()).wait()?
             };
-            let block = unit.shard_numel();
-            let mut offset = 0;
             for p in &unit.params {
-                let mut full = Vec::with_capacity(p.numel());
-                for r in 0..ranks {
-                    let (start, end) = p.rows_of(r);
-                    let base = r * block + offset;
-                    full.extend_from_slice(&gathered[base..base + (end - start) * p.row_elems]);
-                }
-                offset += p.shard_numel();
+                let mut full = vec![0f32; p.numel()];
+                p.unpack(&gathered, packed.len(), ranks, &mut full);
                 out.insert(
                     p.name.clone(),
                     Tensor::from_vec(full, p.shape.as_slice(), &self.device)?,
@@ -483,20 +462,5 @@ impl Fsdp {
             .map(|(v, s)| v.elem_count() * 4 + s.bytes())
             .sum();
         shards + replicated
-    }
-
-    /// This rank's shard of every sharded parameter (padding rows included), with its layout.
-    pub fn local_shards(&self) -> impl Iterator<Item = (&ShardLayout, &[f32])> {
-        self.plan
-            .units
-            .iter()
-            .zip(&self.shards)
-            .flat_map(|(unit, shards)| {
-                unit.params.iter().scan(0, move |offset, p| {
-                    let at = *offset;
-                    *offset += p.shard_numel();
-                    Some((p, &shards.packed[at..at + p.shard_numel()]))
-                })
-            })
     }
 }

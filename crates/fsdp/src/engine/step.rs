@@ -145,38 +145,6 @@ fn unit_name(spec: &UnitSpec) -> String {
     }
 }
 
-/// Copies parameter `p`'s rows out of an all-gathered block (rank r's shards start at
-/// `r * block`; `offset` is the parameter's place inside a shard block) into `out`.
-fn unpack_into(
-    p: &ShardLayout,
-    gathered: &[f32],
-    block: usize,
-    offset: usize,
-    ranks: usize,
-    out: &mut [f32],
-) {
-    let mut at = 0;
-    for r in 0..ranks {
-        let (start, end) = p.rows_of(r);
-        let len = (end - start) * p.row_elems;
-        let base = r * block + offset;
-        out[at..at + len].copy_from_slice(&gathered[base..base + len]);
-        at += len;
-    }
-}
-
-/// Each parameter's offset inside the unit's shard block.
-fn offsets(params: &[ShardLayout]) -> Vec<usize> {
-    params
-        .iter()
-        .scan(0, |acc, p| {
-            let at = *acc;
-            *acc += p.shard_numel();
-            Some(at)
-        })
-        .collect()
-}
-
 /// The step a graph op belongs to, while it runs.
 fn live(step: &Weak<StepShared>) -> candle_core::Result<Arc<StepShared>> {
     step.upgrade()
@@ -303,7 +271,6 @@ struct Refill<'a> {
     layout: &'a ShardLayout,
     gathered: &'a [f32],
     block: usize,
-    offset: usize,
     ranks: usize,
 }
 
@@ -318,14 +285,8 @@ impl InplaceOp1 for Refill<'_> {
         };
         let start = l.start_offset();
         let out = &mut v[start..start + self.layout.numel()];
-        unpack_into(
-            self.layout,
-            self.gathered,
-            self.block,
-            self.offset,
-            self.ranks,
-            out,
-        );
+        self.layout
+            .unpack(self.gathered, self.block, self.ranks, out);
         Ok(())
     }
 }
@@ -416,6 +377,16 @@ impl StepShared {
         }
     }
 
+    /// Starts a unit's gradient reduction (mean over ranks): reduce-scatter of the packed
+    /// blocks, or all-reduce of whole gradients when parameters are replicated.
+    fn start_reduce(&self, pack: Vec<f32>) -> Work<Vec<f32>> {
+        if self.opts.sharded {
+            self.pg.reduce_scatter(pack, ReduceOp::Avg)
+        } else {
+            self.pg.all_reduce(pack, ReduceOp::Avg)
+        }
+    }
+
     /// Issues the all-gather of `u` ahead of its use if it is waiting for one.
     fn prefetch(&self, inner: &mut Inner, u: usize, waiting: Phase) {
         let run = &mut inner.units[u];
@@ -432,12 +403,11 @@ impl StepShared {
             Some(g) => (g.as_slice(), self.pg.size()),
             None => (spec.packed.as_slice(), 1),
         };
-        let block: usize = spec.params.iter().map(ShardLayout::shard_numel).sum();
         let anchor = Var::zeros(1, candle_core::DType::F32, &self.opts.device)?;
         let mut full = Vec::with_capacity(spec.params.len());
-        for ((i, p), offset) in spec.params.iter().enumerate().zip(offsets(&spec.params)) {
+        for (i, p) in spec.params.iter().enumerate() {
             let mut values = vec![0f32; p.numel()];
-            unpack_into(p, source, block, offset, ranks, &mut values);
+            p.unpack(source, spec.packed.len(), ranks, &mut values);
             let op = Unshard {
                 data: Mutex::new(Some(values)),
                 shape: Shape::from(p.shape.clone()),
@@ -488,14 +458,12 @@ impl StepShared {
             let gathered = self
                 .gathered(&mut inner, u, "before its backward")?
                 .ok_or_else(|| msg(format!("{}: released while replicated", unit_name(spec))))?;
-            let block: usize = spec.params.iter().map(ShardLayout::shard_numel).sum();
             let run = &mut inner.units[u];
-            for ((f, p), offset) in run.full.iter().zip(&spec.params).zip(offsets(&spec.params)) {
+            for (f, p) in run.full.iter().zip(&spec.params) {
                 f.tensor.inplace_op1(&Refill {
                     layout: p,
                     gathered: &gathered,
-                    block,
-                    offset,
+                    block: spec.packed.len(),
                     ranks: self.pg.size(),
                 })?;
                 f.pages.set(0);
@@ -532,12 +500,10 @@ impl StepShared {
             )));
         }
         let ranks = self.ranks();
-        let block: usize = spec.params.iter().map(ShardLayout::shard_numel).sum();
-        let offset = offsets(&spec.params)[i];
         let run = &mut inner.units[u];
         let pack = run
             .grad_pack
-            .get_or_insert_with(|| vec![0f32; block * ranks]);
+            .get_or_insert_with(|| vec![0f32; spec.packed.len() * ranks]);
         // Read the gradient in place when it is a contiguous f32 buffer (no copy).
         let grad = grad.contiguous()?;
         let (storage, layout) = grad.storage_and_layout();
@@ -550,26 +516,14 @@ impl StepShared {
         let (first, last) = layout
             .contiguous_offsets()
             .ok_or_else(|| msg("fsdp: gradient not contiguous".into()))?;
-        let g = &values[first..last];
-        let mut at = 0;
-        for r in 0..ranks {
-            let (start, end) = p.rows_of(r);
-            let len = (end - start) * p.row_elems;
-            pack[r * block + offset..r * block + offset + len].copy_from_slice(&g[at..at + len]);
-            at += len;
-        }
+        p.pack(&values[first..last], spec.packed.len(), ranks, pack);
         drop(storage);
         run.has_grad[i] = true;
         run.received += 1;
         if Some(run.received) != run.expected {
             return Ok(());
         }
-        let pack = run.grad_pack.take().unwrap_or_default();
-        let work = if self.opts.sharded {
-            self.pg.reduce_scatter(pack, ReduceOp::Avg)
-        } else {
-            self.pg.all_reduce(pack, ReduceOp::Avg)
-        };
+        let work = self.start_reduce(run.grad_pack.take().unwrap_or_default());
         run.phase = Phase::Reduced;
         inner.pending.push((u, work));
         // Frozen parameters may still be read by backward nodes of this unit that have not
@@ -711,11 +665,7 @@ impl StepShared {
         for u in 0..inner.units.len() {
             let run = &mut inner.units[u];
             if let Some(pack) = run.grad_pack.take() {
-                let work = if self.opts.sharded {
-                    self.pg.reduce_scatter(pack, ReduceOp::Avg)
-                } else {
-                    self.pg.all_reduce(pack, ReduceOp::Avg)
-                };
+                let work = self.start_reduce(pack);
                 inner.pending.push((u, work));
             }
         }

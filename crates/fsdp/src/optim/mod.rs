@@ -88,24 +88,6 @@ impl Optimizer {
             Optimizer::Sgd(c) => c.lr,
         }
     }
-
-    /// The same optimizer with learning rate `lr` (for schedules).
-    pub fn with_lr(mut self, lr: f64) -> Optimizer {
-        match &mut self {
-            Optimizer::AdamW(c) => c.lr = lr,
-            Optimizer::Adam(c) => c.lr = lr,
-            Optimizer::Sgd(c) => c.lr = lr,
-        }
-        self
-    }
-
-    /// f32 values of state kept per parameter element (for memory estimates).
-    pub fn state_per_element(&self) -> usize {
-        match self {
-            Optimizer::AdamW(_) | Optimizer::Adam(_) => 2,
-            Optimizer::Sgd(c) => usize::from(c.momentum != 0.0),
-        }
-    }
 }
 
 impl From<AdamWConfig> for Optimizer {

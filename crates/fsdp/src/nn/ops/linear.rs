@@ -11,7 +11,13 @@ use super::GeluApprox;
 
 use super::{Float, contiguous, float_dispatch, gemm_into, tensor, with_slice};
 
-struct Linear;
+/// `x W^T + b`, optionally followed by GELU in the same op: then the pre-activation is kept
+/// inside the op for backward instead of being a graph node of its own (one fewer
+/// activation-sized gradient to accumulate).
+struct Linear {
+    gelu: Option<GeluApprox>,
+    pre: Mutex<Option<CpuStorage>>,
+}
 
 impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
@@ -35,7 +41,16 @@ impl CustomOp3 for Linear {
                 contiguous::<T>(s3, l3, self.name())?,
                 (m, k, n),
             );
-            Ok((T::storage(y), Shape::from((m, n))))
+            let out = match self.gelu {
+                None => y,
+                Some(approx) => {
+                    let mut a = vec![T::of(0.0); y.len()];
+                    T::gelu_forward(&y, &[], &mut a, approx);
+                    *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(T::storage(y));
+                    a
+                }
+            };
+            Ok((T::storage(out), Shape::from((m, n))))
         })
     }
 
@@ -48,7 +63,18 @@ impl CustomOp3 for Linear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         float_dispatch!(x_t.dtype(), self.name(), T => {
-            with_slice::<T, _>(grad, self.name(), |g| linear_grads::<T>(x_t, w_t, b_t, g, self.name()))
+            with_slice::<T, _>(grad, self.name(), |g| {
+                let Some(approx) = self.gelu else {
+                    return linear_grads::<T>(x_t, w_t, b_t, g, self.name());
+                };
+                let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner());
+                let y = pre.as_ref().and_then(T::slice).ok_or_else(|| {
+                    candle_core::Error::Msg("linear-gelu: backward without its forward".into())
+                })?;
+                let mut gy = vec![T::of(0.0); y.len()];
+                T::gelu_backward(y, &[], g, &mut gy, &mut [], approx);
+                linear_grads::<T>(x_t, w_t, b_t, &gy, self.name())
+            })
         })
     }
 }
@@ -114,77 +140,18 @@ fn linear_grads<T: Float>(
     })
 }
 
-/// `gelu(x W^T + b)` as one op: the pre-activation is kept inside the op for backward instead
-/// of being a graph node of its own (one fewer activation-sized gradient to accumulate).
-struct LinearGelu {
-    approx: GeluApprox,
-    pre: Mutex<Option<CpuStorage>>,
-}
-
-impl CustomOp3 for LinearGelu {
-    fn name(&self) -> &'static str {
-        "fused-linear-gelu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (m, k, n) = linear_dims(l1, l2, l3)?;
-        float_dispatch!(s1.dtype(), self.name(), T => {
-            let y = linear_forward(
-                contiguous::<T>(s1, l1, self.name())?,
-                contiguous::<T>(s2, l2, self.name())?,
-                contiguous::<T>(s3, l3, self.name())?,
-                (m, k, n),
-            );
-            let mut a = vec![T::of(0.0); y.len()];
-            T::gelu_forward(&y, &[], &mut a, self.approx);
-            *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(T::storage(y));
-            Ok((T::storage(a), Shape::from((m, n))))
-        })
-    }
-
-    fn bwd(
-        &self,
-        x_t: &Tensor,
-        w_t: &Tensor,
-        b_t: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner());
-        let pre = pre.as_ref().ok_or_else(|| {
-            candle_core::Error::Msg("linear-gelu: backward before forward".into())
-        })?;
-        float_dispatch!(x_t.dtype(), self.name(), T => {
-            let y = T::slice(pre).ok_or_else(|| candle_core::Error::Msg("linear-gelu: dtype changed".into()))?;
-            with_slice::<T, _>(grad, self.name(), |g| {
-                let mut gy = vec![T::of(0.0); y.len()];
-                T::gelu_backward(y, &[], g, &mut gy, &mut [], self.approx);
-                linear_grads::<T>(x_t, w_t, b_t, &gy, self.name())
-            })
-        })
-    }
-}
-
-/// Applies a linear-type op over the last dimension of `x` (any leading shape).
-fn over_last_dim(
-    x: &Tensor,
-    w: &Tensor,
-    b: &Tensor,
-    op: impl CustomOp3 + Send + Sync + 'static,
-) -> Result<Tensor> {
+/// Applies the linear op (with optional GELU) over the last dimension of `x` (any leading
+/// shape).
+fn over_last_dim(x: &Tensor, w: &Tensor, b: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let d_in = *dims.last().unwrap_or(&1);
     let x2 = x
         .reshape((x.elem_count() / d_in.max(1), d_in))?
         .contiguous()?;
+    let op = Linear {
+        gelu,
+        pre: Mutex::new(None),
+    };
     let y = x2.apply_op3(&w.contiguous()?, &b.contiguous()?, op)?;
     let mut out = dims;
     if let Some(last) = out.last_mut() {
@@ -195,18 +162,10 @@ fn over_last_dim(
 
 /// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
 pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Result<Tensor> {
-    over_last_dim(
-        x,
-        w,
-        b,
-        LinearGelu {
-            approx,
-            pre: Mutex::new(None),
-        },
-    )
+    over_last_dim(x, w, b, Some(approx))
 }
 
 /// `x W^T + b` over the last dimension of `x` (any leading shape), `W` [out, in], `b` [out].
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    over_last_dim(x, w, b, Linear)
+    over_last_dim(x, w, b, None)
 }

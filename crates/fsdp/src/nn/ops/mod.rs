@@ -36,6 +36,8 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
     fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize);
     /// `s = exp(s - lse)` per row of length `d`.
     fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize);
+    /// Softmax backward per row of length `d`: `dx = y * (g - sum(g * y))`.
+    fn softmax_rows_backward(y: &[Self], g: &[Self], dx: &mut [Self], d: usize);
     /// `out = gelu(x + bias)`, bias broadcast over rows (empty: no bias).
     fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox);
     /// `dx = g * gelu'(x + bias)`; with a bias, its column sums are added to `dbias`.
@@ -91,6 +93,9 @@ impl Float for f32 {
     }
     fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
         simd::exp_rows_minus(s, lse, d)
+    }
+    fn softmax_rows_backward(y: &[Self], g: &[Self], dx: &mut [Self], d: usize) {
+        simd::softmax_rows_backward(y, g, dx, d)
     }
     fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
         simd::gelu_forward(x, bias, out, approx == GeluApprox::Tanh)
@@ -173,6 +178,15 @@ impl Float for f64 {
     fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
         for (row, &l) in s.chunks_mut(d.max(1)).zip(lse) {
             row.iter_mut().for_each(|v| *v = (*v - l).exp());
+        }
+    }
+    fn softmax_rows_backward(y: &[Self], g: &[Self], dx: &mut [Self], d: usize) {
+        let d = d.max(1);
+        for ((yr, gr), dr) in y.chunks(d).zip(g.chunks(d)).zip(dx.chunks_mut(d)) {
+            let dot: f64 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
+            for ((o, a), b) in dr.iter_mut().zip(yr).zip(gr) {
+                *o = a * (b - dot);
+            }
         }
     }
     fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {

@@ -172,27 +172,6 @@ multiversion! {
 }
 
 multiversion! {
-    /// Softmax of each row of length `d`.
-    fn softmax_rows(x: &[f32], y: &mut [f32], d: usize) {
-        let d = d.max(1);
-        for (xr, yr) in x.chunks(d).zip(y.chunks_mut(d)) {
-            let max = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            for (o, &v) in yr.iter_mut().zip(xr) {
-                *o = exp(v - max);
-            }
-            let mut acc = [0f32; LANES];
-            for chunk in yr.chunks(LANES) {
-                for (a, &v) in acc.iter_mut().zip(chunk) {
-                    *a += v;
-                }
-            }
-            let inv = 1.0 / acc.iter().sum::<f32>();
-            yr.iter_mut().for_each(|o| *o *= inv);
-        }
-    }
-}
-
-multiversion! {
     /// Softmax of each row of `s` (length `d`) in place, keeping each row's log-sum-exp (so a
     /// backward pass can recompute the probabilities instead of storing them).
     fn softmax_rows_in_place(s: &mut [f32], lse: &mut [f64], d: usize) {
