@@ -36,6 +36,9 @@ pub struct LayerArgs {
     /// Timed repetitions (after two warm-ups).
     #[arg(long, default_value_t = 20)]
     reps: usize,
+    /// Time the whole layer only (no per-part breakdown).
+    #[arg(long)]
+    layer_only: bool,
 }
 
 fn config(a: &LayerArgs) -> BertConfig {
@@ -98,6 +101,9 @@ pub fn run(a: LayerArgs) -> Result<()> {
         Ok(())
     })?;
     rows.push(("layer".into(), fwd_med, fwd_min, all_med, all_min));
+    if a.layer_only {
+        return report(&a, &rows);
+    }
 
     // Components, each measured alone on inputs of the shapes the layer gives it.
     let (b, s, h, i) = (a.batch, a.seq, a.hidden, a.intermediate);
@@ -195,7 +201,11 @@ pub fn run(a: LayerArgs) -> Result<()> {
         })?;
         rows.push((name.to_string(), fm, fmin, am, amin));
     }
+    report(&a, &rows)
+}
 
+/// Prints the table and the JSON line.
+fn report(a: &LayerArgs, rows: &[(String, f64, f64, f64, f64)]) -> Result<()> {
     println!(
         "one BERT layer, f32, batch {} seq {} hidden {} heads {} intermediate {}, {} thread(s)",
         a.batch, a.seq, a.hidden, a.heads, a.intermediate, a.threads
@@ -204,7 +214,7 @@ pub fn run(a: LayerArgs) -> Result<()> {
         "{:<38} {:>10} {:>10} {:>12} {:>12}",
         "part", "fwd_med", "fwd_min", "fwd+bwd_med", "fwd+bwd_min"
     );
-    for (name, fm, fmin, am, amin) in &rows {
+    for (name, fm, fmin, am, amin) in rows {
         println!("{name:<38} {fm:>8.2}ms {fmin:>8.2}ms {am:>10.2}ms {amin:>10.2}ms");
     }
     let json = serde_json::json!({

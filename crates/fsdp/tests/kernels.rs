@@ -544,10 +544,29 @@ fn scaled_dot_product_attention() {
                     composed_attention(q, k, v, heads, Some(&causal), None)
                 })
             },
-            &[qkv],
+            &[qkv.clone()],
             tol,
         );
+        // The same projection through the packed op (one gradient for the whole projection).
+        for (mask, dropout) in [(Some(&causal), None), (Some(&pad), Some((0.3, 17u64)))] {
+            against_composed(
+                &format!("packed attention {dtype:?} dropout {dropout:?}"),
+                &|t| ops::packed_attention(&t[0], heads, mask, dropout),
+                &|t| {
+                    sliced(t, &|q, k, v| {
+                        composed_attention(q, k, v, heads, mask, dropout)
+                    })
+                },
+                &[qkv.clone()],
+                tol,
+            );
+        }
     }
+    against_finite_differences(
+        "packed attention",
+        &|t| ops::packed_attention(&t[0], 2, Some(&pad), Some((0.2, 5))),
+        &[rand(&[b, s, 12], 34, 1.0, DType::F64)],
+    );
     against_finite_differences(
         "attention",
         &|t| ops::scaled_dot_product_attention(&t[0], &t[1], &t[2], 2, Some(&pad), Some((0.2, 5))),

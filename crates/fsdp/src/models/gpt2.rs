@@ -2,7 +2,7 @@
 //! blocks, `Conv1D` projections (weights stored [in, out]), learned positions, tanh GELU, and
 //! an output projection tied to the token embedding.
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use serde::Deserialize;
 
 use super::site_seed;
@@ -208,21 +208,13 @@ impl Gpt2LmHeadModel {
             let b = |leaf: &str| format!("transformer.h.{i}.{leaf}");
             let a = layer_norm(p, &b("ln_1"), &x, c.layer_norm_epsilon)?;
             let qkv = conv1d(p, &b("attn.c_attn"), &a, false)?;
-            let part = |i: usize| qkv.narrow(D::Minus1, i * c.n_embd, c.n_embd);
             let probs_dropout = match self.dropout_seed {
                 Some(seed) if c.attn_pdrop > 0.0 => {
                     Some((c.attn_pdrop, site_seed(seed, &b("attn.attn_dropout"))))
                 }
                 _ => None,
             };
-            let ctx = ops::scaled_dot_product_attention(
-                &part(0)?,
-                &part(1)?,
-                &part(2)?,
-                heads,
-                Some(&mask),
-                probs_dropout,
-            )?;
+            let ctx = ops::packed_attention(&qkv, heads, Some(&mask), probs_dropout)?;
             let attn = conv1d(p, &b("attn.c_proj"), &ctx, false)?;
             let attn = self.dropout(&attn, c.resid_pdrop, &b("attn.resid_dropout"))?;
             x = (x + p.module_output(&b("attn"), attn)?)?;

@@ -10,7 +10,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::dropout::keep;
 use super::{Float, float_dispatch, gemm_into, tensor, with_slice};
@@ -38,14 +38,29 @@ struct View<'a, T> {
     row: usize,
 }
 
-impl<T> View<'_, T> {
+impl<'a, T> View<'a, T> {
+    /// An operand in contiguous `[batch, seq, row]` data, `offset` elements into each row.
+    fn dense(data: &'a [T], seq: usize, row: usize, offset: usize) -> Self {
+        View {
+            data: &data[offset..],
+            batch: seq * row,
+            row,
+        }
+    }
+
     /// Elements from row 0 of `b`'s head `h` (head width `d`).
     fn head(&self, b: usize, h: usize, d: usize) -> &[T] {
         &self.data[b * self.batch + h * d..]
     }
 }
 
-fn view<'a, T: Float>(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<View<'a, T>> {
+/// The operand of `l` in `s`, starting `offset` elements into each row.
+fn view<'a, T: Float>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    offset: usize,
+    name: &str,
+) -> Result<View<'a, T>> {
     let stride = l.stride();
     if l.dims().len() != 3 || stride[2] != 1 {
         return Err(candle_core::Error::Msg(format!(
@@ -56,7 +71,7 @@ fn view<'a, T: Float>(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<View<
     let all =
         T::slice(s).ok_or_else(|| candle_core::Error::Msg(format!("{name}: unexpected dtype")))?;
     Ok(View {
-        data: &all[l.start_offset()..],
+        data: &all[l.start_offset() + offset..],
         batch: stride[0],
         row: stride[1],
     })
@@ -96,11 +111,9 @@ impl Sdpa {
             for (i, row) in s.chunks_mut(seq).enumerate() {
                 let mrow = &m[(base + if mq == 1 { 0 } else { i }) * mk..][..mk];
                 if mk == 1 {
-                    row.iter_mut().for_each(|v| *v = T::of(v.f() + mrow[0].f()));
+                    row.iter_mut().for_each(|v| *v += mrow[0]);
                 } else {
-                    for (v, &a) in row.iter_mut().zip(mrow) {
-                        *v = T::of(v.f() + a.f());
-                    }
+                    row.iter_mut().zip(mrow).for_each(|(v, &a)| *v += a);
                 }
             }
         }
@@ -118,6 +131,18 @@ impl Sdpa {
                 Ok(())
             }
         }
+    }
+
+    /// Runs `f` on the contiguous output and output gradient.
+    fn with_output_grad<T: Float, R>(
+        &self,
+        res: &Tensor,
+        grad: &Tensor,
+        f: impl FnOnce(&[T], &[T]) -> Result<R>,
+    ) -> Result<R> {
+        with_slice::<T, _>(res, "sdpa output", |o| {
+            with_slice::<T, _>(grad, "sdpa output gradient", |g| f(o, g))
+        })
     }
 
     /// Applies the dropout mask of (b, h) to probabilities `p` (scaled by 1/(1-p)).
@@ -176,6 +201,8 @@ impl Sdpa {
         Ok(out)
     }
 
+    /// Writes dQ, dK and dV into `dqkv`, a `[batch, seq, 3 * width]` buffer (q, k, v side by
+    /// side in each row, as a fused projection lays them out).
     #[allow(clippy::too_many_arguments)]
     fn backward<T: Float>(
         &self,
@@ -185,7 +212,8 @@ impl Sdpa {
         o: &[T],
         g: &[T],
         (batch, seq, width): (usize, usize, usize),
-    ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+        dqkv: &mut [T],
+    ) -> Result<()> {
         let d = width / self.heads;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if lse.len() != batch * self.heads * seq {
@@ -193,20 +221,15 @@ impl Sdpa {
                 "sdpa: backward without a matching forward".into(),
             ));
         }
-        let n = batch * seq * width;
-        let (mut dq, mut dk, mut dv) = (
-            vec![T::of(0.0); n],
-            vec![T::of(0.0); n],
-            vec![T::of(0.0); n],
-        );
+        let row = 3 * width;
         let mut p = vec![T::of(0.0); seq * seq];
         let mut dp = vec![T::of(0.0); seq * seq];
         let mut rowdot = vec![0f64; seq];
-        let keep_scale = self.dropout.map(|(prob, _)| 1.0 / (1.0 - prob));
         let run = |mask: Option<&[T]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
                     let at = b * seq * width + h * d;
+                    let dst = b * seq * row + h * d;
                     self.scores(q, k, mask, b, h, (seq, d), &mut p);
                     let l = (b * self.heads + h) * seq;
                     T::exp_rows_minus(&mut p, &lse[l..l + seq], seq);
@@ -222,8 +245,8 @@ impl Sdpa {
                         seq,
                         d,
                         seq,
-                        &mut dv[at..],
-                        width,
+                        &mut dqkv[dst + 2 * width..],
+                        row,
                         false,
                         dropped,
                         1,
@@ -261,18 +284,18 @@ impl Sdpa {
                     // dS = P (dP - D), dP = dP' * dropout mask / (1-p)
                     let base = ((b * self.heads + h) * seq * seq) as u64;
                     for (i, (prow, dprow)) in p.chunks(seq).zip(dp.chunks_mut(seq)).enumerate() {
-                        for (j, (pv, dv)) in prow.iter().zip(dprow.iter_mut()).enumerate() {
-                            let dpv = match (keep_scale, self.dropout) {
-                                (Some(s), Some((prob, seed))) => {
-                                    if keep(seed, base + (i * seq + j) as u64, prob) {
-                                        dv.f() * s
-                                    } else {
-                                        0.0
-                                    }
-                                }
-                                _ => dv.f(),
-                            };
-                            *dv = T::of(pv.f() * (dpv - rowdot[i]));
+                        let r = T::of(rowdot[i]);
+                        if let Some((prob, seed)) = self.dropout {
+                            let s = T::of(1.0 / (1.0 - prob));
+                            for (j, (&pv, dv)) in prow.iter().zip(dprow.iter_mut()).enumerate() {
+                                let kept = keep(seed, base + (i * seq + j) as u64, prob);
+                                let dpv = if kept { *dv * s } else { T::of(0.0) };
+                                *dv = pv * (dpv - r);
+                            }
+                        } else {
+                            prow.iter()
+                                .zip(dprow.iter_mut())
+                                .for_each(|(&pv, dv)| *dv = pv * (*dv - r));
                         }
                     }
                     // dQ = scale dS K; dK = scale dS^T Q
@@ -280,8 +303,8 @@ impl Sdpa {
                         seq,
                         d,
                         seq,
-                        &mut dq[at..],
-                        width,
+                        &mut dqkv[dst..],
+                        row,
                         false,
                         &dp,
                         seq,
@@ -295,8 +318,8 @@ impl Sdpa {
                         seq,
                         d,
                         seq,
-                        &mut dk[at..],
-                        width,
+                        &mut dqkv[dst + width..],
+                        row,
                         false,
                         &dp,
                         1,
@@ -310,7 +333,7 @@ impl Sdpa {
             }
         };
         self.with_mask(run)?;
-        Ok((dq, dk, dv))
+        Ok(())
     }
 }
 
@@ -318,6 +341,7 @@ fn dims3(l: &Layout) -> Result<(usize, usize, usize)> {
     l.shape().dims3()
 }
 
+/// Attention on three operands q, k, v.
 impl CustomOp3 for Sdpa {
     fn name(&self) -> &'static str {
         "fused-sdpa"
@@ -343,9 +367,9 @@ impl CustomOp3 for Sdpa {
         }
         float_dispatch!(s1.dtype(), self.name(), T => {
             let out = self.forward::<T>(
-                &view(s1, l1, self.name())?,
-                &view(s2, l2, self.name())?,
-                &view(s3, l3, self.name())?,
+                &view(s1, l1, 0, self.name())?,
+                &view(s2, l2, 0, self.name())?,
+                &view(s3, l3, 0, self.name())?,
                 shape,
             )?;
             Ok((T::storage(out), l1.shape().clone()))
@@ -361,49 +385,93 @@ impl CustomOp3 for Sdpa {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let shape = q_t.dims3()?;
-        let (_, s, w) = shape;
+        let (b, s, w) = shape;
         float_dispatch!(q_t.dtype(), self.name(), T => {
-            with_slice::<T, _>(q_t, self.name(), |q| {
+            let dqkv = with_slice::<T, _>(q_t, self.name(), |q| {
                 with_slice::<T, _>(k_t, self.name(), |k| {
                     with_slice::<T, _>(v_t, self.name(), |v| {
-                        with_slice::<T, _>(res, self.name(), |o| {
-                            with_slice::<T, _>(grad, self.name(), |g| {
-                                let (dq, dk, dv) = self.backward::<T>(
-                                    &View { data: q, batch: s * w, row: w },
-                                    &View { data: k, batch: s * w, row: w },
-                                    &View { data: v, batch: s * w, row: w },
-                                    o,
-                                    g,
-                                    shape,
-                                )?;
-                                Ok((
-                                    Some(tensor(dq, q_t.shape(), q_t)?),
-                                    Some(tensor(dk, k_t.shape(), k_t)?),
-                                    Some(tensor(dv, v_t.shape(), v_t)?),
-                                ))
-                            })
+                        self.with_output_grad::<T, _>(res, grad, |o, g| {
+                            let mut dqkv = vec![T::of(0.0); 3 * b * s * w];
+                            self.backward::<T>(
+                                &View::dense(q, s, w, 0),
+                                &View::dense(k, s, w, 0),
+                                &View::dense(v, s, w, 0),
+                                o,
+                                g,
+                                shape,
+                                &mut dqkv,
+                            )?;
+                            Ok(dqkv)
                         })
                     })
                 })
-            })
+            })?;
+            let dqkv = tensor(dqkv, &Shape::from((b, s, 3 * w)), q_t)?;
+            let part = |i: usize| dqkv.narrow(2, i * w, w).map(Some);
+            Ok((part(0)?, part(1)?, part(2)?))
         })
     }
 }
 
-/// `softmax(Q K^T / sqrt(head_dim) + mask) V` per head, with optional dropout
-/// `(probability, seed)` on the probabilities. `q`, `k`, `v`: `[batch, seq, heads * head_dim]`
-/// (rows may be strided); `mask`: additive, broadcastable to `[batch, heads, seq, seq]`
-/// (e.g. `[batch, 1, 1, seq]` padding or `[1, 1, seq, seq]` causal). Returns
-/// `[batch, seq, heads * head_dim]`.
-pub fn scaled_dot_product_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+/// Attention on one packed `[batch, seq, 3 * width]` projection (q, k, v side by side): its
+/// gradient is one tensor written in place, where slicing the projection would cost candle a
+/// zero-padded copy per slice in backward.
+struct PackedSdpa(Sdpa);
+
+impl PackedSdpa {
+    fn width(l: &Layout) -> Result<(usize, usize, usize)> {
+        let (b, s, w3) = dims3(l)?;
+        if w3 % 3 != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "sdpa: packed qkv {:?} is not three projections wide",
+                l.dims()
+            )));
+        }
+        Ok((b, s, w3 / 3))
+    }
+}
+
+impl CustomOp1 for PackedSdpa {
+    fn name(&self) -> &'static str {
+        "fused-sdpa-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let shape = Self::width(l)?;
+        let w = shape.2;
+        float_dispatch!(s.dtype(), self.name(), T => {
+            let part = |i| view::<T>(s, l, i * w, self.name());
+            let out = self.0.forward::<T>(&part(0)?, &part(1)?, &part(2)?, shape)?;
+            Ok((T::storage(out), Shape::from(shape)))
+        })
+    }
+
+    fn bwd(&self, qkv_t: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let shape = Self::width(qkv_t.layout())?;
+        let (b, s, w) = shape;
+        float_dispatch!(qkv_t.dtype(), self.name(), T => {
+            let dqkv = with_slice::<T, _>(qkv_t, self.name(), |qkv| {
+                self.0.with_output_grad::<T, _>(res, grad, |o, g| {
+                    let part = |i: usize| View::dense(qkv, s, 3 * w, i * w);
+                    let mut dqkv = vec![T::of(0.0); 3 * b * s * w];
+                    self.0.backward::<T>(&part(0), &part(1), &part(2), o, g, shape, &mut dqkv)?;
+                    Ok(dqkv)
+                })
+            })?;
+            Ok(Some(tensor(dqkv, qkv_t.shape(), qkv_t)?))
+        })
+    }
+}
+
+/// Checks the attention settings and builds the op (mask broadcast to
+/// `[batch, heads, seq, seq]`).
+fn sdpa_op(
+    (batch, seq, width): (usize, usize, usize),
+    dtype: candle_core::DType,
     heads: usize,
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
-) -> Result<Tensor> {
-    let (batch, seq, width) = q.dims3()?;
+) -> Result<Sdpa> {
     if heads == 0 || width % heads != 0 {
         return Err(candle_core::Error::Msg(format!(
             "sdpa: width {width} is not a multiple of {heads} heads"
@@ -435,17 +503,53 @@ pub fn scaled_dot_product_attention(
                 )));
             }
             Some(Mask {
-                values: m.detach().to_dtype(q.dtype())?.contiguous()?,
+                values: m.detach().to_dtype(dtype)?.contiguous()?,
                 dims,
             })
         }
     };
-    let op = Sdpa {
+    Ok(Sdpa {
         heads,
         scale: 1.0 / ((width / heads) as f64).sqrt(),
         mask,
         dropout: dropout.filter(|(p, _)| *p > 0.0),
         lse: Mutex::new(Vec::new()),
-    };
+    })
+}
+
+/// `softmax(Q K^T / sqrt(head_dim) + mask) V` per head, with optional dropout
+/// `(probability, seed)` on the probabilities. `q`, `k`, `v`: `[batch, seq, heads * head_dim]`
+/// (rows may be strided); `mask`: additive, broadcastable to `[batch, heads, seq, seq]`
+/// (e.g. `[batch, 1, 1, seq]` padding or `[1, 1, seq, seq]` causal). Returns
+/// `[batch, seq, heads * head_dim]`.
+pub fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    let op = sdpa_op(q.dims3()?, q.dtype(), heads, mask, dropout)?;
     q.apply_op3(k, v, op)
+}
+
+/// [`scaled_dot_product_attention`] on a fused projection `qkv` `[batch, seq, 3 * width]`
+/// holding q, k and v side by side (BERT's query/key/value or GPT-2's `c_attn` computed by
+/// one GEMM). Returns `[batch, seq, width]`.
+pub fn packed_attention(
+    qkv: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    let (b, s, w3) = qkv.dims3()?;
+    if w3 % 3 != 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "sdpa: packed qkv {:?} is not three projections wide",
+            qkv.dims()
+        )));
+    }
+    let op = sdpa_op((b, s, w3 / 3), qkv.dtype(), heads, mask, dropout)?;
+    qkv.apply_op1(PackedSdpa(op))
 }

@@ -9,7 +9,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::GeluApprox;
 
-use super::{Float, contiguous, float_dispatch, gemm_into, tensor, with_slice};
+use super::{Float, contiguous, float_dispatch, gemm_into, gemm_new, tensor, with_slice};
 
 /// `x W^T + b`, optionally followed by GELU in the same op: then the pre-activation is kept
 /// inside the op for backward instead of being a graph node of its own (one fewer
@@ -35,18 +35,18 @@ impl CustomOp3 for Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let (m, k, n) = linear_dims(l1, l2, l3)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
-            let y = linear_forward(
-                contiguous::<T>(s1, l1, self.name())?,
-                contiguous::<T>(s2, l2, self.name())?,
-                contiguous::<T>(s3, l3, self.name())?,
-                (m, k, n),
-            );
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let w = contiguous::<T>(s2, l2, self.name())?;
+            let b = contiguous::<T>(s3, l3, self.name())?;
             let out = match self.gelu {
-                None => y,
+                None => linear_forward(x, w, b, (m, k, n)),
                 Some(approx) => {
-                    let mut a = vec![T::of(0.0); y.len()];
-                    T::gelu_forward(&y, &[], &mut a, approx);
-                    *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(T::storage(y));
+                    // x W^T without the bias: GELU adds it on the fly (and its backward
+                    // yields the bias gradient), so the pre-activation is written once.
+                    let xw = gemm_new(m, n, k, x, k, 1, w, 1, k, 1.0);
+                    let mut a = vec![T::of(0.0); xw.len()];
+                    T::gelu_forward(&xw, b, &mut a, approx);
+                    *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(T::storage(xw));
                     a
                 }
             };
@@ -65,15 +65,19 @@ impl CustomOp3 for Linear {
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| {
                 let Some(approx) = self.gelu else {
-                    return linear_grads::<T>(x_t, w_t, b_t, g, self.name());
+                    let db = column_sums(g, b_t.elem_count());
+                    return linear_grads::<T>(x_t, w_t, b_t, g, db, self.name());
                 };
                 let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner());
-                let y = pre.as_ref().and_then(T::slice).ok_or_else(|| {
+                let xw = pre.as_ref().and_then(T::slice).ok_or_else(|| {
                     candle_core::Error::Msg("linear-gelu: backward without its forward".into())
                 })?;
-                let mut gy = vec![T::of(0.0); y.len()];
-                T::gelu_backward(y, &[], g, &mut gy, &mut [], approx);
-                linear_grads::<T>(x_t, w_t, b_t, &gy, self.name())
+                with_slice::<T, _>(b_t, self.name(), |b| {
+                    let mut gy = vec![T::of(0.0); xw.len()];
+                    let mut db = vec![0f64; b.len()];
+                    T::gelu_backward(xw, b, g, &mut gy, &mut db, approx);
+                    linear_grads::<T>(x_t, w_t, b_t, &gy, db, self.name())
+                })
             })
         })
     }
@@ -105,13 +109,25 @@ fn linear_dims(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, u
     Ok((m, k, n))
 }
 
-/// Gradients of `x W^T + b` for output gradient `g` [m, n]: dx = g W, dW = g^T x, db = column
-/// sums of g, with two direct GEMMs.
+/// Column sums of `g` (rows of length `n`), accumulated in f64.
+fn column_sums<T: Float>(g: &[T], n: usize) -> Vec<f64> {
+    let mut db = vec![0f64; n];
+    for row in g.chunks(n.max(1)) {
+        for (acc, v) in db.iter_mut().zip(row) {
+            *acc += v.f();
+        }
+    }
+    db
+}
+
+/// Gradients of `x W^T + b` for output gradient `g` [m, n] and bias gradient `db`:
+/// dx = g W and dW = g^T x with two direct GEMMs.
 fn linear_grads<T: Float>(
     x_t: &Tensor,
     w_t: &Tensor,
     b_t: &Tensor,
     g: &[T],
+    db: Vec<f64>,
     name: &str,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let (m, k) = x_t.dims2()?;
@@ -119,17 +135,9 @@ fn linear_grads<T: Float>(
     with_slice::<T, _>(x_t, name, |x| {
         with_slice::<T, _>(w_t, name, |w| {
             // dx[m×k] = g[m×n] · W[n×k]
-            let mut dx = vec![T::of(0.0); m * k];
-            gemm_into(m, k, n, &mut dx, k, false, g, n, 1, w, k, 1, 1.0);
+            let dx = gemm_new(m, k, n, g, n, 1, w, k, 1, 1.0);
             // dW[n×k] = g^T[n×m] · x[m×k]
-            let mut dw = vec![T::of(0.0); n * k];
-            gemm_into(n, k, m, &mut dw, k, false, g, 1, n, x, k, 1, 1.0);
-            let mut db = vec![0f64; n];
-            for row in g.chunks(n.max(1)) {
-                for (acc, v) in db.iter_mut().zip(row) {
-                    *acc += v.f();
-                }
-            }
+            let dw = gemm_new(n, k, m, g, 1, n, x, k, 1, 1.0);
             let db: Vec<T> = db.into_iter().map(T::of).collect();
             Ok((
                 Some(tensor(dx, x_t.shape(), x_t)?),

@@ -11,7 +11,7 @@ mod norm;
 mod simd;
 mod softmax;
 
-pub use attention::scaled_dot_product_attention;
+pub use attention::{packed_attention, scaled_dot_product_attention};
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
@@ -346,4 +346,61 @@ fn gemm_into<T: Float>(
             parallelism(),
         )
     }
+}
+
+/// `scale · lhs[m×k] · rhs[k×n]` into a new row-major vector, written by the GEMM directly
+/// (no zero-fill first: outputs here are activation- and weight-sized).
+#[allow(clippy::too_many_arguments)]
+fn gemm_new<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: &[T],
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: &[T],
+    rhs_rs: usize,
+    rhs_cs: usize,
+    scale: f64,
+) -> Vec<T> {
+    if m == 0 || n == 0 || k == 0 {
+        return vec![T::of(0.0); m * n];
+    }
+    assert!(
+        lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
+        "gemm: lhs too short"
+    );
+    assert!(
+        rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
+        "gemm: rhs too short"
+    );
+    let mut dst: Vec<T> = Vec::with_capacity(m * n);
+    // SAFETY: the assertions keep the operands' indices inside their slices; the destination
+    // is the vector's m·n reserved elements, which a GEMM that does not read its destination
+    // (`read_dst` false) writes in full before the length is set.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            T::of(0.0),
+            T::of(scale),
+            false,
+            false,
+            false,
+            parallelism(),
+        );
+        dst.set_len(m * n);
+    }
+    dst
 }
