@@ -544,7 +544,7 @@ fn scaled_dot_product_attention() {
                     composed_attention(q, k, v, heads, Some(&causal), None)
                 })
             },
-            &[qkv.clone()],
+            std::slice::from_ref(&qkv),
             tol,
         );
         // The same projection through the packed op (one gradient for the whole projection).
@@ -557,7 +557,7 @@ fn scaled_dot_product_attention() {
                         composed_attention(q, k, v, heads, mask, dropout)
                     })
                 },
-                &[qkv.clone()],
+                std::slice::from_ref(&qkv),
                 tol,
             );
         }
