@@ -15,18 +15,18 @@ macro_rules! multiversion {
         pub(crate) fn $name($($arg: $ty),*) {
             #[inline(always)]
             #[allow(clippy::too_many_arguments)]
-            fn portable($($arg: $ty),*) $body
+            fn portable<const FMA: bool>($($arg: $ty),*) $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 fn avx512($($arg: $ty),*) {
-                    portable($($arg),*)
+                    portable::<true>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 fn avx2($($arg: $ty),*) {
-                    portable($($arg),*)
+                    portable::<true>($($arg),*)
                 }
                 if std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512vl")
@@ -41,9 +41,16 @@ macro_rules! multiversion {
                     return unsafe { avx2($($arg),*) };
                 }
             }
-            portable($($arg),*)
+            portable::<false>($($arg),*)
         }
     };
+}
+
+/// `a * b + c`, fused into one instruction in the FMA builds (`F`); plain in the baseline,
+/// where `mul_add` would be a slow library call.
+#[inline(always)]
+fn fma<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if F { a.mul_add(b, c) } else { a * b + c }
 }
 
 /// Independent accumulators in reductions (vectorisable, unlike one sequential sum).
@@ -51,21 +58,19 @@ const LANES: usize = 16;
 
 /// e^x, branch-free.
 #[inline(always)]
-pub(crate) fn exp(x: f32) -> f32 {
+pub(crate) fn exp<const F: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let c = x.clamp(-87.0, 88.0);
-    let t = c * LOG2E + ROUND;
+    let t = fma::<F>(c, LOG2E, ROUND);
     let n = t - ROUND;
-    let r = c - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0
-                    + r * (1.0 / 24.0
-                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let r = fma::<F>(-n, LN2_LO, fma::<F>(-n, LN2_HI, c));
+    let mut p = 1.0 / 5040.0;
+    for coef in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = fma::<F>(p, r, coef);
+    }
     // n sits in the low mantissa bits of t (|n| < 2^22): 2^n from integer operations only
     // (a float-to-int cast would not vectorise, as Rust's `as` saturates).
     let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits());
@@ -76,21 +81,22 @@ pub(crate) fn exp(x: f32) -> f32 {
 
 /// erf(x) and e^{-x^2} (the latter is needed by GELU's derivative).
 #[inline(always)]
-fn erf_and_gauss(x: f32) -> (f32, f32) {
+fn erf_and_gauss<const F: bool>(x: f32) -> (f32, f32) {
     let z = x.abs();
-    let e = exp(-z * z);
-    let t = 1.0 / (1.0 + 0.327_591_1 * z);
-    let poly = t
-        * (0.254_829_6
-            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
-    let r = 1.0 - poly * e;
+    let e = exp::<F>(-z * z);
+    let t = 1.0 / fma::<F>(0.327_591_1, z, 1.0);
+    let mut poly = 1.061_405_4;
+    for coef in [-1.453_152_1, 1.421_413_7, -0.284_496_74, 0.254_829_6] {
+        poly = fma::<F>(poly, t, coef);
+    }
+    let r = fma::<F>(-poly * t, e, 1.0);
     (if x < 0.0 { -r } else { r }, e)
 }
 
 /// tanh(u) = 1 - 2 / (e^{2u} + 1).
 #[inline(always)]
-fn tanh(u: f32) -> f32 {
-    1.0 - 2.0 / (exp(2.0 * u) + 1.0)
+fn tanh<const F: bool>(u: f32) -> f32 {
+    1.0 - 2.0 / (exp::<F>(2.0 * u) + 1.0)
 }
 
 const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
@@ -99,21 +105,23 @@ const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
 /// (gelu(x), gelu'(x)), exact (erf) form.
 #[inline(always)]
-fn gelu_erf(x: f32) -> (f32, f32) {
-    let (erf, gauss) = erf_and_gauss(x * INV_SQRT_2);
-    let cdf = 0.5 * (1.0 + erf);
-    (x * cdf, cdf + x * INV_SQRT_2PI * gauss)
+fn gelu_erf<const F: bool>(x: f32) -> (f32, f32) {
+    let (erf, gauss) = erf_and_gauss::<F>(x * INV_SQRT_2);
+    let cdf = fma::<F>(0.5, erf, 0.5);
+    (x * cdf, fma::<F>(x * INV_SQRT_2PI, gauss, cdf))
 }
 
 /// (gelu(x), gelu'(x)), tanh form.
 #[inline(always)]
-fn gelu_tanh(x: f32) -> (f32, f32) {
-    let inner = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
-    let t = tanh(inner);
-    let dinner = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x * x);
+fn gelu_tanh<const F: bool>(x: f32) -> (f32, f32) {
+    let x2 = x * x;
+    let inner = SQRT_2_OVER_PI * x * fma::<F>(0.044_715, x2, 1.0);
+    let t = tanh::<F>(inner);
+    let dinner = SQRT_2_OVER_PI * fma::<F>(3.0 * 0.044_715, x2, 1.0);
+    let half = fma::<F>(0.5, t, 0.5);
     (
-        0.5 * x * (1.0 + t),
-        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner,
+        x * half,
+        fma::<F>(0.5 * x * fma::<F>(-t, t, 1.0), dinner, half),
     )
 }
 
@@ -124,14 +132,14 @@ multiversion! {
         for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
             if tanh_form {
                 if bias.is_empty() {
-                    xr.iter().zip(or.iter_mut()).for_each(|(&v, o)| *o = gelu_tanh(v).0);
+                    xr.iter().zip(or.iter_mut()).for_each(|(&v, o)| *o = gelu_tanh::<FMA>(v).0);
                 } else {
-                    xr.iter().zip(bias).zip(or.iter_mut()).for_each(|((&v, &b), o)| *o = gelu_tanh(v + b).0);
+                    xr.iter().zip(bias).zip(or.iter_mut()).for_each(|((&v, &b), o)| *o = gelu_tanh::<FMA>(v + b).0);
                 }
             } else if bias.is_empty() {
-                xr.iter().zip(or.iter_mut()).for_each(|(&v, o)| *o = gelu_erf(v).0);
+                xr.iter().zip(or.iter_mut()).for_each(|(&v, o)| *o = gelu_erf::<FMA>(v).0);
             } else {
-                xr.iter().zip(bias).zip(or.iter_mut()).for_each(|((&v, &b), o)| *o = gelu_erf(v + b).0);
+                xr.iter().zip(bias).zip(or.iter_mut()).for_each(|((&v, &b), o)| *o = gelu_erf::<FMA>(v + b).0);
             }
         }
     }
@@ -146,21 +154,21 @@ multiversion! {
             if bias.is_empty() {
                 if tanh_form {
                     for ((&v, &gv), o) in xr.iter().zip(gr).zip(dr.iter_mut()) {
-                        *o = gv * gelu_tanh(v).1;
+                        *o = gv * gelu_tanh::<FMA>(v).1;
                     }
                 } else {
                     for ((&v, &gv), o) in xr.iter().zip(gr).zip(dr.iter_mut()) {
-                        *o = gv * gelu_erf(v).1;
+                        *o = gv * gelu_erf::<FMA>(v).1;
                     }
                 }
             } else {
                 if tanh_form {
                     for (((&v, &b), &gv), o) in xr.iter().zip(bias).zip(gr).zip(dr.iter_mut()) {
-                        *o = gv * gelu_tanh(v + b).1;
+                        *o = gv * gelu_tanh::<FMA>(v + b).1;
                     }
                 } else {
                     for (((&v, &b), &gv), o) in xr.iter().zip(bias).zip(gr).zip(dr.iter_mut()) {
-                        *o = gv * gelu_erf(v + b).1;
+                        *o = gv * gelu_erf::<FMA>(v + b).1;
                     }
                 }
                 for (acc, &v) in dbias.iter_mut().zip(dr.iter()) {
@@ -178,7 +186,7 @@ multiversion! {
         let d = d.max(1);
         for (row, l) in s.chunks_mut(d).zip(lse.iter_mut()) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            row.iter_mut().for_each(|v| *v = exp(*v - max));
+            row.iter_mut().for_each(|v| *v = exp::<FMA>(*v - max));
             let mut acc = [0f32; LANES];
             for chunk in row.chunks(LANES) {
                 for (a, &v) in acc.iter_mut().zip(chunk) {
@@ -200,7 +208,7 @@ multiversion! {
         let d = d.max(1);
         for (row, &l) in s.chunks_mut(d).zip(lse) {
             let l = l as f32;
-            row.iter_mut().for_each(|v| *v = exp(*v - l));
+            row.iter_mut().for_each(|v| *v = exp::<FMA>(*v - l));
         }
     }
 }
@@ -315,14 +323,15 @@ mod tests {
         let mut x = -87.0f32;
         while x < 88.0 {
             let want = (x as f64).exp();
-            let got = exp(x) as f64;
+            let got = exp::<false>(x) as f64;
+            worst = worst.max(((exp::<true>(x) as f64 - want) / want).abs());
             worst = worst.max(((got - want) / want).abs());
             x += 0.0137;
         }
         assert!(worst < 2.5e-7, "relative error {worst:e}");
-        assert_eq!(exp(-100.0), 0.0);
-        assert_eq!(exp(f32::MIN), 0.0);
-        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp::<false>(-100.0), 0.0);
+        assert_eq!(exp::<true>(f32::MIN), 0.0);
+        assert_eq!(exp::<false>(0.0), 1.0);
     }
 
     #[test]
@@ -331,11 +340,15 @@ mod tests {
         let mut worst_gelu = 0f64;
         let mut x = -8.0f32;
         while x < 8.0 {
-            let (erf, _) = erf_and_gauss(x);
-            worst_erf = worst_erf.max((erf as f64 - libm::erf(x as f64)).abs());
             let xf = x as f64;
             let want = 0.5 * xf * (1.0 + libm::erf(xf / std::f64::consts::SQRT_2));
-            worst_gelu = worst_gelu.max((gelu_erf(x).0 as f64 - want).abs() / xf.abs().max(1.0));
+            for (erf, gelu) in [
+                (erf_and_gauss::<false>(x).0, gelu_erf::<false>(x).0),
+                (erf_and_gauss::<true>(x).0, gelu_erf::<true>(x).0),
+            ] {
+                worst_erf = worst_erf.max((erf as f64 - libm::erf(xf)).abs());
+                worst_gelu = worst_gelu.max((gelu as f64 - want).abs() / xf.abs().max(1.0));
+            }
             x += 0.001;
         }
         assert!(worst_erf < 1e-6, "erf error {worst_erf:e}");
