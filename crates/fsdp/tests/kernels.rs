@@ -577,3 +577,45 @@ fn scaled_dot_product_attention() {
         ],
     );
 }
+
+/// candle's backward (patched in vendor/candle-core to store a node's first gradient instead of
+/// adding it to zeros) still sums every path: fan-in through add, mul and a fused op, a
+/// variable used twice by one op, and a broadcast whose gradient arrives strided.
+#[test]
+fn backward_sums_gradients_over_every_path() {
+    let x = Var::from_tensor(&rand(&[3, 4], 41, 1.0, DType::F64)).unwrap();
+    let w = rand(&[3, 4], 42, 1.0, DType::F64);
+    let b = Var::from_tensor(&rand(&[4], 43, 1.0, DType::F64)).unwrap();
+    let xt = x.as_tensor();
+    // f = sum(x * w) + sum(x + x) + sum(gelu(x) * w) + sum(x * x) + sum(x + broadcast(b))
+    let f = ((xt * &w).unwrap().sum_all().unwrap()
+        + (xt + xt).unwrap().sum_all().unwrap()
+        + (ops::gelu(xt, GeluApprox::Erf).unwrap() * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+        + (xt * xt).unwrap().sum_all().unwrap()
+        + xt.broadcast_add(b.as_tensor()).unwrap().sum_all().unwrap())
+    .unwrap();
+    let grads = f.backward().unwrap();
+    let gx: Vec<Vec<f64>> = grads.get(&x).unwrap().to_vec2().unwrap();
+    let gb: Vec<f64> = grads.get(&b).unwrap().to_vec1().unwrap();
+    let xv: Vec<Vec<f64>> = xt.to_vec2().unwrap();
+    let wv: Vec<Vec<f64>> = w.to_vec2().unwrap();
+    let gelu_grad = |v: f64| {
+        let cdf = 0.5 * (1.0 + libm::erf(v / std::f64::consts::SQRT_2));
+        cdf + v * (-0.5 * v * v).exp() / (2.0 * std::f64::consts::PI).sqrt()
+    };
+    for i in 0..3 {
+        for j in 0..4 {
+            let (v, wij) = (xv[i][j], wv[i][j]);
+            let want = wij + 2.0 + wij * gelu_grad(v) + 2.0 * v + 1.0;
+            assert!(
+                (gx[i][j] - want).abs() < 1e-12,
+                "dx[{i}][{j}] {} vs {want}",
+                gx[i][j]
+            );
+        }
+    }
+    assert!(gb.iter().all(|&g| (g - 3.0).abs() < 1e-12), "db {gb:?}");
+}

@@ -68,7 +68,15 @@ pub(crate) fn exp<const F: bool>(x: f32) -> f32 {
     let n = t - ROUND;
     let r = fma::<F>(-n, LN2_LO, fma::<F>(-n, LN2_HI, c));
     let mut p = 1.0 / 5040.0;
-    for coef in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    for coef in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
         p = fma::<F>(p, r, coef);
     }
     // n sits in the low mantissa bits of t (|n| < 2^22): 2^n from integer operations only
