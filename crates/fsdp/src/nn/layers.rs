@@ -94,16 +94,3 @@ pub fn add_layer_norm(
     )?;
     p.module_output(path, y)
 }
-
-/// Multi-head scaled dot-product attention on projections `q`, `k`, `v`
-/// `[batch, seq, heads * head_dim]` with an additive mask broadcastable to
-/// `[batch, heads, seq, seq]`, as one fused op; returns `[batch, seq, heads * head_dim]`.
-pub fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    heads: usize,
-    mask: Option<&Tensor>,
-) -> Result<Tensor> {
-    ops::scaled_dot_product_attention(q, k, v, heads, mask, None)
-}
