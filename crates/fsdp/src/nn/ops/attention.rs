@@ -224,7 +224,7 @@ impl Sdpa {
         let row = 3 * width;
         let mut p = vec![T::of(0.0); seq * seq];
         let mut dp = vec![T::of(0.0); seq * seq];
-        let mut rowdot = vec![0f64; seq];
+        let mut rowdot = vec![T::of(0.0); seq];
         let run = |mask: Option<&[T]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
@@ -275,16 +275,12 @@ impl Sdpa {
                     // D_i = sum_j P'_ij dP'_ij = dO_i . O_i
                     for (i, r) in rowdot.iter_mut().enumerate() {
                         let row = at + i * width;
-                        *r = g[row..row + d]
-                            .iter()
-                            .zip(&o[row..row + d])
-                            .map(|(a, b)| a.f() * b.f())
-                            .sum();
+                        *r = dot(&g[row..row + d], &o[row..row + d]);
                     }
                     // dS = P (dP - D), dP = dP' * dropout mask / (1-p)
                     let base = ((b * self.heads + h) * seq * seq) as u64;
                     for (i, (prow, dprow)) in p.chunks(seq).zip(dp.chunks_mut(seq)).enumerate() {
-                        let r = T::of(rowdot[i]);
+                        let r = rowdot[i];
                         if let Some((prob, seed)) = self.dropout {
                             let s = T::of(1.0 / (1.0 - prob));
                             for (j, (&pv, dv)) in prow.iter().zip(dprow.iter_mut()).enumerate() {
@@ -335,6 +331,18 @@ impl Sdpa {
         self.with_mask(run)?;
         Ok(())
     }
+}
+
+/// `a · b` with independent partial sums (vectorisable).
+fn dot<T: Float>(a: &[T], b: &[T]) -> T {
+    const LANES: usize = 8;
+    let mut acc = [T::of(0.0); LANES];
+    for (ac, bc) in a.chunks(LANES).zip(b.chunks(LANES)) {
+        for ((s, &x), &y) in acc.iter_mut().zip(ac).zip(bc) {
+            *s += x * y;
+        }
+    }
+    acc.iter().fold(T::of(0.0), |s, &x| s + x)
 }
 
 fn dims3(l: &Layout) -> Result<(usize, usize, usize)> {

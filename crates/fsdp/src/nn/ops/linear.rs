@@ -109,13 +109,19 @@ fn linear_dims(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, u
     Ok((m, k, n))
 }
 
-/// Column sums of `g` (rows of length `n`), accumulated in f64.
+/// Column sums of `g` (rows of length `n`): blocks of rows summed in `T` (vectorised), the
+/// blocks accumulated in f64.
 fn column_sums<T: Float>(g: &[T], n: usize) -> Vec<f64> {
+    const BLOCK_ROWS: usize = 32;
+    let n = n.max(1);
     let mut db = vec![0f64; n];
-    for row in g.chunks(n.max(1)) {
-        for (acc, v) in db.iter_mut().zip(row) {
-            *acc += v.f();
+    let mut block = vec![T::of(0.0); n];
+    for rows in g.chunks(n * BLOCK_ROWS) {
+        block.iter_mut().for_each(|b| *b = T::of(0.0));
+        for row in rows.chunks(n) {
+            block.iter_mut().zip(row).for_each(|(b, &v)| *b += v);
         }
+        db.iter_mut().zip(&block).for_each(|(d, b)| *d += b.f());
     }
     db
 }

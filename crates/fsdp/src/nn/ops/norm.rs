@@ -184,7 +184,7 @@ impl CustomOp3 for AddLayerNorm {
             let gb = contiguous::<T>(s3, l3, self.name())?;
             let (_, d) = rows(l1.shape());
             check_param(self.name(), gb.len(), 2 * d)?;
-            let sum: Vec<T> = x.iter().zip(r).map(|(a, b)| T::of(a.f() + b.f())).collect();
+            let sum: Vec<T> = x.iter().zip(r).map(|(&a, &b)| a + b).collect();
             let y = T::norm_forward(&sum, &gb[..d], Some(&gb[d..]), d, self.eps, true);
             Ok((T::storage(y), l1.shape().clone()))
         })
@@ -204,7 +204,7 @@ impl CustomOp3 for AddLayerNorm {
                     with_slice::<T, _>(gb_t, self.name(), |gb| {
                         with_slice::<T, _>(grad, self.name(), |g| {
                             let d = gb.len() / 2;
-                            let sum: Vec<T> = x.iter().zip(r).map(|(a, b)| T::of(a.f() + b.f())).collect();
+                            let sum: Vec<T> = x.iter().zip(r).map(|(&a, &b)| a + b).collect();
                             let (ds, dgamma, dbeta) = T::norm_backward(&sum, &gb[..d], g, d, self.eps, true);
                             let mut dgb = dgamma;
                             dgb.extend(dbeta);

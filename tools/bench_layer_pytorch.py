@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""The PyTorch anchor for `fsdp bench layer`: one BERT encoder layer (post-norm, exact GELU),
+forward and forward+backward on one thread, with the same shapes and the same timing rules
+(two warm-ups, then median and minimum over the repetitions; backward seeded like
+`y.backward(w)` with the input requiring a gradient). Prints a table and one JSON line.
+
+Needs torch (`pip install torch`); not part of the test suite.
+"""
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+class BertLayer(torch.nn.Module):
+    def __init__(self, hidden, heads, intermediate, sdpa):
+        super().__init__()
+        self.heads, self.sdpa = heads, sdpa
+        self.query = torch.nn.Linear(hidden, hidden)
+        self.key = torch.nn.Linear(hidden, hidden)
+        self.value = torch.nn.Linear(hidden, hidden)
+        self.attn_out = torch.nn.Linear(hidden, hidden)
+        self.ln1 = torch.nn.LayerNorm(hidden, eps=1e-12)
+        self.inter = torch.nn.Linear(hidden, intermediate)
+        self.out = torch.nn.Linear(intermediate, hidden)
+        self.ln2 = torch.nn.LayerNorm(hidden, eps=1e-12)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        d = h // self.heads
+        split = lambda t: t.view(b, s, self.heads, d).transpose(1, 2)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        if self.sdpa:
+            ctx = F.scaled_dot_product_attention(q, k, v)
+        else:
+            probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1)
+            ctx = probs @ v
+        ctx = ctx.transpose(1, 2).reshape(b, s, h)
+        a = self.ln1(self.attn_out(ctx) + x)
+        return self.ln2(self.out(F.gelu(self.inter(a))) + a)
+
+
+def timed(reps, f):
+    f()
+    f()
+    ms = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ms.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ms), min(ms)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=30)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    x = torch.randn(a.batch, a.seq, a.hidden, requires_grad=True)
+    w = torch.randn(a.batch, a.seq, a.hidden)
+    rows = []
+    for sdpa in (False, True):
+        layer = BertLayer(a.hidden, a.heads, a.intermediate, sdpa)
+
+        def fwd():
+            with torch.no_grad():
+                layer(x)
+
+        def fwd_bwd():
+            layer(x).backward(w)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        fm, fmin = timed(a.reps, fwd)
+        am, amin = timed(a.reps, fwd_bwd)
+        rows.append(("layer (sdpa)" if sdpa else "layer (eager attention)", fm, fmin, am, amin))
+    print(f"PyTorch {torch.__version__}, one BERT layer, f32, batch {a.batch} seq {a.seq} "
+          f"hidden {a.hidden} heads {a.heads} intermediate {a.intermediate}, {a.threads} thread(s)")
+    print(f"{'part':<26} {'fwd_med':>10} {'fwd_min':>10} {'fwd+bwd_med':>12} {'fwd+bwd_min':>12}")
+    for name, fm, fmin, am, amin in rows:
+        print(f"{name:<26} {fm:8.2f}ms {fmin:8.2f}ms {am:10.2f}ms {amin:10.2f}ms")
+    print(json.dumps({
+        "benchmark": "layer-pytorch", "torch": torch.__version__, "threads": a.threads,
+        "reps": a.reps,
+        "results": [{"part": n, "forward_median_ms": fm, "forward_min_ms": fmin,
+                     "forward_backward_median_ms": am, "forward_backward_min_ms": amin}
+                    for n, fm, fmin, am, amin in rows],
+    }))
+
+
+if __name__ == "__main__":
+    main()
