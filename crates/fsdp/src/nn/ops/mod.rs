@@ -312,38 +312,16 @@ fn gemm_into<T: Float>(
         dst.len() >= (m - 1) * dst_rs + n,
         "gemm: destination too short"
     );
-    if k > 0 {
-        assert!(
-            lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
-            "gemm: lhs too short"
-        );
-        assert!(
-            rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
-            "gemm: rhs too short"
-        );
-    }
-    // SAFETY: the assertions above keep every index the strides reach inside the slices.
+    // SAFETY: the assertion above keeps every destination index inside `dst`.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
+        gemm_raw(
+            (m, n, k),
             dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
+            dst_rs,
             accumulate,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            T::of(1.0),
-            T::of(scale),
-            false,
-            false,
-            false,
-            parallelism(),
+            (lhs, lhs_rs, lhs_cs),
+            (rhs, rhs_rs, rhs_cs),
+            scale,
         )
     }
 }
@@ -366,41 +344,73 @@ fn gemm_new<T: Float>(
     if m == 0 || n == 0 || k == 0 {
         return vec![T::of(0.0); m * n];
     }
-    assert!(
-        lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
-        "gemm: lhs too short"
-    );
-    assert!(
-        rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
-        "gemm: rhs too short"
-    );
     let mut dst: Vec<T> = Vec::with_capacity(m * n);
-    // SAFETY: the assertions keep the operands' indices inside their slices; the destination
-    // is the vector's m·n reserved elements, which a GEMM that does not read its destination
-    // (`read_dst` false) writes in full before the length is set.
+    // SAFETY: the destination is the vector's m·n reserved elements, which a GEMM that does
+    // not read its destination (`accumulate` false) writes in full before the length is set.
+    unsafe {
+        gemm_raw(
+            (m, n, k),
+            dst.as_mut_ptr(),
+            n,
+            false,
+            (lhs, lhs_rs, lhs_cs),
+            (rhs, rhs_rs, rhs_cs),
+            scale,
+        );
+        dst.set_len(m * n);
+    }
+    dst
+}
+
+/// The one call into `gemm`; checks that the operands' strides stay inside their slices.
+///
+/// # Safety
+/// `dst` must be valid for writes (and for reads when `accumulate`) at every
+/// `i * dst_rs + j`, `i < m`, `j < n`.
+unsafe fn gemm_raw<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): (&[T], usize, usize),
+    (rhs, rhs_rs, rhs_cs): (&[T], usize, usize),
+    scale: f64,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k > 0 {
+        assert!(
+            lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
+            "gemm: lhs too short"
+        );
+        assert!(
+            rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
+            "gemm: rhs too short"
+        );
+    }
+    // SAFETY: the caller vouches for `dst`; the assertions above for the operands.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
-            n as isize,
-            false,
+            dst_rs as isize,
+            accumulate,
             lhs.as_ptr(),
             lhs_cs as isize,
             lhs_rs as isize,
             rhs.as_ptr(),
             rhs_cs as isize,
             rhs_rs as isize,
-            T::of(0.0),
+            T::of(1.0),
             T::of(scale),
             false,
             false,
             false,
             parallelism(),
-        );
-        dst.set_len(m * n);
+        )
     }
-    dst
 }
