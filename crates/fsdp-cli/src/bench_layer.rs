@@ -10,8 +10,8 @@ use fsdp::models::{BertConfig, BertModel};
 use fsdp::nn::candle::{
     CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, backend::BackendStorage,
 };
-use fsdp::nn::layers::{add_layer_norm, linear, linear_gelu, stacked_linear};
-use fsdp::nn::ops::{GeluApprox, packed_attention};
+use fsdp::nn::layers::{add_layer_norm, linear, linear_gelu};
+use fsdp::nn::ops::{GeluApprox, scaled_dot_product_attention};
 use fsdp::nn::{LocalParams, Params};
 
 /// Options of `fsdp bench layer`.
@@ -159,18 +159,22 @@ pub fn run(a: LayerArgs) -> Result<()> {
     };
     let xh = rand(&[b, s, h])?;
     let xi = rand(&[b, s, i])?;
-    let qkv = rand(&[b, s, 3 * h])?;
+    let qkv = [rand(&[b, s, h])?, rand(&[b, s, h])?, rand(&[b, s, h])?];
     type Part<'a> = (&'static str, Box<dyn Fn() -> Result<Tensor> + 'a>);
     let parts: Vec<Part> = vec![
         (
-            "linear h->3h (query, key, value stacked)",
+            "3 x linear h->h (query, key, value)",
             Box::new(|| {
-                let l = |leaf: &str| format!("encoder.layer.0.attention.self.{leaf}");
-                Ok(stacked_linear(
-                    p,
-                    &[&l("query"), &l("key"), &l("value")],
-                    xh.as_tensor(),
-                )?)
+                let mut acc: Option<Tensor> = None;
+                for leaf in ["query", "key", "value"] {
+                    let path = format!("encoder.layer.0.attention.self.{leaf}");
+                    let y = linear(p, &path, xh.as_tensor())?;
+                    acc = Some(match acc {
+                        None => y,
+                        Some(a) => (a + y)?,
+                    });
+                }
+                acc.context("no projections")
             }),
         ),
         (
@@ -185,7 +189,17 @@ pub fn run(a: LayerArgs) -> Result<()> {
         ),
         (
             "attention (scores, softmax, context)",
-            Box::new(|| Ok(packed_attention(qkv.as_tensor(), a.heads, None, None)?)),
+            Box::new(|| {
+                let [q, k, v] = &qkv;
+                Ok(scaled_dot_product_attention(
+                    q.as_tensor(),
+                    k.as_tensor(),
+                    v.as_tensor(),
+                    a.heads,
+                    None,
+                    None,
+                )?)
+            }),
         ),
         (
             "linear h->i + gelu",

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::site_seed;
 use crate::nn::layers::{
     add_layer_norm, embedding, embedding_info, layer_norm, layer_norm_info, linear, linear_gelu,
-    linear_info, stacked_linear,
+    linear_info,
 };
 use crate::nn::module::{ModuleInfo, Params};
 use crate::nn::ops::{self, GeluApprox};
@@ -307,15 +307,11 @@ impl BertModel {
         c.head_dim()?; // checks that the heads divide the hidden size
         let heads = c.num_attention_heads;
         let l = |leaf: &str| join(&self.prefix, &format!("encoder.layer.{i}.{leaf}"));
-        let qkv = stacked_linear(
-            p,
-            &[
-                &l("attention.self.query"),
-                &l("attention.self.key"),
-                &l("attention.self.value"),
-            ],
-            hidden,
-        )?;
+        // Three GEMMs, not one over stacked weights: a stacked copy of the weights would stay
+        // alive in the graph until backward, outside what FSDP frees after the forward.
+        let q = linear(p, &l("attention.self.query"), hidden)?;
+        let k = linear(p, &l("attention.self.key"), hidden)?;
+        let v = linear(p, &l("attention.self.value"), hidden)?;
         let probs_dropout = match self.dropout_seed {
             Some(seed) if c.attention_probs_dropout_prob > 0.0 => Some((
                 c.attention_probs_dropout_prob,
@@ -323,7 +319,7 @@ impl BertModel {
             )),
             _ => None,
         };
-        let ctx = ops::packed_attention(&qkv, heads, mask, probs_dropout)?;
+        let ctx = ops::scaled_dot_product_attention(&q, &k, &v, heads, mask, probs_dropout)?;
         let ctx = p.module_output(&l("attention.self"), ctx)?;
         let attn = linear(p, &l("attention.output.dense"), &ctx)?;
         let attn = self.dropout(&attn, c.hidden_dropout_prob, &l("attention.output"))?;

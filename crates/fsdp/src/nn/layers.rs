@@ -20,25 +20,6 @@ pub fn linear(p: &dyn Params, path: &str, x: &Tensor) -> Result<Tensor> {
     p.module_output(path, ops::linear(x, &w, &b)?)
 }
 
-/// Several `Linear` modules applied to the same `x` as one GEMM (their weights stacked):
-/// their outputs side by side in the last dimension, in the order of `paths` (BERT's query,
-/// key and value as one projection). Each module still reports the output it is part of.
-pub fn stacked_linear(p: &dyn Params, paths: &[&str], x: &Tensor) -> Result<Tensor> {
-    let get = |leaf: &str| -> Result<Vec<Tensor>> {
-        paths
-            .iter()
-            .map(|path| p.get(&format!("{path}.{leaf}")))
-            .collect()
-    };
-    let w = Tensor::cat(&get("weight")?, 0)?;
-    let b = Tensor::cat(&get("bias")?, 0)?;
-    let mut y = ops::linear(x, &w, &b)?;
-    for path in paths {
-        y = p.module_output(path, y)?;
-    }
-    Ok(y)
-}
-
 /// `gelu(x W^T + b)`.
 pub fn linear_gelu(p: &dyn Params, path: &str, x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
     let w = p.get(&format!("{path}.weight"))?;

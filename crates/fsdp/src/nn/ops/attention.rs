@@ -31,6 +31,39 @@ struct Sdpa {
     lse: Mutex<Vec<f64>>,
 }
 
+/// Where backward writes dQ, dK and dV (`[batch, seq, width]` each).
+enum GradOut<'a, T> {
+    /// One `[batch, seq, 3 * width]` buffer, q, k, v side by side in each row (the layout
+    /// of a fused projection).
+    Packed(&'a mut [T]),
+    /// Three contiguous buffers.
+    Separate([&'a mut [T]; 3]),
+}
+
+impl<T> GradOut<'_, T> {
+    /// From row 0 of `b`'s head `h` in the gradient of operand `which` (0 q, 1 k, 2 v).
+    fn head(
+        &mut self,
+        which: usize,
+        b: usize,
+        h: usize,
+        (seq, width, d): (usize, usize, usize),
+    ) -> &mut [T] {
+        match self {
+            GradOut::Packed(buf) => &mut buf[b * seq * 3 * width + which * width + h * d..],
+            GradOut::Separate(bufs) => &mut bufs[which][b * seq * width + h * d..],
+        }
+    }
+
+    /// Elements between consecutive rows.
+    fn row_stride(&self, width: usize) -> usize {
+        match self {
+            GradOut::Packed(_) => 3 * width,
+            GradOut::Separate(_) => width,
+        }
+    }
+}
+
 /// A `[batch, seq, width]` operand: data from its start and its batch and row strides.
 struct View<'a, T> {
     data: &'a [T],
@@ -201,8 +234,7 @@ impl Sdpa {
         Ok(out)
     }
 
-    /// Writes dQ, dK and dV into `dqkv`, a `[batch, seq, 3 * width]` buffer (q, k, v side by
-    /// side in each row, as a fused projection lays them out).
+    /// Writes dQ, dK and dV into `out`.
     #[allow(clippy::too_many_arguments)]
     fn backward<T: Float>(
         &self,
@@ -212,7 +244,7 @@ impl Sdpa {
         o: &[T],
         g: &[T],
         (batch, seq, width): (usize, usize, usize),
-        dqkv: &mut [T],
+        out: &mut GradOut<'_, T>,
     ) -> Result<()> {
         let d = width / self.heads;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -221,7 +253,7 @@ impl Sdpa {
                 "sdpa: backward without a matching forward".into(),
             ));
         }
-        let row = 3 * width;
+        let out_row = out.row_stride(width);
         let mut p = vec![T::of(0.0); seq * seq];
         let mut dp = vec![T::of(0.0); seq * seq];
         let mut rowdot = vec![T::of(0.0); seq];
@@ -229,7 +261,6 @@ impl Sdpa {
             for b in 0..batch {
                 for h in 0..self.heads {
                     let at = b * seq * width + h * d;
-                    let dst = b * seq * row + h * d;
                     self.scores(q, k, mask, b, h, (seq, d), &mut p);
                     let l = (b * self.heads + h) * seq;
                     T::exp_rows_minus(&mut p, &lse[l..l + seq], seq);
@@ -245,8 +276,8 @@ impl Sdpa {
                         seq,
                         d,
                         seq,
-                        &mut dqkv[dst + 2 * width..],
-                        row,
+                        out.head(2, b, h, (seq, width, d)),
+                        out_row,
                         false,
                         dropped,
                         1,
@@ -299,8 +330,8 @@ impl Sdpa {
                         seq,
                         d,
                         seq,
-                        &mut dqkv[dst..],
-                        row,
+                        out.head(0, b, h, (seq, width, d)),
+                        out_row,
                         false,
                         &dp,
                         seq,
@@ -314,8 +345,8 @@ impl Sdpa {
                         seq,
                         d,
                         seq,
-                        &mut dqkv[dst + width..],
-                        row,
+                        out.head(1, b, h, (seq, width, d)),
+                        out_row,
                         false,
                         &dp,
                         1,
@@ -395,11 +426,13 @@ impl CustomOp3 for Sdpa {
         let shape = q_t.dims3()?;
         let (b, s, w) = shape;
         float_dispatch!(q_t.dtype(), self.name(), T => {
-            let dqkv = with_slice::<T, _>(q_t, self.name(), |q| {
+            let n = b * s * w;
+            let (mut dq, mut dk, mut dv) =
+                (vec![T::of(0.0); n], vec![T::of(0.0); n], vec![T::of(0.0); n]);
+            with_slice::<T, _>(q_t, self.name(), |q| {
                 with_slice::<T, _>(k_t, self.name(), |k| {
                     with_slice::<T, _>(v_t, self.name(), |v| {
                         self.with_output_grad::<T, _>(res, grad, |o, g| {
-                            let mut dqkv = vec![T::of(0.0); 3 * b * s * w];
                             self.backward::<T>(
                                 &View::dense(q, s, w, 0),
                                 &View::dense(k, s, w, 0),
@@ -407,16 +440,17 @@ impl CustomOp3 for Sdpa {
                                 o,
                                 g,
                                 shape,
-                                &mut dqkv,
-                            )?;
-                            Ok(dqkv)
+                                &mut GradOut::Separate([&mut dq, &mut dk, &mut dv]),
+                            )
                         })
                     })
                 })
             })?;
-            let dqkv = tensor(dqkv, &Shape::from((b, s, 3 * w)), q_t)?;
-            let part = |i: usize| dqkv.narrow(2, i * w, w).map(Some);
-            Ok((part(0)?, part(1)?, part(2)?))
+            Ok((
+                Some(tensor(dq, q_t.shape(), q_t)?),
+                Some(tensor(dk, k_t.shape(), k_t)?),
+                Some(tensor(dv, v_t.shape(), v_t)?),
+            ))
         })
     }
 }
@@ -462,7 +496,8 @@ impl CustomOp1 for PackedSdpa {
                 self.0.with_output_grad::<T, _>(res, grad, |o, g| {
                     let part = |i: usize| View::dense(qkv, s, 3 * w, i * w);
                     let mut dqkv = vec![T::of(0.0); 3 * b * s * w];
-                    self.0.backward::<T>(&part(0), &part(1), &part(2), o, g, shape, &mut dqkv)?;
+                    let mut out = GradOut::Packed(&mut dqkv);
+                    self.0.backward::<T>(&part(0), &part(1), &part(2), o, g, shape, &mut out)?;
                     Ok(dqkv)
                 })
             })?;
