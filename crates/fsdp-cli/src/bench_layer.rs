@@ -8,7 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use fsdp::models::{BertConfig, BertModel};
 use fsdp::nn::candle::{
-    CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, backend::BackendStorage,
+    CpuStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor, Var,
+    backend::BackendStorage,
 };
 use fsdp::nn::layers::{add_layer_norm, linear, linear_gelu};
 use fsdp::nn::ops::{GeluApprox, scaled_dot_product_attention};
@@ -72,8 +73,20 @@ impl CustomOp1 for SeedGradient {
                 s.dtype()
             )));
         };
-        let w = self.0.flatten_all()?.to_vec1::<f32>()?;
-        let dot: f32 = y[start..end].iter().zip(&w).map(|(a, b)| a * b).sum();
+        // Read `w` in place: a copy would be timed with the layer.
+        let (ws, wl) = self.0.storage_and_layout();
+        let (Storage::Cpu(CpuStorage::F32(w)), Some((ws_start, ws_end))) =
+            (&*ws, wl.contiguous_offsets())
+        else {
+            return Err(fsdp::nn::candle::Error::Msg(
+                "seed-gradient: the gradient must be a contiguous f32 CPU tensor".into(),
+            ));
+        };
+        let dot: f32 = y[start..end]
+            .iter()
+            .zip(&w[ws_start..ws_end])
+            .map(|(a, b)| a * b)
+            .sum();
         Ok((CpuStorage::F32(vec![dot]), Shape::from(())))
     }
 

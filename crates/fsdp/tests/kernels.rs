@@ -459,6 +459,42 @@ fn linear_gelu_fused() {
     }
 }
 
+/// GPT-2's Conv1D (weight [in, out]), with and without the tanh GELU, against composed ops
+/// (the same math as `linear` on the transposed weight).
+#[test]
+fn conv1d_weight_in_out() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        for gelu in [None, Some(GeluApprox::Tanh)] {
+            let x = rand(&[3, 5, 24], 50, 1.0, dtype);
+            let w = rand(&[24, 17], 51, 0.5, dtype);
+            let b = rand(&[17], 52, 0.5, dtype);
+            against_composed(
+                &format!("conv1d gelu {gelu:?} {dtype:?}"),
+                &|t| ops::conv1d(&t[0], &t[1], &t[2], gelu),
+                &|t| {
+                    let y = composed_linear(&t[0], &t[1].t()?, &t[2])?;
+                    if gelu.is_some() {
+                        composed_gelu_tanh(&y)
+                    } else {
+                        Ok(y)
+                    }
+                },
+                &[x, w, b],
+                tol,
+            );
+        }
+    }
+    let x = rand(&[4, 6], 53, 1.0, DType::F64);
+    let w = rand(&[6, 5], 54, 0.5, DType::F64);
+    let b = rand(&[5], 55, 0.5, DType::F64);
+    against_finite_differences(
+        "conv1d",
+        &|t| ops::conv1d(&t[0], &t[1], &t[2], Some(GeluApprox::Tanh)),
+        &[x, w, b],
+    );
+}
+
 /// Attention from plain candle ops (heads split by reshape + transpose).
 fn composed_attention(
     q: &Tensor,

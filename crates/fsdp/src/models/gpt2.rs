@@ -83,24 +83,11 @@ fn conv1d_info(path: String, d_in: usize, d_out: usize, std: f64) -> ModuleInfo 
         .param("bias", &[d_out], Init::Zeros)
 }
 
-/// `x W + b` (W [in, out]), optionally with GELU fused on the bias add.
+/// A `Conv1D` module's `x W + b` (W [in, out]), optionally with GPT-2's tanh GELU fused.
 fn conv1d(p: &dyn Params, path: &str, x: &Tensor, gelu: bool) -> Result<Tensor> {
     let w = p.get(&format!("{path}.weight"))?;
     let b = p.get(&format!("{path}.bias"))?;
-    let mut dims = x.dims().to_vec();
-    let d_in = *dims.last().unwrap_or(&1);
-    let y = x
-        .reshape((x.elem_count() / d_in.max(1), d_in))?
-        .matmul(&w)?;
-    if let Some(last) = dims.last_mut() {
-        *last = w.dim(1)?;
-    }
-    let y = y.reshape(dims)?;
-    let y = if gelu {
-        ops::bias_gelu(&y, &b, GeluApprox::Tanh)?
-    } else {
-        y.broadcast_add(&b)?
-    };
+    let y = ops::conv1d(x, &w, &b, gelu.then_some(GeluApprox::Tanh))?;
     p.module_output(path, y)
 }
 

@@ -247,7 +247,7 @@ impl Sdpa {
         out: &mut GradOut<'_, T>,
     ) -> Result<()> {
         let d = width / self.heads;
-        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
         if lse.len() != batch * self.heads * seq {
             return Err(candle_core::Error::Msg(
                 "sdpa: backward without a matching forward".into(),
@@ -461,6 +461,7 @@ impl CustomOp3 for Sdpa {
 struct PackedSdpa(Sdpa);
 
 impl PackedSdpa {
+    /// (batch, seq, width of one projection) of a packed `[batch, seq, 3 * width]` layout.
     fn width(l: &Layout) -> Result<(usize, usize, usize)> {
         let (b, s, w3) = dims3(l)?;
         if w3 % 3 != 0 {
@@ -586,13 +587,7 @@ pub fn packed_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    let (b, s, w3) = qkv.dims3()?;
-    if w3 % 3 != 0 {
-        return Err(candle_core::Error::Msg(format!(
-            "sdpa: packed qkv {:?} is not three projections wide",
-            qkv.dims()
-        )));
-    }
-    let op = sdpa_op((b, s, w3 / 3), qkv.dtype(), heads, mask, dropout)?;
+    let shape = PackedSdpa::width(qkv.layout())?;
+    let op = sdpa_op(shape, qkv.dtype(), heads, mask, dropout)?;
     qkv.apply_op1(PackedSdpa(op))
 }

@@ -1,6 +1,7 @@
-//! Linear (`x W^T + b`) as one op: the bias is folded into the GEMM's output, and the backward
-//! computes dx = g W, dW = g^T x and db = column sums of g with three direct GEMM calls,
-//! instead of candle's transposes, broadcasts and zero-initialised accumulations.
+//! Linear (`x W^T + b`, or `x W + b` for GPT-2's Conv1D weights) as one op: the bias is folded
+//! into the GEMM's output, and the backward computes dx and dW with two direct GEMM calls
+//! and db as column sums, instead of candle's transposes, broadcasts and zero-initialised
+//! accumulations.
 
 use candle_core::backend::BackendStorage;
 use std::sync::Mutex;
@@ -11,12 +12,99 @@ use super::GeluApprox;
 
 use super::{Float, contiguous, float_dispatch, gemm_into, gemm_new, tensor, with_slice};
 
-/// `x W^T + b`, optionally followed by GELU in the same op: then the pre-activation is kept
-/// inside the op for backward instead of being a graph node of its own (one fewer
-/// activation-sized gradient to accumulate).
+/// How a weight is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WeightLayout {
+    /// `[out, in]` (`nn.Linear`): the op computes `x W^T`.
+    OutIn,
+    /// `[in, out]` (GPT-2's `Conv1D`): the op computes `x W`.
+    InOut,
+}
+
+/// `x W^T + b` (or `x W + b`), optionally followed by GELU in the same op: then the
+/// pre-activation is kept inside the op for backward instead of being a graph node of its own
+/// (one fewer activation-sized gradient to accumulate).
 struct Linear {
+    layout: WeightLayout,
     gelu: Option<GeluApprox>,
     pre: Mutex<Option<CpuStorage>>,
+}
+
+impl Linear {
+    /// (rows, cols) of the weight for `k` inputs and `n` outputs.
+    fn weight_dims(&self, k: usize, n: usize) -> (usize, usize) {
+        match self.layout {
+            WeightLayout::OutIn => (n, k),
+            WeightLayout::InOut => (k, n),
+        }
+    }
+
+    /// (row, column) strides of the weight seen as the `[k, n]` right operand of `x · M`.
+    fn operand_strides(&self, k: usize, n: usize) -> (usize, usize) {
+        match self.layout {
+            WeightLayout::OutIn => (1, k),
+            WeightLayout::InOut => (n, 1),
+        }
+    }
+
+    /// Checks the operands; returns (m, k, n).
+    fn dims(&self, l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, usize)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (r, c) = l2.shape().dims2()?;
+        let n = if self.layout == WeightLayout::OutIn {
+            r
+        } else {
+            c
+        };
+        if self.weight_dims(k, n) != (r, c) || l3.shape().elem_count() != n {
+            return Err(candle_core::Error::Msg(format!(
+                "linear: input {:?}, weight {:?} ({:?}) and bias {:?} do not fit",
+                l1.shape().dims(),
+                l2.shape().dims(),
+                self.layout,
+                l3.shape().dims()
+            )));
+        }
+        Ok((m, k, n))
+    }
+
+    /// `x · M` for contiguous `x` [m, k] and the weight `w` as `M` [k, n].
+    fn product<T: Float>(&self, x: &[T], w: &[T], (m, k, n): (usize, usize, usize)) -> Vec<T> {
+        let (rs, cs) = self.operand_strides(k, n);
+        gemm_new(m, n, k, x, k, 1, w, rs, cs, 1.0)
+    }
+
+    /// Gradients for output gradient `g` [m, n] and bias gradient `db`: dx = g M^T and the
+    /// weight's gradient in its own layout, with two direct GEMMs.
+    fn grads<T: Float>(
+        &self,
+        (x_t, w_t, b_t): (&Tensor, &Tensor, &Tensor),
+        g: &[T],
+        db: Vec<f64>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (m, k) = x_t.dims2()?;
+        let n = b_t.elem_count();
+        let (rs, cs) = self.operand_strides(k, n);
+        let name = self.name();
+        with_slice::<T, _>(x_t, name, |x| {
+            with_slice::<T, _>(w_t, name, |w| {
+                // dx[m×k] = g[m×n] · M^T[n×k]
+                let dx = gemm_new(m, k, n, g, n, 1, w, cs, rs, 1.0);
+                let dw = match self.layout {
+                    // dW[n×k] = g^T[n×m] · x[m×k]
+                    WeightLayout::OutIn => gemm_new(n, k, m, g, 1, n, x, k, 1, 1.0),
+                    // dW[k×n] = x^T[k×m] · g[m×n]
+                    WeightLayout::InOut => gemm_new(k, n, m, x, 1, k, g, n, 1, 1.0),
+                };
+                let db: Vec<T> = db.into_iter().map(T::of).collect();
+                Ok((
+                    Some(tensor(dx, x_t.shape(), x_t)?),
+                    Some(tensor(dw, w_t.shape(), w_t)?),
+                    Some(tensor(db, b_t.shape(), b_t)?),
+                ))
+            })
+        })
+    }
 }
 
 impl CustomOp3 for Linear {
@@ -33,17 +121,26 @@ impl CustomOp3 for Linear {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (m, k, n) = linear_dims(l1, l2, l3)?;
+        let (m, k, n) = self.dims(l1, l2, l3)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
             let x = contiguous::<T>(s1, l1, self.name())?;
             let w = contiguous::<T>(s2, l2, self.name())?;
             let b = contiguous::<T>(s3, l3, self.name())?;
             let out = match self.gelu {
-                None => linear_forward(x, w, b, (m, k, n)),
+                None => {
+                    // y = b (each row) + x · M
+                    let mut y = Vec::with_capacity(m * n);
+                    for _ in 0..m {
+                        y.extend_from_slice(b);
+                    }
+                    let (rs, cs) = self.operand_strides(k, n);
+                    gemm_into(m, n, k, &mut y, n, true, x, k, 1, w, rs, cs, 1.0);
+                    y
+                }
                 Some(approx) => {
-                    // x W^T without the bias: GELU adds it on the fly (and its backward
+                    // x · M without the bias: GELU adds it on the fly (and its backward
                     // yields the bias gradient), so the pre-activation is written once.
-                    let xw = gemm_new(m, n, k, x, k, 1, w, 1, k, 1.0);
+                    let xw = self.product(x, w, (m, k, n));
                     let mut a = vec![T::of(0.0); xw.len()];
                     T::gelu_forward(&xw, b, &mut a, approx);
                     *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(T::storage(xw));
@@ -66,7 +163,7 @@ impl CustomOp3 for Linear {
             with_slice::<T, _>(grad, self.name(), |g| {
                 let Some(approx) = self.gelu else {
                     let db = column_sums(g, b_t.elem_count());
-                    return linear_grads::<T>(x_t, w_t, b_t, g, db, self.name());
+                    return self.grads::<T>((x_t, w_t, b_t), g, db);
                 };
                 let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner());
                 let xw = pre.as_ref().and_then(T::slice).ok_or_else(|| {
@@ -76,37 +173,11 @@ impl CustomOp3 for Linear {
                     let mut gy = vec![T::of(0.0); xw.len()];
                     let mut db = vec![0f64; b.len()];
                     T::gelu_backward(xw, b, g, &mut gy, &mut db, approx);
-                    linear_grads::<T>(x_t, w_t, b_t, &gy, db, self.name())
+                    self.grads::<T>((x_t, w_t, b_t), &gy, db)
                 })
             })
         })
     }
-}
-
-/// `y = x W^T + b` for contiguous `x` [m, k], `W` [n, k], `b` [n].
-fn linear_forward<T: Float>(x: &[T], w: &[T], b: &[T], (m, k, n): (usize, usize, usize)) -> Vec<T> {
-    let mut y = Vec::with_capacity(m * n);
-    for _ in 0..m {
-        y.extend_from_slice(b);
-    }
-    // y += x · W^T  (W^T[k][n] = W[n][k]: row stride 1, column stride k)
-    gemm_into(m, n, k, &mut y, n, true, x, k, 1, w, 1, k, 1.0);
-    y
-}
-
-/// Checks the operands of a linear op; returns (m, k, n).
-fn linear_dims(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, usize)> {
-    let (m, k) = l1.shape().dims2()?;
-    let (n, k2) = l2.shape().dims2()?;
-    if k != k2 || l3.shape().elem_count() != n {
-        return Err(candle_core::Error::Msg(format!(
-            "linear: input {:?}, weight {:?} and bias {:?} do not fit",
-            l1.shape().dims(),
-            l2.shape().dims(),
-            l3.shape().dims()
-        )));
-    }
-    Ok((m, k, n))
 }
 
 /// Column sums of `g` (rows of length `n`): blocks of rows summed in `T` (vectorised), the
@@ -126,60 +197,43 @@ fn column_sums<T: Float>(g: &[T], n: usize) -> Vec<f64> {
     db
 }
 
-/// Gradients of `x W^T + b` for output gradient `g` [m, n] and bias gradient `db`:
-/// dx = g W and dW = g^T x with two direct GEMMs.
-fn linear_grads<T: Float>(
-    x_t: &Tensor,
-    w_t: &Tensor,
-    b_t: &Tensor,
-    g: &[T],
-    db: Vec<f64>,
-    name: &str,
-) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    let (m, k) = x_t.dims2()?;
-    let n = w_t.dim(0)?;
-    with_slice::<T, _>(x_t, name, |x| {
-        with_slice::<T, _>(w_t, name, |w| {
-            // dx[m×k] = g[m×n] · W[n×k]
-            let dx = gemm_new(m, k, n, g, n, 1, w, k, 1, 1.0);
-            // dW[n×k] = g^T[n×m] · x[m×k]
-            let dw = gemm_new(n, k, m, g, 1, n, x, k, 1, 1.0);
-            let db: Vec<T> = db.into_iter().map(T::of).collect();
-            Ok((
-                Some(tensor(dx, x_t.shape(), x_t)?),
-                Some(tensor(dw, w_t.shape(), w_t)?),
-                Some(tensor(db, b_t.shape(), b_t)?),
-            ))
-        })
-    })
-}
-
 /// Applies the linear op (with optional GELU) over the last dimension of `x` (any leading
 /// shape).
-fn over_last_dim(x: &Tensor, w: &Tensor, b: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
+fn over_last_dim(
+    x: &Tensor,
+    (w, b): (&Tensor, &Tensor),
+    layout: WeightLayout,
+    gelu: Option<GeluApprox>,
+) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
     let d_in = *dims.last().unwrap_or(&1);
     let x2 = x
         .reshape((x.elem_count() / d_in.max(1), d_in))?
         .contiguous()?;
     let op = Linear {
+        layout,
         gelu,
         pre: Mutex::new(None),
     };
     let y = x2.apply_op3(&w.contiguous()?, &b.contiguous()?, op)?;
-    let mut out = dims;
-    if let Some(last) = out.last_mut() {
-        *last = w.dim(0)?;
+    if let Some(last) = dims.last_mut() {
+        *last = b.elem_count();
     }
-    y.reshape(out)
-}
-
-/// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
-pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Result<Tensor> {
-    over_last_dim(x, w, b, Some(approx))
+    y.reshape(dims)
 }
 
 /// `x W^T + b` over the last dimension of `x` (any leading shape), `W` [out, in], `b` [out].
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    over_last_dim(x, w, b, None)
+    over_last_dim(x, (w, b), WeightLayout::OutIn, None)
+}
+
+/// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Result<Tensor> {
+    over_last_dim(x, (w, b), WeightLayout::OutIn, Some(approx))
+}
+
+/// GPT-2's `Conv1D`: `x W + b` over the last dimension of `x`, `W` [in, out], `b` [out],
+/// optionally followed by GELU, as one op.
+pub fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
+    over_last_dim(x, (w, b), WeightLayout::InOut, gelu)
 }

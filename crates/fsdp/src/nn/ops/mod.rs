@@ -15,7 +15,7 @@ pub use attention::{packed_attention, scaled_dot_product_attention};
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
-pub use linear::{linear, linear_gelu};
+pub use linear::{conv1d, linear, linear_gelu};
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
 pub use softmax::softmax_last_dim;
 

@@ -204,6 +204,8 @@ impl CustomOp3 for AddLayerNorm {
                     with_slice::<T, _>(gb_t, self.name(), |gb| {
                         with_slice::<T, _>(grad, self.name(), |g| {
                             let d = gb.len() / 2;
+                            // Recomputed, not kept from forward: its inputs are alive in the
+                            // graph anyway, and a saved sum would be one more activation.
                             let sum: Vec<T> = x.iter().zip(r).map(|(&a, &b)| a + b).collect();
                             let (ds, dgamma, dbeta) = T::norm_backward(&sum, &gb[..d], g, d, self.eps, true);
                             let mut dgb = dgamma;

@@ -58,7 +58,7 @@ const LANES: usize = 16;
 
 /// e^x, branch-free.
 #[inline(always)]
-pub(crate) fn exp<const F: bool>(x: f32) -> f32 {
+fn exp<const F: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
