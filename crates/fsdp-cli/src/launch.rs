@@ -524,22 +524,24 @@ fn run_workers(
     for local_rank in 0..plan.local {
         let rank = plan.first_rank() + local_rank;
         let mut cmd = Command::new(&args.program[0]);
+        let worker_env = fsdp_comm::WorkerEnv {
+            rank,
+            local_rank,
+            world_size: plan.world,
+            local_world_size: plan.local,
+            node_rank: plan.machine_rank,
+            master_addr: plan.addr.clone(),
+            master_port: plan.port,
+            secret: plan.secret.clone(),
+            threads: Some(plan.threads),
+            store_hosted: true,
+            store_prefix: Some(format!("attempt{attempt}/")),
+            comm_timeout: None,
+        };
         cmd.args(&args.program[1..])
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("WORLD_SIZE", plan.world.to_string())
-            .env("LOCAL_WORLD_SIZE", plan.local.to_string())
-            .env("NODE_RANK", plan.machine_rank.to_string())
-            .env("GROUP_RANK", plan.machine_rank.to_string())
-            .env("MASTER_ADDR", &plan.addr)
-            .env("MASTER_PORT", plan.port.to_string())
-            .env(fsdp_comm::SECRET_ENV, &plan.secret)
-            .env(fsdp_comm::STORE_HOSTED_ENV, "1")
-            .env(fsdp_comm::PREFIX_ENV, format!("attempt{attempt}/"))
-            .env("RAYON_NUM_THREADS", plan.threads.to_string())
-            .env("CANDLE_NUM_THREADS", plan.threads.to_string())
-            .env("OMP_NUM_THREADS", plan.threads.to_string())
+            .envs(env.iter().map(|(k, v)| (k, v)));
+        worker_env
+            .apply(&mut cmd)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

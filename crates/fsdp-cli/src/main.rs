@@ -2,8 +2,6 @@
 //! training, the way `accelerate` does.
 
 mod bench;
-mod bench_layer;
-mod bench_memory;
 mod config_cmd;
 mod env_cmd;
 mod estimate_cmd;

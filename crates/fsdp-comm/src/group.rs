@@ -2,128 +2,22 @@
 //! collectives run in FIFO order on a per-group communication thread, returned as
 //! [`Work`] handles so callers overlap communication with compute.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
-use std::time::{Duration, Instant};
 
-use crate::algorithms::{Engine, Net};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
+use crate::options::GroupOptions;
+use crate::protocol::{Engine, Net};
+use crate::rendezvous::{connect_mesh, setup_shm};
 use crate::shm::Segment;
-use crate::store::{StoreClient, StoreServer, constant_time_eq};
+use crate::store::{StoreClient, StoreServer};
 use crate::transport::Links;
+use crate::work::Work;
 use crate::world::WorldInfo;
 
-/// Environment variable holding the per-job secret (set by `fsdp launch`).
-pub const SECRET_ENV: &str = "FSDP_JOB_SECRET";
-/// Environment variable: collective timeout in seconds.
-pub const TIMEOUT_ENV: &str = "FSDP_COMM_TIMEOUT_SECS";
-/// Environment variable: rendezvous timeout in seconds.
-pub const RENDEZVOUS_TIMEOUT_ENV: &str = "FSDP_RENDEZVOUS_TIMEOUT_SECS";
-/// Environment variable: `auto` (shared memory when every member is on this host, else TCP),
-/// `tcp` or `shm`.
-pub const TRANSPORT_ENV: &str = "FSDP_COMM_TRANSPORT";
-
-/// Environment variable: set to 1 when the launcher hosts the rendezvous store (rank 0 then
-/// connects to it like every other rank).
-pub const STORE_HOSTED_ENV: &str = "FSDP_STORE_HOSTED";
-/// Environment variable: prefix of this attempt's keys in the store (a restarted job uses a
-/// new prefix on the same store).
-pub const PREFIX_ENV: &str = "FSDP_RENDEZVOUS_PREFIX";
-
-/// Which transport carries a group's data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransportChoice {
-    /// Shared memory when all members share this host, TCP otherwise.
-    Auto,
-    /// TCP only (for testing the network path on one host).
-    Tcp,
-    /// Shared memory; an error if members are on different hosts.
-    Shm,
-}
-
-/// How a group behaves when things go wrong.
-#[derive(Debug, Clone)]
-pub struct GroupOptions {
-    /// How long a collective may wait for a peer that is alive (compute skew). A dead peer
-    /// is detected as soon as its connection closes, regardless of this.
-    pub timeout: Duration,
-    /// How long to wait for every rank to arrive.
-    pub rendezvous_timeout: Duration,
-    /// The per-job secret every process must present.
-    pub secret: Vec<u8>,
-    /// Which transport carries data.
-    pub transport: TransportChoice,
-    /// Whether rank 0 starts the store (false when the launcher hosts it).
-    pub host_store: bool,
-    /// Prefix of this job attempt's store keys.
-    pub store_prefix: String,
-}
-
-impl Default for GroupOptions {
-    fn default() -> Self {
-        GroupOptions {
-            timeout: Duration::from_secs(300),
-            rendezvous_timeout: Duration::from_secs(120),
-            secret: Vec::new(),
-            transport: TransportChoice::Auto,
-            host_store: true,
-            store_prefix: String::new(),
-        }
-    }
-}
-
-impl GroupOptions {
-    /// Defaults overridden by `FSDP_COMM_TIMEOUT_SECS`, `FSDP_RENDEZVOUS_TIMEOUT_SECS`,
-    /// `FSDP_JOB_SECRET` and `FSDP_COMM_TRANSPORT` (an unknown transport name is treated as
-    /// `auto`).
-    pub fn from_env() -> GroupOptions {
-        let secs = |var: &str| {
-            std::env::var(var)
-                .ok()
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .filter(|s| *s > 0.0)
-                .map(Duration::from_secs_f64)
-        };
-        let d = GroupOptions::default();
-        GroupOptions {
-            timeout: secs(TIMEOUT_ENV).unwrap_or(d.timeout),
-            rendezvous_timeout: secs(RENDEZVOUS_TIMEOUT_ENV).unwrap_or(d.rendezvous_timeout),
-            secret: std::env::var(SECRET_ENV).unwrap_or_default().into_bytes(),
-            transport: match std::env::var(TRANSPORT_ENV)
-                .unwrap_or_default()
-                .to_ascii_lowercase()
-                .as_str()
-            {
-                "tcp" => TransportChoice::Tcp,
-                "shm" => TransportChoice::Shm,
-                _ => TransportChoice::Auto,
-            },
-            host_store: std::env::var(STORE_HOSTED_ENV).map_or(true, |v| v.trim() != "1"),
-            store_prefix: std::env::var(PREFIX_ENV).unwrap_or_default(),
-        }
-    }
-}
-
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
-
-/// A handle to a collective that is queued or running.
-#[must_use = "a collective's result is only known after wait()"]
-pub struct Work<T> {
-    rx: mpsc::Receiver<Result<T>>,
-    rank: usize,
-}
-
-impl<T> Work<T> {
-    /// Blocks until the collective finishes and returns its result.
-    pub fn wait(self) -> Result<T> {
-        self.rx
-            .recv()
-            .unwrap_or(Err(CommError::Closed { rank: self.rank }))
-    }
-}
 
 /// Ranks of a job (or of a subset of it) that run collectives together.
 pub struct ProcessGroup {
@@ -304,11 +198,12 @@ impl ProcessGroup {
         &self.global_ranks
     }
 
-    fn global_rank(&self) -> usize {
+    /// This process's job-wide rank.
+    pub fn global_rank(&self) -> usize {
         self.global_ranks[self.rank]
     }
 
-    fn submit<T: Send + 'static>(
+    pub(crate) fn submit<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Engine) -> Result<T> + Send + 'static,
     ) -> Work<T> {
@@ -320,10 +215,7 @@ impl ProcessGroup {
         if let Some(sender) = jobs.as_ref() {
             let _ = sender.send(job);
         }
-        Work {
-            rx,
-            rank: self.global_rank(),
-        }
+        Work::from_channel(rx, self.global_rank())
     }
 
     /// Element-wise reduction across ranks; every rank gets the result.
@@ -507,268 +399,4 @@ impl Drop for ProcessGroup {
             let _ = t.join();
         }
     }
-}
-
-const HELLO_MAGIC: &[u8; 8] = b"FSDPHELO";
-
-/// This host's identity: members with the same one can share memory.
-fn host_id() -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .unwrap_or_default()
-            .trim()
-            .to_string()
-    };
-    format!(
-        "{}/{}",
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id")
-    )
-}
-
-/// Creates (member 0) or maps (the others) the group's shared-memory segment when every
-/// member runs on this host and the options allow it. Member 0 unlinks the file once all have
-/// mapped it, so nothing is left in /dev/shm even if a process crashes later.
-fn setup_shm(
-    store: &StoreClient,
-    name: &str,
-    me: usize,
-    members: &[usize],
-    options: &GroupOptions,
-) -> Result<Option<Arc<Segment>>> {
-    let rank = members[me];
-    let n = members.len();
-    if options.transport == TransportChoice::Tcp || n < 2 {
-        return Ok(None);
-    }
-    store.set(&format!("{name}/host/{me}"), host_id().as_bytes())?;
-    let keys: Vec<String> = (0..n).map(|i| format!("{name}/host/{i}")).collect();
-    if let Err(missing) = store.wait(&keys, options.rendezvous_timeout)? {
-        return Err(CommError::RendezvousTimeout {
-            rank,
-            missing: missing_members(&missing, members),
-            timeout: options.rendezvous_timeout,
-        });
-    }
-    let mine = host_id();
-    let mut same_host = true;
-    for key in &keys {
-        same_host &= store.get(key)?.as_deref() == Some(mine.as_bytes());
-    }
-    if !same_host {
-        return match options.transport {
-            TransportChoice::Shm => Err(CommError::InvalidArgument {
-                rank,
-                op: "process group initialisation".into(),
-                reason: format!(
-                    "{TRANSPORT_ENV}=shm but the members of group `{name}` are on different hosts"
-                ),
-            }),
-            _ => Ok(None),
-        };
-    }
-    let io = |what: &str, e: std::io::Error| CommError::Io {
-        rank,
-        what: what.to_string(),
-        message: e.to_string(),
-    };
-    let path_key = format!("{name}/shm_path");
-    let mapped_keys: Vec<String> = (1..n).map(|i| format!("{name}/shm_mapped/{i}")).collect();
-    if me == 0 {
-        let safe: String = name
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let path = std::path::PathBuf::from(format!(
-            "/dev/shm/fsdp-{}-{safe}-{nanos}",
-            std::process::id()
-        ));
-        let seg = Segment::create(&path, n, me)
-            .map_err(|e| io(&format!("creating shared memory {}", path.display()), e))?;
-        let unlink = Unlink(path.clone());
-        store.set(&path_key, path.to_string_lossy().as_bytes())?;
-        if let Err(missing) = store.wait(&mapped_keys, options.rendezvous_timeout)? {
-            return Err(CommError::RendezvousTimeout {
-                rank,
-                missing: missing_members(&missing, members),
-                timeout: options.rendezvous_timeout,
-            });
-        }
-        drop(unlink);
-        Ok(Some(Arc::new(seg)))
-    } else {
-        if let Err(missing) =
-            store.wait(std::slice::from_ref(&path_key), options.rendezvous_timeout)?
-        {
-            return Err(CommError::RendezvousTimeout {
-                rank,
-                missing: missing_members(&missing, members),
-                timeout: options.rendezvous_timeout,
-            });
-        }
-        let path = std::path::PathBuf::from(
-            String::from_utf8_lossy(&store.get(&path_key)?.unwrap_or_default()).into_owned(),
-        );
-        let seg = Segment::open(&path, n, me)
-            .map_err(|e| io(&format!("mapping shared memory {}", path.display()), e))?;
-        store.set(&format!("{name}/shm_mapped/{me}"), b"1")?;
-        Ok(Some(Arc::new(seg)))
-    }
-}
-
-/// Removes a file when dropped (on success and on every error path).
-struct Unlink(std::path::PathBuf);
-
-impl Drop for Unlink {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Job-wide ranks of the members whose `.../<index>` keys are missing.
-fn missing_members(missing: &[String], members: &[usize]) -> Vec<usize> {
-    missing
-        .iter()
-        .filter_map(|k| k.rsplit('/').next()?.parse::<usize>().ok())
-        .filter_map(|i| members.get(i).copied())
-        .collect()
-}
-
-/// Registers this rank under `name` in the store and connects to every other member: lower
-/// ranks dial higher ones' listeners. `me` is the index into `members` (global ranks).
-fn connect_mesh(
-    store: &StoreClient,
-    name: &str,
-    me: usize,
-    members: &[usize],
-    ip: &str,
-    options: &GroupOptions,
-) -> Result<Vec<Option<TcpStream>>> {
-    let rank = members[me];
-    let n = members.len();
-    let io = |what: String, e: std::io::Error| CommError::Io {
-        rank,
-        what,
-        message: e.to_string(),
-    };
-    let token = format!("{}-{:?}", std::process::id(), Instant::now());
-    let claimed = store.compare_set(&format!("{name}/claim/{me}"), None, token.as_bytes())?;
-    if claimed.as_deref() != Some(token.as_bytes()) {
-        return Err(CommError::Refused {
-            rank,
-            reason: format!("rank {rank} of group `{name}` is already claimed by another process"),
-        });
-    }
-    let size = n.to_string();
-    let agreed = store.compare_set(&format!("{name}/size"), None, size.as_bytes())?;
-    if agreed.as_deref() != Some(size.as_bytes()) {
-        return Err(CommError::Refused {
-            rank,
-            reason: format!(
-                "world size mismatch in group `{name}`: this rank has {n}, another rank registered {}",
-                String::from_utf8_lossy(&agreed.unwrap_or_default())
-            ),
-        });
-    }
-    let listener = TcpListener::bind((ip, 0)).map_err(|e| io(format!("listening on {ip}"), e))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| io("listener address".into(), e))?;
-    store.set(&format!("{name}/addr/{me}"), addr.to_string().as_bytes())?;
-    let keys: Vec<String> = (0..n).map(|i| format!("{name}/addr/{i}")).collect();
-    if let Err(missing) = store.wait(&keys, options.rendezvous_timeout)? {
-        return Err(CommError::RendezvousTimeout {
-            rank,
-            missing: missing_members(&missing, members),
-            timeout: options.rendezvous_timeout,
-        });
-    }
-    let deadline = Instant::now() + options.rendezvous_timeout;
-    let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
-    for (peer, key) in keys.iter().enumerate().take(me) {
-        let peer_addr = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).into_owned();
-        let target = peer_addr
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| {
-                io(
-                    format!("resolving rank {}'s address {peer_addr}", members[peer]),
-                    std::io::Error::other("bad address"),
-                )
-            })?;
-        let mut stream =
-            TcpStream::connect_timeout(&target, Duration::from_secs(10)).map_err(|e| {
-                io(
-                    format!("connecting to rank {} at {peer_addr}", members[peer]),
-                    e,
-                )
-            })?;
-        let mut hello = HELLO_MAGIC.to_vec();
-        hello.extend_from_slice(&(me as u32).to_le_bytes());
-        hello.extend_from_slice(&(options.secret.len() as u32).to_le_bytes());
-        hello.extend_from_slice(&options.secret);
-        stream
-            .write_all(&hello)
-            .map_err(|e| io(format!("greeting rank {}", members[peer]), e))?;
-        streams[peer] = Some(stream);
-    }
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| io("listener".into(), e))?;
-    let mut expected = n - 1 - me;
-    while expected > 0 {
-        match listener.accept() {
-            Ok((mut stream, _)) => {
-                let _ = stream.set_nonblocking(false);
-                if let Some(peer) = read_hello(&mut stream, &options.secret, n)
-                    && peer > me
-                    && streams[peer].is_none()
-                {
-                    streams[peer] = Some(stream);
-                    expected -= 1;
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing = (me + 1..n)
-                        .filter(|p| streams[*p].is_none())
-                        .map(|p| members[p])
-                        .collect();
-                    return Err(CommError::RendezvousTimeout {
-                        rank,
-                        missing,
-                        timeout: options.rendezvous_timeout,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => return Err(io("accepting peer connections".into(), e)),
-        }
-    }
-    Ok(streams)
-}
-
-/// Reads a peer's greeting; `None` for anything that is not a member presenting the secret.
-fn read_hello(stream: &mut TcpStream, secret: &[u8], n: usize) -> Option<usize> {
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .ok()?;
-    let mut head = [0u8; 16];
-    stream.read_exact(&mut head).ok()?;
-    if &head[..8] != HELLO_MAGIC {
-        return None;
-    }
-    let peer = u32::from_le_bytes(head[8..12].try_into().ok()?) as usize;
-    let len = u32::from_le_bytes(head[12..16].try_into().ok()?) as usize;
-    if len != secret.len() || peer >= n {
-        return None;
-    }
-    let mut presented = vec![0u8; len];
-    stream.read_exact(&mut presented).ok()?;
-    stream.set_read_timeout(None).ok()?;
-    constant_time_eq(&presented, secret).then_some(peer)
 }

@@ -14,10 +14,26 @@ use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
 use crate::dtype::ReduceOp;
 use crate::error::{CommError, Result};
 use crate::group::ProcessGroup;
+use crate::work::Work;
+
+/// An NCCL communicator that any thread may use, one call at a time.
+struct SerialComm(std::sync::Mutex<Comm>);
+
+// SAFETY: an `ncclComm_t` is not tied to the thread that created it; NCCL only forbids
+// concurrent calls on one communicator, which the mutex rules out.
+unsafe impl Send for SerialComm {}
+// SAFETY: as above; every use goes through the mutex.
+unsafe impl Sync for SerialComm {}
+
+impl SerialComm {
+    fn get(&self) -> std::sync::MutexGuard<'_, Comm> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 /// A communicator over the ranks of a host group, one CUDA device per rank.
 pub struct NcclGroup {
-    comm: Comm,
+    comm: SerialComm,
     rank: usize,
     size: usize,
     global_rank: usize,
@@ -82,7 +98,7 @@ impl NcclGroup {
         let comm =
             comm.ok_or_else(|| err("communicator initialisation", "no communicator".into()))?;
         Ok(NcclGroup {
-            comm,
+            comm: SerialComm(std::sync::Mutex::new(comm)),
             rank: pg.rank(),
             size: pg.size(),
             global_rank,
@@ -127,7 +143,7 @@ impl NcclGroup {
     ) -> Result<()> {
         self.nccl(
             "all_reduce",
-            self.comm.all_reduce_in_place(buf, &nccl_op(op)),
+            self.comm.get().all_reduce_in_place(buf, &nccl_op(op)),
         )
     }
 
@@ -149,7 +165,7 @@ impl NcclGroup {
                 )
             },
         )?;
-        self.nccl("all_gather", self.comm.all_gather(input, output))
+        self.nccl("all_gather", self.comm.get().all_gather(input, output))
     }
 
     /// Reduces `input` (`size` × output length) across ranks; rank r gets part r in `output`.
@@ -173,7 +189,7 @@ impl NcclGroup {
         )?;
         self.nccl(
             "reduce_scatter",
-            self.comm.reduce_scatter(input, output, &nccl_op(op)),
+            self.comm.get().reduce_scatter(input, output, &nccl_op(op)),
         )
     }
 
@@ -186,7 +202,10 @@ impl NcclGroup {
         self.check("broadcast", root < self.size, || {
             format!("root {root} is not below {}", self.size)
         })?;
-        self.nccl("broadcast", self.comm.broadcast_in_place(buf, root as i32))
+        self.nccl(
+            "broadcast",
+            self.comm.get().broadcast_in_place(buf, root as i32),
+        )
     }
 
     /// Sends `buf` to rank `dst`.
@@ -194,7 +213,7 @@ impl NcclGroup {
         self.check("send", dst < self.size && dst != self.rank, || {
             format!("peer {dst} must be another rank below {}", self.size)
         })?;
-        self.nccl("send", self.comm.send(buf, dst as i32))
+        self.nccl("send", self.comm.get().send(buf, dst as i32))
     }
 
     /// Receives into `buf` from rank `src`.
@@ -202,6 +221,302 @@ impl NcclGroup {
         self.check("recv", src < self.size && src != self.rank, || {
             format!("peer {src} must be another rank below {}", self.size)
         })?;
-        self.nccl("recv", self.comm.recv(buf, src as i32))
+        self.nccl("recv", self.comm.get().recv(buf, src as i32))
+    }
+}
+
+/// A buffer in CUDA memory, of one element type: what [`crate::Buffer::Cuda`] carries. Shared
+/// (`Arc`) so a buffer value can be cloned cheaply; collectives need the only reference.
+#[derive(Debug, Clone)]
+pub enum CudaBuffer {
+    /// 32-bit floats.
+    F32(Arc<CudaSlice<f32>>),
+    /// 64-bit floats.
+    F64(Arc<CudaSlice<f64>>),
+    /// IEEE halves.
+    F16(Arc<CudaSlice<half::f16>>),
+    /// bfloat16s.
+    BF16(Arc<CudaSlice<half::bf16>>),
+    /// 32-bit integers.
+    I32(Arc<CudaSlice<i32>>),
+    /// 64-bit integers.
+    I64(Arc<CudaSlice<i64>>),
+    /// Bytes.
+    U8(Arc<CudaSlice<u8>>),
+}
+
+/// An element type NCCL moves, with its [`CudaBuffer`] variant.
+pub trait CudaElement:
+    Sized + NcclType + DeviceRepr + cudarc::driver::ValidAsZeroBits + Send + Sync + 'static
+{
+    /// Wraps a slice.
+    fn wrap(s: Arc<CudaSlice<Self>>) -> CudaBuffer;
+    /// The slice inside `b`, if it holds this type.
+    fn unwrap(b: CudaBuffer) -> Option<Arc<CudaSlice<Self>>>;
+}
+
+macro_rules! cuda_element {
+    ($t:ty, $v:ident) => {
+        impl CudaElement for $t {
+            fn wrap(s: Arc<CudaSlice<Self>>) -> CudaBuffer {
+                CudaBuffer::$v(s)
+            }
+            fn unwrap(b: CudaBuffer) -> Option<Arc<CudaSlice<Self>>> {
+                match b {
+                    CudaBuffer::$v(s) => Some(s),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+cuda_element!(f32, F32);
+cuda_element!(f64, F64);
+cuda_element!(half::f16, F16);
+cuda_element!(half::bf16, BF16);
+cuda_element!(i32, I32);
+cuda_element!(i64, I64);
+cuda_element!(u8, U8);
+
+/// Calls `$self.$method::<T>(input, rest...)` for the element type of `$input` (a
+/// [`CudaBuffer`]).
+macro_rules! dispatch {
+    ($self:ident, $input:expr, $method:ident ( $($arg:expr),* )) => {
+        match $input {
+            CudaBuffer::F32(i) => $self.$method::<f32>(i, $($arg),*),
+            CudaBuffer::F64(i) => $self.$method::<f64>(i, $($arg),*),
+            CudaBuffer::F16(i) => $self.$method::<half::f16>(i, $($arg),*),
+            CudaBuffer::BF16(i) => $self.$method::<half::bf16>(i, $($arg),*),
+            CudaBuffer::I32(i) => $self.$method::<i32>(i, $($arg),*),
+            CudaBuffer::I64(i) => $self.$method::<i64>(i, $($arg),*),
+            CudaBuffer::U8(i) => $self.$method::<u8>(i, $($arg),*),
+        }
+    };
+}
+
+impl CudaBuffer {
+    /// The element type.
+    pub fn dtype(&self) -> crate::DType {
+        use crate::DType;
+        match self {
+            CudaBuffer::F32(_) => DType::F32,
+            CudaBuffer::F64(_) => DType::F64,
+            CudaBuffer::F16(_) => DType::F16,
+            CudaBuffer::BF16(_) => DType::BF16,
+            CudaBuffer::I32(_) => DType::I32,
+            CudaBuffer::I64(_) => DType::I64,
+            CudaBuffer::U8(_) => DType::U8,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            CudaBuffer::F32(s) => s.len(),
+            CudaBuffer::F64(s) => s.len(),
+            CudaBuffer::F16(s) => s.len(),
+            CudaBuffer::BF16(s) => s.len(),
+            CudaBuffer::I32(s) => s.len(),
+            CudaBuffer::I64(s) => s.len(),
+            CudaBuffer::U8(s) => s.len(),
+        }
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl NcclGroup {
+    fn device_buffer(&self, op: &str, b: crate::Buffer) -> Result<CudaBuffer> {
+        match b {
+            crate::Buffer::Cuda(c) => Ok(c),
+            host => Err(CommError::InvalidArgument {
+                rank: self.global_rank,
+                op: op.into(),
+                reason: format!(
+                    "an NCCL group moves CUDA buffers, not host memory ({:?} x {})",
+                    host.dtype(),
+                    host.len()
+                ),
+            }),
+        }
+    }
+
+    /// The only reference to a device buffer, for writing.
+    fn exclusive<'a, T>(
+        &self,
+        op: &str,
+        s: &'a mut Arc<CudaSlice<T>>,
+    ) -> Result<&'a mut CudaSlice<T>> {
+        let rank = self.global_rank;
+        Arc::get_mut(s).ok_or_else(|| CommError::InvalidArgument {
+            rank,
+            op: op.into(),
+            reason: "the buffer is shared; pass the only reference to it".into(),
+        })
+    }
+
+    /// `output` when it holds `len` elements of `T`, else a fresh zeroed buffer on the
+    /// group's stream.
+    fn output_of<T: CudaElement>(
+        &self,
+        op: &str,
+        output: crate::Buffer,
+        len: usize,
+    ) -> Result<Arc<CudaSlice<T>>> {
+        if let crate::Buffer::Cuda(o) = output
+            && let Some(o) = T::unwrap(o)
+            && o.len() == len
+        {
+            return Ok(o);
+        }
+        self.comm
+            .get()
+            .stream()
+            .alloc_zeros::<T>(len)
+            .map(Arc::new)
+            .map_err(|e| CommError::Io {
+                rank: self.global_rank,
+                what: format!("NCCL {op}: allocating {len} elements"),
+                message: format!("{e:?}"),
+            })
+    }
+
+    fn typed_all_gather<T: CudaElement>(
+        &self,
+        input: Arc<CudaSlice<T>>,
+        output: crate::Buffer,
+    ) -> Result<(crate::Buffer, crate::Buffer)> {
+        let mut out = self.output_of::<T>("all_gather", output, input.len() * self.size)?;
+        self.all_gather(&input, self.exclusive("all_gather", &mut out)?)?;
+        Ok((
+            crate::Buffer::Cuda(T::wrap(input)),
+            crate::Buffer::Cuda(T::wrap(out)),
+        ))
+    }
+
+    fn typed_reduce_scatter<T: CudaElement>(
+        &self,
+        input: Arc<CudaSlice<T>>,
+        output: crate::Buffer,
+        op: ReduceOp,
+    ) -> Result<(crate::Buffer, crate::Buffer)> {
+        let len = input.len() / self.size.max(1);
+        let mut out = self.output_of::<T>("reduce_scatter", output, len)?;
+        self.reduce_scatter(&input, self.exclusive("reduce_scatter", &mut out)?, op)?;
+        Ok((
+            crate::Buffer::Cuda(T::wrap(input)),
+            crate::Buffer::Cuda(T::wrap(out)),
+        ))
+    }
+
+    fn typed_all_reduce<T: CudaElement>(
+        &self,
+        mut buf: Arc<CudaSlice<T>>,
+        op: ReduceOp,
+    ) -> Result<crate::Buffer> {
+        self.all_reduce(self.exclusive("all_reduce", &mut buf)?, op)?;
+        Ok(crate::Buffer::Cuda(T::wrap(buf)))
+    }
+
+    fn typed_broadcast<T: CudaElement>(
+        &self,
+        mut buf: Arc<CudaSlice<T>>,
+        root: usize,
+    ) -> Result<crate::Buffer> {
+        self.broadcast(self.exclusive("broadcast", &mut buf)?, root)?;
+        Ok(crate::Buffer::Cuda(T::wrap(buf)))
+    }
+}
+
+impl crate::Communicator for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn global_rank(&self) -> usize {
+        self.global_rank
+    }
+
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn all_gather_into(
+        &self,
+        input: crate::Buffer,
+        output: crate::Buffer,
+    ) -> Work<(crate::Buffer, crate::Buffer)> {
+        Work::ready(
+            self.device_buffer("all_gather", input)
+                .and_then(|i| dispatch!(self, i, typed_all_gather(output))),
+        )
+    }
+
+    fn reduce_scatter_into(
+        &self,
+        input: crate::Buffer,
+        output: crate::Buffer,
+        op: ReduceOp,
+    ) -> Work<(crate::Buffer, crate::Buffer)> {
+        Work::ready(
+            self.device_buffer("reduce_scatter", input)
+                .and_then(|i| dispatch!(self, i, typed_reduce_scatter(output, op))),
+        )
+    }
+
+    fn all_reduce(&self, buf: crate::Buffer, op: ReduceOp) -> Work<crate::Buffer> {
+        Work::ready(
+            self.device_buffer("all_reduce", buf)
+                .and_then(|b| dispatch!(self, b, typed_all_reduce(op))),
+        )
+    }
+
+    fn broadcast(&self, buf: crate::Buffer, root: usize) -> Work<crate::Buffer> {
+        Work::ready(
+            self.device_buffer("broadcast", buf)
+                .and_then(|b| dispatch!(self, b, typed_broadcast(root))),
+        )
+    }
+
+    /// NCCL has no gather: an all-gather whose result only `root` keeps.
+    fn gather(&self, input: crate::Buffer, root: usize) -> Work<Option<crate::Buffer>> {
+        let rank = self.rank;
+        self.all_gather_into(input, crate::Buffer::empty(crate::DType::U8))
+            .map(move |(_, out)| Ok((rank == root).then_some(out)))
+    }
+
+    fn barrier(&self) -> Work<()> {
+        let stream = self.comm.get().stream();
+        let mut flag = match stream.alloc_zeros::<u8>(1) {
+            Ok(f) => f,
+            Err(e) => {
+                return Work::ready(Err(CommError::Io {
+                    rank: self.global_rank,
+                    what: "NCCL barrier".into(),
+                    message: format!("{e:?}"),
+                }));
+            }
+        };
+        let rank = self.global_rank;
+        let result = self.all_reduce(&mut flag, ReduceOp::Sum).and_then(|()| {
+            stream.synchronize().map_err(|e| CommError::Io {
+                rank,
+                what: "NCCL barrier".into(),
+                message: format!("{e:?}"),
+            })
+        });
+        Work::ready(result)
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        0
     }
 }

@@ -3,105 +3,57 @@
 //! bounded in time and its processes are killed on the way out.
 
 use std::collections::HashMap;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use fsdp_comm::{Element, GroupOptions, ProcessGroup, ReduceOp, WorldInfo};
+use fsdp_comm::{Element, GroupOptions, LocalJob, ProcessGroup, ReduceOp, WorkerOutput, WorldInfo};
 use half::{bf16, f16};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
-
-struct Job {
-    children: Vec<Child>,
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 struct Outcome {
     code: Option<i32>,
     output: String,
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// Starts `ranks` (each `(rank, extra env)`, in order; a rank may appear twice) of a
+/// `world`-rank job running `scenario`.
+fn spawn(scenario: &str, world: usize, ranks: &[(usize, Vec<(&str, String)>)]) -> LocalJob {
+    let mut extras = ranks.iter().map(|(_, e)| e.clone());
+    LocalJob::start(world, ranks.iter().map(|(r, _)| *r), None, |_| {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+            .env(SCENARIO, scenario)
+            .env("FSDP_JOB_SECRET", "test-secret")
+            .env("FSDP_RENDEZVOUS_TIMEOUT_SECS", "30")
+            .env("RUST_BACKTRACE", "0");
+        for (k, v) in extras.next().unwrap_or_default() {
+            cmd.env(k, v);
+        }
+        cmd
+    })
+    .unwrap()
 }
 
-/// Starts `ranks` (each `(rank, extra env)`) of a `world`-rank job running `scenario`.
-fn spawn(scenario: &str, world: usize, ranks: &[(usize, Vec<(&str, String)>)]) -> Job {
-    let port = free_port().to_string();
-    let children = ranks
-        .iter()
-        .map(|(rank, extra)| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
-                .env(SCENARIO, scenario)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("FSDP_JOB_SECRET", "test-secret")
-                .env("FSDP_RENDEZVOUS_TIMEOUT_SECS", "30")
-                .env("RUST_BACKTRACE", "0")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect();
-    Job { children }
+/// Waits for the processes of `ranks` (killing every process after `limit`, and the others
+/// once `ranks` are done) and returns each one's outcome.
+fn finish_ranks(job: LocalJob, ranks: &[usize], limit: Duration) -> Vec<Outcome> {
+    outcomes(job.wait_for(ranks, limit), limit)
 }
 
 /// Waits for every process (killing all after `limit`) and returns each one's outcome.
-fn finish(mut job: Job, limit: Duration) -> Vec<Outcome> {
-    let deadline = Instant::now() + limit;
-    let mut codes: Vec<Option<Option<i32>>> = vec![None; job.children.len()];
-    while codes.iter().any(Option::is_none) && Instant::now() < deadline {
-        for (i, c) in job.children.iter_mut().enumerate() {
-            if codes[i].is_none()
-                && let Ok(Some(status)) = c.try_wait()
-            {
-                codes[i] = Some(status.code());
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let timed_out = codes.iter().any(Option::is_none);
-    let mut outcomes = Vec::new();
-    for (i, c) in job.children.iter_mut().enumerate() {
-        if codes[i].is_none() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let mut output = String::new();
-        use std::io::Read;
-        if let Some(mut o) = c.stdout.take() {
-            let _ = o.read_to_string(&mut output);
-        }
-        if let Some(mut e) = c.stderr.take() {
-            let _ = e.read_to_string(&mut output);
-        }
-        outcomes.push(Outcome {
-            code: codes[i].flatten(),
-            output,
-        });
-    }
-    job.children.clear();
+fn finish(job: LocalJob, limit: Duration) -> Vec<Outcome> {
+    outcomes(job.wait(limit), limit)
+}
+
+fn outcomes((outputs, timed_out): (Vec<WorkerOutput>, bool), limit: Duration) -> Vec<Outcome> {
+    let outcomes: Vec<Outcome> = outputs
+        .iter()
+        .map(|o| Outcome {
+            code: o.status.and_then(|s| s.code()),
+            output: o.combined(),
+        })
+        .collect();
     assert!(
         !timed_out,
         "job did not finish within {limit:?}:\n{}",
@@ -169,6 +121,7 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
         "collectives" => collectives(),
         "large" => large(),
         "subgroups" => subgroups(),
+        "communicator" => communicator(),
         "mismatch" => expect_error(|pg| {
             if pg.rank() == 0 {
                 pg.all_gather(vec![1.0f32; 8]).wait().map(|_| ())
@@ -469,6 +422,74 @@ fn subgroups() -> Result<(), String> {
     Ok(())
 }
 
+/// The same collectives through `dyn Communicator` (typed buffers) and a hybrid mesh.
+fn communicator() -> Result<(), String> {
+    use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Mesh};
+    let pg = std::sync::Arc::new(group()?);
+    let err = |e: fsdp_comm::CommError| e.to_string();
+    let (rank, n) = (pg.rank(), pg.size());
+    let c: std::sync::Arc<dyn Communicator> = pg.clone();
+    let mine: Vec<bf16> = data::<bf16>(rank, 5);
+    let all: Vec<Vec<bf16>> = (0..n).map(|r| data::<bf16>(r, 5)).collect();
+    let (_, gathered) = c
+        .all_gather_into(Buffer::from(mine.clone()), Buffer::BF16(Vec::new()))
+        .wait()
+        .map_err(err)?;
+    expect_eq(
+        "dyn all_gather",
+        gathered.as_slice::<bf16>().ok_or("dtype")?,
+        &all.concat(),
+    )?;
+    let full: Vec<f32> = data::<f32>(rank, 4 * n);
+    let (_, part) = c
+        .reduce_scatter_into(Buffer::from(full), Buffer::F32(Vec::new()), ReduceOp::Sum)
+        .wait()
+        .map_err(err)?;
+    let want: Vec<f32> = (rank * 4..(rank + 1) * 4)
+        .map(|i| (0..n).map(|r| value(r, i) as f32).sum())
+        .collect();
+    expect_eq(
+        "dyn reduce_scatter",
+        part.as_slice::<f32>().ok_or("dtype")?,
+        &want,
+    )?;
+    let got = c
+        .all_reduce_vec(vec![rank as i64], ReduceOp::Sum)
+        .wait()
+        .map_err(err)?;
+    expect_eq("dyn all_reduce", &got, &[(0..n as i64).sum()])?;
+    let got = c.gather_vec(vec![rank as u8], n - 1).wait().map_err(err)?;
+    if rank == n - 1 {
+        let want: Vec<u8> = (0..n as u8).collect();
+        expect_eq("dyn gather", &got.ok_or("root got nothing")?, &want)?;
+    }
+    // Hybrid mesh, 2 replicas of 2 shards: world all-reduce over both dimensions.
+    let mesh = Mesh::hybrid(&pg, 2).map_err(err)?;
+    if (mesh.shard_size(), mesh.replicas(), mesh.rank()) != (2, n / 2, rank) {
+        return Err(format!(
+            "mesh shape {:?}",
+            (mesh.shard_size(), mesh.replicas(), mesh.rank())
+        ));
+    }
+    let total = mesh
+        .all_reduce(Buffer::from(vec![rank as f64]), ReduceOp::Sum)
+        .map_err(err)?;
+    expect_eq(
+        "mesh all_reduce",
+        total.as_slice::<f64>().ok_or("dtype")?,
+        &[(0..n).sum::<usize>() as f64],
+    )?;
+    let first = mesh
+        .broadcast_from_first(Buffer::from(vec![rank as i32 + 10]))
+        .map_err(err)?;
+    expect_eq(
+        "mesh broadcast",
+        first.as_slice::<i32>().ok_or("dtype")?,
+        &[10],
+    )?;
+    c.barrier().wait().map_err(err)
+}
+
 // ---------------------------------------------------------------- tests
 
 fn transport(name: &str) -> Vec<(&'static str, String)> {
@@ -518,6 +539,18 @@ fn sixty_four_mib_collectives_over_both_transports() {
 #[test]
 fn subgroups_mesh_and_out_of_order_waits() {
     assert_all_ok(&run_all("subgroups", 4, vec![], Duration::from_secs(60)));
+}
+
+#[test]
+fn typed_buffers_through_the_communicator_trait_and_a_hybrid_mesh() {
+    for t in ["shm", "tcp"] {
+        assert_all_ok(&run_all(
+            "communicator",
+            4,
+            transport(t),
+            Duration::from_secs(60),
+        ));
+    }
 }
 
 fn errors_of(outcomes: &[Outcome]) -> Vec<String> {
@@ -606,11 +639,15 @@ fn a_dead_peer_fails_the_others_within_seconds() {
 
 #[test]
 fn a_hung_peer_times_out_naming_it() {
-    let outcomes = run_all(
-        "peer_hangs",
-        2,
-        vec![("FSDP_COMM_TIMEOUT_SECS", "1".into())],
-        Duration::from_secs(40),
+    // Rank 1 sleeps 20 s; the job ends as soon as rank 0 has reported its timeout.
+    let started = Instant::now();
+    let extra = vec![("FSDP_COMM_TIMEOUT_SECS", "1".to_string())];
+    let job = spawn("peer_hangs", 2, &[(0, extra.clone()), (1, extra)]);
+    let outcomes = finish_ranks(job, &[0], Duration::from_secs(40));
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
     );
     assert_eq!(outcomes[0].code, Some(0), "{}", dump(&outcomes));
     let e = &errors_of(&outcomes)[0];

@@ -3,35 +3,25 @@
 //! 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter), next to a memcpy
 //! baseline measured in the same run.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, Subcommand};
+use clap::Args;
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
-/// Run benchmarks.
-#[derive(Args)]
-pub struct BenchArgs {
-    #[command(subcommand)]
-    what: BenchWhat,
+fn sizes(max_mib: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut s = 4usize << 10;
+    while s <= max_mib << 20 {
+        out.push(s);
+        s *= 4;
+    }
+    out
 }
 
-#[derive(Subcommand)]
-enum BenchWhat {
-    /// Median time and bandwidth of all_reduce, all_gather, reduce_scatter and broadcast
-    /// (f32) between local processes, sizes 4 KiB to 64 MiB; prints a table and JSON.
-    Collectives(CollectiveArgs),
-    /// One BERT encoder layer, forward and forward+backward, with a per-part breakdown.
-    Layer(crate::bench_layer::LayerArgs),
-    /// FSDP training of a BERT classifier per sharding strategy: model-state bytes per rank
-    /// against the formula, peak above it during forward/backward against the largest unit,
-    /// bytes sent per step against theory, samples/s and peak RSS.
-    Memory(crate::bench_memory::MemoryArgs),
-}
-
+/// Options of `fsdp bench collectives`.
 #[derive(Args, Clone)]
-struct CollectiveArgs {
+pub struct CollectiveArgs {
     /// Number of processes.
     #[arg(
         long = "num_processes",
@@ -56,24 +46,9 @@ struct CollectiveArgs {
     worker: bool,
 }
 
-/// Runs `fsdp bench ...`.
-pub fn run(args: BenchArgs) -> Result<()> {
-    match args.what {
-        BenchWhat::Collectives(a) if a.worker => worker(&a),
-        BenchWhat::Collectives(a) => launch(&a),
-        BenchWhat::Layer(a) => crate::bench_layer::run(a),
-        BenchWhat::Memory(a) => crate::bench_memory::run(a),
-    }
-}
-
-fn sizes(max_mib: usize) -> Vec<usize> {
-    let mut out = Vec::new();
-    let mut s = 4usize << 10;
-    while s <= max_mib << 20 {
-        out.push(s);
-        s *= 4;
-    }
-    out
+/// Runs `fsdp bench collectives`: the workers, or the measurement inside one.
+pub fn run(a: CollectiveArgs) -> Result<()> {
+    if a.worker { worker(&a) } else { launch(&a) }
 }
 
 /// Runs the workers once per transport and prints each table, then one JSON document with
@@ -138,75 +113,12 @@ fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
         &a.num_processes.to_string(),
     ]
     .map(String::from);
-    spawn_workers(
+    super::workers::spawn_workers(
         &args,
         a.num_processes,
         &[("FSDP_COMM_TRANSPORT", transport)],
     )
     .with_context(|| format!("over {transport}"))
-}
-
-/// Runs this binary with `args` as `n` local worker processes (torchrun environment, a fresh
-/// port and job secret, threads split between them) and returns rank 0's standard output.
-pub(crate) fn spawn_workers(args: &[String], n: usize, env: &[(&str, &str)]) -> Result<String> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let exe = std::env::current_exe()?;
-    let threads = (crate::system::available_cores() / n).max(1).to_string();
-    let mut workers = Workers(Vec::new());
-    for rank in 0..n {
-        let mut cmd = Command::new(&exe);
-        cmd.args(args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env(
-                "FSDP_JOB_SECRET",
-                format!("bench-{}-{port}", std::process::id()),
-            )
-            .env("RAYON_NUM_THREADS", &threads)
-            .envs(env.iter().copied())
-            .stdout(if rank == 0 {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            });
-        workers
-            .0
-            .push(cmd.spawn().context("starting a benchmark worker")?);
-    }
-    let mut report = String::new();
-    if let Some(mut out) = workers.0[0].stdout.take() {
-        use std::io::Read;
-        out.read_to_string(&mut report)?;
-    }
-    let mut failed = false;
-    for c in &mut workers.0 {
-        failed |= !c.wait()?.success();
-    }
-    if failed {
-        bail!("a benchmark worker failed");
-    }
-    Ok(report)
-}
-
-/// Worker processes, killed if the launcher leaves early (an error while starting or
-/// reading), so none outlives it.
-struct Workers(Vec<std::process::Child>);
-
-impl Drop for Workers {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if let Ok(None) = c.try_wait() {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
 }
 
 struct Row {

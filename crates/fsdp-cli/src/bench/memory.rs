@@ -113,7 +113,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         if a.forward_prefetch {
             args.push("--forward_prefetch".into());
         }
-        let out = crate::bench::spawn_workers(&args, a.num_processes, &[])
+        let out = super::workers::spawn_workers(&args, a.num_processes, &[])
             .with_context(|| format!("measuring {strategy}"))?;
         let line = out
             .lines()

@@ -1,0 +1,40 @@
+//! `fsdp bench`: collectives between processes, one BERT layer, and FSDP training memory,
+//! each printing a table and machine-readable JSON.
+
+mod collectives;
+mod layer;
+mod memory;
+mod workers;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+
+/// Run benchmarks.
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchWhat,
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Median time and bandwidth of all_reduce, all_gather, reduce_scatter and broadcast
+    /// (f32) between local processes, sizes 4 KiB to 64 MiB; prints a table and JSON.
+    Collectives(collectives::CollectiveArgs),
+    /// One BERT encoder layer, forward and forward+backward, with a per-part breakdown.
+    Layer(layer::LayerArgs),
+    /// FSDP training of a BERT classifier per sharding strategy: model-state bytes per rank
+    /// against the formula, peak above it during forward/backward against the largest unit,
+    /// bytes sent per step against theory, samples/s and peak RSS.
+    Memory(memory::MemoryArgs),
+}
+
+/// Runs `fsdp bench ...`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    match args.what {
+        BenchWhat::Collectives(a) => collectives::run(a),
+        BenchWhat::Layer(a) => layer::run(a),
+        BenchWhat::Memory(a) => memory::run(a),
+    }
+}
+

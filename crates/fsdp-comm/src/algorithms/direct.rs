@@ -1,0 +1,68 @@
+//! Direct exchanges for latency: small all-reduces (every rank sends its whole buffer to
+//! every other and reduces in rank order, one round) and the barrier.
+
+use crate::dtype::{Element, ReduceOp, as_bytes, finish_avg, reduce_into};
+use crate::error::Result;
+use crate::protocol::{Engine, Op, Out};
+use crate::transport::Header;
+
+/// All-reduces of at most this many bytes exchange whole buffers directly (one round).
+pub(crate) const DIRECT_ALL_REDUCE_BYTES: usize = 64 << 10;
+
+impl Engine {
+    /// All-reduce of a small buffer in one round; identical results on every rank.
+    pub(crate) fn direct_all_reduce<T: Element>(
+        &mut self,
+        h: Header,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Vec<T>> {
+        let n = self.size;
+        // Everyone gets everyone's buffer and reduces in rank order: identical results.
+        let mine = std::mem::take(&mut buf);
+        let mut received: Vec<Vec<T>> = (0..n)
+            .map(|p| {
+                if p == self.rank {
+                    Vec::new()
+                } else {
+                    vec![T::default(); mine.len()]
+                }
+            })
+            .collect();
+        let others = self.others();
+        let outs: Vec<Out> = others.iter().map(|&p| (p, 0, as_bytes(&mine))).collect();
+        let ins = received
+            .iter_mut()
+            .enumerate()
+            .filter(|(p, _)| *p != self.rank)
+            .map(|(p, v)| Self::into_slice(p, 0, v.as_mut_slice()))
+            .collect();
+        self.transfer(h, &outs, ins)?;
+        let mut out = if self.rank == 0 {
+            mine.clone()
+        } else {
+            std::mem::take(&mut received[0])
+        };
+        for (p, contribution) in received.iter().enumerate().skip(1) {
+            reduce_into(
+                &mut out,
+                if p == self.rank { &mine } else { contribution },
+                op,
+            );
+        }
+        finish_avg(&mut out, op, n);
+        Ok(out)
+    }
+
+    /// See [`crate::ProcessGroup::barrier`].
+    pub fn barrier(&mut self) -> Result<()> {
+        let h = self.begin::<u8>(Op::Barrier, 0, None);
+        let others = self.others();
+        let outs: Vec<Out> = others.iter().map(|&p| (p, 0, &[][..])).collect();
+        let ins = others
+            .iter()
+            .map(|&p| Self::into_slice::<u8>(p, 0, &mut []))
+            .collect();
+        self.transfer(h, &outs, ins)
+    }
+}

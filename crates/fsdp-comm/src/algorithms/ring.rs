@@ -1,0 +1,213 @@
+//! Ring algorithms, bandwidth-optimal for large buffers: each rank sends (n-1)/n of the data
+//! for reduce-scatter and all-gather, and all-reduce is one of each.
+
+use crate::dtype::{Element, ReduceOp, as_bytes, finish_avg};
+use crate::error::Result;
+use crate::protocol::{Engine, Op};
+use crate::transport::Header;
+
+use super::direct::DIRECT_ALL_REDUCE_BYTES;
+
+impl Engine {
+    /// One ring step: send `buf[send]` to the next rank while receiving the previous rank's
+    /// part into `buf[recv]` (copied, or reduced with `op`).
+    fn ring_step<T: Element>(
+        &mut self,
+        h: Header,
+        step: u32,
+        buf: &mut [T],
+        send: (usize, usize),
+        recv: (usize, usize),
+        op: Option<ReduceOp>,
+    ) -> Result<()> {
+        let (next, prev) = (self.next(), self.prev());
+        let (send_part, recv_part) = disjoint(buf, send, recv);
+        let sink = match op {
+            Some(op) => Self::reducing(prev, step, recv_part, op),
+            None => Self::into_slice(prev, step, recv_part),
+        };
+        self.transfer(h, &[(next, step, as_bytes(send_part))], vec![sink])
+    }
+
+    /// Ring reduce-scatter over `parts` (the chunk boundaries); on return this rank's part
+    /// `rank` holds the reduction of every rank's part `rank`.
+    fn ring_reduce_scatter<T: Element>(
+        &mut self,
+        h: Header,
+        buf: &mut [T],
+        parts: &[(usize, usize)],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.size;
+        for s in 0..n - 1 {
+            let send = (self.rank + 2 * n - 1 - s) % n;
+            let recv = (self.rank + 2 * n - 2 - s) % n;
+            self.ring_step(h, s as u32, buf, parts[send], parts[recv], Some(op))?;
+        }
+        Ok(())
+    }
+
+    /// Ring all-gather: part `rank` of `buf` is this rank's; on return every part is filled.
+    fn ring_all_gather<T: Element>(
+        &mut self,
+        h: Header,
+        buf: &mut [T],
+        parts: &[(usize, usize)],
+        first_step: u32,
+    ) -> Result<()> {
+        let n = self.size;
+        for s in 0..n - 1 {
+            let send = (self.rank + n - s) % n;
+            let recv = (self.rank + 2 * n - 1 - s) % n;
+            self.ring_step(
+                h,
+                first_step + s as u32,
+                buf,
+                parts[send],
+                parts[recv],
+                None,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// See [`crate::ProcessGroup::all_reduce`].
+    pub fn all_reduce<T: Element>(&mut self, mut buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
+        let h = self.begin::<T>(Op::AllReduce, buf.len(), Some(op));
+        let n = self.size;
+        if n == 1 || buf.is_empty() {
+            finish_avg(&mut buf, op, n);
+            return Ok(buf);
+        }
+        if std::mem::size_of_val(buf.as_slice()) <= DIRECT_ALL_REDUCE_BYTES {
+            return self.direct_all_reduce(h, buf, op);
+        }
+        let parts = split(buf.len(), n);
+        self.ring_reduce_scatter(h, &mut buf, &parts, op)?;
+        let (a, b) = parts[self.rank];
+        finish_avg(&mut buf[a..b], op, n);
+        self.ring_all_gather(h, &mut buf, &parts, n as u32)?;
+        Ok(buf)
+    }
+
+    /// See [`crate::ProcessGroup::all_gather`].
+    pub fn all_gather<T: Element>(&mut self, input: Vec<T>) -> Result<Vec<T>> {
+        self.all_gather_into(input, Vec::new()).map(|(_, out)| out)
+    }
+
+    /// See [`crate::ProcessGroup::all_gather_into`].
+    pub fn all_gather_into<T: Element>(
+        &mut self,
+        input: Vec<T>,
+        out: Vec<T>,
+    ) -> Result<(Vec<T>, Vec<T>)> {
+        let counts = vec![input.len(); self.size];
+        self.gather_parts(Op::AllGather, input, out, &counts)
+    }
+
+    /// See [`crate::ProcessGroup::all_gather_v`].
+    pub fn all_gather_v<T: Element>(
+        &mut self,
+        input: Vec<T>,
+        counts: Vec<usize>,
+    ) -> Result<Vec<T>> {
+        if counts.len() != self.size || counts[self.rank] != input.len() {
+            return Err(self.invalid(
+                "all_gather_v",
+                format!(
+                    "counts {counts:?} must have one entry per rank ({}) and entry {} must equal the input length {}",
+                    self.size,
+                    self.rank,
+                    input.len()
+                ),
+            ));
+        }
+        self.gather_parts(Op::AllGatherV, input, Vec::new(), &counts)
+            .map(|(_, out)| out)
+    }
+
+    fn gather_parts<T: Element>(
+        &mut self,
+        op: Op,
+        input: Vec<T>,
+        mut out: Vec<T>,
+        counts: &[usize],
+    ) -> Result<(Vec<T>, Vec<T>)> {
+        let total: usize = counts.iter().sum();
+        let h = self.begin::<T>(op, total, None);
+        let mut parts = Vec::with_capacity(counts.len());
+        let mut start = 0;
+        for c in counts {
+            parts.push((start, start + c));
+            start += c;
+        }
+        out.resize(total, T::default());
+        let (a, b) = parts[self.rank];
+        out[a..b].copy_from_slice(&input);
+        if self.size > 1 {
+            self.ring_all_gather(h, &mut out, &parts, 0)?;
+        }
+        Ok((input, out))
+    }
+
+    /// See [`crate::ProcessGroup::reduce_scatter`].
+    pub fn reduce_scatter<T: Element>(&mut self, input: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
+        self.reduce_scatter_into(input, Vec::new(), op)
+            .map(|(_, out)| out)
+    }
+
+    /// See [`crate::ProcessGroup::reduce_scatter_into`].
+    pub fn reduce_scatter_into<T: Element>(
+        &mut self,
+        mut input: Vec<T>,
+        mut out: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<(Vec<T>, Vec<T>)> {
+        let n = self.size;
+        if input.len() % n != 0 {
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!(
+                    "input length {} is not a multiple of the group size {n}",
+                    input.len()
+                ),
+            ));
+        }
+        let h = self.begin::<T>(Op::ReduceScatter, input.len(), Some(op));
+        let k = input.len() / n;
+        let parts: Vec<(usize, usize)> = (0..n).map(|r| (r * k, (r + 1) * k)).collect();
+        if n > 1 && k > 0 {
+            self.ring_reduce_scatter(h, &mut input, &parts, op)?;
+        }
+        let (a, b) = parts[self.rank];
+        out.clear();
+        out.extend_from_slice(&input[a..b]);
+        finish_avg(&mut out, op, n);
+        Ok((input, out))
+    }
+}
+
+/// `buf[send]` to read and `buf[recv]` to write, for ranges that do not overlap.
+fn disjoint<T>(buf: &mut [T], send: (usize, usize), recv: (usize, usize)) -> (&[T], &mut [T]) {
+    if send.1 <= recv.0 {
+        let (a, b) = buf.split_at_mut(recv.0);
+        (&a[send.0..send.1], &mut b[..recv.1 - recv.0])
+    } else {
+        let (a, b) = buf.split_at_mut(send.0);
+        (&b[..send.1 - send.0], &mut a[recv.0..recv.1])
+    }
+}
+
+/// `len` elements split into `n` contiguous parts differing by at most one element.
+fn split(len: usize, n: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (len / n, len % n);
+    let mut start = 0;
+    (0..n)
+        .map(|i| {
+            let size = base + usize::from(i < extra);
+            let part = (start, start + size);
+            start += size;
+            part
+        })
+        .collect()
+}

@@ -1,0 +1,250 @@
+//! [`Buffer`]: a typed buffer that a [`crate::Communicator`] moves, whatever the backend: host
+//! vectors of each element type, and CUDA memory with the `nccl` feature. Carrying the dtype
+//! in the value keeps the communicator trait object-safe, so the engine can hold any backend.
+
+use half::{bf16, f16};
+
+use crate::dtype::{DType, Element};
+
+/// A buffer of one element type, in host memory or (feature `nccl`) on a CUDA device.
+#[derive(Debug, Clone)]
+pub enum Buffer {
+    /// 32-bit floats.
+    F32(Vec<f32>),
+    /// 64-bit floats.
+    F64(Vec<f64>),
+    /// IEEE halves.
+    F16(Vec<f16>),
+    /// bfloat16s.
+    BF16(Vec<bf16>),
+    /// 32-bit integers.
+    I32(Vec<i32>),
+    /// 64-bit integers.
+    I64(Vec<i64>),
+    /// Bytes.
+    U8(Vec<u8>),
+    /// Device memory (NCCL groups).
+    #[cfg(feature = "nccl")]
+    Cuda(crate::nccl::CudaBuffer),
+}
+
+/// Runs `$body` with `$v` bound to the host vector inside `$buf` (any element type);
+/// `$cuda` is the value for a device buffer.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_host_vec {
+    ($buf:expr, $v:ident => $body:expr, cuda => $cuda:expr) => {
+        match $buf {
+            $crate::Buffer::F32($v) => $body,
+            $crate::Buffer::F64($v) => $body,
+            $crate::Buffer::F16($v) => $body,
+            $crate::Buffer::BF16($v) => $body,
+            $crate::Buffer::I32($v) => $body,
+            $crate::Buffer::I64($v) => $body,
+            $crate::Buffer::U8($v) => $body,
+            #[cfg(feature = "nccl")]
+            $crate::Buffer::Cuda(_) => $cuda,
+        }
+    };
+}
+
+impl Buffer {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::F32(_) => DType::F32,
+            Buffer::F64(_) => DType::F64,
+            Buffer::F16(_) => DType::F16,
+            Buffer::BF16(_) => DType::BF16,
+            Buffer::I32(_) => DType::I32,
+            Buffer::I64(_) => DType::I64,
+            Buffer::U8(_) => DType::U8,
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(b) => b.dtype(),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(b) => b.len(),
+            host => with_host_vec!(host, v => v.len(), cuda => 0),
+        }
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the buffer lives in host memory.
+    pub fn is_host(&self) -> bool {
+        with_host_vec!(self, _v => true, cuda => false)
+    }
+
+    /// An empty host buffer of `dtype`.
+    pub fn empty(dtype: DType) -> Buffer {
+        Buffer::zeros(dtype, 0)
+    }
+
+    /// `len` zeros of `dtype` in host memory.
+    pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        match dtype {
+            DType::F32 => Buffer::F32(vec![0.0; len]),
+            DType::F64 => Buffer::F64(vec![0.0; len]),
+            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
+            DType::I32 => Buffer::I32(vec![0; len]),
+            DType::I64 => Buffer::I64(vec![0; len]),
+            DType::U8 => Buffer::U8(vec![0; len]),
+        }
+    }
+
+    /// The host vector of element type `T`, or the buffer back when it holds another type.
+    pub fn into_vec<T: BufferElement>(self) -> Result<Vec<T>, Buffer> {
+        T::from_buffer(self)
+    }
+
+    /// The host elements as `T`, if the buffer holds that type.
+    pub fn as_slice<T: BufferElement>(&self) -> Option<&[T]> {
+        T::slice_of(self)
+    }
+
+    /// The host elements as `T`, writable, if the buffer holds that type.
+    pub fn as_mut_slice<T: BufferElement>(&mut self) -> Option<&mut [T]> {
+        T::slice_of_mut(self)
+    }
+
+    /// `values` converted to `dtype` (a float type), in host memory: the cast mixed precision
+    /// applies before sending (f32 master shards gathered in bf16, say).
+    pub fn from_f32(values: &[f32], dtype: DType) -> Option<Buffer> {
+        use half::slice::HalfFloatSliceExt;
+        Some(match dtype {
+            DType::F32 => Buffer::F32(values.to_vec()),
+            DType::F64 => Buffer::F64(values.iter().map(|&x| x as f64).collect()),
+            DType::F16 => {
+                let mut out = vec![f16::ZERO; values.len()];
+                out.convert_from_f32_slice(values);
+                Buffer::F16(out)
+            }
+            DType::BF16 => {
+                let mut out = vec![bf16::ZERO; values.len()];
+                out.convert_from_f32_slice(values);
+                Buffer::BF16(out)
+            }
+            _ => return None,
+        })
+    }
+
+    /// Writes the elements of a host float buffer, converted to f32, into `out` (same length);
+    /// false for integer or device buffers and length mismatches.
+    pub fn to_f32_into(&self, out: &mut [f32]) -> bool {
+        use half::slice::HalfFloatSliceExt;
+        if out.len() != self.len() {
+            return false;
+        }
+        match self {
+            Buffer::F32(v) => out.copy_from_slice(v),
+            Buffer::F64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f32),
+            Buffer::F16(v) => v.convert_to_f32_slice(out),
+            Buffer::BF16(v) => v.convert_to_f32_slice(out),
+            _ => return false,
+        }
+        true
+    }
+}
+
+/// An element type with its own [`Buffer`] variant: converts typed vectors to and from
+/// buffers.
+pub trait BufferElement: Element {
+    /// `v` as a buffer.
+    fn into_buffer(v: Vec<Self>) -> Buffer;
+    /// The vector inside `b`, or `b` back when it holds another type.
+    fn from_buffer(b: Buffer) -> Result<Vec<Self>, Buffer>;
+    /// The elements of `b`, if it holds this type in host memory.
+    fn slice_of(b: &Buffer) -> Option<&[Self]>;
+    /// The elements of `b`, writable, if it holds this type in host memory.
+    fn slice_of_mut(b: &mut Buffer) -> Option<&mut [Self]>;
+}
+
+macro_rules! buffer_element {
+    ($t:ty, $variant:ident) => {
+        impl From<Vec<$t>> for Buffer {
+            fn from(v: Vec<$t>) -> Buffer {
+                Buffer::$variant(v)
+            }
+        }
+
+        impl BufferElement for $t {
+            fn into_buffer(v: Vec<Self>) -> Buffer {
+                Buffer::$variant(v)
+            }
+
+            fn from_buffer(b: Buffer) -> Result<Vec<Self>, Buffer> {
+                match b {
+                    Buffer::$variant(v) => Ok(v),
+                    other => Err(other),
+                }
+            }
+
+            fn slice_of(b: &Buffer) -> Option<&[Self]> {
+                match b {
+                    Buffer::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+
+            fn slice_of_mut(b: &mut Buffer) -> Option<&mut [Self]> {
+                match b {
+                    Buffer::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+buffer_element!(f32, F32);
+buffer_element!(f64, F64);
+buffer_element!(f16, F16);
+buffer_element!(bf16, BF16);
+buffer_element!(i32, I32);
+buffer_element!(i64, I64);
+buffer_element!(u8, U8);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn casts_round_trip_through_half_precision() {
+        let values = [1.0f32, -2.5, 0.333_333_34, 1e-3];
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let b = Buffer::from_f32(&values, dtype).unwrap();
+            assert_eq!(b.dtype(), dtype);
+            let mut back = [0f32; 4];
+            assert!(b.to_f32_into(&mut back));
+            let tol = match dtype {
+                DType::BF16 => 4e-3,
+                DType::F16 => 1e-3,
+                _ => 1e-7,
+            };
+            for (a, b) in values.iter().zip(back) {
+                assert!((a - b).abs() <= tol * a.abs(), "{dtype:?}: {a} vs {b}");
+            }
+        }
+        assert!(Buffer::from_f32(&values, DType::I32).is_none());
+        assert!(!Buffer::I32(vec![1; 4]).to_f32_into(&mut [0.0; 4]));
+    }
+
+    #[test]
+    fn typed_access() {
+        let b = Buffer::from(vec![1u8, 2, 3]);
+        assert_eq!(b.as_slice::<u8>(), Some(&[1u8, 2, 3][..]));
+        assert!(b.as_slice::<f32>().is_none());
+        let b = b.into_vec::<f32>().unwrap_err();
+        assert_eq!(b.into_vec::<u8>().unwrap(), vec![1, 2, 3]);
+        assert_eq!(Buffer::zeros(DType::BF16, 3).len(), 3);
+    }
+}

@@ -1,0 +1,169 @@
+//! [`Communicator`]: the collectives every backend offers on typed [`Buffer`]s, asynchronously.
+//! The FSDP engine holds `Arc<dyn Communicator>`, so the shared-memory/TCP [`crate::ProcessGroup`],
+//! NCCL groups, the in-process [`crate::LocalGroup`] and a single rank ([`SingleRank`]) are
+//! interchangeable.
+
+use crate::buffer::{Buffer, BufferElement};
+use crate::dtype::ReduceOp;
+use crate::error::{CommError, Result};
+use crate::work::Work;
+
+/// Collectives over a group of ranks. Every member calls the same collectives in the same
+/// order; results come back as [`Work`] handles. A failure (a mismatch, a dead peer, a
+/// timeout) is an error on every member that names the rank and the op, never a hang.
+pub trait Communicator: Send + Sync {
+    /// This member's rank in the group.
+    fn rank(&self) -> usize;
+    /// Number of members.
+    fn size(&self) -> usize;
+    /// This member's job-wide rank (for messages).
+    fn global_rank(&self) -> usize;
+    /// What carries the data (`shm`, `tcp`, `nccl`, `local`, `single`), for reports.
+    fn backend(&self) -> &'static str;
+    /// Concatenation of every member's `input` (all the same length) in rank order, written
+    /// into `output` (resized to fit where the backend can); returns both buffers for reuse.
+    fn all_gather_into(&self, input: Buffer, output: Buffer) -> Work<(Buffer, Buffer)>;
+    /// Reduces `input` (`size` × k elements) across members; member r gets elements
+    /// `r*k..(r+1)*k` in `output`. `input` may be used as scratch; both come back.
+    fn reduce_scatter_into(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        op: ReduceOp,
+    ) -> Work<(Buffer, Buffer)>;
+    /// Element-wise reduction across members; every member gets the result.
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer>;
+    /// `root`'s buffer on every member (every member passes a buffer of the same length).
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer>;
+    /// Every member's `input` (same length) concatenated on `root`; `None` elsewhere.
+    fn gather(&self, input: Buffer, root: usize) -> Work<Option<Buffer>>;
+    /// Completes when every member has reached it.
+    fn barrier(&self) -> Work<()>;
+    /// Payload bytes this member has sent so far (to compare with an algorithm's theory).
+    fn bytes_sent(&self) -> u64;
+}
+
+/// Typed conveniences over any [`Communicator`]: vectors in, vectors out.
+pub trait CommunicatorExt: Communicator {
+    /// [`Communicator::all_reduce`] of a vector.
+    fn all_reduce_vec<T: BufferElement>(&self, v: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let rank = self.global_rank();
+        self.all_reduce(T::into_buffer(v), op)
+            .map(move |b| typed(b, rank, "all_reduce"))
+    }
+
+    /// [`Communicator::all_gather_into`] of a vector into a fresh one.
+    fn all_gather_vec<T: BufferElement>(&self, v: Vec<T>) -> Work<Vec<T>> {
+        let rank = self.global_rank();
+        let out = T::into_buffer(Vec::new());
+        self.all_gather_into(T::into_buffer(v), out)
+            .map(move |(_, b)| typed(b, rank, "all_gather"))
+    }
+
+    /// [`Communicator::broadcast`] of a vector.
+    fn broadcast_vec<T: BufferElement>(&self, v: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let rank = self.global_rank();
+        self.broadcast(T::into_buffer(v), root)
+            .map(move |b| typed(b, rank, "broadcast"))
+    }
+
+    /// [`Communicator::gather`] of a vector.
+    fn gather_vec<T: BufferElement>(&self, v: Vec<T>, root: usize) -> Work<Option<Vec<T>>> {
+        let rank = self.global_rank();
+        self.gather(T::into_buffer(v), root)
+            .map(move |b| b.map(|b| typed(b, rank, "gather")).transpose())
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+fn typed<T: BufferElement>(b: Buffer, rank: usize, op: &str) -> Result<Vec<T>> {
+    b.into_vec::<T>().map_err(|b| CommError::InvalidArgument {
+        rank,
+        op: op.into(),
+        reason: format!(
+            "the result holds {:?} elements, not {:?}",
+            b.dtype(),
+            T::DTYPE
+        ),
+    })
+}
+
+/// A group of one: every collective returns its input at once. NO_SHARD's shard dimension,
+/// and a job of one process.
+#[derive(Debug, Clone)]
+pub struct SingleRank {
+    global_rank: usize,
+}
+
+impl SingleRank {
+    /// The group of this process alone (`global_rank` for messages).
+    pub fn new(global_rank: usize) -> SingleRank {
+        SingleRank { global_rank }
+    }
+
+    fn check_root(&self, op: &str, root: usize) -> Result<()> {
+        if root == 0 {
+            Ok(())
+        } else {
+            Err(CommError::InvalidArgument {
+                rank: self.global_rank,
+                op: op.into(),
+                reason: format!("root {root} is not a rank of this group of 1"),
+            })
+        }
+    }
+}
+
+impl Communicator for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn size(&self) -> usize {
+        1
+    }
+
+    fn global_rank(&self) -> usize {
+        self.global_rank
+    }
+
+    fn backend(&self) -> &'static str {
+        "single"
+    }
+
+    fn all_gather_into(&self, input: Buffer, _output: Buffer) -> Work<(Buffer, Buffer)> {
+        let out = input.clone();
+        Work::ready(Ok((input, out)))
+    }
+
+    fn reduce_scatter_into(
+        &self,
+        input: Buffer,
+        _output: Buffer,
+        _op: ReduceOp,
+    ) -> Work<(Buffer, Buffer)> {
+        let out = input.clone();
+        Work::ready(Ok((input, out)))
+    }
+
+    fn all_reduce(&self, buf: Buffer, _op: ReduceOp) -> Work<Buffer> {
+        Work::ready(Ok(buf))
+    }
+
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+        Work::ready(self.check_root("broadcast", root).map(|()| buf))
+    }
+
+    fn gather(&self, input: Buffer, root: usize) -> Work<Option<Buffer>> {
+        Work::ready(self.check_root("gather", root).map(|()| Some(input)))
+    }
+
+    fn barrier(&self) -> Work<()> {
+        Work::ready(Ok(()))
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        0
+    }
+}

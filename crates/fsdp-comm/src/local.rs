@@ -1,0 +1,480 @@
+//! [`LocalGroup`]: a [`Communicator`] whose members are threads of one process, so code built
+//! on collectives (the FSDP engine) can be unit-tested without spawning processes. Same
+//! contract as a process group: FIFO per member, asynchronous handles, identical results on
+//! every member (reductions in rank order), and mismatches, departed members and timeouts
+//! reported as errors naming the ranks and the op.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
+use std::time::{Duration, Instant};
+
+use crate::buffer::Buffer;
+use crate::communicator::Communicator;
+use crate::dtype::{DType, ReduceOp, finish_avg, reduce_into};
+use crate::error::{CommError, Result};
+use crate::work::Work;
+
+/// What a member called, compared across members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    Gather(usize),
+    Barrier,
+}
+
+impl Call {
+    fn name(self) -> &'static str {
+        match self {
+            Call::AllGather => "all_gather",
+            Call::ReduceScatter(_) => "reduce_scatter",
+            Call::AllReduce(_) => "all_reduce",
+            Call::Broadcast(_) => "broadcast",
+            Call::Gather(_) => "gather",
+            Call::Barrier => "barrier",
+        }
+    }
+}
+
+struct Arrival {
+    call: Call,
+    dtype: DType,
+    input: Arc<Buffer>,
+}
+
+#[derive(Default)]
+struct Round {
+    arrivals: HashMap<usize, Arrival>,
+    /// Members that have taken their result; the last one removes the round.
+    done: usize,
+}
+
+struct State {
+    rounds: HashMap<u64, Round>,
+    departed: Vec<bool>,
+    failed: Option<(usize, String)>,
+}
+
+struct Shared {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+type Job = Box<dyn FnOnce(&mut Member) + Send>;
+
+/// One member's side, owned by its communication thread.
+struct Member {
+    rank: usize,
+    seq: u64,
+    shared: Arc<Shared>,
+    bytes_sent: Arc<AtomicU64>,
+}
+
+/// One member of an in-process group (see the module docs).
+pub struct LocalGroup {
+    rank: usize,
+    size: usize,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    shared: Arc<Shared>,
+    bytes_sent: Arc<AtomicU64>,
+}
+
+impl LocalGroup {
+    /// The `size` members of a new group (give one to each thread), with a 60 s timeout.
+    pub fn create(size: usize) -> Vec<LocalGroup> {
+        LocalGroup::with_timeout(size, Duration::from_secs(60))
+    }
+
+    /// As [`LocalGroup::create`], waiting at most `timeout` for the other members.
+    pub fn with_timeout(size: usize, timeout: Duration) -> Vec<LocalGroup> {
+        let shared = Arc::new(Shared {
+            size,
+            timeout,
+            state: Mutex::new(State {
+                rounds: HashMap::new(),
+                departed: vec![false; size],
+                failed: None,
+            }),
+            changed: Condvar::new(),
+        });
+        (0..size)
+            .map(|rank| {
+                let (tx, rx) = mpsc::channel::<Job>();
+                let bytes_sent = Arc::new(AtomicU64::new(0));
+                let mut member = Member {
+                    rank,
+                    seq: 0,
+                    shared: shared.clone(),
+                    bytes_sent: bytes_sent.clone(),
+                };
+                let thread = std::thread::Builder::new()
+                    .name(format!("fsdp-local-{rank}"))
+                    .spawn(move || {
+                        while let Ok(job) = rx.recv() {
+                            job(&mut member);
+                        }
+                    })
+                    .ok();
+                LocalGroup {
+                    rank,
+                    size,
+                    jobs: Mutex::new(Some(tx)),
+                    thread,
+                    shared: shared.clone(),
+                    bytes_sent,
+                }
+            })
+            .collect()
+    }
+
+    /// Queues a collective; `invalid` is this member's argument error, which breaks the
+    /// group for every member (as in a process group) instead of leaving them waiting.
+    fn submit<T: Send + 'static>(
+        &self,
+        call: Call,
+        input: Buffer,
+        invalid: Option<String>,
+        finish: impl FnOnce(&Member, &[Arc<Buffer>]) -> Result<T> + Send + 'static,
+    ) -> Work<T> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let job: Job = Box::new(move |m: &mut Member| {
+            let result = match invalid {
+                Some(reason) => {
+                    let err = m.invalid(call.name(), reason);
+                    Err(m.fail(m.shared.lock(), err))
+                }
+                None => m
+                    .collective(call, input)
+                    .and_then(|all| finish(m, &all))
+                    .map_err(|e| m.fail(m.shared.lock(), e)),
+            };
+            let _ = tx.send(result);
+        });
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(sender) = jobs.as_ref() {
+            let _ = sender.send(job);
+        }
+        Work::from_channel(rx, self.rank)
+    }
+}
+
+impl Drop for LocalGroup {
+    fn drop(&mut self) {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.shared.lock().departed[self.rank] = true;
+        self.shared.changed.notify_all();
+    }
+}
+
+impl Member {
+    fn invalid(&self, op: &str, reason: String) -> CommError {
+        CommError::InvalidArgument {
+            rank: self.rank,
+            op: op.into(),
+            reason,
+        }
+    }
+
+    /// Deposits this member's input for its next collective, waits for every member's, and
+    /// returns all inputs in rank order. The first failure breaks the group for everyone.
+    fn collective(&mut self, call: Call, input: Buffer) -> Result<Vec<Arc<Buffer>>> {
+        self.seq += 1;
+        let seq = self.seq;
+        let shared = self.shared.clone();
+        let mut state = shared.lock();
+        if let Some((origin, message)) = &state.failed {
+            return Err(self.aborted(*origin, message.clone()));
+        }
+        let dtype = input.dtype();
+        let round = state.rounds.entry(seq).or_default();
+        round.arrivals.insert(
+            self.rank,
+            Arrival {
+                call,
+                dtype,
+                input: Arc::new(input),
+            },
+        );
+        let mismatch = round
+            .arrivals
+            .iter()
+            .find(|(_, a)| a.call != call || a.dtype != dtype)
+            .map(|(&peer, a)| CommError::Mismatch {
+                rank: self.rank,
+                peer,
+                mine: format!("{call:?}({dtype:?}) as collective #{seq}"),
+                theirs: format!("{:?}({:?}) as collective #{seq}", a.call, a.dtype),
+            });
+        if let Some(err) = mismatch {
+            return Err(self.fail(state, err));
+        }
+        shared.changed.notify_all();
+        let deadline = Instant::now() + shared.timeout;
+        loop {
+            if let Some((origin, message)) = &state.failed {
+                return Err(self.aborted(*origin, message.clone()));
+            }
+            let round = state.rounds.get(&seq);
+            let arrived = round.map_or(0, |r| r.arrivals.len());
+            if arrived == shared.size {
+                break;
+            }
+            let missing: Vec<usize> = (0..shared.size)
+                .filter(|r| round.is_none_or(|x| !x.arrivals.contains_key(r)))
+                .collect();
+            if let Some(&peer) = missing.iter().find(|&&r| state.departed[r]) {
+                let err = CommError::PeerLost {
+                    rank: self.rank,
+                    peer,
+                    op: Some(format!("{call:?} as collective #{seq}")),
+                };
+                return Err(self.fail(state, err));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let err = CommError::Timeout {
+                    rank: self.rank,
+                    what: format!("{call:?} as collective #{seq} waiting for ranks {missing:?}"),
+                    timeout: shared.timeout,
+                };
+                return Err(self.fail(state, err));
+            }
+            state = shared
+                .changed
+                .wait_timeout(state, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        let round = state
+            .rounds
+            .get_mut(&seq)
+            .ok_or(CommError::Closed { rank: self.rank })?;
+        let mut inputs = Vec::with_capacity(shared.size);
+        for r in 0..shared.size {
+            let a = round
+                .arrivals
+                .get(&r)
+                .ok_or(CommError::Closed { rank: self.rank })?;
+            inputs.push(a.input.clone());
+        }
+        round.done += 1;
+        if round.done == shared.size {
+            state.rounds.remove(&seq);
+        }
+        Ok(inputs)
+    }
+
+    fn aborted(&self, origin: usize, message: String) -> CommError {
+        CommError::Aborted {
+            rank: self.rank,
+            origin,
+            message,
+        }
+    }
+
+    /// Records the first failure so every member stops, and returns it.
+    fn fail(&self, mut state: MutexGuard<'_, State>, err: CommError) -> CommError {
+        if state.failed.is_none() {
+            state.failed = Some((self.rank, err.to_string()));
+        }
+        self.shared.changed.notify_all();
+        err
+    }
+
+    fn sent(&self, bytes: f64) {
+        self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// All inputs must have the same length (`op` names the collective in the error).
+    fn same_lengths(&self, op: &str, inputs: &[Arc<Buffer>]) -> Result<usize> {
+        let len = inputs[self.rank].len();
+        match inputs.iter().position(|b| b.len() != len) {
+            None => Ok(len),
+            Some(peer) => Err(self.invalid(
+                op,
+                format!(
+                    "rank {peer} passed {} elements where this rank passed {len}",
+                    inputs[peer].len()
+                ),
+            )),
+        }
+    }
+}
+
+/// The reduction of `range` of every input, in rank order.
+fn reduce_range(inputs: &[Arc<Buffer>], range: Range<usize>, op: ReduceOp) -> Buffer {
+    macro_rules! reduce {
+        ($variant:ident) => {{
+            let mut out = Vec::with_capacity(range.len());
+            for (i, b) in inputs.iter().enumerate() {
+                if let Buffer::$variant(v) = &**b {
+                    if i == 0 {
+                        out.extend_from_slice(&v[range.clone()]);
+                    } else {
+                        reduce_into(&mut out, &v[range.clone()], op);
+                    }
+                }
+            }
+            finish_avg(&mut out, op, inputs.len());
+            Buffer::$variant(out)
+        }};
+    }
+    match inputs[0].dtype() {
+        DType::F32 => reduce!(F32),
+        DType::F64 => reduce!(F64),
+        DType::F16 => reduce!(F16),
+        DType::BF16 => reduce!(BF16),
+        DType::I32 => reduce!(I32),
+        DType::I64 => reduce!(I64),
+        DType::U8 => reduce!(U8),
+    }
+}
+
+/// Every input concatenated in rank order.
+fn concat(inputs: &[Arc<Buffer>]) -> Buffer {
+    macro_rules! cat {
+        ($variant:ident) => {{
+            let mut out = Vec::with_capacity(inputs.iter().map(|b| b.len()).sum());
+            for b in inputs {
+                if let Buffer::$variant(v) = &**b {
+                    out.extend_from_slice(v);
+                }
+            }
+            Buffer::$variant(out)
+        }};
+    }
+    match inputs[0].dtype() {
+        DType::F32 => cat!(F32),
+        DType::F64 => cat!(F64),
+        DType::F16 => cat!(F16),
+        DType::BF16 => cat!(BF16),
+        DType::I32 => cat!(I32),
+        DType::I64 => cat!(I64),
+        DType::U8 => cat!(U8),
+    }
+}
+
+fn bytes(b: &Buffer) -> f64 {
+    (b.len() * b.dtype().size()) as f64
+}
+
+/// Why this member's arguments cannot work, if they cannot.
+fn check(buf: &Buffer, size: usize, call: Call) -> Option<String> {
+    if !buf.is_host() {
+        return Some("a local group moves host buffers, not device memory".into());
+    }
+    match call {
+        Call::ReduceScatter(_) if buf.len() % size != 0 => Some(format!(
+            "input length {} is not a multiple of the group size {size}",
+            buf.len()
+        )),
+        Call::Broadcast(root) | Call::Gather(root) if root >= size => {
+            Some(format!("root {root} is not a rank of this group of {size}"))
+        }
+        _ => None,
+    }
+}
+
+impl Communicator for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn global_rank(&self) -> usize {
+        self.rank
+    }
+
+    fn backend(&self) -> &'static str {
+        "local"
+    }
+
+    fn all_gather_into(&self, input: Buffer, _output: Buffer) -> Work<(Buffer, Buffer)> {
+        let call = Call::AllGather;
+        let invalid = check(&input, self.size, call);
+        self.submit(call, input, invalid, |m, all| {
+            m.same_lengths("all_gather", all)?;
+            let n = all.len() as f64;
+            m.sent(bytes(&all[m.rank]) * (n - 1.0));
+            Ok(((*all[m.rank]).clone(), concat(all)))
+        })
+    }
+
+    fn reduce_scatter_into(
+        &self,
+        input: Buffer,
+        _output: Buffer,
+        op: ReduceOp,
+    ) -> Work<(Buffer, Buffer)> {
+        let (n, call) = (self.size, Call::ReduceScatter(op));
+        let invalid = check(&input, n, call);
+        self.submit(call, input, invalid, move |m, all| {
+            let len = m.same_lengths("reduce_scatter", all)?;
+            let k = len / n;
+            m.sent(bytes(&all[m.rank]) * (n as f64 - 1.0) / n as f64);
+            let mine = reduce_range(all, m.rank * k..(m.rank + 1) * k, op);
+            Ok(((*all[m.rank]).clone(), mine))
+        })
+    }
+
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        let (n, call) = (self.size as f64, Call::AllReduce(op));
+        let invalid = check(&buf, self.size, call);
+        self.submit(call, buf, invalid, move |m, all| {
+            let len = m.same_lengths("all_reduce", all)?;
+            m.sent(bytes(&all[m.rank]) * 2.0 * (n - 1.0) / n);
+            Ok(reduce_range(all, 0..len, op))
+        })
+    }
+
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+        let (n, call) = (self.size, Call::Broadcast(root));
+        let invalid = check(&buf, n, call);
+        self.submit(call, buf, invalid, move |m, all| {
+            m.same_lengths("broadcast", all)?;
+            if m.rank == root {
+                m.sent(bytes(&all[root]) * (n as f64 - 1.0));
+            }
+            Ok((*all[root]).clone())
+        })
+    }
+
+    fn gather(&self, input: Buffer, root: usize) -> Work<Option<Buffer>> {
+        let call = Call::Gather(root);
+        let invalid = check(&input, self.size, call);
+        self.submit(call, input, invalid, move |m, all| {
+            m.same_lengths("gather", all)?;
+            if m.rank != root {
+                m.sent(bytes(&all[m.rank]));
+            }
+            Ok((m.rank == root).then(|| concat(all)))
+        })
+    }
+
+    fn barrier(&self) -> Work<()> {
+        self.submit(Call::Barrier, Buffer::empty(DType::U8), None, |_, _| Ok(()))
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.bytes_sent.load(Ordering::Relaxed)
+    }
+}

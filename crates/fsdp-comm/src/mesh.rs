@@ -1,0 +1,101 @@
+//! [`Mesh`]: the ranks a model is sharded over (`shard`) and the groups of replicas that hold
+//! the same shards (`replicate`): one dimension for FULL_SHARD / SHARD_GRAD_OP, only the
+//! replicate dimension for NO_SHARD, both for hybrid sharding.
+
+use std::sync::Arc;
+
+use crate::buffer::Buffer;
+use crate::communicator::{Communicator, SingleRank};
+use crate::dtype::ReduceOp;
+use crate::error::Result;
+use crate::group::ProcessGroup;
+
+/// A 1-D or 2-D device mesh: rank = replica × shard size + shard index.
+#[derive(Clone)]
+pub struct Mesh {
+    /// The ranks that each hold a part of every parameter.
+    pub shard: Arc<dyn Communicator>,
+    /// The ranks holding the same part (replicas), when there is more than one.
+    pub replicate: Option<Arc<dyn Communicator>>,
+}
+
+impl Mesh {
+    /// Shards over every rank of `group` (FULL_SHARD, SHARD_GRAD_OP).
+    pub fn sharded(group: Arc<dyn Communicator>) -> Mesh {
+        Mesh {
+            shard: group,
+            replicate: None,
+        }
+    }
+
+    /// Replicates over every rank of `group` (NO_SHARD): the shard dimension is this rank
+    /// alone.
+    pub fn replicated(group: Arc<dyn Communicator>) -> Mesh {
+        Mesh {
+            shard: Arc::new(SingleRank::new(group.global_rank())),
+            replicate: Some(group),
+        }
+    }
+
+    /// Shards within groups of `shard_size` consecutive ranks of `group` and replicates
+    /// across them (hybrid sharding). Every rank of `group` must call it.
+    pub fn hybrid(group: &ProcessGroup, shard_size: usize) -> Result<Mesh> {
+        let (shard, replicate) = group.mesh_2d(shard_size)?;
+        Ok(Mesh {
+            shard: Arc::new(shard),
+            replicate: Some(Arc::new(replicate)),
+        })
+    }
+
+    /// Ranks a parameter is split over.
+    pub fn shard_size(&self) -> usize {
+        self.shard.size()
+    }
+
+    /// Number of replicas of each shard.
+    pub fn replicas(&self) -> usize {
+        self.replicate.as_ref().map_or(1, |r| r.size())
+    }
+
+    /// Ranks in the mesh.
+    pub fn world_size(&self) -> usize {
+        self.shard_size() * self.replicas()
+    }
+
+    /// This rank in the whole mesh.
+    pub fn rank(&self) -> usize {
+        let replica = self.replicate.as_ref().map_or(0, |r| r.rank());
+        replica * self.shard_size() + self.shard.rank()
+    }
+
+    /// This rank's job-wide rank (for messages).
+    pub fn global_rank(&self) -> usize {
+        self.shard.global_rank()
+    }
+
+    /// All-reduce over every rank of the mesh (the shard dimension, then the replicate one).
+    pub fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Result<Buffer> {
+        let buf = self.shard.all_reduce(buf, op).wait()?;
+        match &self.replicate {
+            Some(r) => r.all_reduce(buf, op).wait(),
+            None => Ok(buf),
+        }
+    }
+
+    /// Rank 0's buffer on every rank of the mesh.
+    pub fn broadcast_from_first(&self, buf: Buffer) -> Result<Buffer> {
+        let buf = match &self.replicate {
+            Some(r) => r.broadcast(buf, 0).wait()?,
+            None => buf,
+        };
+        self.shard.broadcast(buf, 0).wait()
+    }
+
+    /// Payload bytes this rank has sent over both dimensions.
+    pub fn bytes_sent(&self) -> (u64, u64) {
+        (
+            self.shard.bytes_sent(),
+            self.replicate.as_ref().map_or(0, |r| r.bytes_sent()),
+        )
+    }
+}

@@ -1,0 +1,191 @@
+//! The in-process group (threads as peers) keeps the communicator contract: every collective
+//! gives the same results as the definition on every member, and a mismatch, a departed
+//! member, a timeout or a bad argument is an error on every member naming the ranks and the
+//! op. Also the single-rank group and meshes built from them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fsdp_comm::{Buffer, Communicator, CommunicatorExt, LocalGroup, Mesh, ReduceOp, SingleRank};
+use half::bf16;
+
+/// Runs `f(member)` on one thread per member and returns the results in rank order.
+fn on_members<T: Send + 'static>(
+    members: Vec<LocalGroup>,
+    f: impl Fn(&Arc<LocalGroup>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = members
+        .into_iter()
+        .map(|m| {
+            let f = f.clone();
+            std::thread::spawn(move || f(&Arc::new(m)))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    ((rank * 7 + i * 3) % 5) as f32
+}
+
+#[test]
+fn every_collective_matches_its_definition_for_one_to_four_members() {
+    for n in 1..=4 {
+        let len = 6;
+        let results = on_members(LocalGroup::create(n), move |g| {
+            let r = g.rank();
+            let mine: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+            let sum = g
+                .all_reduce_vec(mine.clone(), ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            let avg = g
+                .all_reduce_vec(mine.clone(), ReduceOp::Avg)
+                .wait()
+                .unwrap();
+            let gathered = g.all_gather_vec(mine.clone()).wait().unwrap();
+            let full: Vec<f32> = (0..len * n).map(|i| value(r, i)).collect();
+            let (_, part) = g
+                .reduce_scatter_into(Buffer::from(full), Buffer::F32(Vec::new()), ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            let part = part.into_vec::<f32>().unwrap();
+            let bcast = g.broadcast_vec(mine.clone(), n - 1).wait().unwrap();
+            let gather = g.gather_vec(mine, 0).wait().unwrap();
+            let halves = g
+                .all_reduce_vec(vec![bf16::from_f32(r as f32); 3], ReduceOp::Max)
+                .wait()
+                .unwrap();
+            g.barrier().wait().unwrap();
+            (sum, avg, gathered, part, bcast, gather, halves)
+        });
+        for (r, (sum, avg, gathered, part, bcast, gather, halves)) in results.iter().enumerate() {
+            let want_sum: Vec<f32> = (0..len)
+                .map(|i| (0..n).map(|q| value(q, i)).sum())
+                .collect();
+            assert_eq!(sum, &want_sum, "{n} members, rank {r}: all_reduce");
+            let want_avg: Vec<f32> = want_sum.iter().map(|x| x / n as f32).collect();
+            assert_eq!(avg, &want_avg);
+            let want_gathered: Vec<f32> = (0..n)
+                .flat_map(|q| (0..len).map(move |i| value(q, i)))
+                .collect();
+            assert_eq!(gathered, &want_gathered);
+            let want_part: Vec<f32> = (r * len..(r + 1) * len)
+                .map(|i| (0..n).map(|q| value(q, i)).sum())
+                .collect();
+            assert_eq!(part, &want_part, "reduce_scatter");
+            let want_bcast: Vec<f32> = (0..len).map(|i| value(n - 1, i)).collect();
+            assert_eq!(bcast, &want_bcast);
+            assert_eq!(gather.is_some(), r == 0);
+            if let Some(g) = gather {
+                assert_eq!(g, &want_gathered);
+            }
+            assert_eq!(halves, &vec![bf16::from_f32((n - 1) as f32); 3]);
+        }
+    }
+}
+
+#[test]
+fn a_mismatch_fails_every_member_naming_both_calls() {
+    let errors = on_members(LocalGroup::create(3), |g| {
+        let result = if g.rank() == 1 {
+            g.barrier().wait()
+        } else {
+            g.all_reduce_vec(vec![1.0f32], ReduceOp::Sum)
+                .wait()
+                .map(|_| ())
+        };
+        let first = result.unwrap_err().to_string();
+        // The group stays broken: later calls fail at once.
+        let again = g.barrier().wait().unwrap_err().to_string();
+        (first, again)
+    });
+    assert!(
+        errors
+            .iter()
+            .any(|(e, _)| e.contains("collective mismatch") && e.contains("Barrier")),
+        "{errors:#?}"
+    );
+    for (_, again) in &errors {
+        assert!(
+            again.contains("aborted because rank") || again.contains("mismatch"),
+            "{again}"
+        );
+    }
+}
+
+#[test]
+fn a_departed_member_and_a_late_one_are_named() {
+    let mut members = LocalGroup::create(2);
+    let second = members.pop().unwrap();
+    drop(second);
+    let first = members.pop().unwrap();
+    let e = first.barrier().wait().unwrap_err().to_string();
+    assert!(e.contains("connection to rank 1 lost"), "{e}");
+
+    let mut members = LocalGroup::with_timeout(3, Duration::from_millis(200));
+    let started = Instant::now();
+    let late = members.pop().unwrap();
+    let errors = on_members(members, |g| g.barrier().wait().unwrap_err().to_string());
+    drop(late);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("waiting for ranks [2]") && e.contains("timed out")),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn a_bad_argument_on_one_member_stops_the_others_at_once() {
+    let started = Instant::now();
+    let errors = on_members(LocalGroup::create(2), |g| {
+        let len = if g.rank() == 0 { 5 } else { 4 };
+        g.reduce_scatter_into(
+            Buffer::F32(vec![1.0; len]),
+            Buffer::F32(Vec::new()),
+            ReduceOp::Sum,
+        )
+        .wait()
+        .unwrap_err()
+        .to_string()
+    });
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        errors[0].contains("input length 5 is not a multiple of the group size 2"),
+        "{errors:#?}"
+    );
+    assert!(
+        errors[1].contains("aborted because rank 0 failed"),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn single_rank_and_meshes() {
+    let one = SingleRank::new(3);
+    let (input, out) = one
+        .all_gather_into(Buffer::from(vec![1i64, 2]), Buffer::I64(Vec::new()))
+        .wait()
+        .unwrap();
+    assert_eq!(input.as_slice::<i64>(), out.as_slice::<i64>());
+    assert!(one.broadcast(Buffer::from(vec![1u8]), 1).wait().is_err());
+
+    // NO_SHARD's mesh: nothing on the shard dimension, everything on the replicate one.
+    let results = on_members(LocalGroup::create(2), |g| {
+        let mesh = Mesh::replicated(g.clone());
+        let summed = mesh
+            .all_reduce(Buffer::from(vec![g.rank() as f32 + 1.0]), ReduceOp::Sum)
+            .unwrap();
+        (
+            mesh.shard_size(),
+            mesh.replicas(),
+            mesh.rank(),
+            summed.into_vec::<f32>().unwrap(),
+        )
+    });
+    assert_eq!(results[0], (1, 2, 0, vec![3.0]));
+    assert_eq!(results[1], (1, 2, 1, vec![3.0]));
+}
