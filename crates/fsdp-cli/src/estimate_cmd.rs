@@ -10,6 +10,7 @@ use fsdp::engine::UnitPlan;
 use fsdp::models::{
     BertConfig, BertForSequenceClassification, BertModel, Gpt2Config, Gpt2LmHeadModel,
 };
+use fsdp::nn::Module;
 
 use crate::ConfigFileArg;
 
@@ -40,7 +41,7 @@ pub fn run(args: EstimateArgs) -> Result<()> {
         .with_context(|| format!("{} is not JSON", args.model_config.display()))?;
     let (info, default_wrap, name) = match model_type["model_type"].as_str().unwrap_or("bert") {
         "bert" => {
-            let model = BertForSequenceClassification::new(BertConfig::from_json(&text)?);
+            let model = BertForSequenceClassification::new(BertConfig::from_json(&text)?)?;
             (
                 model.info(),
                 BertModel::no_split_modules(),
@@ -48,7 +49,7 @@ pub fn run(args: EstimateArgs) -> Result<()> {
             )
         }
         "gpt2" => (
-            Gpt2LmHeadModel::new(Gpt2Config::from_json(&text)?).info(),
+            Gpt2LmHeadModel::new(Gpt2Config::from_json(&text)?)?.info(),
             Gpt2LmHeadModel::no_split_modules(),
             "GPT2LMHeadModel",
         ),

@@ -20,9 +20,16 @@ pub trait Communicator: Send + Sync {
     fn global_rank(&self) -> usize;
     /// What carries the data (`shm`, `tcp`, `nccl`, `local`, `single`), for reports.
     fn backend(&self) -> &'static str;
-    /// Concatenation of every member's `input` (all the same length) in rank order, written
-    /// into `output` (resized to fit where the backend can); returns both buffers for reuse.
+    /// Concatenation of every member's `input` (all the same length) in rank order. The
+    /// input is freed as soon as the collective is done with it, not when the handle is
+    /// waited for.
+    fn all_gather(&self, input: Buffer) -> Work<Buffer>;
+    /// [`Communicator::all_gather`] written into `output` (resized to fit where the backend
+    /// can); returns both buffers for reuse.
     fn all_gather_into(&self, input: Buffer, output: Buffer) -> Work<(Buffer, Buffer)>;
+    /// Reduces `input` (`size` × k elements) across members; member r gets elements
+    /// `r*k..(r+1)*k`. The input is freed as soon as the collective is done with it.
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Work<Buffer>;
     /// Reduces `input` (`size` × k elements) across members; member r gets elements
     /// `r*k..(r+1)*k` in `output`. `input` may be used as scratch; both come back.
     fn reduce_scatter_into(
@@ -55,9 +62,8 @@ pub trait CommunicatorExt: Communicator {
     /// [`Communicator::all_gather_into`] of a vector into a fresh one.
     fn all_gather_vec<T: BufferElement>(&self, v: Vec<T>) -> Work<Vec<T>> {
         let rank = self.global_rank();
-        let out = T::into_buffer(Vec::new());
-        self.all_gather_into(T::into_buffer(v), out)
-            .map(move |(_, b)| typed(b, rank, "all_gather"))
+        self.all_gather(T::into_buffer(v))
+            .map(move |b| typed(b, rank, "all_gather"))
     }
 
     /// [`Communicator::broadcast`] of a vector.
@@ -132,9 +138,17 @@ impl Communicator for SingleRank {
         "single"
     }
 
+    fn all_gather(&self, input: Buffer) -> Work<Buffer> {
+        Work::ready(Ok(input))
+    }
+
     fn all_gather_into(&self, input: Buffer, _output: Buffer) -> Work<(Buffer, Buffer)> {
         let out = input.clone();
         Work::ready(Ok((input, out)))
+    }
+
+    fn reduce_scatter(&self, input: Buffer, _op: ReduceOp) -> Work<Buffer> {
+        Work::ready(Ok(input))
     }
 
     fn reduce_scatter_into(

@@ -5,8 +5,10 @@
 use crate::buffer::{Buffer, BufferElement};
 use crate::communicator::Communicator;
 use crate::dtype::ReduceOp;
+#[cfg(feature = "nccl")]
 use crate::error::Result;
 use crate::group::ProcessGroup;
+#[cfg(feature = "nccl")]
 use crate::protocol::Engine;
 use crate::work::Work;
 
@@ -58,6 +60,26 @@ impl Communicator for ProcessGroup {
 
     fn backend(&self) -> &'static str {
         self.transport()
+    }
+
+    fn all_gather(&self, input: Buffer) -> Work<Buffer> {
+        on_host!(
+            self,
+            "all_gather",
+            input,
+            |e, v| e.all_gather(v),
+            Buffer::from
+        )
+    }
+
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Work<Buffer> {
+        on_host!(
+            self,
+            "reduce_scatter",
+            input,
+            |e, v| e.reduce_scatter(v, op),
+            Buffer::from
+        )
     }
 
     fn all_gather_into(&self, input: Buffer, output: Buffer) -> Work<(Buffer, Buffer)> {

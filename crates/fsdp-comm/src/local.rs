@@ -408,6 +408,21 @@ impl Communicator for LocalGroup {
         "local"
     }
 
+    fn all_gather(&self, input: Buffer) -> Work<Buffer> {
+        let call = Call::AllGather;
+        let invalid = check(&input, self.size, call);
+        self.submit(call, input, invalid, |m, all| {
+            m.same_lengths("all_gather", all)?;
+            m.sent(bytes(&all[m.rank]) * (all.len() as f64 - 1.0));
+            Ok(concat(all))
+        })
+    }
+
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Work<Buffer> {
+        self.reduce_scatter_into(input, Buffer::empty(DType::U8), op)
+            .map(|(_, mine)| Ok(mine))
+    }
+
     fn all_gather_into(&self, input: Buffer, _output: Buffer) -> Work<(Buffer, Buffer)> {
         let call = Call::AllGather;
         let invalid = check(&input, self.size, call);

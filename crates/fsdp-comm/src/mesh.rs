@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, BufferElement};
 use crate::communicator::{Communicator, SingleRank};
 use crate::dtype::ReduceOp;
 use crate::error::Result;
@@ -79,6 +79,28 @@ impl Mesh {
         match &self.replicate {
             Some(r) => r.all_reduce(buf, op).wait(),
             None => Ok(buf),
+        }
+    }
+
+    /// [`Mesh::all_reduce`] of a vector.
+    pub fn all_reduce_vec<T: BufferElement>(&self, v: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
+        let rank = self.global_rank();
+        self.all_reduce(T::into_buffer(v), op)?
+            .into_vec::<T>()
+            .map_err(|b| crate::CommError::InvalidArgument {
+                rank,
+                op: "all_reduce".into(),
+                reason: format!("the result holds {:?} elements", b.dtype()),
+            })
+    }
+
+    /// Every rank's `v` (same length on all) concatenated in mesh-rank order, on every rank.
+    pub fn all_gather_vec<T: BufferElement>(&self, v: Vec<T>) -> Result<Vec<T>> {
+        use crate::communicator::CommunicatorExt;
+        let mine = self.shard.all_gather_vec(v).wait()?;
+        match &self.replicate {
+            Some(r) => r.all_gather_vec(mine).wait(),
+            None => Ok(mine),
         }
     }
 

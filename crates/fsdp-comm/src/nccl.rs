@@ -449,6 +449,16 @@ impl crate::Communicator for NcclGroup {
         "nccl"
     }
 
+    fn all_gather(&self, input: crate::Buffer) -> Work<crate::Buffer> {
+        self.all_gather_into(input, crate::Buffer::empty(crate::DType::U8))
+            .map(|(_, out)| Ok(out))
+    }
+
+    fn reduce_scatter(&self, input: crate::Buffer, op: ReduceOp) -> Work<crate::Buffer> {
+        self.reduce_scatter_into(input, crate::Buffer::empty(crate::DType::U8), op)
+            .map(|(_, out)| Ok(out))
+    }
+
     fn all_gather_into(
         &self,
         input: crate::Buffer,
@@ -489,8 +499,8 @@ impl crate::Communicator for NcclGroup {
     /// NCCL has no gather: an all-gather whose result only `root` keeps.
     fn gather(&self, input: crate::Buffer, root: usize) -> Work<Option<crate::Buffer>> {
         let rank = self.rank;
-        self.all_gather_into(input, crate::Buffer::empty(crate::DType::U8))
-            .map(move |(_, out)| Ok((rank == root).then_some(out)))
+        crate::Communicator::all_gather(self, input)
+            .map(move |out| Ok((rank == root).then_some(out)))
     }
 
     fn barrier(&self) -> Work<()> {

@@ -13,11 +13,13 @@
 use anyhow::{Context, Result};
 use fsdp::config::{FsdpPlugin, Layer};
 use fsdp::engine::Fsdp;
-use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
-use fsdp::nn::LocalParams;
+use std::sync::Arc;
+
+use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::candle::{DType, Device, Tensor};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::{AdamWConfig, LrSchedule, Optimizer};
+use fsdp::nn::{LocalParams, Module};
+use fsdp::optim::{AdamW, AdamWConfig, LrSchedule};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 struct Args {
@@ -96,17 +98,10 @@ fn main() -> Result<()> {
         max_position_embeddings: a.seq,
         ..BertConfig::default()
     };
-    let model = BertForSequenceClassification::new(config);
-    let info = model.info();
+    let model = BertForSequenceClassification::new(config)?;
     // Same seed on every rank: identical initial weights, then each rank keeps its shards.
-    let init = LocalParams::init(&info, a.seed, DType::F32, &Device::Cpu)?;
-    let mut fsdp = Fsdp::new(
-        &info,
-        &init.tensors(),
-        &plugin,
-        BertModel::no_split_modules(),
-        pg,
-    )?;
+    let init = LocalParams::init(&model.info(), a.seed, DType::F32, &Device::Cpu)?;
+    let mut fsdp = Fsdp::wrap(&model, &init.tensors(), &plugin, Arc::new(pg))?;
     drop(init);
     if rank == 0 {
         let plan = fsdp.plan();
@@ -128,6 +123,10 @@ fn main() -> Result<()> {
         warmup: (a.steps / 10) as u64,
         total: a.steps as u64,
     };
+    let mut adamw = AdamW::new(AdamWConfig {
+        lr: a.lr,
+        ..Default::default()
+    })?;
     let per_rank = a.global_batch / world;
     let started = std::time::Instant::now();
     for step in 0..a.steps {
@@ -146,15 +145,11 @@ fn main() -> Result<()> {
         let local_loss = loss.to_scalar::<f32>()?;
         drop(logits);
         let grads = fsdp.backward(params, loss)?;
-        let adamw = AdamWConfig {
-            lr: schedule.lr(a.lr, step as u64 + 1),
-            ..Default::default()
-        };
-        fsdp.step(grads, &Optimizer::AdamW(adamw), Some(1.0))?;
+        schedule.apply(&mut adamw, step as u64 + 1)?;
+        fsdp.step(grads, &mut adamw, Some(1.0))?;
         let stats = fsdp
-            .group()
-            .all_reduce(vec![local_loss, correct], ReduceOp::Sum)
-            .wait()?;
+            .mesh()
+            .all_reduce_vec(vec![local_loss, correct], ReduceOp::Sum)?;
         if rank == 0 {
             println!(
                 "step {:>3}: loss {:.4}, accuracy {:.3}",
@@ -165,7 +160,7 @@ fn main() -> Result<()> {
         }
     }
     let secs = started.elapsed().as_secs_f64();
-    let peaks = fsdp.group().all_gather(vec![peak_rss_mib()]).wait()?;
+    let peaks = fsdp.mesh().all_gather_vec(vec![peak_rss_mib()])?;
     if rank == 0 {
         println!(
             "{:.1} samples/s over {} steps; peak RSS per rank (MiB): {:?}",

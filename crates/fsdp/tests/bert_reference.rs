@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use candle_core::{Device, Tensor};
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::LocalParams;
+use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::{AdamWConfig, AdamWState};
+use fsdp::optim::{AdamW, AdamWConfig, Optimizer};
 
 fn reference_dir() -> Option<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference");
@@ -34,7 +35,7 @@ fn thirty_steps_match_pytorch_single_process() {
     };
     let device = Device::Cpu;
     let config = config_of(&dir.join("init.safetensors"));
-    let model = BertForSequenceClassification::new(config);
+    let model = BertForSequenceClassification::new(config).unwrap();
     let info = model.info();
     let (params, report) =
         LocalParams::load(&info, &dir.join("init.safetensors"), &device).unwrap();
@@ -53,13 +54,13 @@ fn thirty_steps_match_pytorch_single_process() {
         .map(|v| v.as_f64().unwrap())
         .collect();
 
-    let adamw = AdamWConfig {
+    let mut adamw = AdamW::new(AdamWConfig {
         lr: 1e-4,
         betas: (0.9, 0.999),
         eps: 1e-8,
         weight_decay: 0.01,
-    };
-    let mut states: std::collections::BTreeMap<String, AdamWState> = Default::default();
+    })
+    .unwrap();
     let mut worst = 0f64;
     for (step, &want) in expected.iter().enumerate() {
         let logits = model
@@ -68,16 +69,14 @@ fn thirty_steps_match_pytorch_single_process() {
         let loss =
             cross_entropy(&logits, &labels.get(step).unwrap(), CrossEntropy::default()).unwrap();
         let value = loss.to_scalar::<f32>().unwrap() as f64;
-        let rel = (value - want).abs() / want;
-        worst = worst.max(rel);
-        let s = step + 1;
-        // Summation order differs between libraries: allow slow growth (PyTorch's own ranks
-        // differ from its single process by about 1e-7).
-        let tol = if s <= 3 { 1e-5 } else { 5e-5 };
+        let diff = (value - want).abs();
+        worst = worst.max(diff);
+        // PyTorch's own FSDP and single-process runs differ by ~1e-7 in the loss; summation
+        // order differs between libraries, so allow a small multiple.
         assert!(
-            rel < tol,
-            "step {s}: loss {value} vs PyTorch {} (relative {rel:e}, tolerance {tol:e})",
-            expected[step]
+            diff < 3e-7,
+            "step {}: loss {value} vs PyTorch {want} (absolute difference {diff:e})",
+            step + 1
         );
         let grads = loss.backward().unwrap();
         for (name, var) in params.vars() {
@@ -86,12 +85,7 @@ fn thirty_steps_match_pytorch_single_process() {
                 .unwrap_or_else(|| panic!("no gradient for {name}"));
             let mut p: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
             let g: Vec<f32> = grad.flatten_all().unwrap().to_vec1().unwrap();
-            adamw.update(
-                &mut p,
-                &g,
-                states.entry(name.clone()).or_default(),
-                s as u64,
-            );
+            adamw.update(name, &mut p, &g).unwrap();
             var.set(&Tensor::from_vec(p, var.dims(), &device).unwrap())
                 .unwrap();
         }
@@ -114,7 +108,7 @@ fn thirty_steps_match_pytorch_single_process() {
         max_abs = max_abs.max(diff);
     }
     eprintln!(
-        "worst relative loss difference {worst:e}; largest final weight difference {max_abs:e}"
+        "worst absolute loss difference {worst:e}; largest final weight difference {max_abs:e}"
     );
-    assert!(max_abs < 2e-5, "final weights differ by up to {max_abs}");
+    assert!(max_abs < 3e-6, "final weights differ by up to {max_abs}");
 }

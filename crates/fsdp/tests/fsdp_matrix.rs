@@ -13,9 +13,10 @@ use candle_core::{DType, Device, Tensor};
 use fsdp::config::{AutoWrapPolicy, BackwardPrefetch, FsdpPlugin, Layer, ShardingStrategy};
 use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification, Gpt2Config, Gpt2LmHeadModel};
+use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{LocalParams, ModuleInfo, Params};
-use fsdp::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+use fsdp::optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 mod common;
@@ -45,8 +46,11 @@ enum Variant {
     Accumulated,
 }
 
+/// Final weights by name.
+type Weights = BTreeMap<String, Tensor>;
+
 /// Losses per step and final weights of one training run.
-type Run = (Vec<f64>, BTreeMap<String, Tensor>);
+type Run = (Vec<f64>, Weights);
 
 /// What a single-process baseline depends on: model, optimizer (index) and variant.
 type BaselineKey = (ModelKind, usize, Variant);
@@ -58,22 +62,48 @@ struct Case {
     wrap: AutoWrapPolicy,
     backward_prefetch: BackwardPrefetch,
     forward_prefetch: bool,
-    optimizer: Optimizer,
+    optimizer: OptimizerKind,
     variant: Variant,
 }
 
-fn optimizers() -> [Optimizer; 3] {
+/// The optimizers of the matrix, by settings (each run builds its own, with fresh state).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum OptimizerKind {
+    AdamW(AdamWConfig),
+    Adam(AdamConfig),
+    Sgd(SgdConfig),
+}
+
+impl OptimizerKind {
+    fn build(&self) -> Box<dyn Optimizer> {
+        match *self {
+            OptimizerKind::AdamW(c) => Box::new(AdamW::new(c).unwrap()),
+            OptimizerKind::Adam(c) => Box::new(Adam::new(c).unwrap()),
+            OptimizerKind::Sgd(c) => Box::new(Sgd::new(c).unwrap()),
+        }
+    }
+
+    fn lr(&self) -> f64 {
+        match self {
+            OptimizerKind::AdamW(c) => c.lr,
+            OptimizerKind::Adam(c) => c.lr,
+            OptimizerKind::Sgd(c) => c.lr,
+        }
+    }
+}
+
+fn optimizers() -> [OptimizerKind; 3] {
     [
-        Optimizer::AdamW(AdamWConfig {
+        OptimizerKind::AdamW(AdamWConfig {
             lr: 3e-3,
             ..Default::default()
         }),
-        Optimizer::Adam(AdamConfig {
+        OptimizerKind::Adam(AdamConfig {
             lr: 3e-3,
             weight_decay: 0.01,
             ..Default::default()
         }),
-        Optimizer::Sgd(SgdConfig {
+        OptimizerKind::Sgd(SgdConfig {
             lr: 0.05,
             momentum: 0.9,
             weight_decay: 0.01,
@@ -128,38 +158,44 @@ fn cases() -> Vec<Case> {
 }
 
 enum Model {
-    Bert(BertForSequenceClassification),
-    Gpt2(Gpt2LmHeadModel),
+    Bert(Box<BertForSequenceClassification>),
+    Gpt2(Box<Gpt2LmHeadModel>),
 }
 
 impl Model {
     fn new(kind: ModelKind) -> Model {
         match kind {
-            ModelKind::Bert => Model::Bert(BertForSequenceClassification::new(BertConfig {
-                vocab_size: VOCAB,
-                hidden_size: 16,
-                num_hidden_layers: 2,
-                num_attention_heads: 2,
-                intermediate_size: 36,
-                max_position_embeddings: 16,
-                num_labels: 3,
-                hidden_dropout_prob: 0.0,
-                attention_probs_dropout_prob: 0.0,
-                ..BertConfig::default()
-            })),
-            ModelKind::Gpt2 => Model::Gpt2(Gpt2LmHeadModel::new(Gpt2Config {
-                vocab_size: VOCAB,
-                n_positions: 16,
-                n_embd: 16,
-                n_layer: 2,
-                n_head: 2,
-                n_inner: Some(36),
-                layer_norm_epsilon: 1e-5,
-                initializer_range: 0.02,
-                embd_pdrop: 0.0,
-                attn_pdrop: 0.0,
-                resid_pdrop: 0.0,
-            })),
+            ModelKind::Bert => Model::Bert(Box::new(
+                BertForSequenceClassification::new(BertConfig {
+                    vocab_size: VOCAB,
+                    hidden_size: 16,
+                    num_hidden_layers: 2,
+                    num_attention_heads: 2,
+                    intermediate_size: 36,
+                    max_position_embeddings: 16,
+                    num_labels: 3,
+                    hidden_dropout_prob: 0.0,
+                    attention_probs_dropout_prob: 0.0,
+                    ..BertConfig::default()
+                })
+                .unwrap(),
+            )),
+            ModelKind::Gpt2 => Model::Gpt2(Box::new(
+                Gpt2LmHeadModel::new(Gpt2Config {
+                    vocab_size: VOCAB,
+                    n_positions: 16,
+                    n_embd: 16,
+                    n_layer: 2,
+                    n_head: 2,
+                    n_inner: Some(36),
+                    layer_norm_epsilon: 1e-5,
+                    initializer_range: 0.02,
+                    embd_pdrop: 0.0,
+                    attn_pdrop: 0.0,
+                    resid_pdrop: 0.0,
+                })
+                .unwrap(),
+            )),
         }
     }
 
@@ -230,7 +266,7 @@ fn single_process(case: &Case) -> Run {
     let model = Model::new(case.model);
     let info = model.info(case.variant);
     let params = LocalParams::init(&info, 7, DType::F32, &Device::Cpu).unwrap();
-    let mut states: BTreeMap<String, fsdp::optim::ParamState> = BTreeMap::new();
+    let mut optimizer = case.optimizer.build();
     let mut losses = Vec::new();
     for step in 0..STEPS {
         let (ids, labels) = batch(step);
@@ -257,8 +293,7 @@ fn single_process(case: &Case) -> Run {
             g.iter_mut().for_each(|x| *x *= scale);
             let var = &params.vars()[&name];
             let mut p: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
-            case.optimizer
-                .update(&mut p, &g, states.entry(name).or_default(), step as u64 + 1);
+            optimizer.update(&name, &mut p, &g).unwrap();
             var.set(&Tensor::from_vec(p, var.dims(), &Device::Cpu).unwrap())
                 .unwrap();
         }
@@ -266,9 +301,12 @@ fn single_process(case: &Case) -> Run {
     (losses, params.tensors())
 }
 
-/// The same training sharded over `pg`; every rank returns the losses (averaged over ranks)
-/// and the gathered final weights.
-fn sharded(case: &Case, pg: &std::sync::Arc<ProcessGroup>) -> Result<Run, String> {
+/// The same training sharded over `pg`; every rank returns the losses (averaged over ranks),
+/// rank 0 also the final weights gathered to it.
+fn sharded(
+    case: &Case,
+    pg: &std::sync::Arc<ProcessGroup>,
+) -> Result<(Vec<f64>, Option<Weights>), String> {
     let model = Model::new(case.model);
     let info = model.info(case.variant);
     let init = LocalParams::init(&info, 7, DType::F32, &Device::Cpu).unwrap();
@@ -292,6 +330,7 @@ fn sharded(case: &Case, pg: &std::sync::Arc<ProcessGroup>) -> Result<Run, String
         pg.clone(),
     )
     .map_err(|e| e.to_string())?;
+    let mut optimizer = case.optimizer.build();
     engine.set_debug(true);
     let (rank, n) = (pg.rank(), pg.size());
     let per_rank = GLOBAL_BATCH / n;
@@ -330,11 +369,11 @@ fn sharded(case: &Case, pg: &std::sync::Arc<ProcessGroup>) -> Result<Run, String
         }
         let grads = grads.unwrap();
         engine
-            .step(grads, &case.optimizer, max_norm(case.variant))
+            .step(grads, optimizer.as_mut(), max_norm(case.variant))
             .map_err(|e| e.to_string())?;
         losses.push(pg.all_reduce(vec![local], ReduceOp::Avg).wait().unwrap()[0]);
     }
-    Ok((losses, engine.full_state().map_err(|e| e.to_string())?))
+    Ok((losses, engine.full_state_dict().map_err(|e| e.to_string())?))
 }
 
 /// Elements whose gradient is zero in exact arithmetic: the attention key bias (softmax over
@@ -403,15 +442,13 @@ fn matrix_worker() {
             case.variant,
         );
         let got = match sharded(case, &pg) {
-            Ok(r) => r,
+            Ok((losses, Some(weights))) => (losses, weights),
+            Ok((_, None)) => continue,
             Err(e) => {
                 failures.push(format!("{case:?}: {e}"));
                 continue;
             }
         };
-        if pg.rank() != 0 {
-            continue;
-        }
         if !baselines.iter().any(|(k, _)| *k == key) {
             baselines.push((key, single_process(case)));
         }
@@ -449,7 +486,7 @@ fn check_world(world: usize) {
         "matrix_worker",
         ROLE,
         world,
-        &[("FSDP_DEBUG", "1")],
+        &[("ACCELERATE_DEBUG_MODE", "true")],
         Duration::from_secs(900),
     );
     let result = common::result_of(&outputs[0]);

@@ -2,19 +2,20 @@
 //! reference BERT on 2 and 4 ranks (the 16-sample global batch split across them), losses
 //! per step and final weights. The test binary re-runs itself as the workers.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use fsdp::config::{FsdpPlugin, Layer};
 use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
 use fsdp::nn::LocalParams;
+use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::{AdamWConfig, Optimizer};
+use fsdp::optim::{AdamW, AdamWConfig};
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 const ROLE: &str = "FSDP_REFERENCE_WORKER";
@@ -42,7 +43,8 @@ fn worker_entry() {
         .unwrap();
     let dir = reference_dir().unwrap();
     let device = Device::Cpu;
-    let model = BertForSequenceClassification::new(config_of(&dir.join("init.safetensors")));
+    let model =
+        BertForSequenceClassification::new(config_of(&dir.join("init.safetensors"))).unwrap();
     let info = model.info();
     let (init, _) = LocalParams::load(&info, &dir.join("init.safetensors"), &device).unwrap();
     let mut initial = init.tensors();
@@ -58,16 +60,17 @@ fn worker_entry() {
         .fsdp;
     let pg = ProcessGroup::from_env().unwrap();
     let (rank, n) = (pg.rank(), pg.size());
-    let mut fsdp = Fsdp::new(&info, &initial, &plugin, BertModel::no_split_modules(), pg).unwrap();
+    let mut fsdp = Fsdp::wrap(&model, &initial, &plugin, Arc::new(pg)).unwrap();
     drop(init);
     let data = candle_core::safetensors::load(dir.join("data.safetensors"), &device).unwrap();
     let per_rank = 16 / n;
-    let adamw = AdamWConfig {
+    let mut adamw = AdamW::new(AdamWConfig {
         lr: 1e-4,
         betas: (0.9, 0.999),
         eps: 1e-8,
         weight_decay: 0.01,
-    };
+    })
+    .unwrap();
     let mut losses = Vec::new();
     let mut norms = Vec::new();
     for step in 0..steps {
@@ -89,19 +92,15 @@ fn worker_entry() {
         let max_norm = std::env::var("FSDP_TEST_MAX_GRAD_NORM")
             .ok()
             .map(|v| v.parse::<f64>().unwrap());
-        let report = fsdp
-            .step(grads, &Optimizer::AdamW(adamw), max_norm)
-            .unwrap();
+        let report = fsdp.step(grads, &mut adamw, max_norm).unwrap();
         norms.push(report.grad_norm);
         losses.push(
-            fsdp.group()
-                .all_reduce(vec![local], ReduceOp::Avg)
-                .wait()
+            fsdp.mesh()
+                .all_reduce_vec(vec![local], ReduceOp::Avg)
                 .unwrap()[0],
         );
     }
-    let state = fsdp.full_state().unwrap();
-    if rank == 0 {
+    if let Some(state) = fsdp.full_state_dict().unwrap() {
         let reference =
             candle_core::safetensors::load(dir.join("final_after_30_steps.safetensors"), &device)
                 .unwrap();
@@ -124,10 +123,9 @@ fn worker_entry() {
         };
         println!(
             "RESULT {}",
-            serde_json::json!({"losses": losses, "grad_norms": norms, "max_abs_weight_diff": max_abs, "model_state_bytes": fsdp.model_state_bytes()})
+            serde_json::json!({"losses": losses, "grad_norms": norms, "max_abs_weight_diff": max_abs, "model_state_bytes": fsdp.model_state_bytes(&adamw)})
         );
     }
-    let _: BTreeMap<String, Tensor> = state;
 }
 
 fn run(world: usize, steps: usize, env: &[(&str, &str)]) -> serde_json::Value {
@@ -160,17 +158,22 @@ fn check_losses(result: &serde_json::Value, steps: usize) -> f64 {
     assert_eq!(got.len(), steps);
     let mut worst = 0f64;
     for (s, (g, w)) in got.iter().zip(expected()).enumerate() {
-        let rel = (g - w).abs() / w;
-        worst = worst.max(rel);
-        let tol = if s < 3 { 1e-5 } else { 5e-5 };
+        let diff = (g - w).abs();
+        worst = worst.max(diff);
         assert!(
-            rel < tol,
-            "step {}: loss {g} vs PyTorch FSDP {w} (relative {rel:e})",
+            diff < LOSS_TOLERANCE,
+            "step {}: loss {g} vs PyTorch FSDP {w} (absolute difference {diff:e}, tolerance {LOSS_TOLERANCE:e})",
             s + 1
         );
     }
     worst
 }
+
+/// PyTorch's own runs (FSDP against one process) differ by about 1e-7 in the loss and 1e-6
+/// in the weights after 30 steps; ours against PyTorch stay within a small multiple of that.
+const LOSS_TOLERANCE: f64 = 3e-7;
+/// See [`LOSS_TOLERANCE`].
+const WEIGHT_TOLERANCE: f64 = 3e-6;
 
 #[test]
 fn full_shard_on_two_ranks_matches_pytorch_fsdp() {
@@ -185,13 +188,16 @@ fn full_shard_on_two_ranks_matches_pytorch_fsdp() {
         30,
         &[
             ("FSDP_SHARDING_STRATEGY", "FULL_SHARD"),
-            ("FSDP_DEBUG", "1"),
+            ("ACCELERATE_DEBUG_MODE", "true"),
         ],
     );
     let worst = check_losses(&result, 30);
     let diff = result["max_abs_weight_diff"].as_f64().unwrap();
-    eprintln!("2 ranks: worst relative loss difference {worst:e}, final weights within {diff:e}");
-    assert!(diff < 2e-5, "final weights differ by {diff}");
+    eprintln!("2 ranks: worst absolute loss difference {worst:e}, final weights within {diff:e}");
+    assert!(
+        diff < WEIGHT_TOLERANCE,
+        "final weights differ by {diff} (tolerance {WEIGHT_TOLERANCE:e})"
+    );
 }
 
 #[test]
@@ -200,8 +206,8 @@ fn four_ranks_match_too() {
         eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
         return;
     }
-    let worst = check_losses(&run(4, 8, &[("FSDP_DEBUG", "1")]), 8);
-    eprintln!("4 ranks: worst relative loss difference {worst:e}");
+    let worst = check_losses(&run(4, 8, &[("ACCELERATE_DEBUG_MODE", "true")]), 8);
+    eprintln!("4 ranks: worst absolute loss difference {worst:e}");
 }
 
 #[test]
@@ -214,12 +220,12 @@ fn shard_grad_op_no_shard_and_released_full_shard_match_too() {
         &run(2, 8, &[("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")]),
         8,
     );
-    eprintln!("SHARD_GRAD_OP, 2 ranks: worst relative loss difference {worst:e}");
+    eprintln!("SHARD_GRAD_OP, 2 ranks: worst absolute loss difference {worst:e}");
     let worst = check_losses(&run(2, 8, &[("FSDP_SHARDING_STRATEGY", "NO_SHARD")]), 8);
-    eprintln!("NO_SHARD, 2 ranks: worst relative loss difference {worst:e}");
+    eprintln!("NO_SHARD, 2 ranks: worst absolute loss difference {worst:e}");
     // FULL_SHARD with real release (pages returned, not poisoned).
     let worst = check_losses(&run(2, 8, &[]), 8);
-    eprintln!("FULL_SHARD with pages released, 2 ranks: worst relative loss difference {worst:e}");
+    eprintln!("FULL_SHARD with pages released, 2 ranks: worst absolute loss difference {worst:e}");
 }
 
 #[test]
@@ -261,7 +267,7 @@ fn sync_module_states_starts_every_rank_from_rank_zero() {
         return;
     }
     let worst = check_losses(&run(2, 3, &[("FSDP_TEST_PERTURB", "1")]), 3);
-    eprintln!("rank 1 perturbed, synced: worst relative loss difference {worst:e}");
+    eprintln!("rank 1 perturbed, synced: worst absolute loss difference {worst:e}");
     let unsynced = run(
         2,
         1,
@@ -283,7 +289,7 @@ fn unsupported_settings_are_refused_not_ignored() {
     let world = fsdp_comm::WorldInfo::from_vars(&Default::default()).unwrap();
     let model = BertForSequenceClassification::new(
         BertConfig::from_json(r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16, "max_position_embeddings": 4}"#).unwrap(),
-    );
+    ).unwrap();
     let info = model.info();
     let init = LocalParams::init(&info, 0, candle_core::DType::F32, &Device::Cpu)
         .unwrap()
@@ -316,10 +322,16 @@ fn unsupported_settings_are_refused_not_ignored() {
     ];
     for (plugin, setting) in cases {
         let pg = ProcessGroup::init(&world, fsdp_comm::GroupOptions::default()).unwrap();
-        let err = Fsdp::new(&info, &init, &plugin, BertModel::no_split_modules(), pg)
-            .err()
-            .unwrap()
-            .to_string();
+        let err = Fsdp::new(
+            &info,
+            &init,
+            &plugin,
+            BertModel::no_split_modules(),
+            Arc::new(pg),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(
             err.contains(setting) && err.contains("not supported by the FSDP engine yet"),
             "{err}"

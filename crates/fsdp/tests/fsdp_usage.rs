@@ -10,20 +10,69 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use fsdp::config::{AutoWrapPolicy, FsdpPlugin, Layer, ShardingStrategy};
 use fsdp::engine::Fsdp;
-use fsdp::nn::layers::{linear, linear_info};
-use fsdp::nn::{LocalParams, ModuleInfo, Params};
-use fsdp::optim::{Optimizer, SgdConfig};
+use fsdp::nn::layers::Linear;
+use fsdp::nn::{Forward, LocalParams, Module, ModuleInfo, Params};
+use fsdp::optim::{Sgd, SgdConfig};
 use fsdp_comm::ProcessGroup;
 
 mod common;
 
 const ROLE: &str = "FSDP_USAGE_WORKER";
 
-fn toy() -> ModuleInfo {
-    ModuleInfo::new("", "Toy")
-        .child(ModuleInfo::new("a", "Block").child(linear_info("a.lin".into(), 8, 8, 0.2)))
-        .child(ModuleInfo::new("b", "Block").child(linear_info("b.lin".into(), 8, 8, 0.2)))
-        .child(linear_info("head".into(), 8, 2, 0.2))
+/// A block holding one linear layer (a unit under the wrap policy below).
+struct Block {
+    path: String,
+    lin: Linear,
+}
+
+impl Block {
+    fn new(path: &str) -> Block {
+        Block {
+            path: path.into(),
+            lin: Linear::new(format!("{path}.lin"), 8, 8, 0.2),
+        }
+    }
+}
+
+impl Module for Block {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new(self.path.clone(), "Block").child(self.lin.info())
+    }
+}
+
+impl Forward<&Tensor> for Block {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.lin.call(p, x)
+    }
+}
+
+struct Toy {
+    a: Block,
+    b: Block,
+    head: Linear,
+}
+
+fn toy() -> Toy {
+    Toy {
+        a: Block::new("a"),
+        b: Block::new("b"),
+        head: Linear::new("head".into(), 8, 2, 0.2),
+    }
+}
+
+impl Toy {
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new("", "Toy")
+            .child(self.a.info())
+            .child(self.b.info())
+            .child(self.head.info())
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -34,28 +83,30 @@ enum Misuse {
     NotHooked,
 }
 
-fn forward(p: &dyn Params, x: &Tensor, misuse: Misuse) -> candle_core::Result<Tensor> {
+fn forward(t: &Toy, p: &dyn Params, x: &Tensor, misuse: Misuse) -> candle_core::Result<Tensor> {
     let held = p.get("a.lin.weight")?;
-    let mut h = linear(p, "a.lin", x)?;
-    h = p.module_output("a", h)?;
+    let mut h = t.a.call(p, x)?;
     match misuse {
         Misuse::ReadAfterRelease => {
-            h = (h + linear(p, "a.lin", x)?)?;
+            h = (h + t.a.lin.call(p, x)?)?;
         }
         Misuse::HeldAcrossUnits => {
             h = (h + x.matmul(&held.t()?)?)?;
         }
         _ => {}
     }
-    h = linear(p, "b.lin", &h)?;
-    if !matches!(misuse, Misuse::NotHooked) {
-        h = p.module_output("b", h)?;
-    }
-    linear(p, "head", &h)?.sqr()?.sum_all()
+    // `forward` instead of `call`: the block's output is never reported.
+    h = if matches!(misuse, Misuse::NotHooked) {
+        t.b.forward(p, &h)?
+    } else {
+        t.b.call(p, &h)?
+    };
+    t.head.call(p, &h)?.sqr()?.sum_all()
 }
 
 fn attempt(pg: &std::sync::Arc<ProcessGroup>, misuse: Misuse) -> Result<(), String> {
-    let info = toy();
+    let model = toy();
+    let info = model.info();
     let init = LocalParams::init(&info, 3, DType::F32, &Device::Cpu).unwrap();
     let plugin = FsdpPlugin::builder()
         .sharding_strategy(ShardingStrategy::FullShard)
@@ -69,10 +120,12 @@ fn attempt(pg: &std::sync::Arc<ProcessGroup>, misuse: Misuse) -> Result<(), Stri
     engine.set_debug(true);
     let x = Tensor::ones((3, 8), DType::F32, &Device::Cpu).unwrap();
     let params = engine.begin_step().map_err(|e| e.to_string())?;
-    let loss = forward(&params, &x, misuse).map_err(|e| e.to_string())?;
+    let loss = forward(&model, &params, &x, misuse).map_err(|e| e.to_string())?;
     let grads = engine.backward(params, loss).map_err(|e| e.to_string())?;
-    let sgd = Optimizer::Sgd(SgdConfig::default());
-    engine.step(grads, &sgd, None).map_err(|e| e.to_string())?;
+    let mut sgd = Sgd::new(SgdConfig::default()).map_err(|e| e.to_string())?;
+    engine
+        .step(grads, &mut sgd, None)
+        .map_err(|e| e.to_string())?;
     Ok(())
 }
 

@@ -393,6 +393,63 @@ fn dropout_is_seeded_scaled_and_differentiable() {
     assert!(ops::dropout(&x, 1.0, 0).is_err());
 }
 
+/// candle's own lookup, with the padding rows' gradient cut by a detached copy.
+fn composed_embedding(w: &Tensor, ids: &Tensor, pad: Option<u32>) -> Result<Tensor> {
+    let mut dims = ids.dims().to_vec();
+    dims.push(w.dim(1)?);
+    let flat = ids.flatten_all()?;
+    let looked = w.index_select(&flat, 0)?;
+    let out = match pad {
+        None => looked,
+        Some(pad) => {
+            let keep = flat
+                .ne(pad)?
+                .to_dtype(w.dtype())?
+                .unsqueeze(1)?
+                .broadcast_as(looked.shape())?;
+            let frozen = w.detach().index_select(&flat, 0)?;
+            ((&looked * &keep)? + (frozen * (keep.ones_like()? - &keep)?)?)?
+        }
+    };
+    out.reshape(dims)
+}
+
+#[test]
+fn embedding_with_and_without_padding_idx() {
+    // Ids repeat (gradients add up per row) and include the padding row 2.
+    let ids = Tensor::new(&[[1u32, 2, 3, 2], [0, 3, 3, 5]], &Device::Cpu).unwrap();
+    for pad in [None, Some(2u32)] {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-6)] {
+            let w = rand(&[6, 5], 21, 1.0, dtype);
+            against_composed(
+                &format!("embedding {pad:?} {dtype:?}"),
+                &|t| ops::embedding(&t[0], &ids, pad.map(|p| p as usize)),
+                &|t| composed_embedding(&t[0], &ids, pad),
+                &[w],
+                tol,
+            );
+        }
+    }
+    // (The padding row's gradient is zero by definition, not by calculus: finite differences
+    // check the lookup without one.)
+    against_finite_differences(
+        "embedding",
+        &|t| ops::embedding(&t[0], &ids, None),
+        &[rand(&[6, 5], 22, 1.0, DType::F64)],
+    );
+    // The padding row gets exactly no gradient; an id outside the table is an error.
+    let w = candle_core::Var::from_tensor(&rand(&[6, 5], 23, 1.0, DType::F32)).unwrap();
+    let y = ops::embedding(w.as_tensor(), &ids, Some(2)).unwrap();
+    let g = y.sum_all().unwrap().backward().unwrap();
+    let row: Vec<f32> = g.get(&w).unwrap().get(2).unwrap().to_vec1().unwrap();
+    assert!(row.iter().all(|x| *x == 0.0), "{row:?}");
+    let bad = Tensor::new(&[6u32], &Device::Cpu).unwrap();
+    let e = ops::embedding(w.as_tensor(), &bad, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("id 6 is outside the table's 6 rows"), "{e}");
+}
+
 fn composed_linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (rows, d) = (x.elem_count() / x.dim(D::Minus1)?, x.dim(D::Minus1)?);
     let mut dims = x.dims().to_vec();

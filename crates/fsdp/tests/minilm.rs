@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use fsdp::data::TextTokenizer;
 use fsdp::models::{BertConfig, BertModel};
 use fsdp::nn::LocalParams;
+use fsdp::nn::Module;
 
 fn model_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("FSDP_MINILM_DIR")
@@ -57,7 +58,7 @@ fn minilm_matches_an_independent_implementation() {
         ),
         (384, 6, 30522)
     );
-    let model = BertModel::new(config, "");
+    let model = BertModel::new(config, "").unwrap();
     let (params, report) =
         LocalParams::load(&model.info(), &dir.join("model.safetensors"), &device).unwrap();
     // The checkpoint carries the position-id buffer, which transformers also reports unused.
@@ -180,7 +181,8 @@ fn tokenizer_json_gives_the_reference_inputs_and_embeddings() {
     );
     // Text in, sentence embeddings out: the same as the reference (computed with one more
     // padding column, which the mask makes irrelevant).
-    let model = BertModel::new(BertConfig::from_file(&dir.join("config.json")).unwrap(), "");
+    let model =
+        BertModel::new(BertConfig::from_file(&dir.join("config.json")).unwrap(), "").unwrap();
     let (params, _) =
         LocalParams::load(&model.info(), &dir.join("model.safetensors"), &device).unwrap();
     let (hidden, _) = model

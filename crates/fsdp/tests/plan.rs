@@ -7,11 +7,12 @@ use fsdp::engine::{PlanError, UnitPlan};
 use fsdp::models::{
     BertConfig, BertForSequenceClassification, BertModel, Gpt2Config, Gpt2LmHeadModel,
 };
+use fsdp::nn::Module;
 
 fn bert() -> BertForSequenceClassification {
     BertForSequenceClassification::new(
         BertConfig::from_json(r#"{"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 4, "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 8}"#).unwrap(),
-    )
+    ).unwrap()
 }
 
 fn plugin(
@@ -178,7 +179,8 @@ fn tied_parameters_stay_in_one_unit_or_stop_the_run() {
             r#"{"vocab_size": 50, "n_positions": 8, "n_embd": 16, "n_layer": 2, "n_head": 2}"#,
         )
         .unwrap(),
-    );
+    )
+    .unwrap();
     let info = gpt2.info();
     let plan = UnitPlan::build(
         &info,

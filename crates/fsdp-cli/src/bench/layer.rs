@@ -11,9 +11,9 @@ use fsdp::nn::candle::{
     CpuStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor, Var,
     backend::BackendStorage,
 };
-use fsdp::nn::layers::{add_layer_norm, linear, linear_gelu};
+use fsdp::nn::layers::Linear;
 use fsdp::nn::ops::{GeluApprox, scaled_dot_product_attention};
-use fsdp::nn::{LocalParams, Params};
+use fsdp::nn::{Forward, LocalParams, Module, Params};
 
 /// Options of `fsdp bench layer`.
 #[derive(Args, Clone)]
@@ -145,15 +145,16 @@ pub fn run(a: LayerArgs) -> Result<()> {
     // As in training under the engine (Fsdp::new does the same).
     fsdp::memory::retain_freed_memory();
     let device = Device::Cpu;
-    let model = BertModel::new(config(&a), "");
+    let model = BertModel::new(config(&a), "")?;
     let params = LocalParams::init(&model.info(), 0, DType::F32, &device)?;
+    let l = &model.encoder.layer[0];
     let x = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (a.batch, a.seq, a.hidden), &device)?))?;
     let p: &dyn Params = &params;
     let x_t = x.as_tensor().clone();
     let w = Tensor::randn(0f32, 1.0, (a.batch, a.seq, a.hidden), &device)?;
 
     let mut rows: Vec<(String, f64, f64, f64, f64)> = Vec::new();
-    let layer = |t: &Tensor| model.layer(p, 0, t, None).map_err(anyhow::Error::from);
+    let layer = |t: &Tensor| l.forward(p, (t, None, None)).map_err(anyhow::Error::from);
     let (fwd_med, fwd_min) = time(a.reps, || layer(&x_t).map(|_| ()))?;
     let (all_med, all_min) = time(a.reps, || {
         let y = layer(&x_t)?;
@@ -173,15 +174,17 @@ pub fn run(a: LayerArgs) -> Result<()> {
     let xh = rand(&[b, s, h])?;
     let xi = rand(&[b, s, i])?;
     let qkv = [rand(&[b, s, h])?, rand(&[b, s, h])?, rand(&[b, s, h])?];
+    // The intermediate projection without its fused GELU, on the same weights.
+    let plain_intermediate = Linear::new("encoder.layer.0.intermediate.dense".into(), h, i, 0.02);
     type Part<'a> = (&'static str, Box<dyn Fn() -> Result<Tensor> + 'a>);
     let parts: Vec<Part> = vec![
         (
             "3 x linear h->h (query, key, value)",
             Box::new(|| {
                 let mut acc: Option<Tensor> = None;
-                for leaf in ["query", "key", "value"] {
-                    let path = format!("encoder.layer.0.attention.self.{leaf}");
-                    let y = linear(p, &path, xh.as_tensor())?;
+                let sa = &l.attention.self_attention;
+                for proj in [&sa.query, &sa.key, &sa.value] {
+                    let y = proj.forward(p, xh.as_tensor())?;
                     acc = Some(match acc {
                         None => y,
                         Some(a) => (a + y)?,
@@ -192,13 +195,7 @@ pub fn run(a: LayerArgs) -> Result<()> {
         ),
         (
             "linear h->h (attention output)",
-            Box::new(|| {
-                Ok(linear(
-                    p,
-                    "encoder.layer.0.attention.output.dense",
-                    xh.as_tensor(),
-                )?)
-            }),
+            Box::new(|| Ok(l.attention.output.dense.forward(p, xh.as_tensor())?)),
         ),
         (
             "attention (scores, softmax, context)",
@@ -216,24 +213,11 @@ pub fn run(a: LayerArgs) -> Result<()> {
         ),
         (
             "linear h->i + gelu",
-            Box::new(|| {
-                Ok(linear_gelu(
-                    p,
-                    "encoder.layer.0.intermediate.dense",
-                    xh.as_tensor(),
-                    GeluApprox::Erf,
-                )?)
-            }),
+            Box::new(|| Ok(l.intermediate.dense.forward(p, xh.as_tensor())?)),
         ),
         (
             "  of which: linear h->i",
-            Box::new(|| {
-                Ok(linear(
-                    p,
-                    "encoder.layer.0.intermediate.dense",
-                    xh.as_tensor(),
-                )?)
-            }),
+            Box::new(|| Ok(plain_intermediate.forward(p, xh.as_tensor())?)),
         ),
         (
             "  of which: gelu",
@@ -241,25 +225,17 @@ pub fn run(a: LayerArgs) -> Result<()> {
         ),
         (
             "linear i->h",
-            Box::new(|| Ok(linear(p, "encoder.layer.0.output.dense", xi.as_tensor())?)),
+            Box::new(|| Ok(l.output.dense.forward(p, xi.as_tensor())?)),
         ),
         (
             "2 x residual add + layer_norm",
             Box::new(|| {
-                let y = add_layer_norm(
-                    p,
-                    "encoder.layer.0.attention.output.LayerNorm",
-                    xh.as_tensor(),
-                    xh.as_tensor(),
-                    1e-12,
-                )?;
-                Ok(add_layer_norm(
-                    p,
-                    "encoder.layer.0.output.LayerNorm",
-                    &y,
-                    xh.as_tensor(),
-                    1e-12,
-                )?)
+                let y = l
+                    .attention
+                    .output
+                    .layer_norm
+                    .forward(p, (xh.as_tensor(), xh.as_tensor()))?;
+                Ok(l.output.layer_norm.forward(p, (&y, xh.as_tensor()))?)
             }),
         ),
     ];

@@ -11,6 +11,7 @@
 //!   bytes x (N-1)/N);
 //! * samples/s and peak RSS.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -18,11 +19,11 @@ use clap::Args;
 use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
 use fsdp::engine::{Fsdp, UnitPlan};
 use fsdp::memory;
-use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
-use fsdp::nn::LocalParams;
+use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::candle::{DType, Device, Tensor};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::{AdamWConfig, Optimizer};
+use fsdp::nn::{LocalParams, Module};
+use fsdp::optim::{AdamW, AdamWConfig};
 use fsdp_comm::ProcessGroup;
 
 /// Options of `fsdp bench memory`.
@@ -216,26 +217,23 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         max_position_embeddings: a.seq,
         ..BertConfig::default()
     };
-    let model = BertForSequenceClassification::new(config);
-    let info = model.info();
+    let model = BertForSequenceClassification::new(config)?;
     let base = memory::resident_bytes();
-    let init = LocalParams::init(&info, 42, DType::F32, &Device::Cpu)?;
-    let mut fsdp = Fsdp::new(
-        &info,
-        &init.tensors(),
-        &plugin,
-        BertModel::no_split_modules(),
-        pg,
-    )?;
+    let init = LocalParams::init(&model.info(), 42, DType::F32, &Device::Cpu)?;
+    let mut fsdp = Fsdp::wrap(&model, &init.tensors(), &plugin, Arc::new(pg))?;
     drop(init);
     let plan = fsdp.plan().clone();
     let estimate = plan.memory_estimate();
     let formula = estimate.params + estimate.grads + estimate.optimizer;
     let largest_unit = plan.units.iter().map(|u| u.numel() * 4).max().unwrap_or(0);
-    let optimizer = Optimizer::AdamW(AdamWConfig {
+    let mut optimizer = AdamW::new(AdamWConfig {
         lr: 1e-4,
         ..Default::default()
-    });
+    })?;
+    let bytes_sent = |f: &Fsdp| {
+        let (shard, replicate) = f.mesh().bytes_sent();
+        shard + replicate
+    };
     let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ rank as u64;
     let mut next = move || {
         rng ^= rng << 13;
@@ -254,7 +252,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let labels: Vec<u32> = (0..a.batch).map(|_| (next() % 2) as u32).collect();
         let ids = Tensor::from_vec(ids, (a.batch, a.seq), &Device::Cpu)?;
         let labels = Tensor::from_vec(labels, a.batch, &Device::Cpu)?;
-        let sent_before = fsdp.group().bytes_sent();
+        let sent_before = bytes_sent(&fsdp);
         let started = Instant::now();
         memory::reset_peak();
         let params = fsdp.begin_step()?;
@@ -265,7 +263,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let grads = fsdp.backward(params, loss)?;
         let backward_done = Instant::now();
         let peak = memory::peak_bytes();
-        let report = fsdp.step(grads, &optimizer, Some(1.0))?;
+        let report = fsdp.step(grads, &mut optimizer, Some(1.0))?;
         // Resident at the optimizer step: parameters, gradients and optimizer state.
         let at_step = report.resident_bytes.unwrap_or(0);
         if step > 0 {
@@ -275,7 +273,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             phases[2] += backward_done.elapsed().as_secs_f64();
             peak_above = peak_above.max(peak.saturating_sub(at_step));
             state = state.max(at_step.saturating_sub(base));
-            sent += fsdp.group().bytes_sent() - sent_before;
+            sent += bytes_sent(&fsdp) - sent_before;
         }
     }
     let steps = a.steps.max(1) as f64;
@@ -288,7 +286,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         timed,
     ];
     let per_step_ms = phases.map(|s| s / steps * 1e3);
-    let all = fsdp.group().all_gather(mine).wait()?;
+    let all = fsdp.mesh().all_gather_vec(mine)?;
     if rank == 0 {
         let worst = |k: usize| (0..n).map(|r| all[r * 5 + k]).fold(0f64, f64::max);
         let samples_per_s = steps * (a.batch * n) as f64 / worst(4);

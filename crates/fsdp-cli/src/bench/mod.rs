@@ -37,4 +37,3 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Memory(a) => memory::run(a),
     }
 }
-

@@ -65,6 +65,8 @@ impl FsdpPluginBuilder {
         ignored_modules(&str) => FsdpIgnoredModules, |s: &str| Value::Text(s.into());
         /// `mixed_precision`.
         mixed_precision(MixedPrecision) => MixedPrecision, choice;
+        /// `debug`: check FSDP state transitions, poison released parameters.
+        debug(bool) => Debug, Value::Bool;
     }
 
     /// Resolves against this process's environment and the defaults.

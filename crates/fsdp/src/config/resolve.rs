@@ -78,6 +78,8 @@ pub struct FsdpPlugin {
     pub ignored_modules: Option<regex::Regex>,
     /// Compute precision.
     pub mixed_precision: MixedPrecision,
+    /// Check FSDP state transitions and poison released parameters (the `debug` key).
+    pub debug: bool,
 }
 
 /// A configuration after merging every source and checking it as a whole.
@@ -303,6 +305,7 @@ impl View<'_> {
             activation_checkpointing: self.flag(Key::FsdpActivationCheckpointing),
             ignored_modules,
             mixed_precision: self.choice(Key::MixedPrecision),
+            debug: self.flag(Key::Debug),
         };
         (plugin, errors)
     }

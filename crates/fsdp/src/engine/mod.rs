@@ -1,11 +1,28 @@
-//! The FSDP engine: the unit plan (wrap policies, ignored modules, tied-parameter checks,
-//! dim-0 shard layout, memory estimate), one step's unit lifecycle (gather, release, refill,
-//! reduce, prefetch), and the sharded engine that owns shards and optimizer state.
+//! The FSDP engine, in FSDP2's layers: the unit plan (`plan`: wrap policies, ignored modules,
+//! tied-parameter checks, dim-0 shard layout, memory estimate); one sharded parameter
+//! (`param`); a unit's lifecycle as a state machine with prefetch decided in one place
+//! (`unit`); the unit's collectives in the dtypes given (`collectives`); the graph ops that
+//! hook autograd (`hooks`); one step driving the units (`step`); debug checks (`debug`);
+//! reduced gradients by name (`grads`); the engine that owns shards (`sharded`); and its
+//! state by parameter name (`state`).
 
+mod collectives;
+mod debug;
+mod error;
+mod grads;
+mod hooks;
+mod param;
 pub mod plan;
-pub mod sharded;
+mod sharded;
+mod state;
 mod step;
+mod unit;
 
-pub use sharded::{EngineError, Fsdp, Gradients, StepParams, StepReport};
-
+pub use collectives::CommDtypes;
+pub use error::EngineError;
+pub use grads::Gradients;
+pub use param::{FsdpParam, ShardBuffer};
 pub use plan::{MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};
+pub use sharded::{Fsdp, StepReport};
+pub use state::LocalShard;
+pub use step::StepParams;

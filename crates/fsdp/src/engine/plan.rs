@@ -77,32 +77,6 @@ impl ShardLayout {
         self.offset..self.offset + self.shard_numel()
     }
 
-    /// Copies the full parameter out of an all-gathered unit (rank r's shard block of `block`
-    /// elements at `r * block`, `ranks` blocks) into `out`, leaving the padding rows out.
-    pub fn unpack(&self, gathered: &[f32], block: usize, ranks: usize, out: &mut [f32]) {
-        let mut at = 0;
-        for r in 0..ranks {
-            let (start, end) = self.rows_of(r);
-            let len = (end - start) * self.row_elems;
-            let base = r * block + self.offset;
-            out[at..at + len].copy_from_slice(&gathered[base..base + len]);
-            at += len;
-        }
-    }
-
-    /// The inverse of [`ShardLayout::unpack`]: scatters the full `values` into `ranks` shard
-    /// blocks of `block` elements (padding rows untouched).
-    pub fn pack(&self, values: &[f32], block: usize, ranks: usize, packed: &mut [f32]) {
-        let mut at = 0;
-        for r in 0..ranks {
-            let (start, end) = self.rows_of(r);
-            let len = (end - start) * self.row_elems;
-            let base = r * block + self.offset;
-            packed[base..base + len].copy_from_slice(&values[at..at + len]);
-            at += len;
-        }
-    }
-
     /// Elements of the full parameter.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

@@ -5,9 +5,9 @@
 use candle_core::{DType, Result, Tensor};
 use serde::Deserialize;
 
-use super::site_seed;
-use crate::nn::layers::{embedding, embedding_info, layer_norm, layer_norm_info};
-use crate::nn::module::{Init, ModuleInfo, Params};
+use crate::composite_module;
+use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear};
+use crate::nn::module::{Forward, Model, Module, ModuleInfo, Params, join};
 use crate::nn::ops::{self, CrossEntropy, GeluApprox};
 
 /// The fields of a GPT-2 `config.json` this implementation uses.
@@ -66,120 +66,171 @@ impl Gpt2Config {
     }
 }
 
-/// `GPT2LMHeadModel`.
+/// Causal self-attention with GPT-2's fused query/key/value projection (`GPT2Attention`).
 #[derive(Debug, Clone)]
-pub struct Gpt2LmHeadModel {
-    /// Its configuration.
-    pub config: Gpt2Config,
-    /// Training mode: dropout is active, with masks drawn from this seed (set a new one each
-    /// step, e.g. from the run seed, rank and step). `None` is evaluation mode.
-    pub dropout_seed: Option<u64>,
+pub struct Gpt2Attention {
+    path: String,
+    heads: usize,
+    /// Query, key and value in one `Conv1D` [hidden, 3 hidden].
+    pub c_attn: Linear,
+    /// Output projection.
+    pub c_proj: Linear,
+    attn_dropout: Dropout,
+    resid_dropout: Dropout,
 }
 
-/// A `Conv1D` module: `weight` [in, out], `bias` [out].
-fn conv1d_info(path: String, d_in: usize, d_out: usize, std: f64) -> ModuleInfo {
-    ModuleInfo::new(path, "Conv1D")
-        .param("weight", &[d_in, d_out], Init::Normal { std })
-        .param("bias", &[d_out], Init::Zeros)
-}
+composite_module!(Gpt2Attention, "GPT2Attention", [c_attn, c_proj]);
 
-/// A `Conv1D` module's `x W + b` (W [in, out]), optionally with GPT-2's tanh GELU fused.
-fn conv1d(p: &dyn Params, path: &str, x: &Tensor, gelu: bool) -> Result<Tensor> {
-    let w = p.get(&format!("{path}.weight"))?;
-    let b = p.get(&format!("{path}.bias"))?;
-    let y = ops::conv1d(x, &w, &b, gelu.then_some(GeluApprox::Tanh))?;
-    p.module_output(path, y)
-}
+impl<'a> Forward<(&'a Tensor, &'a Tensor, Option<u64>)> for Gpt2Attention {
+    type Output = Tensor;
 
-impl Gpt2LmHeadModel {
-    /// A model for `config`.
-    pub fn new(config: Gpt2Config) -> Self {
-        Gpt2LmHeadModel {
-            config,
-            dropout_seed: None,
-        }
+    /// `(x, causal mask, seed)`.
+    fn forward(
+        &self,
+        p: &dyn Params,
+        (x, mask, seed): (&Tensor, &Tensor, Option<u64>),
+    ) -> Result<Tensor> {
+        let qkv = self.c_attn.call(p, x)?;
+        let ctx =
+            ops::packed_attention(&qkv, self.heads, Some(mask), self.attn_dropout.seed(seed))?;
+        let out = self.c_proj.call(p, &ctx)?;
+        self.resid_dropout.apply(&out, seed)
     }
+}
 
-    /// Dropout at a call site in training mode; identity in evaluation mode.
-    fn dropout(&self, x: &Tensor, prob: f64, site: &str) -> Result<Tensor> {
-        match self.dropout_seed {
-            Some(seed) if prob > 0.0 => ops::dropout(x, prob, site_seed(seed, site)),
-            _ => Ok(x.clone()),
-        }
+/// The feed-forward block with tanh GELU fused into `c_fc` (`GPT2MLP`).
+#[derive(Debug, Clone)]
+pub struct Gpt2Mlp {
+    path: String,
+    /// Expansion + GELU.
+    pub c_fc: Linear,
+    /// Projection back.
+    pub c_proj: Linear,
+    dropout: Dropout,
+}
+
+composite_module!(Gpt2Mlp, "GPT2MLP", [c_fc, c_proj]);
+
+impl Forward<(&Tensor, Option<u64>)> for Gpt2Mlp {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, (x, seed): (&Tensor, Option<u64>)) -> Result<Tensor> {
+        let inner = self.c_fc.call(p, x)?;
+        let out = self.c_proj.call(p, &inner)?;
+        self.dropout.apply(&out, seed)
     }
+}
 
-    /// The module tree (blocks are `GPT2Block`); `lm_head` uses `transformer.wte.weight`.
-    pub fn info(&self) -> ModuleInfo {
-        let c = &self.config;
+/// A pre-LayerNorm block (`GPT2Block`).
+#[derive(Debug, Clone)]
+pub struct Gpt2Block {
+    path: String,
+    /// Norm before attention.
+    pub ln_1: LayerNorm,
+    /// Attention.
+    pub attn: Gpt2Attention,
+    /// Norm before the MLP.
+    pub ln_2: LayerNorm,
+    /// Feed-forward.
+    pub mlp: Gpt2Mlp,
+}
+
+impl Gpt2Block {
+    fn new(path: String, c: &Gpt2Config) -> Gpt2Block {
         let (h, std) = (c.n_embd, c.initializer_range);
         // GPT-2 scales the residual projections' initialisation by 1/sqrt(2 n_layer).
         let proj_std = std / (2.0 * c.n_layer as f64).sqrt();
-        let mut transformer = ModuleInfo::new("transformer", "GPT2Model")
-            .child(embedding_info(
-                "transformer.wte".into(),
-                c.vocab_size,
-                h,
-                std,
-            ))
-            .child(embedding_info(
-                "transformer.wpe".into(),
-                c.n_positions,
-                h,
-                std,
-            ));
-        for i in 0..c.n_layer {
-            let b = |leaf: &str| format!("transformer.h.{i}.{leaf}");
-            transformer = transformer.child(
-                ModuleInfo::new(format!("transformer.h.{i}"), "GPT2Block")
-                    .child(layer_norm_info(b("ln_1"), h))
-                    .child(
-                        ModuleInfo::new(b("attn"), "GPT2Attention")
-                            .child(conv1d_info(b("attn.c_attn"), h, 3 * h, std))
-                            .child(conv1d_info(b("attn.c_proj"), h, h, proj_std)),
-                    )
-                    .child(layer_norm_info(b("ln_2"), h))
-                    .child(
-                        ModuleInfo::new(b("mlp"), "GPT2MLP")
-                            .child(conv1d_info(b("mlp.c_fc"), h, c.inner(), std))
-                            .child(conv1d_info(b("mlp.c_proj"), c.inner(), h, proj_std)),
-                    ),
-            );
+        let b = |leaf: &str| join(&path, leaf);
+        Gpt2Block {
+            ln_1: LayerNorm::new(b("ln_1"), h, c.layer_norm_epsilon),
+            attn: Gpt2Attention {
+                heads: c.n_head,
+                c_attn: Linear::conv1d(b("attn.c_attn"), h, 3 * h, std),
+                c_proj: Linear::conv1d(b("attn.c_proj"), h, h, proj_std),
+                attn_dropout: Dropout::new(b("attn.attn_dropout"), c.attn_pdrop),
+                resid_dropout: Dropout::new(b("attn.resid_dropout"), c.resid_pdrop),
+                path: b("attn"),
+            },
+            ln_2: LayerNorm::new(b("ln_2"), h, c.layer_norm_epsilon),
+            mlp: Gpt2Mlp {
+                c_fc: Linear::conv1d(b("mlp.c_fc"), h, c.inner(), std).with_gelu(GeluApprox::Tanh),
+                c_proj: Linear::conv1d(b("mlp.c_proj"), c.inner(), h, proj_std),
+                dropout: Dropout::new(b("mlp.dropout"), c.resid_pdrop),
+                path: b("mlp"),
+            },
+            path,
         }
-        transformer = transformer.child(layer_norm_info("transformer.ln_f".into(), h));
-        ModuleInfo::new("", "GPT2LMHeadModel")
-            .child(transformer)
-            .child(ModuleInfo::new("lm_head", "Linear").uses("transformer.wte.weight"))
+    }
+}
+
+composite_module!(Gpt2Block, "GPT2Block", [ln_1, attn, ln_2, mlp]);
+
+impl<'a> Forward<(&'a Tensor, &'a Tensor, Option<u64>)> for Gpt2Block {
+    type Output = Tensor;
+
+    /// `(x, causal mask, seed)`.
+    fn forward(
+        &self,
+        p: &dyn Params,
+        (x, mask, seed): (&Tensor, &Tensor, Option<u64>),
+    ) -> Result<Tensor> {
+        let a = self.ln_1.call(p, x)?;
+        let x = (x + self.attn.call(p, (&a, mask, seed))?)?;
+        let m = self.ln_2.call(p, &x)?;
+        x + self.mlp.call(p, (&m, seed))?
+    }
+}
+
+/// Token and position embeddings, blocks, final norm (`GPT2Model`).
+#[derive(Debug, Clone)]
+pub struct Gpt2Model {
+    path: String,
+    n_positions: usize,
+    /// Token table (also the output projection).
+    pub wte: Embedding,
+    /// Position table.
+    pub wpe: Embedding,
+    /// Blocks.
+    pub h: Vec<Gpt2Block>,
+    /// Final norm.
+    pub ln_f: LayerNorm,
+    drop: Dropout,
+}
+
+impl Module for Gpt2Model {
+    fn path(&self) -> &str {
+        &self.path
     }
 
-    /// The module types that make good FSDP units.
-    pub fn no_split_modules() -> &'static [&'static str] {
-        &["GPT2Block"]
+    fn info(&self) -> ModuleInfo {
+        let m = ModuleInfo::new(self.path.clone(), "GPT2Model")
+            .child(self.wte.info())
+            .child(self.wpe.info());
+        self.h
+            .iter()
+            .fold(m, |m, b| m.child(b.info()))
+            .child(self.ln_f.info())
     }
+}
 
-    /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] under a causal mask.
-    pub fn forward(&self, p: &dyn Params, input_ids: &Tensor) -> Result<Tensor> {
-        let c = &self.config;
-        let (batch, seq) = input_ids.dims2()?;
-        if seq > c.n_positions {
+impl Forward<(&Tensor, Option<u64>)> for Gpt2Model {
+    type Output = Tensor;
+
+    /// Final hidden states [batch, seq, hidden] for `ids` [batch, seq] under a causal mask.
+    fn forward(&self, p: &dyn Params, (ids, seed): (&Tensor, Option<u64>)) -> Result<Tensor> {
+        let seq = ids.dim(1)?;
+        if seq > self.n_positions {
             return Err(candle_core::Error::Msg(format!(
                 "sequence length {seq} exceeds n_positions {}",
-                c.n_positions
+                self.n_positions
             )));
         }
-        if c.n_embd % c.n_head != 0 {
-            return Err(candle_core::Error::Msg(format!(
-                "n_embd {} is not a multiple of n_head {}",
-                c.n_embd, c.n_head
-            )));
-        }
-        let device = input_ids.device();
-        let tok = embedding(p, "transformer.wte", input_ids)?;
-        let pos = embedding(
-            p,
-            "transformer.wpe",
-            &Tensor::arange(0u32, seq as u32, device)?,
-        )?;
-        let mut x = self.dropout(&tok.broadcast_add(&pos)?, c.embd_pdrop, "transformer.drop")?;
+        let device = ids.device();
+        let tok = self.wte.call(p, ids)?;
+        let pos = self
+            .wpe
+            .call(p, &Tensor::arange(0u32, seq as u32, device)?)?;
+        let mut x = self.drop.apply(&tok.broadcast_add(&pos)?, seed)?;
         let dtype = x.dtype();
         let lowest = if dtype == DType::F64 {
             f64::MIN
@@ -190,36 +241,100 @@ impl Gpt2LmHeadModel {
             .map(|i| if i % seq > i / seq { lowest } else { 0.0 })
             .collect();
         let mask = Tensor::from_vec(causal, (1, 1, seq, seq), device)?.to_dtype(dtype)?;
-        let heads = c.n_head;
-        for i in 0..c.n_layer {
-            let b = |leaf: &str| format!("transformer.h.{i}.{leaf}");
-            let a = layer_norm(p, &b("ln_1"), &x, c.layer_norm_epsilon)?;
-            let qkv = conv1d(p, &b("attn.c_attn"), &a, false)?;
-            let probs_dropout = match self.dropout_seed {
-                Some(seed) if c.attn_pdrop > 0.0 => {
-                    Some((c.attn_pdrop, site_seed(seed, &b("attn.attn_dropout"))))
-                }
-                _ => None,
-            };
-            let ctx = ops::packed_attention(&qkv, heads, Some(&mask), probs_dropout)?;
-            let attn = conv1d(p, &b("attn.c_proj"), &ctx, false)?;
-            let attn = self.dropout(&attn, c.resid_pdrop, &b("attn.resid_dropout"))?;
-            x = (x + p.module_output(&b("attn"), attn)?)?;
-            let m = layer_norm(p, &b("ln_2"), &x, c.layer_norm_epsilon)?;
-            let inner = conv1d(p, &b("mlp.c_fc"), &m, true)?;
-            let mlp = conv1d(p, &b("mlp.c_proj"), &inner, false)?;
-            let mlp = self.dropout(&mlp, c.resid_pdrop, &b("mlp.dropout"))?;
-            x = (x + p.module_output(&b("mlp"), mlp)?)?;
-            x = p.module_output(&format!("transformer.h.{i}"), x)?;
+        for block in &self.h {
+            x = block.call(p, (&x, &mask, seed))?;
         }
-        let x = layer_norm(p, "transformer.ln_f", &x, c.layer_norm_epsilon)?;
-        let x = p.module_output("transformer", x)?;
-        let wte = p.get("transformer.wte.weight")?;
-        let logits = x
-            .reshape((batch * seq, c.n_embd))?
-            .matmul(&wte.t()?)?
-            .reshape((batch, seq, c.vocab_size))?;
-        p.module_output("lm_head", logits)
+        self.ln_f.call(p, &x)
+    }
+}
+
+/// The output projection, tied to the token embedding (`lm_head`).
+#[derive(Debug, Clone)]
+pub struct TiedLmHead {
+    path: String,
+    weight: String,
+}
+
+impl Module for TiedLmHead {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new(self.path.clone(), "Linear").uses(&self.weight)
+    }
+}
+
+impl Forward<&Tensor> for TiedLmHead {
+    type Output = Tensor;
+
+    /// Logits [batch, seq, vocab] for hidden states [batch, seq, hidden].
+    fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
+        let (batch, seq, hidden) = x.dims3()?;
+        let w = p.get(&self.weight)?;
+        let vocab = w.dim(0)?;
+        x.reshape((batch * seq, hidden))?
+            .matmul(&w.t()?)?
+            .reshape((batch, seq, vocab))
+    }
+}
+
+/// `GPT2LMHeadModel`.
+#[derive(Debug, Clone)]
+pub struct Gpt2LmHeadModel {
+    /// Its configuration.
+    pub config: Gpt2Config,
+    /// Training mode: dropout is active, with masks drawn from this seed (set a new one each
+    /// step, e.g. from the run seed, rank and step). `None` is evaluation mode.
+    pub dropout_seed: Option<u64>,
+    /// The transformer.
+    pub transformer: Gpt2Model,
+    /// The tied output projection.
+    pub lm_head: TiedLmHead,
+}
+
+impl Gpt2LmHeadModel {
+    /// A model for `config`; an error when the heads do not divide the hidden size.
+    pub fn new(config: Gpt2Config) -> Result<Self> {
+        if config.n_embd % config.n_head != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "n_embd {} is not a multiple of n_head {}",
+                config.n_embd, config.n_head
+            )));
+        }
+        let (h, std) = (config.n_embd, config.initializer_range);
+        let wte = Embedding::new("transformer.wte".into(), config.vocab_size, h, std);
+        let lm_head = TiedLmHead {
+            path: "lm_head".into(),
+            weight: wte.weight_name().to_string(),
+        };
+        let transformer = Gpt2Model {
+            path: "transformer".into(),
+            n_positions: config.n_positions,
+            wpe: Embedding::new("transformer.wpe".into(), config.n_positions, h, std),
+            wte,
+            h: (0..config.n_layer)
+                .map(|i| Gpt2Block::new(format!("transformer.h.{i}"), &config))
+                .collect(),
+            ln_f: LayerNorm::new("transformer.ln_f".into(), h, config.layer_norm_epsilon),
+            drop: Dropout::new("transformer.drop".into(), config.embd_pdrop),
+        };
+        Ok(Gpt2LmHeadModel {
+            config,
+            dropout_seed: None,
+            transformer,
+            lm_head,
+        })
+    }
+
+    /// The module types that make good FSDP units.
+    pub fn no_split_modules() -> &'static [&'static str] {
+        &["GPT2Block"]
+    }
+
+    /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] under a causal mask.
+    pub fn forward(&self, p: &dyn Params, input_ids: &Tensor) -> Result<Tensor> {
+        self.call(p, input_ids)
     }
 
     /// Next-token cross-entropy: position t predicts token t+1; targets equal to -100 are
@@ -234,5 +349,34 @@ impl Gpt2LmHeadModel {
             .narrow(1, 1, seq - 1)?
             .flatten_all()?;
         ops::cross_entropy(&shifted, &targets, CrossEntropy::default())
+    }
+}
+
+impl Module for Gpt2LmHeadModel {
+    fn path(&self) -> &str {
+        ""
+    }
+
+    /// The module tree (blocks are `GPT2Block`); `lm_head` uses `transformer.wte.weight`.
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new("", "GPT2LMHeadModel")
+            .child(self.transformer.info())
+            .child(self.lm_head.info())
+    }
+}
+
+impl Model for Gpt2LmHeadModel {
+    fn no_split_modules(&self) -> &'static [&'static str] {
+        Gpt2LmHeadModel::no_split_modules()
+    }
+}
+
+impl Forward<&Tensor> for Gpt2LmHeadModel {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, input_ids: &Tensor) -> Result<Tensor> {
+        input_ids.dims2()?;
+        let x = self.transformer.call(p, (input_ids, self.dropout_seed))?;
+        self.lm_head.call(p, &x)
     }
 }

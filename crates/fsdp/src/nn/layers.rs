@@ -1,77 +1,245 @@
-//! Layers as functions of [`Params`]: each reads its parameters by name at call time, so the
-//! same model code runs on plain and on sharded parameters.
+//! Layers as modules: structs built once with their path and parameter names, whose forward
+//! runs one fused op on parameters read through [`Params`] (plain in one process, gathered
+//! shards under FSDP).
 
 use candle_core::{Result, Tensor};
 
-use super::module::{Init, ModuleInfo, Params};
+use super::module::{Forward, Init, Module, ModuleInfo, Params, join};
 use super::ops::{self, GeluApprox};
 
-/// A `Linear` module (`weight` [out, in], `bias` [out]).
-pub fn linear_info(path: String, d_in: usize, d_out: usize, std: f64) -> ModuleInfo {
-    ModuleInfo::new(path, "Linear")
-        .param("weight", &[d_out, d_in], Init::Normal { std })
-        .param("bias", &[d_out], Init::Zeros)
+/// How a linear layer stores its weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `nn.Linear`: `weight` [out, in].
+    OutIn,
+    /// GPT-2's `Conv1D`: `weight` [in, out].
+    InOut,
 }
 
-/// `x W^T + b` over the last dimension, as one fused op.
-pub fn linear(p: &dyn Params, path: &str, x: &Tensor) -> Result<Tensor> {
-    let w = p.get(&format!("{path}.weight"))?;
-    let b = p.get(&format!("{path}.bias"))?;
-    p.module_output(path, ops::linear(x, &w, &b)?)
+/// `x W^T + b` (`nn.Linear`) or `x W + b` (GPT-2's `Conv1D`) over the last dimension, as one
+/// fused op, optionally followed by GELU inside the same op.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    path: String,
+    weight: String,
+    bias: String,
+    d_in: usize,
+    d_out: usize,
+    std: f64,
+    layout: WeightLayout,
+    gelu: Option<GeluApprox>,
 }
 
-/// `gelu(x W^T + b)`.
-pub fn linear_gelu(p: &dyn Params, path: &str, x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
-    let w = p.get(&format!("{path}.weight"))?;
-    let b = p.get(&format!("{path}.bias"))?;
-    p.module_output(path, ops::linear_gelu(x, &w, &b, approx)?)
+impl Linear {
+    /// An `nn.Linear` at `path` (`weight` normal with `std`, `bias` zeros).
+    pub fn new(path: String, d_in: usize, d_out: usize, std: f64) -> Linear {
+        Linear {
+            weight: join(&path, "weight"),
+            bias: join(&path, "bias"),
+            path,
+            d_in,
+            d_out,
+            std,
+            layout: WeightLayout::OutIn,
+            gelu: None,
+        }
+    }
+
+    /// A GPT-2 `Conv1D` at `path` (weight stored [in, out]).
+    pub fn conv1d(path: String, d_in: usize, d_out: usize, std: f64) -> Linear {
+        Linear {
+            layout: WeightLayout::InOut,
+            ..Linear::new(path, d_in, d_out, std)
+        }
+    }
+
+    /// The same layer with GELU fused after it.
+    pub fn with_gelu(self, approx: GeluApprox) -> Linear {
+        Linear {
+            gelu: Some(approx),
+            ..self
+        }
+    }
 }
 
-/// An `Embedding` module (`weight` [count, dim]).
-pub fn embedding_info(path: String, count: usize, dim: usize, std: f64) -> ModuleInfo {
-    ModuleInfo::new(path, "Embedding").param("weight", &[count, dim], Init::Normal { std })
+impl Module for Linear {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> ModuleInfo {
+        let (name, shape) = match self.layout {
+            WeightLayout::OutIn => ("Linear", [self.d_out, self.d_in]),
+            WeightLayout::InOut => ("Conv1D", [self.d_in, self.d_out]),
+        };
+        ModuleInfo::new(self.path.clone(), name)
+            .param("weight", &shape, Init::Normal { std: self.std })
+            .param("bias", &[self.d_out], Init::Zeros)
+    }
 }
 
-/// Rows of the embedding table for integer `ids` of any shape; output shape `ids.shape + [dim]`.
-pub fn embedding(p: &dyn Params, path: &str, ids: &Tensor) -> Result<Tensor> {
-    let w = p.get(&format!("{path}.weight"))?;
-    let mut dims = ids.dims().to_vec();
-    dims.push(w.dim(1)?);
-    p.module_output(path, w.index_select(&ids.flatten_all()?, 0)?.reshape(dims)?)
+impl Forward<&Tensor> for Linear {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
+        let w = p.get(&self.weight)?;
+        let b = p.get(&self.bias)?;
+        match (self.layout, self.gelu) {
+            (WeightLayout::OutIn, None) => ops::linear(x, &w, &b),
+            (WeightLayout::OutIn, Some(approx)) => ops::linear_gelu(x, &w, &b, approx),
+            (WeightLayout::InOut, gelu) => ops::conv1d(x, &w, &b, gelu),
+        }
+    }
 }
 
-/// A `LayerNorm` module (`weight` ones, `bias` zeros).
-pub fn layer_norm_info(path: String, dim: usize) -> ModuleInfo {
-    ModuleInfo::new(path, "LayerNorm")
-        .param("weight", &[dim], Init::Ones)
-        .param("bias", &[dim], Init::Zeros)
+/// An `nn.Embedding` (`weight` [count, dim]); the `padding_idx` row gets no gradient.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    path: String,
+    weight: String,
+    count: usize,
+    dim: usize,
+    std: f64,
+    padding_idx: Option<usize>,
 }
 
-/// LayerNorm over the last dimension with the fused kernel.
-pub fn layer_norm(p: &dyn Params, path: &str, x: &Tensor, eps: f64) -> Result<Tensor> {
-    let y = ops::layer_norm(
-        x,
-        &p.get(&format!("{path}.weight"))?,
-        &p.get(&format!("{path}.bias"))?,
-        eps,
-    )?;
-    p.module_output(path, y)
+impl Embedding {
+    /// A table of `count` rows of `dim` at `path`.
+    pub fn new(path: String, count: usize, dim: usize, std: f64) -> Embedding {
+        Embedding {
+            weight: join(&path, "weight"),
+            path,
+            count,
+            dim,
+            std,
+            padding_idx: None,
+        }
+    }
+
+    /// The same table whose row `idx` gets no gradient (`nn.Embedding(padding_idx=idx)`).
+    pub fn with_padding_idx(self, idx: Option<usize>) -> Embedding {
+        Embedding {
+            padding_idx: idx,
+            ..self
+        }
+    }
+
+    /// The weight's full name (for tying another module to it).
+    pub fn weight_name(&self) -> &str {
+        &self.weight
+    }
 }
 
-/// LayerNorm of `x + residual` with the fused kernel (post-norm residual blocks).
-pub fn add_layer_norm(
-    p: &dyn Params,
-    path: &str,
-    x: &Tensor,
-    residual: &Tensor,
+impl Module for Embedding {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new(self.path.clone(), "Embedding").param(
+            "weight",
+            &[self.count, self.dim],
+            Init::Normal { std: self.std },
+        )
+    }
+}
+
+impl Forward<&Tensor> for Embedding {
+    type Output = Tensor;
+
+    /// Rows for integer `ids` of any shape; output shape `ids.shape + [dim]`.
+    fn forward(&self, p: &dyn Params, ids: &Tensor) -> Result<Tensor> {
+        ops::embedding(&p.get(&self.weight)?, ids, self.padding_idx)
+    }
+}
+
+/// A `LayerNorm` module (`weight` ones, `bias` zeros) with the fused kernel; on a pair
+/// `(x, residual)` it normalises `x + residual` in one op (post-norm residual blocks).
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    path: String,
+    weight: String,
+    bias: String,
+    dim: usize,
     eps: f64,
-) -> Result<Tensor> {
-    let y = ops::add_layer_norm(
-        x,
-        residual,
-        &p.get(&format!("{path}.weight"))?,
-        &p.get(&format!("{path}.bias"))?,
-        eps,
-    )?;
-    p.module_output(path, y)
+}
+
+impl LayerNorm {
+    /// A LayerNorm over the last dimension `dim` at `path`.
+    pub fn new(path: String, dim: usize, eps: f64) -> LayerNorm {
+        LayerNorm {
+            weight: join(&path, "weight"),
+            bias: join(&path, "bias"),
+            path,
+            dim,
+            eps,
+        }
+    }
+}
+
+impl Module for LayerNorm {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new(self.path.clone(), "LayerNorm")
+            .param("weight", &[self.dim], Init::Ones)
+            .param("bias", &[self.dim], Init::Zeros)
+    }
+}
+
+impl Forward<&Tensor> for LayerNorm {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
+        ops::layer_norm(x, &p.get(&self.weight)?, &p.get(&self.bias)?, self.eps)
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for LayerNorm {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, (x, residual): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let (w, b) = (p.get(&self.weight)?, p.get(&self.bias)?);
+        ops::add_layer_norm(x, residual, &w, &b, self.eps)
+    }
+}
+
+/// Seeded dropout at one call site: active when a step seed is given (training), identity
+/// otherwise. Each site draws its own mask from (step seed, site name).
+#[derive(Debug, Clone)]
+pub struct Dropout {
+    site: String,
+    p: f64,
+}
+
+impl Dropout {
+    /// Dropout with probability `p` at call site `site` (its module path).
+    pub fn new(site: String, p: f64) -> Dropout {
+        Dropout { site, p }
+    }
+
+    /// `x` with dropout when `seed` is set.
+    pub fn apply(&self, x: &Tensor, seed: Option<u64>) -> Result<Tensor> {
+        match seed {
+            Some(seed) if self.p > 0.0 => ops::dropout(x, self.p, site_seed(seed, &self.site)),
+            _ => Ok(x.clone()),
+        }
+    }
+
+    /// The seed of this site's mask for step seed `seed`.
+    pub fn seed(&self, seed: Option<u64>) -> Option<(f64, u64)> {
+        match seed {
+            Some(seed) if self.p > 0.0 => Some((self.p, site_seed(seed, &self.site))),
+            _ => None,
+        }
+    }
+}
+
+/// A seed per (step seed, call site), so every dropout site draws its own mask.
+pub(crate) fn site_seed(seed: u64, site: &str) -> u64 {
+    site.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }

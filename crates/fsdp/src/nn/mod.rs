@@ -8,5 +8,6 @@ pub mod module;
 pub mod ops;
 
 pub use module::{
-    Init, LoadReport, LocalParams, ModuleInfo, NormalRng, ParamSpec, Params, load_by_name,
+    Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
+    ParamSpec, Params, join, load_by_name,
 };

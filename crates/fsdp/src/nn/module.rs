@@ -80,11 +80,7 @@ impl ModuleInfo {
 
     /// `path.leaf`, or `leaf` at the root.
     pub fn join(&self, leaf: &str) -> String {
-        if self.path.is_empty() {
-            leaf.to_string()
-        } else {
-            format!("{}.{leaf}", self.path)
-        }
+        join(&self.path, leaf)
     }
 
     /// Adds a trainable parameter named `path.leaf`.
@@ -151,10 +147,94 @@ pub trait Params {
     /// The current value of a parameter (by fully qualified name).
     fn get(&self, name: &str) -> Result<Tensor>;
 
-    /// Called with each module's output as forward leaves it; the FSDP engine hooks it (to
-    /// refill the module's parameters before its backward). The default passes it through.
+    /// Called with each module's output as forward leaves it (by [`Forward::call`], never by
+    /// model code); the FSDP engine hooks it (to refill the module's parameters before its
+    /// backward). The default passes it through.
     fn module_output(&self, _path: &str, output: Tensor) -> Result<Tensor> {
         Ok(output)
+    }
+}
+
+/// A module of a model: a struct built once with its path and its parameters' names (as
+/// candle-nn's `VarBuilder::pp` builds them), describing its subtree for wrap policies and
+/// checkpoints from the same fields its forward uses.
+pub trait Module {
+    /// Dotted Hugging Face path (`bert.encoder.layer.3`); empty for the root.
+    fn path(&self) -> &str;
+
+    /// This module's node of the module tree: type name, own parameters, children.
+    fn info(&self) -> ModuleInfo;
+}
+
+/// What a module's forward returns: tensors reported to [`Params::module_output`].
+pub trait ModuleOutput: Sized {
+    /// Reports every tensor of the output as module `path`'s output.
+    fn report(self, p: &dyn Params, path: &str) -> Result<Self>;
+}
+
+impl ModuleOutput for Tensor {
+    fn report(self, p: &dyn Params, path: &str) -> Result<Self> {
+        p.module_output(path, self)
+    }
+}
+
+impl ModuleOutput for (Tensor, Tensor) {
+    /// Both are computed before either is reported (one unit output may feed the other).
+    fn report(self, p: &dyn Params, path: &str) -> Result<Self> {
+        Ok((
+            p.module_output(path, self.0)?,
+            p.module_output(path, self.1)?,
+        ))
+    }
+}
+
+/// A module's forward pass on input `I`. Parents run children with [`Forward::call`], which
+/// reports the child's output, so every module a wrap policy can pick is hooked without a
+/// line of model code, and a unit's forward can be run again (activation checkpointing).
+pub trait Forward<I>: Module {
+    /// What forward returns.
+    type Output: ModuleOutput;
+
+    /// The computation: parameters from `p`, submodules through [`Forward::call`].
+    fn forward(&self, p: &dyn Params, input: I) -> Result<Self::Output>;
+
+    /// Runs [`Forward::forward`] and reports the output under this module's path.
+    fn call(&self, p: &dyn Params, input: I) -> Result<Self::Output> {
+        self.forward(p, input)?.report(p, self.path())
+    }
+}
+
+/// A whole model: its module tree and the module types that make good FSDP units
+/// (transformers' `_no_split_modules`, what TRANSFORMER_BASED_WRAP wraps by default).
+pub trait Model: Module {
+    /// Module type names to wrap by default.
+    fn no_split_modules(&self) -> &'static [&'static str];
+}
+
+/// Implements [`Module`] for a struct with a `path: String` field whose subtree is a node of
+/// type `$name` over the listed child fields, in order (the way PyTorch registers children).
+#[macro_export]
+macro_rules! composite_module {
+    ($ty:ty, $name:literal, [$($child:ident),* $(,)?]) => {
+        impl $crate::nn::Module for $ty {
+            fn path(&self) -> &str {
+                &self.path
+            }
+
+            fn info(&self) -> $crate::nn::ModuleInfo {
+                $crate::nn::ModuleInfo::new(self.path.clone(), $name)
+                    $(.child($crate::nn::Module::info(&self.$child)))*
+            }
+        }
+    };
+}
+
+/// `prefix.leaf`, or `leaf` when the prefix is empty: how module paths are built.
+pub fn join(prefix: &str, leaf: &str) -> String {
+    if prefix.is_empty() {
+        leaf.to_string()
+    } else {
+        format!("{prefix}.{leaf}")
     }
 }
 

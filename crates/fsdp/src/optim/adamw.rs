@@ -1,5 +1,7 @@
-//! Adam and AdamW with PyTorch's exact update rules, on flat slices, so the same code updates
-//! a whole parameter or one rank's shard of it.
+//! Adam and AdamW with PyTorch's exact single-tensor update rules, on flat slices, so the same
+//! code updates a whole parameter or one rank's shard of it.
+
+use super::{ParamState, UpdateRule, check_lr_betas_eps};
 
 /// AdamW hyper-parameters (PyTorch's defaults except the learning rate).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -25,24 +27,43 @@ impl Default for AdamWConfig {
     }
 }
 
-/// Moment estimates of one parameter (or shard).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct AdamWState {
-    /// First moment.
-    pub exp_avg: Vec<f32>,
-    /// Second moment.
-    pub exp_avg_sq: Vec<f32>,
+/// The [`UpdateRule`] of an Adam-family config: `$decay` says how weight decay applies.
+macro_rules! adam_rule {
+    ($ty:ident, $name:literal, $decay:path) => {
+        impl UpdateRule for $ty {
+            const NAME: &'static str = $name;
+
+            fn lr(&self) -> f64 {
+                self.lr
+            }
+
+            fn set_lr(&mut self, lr: f64) {
+                self.lr = lr;
+            }
+
+            fn with_weight_decay(&self, wd: f64) -> Self {
+                $ty {
+                    weight_decay: wd,
+                    ..*self
+                }
+            }
+
+            fn validate(&self) -> Result<(), String> {
+                check_lr_betas_eps(self.lr, Some(self.betas), Some(self.eps))?;
+                check_weight_decay(self.weight_decay)
+            }
+
+            fn update(&self, param: &mut [f32], grad: &[f32], state: &mut ParamState) {
+                let decay = $decay(self.weight_decay);
+                adam_update(self.lr, self.betas, self.eps, decay, param, grad, state);
+            }
+        }
+    };
 }
 
-impl AdamWConfig {
-    /// One update of `param` with `grad` at (1-based) `step`, exactly as `torch.optim.AdamW`
-    /// (single-tensor path): `p *= 1 - lr wd`; `m = b1 m + (1 - b1) g`;
-    /// `v = b2 v + (1 - b2) g^2`; `p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)`,
-    /// computed in f32 like PyTorch's f32 path.
-    pub fn update(&self, param: &mut [f32], grad: &[f32], state: &mut AdamWState, step: u64) {
-        adam_update(self, true, param, grad, state, step);
-    }
-}
+// `torch.optim.AdamW` (single-tensor path, f32): `p *= 1 - lr wd`; `m = lerp(m, g, 1 - b1)`;
+// `v = b2 v + (1 - b2) g g`; `p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)`.
+adam_rule!(AdamWConfig, "AdamW", Decay::Decoupled);
 
 /// Adam (`torch.optim.Adam`): like AdamW, but weight decay is L2 added to the gradient.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,58 +89,88 @@ impl Default for AdamConfig {
     }
 }
 
-impl AdamConfig {
-    /// One update, exactly as `torch.optim.Adam` (single-tensor path, f32).
-    pub fn update(&self, param: &mut [f32], grad: &[f32], state: &mut AdamWState, step: u64) {
-        let as_adamw = AdamWConfig {
-            lr: self.lr,
-            betas: self.betas,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-        };
-        adam_update(&as_adamw, false, param, grad, state, step);
+// `torch.optim.Adam` (single-tensor path, f32): the same with `g += wd p` instead.
+adam_rule!(AdamConfig, "Adam", Decay::L2);
+
+pub(crate) fn check_weight_decay(wd: f64) -> Result<(), String> {
+    if wd.is_nan() || wd < 0.0 {
+        return Err(format!("weight_decay {wd} is not >= 0"));
     }
+    Ok(())
 }
 
+#[derive(Clone, Copy)]
+enum Decay {
+    /// AdamW: parameters shrink by `1 - lr wd` before the update.
+    Decoupled(f64),
+    /// Adam: `wd p` is added to the gradient.
+    L2(f64),
+}
+
+/// The shared Adam update. Scalars are formed in double precision and rounded to f32 once,
+/// as PyTorch forms them in Python floats (`1 - 0.999` rounded from f32 betas would be
+/// 1.4e-5 relative off and drift the moments).
 fn adam_update(
-    c: &AdamWConfig,
-    decoupled: bool,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    decay: Decay,
     param: &mut [f32],
     grad: &[f32],
-    state: &mut AdamWState,
-    step: u64,
+    state: &mut ParamState,
 ) {
-    if state.exp_avg.len() != param.len() {
-        state.exp_avg = vec![0.0; param.len()];
-        state.exp_avg_sq = vec![0.0; param.len()];
-    }
-    let (b1, b2) = (c.betas.0 as f32, c.betas.1 as f32);
-    let decay = if decoupled {
-        1.0 - (c.lr * c.weight_decay) as f32
-    } else {
-        1.0
+    let n = param.len();
+    let mut m = state.take("exp_avg", n);
+    let mut v = state.take("exp_avg_sq", n);
+    let step = state.step.max(1) as i32;
+    let b2 = betas.1 as f32;
+    let (w1, w2) = ((1.0 - betas.0) as f32, (1.0 - betas.1) as f32);
+    let (shrink, l2) = match decay {
+        Decay::Decoupled(wd) => ((1.0 - lr * wd) as f32, 0.0f32),
+        Decay::L2(wd) => (1.0, wd as f32),
     };
-    let l2 = if decoupled {
-        0.0
-    } else {
-        c.weight_decay as f32
-    };
-    let bc1 = 1.0 - c.betas.0.powi(step as i32);
-    let bc2 = 1.0 - c.betas.1.powi(step as i32);
-    let step_size = (c.lr / bc1) as f32;
+    let bc1 = 1.0 - betas.0.powi(step);
+    let bc2 = 1.0 - betas.1.powi(step);
+    let step_size = (lr / bc1) as f32;
     let bc2_sqrt = bc2.sqrt() as f32;
-    let eps = c.eps as f32;
-    for (((p, &g), m), v) in param
-        .iter_mut()
-        .zip(grad)
-        .zip(state.exp_avg.iter_mut())
-        .zip(state.exp_avg_sq.iter_mut())
-    {
+    let eps = eps as f32;
+    for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(&mut m).zip(&mut v) {
         let g = if l2 != 0.0 { g + l2 * *p } else { g };
-        *p *= decay;
-        *m += (g - *m) * (1.0 - b1);
-        *v = *v * b2 + g * g * (1.0 - b2);
+        if shrink != 1.0 {
+            *p *= shrink;
+        }
+        // torch.lerp with weight < 0.5: m + w (g - m).
+        *m += w1 * (g - *m);
+        // torch.addcmul: v b2 + (value g) g.
+        *v = *v * b2 + w2 * g * g;
         let denom = v.sqrt() / bc2_sqrt + eps;
+        // torch.addcdiv: p + (value m) / denom.
         *p -= step_size * *m / denom;
+    }
+    state.put("exp_avg", m);
+    state.put("exp_avg_sq", v);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_minus_beta_is_rounded_once_from_double() {
+        // f32(1 - 0.999) differs from 1 - f32(0.999): the first is what PyTorch multiplies by.
+        let once = (1.0f64 - 0.999) as f32;
+        let twice = 1.0f32 - 0.999f64 as f32;
+        assert_ne!(once, twice);
+        let mut state = ParamState {
+            step: 1,
+            ..Default::default()
+        };
+        let c = AdamWConfig {
+            weight_decay: 0.0,
+            ..Default::default()
+        };
+        let mut p = [0.0f32];
+        c.update(&mut p, &[1.0], &mut state);
+        assert_eq!(state.buffers["exp_avg_sq"][0], once);
     }
 }

@@ -1,6 +1,8 @@
 //! Learning-rate schedules (transformers' `get_*_schedule_with_warmup` shapes): the learning
 //! rate for a 1-based step, given the base rate.
 
+use super::{OptimError, Optimizer};
+
 /// A schedule of learning-rate multipliers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LrSchedule {
@@ -48,6 +50,16 @@ impl LrSchedule {
             }
         };
         base * factor.max(0.0)
+    }
+
+    /// Sets each parameter group's learning rate to its initial rate scaled for 1-based
+    /// `step` (call once per optimizer step, before it).
+    pub fn apply(&self, optimizer: &mut dyn Optimizer, step: u64) -> Result<(), OptimError> {
+        for g in 0..optimizer.num_groups() {
+            let lr = self.lr(optimizer.initial_lr(g), step);
+            optimizer.set_lr(g, lr)?;
+        }
+        Ok(())
     }
 }
 

@@ -1,5 +1,7 @@
 //! SGD with momentum, dampening, Nesterov and L2 weight decay, exactly as `torch.optim.SGD`.
 
+use super::{ParamState, UpdateRule, adamw::check_weight_decay, check_lr_betas_eps};
+
 /// SGD hyper-parameters (PyTorch's names and defaults except the learning rate).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SgdConfig {
@@ -27,24 +29,57 @@ impl Default for SgdConfig {
     }
 }
 
-impl SgdConfig {
-    /// One update of `param` with `grad`; `momentum_buffer` is empty before the first step.
-    pub fn update(&self, param: &mut [f32], grad: &[f32], momentum_buffer: &mut Vec<f32>) {
-        let (lr, wd) = (self.lr as f32, self.weight_decay as f32);
-        let (mu, damp) = (self.momentum as f32, self.dampening as f32);
-        let first = momentum_buffer.len() != param.len();
-        if mu != 0.0 && first {
-            momentum_buffer.clear();
-            momentum_buffer.resize(param.len(), 0.0);
+impl UpdateRule for SgdConfig {
+    const NAME: &'static str = "SGD";
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn with_weight_decay(&self, wd: f64) -> Self {
+        SgdConfig {
+            weight_decay: wd,
+            ..*self
         }
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        check_lr_betas_eps(self.lr, None, None)?;
+        check_weight_decay(self.weight_decay)?;
+        if self.momentum.is_nan() || self.momentum < 0.0 {
+            return Err(format!("momentum {} is not >= 0", self.momentum));
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err("nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)".into());
+        }
+        Ok(())
+    }
+
+    /// One update; the momentum buffer starts as the first (decayed) gradient.
+    fn update(&self, param: &mut [f32], grad: &[f32], state: &mut ParamState) {
+        let (lr, wd) = (self.lr as f32, self.weight_decay as f32);
+        let (mu, damp) = (self.momentum as f32, (1.0 - self.dampening) as f32);
+        let first = !state.buffers.contains_key("momentum_buffer");
+        let mut buf = if mu != 0.0 {
+            state.take("momentum_buffer", param.len())
+        } else {
+            Vec::new()
+        };
         for (i, (p, &g)) in param.iter_mut().zip(grad).enumerate() {
             let mut d = if wd != 0.0 { g + wd * *p } else { g };
             if mu != 0.0 {
-                let b = &mut momentum_buffer[i];
-                *b = if first { d } else { *b * mu + (1.0 - damp) * d };
+                let b = &mut buf[i];
+                *b = if first { d } else { *b * mu + damp * d };
                 d = if self.nesterov { d + mu * *b } else { *b };
             }
             *p -= lr * d;
+        }
+        if mu != 0.0 {
+            state.put("momentum_buffer", buf);
         }
     }
 }

@@ -5,6 +5,7 @@
 mod attention;
 mod cross_entropy;
 mod dropout;
+mod embedding;
 mod gelu;
 mod linear;
 mod norm;
@@ -14,6 +15,7 @@ mod softmax;
 pub use attention::{packed_attention, scaled_dot_product_attention};
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
+pub use embedding::embedding;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
 pub use linear::{conv1d, linear, linear_gelu};
 pub use norm::{add_layer_norm, layer_norm, rms_norm};

@@ -1,0 +1,157 @@
+//! A unit's communication: the all-gather of its shards and the reduction of its gradients,
+//! each one collective on the mesh in the dtype given — mixed precision is the cast made
+//! while packing, hybrid sharding the second collective on the replicate dimension.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, Storage, Tensor};
+use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
+
+use super::error::EngineError;
+use super::param::{FsdpParam, float_pair};
+use super::plan::ShardLayout;
+
+/// The element types a unit communicates in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommDtypes {
+    /// What parameters are gathered (and computed) in.
+    pub param: DType,
+    /// What gradients are reduced in.
+    pub reduce: DType,
+}
+
+impl Default for CommDtypes {
+    /// Full precision.
+    fn default() -> Self {
+        CommDtypes {
+            param: DType::F32,
+            reduce: DType::F32,
+        }
+    }
+}
+
+/// Starts gathering a unit: its parameters' shards packed into one buffer in `dtype` (the
+/// copy-in that is also the cast) and all-gathered over the shard dimension. `None` when the
+/// shard dimension is this rank alone (every parameter is already whole here).
+pub(crate) fn all_gather(
+    mesh: &Mesh,
+    params: &[FsdpParam],
+    dtype: DType,
+) -> Result<Option<Work<Buffer>>, EngineError> {
+    if mesh.shard_size() == 1 {
+        return Ok(None);
+    }
+    let block: usize = params.iter().map(|p| p.layout.shard_numel()).sum();
+    let mut packed = Vec::with_capacity(block);
+    for p in params {
+        packed.extend_from_slice(p.shard.values()?);
+    }
+    let send = if dtype == DType::F32 {
+        Buffer::F32(packed)
+    } else {
+        Buffer::from_f32(&packed, dtype).ok_or(EngineError::Unsupported {
+            setting: format!("gathering parameters in {dtype:?}"),
+            hint: "parameters are gathered in a float type",
+        })?
+    };
+    Ok(Some(mesh.shard.all_gather(send)))
+}
+
+/// A unit's gradients on their way to this rank's rows: a reduce-scatter (mean) over the
+/// shard dimension in flight, then a mean over replicas when the mesh has them.
+pub(crate) struct PendingReduce {
+    scatter: Work<Buffer>,
+    replicate: Option<Arc<dyn Communicator>>,
+}
+
+impl PendingReduce {
+    /// This rank's reduced gradient rows of the unit, in f32 (the optimizer's type).
+    pub fn wait(self) -> Result<Vec<f32>, CommError> {
+        let mut out = self.scatter.wait()?;
+        if let Some(r) = &self.replicate {
+            out = r.all_reduce(out, ReduceOp::Avg).wait()?;
+        }
+        match out {
+            Buffer::F32(v) => Ok(v),
+            other => {
+                let mut v = vec![0f32; other.len()];
+                other.to_f32_into(&mut v);
+                Ok(v)
+            }
+        }
+    }
+}
+
+/// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean.
+pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
+    let scatter = if mesh.shard_size() == 1 {
+        Work::ready(Ok(packed))
+    } else {
+        // Not `reduce_scatter_into`: the packed input is freed when the collective is done
+        // with it, not held until the step waits for every unit's reduction.
+        mesh.shard.reduce_scatter(packed, ReduceOp::Avg)
+    };
+    PendingReduce {
+        scatter,
+        replicate: mesh.replicate.clone(),
+    }
+}
+
+/// Writes a parameter's full gradient into its rows of every rank's block of `packed`.
+pub(crate) fn pack_gradient(
+    layout: &ShardLayout,
+    grad: &Tensor,
+    packed: &mut Buffer,
+    block: usize,
+    ranks: usize,
+) -> Result<(), EngineError> {
+    let grad = grad.to_dtype(candle_dtype(packed.dtype()))?.contiguous()?;
+    let (storage, l) = grad.storage_and_layout();
+    let unsupported = || EngineError::UnsupportedTensor {
+        op: "gradient reduction",
+        what: format!("the gradient of `{}`", layout.name),
+        found: format!("{:?} on {:?}", grad.dtype(), grad.device()),
+        expected: "float gradients on the CPU",
+    };
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(unsupported());
+    };
+    let (first, last) = l.contiguous_offsets().ok_or_else(unsupported)?;
+    // Read in place: no copy of the gradient when it is already contiguous in this dtype.
+    float_pair!(
+        cpu,
+        packed,
+        |g, p| {
+            layout.pack(&g[first..last], block, ranks, p);
+            Ok(())
+        },
+        Err(unsupported())
+    )
+}
+
+fn candle_dtype(d: DType) -> candle_core::DType {
+    match d {
+        DType::F64 => candle_core::DType::F64,
+        DType::F16 => candle_core::DType::F16,
+        DType::BF16 => candle_core::DType::BF16,
+        _ => candle_core::DType::F32,
+    }
+}
+
+/// The CPU storage of a whole parameter's values cast to `dtype` (the shard group is this
+/// rank alone, so nothing is gathered).
+pub(crate) fn whole_storage(p: &FsdpParam, dtype: DType) -> Result<CpuStorage, EngineError> {
+    let values = &p.shard.values()?[..p.layout.numel()];
+    Ok(match Buffer::from_f32(values, dtype) {
+        Some(Buffer::F32(v)) => CpuStorage::F32(v),
+        Some(Buffer::F64(v)) => CpuStorage::F64(v),
+        Some(Buffer::BF16(v)) => CpuStorage::BF16(v),
+        Some(Buffer::F16(v)) => CpuStorage::F16(v),
+        _ => {
+            return Err(EngineError::Unsupported {
+                setting: format!("computing in {dtype:?}"),
+                hint: "parameters are computed in a float type",
+            });
+        }
+    })
+}

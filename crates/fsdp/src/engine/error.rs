@@ -1,0 +1,150 @@
+//! [`EngineError`]: why the FSDP engine stopped, as structured variants naming the
+//! parameter, the unit, the collective and the rank involved.
+
+use fsdp_comm::CommError;
+
+use super::plan::PlanError;
+use crate::optim::OptimError;
+
+/// Why the engine stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The unit plan could not be built.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A collective outside a unit's lifecycle failed (names the rank and the op).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A unit's gather or gradient reduction failed.
+    #[error("{op} of {unit}: {source}")]
+    Collective {
+        /// What the unit was doing (`all-gather before its forward`, ...).
+        op: String,
+        /// The unit (`unit `bert.encoder.layer.3``, `the root unit`).
+        unit: String,
+        /// The communication error (names the ranks).
+        source: CommError,
+    },
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+    /// The initial weights lack a parameter of the model.
+    #[error("initial weights: parameter `{name}` is missing")]
+    MissingWeight {
+        /// The parameter.
+        name: String,
+    },
+    /// An initial weight has the wrong shape.
+    #[error(
+        "initial weights: parameter `{name}` has shape {got:?}, the model expects {expected:?}"
+    )]
+    WeightShape {
+        /// The parameter.
+        name: String,
+        /// The given shape.
+        got: Vec<usize>,
+        /// The model's shape.
+        expected: Vec<usize>,
+    },
+    /// A parameter was read when its unit does not hold it gathered.
+    #[error(
+        "parameter `{param}` was read while {unit} is {state}: a parameter may only be used inside its own unit (tied weights must share a unit)"
+    )]
+    ReadOutsideUnit {
+        /// The parameter.
+        param: String,
+        /// Its unit.
+        unit: String,
+        /// The unit's state.
+        state: &'static str,
+    },
+    /// A gradient reached a parameter whose unit had already been released or reduced.
+    #[error(
+        "gradient of `{param}` arrived while {unit} is {state}: the parameter was used outside its unit"
+    )]
+    GradientOutsideUnit {
+        /// The parameter.
+        param: String,
+        /// Its unit.
+        unit: String,
+        /// The unit's state.
+        state: &'static str,
+    },
+    /// A unit released after its forward never reported its output, so nothing would
+    /// refill it before its backward.
+    #[error(
+        "{unit} (gathered in forward) never passed its output through Params::module_output, so it cannot be released and refilled; run the module with Forward::call"
+    )]
+    UnhookedOutput {
+        /// The unit.
+        unit: String,
+    },
+    /// A parameter reaches the loss through another path than its unit's output.
+    #[error(
+        "parameter `{param}` of {unit} reaches the loss without going through the unit's output: it is used outside its unit (wrap or tie the modules so that it is used inside one unit)"
+    )]
+    UsedOutsideUnit {
+        /// The parameter.
+        param: String,
+        /// Its unit.
+        unit: String,
+    },
+    /// Debug mode: the loss is not finite because released (NaN-poisoned) parameters were
+    /// read after their unit's forward.
+    #[error(
+        "the loss is not finite because a released parameter was read after its unit's forward (debug mode poisons released parameters with NaN): {params} used outside its unit"
+    )]
+    ReleasedParameterRead {
+        /// The parameters and their units.
+        params: String,
+    },
+    /// A graph op of a step ran after the step ended.
+    #[error("fsdp: backward ran after its step ended")]
+    StepEnded,
+    /// A name that is no parameter of the model.
+    #[error("unknown parameter `{name}`")]
+    UnknownParameter {
+        /// The name.
+        name: String,
+    },
+    /// A tensor the engine's CPU kernels cannot take.
+    #[error("{op}: {what} is {found}; the engine runs {expected}")]
+    UnsupportedTensor {
+        /// The operation.
+        op: &'static str,
+        /// Which tensor.
+        what: String,
+        /// Its dtype and device.
+        found: String,
+        /// What is supported.
+        expected: &'static str,
+    },
+    /// Values given for a parameter's rows do not fit.
+    #[error("parameter `{name}`: {problem}")]
+    State {
+        /// The parameter.
+        name: String,
+        /// What does not fit.
+        problem: String,
+    },
+    /// The optimizer refused an update or its settings.
+    #[error("optimizer: {0}")]
+    Optimizer(#[from] OptimError),
+    /// A configured feature this engine does not provide yet: refused rather than ignored.
+    #[error("{setting} is not supported by the FSDP engine yet; {hint}")]
+    Unsupported {
+        /// The setting as configured.
+        setting: String,
+        /// What to do instead.
+        hint: &'static str,
+    },
+}
+
+/// `the root unit` or ``unit `path` ``, for messages.
+pub(crate) fn unit_name(path: &str) -> String {
+    if path.is_empty() {
+        "the root unit".into()
+    } else {
+        format!("unit `{path}`")
+    }
+}

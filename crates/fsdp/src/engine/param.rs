@@ -1,0 +1,386 @@
+//! One sharded parameter ([`FsdpParam`]): this rank's rows in a buffer that carries its dtype
+//! and device, how rows move between a rank's shard and a unit's gathered block (pack and
+//! unpack), and, during a step, the unsharded tensor ([`UnshardedParam`]) whose memory is
+//! released after its unit's forward and refilled before its backward.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor};
+use fsdp_comm::{Buffer, DType};
+
+use super::error::EngineError;
+use super::plan::ShardLayout;
+
+/// A buffer of a parameter's elements together with the device it lives on.
+#[derive(Debug, Clone)]
+pub struct ShardBuffer {
+    data: Buffer,
+    device: Device,
+}
+
+impl ShardBuffer {
+    /// f32 values on `device`.
+    pub fn f32(values: Vec<f32>, device: Device) -> ShardBuffer {
+        ShardBuffer {
+            data: Buffer::F32(values),
+            device,
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    /// Where the elements live.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True when there is no element.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * self.data.dtype().size()
+    }
+
+    /// The elements as f32 (master shards are f32 in host memory).
+    pub fn values(&self) -> Result<&[f32], EngineError> {
+        self.data.as_slice::<f32>().ok_or_else(|| self.not_f32())
+    }
+
+    /// The elements as f32, writable.
+    pub fn values_mut(&mut self) -> Result<&mut [f32], EngineError> {
+        let (dtype, device) = (self.data.dtype(), format!("{:?}", self.device));
+        self.data
+            .as_mut_slice::<f32>()
+            .ok_or(EngineError::UnsupportedTensor {
+                op: "parameter shard",
+                what: "the master shard".into(),
+                found: format!("{dtype:?} on {device}"),
+                expected: "f32 master shards in host memory",
+            })
+    }
+
+    fn not_f32(&self) -> EngineError {
+        EngineError::UnsupportedTensor {
+            op: "parameter shard",
+            what: "the master shard".into(),
+            found: format!("{:?} on {:?}", self.data.dtype(), self.device),
+            expected: "f32 master shards in host memory",
+        }
+    }
+}
+
+/// One parameter of a unit as this rank holds it between steps.
+#[derive(Debug, Clone)]
+pub struct FsdpParam {
+    /// Name, shape, rows per rank and place in the unit's packed block.
+    pub layout: ShardLayout,
+    /// This rank's rows, padded to `rows_per_rank` (the whole parameter when the shard
+    /// group is one rank); padding rows hold zeros.
+    pub shard: ShardBuffer,
+    /// This rank's index in the shard group.
+    rank: usize,
+}
+
+impl FsdpParam {
+    /// Takes this rank's rows (`rank` of the layout's group) out of the full `values`.
+    pub fn new(
+        layout: ShardLayout,
+        values: &[f32],
+        rank: usize,
+        device: Device,
+    ) -> Result<FsdpParam, EngineError> {
+        if values.len() != layout.numel() {
+            return Err(EngineError::State {
+                name: layout.name.clone(),
+                problem: format!(
+                    "{} values given for a parameter of {} elements",
+                    values.len(),
+                    layout.numel()
+                ),
+            });
+        }
+        let (start, end) = layout.rows_of(rank);
+        let mut shard = values[start * layout.row_elems..end * layout.row_elems].to_vec();
+        shard.resize(layout.shard_numel(), 0.0);
+        Ok(FsdpParam {
+            layout,
+            shard: ShardBuffer::f32(shard, device),
+            rank,
+        })
+    }
+
+    /// The parameter's fully qualified name.
+    pub fn name(&self) -> &str {
+        &self.layout.name
+    }
+
+    /// The rows of the full parameter this rank owns (empty for a rank holding only padding).
+    pub fn owned_rows(&self) -> Range<usize> {
+        let (start, end) = self.layout.rows_of(self.rank);
+        start..end
+    }
+
+    /// This rank's values of the owned rows (padding left out).
+    pub fn local_values(&self) -> Result<&[f32], EngineError> {
+        let n = self.owned_rows().len() * self.layout.row_elems;
+        Ok(&self.shard.values()?[..n])
+    }
+
+    /// Replaces the values of the owned rows (exactly `owned_rows().len()` rows).
+    pub fn set_local_values(&mut self, values: &[f32]) -> Result<(), EngineError> {
+        let n = self.owned_rows().len() * self.layout.row_elems;
+        if values.len() != n {
+            return Err(EngineError::State {
+                name: self.layout.name.clone(),
+                problem: format!(
+                    "{} values given for rows {:?} of {} elements each ({n} expected)",
+                    values.len(),
+                    self.owned_rows(),
+                    self.layout.row_elems
+                ),
+            });
+        }
+        self.shard.values_mut()?[..n].copy_from_slice(values);
+        Ok(())
+    }
+}
+
+impl ShardLayout {
+    /// Copies the full parameter out of an all-gathered unit (rank r's shard block of `block`
+    /// elements at `r * block`, `ranks` blocks) into `out`, leaving the padding rows out.
+    pub fn unpack<T: Copy>(&self, gathered: &[T], block: usize, ranks: usize, out: &mut [T]) {
+        let mut at = 0;
+        for r in 0..ranks {
+            let (start, end) = self.rows_of(r);
+            let len = (end - start) * self.row_elems;
+            let base = r * block + self.offset;
+            out[at..at + len].copy_from_slice(&gathered[base..base + len]);
+            at += len;
+        }
+    }
+
+    /// The inverse of [`ShardLayout::unpack`]: scatters the full `values` into `ranks` shard
+    /// blocks of `block` elements (padding rows untouched).
+    pub fn pack<T: Copy>(&self, values: &[T], block: usize, ranks: usize, packed: &mut [T]) {
+        let mut at = 0;
+        for r in 0..ranks {
+            let (start, end) = self.rows_of(r);
+            let len = (end - start) * self.row_elems;
+            let base = r * block + self.offset;
+            packed[base..base + len].copy_from_slice(&values[at..at + len]);
+            at += len;
+        }
+    }
+}
+
+/// Runs `$body` with `$v` bound to the float vector of a CPU storage or host buffer of the
+/// same element type; `$other` otherwise.
+macro_rules! float_pair {
+    ($storage:expr, $buffer:expr, |$s:ident, $b:ident| $body:expr, $other:expr) => {
+        match ($storage, $buffer) {
+            (CpuStorage::F32($s), Buffer::F32($b)) => $body,
+            (CpuStorage::F64($s), Buffer::F64($b)) => $body,
+            (CpuStorage::BF16($s), Buffer::BF16($b)) => $body,
+            (CpuStorage::F16($s), Buffer::F16($b)) => $body,
+            _ => $other,
+        }
+    };
+}
+pub(crate) use float_pair;
+
+/// The full parameter `layout` out of a gathered block, as a CPU storage of its dtype.
+pub(crate) fn unpack_storage(
+    gathered: &Buffer,
+    layout: &ShardLayout,
+    block: usize,
+    ranks: usize,
+) -> Result<CpuStorage, EngineError> {
+    macro_rules! unpack {
+        ($v:expr, $variant:ident, $zero:expr) => {{
+            let mut out = vec![$zero; layout.numel()];
+            layout.unpack($v, block, ranks, &mut out);
+            CpuStorage::$variant(out)
+        }};
+    }
+    Ok(match gathered {
+        Buffer::F32(v) => unpack!(v, F32, 0.0),
+        Buffer::F64(v) => unpack!(v, F64, 0.0),
+        Buffer::BF16(v) => unpack!(v, BF16, half::bf16::ZERO),
+        Buffer::F16(v) => unpack!(v, F16, half::f16::ZERO),
+        other => {
+            return Err(EngineError::UnsupportedTensor {
+                op: "unshard",
+                what: format!("the gathered block of `{}`", layout.name),
+                found: format!("{:?}", other.dtype()),
+                expected: "float parameters",
+            });
+        }
+    })
+}
+
+/// Pages of a full parameter returned to the system while its allocation stays live, so the
+/// counting allocator's figures show what FSDP frees.
+#[derive(Default)]
+pub(crate) struct PageLedger(AtomicUsize);
+
+impl PageLedger {
+    fn set(&self, bytes: usize) {
+        let before = self.0.swap(bytes, Ordering::Relaxed);
+        crate::memory::note_released(bytes);
+        crate::memory::note_reclaimed(before);
+    }
+}
+
+impl Drop for PageLedger {
+    fn drop(&mut self) {
+        crate::memory::note_reclaimed(*self.0.get_mut());
+    }
+}
+
+/// A parameter gathered for one step: a graph node whose storage is released after its
+/// unit's forward (FULL_SHARD) and refilled before the unit's backward.
+pub(crate) struct UnshardedParam {
+    /// The full parameter (the output of the unit's unshard op).
+    pub tensor: Tensor,
+    pages: Arc<PageLedger>,
+}
+
+impl UnshardedParam {
+    pub fn new(tensor: Tensor) -> UnshardedParam {
+        UnshardedParam {
+            tensor,
+            pages: Arc::new(PageLedger::default()),
+        }
+    }
+
+    /// Frees the memory while the graph still references the tensor: NaN-poisoned with
+    /// `poison` (debug mode), else the whole pages inside the buffer are returned.
+    pub fn release(&self, poison: bool) -> Result<(), EngineError> {
+        Ok(self.tensor.inplace_op1(&Release {
+            poison,
+            pages: &self.pages,
+        })?)
+    }
+
+    /// Writes the parameter's rows back from a gathered block.
+    pub fn refill(
+        &self,
+        layout: &ShardLayout,
+        gathered: &Buffer,
+        block: usize,
+        ranks: usize,
+    ) -> Result<(), EngineError> {
+        self.tensor.inplace_op1(&Refill {
+            layout,
+            gathered,
+            block,
+            ranks,
+        })?;
+        self.pages.set(0);
+        Ok(())
+    }
+}
+
+/// Releases a full parameter's memory in place, keeping the storage's length (candle's
+/// kernels index without bounds checks, so a shorter storage would be unsound).
+struct Release<'a> {
+    poison: bool,
+    pages: &'a PageLedger,
+}
+
+impl Release<'_> {
+    fn release<T: Copy>(&self, v: &mut [T], nan: T) {
+        if self.poison {
+            v.fill(nan);
+            return;
+        }
+        // Return the whole pages inside the buffer; they read as zeros until refilled.
+        let page = 4096usize;
+        let start = v.as_mut_ptr() as usize;
+        let end = start + std::mem::size_of_val(v);
+        let (first, last) = (start.div_ceil(page) * page, end / page * page);
+        if last > first {
+            // SAFETY: [first, last) lies inside the slice's allocation; MADV_DONTNEED on
+            // private anonymous memory keeps the mapping valid (pages read back as zeros).
+            let rc = unsafe {
+                libc::madvise(
+                    first as *mut libc::c_void,
+                    last - first,
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if rc == 0 {
+                self.pages.set(last - first);
+            }
+        }
+    }
+}
+
+impl InplaceOp1 for Release<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-release"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, _l: &Layout) -> candle_core::Result<()> {
+        match s {
+            CpuStorage::F32(v) => self.release(v, f32::NAN),
+            CpuStorage::F64(v) => self.release(v, f64::NAN),
+            CpuStorage::BF16(v) => self.release(v, half::bf16::NAN),
+            CpuStorage::F16(v) => self.release(v, half::f16::NAN),
+            other => {
+                return Err(candle_core::Error::Msg(format!(
+                    "fsdp-release: parameters are floats, not {:?}",
+                    other.dtype()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes a parameter's rows from an all-gathered block back into its released storage.
+struct Refill<'a> {
+    layout: &'a ShardLayout,
+    gathered: &'a Buffer,
+    block: usize,
+    ranks: usize,
+}
+
+impl InplaceOp1 for Refill<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-refill"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (start, n) = (l.start_offset(), self.layout.numel());
+        let dtype = s.dtype();
+        float_pair!(
+            s,
+            self.gathered,
+            |v, g| {
+                self.layout
+                    .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
+                Ok(())
+            },
+            Err(candle_core::Error::Msg(format!(
+                "fsdp-refill: `{}` is {dtype:?} but was gathered as {:?}",
+                self.layout.name,
+                self.gathered.dtype()
+            )))
+        )
+    }
+}

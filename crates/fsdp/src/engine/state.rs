@@ -1,0 +1,178 @@
+//! The engine's state by parameter name and row range — what checkpoints read and write:
+//! this rank's rows of every parameter, loading them back, and full parameters gathered to
+//! one rank unit by unit (never the whole model on every rank).
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use fsdp_comm::{Buffer, DType};
+
+use super::error::{EngineError, unit_name};
+use super::param::unpack_storage;
+use super::sharded::Fsdp;
+
+/// This rank's part of one parameter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalShard<'a> {
+    /// Fully qualified name.
+    pub name: &'a str,
+    /// The full parameter's shape.
+    pub shape: &'a [usize],
+    /// The rows of dim 0 this rank holds (empty for a rank holding only padding).
+    pub rows: Range<usize>,
+    /// Their values, row-major.
+    pub values: Cow<'a, [f32]>,
+    /// Trainable.
+    pub requires_grad: bool,
+    /// Every rank holds these same rows (NO_SHARD, ignored modules, replicas of a hybrid
+    /// mesh): one copy is enough in a checkpoint.
+    pub replicated: bool,
+}
+
+impl Fsdp {
+    /// This rank's rows of every parameter, in plan order (units, then ignored modules).
+    pub fn local_shards(&self) -> Result<Vec<LocalShard<'_>>, EngineError> {
+        let whole = self.mesh.shard_size() == 1;
+        let mut out = Vec::new();
+        for unit in &self.units {
+            for p in &unit.params {
+                out.push(LocalShard {
+                    name: &p.layout.name,
+                    shape: &p.layout.shape,
+                    rows: p.owned_rows(),
+                    values: Cow::Borrowed(p.local_values()?),
+                    requires_grad: p.layout.requires_grad,
+                    replicated: whole || self.mesh.replicas() > 1,
+                });
+            }
+        }
+        for layout in &self.plan.ignored {
+            let Some(var) = self.replicated.get(&layout.name) else {
+                continue;
+            };
+            // Ignored modules are small and whole: a copy of their values.
+            let values: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
+            out.push(LocalShard {
+                name: &layout.name,
+                shape: &layout.shape,
+                rows: 0..layout.shape.first().copied().unwrap_or(1),
+                values: Cow::Owned(values),
+                requires_grad: layout.requires_grad,
+                replicated: true,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The rows of parameter `name` this rank holds.
+    pub fn owned_rows(&self, name: &str) -> Result<Range<usize>, EngineError> {
+        if let Some(l) = self.plan.ignored.iter().find(|l| l.name == name) {
+            return Ok(0..l.shape.first().copied().unwrap_or(1));
+        }
+        self.units
+            .iter()
+            .flat_map(|u| &u.params)
+            .find(|p| p.layout.name == name)
+            .map(|p| p.owned_rows())
+            .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })
+    }
+
+    /// Replaces this rank's rows of parameter `name` (exactly [`Fsdp::owned_rows`], row-major).
+    pub fn load_local_shard(&mut self, name: &str, values: &[f32]) -> Result<(), EngineError> {
+        if let Some(var) = self.replicated.get(name) {
+            if values.len() != var.elem_count() {
+                return Err(EngineError::State {
+                    name: name.into(),
+                    problem: format!(
+                        "{} values given for a replicated parameter of {}",
+                        values.len(),
+                        var.elem_count()
+                    ),
+                });
+            }
+            let t = Tensor::from_vec(values.to_vec(), var.dims(), &self.device)?;
+            var.set(&t)?;
+            return Ok(());
+        }
+        for unit in &mut self.units {
+            let Some(i) = unit.params.iter().position(|p| p.layout.name == name) else {
+                continue;
+            };
+            return Arc::make_mut(unit).params[i].set_local_values(values);
+        }
+        Err(EngineError::UnknownParameter { name: name.into() })
+    }
+
+    /// Calls `f(name, full parameter)` on rank 0 of the mesh for every parameter, gathering one
+    /// unit at a time onto that rank (collective: every rank must call it; other ranks only
+    /// send). No rank ever holds more than its shards and one unit.
+    pub fn for_each_full_param(
+        &self,
+        mut f: impl FnMut(&str, Tensor) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        let first = self.mesh.rank() == 0;
+        let ranks = self.mesh.shard_size();
+        for unit in &self.units {
+            let block = unit.block();
+            let gathered = if ranks == 1 {
+                None
+            } else {
+                let mut packed = Vec::with_capacity(block);
+                for p in &unit.params {
+                    packed.extend_from_slice(p.shard.values()?);
+                }
+                self.mesh
+                    .shard
+                    .gather(Buffer::F32(packed), 0)
+                    .wait()
+                    .map_err(|source| EngineError::Collective {
+                        op: "gather of the full state".into(),
+                        unit: unit_name(&unit.path),
+                        source,
+                    })?
+            };
+            if !first {
+                continue;
+            }
+            for p in &unit.params {
+                let storage = match &gathered {
+                    Some(g) => unpack_storage(g, &p.layout, block, ranks)?,
+                    None => {
+                        candle_core::CpuStorage::F32(p.shard.values()?[..p.layout.numel()].to_vec())
+                    }
+                };
+                let values = match storage {
+                    candle_core::CpuStorage::F32(v) => v,
+                    _ => Vec::new(),
+                };
+                let t = Tensor::from_vec(values, p.layout.shape.as_slice(), &self.device)?;
+                f(&p.layout.name, t)?;
+            }
+        }
+        if first {
+            for (name, var) in &self.replicated {
+                f(name, var.as_tensor().copy()?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every parameter's full value on rank 0 of the mesh (`None` on the other ranks),
+    /// gathered unit by unit (collective).
+    pub fn full_state_dict(&self) -> Result<Option<BTreeMap<String, Tensor>>, EngineError> {
+        let mut out = BTreeMap::new();
+        self.for_each_full_param(|name, t| {
+            out.insert(name.to_string(), t);
+            Ok(())
+        })?;
+        Ok((self.mesh.rank() == 0).then_some(out))
+    }
+
+    /// The element type master shards are kept in.
+    pub fn master_dtype(&self) -> DType {
+        DType::F32
+    }
+}

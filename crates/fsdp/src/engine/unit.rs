@@ -1,0 +1,390 @@
+//! A unit's lifecycle in one step, as FSDP2's parameter group: a training state (idle,
+//! forward, pre-backward, post-backward) times a sharded state (sharded, unsharded, released
+//! after forward), moved only by `unshard` / `wait_for_unshard` / `post_forward` /
+//! `pre_backward` / `post_backward`, with prefetch decided in one place ([`Prefetch`]).
+
+use std::sync::{Arc, Mutex, Weak};
+
+use candle_core::{Device, Shape, Tensor, Var};
+use fsdp_comm::{Buffer, Mesh, Work};
+
+use super::collectives::{self, CommDtypes, PendingReduce};
+use super::error::{EngineError, unit_name};
+use super::hooks::{PreBackward, StepHooks, Unshard};
+use super::param::{FsdpParam, UnshardedParam, unpack_storage};
+use crate::config::BackwardPrefetch;
+
+/// A unit as the engine keeps it between steps: its parameters' shards.
+#[derive(Debug, Clone)]
+pub(crate) struct FsdpUnit {
+    /// Path of the wrapped module (empty for the root unit).
+    pub path: String,
+    /// Parameters in packing order.
+    pub params: Vec<FsdpParam>,
+    /// Free the full parameters after the unit's forward (FULL_SHARD, non-root units).
+    pub reshard_after_forward: bool,
+    /// Free them once the unit's gradients are reduced (sharded strategies).
+    pub reshard_after_backward: bool,
+}
+
+impl FsdpUnit {
+    /// Elements of one rank's block of the unit (the all-gather's input size).
+    pub fn block(&self) -> usize {
+        self.params.iter().map(|p| p.layout.shard_numel()).sum()
+    }
+
+    /// `the root unit` or ``unit `path` ``.
+    pub fn name(&self) -> String {
+        unit_name(&self.path)
+    }
+}
+
+/// What the unit is doing in the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TrainingState {
+    /// Not in forward or backward (before, between, after).
+    Idle,
+    /// Its forward is running.
+    Forward,
+    /// Its backward is running (refilled).
+    PreBackward,
+    /// Its gradients are reduced: its backward is over.
+    PostBackward,
+}
+
+/// Whether the unit's full parameters exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShardedState {
+    /// Only shards (not gathered yet, or resharded after backward).
+    Sharded,
+    /// Full parameters present.
+    Unsharded,
+    /// Full parameters released after the forward; their graph nodes remain.
+    ReleasedAfterForward,
+}
+
+/// Settings every unit of a step shares.
+pub(crate) struct RunContext<'a> {
+    pub mesh: &'a Mesh,
+    pub dtypes: CommDtypes,
+    pub device: &'a Device,
+    /// Poison released parameters with NaN instead of returning their pages.
+    pub poison: bool,
+}
+
+/// One unit in one step.
+pub(crate) struct UnitRun {
+    pub unit: Arc<FsdpUnit>,
+    training: TrainingState,
+    sharded: ShardedState,
+    /// A gather in flight (issued by the unit itself or by a prefetch).
+    gather: Option<Work<Buffer>>,
+    anchor: Option<Var>,
+    /// The full parameters (graph nodes), in the unit's order.
+    pub full: Vec<UnshardedParam>,
+    /// Outputs passed through the pre-backward hook.
+    pub outputs: Vec<Tensor>,
+    /// Whether forward reported the unit's output at all.
+    pub hooked: bool,
+    grad_pack: Option<Buffer>,
+    /// Gradients this backward will deliver (known from the graph before it runs).
+    pub expected: Option<usize>,
+    received: usize,
+    /// Which parameters received a gradient.
+    pub has_grad: Vec<bool>,
+}
+
+impl UnitRun {
+    pub fn new(unit: Arc<FsdpUnit>) -> UnitRun {
+        let n = unit.params.len();
+        UnitRun {
+            unit,
+            training: TrainingState::Idle,
+            sharded: ShardedState::Sharded,
+            gather: None,
+            anchor: None,
+            full: Vec::new(),
+            outputs: Vec::new(),
+            hooked: false,
+            grad_pack: None,
+            expected: None,
+            received: 0,
+            has_grad: vec![false; n],
+        }
+    }
+
+    /// The state in words, for messages.
+    pub fn describe(&self) -> &'static str {
+        match (self.training, self.sharded) {
+            (TrainingState::PostBackward, _) => "reduced (its backward is over)",
+            (_, ShardedState::ReleasedAfterForward) => "released after its forward",
+            (TrainingState::PreBackward, _) => "re-gathered for its backward",
+            (_, ShardedState::Unsharded) => "gathered",
+            (_, ShardedState::Sharded) => "sharded",
+        }
+    }
+
+    pub fn sharded_state(&self) -> ShardedState {
+        self.sharded
+    }
+
+    /// Whether a parameter of the unit may be read now (gathering it first if needed).
+    pub fn readable(&self) -> bool {
+        self.training != TrainingState::PostBackward
+            && self.sharded != ShardedState::ReleasedAfterForward
+    }
+
+    /// Issues the unit's all-gather unless one is in flight (also the prefetch entry).
+    pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
+        if self.gather.is_none() {
+            self.gather = collectives::all_gather(cx.mesh, &self.unit.params, cx.dtypes.param)?;
+        }
+        Ok(())
+    }
+
+    /// Prefetch: issues the gather only if the unit is in the state it will be gathered
+    /// from next (`Sharded` ahead of forward, `ReleasedAfterForward` ahead of backward).
+    pub fn prefetch(&mut self, cx: &RunContext, waiting: ShardedState) -> Result<(), EngineError> {
+        if self.sharded == waiting && self.training != TrainingState::PostBackward {
+            self.unshard(cx)?;
+        }
+        Ok(())
+    }
+
+    /// The gathered block (waits for the gather in flight, issuing it first if needed);
+    /// `None` when the shard dimension is this rank alone.
+    fn gathered(&mut self, cx: &RunContext, when: &str) -> Result<Option<Buffer>, EngineError> {
+        self.unshard(cx)?;
+        match self.gather.take() {
+            None => Ok(None),
+            Some(w) => w
+                .wait()
+                .map(Some)
+                .map_err(|source| EngineError::Collective {
+                    op: format!("all-gather {when}"),
+                    unit: self.unit.name(),
+                    source,
+                }),
+        }
+    }
+
+    /// Forward reached the unit: its full parameters become graph nodes (outputs of
+    /// [`Unshard`] on a per-unit anchor variable).
+    pub fn wait_for_unshard(
+        &mut self,
+        cx: &RunContext,
+        step: Weak<dyn StepHooks>,
+        index: usize,
+    ) -> Result<(), EngineError> {
+        let gathered = self.gathered(cx, "before its forward")?;
+        let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
+        let anchor = Var::zeros(1, candle_core::DType::F32, cx.device)?;
+        let mut full = Vec::with_capacity(self.unit.params.len());
+        for (i, p) in self.unit.params.iter().enumerate() {
+            let data = match &gathered {
+                Some(g) => unpack_storage(g, &p.layout, block, ranks)?,
+                None => collectives::whole_storage(p, cx.dtypes.param)?,
+            };
+            let op = Unshard {
+                data: Mutex::new(Some(data)),
+                shape: Shape::from(p.layout.shape.clone()),
+                step: step.clone(),
+                unit: index,
+                param: i,
+            };
+            let tensor = if p.layout.requires_grad {
+                anchor.as_tensor().apply_op1(op)?
+            } else {
+                anchor.as_tensor().detach().apply_op1_no_bwd(&op)?
+            };
+            full.push(UnshardedParam::new(tensor));
+        }
+        self.anchor = Some(anchor);
+        self.full = full;
+        self.training = TrainingState::Forward;
+        self.sharded = ShardedState::Unsharded;
+        Ok(())
+    }
+
+    /// The unit's forward returned `output`: hooked for the pre-backward refill when the unit
+    /// reshards after forward (then released, the first time). Returns what forward goes on
+    /// with.
+    pub fn post_forward(
+        &mut self,
+        cx: &RunContext,
+        output: Tensor,
+        step: Weak<dyn StepHooks>,
+        index: usize,
+    ) -> Result<Tensor, EngineError> {
+        self.hooked = true;
+        let releasing = self.unit.reshard_after_forward
+            && matches!(
+                self.sharded,
+                ShardedState::Unsharded | ShardedState::ReleasedAfterForward
+            );
+        if !releasing {
+            if self.training == TrainingState::Forward {
+                self.training = TrainingState::Idle;
+            }
+            return Ok(output);
+        }
+        let hooked = output
+            .contiguous()?
+            .apply_op1(PreBackward { step, unit: index })?;
+        self.outputs.push(hooked.clone());
+        if self.sharded == ShardedState::Unsharded {
+            self.reshard(cx)?;
+            self.sharded = ShardedState::ReleasedAfterForward;
+        }
+        self.training = TrainingState::Idle;
+        Ok(hooked)
+    }
+
+    /// Releases the full parameters' memory (their graph nodes stay).
+    fn reshard(&self, cx: &RunContext) -> Result<(), EngineError> {
+        for f in &self.full {
+            f.release(cx.poison)?;
+        }
+        Ok(())
+    }
+
+    /// Backward reached the unit's output: refills the parameters released after forward.
+    /// Returns whether it refilled (a prefetch may follow).
+    pub fn pre_backward(&mut self, cx: &RunContext) -> Result<bool, EngineError> {
+        if self.sharded != ShardedState::ReleasedAfterForward {
+            return Ok(false);
+        }
+        let gathered = self.gathered(cx, "before its backward")?.ok_or_else(|| {
+            EngineError::ReadOutsideUnit {
+                param: self
+                    .unit
+                    .params
+                    .first()
+                    .map_or(String::new(), |p| p.layout.name.clone()),
+                unit: self.unit.name(),
+                state: "released while whole on this rank",
+            }
+        })?;
+        let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
+        for (f, p) in self.full.iter().zip(&self.unit.params) {
+            f.refill(&p.layout, &gathered, block, ranks)?;
+        }
+        self.training = TrainingState::PreBackward;
+        self.sharded = ShardedState::Unsharded;
+        Ok(true)
+    }
+
+    /// The complete gradient of parameter `i` arrived. Once the unit's last one is in, its
+    /// reduction is issued and returned, and the unit reshards (units with frozen parameters
+    /// keep theirs to the end of the step: backward nodes of the unit may still read them).
+    pub fn post_backward(
+        &mut self,
+        cx: &RunContext,
+        i: usize,
+        grad: &Tensor,
+    ) -> Result<Option<PendingReduce>, EngineError> {
+        let p = &self.unit.params[i];
+        if !self.readable() || self.sharded != ShardedState::Unsharded {
+            return Err(EngineError::GradientOutsideUnit {
+                param: p.layout.name.clone(),
+                unit: self.unit.name(),
+                state: self.describe(),
+            });
+        }
+        let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
+        let pack = self
+            .grad_pack
+            .get_or_insert_with(|| Buffer::zeros(cx.dtypes.reduce, block * ranks));
+        collectives::pack_gradient(&p.layout, grad, pack, block, ranks)?;
+        self.has_grad[i] = true;
+        self.received += 1;
+        if Some(self.received) != self.expected {
+            return Ok(None);
+        }
+        let pending = self
+            .grad_pack
+            .take()
+            .map(|g| collectives::reduce(cx.mesh, g));
+        self.training = TrainingState::PostBackward;
+        let all_trainable = self.unit.params.iter().all(|p| p.layout.requires_grad);
+        if self.unit.reshard_after_backward && all_trainable {
+            self.reshard(cx)?;
+            self.sharded = ShardedState::Sharded;
+        }
+        Ok(pending)
+    }
+
+    /// The step is over: reduces gradients that did not all arrive (backward run outside
+    /// the engine), completes an unused prefetch so every rank stays in step, and drops the
+    /// unit's tensors.
+    pub fn finish(&mut self, cx: &RunContext) -> Result<Option<PendingReduce>, EngineError> {
+        let pending = self
+            .grad_pack
+            .take()
+            .map(|g| collectives::reduce(cx.mesh, g));
+        if let Some(w) = self.gather.take() {
+            w.wait().map_err(|source| EngineError::Collective {
+                op: "unused prefetch".into(),
+                unit: self.unit.name(),
+                source,
+            })?;
+        }
+        self.full.clear();
+        self.outputs.clear();
+        self.anchor = None;
+        self.training = TrainingState::Idle;
+        self.sharded = ShardedState::Sharded;
+        Ok(pending)
+    }
+}
+
+/// When units are gathered ahead of their use.
+#[derive(Debug, Clone)]
+pub(crate) struct Prefetch {
+    /// Gather the next unit (in the previous step's forward order) while one runs forward.
+    pub forward: bool,
+    /// Gather the next unit in backward order after a refill (BACKWARD_PRE) or after a
+    /// unit's reduction is issued (BACKWARD_POST).
+    pub backward: BackwardPrefetch,
+    /// Units in the order the previous step's forward used them (plan order at first).
+    pub forward_order: Vec<usize>,
+}
+
+/// A point in a unit's lifecycle after which another unit may be prefetched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Moment {
+    /// The unit was gathered for its forward.
+    Gathered,
+    /// The unit was refilled for its backward.
+    Refilled,
+    /// The unit's reduction was issued.
+    Reduced,
+}
+
+impl Prefetch {
+    /// The unit to gather next after `moment` of unit `u`, and the state it must be waiting
+    /// in; `backward_order` is this step's order of units in backward.
+    pub fn after(
+        &self,
+        moment: Moment,
+        u: usize,
+        backward_order: &[usize],
+    ) -> Option<(usize, ShardedState)> {
+        let next_in = |order: &[usize]| {
+            let at = order.iter().position(|&x| x == u)?;
+            order.get(at + 1).copied()
+        };
+        match moment {
+            Moment::Gathered if self.forward => {
+                next_in(&self.forward_order).map(|n| (n, ShardedState::Sharded))
+            }
+            Moment::Refilled if self.backward == BackwardPrefetch::BackwardPre => {
+                next_in(backward_order).map(|n| (n, ShardedState::ReleasedAfterForward))
+            }
+            Moment::Reduced if self.backward == BackwardPrefetch::BackwardPost => {
+                next_in(backward_order).map(|n| (n, ShardedState::ReleasedAfterForward))
+            }
+            _ => None,
+        }
+    }
+}

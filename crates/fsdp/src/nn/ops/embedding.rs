@@ -1,0 +1,115 @@
+//! Embedding lookup with PyTorch's `padding_idx`: the padding row is read like any other, but
+//! receives no gradient (Hugging Face BERT's `pad_token_id` row stays as loaded). Backward
+//! adds each position's gradient into its row of a fresh table-sized buffer.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::{Float, contiguous, float_dispatch, tensor, with_slice};
+
+struct Embedding {
+    padding_idx: Option<usize>,
+}
+
+/// The ids in a contiguous integer tensor, checked against the table's `rows`.
+fn ids_of(t: &Tensor, rows: usize, op: &str) -> Result<Vec<usize>> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(s) => ids_from_storage(s, layout, rows, op),
+        _ => Err(candle_core::Error::Msg(format!(
+            "{op}: only CPU tensors are supported"
+        ))),
+    }
+}
+
+fn ids_from_storage(s: &CpuStorage, l: &Layout, rows: usize, op: &str) -> Result<Vec<usize>> {
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: ids must be contiguous")))?;
+    let raw: Vec<i64> = match s {
+        CpuStorage::U32(v) => v[start..end].iter().map(|&x| i64::from(x)).collect(),
+        CpuStorage::I64(v) => v[start..end].to_vec(),
+        CpuStorage::U8(v) => v[start..end].iter().map(|&x| i64::from(x)).collect(),
+        other => {
+            return Err(candle_core::Error::Msg(format!(
+                "{op}: ids must be u32, i64 or u8, not {:?}",
+                other.dtype()
+            )));
+        }
+    };
+    raw.into_iter()
+        .map(|id| {
+            usize::try_from(id)
+                .ok()
+                .filter(|&i| i < rows)
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "{op}: id {id} is outside the table's {rows} rows"
+                    ))
+                })
+        })
+        .collect()
+}
+
+impl CustomOp2 for Embedding {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ws: &CpuStorage,
+        wl: &Layout,
+        is: &CpuStorage,
+        il: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, d) = wl.shape().dims2()?;
+        let ids = ids_from_storage(is, il, rows, self.name())?;
+        let mut dims = il.dims().to_vec();
+        dims.push(d);
+        float_dispatch!(ws.dtype(), self.name(), T => {
+            let w = contiguous::<T>(ws, wl, self.name())?;
+            let mut out = Vec::with_capacity(ids.len() * d);
+            for &id in &ids {
+                out.extend_from_slice(&w[id * d..(id + 1) * d]);
+            }
+            Ok((T::storage(out), Shape::from(dims)))
+        })
+    }
+
+    fn bwd(
+        &self,
+        weight: &Tensor,
+        ids: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (rows, d) = weight.dims2()?;
+        let ids = ids_of(ids, rows, self.name())?;
+        float_dispatch!(grad.dtype(), self.name(), T => {
+            with_slice::<T, _>(grad, self.name(), |g| {
+                // Summed in the gradient's type in position order, as PyTorch's CPU kernel.
+                let mut dw = vec![T::of(0.0); rows * d];
+                for (pos, &id) in ids.iter().enumerate() {
+                    if Some(id) == self.padding_idx {
+                        continue;
+                    }
+                    let row = &mut dw[id * d..(id + 1) * d];
+                    for (acc, &x) in row.iter_mut().zip(&g[pos * d..(pos + 1) * d]) {
+                        *acc = T::of(acc.f() + x.f());
+                    }
+                }
+                Ok((Some(tensor(dw, weight.shape(), weight)?), None))
+            })
+        })
+    }
+}
+
+/// Rows of `weight` [rows, dim] for integer `ids` of any shape (output `ids.shape + [dim]`);
+/// the `padding_idx` row, if any, gets no gradient (PyTorch's `nn.Embedding(padding_idx=)`).
+pub fn embedding(weight: &Tensor, ids: &Tensor, padding_idx: Option<usize>) -> Result<Tensor> {
+    weight
+        .contiguous()?
+        .apply_op2(&ids.contiguous()?, Embedding { padding_idx })
+}
