@@ -25,7 +25,7 @@ pub enum Buffer {
     U8(Vec<u8>),
     /// Device memory (NCCL groups).
     #[cfg(feature = "nccl")]
-    Cuda(crate::nccl::CudaBuffer),
+    Cuda(crate::cuda_buffer::CudaBuffer),
 }
 
 /// Runs `$body` with `$v` bound to the host vector inside `$buf` (any element type);

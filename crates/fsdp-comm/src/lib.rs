@@ -13,6 +13,8 @@
 mod algorithms;
 pub mod buffer;
 pub mod communicator;
+#[cfg(feature = "nccl")]
+mod cuda_buffer;
 pub mod dtype;
 pub mod error;
 pub mod group;

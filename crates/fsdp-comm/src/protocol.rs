@@ -2,7 +2,7 @@
 //! carries the collective's sequence number, kind, dtype, size and step; transfers that
 //! progress every send and receive of a step together (shared memory or TCP links); header
 //! checks that turn a mismatch into an error naming both calls; and the abort that stops
-//! every rank after the first failure. The algorithms (`crate::algorithms`) are built on it.
+//! every rank after the first failure. The algorithms are built on it.
 
 use std::cell::RefCell;
 use std::sync::Arc;

@@ -768,7 +768,34 @@ fn nccl_collectives() -> Result<(), String> {
     let want: Vec<f32> = (rank * len..(rank + 1) * len)
         .map(|i| (0..n).map(|r| (r + i % 5) as f32).sum())
         .collect();
-    expect_eq("nccl reduce_scatter", &got, &want)
+    expect_eq("nccl reduce_scatter", &got, &want)?;
+    // The same group through the communicator trait, on typed device buffers.
+    use fsdp_comm::nccl::CudaBuffer;
+    use fsdp_comm::{Buffer, Communicator};
+    let c: &dyn Communicator = &nccl;
+    let slice = stream.clone_htod(&host).map_err(|e| format!("{e:?}"))?;
+    let summed = c
+        .all_reduce(
+            Buffer::Cuda(CudaBuffer::F32(std::sync::Arc::new(slice))),
+            ReduceOp::Sum,
+        )
+        .wait()
+        .map_err(e)?;
+    let Buffer::Cuda(CudaBuffer::F32(out)) = summed else {
+        return Err("all_reduce gave another buffer type".into());
+    };
+    let got = stream.clone_dtoh(&*out).map_err(|e| format!("{e:?}"))?;
+    let want: Vec<f32> = (0..len)
+        .map(|i| (0..n).map(|r| (r * 3 + i % 7) as f32).sum())
+        .collect();
+    expect_eq("nccl dyn all_reduce", &got, &want)?;
+    let host_buffer = c
+        .all_reduce(Buffer::from(vec![1.0f32]), ReduceOp::Sum)
+        .wait();
+    if host_buffer.is_ok() {
+        return Err("an NCCL group took a host buffer".into());
+    }
+    Ok(())
 }
 
 /// NCCL needs one GPU per rank: runs on min(GPUs, 2) ranks; says so and passes without CUDA.
