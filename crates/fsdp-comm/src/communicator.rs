@@ -3,6 +3,8 @@
 //! NCCL groups, the in-process [`crate::LocalGroup`] and a single rank ([`SingleRank`]) are
 //! interchangeable.
 
+use std::time::Duration;
+
 use crate::buffer::{Buffer, BufferElement};
 use crate::dtype::ReduceOp;
 use crate::error::{CommError, Result};
@@ -46,6 +48,11 @@ pub trait Communicator: Send + Sync {
     fn gather(&self, input: Buffer, root: usize) -> Work<Option<Buffer>>;
     /// Completes when every member has reached it.
     fn barrier(&self) -> Work<()>;
+    /// Returns when every member has called `join` with the same `what`, or fails within
+    /// `timeout` naming the members that did not: the entry of a collective step that a
+    /// program might call on some ranks only (saving a checkpoint), which must fail fast
+    /// instead of waiting out the collective timeout.
+    fn join(&self, what: &str, timeout: Duration) -> Result<()>;
     /// Payload bytes this member has sent so far (to compare with an algorithm's theory).
     fn bytes_sent(&self) -> u64;
 }
@@ -175,6 +182,10 @@ impl Communicator for SingleRank {
 
     fn barrier(&self) -> Work<()> {
         Work::ready(Ok(()))
+    }
+
+    fn join(&self, _what: &str, _timeout: Duration) -> Result<()> {
+        Ok(())
     }
 
     fn bytes_sent(&self) -> u64 {

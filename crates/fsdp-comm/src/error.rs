@@ -72,6 +72,21 @@ pub enum CommError {
         /// How long it waited.
         timeout: Duration,
     },
+    /// Some members did not reach a join point in time (a collective step such as saving a
+    /// checkpoint called by some ranks only).
+    #[error(
+        "rank {rank}: {what}: ranks {missing:?} did not join within {timeout:?} (every rank must call it)"
+    )]
+    NotJoined {
+        /// The waiting rank.
+        rank: usize,
+        /// What was joined.
+        what: String,
+        /// The ranks that did not arrive.
+        missing: Vec<usize>,
+        /// How long it waited.
+        timeout: Duration,
+    },
     /// The store or a peer refused this process (wrong secret, rank taken, ...).
     #[error("rank {rank}: refused: {reason}")]
     Refused {

@@ -32,6 +32,7 @@ pub struct ProcessGroup {
     data_ip: String,
     name: String,
     subgroups: AtomicU64,
+    joins: AtomicU64,
     transport: &'static str,
     bytes_sent: Arc<AtomicU64>,
 }
@@ -167,6 +168,7 @@ impl ProcessGroup {
             data_ip,
             name,
             subgroups: AtomicU64::new(0),
+            joins: AtomicU64::new(0),
             transport,
             bytes_sent,
         })
@@ -277,6 +279,44 @@ impl ProcessGroup {
     /// Returns when every rank has reached it.
     pub fn barrier(&self) -> Work<()> {
         self.submit(|e| e.barrier())
+    }
+
+    /// Returns when every member has called `join` with the same `what`, or fails within
+    /// `timeout` naming the members that did not (through the rendezvous store, so a rank
+    /// that never arrives is named instead of being waited for).
+    pub fn join(&self, what: &str, timeout: std::time::Duration) -> Result<()> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let n = self.joins.fetch_add(1, Ordering::SeqCst);
+        let prefix = format!("{}/join/{n}/", self.name);
+        store.set(&format!("{prefix}{}", self.rank), what.as_bytes())?;
+        let keys: Vec<String> = (0..self.size).map(|r| format!("{prefix}{r}")).collect();
+        if let Err(missing) = store.wait(&keys, timeout)? {
+            let missing = missing
+                .iter()
+                .filter_map(|k| k.rsplit('/').next()?.parse::<usize>().ok())
+                .filter_map(|r| self.global_ranks.get(r).copied())
+                .collect();
+            return Err(CommError::NotJoined {
+                rank: self.global_rank(),
+                what: what.into(),
+                missing,
+                timeout,
+            });
+        }
+        for (r, key) in keys.iter().enumerate() {
+            let theirs = store.get(key)?.unwrap_or_default();
+            if theirs != what.as_bytes() {
+                return Err(CommError::Mismatch {
+                    rank: self.global_rank(),
+                    peer: self.global_ranks[r],
+                    mine: format!("join({what})"),
+                    theirs: format!("join({})", String::from_utf8_lossy(&theirs)),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Sends `buf` to rank `dst`.

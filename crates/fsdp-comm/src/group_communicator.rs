@@ -141,6 +141,10 @@ impl Communicator for ProcessGroup {
         ProcessGroup::barrier(self)
     }
 
+    fn join(&self, what: &str, timeout: std::time::Duration) -> crate::error::Result<()> {
+        ProcessGroup::join(self, what, timeout)
+    }
+
     fn bytes_sent(&self) -> u64 {
         ProcessGroup::bytes_sent(self)
     }

@@ -25,6 +25,7 @@ enum Call {
     Broadcast(usize),
     Gather(usize),
     Barrier,
+    Join,
 }
 
 impl Call {
@@ -36,6 +37,7 @@ impl Call {
             Call::Broadcast(_) => "broadcast",
             Call::Gather(_) => "gather",
             Call::Barrier => "barrier",
+            Call::Join => "join",
         }
     }
 }
@@ -149,6 +151,19 @@ impl LocalGroup {
         invalid: Option<String>,
         finish: impl FnOnce(&Member, &[Arc<Buffer>]) -> Result<T> + Send + 'static,
     ) -> Work<T> {
+        let timeout = self.shared.timeout;
+        self.submit_within(call, input, invalid, timeout, finish)
+    }
+
+    /// [`LocalGroup::submit`] waiting at most `timeout` for the other members.
+    fn submit_within<T: Send + 'static>(
+        &self,
+        call: Call,
+        input: Buffer,
+        invalid: Option<String>,
+        timeout: Duration,
+        finish: impl FnOnce(&Member, &[Arc<Buffer>]) -> Result<T> + Send + 'static,
+    ) -> Work<T> {
         let (tx, rx) = mpsc::sync_channel(1);
         let job: Job = Box::new(move |m: &mut Member| {
             let result = match invalid {
@@ -157,9 +172,13 @@ impl LocalGroup {
                     Err(m.fail(m.shared.lock(), err))
                 }
                 None => m
-                    .collective(call, input)
+                    .collective(call, input, timeout)
                     .and_then(|all| finish(m, &all))
-                    .map_err(|e| m.fail(m.shared.lock(), e)),
+                    // A join that others missed is reported, not a broken group.
+                    .map_err(|e| match call {
+                        Call::Join => e,
+                        _ => m.fail(m.shared.lock(), e),
+                    }),
             };
             let _ = tx.send(result);
         });
@@ -193,7 +212,12 @@ impl Member {
 
     /// Deposits this member's input for its next collective, waits for every member's, and
     /// returns all inputs in rank order. The first failure breaks the group for everyone.
-    fn collective(&mut self, call: Call, input: Buffer) -> Result<Vec<Arc<Buffer>>> {
+    fn collective(
+        &mut self,
+        call: Call,
+        input: Buffer,
+        timeout: Duration,
+    ) -> Result<Vec<Arc<Buffer>>> {
         self.seq += 1;
         let seq = self.seq;
         let shared = self.shared.clone();
@@ -225,7 +249,7 @@ impl Member {
             return Err(self.fail(state, err));
         }
         shared.changed.notify_all();
-        let deadline = Instant::now() + shared.timeout;
+        let deadline = Instant::now() + timeout;
         loop {
             if let Some((origin, message)) = &state.failed {
                 return Err(self.aborted(*origin, message.clone()));
@@ -248,10 +272,23 @@ impl Member {
             }
             let now = Instant::now();
             if now >= deadline {
-                let err = CommError::Timeout {
-                    rank: self.rank,
-                    what: format!("{call:?} as collective #{seq} waiting for ranks {missing:?}"),
-                    timeout: shared.timeout,
+                if call == Call::Join {
+                    // Every waiting member reports the absent ones itself.
+                    return Err(CommError::NotJoined {
+                        rank: self.rank,
+                        what: "join".into(),
+                        missing,
+                        timeout,
+                    });
+                }
+                let err = {
+                    CommError::Timeout {
+                        rank: self.rank,
+                        what: format!(
+                            "{call:?} as collective #{seq} waiting for ranks {missing:?}"
+                        ),
+                        timeout,
+                    }
                 };
                 return Err(self.fail(state, err));
             }
@@ -487,6 +524,48 @@ impl Communicator for LocalGroup {
 
     fn barrier(&self) -> Work<()> {
         self.submit(Call::Barrier, Buffer::empty(DType::U8), None, |_, _| Ok(()))
+    }
+
+    fn join(&self, what: &str, timeout: Duration) -> Result<()> {
+        let mine = what.as_bytes().to_vec();
+        let named = what.to_string();
+        let what = what.to_string();
+        self.submit_within(
+            Call::Join,
+            Buffer::U8(mine),
+            None,
+            timeout,
+            move |m, all| {
+                for (peer, theirs) in all.iter().enumerate() {
+                    if theirs.as_slice::<u8>() != Some(what.as_bytes()) {
+                        let theirs =
+                            String::from_utf8_lossy(theirs.as_slice::<u8>().unwrap_or(&[]));
+                        return Err(CommError::Mismatch {
+                            rank: m.rank,
+                            peer,
+                            mine: format!("join({what})"),
+                            theirs: format!("join({theirs})"),
+                        });
+                    }
+                }
+                Ok(())
+            },
+        )
+        .wait()
+        .map_err(|e| match e {
+            CommError::NotJoined {
+                rank,
+                missing,
+                timeout,
+                ..
+            } => CommError::NotJoined {
+                rank,
+                what: named,
+                missing,
+                timeout,
+            },
+            other => other,
+        })
     }
 
     fn bytes_sent(&self) -> u64 {

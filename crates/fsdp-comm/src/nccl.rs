@@ -439,6 +439,11 @@ impl crate::Communicator for NcclGroup {
         Work::ready(result)
     }
 
+    /// NCCL has no way to name absent ranks: a barrier (the host group's `join` does).
+    fn join(&self, _what: &str, _timeout: std::time::Duration) -> Result<()> {
+        crate::Communicator::barrier(self).wait()
+    }
+
     fn bytes_sent(&self) -> u64 {
         0
     }

@@ -189,3 +189,43 @@ fn single_rank_and_meshes() {
     assert_eq!(results[0], (1, 2, 0, vec![3.0]));
     assert_eq!(results[1], (1, 2, 1, vec![3.0]));
 }
+
+#[test]
+fn join_names_the_members_that_did_not_come() {
+    let started = Instant::now();
+    let results = on_members(LocalGroup::create(3), |g| {
+        if g.rank() == 2 {
+            // Alive but elsewhere (a departed member would be reported as lost).
+            std::thread::sleep(Duration::from_secs(1));
+            return None;
+        }
+        Some(
+            g.join("save_state", Duration::from_millis(300))
+                .unwrap_err()
+                .to_string(),
+        )
+    });
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let e = results[0].clone().unwrap();
+    assert!(
+        e.contains("save_state: ranks [2] did not join"),
+        "{results:?}"
+    );
+    // Everyone joining passes; different steps are a mismatch.
+    let ok = on_members(LocalGroup::create(2), |g| {
+        g.join("x", Duration::from_secs(5)).is_ok()
+    });
+    assert_eq!(ok, [true, true]);
+    let mixed = on_members(LocalGroup::create(2), |g| {
+        let what = if g.rank() == 0 { "save" } else { "load" };
+        g.join(what, Duration::from_secs(5))
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        mixed
+            .iter()
+            .any(|e| e.contains("join(save)") && e.contains("join(load)")),
+        "{mixed:?}"
+    );
+}

@@ -167,6 +167,21 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
             }
             expect_error_on(&pg, |pg| pg.barrier().wait())
         }
+        "join" => {
+            let pg = group()?;
+            if pg.rank() == 1 {
+                // Never joins: waits for the others' verdict instead.
+                std::thread::sleep(Duration::from_secs(20));
+                return Ok(());
+            }
+            match pg.join("save_state", Duration::from_secs(1)) {
+                Ok(()) => Err("join passed without rank 1".into()),
+                Err(e) => {
+                    println!("ERROR: {e}");
+                    Ok(())
+                }
+            }
+        }
         "init_only" => group().map(|_| ()),
         "init_error" => match group() {
             Ok(_) => Err("expected initialisation to fail".into()),
@@ -657,6 +672,30 @@ fn a_hung_peer_times_out_naming_it() {
         ),
         "{e}"
     );
+}
+
+#[test]
+fn a_join_names_the_ranks_that_did_not_come() {
+    let started = Instant::now();
+    let job = spawn(
+        "join",
+        3,
+        &[(0, Vec::new()), (1, Vec::new()), (2, Vec::new())],
+    );
+    let outcomes = finish_ranks(job, &[0, 2], Duration::from_secs(30));
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
+    );
+    for r in [0, 2] {
+        let e = &errors_of(&outcomes)[r];
+        assert!(
+            e.contains("save_state: ranks [1] did not join within 1s"),
+            "{}",
+            dump(&outcomes)
+        );
+    }
 }
 
 #[test]
