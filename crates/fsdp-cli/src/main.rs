@@ -6,6 +6,7 @@ mod config_cmd;
 mod env_cmd;
 mod estimate_cmd;
 mod launch;
+mod merge_cmd;
 mod prompt;
 mod questionnaire;
 mod system;
@@ -44,7 +45,10 @@ enum Command {
     /// Print a model's FSDP units and the memory each rank needs.
     #[command(name = "estimate-memory")]
     EstimateMemory(estimate_cmd::EstimateArgs),
-    /// Measure collectives (and, as they land, layers and memory).
+    /// Merge a sharded checkpoint into one `model.safetensors`.
+    #[command(name = "merge-weights")]
+    MergeWeights(merge_cmd::MergeArgs),
+    /// Measure collectives, one layer, training memory and checkpoints.
     Bench(bench::BenchArgs),
 }
 
@@ -106,6 +110,7 @@ fn main() -> std::process::ExitCode {
         },
         Command::Test(args) => test_cmd::run(args),
         Command::EstimateMemory(args) => estimate_cmd::run(args).map(|()| 0),
+        Command::MergeWeights(args) => merge_cmd::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
     };
     match result {

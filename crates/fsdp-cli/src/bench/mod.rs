@@ -1,6 +1,7 @@
-//! `fsdp bench`: collectives between processes, one BERT layer, and FSDP training memory,
-//! each printing a table and machine-readable JSON.
+//! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory and
+//! checkpoints, each printing a table and machine-readable JSON.
 
+mod checkpoint;
 mod collectives;
 mod layer;
 mod memory;
@@ -27,6 +28,9 @@ enum BenchWhat {
     /// against the formula, peak above it during forward/backward against the largest unit,
     /// bytes sent per step against theory, samples/s and peak RSS.
     Memory(memory::MemoryArgs),
+    /// save_state (sharded and full), load_state and merge-weights of a BERT trained one
+    /// step: wall time, memory while saving, checkpoint size.
+    Checkpoint(checkpoint::CheckpointArgs),
 }
 
 /// Runs `fsdp bench ...`.
@@ -35,5 +39,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Collectives(a) => collectives::run(a),
         BenchWhat::Layer(a) => layer::run(a),
         BenchWhat::Memory(a) => memory::run(a),
+        BenchWhat::Checkpoint(a) => checkpoint::run(a),
     }
 }

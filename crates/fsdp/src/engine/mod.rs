@@ -24,5 +24,5 @@ pub use grads::Gradients;
 pub use param::{FsdpParam, ShardBuffer};
 pub use plan::{MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};
 pub use sharded::{Fsdp, StepReport};
-pub use state::LocalShard;
+pub use state::{LocalRows, LocalShard, RowsSink};
 pub use step::StepParams;

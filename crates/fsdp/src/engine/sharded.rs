@@ -21,7 +21,7 @@ use super::param::FsdpParam;
 use super::plan::UnitPlan;
 use super::step::{StepOptions, StepParams, StepShared};
 use super::unit::{FsdpUnit, Prefetch};
-use crate::config::{FsdpPlugin, ShardingStrategy};
+use crate::config::{FsdpPlugin, ShardingStrategy, StateDictType};
 use crate::nn::{Model, ModuleInfo};
 use crate::optim::Optimizer;
 
@@ -84,6 +84,7 @@ pub struct Fsdp {
     pub(crate) replicated: BTreeMap<String, Var>,
     pub(crate) device: Device,
     grad_index: Arc<GradIndex>,
+    state_dict_type: StateDictType,
 }
 
 impl Fsdp {
@@ -215,12 +216,18 @@ impl Fsdp {
             replicated,
             device,
             grad_index: Arc::new(grad_index),
+            state_dict_type: plugin.state_dict_type,
         })
     }
 
     /// The plan in use.
     pub fn plan(&self) -> &UnitPlan {
         &self.plan
+    }
+
+    /// How checkpoints of this model are cut (`fsdp_state_dict_type`).
+    pub fn state_dict_type(&self) -> StateDictType {
+        self.state_dict_type
     }
 
     /// The mesh: `shard` (the ranks a parameter is split over) and `replicate`.

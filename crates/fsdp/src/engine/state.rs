@@ -11,8 +11,14 @@ use candle_core::Tensor;
 use fsdp_comm::{Buffer, DType};
 
 use super::error::{EngineError, unit_name};
-use super::param::unpack_storage;
 use super::sharded::Fsdp;
+
+/// This rank's rows of a parameter, given its name and its number of owned elements; `None`
+/// when it has none (see [`Fsdp::gather_rows_to_first`]).
+pub type LocalRows<'a> = dyn Fn(&str, usize) -> Result<Option<Vec<f32>>, EngineError> + 'a;
+
+/// Receives a parameter's full values as consecutive chunks (rank 0 only).
+pub type RowsSink<'a> = dyn FnMut(&str, &[&[f32]]) -> Result<(), EngineError> + 'a;
 
 /// This rank's part of one parameter.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,48 +119,119 @@ impl Fsdp {
         &self,
         mut f: impl FnMut(&str, Tensor) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
+        let shapes: std::collections::HashMap<&str, &[usize]> =
+            self.parameters().into_iter().collect();
+        self.gather_rows_to_first(
+            &|name, _| Ok(Some(self.local_values_of(name)?)),
+            &mut |name, chunks| {
+                let shape = shapes.get(name).copied().unwrap_or(&[]);
+                f(
+                    name,
+                    Tensor::from_vec(chunks.concat(), shape, &self.device)?,
+                )
+            },
+        )
+    }
+
+    /// Every parameter's name and full shape, in plan order (units, then ignored modules).
+    pub fn parameters(&self) -> Vec<(&str, &[usize])> {
+        self.units
+            .iter()
+            .flat_map(|u| &u.params)
+            .map(|p| (p.layout.name.as_str(), p.layout.shape.as_slice()))
+            .chain(
+                self.plan
+                    .ignored
+                    .iter()
+                    .map(|l| (l.name.as_str(), l.shape.as_slice())),
+            )
+            .collect()
+    }
+
+    /// This rank's rows of parameter `name` (copied).
+    pub(crate) fn local_values_of(&self, name: &str) -> Result<Vec<f32>, EngineError> {
+        if let Some(var) = self.replicated.get(name) {
+            return Ok(var.as_tensor().flatten_all()?.to_vec1()?);
+        }
+        self.units
+            .iter()
+            .flat_map(|u| &u.params)
+            .find(|p| p.layout.name == name)
+            .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })
+            .and_then(|p| Ok(p.local_values()?.to_vec()))
+    }
+
+    /// Gathers per-parameter row data onto rank 0 of the mesh one unit at a time and calls
+    /// `f(name, full values)` there: `local(name, owned elements)` gives this rank's rows of
+    /// each parameter (the parameter itself, or optimizer state laid out like it), `None`
+    /// when the parameter has none (then `f` is not called for it; every rank must agree).
+    /// Collective; no rank holds more than its rows and one unit.
+    pub fn gather_rows_to_first(
+        &self,
+        local: &LocalRows<'_>,
+        f: &mut RowsSink<'_>,
+    ) -> Result<(), EngineError> {
         let first = self.mesh.rank() == 0;
         let ranks = self.mesh.shard_size();
         for unit in &self.units {
             let block = unit.block();
-            let gathered = if ranks == 1 {
-                None
-            } else {
-                let mut packed = Vec::with_capacity(block);
-                for p in &unit.params {
-                    packed.extend_from_slice(p.shard.values()?);
+            let mut packed = Vec::with_capacity(block);
+            let mut present = Vec::with_capacity(unit.params.len());
+            for p in &unit.params {
+                let owned = p.owned_rows().len() * p.layout.row_elems;
+                let values = local(&p.layout.name, owned)?;
+                present.push(values.is_some());
+                let mut values = values.unwrap_or_default();
+                if values.len() != owned && !values.is_empty() {
+                    return Err(EngineError::State {
+                        name: p.layout.name.clone(),
+                        problem: format!("{} values for {owned} owned elements", values.len()),
+                    });
                 }
+                values.resize(p.layout.shard_numel(), 0.0);
+                packed.extend_from_slice(&values);
+            }
+            let gathered = if ranks == 1 {
+                Some(Buffer::F32(packed))
+            } else {
                 self.mesh
                     .shard
                     .gather(Buffer::F32(packed), 0)
                     .wait()
                     .map_err(|source| EngineError::Collective {
-                        op: "gather of the full state".into(),
+                        op: "gather onto rank 0".into(),
                         unit: unit_name(&unit.path),
                         source,
                     })?
             };
-            if !first {
+            let Some(gathered) = gathered.filter(|_| first) else {
                 continue;
-            }
-            for p in &unit.params {
-                let storage = match &gathered {
-                    Some(g) => unpack_storage(g, &p.layout, block, ranks)?,
-                    None => {
-                        candle_core::CpuStorage::F32(p.shard.values()?[..p.layout.numel()].to_vec())
-                    }
-                };
-                let values = match storage {
-                    candle_core::CpuStorage::F32(v) => v,
-                    _ => Vec::new(),
-                };
-                let t = Tensor::from_vec(values, p.layout.shape.as_slice(), &self.device)?;
-                f(&p.layout.name, t)?;
+            };
+            let Some(gathered) = gathered.as_slice::<f32>() else {
+                continue;
+            };
+            for (p, &has) in unit.params.iter().zip(&present) {
+                if !has {
+                    continue;
+                }
+                // The full value is each rank's rows in rank order: slices of the block,
+                // handed over without assembling a copy.
+                let chunks: Vec<&[f32]> = (0..ranks)
+                    .map(|r| {
+                        let (start, end) = p.layout.rows_of(r);
+                        let base = r * block + p.layout.offset;
+                        &gathered[base..base + (end - start) * p.layout.row_elems]
+                    })
+                    .collect();
+                f(&p.layout.name, &chunks)?;
             }
         }
         if first {
-            for (name, var) in &self.replicated {
-                f(name, var.as_tensor().copy()?)?;
+            for layout in &self.plan.ignored {
+                let n = layout.numel();
+                if let Some(values) = local(&layout.name, n)? {
+                    f(&layout.name, &[&values])?;
+                }
             }
         }
         Ok(())

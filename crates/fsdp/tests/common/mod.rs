@@ -1,6 +1,10 @@
 //! Runs a test binary's worker entry as `world` real processes joined by the torchrun
 //! environment, with a deadline; returns each rank's output.
 
+#![allow(dead_code)]
+
+pub mod tiny;
+
 use std::process::Command;
 use std::time::Duration;
 

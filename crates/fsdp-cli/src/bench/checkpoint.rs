@@ -1,0 +1,260 @@
+//! `fsdp bench checkpoint`: wall time and memory of `save_state` (sharded and full),
+//! `load_state` and `merge-weights` for a BERT trained one step with AdamW on local
+//! processes: the reference BERT by default, BERT-base with `--hidden 768 --layers 12
+//! --vocab 30522`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use fsdp::checkpoint::{self, CheckpointOptions, RunState};
+use fsdp::config::{FsdpPlugin, Layer, StateDictType};
+use fsdp::engine::Fsdp;
+use fsdp::memory;
+use fsdp::models::{BertConfig, BertForSequenceClassification};
+use fsdp::nn::candle::{DType, Device, Tensor};
+use fsdp::nn::ops::{CrossEntropy, cross_entropy};
+use fsdp::nn::{LocalParams, Module};
+use fsdp::optim::{AdamW, AdamWConfig};
+use fsdp_comm::ProcessGroup;
+
+/// Options of `fsdp bench checkpoint`.
+#[derive(Args, Clone)]
+pub struct CheckpointArgs {
+    /// Number of processes.
+    #[arg(
+        long = "num_processes",
+        visible_alias = "num-processes",
+        default_value_t = 2
+    )]
+    num_processes: usize,
+    /// Hidden size (the reference BERT: 256; BERT-base: 768).
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// Encoder layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 8192)]
+    vocab: usize,
+    /// Timed repetitions of each operation (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Folder to write checkpoints in (default: a temporary folder, removed after).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// Write the JSON results to this file too.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Internal: run as one of the benchmark's workers, writing into this folder.
+    #[arg(long, hide = true)]
+    worker: Option<std::path::PathBuf>,
+}
+
+/// Runs `fsdp bench checkpoint`.
+pub fn run(a: CheckpointArgs) -> Result<()> {
+    match &a.worker {
+        Some(dir) => worker(&a, dir),
+        None => launch(&a),
+    }
+}
+
+fn launch(a: &CheckpointArgs) -> Result<()> {
+    let tmp;
+    let dir = match &a.dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::tempdir()?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let args: Vec<String> = [
+        "bench",
+        "checkpoint",
+        "--worker",
+        dir.to_str().context("a folder path that is UTF-8")?,
+        "--hidden",
+        &a.hidden.to_string(),
+        "--layers",
+        &a.layers.to_string(),
+        "--vocab",
+        &a.vocab.to_string(),
+        "--reps",
+        &a.reps.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let out = super::workers::spawn_workers(&args, a.num_processes, &[])?;
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .with_context(|| format!("no result from the workers:\n{out}"))?;
+    let mut result: serde_json::Value = serde_json::from_str(line)?;
+    // The command a user runs: a fresh process, reading the sharded checkpoint.
+    let exe = std::env::current_exe()?;
+    let started = Instant::now();
+    let status = std::process::Command::new(&exe)
+        .args(["merge-weights"])
+        .arg(dir.join("sharded"))
+        .arg(dir.join("merged-cli"))
+        .stdout(std::process::Stdio::null())
+        .status()?;
+    anyhow::ensure!(status.success(), "fsdp merge-weights failed");
+    result["merge_weights_cli_s"] = started.elapsed().as_secs_f64().into();
+    let mib = |k: &str| result[k].as_f64().unwrap_or(f64::NAN) / (1u64 << 20) as f64;
+    println!(
+        "{} processes, BERT hidden {} x {} layers, vocab {}: {:.1} MiB of parameters, {:.1} MiB checkpoint",
+        a.num_processes,
+        a.hidden,
+        a.layers,
+        a.vocab,
+        mib("params_bytes"),
+        mib("checkpoint_bytes")
+    );
+    for (label, key) in [
+        ("save_state SHARDED", "save_sharded_s"),
+        ("save_state FULL", "save_full_s"),
+        ("load_state SHARDED", "load_sharded_s"),
+        ("merge_weights (in process)", "merge_s"),
+        ("fsdp merge-weights (CLI)", "merge_weights_cli_s"),
+    ] {
+        println!(
+            "{label:<28} {:>8.3} s",
+            result[key].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    println!(
+        "peak above state while saving (worst rank): {:.1} MiB sharded, {:.1} MiB full; largest unit {:.1} MiB; peak RSS {:.1} MiB",
+        mib("save_sharded_peak_above_bytes"),
+        mib("save_full_peak_above_bytes"),
+        mib("largest_unit_bytes"),
+        mib("peak_rss_bytes")
+    );
+    println!("{result}");
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
+    }
+    Ok(())
+}
+
+/// Median of `reps` runs of `f` (seconds), with the largest rise of live bytes above what
+/// was live before each run.
+fn timed(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, usize)> {
+    let (mut times, mut peak_above) = (Vec::new(), 0usize);
+    for _ in 0..reps.max(1) {
+        let before = memory::resident_bytes();
+        memory::reset_peak();
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+        peak_above = peak_above.max(memory::peak_bytes().saturating_sub(before));
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], peak_above))
+}
+
+fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
+    memory::CountingAllocator::mark_installed();
+    let pg = ProcessGroup::from_env()?;
+    let rank = pg.rank();
+    let plugin = FsdpPlugin::builder().resolve(&Layer::new(), None)?.fsdp;
+    let config = BertConfig {
+        vocab_size: a.vocab,
+        hidden_size: a.hidden,
+        num_hidden_layers: a.layers,
+        num_attention_heads: (a.hidden / 64).max(1),
+        intermediate_size: 4 * a.hidden,
+        max_position_embeddings: 128,
+        ..BertConfig::default()
+    };
+    let model = BertForSequenceClassification::new(config)?;
+    let init = LocalParams::init(&model.info(), 42, DType::F32, &Device::Cpu)?;
+    let mut fsdp = Fsdp::wrap(&model, &init.tensors(), &plugin, Arc::new(pg))?;
+    drop(init);
+    let mut adamw = AdamW::new(AdamWConfig::default())?;
+    // One step, so the optimizer has its moments.
+    let ids = Tensor::zeros((2, 16), DType::U32, &Device::Cpu)?;
+    let labels = Tensor::zeros(2, DType::U32, &Device::Cpu)?;
+    let params = fsdp.begin_step()?;
+    let loss = cross_entropy(
+        &model.forward(&params, &ids, None, None)?,
+        &labels,
+        CrossEntropy::default(),
+    )?;
+    let grads = fsdp.backward(params, loss)?;
+    fsdp.step(grads, &mut adamw, None)?;
+
+    let run = RunState::default();
+    let sharded = dir.join("sharded");
+    let (save_sharded, sharded_peak) = timed(a.reps, || {
+        fsdp.save_state(&sharded, &adamw, &run)?;
+        Ok(())
+    })?;
+    let full_options = CheckpointOptions {
+        state_dict_type: Some(StateDictType::FullStateDict),
+        ..Default::default()
+    };
+    let full = dir.join("full");
+    let (save_full, full_peak) = timed(a.reps, || {
+        checkpoint::save_state(&full, &[&fsdp], &[&adamw], &run, &full_options)?;
+        Ok(())
+    })?;
+    let (load_sharded, _) = timed(a.reps, || {
+        fsdp.load_state(&sharded, &mut adamw)?;
+        Ok(())
+    })?;
+    let merged = dir.join("merged");
+    let (merge, _) = if rank == 0 {
+        timed(a.reps, || {
+            checkpoint::merge_weights(&sharded, &merged)?;
+            Ok(())
+        })?
+    } else {
+        (0.0, 0)
+    };
+    let checkpoint_bytes: u64 = walk_bytes(&sharded);
+    let mine = vec![
+        sharded_peak as f64,
+        full_peak as f64,
+        memory::peak_rss_bytes().unwrap_or(0) as f64,
+    ];
+    let all = fsdp.mesh().all_gather_vec(mine)?;
+    if rank == 0 {
+        let worst = |k: usize| all.chunks(3).map(|c| c[k]).fold(0f64, f64::max);
+        let plan = fsdp.plan();
+        println!(
+            "RESULT {}",
+            serde_json::json!({
+                "params_bytes": plan.units.iter().map(|u| u.numel() * 4).sum::<usize>(),
+                "largest_unit_bytes": plan.units.iter().map(|u| u.numel() * 4).max().unwrap_or(0),
+                "checkpoint_bytes": checkpoint_bytes,
+                "save_sharded_s": save_sharded,
+                "save_full_s": save_full,
+                "load_sharded_s": load_sharded,
+                "merge_s": merge,
+                "save_sharded_peak_above_bytes": worst(0),
+                "save_full_peak_above_bytes": worst(1),
+                "peak_rss_bytes": worst(2),
+            })
+        );
+    }
+    Ok(())
+}
+
+/// Bytes of every file under `dir`.
+fn walk_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| {
+            let p = e.path();
+            if p.is_dir() {
+                walk_bytes(&p)
+            } else {
+                e.metadata().map_or(0, |m| m.len())
+            }
+        })
+        .sum()
+}

@@ -1,0 +1,50 @@
+//! `fsdp merge-weights`: a sharded checkpoint's model merged into one `model.safetensors`
+//! (like `accelerate merge-weights`), streaming one tensor at a time.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+
+/// Merge a sharded checkpoint into one `model.safetensors`.
+#[derive(Args)]
+pub struct MergeArgs {
+    /// The checkpoint folder written by `save_state`, or its `pytorch_model_fsdp_0` folder.
+    checkpoint_directory: PathBuf,
+    /// The folder to write `model.safetensors` into.
+    output_path: PathBuf,
+    /// Write PyTorch's pickle format (`pytorch_model.bin`) instead of safetensors.
+    #[arg(long = "unsafe_serialization", visible_alias = "unsafe-serialization")]
+    unsafe_serialization: bool,
+    /// Remove the checkpoint folder once the merged file is written.
+    #[arg(
+        long = "remove_checkpoint_dir",
+        visible_alias = "remove-checkpoint-dir"
+    )]
+    remove_checkpoint_dir: bool,
+}
+
+/// Runs `fsdp merge-weights`.
+pub fn run(args: MergeArgs) -> Result<()> {
+    if args.unsafe_serialization {
+        bail!(
+            "--unsafe_serialization (pickle, pytorch_model.bin) is not written by fsdp-rs: pickle files can run code when loaded; merge to model.safetensors, which transformers loads as it is"
+        );
+    }
+    let started = Instant::now();
+    let report = fsdp::checkpoint::merge_weights(&args.checkpoint_directory, &args.output_path)?;
+    println!(
+        "merged {} tensors into {} ({:.1} MiB) in {:.2} s",
+        report.tensors,
+        report.output.display(),
+        report.bytes as f64 / (1 << 20) as f64,
+        started.elapsed().as_secs_f64()
+    );
+    if args.remove_checkpoint_dir {
+        std::fs::remove_dir_all(&args.checkpoint_directory)
+            .with_context(|| format!("removing {}", args.checkpoint_directory.display()))?;
+        println!("removed {}", args.checkpoint_directory.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,260 @@
+//! Loading: every rank reads the metadata, checks that the checkpoint and the models hold
+//! the same parameters (a tensor one side lacks is an error naming it), and reads exactly the
+//! rows it now owns — whatever world size and strategy saved them — verifying sizes and
+//! checksums; the optimizer state is matched by parameter and state name.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use super::collect::{agree, join};
+use super::error::CheckpointError;
+use super::format::{self, CheckpointDoc, FolderDoc, check_version, read_json};
+use super::save::layout_of;
+use super::tensor_file::TensorReader;
+use super::{CheckpointOptions, RunState};
+use crate::engine::Fsdp;
+use crate::optim::{Optimizer, ParamState};
+
+/// Reads a folder's metadata, checking its format, kind and cut.
+fn folder_doc(dir: &Path, kind: &str, state_dict_type: &str) -> Result<FolderDoc, CheckpointError> {
+    let path = dir.join(format::METADATA_FILE);
+    let doc: FolderDoc = read_json(&path)?;
+    check_version(&path, &doc.format, doc.version)?;
+    if doc.kind != kind || doc.state_dict_type != state_dict_type {
+        return Err(CheckpointError::corrupt(
+            &path,
+            format!(
+                "a {} folder of a {} checkpoint, where a {kind} folder of a {state_dict_type} one was expected",
+                doc.kind, doc.state_dict_type
+            ),
+        ));
+    }
+    Ok(doc)
+}
+
+/// For a LOCAL_STATE_DICT folder: keeps only this rank's file, after checking the layout.
+fn local_only(dir: &Path, doc: &mut FolderDoc, model: &Fsdp) -> Result<(), CheckpointError> {
+    let current = layout_of(model);
+    match &doc.layout {
+        Some(saved) if *saved == current => {}
+        Some(saved) => {
+            return Err(CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "LOCAL_STATE_DICT shards were cut for {saved}, and this job has {current}: load them with the same world size and wrapping, or save a SHARDED_STATE_DICT checkpoint"
+                ),
+            });
+        }
+        None => {
+            return Err(CheckpointError::corrupt(
+                dir.join(format::METADATA_FILE),
+                "a LOCAL_STATE_DICT folder without its layout",
+            ));
+        }
+    }
+    let mine = format::rank_file(model.mesh().rank());
+    for t in doc.tensors.values_mut() {
+        t.pieces.retain(|p| p.file == mine);
+    }
+    Ok(())
+}
+
+/// Model `m` from folder `dir`: every parameter's owned rows.
+fn load_model(dir: &Path, doc: &FolderDoc, m: &mut Fsdp) -> Result<(), CheckpointError> {
+    let names: BTreeMap<String, Vec<usize>> = m
+        .parameters()
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), s.to_vec()))
+        .collect();
+    if let Some(extra) = doc.tensors.keys().find(|t| !names.contains_key(*t)) {
+        return Err(CheckpointError::Mismatch {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "the checkpoint holds `{extra}`, which is not a parameter of the model"
+            ),
+        });
+    }
+    let mut reader = TensorReader::new(dir, &doc.files);
+    for (name, shape) in &names {
+        let t = doc
+            .tensors
+            .get(name)
+            .ok_or_else(|| CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                reason: format!("parameter `{name}` of the model is not in the checkpoint"),
+            })?;
+        if &t.shape != shape || t.dtype != "F32" {
+            return Err(CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "`{name}` is {} {:?} in the checkpoint and F32 {shape:?} in the model",
+                    t.dtype, t.shape
+                ),
+            });
+        }
+        let rows = m.owned_rows(name)?;
+        let row_elems: usize = shape.iter().skip(1).product();
+        let values = reader.read_rows(name, t, rows, row_elems)?;
+        m.load_local_shard(name, &values)?;
+    }
+    Ok(())
+}
+
+/// Optimizer state for model `m` from folder `dir`, by parameter and state name.
+fn load_optimizer(
+    dir: &Path,
+    doc: &FolderDoc,
+    m: &Fsdp,
+    o: &mut dyn Optimizer,
+) -> Result<(), CheckpointError> {
+    let meta = doc.optimizer.as_ref().ok_or_else(|| {
+        CheckpointError::corrupt(dir.join(format::METADATA_FILE), "no optimizer section")
+    })?;
+    if meta.name != o.name() {
+        return Err(CheckpointError::Mismatch {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "the checkpoint holds {} state; the optimizer is {}",
+                meta.name,
+                o.name()
+            ),
+        });
+    }
+    if meta.lrs.len() != o.num_groups() {
+        return Err(CheckpointError::Mismatch {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "{} parameter group(s) in the checkpoint, {} in the optimizer",
+                meta.lrs.len(),
+                o.num_groups()
+            ),
+        });
+    }
+    let shapes: BTreeMap<&str, &[usize]> = m.parameters().into_iter().collect();
+    let mut states: BTreeMap<String, ParamState> = BTreeMap::new();
+    let mut reader = TensorReader::new(dir, &doc.files);
+    for (tensor, t) in &doc.tensors {
+        let param = tensor
+            .rsplit_once('.')
+            .map(|(p, _)| p)
+            .filter(|p| shapes.contains_key(p))
+            .ok_or_else(|| CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "the checkpoint holds optimizer state `{tensor}` for no parameter of the model"
+                ),
+            })?;
+        let key = &tensor[param.len() + 1..];
+        let shape = shapes[param];
+        if t.shape != shape {
+            return Err(CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                reason: format!("`{tensor}` is {:?}, the parameter {shape:?}", t.shape),
+            });
+        }
+        let rows = m.owned_rows(param)?;
+        let row_elems: usize = shape.iter().skip(1).product();
+        let values = reader.read_rows(tensor, t, rows, row_elems)?;
+        let state = states.entry(param.to_string()).or_default();
+        state.buffers.insert(key.to_string(), values);
+    }
+    if let Some(p) = meta.steps.keys().find(|p| !shapes.contains_key(p.as_str())) {
+        return Err(CheckpointError::Mismatch {
+            path: dir.to_path_buf(),
+            reason: format!("the checkpoint counts steps of `{p}`, which is not a parameter"),
+        });
+    }
+    if let Some(p) = states.keys().find(|p| !meta.steps.contains_key(*p)) {
+        return Err(CheckpointError::corrupt(
+            dir.join(format::METADATA_FILE),
+            format!("state tensors of `{p}` but no step count"),
+        ));
+    }
+    // Every parameter with a step count has state (SGD without momentum: the count alone).
+    for (param, &step) in &meta.steps {
+        let mut state = states.remove(param).unwrap_or_default();
+        state.step = step;
+        o.set_state(param, state)?;
+    }
+    for (g, &lr) in meta.lrs.iter().enumerate() {
+        o.set_lr(g, lr)?;
+    }
+    Ok(())
+}
+
+/// See [`super::load_state`].
+pub(crate) fn load(
+    path: &Path,
+    models: &mut [&mut Fsdp],
+    optimizers: &mut [&mut dyn Optimizer],
+    options: &CheckpointOptions,
+) -> Result<RunState, CheckpointError> {
+    let Some(first) = models.first() else {
+        return Err(CheckpointError::Usage(
+            "load_state needs at least one model".into(),
+        ));
+    };
+    let mesh = first.mesh().clone();
+    join(&mesh, "load_state", options.join_timeout)?;
+    let result = read_all(path, models, optimizers);
+    agree(&mesh, result)
+}
+
+fn read_all(
+    path: &Path,
+    models: &mut [&mut Fsdp],
+    optimizers: &mut [&mut dyn Optimizer],
+) -> Result<RunState, CheckpointError> {
+    let root: PathBuf = format::checkpoint_root(path).ok_or_else(|| CheckpointError::Missing {
+        path: path.join(format::CHECKPOINT_FILE),
+        what: "the document of a complete checkpoint (a folder written by save_state)".into(),
+    })?;
+    let doc_path = root.join(format::CHECKPOINT_FILE);
+    let doc: CheckpointDoc = read_json(&doc_path)?;
+    check_version(&doc_path, &doc.format, doc.version)?;
+    if doc.models != models.len() || doc.optimizers != optimizers.len() {
+        return Err(CheckpointError::Mismatch {
+            path: root.clone(),
+            reason: format!(
+                "{} model(s) and {} optimizer(s) saved, {} and {} given to load into",
+                doc.models,
+                doc.optimizers,
+                models.len(),
+                optimizers.len()
+            ),
+        });
+    }
+    let local = doc.state_dict_type == "LOCAL_STATE_DICT";
+    for (i, m) in models.iter_mut().enumerate() {
+        let dir = root.join(format::model_folder(i));
+        let mut folder = folder_doc(&dir, "model", &doc.state_dict_type)?;
+        if local {
+            local_only(&dir, &mut folder, m)?;
+        }
+        load_model(&dir, &folder, m)?;
+    }
+    for (i, o) in optimizers.iter_mut().enumerate() {
+        let dir = root.join(format::optimizer_folder(i));
+        let mut folder = folder_doc(&dir, "optimizer", &doc.state_dict_type)?;
+        if local {
+            local_only(&dir, &mut folder, models[i])?;
+        }
+        load_optimizer(&dir, &folder, models[i], &mut **o)?;
+    }
+    let schedulers = (0..doc.schedulers)
+        .map(|i| read_json::<serde_json::Value>(&root.join(format::scheduler_file(i))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rank = models[0].mesh().rank();
+    let random = if doc.world_size == models[0].mesh().world_size() {
+        read_json(&root.join(format::random_states_file(rank)))?
+    } else {
+        // Per-rank generators of another world size do not map onto this one's ranks.
+        serde_json::Value::Null
+    };
+    Ok(RunState {
+        step: doc.step,
+        schedulers,
+        random,
+        data: doc.data,
+    })
+}

@@ -1,0 +1,132 @@
+//! Checkpoints: `save_state` / `load_state` of models, optimizers, schedulers, random state
+//! and data position, in Accelerate's layout (`pytorch_model_fsdp_{i}/`, `optimizer_{i}/`,
+//! `scheduler_{i}.json`, `random_states_{rank}.json`), cut as `fsdp_state_dict_type` says:
+//!
+//! * `SHARDED_STATE_DICT`: each rank writes the rows it owns; loading at any world size and
+//!   strategy reads exactly the rows each rank then owns, by parameter and state name.
+//! * `FULL_STATE_DICT`: gathered unit by unit onto rank 0 into one `model.safetensors` (Hugging
+//!   Face names) and one `optimizer.safetensors`; loads the same way.
+//! * `LOCAL_STATE_DICT`: each rank's own state; loads only into the same layout.
+//!
+//! Saving is atomic (a staging folder synced and renamed into place) and collective with a
+//! fail-fast join; every file is checksummed and verified on load. The format is specified
+//! in `docs/CHECKPOINT_FORMAT.md`.
+
+mod atomic;
+mod collect;
+mod error;
+pub mod format;
+mod load;
+mod merge;
+mod save;
+mod tensor_file;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use error::CheckpointError;
+pub use merge::{MergeReport, merge_weights};
+
+use crate::config::StateDictType;
+use crate::engine::Fsdp;
+use crate::optim::Optimizer;
+
+/// How a save is named and cut.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointOptions {
+    /// The cut; `None` takes the model's `fsdp_state_dict_type`.
+    pub state_dict_type: Option<StateDictType>,
+    /// Save into `dir/checkpoints/checkpoint_<n>` (the next free `n`) instead of `dir`, as
+    /// Accelerate's `ProjectConfiguration(automatic_checkpoint_naming=True)`.
+    pub automatic_naming: bool,
+    /// With automatic naming, keep at most this many checkpoints (the oldest are removed).
+    pub total_limit: Option<usize>,
+    /// How long every rank waits for the others to enter the save or load before failing
+    /// with the ranks that did not.
+    pub join_timeout: Duration,
+}
+
+impl Default for CheckpointOptions {
+    fn default() -> Self {
+        CheckpointOptions {
+            state_dict_type: None,
+            automatic_naming: false,
+            total_limit: None,
+            join_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What a checkpoint holds beside models and optimizers: the training step, each
+/// scheduler's state, this rank's random generators, and the data pipeline's position.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// The step the state belongs to.
+    pub step: u64,
+    /// Each scheduler's state (`scheduler_{i}.json`).
+    pub schedulers: Vec<serde_json::Value>,
+    /// This rank's random generator state (`random_states_{rank}.json`); on load, `Null` when
+    /// the world size changed (per-rank generators do not map onto other ranks).
+    pub random: serde_json::Value,
+    /// Where the data pipeline is (epoch, batch), restored as saved.
+    pub data: serde_json::Value,
+}
+
+/// Saves `models` (model i in `pytorch_model_fsdp_{i}`), `optimizers` (optimizer i of model
+/// i) and `run` to `dir` — collective: every rank calls it. Returns the folder written (the
+/// numbered one with automatic naming). The previous checkpoint at that folder, if any,
+/// stays intact until the new one is complete.
+pub fn save_state(
+    dir: &Path,
+    models: &[&Fsdp],
+    optimizers: &[&dyn Optimizer],
+    run: &RunState,
+    options: &CheckpointOptions,
+) -> Result<PathBuf, CheckpointError> {
+    save::save(dir, models, optimizers, run, options)
+}
+
+/// Loads what [`save_state`] wrote at `dir` (the checkpoint folder, or a folder inside it)
+/// into `models` and `optimizers` — collective — and returns the run state.
+pub fn load_state(
+    dir: &Path,
+    models: &mut [&mut Fsdp],
+    optimizers: &mut [&mut dyn Optimizer],
+    options: &CheckpointOptions,
+) -> Result<RunState, CheckpointError> {
+    load::load(dir, models, optimizers, options)
+}
+
+impl Fsdp {
+    /// [`save_state`] of this model and its optimizer.
+    pub fn save_state(
+        &self,
+        dir: &Path,
+        optimizer: &dyn Optimizer,
+        run: &RunState,
+    ) -> Result<PathBuf, CheckpointError> {
+        save_state(
+            dir,
+            &[self],
+            &[optimizer],
+            run,
+            &CheckpointOptions::default(),
+        )
+    }
+
+    /// [`load_state`] into this model and its optimizer.
+    pub fn load_state(
+        &mut self,
+        dir: &Path,
+        optimizer: &mut dyn Optimizer,
+    ) -> Result<RunState, CheckpointError> {
+        load_state(
+            dir,
+            &mut [self],
+            &mut [optimizer],
+            &CheckpointOptions::default(),
+        )
+    }
+}

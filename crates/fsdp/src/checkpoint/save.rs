@@ -1,0 +1,589 @@
+//! Saving: every rank writes its own files into a staging folder (its rows with
+//! SHARDED_STATE_DICT, everything gathered unit by unit onto rank 0 with FULL_STATE_DICT),
+//! one exchange of small documents gives rank 0 what it needs for the metadata, and rank 0
+//! puts the synced folder in place atomically.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::atomic;
+use super::collect::{agree, all_gather_bytes, broadcast_bytes, join};
+use super::error::CheckpointError;
+use super::format::{
+    self, CheckpointDoc, FileDoc, FolderDoc, LayoutDoc, OptimizerDoc, PieceDoc, TensorDoc,
+};
+use super::tensor_file::{PlannedTensor, TensorFileWriter, WrittenFile};
+use super::{CheckpointOptions, RunState};
+use crate::config::StateDictType;
+use crate::engine::{Fsdp, LocalRows};
+use crate::optim::Optimizer;
+
+/// A piece as a rank reports it: (tensor, full shape, rows, offset, bytes, crc32).
+type RankPiece = (String, Vec<usize>, [usize; 2], u64, u64, u32);
+
+/// What one rank wrote into one folder: its file and the pieces in it.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct RankFolder {
+    file: Option<(String, FileDoc)>,
+    pieces: Vec<RankPiece>,
+    steps: BTreeMap<String, u64>,
+}
+
+/// What one rank reports after writing: one entry per model folder, then per optimizer.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct RankReport {
+    folders: Vec<RankFolder>,
+}
+
+/// One tensor this rank writes: name, full shape, its rows and their values (borrowed from
+/// the engine and the optimizer, not copied).
+struct Part<'a> {
+    name: String,
+    shape: Vec<usize>,
+    rows: [usize; 2],
+    values: std::borrow::Cow<'a, [f32]>,
+}
+
+fn state_dict_name(t: StateDictType) -> &'static str {
+    match t {
+        StateDictType::FullStateDict => "FULL_STATE_DICT",
+        StateDictType::LocalStateDict => "LOCAL_STATE_DICT",
+        StateDictType::ShardedStateDict => "SHARDED_STATE_DICT",
+    }
+}
+
+/// The layout of `model`'s shards (what a LOCAL_STATE_DICT checkpoint must be loaded into).
+pub(crate) fn layout_of(model: &Fsdp) -> LayoutDoc {
+    LayoutDoc {
+        world_size: model.mesh().world_size(),
+        shard_size: model.mesh().shard_size(),
+        units: model
+            .plan()
+            .units
+            .iter()
+            .map(|u| {
+                (
+                    u.path.clone(),
+                    u.params.iter().map(|p| p.name.clone()).collect(),
+                )
+            })
+            .collect(),
+    }
+}
+
+/// Whether this rank writes rows that several ranks hold: parameter `index` of the model is
+/// written by one of them, chosen round-robin so the work is spread.
+fn writes(model: &Fsdp, shard_rows: usize, full_rows: usize, index: usize) -> bool {
+    let mesh = model.mesh();
+    if shard_rows == full_rows && mesh.shard_size() > 1 {
+        // Whole on every rank (an ignored module).
+        return index % mesh.world_size() == mesh.rank();
+    }
+    if mesh.shard_size() == 1 {
+        return index % mesh.world_size() == mesh.rank();
+    }
+    let replica = mesh.replicate.as_ref().map_or(0, |r| r.rank());
+    index % mesh.replicas() == replica
+}
+
+/// This rank's parts of model `m` (and of its optimizer `opt`): rows it owns and writes.
+#[allow(clippy::type_complexity)]
+fn sharded_parts<'a>(
+    m: &'a Fsdp,
+    opt: Option<&'a dyn Optimizer>,
+    local: bool,
+) -> Result<(Vec<Part<'a>>, Vec<Part<'a>>, BTreeMap<String, u64>), CheckpointError> {
+    let (mut params, mut states, mut steps) = (Vec::new(), Vec::new(), BTreeMap::new());
+    for (index, s) in m.local_shards()?.into_iter().enumerate() {
+        let full_rows = s.shape.first().copied().unwrap_or(1);
+        if s.rows.is_empty() || !(local || writes(m, s.rows.len(), full_rows, index)) {
+            continue;
+        }
+        let rows = [s.rows.start, s.rows.end];
+        if let Some(state) = opt.and_then(|o| o.state(s.name)) {
+            steps.insert(s.name.to_string(), state.step);
+            for (key, buf) in &state.buffers {
+                states.push(Part {
+                    name: format!("{}.{key}", s.name),
+                    shape: s.shape.to_vec(),
+                    rows,
+                    values: std::borrow::Cow::Borrowed(buf.as_slice()),
+                });
+            }
+        }
+        params.push(Part {
+            name: s.name.to_string(),
+            shape: s.shape.to_vec(),
+            rows,
+            values: s.values,
+        });
+    }
+    Ok((params, states, steps))
+}
+
+/// Writes `parts` as one tensor file and describes it.
+fn write_parts(
+    folder: &Path,
+    file: &str,
+    rank: usize,
+    parts: Vec<Part>,
+) -> Result<RankFolder, CheckpointError> {
+    if parts.is_empty() {
+        return Ok(RankFolder::default());
+    }
+    let plan = parts
+        .iter()
+        .map(|p| {
+            let mut shape = p.shape.clone();
+            if let Some(d) = shape.first_mut() {
+                *d = p.rows[1] - p.rows[0];
+            }
+            PlannedTensor {
+                name: p.name.clone(),
+                shape,
+            }
+        })
+        .collect();
+    let mut w = TensorFileWriter::create(&folder.join(file), plan)?;
+    for p in &parts {
+        w.write_next(&p.values)?;
+    }
+    let written = w.finish()?;
+    Ok(describe(
+        file,
+        rank,
+        &written,
+        parts.iter().map(|p| (p.shape.clone(), p.rows)),
+    ))
+}
+
+fn describe(
+    file: &str,
+    rank: usize,
+    written: &WrittenFile,
+    shapes: impl Iterator<Item = (Vec<usize>, [usize; 2])>,
+) -> RankFolder {
+    RankFolder {
+        file: Some((
+            file.to_string(),
+            FileDoc {
+                bytes: written.bytes,
+                header_crc32: written.header_crc32,
+                rank,
+            },
+        )),
+        pieces: written
+            .tensors
+            .iter()
+            .zip(shapes)
+            .map(|((name, offset, bytes, crc), (shape, rows))| {
+                (name.clone(), shape, rows, *offset, *bytes, *crc)
+            })
+            .collect(),
+        steps: BTreeMap::new(),
+    }
+}
+
+/// FULL_STATE_DICT: `local(name, owned)` rows of every parameter gathered unit by unit onto
+/// rank 0, which streams them into one file (the header planned from the names and shapes).
+fn write_full(
+    m: &Fsdp,
+    folder: &Path,
+    file: &str,
+    names: Vec<(String, Vec<usize>)>,
+    local: &LocalRows<'_>,
+) -> Result<RankFolder, CheckpointError> {
+    let first = m.mesh().rank() == 0;
+    let plan: Vec<PlannedTensor> = names
+        .iter()
+        .map(|(n, shape)| PlannedTensor {
+            name: n.clone(),
+            shape: shape.clone(),
+        })
+        .collect();
+    let mut writer = if first && !plan.is_empty() {
+        Some(TensorFileWriter::create(&folder.join(file), plan)?)
+    } else {
+        None
+    };
+    let mut failed = None;
+    m.gather_rows_to_first(local, &mut |_, chunks| {
+        if let (Some(w), None) = (writer.as_mut(), &failed) {
+            if let Err(e) = w.write_chunks(chunks) {
+                failed = Some(e);
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    match writer {
+        None => Ok(RankFolder::default()),
+        Some(w) => {
+            let written = w.finish()?;
+            let shapes = names.into_iter().map(|(_, s)| {
+                let rows = [0, s.first().copied().unwrap_or(1)];
+                (s, rows)
+            });
+            Ok(describe(file, 0, &written, shapes))
+        }
+    }
+}
+
+/// Writes this rank's files for every model and optimizer into `staging`.
+fn write_rank(
+    staging: &Path,
+    models: &[&Fsdp],
+    optimizers: &[&dyn Optimizer],
+    run: &RunState,
+    kind: StateDictType,
+) -> Result<RankReport, CheckpointError> {
+    let rank = models[0].mesh().rank();
+    atomic::write_synced(
+        &staging.join(format::random_states_file(rank)),
+        &serde_json::to_vec_pretty(&run.random)
+            .map_err(|e| CheckpointError::Usage(format!("random state: {e}")))?,
+    )?;
+    let mut report = RankReport::default();
+    let mut optimizer_folders = Vec::new();
+    for (i, m) in models.iter().enumerate() {
+        let opt = optimizers.get(i).copied();
+        let model_dir = staging.join(format::model_folder(i));
+        let opt_dir = staging.join(format::optimizer_folder(i));
+        if kind == StateDictType::FullStateDict {
+            let names: Vec<(String, Vec<usize>)> = m
+                .parameters()
+                .into_iter()
+                .map(|(n, s)| (n.to_string(), s.to_vec()))
+                .collect();
+            report.folders.push(write_full(
+                m,
+                &model_dir,
+                format::FULL_MODEL_FILE,
+                names.clone(),
+                &|name, _| m.local_values_of(name).map(Some),
+            )?);
+            if let Some(o) = opt {
+                let mut folder = RankFolder::default();
+                let keys: Vec<String> = state_keys(o, &names);
+                let mut tensors = Vec::new();
+                for key in &keys {
+                    for (n, s) in &names {
+                        if o.state(n).is_some_and(|st| st.buffers.contains_key(key)) {
+                            tensors.push((format!("{n}.{key}"), s.clone()));
+                        }
+                    }
+                }
+                let mut written = write_full_state(m, o, &opt_dir, &keys, tensors)?;
+                folder.file = written.file.take();
+                folder.pieces = written.pieces;
+                folder.steps = names
+                    .iter()
+                    .filter_map(|(n, _)| o.state(n).map(|s| (n.clone(), s.step)))
+                    .collect();
+                optimizer_folders.push(folder);
+            }
+            continue;
+        }
+        let local = kind == StateDictType::LocalStateDict;
+        let (params, states, steps) = sharded_parts(m, opt, local)?;
+        report.folders.push(write_parts(
+            &model_dir,
+            &format::rank_file(rank),
+            rank,
+            params,
+        )?);
+        if opt.is_some() {
+            let mut folder = write_parts(&opt_dir, &format::rank_file(rank), rank, states)?;
+            folder.steps = steps;
+            optimizer_folders.push(folder);
+        }
+    }
+    report.folders.extend(optimizer_folders);
+    Ok(report)
+}
+
+/// The state names (`exp_avg`, ...) the optimizer holds for any of `names`, sorted.
+fn state_keys(o: &dyn Optimizer, names: &[(String, Vec<usize>)]) -> Vec<String> {
+    let mut keys: Vec<String> = names
+        .iter()
+        .filter_map(|(n, _)| o.state(n))
+        .flat_map(|s| s.buffers.keys().cloned())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+/// FULL_STATE_DICT optimizer state: each state name's rows gathered like the parameters.
+fn write_full_state(
+    m: &Fsdp,
+    o: &dyn Optimizer,
+    folder: &Path,
+    keys: &[String],
+    tensors: Vec<(String, Vec<usize>)>,
+) -> Result<RankFolder, CheckpointError> {
+    let first = m.mesh().rank() == 0;
+    let plan: Vec<PlannedTensor> = tensors
+        .iter()
+        .map(|(n, s)| PlannedTensor {
+            name: n.clone(),
+            shape: s.clone(),
+        })
+        .collect();
+    let mut writer = if first && !plan.is_empty() {
+        Some(TensorFileWriter::create(
+            &folder.join(format::FULL_OPTIMIZER_FILE),
+            plan,
+        )?)
+    } else {
+        None
+    };
+    let mut failed = None;
+    for key in keys {
+        m.gather_rows_to_first(
+            &|name, _| Ok(o.state(name).and_then(|s| s.buffers.get(key).cloned())),
+            &mut |_, chunks| {
+                if let (Some(w), None) = (writer.as_mut(), &failed) {
+                    if let Err(e) = w.write_chunks(chunks) {
+                        failed = Some(e);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    match writer {
+        None => Ok(RankFolder::default()),
+        Some(w) => {
+            let written = w.finish()?;
+            let shapes = tensors.into_iter().map(|(_, s)| {
+                let rows = [0, s.first().copied().unwrap_or(1)];
+                (s, rows)
+            });
+            Ok(describe(format::FULL_OPTIMIZER_FILE, 0, &written, shapes))
+        }
+    }
+}
+
+/// Rank 0: the folders' metadata from every rank's report, the schedulers, and last the
+/// checkpoint document.
+fn write_documents(
+    staging: &Path,
+    reports: &[RankReport],
+    models: &[&Fsdp],
+    optimizers: &[&dyn Optimizer],
+    run: &RunState,
+    kind: StateDictType,
+) -> Result<(), CheckpointError> {
+    let type_name = state_dict_name(kind);
+    let folders = models.len() + optimizers.len().min(models.len());
+    for f in 0..folders {
+        let is_model = f < models.len();
+        let (dir, kind_name) = if is_model {
+            (staging.join(format::model_folder(f)), "model")
+        } else {
+            let i = f - models.len();
+            (staging.join(format::optimizer_folder(i)), "optimizer")
+        };
+        let mut doc = FolderDoc {
+            format: format::FORMAT.into(),
+            version: format::VERSION,
+            kind: kind_name.into(),
+            state_dict_type: type_name.into(),
+            tensors: BTreeMap::new(),
+            files: BTreeMap::new(),
+            optimizer: None,
+            layout: (kind == StateDictType::LocalStateDict).then(|| layout_of(models[0])),
+        };
+        let mut steps = BTreeMap::new();
+        for report in reports {
+            let Some(folder) = report.folders.get(f) else {
+                continue;
+            };
+            let Some((file, file_doc)) = &folder.file else {
+                continue;
+            };
+            doc.files.insert(file.clone(), file_doc.clone());
+            for (name, shape, rows, offset, bytes, crc32) in &folder.pieces {
+                let entry = doc
+                    .tensors
+                    .entry(name.clone())
+                    .or_insert_with(|| TensorDoc {
+                        shape: shape.clone(),
+                        dtype: "F32".into(),
+                        pieces: Vec::new(),
+                    });
+                entry.pieces.push(PieceDoc {
+                    file: file.clone(),
+                    rows: *rows,
+                    offset: *offset,
+                    bytes: *bytes,
+                    crc32: *crc32,
+                });
+            }
+            steps.extend(folder.steps.iter().map(|(k, v)| (k.clone(), *v)));
+        }
+        for t in doc.tensors.values_mut() {
+            t.pieces.sort_by_key(|p| (p.rows[0], p.file.clone()));
+        }
+        if !is_model {
+            let o = optimizers[f - models.len()];
+            doc.optimizer = Some(OptimizerDoc {
+                name: o.name().into(),
+                lrs: (0..o.num_groups()).map(|g| o.lr(g)).collect(),
+                steps,
+            });
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
+        atomic::write_synced(
+            &dir.join(format::METADATA_FILE),
+            &serde_json::to_vec_pretty(&doc)
+                .map_err(|e| CheckpointError::Usage(format!("metadata: {e}")))?,
+        )?;
+        atomic::sync_dir(&dir)?;
+    }
+    for (i, s) in run.schedulers.iter().enumerate() {
+        atomic::write_synced(
+            &staging.join(format::scheduler_file(i)),
+            &serde_json::to_vec_pretty(s)
+                .map_err(|e| CheckpointError::Usage(format!("scheduler {i}: {e}")))?,
+        )?;
+    }
+    let doc = CheckpointDoc {
+        format: format::FORMAT.into(),
+        version: format::VERSION,
+        state_dict_type: type_name.into(),
+        world_size: models[0].mesh().world_size(),
+        models: models.len(),
+        optimizers: optimizers.len(),
+        schedulers: run.schedulers.len(),
+        step: run.step,
+        data: run.data.clone(),
+    };
+    atomic::write_synced(
+        &staging.join(format::CHECKPOINT_FILE),
+        &serde_json::to_vec_pretty(&doc)
+            .map_err(|e| CheckpointError::Usage(format!("checkpoint document: {e}")))?,
+    )?;
+    atomic::sync_dir(staging)
+}
+
+/// See [`super::save_state`].
+pub(crate) fn save(
+    dest: &Path,
+    models: &[&Fsdp],
+    optimizers: &[&dyn Optimizer],
+    run: &RunState,
+    options: &CheckpointOptions,
+) -> Result<PathBuf, CheckpointError> {
+    let Some(first) = models.first() else {
+        return Err(CheckpointError::Usage(
+            "save_state needs at least one model".into(),
+        ));
+    };
+    if optimizers.len() > models.len() {
+        return Err(CheckpointError::Usage(format!(
+            "{} optimizers for {} models: optimizer i belongs to model i",
+            optimizers.len(),
+            models.len()
+        )));
+    }
+    let mesh = first.mesh().clone();
+    join(&mesh, "save_state", options.join_timeout)?;
+    let kind = options.state_dict_type.unwrap_or(first.state_dict_type());
+    let rank0 = mesh.rank() == 0;
+    // Rank 0 chooses the destination and makes the staging folder; the others learn where.
+    let prepared = if rank0 {
+        prepare(dest, options, models.len(), optimizers.len())
+    } else {
+        Ok((PathBuf::new(), PathBuf::new()))
+    };
+    let text = match &prepared {
+        Ok((d, s)) => serde_json::json!([d, s]).to_string(),
+        Err(_) => String::new(),
+    };
+    let prepared = agree(&mesh, prepared)?;
+    let shared = broadcast_bytes(&mesh, text.as_bytes())?;
+    let (dest, staging): (PathBuf, PathBuf) = if rank0 {
+        prepared
+    } else {
+        serde_json::from_slice(&shared)
+            .map_err(|e| CheckpointError::Usage(format!("staging folder: {e}")))?
+    };
+    let written = write_rank(&staging, models, optimizers, run, kind);
+    let report_text = match &written {
+        Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    let written = agree(&mesh, written);
+    let reports = match written {
+        Ok(_) => all_gather_bytes(&mesh, &report_text)?,
+        Err(e) => {
+            if rank0 {
+                let _ = std::fs::remove_dir_all(&staging);
+            }
+            return Err(e);
+        }
+    };
+    let published = if rank0 {
+        let reports: Result<Vec<RankReport>, _> =
+            reports.iter().map(|r| serde_json::from_slice(r)).collect();
+        reports
+            .map_err(|e| CheckpointError::Usage(format!("rank report: {e}")))
+            .and_then(|reports| write_documents(&staging, &reports, models, optimizers, run, kind))
+            .and_then(|()| atomic::publish(&staging, &dest))
+            .and_then(|()| match (options.automatic_naming, options.total_limit) {
+                (true, Some(limit)) => atomic::rotate(dest.parent().unwrap_or(&dest), limit),
+                _ => Ok(()),
+            })
+            .inspect_err(|_| {
+                let _ = std::fs::remove_dir_all(&staging);
+            })
+    } else {
+        Ok(())
+    };
+    agree(&mesh, published)?;
+    Ok(dest)
+}
+
+/// Rank 0: the destination (the next `checkpoint_<n>` with automatic naming), stale staging
+/// folders removed, and a fresh staging folder with the model and optimizer folders.
+fn prepare(
+    dest: &Path,
+    options: &CheckpointOptions,
+    models: usize,
+    optimizers: usize,
+) -> Result<(PathBuf, PathBuf), CheckpointError> {
+    let dest = if options.automatic_naming {
+        let project = dest.join("checkpoints");
+        std::fs::create_dir_all(&project)
+            .map_err(|e| CheckpointError::io("creating", &project, e))?;
+        atomic::next_numbered(&project)
+    } else {
+        dest.to_path_buf()
+    };
+    if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| CheckpointError::io("creating", parent, e))?;
+    }
+    atomic::remove_stale(&dest)?;
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ ((std::process::id() as u64) << 32);
+    let staging = atomic::staging_dir(&dest, nonce);
+    for sub in (0..models)
+        .map(format::model_folder)
+        .chain((0..optimizers).map(format::optimizer_folder))
+    {
+        let dir = staging.join(sub);
+        std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
+    }
+    Ok((dest, staging))
+}

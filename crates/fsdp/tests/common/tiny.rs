@@ -1,0 +1,184 @@
+//! A tiny BERT classifier, its synthetic batches, and a trainer around the FSDP engine, for
+//! tests that train a few steps on threads or processes.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy, StateDictType};
+use fsdp::engine::Fsdp;
+use fsdp::models::{BertConfig, BertForSequenceClassification};
+use fsdp::nn::ops::{CrossEntropy, cross_entropy};
+use fsdp::nn::{LocalParams, Module};
+use fsdp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use fsdp_comm::{Communicator, LocalGroup};
+
+/// Samples per step over all ranks (divisible by 1 to 4).
+pub const GLOBAL_BATCH: usize = 12;
+const SEQ: usize = 5;
+const VOCAB: usize = 37;
+
+/// The model, with hidden and attention dropout `dropout`.
+pub fn model(dropout: f64) -> BertForSequenceClassification {
+    BertForSequenceClassification::new(BertConfig {
+        vocab_size: VOCAB,
+        hidden_size: 12,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        intermediate_size: 20,
+        max_position_embeddings: 8,
+        num_labels: 3,
+        hidden_dropout_prob: dropout,
+        attention_probs_dropout_prob: dropout,
+        ..BertConfig::default()
+    })
+    .unwrap()
+}
+
+/// The global batch of `step`: ids [GLOBAL_BATCH, SEQ] and labels.
+pub fn batch(step: usize) -> (Tensor, Tensor) {
+    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9);
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let ids: Vec<u32> = (0..GLOBAL_BATCH * SEQ)
+        .map(|_| (next() % VOCAB as u64) as u32)
+        .collect();
+    let labels: Vec<u32> = (0..GLOBAL_BATCH).map(|_| (next() % 3) as u32).collect();
+    (
+        Tensor::from_vec(ids, (GLOBAL_BATCH, SEQ), &Device::Cpu).unwrap(),
+        Tensor::from_vec(labels, GLOBAL_BATCH, &Device::Cpu).unwrap(),
+    )
+}
+
+/// Which optimizer a trainer runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OptimizerKind {
+    /// AdamW, lr 3e-3.
+    AdamW,
+    /// SGD with Nesterov momentum.
+    Sgd,
+}
+
+impl OptimizerKind {
+    /// A fresh optimizer.
+    pub fn build(self) -> Box<dyn Optimizer> {
+        match self {
+            OptimizerKind::AdamW => Box::new(
+                AdamW::new(AdamWConfig {
+                    lr: 3e-3,
+                    ..Default::default()
+                })
+                .unwrap(),
+            ),
+            OptimizerKind::Sgd => Box::new(
+                Sgd::new(SgdConfig {
+                    lr: 0.05,
+                    momentum: 0.9,
+                    nesterov: true,
+                    ..Default::default()
+                })
+                .unwrap(),
+            ),
+        }
+    }
+}
+
+/// How a trainer is set up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Setup {
+    /// Sharding strategy.
+    pub strategy: ShardingStrategy,
+    /// How checkpoints are cut.
+    pub state_dict_type: StateDictType,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Dropout probability (0 for none).
+    pub dropout: f64,
+}
+
+/// The tiny model under the engine, with its optimizer.
+pub struct Trainer {
+    /// The model.
+    pub model: BertForSequenceClassification,
+    /// The engine.
+    pub engine: Fsdp,
+    /// The optimizer.
+    pub optimizer: Box<dyn Optimizer>,
+    rank: usize,
+    world: usize,
+}
+
+impl Trainer {
+    /// Initial weights from a fixed seed, sharded over `group`.
+    pub fn new(group: Arc<dyn Communicator>, setup: Setup) -> Trainer {
+        let model = model(setup.dropout);
+        let init = LocalParams::init(&model.info(), 7, DType::F32, &Device::Cpu).unwrap();
+        let plugin = FsdpPlugin::builder()
+            .sharding_strategy(setup.strategy)
+            .state_dict_type(setup.state_dict_type)
+            .resolve(&Layer::new(), None)
+            .unwrap()
+            .fsdp;
+        let (rank, world) = (group.rank(), group.size());
+        let engine = Fsdp::wrap(&model, &init.tensors(), &plugin, group).unwrap();
+        Trainer {
+            model,
+            engine,
+            optimizer: setup.optimizer.build(),
+            rank,
+            world,
+        }
+    }
+
+    /// Trains `steps` (dropout masks drawn from the step and rank); returns this rank's loss
+    /// per step.
+    pub fn train(&mut self, steps: Range<usize>) -> Vec<f32> {
+        let per_rank = GLOBAL_BATCH / self.world;
+        let mut losses = Vec::new();
+        for step in steps {
+            self.model.bert.dropout_seed = Some(step as u64 * 1000 + self.rank as u64);
+            let (ids, labels) = batch(step);
+            let ids = ids.narrow(0, self.rank * per_rank, per_rank).unwrap();
+            let labels = labels.narrow(0, self.rank * per_rank, per_rank).unwrap();
+            let params = self.engine.begin_step().unwrap();
+            let logits = self.model.forward(&params, &ids, None, None).unwrap();
+            let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+            losses.push(loss.to_scalar::<f32>().unwrap());
+            let grads = self.engine.backward(params, loss).unwrap();
+            self.engine
+                .step(grads, self.optimizer.as_mut(), Some(1.0))
+                .unwrap();
+        }
+        losses
+    }
+
+    /// Every parameter's values on rank 0 (`None` elsewhere).
+    pub fn weights(&self) -> Option<BTreeMap<String, Vec<f32>>> {
+        self.engine.full_state_dict().unwrap().map(|w| {
+            w.into_iter()
+                .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap()))
+                .collect()
+        })
+    }
+}
+
+/// Runs `f` on `world` threads, each a rank of an in-process group; results in rank order.
+pub fn on_threads<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(Arc<dyn Communicator>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = LocalGroup::create(world)
+        .into_iter()
+        .map(|g| {
+            let f = f.clone();
+            std::thread::spawn(move || f(Arc::new(g)))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
