@@ -502,3 +502,74 @@ fn saves_replace_atomically_rotate_and_merge_into_the_live_weights() {
         .to_string();
     assert!(err.contains("neither a checkpoint"), "{err}");
 }
+
+#[test]
+fn save_pretrained_writes_what_transformers_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let keep = std::env::var("FSDP_KEEP_PRETRAINED")
+        .ok()
+        .map(PathBuf::from);
+    let base = keep.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    let results = on_threads(2, {
+        let base = base.clone();
+        move |g| {
+            let mut t = Trainer::new(g, sharded());
+            t.train(0..2);
+            let config = t
+                .model
+                .bert
+                .config
+                .to_hf_json("BertForSequenceClassification");
+            let one = checkpoint::save_pretrained(&t.engine, &base.join("one"), &config, u64::MAX)
+                .unwrap();
+            // Small files: split as transformers does, with an index.
+            let split =
+                checkpoint::save_pretrained(&t.engine, &base.join("split"), &config, 4096).unwrap();
+            (one, split, t.weights())
+        }
+    });
+    let (one, split, weights) = (&results[0].0, &results[0].1, results[0].2.as_ref().unwrap());
+    let cpu = candle_core::Device::Cpu;
+    let single = candle_core::safetensors::load(one.join("model.safetensors"), &cpu).unwrap();
+    assert_eq!(single.len(), weights.len());
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(split.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(map.len(), weights.len());
+    let files: std::collections::BTreeSet<&str> =
+        map.values().map(|v| v.as_str().unwrap()).collect();
+    assert!(files.len() > 2, "{files:?}");
+    let mut total = 0;
+    for (name, want) in weights {
+        let got: Vec<f32> = single[name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(&got, want, "{name}");
+        let file = map[name].as_str().unwrap();
+        assert!(
+            file.ends_with(&format!("-of-{:05}.safetensors", files.len())),
+            "{file}"
+        );
+        let part = candle_core::safetensors::load(split.join(file), &cpu).unwrap();
+        let got: Vec<f32> = part[name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(&got, want, "{name} in {file}");
+        total += want.len() * 4;
+    }
+    assert_eq!(index["metadata"]["total_size"], total);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(one.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "bert");
+    assert_eq!(config["architectures"][0], "BertForSequenceClassification");
+    // Our loader takes the file by name, as transformers does.
+    let model = common::tiny::model(0.0);
+    let (_, report) = fsdp::nn::LocalParams::load(
+        &fsdp::nn::Module::info(&model),
+        &one.join("model.safetensors"),
+        &cpu,
+    )
+    .unwrap();
+    assert!(
+        report.unexpected.is_empty() && report.missing.is_empty(),
+        "{report:?}"
+    );
+}

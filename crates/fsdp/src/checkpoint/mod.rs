@@ -18,6 +18,7 @@ mod error;
 pub mod format;
 mod load;
 mod merge;
+mod pretrained;
 mod save;
 mod tensor_file;
 
@@ -28,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 pub use error::CheckpointError;
 pub use merge::{MergeReport, merge_weights};
+pub use pretrained::save_pretrained;
 
 use crate::config::StateDictType;
 use crate::engine::Fsdp;

@@ -3,12 +3,12 @@
 use std::path::Path;
 
 use candle_core::Result;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::nn::ops::GeluApprox;
 
 /// The fields of a Hugging Face BERT `config.json` this implementation uses.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BertConfig {
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -96,6 +96,17 @@ impl BertConfig {
     pub fn from_json(text: &str) -> Result<BertConfig> {
         serde_json::from_str(text)
             .map_err(|e| candle_core::Error::Msg(format!("invalid BERT config: {e}")))
+    }
+
+    /// `config.json` as transformers writes it for `architecture` (such as
+    /// `BertForSequenceClassification`), for `save_pretrained`.
+    pub fn to_hf_json(&self, architecture: &str) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        if let Some(map) = v.as_object_mut() {
+            map.insert("model_type".into(), "bert".into());
+            map.insert("architectures".into(), serde_json::json!([architecture]));
+        }
+        v
     }
 
     /// Reads a `config.json` file.

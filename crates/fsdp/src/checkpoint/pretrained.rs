@@ -1,0 +1,155 @@
+//! Full weights for sharing, as transformers' `save_pretrained` writes them: the parameters
+//! gathered unit by unit onto rank 0 and streamed into `model.safetensors` — or, above a size
+//! limit, into `model-0000i-of-0000n.safetensors` files with a `model.safetensors.index.json`
+//! — beside the model's `config.json`, so `from_pretrained` loads them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use super::atomic;
+use super::collect::agree;
+use super::error::CheckpointError;
+use super::tensor_file::{PlannedTensor, TensorFileWriter};
+use crate::engine::Fsdp;
+
+/// Files of one `save_pretrained`: tensors (in gathering order) assigned to files of at most
+/// `max_bytes` each (a larger tensor gets a file of its own).
+fn assign(names: &[(String, Vec<usize>)], max_bytes: u64) -> Vec<Vec<PlannedTensor>> {
+    let mut files: Vec<Vec<PlannedTensor>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (name, shape) in names {
+        let bytes = shape.iter().product::<usize>() as u64 * 4;
+        if size > 0 && size + bytes > max_bytes {
+            files.push(Vec::new());
+            size = 0;
+        }
+        size += bytes;
+        if let Some(last) = files.last_mut() {
+            last.push(PlannedTensor {
+                name: name.clone(),
+                shape: shape.clone(),
+            });
+        }
+    }
+    files
+}
+
+/// Writes `model`'s full weights and `config` (the model's `config.json`) to `dir` on rank
+/// 0 — collective: every rank calls it; rank 0 holds at most one unit beyond its shards.
+/// Files above `max_shard_bytes` are split as transformers does. Written into a staging
+/// folder and moved into place whole. Returns `dir`.
+pub fn save_pretrained(
+    model: &Fsdp,
+    dir: &Path,
+    config: &serde_json::Value,
+    max_shard_bytes: u64,
+) -> Result<PathBuf, CheckpointError> {
+    let first = model.mesh().rank() == 0;
+    let names: Vec<(String, Vec<usize>)> = model
+        .parameters()
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), s.to_vec()))
+        .collect();
+    let files = assign(&names, max_shard_bytes.max(1));
+    let n = files.len();
+    let file_name = |i: usize| {
+        if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+        }
+    };
+    let staging = atomic::staging_dir(dir, std::process::id() as u64 ^ 0x5eed_0000_0000_0000);
+    let prepared = if first {
+        atomic::remove_stale(dir).and_then(|()| {
+            std::fs::create_dir_all(&staging)
+                .map_err(|e| CheckpointError::io("creating", &staging, e))
+        })
+    } else {
+        Ok(())
+    };
+    agree(model.mesh(), prepared)?;
+    // Rank 0 streams the tensors, in gathering order, file after file.
+    let mut current: Option<(usize, TensorFileWriter)> = None;
+    let mut next_file = 0usize;
+    let mut left_in_file = 0usize;
+    let mut failed: Option<CheckpointError> = None;
+    let mut write = |chunks: &[&[f32]]| -> Result<(), CheckpointError> {
+        if left_in_file == 0 {
+            if let Some((_, w)) = current.take() {
+                w.finish()?;
+            }
+            let plan = files[next_file].clone();
+            left_in_file = plan.len();
+            current = Some((
+                next_file,
+                TensorFileWriter::create(&staging.join(file_name(next_file)), plan)?,
+            ));
+            next_file += 1;
+        }
+        left_in_file -= 1;
+        match current.as_mut() {
+            Some((_, w)) => w.write_chunks(chunks),
+            None => Ok(()),
+        }
+    };
+    model.gather_rows_to_first(
+        &|name, _| model.local_values_of(name).map(Some),
+        &mut |_, chunks| {
+            if first && failed.is_none() {
+                if let Err(e) = write(chunks) {
+                    failed = Some(e);
+                }
+            }
+            Ok(())
+        },
+    )?;
+    let finished = match (failed, current) {
+        (Some(e), _) => Err(e),
+        (None, Some((_, w))) => w.finish().map(|_| ()),
+        (None, None) => Ok(()),
+    };
+    let published = if first {
+        finished
+            .and_then(|()| write_documents(&staging, config, &files, &file_name))
+            .and_then(|()| atomic::sync_dir(&staging))
+            .and_then(|()| atomic::publish(&staging, dir))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_dir_all(&staging);
+            })
+    } else {
+        Ok(())
+    };
+    agree(model.mesh(), published)?;
+    Ok(dir.to_path_buf())
+}
+
+/// `config.json`, and the index when the weights span several files.
+fn write_documents(
+    staging: &Path,
+    config: &serde_json::Value,
+    files: &[Vec<PlannedTensor>],
+    file_name: &dyn Fn(usize) -> String,
+) -> Result<(), CheckpointError> {
+    let text = serde_json::to_vec_pretty(config)
+        .map_err(|e| CheckpointError::Usage(format!("config.json: {e}")))?;
+    atomic::write_synced(&staging.join("config.json"), &text)?;
+    if files.len() > 1 {
+        let mut weight_map = BTreeMap::new();
+        let mut total = 0u64;
+        for (i, plan) in files.iter().enumerate() {
+            for t in plan {
+                total += t.shape.iter().product::<usize>() as u64 * 4;
+                weight_map.insert(t.name.clone(), file_name(i));
+            }
+        }
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let text = serde_json::to_vec_pretty(&index)
+            .map_err(|e| CheckpointError::Usage(format!("index: {e}")))?;
+        atomic::write_synced(&staging.join("model.safetensors.index.json"), &text)?;
+    }
+    Ok(())
+}
