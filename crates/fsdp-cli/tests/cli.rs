@@ -424,3 +424,52 @@ fn estimate_memory_prints_units_and_per_rank_bytes() {
         text(&out)
     );
 }
+
+#[test]
+fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
+    let home = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fsdp/tests/data/dcp/fsdp1");
+    // A copy, since the folder is removed afterwards.
+    let ckpt = home.path().join("ckpt/pytorch_model_fsdp_0");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    for e in std::fs::read_dir(fixture.join("pytorch_model_fsdp_0")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), ckpt.join(e.file_name())).unwrap();
+    }
+    let out = home.path().join("merged");
+    let refused = fsdp(home.path())
+        .args(["merge-weights", "--unsafe_serialization"])
+        .arg(&ckpt)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("pickle"));
+    let done = fsdp(home.path())
+        .arg("merge-weights")
+        .arg(home.path().join("ckpt"))
+        .arg(&out)
+        .arg("--remove_checkpoint_dir")
+        .output()
+        .unwrap();
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    assert!(String::from_utf8_lossy(&done.stdout).contains("merged 41 tensors"));
+    let ours = std::fs::read(out.join("model.safetensors")).unwrap();
+    let theirs = std::fs::read(fixture.join("accelerate_merged.safetensors")).unwrap();
+    assert!(ours == theirs, "differs from accelerate merge-weights");
+    assert!(
+        !home.path().join("ckpt").exists(),
+        "--remove_checkpoint_dir"
+    );
+    let missing = fsdp(home.path())
+        .arg("merge-weights")
+        .arg(home.path().join("nowhere"))
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("nowhere"));
+}

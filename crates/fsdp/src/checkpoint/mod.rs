@@ -14,6 +14,7 @@
 
 mod atomic;
 mod collect;
+mod dcp;
 mod error;
 pub mod format;
 mod load;

@@ -1,0 +1,462 @@
+//! Reading PyTorch distributed checkpoints (`torch.distributed.checkpoint`, what Accelerate
+//! writes for SHARDED_STATE_DICT): `.metadata` is a pickle of DCP's `Metadata` (every
+//! tensor's size, dtype and chunks, and where each chunk is stored), and each `.distcp` file
+//! is a sequence of `torch.save` records (zip archives holding a tensor's pickle and its
+//! storage bytes). Both pickles are read by a restricted reader that runs nothing and accepts
+//! only the classes these files use.
+
+mod pickle;
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use pickle::Value;
+
+use super::error::CheckpointError;
+
+/// The metadata file of a distributed checkpoint.
+pub(crate) const METADATA: &str = ".metadata";
+
+/// Classes and functions `.metadata` refers to.
+fn metadata_globals(module: &str, name: &str) -> bool {
+    matches!(
+        (module, name),
+        (
+            "torch.distributed.checkpoint.metadata",
+            "Metadata"
+                | "TensorStorageMetadata"
+                | "BytesStorageMetadata"
+                | "ChunkStorageMetadata"
+                | "TensorProperties"
+                | "MetadataIndex"
+                | "StorageMeta"
+                | "_MEM_FORMAT_ENCODING"
+        ) | ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+            | ("torch", "Size")
+            | ("torch.serialization", "_get_layout")
+            | ("pathlib", "PosixPath" | "PurePosixPath" | "Path")
+            | ("collections", "OrderedDict")
+    ) || (module == "torch" && dtype_of(name).is_some())
+}
+
+/// Classes and functions a `torch.save` record of a tensor refers to.
+fn record_globals(module: &str, name: &str) -> bool {
+    matches!(
+        (module, name),
+        ("torch._utils", "_rebuild_tensor_v2") | ("collections", "OrderedDict")
+    ) || (module == "torch" && storage_dtype(name).is_some())
+}
+
+/// The safetensors dtype of a torch dtype name, and its size in bytes.
+fn dtype_of(name: &str) -> Option<(safetensors::Dtype, usize)> {
+    use safetensors::Dtype::*;
+    Some(match name {
+        "float32" => (F32, 4),
+        "float64" => (F64, 8),
+        "float16" => (F16, 2),
+        "bfloat16" => (BF16, 2),
+        "int64" => (I64, 8),
+        "int32" => (I32, 4),
+        "int16" => (I16, 2),
+        "int8" => (I8, 1),
+        "uint8" => (U8, 1),
+        "bool" => (BOOL, 1),
+        _ => return None,
+    })
+}
+
+/// The dtype of a typed storage class (`FloatStorage`).
+fn storage_dtype(name: &str) -> Option<(safetensors::Dtype, usize)> {
+    dtype_of(match name {
+        "FloatStorage" => "float32",
+        "DoubleStorage" => "float64",
+        "HalfStorage" => "float16",
+        "BFloat16Storage" => "bfloat16",
+        "LongStorage" => "int64",
+        "IntStorage" => "int32",
+        "ShortStorage" => "int16",
+        "CharStorage" => "int8",
+        "ByteStorage" => "uint8",
+        "BoolStorage" => "bool",
+        _ => return None,
+    })
+}
+
+/// Where one chunk of a tensor is stored.
+#[derive(Debug, Clone)]
+struct Chunk {
+    offsets: Vec<usize>,
+    sizes: Vec<usize>,
+    file: String,
+    at: u64,
+    length: u64,
+}
+
+/// One tensor of a distributed checkpoint.
+#[derive(Debug, Clone)]
+pub(crate) struct DcpTensor {
+    /// Its element type.
+    pub dtype: safetensors::Dtype,
+    /// Bytes per element.
+    pub size: usize,
+    /// Its full shape.
+    pub shape: Vec<usize>,
+    chunks: Vec<Chunk>,
+}
+
+/// A distributed checkpoint's tensors, by the names a merged state dict gives them (the
+/// top-level `model` key dropped, as Accelerate's merge does).
+#[derive(Debug)]
+pub(crate) struct DcpCheckpoint {
+    dir: PathBuf,
+    /// Tensors by name.
+    pub tensors: BTreeMap<String, DcpTensor>,
+}
+
+fn bad(path: &Path, what: impl Into<String>) -> CheckpointError {
+    CheckpointError::corrupt(path, what)
+}
+
+fn usizes(v: Option<&Value>) -> Option<Vec<usize>> {
+    v?.ints()?
+        .into_iter()
+        .map(|i| usize::try_from(i).ok())
+        .collect()
+}
+
+/// Reads `dir/.metadata`.
+pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
+    let path = dir.join(METADATA);
+    let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io("reading", &path, e))?;
+    let meta = pickle::load(&bytes, &metadata_globals).map_err(|e| bad(&path, e.to_string()))?;
+    let entries = meta
+        .get("state_dict_metadata")
+        .and_then(Value::fields)
+        .ok_or_else(|| bad(&path, "no state_dict_metadata"))?;
+    let storage = meta
+        .get("storage_data")
+        .and_then(Value::fields)
+        .ok_or_else(|| bad(&path, "no storage_data"))?;
+    // (fqn, chunk offsets) -> (file, offset, length)
+    let mut places: BTreeMap<(String, Vec<usize>), (String, u64, u64)> = BTreeMap::new();
+    for (index, info) in storage {
+        let fqn = index.get("fqn").and_then(Value::str);
+        let offsets = usizes(index.get("offset"));
+        let file = info.get("relative_path").and_then(Value::str);
+        let at = info
+            .get("offset")
+            .and_then(|v| v.ints())
+            .or_else(|| match info.get("offset") {
+                Some(Value::Int(i)) => Some(vec![*i]),
+                _ => None,
+            });
+        let length = match info.get("length") {
+            Some(Value::Int(i)) => Some(*i),
+            _ => None,
+        };
+        let (Some(fqn), Some(offsets), Some(file), Some(at), Some(length)) =
+            (fqn, offsets, file, at, length)
+        else {
+            return Err(bad(
+                &path,
+                "a storage entry without fqn, offset, path or length",
+            ));
+        };
+        if info
+            .get("transform_descriptors")
+            .is_some_and(|t| *t != Value::None)
+        {
+            return Err(bad(
+                &path,
+                format!(
+                    "`{fqn}` is stored with transforms (compression), which this reader does not undo"
+                ),
+            ));
+        }
+        places.insert(
+            (fqn.to_string(), offsets),
+            (
+                file.to_string(),
+                at.first().copied().unwrap_or(0) as u64,
+                length as u64,
+            ),
+        );
+    }
+    let names: BTreeMap<String, String> = meta
+        .get("planner_data")
+        .and_then(Value::fields)
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| {
+            let Value::Tuple(parts) = v else { return None };
+            let parts: Vec<&str> = parts.iter().filter_map(Value::str).collect();
+            let name = match parts.as_slice() {
+                ["model", rest @ ..] if !rest.is_empty() => rest.join("."),
+                all => all.join("."),
+            };
+            Some((k.str()?.to_string(), name))
+        })
+        .collect();
+    let mut tensors = BTreeMap::new();
+    for (key, entry) in entries {
+        let fqn = key.str().ok_or_else(|| bad(&path, "a non-string key"))?;
+        let Value::Object { class, .. } = entry else {
+            return Err(bad(
+                &path,
+                format!("`{fqn}`: not a storage metadata object"),
+            ));
+        };
+        if class.1 != "TensorStorageMetadata" {
+            return Err(bad(
+                &path,
+                format!(
+                    "`{fqn}` is a {} (not a tensor): a model folder holds tensors only",
+                    class.1
+                ),
+            ));
+        }
+        let dtype = match entry.get("properties") {
+            Some(Value::Object { state: Some(s), .. }) => match &**s {
+                Value::Tuple(t) => t.first().cloned(),
+                other => other.get("dtype").cloned(),
+            },
+            _ => None,
+        };
+        let Some(Value::Global(_, dtype_name)) = dtype else {
+            return Err(bad(&path, format!("`{fqn}`: no dtype")));
+        };
+        let (dtype, size) = dtype_of(&dtype_name)
+            .ok_or_else(|| bad(&path, format!("`{fqn}`: dtype torch.{dtype_name}")))?;
+        let shape =
+            usizes(entry.get("size")).ok_or_else(|| bad(&path, format!("`{fqn}`: no size")))?;
+        let mut chunks = Vec::new();
+        let listed = match entry.get("chunks") {
+            Some(Value::List(l)) => l.as_slice(),
+            _ => return Err(bad(&path, format!("`{fqn}`: no chunks"))),
+        };
+        for c in listed {
+            let (Some(offsets), Some(sizes)) = (usizes(c.get("offsets")), usizes(c.get("sizes")))
+            else {
+                return Err(bad(
+                    &path,
+                    format!("`{fqn}`: a chunk without offsets and sizes"),
+                ));
+            };
+            let (file, at, length) = places
+                .get(&(fqn.to_string(), offsets.clone()))
+                .cloned()
+                .ok_or_else(|| {
+                    bad(
+                        &path,
+                        format!("`{fqn}`: chunk at {offsets:?} is stored nowhere"),
+                    )
+                })?;
+            if offsets.len() != shape.len()
+                || sizes.len() != shape.len()
+                || offsets
+                    .iter()
+                    .zip(&sizes)
+                    .zip(&shape)
+                    .any(|((o, s), d)| o + s > *d)
+            {
+                return Err(bad(
+                    &path,
+                    format!("`{fqn}`: chunk {offsets:?}+{sizes:?} outside {shape:?}"),
+                ));
+            }
+            chunks.push(Chunk {
+                offsets,
+                sizes,
+                file,
+                at,
+                length,
+            });
+        }
+        let covered: usize = chunks
+            .iter()
+            .map(|c| c.sizes.iter().product::<usize>())
+            .sum();
+        if covered != shape.iter().product::<usize>() {
+            return Err(bad(
+                &path,
+                format!("`{fqn}`: the chunks do not cover the tensor"),
+            ));
+        }
+        let name = names
+            .get(fqn)
+            .cloned()
+            .unwrap_or_else(|| fqn.strip_prefix("model.").unwrap_or(fqn).to_string());
+        tensors.insert(
+            name,
+            DcpTensor {
+                dtype,
+                size,
+                shape,
+                chunks,
+            },
+        );
+    }
+    Ok(DcpCheckpoint {
+        dir: dir.to_path_buf(),
+        tensors,
+    })
+}
+
+impl DcpCheckpoint {
+    /// The full tensor `t`'s bytes (row-major), assembled from its chunks.
+    pub fn read(&self, name: &str, t: &DcpTensor) -> Result<Vec<u8>, CheckpointError> {
+        let numel: usize = t.shape.iter().product();
+        let mut out = vec![0u8; numel * t.size];
+        for c in &t.chunks {
+            let path = self.dir.join(&c.file);
+            let chunk = self.read_record(&path, c, t)?;
+            copy_block(&chunk, &mut out, &t.shape, &c.offsets, &c.sizes, t.size);
+        }
+        let _ = name;
+        Ok(out)
+    }
+
+    /// One chunk's bytes (row-major) out of its `torch.save` record.
+    fn read_record(
+        &self,
+        path: &Path,
+        c: &Chunk,
+        t: &DcpTensor,
+    ) -> Result<Vec<u8>, CheckpointError> {
+        let file = std::fs::File::open(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => CheckpointError::Missing {
+                path: path.to_path_buf(),
+                what: "a file of the distributed checkpoint".into(),
+            },
+            _ => CheckpointError::io("opening", path, e),
+        })?;
+        let mut record = vec![0u8; c.length as usize];
+        file.read_exact_at(&mut record, c.at).map_err(|e| {
+            bad(
+                path,
+                format!("bytes {}..{}: {e} (truncated?)", c.at, c.at + c.length),
+            )
+        })?;
+        let mut zip = zip::ZipArchive::new(std::io::Cursor::new(record))
+            .map_err(|e| bad(path, format!("record at byte {}: {e}", c.at)))?;
+        let pkl_name = (0..zip.len())
+            .filter_map(|i| zip.name_for_index(i)?.ok().map(|n| n.to_string()))
+            .find(|n| n.ends_with("data.pkl"))
+            .ok_or_else(|| bad(path, format!("record at byte {}: no data.pkl", c.at)))?;
+        let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
+        let mut pkl = Vec::new();
+        zip.by_name(&pkl_name)
+            .and_then(|mut f| f.read_to_end(&mut pkl).map_err(Into::into))
+            .map_err(|e| bad(path, format!("record at byte {}: {e}", c.at)))?;
+        let v = pickle::load(&pkl, &record_globals).map_err(|e| bad(path, e.to_string()))?;
+        let Value::Object { class, args, .. } = v else {
+            return Err(bad(path, "a record that is not a tensor"));
+        };
+        if class.1 != "_rebuild_tensor_v2" || args.len() < 4 {
+            return Err(bad(
+                path,
+                format!("a record of {}.{}, not a tensor", class.0, class.1),
+            ));
+        }
+        let Value::Persistent(pid) = &args[0] else {
+            return Err(bad(path, "a tensor without a storage"));
+        };
+        let (key, storage_class) = match &**pid {
+            Value::Tuple(p) if p.len() >= 3 => (p[2].str(), &p[1]),
+            _ => (None, &Value::None),
+        };
+        let Value::Global(_, storage_name) = storage_class else {
+            return Err(bad(path, "a storage of unknown type"));
+        };
+        let (dtype, size) = storage_dtype(storage_name)
+            .ok_or_else(|| bad(path, format!("storage type {storage_name}")))?;
+        if dtype != t.dtype {
+            return Err(bad(
+                path,
+                format!("a {dtype:?} chunk of a {:?} tensor", t.dtype),
+            ));
+        }
+        let key = key.ok_or_else(|| bad(path, "a storage without a key"))?;
+        let mut storage = Vec::new();
+        zip.by_name(&format!("{prefix}data/{key}"))
+            .and_then(|mut f| f.read_to_end(&mut storage).map_err(Into::into))
+            .map_err(|e| bad(path, format!("storage {key}: {e}")))?;
+        let offset = match &args[1] {
+            Value::Int(i) => *i as usize,
+            _ => return Err(bad(path, "a storage offset that is not an integer")),
+        };
+        let (Some(shape), Some(stride)) = (usizes(Some(&args[2])), usizes(Some(&args[3]))) else {
+            return Err(bad(path, "a tensor without size and stride"));
+        };
+        if shape != c.sizes {
+            return Err(bad(
+                path,
+                format!("a {shape:?} record for a {:?} chunk", c.sizes),
+            ));
+        }
+        gather_strided(&storage, offset, &shape, &stride, size)
+            .ok_or_else(|| bad(path, "a tensor reaching past its storage"))
+    }
+}
+
+/// The elements of a strided view (`offset`, `shape`, `stride` in elements of `size` bytes)
+/// as contiguous bytes; `None` when the view reaches past `storage`.
+fn gather_strided(
+    storage: &[u8],
+    offset: usize,
+    shape: &[usize],
+    stride: &[usize],
+    size: usize,
+) -> Option<Vec<u8>> {
+    let numel: usize = shape.iter().product();
+    let mut out = Vec::with_capacity(numel * size);
+    let mut index = vec![0usize; shape.len()];
+    for _ in 0..numel {
+        let at = offset + index.iter().zip(stride).map(|(i, s)| i * s).sum::<usize>();
+        out.extend_from_slice(storage.get(at * size..(at + 1) * size)?);
+        for d in (0..shape.len()).rev() {
+            index[d] += 1;
+            if index[d] < shape[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    Some(out)
+}
+
+/// Copies a row-major block of `sizes` at `offsets` into the row-major `out` of `shape`.
+fn copy_block(
+    block: &[u8],
+    out: &mut [u8],
+    shape: &[usize],
+    offsets: &[usize],
+    sizes: &[usize],
+    size: usize,
+) {
+    if shape.is_empty() {
+        out.copy_from_slice(&block[..size]);
+        return;
+    }
+    let d = shape.len();
+    let inner = sizes[d - 1] * size;
+    let rows: usize = sizes[..d - 1].iter().product();
+    let mut index = vec![0usize; d - 1];
+    for r in 0..rows {
+        let mut at = 0;
+        for k in 0..d - 1 {
+            at = at * shape[k] + offsets[k] + index[k];
+        }
+        at = (at * shape[d - 1] + offsets[d - 1]) * size;
+        out[at..at + inner].copy_from_slice(&block[r * inner..(r + 1) * inner]);
+        for k in (0..d - 1).rev() {
+            index[k] += 1;
+            if index[k] < sizes[k] {
+                break;
+            }
+            index[k] = 0;
+        }
+    }
+}
