@@ -1,5 +1,14 @@
-//! Input pipelines: text to model inputs.
+//! Input pipelines: distributed data loading (every rank its share of each step, the same
+//! permutation everywhere, a position to resume from), text classification data and
+//! tokenization.
 
+pub mod loader;
+pub mod text;
 pub mod tokenizer;
 
+pub use loader::{CollateError, DataLoader, Dataset, LoadedBatch, LoaderPosition, permutation};
+pub use text::{
+    ClassificationBatch, DataError, TextExample, collate, mrpc_tsv, train_test_split,
+    vader_movie_reviews, vader_rated_sentences,
+};
 pub use tokenizer::{TextBatch, TextTokenizer, TokenizerError};

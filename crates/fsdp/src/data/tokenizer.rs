@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
+use tokenizers::{EncodeInput, PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 /// Why a tokenizer could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
@@ -91,9 +91,32 @@ impl TextTokenizer {
         texts: &[&str],
         device: &Device,
     ) -> Result<TextBatch, TokenizerError> {
+        let inputs = texts.iter().map(|t| EncodeInput::Single((*t).into()));
+        self.encode(inputs.collect(), device)
+    }
+
+    /// Encodes sentences or sentence pairs (`[CLS] a [SEP] b [SEP]`, token types 0 then 1)
+    /// into one padded batch; truncation shortens the longer text of a pair first.
+    pub fn encode_pairs(
+        &self,
+        texts: &[(&str, Option<&str>)],
+        device: &Device,
+    ) -> Result<TextBatch, TokenizerError> {
+        let inputs = texts.iter().map(|(a, b)| match b {
+            Some(b) => EncodeInput::Dual((*a).into(), (*b).into()),
+            None => EncodeInput::Single((*a).into()),
+        });
+        self.encode(inputs.collect(), device)
+    }
+
+    fn encode(
+        &self,
+        inputs: Vec<EncodeInput<'_>>,
+        device: &Device,
+    ) -> Result<TextBatch, TokenizerError> {
         let encodings =
             self.inner
-                .encode_batch(texts.to_vec(), true)
+                .encode_batch(inputs, true)
                 .map_err(|e| TokenizerError::Encode {
                     path: self.path.clone(),
                     message: e.to_string(),

@@ -1,0 +1,325 @@
+//! Distributed data loading as Accelerate does it (`split_batches=False`,
+//! `even_batches=True`): every rank draws the same permutation of the dataset from the seed
+//! and epoch, each step takes the next `batch_size × ranks` indices, and rank r takes its
+//! `batch_size` of them. The last step is either dropped (`drop_last`) or filled up from the
+//! start of the permutation, and [`LoadedBatch::real`] says how many of the step's samples are
+//! not such repeats, so metrics count every sample once.
+
+use serde::{Deserialize, Serialize};
+
+/// A dataset: items by index.
+pub trait Dataset {
+    /// One example.
+    type Item;
+    /// Number of examples.
+    fn len(&self) -> usize;
+    /// Whether there is no example.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Example `index` (`< len()`).
+    fn get(&self, index: usize) -> Self::Item;
+}
+
+impl<T: Clone> Dataset for Vec<T> {
+    type Item = T;
+
+    fn len(&self) -> usize {
+        <[T]>::len(self)
+    }
+
+    fn get(&self, index: usize) -> T {
+        self[index].clone()
+    }
+}
+
+/// Where a loader is: the epoch and the steps of it already taken (what a checkpoint keeps).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderPosition {
+    /// The epoch.
+    pub epoch: u64,
+    /// Steps of the epoch already taken.
+    pub step: usize,
+}
+
+/// One step's batch for this rank.
+#[derive(Debug, Clone)]
+pub struct LoadedBatch<B> {
+    /// The collated batch.
+    pub batch: B,
+    /// The step within the epoch.
+    pub step: usize,
+    /// The dataset indices of this rank's examples.
+    pub indices: Vec<usize>,
+    /// How many of the step's examples, over all ranks in rank order, are not repeats (the
+    /// last step of an epoch is filled up with examples from its start).
+    pub real: usize,
+}
+
+/// `seed`+`epoch`'s permutation of `0..n` (the same on every rank): a splitmix64 stream
+/// drives a Fisher-Yates shuffle.
+pub fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut out: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        out.swap(i, j);
+    }
+    out
+}
+
+/// A data loader over a dataset: per-rank batches of `batch_size` examples, collated.
+pub struct DataLoader<D: Dataset, B> {
+    dataset: D,
+    batch_size: usize,
+    shuffle: Option<u64>,
+    drop_last: bool,
+    collate: CollateFn<D::Item, B>,
+    rank: usize,
+    ranks: usize,
+    position: LoaderPosition,
+    /// The order of the epoch being read, and that epoch.
+    order: Option<(u64, Vec<usize>)>,
+}
+
+/// What collation may fail with (a boxed error, so any collate function fits).
+pub type CollateError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A collate function: examples into one batch.
+type CollateFn<I, B> = Box<dyn Fn(&[I]) -> Result<B, CollateError> + Send>;
+
+impl<D: Dataset, B> DataLoader<D, B> {
+    /// A loader of `batch_size` examples per rank per step, collated by `collate`, in dataset
+    /// order, keeping a partial last step (filled up to full batches).
+    pub fn new(
+        dataset: D,
+        batch_size: usize,
+        collate: impl Fn(&[D::Item]) -> Result<B, CollateError> + Send + 'static,
+    ) -> Self {
+        DataLoader {
+            dataset,
+            batch_size: batch_size.max(1),
+            shuffle: None,
+            drop_last: false,
+            collate: Box::new(collate),
+            rank: 0,
+            ranks: 1,
+            position: LoaderPosition::default(),
+            order: None,
+        }
+    }
+
+    /// Shuffles each epoch with `seed` (the same permutation on every rank).
+    pub fn shuffle(mut self, seed: u64) -> Self {
+        self.shuffle = Some(seed);
+        self
+    }
+
+    /// Drops the last, partial step of each epoch instead of filling it up.
+    pub fn drop_last(mut self, drop: bool) -> Self {
+        self.drop_last = drop;
+        self
+    }
+
+    /// Takes this rank's share of every step (set by the accelerator's `prepare`).
+    pub fn shard(mut self, rank: usize, ranks: usize) -> Self {
+        self.rank = rank.min(ranks.saturating_sub(1));
+        self.ranks = ranks.max(1);
+        self
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &D {
+        &self.dataset
+    }
+
+    /// Examples per step over all ranks.
+    pub fn global_batch_size(&self) -> usize {
+        self.batch_size * self.ranks
+    }
+
+    /// Steps per epoch.
+    pub fn steps_per_epoch(&self) -> usize {
+        let (n, g) = (self.dataset.len(), self.global_batch_size());
+        if self.drop_last { n / g } else { n.div_ceil(g) }
+    }
+
+    /// Where the loader is.
+    pub fn position(&self) -> LoaderPosition {
+        self.position
+    }
+
+    /// Starts `epoch` from its first step.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.position = LoaderPosition { epoch, step: 0 };
+    }
+
+    /// Continues from `position` (a checkpoint's), skipping the steps already taken.
+    pub fn set_position(&mut self, position: LoaderPosition) {
+        self.position = position;
+    }
+
+    /// This rank's batch of the next step of the current epoch (`None` at the epoch's end).
+    pub fn next_batch(&mut self) -> Option<Result<LoadedBatch<B>, CollateError>> {
+        let step = self.position.step;
+        if step >= self.steps_per_epoch() {
+            return None;
+        }
+        let n = self.dataset.len();
+        let epoch = self.position.epoch;
+        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let order = match self.shuffle {
+                Some(seed) => permutation(n, seed, epoch),
+                None => (0..n).collect(),
+            };
+            self.order = Some((epoch, order));
+        }
+        let order = self
+            .order
+            .as_ref()
+            .map(|(_, o)| o.as_slice())
+            .unwrap_or(&[]);
+        let g = self.global_batch_size();
+        let start = step * g;
+        let real = n.saturating_sub(start).min(g);
+        let indices: Vec<usize> = (0..self.batch_size)
+            .map(|i| order[(start + self.rank * self.batch_size + i) % n])
+            .collect();
+        let items: Vec<D::Item> = indices.iter().map(|&i| self.dataset.get(i)).collect();
+        self.position.step += 1;
+        Some((self.collate)(&items).map(|batch| LoadedBatch {
+            batch,
+            step,
+            indices,
+            real,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loader(
+        n: usize,
+        batch: usize,
+        rank: usize,
+        ranks: usize,
+    ) -> DataLoader<Vec<usize>, Vec<usize>> {
+        DataLoader::new((0..n).collect::<Vec<_>>(), batch, |x: &[usize]| {
+            Ok(x.to_vec())
+        })
+        .shuffle(7)
+        .shard(rank, ranks)
+    }
+
+    /// Every rank's batches of one epoch, step by step: (indices per rank, real).
+    fn epoch(
+        n: usize,
+        batch: usize,
+        ranks: usize,
+        drop_last: bool,
+        epoch: u64,
+    ) -> Vec<(Vec<Vec<usize>>, usize)> {
+        let mut loaders: Vec<_> = (0..ranks)
+            .map(|r| {
+                let mut l = loader(n, batch, r, ranks).drop_last(drop_last);
+                l.set_epoch(epoch);
+                l
+            })
+            .collect();
+        let mut steps = Vec::new();
+        loop {
+            let got: Vec<_> = loaders.iter_mut().map(|l| l.next_batch()).collect();
+            if got.iter().all(Option::is_none) {
+                break;
+            }
+            let got: Vec<LoadedBatch<Vec<usize>>> =
+                got.into_iter().map(|b| b.unwrap().unwrap()).collect();
+            assert!(
+                got.iter()
+                    .all(|b| b.real == got[0].real && b.batch == b.indices)
+            );
+            steps.push((got.iter().map(|b| b.indices.clone()).collect(), got[0].real));
+        }
+        steps
+    }
+
+    #[test]
+    fn ranks_take_disjoint_parts_that_cover_the_epoch() {
+        for n in [10, 12, 13, 1] {
+            for ranks in 1..=4 {
+                for drop_last in [false, true] {
+                    let steps = epoch(n, 3, ranks, drop_last, 0);
+                    let g = 3 * ranks;
+                    assert_eq!(steps.len(), if drop_last { n / g } else { n.div_ceil(g) });
+                    let mut seen: Vec<usize> = Vec::new();
+                    for (per_rank, real) in &steps {
+                        // Rank order is step order: the first `real` are new, the rest repeats.
+                        let all: Vec<usize> = per_rank.concat();
+                        assert_eq!(all.len(), g);
+                        seen.extend(&all[..*real]);
+                    }
+                    let mut sorted = seen.clone();
+                    sorted.sort();
+                    sorted.dedup();
+                    assert_eq!(
+                        sorted.len(),
+                        seen.len(),
+                        "n {n}, {ranks} ranks: a repeat counted"
+                    );
+                    if drop_last {
+                        assert_eq!(seen.len(), n / g * g);
+                    } else {
+                        assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "n {n}, {ranks} ranks");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_rank_draws_the_same_permutation_per_epoch() {
+        // The concatenation over ranks is the permutation, whatever the number of ranks.
+        for ranks in 1..=4 {
+            let order: Vec<usize> = epoch(12, 1, ranks, false, 3)
+                .into_iter()
+                .flat_map(|(r, _)| r.concat())
+                .collect();
+            assert_eq!(order, permutation(12, 7, 3));
+        }
+        assert_ne!(permutation(100, 7, 0), permutation(100, 7, 1));
+        assert_ne!(permutation(100, 7, 0), permutation(100, 8, 0));
+        assert_ne!(permutation(100, 7, 0), (0..100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_loader_set_to_a_position_continues_where_another_stopped() {
+        let mut straight = loader(50, 4, 1, 2);
+        straight.set_epoch(2);
+        for _ in 0..3 {
+            straight.next_batch();
+        }
+        let position = straight.position();
+        assert_eq!(position, LoaderPosition { epoch: 2, step: 3 });
+        let mut resumed = loader(50, 4, 1, 2);
+        resumed.set_position(position);
+        loop {
+            match (straight.next_batch(), resumed.next_batch()) {
+                (None, None) => break,
+                (Some(a), Some(b)) => {
+                    let (a, b) = (a.unwrap(), b.unwrap());
+                    assert_eq!((a.indices, a.step, a.real), (b.indices, b.step, b.real));
+                }
+                _ => panic!("the resumed loader ended at another step"),
+            }
+        }
+    }
+}
