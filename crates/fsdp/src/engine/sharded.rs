@@ -241,12 +241,24 @@ impl Fsdp {
         self.debug = on;
     }
 
-    /// Starts a step: the returned parameters gather each unit when forward first reads it.
+    /// Starts a training step: the returned parameters gather each unit when forward first
+    /// reads it.
     pub fn begin_step(&self) -> Result<StepParams, EngineError> {
+        self.begin(true)
+    }
+
+    /// Starts an evaluation forward: units are gathered and released as in training, but no
+    /// graph is recorded (outputs carry no gradient), so nothing waits for a backward.
+    pub fn begin_eval(&self) -> Result<StepParams, EngineError> {
+        self.begin(false)
+    }
+
+    fn begin(&self, train: bool) -> Result<StepParams, EngineError> {
         let opts = StepOptions {
             debug: self.debug,
             dtypes: self.dtypes,
             device: self.device.clone(),
+            train,
         };
         let shared = StepShared::new(
             self.mesh.clone(),
@@ -257,7 +269,10 @@ impl Fsdp {
         let replicated = self
             .replicated
             .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .map(|(k, v)| {
+                let t = v.as_tensor();
+                (k.clone(), if train { t.clone() } else { t.detach() })
+            })
             .collect();
         Ok(StepParams { shared, replicated })
     }

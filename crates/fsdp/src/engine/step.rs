@@ -24,6 +24,8 @@ pub(crate) struct StepOptions {
     pub dtypes: CommDtypes,
     /// Where forward runs.
     pub device: Device,
+    /// Training (see [`RunContext::train`]).
+    pub train: bool,
 }
 
 struct Inner {
@@ -97,6 +99,7 @@ impl StepShared {
             dtypes: self.opts.dtypes,
             device: &self.opts.device,
             poison: self.opts.debug,
+            train: self.opts.train,
         }
     }
 

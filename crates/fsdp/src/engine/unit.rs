@@ -70,6 +70,9 @@ pub(crate) struct RunContext<'a> {
     pub device: &'a Device,
     /// Poison released parameters with NaN instead of returning their pages.
     pub poison: bool,
+    /// Training (parameters are graph nodes, outputs hooked); false for evaluation, where
+    /// no graph is recorded and nothing is refilled.
+    pub train: bool,
 }
 
 /// One unit in one step.
@@ -192,7 +195,7 @@ impl UnitRun {
                 unit: index,
                 param: i,
             };
-            let tensor = if p.layout.requires_grad {
+            let tensor = if p.layout.requires_grad && cx.train {
                 anchor.as_tensor().apply_op1(op)?
             } else {
                 anchor.as_tensor().detach().apply_op1_no_bwd(&op)?
@@ -217,6 +220,15 @@ impl UnitRun {
         index: usize,
     ) -> Result<Tensor, EngineError> {
         self.hooked = true;
+        if !cx.train {
+            // Evaluation: no backward will need the parameters again.
+            if self.unit.reshard_after_forward && self.sharded == ShardedState::Unsharded {
+                self.reshard(cx)?;
+                self.sharded = ShardedState::ReleasedAfterForward;
+            }
+            self.training = TrainingState::Idle;
+            return Ok(output);
+        }
         let releasing = self.unit.reshard_after_forward
             && matches!(
                 self.sharded,

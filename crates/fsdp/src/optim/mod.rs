@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 pub use adamw::{AdamConfig, AdamWConfig};
 pub use groups::{Grouped, ParamGroup, is_bias_or_norm, split_no_decay};
-pub use schedule::LrSchedule;
+pub use schedule::{LrSchedule, LrScheduler};
 pub use sgd::SgdConfig;
 
 /// `torch.optim.AdamW` with parameter groups.
