@@ -1,6 +1,7 @@
 //! fsdp-rs: fully sharded data-parallel training on candle, configured like Hugging Face
 //! Accelerate's FSDP plugin.
 
+pub mod accelerator;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

@@ -1,0 +1,482 @@
+//! [`Accelerator`]: what a training program written for Accelerate expects — the process's
+//! place in the job, `prepare` for models, optimizers, schedulers and data loaders,
+//! `backward` with gradient accumulation, global-norm clipping, an optimizer step that counts
+//! once per optimizer step, metrics gathered without duplicated samples, checkpoints, and
+//! progress and logs — over the FSDP engine, with no process group in sight.
+//!
+//! ```no_run
+//! use fsdp::accelerator::Accelerator;
+//! use fsdp::data::{DataLoader, TextExample, TextTokenizer, collate};
+//! use fsdp::models::{BertConfig, BertForSequenceClassification};
+//! use fsdp::nn::{LocalParams, Module};
+//! use fsdp::nn::candle::{DType, Device};
+//! use fsdp::nn::ops::{CrossEntropy, cross_entropy};
+//! use fsdp::optim::{AdamW, AdamWConfig, LrSchedule, is_bias_or_norm, split_no_decay};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! // Under `fsdp launch` this reads the job and the FSDP configuration from the environment;
+//! // alone, it is a job of one process.
+//! let mut acc = Accelerator::new()?;
+//! let model = BertForSequenceClassification::new(BertConfig::default())?;
+//! let weights = LocalParams::init(&model.info(), 42, DType::F32, &Device::Cpu)?.tensors();
+//! let names: Vec<String> = weights.keys().cloned().collect();
+//! let mut model = acc.prepare_model(model, &weights)?;
+//! let adamw = AdamW::with_groups(split_no_decay(names, AdamWConfig::default(), is_bias_or_norm))?;
+//! let mut optimizer = acc.prepare_optimizer(adamw)?;
+//! acc.prepare_scheduler(&mut optimizer, LrSchedule::Linear { warmup: 10, total: 100 })?;
+//!
+//! let tokenizer = TextTokenizer::from_file("tokenizer.json".as_ref(), Some(128))?;
+//! let examples = vec![TextExample { text: "a fine film".into(), pair: None, label: 1 }];
+//! let loader = DataLoader::new(examples, 16, move |ex: &[TextExample]| collate(&tokenizer, ex, &Device::Cpu))
+//!     .shuffle(42);
+//! let mut loader = acc.prepare_data_loader(loader);   // this rank's share of every step
+//! for epoch in 0..3 {
+//!     loader.set_epoch(epoch);
+//!     while let Some(batch) = loader.next_batch() {
+//!         let b = batch?.batch;
+//!         let logits = model.forward(|m, p| {
+//!             m.forward(p, &b.inputs.input_ids, Some(&b.inputs.attention_mask), Some(&b.inputs.token_type_ids))
+//!         })?;
+//!         let loss = cross_entropy(&logits, &b.labels, CrossEntropy::default())?;
+//!         acc.backward(&mut model, loss)?;
+//!         if acc.sync_gradients() {
+//!             acc.clip_grad_norm(&mut model, 1.0)?;
+//!         }
+//!         acc.optimizer_step(&mut model, &mut optimizer)?;   // steps the scheduler once
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+mod logging;
+mod prepared;
+mod state;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+/// What `gather` and `reduce` take (f32, f64, i32, i64, u8, f16, bf16) and how `reduce`
+/// combines, re-exported so programs need not depend on fsdp-comm.
+pub use fsdp_comm::{BufferElement, ReduceOp};
+use fsdp_comm::{CommError, Communicator, CommunicatorExt, ProcessGroup};
+
+pub use logging::{Progress, init_logging};
+pub use prepared::{ModelHandle, PreparedModel, PreparedOptimizer};
+
+use crate::checkpoint::CheckpointError;
+use crate::config::{ConfigError, FsdpPlugin, FsdpPluginBuilder, Layer};
+use crate::data::{DataLoader, Dataset, LoadedBatch};
+use crate::engine::{EngineError, Fsdp};
+use crate::nn::Model;
+use crate::optim::{LrSchedule, OptimError, Optimizer};
+
+/// Why the accelerator stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AcceleratorError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Joining the job or a collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The engine refused.
+    #[error(transparent)]
+    Engine(Box<EngineError>),
+    /// The optimizer refused.
+    #[error(transparent)]
+    Optimizer(#[from] OptimError),
+    /// A checkpoint could not be saved or loaded.
+    #[error(transparent)]
+    Checkpoint(Box<CheckpointError>),
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+    /// The API was used out of order (backward without a forward, ...).
+    #[error("{0}")]
+    Usage(String),
+    /// Writing logs or metrics failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+}
+
+impl From<EngineError> for AcceleratorError {
+    fn from(e: EngineError) -> Self {
+        AcceleratorError::Engine(Box::new(e))
+    }
+}
+
+impl From<CheckpointError> for AcceleratorError {
+    fn from(e: CheckpointError) -> Self {
+        AcceleratorError::Checkpoint(Box::new(e))
+    }
+}
+
+/// Where checkpoints go, as Accelerate's `ProjectConfiguration`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProjectConfiguration {
+    /// The project's folder (metrics and numbered checkpoints go in it).
+    pub project_dir: PathBuf,
+    /// Save into `project_dir/checkpoints/checkpoint_<n>`.
+    pub automatic_checkpoint_naming: bool,
+    /// With automatic naming, keep at most this many checkpoints.
+    pub total_limit: Option<usize>,
+}
+
+impl Default for ProjectConfiguration {
+    fn default() -> Self {
+        ProjectConfiguration {
+            project_dir: PathBuf::from("."),
+            automatic_checkpoint_naming: false,
+            total_limit: None,
+        }
+    }
+}
+
+/// How full state dicts are gathered (Accelerate's `FullStateDictConfig`): fsdp-rs always
+/// gathers onto rank 0 only, into host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FullStateDictConfig {
+    /// Gather into host memory (on the CPU it always is).
+    pub offload_to_cpu: bool,
+    /// Only rank 0 holds the full state.
+    pub rank0_only: bool,
+}
+
+impl Default for FullStateDictConfig {
+    fn default() -> Self {
+        FullStateDictConfig {
+            offload_to_cpu: true,
+            rank0_only: true,
+        }
+    }
+}
+
+/// Settings made in code, over what the environment (`fsdp launch`) says.
+#[derive(Default)]
+pub struct AcceleratorBuilder {
+    plugin: Option<FsdpPluginBuilder>,
+    accumulation: Option<usize>,
+    project: Option<ProjectConfiguration>,
+    full_state_dict: Option<FullStateDictConfig>,
+    metrics: bool,
+    seed: u64,
+    group: Option<Arc<dyn Communicator>>,
+}
+
+impl AcceleratorBuilder {
+    /// Runs over `group` instead of joining the job from the environment (a group the
+    /// program already joined, or threads as peers in tests).
+    pub fn communicator(mut self, group: Arc<dyn Communicator>) -> Self {
+        self.group = Some(group);
+        self
+    }
+
+    /// FSDP settings in code (the strongest source, as Accelerate's
+    /// `FullyShardedDataParallelPlugin`).
+    pub fn fsdp_plugin(mut self, plugin: FsdpPluginBuilder) -> Self {
+        self.plugin = Some(plugin);
+        self
+    }
+
+    /// Optimizer steps every `n` backward passes (gradients summed in between).
+    pub fn gradient_accumulation_steps(mut self, n: usize) -> Self {
+        self.accumulation = Some(n);
+        self
+    }
+
+    /// Where checkpoints and metrics go.
+    pub fn project_config(mut self, project: ProjectConfiguration) -> Self {
+        self.project = Some(project);
+        self
+    }
+
+    /// How full state dicts are gathered (only `rank0_only: true` is possible).
+    pub fn full_state_dict_config(mut self, config: FullStateDictConfig) -> Self {
+        self.full_state_dict = Some(config);
+        self
+    }
+
+    /// Writes metrics given to [`Accelerator::log`] as JSON lines in the project folder.
+    pub fn log_metrics(mut self, on: bool) -> Self {
+        self.metrics = on;
+        self
+    }
+
+    /// The run's seed (recorded in checkpoints with the step, from which programs derive
+    /// their dropout and shuffling).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Joins the job (or starts a job of one) and resolves the configuration.
+    pub fn build(self) -> Result<Accelerator, AcceleratorError> {
+        let resolved = self
+            .plugin
+            .unwrap_or_default()
+            .resolve(&Layer::from_process_env()?, None)?;
+        if let Some(c) = self.full_state_dict
+            && !c.rank0_only
+        {
+            return Err(AcceleratorError::Usage(
+                "FullStateDictConfig { rank0_only: false }: fsdp-rs gathers full state dicts onto rank 0 only (every rank holding the whole model is what it avoids)".into(),
+            ));
+        }
+        let group: Arc<dyn Communicator> = match self.group {
+            Some(g) => g,
+            None => Arc::new(ProcessGroup::from_env()?),
+        };
+        let local_rank = std::env::var("LOCAL_RANK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let accumulation = self.accumulation.unwrap_or(1).max(1);
+        let rank = group.rank();
+        init_logging(rank);
+        Ok(Accelerator {
+            group,
+            plugin: resolved.fsdp,
+            local_rank,
+            accumulation,
+            models: 0,
+            optimizers: 0,
+            sync: true,
+            steps: 0,
+            project: self.project.unwrap_or_default(),
+            metrics: self.metrics,
+            seed: self.seed,
+        })
+    }
+}
+
+/// The process's view of a training job (see the module docs).
+pub struct Accelerator {
+    group: Arc<dyn Communicator>,
+    plugin: FsdpPlugin,
+    local_rank: usize,
+    accumulation: usize,
+    models: usize,
+    optimizers: usize,
+    sync: bool,
+    steps: u64,
+    project: ProjectConfiguration,
+    metrics: bool,
+    seed: u64,
+}
+
+impl Accelerator {
+    /// The job and configuration from the environment (`fsdp launch`), or one process.
+    pub fn new() -> Result<Accelerator, AcceleratorError> {
+        AcceleratorBuilder::default().build()
+    }
+
+    /// Settings in code.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+
+    /// The FSDP settings in force.
+    pub fn plugin(&self) -> &FsdpPlugin {
+        &self.plugin
+    }
+
+    /// This process's rank.
+    pub fn process_index(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// This process's rank on its machine.
+    pub fn local_process_index(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Processes in the job.
+    pub fn num_processes(&self) -> usize {
+        self.group.size()
+    }
+
+    /// Whether this is rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.process_index() == 0
+    }
+
+    /// Whether this is rank 0 of its machine.
+    pub fn is_local_main_process(&self) -> bool {
+        self.local_rank == 0
+    }
+
+    /// Prints on the main process only.
+    pub fn print(&self, text: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{text}");
+        }
+    }
+
+    /// Optimizer steps taken.
+    pub fn step(&self) -> u64 {
+        self.steps
+    }
+
+    /// The run's seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Backward passes per optimizer step.
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.accumulation
+    }
+
+    /// Shards `model` (its `initial` weights, identical on every rank or broadcast from
+    /// rank 0 with `fsdp_sync_module_states`) over the job per the configuration. Models
+    /// are numbered in the order they are prepared; optimizer i updates model i.
+    pub fn prepare_model<M: Model>(
+        &mut self,
+        model: M,
+        initial: &std::collections::BTreeMap<String, Tensor>,
+    ) -> Result<PreparedModel<M>, AcceleratorError> {
+        let engine = Fsdp::wrap(&model, initial, &self.plugin, self.group.clone())?;
+        self.models += 1;
+        Ok(PreparedModel::new(self.models - 1, model, engine))
+    }
+
+    /// Takes `optimizer` for the model prepared in the same position (the first optimizer
+    /// for the first model, ...); an error when that model has not been prepared.
+    pub fn prepare_optimizer(
+        &mut self,
+        optimizer: impl Optimizer + 'static,
+    ) -> Result<PreparedOptimizer, AcceleratorError> {
+        let index = self.optimizers;
+        if index >= self.models {
+            return Err(AcceleratorError::Usage(format!(
+                "optimizer {index} has no model: {} model(s) prepared, and optimizer i updates model i (prepare the model first)",
+                self.models
+            )));
+        }
+        self.optimizers += 1;
+        Ok(PreparedOptimizer::new(index, Box::new(optimizer)))
+    }
+
+    /// Attaches a learning-rate schedule to `optimizer`: it sets the rates before the first
+    /// step and moves once per optimizer step (never once per process or per micro-batch).
+    pub fn prepare_scheduler(
+        &self,
+        optimizer: &mut PreparedOptimizer,
+        schedule: LrSchedule,
+    ) -> Result<(), AcceleratorError> {
+        optimizer.attach(schedule)
+    }
+
+    /// Gives `loader` this rank's share of every step.
+    pub fn prepare_data_loader<D: Dataset, B>(&self, loader: DataLoader<D, B>) -> DataLoader<D, B> {
+        loader.shard(self.process_index(), self.num_processes())
+    }
+
+    /// The model inside a prepared one.
+    pub fn unwrap_model<'a, M>(&self, model: &'a PreparedModel<M>) -> &'a M {
+        model.module()
+    }
+
+    /// Back-propagates `loss` through `model`'s open forward, reducing the gradients and
+    /// adding them to those of earlier micro-batches (each scaled by 1/accumulation steps).
+    pub fn backward<M>(
+        &mut self,
+        model: &mut PreparedModel<M>,
+        loss: Tensor,
+    ) -> Result<(), AcceleratorError> {
+        let loss = if self.accumulation > 1 {
+            (loss / self.accumulation as f64)?
+        } else {
+            loss
+        };
+        let passes = model.backward(loss)?;
+        self.sync = passes % self.accumulation as u64 == 0;
+        Ok(())
+    }
+
+    /// Whether the last backward pass ended an accumulation: the optimizer steps now.
+    pub fn sync_gradients(&self) -> bool {
+        self.sync
+    }
+
+    /// Clips `model`'s accumulated gradients by their global norm (over every rank); returns
+    /// the norm before clipping.
+    pub fn clip_grad_norm<M>(
+        &self,
+        model: &mut PreparedModel<M>,
+        max_norm: f64,
+    ) -> Result<f64, AcceleratorError> {
+        model.clip_grad_norm(max_norm)
+    }
+
+    /// Updates `model` with its `optimizer` (and steps the optimizer's scheduler once) when
+    /// `model`'s accumulation is complete; a no-op returning false in the middle of one.
+    pub fn optimizer_step<M>(
+        &mut self,
+        model: &mut PreparedModel<M>,
+        optimizer: &mut PreparedOptimizer,
+    ) -> Result<bool, AcceleratorError> {
+        if model.backward_passes() % self.accumulation as u64 != 0 {
+            return Ok(false);
+        }
+        optimizer.step(model)?;
+        if model.index() == 0 {
+            self.steps += 1;
+        }
+        Ok(true)
+    }
+
+    /// Every rank's `values` (the same length on all), concatenated in rank order, on every
+    /// rank.
+    pub fn gather<T: BufferElement>(&self, values: Vec<T>) -> Result<Vec<T>, AcceleratorError> {
+        Ok(self.group.all_gather_vec(values).wait()?)
+    }
+
+    /// [`Accelerator::gather`] of per-example values of `batch`, without the repeats that
+    /// filled up the last step of the epoch, so every example counts once.
+    pub fn gather_for_metrics<T: BufferElement, B>(
+        &self,
+        values: Vec<T>,
+        batch: &LoadedBatch<B>,
+    ) -> Result<Vec<T>, AcceleratorError> {
+        let mut all = self.gather(values)?;
+        all.truncate(batch.real);
+        Ok(all)
+    }
+
+    /// Element-wise reduction of `values` over the ranks.
+    pub fn reduce<T: BufferElement>(
+        &self,
+        values: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Vec<T>, AcceleratorError> {
+        Ok(self.group.all_reduce_vec(values, op).wait()?)
+    }
+
+    /// Returns when every rank has reached it.
+    pub fn wait_for_everyone(&self) -> Result<(), AcceleratorError> {
+        Ok(self.group.barrier().wait()?)
+    }
+
+    /// A progress bar on the main process (hidden on the others).
+    pub fn progress(&self, total: u64, what: &str) -> Progress {
+        Progress::new(self.is_main_process(), total, what)
+    }
+
+    /// Appends `metrics` with the step as one JSON line to `project_dir/metrics.jsonl` on the
+    /// main process, when metrics logging is on.
+    pub fn log(&self, metrics: serde_json::Value) -> Result<(), AcceleratorError> {
+        if !(self.metrics && self.is_main_process()) {
+            return Ok(());
+        }
+        let path = self.project.project_dir.join("metrics.jsonl");
+        logging::append_json_line(&path, self.steps, metrics)
+            .map_err(|source| AcceleratorError::Io { path, source })
+    }
+}

@@ -1,0 +1,226 @@
+//! What `prepare` returns: [`PreparedModel`] (a model and its FSDP engine, holding the forward
+//! pass in flight and the gradients accumulated until the optimizer steps) and
+//! [`PreparedOptimizer`] (an optimizer paired with the model of the same preparation order,
+//! and its learning-rate scheduler).
+
+use candle_core::Tensor;
+
+use super::AcceleratorError;
+use crate::engine::{Fsdp, Gradients, StepParams};
+use crate::nn::Params;
+use crate::optim::{LrSchedule, LrScheduler, Optimizer};
+
+/// A model sharded by [`super::Accelerator::prepare_model`].
+pub struct PreparedModel<M> {
+    index: usize,
+    module: M,
+    engine: Fsdp,
+    open: Option<StepParams>,
+    grads: Option<Gradients>,
+    backward_passes: u64,
+}
+
+impl<M> PreparedModel<M> {
+    pub(super) fn new(index: usize, module: M, engine: Fsdp) -> Self {
+        PreparedModel {
+            index,
+            module,
+            engine,
+            open: None,
+            grads: None,
+            backward_passes: 0,
+        }
+    }
+
+    /// The model itself (`unwrap_model`).
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// The model itself, writable (to set the step's dropout seed, say).
+    pub fn module_mut(&mut self) -> &mut M {
+        &mut self.module
+    }
+
+    /// The engine holding the shards (state by name, plans, memory estimates).
+    pub fn engine(&self) -> &Fsdp {
+        &self.engine
+    }
+
+    /// A training forward pass: `f(model, parameters)`. Units are gathered as it reads
+    /// them; the pass stays open until the accelerator's `backward`.
+    pub fn forward<T>(
+        &mut self,
+        f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,
+    ) -> Result<T, AcceleratorError> {
+        if self.open.is_some() {
+            return Err(AcceleratorError::Usage(format!(
+                "model {}: a second forward before backward: call Accelerator::backward on the first loss, or evaluate()",
+                self.index
+            )));
+        }
+        let params = self.engine.begin_step()?;
+        let out = f(&self.module, &params)?;
+        self.open = Some(params);
+        Ok(out)
+    }
+
+    /// An evaluation forward pass: no graph is recorded and nothing waits for a backward.
+    pub fn evaluate<T>(
+        &self,
+        f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,
+    ) -> Result<T, AcceleratorError> {
+        let params = self.engine.begin_eval()?;
+        Ok(f(&self.module, &params)?)
+    }
+
+    /// Backward of the open forward; returns how many backward passes this model has had.
+    pub(super) fn backward(&mut self, loss: Tensor) -> Result<u64, AcceleratorError> {
+        let params = self.open.take().ok_or_else(|| {
+            AcceleratorError::Usage(format!(
+                "model {}: backward without a forward: run PreparedModel::forward first",
+                self.index
+            ))
+        })?;
+        let grads = self.engine.backward(params, loss)?;
+        match self.grads.as_mut() {
+            Some(acc) => acc.accumulate(grads),
+            None => self.grads = Some(grads),
+        }
+        self.backward_passes += 1;
+        Ok(self.backward_passes)
+    }
+
+    pub(super) fn backward_passes(&self) -> u64 {
+        self.backward_passes
+    }
+
+    pub(super) fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, AcceleratorError> {
+        let grads = self.grads.as_mut().ok_or_else(|| {
+            AcceleratorError::Usage(format!(
+                "model {}: clip_grad_norm without gradients: call backward first",
+                self.index
+            ))
+        })?;
+        Ok(self.engine.clip_grad_norm(grads, Some(max_norm))?.0)
+    }
+
+    pub(super) fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<(), AcceleratorError> {
+        let grads = self.grads.take().ok_or_else(|| {
+            AcceleratorError::Usage(format!(
+                "model {}: an optimizer step without gradients: call backward first",
+                self.index
+            ))
+        })?;
+        self.engine.step(grads, optimizer, None)?;
+        Ok(())
+    }
+
+    /// Drops accumulated gradients (`optimizer.zero_grad()`).
+    pub fn zero_grad(&mut self) {
+        self.grads = None;
+    }
+
+    /// This rank's accumulated gradients, by parameter name.
+    pub fn gradients(&self) -> Option<&Gradients> {
+        self.grads.as_ref()
+    }
+}
+
+/// A prepared model of any type, as checkpoints take them (several models of different
+/// types in one call).
+pub trait ModelHandle {
+    /// The preparation order (model i pairs with optimizer i).
+    fn index(&self) -> usize;
+    /// The engine holding the shards.
+    fn engine(&self) -> &Fsdp;
+    /// The engine, writable (loading state).
+    fn engine_mut(&mut self) -> &mut Fsdp;
+}
+
+impl<M> ModelHandle for PreparedModel<M> {
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn engine(&self) -> &Fsdp {
+        &self.engine
+    }
+
+    fn engine_mut(&mut self) -> &mut Fsdp {
+        &mut self.engine
+    }
+}
+
+/// An optimizer from [`super::Accelerator::prepare_optimizer`]: it updates the model
+/// prepared in the same position, and steps its scheduler once per optimizer step.
+pub struct PreparedOptimizer {
+    index: usize,
+    optimizer: Box<dyn Optimizer>,
+    scheduler: Option<LrScheduler>,
+}
+
+impl PreparedOptimizer {
+    pub(super) fn new(index: usize, optimizer: Box<dyn Optimizer>) -> Self {
+        PreparedOptimizer {
+            index,
+            optimizer,
+            scheduler: None,
+        }
+    }
+
+    /// The preparation order (optimizer i updates model i).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The optimizer (its state by name, its groups' rates).
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        self.optimizer.as_ref()
+    }
+
+    /// The optimizer, writable.
+    pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
+        self.optimizer.as_mut()
+    }
+
+    /// The attached scheduler.
+    pub fn scheduler(&self) -> Option<&LrScheduler> {
+        self.scheduler.as_ref()
+    }
+
+    /// The learning rate of `group` for the next step.
+    pub fn lr(&self, group: usize) -> f64 {
+        self.optimizer.lr(group)
+    }
+
+    /// Attaches `schedule` (at step 0) and sets the first step's rates.
+    pub(super) fn attach(&mut self, schedule: LrSchedule) -> Result<(), AcceleratorError> {
+        let scheduler = LrScheduler::new(schedule);
+        scheduler.start(self.optimizer.as_mut())?;
+        self.scheduler = Some(scheduler);
+        Ok(())
+    }
+
+    /// Replaces the scheduler's state (loading a checkpoint) and sets its rates.
+    pub(super) fn restore_scheduler(&mut self, s: LrScheduler) -> Result<(), AcceleratorError> {
+        s.start(self.optimizer.as_mut())?;
+        self.scheduler = Some(s);
+        Ok(())
+    }
+
+    /// One optimizer step of `model`, then one scheduler step.
+    pub(super) fn step<M>(&mut self, model: &mut PreparedModel<M>) -> Result<(), AcceleratorError> {
+        if model.index != self.index {
+            return Err(AcceleratorError::Usage(format!(
+                "optimizer {} was prepared for model {} (models and optimizers pair by the order of prepare, as in Accelerate) but is stepping model {}",
+                self.index, self.index, model.index
+            )));
+        }
+        model.step(self.optimizer.as_mut())?;
+        if let Some(s) = self.scheduler.as_mut() {
+            s.step(self.optimizer.as_mut())?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,167 @@
+//! The accelerator's checkpoints: `save_state` / `load_state` of every prepared model,
+//! optimizer and scheduler with the step, the seed and the data position (the checkpoint
+//! module's format), `save_model` for sharing, and `skip_first_batches` to resume mid-epoch.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use candle_core::Tensor;
+
+use super::{Accelerator, AcceleratorError, ModelHandle, PreparedModel, PreparedOptimizer};
+use crate::checkpoint::{self, CheckpointOptions, RunState};
+use crate::data::{DataLoader, Dataset, LoaderPosition};
+use crate::engine::Fsdp;
+use crate::optim::{LrScheduler, Optimizer};
+
+/// Checks that `models` and `optimizers` are listed in their preparation order, so that
+/// checkpoint folder i holds model i and optimizer i.
+fn check_order(models: &[usize], optimizers: &[usize]) -> Result<(), AcceleratorError> {
+    for (what, indices) in [("model", models), ("optimizer", optimizers)] {
+        if let Some((pos, index)) = indices.iter().enumerate().find(|(p, i)| p != *i) {
+            return Err(AcceleratorError::Usage(format!(
+                "{what} {index} given in position {pos}: pass every prepared {what} in the order they were prepared"
+            )));
+        }
+    }
+    if optimizers.len() > models.len() {
+        return Err(AcceleratorError::Usage(format!(
+            "{} optimizers for {} models: optimizer i updates model i",
+            optimizers.len(),
+            models.len()
+        )));
+    }
+    Ok(())
+}
+
+impl Accelerator {
+    /// Saves `model`'s full weights for sharing (`model.safetensors` and `config`'s
+    /// `config.json`), gathered onto rank 0 one unit at a time (collective).
+    pub fn save_model<M>(
+        &self,
+        model: &PreparedModel<M>,
+        dir: &Path,
+        config: &serde_json::Value,
+    ) -> Result<PathBuf, AcceleratorError> {
+        Ok(checkpoint::save_pretrained(
+            model.engine(),
+            dir,
+            config,
+            10 << 30,
+        )?)
+    }
+
+    /// `model`'s full weights by name on rank 0 (`None` on the others), gathered one unit
+    /// at a time (collective).
+    pub fn get_state_dict<M>(
+        &self,
+        model: &PreparedModel<M>,
+    ) -> Result<Option<BTreeMap<String, Tensor>>, AcceleratorError> {
+        Ok(model.engine().full_state_dict()?)
+    }
+
+    /// Saves the prepared `models` and `optimizers` (in preparation order), the optimizers'
+    /// schedulers, the step, the seed and `data`'s position (collective). `dir` is the
+    /// folder, or with automatic naming `None` for the next
+    /// `project_dir/checkpoints/checkpoint_<n>`. Returns the folder written.
+    pub fn save_state(
+        &self,
+        dir: Option<&Path>,
+        models: &[&dyn ModelHandle],
+        optimizers: &[&PreparedOptimizer],
+        data: LoaderPosition,
+    ) -> Result<PathBuf, AcceleratorError> {
+        check_order(
+            &models.iter().map(|m| m.index()).collect::<Vec<_>>(),
+            &optimizers.iter().map(|o| o.index()).collect::<Vec<_>>(),
+        )?;
+        let automatic = self.project.automatic_checkpoint_naming && dir.is_none();
+        let dir = match dir {
+            Some(d) => d.to_path_buf(),
+            None if automatic => self.project.project_dir.clone(),
+            None => {
+                return Err(AcceleratorError::Usage(
+                    "save_state(None, ..) needs ProjectConfiguration { automatic_checkpoint_naming: true, .. }".into(),
+                ));
+            }
+        };
+        let schedulers = optimizers
+            .iter()
+            .map(|o| serde_json::to_value(o.scheduler()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| AcceleratorError::Usage(format!("scheduler state: {e}")))?;
+        let run = RunState {
+            step: self.steps,
+            schedulers,
+            random: serde_json::json!({ "seed": self.seed }),
+            data: serde_json::json!(data),
+        };
+        let options = CheckpointOptions {
+            automatic_naming: automatic,
+            total_limit: self.project.total_limit,
+            join_timeout: Duration::from_secs(60),
+            ..Default::default()
+        };
+        let engines: Vec<&Fsdp> = models.iter().map(|m| m.engine()).collect();
+        let opts: Vec<&dyn Optimizer> = optimizers.iter().map(|o| o.optimizer()).collect();
+        Ok(checkpoint::save_state(
+            &dir, &engines, &opts, &run, &options,
+        )?)
+    }
+
+    /// Loads what [`Accelerator::save_state`] wrote into the same kinds of objects, at any
+    /// world size and strategy (collective); returns the data position to continue from
+    /// (give it to the loader with `set_position`).
+    pub fn load_state(
+        &mut self,
+        dir: &Path,
+        models: &mut [&mut dyn ModelHandle],
+        optimizers: &mut [&mut PreparedOptimizer],
+    ) -> Result<LoaderPosition, AcceleratorError> {
+        check_order(
+            &models.iter().map(|m| m.index()).collect::<Vec<_>>(),
+            &optimizers.iter().map(|o| o.index()).collect::<Vec<_>>(),
+        )?;
+        let run = {
+            let mut engines: Vec<&mut Fsdp> = models.iter_mut().map(|m| m.engine_mut()).collect();
+            let mut opts: Vec<&mut dyn Optimizer> =
+                optimizers.iter_mut().map(|o| o.optimizer_mut()).collect();
+            checkpoint::load_state(dir, &mut engines, &mut opts, &CheckpointOptions::default())?
+        };
+        let bad = |what: &str, e: serde_json::Error| {
+            AcceleratorError::Usage(format!("{what} in {}: {e}", dir.display()))
+        };
+        for (o, v) in optimizers.iter_mut().zip(&run.schedulers) {
+            let saved: Option<LrScheduler> =
+                serde_json::from_value(v.clone()).map_err(|e| bad("scheduler state", e))?;
+            match (saved, o.scheduler().is_some()) {
+                (Some(s), true) => o.restore_scheduler(s)?,
+                (None, false) => {}
+                (saved, _) => {
+                    return Err(AcceleratorError::Usage(format!(
+                        "optimizer {} {} a scheduler but the checkpoint {} one for it",
+                        o.index(),
+                        if o.scheduler().is_some() {
+                            "has"
+                        } else {
+                            "has no"
+                        },
+                        if saved.is_some() {
+                            "holds"
+                        } else {
+                            "holds none"
+                        },
+                    )));
+                }
+            }
+        }
+        self.steps = run.step;
+        serde_json::from_value(run.data).map_err(|e| bad("data position", e))
+    }
+
+    /// Continues `loader` after the first `steps` steps of its epoch (resuming mid-epoch).
+    pub fn skip_first_batches<D: Dataset, B>(&self, loader: &mut DataLoader<D, B>, steps: usize) {
+        let epoch = loader.position().epoch;
+        loader.set_position(LoaderPosition { epoch, step: steps });
+    }
+}
