@@ -11,6 +11,7 @@ mod prompt;
 mod questionnaire;
 mod system;
 mod test_cmd;
+mod test_train;
 
 use std::path::PathBuf;
 

@@ -1,6 +1,7 @@
 //! `fsdp test`: launches a short distributed sanity check with the user's configuration, as
 //! `accelerate test` does: every worker joins the group, checks its environment and the
-//! configuration it received, and runs a few collectives.
+//! configuration it received, runs a few collectives, then trains a small model for a few
+//! steps under that configuration (see `test_train`).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -48,7 +49,9 @@ pub fn run(args: TestArgs) -> Result<i32> {
     let status = cmd.status().context("running fsdp launch")?;
     let code = status.code().unwrap_or(1);
     if code == 0 {
-        println!("Test is a success! The job can start and communicate with this configuration.");
+        println!(
+            "Test is a success! The job starts, communicates and trains with this configuration."
+        );
     }
     Ok(code)
 }
@@ -98,6 +101,7 @@ fn worker(fault: Option<&str>) -> Result<()> {
         bail!("ranks received different sharding strategies: {strategies:?}");
     }
     pg.barrier().wait()?;
+    let pg = std::sync::Arc::new(pg);
     println!(
         "rank {} of {} (local {} of {}, machine {}): all_reduce ok, transport {}, strategy {}",
         world.rank,
@@ -115,5 +119,5 @@ fn worker(fault: Option<&str>) -> Result<()> {
             .collect();
         println!("ranks (rank:local@machine): {}", layout.join(" "));
     }
-    Ok(())
+    crate::test_train::train(pg)
 }

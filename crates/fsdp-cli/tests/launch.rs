@@ -144,6 +144,33 @@ fn one_two_and_four_workers_see_consistent_ranks_and_all_reduce() {
     );
     assert_eq!(run.code, Some(0), "{}", run.out);
     assert!(run.out.contains("Test is a success!"), "{}", run.out);
+    // It trained: sharded losses equal to one process's, and falling.
+    assert!(
+        run.out.contains("training ok: 8 steps on 2 processes"),
+        "{}",
+        run.out
+    );
+}
+
+#[test]
+fn fsdp_test_fails_for_a_configuration_the_engine_cannot_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(
+        &cfg,
+        "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: fp16\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n",
+    )
+    .unwrap();
+    let run = finish(
+        fsdp()
+            .args(["test", "--config_file", cfg.to_str().unwrap()])
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(60),
+    );
+    assert_ne!(run.code, Some(0), "{}", run.out);
+    assert!(!run.out.contains("Test is a success!"), "{}", run.out);
+    assert!(run.out.contains("mixed_precision: fp16"), "{}", run.out);
 }
 
 #[test]

@@ -1,0 +1,144 @@
+//! The training part of `fsdp test`: a few steps of a small BERT classifier through the
+//! `Accelerator` under the configuration the launcher passed (so a setting the engine cannot
+//! honour fails here, naming it), checked on rank 0 against the same steps in one process.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use fsdp::accelerator::{Accelerator, ReduceOp};
+use fsdp::data::{CollateError, DataLoader};
+use fsdp::engine::Fsdp;
+use fsdp::models::{BertConfig, BertForSequenceClassification};
+use fsdp::nn::candle::{DType, Device, Tensor};
+use fsdp::nn::ops::{CrossEntropy, cross_entropy};
+use fsdp::nn::{LocalParams, Module};
+use fsdp::optim::{AdamW, AdamWConfig, is_bias_or_norm, split_no_decay};
+use fsdp_comm::{Communicator, SingleRank};
+
+const STEPS: usize = 8;
+const PER_RANK: usize = 4;
+const SEQ: usize = 12;
+const VOCAB: usize = 128;
+
+fn model() -> Result<BertForSequenceClassification> {
+    Ok(BertForSequenceClassification::new(BertConfig {
+        vocab_size: VOCAB,
+        hidden_size: 32,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        intermediate_size: 64,
+        max_position_embeddings: SEQ,
+        num_labels: 2,
+        ..BertConfig::default()
+    })?)
+}
+
+/// A learnable task: the class shows in the first token and in which half of the
+/// vocabulary the others come from.
+fn examples(n: usize) -> Vec<(Vec<u32>, u32)> {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let half = (VOCAB as u64 - 4) / 2;
+    (0..n)
+        .map(|_| {
+            let label = (next() % 2) as u32;
+            let mut ids = vec![2 + label];
+            ids.extend((1..SEQ).map(|_| (4 + u64::from(label) * half + next() % half) as u32));
+            (ids, label)
+        })
+        .collect()
+}
+
+fn collate(examples: &[(Vec<u32>, u32)]) -> Result<(Tensor, Tensor), CollateError> {
+    let ids: Vec<u32> = examples.iter().flat_map(|e| e.0.iter().copied()).collect();
+    let labels: Vec<u32> = examples.iter().map(|e| e.1).collect();
+    Ok((
+        Tensor::from_vec(ids, (examples.len(), SEQ), &Device::Cpu)?,
+        Tensor::from_vec(labels, examples.len(), &Device::Cpu)?,
+    ))
+}
+
+fn adamw(names: Vec<String>) -> Result<AdamW> {
+    Ok(AdamW::with_groups(split_no_decay(
+        names,
+        AdamWConfig::default(),
+        is_bias_or_norm,
+    ))?)
+}
+
+/// Trains the check's steps over `group` under the environment's configuration; rank 0
+/// prints the losses and compares them with one process.
+pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
+    let mut acc = Accelerator::builder()
+        .communicator(group)
+        .build()
+        .context("reading the configuration from the environment")?;
+    let world = acc.num_processes();
+    let m = model()?;
+    let init = LocalParams::init(&m.info(), 11, DType::F32, &Device::Cpu)?.tensors();
+    let names: Vec<String> = init.keys().cloned().collect();
+    let mut model = acc
+        .prepare_model(m, &init)
+        .context("the engine refused this configuration")?;
+    let mut optimizer = acc.prepare_optimizer(adamw(names.clone())?)?;
+    let data = examples(STEPS * PER_RANK * world);
+    let mut loader = acc.prepare_data_loader(DataLoader::new(data.clone(), PER_RANK, collate));
+    let mut losses = Vec::new();
+    while let Some(batch) = loader.next_batch() {
+        let (ids, labels) = batch.map_err(|e| anyhow::anyhow!("{e}"))?.batch;
+        let logits = model.forward(|m, p| m.forward(p, &ids, None, None))?;
+        let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
+        let local = loss.to_scalar::<f32>()?;
+        acc.backward(&mut model, loss)?;
+        acc.clip_grad_norm(&mut model, 1.0)?;
+        acc.optimizer_step(&mut model, &mut optimizer)?;
+        losses.push(acc.reduce(vec![local], ReduceOp::Avg)?[0]);
+    }
+    if !acc.is_main_process() {
+        return Ok(());
+    }
+    // The same steps in this process alone, on whole global batches.
+    let m = model_single(&init, acc.plugin())?;
+    let (single, mut engine) = m;
+    let mut opt = adamw(names)?;
+    let mut worst = 0f64;
+    for (step, chunk) in data.chunks(PER_RANK * world).enumerate() {
+        let (ids, labels) = collate(chunk).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let params = engine.begin_step()?;
+        let logits = single.forward(&params, &ids, None, None)?;
+        let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
+        let want = loss.to_scalar::<f32>()? as f64;
+        let grads = engine.backward(params, loss)?;
+        engine.step(grads, &mut opt, Some(1.0))?;
+        let got = losses[step] as f64;
+        worst = worst.max((got - want).abs() / want.abs().max(1e-12));
+        println!("step {}: loss {got:.6} (one process: {want:.6})", step + 1);
+    }
+    if worst > 1e-5 {
+        bail!("sharded training differs from one process by {worst:.2e} (relative) in the loss");
+    }
+    if losses[STEPS - 1] >= losses[0] {
+        bail!("the loss did not decrease: {losses:?}");
+    }
+    println!(
+        "training ok: {STEPS} steps on {world} processes, loss {:.4} -> {:.4}, equal to one process within {worst:.1e}",
+        losses[0],
+        losses[STEPS - 1]
+    );
+    Ok(())
+}
+
+/// The model under an engine of one process.
+fn model_single(
+    init: &std::collections::BTreeMap<String, Tensor>,
+    plugin: &fsdp::config::FsdpPlugin,
+) -> Result<(BertForSequenceClassification, Fsdp)> {
+    let m = model()?;
+    let engine = Fsdp::wrap(&m, init, plugin, Arc::new(SingleRank::new(0)))?;
+    Ok((m, engine))
+}
