@@ -334,6 +334,7 @@ fn main() -> Result<()> {
     }
 
     let train_started = Instant::now();
+    let mut eval_secs = 0.0;
     let mut trained_samples = 0u64;
     let first_epoch = train_loader.position().epoch;
     'epochs: for epoch in first_epoch..args.num_epochs {
@@ -395,12 +396,12 @@ fn main() -> Result<()> {
             }
             if step >= total_steps {
                 progress.finish();
-                evaluate(&acc, &mut model, &mut eval_loader, epoch)?;
+                eval_secs += evaluate(&acc, &mut model, &mut eval_loader, epoch)?;
                 break 'epochs;
             }
         }
         progress.finish();
-        evaluate(&acc, &mut model, &mut eval_loader, epoch)?;
+        eval_secs += evaluate(&acc, &mut model, &mut eval_loader, epoch)?;
         if let Some(Checkpointing::Epoch) = args.checkpointing_steps {
             let dir = args.output_dir.join(format!("epoch_{epoch}"));
             let next = fsdp::data::LoaderPosition {
@@ -410,7 +411,8 @@ fn main() -> Result<()> {
             acc.save_state(Some(&dir), &[&model], &[&optimizer], next)?;
         }
     }
-    let train_secs = train_started.elapsed().as_secs_f64();
+    // Training time without the evaluations.
+    let train_secs = train_started.elapsed().as_secs_f64() - eval_secs;
 
     let out = acc.save_model(
         &model,
@@ -430,13 +432,14 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Accuracy and F1 on the held-out split, every example counted once.
+/// Accuracy and F1 on the held-out split, every example counted once; returns the seconds
+/// it took.
 fn evaluate(
     acc: &Accelerator,
     model: &mut PreparedModel<BertForSequenceClassification>,
     loader: &mut DataLoader<Vec<TextExample>, ClassificationBatch>,
     epoch: u64,
-) -> Result<()> {
+) -> Result<f64> {
     let started = Instant::now();
     model.module_mut().bert.dropout_seed = None;
     loader.set_epoch(0);
@@ -464,5 +467,5 @@ fn evaluate(
         started.elapsed().as_secs_f64()
     ));
     acc.log(serde_json::json!({ "epoch": epoch, "eval_accuracy": accuracy, "eval_f1": f1 }))?;
-    Ok(())
+    Ok(started.elapsed().as_secs_f64())
 }

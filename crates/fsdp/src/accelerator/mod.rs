@@ -239,6 +239,14 @@ impl AcceleratorBuilder {
         let accumulation = self.accumulation.unwrap_or(1).max(1);
         let rank = group.rank();
         init_logging(rank);
+        tracing::debug!(
+            rank,
+            processes = group.size(),
+            local_rank,
+            strategy = %resolved.fsdp.sharding_strategy,
+            accumulation,
+            "joined the job"
+        );
         Ok(Accelerator {
             group,
             plugin: resolved.fsdp,

@@ -104,9 +104,17 @@ impl Accelerator {
         };
         let engines: Vec<&Fsdp> = models.iter().map(|m| m.engine()).collect();
         let opts: Vec<&dyn Optimizer> = optimizers.iter().map(|o| o.optimizer()).collect();
-        Ok(checkpoint::save_state(
-            &dir, &engines, &opts, &run, &options,
-        )?)
+        let started = std::time::Instant::now();
+        let written = checkpoint::save_state(&dir, &engines, &opts, &run, &options)?;
+        if self.is_main_process() {
+            tracing::info!(
+                step = self.steps,
+                seconds = started.elapsed().as_secs_f64(),
+                "saved the training state to {}",
+                written.display()
+            );
+        }
+        Ok(written)
     }
 
     /// Loads what [`Accelerator::save_state`] wrote into the same kinds of objects, at any
@@ -156,6 +164,13 @@ impl Accelerator {
             }
         }
         self.steps = run.step;
+        if self.is_main_process() {
+            tracing::info!(
+                step = run.step,
+                "loaded the training state from {}",
+                dir.display()
+            );
+        }
         serde_json::from_value(run.data).map_err(|e| bad("data position", e))
     }
 
