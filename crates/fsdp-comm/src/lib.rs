@@ -45,5 +45,6 @@ pub use options::{
     GroupOptions, PREFIX_ENV, RENDEZVOUS_TIMEOUT_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV,
     TRANSPORT_ENV, TransportChoice,
 };
+pub use shm::remove_segments_of as remove_shm_segments_of;
 pub use work::Work;
 pub use world::{Launcher, WorldError, WorldInfo};

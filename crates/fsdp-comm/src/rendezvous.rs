@@ -78,17 +78,7 @@ pub(crate) fn setup_shm(
     let path_key = format!("{name}/shm_path");
     let mapped_keys: Vec<String> = (1..n).map(|i| format!("{name}/shm_mapped/{i}")).collect();
     if me == 0 {
-        let safe: String = name
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let path = std::path::PathBuf::from(format!(
-            "/dev/shm/fsdp-{}-{safe}-{nanos}",
-            std::process::id()
-        ));
+        let path = crate::shm::segment_path(name);
         let seg = Segment::create(&path, n, me)
             .map_err(|e| io(&format!("creating shared memory {}", path.display()), e))?;
         let unlink = Unlink(path.clone());

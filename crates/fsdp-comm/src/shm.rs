@@ -24,6 +24,39 @@ const YIELD_FOR: Duration = Duration::from_millis(2);
 /// Largest piece copied before the peer is told about it, so both sides work in parallel.
 const PIECE: usize = 512 << 10;
 
+/// The start of the names of the segments process `pid` creates in /dev/shm.
+fn segment_prefix(pid: u32) -> String {
+    format!("fsdp-{pid}-")
+}
+
+/// A new segment's path for group `name`, created by this process.
+pub(crate) fn segment_path(name: &str) -> PathBuf {
+    let safe: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    PathBuf::from(format!(
+        "/dev/shm/{}{safe}-{nanos}",
+        segment_prefix(std::process::id())
+    ))
+}
+
+/// Removes the shared-memory segments process `pid` created: one killed between creating a
+/// segment and unlinking it leaves it behind (launchers call this for each worker).
+pub fn remove_segments_of(pid: u32) {
+    let prefix = segment_prefix(pid);
+    if let Ok(entries) = std::fs::read_dir("/dev/shm") {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
 /// Byte capacity of each ring for a group of `n` ranks.
 pub fn ring_capacity(n: usize) -> usize {
     if n <= 4 { 4 << 20 } else { 1 << 20 }
