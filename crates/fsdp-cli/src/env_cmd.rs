@@ -101,16 +101,18 @@ fn print_text(
                 .map(|(k, _)| k.name().len())
                 .max()
                 .unwrap_or(0);
+            // Long values (a regex, a class list) spill over rather than widen every row.
             let value_width = config
                 .iter()
-                .map(|(_, s)| s.value.to_string().len())
+                .map(|(_, s)| s.value.to_string().chars().count())
                 .max()
-                .unwrap_or(0);
+                .unwrap_or(0)
+                .min(40);
             for (key, setting) in config.iter() {
-                let value = setting.value.to_string();
                 println!(
-                    "    {:width$}  {value:value_width$}  [{}]",
-                    key.name(),
+                    "    {}  {}  [{}]",
+                    pad(key.name(), width),
+                    pad(&setting.value.to_string(), value_width),
                     setting.source
                 );
             }
@@ -123,7 +125,7 @@ fn print_text(
                 );
             }
         }
-        Err(e) => println!("- Configuration: INVALID: {e:#}"),
+        Err(e) => println!("- Configuration: INVALID: {}", crate::error_text(e)),
     }
 }
 
@@ -143,7 +145,7 @@ fn print_json(
                 "key": k.name(), "value": s.value.to_string(), "reason": reason,
             })).collect::<Vec<_>>(),
         }),
-        Err(e) => serde_json::json!({ "valid": false, "error": format!("{e:#}") }),
+        Err(e) => serde_json::json!({ "valid": false, "error": crate::error_text(e) }),
     };
     let doc = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
@@ -164,4 +166,11 @@ fn print_json(
         "config": config,
     });
     println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+}
+
+/// `text` followed by spaces up to `width` characters (format's `{:width$}` panics above
+/// 65,535).
+fn pad(text: &str, width: usize) -> String {
+    let n = text.chars().count();
+    format!("{text}{}", " ".repeat(width.saturating_sub(n)))
 }

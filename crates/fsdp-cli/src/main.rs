@@ -117,8 +117,21 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_text(&err));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each cause once: a message that already quotes
+/// its cause (`cannot read X: No such file`) is not followed by it again.
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = err.to_string();
+    for cause in err.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
 }

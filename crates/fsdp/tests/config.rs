@@ -145,6 +145,7 @@ fn non_default_value(key: Key) -> Value {
     match spec.kind {
         Kind::Bool => Value::Bool(Value::from_default(spec.default) != Some(Value::Bool(true))),
         Kind::UInt { min, max } => Value::UInt((min + 3).min(max)),
+        Kind::ParamCount => Value::UInt(12_345),
         Kind::Text => Value::Text(format!("{}-value", spec.name)),
         Kind::Choice(names) => Value::Text(names[names.len() - 1].to_string()),
         Kind::BoolOrStrategy => Value::Bool(false),

@@ -46,12 +46,26 @@ impl Layer {
         self.settings.is_empty()
     }
 
-    /// Reads an Accelerate-style YAML config file.
+    /// Reads an Accelerate-style YAML config file (at most 1 MiB: a device or a huge file
+    /// given by mistake is refused, not read into memory).
     pub fn from_yaml_file(path: &Path) -> Result<Layer, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        use std::io::Read;
+        const LIMIT: u64 = 1 << 20;
+        let read_error = |source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
-        })?;
+        };
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(LIMIT + 1).read_to_end(&mut bytes))
+            .map_err(read_error)?;
+        if bytes.len() as u64 > LIMIT {
+            return Err(read_error(std::io::Error::other(
+                "larger than 1 MiB, which no config file is",
+            )));
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|_| read_error(std::io::Error::other("not UTF-8 text")))?;
         Layer::from_yaml_str(&text, path)
     }
 

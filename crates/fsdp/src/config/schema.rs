@@ -21,13 +21,15 @@ pub enum Section {
 pub enum Kind {
     /// `true`/`false` (also yes/no/on/off/1/0, any case).
     Bool,
-    /// A whole number in `min..=max` (`1e8` style integral floats accepted).
+    /// A whole number in `min..=max`, written as one (`4`, `1_000`).
     UInt {
         /// Smallest accepted value.
         min: u64,
         /// Largest accepted value.
         max: u64,
     },
+    /// A parameter count: a whole number, also written `1e8` or `1.5e6`.
+    ParamCount,
     /// Free text.
     Text,
     /// One of a fixed list of names (or their 1-based numbers).
@@ -200,7 +202,7 @@ key_table! {
     FsdpTransformerLayerClsToWrap: "fsdp_transformer_layer_cls_to_wrap", Fsdp, Kind::Text,
         D::Unset, Some("FSDP_TRANSFORMER_CLS_TO_WRAP"), &[], Used,
         "module type names that become units, comma-separated (unset: the model's default)";
-    FsdpMinNumParams: "fsdp_min_num_params", Fsdp, NON_NEGATIVE, D::UInt(100_000_000),
+    FsdpMinNumParams: "fsdp_min_num_params", Fsdp, Kind::ParamCount, D::UInt(100_000_000),
         Some("FSDP_MIN_NUM_PARAMS"), &[], Used, "parameters per unit for SIZE_BASED_WRAP";
     FsdpBackwardPrefetch: "fsdp_backward_prefetch", Fsdp, Kind::Choice(BackwardPrefetch::NAMES),
         D::Text("BACKWARD_PRE"), Some("FSDP_BACKWARD_PREFETCH"),

@@ -122,13 +122,13 @@ pub fn parse_text(spec: &KeySpec, text: &str) -> Result<Value, String> {
     let text = text.trim();
     match spec.kind {
         Kind::Bool => parse_bool(text).map(Value::Bool),
-        Kind::UInt { min, max } => {
-            let range = || format!("expected a whole number from {min} to {max}");
-            match parse_uint(text) {
-                Some(n) if (min..=max).contains(&n) => Ok(Value::UInt(n)),
-                _ => Err(range()),
-            }
-        }
+        Kind::UInt { min, max } => match text.replace('_', "").parse::<u64>() {
+            Ok(n) if (min..=max).contains(&n) => Ok(Value::UInt(n)),
+            _ => Err(format!("expected a whole number from {min} to {max}")),
+        },
+        Kind::ParamCount => parse_param_count(text)
+            .map(Value::UInt)
+            .ok_or_else(|| "expected a whole number of parameters (like 100000000 or 1e8)".into()),
         Kind::Text => Ok(Value::Text(text.to_string())),
         Kind::Choice(names) => parse_choice_index(names, text)
             .map(|i| Value::Text(names[i].to_string()))
@@ -186,7 +186,7 @@ pub fn parse_bool(text: &str) -> Result<bool, String> {
     }
 }
 
-fn parse_uint(text: &str) -> Option<u64> {
+fn parse_param_count(text: &str) -> Option<u64> {
     let cleaned = text.replace('_', "");
     if let Ok(n) = cleaned.parse::<u64>() {
         return Some(n);
@@ -212,6 +212,11 @@ mod tests {
             Ok(Value::UInt(100_000_000))
         );
         assert!(p(Key::FsdpMinNumParams, "-3").is_err());
+        assert!(p(Key::FsdpMinNumParams, "2.5").is_err());
+        // Counts of processes are plain whole numbers.
+        assert_eq!(p(Key::NumProcesses, "1_000"), Ok(Value::UInt(1000)));
+        assert!(p(Key::NumProcesses, "1e3").is_err());
+        assert!(p(Key::NumProcesses, "2.5").is_err());
         assert!(p(Key::MainProcessPort, "70000").is_err());
         assert_eq!(
             p(Key::FsdpShardingStrategy, "2"),

@@ -70,17 +70,25 @@ pub struct SyntaxError {
     pub message: String,
 }
 
-/// Parses one YAML document. An empty document is an empty mapping.
+/// Parses one YAML document. An empty document is an empty mapping; a second document is an
+/// error (PyYAML's `safe_load` refuses it too, rather than reading only the first).
 pub fn parse(text: &str) -> Result<Node, SyntaxError> {
     let mut builder = TreeBuilder::default();
     let mut parser = Parser::new_from_str(text);
-    parser.load(&mut builder, false).map_err(|e| SyntaxError {
+    parser.load(&mut builder, true).map_err(|e| SyntaxError {
         line: e.marker().line(),
         col: e.marker().col() + 1,
         message: e.info().to_string(),
     })?;
     if let Some(err) = builder.error {
         return Err(err);
+    }
+    if let Some(line) = builder.second_document {
+        return Err(SyntaxError {
+            line,
+            col: 1,
+            message: "a second YAML document starts here; a config file holds one".into(),
+        });
     }
     Ok(builder.root.unwrap_or(Node {
         line: 1,
@@ -95,6 +103,9 @@ struct TreeBuilder {
     stack: Vec<(Node, Option<Node>)>,
     root: Option<Node>,
     error: Option<SyntaxError>,
+    documents: usize,
+    /// Where a second document starts.
+    second_document: Option<usize>,
 }
 
 impl TreeBuilder {
@@ -126,7 +137,16 @@ impl TreeBuilder {
 impl MarkedEventReceiver for TreeBuilder {
     fn on_event(&mut self, ev: Event, mark: Marker) {
         let line = mark.line();
+        if self.second_document.is_some() {
+            return;
+        }
         match ev {
+            Event::DocumentStart => {
+                self.documents += 1;
+                if self.documents > 1 {
+                    self.second_document = Some(line);
+                }
+            }
             Event::Scalar(text, style, _, _) => {
                 let quoted = !matches!(style, TScalarStyle::Plain);
                 self.push_value(Node {

@@ -1,0 +1,120 @@
+//! Running the `fsdp` binary in tests: a clean environment, bounded waits, worker pids and
+//! the processes they leave.
+
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn fsdp() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fsdp"));
+    let home = std::env::temp_dir().join(format!("fsdp-launch-test-home-{}", std::process::id()));
+    cmd.env("HOME", home)
+        .env_remove("FSDP_CONFIG_FILE")
+        .env_remove("FSDP_HOME")
+        .env_remove("HF_HOME");
+    for (var, _) in std::env::vars() {
+        if var.starts_with("FSDP_") || var.starts_with("ACCELERATE_") {
+            cmd.env_remove(var);
+        }
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+pub fn port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+pub struct Run {
+    pub code: Option<i32>,
+    pub out: String,
+    pub elapsed: Duration,
+}
+
+/// Waits for a launcher (killing it after `limit`) and collects its output.
+pub fn finish(mut child: Child, limit: Duration) -> Run {
+    let start = Instant::now();
+    // Streams the caller took already are not read here.
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    let read = |stream: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut r) = stream {
+                let _ = r.read_to_end(&mut bytes);
+            }
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+    };
+    let out_t = read(stdout.map(|s| Box::new(s) as _));
+    let err_t = read(stderr.map(|s| Box::new(s) as _));
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("launcher did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = start.elapsed();
+    let out = format!("{}{}", out_t.join().unwrap(), err_t.join().unwrap());
+    Run { code, out, elapsed }
+}
+
+pub fn launch(args: &[&str], limit: Duration) -> Run {
+    finish(fsdp().arg("launch").args(args).spawn().unwrap(), limit)
+}
+
+/// PIDs printed by workers as `pid N` or `rank R pid N`.
+pub fn pids(out: &str) -> Vec<u32> {
+    out.lines()
+        .filter(|l| l.starts_with("[rank"))
+        .filter_map(|l| {
+            l.split("pid ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Processes still alive in any of these process groups (workers and their children).
+pub fn survivors(groups: &[u32]) -> Vec<u32> {
+    let mut alive = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // Fields after the command name: state, ppid, pgrp.
+        let rest: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        if rest.len() > 2 && rest[0] != "Z" && groups.iter().any(|g| rest[2] == g.to_string()) {
+            alive.push(pid);
+        }
+    }
+    alive
+}
+
+/// The binary under test.
+pub const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
