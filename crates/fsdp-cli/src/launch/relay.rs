@@ -1,0 +1,193 @@
+//! A worker's output, relayed as it comes: bytes go unchanged to its log file, and to the
+//! console with `[rankN]: ` at the start of each line. Lines end at `\n` or `\r` (a progress
+//! bar redrawing itself shows live), invalid UTF-8 passes through untouched, a line still
+//! open when a read ends is written at once (no line is ever buffered whole), and the pipe
+//! is drained to its end whatever happens to the console, so a worker never dies of a
+//! closed pipe. The last lines are kept, decoded lossily, for the failure report.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Lines of each worker's output kept for the failure report.
+const TAIL_LINES: usize = 20;
+/// Longest line kept in the tail (the rest of it is cut).
+const TAIL_LINE_BYTES: usize = 2048;
+/// Bytes read from the pipe at a time.
+const CHUNK: usize = 64 << 10;
+
+/// The last lines of a worker's output.
+#[derive(Default)]
+pub(super) struct Tail {
+    lines: VecDeque<String>,
+    current: Vec<u8>,
+}
+
+impl Tail {
+    fn push(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            match b {
+                b'\n' => self.end_line(),
+                // A carriage return redraws the line: what follows replaces it.
+                b'\r' => self.current.clear(),
+                _ if self.current.len() < TAIL_LINE_BYTES => self.current.push(b),
+                _ => {}
+            }
+        }
+    }
+
+    fn end_line(&mut self) {
+        if self.lines.len() == TAIL_LINES {
+            self.lines.pop_front();
+        }
+        let line = String::from_utf8_lossy(&self.current).into_owned();
+        self.lines.push_back(line);
+        self.current.clear();
+    }
+
+    /// The kept lines, the unfinished one last.
+    pub(super) fn lines(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.lines.iter().cloned().collect();
+        if !self.current.is_empty() {
+            out.push(String::from_utf8_lossy(&self.current).into_owned());
+        }
+        out
+    }
+}
+
+/// Where a worker's stream goes.
+pub(super) struct Route {
+    /// The worker's rank (the console prefix).
+    pub rank: usize,
+    /// Whether the console shows it (`--local_ranks_filter`).
+    pub show: bool,
+    /// The launcher's standard error rather than its standard output.
+    pub to_stderr: bool,
+    /// The log file (`--log_dir`).
+    pub log: Option<std::fs::File>,
+    /// The worker's tail, shared by its streams.
+    pub tail: Arc<Mutex<Tail>>,
+}
+
+/// A relay thread; `finished` says when it has drained its pipe.
+pub(super) struct Relay {
+    thread: std::thread::JoinHandle<()>,
+    done: Receiver<()>,
+}
+
+impl Relay {
+    /// Starts relaying `stream`.
+    pub(super) fn start(stream: Box<dyn Read + Send>, route: Route) -> std::io::Result<Relay> {
+        let (tx, done) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("fsdp-relay-{}", route.rank))
+            .spawn(move || {
+                relay(stream, route);
+                let _ = tx.send(());
+            })?;
+        Ok(Relay { thread, done })
+    }
+
+    /// Waits until the pipe is drained or `deadline`; true when drained (the thread is then
+    /// joined). A pipe held open by a process outside the launcher's reach is left behind.
+    pub(super) fn finish(self, deadline: Instant) -> Option<Relay> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match self.done.recv_timeout(left) {
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+                let _ = self.thread.join();
+                None
+            }
+            Err(RecvTimeoutError::Timeout) => Some(self),
+        }
+    }
+}
+
+/// The console side: the prefix at each line start.
+struct Console {
+    prefix: Vec<u8>,
+    to_stderr: bool,
+    /// The console's current line is this worker's, already prefixed.
+    open: bool,
+}
+
+impl Console {
+    fn write(&mut self, segment: &[u8]) {
+        let mut out = Vec::with_capacity(segment.len() + self.prefix.len());
+        if !self.open {
+            out.extend_from_slice(&self.prefix);
+        }
+        out.extend_from_slice(segment);
+        self.open = !matches!(segment.last(), Some(b'\n' | b'\r'));
+        // Errors (a closed console) are ignored: the pipe must still be drained.
+        if self.to_stderr {
+            let mut e = std::io::stderr().lock();
+            let _ = e.write_all(&out);
+            let _ = e.flush();
+        } else {
+            let mut o = std::io::stdout().lock();
+            let _ = o.write_all(&out);
+            let _ = o.flush();
+        }
+    }
+}
+
+fn relay(mut stream: Box<dyn Read + Send>, mut route: Route) {
+    let mut console = Console {
+        prefix: format!("[rank{}]: ", route.rank).into_bytes(),
+        to_stderr: route.to_stderr,
+        open: false,
+    };
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let n = match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        let chunk = &buf[..n];
+        if let Some(f) = route.log.as_mut() {
+            let _ = f.write_all(chunk);
+        }
+        if route.show {
+            // Each line ending closes a segment; what remains is written as it is, and
+            // the line continues without a new prefix.
+            for segment in chunk.split_inclusive(|b| *b == b'\n' || *b == b'\r') {
+                console.write(segment);
+            }
+        }
+        route
+            .tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(chunk);
+    }
+    if route.show && console.open {
+        console.write(b"\n");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tail_keeps_the_last_lines_lossily_and_bounded() {
+        let mut t = Tail::default();
+        t.push(b"caf\xe9\nprogress 1%\rprogress 2%\r");
+        t.push(b"done\n");
+        for i in 0..30 {
+            t.push(format!("line {i}\n").as_bytes());
+        }
+        t.push(&vec![b'x'; 10_000]);
+        let lines = t.lines();
+        assert_eq!(lines.len(), TAIL_LINES + 1);
+        assert_eq!(lines[0], "line 10");
+        assert_eq!(lines.last().unwrap().len(), TAIL_LINE_BYTES);
+        let mut t = Tail::default();
+        t.push(b"caf\xe9\nprogress 1%\rprogress 2%\rdone\n");
+        assert_eq!(t.lines(), ["caf\u{fffd}", "done"]);
+    }
+}

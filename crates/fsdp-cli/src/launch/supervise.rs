@@ -1,0 +1,189 @@
+//! One attempt of the worker group: start every local worker (tearing down the started ones
+//! if any cannot start), watch their exits in the order they happen, and stop the group on
+//! the first failure or signal — at once, not when the failed worker's output pipes close —
+//! reporting the failed rank, its code and last lines, and the ranks still running then.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use super::spawn::{Attempt, Worker, spawn};
+use super::{INTERRUPTED, Outcome};
+
+/// How long workers get to exit after SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(5);
+/// How long a failed worker's output may take to drain before the report is printed.
+const REPORT_DRAIN: Duration = Duration::from_millis(500);
+/// How long output relays may take to drain after the group is gone.
+const FINAL_DRAIN: Duration = Duration::from_secs(2);
+
+/// Exits as waiter threads see them, in the order they happened.
+type Exits = std::sync::mpsc::Receiver<(usize, std::process::ExitStatus)>;
+
+/// Runs one attempt to its end.
+pub(super) fn run_attempt(a: &Attempt<'_>, say: &dyn Fn(String)) -> Result<Outcome> {
+    let (exit_tx, exits) = std::sync::mpsc::channel();
+    let mut workers: Vec<Worker> = Vec::new();
+    for local_rank in 0..a.plan.local {
+        match spawn(a, local_rank, &exit_tx) {
+            Ok(w) => workers.push(w),
+            Err(e) => {
+                let started = workers.len();
+                stop_all(&mut workers, &exits, libc::SIGTERM);
+                return Err(e.context(format!(
+                    "rank {} could not start; the {started} worker(s) already started were stopped",
+                    a.plan.first_rank() + local_rank
+                )));
+            }
+        }
+    }
+    drop(exit_tx);
+    supervise(&mut workers, &exits, say)
+}
+
+fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Result<Outcome> {
+    loop {
+        let sig = INTERRUPTED.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            say(format!("received signal {sig}; stopping the workers"));
+            stop_all(workers, exits, sig);
+            return Ok(Outcome::Interrupted(128 + sig));
+        }
+        let (rank, status) = match exits.recv_timeout(Duration::from_millis(50)) {
+            Ok(exit) => exit,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(Outcome::Success),
+        };
+        let Some(i) = workers.iter().position(|w| w.rank == rank) else {
+            continue;
+        };
+        workers[i].done = Some(status);
+        if status.success() {
+            if workers.iter().all(|w| w.done.is_some()) {
+                stop_all(workers, exits, libc::SIGTERM);
+                return Ok(Outcome::Success);
+            }
+            continue;
+        }
+        let (code, how) = describe_status(status);
+        let running: Vec<String> = workers
+            .iter()
+            .filter(|w| w.done.is_none())
+            .map(|w| w.rank.to_string())
+            .collect();
+        // Its last words, if its pipes close soon (a child it left behind may hold them).
+        let w = &mut workers[i];
+        let deadline = Instant::now() + REPORT_DRAIN;
+        w.relays = std::mem::take(&mut w.relays)
+            .into_iter()
+            .filter_map(|r| r.finish(deadline))
+            .collect();
+        let last = w.tail.lock().unwrap_or_else(|e| e.into_inner()).lines();
+        let still = if running.is_empty() {
+            String::new()
+        } else {
+            format!(" (still running: rank {})", running.join(", "))
+        };
+        eprintln!(
+            "[fsdp launch] rank {rank} (pid {}) {how}; stopping the other workers{still}.",
+            w.pid
+        );
+        if !last.is_empty() {
+            eprintln!("[fsdp launch] last output of rank {rank}:");
+            for line in &last {
+                eprintln!("[fsdp launch]   {line}");
+            }
+        }
+        stop_all(workers, exits, libc::SIGTERM);
+        return Ok(Outcome::Failed(code));
+    }
+}
+
+/// Blocks until process `pid` exits and returns its status, leaving it unreaped (a zombie
+/// keeps its pid and process group id from being reused until the launcher is done with them).
+pub(super) fn wait_without_reaping(pid: u32) -> Option<std::process::ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    loop {
+        // SAFETY: waitid fills `info` for our own child.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if rc == 0 {
+            // SAFETY: for WEXITED the kernel filled si_status.
+            let status = unsafe { info.si_status() };
+            let raw = match info.si_code {
+                libc::CLD_EXITED => (status & 0xff) << 8,
+                _ => status & 0x7f,
+            };
+            return Some(std::process::ExitStatus::from_raw(raw));
+        }
+        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return None;
+        }
+    }
+}
+
+fn describe_status(status: std::process::ExitStatus) -> (i32, String) {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => (code, format!("exited with code {code}")),
+        (None, Some(sig)) => (128 + sig, format!("was killed by signal {sig}")),
+        _ => (1, "ended abnormally".into()),
+    }
+}
+
+/// Sends `sig` to every running worker's process group, waits up to the grace period, then
+/// kills what is left, including what exited workers left behind in their groups; reaps
+/// everything, drains the output relays for a bounded time, and removes shared memory a
+/// killed worker may have left.
+fn stop_all(workers: &mut [Worker], exits: &Exits, sig: i32) {
+    let signal_running = |workers: &[Worker], sig: i32| {
+        for w in workers.iter().filter(|w| w.done.is_none()) {
+            // SAFETY: signalling a process group we created (its leader is not reaped yet).
+            unsafe {
+                libc::kill(-(w.pid as i32), sig);
+            }
+        }
+    };
+    signal_running(workers, sig);
+    let deadline = Instant::now() + GRACE;
+    let mut killed = false;
+    while workers.iter().any(|w| w.done.is_none()) {
+        if !killed && Instant::now() >= deadline {
+            signal_running(workers, libc::SIGKILL);
+            killed = true;
+        }
+        if let Ok((rank, status)) = exits.recv_timeout(Duration::from_millis(20))
+            && let Some(w) = workers.iter_mut().find(|w| w.rank == rank)
+        {
+            w.done = Some(status);
+        }
+    }
+    for w in workers.iter_mut() {
+        // The leader has exited but is not reaped yet, so its group id cannot have been
+        // reused: stragglers in its group (its children) go too, then it is reaped.
+        // SAFETY: as above.
+        unsafe {
+            libc::kill(-(w.pid as i32), libc::SIGKILL);
+        }
+        let _ = w.child.wait();
+        if let Some(t) = w.waiter.take() {
+            let _ = t.join();
+        }
+        fsdp_comm::remove_shm_segments_of(w.pid);
+    }
+    let deadline = Instant::now() + FINAL_DRAIN;
+    for w in workers.iter_mut() {
+        w.relays = std::mem::take(&mut w.relays)
+            .into_iter()
+            .filter_map(|r| r.finish(deadline))
+            .collect();
+    }
+}
