@@ -25,7 +25,7 @@ pub struct TestArgs {
     #[arg(long, hide = true)]
     worker: bool,
     /// Internal, for the launcher's tests: `die:RANK` makes that rank exit with code 3 while
-    /// the others wait in a collective.
+    /// the others wait in a collective; `hang:RANK` makes it stop responding instead.
     #[arg(long, hide = true)]
     fault: Option<String>,
 }
@@ -63,14 +63,20 @@ fn worker(fault: Option<&str>) -> Result<()> {
         .context("reading the configuration from the environment")?;
     let pg = ProcessGroup::from_env()?;
     println!("rank {} pid {}", world.rank, std::process::id());
-    if fault
-        .and_then(|f| f.strip_prefix("die:"))
-        .and_then(|r| r.parse::<usize>().ok())
-        == Some(world.rank)
-    {
+    let faulty = |kind: &str| {
+        fault
+            .and_then(|f| f.strip_prefix(kind))
+            .and_then(|r| r.parse::<usize>().ok())
+            == Some(world.rank)
+    };
+    if faulty("die:") {
         std::thread::sleep(std::time::Duration::from_millis(500));
         eprintln!("rank {} exits on purpose", world.rank);
         std::process::exit(3);
+    }
+    if faulty("hang:") {
+        eprintln!("rank {} hangs on purpose", world.rank);
+        std::thread::sleep(std::time::Duration::from_secs(3600));
     }
     let n = pg.size();
     if n != world.world_size || pg.rank() != world.rank {

@@ -247,18 +247,22 @@ fn a_worker_that_cannot_start_stops_the_started_ones() {
 }
 
 #[test]
-fn a_failure_report_names_the_ranks_still_running() {
+fn a_hung_rank_is_named_by_the_ranks_that_timed_out_and_the_report() {
     let run = launch(
         &[
             "--num_processes",
             "3",
-            "sh",
-            "-c",
-            "if [ \"$RANK\" = 2 ]; then exec sleep 60; fi; sleep 0.5; echo 'timed out waiting for rank 2'; exit 4",
+            "--comm_timeout",
+            "2",
+            common::EXE,
+            "test",
+            "--worker",
+            "--fault",
+            "hang:2",
         ],
-        Duration::from_secs(30),
+        Duration::from_secs(60),
     );
-    assert_eq!(run.code, Some(4), "{}", run.out);
+    assert_eq!(run.code, Some(1), "{}", run.out);
     let report = run
         .out
         .lines()
@@ -268,6 +272,14 @@ fn a_failure_report_names_the_ranks_still_running() {
         report.contains("still running: rank") && report.contains('2'),
         "{report}"
     );
+    // The failed rank's last words, in the report, name the rank it waited for.
+    let last: Vec<&str> = run
+        .out
+        .lines()
+        .filter(|l| l.starts_with("[fsdp launch]   "))
+        .collect();
+    assert!(last.iter().any(|l| l.contains("rank 2")), "{}", run.out);
+    assert!(run.elapsed < Duration::from_secs(20), "{:?}", run.elapsed);
 }
 
 #[test]
