@@ -64,7 +64,7 @@ struct Args {
     #[arg(long, default_value_t = 256)]
     eval_samples: usize,
     /// SIZE_BASED_WRAP's threshold: a subtree of at least this many parameters is a unit.
-    #[arg(long, default_value_t = 100_000)]
+    #[arg(long, default_value_t = 150_000)]
     min_num_params: u64,
     /// Seed of the initialisation, shuffling and dropout.
     #[arg(long, default_value_t = 42)]
