@@ -191,9 +191,9 @@ def main():
             cmd += ["--max_train_steps", str(args.max_train_steps)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         for line in out.splitlines():
-            if "accuracy" in line or "samples/s;" in line:
+            if "accuracy" in line or ": trained " in line:
                 print("fsdp-rs:", line)
-        ours = [l for l in out.splitlines() if "samples/s;" in l][-1]
+        ours = [l for l in out.splitlines() if ": trained " in l][-1]
         rate = float(ours.split("(")[1].split(" samples/s")[0])
         print(f"fsdp-rs: {rate:.1f} samples/s; ratio fsdp-rs / PyTorch = {rate / torch_result['samples_per_s']:.2f}")
 
