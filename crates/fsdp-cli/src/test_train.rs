@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use fsdp::accelerator::{Accelerator, ReduceOp};
+use fsdp::config::ShardingStrategy;
 use fsdp::data::{CollateError, DataLoader};
 use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
@@ -133,12 +134,19 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
     Ok(())
 }
 
-/// The model under an engine of one process.
+/// The model under an engine of one process (hybrid strategies, which need machines to
+/// shard inside, become their single-machine counterparts).
 fn model_single(
     init: &std::collections::BTreeMap<String, Tensor>,
     plugin: &fsdp::config::FsdpPlugin,
 ) -> Result<(BertForSequenceClassification, Fsdp)> {
     let m = model()?;
-    let engine = Fsdp::wrap(&m, init, plugin, Arc::new(SingleRank::new(0)))?;
+    let mut plugin = plugin.clone();
+    plugin.sharding_strategy = match plugin.sharding_strategy {
+        ShardingStrategy::HybridShard => ShardingStrategy::FullShard,
+        ShardingStrategy::HybridShardZero2 => ShardingStrategy::ShardGradOp,
+        s => s,
+    };
+    let engine = Fsdp::wrap(&m, init, &plugin, Arc::new(SingleRank::new(0)))?;
     Ok((m, engine))
 }

@@ -7,10 +7,15 @@
 use std::process::Command;
 
 fn measure(layers: usize) -> Vec<serde_json::Value> {
+    measure_with(layers, &["--num_processes", "2"])
+}
+
+fn measure_with(layers: usize, extra: &[&str]) -> Vec<serde_json::Value> {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("memory.json");
     let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(["bench", "memory", "--num_processes", "2", "--steps", "2"])
+        .args(["bench", "memory", "--steps", "2"])
+        .args(extra)
         .args([
             "--batch", "1", "--seq", "8", "--vocab", "512", "--hidden", "256",
         ])
@@ -33,6 +38,23 @@ fn field(r: &serde_json::Value, k: &str) -> f64 {
     r[k].as_f64().unwrap()
 }
 
+/// Bytes sent inside shard groups and across replicas equal the ring algorithms' theory.
+fn assert_traffic(r: &serde_json::Value) {
+    for (sent, theory) in [
+        ("bytes_sent_per_step", "bytes_theory_per_step"),
+        (
+            "bytes_across_replicas_per_step",
+            "bytes_across_replicas_theory",
+        ),
+    ] {
+        let (s, t) = (field(r, sent), field(r, theory));
+        assert!(
+            (s - t).abs() <= 0.01 * t + 64.0,
+            "{sent} {s} vs theory {t}: {r}"
+        );
+    }
+}
+
 #[test]
 fn state_traffic_and_peak_follow_each_strategy() {
     let four = measure(4);
@@ -45,12 +67,7 @@ fn state_traffic_and_peak_follow_each_strategy() {
     for r in four.iter().chain(&eight) {
         let ratio = field(r, "state_bytes") / field(r, "state_formula_bytes");
         assert!((0.9..1.1).contains(&ratio), "state/formula {ratio}: {r}");
-        let sent = field(r, "bytes_sent_per_step");
-        let theory = field(r, "bytes_theory_per_step");
-        assert!(
-            (sent - theory).abs() <= 0.01 * theory + 64.0,
-            "sent {sent} vs theory {theory}: {r}"
-        );
+        assert_traffic(r);
     }
     // FULL_SHARD sends 3 x params x (N-1)/N: half the parameters per rank, three times.
     let full = &four[0];
@@ -82,5 +99,35 @@ fn state_traffic_and_peak_follow_each_strategy() {
     assert!(
         grad_op_growth > full_growth + unit,
         "SHARD_GRAD_OP keeps every unit gathered: its peak should grow with depth ({grad_op_growth} vs {full_growth})"
+    );
+}
+
+#[test]
+fn hybrid_sharding_traffic_inside_and_across_machines_follows_theory() {
+    // 4 processes as 2 machines of 2: shards inside each, all-reduce across.
+    let results = measure_with(
+        4,
+        &[
+            "--num_processes",
+            "4",
+            "--num_machines",
+            "2",
+            "--strategies",
+            "HYBRID_SHARD,HYBRID_SHARD_ZERO2",
+        ],
+    );
+    for r in &results {
+        assert_eq!(
+            (field(r, "shard_group_size"), field(r, "replicas")),
+            (2.0, 2.0),
+            "{r}"
+        );
+        assert_traffic(r);
+        assert!(field(r, "bytes_across_replicas_per_step") > 0.0, "{r}");
+    }
+    // HYBRID_SHARD re-gathers resharded units before backward; ZERO2 keeps them.
+    assert!(
+        field(&results[0], "bytes_sent_per_step") > field(&results[1], "bytes_sent_per_step"),
+        "{results:?}"
     );
 }

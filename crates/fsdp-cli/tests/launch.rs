@@ -120,53 +120,69 @@ fn workers_get_the_torchrun_contract_and_the_configuration() {
 
 #[test]
 fn two_machines_on_loopback() {
-    let p = port();
-    let common = |rank: &str| {
-        let mut cmd = fsdp();
-        cmd.args([
-            "launch",
-            "--num_machines",
-            "2",
-            "--num_processes",
-            "4",
-            "--main_process_ip",
-            "127.0.0.1",
-            "--main_process_port",
-            &p,
-            "--machine_rank",
-            rank,
-            EXE,
-            "test",
-            "--worker",
-        ])
-        .env("FSDP_JOB_SECRET", "two-machines");
-        cmd.spawn().unwrap()
-    };
-    let m0 = common("0");
-    let m1 = common("1");
-    let (r0, r1) = (
-        finish(m0, Duration::from_secs(60)),
-        finish(m1, Duration::from_secs(60)),
-    );
-    assert_eq!(
-        (r0.code, r1.code),
-        (Some(0), Some(0)),
-        "{}\n{}",
-        r0.out,
-        r1.out
-    );
-    assert!(
-        r0.out
-            .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1"),
-        "{}",
-        r0.out
-    );
-    assert!(
-        r1.out
-            .contains("[rank3]: rank 3 of 4 (local 1 of 2, machine 1)"),
-        "{}",
-        r1.out
-    );
+    // FULL_SHARD over all 4 processes, then hybrid: sharded inside each "machine",
+    // replicated across the two; each trains 8 steps equal to one process.
+    for strategy in [None, Some("HYBRID_SHARD"), Some("HYBRID_SHARD_ZERO2")] {
+        let p = port();
+        let common = |rank: &str| {
+            let mut cmd = fsdp();
+            cmd.args([
+                "launch",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "4",
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                &p,
+                "--machine_rank",
+                rank,
+            ]);
+            if let Some(s) = strategy {
+                cmd.args(["--fsdp_sharding_strategy", s]);
+            }
+            cmd.args([EXE, "test", "--worker"])
+                .env("FSDP_JOB_SECRET", "two-machines");
+            cmd.spawn().unwrap()
+        };
+        let m0 = common("0");
+        let m1 = common("1");
+        let (r0, r1) = (
+            finish(m0, Duration::from_secs(60)),
+            finish(m1, Duration::from_secs(60)),
+        );
+        assert_eq!(
+            (r0.code, r1.code),
+            (Some(0), Some(0)),
+            "{strategy:?}\n{}\n{}",
+            r0.out,
+            r1.out
+        );
+        assert!(
+            r0.out
+                .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1"),
+            "{}",
+            r0.out
+        );
+        assert!(
+            r1.out
+                .contains("[rank3]: rank 3 of 4 (local 1 of 2, machine 1)"),
+            "{}",
+            r1.out
+        );
+        let strategy_name = strategy.unwrap_or("FULL_SHARD");
+        assert!(
+            r0.out.contains(&format!("strategy {strategy_name}")),
+            "{}",
+            r0.out
+        );
+        assert!(
+            r0.out.contains("training ok: 8 steps on 4 processes"),
+            "{}",
+            r0.out
+        );
+    }
 }
 
 #[test]

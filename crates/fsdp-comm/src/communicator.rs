@@ -3,6 +3,7 @@
 //! NCCL groups, the in-process [`crate::LocalGroup`] and a single rank ([`SingleRank`]) are
 //! interchangeable.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::buffer::{Buffer, BufferElement};
@@ -55,6 +56,34 @@ pub trait Communicator: Send + Sync {
     fn join(&self, what: &str, timeout: Duration) -> Result<()>;
     /// Payload bytes this member has sent so far (to compare with an algorithm's theory).
     fn bytes_sent(&self) -> u64;
+    /// Cuts the group into a 2-D mesh (hybrid sharding): groups of `shard_size`
+    /// consecutive ranks (this member's comes first) and the groups of the members at the
+    /// same place in each (second). Every member calls it. The default refuses.
+    fn split_2d(
+        &self,
+        shard_size: usize,
+    ) -> Result<(Arc<dyn Communicator>, Arc<dyn Communicator>)> {
+        Err(CommError::InvalidArgument {
+            rank: self.global_rank(),
+            op: format!("split_2d({shard_size})"),
+            reason: format!(
+                "a {} group cannot be divided into sub-groups",
+                self.backend()
+            ),
+        })
+    }
+}
+
+/// Checks that `shard_size` divides a group of `size` (for [`Communicator::split_2d`]).
+pub(crate) fn check_split(rank: usize, size: usize, shard_size: usize) -> Result<()> {
+    if shard_size == 0 || size % shard_size != 0 {
+        return Err(CommError::InvalidArgument {
+            rank,
+            op: format!("split_2d({shard_size})"),
+            reason: format!("shard size {shard_size} does not divide the group's {size} members"),
+        });
+    }
+    Ok(())
 }
 
 /// Typed conveniences over any [`Communicator`]: vectors in, vectors out.
@@ -190,5 +219,13 @@ impl Communicator for SingleRank {
 
     fn bytes_sent(&self) -> u64 {
         0
+    }
+
+    fn split_2d(
+        &self,
+        shard_size: usize,
+    ) -> Result<(Arc<dyn Communicator>, Arc<dyn Communicator>)> {
+        check_split(self.global_rank, 1, shard_size)?;
+        Ok((Arc::new(self.clone()), Arc::new(self.clone())))
     }
 }

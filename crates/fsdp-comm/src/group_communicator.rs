@@ -2,10 +2,11 @@
 //! underneath. A device buffer is an argument error that stops the group on every rank, like
 //! any other bad argument.
 
+use std::sync::Arc;
+
 use crate::buffer::{Buffer, BufferElement};
 use crate::communicator::Communicator;
 use crate::dtype::ReduceOp;
-#[cfg(feature = "nccl")]
 use crate::error::Result;
 use crate::group::ProcessGroup;
 #[cfg(feature = "nccl")]
@@ -147,5 +148,13 @@ impl Communicator for ProcessGroup {
 
     fn bytes_sent(&self) -> u64 {
         ProcessGroup::bytes_sent(self)
+    }
+
+    fn split_2d(
+        &self,
+        shard_size: usize,
+    ) -> Result<(Arc<dyn Communicator>, Arc<dyn Communicator>)> {
+        let (shard, replicate) = self.mesh_2d(shard_size)?;
+        Ok((Arc::new(shard), Arc::new(replicate)))
     }
 }

@@ -66,7 +66,13 @@ struct Shared {
     timeout: Duration,
     state: Mutex<State>,
     changed: Condvar,
+    /// Sub-groups made by `split_2d`, by (split number, shard size): each member takes its
+    /// pair (shard group, replicate group) out.
+    splits: Mutex<HashMap<(u64, usize), SplitSlots>>,
 }
+
+/// The members' (shard group, replicate group) pairs of one `split_2d`, each taken once.
+type SplitSlots = Vec<Option<(LocalGroup, LocalGroup)>>;
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -92,6 +98,8 @@ pub struct LocalGroup {
     thread: Option<std::thread::JoinHandle<()>>,
     shared: Arc<Shared>,
     bytes_sent: Arc<AtomicU64>,
+    /// `split_2d` calls made by this member.
+    splits_made: AtomicU64,
 }
 
 impl LocalGroup {
@@ -111,6 +119,7 @@ impl LocalGroup {
                 failed: None,
             }),
             changed: Condvar::new(),
+            splits: Mutex::new(HashMap::new()),
         });
         (0..size)
             .map(|rank| {
@@ -137,6 +146,7 @@ impl LocalGroup {
                     thread,
                     shared: shared.clone(),
                     bytes_sent,
+                    splits_made: AtomicU64::new(0),
                 }
             })
             .collect()
@@ -443,6 +453,58 @@ impl Communicator for LocalGroup {
 
     fn backend(&self) -> &'static str {
         "local"
+    }
+
+    fn split_2d(
+        &self,
+        shard_size: usize,
+    ) -> Result<(Arc<dyn Communicator>, Arc<dyn Communicator>)> {
+        crate::communicator::check_split(self.rank, self.size, shard_size)?;
+        let n = self.splits_made.fetch_add(1, Ordering::SeqCst);
+        let mut splits = self.shared.splits.lock().unwrap_or_else(|e| e.into_inner());
+        let members = splits.entry((n, shard_size)).or_insert_with(|| {
+            // The first member to arrive makes every sub-group; rank = replica × shard size
+            // + shard index, as in `ProcessGroup::mesh_2d`.
+            let replicas = self.size / shard_size;
+            let timeout = self.shared.timeout;
+            let mut shards: Vec<Vec<Option<LocalGroup>>> = (0..replicas)
+                .map(|_| {
+                    LocalGroup::with_timeout(shard_size, timeout)
+                        .into_iter()
+                        .map(Some)
+                        .collect()
+                })
+                .collect();
+            let mut copies: Vec<Vec<Option<LocalGroup>>> = (0..shard_size)
+                .map(|_| {
+                    LocalGroup::with_timeout(replicas, timeout)
+                        .into_iter()
+                        .map(Some)
+                        .collect()
+                })
+                .collect();
+            (0..self.size)
+                .map(|r| {
+                    let (replica, shard) = (r / shard_size, r % shard_size);
+                    Some((
+                        shards[replica][shard].take()?,
+                        copies[shard][replica].take()?,
+                    ))
+                })
+                .collect()
+        });
+        let (shard, replicate) =
+            members[self.rank]
+                .take()
+                .ok_or_else(|| CommError::InvalidArgument {
+                    rank: self.rank,
+                    op: format!("split_2d({shard_size})"),
+                    reason: "this member's sub-groups were already taken".into(),
+                })?;
+        if members.iter().all(Option::is_none) {
+            splits.remove(&(n, shard_size));
+        }
+        Ok((Arc::new(shard), Arc::new(replicate)))
     }
 
     fn all_gather(&self, input: Buffer) -> Work<Buffer> {

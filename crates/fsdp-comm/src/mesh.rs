@@ -8,7 +8,6 @@ use crate::buffer::{Buffer, BufferElement};
 use crate::communicator::{Communicator, SingleRank};
 use crate::dtype::ReduceOp;
 use crate::error::Result;
-use crate::group::ProcessGroup;
 
 /// A 1-D or 2-D device mesh: rank = replica × shard size + shard index.
 #[derive(Clone)]
@@ -39,11 +38,11 @@ impl Mesh {
 
     /// Shards within groups of `shard_size` consecutive ranks of `group` and replicates
     /// across them (hybrid sharding). Every rank of `group` must call it.
-    pub fn hybrid(group: &ProcessGroup, shard_size: usize) -> Result<Mesh> {
-        let (shard, replicate) = group.mesh_2d(shard_size)?;
+    pub fn hybrid(group: &dyn Communicator, shard_size: usize) -> Result<Mesh> {
+        let (shard, replicate) = group.split_2d(shard_size)?;
         Ok(Mesh {
-            shard: Arc::new(shard),
-            replicate: Some(Arc::new(replicate)),
+            shard,
+            replicate: Some(replicate),
         })
     }
 

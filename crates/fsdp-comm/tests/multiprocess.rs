@@ -479,7 +479,7 @@ fn communicator() -> Result<(), String> {
         expect_eq("dyn gather", &got.ok_or("root got nothing")?, &want)?;
     }
     // Hybrid mesh, 2 replicas of 2 shards: world all-reduce over both dimensions.
-    let mesh = Mesh::hybrid(&pg, 2).map_err(err)?;
+    let mesh = Mesh::hybrid(pg.as_ref(), 2).map_err(err)?;
     if (mesh.shard_size(), mesh.replicas(), mesh.rank()) != (2, n / 2, rank) {
         return Err(format!(
             "mesh shape {:?}",

@@ -8,13 +8,13 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::config::{FsdpPlugin, Key, Layer, ShardingStrategy, Source, Value};
 use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::nn::{LocalParams, Module};
+use fsdp::nn::{LocalParams, Model, Module};
 use fsdp::optim::{AdamW, AdamWConfig, Optimizer, ParamState};
-use fsdp_comm::{Communicator, LocalGroup};
+use fsdp_comm::{Communicator, LocalGroup, Mesh};
 
 const GLOBAL_BATCH: usize = 12;
 const SEQ: usize = 5;
@@ -77,6 +77,25 @@ type Resume = (BTreeMap<String, Vec<f32>>, BTreeMap<String, ParamState>);
 /// Trains `steps` steps from `start` on `world` threads; `resume` gives the parameters and
 /// Adam state to load first (full values by name, cut to each rank's rows).
 fn run(world: usize, start: usize, steps: usize, resume: Option<Resume>) -> Vec<RankResult> {
+    run_with(
+        world,
+        start,
+        steps,
+        resume,
+        ShardingStrategy::FullShard,
+        None,
+    )
+}
+
+/// [`run`] under `strategy`; with `hybrid`, on a 2-D mesh of shard groups of that size.
+fn run_with(
+    world: usize,
+    start: usize,
+    steps: usize,
+    resume: Option<Resume>,
+    strategy: ShardingStrategy,
+    hybrid: Option<usize>,
+) -> Vec<RankResult> {
     let resume = Arc::new(resume);
     let handles: Vec<_> = LocalGroup::create(world)
         .into_iter()
@@ -86,13 +105,35 @@ fn run(world: usize, start: usize, steps: usize, resume: Option<Resume>) -> Vec<
                 let group: Arc<dyn Communicator> = Arc::new(group);
                 let m = model();
                 let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+                // The launch layout hybrid sharding needs: machines of `hybrid` processes.
+                let mut layout = Layer::new();
+                if let Some(shard) = hybrid {
+                    let n = |v: usize| Value::UInt(v as u64);
+                    layout.set(Key::NumMachines, n(world / shard), Source::Code);
+                    layout.set(Key::NumProcesses, n(world), Source::Code);
+                    let ip = Value::Text("127.0.0.1".into());
+                    layout.set(Key::MainProcessIp, ip, Source::Code);
+                }
                 let plugin = FsdpPlugin::builder()
-                    .sharding_strategy(ShardingStrategy::FullShard)
+                    .sharding_strategy(strategy)
                     .debug(true)
-                    .resolve(&Layer::new(), None)
+                    .resolve(&layout, None)
                     .unwrap()
                     .fsdp;
-                let mut engine = Fsdp::wrap(&m, &init.tensors(), &plugin, group.clone()).unwrap();
+                let mut engine = match hybrid {
+                    None => Fsdp::wrap(&m, &init.tensors(), &plugin, group.clone()).unwrap(),
+                    Some(shard) => {
+                        let mesh = Mesh::hybrid(group.as_ref(), shard).unwrap();
+                        Fsdp::with_mesh(
+                            &m.info(),
+                            &init.tensors(),
+                            &plugin,
+                            m.no_split_modules(),
+                            mesh,
+                        )
+                        .unwrap()
+                    }
+                };
                 let mut opt = adamw();
                 if let Some((params, state)) = resume.as_ref() {
                     for (name, full) in params {
@@ -315,6 +356,43 @@ fn threads_as_ranks_match_one_rank_and_state_moves_between_world_sizes() {
             let w: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
             let g: Vec<f32> = got[name].flatten_all().unwrap().to_vec1().unwrap();
             assert!(close(name, &g, &w, 6), "{a} -> {b} ranks: {name}");
+        }
+    }
+}
+
+#[test]
+fn hybrid_sharding_on_threads_matches_one_rank() {
+    const STEPS: usize = 8;
+    let one = run(1, 0, STEPS, None);
+    let want = one[0].full.as_ref().unwrap();
+    for strategy in [
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ] {
+        // 2 machines of 2, 2 of 1 and 4 of 1 (replication only).
+        for (world, shard) in [(4, 2), (2, 1), (4, 1)] {
+            let got = run_with(world, 0, STEPS, None, strategy, Some(shard));
+            let what = format!("{strategy} on {world} ranks in shard groups of {shard}");
+            for (g, w) in losses(&got).iter().zip(&losses(&one)) {
+                assert!((g - w).abs() / w.abs() < 1e-5, "{what}: loss {g} vs {w}");
+            }
+            let full = got[0].full.as_ref().unwrap();
+            for (name, w) in want {
+                let g: Vec<f32> = full[name].flatten_all().unwrap().to_vec1().unwrap();
+                let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+                assert!(close(name, &g, &w, STEPS), "{what}: {name} differs");
+            }
+            // Replicas hold the same rows.
+            for (i, r) in got.iter().enumerate().skip(shard) {
+                let twin = &got[i % shard];
+                for (name, (rows, values)) in &r.params {
+                    assert_eq!(&twin.params[name].0, rows, "{what}: {name}");
+                    assert!(
+                        max_rel(values, &twin.params[name].1) == 0.0,
+                        "{what}: {name} drifted"
+                    );
+                }
+            }
         }
     }
 }

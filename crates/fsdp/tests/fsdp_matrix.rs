@@ -1,5 +1,6 @@
 //! Sharded training equals single-process training on the global batch, over real processes
-//! and the real transport: every sharding strategy x wrap policy x prefetch mode, for a BERT
+//! and the real transport: every sharding strategy x wrap policy x prefetch mode (hybrid
+//! strategies on "machines" of 2 ranks, wrap policies in rotation), for a BERT
 //! classifier and a GPT-2 LM, on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
 //! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated), clipped and
 //! gradient-accumulation variants.
@@ -10,14 +11,16 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp::config::{AutoWrapPolicy, BackwardPrefetch, FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::config::{
+    AutoWrapPolicy, BackwardPrefetch, FsdpPlugin, Key, Layer, ShardingStrategy, Source, Value,
+};
 use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification, Gpt2Config, Gpt2LmHeadModel};
 use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{LocalParams, ModuleInfo, Params};
 use fsdp::optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
-use fsdp_comm::{ProcessGroup, ReduceOp};
+use fsdp_comm::{Mesh, ProcessGroup, ReduceOp};
 
 mod common;
 
@@ -113,7 +116,8 @@ fn optimizers() -> [OptimizerKind; 3] {
     ]
 }
 
-fn cases() -> Vec<Case> {
+/// The cases for a group of `world` ranks.
+fn cases(world: usize) -> Vec<Case> {
     let mut out = Vec::new();
     let prefetch = [
         (BackwardPrefetch::NoPrefetch, false),
@@ -153,8 +157,43 @@ fn cases() -> Vec<Case> {
                 }
             }
         }
+        // Hybrid sharding: shards inside 2 "machines", all-reduce across them (even world
+        // sizes only); the wrap policy rotates instead of multiplying.
+        let hybrid = [
+            ShardingStrategy::HybridShard,
+            ShardingStrategy::HybridShardZero2,
+        ];
+        for strategy in hybrid.into_iter().filter(|_| world % 2 == 0) {
+            for (j, (backward_prefetch, forward_prefetch)) in prefetch.into_iter().enumerate() {
+                out.push(Case {
+                    model,
+                    strategy,
+                    wrap: [
+                        AutoWrapPolicy::TransformerBasedWrap,
+                        AutoWrapPolicy::SizeBasedWrap,
+                        AutoWrapPolicy::NoWrap,
+                    ][j],
+                    backward_prefetch,
+                    forward_prefetch,
+                    optimizer: optimizers()[i % 3],
+                    variant: variants[(i / 3) % variants.len()],
+                });
+                i += 1;
+            }
+        }
     }
     out
+}
+
+/// Hybrid sharding's launch layout in a group of `n` (even): 2 "machines" of `n / 2` ranks.
+fn hybrid_layout(n: usize) -> Layer {
+    let mut layout = Layer::new();
+    let count = |v: usize| Value::UInt(v as u64);
+    layout.set(Key::NumMachines, count(2), Source::Code);
+    layout.set(Key::NumProcesses, count(n), Source::Code);
+    let ip = Value::Text("127.0.0.1".into());
+    layout.set(Key::MainProcessIp, ip, Source::Code);
+    layout
 }
 
 enum Model {
@@ -321,14 +360,25 @@ fn sharded(
     if case.variant == Variant::Ignored {
         builder = builder.ignored_modules(model.ignored());
     }
-    let plugin = builder.resolve(&Layer::new(), None).unwrap().fsdp;
-    let mut engine = Fsdp::new(
-        &info,
-        &init.tensors(),
-        &plugin,
-        model.default_wrap(),
-        pg.clone(),
-    )
+    let hybrid = case.strategy.is_hybrid();
+    let layout = if hybrid {
+        hybrid_layout(pg.size())
+    } else {
+        Layer::new()
+    };
+    let plugin = builder.resolve(&layout, None).unwrap().fsdp;
+    let mut engine = if hybrid {
+        let mesh = Mesh::hybrid(pg.as_ref(), pg.size() / 2).map_err(|e| e.to_string())?;
+        Fsdp::with_mesh(&info, &init.tensors(), &plugin, model.default_wrap(), mesh)
+    } else {
+        Fsdp::new(
+            &info,
+            &init.tensors(),
+            &plugin,
+            model.default_wrap(),
+            pg.clone(),
+        )
+    }
     .map_err(|e| e.to_string())?;
     let mut optimizer = case.optimizer.build();
     engine.set_debug(true);
@@ -431,7 +481,7 @@ fn matrix_worker() {
     let mut failures = Vec::new();
     let (mut worst_loss, mut worst_weight, mut worst_gauge) = (0f64, 0f64, 0f64);
     let mut baselines: Vec<(BaselineKey, Run)> = Vec::new();
-    let cases = cases();
+    let cases = cases(pg.size());
     for case in &cases {
         let key = (
             case.model,

@@ -85,7 +85,7 @@ fn launch(a: &CheckpointArgs) -> Result<()> {
     ]
     .map(String::from)
     .to_vec();
-    let out = super::workers::spawn_workers(&args, a.num_processes, &[])?;
+    let out = super::workers::spawn_workers(&args, a.num_processes, 1, &[])?;
     let line = out
         .lines()
         .find_map(|l| l.strip_prefix("RESULT "))

@@ -116,6 +116,7 @@ fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
     super::workers::spawn_workers(
         &args,
         a.num_processes,
+        1,
         &[("FSDP_COMM_TRANSPORT", transport)],
     )
     .with_context(|| format!("over {transport}"))

@@ -6,9 +6,10 @@
 //!   the counting allocator, against the plan's formula;
 //! * the peak during forward and backward above that state (full parameters and gradients
 //!   of the units in flight, communication buffers, activations), against the largest unit;
-//! * bytes sent per step against the ring algorithms' theory (FULL_SHARD: all-gather in
-//!   forward, again in backward for resharded units, reduce-scatter: about 3 x parameter
-//!   bytes x (N-1)/N);
+//! * bytes sent per step against the ring algorithms' theory, inside the shard groups
+//!   (FULL_SHARD: all-gather in forward, again in backward for resharded units,
+//!   reduce-scatter: about 3 x parameter bytes x (N-1)/N) and across replicas (NO_SHARD's
+//!   all-reduce; hybrid sharding's all-reduce of each rank's reduced rows between machines);
 //! * samples/s and peak RSS.
 
 use std::sync::Arc;
@@ -36,9 +37,18 @@ pub struct MemoryArgs {
         default_value_t = 2
     )]
     num_processes: usize,
-    /// Strategies to measure, comma-separated.
+    /// Strategies to measure, comma-separated (HYBRID_SHARD and HYBRID_SHARD_ZERO2 need
+    /// --num_machines).
     #[arg(long, default_value = "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD")]
     strategies: String,
+    /// Machines the processes are split into, as hybrid sharding sees them (on loopback:
+    /// each "machine" is num_processes / num_machines local processes).
+    #[arg(
+        long = "num_machines",
+        visible_alias = "num-machines",
+        default_value_t = 1
+    )]
+    num_machines: usize,
     /// Timed steps (after one warm-up step).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -83,11 +93,23 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     if a.num_processes < 1 {
         bail!("--num_processes must be at least 1");
     }
+    if a.num_machines == 0 || a.num_processes % a.num_machines != 0 {
+        bail!(
+            "--num_machines {} does not divide --num_processes {}",
+            a.num_machines,
+            a.num_processes
+        );
+    }
     let mut results = Vec::new();
     for strategy in a.strategies.split(',').map(str::trim) {
-        strategy
+        let parsed = strategy
             .parse::<ShardingStrategy>()
             .map_err(|e| anyhow::anyhow!("--strategies: {e}"))?;
+        if parsed.is_hybrid() && a.num_machines < 2 {
+            bail!(
+                "{strategy} shards within machines and replicates across them: add --num_machines 2 (or more)"
+            );
+        }
         let args: Vec<String> = [
             "bench",
             "memory",
@@ -114,7 +136,8 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         if a.forward_prefetch {
             args.push("--forward_prefetch".into());
         }
-        let out = super::workers::spawn_workers(&args, a.num_processes, &[])
+        let env = [("ACCELERATE_USE_FSDP", "true")];
+        let out = super::workers::spawn_workers(&args, a.num_processes, a.num_machines, &env)
             .with_context(|| format!("measuring {strategy}"))?;
         let line = out
             .lines()
@@ -124,8 +147,9 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     }
     let mib = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN) / (1u64 << 20) as f64;
     println!(
-        "{} processes, BERT hidden {} x {} layers, vocab {}, batch {}/rank, seq {}, backward prefetch {}, forward prefetch {}; MiB per rank",
+        "{} processes on {} machine(s), BERT hidden {} x {} layers, vocab {}, batch {}/rank, seq {}, backward prefetch {}, forward prefetch {}; MiB per rank (sent: inside shard groups + across replicas)",
         a.num_processes,
+        a.num_machines,
         a.hidden,
         a.layers,
         a.vocab,
@@ -135,7 +159,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         a.forward_prefetch
     );
     println!(
-        "{:>14} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>9} {:>8}",
+        "{:>18} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>9} {:>8}",
         "strategy",
         "state",
         "formula",
@@ -146,12 +170,14 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         "sent/step",
         "theory",
         "ratio",
+        "across",
+        "theory",
         "samples/s",
         "peakRSS"
     );
     for r in &results {
         println!(
-            "{:>14} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>9.1} {:>8.1}",
+            "{:>18} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>8.2} {:>8.2} {:>9.1} {:>8.1}",
             r["strategy"].as_str().unwrap_or("?"),
             mib(&r["state_bytes"]),
             mib(&r["state_formula_bytes"]),
@@ -165,6 +191,8 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             mib(&r["bytes_theory_per_step"]),
             r["bytes_sent_per_step"].as_f64().unwrap_or(0.0)
                 / r["bytes_theory_per_step"].as_f64().unwrap_or(f64::NAN),
+            mib(&r["bytes_across_replicas_per_step"]),
+            mib(&r["bytes_across_replicas_theory"]),
             r["samples_per_s"].as_f64().unwrap_or(f64::NAN),
             mib(&r["peak_rss_bytes"]),
         );
@@ -177,36 +205,42 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     Ok(())
 }
 
-/// Bytes each rank sends per step by the ring algorithms: per unit an all-gather in forward,
-/// another before backward when the unit was resharded after forward, and a reduce-scatter
-/// ((N-1) shard blocks each); NO_SHARD all-reduces ((2(N-1)/N) of the gradients).
-fn bytes_theory(plan: &UnitPlan, ranks: usize) -> usize {
-    let n = ranks;
-    if n == 1 {
-        return 0;
+/// Bytes each rank sends per step by the ring algorithms, inside its shard group and across
+/// replicas. Inside: per unit an all-gather in forward, another before backward when the
+/// unit was resharded after forward, and a reduce-scatter ((S-1) shard blocks each for a
+/// group of S). Across R replicas: an all-reduce of each unit's reduced block
+/// (2(R-1)/R of it); for NO_SHARD the block is the whole unit.
+fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize) -> (usize, usize) {
+    let (s, r) = (shard_size, replicas);
+    let mut inside = 0;
+    let mut across = 0;
+    for u in &plan.units {
+        let block = u.shard_numel() * 4;
+        if s > 1 {
+            let regather = matches!(
+                plan.strategy,
+                ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+            ) && !u.path.is_empty();
+            inside += (s - 1) * block * (2 + usize::from(regather));
+        }
+        if r > 1 {
+            across += 2 * (r - 1) * block / r;
+        }
     }
-    plan.units
-        .iter()
-        .map(|u| {
-            if plan.group_size == 1 {
-                return 2 * (n - 1) * u.numel() * 4 / n;
-            }
-            let block = u.shard_numel() * 4;
-            let regather = plan.strategy == ShardingStrategy::FullShard && !u.path.is_empty();
-            (n - 1) * block * (2 + usize::from(regather))
-        })
-        .sum()
+    (inside, across)
 }
 
 fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     memory::CountingAllocator::mark_installed();
     let pg = ProcessGroup::from_env()?;
     let (rank, n) = (pg.rank(), pg.size());
+    // The environment gives the layout (machines of LOCAL_WORLD_SIZE processes), as it does
+    // to any launched program; the strategy and prefetch are set here.
     let plugin = FsdpPlugin::builder()
         .sharding_strategy(strategy.parse().map_err(anyhow::Error::msg)?)
         .backward_prefetch(a.backward_prefetch.parse().map_err(anyhow::Error::msg)?)
         .forward_prefetch(a.forward_prefetch)
-        .resolve(&Layer::new(), None)?
+        .resolve(&Layer::from_process_env()?, None)?
         .fsdp;
     let config = BertConfig {
         vocab_size: a.vocab,
@@ -230,10 +264,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         lr: 1e-4,
         ..Default::default()
     })?;
-    let bytes_sent = |f: &Fsdp| {
-        let (shard, replicate) = f.mesh().bytes_sent();
-        shard + replicate
-    };
+    let bytes_sent = |f: &Fsdp| f.mesh().bytes_sent();
     let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ rank as u64;
     let mut next = move || {
         rng ^= rng << 13;
@@ -241,7 +272,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         rng ^= rng << 17;
         rng
     };
-    let (mut state, mut peak_above, mut sent) = (0usize, 0usize, 0u64);
+    let (mut state, mut peak_above, mut sent, mut sent_across) = (0usize, 0usize, 0u64, 0u64);
     let mut timed = 0f64;
     // Seconds in forward, backward and the optimizer step, over the timed steps.
     let mut phases = [0f64; 3];
@@ -273,7 +304,9 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             phases[2] += backward_done.elapsed().as_secs_f64();
             peak_above = peak_above.max(peak.saturating_sub(at_step));
             state = state.max(at_step.saturating_sub(base));
-            sent += bytes_sent(&fsdp) - sent_before;
+            let (inside, across) = bytes_sent(&fsdp);
+            sent += inside - sent_before.0;
+            sent_across += across - sent_before.1;
         }
     }
     let steps = a.steps.max(1) as f64;
@@ -284,11 +317,15 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         sent as f64 / steps,
         memory::peak_rss_bytes().unwrap_or(0) as f64,
         timed,
+        sent_across as f64 / steps,
     ];
     let per_step_ms = phases.map(|s| s / steps * 1e3);
     let all = fsdp.mesh().all_gather_vec(mine)?;
     if rank == 0 {
-        let worst = |k: usize| (0..n).map(|r| all[r * 5 + k]).fold(0f64, f64::max);
+        let worst = |k: usize| (0..n).map(|r| all[r * 6 + k]).fold(0f64, f64::max);
+        let mesh = fsdp.mesh();
+        let (theory_inside, theory_across) =
+            bytes_theory(&plan, mesh.shard_size(), mesh.replicas());
         let samples_per_s = steps * (a.batch * n) as f64 / worst(4);
         println!(
             "RESULT {}",
@@ -299,7 +336,11 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "peak_above_state_bytes": worst(1),
                 "largest_unit_bytes": largest_unit,
                 "bytes_sent_per_step": worst(2),
-                "bytes_theory_per_step": bytes_theory(&plan, n),
+                "bytes_theory_per_step": theory_inside,
+                "bytes_across_replicas_per_step": worst(5),
+                "bytes_across_replicas_theory": theory_across,
+                "shard_group_size": mesh.shard_size(),
+                "replicas": mesh.replicas(),
                 "params_bytes": plan.units.iter().map(|u| u.numel() * 4).sum::<usize>(),
                 "samples_per_s": samples_per_s,
                 "peak_rss_bytes": worst(3),

@@ -15,6 +15,15 @@ pub struct Layer {
     settings: BTreeMap<Key, Setting>,
 }
 
+/// The torchrun variables a launched worker's layout is read from.
+const LAYOUT_VARS: &[&str] = &[
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+];
+
 impl Layer {
     /// An empty layer.
     pub fn new() -> Layer {
@@ -105,8 +114,12 @@ impl Layer {
     {
         let mut layer = Layer::new();
         let mut errors = Vec::new();
+        let mut layout: Vec<(String, String)> = Vec::new();
         for (var, text) in vars {
             let (var, text) = (var.as_ref(), text.as_ref());
+            if LAYOUT_VARS.contains(&var) {
+                layout.push((var.to_string(), text.to_string()));
+            }
             let Some(key) = Key::from_env_var(var) else {
                 continue;
             };
@@ -135,7 +148,46 @@ impl Layer {
             }
         }
         ConfigError::collect(errors)?;
+        layer.set_launch_layout(&layout);
         Ok(layer)
+    }
+
+    /// A launched FSDP worker's layout from the torchrun variables (`WORLD_SIZE`,
+    /// `LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`), so that settings
+    /// checked against the layout (hybrid sharding needs several machines) resolve in the
+    /// worker as they did in the launcher. Only with `ACCELERATE_USE_FSDP=true` (what
+    /// `fsdp launch` sets for FSDP jobs); values that do not parse are left to the process
+    /// group, which reports them.
+    fn set_launch_layout(&mut self, vars: &[(String, String)]) {
+        let fsdp = self
+            .get(Key::DistributedType)
+            .is_some_and(|s| s.value == Value::Text("FSDP".into()));
+        if !fsdp {
+            return;
+        }
+        let get = |name: &str| {
+            vars.iter()
+                .find(|(v, _)| v == name)
+                .map(|(_, t)| t.trim().to_string())
+        };
+        let number = |name: &str| get(name)?.parse::<u64>().ok().filter(|n| *n > 0);
+        let env = |var: &str| Source::Env { var: var.into() };
+        if let Some(world) = number("WORLD_SIZE") {
+            self.set(Key::NumProcesses, Value::UInt(world), env("WORLD_SIZE"));
+            if let Some(local) = number("LOCAL_WORLD_SIZE").filter(|l| world % l == 0) {
+                let machines = Value::UInt(world / local);
+                self.set(Key::NumMachines, machines, env("LOCAL_WORLD_SIZE"));
+            }
+        }
+        if let Some(node) = get("NODE_RANK").and_then(|t| t.parse::<u64>().ok()) {
+            self.set(Key::MachineRank, Value::UInt(node), env("NODE_RANK"));
+        }
+        if let Some(addr) = get("MASTER_ADDR").filter(|a| !a.is_empty()) {
+            self.set(Key::MainProcessIp, Value::Text(addr), env("MASTER_ADDR"));
+        }
+        if let Some(port) = get("MASTER_PORT").and_then(|t| t.parse::<u64>().ok()) {
+            self.set(Key::MainProcessPort, Value::UInt(port), env("MASTER_PORT"));
+        }
     }
 
     /// Reads this process's environment.

@@ -49,13 +49,26 @@ fn check_supported(plugin: &FsdpPlugin) -> Result<(), EngineError> {
             "set it to false (every rank loads the weights; fsdp_sync_module_states broadcasts rank 0's)",
         );
     }
-    if plugin.sharding_strategy.is_hybrid() {
-        return refuse(
-            format!("fsdp_sharding_strategy: {}", plugin.sharding_strategy),
-            "use FULL_SHARD or SHARD_GRAD_OP",
-        );
-    }
     Ok(())
+}
+
+/// The processes of one machine (`LOCAL_WORLD_SIZE`), which hybrid sharding shards over;
+/// the whole group when the variable is absent (one machine).
+fn machine_size(world: usize) -> Result<usize, EngineError> {
+    let local = match std::env::var("LOCAL_WORLD_SIZE") {
+        Err(_) => return Ok(world),
+        Ok(v) => v.trim().parse::<usize>().ok(),
+    };
+    match local {
+        Some(n) if n > 0 && world % n == 0 => Ok(n),
+        _ => Err(EngineError::Unsupported {
+            setting: format!(
+                "hybrid sharding with LOCAL_WORLD_SIZE={} in a group of {world}",
+                std::env::var("LOCAL_WORLD_SIZE").unwrap_or_default()
+            ),
+            hint: "hybrid sharding shards over each machine's processes: their number must divide the group",
+        }),
+    }
 }
 
 /// What a step did.
@@ -90,7 +103,9 @@ pub struct Fsdp {
 impl Fsdp {
     /// Shards `initial` (every parameter of `model`, full, identical on every rank unless
     /// `fsdp_sync_module_states` makes them so) across the ranks of `group` per `plugin`:
-    /// over all of them for FULL_SHARD and SHARD_GRAD_OP, none for NO_SHARD.
+    /// over all of them for FULL_SHARD and SHARD_GRAD_OP, none for NO_SHARD, and for the
+    /// hybrid strategies over the processes of each machine (`LOCAL_WORLD_SIZE`, as
+    /// `fsdp launch` sets it), replicated across machines.
     pub fn new(
         model: &ModuleInfo,
         initial: &BTreeMap<String, Tensor>,
@@ -98,10 +113,13 @@ impl Fsdp {
         default_wrap: &[&str],
         group: Arc<dyn Communicator>,
     ) -> Result<Fsdp, EngineError> {
-        let mesh = if plugin.sharding_strategy == ShardingStrategy::NoShard {
-            Mesh::replicated(group)
-        } else {
-            Mesh::sharded(group)
+        let mesh = match plugin.sharding_strategy {
+            ShardingStrategy::NoShard => Mesh::replicated(group),
+            s if s.is_hybrid() => {
+                let shard_size = machine_size(group.size())?;
+                Mesh::hybrid(group.as_ref(), shard_size)?
+            }
+            _ => Mesh::sharded(group),
         };
         Fsdp::with_mesh(model, initial, plugin, default_wrap, mesh)
     }
