@@ -131,3 +131,44 @@ fn hybrid_sharding_traffic_inside_and_across_machines_follows_theory() {
         "{results:?}"
     );
 }
+
+#[test]
+fn accumulation_without_sync_sends_less_and_keeps_whole_gradients() {
+    let results = measure_with(
+        2,
+        &[
+            "--num_processes",
+            "2",
+            "--accumulation",
+            "3",
+            "--strategies",
+            "FULL_SHARD,NO_SHARD",
+        ],
+    );
+    let labels: Vec<&str> = results
+        .iter()
+        .map(|r| r["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "FULL_SHARD x3 sync_each",
+            "FULL_SHARD x3 no_sync",
+            "NO_SHARD x3 sync_each",
+            "NO_SHARD x3 no_sync"
+        ]
+    );
+    for pair in results.chunks(2) {
+        let (each, no_sync) = (&pair[0], &pair[1]);
+        assert_traffic(each);
+        assert_traffic(no_sync);
+        let total = |r: &serde_json::Value| {
+            field(r, "bytes_sent_per_step") + field(r, "bytes_across_replicas_per_step")
+        };
+        assert!(total(no_sync) < total(each), "{each}\n{no_sync}");
+        // Without sync every rank holds the whole model's gradients between micro-batches.
+        assert_eq!(field(each, "kept_unreduced_bytes"), 0.0, "{each}");
+        let kept = field(no_sync, "kept_unreduced_bytes") / field(no_sync, "params_bytes");
+        assert!((0.99..1.1).contains(&kept), "kept/params {kept}: {no_sync}");
+    }
+}

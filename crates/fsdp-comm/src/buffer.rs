@@ -137,6 +137,28 @@ impl Buffer {
         })
     }
 
+    /// Adds `other` element-wise (host buffers of the same type and length: gradients
+    /// accumulated before one reduction); false, leaving `self` as it was, otherwise.
+    pub fn add_assign(&mut self, other: &Buffer) -> bool {
+        fn add<T: Element>(a: &mut [T], b: &[T]) -> bool {
+            if a.len() != b.len() {
+                return false;
+            }
+            crate::dtype::reduce_into(a, b, crate::ReduceOp::Sum);
+            true
+        }
+        match (self, other) {
+            (Buffer::F32(a), Buffer::F32(b)) => add(a, b),
+            (Buffer::F64(a), Buffer::F64(b)) => add(a, b),
+            (Buffer::F16(a), Buffer::F16(b)) => add(a, b),
+            (Buffer::BF16(a), Buffer::BF16(b)) => add(a, b),
+            (Buffer::I32(a), Buffer::I32(b)) => add(a, b),
+            (Buffer::I64(a), Buffer::I64(b)) => add(a, b),
+            (Buffer::U8(a), Buffer::U8(b)) => add(a, b),
+            _ => false,
+        }
+    }
+
     /// Writes the elements of a host float buffer, converted to f32, into `out` (same length);
     /// false for integer or device buffers and length mismatches.
     pub fn to_f32_into(&self, out: &mut [f32]) -> bool {
@@ -246,5 +268,15 @@ mod tests {
         let b = b.into_vec::<f32>().unwrap_err();
         assert_eq!(b.into_vec::<u8>().unwrap(), vec![1, 2, 3]);
         assert_eq!(Buffer::zeros(DType::BF16, 3).len(), 3);
+    }
+
+    #[test]
+    fn add_assign_sums_matching_buffers_only() {
+        let mut a = Buffer::F32(vec![1.0, 2.0]);
+        assert!(a.add_assign(&Buffer::F32(vec![0.5, -4.0])));
+        assert_eq!(a.as_slice::<f32>(), Some(&[1.5f32, -2.0][..]));
+        assert!(!a.add_assign(&Buffer::F32(vec![1.0])));
+        assert!(!a.add_assign(&Buffer::from_f32(&[1.0, 1.0], DType::BF16).unwrap()));
+        assert_eq!(a.as_slice::<f32>(), Some(&[1.5f32, -2.0][..]));
     }
 }

@@ -1,7 +1,7 @@
 //! The `Accelerator` API over real processes: a fine-tuning recipe (two models, each with its
-//! optimizer and scheduler, parameter groups, gradient accumulation, clipping) on 2 and 3
-//! processes reproduces a single-process PyTorch run (tools/make_param_groups_fixture.py) and
-//! a single process of our own; schedulers step once per optimizer step whatever the number
+//! optimizer and scheduler, parameter groups, gradient accumulation without sync or with a
+//! reduction per micro-batch, clipping) on 2 and 3 processes reproduces a single-process
+//! PyTorch run (tools/make_param_groups_fixture.py) and a single process of our own; schedulers step once per optimizer step whatever the number
 //! of processes; `gather_for_metrics` counts every evaluation example once; misuse is
 //! reported. The test binary re-runs itself as the workers.
 
@@ -196,6 +196,7 @@ fn accelerator_worker() {
     }
     let mut acc = Accelerator::builder()
         .gradient_accumulation_steps(expected()["accumulation"].as_u64().unwrap() as usize)
+        .sync_each_batch(std::env::var(SYNC_EACH_BATCH).is_ok())
         .build()
         .unwrap();
     let mut result = recipe(&mut acc);
@@ -241,12 +242,15 @@ fn assert_weights_close(got: &Value, want: &BTreeMap<String, Vec<f32>>, abs: f64
     }
 }
 
-fn run(world: usize) -> Value {
+/// Set for workers that reduce every micro-batch instead of accumulating without sync.
+const SYNC_EACH_BATCH: &str = "TEST_SYNC_EACH_BATCH";
+
+fn run(world: usize, env: &[(&str, &str)]) -> Value {
     let outputs = common::run_workers(
         "accelerator_worker",
         ROLE,
         world,
-        &[],
+        env,
         Duration::from_secs(120),
     );
     common::result_of(&outputs[0])
@@ -271,8 +275,12 @@ fn a_recipe_on_several_processes_matches_pytorch_and_one_process() {
     };
     for (label, got) in [
         ("1 process", single.clone()),
-        ("2 processes", run(2)),
-        ("3 processes", run(3)),
+        ("2 processes", run(2, &[])),
+        ("3 processes", run(3, &[])),
+        (
+            "3 processes, sync each batch",
+            run(3, &[(SYNC_EACH_BATCH, "1")]),
+        ),
     ] {
         // Against PyTorch: losses, gradient norms, each group's rate, final weights.
         assert_close(

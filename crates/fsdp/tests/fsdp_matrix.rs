@@ -3,7 +3,8 @@
 //! strategies on "machines" of 2 ranks, wrap policies in rotation), for a BERT
 //! classifier and a GPT-2 LM, on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
 //! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated), clipped and
-//! gradient-accumulation variants.
+//! gradient-accumulation variants (reduced every micro-batch, or kept whole without sync and
+//! reduced once).
 //! 10 steps each; losses and final weights within 1e-5 relative (f32). Debug mode is on:
 //! released parameters are NaN-poisoned and the graph is checked before every backward.
 
@@ -45,8 +46,11 @@ enum Variant {
     Ignored,
     /// Global gradient-norm clipping that bites.
     Clipped,
-    /// Each rank's batch as two micro-batches, gradients accumulated.
+    /// Each rank's batch as two micro-batches, gradients reduced each time and accumulated.
     Accumulated,
+    /// Each rank's batch as two micro-batches, the first without sync (`no_sync`): whole
+    /// local gradients kept and reduced once with the second's.
+    AccumulatedNoSync,
 }
 
 /// Final weights by name.
@@ -130,6 +134,7 @@ fn cases(world: usize) -> Vec<Case> {
         Variant::Ignored,
         Variant::Clipped,
         Variant::Accumulated,
+        Variant::AccumulatedNoSync,
     ];
     let mut i = 0;
     for model in [ModelKind::Bert, ModelKind::Gpt2] {
@@ -389,7 +394,10 @@ fn sharded(
         let (ids, labels) = batch(step);
         let ids = ids.narrow(0, rank * per_rank, per_rank).unwrap();
         let labels = labels.narrow(0, rank * per_rank, per_rank).unwrap();
-        let micro = if case.variant == Variant::Accumulated {
+        let micro = if matches!(
+            case.variant,
+            Variant::Accumulated | Variant::AccumulatedNoSync
+        ) {
             vec![
                 (0, per_rank.div_ceil(2)),
                 (per_rank.div_ceil(2), per_rank / 2),
@@ -399,7 +407,8 @@ fn sharded(
         };
         let mut local = 0.0;
         let mut grads: Option<fsdp::engine::Gradients> = None;
-        for (start, len) in micro {
+        let last = micro.len() - 1;
+        for (k, (start, len)) in micro.into_iter().enumerate() {
             let weight = len as f64 / per_rank as f64;
             let params = engine.begin_step().map_err(|e| e.to_string())?;
             let loss = model
@@ -410,6 +419,18 @@ fn sharded(
                 )
                 .map_err(|e| e.to_string())?;
             local += weight * loss.to_scalar::<f32>().unwrap() as f64;
+            if case.variant == Variant::AccumulatedNoSync {
+                // The micro-batch's share is taken on the loss: kept gradients are summed.
+                let loss = (loss * weight).map_err(|e| e.to_string())?;
+                if k < last {
+                    engine
+                        .backward_no_sync(params, loss)
+                        .map_err(|e| e.to_string())?;
+                } else {
+                    grads = Some(engine.backward(params, loss).map_err(|e| e.to_string())?);
+                }
+                continue;
+            }
             let mut g = engine.backward(params, loss).map_err(|e| e.to_string())?;
             g.scale(weight as f32);
             match grads.as_mut() {

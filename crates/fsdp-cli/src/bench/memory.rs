@@ -18,7 +18,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
-use fsdp::engine::{Fsdp, UnitPlan};
+use fsdp::engine::{Fsdp, Gradients, UnitPlan};
 use fsdp::memory;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::candle::{DType, Device, Tensor};
@@ -73,6 +73,14 @@ pub struct MemoryArgs {
     /// FSDP forward prefetch.
     #[arg(long = "forward_prefetch")]
     forward_prefetch: bool,
+    /// Micro-batches per optimizer step (of --batch each); above 1 each strategy is measured
+    /// twice: reducing every micro-batch (sync_each_batch) and keeping whole gradients until
+    /// the last (no_sync).
+    #[arg(long, default_value_t = 1)]
+    accumulation: usize,
+    /// Internal (workers): micro-batches before the last run without sync.
+    #[arg(long = "no_sync", hide = true)]
+    no_sync: bool,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -100,6 +108,14 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             a.num_processes
         );
     }
+    if a.accumulation == 0 {
+        bail!("--accumulation must be at least 1");
+    }
+    let modes: &[bool] = if a.accumulation > 1 {
+        &[false, true]
+    } else {
+        &[false]
+    };
     let mut results = Vec::new();
     for strategy in a.strategies.split(',').map(str::trim) {
         let parsed = strategy
@@ -136,30 +152,38 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         if a.forward_prefetch {
             args.push("--forward_prefetch".into());
         }
-        let env = [("ACCELERATE_USE_FSDP", "true")];
-        let out = super::workers::spawn_workers(&args, a.num_processes, a.num_machines, &env)
-            .with_context(|| format!("measuring {strategy}"))?;
-        let line = out
-            .lines()
-            .find_map(|l| l.strip_prefix("RESULT "))
-            .with_context(|| format!("no result from the {strategy} workers:\n{out}"))?;
-        results.push(serde_json::from_str::<serde_json::Value>(line)?);
+        args.extend(["--accumulation".into(), a.accumulation.to_string()]);
+        for &no_sync in modes {
+            let mut args = args.clone();
+            if no_sync {
+                args.push("--no_sync".into());
+            }
+            let env = [("ACCELERATE_USE_FSDP", "true")];
+            let out = super::workers::spawn_workers(&args, a.num_processes, a.num_machines, &env)
+                .with_context(|| format!("measuring {strategy}"))?;
+            let line = out
+                .lines()
+                .find_map(|l| l.strip_prefix("RESULT "))
+                .with_context(|| format!("no result from the {strategy} workers:\n{out}"))?;
+            results.push(serde_json::from_str::<serde_json::Value>(line)?);
+        }
     }
     let mib = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN) / (1u64 << 20) as f64;
     println!(
-        "{} processes on {} machine(s), BERT hidden {} x {} layers, vocab {}, batch {}/rank, seq {}, backward prefetch {}, forward prefetch {}; MiB per rank (sent: inside shard groups + across replicas)",
+        "{} processes on {} machine(s), BERT hidden {} x {} layers, vocab {}, batch {}/rank x {} micro-batch(es), seq {}, backward prefetch {}, forward prefetch {}; MiB per rank (sent: inside shard groups + across replicas; kept: whole gradients held without sync)",
         a.num_processes,
         a.num_machines,
         a.hidden,
         a.layers,
         a.vocab,
         a.batch,
+        a.accumulation,
         a.seq,
         a.backward_prefetch,
         a.forward_prefetch
     );
     println!(
-        "{:>18} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>9} {:>8}",
+        "{:>26} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8}",
         "strategy",
         "state",
         "formula",
@@ -172,13 +196,14 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         "ratio",
         "across",
         "theory",
+        "kept",
         "samples/s",
         "peakRSS"
     );
     for r in &results {
         println!(
-            "{:>18} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>8.2} {:>8.2} {:>9.1} {:>8.1}",
-            r["strategy"].as_str().unwrap_or("?"),
+            "{:>26} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>8.2} {:>8.2} {:>8.2} {:>9.1} {:>8.1}",
+            r["label"].as_str().unwrap_or("?"),
             mib(&r["state_bytes"]),
             mib(&r["state_formula_bytes"]),
             r["state_bytes"].as_f64().unwrap_or(0.0)
@@ -193,6 +218,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
                 / r["bytes_theory_per_step"].as_f64().unwrap_or(f64::NAN),
             mib(&r["bytes_across_replicas_per_step"]),
             mib(&r["bytes_across_replicas_theory"]),
+            mib(&r["kept_unreduced_bytes"]),
             r["samples_per_s"].as_f64().unwrap_or(f64::NAN),
             mib(&r["peak_rss_bytes"]),
         );
@@ -205,13 +231,22 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     Ok(())
 }
 
-/// Bytes each rank sends per step by the ring algorithms, inside its shard group and across
-/// replicas. Inside: per unit an all-gather in forward, another before backward when the
-/// unit was resharded after forward, and a reduce-scatter ((S-1) shard blocks each for a
-/// group of S). Across R replicas: an all-reduce of each unit's reduced block
-/// (2(R-1)/R of it); for NO_SHARD the block is the whole unit.
-fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize) -> (usize, usize) {
+/// Bytes each rank sends per step of `micro` micro-batches by the ring algorithms, inside its
+/// shard group and across replicas. Inside: per unit and micro-batch an all-gather in
+/// forward, another before backward when the unit was resharded after forward, and a
+/// reduce-scatter per reduction ((S-1) shard blocks each for a group of S). Across R
+/// replicas: an all-reduce of each unit's reduced block per reduction (2(R-1)/R of it); for
+/// NO_SHARD the block is the whole unit. Reductions: one per micro-batch, or one per step
+/// when the earlier micro-batches run without sync.
+fn bytes_theory(
+    plan: &UnitPlan,
+    shard_size: usize,
+    replicas: usize,
+    micro: usize,
+    no_sync: bool,
+) -> (usize, usize) {
     let (s, r) = (shard_size, replicas);
+    let reductions = if no_sync { 1 } else { micro };
     let mut inside = 0;
     let mut across = 0;
     for u in &plan.units {
@@ -221,10 +256,10 @@ fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize) -> (usize, 
                 plan.strategy,
                 ShardingStrategy::FullShard | ShardingStrategy::HybridShard
             ) && !u.path.is_empty();
-            inside += (s - 1) * block * (2 + usize::from(regather));
+            inside += (s - 1) * block * (micro * (1 + usize::from(regather)) + reductions);
         }
         if r > 1 {
-            across += 2 * (r - 1) * block / r;
+            across += reductions * (2 * (r - 1) * block / r);
         }
     }
     (inside, across)
@@ -273,25 +308,45 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         rng
     };
     let (mut state, mut peak_above, mut sent, mut sent_across) = (0usize, 0usize, 0u64, 0u64);
+    let micro = a.accumulation.max(1);
+    // Bytes of whole gradients held between micro-batches without sync.
+    let mut kept = 0usize;
     let mut timed = 0f64;
     // Seconds in forward, backward and the optimizer step, over the timed steps.
     let mut phases = [0f64; 3];
     for step in 0..=a.steps {
-        let ids: Vec<u32> = (0..a.batch * a.seq)
-            .map(|_| (next() % a.vocab as u64) as u32)
-            .collect();
-        let labels: Vec<u32> = (0..a.batch).map(|_| (next() % 2) as u32).collect();
-        let ids = Tensor::from_vec(ids, (a.batch, a.seq), &Device::Cpu)?;
-        let labels = Tensor::from_vec(labels, a.batch, &Device::Cpu)?;
         let sent_before = bytes_sent(&fsdp);
         let started = Instant::now();
         memory::reset_peak();
-        let params = fsdp.begin_step()?;
-        let logits = model.forward(&params, &ids, None, None)?;
-        let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
-        drop(logits);
-        let forward_done = Instant::now();
-        let grads = fsdp.backward(params, loss)?;
+        let mut grads: Option<Gradients> = None;
+        let (mut forward_s, mut backward_s) = (0f64, 0f64);
+        for m in 0..micro {
+            let ids: Vec<u32> = (0..a.batch * a.seq)
+                .map(|_| (next() % a.vocab as u64) as u32)
+                .collect();
+            let labels: Vec<u32> = (0..a.batch).map(|_| (next() % 2) as u32).collect();
+            let ids = Tensor::from_vec(ids, (a.batch, a.seq), &Device::Cpu)?;
+            let labels = Tensor::from_vec(labels, a.batch, &Device::Cpu)?;
+            let t = Instant::now();
+            let params = fsdp.begin_step()?;
+            let logits = model.forward(&params, &ids, None, None)?;
+            let loss = (cross_entropy(&logits, &labels, CrossEntropy::default())? / micro as f64)?;
+            drop(logits);
+            let forward_done = Instant::now();
+            if a.no_sync && m + 1 < micro {
+                fsdp.backward_no_sync(params, loss)?;
+                kept = kept.max(fsdp.unreduced_bytes());
+            } else {
+                let g = fsdp.backward(params, loss)?;
+                match grads.as_mut() {
+                    Some(acc) => acc.accumulate(g),
+                    None => grads = Some(g),
+                }
+            }
+            forward_s += (forward_done - t).as_secs_f64();
+            backward_s += forward_done.elapsed().as_secs_f64();
+        }
+        let grads = grads.context("no gradients after the step's micro-batches")?;
         let backward_done = Instant::now();
         let peak = memory::peak_bytes();
         let report = fsdp.step(grads, &mut optimizer, Some(1.0))?;
@@ -299,8 +354,8 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let at_step = report.resident_bytes.unwrap_or(0);
         if step > 0 {
             timed += started.elapsed().as_secs_f64();
-            phases[0] += (forward_done - started).as_secs_f64();
-            phases[1] += (backward_done - forward_done).as_secs_f64();
+            phases[0] += forward_s;
+            phases[1] += backward_s;
             phases[2] += backward_done.elapsed().as_secs_f64();
             peak_above = peak_above.max(peak.saturating_sub(at_step));
             state = state.max(at_step.saturating_sub(base));
@@ -318,19 +373,29 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         memory::peak_rss_bytes().unwrap_or(0) as f64,
         timed,
         sent_across as f64 / steps,
+        kept as f64,
     ];
     let per_step_ms = phases.map(|s| s / steps * 1e3);
     let all = fsdp.mesh().all_gather_vec(mine)?;
     if rank == 0 {
-        let worst = |k: usize| (0..n).map(|r| all[r * 6 + k]).fold(0f64, f64::max);
+        let worst = |k: usize| (0..n).map(|r| all[r * 7 + k]).fold(0f64, f64::max);
         let mesh = fsdp.mesh();
         let (theory_inside, theory_across) =
-            bytes_theory(&plan, mesh.shard_size(), mesh.replicas());
-        let samples_per_s = steps * (a.batch * n) as f64 / worst(4);
+            bytes_theory(&plan, mesh.shard_size(), mesh.replicas(), micro, a.no_sync);
+        let samples_per_s = steps * (a.batch * micro * n) as f64 / worst(4);
+        let label = match (micro, a.no_sync) {
+            (1, _) => strategy.to_string(),
+            (k, false) => format!("{strategy} x{k} sync_each"),
+            (k, true) => format!("{strategy} x{k} no_sync"),
+        };
         println!(
             "RESULT {}",
             serde_json::json!({
                 "strategy": strategy,
+                "label": label,
+                "accumulation": micro,
+                "no_sync": a.no_sync,
+                "kept_unreduced_bytes": worst(6),
                 "state_bytes": worst(0),
                 "state_formula_bytes": formula,
                 "peak_above_state_bytes": worst(1),

@@ -162,6 +162,7 @@ impl Default for FullStateDictConfig {
 pub struct AcceleratorBuilder {
     plugin: Option<FsdpPluginBuilder>,
     accumulation: Option<usize>,
+    sync_each_batch: bool,
     project: Option<ProjectConfiguration>,
     full_state_dict: Option<FullStateDictConfig>,
     metrics: bool,
@@ -187,6 +188,16 @@ impl AcceleratorBuilder {
     /// Optimizer steps every `n` backward passes (gradients summed in between).
     pub fn gradient_accumulation_steps(mut self, n: usize) -> Self {
         self.accumulation = Some(n);
+        self
+    }
+
+    /// Reduces gradients after every micro-batch of an accumulation (Accelerate's
+    /// `GradientAccumulationPlugin(sync_each_batch=True)`): only this rank's rows are kept
+    /// in between, at the price of a reduction per micro-batch. Off by default, as in
+    /// Accelerate: micro-batches before the last run without sync (`no_sync`), keeping whole
+    /// local gradients and reducing once.
+    pub fn sync_each_batch(mut self, on: bool) -> Self {
+        self.sync_each_batch = on;
         self
     }
 
@@ -252,6 +263,7 @@ impl AcceleratorBuilder {
             plugin: resolved.fsdp,
             local_rank,
             accumulation,
+            sync_each_batch: self.sync_each_batch,
             models: 0,
             optimizers: 0,
             sync: true,
@@ -269,6 +281,7 @@ pub struct Accelerator {
     plugin: FsdpPlugin,
     local_rank: usize,
     accumulation: usize,
+    sync_each_batch: bool,
     models: usize,
     optimizers: usize,
     sync: bool,
@@ -391,8 +404,10 @@ impl Accelerator {
         model.module()
     }
 
-    /// Back-propagates `loss` through `model`'s open forward, reducing the gradients and
-    /// adding them to those of earlier micro-batches (each scaled by 1/accumulation steps).
+    /// Back-propagates `loss` through `model`'s open forward (scaled by 1/accumulation
+    /// steps). The last micro-batch of an accumulation reduces the gradients; the others keep
+    /// whole local gradients for it (`no_sync`), or reduce and add theirs too with
+    /// [`AcceleratorBuilder::sync_each_batch`].
     pub fn backward<M>(
         &mut self,
         model: &mut PreparedModel<M>,
@@ -403,7 +418,8 @@ impl Accelerator {
         } else {
             loss
         };
-        let passes = model.backward(loss)?;
+        let boundary = (model.backward_passes() + 1) % self.accumulation as u64 == 0;
+        let passes = model.backward(loss, boundary || self.sync_each_batch)?;
         self.sync = passes % self.accumulation as u64 == 0;
         Ok(())
     }

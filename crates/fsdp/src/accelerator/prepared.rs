@@ -74,24 +74,31 @@ impl<M> PreparedModel<M> {
         Ok(f(&self.module, &params)?)
     }
 
-    /// Backward of the open forward; returns how many backward passes this model has had.
-    pub(super) fn backward(&mut self, loss: Tensor) -> Result<u64, AcceleratorError> {
+    /// Backward of the open forward, its gradients reduced and accumulated (`sync`) or kept
+    /// whole until the next backward with sync (`no_sync`); returns how many backward
+    /// passes this model has had.
+    pub(super) fn backward(&mut self, loss: Tensor, sync: bool) -> Result<u64, AcceleratorError> {
         let params = self.open.take().ok_or_else(|| {
             AcceleratorError::Usage(format!(
                 "model {}: backward without a forward: run PreparedModel::forward first",
                 self.index
             ))
         })?;
-        let grads = self.engine.backward(params, loss)?;
-        match self.grads.as_mut() {
-            Some(acc) => acc.accumulate(grads),
-            None => self.grads = Some(grads),
+        if sync {
+            let grads = self.engine.backward(params, loss)?;
+            match self.grads.as_mut() {
+                Some(acc) => acc.accumulate(grads),
+                None => self.grads = Some(grads),
+            }
+        } else {
+            self.engine.backward_no_sync(params, loss)?;
         }
         self.backward_passes += 1;
         Ok(self.backward_passes)
     }
 
-    pub(super) fn backward_passes(&self) -> u64 {
+    /// Backward passes so far.
+    pub fn backward_passes(&self) -> u64 {
         self.backward_passes
     }
 

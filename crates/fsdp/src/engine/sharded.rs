@@ -19,7 +19,7 @@ use super::error::EngineError;
 use super::grads::{GradIndex, GradPlace, Gradients};
 use super::param::FsdpParam;
 use super::plan::UnitPlan;
-use super::step::{StepOptions, StepParams, StepShared};
+use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::{FsdpUnit, Prefetch};
 use crate::config::{FsdpPlugin, ShardingStrategy, StateDictType};
 use crate::nn::{Model, ModuleInfo};
@@ -98,6 +98,28 @@ pub struct Fsdp {
     pub(crate) device: Device,
     grad_index: Arc<GradIndex>,
     state_dict_type: StateDictType,
+    /// Whole local gradients kept by [`Fsdp::backward_no_sync`] for the next `backward`.
+    unreduced: Option<Unreduced>,
+}
+
+/// What backwards without sync kept: per unit the packed whole gradients, and the
+/// replicated parameters' local gradients.
+struct Unreduced {
+    units: UnreducedUnits,
+    replicated: BTreeMap<String, Vec<f32>>,
+}
+
+impl Unreduced {
+    /// Bytes held.
+    fn bytes(&self) -> usize {
+        let units: usize = self
+            .units
+            .iter()
+            .flatten()
+            .map(|(b, _)| b.len() * b.dtype().size())
+            .sum();
+        units + self.replicated.values().map(|v| v.len() * 4).sum::<usize>()
+    }
 }
 
 impl Fsdp {
@@ -235,6 +257,7 @@ impl Fsdp {
             device,
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
+            unreduced: None,
         })
     }
 
@@ -298,29 +321,10 @@ impl Fsdp {
     /// Back-propagates `loss` (consumed, so the graph is freed when this returns): plans the
     /// units' backward order from the graph (and, in debug mode, checks it), runs backward
     /// with each unit refilled before and reduced right after its gradient computation, and
-    /// returns this rank's reduced gradients.
+    /// returns this rank's reduced gradients — including those that backwards without sync
+    /// kept, reduced in the same collective.
     pub fn backward(&mut self, params: StepParams, loss: Tensor) -> Result<Gradients, EngineError> {
-        let shared = params.shared.clone();
-        shared.plan_backward(&loss)?;
-        if self.debug
-            && let Some(problem) = shared.diagnose_non_finite(&loss)
-        {
-            return Err(problem);
-        }
-        let store = match loss.backward() {
-            Ok(store) => store,
-            Err(e) => return Err(shared.take_error().unwrap_or(EngineError::Tensor(e))),
-        };
-        let mut local = Vec::new();
-        for (name, var) in &self.replicated {
-            if let Some(g) = store.get(var) {
-                local.push((name.clone(), g.flatten_all()?.to_vec1::<f32>()?));
-            }
-        }
-        drop(store);
-        drop(loss);
-        let (units, has_grad) = shared.finish()?;
-        self.prefetch.forward_order = shared.forward_order();
+        let ((units, has_grad), local) = self.run_backward(&params, loss, true)?;
         drop(params);
         let mut replicated = BTreeMap::new();
         for (name, g) in local {
@@ -333,6 +337,72 @@ impl Fsdp {
             replicated,
             index: self.grad_index.clone(),
         })
+    }
+
+    /// Back-propagates `loss` without reducing: each unit's whole local gradients are added
+    /// to those kept by earlier calls, and the next [`Fsdp::backward`] reduces the sum once
+    /// (`no_sync`: fewer bytes on the wire for gradient accumulation, at the cost of holding
+    /// whole gradients of the model on every rank until then). Scale each micro-batch's loss
+    /// as the accumulation needs: nothing is scaled here.
+    pub fn backward_no_sync(
+        &mut self,
+        params: StepParams,
+        loss: Tensor,
+    ) -> Result<(), EngineError> {
+        let (_, replicated) = self.run_backward(&params, loss, false)?;
+        self.unreduced = Some(Unreduced {
+            units: params.shared.take_unreduced(),
+            replicated,
+        });
+        Ok(())
+    }
+
+    /// Bytes of gradients kept by [`Fsdp::backward_no_sync`], waiting for a backward with sync.
+    pub fn unreduced_bytes(&self) -> usize {
+        self.unreduced.as_ref().map_or(0, Unreduced::bytes)
+    }
+
+    /// Runs backward (see [`Fsdp::backward`]): returns the units' reductions (none without
+    /// `sync`) and the replicated parameters' local gradients, carried ones added.
+    fn run_backward(
+        &mut self,
+        params: &StepParams,
+        loss: Tensor,
+        sync: bool,
+    ) -> Result<(ReducedGrads, BTreeMap<String, Vec<f32>>), EngineError> {
+        let shared = params.shared.clone();
+        shared.plan_backward(&loss)?;
+        let carried = self.unreduced.take().unwrap_or_else(|| Unreduced {
+            units: Vec::new(),
+            replicated: BTreeMap::new(),
+        });
+        shared.begin_backward(sync, carried.units);
+        if self.debug
+            && let Some(problem) = shared.diagnose_non_finite(&loss)
+        {
+            return Err(problem);
+        }
+        let store = match loss.backward() {
+            Ok(store) => store,
+            Err(e) => return Err(shared.take_error().unwrap_or(EngineError::Tensor(e))),
+        };
+        let mut local = carried.replicated;
+        for (name, var) in &self.replicated {
+            if let Some(g) = store.get(var) {
+                let g = g.flatten_all()?.to_vec1::<f32>()?;
+                match local.get_mut(name) {
+                    Some(sum) => sum.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
+                    None => {
+                        local.insert(name.clone(), g);
+                    }
+                }
+            }
+        }
+        drop(store);
+        drop(loss);
+        let reduced = shared.finish()?;
+        self.prefetch.forward_order = shared.forward_order();
+        Ok((reduced, local))
     }
 
     /// The global gradient norm (over every parameter on every rank: shards' squares summed

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use candle_core::{Device, Tensor, TensorId};
-use fsdp_comm::Mesh;
+use fsdp_comm::{Buffer, Mesh};
 
 use super::collectives::{CommDtypes, PendingReduce};
 use super::debug;
@@ -42,6 +42,10 @@ struct Inner {
 /// Each unit's reduced gradient block (None: no gradient this step) and which of its
 /// parameters received one.
 pub(crate) type ReducedGrads = (Vec<Option<Vec<f32>>>, Vec<Vec<bool>>);
+
+/// Per unit, the whole local gradients a backward without sync kept (packed as the
+/// reduction takes them) and which parameters had one.
+pub(crate) type UnreducedUnits = Vec<Option<(Buffer, Vec<bool>)>>;
 
 pub(crate) struct StepShared {
     me: Weak<StepShared>,
@@ -191,6 +195,25 @@ impl StepShared {
         }
         inner.backward_order = order;
         Ok(())
+    }
+
+    /// Sets how the coming backward treats gradients: reduced (`sync`, with `carried`, what
+    /// earlier backwards without sync kept) or kept whole per unit for the next backward.
+    pub fn begin_backward(&self, sync: bool, carried: UnreducedUnits) {
+        let mut inner = self.lock();
+        let carried = carried.into_iter().chain(std::iter::repeat_with(|| None));
+        for (run, c) in inner.runs.iter_mut().zip(carried) {
+            run.begin_backward(sync, c);
+        }
+    }
+
+    /// After [`StepShared::finish`] of a backward without sync: what each unit kept.
+    pub fn take_unreduced(&self) -> UnreducedUnits {
+        self.lock()
+            .runs
+            .iter_mut()
+            .map(|r| r.unreduced.take().map(|g| (g, r.has_grad.clone())))
+            .collect()
     }
 
     /// Debug mode: why a loss is not finite, when released parameters are the cause.

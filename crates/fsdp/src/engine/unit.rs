@@ -95,6 +95,13 @@ pub(crate) struct UnitRun {
     received: usize,
     /// Which parameters received a gradient.
     pub has_grad: Vec<bool>,
+    /// Full local gradients of earlier micro-batches run without sync, packed as the
+    /// reduction takes them: added to this backward's before its reduction.
+    carried: Option<Buffer>,
+    /// This backward runs without sync: the unit's gradients are kept whole, not reduced.
+    keep_unreduced: bool,
+    /// What a backward without sync kept (collected by the step at its end).
+    pub unreduced: Option<Buffer>,
 }
 
 impl UnitRun {
@@ -113,7 +120,49 @@ impl UnitRun {
             expected: None,
             received: 0,
             has_grad: vec![false; n],
+            carried: None,
+            keep_unreduced: false,
+            unreduced: None,
         }
+    }
+
+    /// Backward is about to run: with `sync`, the unit's gradients are reduced (together
+    /// with `carried`, kept by earlier backwards without sync, whose parameters that had a
+    /// gradient are `carried_has_grad`); without, they are kept whole for the next one.
+    pub fn begin_backward(&mut self, sync: bool, carried: Option<(Buffer, Vec<bool>)>) {
+        self.keep_unreduced = !sync;
+        if let Some((pack, had)) = carried {
+            self.has_grad.iter_mut().zip(had).for_each(|(a, b)| *a |= b);
+            self.carried = Some(pack);
+        }
+    }
+
+    /// The unit's gradients of this backward are all in (`pack`, if any arrived): adds the
+    /// carried ones, then issues the reduction, or keeps the sum whole without sync.
+    fn complete(
+        &mut self,
+        cx: &RunContext,
+        pack: Option<Buffer>,
+    ) -> Result<Option<PendingReduce>, EngineError> {
+        let merged = match (pack, self.carried.take()) {
+            (Some(mut pack), Some(carried)) => {
+                if !pack.add_assign(&carried) {
+                    return Err(EngineError::UnsupportedTensor {
+                        op: "gradient accumulation without sync",
+                        what: format!("the gradients of {}", self.unit.name()),
+                        found: format!("{:?} x {}", pack.dtype(), pack.len()),
+                        expected: "the carried gradients' dtype and size",
+                    });
+                }
+                Some(pack)
+            }
+            (pack, carried) => pack.or(carried),
+        };
+        if self.keep_unreduced {
+            self.unreduced = merged;
+            return Ok(None);
+        }
+        Ok(merged.map(|g| collectives::reduce(cx.mesh, g)))
     }
 
     /// The state in words, for messages.
@@ -313,10 +362,8 @@ impl UnitRun {
         if Some(self.received) != self.expected {
             return Ok(None);
         }
-        let pending = self
-            .grad_pack
-            .take()
-            .map(|g| collectives::reduce(cx.mesh, g));
+        let pack = self.grad_pack.take();
+        let pending = self.complete(cx, pack)?;
         self.training = TrainingState::PostBackward;
         let all_trainable = self.unit.params.iter().all(|p| p.layout.requires_grad);
         if self.unit.reshard_after_backward && all_trainable {
@@ -326,14 +373,17 @@ impl UnitRun {
         Ok(pending)
     }
 
-    /// The step is over: reduces gradients that did not all arrive (backward run outside
-    /// the engine), completes an unused prefetch so every rank stays in step, and drops the
+    /// The step is over: reduces (or, without sync, keeps) gradients that did not all
+    /// arrive (backward run outside the engine) and carried ones of a unit that received none
+    /// this time, completes an unused prefetch so every rank stays in step, and drops the
     /// unit's tensors.
     pub fn finish(&mut self, cx: &RunContext) -> Result<Option<PendingReduce>, EngineError> {
-        let pending = self
-            .grad_pack
-            .take()
-            .map(|g| collectives::reduce(cx.mesh, g));
+        let pack = self.grad_pack.take();
+        let pending = if pack.is_some() || self.carried.is_some() {
+            self.complete(cx, pack)?
+        } else {
+            None
+        };
         if let Some(w) = self.gather.take() {
             w.wait().map_err(|source| EngineError::Collective {
                 op: "unused prefetch".into(),
