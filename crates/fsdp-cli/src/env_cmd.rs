@@ -124,6 +124,9 @@ fn print_text(
                     setting.source
                 );
             }
+            for note in notes(config) {
+                println!("- Note: {note}");
+            }
         }
         Err(e) => println!("- Configuration: INVALID: {}", crate::error_text(e)),
     }
@@ -144,6 +147,7 @@ fn print_json(
             "not_applicable": config.not_applicable().iter().map(|(k, s, reason)| serde_json::json!({
                 "key": k.name(), "value": s.value.to_string(), "reason": reason,
             })).collect::<Vec<_>>(),
+            "notes": notes(config),
         }),
         Err(e) => serde_json::json!({ "valid": false, "error": crate::error_text(e) }),
     };
@@ -166,6 +170,18 @@ fn print_json(
         "config": config,
     });
     println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+}
+
+/// Settings that act differently on this machine than their name suggests.
+fn notes(config: &ResolvedConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if config.fsdp.offload_params {
+        out.push(format!(
+            "`fsdp_offload_params: true`: {}",
+            fsdp::engine::OFFLOAD_ON_CPU
+        ));
+    }
+    out
 }
 
 /// `text` followed by spaces up to `width` characters (format's `{:width$}` panics above

@@ -274,6 +274,13 @@ fn env_reports_machine_and_sources() {
             && l.contains("[environment variable FSDP_OFFLOAD_PARAMS]")),
         "{t}"
     );
+    // Offloading on the CPU is said once, not refused or ignored silently.
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("- Note: `fsdp_offload_params: true`")
+                && l.contains("offloading moves nothing")),
+        "{t}"
+    );
     assert!(
         t.lines()
             .any(|l| l.contains("fsdp_sharding_strategy") && l.contains("c.yaml:11]")),

@@ -4,7 +4,7 @@
 //! classifier and a GPT-2 LM, on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
 //! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated), clipped and
 //! gradient-accumulation variants (reduced every micro-batch, or kept whole without sync and
-//! reduced once).
+//! reduced once); a quarter of the cases with `fsdp_offload_params`.
 //! 10 steps each; losses and final weights within 1e-5 relative (f32). Debug mode is on:
 //! released parameters are NaN-poisoned and the graph is checked before every backward.
 
@@ -71,6 +71,8 @@ struct Case {
     forward_prefetch: bool,
     optimizer: OptimizerKind,
     variant: Variant,
+    /// `fsdp_offload_params` (on the CPU: stored where it computes, the same numbers).
+    offload: bool,
 }
 
 /// The optimizers of the matrix, by settings (each run builds its own, with fresh state).
@@ -157,6 +159,7 @@ fn cases(world: usize) -> Vec<Case> {
                         forward_prefetch,
                         optimizer: optimizers()[i % 3],
                         variant: variants[(i / 3) % variants.len()],
+                        offload: i % 4 == 1,
                     });
                     i += 1;
                 }
@@ -182,6 +185,7 @@ fn cases(world: usize) -> Vec<Case> {
                     forward_prefetch,
                     optimizer: optimizers()[i % 3],
                     variant: variants[(i / 3) % variants.len()],
+                    offload: i % 4 == 1,
                 });
                 i += 1;
             }
@@ -358,7 +362,8 @@ fn sharded(
         .sharding_strategy(case.strategy)
         .auto_wrap_policy(case.wrap)
         .backward_prefetch(case.backward_prefetch)
-        .forward_prefetch(case.forward_prefetch);
+        .forward_prefetch(case.forward_prefetch)
+        .offload_params(case.offload);
     if case.wrap == AutoWrapPolicy::SizeBasedWrap {
         builder = builder.min_num_params(300);
     }

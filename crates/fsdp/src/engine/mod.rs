@@ -3,7 +3,7 @@
 //! (`param`); a unit's lifecycle as a state machine with prefetch decided in one place
 //! (`unit`); the unit's collectives in the dtypes given (`collectives`); the graph ops that
 //! hook autograd (`hooks`); one step driving the units (`step`); debug checks (`debug`);
-//! reduced gradients by name (`grads`); the engine that owns shards (`sharded`); and its
+//! reduced gradients by name (`grads`); storage and compute devices (`placement`); the engine that owns shards (`sharded`); and its
 //! state by parameter name (`state`).
 
 mod collectives;
@@ -12,6 +12,7 @@ mod error;
 mod grads;
 mod hooks;
 mod param;
+mod placement;
 pub mod plan;
 mod sharded;
 mod state;
@@ -22,6 +23,7 @@ pub use collectives::CommDtypes;
 pub use error::EngineError;
 pub use grads::Gradients;
 pub use param::{FsdpParam, ShardBuffer};
+pub use placement::{OFFLOAD_ON_CPU, Placement};
 pub use plan::{MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};
 pub use sharded::{Fsdp, StepReport};
 pub use state::{LocalRows, LocalShard, RowsSink};

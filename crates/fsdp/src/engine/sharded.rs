@@ -18,6 +18,7 @@ use super::collectives::CommDtypes;
 use super::error::EngineError;
 use super::grads::{GradIndex, GradPlace, Gradients};
 use super::param::FsdpParam;
+use super::placement::Placement;
 use super::plan::UnitPlan;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::{FsdpUnit, Prefetch};
@@ -28,9 +29,6 @@ use crate::optim::Optimizer;
 /// Refuses settings that would change results or memory but are not implemented yet.
 fn check_supported(plugin: &FsdpPlugin) -> Result<(), EngineError> {
     let refuse = |setting: String, hint| Err(EngineError::Unsupported { setting, hint });
-    if plugin.offload_params {
-        return refuse("fsdp_offload_params: true".into(), "set it to false");
-    }
     if plugin.mixed_precision != crate::config::MixedPrecision::No {
         return refuse(
             format!("mixed_precision: {}", plugin.mixed_precision),
@@ -95,7 +93,8 @@ pub struct Fsdp {
     pub(crate) units: Vec<Arc<FsdpUnit>>,
     /// Parameters of ignored modules: whole on every rank, gradients all-reduced.
     pub(crate) replicated: BTreeMap<String, Var>,
-    pub(crate) device: Device,
+    /// Where state is stored and where steps compute (`fsdp_offload_params`).
+    pub(crate) placement: Placement,
     grad_index: Arc<GradIndex>,
     state_dict_type: StateDictType,
     /// Whole local gradients kept by [`Fsdp::backward_no_sync`] for the next `backward`.
@@ -174,10 +173,12 @@ impl Fsdp {
         check_supported(plugin)?;
         crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
-        let device = initial
+        let compute = initial
             .values()
             .next()
             .map_or(Device::Cpu, |t| t.device().clone());
+        let placement = Placement::new(compute, plugin.offload_params);
+        placement.warn_once();
         let values = |name: &str, shape: &[usize]| -> Result<Vec<f32>, EngineError> {
             let full = initial
                 .get(name)
@@ -211,7 +212,7 @@ impl Fsdp {
                     layout.clone(),
                     &values(&layout.name, &layout.shape)?,
                     rank,
-                    device.clone(),
+                    placement.storage.clone(),
                 )?;
                 let owned = p.owned_rows().len() * layout.row_elems;
                 grad_index.insert(
@@ -239,7 +240,7 @@ impl Fsdp {
         let mut replicated = BTreeMap::new();
         for layout in &plan.ignored {
             let v = values(&layout.name, &layout.shape)?;
-            let t = Tensor::from_vec(v, layout.shape.as_slice(), &device)?;
+            let t = Tensor::from_vec(v, layout.shape.as_slice(), &placement.compute)?;
             replicated.insert(layout.name.clone(), Var::from_tensor(&t)?);
         }
         Ok(Fsdp {
@@ -254,7 +255,7 @@ impl Fsdp {
             dtypes: CommDtypes::default(),
             units,
             replicated,
-            device,
+            placement,
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
             unreduced: None,
@@ -269,6 +270,11 @@ impl Fsdp {
     /// How checkpoints of this model are cut (`fsdp_state_dict_type`).
     pub fn state_dict_type(&self) -> StateDictType {
         self.state_dict_type
+    }
+
+    /// Where state is stored and where steps compute.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
     /// The mesh: `shard` (the ranks a parameter is split over) and `replicate`.
@@ -298,7 +304,7 @@ impl Fsdp {
         let opts = StepOptions {
             debug: self.debug,
             dtypes: self.dtypes,
-            device: self.device.clone(),
+            device: self.placement.compute.clone(),
             train,
         };
         let shared = StepShared::new(
@@ -462,7 +468,7 @@ impl Fsdp {
             };
             let mut p: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
             optimizer.update(name, &mut p, g)?;
-            var.set(&Tensor::from_vec(p, var.dims(), &self.device)?)?;
+            var.set(&Tensor::from_vec(p, var.dims(), &self.placement.compute)?)?;
         }
         let resident_bytes = crate::memory::counting().then(crate::memory::resident_bytes);
         drop(grads);

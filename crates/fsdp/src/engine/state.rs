@@ -99,7 +99,7 @@ impl Fsdp {
                     ),
                 });
             }
-            let t = Tensor::from_vec(values.to_vec(), var.dims(), &self.device)?;
+            let t = Tensor::from_vec(values.to_vec(), var.dims(), &self.placement.compute)?;
             var.set(&t)?;
             return Ok(());
         }
@@ -127,7 +127,7 @@ impl Fsdp {
                 let shape = shapes.get(name).copied().unwrap_or(&[]);
                 f(
                     name,
-                    Tensor::from_vec(chunks.concat(), shape, &self.device)?,
+                    Tensor::from_vec(chunks.concat(), shape, &self.placement.compute)?,
                 )
             },
         )
