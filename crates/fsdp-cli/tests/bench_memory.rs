@@ -2,7 +2,8 @@
 //! real processes: model state at the optimizer step within 10% of the formula, bytes sent per
 //! step equal to the ring algorithms' theory, and FULL_SHARD's peak during forward/backward
 //! bounded by a few units in flight, independent of depth (SHARD_GRAD_OP's grows with it).
-//! Activations are kept negligible (one sample of 8 tokens) so the figures are the engine's.
+//! Activations are kept negligible (one sample of 8 tokens) so the figures are the engine's,
+//! except where activation checkpointing's drop of them is measured.
 
 use std::process::Command;
 
@@ -11,15 +12,27 @@ fn measure(layers: usize) -> Vec<serde_json::Value> {
 }
 
 fn measure_with(layers: usize, extra: &[&str]) -> Vec<serde_json::Value> {
+    let layers = layers.to_string();
+    let shape = [
+        "--batch", "1", "--seq", "8", "--vocab", "512", "--hidden", "256",
+    ];
+    let args: Vec<&str> = extra
+        .iter()
+        .copied()
+        .chain(shape)
+        .chain(["--layers", &layers])
+        .collect();
+    measure_args(&args)
+}
+
+/// `fsdp bench memory --steps 2` with `args`, its JSON results.
+fn measure_args(args: &[&str]) -> Vec<serde_json::Value> {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("memory.json");
     let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
         .args(["bench", "memory", "--steps", "2"])
-        .args(extra)
-        .args([
-            "--batch", "1", "--seq", "8", "--vocab", "512", "--hidden", "256",
-        ])
-        .args(["--layers", &layers.to_string(), "--json"])
+        .args(args)
+        .arg("--json")
         .arg(&json)
         .output()
         .unwrap();
@@ -171,4 +184,45 @@ fn accumulation_without_sync_sends_less_and_keeps_whole_gradients() {
         let kept = field(no_sync, "kept_unreduced_bytes") / field(no_sync, "params_bytes");
         assert!((0.99..1.1).contains(&kept), "kept/params {kept}: {no_sync}");
     }
+}
+
+#[test]
+fn activation_checkpointing_recomputes_each_layer_and_lowers_the_peak() {
+    // Activations that matter (4 x 64 tokens) next to small layers.
+    let results = measure_args(&[
+        "--num_processes",
+        "2",
+        "--strategies",
+        "FULL_SHARD",
+        "--activation_checkpointing",
+        "both",
+        "--batch",
+        "4",
+        "--seq",
+        "64",
+        "--hidden",
+        "64",
+        "--vocab",
+        "512",
+        "--layers",
+        "4",
+    ]);
+    let (plain, ckpt) = (&results[0], &results[1]);
+    assert_eq!(ckpt["label"], "FULL_SHARD +ckpt");
+    assert_eq!(field(plain, "recomputed_units_per_step"), 0.0, "{plain}");
+    assert_eq!(field(ckpt, "recomputed_units_per_step"), 4.0, "{ckpt}");
+    // The same traffic: checkpointing recomputes with the parameters already refilled.
+    assert_traffic(ckpt);
+    assert_eq!(
+        field(plain, "bytes_sent_per_step"),
+        field(ckpt, "bytes_sent_per_step")
+    );
+    let (p, c) = (
+        field(plain, "peak_above_state_bytes"),
+        field(ckpt, "peak_above_state_bytes"),
+    );
+    assert!(
+        c < 0.8 * p,
+        "peak above state {c} with checkpointing vs {p} without"
+    );
 }

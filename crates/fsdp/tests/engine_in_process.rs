@@ -396,3 +396,69 @@ fn hybrid_sharding_on_threads_matches_one_rank() {
         }
     }
 }
+
+/// Losses and rank 0's final weights of `steps` FULL_SHARD steps on 2 threads, BERT with
+/// dropout (masks from a seed per step and rank), with or without activation checkpointing.
+fn dropout_run(checkpointing: bool, steps: usize) -> (Vec<f64>, BTreeMap<String, Tensor>) {
+    let handles: Vec<_> = LocalGroup::create(2)
+        .into_iter()
+        .map(|group| {
+            std::thread::spawn(move || {
+                let group: Arc<dyn Communicator> = Arc::new(group);
+                let mut m = BertForSequenceClassification::new(BertConfig {
+                    hidden_dropout_prob: 0.2,
+                    attention_probs_dropout_prob: 0.2,
+                    ..model().bert.config.clone()
+                })
+                .unwrap();
+                let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+                let plugin = FsdpPlugin::builder()
+                    .activation_checkpointing(checkpointing)
+                    .debug(true)
+                    .resolve(&Layer::new(), None)
+                    .unwrap()
+                    .fsdp;
+                let mut engine = Fsdp::wrap(&m, &init.tensors(), &plugin, group.clone()).unwrap();
+                let mut opt = adamw();
+                let (rank, per_rank) = (group.rank(), GLOBAL_BATCH / 2);
+                let mut losses = Vec::new();
+                for step in 0..steps {
+                    m.bert.dropout_seed = Some(1000 * step as u64 + rank as u64);
+                    let (ids, labels) = batch(step);
+                    let ids = ids.narrow(0, rank * per_rank, per_rank).unwrap();
+                    let labels = labels.narrow(0, rank * per_rank, per_rank).unwrap();
+                    let params = engine.begin_step().unwrap();
+                    let logits = m.forward(&params, &ids, None, None).unwrap();
+                    let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+                    losses.push(loss.to_scalar::<f32>().unwrap() as f64);
+                    let grads = engine.backward(params, loss).unwrap();
+                    engine.step(grads, &mut opt, None).unwrap();
+                }
+                // Both BERT layers recomputed once per step with checkpointing, none without.
+                let recomputed = if checkpointing { 2 * steps as u64 } else { 0 };
+                assert_eq!(engine.recomputed_units(), recomputed);
+                (losses, engine.full_state_dict().unwrap())
+            })
+        })
+        .collect();
+    let mut out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (losses, full) = out.remove(0);
+    (losses, full.unwrap())
+}
+
+#[test]
+fn activation_checkpointing_recomputes_with_the_same_dropout_masks() {
+    let steps = 4;
+    let (plain_losses, plain) = dropout_run(false, steps);
+    let (ckpt_losses, ckpt) = dropout_run(true, steps);
+    // Dropout is on: a different mask in the recomputation would change the gradients.
+    for (g, w) in ckpt_losses.iter().zip(&plain_losses) {
+        assert!((g - w).abs() <= 1e-6 * w.abs(), "loss {g} vs {w}");
+    }
+    for (name, w) in &plain {
+        let g: Vec<f32> = ckpt[name].flatten_all().unwrap().to_vec1().unwrap();
+        let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let d = max_rel(&g, &w);
+        assert!(d < 1e-6, "{name} differs with checkpointing by {d:e}");
+    }
+}

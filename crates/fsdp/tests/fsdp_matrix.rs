@@ -4,7 +4,8 @@
 //! classifier and a GPT-2 LM, on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
 //! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated), clipped and
 //! gradient-accumulation variants (reduced every micro-batch, or kept whole without sync and
-//! reduced once); a quarter of the cases with `fsdp_offload_params`.
+//! reduced once); a quarter of the cases with `fsdp_offload_params`, half with activation
+//! checkpointing.
 //! 10 steps each; losses and final weights within 1e-5 relative (f32). Debug mode is on:
 //! released parameters are NaN-poisoned and the graph is checked before every backward.
 
@@ -73,6 +74,8 @@ struct Case {
     variant: Variant,
     /// `fsdp_offload_params` (on the CPU: stored where it computes, the same numbers).
     offload: bool,
+    /// `fsdp_activation_checkpointing`: blocks recomputed in backward.
+    checkpointing: bool,
 }
 
 /// The optimizers of the matrix, by settings (each run builds its own, with fresh state).
@@ -160,6 +163,7 @@ fn cases(world: usize) -> Vec<Case> {
                         optimizer: optimizers()[i % 3],
                         variant: variants[(i / 3) % variants.len()],
                         offload: i % 4 == 1,
+                        checkpointing: (i / 2) % 2 == 0,
                     });
                     i += 1;
                 }
@@ -186,6 +190,7 @@ fn cases(world: usize) -> Vec<Case> {
                     optimizer: optimizers()[i % 3],
                     variant: variants[(i / 3) % variants.len()],
                     offload: i % 4 == 1,
+                    checkpointing: (i / 2) % 2 == 0,
                 });
                 i += 1;
             }
@@ -363,7 +368,8 @@ fn sharded(
         .auto_wrap_policy(case.wrap)
         .backward_prefetch(case.backward_prefetch)
         .forward_prefetch(case.forward_prefetch)
-        .offload_params(case.offload);
+        .offload_params(case.offload)
+        .activation_checkpointing(case.checkpointing);
     if case.wrap == AutoWrapPolicy::SizeBasedWrap {
         builder = builder.min_num_params(300);
     }

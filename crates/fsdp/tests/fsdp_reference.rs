@@ -297,14 +297,6 @@ fn unsupported_settings_are_refused_not_ignored() {
     let cases: Vec<(FsdpPlugin, &str)> = vec![
         (
             FsdpPlugin::builder()
-                .offload_params(true)
-                .resolve(&Layer::new(), None)
-                .unwrap()
-                .fsdp,
-            "fsdp_offload_params: true",
-        ),
-        (
-            FsdpPlugin::builder()
                 .mixed_precision(MixedPrecision::Bf16)
                 .resolve(&Layer::new(), None)
                 .unwrap()
@@ -313,11 +305,11 @@ fn unsupported_settings_are_refused_not_ignored() {
         ),
         (
             FsdpPlugin::builder()
-                .activation_checkpointing(true)
+                .cpu_ram_efficient_loading(true)
                 .resolve(&Layer::new(), None)
                 .unwrap()
                 .fsdp,
-            "fsdp_activation_checkpointing: true",
+            "fsdp_cpu_ram_efficient_loading: true",
         ),
     ];
     for (plugin, setting) in cases {

@@ -81,12 +81,37 @@ pub struct MemoryArgs {
     /// Internal (workers): micro-batches before the last run without sync.
     #[arg(long = "no_sync", hide = true)]
     no_sync: bool,
+    /// Activation checkpointing (fsdp_activation_checkpointing): off, on, or both (each
+    /// strategy measured without and with, side by side).
+    #[arg(long = "activation_checkpointing", value_enum, default_value_t = Toggle::Off)]
+    activation_checkpointing: Toggle,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
     /// Internal: run as one of the benchmark's workers with this strategy.
     #[arg(long, hide = true)]
     worker: Option<String>,
+}
+
+/// A setting measured off, on, or both ways.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Toggle {
+    /// Off.
+    Off,
+    /// On.
+    On,
+    /// Off, then on.
+    Both,
+}
+
+impl Toggle {
+    fn values(self) -> &'static [bool] {
+        match self {
+            Toggle::Off => &[false],
+            Toggle::On => &[true],
+            Toggle::Both => &[false, true],
+        }
+    }
 }
 
 /// Runs `fsdp bench memory`.
@@ -153,10 +178,17 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             args.push("--forward_prefetch".into());
         }
         args.extend(["--accumulation".into(), a.accumulation.to_string()]);
-        for &no_sync in modes {
+        let runs = modes.iter().flat_map(|&no_sync| {
+            let checkpointing = a.activation_checkpointing.values();
+            checkpointing.iter().map(move |&ckpt| (no_sync, ckpt))
+        });
+        for (no_sync, checkpointing) in runs {
             let mut args = args.clone();
             if no_sync {
                 args.push("--no_sync".into());
+            }
+            if checkpointing {
+                args.extend(["--activation_checkpointing".into(), "on".into()]);
             }
             let env = [("ACCELERATE_USE_FSDP", "true")];
             let out = super::workers::spawn_workers(&args, a.num_processes, a.num_machines, &env)
@@ -275,6 +307,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         .sharding_strategy(strategy.parse().map_err(anyhow::Error::msg)?)
         .backward_prefetch(a.backward_prefetch.parse().map_err(anyhow::Error::msg)?)
         .forward_prefetch(a.forward_prefetch)
+        .activation_checkpointing(a.activation_checkpointing == Toggle::On)
         .resolve(&Layer::from_process_env()?, None)?
         .fsdp;
     let config = BertConfig {
@@ -383,11 +416,15 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let (theory_inside, theory_across) =
             bytes_theory(&plan, mesh.shard_size(), mesh.replicas(), micro, a.no_sync);
         let samples_per_s = steps * (a.batch * micro * n) as f64 / worst(4);
-        let label = match (micro, a.no_sync) {
+        let mut label = match (micro, a.no_sync) {
             (1, _) => strategy.to_string(),
             (k, false) => format!("{strategy} x{k} sync_each"),
             (k, true) => format!("{strategy} x{k} no_sync"),
         };
+        let checkpointing = a.activation_checkpointing == Toggle::On;
+        if checkpointing {
+            label.push_str(" +ckpt");
+        }
         println!(
             "RESULT {}",
             serde_json::json!({
@@ -396,6 +433,8 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "accumulation": micro,
                 "no_sync": a.no_sync,
                 "kept_unreduced_bytes": worst(6),
+                "activation_checkpointing": checkpointing,
+                "recomputed_units_per_step": fsdp.recomputed_units() as f64 / (steps + 1.0),
                 "state_bytes": worst(0),
                 "state_formula_bytes": formula,
                 "peak_above_state_bytes": worst(1),

@@ -98,6 +98,14 @@ pub enum EngineError {
         /// The parameters and their units.
         params: String,
     },
+    /// Activation checkpointing ran a unit whose forward read none of its parameters.
+    #[error(
+        "activation checkpointing: the forward of {unit} read none of its parameters, so there is nothing to recompute it against"
+    )]
+    CheckpointWithoutParameters {
+        /// The unit.
+        unit: String,
+    },
     /// A graph op of a step ran after the step ended.
     #[error("fsdp: backward ran after its step ended")]
     StepEnded,

@@ -1,13 +1,17 @@
 //! The graph ops that put FSDP into candle's autograd: [`Unshard`] makes each gathered
 //! parameter a graph node whose backward receives the parameter's complete gradient (the
-//! post-backward hook), and [`PreBackward`], an identity on a unit's output, runs before any
-//! backward node of the unit (the pre-backward hook). They reach their step through a
-//! `Weak` reference, so no reference cycle keeps a step alive.
+//! post-backward hook), [`PreBackward`], an identity on a unit's output, runs before any
+//! backward node of the unit (the pre-backward hook), and [`Checkpoint`] stands for a whole
+//! unit's forward under activation checkpointing, recomputing it in its backward. They reach
+//! their step through a `Weak` reference, so no reference cycle keeps a step alive.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, Weak};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+
+use crate::nn::Recompute;
 
 /// What the graph ops call back into: the step they belong to.
 pub(crate) trait StepHooks: Send + Sync {
@@ -15,6 +19,18 @@ pub(crate) trait StepHooks: Send + Sync {
     fn pre_backward(&self, unit: usize) -> candle_core::Result<()>;
     /// The complete gradient of parameter `param` of unit `unit` is `grad`.
     fn post_backward(&self, unit: usize, param: usize, grad: &Tensor) -> candle_core::Result<()>;
+    /// Activation checkpointing: runs `forward` of unit `unit` again on `x` (reading the
+    /// unit's refilled parameters and the `replicated` ones), back-propagates `grad` through
+    /// it (the parameters' gradients reach [`StepHooks::post_backward`]) and returns the
+    /// gradient of `x` when `x` needs one.
+    fn recompute(
+        &self,
+        unit: usize,
+        x: &Tensor,
+        forward: &Recompute,
+        replicated: &HashMap<String, Tensor>,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>>;
 }
 
 fn live(step: &Weak<dyn StepHooks>) -> candle_core::Result<std::sync::Arc<dyn StepHooks>> {
@@ -75,22 +91,7 @@ impl CustomOp1 for PreBackward {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (start, end) = l.contiguous_offsets().ok_or_else(|| {
-            candle_core::Error::Msg("fsdp-pre-backward: unit output must be contiguous".into())
-        })?;
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
-            CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
-            CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
-            CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
-            other => {
-                return Err(candle_core::Error::Msg(format!(
-                    "fsdp-pre-backward: unit outputs are floats, not {:?}",
-                    other.dtype()
-                )));
-            }
-        };
-        Ok((out, l.shape().clone()))
+        Ok((float_copy(s, l, "fsdp-pre-backward")?, l.shape().clone()))
     }
 
     fn bwd(
@@ -101,5 +102,78 @@ impl CustomOp1 for PreBackward {
     ) -> candle_core::Result<Option<Tensor>> {
         live(&self.step)?.pre_backward(self.unit)?;
         Ok(Some(grad.clone()))
+    }
+}
+
+/// A contiguous copy of a unit output's float elements.
+pub(crate) fn float_copy(
+    s: &CpuStorage,
+    l: &Layout,
+    op: &'static str,
+) -> candle_core::Result<CpuStorage> {
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: unit output must be contiguous")))?;
+    Ok(match s {
+        CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
+        CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
+        other => {
+            return Err(candle_core::Error::Msg(format!(
+                "{op}: unit outputs are floats, not {:?}",
+                other.dtype()
+            )));
+        }
+    })
+}
+
+/// A unit's forward under activation checkpointing as one graph node on (the unit's input,
+/// the unit's anchor variable): its output is the forward's result, computed while no graph
+/// was kept; its backward recomputes the forward with a graph and back-propagates through it.
+pub(crate) struct Checkpoint {
+    /// The forward's output, moved into the graph at the first (only) forward.
+    pub data: Mutex<Option<CpuStorage>>,
+    pub shape: Shape,
+    pub step: Weak<dyn StepHooks>,
+    pub unit: usize,
+    pub forward: Recompute,
+    /// The replicated (ignored) parameters, which the forward may read.
+    pub replicated: HashMap<String, Tensor>,
+}
+
+impl CustomOp2 for Checkpoint {
+    fn name(&self) -> &'static str {
+        "fsdp-checkpoint"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _x: &CpuStorage,
+        _xl: &Layout,
+        _anchor: &CpuStorage,
+        _al: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let data = self
+            .data
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg("fsdp-checkpoint: output already materialised".into())
+            })?;
+        Ok((data, self.shape.clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let gx =
+            live(&self.step)?.recompute(self.unit, x, &self.forward, &self.replicated, grad)?;
+        Ok((gx, None))
     }
 }

@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{Device, Tensor, Var};
 use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Mesh, ReduceOp};
@@ -33,12 +34,6 @@ fn check_supported(plugin: &FsdpPlugin) -> Result<(), EngineError> {
         return refuse(
             format!("mixed_precision: {}", plugin.mixed_precision),
             "train with mixed_precision: no (f32)",
-        );
-    }
-    if plugin.activation_checkpointing {
-        return refuse(
-            "fsdp_activation_checkpointing: true".into(),
-            "set it to false",
         );
     }
     if plugin.cpu_ram_efficient_loading {
@@ -99,6 +94,10 @@ pub struct Fsdp {
     state_dict_type: StateDictType,
     /// Whole local gradients kept by [`Fsdp::backward_no_sync`] for the next `backward`.
     unreduced: Option<Unreduced>,
+    /// `fsdp_activation_checkpointing`.
+    checkpointing: bool,
+    /// Units recomputed in backward so far (activation checkpointing).
+    recomputed: Arc<AtomicU64>,
 }
 
 /// What backwards without sync kept: per unit the packed whole gradients, and the
@@ -259,6 +258,8 @@ impl Fsdp {
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
             unreduced: None,
+            checkpointing: plugin.activation_checkpointing,
+            recomputed: Arc::default(),
         })
     }
 
@@ -280,6 +281,19 @@ impl Fsdp {
     /// The mesh: `shard` (the ranks a parameter is split over) and `replicate`.
     pub fn mesh(&self) -> &Mesh {
         &self.mesh
+    }
+
+    /// Turns activation checkpointing on or off (`fsdp_activation_checkpointing`): units
+    /// that models run through [`crate::nn::call_checkpointable`] (BERT layers, GPT-2 blocks)
+    /// keep only their input and output after forward and recompute their activations in
+    /// backward, with the same dropout masks.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
+    }
+
+    /// How many unit forwards activation checkpointing has recomputed in backward so far.
+    pub fn recomputed_units(&self) -> u64 {
+        self.recomputed.load(Ordering::Relaxed)
     }
 
     /// Turns debug mode on or off (the `debug` setting, `ACCELERATE_DEBUG_MODE=true`):
@@ -306,6 +320,8 @@ impl Fsdp {
             dtypes: self.dtypes,
             device: self.placement.compute.clone(),
             train,
+            checkpointing: self.checkpointing,
+            recomputed: self.recomputed.clone(),
         };
         let shared = StepShared::new(
             self.mesh.clone(),
@@ -393,14 +409,17 @@ impl Fsdp {
             Err(e) => return Err(shared.take_error().unwrap_or(EngineError::Tensor(e))),
         };
         let mut local = carried.replicated;
-        for (name, var) in &self.replicated {
-            if let Some(g) = store.get(var) {
-                let g = g.flatten_all()?.to_vec1::<f32>()?;
-                match local.get_mut(name) {
-                    Some(sum) => sum.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
-                    None => {
-                        local.insert(name.clone(), g);
-                    }
+        let own = self
+            .replicated
+            .iter()
+            .filter_map(|(name, var)| store.get(var).map(|g| (name.clone(), g.clone())));
+        // Read inside checkpointed units, their gradients come from the recomputations.
+        for (name, g) in own.chain(shared.take_recomputed_replicated()) {
+            let g = g.flatten_all()?.to_vec1::<f32>()?;
+            match local.get_mut(&name) {
+                Some(sum) => sum.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
+                None => {
+                    local.insert(name, g);
                 }
             }
         }

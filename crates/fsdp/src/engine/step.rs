@@ -3,18 +3,19 @@
 //! (the graph ops call [`StepHooks`]); the backward order planned from the graph before any
 //! kernel runs; the reductions issued as units finish.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use candle_core::{Device, Tensor, TensorId};
+use candle_core::{Device, Storage, Tensor, TensorId, Var};
 use fsdp_comm::{Buffer, Mesh};
 
 use super::collectives::{CommDtypes, PendingReduce};
 use super::debug;
 use super::error::EngineError;
-use super::hooks::StepHooks;
+use super::hooks::{Checkpoint, StepHooks, float_copy};
 use super::unit::{FsdpUnit, Moment, Prefetch, RunContext, ShardedState, UnitRun};
-use crate::nn::Params;
+use crate::nn::{Params, Recompute};
 
 /// Step-wide settings.
 pub(crate) struct StepOptions {
@@ -26,6 +27,12 @@ pub(crate) struct StepOptions {
     pub device: Device,
     /// Training (see [`RunContext::train`]).
     pub train: bool,
+    /// `fsdp_activation_checkpointing`: units that models run through
+    /// [`crate::nn::call_checkpointable`] free their activations after forward and recompute
+    /// them in backward.
+    pub checkpointing: bool,
+    /// Counts units recomputed in backward (the engine's running total).
+    pub recomputed: Arc<AtomicU64>,
 }
 
 struct Inner {
@@ -37,6 +44,9 @@ struct Inner {
     pending: Vec<(usize, PendingReduce)>,
     /// The first error a graph op hit (graph ops can only return candle's error).
     error: Option<EngineError>,
+    /// Gradients of replicated parameters read inside checkpointed units, from their
+    /// recomputations (the outer backward's gradient store never sees them).
+    recomputed_replicated: Vec<(String, Tensor)>,
 }
 
 /// Each unit's reduced gradient block (None: no gradient this step) and which of its
@@ -52,6 +62,8 @@ pub(crate) struct StepShared {
     mesh: Mesh,
     index: HashMap<String, (usize, usize)>,
     by_path: HashMap<String, usize>,
+    /// Units activation checkpointing applies to: non-root units with no unit inside.
+    checkpointable: Vec<bool>,
     prefetch: Prefetch,
     opts: StepOptions,
     inner: Mutex<Inner>,
@@ -72,6 +84,16 @@ impl StepShared {
             }
             by_path.insert(unit.path.clone(), u);
         }
+        let checkpointable = units
+            .iter()
+            .map(|u| {
+                let inner = format!("{}.", u.path);
+                opts.checkpointing
+                    && opts.train
+                    && !u.path.is_empty()
+                    && !units.iter().any(|o| o.path.starts_with(&inner))
+            })
+            .collect();
         let mut prefetch = prefetch;
         if prefetch.forward_order.is_empty() {
             prefetch.forward_order = (0..units.len()).collect();
@@ -81,6 +103,7 @@ impl StepShared {
             mesh,
             index,
             by_path,
+            checkpointable,
             prefetch,
             opts,
             inner: Mutex::new(Inner {
@@ -89,6 +112,7 @@ impl StepShared {
                 backward_order: Vec::new(),
                 pending: Vec::new(),
                 error: None,
+                recomputed_replicated: Vec::new(),
             }),
         })
     }
@@ -181,12 +205,22 @@ impl StepShared {
             }
         }
         for run in inner.runs.iter_mut() {
+            // A checkpointed unit's parameters are not in the graph: its checkpoint node is,
+            // and they reach the gradient through the recomputation.
+            let recomputed = |i: usize| {
+                run.checkpoint
+                    .as_ref()
+                    .is_some_and(|(id, used)| in_graph.contains(id) && used[i])
+            };
             let expected = run
                 .unit
                 .params
                 .iter()
                 .zip(&run.full)
-                .filter(|(p, f)| p.layout.requires_grad && in_graph.contains(&f.tensor.id()))
+                .enumerate()
+                .filter(|(i, (p, f))| {
+                    p.layout.requires_grad && (in_graph.contains(&f.tensor.id()) || recomputed(*i))
+                })
                 .count();
             run.expected = Some(expected);
         }
@@ -248,13 +282,121 @@ impl StepShared {
         Ok((reduced, has_grad))
     }
 
+    /// Gradients of replicated parameters that recomputations produced (see
+    /// [`StepHooks::recompute`]), to add to the backward's own.
+    pub fn take_recomputed_replicated(&self) -> Vec<(String, Tensor)> {
+        std::mem::take(&mut self.lock().recomputed_replicated)
+    }
+
     /// Units in the order this step's forward first used them.
     pub fn forward_order(&self) -> Vec<usize> {
         self.lock().forward_order.clone()
     }
 }
 
+impl StepShared {
+    /// Runs unit `u`'s `forward` on `x` under activation checkpointing (see
+    /// [`crate::nn::Params::checkpointed`]): without keeping its graph, then as one
+    /// [`Checkpoint`] node on `x` and the unit's anchor.
+    fn checkpointed(
+        &self,
+        params: &StepParams,
+        u: usize,
+        x: &Tensor,
+        forward: Recompute,
+    ) -> Result<Tensor, EngineError> {
+        let out = forward(params, &x.detach())?;
+        let used_ids: HashSet<TensorId> = out.sorted_nodes().iter().map(|t| t.id()).collect();
+        let (anchor, used) = {
+            let inner = self.lock();
+            let run = &inner.runs[u];
+            let used: Vec<bool> = run
+                .full
+                .iter()
+                .map(|f| used_ids.contains(&f.tensor.id()))
+                .collect();
+            (run.anchor(), used)
+        };
+        drop(used_ids);
+        let Some(anchor) = anchor else {
+            return Err(EngineError::CheckpointWithoutParameters {
+                unit: self.unit_label(u),
+            });
+        };
+        let out = out.contiguous()?;
+        let data = {
+            let (storage, layout) = out.storage_and_layout();
+            match &*storage {
+                Storage::Cpu(cpu) => float_copy(cpu, layout, "fsdp-checkpoint")?,
+                _ => {
+                    return Err(EngineError::UnsupportedTensor {
+                        op: "activation checkpointing",
+                        what: format!("the output of {}", self.unit_label(u)),
+                        found: format!("{:?}", out.device()),
+                        expected: "unit outputs on the CPU",
+                    });
+                }
+            }
+        };
+        let shape = out.shape().clone();
+        // The forward's graph (its activations) goes here; only the output's values remain.
+        drop(out);
+        let op = Checkpoint {
+            data: Mutex::new(Some(data)),
+            shape,
+            step: self.hooks(),
+            unit: u,
+            forward,
+            replicated: params.replicated.clone(),
+        };
+        let y = x.apply_op2(anchor.as_tensor(), op)?;
+        self.lock().runs[u].checkpoint = Some((y.id(), used));
+        Ok(y)
+    }
+
+    /// Unit `u` in words (takes the lock).
+    fn unit_label(&self, u: usize) -> String {
+        self.lock().runs[u].unit.name()
+    }
+}
+
 impl StepHooks for StepShared {
+    fn recompute(
+        &self,
+        _unit: usize,
+        x: &Tensor,
+        forward: &Recompute,
+        replicated: &HashMap<String, Tensor>,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let shared = self
+            .me
+            .upgrade()
+            .ok_or_else(|| candle_core::Error::Msg(EngineError::StepEnded.to_string()))?;
+        let params = StepParams {
+            shared,
+            replicated: replicated.clone(),
+        };
+        let input = if x.track_op() {
+            Some(Var::from_tensor(&x.detach())?)
+        } else {
+            None
+        };
+        let x = input
+            .as_ref()
+            .map_or_else(|| x.detach(), |v| v.as_tensor().clone());
+        let out = forward(&params, &x)?;
+        // d(sum(out * grad))/d(out) = grad: back-propagates `grad` through the recomputation.
+        let grads = out.mul(grad)?.sum_all()?.backward()?;
+        self.opts.recomputed.fetch_add(1, Ordering::Relaxed);
+        let replicated_grads: Vec<(String, Tensor)> = replicated
+            .iter()
+            .filter_map(|(name, t)| grads.get(t).map(|g| (name.clone(), g.clone())))
+            .collect();
+        self.lock().recomputed_replicated.extend(replicated_grads);
+        Ok(input.and_then(|v| grads.get(v.as_tensor()).cloned()))
+    }
+
     fn pre_backward(&self, u: usize) -> candle_core::Result<()> {
         let mut inner = self.lock();
         let result = inner.runs[u].pre_backward(&self.cx()).and_then(|refilled| {
@@ -310,5 +452,33 @@ impl Params for StepParams {
         let mut inner = self.shared.lock();
         let result = self.shared.output(&mut inner, u, output);
         result.map_err(|e| self.shared.fail(&mut inner, e))
+    }
+
+    fn checkpoints(&self, path: &str) -> bool {
+        self.shared
+            .by_path
+            .get(path)
+            .is_some_and(|&u| self.shared.checkpointable[u])
+    }
+
+    fn checkpointed(
+        &self,
+        path: &str,
+        x: &Tensor,
+        forward: Recompute,
+    ) -> candle_core::Result<Tensor> {
+        let Some(&u) = self.shared.by_path.get(path) else {
+            return Err(candle_core::Error::Msg(format!(
+                "activation checkpointing: `{path}` is not a unit"
+            )));
+        };
+        let y = match self.shared.checkpointed(self, u, x, forward) {
+            Ok(y) => y,
+            Err(e) => {
+                let mut inner = self.shared.lock();
+                return Err(self.shared.fail(&mut inner, e));
+            }
+        };
+        self.module_output(path, y)
     }
 }

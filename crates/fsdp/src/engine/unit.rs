@@ -102,6 +102,9 @@ pub(crate) struct UnitRun {
     keep_unreduced: bool,
     /// What a backward without sync kept (collected by the step at its end).
     pub unreduced: Option<Buffer>,
+    /// Under activation checkpointing: the unit's checkpoint node and which parameters its
+    /// forward read (their gradients come from the recomputation).
+    pub checkpoint: Option<(candle_core::TensorId, Vec<bool>)>,
 }
 
 impl UnitRun {
@@ -123,7 +126,13 @@ impl UnitRun {
             carried: None,
             keep_unreduced: false,
             unreduced: None,
+            checkpoint: None,
         }
+    }
+
+    /// The unit's anchor variable, once forward gathered it.
+    pub fn anchor(&self) -> Option<Var> {
+        self.anchor.clone()
     }
 
     /// Backward is about to run: with `sync`, the unit's gradients are reduced (together
@@ -394,6 +403,7 @@ impl UnitRun {
         self.full.clear();
         self.outputs.clear();
         self.anchor = None;
+        self.checkpoint = None;
         self.training = TrainingState::Idle;
         self.sharded = ShardedState::Sharded;
         Ok(pending)

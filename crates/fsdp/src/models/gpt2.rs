@@ -2,12 +2,16 @@
 //! blocks, `Conv1D` projections (weights stored [in, out]), learned positions, tanh GELU, and
 //! an output projection tied to the token embedding.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Result, Tensor};
 use serde::Deserialize;
 
 use crate::composite_module;
 use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear};
-use crate::nn::module::{Forward, Model, Module, ModuleInfo, Params, join};
+use crate::nn::module::{
+    Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,
+};
 use crate::nn::ops::{self, CrossEntropy, GeluApprox};
 
 /// The fields of a GPT-2 `config.json` this implementation uses.
@@ -242,7 +246,12 @@ impl Forward<(&Tensor, Option<u64>)> for Gpt2Model {
             .collect();
         let mask = Tensor::from_vec(causal, (1, 1, seq, seq), device)?.to_dtype(dtype)?;
         for block in &self.h {
-            x = block.call(p, (&x, &mask, seed))?;
+            let recompute = || -> Recompute {
+                let (block, mask) = (block.clone(), mask.clone());
+                Arc::new(move |p: &dyn Params, x: &Tensor| block.forward(p, (x, &mask, seed)))
+            };
+            let plain = || block.call(p, (&x, &mask, seed));
+            x = call_checkpointable(p, block.path(), &x, recompute, plain)?;
         }
         self.ln_f.call(p, &x)
     }

@@ -9,5 +9,5 @@ pub mod ops;
 
 pub use module::{
     Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
-    ParamSpec, Params, join, load_by_name,
+    ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name,
 };

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -152,6 +153,45 @@ pub trait Params {
     /// backward). The default passes it through.
     fn module_output(&self, _path: &str, output: Tensor) -> Result<Tensor> {
         Ok(output)
+    }
+
+    /// Whether module `path`'s forward runs under activation checkpointing (the FSDP engine
+    /// with `fsdp_activation_checkpointing`, when the module is a unit). Plain parameters
+    /// never checkpoint.
+    fn checkpoints(&self, _path: &str) -> bool {
+        false
+    }
+
+    /// Runs `forward` on `x` as module `path`'s forward under activation checkpointing: its
+    /// activations are freed when it returns and recomputed in backward. Only called when
+    /// [`Params::checkpoints`] said yes.
+    fn checkpointed(&self, path: &str, _x: &Tensor, _forward: Recompute) -> Result<Tensor> {
+        Err(candle_core::Error::Msg(format!(
+            "module `{path}`: activation checkpointing needs the FSDP engine's parameters"
+        )))
+    }
+}
+
+/// A module's forward as a function of its one differentiable input, with everything else it
+/// reads (masks, the dropout seed, the module itself) captured: what activation checkpointing
+/// runs again in backward. Dropout masks derive from the step seed and the call site, so the
+/// recomputation draws the same ones.
+pub type Recompute = Arc<dyn Fn(&dyn Params, &Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// Runs module `path` on `x` under activation checkpointing when `p` asks for it (the forward
+/// that `recompute` builds), otherwise as `plain` (the module's [`Forward::call`]). Models call
+/// it where they run their repeated blocks (the units activation checkpointing applies to).
+pub fn call_checkpointable(
+    p: &dyn Params,
+    path: &str,
+    x: &Tensor,
+    recompute: impl FnOnce() -> Recompute,
+    plain: impl FnOnce() -> Result<Tensor>,
+) -> Result<Tensor> {
+    if p.checkpoints(path) {
+        p.checkpointed(path, x, recompute())
+    } else {
+        plain()
     }
 }
 

@@ -5,6 +5,8 @@
 mod config;
 mod layer;
 
+use std::sync::Arc;
+
 use candle_core::{D, DType, Result, Tensor};
 
 pub use config::BertConfig;
@@ -15,7 +17,9 @@ pub use layer::{
 
 use crate::composite_module;
 use crate::nn::layers::Linear;
-use crate::nn::module::{Forward, Model, Module, ModuleInfo, Params, join};
+use crate::nn::module::{
+    Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,
+};
 
 /// What BERT reads: token ids [batch, seq], an optional attention mask (1 = attend) and
 /// optional token types (default all zeros).
@@ -57,7 +61,14 @@ impl<'a> Forward<LayerInput<'a>> for BertEncoder {
     fn forward(&self, p: &dyn Params, (hidden, mask, seed): LayerInput<'a>) -> Result<Tensor> {
         let mut hidden = hidden.clone();
         for layer in &self.layer {
-            hidden = layer.call(p, (&hidden, mask, seed))?;
+            let recompute = || -> Recompute {
+                let (layer, mask) = (layer.clone(), mask.cloned());
+                Arc::new(move |p: &dyn Params, x: &Tensor| {
+                    layer.forward(p, (x, mask.as_ref(), seed))
+                })
+            };
+            let plain = || layer.call(p, (&hidden, mask, seed));
+            hidden = call_checkpointable(p, layer.path(), &hidden, recompute, plain)?;
         }
         Ok(hidden)
     }
