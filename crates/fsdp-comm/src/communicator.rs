@@ -47,6 +47,19 @@ pub trait Communicator: Send + Sync {
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer>;
     /// Every member's `input` (same length) concatenated on `root`; `None` elsewhere.
     fn gather(&self, input: Buffer, root: usize) -> Work<Option<Buffer>>;
+    /// `root`'s `input` (`size` × k elements) split in rank order: member r gets elements
+    /// `r*k..(r+1)*k`. Elsewhere `input` only gives the element type. Only each member's
+    /// part crosses the wire to it. This default reduce-scatters root's input against zeros
+    /// (every member holds `size` × k elements meanwhile); backends with a scatter override
+    /// it.
+    fn scatter(&self, input: Buffer, k: usize, root: usize) -> Work<Buffer> {
+        let input = if self.rank() == root {
+            input
+        } else {
+            Buffer::zeros(input.dtype(), k * self.size())
+        };
+        self.reduce_scatter(input, ReduceOp::Sum)
+    }
     /// Completes when every member has reached it.
     fn barrier(&self) -> Work<()>;
     /// Returns when every member has called `join` with the same `what`, or fails within
@@ -207,6 +220,10 @@ impl Communicator for SingleRank {
 
     fn gather(&self, input: Buffer, root: usize) -> Work<Option<Buffer>> {
         Work::ready(self.check_root("gather", root).map(|()| Some(input)))
+    }
+
+    fn scatter(&self, input: Buffer, _k: usize, root: usize) -> Work<Buffer> {
+        Work::ready(self.check_root("scatter", root).map(|()| input))
     }
 
     fn barrier(&self) -> Work<()> {

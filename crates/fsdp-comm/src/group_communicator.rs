@@ -138,6 +138,16 @@ impl Communicator for ProcessGroup {
         )
     }
 
+    fn scatter(&self, input: Buffer, k: usize, root: usize) -> Work<Buffer> {
+        on_host!(
+            self,
+            "scatter",
+            input,
+            |e, v| e.scatter(v, k, root),
+            Buffer::from
+        )
+    }
+
     fn barrier(&self) -> Work<()> {
         ProcessGroup::barrier(self)
     }

@@ -53,14 +53,24 @@ fn every_collective_matches_its_definition_for_one_to_four_members() {
             let part = part.into_vec::<f32>().unwrap();
             let bcast = g.broadcast_vec(mine.clone(), n - 1).wait().unwrap();
             let gather = g.gather_vec(mine, 0).wait().unwrap();
+            // The last member scatters its rows; the others pass only the element type.
+            let rows = if r == n - 1 {
+                Buffer::from((0..len * n).map(|i| value(r, i)).collect::<Vec<f32>>())
+            } else {
+                Buffer::empty(fsdp_comm::DType::F32)
+            };
+            let scattered = g.scatter(rows, len, n - 1).wait().unwrap();
+            let scattered = scattered.into_vec::<f32>().unwrap();
             let halves = g
                 .all_reduce_vec(vec![bf16::from_f32(r as f32); 3], ReduceOp::Max)
                 .wait()
                 .unwrap();
             g.barrier().wait().unwrap();
-            (sum, avg, gathered, part, bcast, gather, halves)
+            (sum, avg, gathered, part, bcast, gather, halves, scattered)
         });
-        for (r, (sum, avg, gathered, part, bcast, gather, halves)) in results.iter().enumerate() {
+        for (r, (sum, avg, gathered, part, bcast, gather, halves, scattered)) in
+            results.iter().enumerate()
+        {
             let want_sum: Vec<f32> = (0..len)
                 .map(|i| (0..n).map(|q| value(q, i)).sum())
                 .collect();
@@ -82,6 +92,9 @@ fn every_collective_matches_its_definition_for_one_to_four_members() {
                 assert_eq!(g, &want_gathered);
             }
             assert_eq!(halves, &vec![bf16::from_f32((n - 1) as f32); 3]);
+            let want_scattered: Vec<f32> =
+                (r * len..(r + 1) * len).map(|i| value(n - 1, i)).collect();
+            assert_eq!(scattered, &want_scattered, "scatter");
         }
     }
 }

@@ -28,7 +28,7 @@ use fsdp::data::{
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::candle::{DType, Device, Tensor};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::nn::{LocalParams, Module, load_by_name};
+use fsdp::nn::{Module, SafetensorsWeights};
 use fsdp::optim::{AdamW, AdamWConfig, LrSchedule, is_bias_or_norm, split_no_decay};
 
 /// The task to fine-tune on.
@@ -163,25 +163,17 @@ fn load_examples(args: &Args) -> Result<(Vec<TextExample>, Vec<TextExample>)> {
     }
 }
 
-/// The pretrained encoder's weights from `dir/model.safetensors`, and a fresh head.
+/// The pretrained encoder's weights from `dir/model.safetensors` (read tensor by tensor as
+/// the engine takes them in: by rank 0 alone with `fsdp_cpu_ram_efficient_loading`), and a
+/// fresh head.
 fn initial_weights(
     model: &BertForSequenceClassification,
     dir: &Path,
     seed: u64,
-) -> Result<(std::collections::BTreeMap<String, Tensor>, Vec<String>)> {
-    let info = model.info();
-    let mut weights = LocalParams::init(&info, seed, DType::F32, &Device::Cpu)?.tensors();
+) -> Result<SafetensorsWeights> {
     let file = dir.join("model.safetensors");
-    let tensors = fsdp::nn::candle::safetensors::load(&file, &Device::Cpu)
-        .with_context(|| format!("reading {}", file.display()))?;
-    let (loaded, report) = load_by_name(&info, tensors);
-    for (name, t) in loaded {
-        let t = t.to_dtype(DType::F32)?;
-        if let Some(slot) = weights.get_mut(&name) {
-            *slot = t;
-        }
-    }
-    Ok((weights, report.missing))
+    SafetensorsWeights::open(std::slice::from_ref(&file), &model.info(), seed)
+        .with_context(|| format!("reading {}", file.display()))
 }
 
 /// Accuracy and F1 of the positive class.
@@ -254,8 +246,14 @@ fn main() -> Result<()> {
 
     // The model, its pretrained encoder and a fresh head, sharded over the job.
     let model = BertForSequenceClassification::new(config.clone())?;
-    let (weights, fresh) = initial_weights(&model, &model_dir, args.seed)?;
-    let names: Vec<String> = weights.keys().cloned().collect();
+    let weights = initial_weights(&model, &model_dir, args.seed)?;
+    let fresh = weights.report().missing.clone();
+    let names: Vec<String> = model
+        .info()
+        .all_params()
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
     let mut model = acc.prepare_model(model, &weights)?;
     drop(weights);
     acc.print(format!(

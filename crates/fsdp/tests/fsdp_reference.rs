@@ -303,14 +303,6 @@ fn unsupported_settings_are_refused_not_ignored() {
                 .fsdp,
             "mixed_precision: bf16",
         ),
-        (
-            FsdpPlugin::builder()
-                .cpu_ram_efficient_loading(true)
-                .resolve(&Layer::new(), None)
-                .unwrap()
-                .fsdp,
-            "fsdp_cpu_ram_efficient_loading: true",
-        ),
     ];
     for (plugin, setting) in cases {
         let pg = ProcessGroup::init(&world, fsdp_comm::GroupOptions::default()).unwrap();

@@ -1,9 +1,10 @@
-//! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory and
-//! checkpoints, each printing a table and machine-readable JSON.
+//! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
+//! checkpoints and loading pretrained weights, each printing a table and machine-readable JSON.
 
 mod checkpoint;
 mod collectives;
 mod layer;
+mod loading;
 mod memory;
 mod workers;
 
@@ -31,6 +32,9 @@ enum BenchWhat {
     /// save_state (sharded and full), load_state and merge-weights of a BERT trained one
     /// step: wall time, memory while saving, checkpoint size.
     Checkpoint(checkpoint::CheckpointArgs),
+    /// Building the sharded model from a pretrained safetensors file, every rank reading it
+    /// against fsdp_cpu_ram_efficient_loading: per-rank peak memory, seconds, equality.
+    Loading(loading::LoadingArgs),
 }
 
 /// Runs `fsdp bench ...`.
@@ -40,5 +44,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Layer(a) => layer::run(a),
         BenchWhat::Memory(a) => memory::run(a),
         BenchWhat::Checkpoint(a) => checkpoint::run(a),
+        BenchWhat::Loading(a) => loading::run(a),
     }
 }

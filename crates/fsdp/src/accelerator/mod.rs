@@ -68,7 +68,7 @@ use crate::checkpoint::CheckpointError;
 use crate::config::{ConfigError, FsdpPlugin, FsdpPluginBuilder, Layer};
 use crate::data::{DataLoader, Dataset, LoadedBatch};
 use crate::engine::{EngineError, Fsdp};
-use crate::nn::Model;
+use crate::nn::{Model, WeightSource};
 use crate::optim::{LrSchedule, OptimError, Optimizer};
 
 /// Why the accelerator stopped.
@@ -355,12 +355,14 @@ impl Accelerator {
     }
 
     /// Shards `model` (its `initial` weights, identical on every rank or broadcast from
-    /// rank 0 with `fsdp_sync_module_states`) over the job per the configuration. Models
+    /// rank 0 with `fsdp_sync_module_states`; read on rank 0 only, a unit at a time, with
+    /// `fsdp_cpu_ram_efficient_loading` — pass a [`crate::nn::SafetensorsWeights`] so the
+    /// other ranks never read the file) over the job per the configuration. Models
     /// are numbered in the order they are prepared; optimizer i updates model i.
     pub fn prepare_model<M: Model>(
         &mut self,
         model: M,
-        initial: &std::collections::BTreeMap<String, Tensor>,
+        initial: &dyn WeightSource,
     ) -> Result<PreparedModel<M>, AcceleratorError> {
         let engine = Fsdp::wrap(&model, initial, &self.plugin, self.group.clone())?;
         self.models += 1;

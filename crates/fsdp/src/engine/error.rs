@@ -28,23 +28,13 @@ pub enum EngineError {
     /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
-    /// The initial weights lack a parameter of the model.
-    #[error("initial weights: parameter `{name}` is missing")]
-    MissingWeight {
+    /// An initial weight could not be had (missing, wrong shape, unreadable file).
+    #[error("initial weights: parameter `{name}`: {problem}")]
+    InitialWeight {
         /// The parameter.
         name: String,
-    },
-    /// An initial weight has the wrong shape.
-    #[error(
-        "initial weights: parameter `{name}` has shape {got:?}, the model expects {expected:?}"
-    )]
-    WeightShape {
-        /// The parameter.
-        name: String,
-        /// The given shape.
-        got: Vec<usize>,
-        /// The model's shape.
-        expected: Vec<usize>,
+        /// What went wrong (naming the file where there is one).
+        problem: String,
     },
     /// A parameter was read when its unit does not hold it gathered.
     #[error(

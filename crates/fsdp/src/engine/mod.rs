@@ -2,7 +2,7 @@
 //! tied-parameter checks, dim-0 shard layout, memory estimate); one sharded parameter
 //! (`param`); a unit's lifecycle as a state machine with prefetch decided in one place
 //! (`unit`); the unit's collectives in the dtypes given (`collectives`); the graph ops that
-//! hook autograd (`hooks`); one step driving the units (`step`); debug checks (`debug`);
+//! hook autograd (`hooks`); initial weights into shards (`intake`); one step driving the units (`step`); debug checks (`debug`);
 //! reduced gradients by name (`grads`); storage and compute devices (`placement`); the engine that owns shards (`sharded`); and its
 //! state by parameter name (`state`).
 
@@ -11,6 +11,7 @@ mod debug;
 mod error;
 mod grads;
 mod hooks;
+mod intake;
 mod param;
 mod placement;
 pub mod plan;

@@ -96,6 +96,30 @@ pub struct FsdpParam {
 }
 
 impl FsdpParam {
+    /// This rank's `rows` (`layout.shard_numel()` values, padding included) as received.
+    pub fn from_rows(
+        layout: ShardLayout,
+        rows: Vec<f32>,
+        rank: usize,
+        device: Device,
+    ) -> Result<FsdpParam, EngineError> {
+        if rows.len() != layout.shard_numel() {
+            return Err(EngineError::State {
+                name: layout.name.clone(),
+                problem: format!(
+                    "{} values received for a shard of {} elements",
+                    rows.len(),
+                    layout.shard_numel()
+                ),
+            });
+        }
+        Ok(FsdpParam {
+            layout,
+            shard: ShardBuffer::f32(rows, device),
+            rank,
+        })
+    }
+
     /// Takes this rank's rows (`rank` of the layout's group) out of the full `values`.
     pub fn new(
         layout: ShardLayout,
@@ -176,13 +200,29 @@ impl ShardLayout {
     /// The inverse of [`ShardLayout::unpack`]: scatters the full `values` into `ranks` shard
     /// blocks of `block` elements (padding rows untouched).
     pub fn pack<T: Copy>(&self, values: &[T], block: usize, ranks: usize, packed: &mut [T]) {
-        let mut at = 0;
+        self.pack_rows(0, values, block, ranks, packed);
+    }
+
+    /// [`ShardLayout::pack`] of a piece of whole rows starting at row `first`.
+    pub fn pack_rows<T: Copy>(
+        &self,
+        first: usize,
+        piece: &[T],
+        block: usize,
+        ranks: usize,
+        packed: &mut [T],
+    ) {
+        let end_row = first + piece.len() / self.row_elems.max(1);
         for r in 0..ranks {
             let (start, end) = self.rows_of(r);
-            let len = (end - start) * self.row_elems;
-            let base = r * block + self.offset;
-            packed[base..base + len].copy_from_slice(&values[at..at + len]);
-            at += len;
+            let (a, b) = (start.max(first), end.min(end_row));
+            if a >= b {
+                continue;
+            }
+            let len = (b - a) * self.row_elems;
+            let to = r * block + self.offset + (a - start) * self.row_elems;
+            let from = (a - first) * self.row_elems;
+            packed[to..to + len].copy_from_slice(&piece[from..from + len]);
         }
     }
 }

@@ -12,19 +12,20 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Mesh, ReduceOp};
 
 use super::collectives::CommDtypes;
 use super::error::EngineError;
 use super::grads::{GradIndex, GradPlace, Gradients};
+use super::intake::WeightIntake;
 use super::param::FsdpParam;
 use super::placement::Placement;
 use super::plan::UnitPlan;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::{FsdpUnit, Prefetch};
 use crate::config::{FsdpPlugin, ShardingStrategy, StateDictType};
-use crate::nn::{Model, ModuleInfo};
+use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
 
 /// Refuses settings that would change results or memory but are not implemented yet.
@@ -34,12 +35,6 @@ fn check_supported(plugin: &FsdpPlugin) -> Result<(), EngineError> {
         return refuse(
             format!("mixed_precision: {}", plugin.mixed_precision),
             "train with mixed_precision: no (f32)",
-        );
-    }
-    if plugin.cpu_ram_efficient_loading {
-        return refuse(
-            "fsdp_cpu_ram_efficient_loading: true".into(),
-            "set it to false (every rank loads the weights; fsdp_sync_module_states broadcasts rank 0's)",
         );
     }
     Ok(())
@@ -121,14 +116,16 @@ impl Unreduced {
 }
 
 impl Fsdp {
-    /// Shards `initial` (every parameter of `model`, full, identical on every rank unless
-    /// `fsdp_sync_module_states` makes them so) across the ranks of `group` per `plugin`:
+    /// Shards `initial` (every parameter of `model`, identical on every rank unless
+    /// `fsdp_sync_module_states` makes them so; with `fsdp_cpu_ram_efficient_loading` only
+    /// rank 0 reads it, a unit at a time, and the others receive their rows) across the
+    /// ranks of `group` per `plugin`:
     /// over all of them for FULL_SHARD and SHARD_GRAD_OP, none for NO_SHARD, and for the
     /// hybrid strategies over the processes of each machine (`LOCAL_WORLD_SIZE`, as
     /// `fsdp launch` sets it), replicated across machines.
     pub fn new(
         model: &ModuleInfo,
-        initial: &BTreeMap<String, Tensor>,
+        initial: &dyn WeightSource,
         plugin: &FsdpPlugin,
         default_wrap: &[&str],
         group: Arc<dyn Communicator>,
@@ -147,7 +144,7 @@ impl Fsdp {
     /// [`Fsdp::new`] for a [`Model`] (its module tree and default units).
     pub fn wrap(
         model: &dyn Model,
-        initial: &BTreeMap<String, Tensor>,
+        initial: &dyn WeightSource,
         plugin: &FsdpPlugin,
         group: Arc<dyn Communicator>,
     ) -> Result<Fsdp, EngineError> {
@@ -164,7 +161,7 @@ impl Fsdp {
     /// gradients also averaged over `mesh.replicate`.
     pub fn with_mesh(
         model: &ModuleInfo,
-        initial: &BTreeMap<String, Tensor>,
+        initial: &dyn WeightSource,
         plugin: &FsdpPlugin,
         default_wrap: &[&str],
         mesh: Mesh,
@@ -172,33 +169,19 @@ impl Fsdp {
         check_supported(plugin)?;
         crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
-        let compute = initial
-            .values()
-            .next()
-            .map_or(Device::Cpu, |t| t.device().clone());
-        let placement = Placement::new(compute, plugin.offload_params);
+        let placement = Placement::new(initial.device(), plugin.offload_params);
         placement.warn_once();
-        let values = |name: &str, shape: &[usize]| -> Result<Vec<f32>, EngineError> {
-            let full = initial
-                .get(name)
-                .ok_or_else(|| EngineError::MissingWeight { name: name.into() })?;
-            if full.dims() != shape {
-                return Err(EngineError::WeightShape {
-                    name: name.into(),
-                    got: full.dims().to_vec(),
-                    expected: shape.to_vec(),
-                });
-            }
-            let v: Vec<f32> = full
-                .flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1()?;
-            if plugin.sync_module_states && mesh.world_size() > 1 {
-                // fsdp_sync_module_states: every rank starts from rank 0's weights.
-                let synced = mesh.broadcast_from_first(Buffer::F32(v))?;
-                return Ok(synced.into_vec::<f32>().unwrap_or_default());
-            }
-            Ok(v)
+        let specs: HashMap<&str, &ParamSpec> = model
+            .all_params()
+            .into_iter()
+            .map(|p| (p.name.as_str(), p))
+            .collect();
+        let intake = WeightIntake {
+            source: initial,
+            specs,
+            mesh: &mesh,
+            sync: plugin.sync_module_states && mesh.world_size() > 1,
+            rank0_only: plugin.cpu_ram_efficient_loading && mesh.world_size() > 1,
         };
         let rank = mesh.shard.rank();
         let reshard = mesh.shard_size() > 1;
@@ -206,13 +189,9 @@ impl Fsdp {
         let mut grad_index = HashMap::new();
         for (u, unit) in plan.units.iter().enumerate() {
             let mut params = Vec::with_capacity(unit.params.len());
-            for (i, layout) in unit.params.iter().enumerate() {
-                let p = FsdpParam::new(
-                    layout.clone(),
-                    &values(&layout.name, &layout.shape)?,
-                    rank,
-                    placement.storage.clone(),
-                )?;
+            for (i, (layout, rows)) in unit.params.iter().zip(intake.unit_rows(unit)?).enumerate() {
+                let p =
+                    FsdpParam::from_rows(layout.clone(), rows, rank, placement.storage.clone())?;
                 let owned = p.owned_rows().len() * layout.row_elems;
                 grad_index.insert(
                     layout.name.clone(),
@@ -238,7 +217,7 @@ impl Fsdp {
         }
         let mut replicated = BTreeMap::new();
         for layout in &plan.ignored {
-            let v = values(&layout.name, &layout.shape)?;
+            let v = intake.whole(layout)?;
             let t = Tensor::from_vec(v, layout.shape.as_slice(), &placement.compute)?;
             replicated.insert(layout.name.clone(), Var::from_tensor(&t)?);
         }

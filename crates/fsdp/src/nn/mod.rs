@@ -6,8 +6,10 @@ pub use candle_core as candle;
 pub mod layers;
 pub mod module;
 pub mod ops;
+mod weights;
 
 pub use module::{
     Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
-    ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name,
+    ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name, match_names,
 };
+pub use weights::{SafetensorsWeights, WeightSource};

@@ -36,6 +36,22 @@ pub struct ParamSpec {
     pub requires_grad: bool,
 }
 
+impl ParamSpec {
+    /// The parameter's seeded initial values (a stream per parameter, keyed by its name, so
+    /// one parameter is initialised without the others).
+    pub fn initial_values(&self, seed: u64) -> Vec<f64> {
+        let n: usize = self.shape.iter().product();
+        match self.init {
+            Init::Zeros => vec![0.0; n],
+            Init::Ones => vec![1.0; n],
+            Init::Normal { std } => {
+                let mut rng = NormalRng::new(seed ^ fnv1a(&self.name));
+                (0..n).map(|_| rng.normal() * std).collect()
+            }
+        }
+    }
+}
+
 /// A node of a model's module tree.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModuleInfo {
@@ -332,15 +348,7 @@ impl LocalParams {
     ) -> Result<LocalParams> {
         let mut tensors = BTreeMap::new();
         for spec in model.all_params() {
-            let n: usize = spec.shape.iter().product();
-            let data: Vec<f64> = match spec.init {
-                Init::Zeros => vec![0.0; n],
-                Init::Ones => vec![1.0; n],
-                Init::Normal { std } => {
-                    let mut rng = NormalRng::new(seed ^ fnv1a(&spec.name));
-                    (0..n).map(|_| rng.normal() * std).collect()
-                }
-            };
+            let data = spec.initial_values(seed);
             tensors.insert(
                 spec.name.clone(),
                 Tensor::from_vec(data, spec.shape.as_slice(), device)?.to_dtype(dtype)?,
@@ -438,31 +446,45 @@ pub fn load_by_name(
     model: &ModuleInfo,
     mut tensors: std::collections::HashMap<String, Tensor>,
 ) -> (BTreeMap<String, Tensor>, LoadReport) {
+    let (names, report) = match_names(model, tensors.keys().cloned().collect());
+    let matched = names
+        .into_iter()
+        .filter_map(|(ours, theirs)| tensors.remove(&theirs).map(|t| (ours, t)))
+        .collect();
+    (matched, report)
+}
+
+/// [`load_by_name`]'s matching on names alone: each parameter of `model` and the file name it
+/// is read from, and what did not match.
+pub fn match_names(
+    model: &ModuleInfo,
+    mut available: std::collections::HashSet<String>,
+) -> (BTreeMap<String, String>, LoadReport) {
     let mut matched = BTreeMap::new();
     let mut report = LoadReport::default();
     for spec in model.all_params() {
         let name = &spec.name;
-        let found = tensors.remove(name).or_else(|| {
+        let found = available.take(name).or_else(|| {
             let (prefix, rest) = name.split_once('.')?;
             // The file has the base model's names; ours carry a task prefix.
-            tensors.remove(rest).filter(|_| !prefix.is_empty())
+            available.take(rest).filter(|_| !prefix.is_empty())
         });
         let found = found.or_else(|| {
             // The file has a task model's names; ours are the base model's.
-            let key = tensors
-                .keys()
+            let key = available
+                .iter()
                 .find(|k| k.split_once('.').is_some_and(|(_, rest)| rest == name))?
                 .clone();
-            tensors.remove(&key)
+            available.take(&key)
         });
         match found {
-            Some(t) => {
-                matched.insert(name.clone(), t);
+            Some(theirs) => {
+                matched.insert(name.clone(), theirs);
             }
             None => report.missing.push(name.clone()),
         }
     }
-    report.unexpected = tensors.into_keys().collect();
+    report.unexpected = available.into_iter().collect();
     report.unexpected.sort();
     (matched, report)
 }

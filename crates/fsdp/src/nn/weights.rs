@@ -1,0 +1,386 @@
+//! Where a model's initial weights come from, one parameter at a time ([`WeightSource`]): a map
+//! of tensors already in memory, or [`SafetensorsWeights`], a pretrained checkpoint whose
+//! tensors are read from disk only when asked for. The FSDP engine shards from a source unit
+//! by unit, so with `fsdp_cpu_ram_efficient_loading` only rank 0 reads the file and no rank
+//! ever holds the whole model.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Result, Tensor};
+use half::{bf16, f16};
+
+use super::module::{LoadReport, ModuleInfo, ParamSpec, match_names};
+
+/// A model's initial weights, read one parameter at a time.
+pub trait WeightSource {
+    /// Parameter `spec`'s values as f32, row-major, `spec.shape` (checked).
+    fn values(&self, spec: &ParamSpec) -> Result<Vec<f32>>;
+
+    /// Parameter `spec`'s values in consecutive pieces of whole rows (dim 0), each given to
+    /// `take` with the index of its first row, so a reader need not hold the whole tensor.
+    /// The default gives [`WeightSource::values`] in one piece.
+    fn read_rows(
+        &self,
+        spec: &ParamSpec,
+        take: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        take(0, &self.values(spec)?)
+    }
+
+    /// The device training computes on for these weights.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+}
+
+fn wrong_shape(what: &str, name: &str, got: &[usize], want: &[usize]) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "{what}: `{name}` has shape {got:?}, the model expects {want:?}"
+    ))
+}
+
+impl WeightSource for BTreeMap<String, Tensor> {
+    fn values(&self, spec: &ParamSpec) -> Result<Vec<f32>> {
+        let t = self.get(&spec.name).ok_or_else(|| {
+            candle_core::Error::Msg(format!("no initial weight for `{}`", spec.name))
+        })?;
+        if t.dims() != spec.shape.as_slice() {
+            return Err(wrong_shape(
+                "initial weights",
+                &spec.name,
+                t.dims(),
+                &spec.shape,
+            ));
+        }
+        t.flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()
+    }
+
+    fn device(&self) -> Device {
+        self.values()
+            .next()
+            .map_or(Device::Cpu, |t| t.device().clone())
+    }
+}
+
+/// Where one tensor's bytes are.
+#[derive(Debug, Clone)]
+struct Located {
+    file: usize,
+    /// Its name in the file.
+    name: String,
+    dtype: String,
+    shape: Vec<usize>,
+    /// Absolute byte range in the file.
+    bytes: (u64, u64),
+}
+
+/// A pretrained checkpoint (`model.safetensors`, or the shards of a split one) read one
+/// tensor at a time with positioned reads: opening reads the headers only, so a rank that
+/// never asks for a tensor never reads the file, and the one that does holds one tensor at a
+/// time (no mapping whose pages would stay resident). File names are matched to the model's
+/// as [`super::load_by_name`] does; parameters the files lack (a fresh task head) get their
+/// seeded initialisation.
+pub struct SafetensorsWeights {
+    files: Vec<(PathBuf, File)>,
+    tensors: HashMap<String, Located>,
+    seed: u64,
+    report: LoadReport,
+}
+
+impl SafetensorsWeights {
+    /// Opens `paths` for `model`; parameters not in them are initialised from `seed`.
+    pub fn open(paths: &[PathBuf], model: &ModuleInfo, seed: u64) -> Result<SafetensorsWeights> {
+        let mut files = Vec::new();
+        let mut found: HashMap<String, Located> = HashMap::new();
+        for (i, path) in paths.iter().enumerate() {
+            let file = File::open(path).map_err(|e| io_error(path, "opening", e))?;
+            for located in read_header(path, &file, i)? {
+                found.insert(located.name.clone(), located);
+            }
+            files.push((path.clone(), file));
+        }
+        let (names, report) = match_names(model, found.keys().cloned().collect());
+        let tensors = names
+            .into_iter()
+            .filter_map(|(ours, theirs)| found.remove(&theirs).map(|l| (ours, l)))
+            .collect();
+        Ok(SafetensorsWeights {
+            files,
+            tensors,
+            seed,
+            report,
+        })
+    }
+
+    /// What matched: parameters the files lack (initialised fresh) and tensors no parameter
+    /// takes.
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+}
+
+/// Bytes read at a time by [`SafetensorsWeights::read_rows`].
+const PIECE_BYTES: usize = 4 << 20;
+
+impl SafetensorsWeights {
+    /// The file tensor for `spec`, its shape checked, with its element width; `None` when
+    /// the files lack it.
+    fn locate(&self, spec: &ParamSpec) -> Result<Option<(&Located, usize)>> {
+        let Some(t) = self.tensors.get(&spec.name) else {
+            return Ok(None);
+        };
+        let (path, _) = &self.files[t.file];
+        if t.shape != spec.shape {
+            return Err(wrong_shape(
+                &path.display().to_string(),
+                &t.name,
+                &t.shape,
+                &spec.shape,
+            ));
+        }
+        let bad = |why: String| {
+            candle_core::Error::Msg(format!("{}: tensor `{}`: {why}", path.display(), t.name))
+        };
+        let width = match t.dtype.as_str() {
+            "F32" => 4,
+            "F16" | "BF16" => 2,
+            "F64" => 8,
+            other => return Err(bad(format!("dtype {other} is not a float type"))),
+        };
+        let n: usize = t.shape.iter().product();
+        let len = t.bytes.1 - t.bytes.0;
+        if len != (n * width) as u64 {
+            return Err(bad(format!("{len} bytes for {n} {} values", t.dtype)));
+        }
+        Ok(Some((t, width)))
+    }
+
+    /// Elements `first..first + out.len()` of tensor `t` (of element width `width`) as f32.
+    fn read_elements(
+        &self,
+        t: &Located,
+        width: usize,
+        first: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (path, file) = &self.files[t.file];
+        let mut bytes = vec![0u8; out.len() * width];
+        file.read_exact_at(&mut bytes, t.bytes.0 + (first * width) as u64)
+            .map_err(|e| io_error(path, &format!("reading `{}` from", t.name), e))?;
+        let chunks = bytes.chunks_exact(width).zip(out.iter_mut());
+        match (width, t.dtype.as_str()) {
+            (4, _) => chunks.for_each(|(c, o)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            (8, _) => chunks.for_each(|(c, o)| {
+                *o = f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32
+            }),
+            (_, "F16") => chunks.for_each(|(c, o)| *o = f16::from_le_bytes([c[0], c[1]]).to_f32()),
+            _ => chunks.for_each(|(c, o)| *o = bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        }
+        Ok(())
+    }
+
+    fn fresh(&self, spec: &ParamSpec) -> Vec<f32> {
+        spec.initial_values(self.seed)
+            .into_iter()
+            .map(|x| x as f32)
+            .collect()
+    }
+}
+
+impl WeightSource for SafetensorsWeights {
+    fn values(&self, spec: &ParamSpec) -> Result<Vec<f32>> {
+        let Some((t, width)) = self.locate(spec)? else {
+            return Ok(self.fresh(spec));
+        };
+        let mut out = vec![0f32; t.shape.iter().product()];
+        self.read_elements(t, width, 0, &mut out)?;
+        Ok(out)
+    }
+
+    fn read_rows(
+        &self,
+        spec: &ParamSpec,
+        take: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Some((t, width)) = self.locate(spec)? else {
+            return take(0, &self.fresh(spec));
+        };
+        let rows = t.shape.first().copied().unwrap_or(1);
+        let row_elems: usize = t.shape.iter().skip(1).product();
+        let per_piece = (PIECE_BYTES / (row_elems * width).max(1)).max(1);
+        let mut piece = Vec::new();
+        let mut first = 0;
+        while first < rows {
+            let n = per_piece.min(rows - first);
+            piece.resize(n * row_elems, 0.0);
+            self.read_elements(t, width, first * row_elems, &mut piece)?;
+            take(first, &piece)?;
+            first += n;
+        }
+        Ok(())
+    }
+}
+
+fn io_error(path: &Path, doing: &str, e: std::io::Error) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{doing} {}: {e}", path.display()))
+}
+
+/// The tensors a safetensors file lists, with absolute byte ranges checked against its size.
+fn read_header(path: &Path, file: &File, index: usize) -> Result<Vec<Located>> {
+    let bad = |why: &str| candle_core::Error::Msg(format!("{}: {why}", path.display()));
+    let size = file
+        .metadata()
+        .map_err(|e| io_error(path, "reading", e))?
+        .len();
+    let mut len = [0u8; 8];
+    file.read_exact_at(&mut len, 0)
+        .map_err(|_| bad("too short for a safetensors header"))?;
+    let header_len = u64::from_le_bytes(len);
+    // safetensors caps headers at 100 MB.
+    if header_len > 100_000_000 || header_len > size.saturating_sub(8) {
+        return Err(bad(
+            "header length out of range (not a safetensors file, or truncated)",
+        ));
+    }
+    let mut head = vec![0u8; header_len as usize];
+    file.read_exact_at(&mut head, 8)
+        .map_err(|e| io_error(path, "reading", e))?;
+    let doc: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&head).map_err(|e| bad(&format!("header is not JSON: {e}")))?;
+    let data_start = 8 + header_len;
+    let mut out = Vec::new();
+    for (name, entry) in doc {
+        if name == "__metadata__" {
+            continue;
+        }
+        let field = |k: &str| entry.get(k);
+        let dtype = field("dtype").and_then(|v| v.as_str());
+        let shape: Option<Vec<usize>> = field("shape").and_then(|v| {
+            v.as_array()?
+                .iter()
+                .map(|d| d.as_u64().map(|d| d as usize))
+                .collect()
+        });
+        let offsets: Option<Vec<u64>> =
+            field("data_offsets").and_then(|v| v.as_array()?.iter().map(|d| d.as_u64()).collect());
+        let (Some(dtype), Some(shape), Some([start, end])) = (
+            dtype,
+            shape,
+            offsets
+                .as_deref()
+                .and_then(|o| <[u64; 2]>::try_from(o).ok()),
+        ) else {
+            return Err(bad(&format!(
+                "tensor `{name}` lacks a dtype, shape or data_offsets"
+            )));
+        };
+        if start > end || data_start + end > size {
+            return Err(bad(&format!(
+                "tensor `{name}`: bytes {start}..{end} lie outside the file's {} data bytes (truncated?)",
+                size - data_start
+            )));
+        }
+        out.push(Located {
+            file: index,
+            name,
+            dtype: dtype.to_string(),
+            shape,
+            bytes: (data_start + start, data_start + end),
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::Init;
+
+    fn spec(name: &str, shape: &[usize]) -> ParamSpec {
+        ParamSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            init: Init::Normal { std: 0.02 },
+            requires_grad: true,
+        }
+    }
+
+    #[test]
+    fn reads_whole_tensors_and_pieces_of_rows_in_any_float_type() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        // 3000 x 400 f32 is 4.8 MB: read in two pieces of rows.
+        let big: Vec<f32> = (0..3000 * 400).map(|i| (i % 977) as f32 * 0.5).collect();
+        let small = [1.5f32, -2.25, 3.0];
+        let tensors: HashMap<String, Tensor> = [
+            (
+                "big".to_string(),
+                Tensor::from_vec(big.clone(), (3000, 400), &Device::Cpu).unwrap(),
+            ),
+            (
+                "half".to_string(),
+                Tensor::new(&small, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::BF16)
+                    .unwrap(),
+            ),
+        ]
+        .into_iter()
+        .collect();
+        candle_core::safetensors::save(&tensors, &path).unwrap();
+        let normal = Init::Normal { std: 0.02 };
+        let model = ModuleInfo::new(String::new(), "M")
+            .param("big", &[3000, 400], normal)
+            .param("half", &[3], normal)
+            .param("head", &[2, 2], normal);
+        let w = SafetensorsWeights::open(std::slice::from_ref(&path), &model, 0).unwrap();
+        assert_eq!(w.report().missing, ["head"]);
+        assert_eq!(w.values(&spec("big", &[3000, 400])).unwrap(), big);
+        let mut pieces = Vec::new();
+        let mut joined = Vec::new();
+        w.read_rows(&spec("big", &[3000, 400]), &mut |first, piece| {
+            pieces.push(first);
+            joined.extend_from_slice(piece);
+            Ok(())
+        })
+        .unwrap();
+        assert!(pieces.len() > 1 && pieces[0] == 0, "{pieces:?}");
+        assert_eq!(joined, big);
+        assert_eq!(w.values(&spec("half", &[3])).unwrap(), small);
+        // Wrong shape: named with the file.
+        let err = w.values(&spec("half", &[4])).unwrap_err().to_string();
+        assert!(
+            err.contains("w.safetensors") && err.contains("half"),
+            "{err}"
+        );
+        // Absent: the seeded initialisation.
+        let fresh = w.values(&spec("head", &[2, 2])).unwrap();
+        let want: Vec<f32> = spec("head", &[2, 2])
+            .initial_values(0)
+            .into_iter()
+            .map(|x| x as f32)
+            .collect();
+        assert_eq!(fresh, want);
+    }
+
+    #[test]
+    fn a_file_that_is_not_safetensors_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("junk.safetensors");
+        std::fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fjunk").unwrap();
+        let model = ModuleInfo::new(String::new(), "M");
+        let err = SafetensorsWeights::open(&[path], &model, 0)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("junk.safetensors") && err.contains("header"),
+            "{err}"
+        );
+    }
+}
