@@ -62,11 +62,12 @@ def timed(reps, f):
 
 def measure(a):
     """[(name, fwd_med, fwd_min, all_med, all_min)] for eager and SDPA attention."""
-    x = torch.randn(a.batch, a.seq, a.hidden, requires_grad=True)
-    w = torch.randn(a.batch, a.seq, a.hidden)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    x = torch.randn(a.batch, a.seq, a.hidden, dtype=dtype, requires_grad=True)
+    w = torch.randn(a.batch, a.seq, a.hidden, dtype=dtype)
     rows = []
     for sdpa in (False, True):
-        layer = BertLayer(a.hidden, a.heads, a.intermediate, sdpa)
+        layer = BertLayer(a.hidden, a.heads, a.intermediate, sdpa).to(dtype)
 
         def fwd():
             with torch.no_grad():
@@ -89,7 +90,7 @@ def ours(a):
         [a.ours, "bench", "layer", "--layer-only", "--threads", str(a.threads),
          "--reps", str(a.reps), "--batch", str(a.batch), "--seq", str(a.seq),
          "--hidden", str(a.hidden), "--heads", str(a.heads),
-         "--intermediate", str(a.intermediate)],
+         "--intermediate", str(a.intermediate), "--dtype", a.dtype],
         check=True, capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])["results"][0]
     return ("fsdp-rs", r["forward_median_ms"], r["forward_min_ms"],
@@ -105,6 +106,8 @@ def main():
     p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                   help="parameters and activations (bf16: mixed precision's compute dtype)")
     p.add_argument("--ours", help="path of the fsdp binary to measure side by side")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds with --ours")
     a = p.parse_args()
@@ -121,13 +124,13 @@ def main():
         rs = [r for r in runs if r[0] == name]
         rows.append((name, statistics.median(r[1] for r in rs), min(r[2] for r in rs),
                      statistics.median(r[3] for r in rs), min(r[4] for r in rs)))
-    print(f"PyTorch {torch.__version__}, one BERT layer, f32, batch {a.batch} seq {a.seq} "
+    print(f"PyTorch {torch.__version__}, one BERT layer, {a.dtype}, batch {a.batch} seq {a.seq} "
           f"hidden {a.hidden} heads {a.heads} intermediate {a.intermediate}, {a.threads} thread(s)")
     print(f"{'part':<26} {'fwd_med':>10} {'fwd_min':>10} {'fwd+bwd_med':>12} {'fwd+bwd_min':>12}")
     for name, fm, fmin, am, amin in rows:
         print(f"{name:<26} {fm:8.2f}ms {fmin:8.2f}ms {am:10.2f}ms {amin:10.2f}ms")
     result = {
-        "benchmark": "layer-pytorch", "torch": torch.__version__, "threads": a.threads,
+        "benchmark": "layer-pytorch", "torch": torch.__version__, "threads": a.threads, "dtype": a.dtype,
         "reps": a.reps,
         "results": [{"part": n, "forward_median_ms": fm, "forward_min_ms": fmin,
                      "forward_backward_median_ms": am, "forward_backward_min_ms": amin}

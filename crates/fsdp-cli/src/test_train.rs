@@ -120,8 +120,16 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
         worst = worst.max((got - want).abs() / want.abs().max(1e-12));
         println!("step {}: loss {got:.6} (one process: {want:.6})", step + 1);
     }
-    if worst > 1e-5 {
-        bail!("sharded training differs from one process by {worst:.2e} (relative) in the loss");
+    // bf16 compute rounds every activation to 8 significant bits, and ranks round their
+    // halves of the batch where one process rounds the whole: equal within 2^-7 then.
+    let tolerance = match acc.plugin().mixed_precision {
+        fsdp::config::MixedPrecision::No => 1e-5,
+        _ => 1.0 / 128.0,
+    };
+    if worst > tolerance {
+        bail!(
+            "sharded training differs from one process by {worst:.2e} (relative) in the loss (tolerance {tolerance:.1e})"
+        );
     }
     if losses[STEPS - 1] >= losses[0] {
         bail!("the loss did not decrease: {losses:?}");

@@ -294,16 +294,14 @@ fn unsupported_settings_are_refused_not_ignored() {
     let init = LocalParams::init(&info, 0, candle_core::DType::F32, &Device::Cpu)
         .unwrap()
         .tensors();
-    let cases: Vec<(FsdpPlugin, &str)> = vec![
-        (
-            FsdpPlugin::builder()
-                .mixed_precision(MixedPrecision::Bf16)
-                .resolve(&Layer::new(), None)
-                .unwrap()
-                .fsdp,
-            "mixed_precision: bf16",
-        ),
-    ];
+    let cases: Vec<(FsdpPlugin, &str)> = vec![(
+        FsdpPlugin::builder()
+            .mixed_precision(MixedPrecision::Fp16)
+            .resolve(&Layer::new(), None)
+            .unwrap()
+            .fsdp,
+        "mixed_precision: fp16",
+    )];
     for (plugin, setting) in cases {
         let pg = ProcessGroup::init(&world, fsdp_comm::GroupOptions::default()).unwrap();
         let err = Fsdp::new(

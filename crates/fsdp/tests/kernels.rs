@@ -712,3 +712,151 @@ fn backward_sums_gradients_over_every_path() {
     }
     assert!(gb.iter().all(|&g| (g - 3.0).abs() < 1e-12), "db {gb:?}");
 }
+
+/// `f` in bf16 against `f` in f32 on the same (bf16-representable) values: outputs and
+/// gradients within `tol` relative to their largest magnitude (bf16 keeps 8 significant bits:
+/// one rounding is 2^-9 relative; a few roundings and f32 accumulation stay well inside 2^-6).
+fn bf16_tracks_f32(name: &str, f: &Fun<'_>, inputs: &[Tensor], tol: f64) {
+    let half: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| {
+            if t.dtype().is_float() {
+                t.to_dtype(DType::BF16).unwrap()
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    let wide: Vec<Tensor> = half
+        .iter()
+        .map(|t| {
+            if t.dtype().is_float() {
+                t.to_dtype(DType::F32).unwrap()
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    let (out_h, g_h) = eval(f, &half);
+    let (out_w, g_w) = eval(f, &wide);
+    assert!(
+        out_h.dtype() == DType::BF16 || name.starts_with("cross_entropy"),
+        "{name}: computed in {:?}",
+        out_h.dtype()
+    );
+    let d = max_rel_diff(&out_h, &out_w);
+    assert!(d < tol, "{name}: bf16 value differs by {d:e} (tol {tol:e})");
+    for (i, (a, b)) in g_h.iter().zip(&g_w).enumerate() {
+        assert_eq!(a.dtype(), half[i].dtype(), "{name}: gradient {i} dtype");
+        let d = max_rel_diff(a, b);
+        assert!(
+            d < tol,
+            "{name}: bf16 gradient of input {i} differs by {d:e} (tol {tol:e})"
+        );
+    }
+}
+
+#[test]
+fn bf16_kernels_track_f32() {
+    let f = DType::F32;
+    let tol = 1.6e-2;
+    let (m, k, n) = (6, 40, 24);
+    let x = rand(&[m, k], 1, 1.0, f);
+    let w = rand(&[n, k], 2, 0.3, f);
+    let b = rand(&[n], 3, 0.3, f);
+    bf16_tracks_f32(
+        "linear",
+        &|t| ops::linear(&t[0], &t[1], &t[2]),
+        &[x.clone(), w.clone(), b.clone()],
+        tol,
+    );
+    bf16_tracks_f32(
+        "linear_gelu",
+        &|t| ops::linear_gelu(&t[0], &t[1], &t[2], GeluApprox::Tanh),
+        &[x.clone(), w.clone(), b.clone()],
+        tol,
+    );
+    let w_in_out = rand(&[k, n], 4, 0.3, f);
+    bf16_tracks_f32(
+        "conv1d",
+        &|t| ops::conv1d(&t[0], &t[1], &t[2], None),
+        &[x.clone(), w_in_out, b.clone()],
+        tol,
+    );
+    let g = rand(&[k], 5, 1.0, f);
+    let beta = rand(&[k], 6, 0.5, f);
+    bf16_tracks_f32(
+        "layer_norm",
+        &|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-12),
+        &[x.clone(), g.clone(), beta.clone()],
+        tol,
+    );
+    bf16_tracks_f32(
+        "add_layer_norm",
+        &|t| ops::add_layer_norm(&t[0], &t[1], &t[2], &t[3], 1e-12),
+        &[x.clone(), rand(&[m, k], 7, 1.0, f), g, beta],
+        tol,
+    );
+    bf16_tracks_f32(
+        "bias_gelu",
+        &|t| ops::bias_gelu(&t[0], &t[1], GeluApprox::Erf),
+        &[x.clone(), rand(&[k], 8, 0.5, f)],
+        tol,
+    );
+    bf16_tracks_f32(
+        "softmax",
+        &|t| ops::softmax_last_dim(&t[0]),
+        &[rand(&[m, k], 9, 3.0, f)],
+        tol,
+    );
+    bf16_tracks_f32(
+        "dropout",
+        &|t| ops::dropout(&t[0], 0.3, 7),
+        std::slice::from_ref(&x),
+        tol,
+    );
+    let ids = Tensor::new(&[3u32, 0, 7, 3, 9], &Device::Cpu).unwrap();
+    bf16_tracks_f32(
+        "embedding",
+        &|t| ops::embedding(&t[0], &ids, Some(0)),
+        &[rand(&[10, k], 10, 1.0, f)],
+        tol,
+    );
+    let targets = Tensor::new(&[1u32, 0, 5, 2, 2, 7], &Device::Cpu).unwrap();
+    bf16_tracks_f32(
+        "cross_entropy",
+        &|t| ops::cross_entropy(&t[0], &targets, CrossEntropy::default()),
+        &[rand(&[m, 8], 11, 2.0, f)],
+        tol,
+    );
+    let (bsz, s, heads, d) = (2, 5, 3, 8);
+    let causal: Vec<f32> = (0..s * s)
+        .map(|i| if i % s > i / s { f32::MIN } else { 0.0 })
+        .collect();
+    let causal = Tensor::from_vec(causal, (1, 1, s, s), &Device::Cpu).unwrap();
+    let mask = causal.to_dtype(DType::BF16).unwrap();
+    bf16_tracks_f32(
+        "attention",
+        &|t| {
+            let mask = if t[0].dtype() == DType::BF16 {
+                &mask
+            } else {
+                &causal
+            };
+            ops::scaled_dot_product_attention(
+                &t[0],
+                &t[1],
+                &t[2],
+                heads,
+                Some(mask),
+                Some((0.2, 5)),
+            )
+        },
+        &[
+            rand(&[bsz, s, heads * d], 12, 1.0, f),
+            rand(&[bsz, s, heads * d], 13, 1.0, f),
+            rand(&[bsz, s, heads * d], 14, 1.0, f),
+        ],
+        tol,
+    );
+}

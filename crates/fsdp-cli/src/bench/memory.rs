@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::config::{FsdpPlugin, Layer, MixedPrecision, ShardingStrategy};
 use fsdp::engine::{Fsdp, Gradients, UnitPlan};
 use fsdp::memory;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
@@ -85,6 +85,10 @@ pub struct MemoryArgs {
     /// strategy measured without and with, side by side).
     #[arg(long = "activation_checkpointing", value_enum, default_value_t = Toggle::Off)]
     activation_checkpointing: Toggle,
+    /// Mixed precision: off (f32), on (bf16: parameters gathered and computed in bf16,
+    /// gradients reduced in f32), or both side by side.
+    #[arg(long = "mixed_precision", value_enum, default_value_t = Toggle::Off)]
+    mixed_precision: Toggle,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -180,15 +184,21 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         args.extend(["--accumulation".into(), a.accumulation.to_string()]);
         let runs = modes.iter().flat_map(|&no_sync| {
             let checkpointing = a.activation_checkpointing.values();
-            checkpointing.iter().map(move |&ckpt| (no_sync, ckpt))
+            checkpointing.iter().flat_map(move |&ckpt| {
+                let bf16 = a.mixed_precision.values();
+                bf16.iter().map(move |&bf16| (no_sync, ckpt, bf16))
+            })
         });
-        for (no_sync, checkpointing) in runs {
+        for (no_sync, checkpointing, bf16) in runs {
             let mut args = args.clone();
             if no_sync {
                 args.push("--no_sync".into());
             }
             if checkpointing {
                 args.extend(["--activation_checkpointing".into(), "on".into()]);
+            }
+            if bf16 {
+                args.extend(["--mixed_precision".into(), "on".into()]);
             }
             let env = [("ACCELERATE_USE_FSDP", "true")];
             let out = super::workers::spawn_workers(&args, a.num_processes, a.num_machines, &env)
@@ -263,6 +273,18 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     Ok(())
 }
 
+/// What a step's traffic depends on besides the plan and the mesh.
+#[derive(Clone, Copy)]
+struct Traffic {
+    /// Micro-batches per step.
+    micro: usize,
+    /// Micro-batches before the last run without sync.
+    no_sync: bool,
+    /// Bytes per parameter element gathered (4 in f32, 2 in bf16); gradients are reduced in
+    /// f32 either way.
+    gather_bytes: usize,
+}
+
 /// Bytes each rank sends per step of `micro` micro-batches by the ring algorithms, inside its
 /// shard group and across replicas. Inside: per unit and micro-batch an all-gather in
 /// forward, another before backward when the unit was resharded after forward, and a
@@ -270,25 +292,21 @@ fn launch(a: &MemoryArgs) -> Result<()> {
 /// replicas: an all-reduce of each unit's reduced block per reduction (2(R-1)/R of it); for
 /// NO_SHARD the block is the whole unit. Reductions: one per micro-batch, or one per step
 /// when the earlier micro-batches run without sync.
-fn bytes_theory(
-    plan: &UnitPlan,
-    shard_size: usize,
-    replicas: usize,
-    micro: usize,
-    no_sync: bool,
-) -> (usize, usize) {
-    let (s, r) = (shard_size, replicas);
-    let reductions = if no_sync { 1 } else { micro };
+fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize, t: Traffic) -> (usize, usize) {
+    let (s, r, micro) = (shard_size, replicas, t.micro);
+    let reductions = if t.no_sync { 1 } else { micro };
     let mut inside = 0;
     let mut across = 0;
     for u in &plan.units {
-        let block = u.shard_numel() * 4;
+        let elems = u.shard_numel();
+        let block = elems * 4;
         if s > 1 {
             let regather = matches!(
                 plan.strategy,
                 ShardingStrategy::FullShard | ShardingStrategy::HybridShard
             ) && !u.path.is_empty();
-            inside += (s - 1) * block * (micro * (1 + usize::from(regather)) + reductions);
+            let gathers = micro * (1 + usize::from(regather));
+            inside += (s - 1) * (elems * t.gather_bytes * gathers + block * reductions);
         }
         if r > 1 {
             across += reductions * (2 * (r - 1) * block / r);
@@ -308,6 +326,11 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         .backward_prefetch(a.backward_prefetch.parse().map_err(anyhow::Error::msg)?)
         .forward_prefetch(a.forward_prefetch)
         .activation_checkpointing(a.activation_checkpointing == Toggle::On)
+        .mixed_precision(if a.mixed_precision == Toggle::On {
+            MixedPrecision::Bf16
+        } else {
+            MixedPrecision::No
+        })
         .resolve(&Layer::from_process_env()?, None)?
         .fsdp;
     let config = BertConfig {
@@ -413,8 +436,14 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     if rank == 0 {
         let worst = |k: usize| (0..n).map(|r| all[r * 7 + k]).fold(0f64, f64::max);
         let mesh = fsdp.mesh();
+        let bf16 = a.mixed_precision == Toggle::On;
+        let traffic = Traffic {
+            micro,
+            no_sync: a.no_sync,
+            gather_bytes: if bf16 { 2 } else { 4 },
+        };
         let (theory_inside, theory_across) =
-            bytes_theory(&plan, mesh.shard_size(), mesh.replicas(), micro, a.no_sync);
+            bytes_theory(&plan, mesh.shard_size(), mesh.replicas(), traffic);
         let samples_per_s = steps * (a.batch * micro * n) as f64 / worst(4);
         let mut label = match (micro, a.no_sync) {
             (1, _) => strategy.to_string(),
@@ -425,6 +454,9 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         if checkpointing {
             label.push_str(" +ckpt");
         }
+        if bf16 {
+            label.push_str(" bf16");
+        }
         println!(
             "RESULT {}",
             serde_json::json!({
@@ -434,6 +466,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "no_sync": a.no_sync,
                 "kept_unreduced_bytes": worst(6),
                 "activation_checkpointing": checkpointing,
+                "mixed_precision": if bf16 { "bf16" } else { "no" },
                 "recomputed_units_per_step": fsdp.recomputed_units() as f64 / (steps + 1.0),
                 "state_bytes": worst(0),
                 "state_formula_bytes": formula,

@@ -129,7 +129,8 @@ pub(crate) fn pack_gradient(
     )
 }
 
-fn candle_dtype(d: DType) -> candle_core::DType {
+/// candle's dtype for a communication dtype (f32 for non-float ones).
+pub(crate) fn candle_dtype(d: DType) -> candle_core::DType {
     match d {
         DType::F64 => candle_core::DType::F64,
         DType::F16 => candle_core::DType::F16,

@@ -24,20 +24,26 @@ use super::placement::Placement;
 use super::plan::UnitPlan;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::{FsdpUnit, Prefetch};
-use crate::config::{FsdpPlugin, ShardingStrategy, StateDictType};
+use crate::config::{FsdpPlugin, MixedPrecision, ShardingStrategy, StateDictType};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
 
-/// Refuses settings that would change results or memory but are not implemented yet.
-fn check_supported(plugin: &FsdpPlugin) -> Result<(), EngineError> {
-    let refuse = |setting: String, hint| Err(EngineError::Unsupported { setting, hint });
-    if plugin.mixed_precision != crate::config::MixedPrecision::No {
-        return refuse(
-            format!("mixed_precision: {}", plugin.mixed_precision),
-            "train with mixed_precision: no (f32)",
-        );
+/// The element types of communication and compute for `mixed_precision`; fp16 is refused
+/// (it needs dynamic loss scaling, which does not exist yet).
+fn comm_dtypes(plugin: &FsdpPlugin) -> Result<CommDtypes, EngineError> {
+    match plugin.mixed_precision {
+        MixedPrecision::No => Ok(CommDtypes::default()),
+        // f32 master shards and optimizer state; parameters gathered and computed in bf16;
+        // gradients reduced in f32 (bf16 gradients summed over ranks lose low bits).
+        MixedPrecision::Bf16 => Ok(CommDtypes {
+            param: fsdp_comm::DType::BF16,
+            reduce: fsdp_comm::DType::F32,
+        }),
+        MixedPrecision::Fp16 => Err(EngineError::Unsupported {
+            setting: "mixed_precision: fp16".into(),
+            hint: "fp16 needs dynamic loss scaling, which is not implemented yet: use mixed_precision: bf16 (same memory and traffic, no scaling needed) or no",
+        }),
     }
-    Ok(())
 }
 
 /// The processes of one machine (`LOCAL_WORLD_SIZE`), which hybrid sharding shards over;
@@ -166,7 +172,7 @@ impl Fsdp {
         default_wrap: &[&str],
         mesh: Mesh,
     ) -> Result<Fsdp, EngineError> {
-        check_supported(plugin)?;
+        let dtypes = comm_dtypes(plugin)?;
         crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
         let placement = Placement::new(initial.device(), plugin.offload_params);
@@ -230,7 +236,7 @@ impl Fsdp {
                 backward: plugin.backward_prefetch,
                 forward_order: Vec::new(),
             },
-            dtypes: CommDtypes::default(),
+            dtypes,
             units,
             replicated,
             placement,
@@ -301,6 +307,11 @@ impl Fsdp {
             train,
             checkpointing: self.checkpointing,
             recomputed: self.recomputed.clone(),
+            replicated_vars: self
+                .replicated
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+                .collect(),
         };
         let shared = StepShared::new(
             self.mesh.clone(),
@@ -308,14 +319,21 @@ impl Fsdp {
             self.prefetch.clone(),
             opts,
         );
+        // Replicated (ignored) parameters compute in the parameter dtype too (the cast is a
+        // graph op: their gradients come back in f32).
+        let compute = super::collectives::candle_dtype(self.dtypes.param);
         let replicated = self
             .replicated
             .iter()
             .map(|(k, v)| {
-                let t = v.as_tensor();
-                (k.clone(), if train { t.clone() } else { t.detach() })
+                let t = if train {
+                    v.as_tensor().clone()
+                } else {
+                    v.as_tensor().detach()
+                };
+                Ok((k.clone(), t.to_dtype(compute)?))
             })
-            .collect();
+            .collect::<Result<_, EngineError>>()?;
         Ok(StepParams { shared, replicated })
     }
 

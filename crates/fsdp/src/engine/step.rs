@@ -33,6 +33,9 @@ pub(crate) struct StepOptions {
     pub checkpointing: bool,
     /// Counts units recomputed in backward (the engine's running total).
     pub recomputed: Arc<AtomicU64>,
+    /// The replicated parameters' variables (forward may read them cast to the compute
+    /// dtype), whose gradients recomputations report.
+    pub replicated_vars: HashMap<String, Tensor>,
 }
 
 struct Inner {
@@ -389,7 +392,9 @@ impl StepHooks for StepShared {
         // d(sum(out * grad))/d(out) = grad: back-propagates `grad` through the recomputation.
         let grads = out.mul(grad)?.sum_all()?.backward()?;
         self.opts.recomputed.fetch_add(1, Ordering::Relaxed);
-        let replicated_grads: Vec<(String, Tensor)> = replicated
+        let replicated_grads: Vec<(String, Tensor)> = self
+            .opts
+            .replicated_vars
             .iter()
             .filter_map(|(name, t)| grads.get(t).map(|g| (name.clone(), g.clone())))
             .collect();

@@ -10,7 +10,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::dropout::keep;
 use super::{Float, float_dispatch, gemm_into, tensor, with_slice};
@@ -574,6 +574,22 @@ pub fn scaled_dot_product_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
+    if q.dtype() == DType::BF16 {
+        // Probabilities kept in bf16 lose too much in softmax's backward (a difference of
+        // nearly equal products): bf16 inputs are attended in f32, as PyTorch's kernels
+        // accumulate and keep them, and the output is bf16 again.
+        let wide = |t: &Tensor| t.to_dtype(DType::F32);
+        let mask = mask.map(wide).transpose()?;
+        let out = scaled_dot_product_attention(
+            &wide(q)?,
+            &wide(k)?,
+            &wide(v)?,
+            heads,
+            mask.as_ref(),
+            dropout,
+        )?;
+        return out.to_dtype(DType::BF16);
+    }
     let op = sdpa_op(q.dims3()?, q.dtype(), heads, mask, dropout)?;
     q.apply_op3(k, v, op)
 }
@@ -587,6 +603,12 @@ pub fn packed_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
+    if qkv.dtype() == DType::BF16 {
+        // In f32, as in [`scaled_dot_product_attention`].
+        let mask = mask.map(|m| m.to_dtype(DType::F32)).transpose()?;
+        let out = packed_attention(&qkv.to_dtype(DType::F32)?, heads, mask.as_ref(), dropout)?;
+        return out.to_dtype(DType::BF16);
+    }
     let shape = PackedSdpa::width(qkv.layout())?;
     let op = sdpa_op(shape, qkv.dtype(), heads, mask, dropout)?;
     qkv.apply_op1(PackedSdpa(op))

@@ -159,9 +159,13 @@ impl CustomOp2 for CrossEntropy {
 }
 
 /// Cross-entropy of `logits` `[N, C]` against integer `targets` `[N]` (u8, u32 or i64), as a
-/// scalar, with a hand-written backward for the logits.
+/// scalar, with a hand-written backward for the logits. Half-precision logits are taken in
+/// f32 (as autocast does): the loss is an f32 scalar and its gradient flows back in the
+/// logits' dtype.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, settings: CrossEntropy) -> Result<Tensor> {
-    logits
-        .contiguous()?
-        .apply_op2(&targets.contiguous()?, settings)
+    let logits = match logits.dtype() {
+        DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
+        _ => logits.contiguous()?,
+    };
+    logits.apply_op2(&targets.contiguous()?, settings)
 }
