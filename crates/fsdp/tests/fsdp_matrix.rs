@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use fsdp::config::{
     AutoWrapPolicy, BackwardPrefetch, FsdpPlugin, Key, Layer, ShardingStrategy, Source, Value,
 };
-use fsdp::engine::Fsdp;
+use fsdp::engine::{Fsdp, GradScaler, GradScalerConfig};
 use fsdp::models::{BertConfig, BertForSequenceClassification, Gpt2Config, Gpt2LmHeadModel};
 use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
@@ -29,6 +29,8 @@ mod common;
 const ROLE: &str = "FSDP_MATRIX_WORKER";
 /// Set for workers that train with `mixed_precision: bf16` (compared with f32 training).
 const BF16: &str = "FSDP_MATRIX_BF16";
+/// Set for workers that train with `mixed_precision: fp16` and dynamic loss scaling.
+const FP16: &str = "FSDP_MATRIX_FP16";
 const STEPS: usize = 10;
 const GLOBAL_BATCH: usize = 12;
 const SEQ: usize = 6;
@@ -375,6 +377,19 @@ fn sharded(
     if std::env::var(BF16).is_ok() {
         builder = builder.mixed_precision(fsdp::config::MixedPrecision::Bf16);
     }
+    let fp16 = std::env::var(FP16).is_ok();
+    if fp16 {
+        builder = builder.mixed_precision(fsdp::config::MixedPrecision::Fp16);
+    }
+    // A scale that these small gradients never overflow at: every step is taken, so the run
+    // stays comparable with f32 step by step (overflow is tested in grad_scaler.rs).
+    let mut scaler = fp16.then(|| {
+        GradScaler::new(GradScalerConfig {
+            init_scale: 256.0,
+            ..Default::default()
+        })
+        .unwrap()
+    });
     if case.wrap == AutoWrapPolicy::SizeBasedWrap {
         builder = builder.min_num_params(300);
     }
@@ -435,6 +450,10 @@ fn sharded(
                 )
                 .map_err(|e| e.to_string())?;
             local += weight * loss.to_scalar::<f32>().unwrap() as f64;
+            let loss = match &scaler {
+                Some(s) => s.scale_loss(&loss).map_err(|e| e.to_string())?,
+                None => loss,
+            };
             if case.variant == Variant::AccumulatedNoSync {
                 // The micro-batch's share is taken on the loss: kept gradients are summed.
                 let loss = (loss * weight).map_err(|e| e.to_string())?;
@@ -454,7 +473,17 @@ fn sharded(
                 None => grads = Some(g),
             }
         }
-        let grads = grads.unwrap();
+        let mut grads = grads.unwrap();
+        if let Some(s) = scaler.as_mut() {
+            let overflow = s.unscale(&engine, &mut grads).map_err(|e| e.to_string())?;
+            s.update(overflow);
+            if overflow {
+                return Err(format!(
+                    "fp16 overflow at step {step} with scale {}",
+                    s.scale()
+                ));
+            }
+        }
         engine
             .step(grads, optimizer.as_mut(), max_norm(case.variant))
             .map_err(|e| e.to_string())?;
@@ -576,7 +605,10 @@ fn matrix_worker() {
 /// full-size steps (lr 3e-3 per step on weights of scale 0.02), so weights drift apart
 /// while the losses agree; a parameter left untrained is 1.0 away.
 fn bounds() -> (f64, f64) {
-    if std::env::var(BF16).is_ok() {
+    if std::env::var(FP16).is_ok() {
+        // 11 significant bits: 8 times finer than bf16.
+        (2e-3, 0.25)
+    } else if std::env::var(BF16).is_ok() {
         (1e-2, 0.25)
     } else {
         (1e-5, 1e-5)
@@ -594,10 +626,10 @@ fn check_world_with(world: usize, env: &[(&str, &str)]) {
     let result = common::result_of(&outputs[0]);
     eprintln!(
         "{world} ranks{}: {} cases, worst relative difference: losses {}, weights {} (key-bias elements: {} absolute)",
-        if env.iter().any(|(k, _)| *k == BF16) {
-            " in bf16"
-        } else {
-            ""
+        match env.iter().find(|(k, _)| *k == BF16 || *k == FP16) {
+            Some((k, _)) if *k == BF16 => " in bf16",
+            Some(_) => " in fp16",
+            None => "",
         },
         result["cases"],
         result["worst_loss"],
@@ -636,4 +668,9 @@ fn bf16_on_two_ranks_tracks_f32_single_process() {
 #[test]
 fn bf16_on_three_ranks_tracks_f32_single_process() {
     check_world_with(3, &[(BF16, "1")]);
+}
+
+#[test]
+fn fp16_with_loss_scaling_on_two_ranks_tracks_f32_single_process() {
+    check_world_with(2, &[(FP16, "1")]);
 }

@@ -713,15 +713,16 @@ fn backward_sums_gradients_over_every_path() {
     assert!(gb.iter().all(|&g| (g - 3.0).abs() < 1e-12), "db {gb:?}");
 }
 
-/// `f` in bf16 against `f` in f32 on the same (bf16-representable) values: outputs and
-/// gradients within `tol` relative to their largest magnitude (bf16 keeps 8 significant bits:
-/// one rounding is 2^-9 relative; a few roundings and f32 accumulation stay well inside 2^-6).
-fn bf16_tracks_f32(name: &str, f: &Fun<'_>, inputs: &[Tensor], tol: f64) {
+/// `f` in half precision (`dtype`) against `f` in f32 on the same (representable) values:
+/// outputs and gradients within `tol` relative to their largest magnitude (bf16 keeps 8
+/// significant bits, one rounding is 2^-9 relative; fp16 11 bits, 2^-12; a few roundings and
+/// f32 accumulation stay well inside the bounds used).
+fn half_tracks_f32(name: &str, dtype: DType, f: &Fun<'_>, inputs: &[Tensor], tol: f64) {
     let half: Vec<Tensor> = inputs
         .iter()
         .map(|t| {
             if t.dtype().is_float() {
-                t.to_dtype(DType::BF16).unwrap()
+                t.to_dtype(dtype).unwrap()
             } else {
                 t.clone()
             }
@@ -740,26 +741,40 @@ fn bf16_tracks_f32(name: &str, f: &Fun<'_>, inputs: &[Tensor], tol: f64) {
     let (out_h, g_h) = eval(f, &half);
     let (out_w, g_w) = eval(f, &wide);
     assert!(
-        out_h.dtype() == DType::BF16 || name.starts_with("cross_entropy"),
+        out_h.dtype() == dtype || name.starts_with("cross_entropy"),
         "{name}: computed in {:?}",
         out_h.dtype()
     );
     let d = max_rel_diff(&out_h, &out_w);
-    assert!(d < tol, "{name}: bf16 value differs by {d:e} (tol {tol:e})");
+    assert!(
+        d < tol,
+        "{name} {dtype:?}: value differs by {d:e} (tol {tol:e})"
+    );
     for (i, (a, b)) in g_h.iter().zip(&g_w).enumerate() {
         assert_eq!(a.dtype(), half[i].dtype(), "{name}: gradient {i} dtype");
         let d = max_rel_diff(a, b);
         assert!(
             d < tol,
-            "{name}: bf16 gradient of input {i} differs by {d:e} (tol {tol:e})"
+            "{name} {dtype:?}: gradient of input {i} differs by {d:e} (tol {tol:e})"
         );
     }
 }
 
 #[test]
 fn bf16_kernels_track_f32() {
+    half_kernels_track_f32(DType::BF16, 1.6e-2);
+}
+
+#[test]
+fn fp16_kernels_track_f32() {
+    half_kernels_track_f32(DType::F16, 2e-3);
+}
+
+fn half_kernels_track_f32(half: DType, tol: f64) {
     let f = DType::F32;
-    let tol = 1.6e-2;
+    let bf16_tracks_f32 = |name: &str, fun: &Fun<'_>, inputs: &[Tensor], tol: f64| {
+        half_tracks_f32(name, half, fun, inputs, tol)
+    };
     let (m, k, n) = (6, 40, 24);
     let x = rand(&[m, k], 1, 1.0, f);
     let w = rand(&[n, k], 2, 0.3, f);
@@ -834,15 +849,11 @@ fn bf16_kernels_track_f32() {
         .map(|i| if i % s > i / s { f32::MIN } else { 0.0 })
         .collect();
     let causal = Tensor::from_vec(causal, (1, 1, s, s), &Device::Cpu).unwrap();
-    let mask = causal.to_dtype(DType::BF16).unwrap();
+    let mask = causal.to_dtype(half).unwrap();
     bf16_tracks_f32(
         "attention",
         &|t| {
-            let mask = if t[0].dtype() == DType::BF16 {
-                &mask
-            } else {
-                &causal
-            };
+            let mask = if t[0].dtype() == half { &mask } else { &causal };
             ops::scaled_dot_product_attention(
                 &t[0],
                 &t[1],

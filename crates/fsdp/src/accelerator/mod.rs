@@ -65,9 +65,9 @@ pub use logging::{Progress, init_logging};
 pub use prepared::{ModelHandle, PreparedModel, PreparedOptimizer};
 
 use crate::checkpoint::CheckpointError;
-use crate::config::{ConfigError, FsdpPlugin, FsdpPluginBuilder, Layer};
+use crate::config::{ConfigError, FsdpPlugin, FsdpPluginBuilder, Layer, MixedPrecision};
 use crate::data::{DataLoader, Dataset, LoadedBatch};
-use crate::engine::{EngineError, Fsdp};
+use crate::engine::{EngineError, Fsdp, GradScaler, GradScalerConfig};
 use crate::nn::{Model, WeightSource};
 use crate::optim::{LrSchedule, OptimError, Optimizer};
 
@@ -163,6 +163,7 @@ pub struct AcceleratorBuilder {
     plugin: Option<FsdpPluginBuilder>,
     accumulation: Option<usize>,
     sync_each_batch: bool,
+    grad_scaler: Option<GradScalerConfig>,
     project: Option<ProjectConfiguration>,
     full_state_dict: Option<FullStateDictConfig>,
     metrics: bool,
@@ -198,6 +199,13 @@ impl AcceleratorBuilder {
     /// local gradients and reducing once.
     pub fn sync_each_batch(mut self, on: bool) -> Self {
         self.sync_each_batch = on;
+        self
+    }
+
+    /// fp16 loss scaling settings (Accelerate's `GradScalerKwargs`); PyTorch's defaults
+    /// otherwise. Only used with `mixed_precision: fp16`.
+    pub fn grad_scaler(mut self, config: GradScalerConfig) -> Self {
+        self.grad_scaler = Some(config);
         self
     }
 
@@ -264,9 +272,11 @@ impl AcceleratorBuilder {
             local_rank,
             accumulation,
             sync_each_batch: self.sync_each_batch,
+            grad_scaler: self.grad_scaler.unwrap_or_default(),
             models: 0,
             optimizers: 0,
             sync: true,
+            skipped: false,
             steps: 0,
             project: self.project.unwrap_or_default(),
             metrics: self.metrics,
@@ -282,9 +292,12 @@ pub struct Accelerator {
     local_rank: usize,
     accumulation: usize,
     sync_each_batch: bool,
+    grad_scaler: GradScalerConfig,
     models: usize,
     optimizers: usize,
     sync: bool,
+    /// The last optimizer step was skipped (fp16 overflow).
+    skipped: bool,
     steps: u64,
     project: ProjectConfiguration,
     metrics: bool,
@@ -365,8 +378,13 @@ impl Accelerator {
         initial: &dyn WeightSource,
     ) -> Result<PreparedModel<M>, AcceleratorError> {
         let engine = Fsdp::wrap(&model, initial, &self.plugin, self.group.clone())?;
+        // fp16 needs its loss scaled; bf16 has f32's range.
+        let scaler = match self.plugin.mixed_precision {
+            MixedPrecision::Fp16 => Some(GradScaler::new(self.grad_scaler)?),
+            _ => None,
+        };
         self.models += 1;
-        Ok(PreparedModel::new(self.models - 1, model, engine))
+        Ok(PreparedModel::new(self.models - 1, model, engine, scaler))
     }
 
     /// Takes `optimizer` for the model prepared in the same position (the first optimizer
@@ -426,6 +444,12 @@ impl Accelerator {
         Ok(())
     }
 
+    /// Whether the last optimizer step was skipped because fp16 loss scaling found an
+    /// overflow (as Accelerate's `optimizer_step_was_skipped`).
+    pub fn optimizer_step_was_skipped(&self) -> bool {
+        self.skipped
+    }
+
     /// Whether the last backward pass ended an accumulation: the optimizer steps now.
     pub fn sync_gradients(&self) -> bool {
         self.sync
@@ -442,7 +466,9 @@ impl Accelerator {
     }
 
     /// Updates `model` with its `optimizer` (and steps the optimizer's scheduler once) when
-    /// `model`'s accumulation is complete; a no-op returning false in the middle of one.
+    /// `model`'s accumulation is complete; a no-op returning false in the middle of one, and
+    /// false when fp16 loss scaling found an overflow on some rank and every rank skipped the
+    /// step ([`Accelerator::optimizer_step_was_skipped`]).
     pub fn optimizer_step<M>(
         &mut self,
         model: &mut PreparedModel<M>,
@@ -451,11 +477,12 @@ impl Accelerator {
         if model.backward_passes() % self.accumulation as u64 != 0 {
             return Ok(false);
         }
-        optimizer.step(model)?;
-        if model.index() == 0 {
+        let stepped = optimizer.step(model)?;
+        self.skipped = !stepped;
+        if stepped && model.index() == 0 {
             self.steps += 1;
         }
-        Ok(true)
+        Ok(stepped)
     }
 
     /// Every rank's `values` (the same length on all), concatenated in rank order, on every

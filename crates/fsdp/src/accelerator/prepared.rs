@@ -1,12 +1,13 @@
 //! What `prepare` returns: [`PreparedModel`] (a model and its FSDP engine, holding the forward
-//! pass in flight and the gradients accumulated until the optimizer steps) and
+//! pass in flight, the gradients accumulated until the optimizer steps, and with fp16 its
+//! loss scaler) and
 //! [`PreparedOptimizer`] (an optimizer paired with the model of the same preparation order,
 //! and its learning-rate scheduler).
 
 use candle_core::Tensor;
 
 use super::AcceleratorError;
-use crate::engine::{Fsdp, Gradients, StepParams};
+use crate::engine::{Fsdp, GradScaler, Gradients, StepParams};
 use crate::nn::Params;
 use crate::optim::{LrSchedule, LrScheduler, Optimizer};
 
@@ -18,10 +19,15 @@ pub struct PreparedModel<M> {
     open: Option<StepParams>,
     grads: Option<Gradients>,
     backward_passes: u64,
+    /// fp16's loss scaler.
+    scaler: Option<GradScaler>,
+    /// Whether the accumulated gradients were unscaled, and whether a rank found an
+    /// overflow in them.
+    found_inf: Option<bool>,
 }
 
 impl<M> PreparedModel<M> {
-    pub(super) fn new(index: usize, module: M, engine: Fsdp) -> Self {
+    pub(super) fn new(index: usize, module: M, engine: Fsdp, scaler: Option<GradScaler>) -> Self {
         PreparedModel {
             index,
             module,
@@ -29,7 +35,27 @@ impl<M> PreparedModel<M> {
             open: None,
             grads: None,
             backward_passes: 0,
+            scaler,
+            found_inf: None,
         }
+    }
+
+    /// The loss scaler (with `mixed_precision: fp16`).
+    pub fn grad_scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Unscales the accumulated gradients once per step; whether any rank found an overflow.
+    fn unscale(&mut self) -> Result<bool, AcceleratorError> {
+        if let Some(found) = self.found_inf {
+            return Ok(found);
+        }
+        let (Some(scaler), Some(grads)) = (self.scaler.as_ref(), self.grads.as_mut()) else {
+            return Ok(false);
+        };
+        let found = scaler.unscale(&self.engine, grads)?;
+        self.found_inf = Some(found);
+        Ok(found)
     }
 
     /// The model itself (`unwrap_model`).
@@ -78,6 +104,10 @@ impl<M> PreparedModel<M> {
     /// whole until the next backward with sync (`no_sync`); returns how many backward
     /// passes this model has had.
     pub(super) fn backward(&mut self, loss: Tensor, sync: bool) -> Result<u64, AcceleratorError> {
+        let loss = match &self.scaler {
+            Some(s) => s.scale_loss(&loss)?,
+            None => loss,
+        };
         let params = self.open.take().ok_or_else(|| {
             AcceleratorError::Usage(format!(
                 "model {}: backward without a forward: run PreparedModel::forward first",
@@ -103,6 +133,10 @@ impl<M> PreparedModel<M> {
     }
 
     pub(super) fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, AcceleratorError> {
+        // fp16: clipping applies to the true gradients; an overflow skips the step anyway.
+        if self.unscale()? {
+            return Ok(f64::INFINITY);
+        }
         let grads = self.grads.as_mut().ok_or_else(|| {
             AcceleratorError::Usage(format!(
                 "model {}: clip_grad_norm without gradients: call backward first",
@@ -112,20 +146,34 @@ impl<M> PreparedModel<M> {
         Ok(self.engine.clip_grad_norm(grads, Some(max_norm))?.0)
     }
 
-    pub(super) fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<(), AcceleratorError> {
-        let grads = self.grads.take().ok_or_else(|| {
-            AcceleratorError::Usage(format!(
+    /// The optimizer step on the accumulated gradients; false when fp16 loss scaling found
+    /// an overflow on some rank and every rank skipped it (the scale backs off).
+    pub(super) fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<bool, AcceleratorError> {
+        if self.grads.is_none() {
+            return Err(AcceleratorError::Usage(format!(
                 "model {}: an optimizer step without gradients: call backward first",
                 self.index
-            ))
-        })?;
-        self.engine.step(grads, optimizer, None)?;
-        Ok(())
+            )));
+        }
+        let found_inf = self.unscale()?;
+        self.found_inf = None;
+        let grads = self.grads.take();
+        if let Some(s) = self.scaler.as_mut() {
+            s.update(found_inf);
+        }
+        match grads {
+            Some(grads) if !found_inf => {
+                self.engine.step(grads, optimizer, None)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Drops accumulated gradients (`optimizer.zero_grad()`).
     pub fn zero_grad(&mut self) {
         self.grads = None;
+        self.found_inf = None;
     }
 
     /// This rank's accumulated gradients, by parameter name.
@@ -216,18 +264,24 @@ impl PreparedOptimizer {
         Ok(())
     }
 
-    /// One optimizer step of `model`, then one scheduler step.
-    pub(super) fn step<M>(&mut self, model: &mut PreparedModel<M>) -> Result<(), AcceleratorError> {
+    /// One optimizer step of `model`, then one scheduler step; false (neither stepped) when
+    /// loss scaling skipped the step.
+    pub(super) fn step<M>(
+        &mut self,
+        model: &mut PreparedModel<M>,
+    ) -> Result<bool, AcceleratorError> {
         if model.index != self.index {
             return Err(AcceleratorError::Usage(format!(
                 "optimizer {} was prepared for model {} (models and optimizers pair by the order of prepare, as in Accelerate) but is stepping model {}",
                 self.index, self.index, model.index
             )));
         }
-        model.step(self.optimizer.as_mut())?;
+        if !model.step(self.optimizer.as_mut())? {
+            return Ok(false);
+        }
         if let Some(s) = self.scheduler.as_mut() {
             s.step(self.optimizer.as_mut())?;
         }
-        Ok(())
+        Ok(true)
     }
 }

@@ -97,6 +97,16 @@ impl Gradients {
         names
     }
 
+    /// Whether every gradient value this rank holds is finite (the overflow check of fp16
+    /// loss scaling, see [`super::GradScaler`]).
+    pub fn all_finite(&self) -> bool {
+        self.units
+            .iter()
+            .flatten()
+            .chain(self.replicated.values())
+            .all(|g| g.iter().all(|x| x.is_finite()))
+    }
+
     /// Sums of squares: of the sharded rows (disjoint across the shard group, padding zero)
     /// and of the whole replicated gradients.
     pub(crate) fn squares(&self) -> (f64, f64) {

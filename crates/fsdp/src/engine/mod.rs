@@ -3,12 +3,13 @@
 //! (`param`); a unit's lifecycle as a state machine with prefetch decided in one place
 //! (`unit`); the unit's collectives in the dtypes given (`collectives`); the graph ops that
 //! hook autograd (`hooks`); initial weights into shards (`intake`); one step driving the units (`step`); debug checks (`debug`);
-//! reduced gradients by name (`grads`); storage and compute devices (`placement`); the engine that owns shards (`sharded`); and its
+//! reduced gradients by name (`grads`); fp16 loss scaling agreed over ranks (`grad_scaler`); storage and compute devices (`placement`); the engine that owns shards (`sharded`); and its
 //! state by parameter name (`state`).
 
 mod collectives;
 mod debug;
 mod error;
+mod grad_scaler;
 mod grads;
 mod hooks;
 mod intake;
@@ -22,6 +23,7 @@ mod unit;
 
 pub use collectives::CommDtypes;
 pub use error::EngineError;
+pub use grad_scaler::{GradScaler, GradScalerConfig};
 pub use grads::Gradients;
 pub use param::{FsdpParam, ShardBuffer};
 pub use placement::{OFFLOAD_ON_CPU, Placement};

@@ -28,8 +28,7 @@ use crate::config::{FsdpPlugin, MixedPrecision, ShardingStrategy, StateDictType}
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
 
-/// The element types of communication and compute for `mixed_precision`; fp16 is refused
-/// (it needs dynamic loss scaling, which does not exist yet).
+/// The element types of communication and compute for `mixed_precision`.
 fn comm_dtypes(plugin: &FsdpPlugin) -> Result<CommDtypes, EngineError> {
     match plugin.mixed_precision {
         MixedPrecision::No => Ok(CommDtypes::default()),
@@ -39,9 +38,11 @@ fn comm_dtypes(plugin: &FsdpPlugin) -> Result<CommDtypes, EngineError> {
             param: fsdp_comm::DType::BF16,
             reduce: fsdp_comm::DType::F32,
         }),
-        MixedPrecision::Fp16 => Err(EngineError::Unsupported {
-            setting: "mixed_precision: fp16".into(),
-            hint: "fp16 needs dynamic loss scaling, which is not implemented yet: use mixed_precision: bf16 (same memory and traffic, no scaling needed) or no",
+        // fp16 as bf16, with a narrower range: scale the loss with a `GradScaler` (the
+        // Accelerator does).
+        MixedPrecision::Fp16 => Ok(CommDtypes {
+            param: fsdp_comm::DType::F16,
+            reduce: fsdp_comm::DType::F32,
         }),
     }
 }

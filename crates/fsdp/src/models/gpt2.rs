@@ -236,11 +236,7 @@ impl Forward<(&Tensor, Option<u64>)> for Gpt2Model {
             .call(p, &Tensor::arange(0u32, seq as u32, device)?)?;
         let mut x = self.drop.apply(&tok.broadcast_add(&pos)?, seed)?;
         let dtype = x.dtype();
-        let lowest = if dtype == DType::F64 {
-            f64::MIN
-        } else {
-            f32::MIN as f64
-        };
+        let lowest = super::mask_lowest(dtype);
         let causal: Vec<f64> = (0..seq * seq)
             .map(|i| if i % seq > i / seq { lowest } else { 0.0 })
             .collect();

@@ -5,3 +5,15 @@ pub mod gpt2;
 
 pub use bert::{BertConfig, BertForSequenceClassification, BertInput, BertLayer, BertModel};
 pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
+
+/// The value additive attention masks put where attention is blocked: `dtype`'s lowest finite
+/// value (as transformers' `torch.finfo(dtype).min`), so a blocked score stays finite and
+/// `0 * lowest` is 0 (f32's lowest would be -inf in bf16 and fp16, and `0 * -inf` NaN).
+pub(crate) fn mask_lowest(dtype: candle_core::DType) -> f64 {
+    match dtype {
+        candle_core::DType::F64 => f64::MIN,
+        candle_core::DType::BF16 => half::bf16::MIN.to_f64(),
+        candle_core::DType::F16 => half::f16::MIN.to_f64(),
+        _ => f32::MIN as f64,
+    }
+}

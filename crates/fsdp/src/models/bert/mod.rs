@@ -7,7 +7,7 @@ mod layer;
 
 use std::sync::Arc;
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{D, Result, Tensor};
 
 pub use config::BertConfig;
 pub use layer::{
@@ -187,11 +187,7 @@ impl<'a> Forward<BertInput<'a>> for BertModel {
             None => None,
             Some(m) => {
                 let dtype = hidden.dtype();
-                let lowest = if dtype == DType::F64 {
-                    f64::MIN
-                } else {
-                    f32::MIN as f64
-                };
+                let lowest = crate::models::mask_lowest(dtype);
                 let m = m.to_dtype(dtype)?.reshape((batch, 1, 1, seq))?;
                 Some(((m.ones_like()? - m)? * lowest)?)
             }

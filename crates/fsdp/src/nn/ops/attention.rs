@@ -574,10 +574,10 @@ pub fn scaled_dot_product_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if q.dtype() == DType::BF16 {
-        // Probabilities kept in bf16 lose too much in softmax's backward (a difference of
-        // nearly equal products): bf16 inputs are attended in f32, as PyTorch's kernels
-        // accumulate and keep them, and the output is bf16 again.
+    if matches!(q.dtype(), DType::BF16 | DType::F16) {
+        // Probabilities kept in half precision lose too much in softmax's backward (a
+        // difference of nearly equal products): half-precision inputs are attended in f32, as
+        // PyTorch's kernels accumulate and keep them, and the output is cast back.
         let wide = |t: &Tensor| t.to_dtype(DType::F32);
         let mask = mask.map(wide).transpose()?;
         let out = scaled_dot_product_attention(
@@ -588,7 +588,7 @@ pub fn scaled_dot_product_attention(
             mask.as_ref(),
             dropout,
         )?;
-        return out.to_dtype(DType::BF16);
+        return out.to_dtype(q.dtype());
     }
     let op = sdpa_op(q.dims3()?, q.dtype(), heads, mask, dropout)?;
     q.apply_op3(k, v, op)
@@ -603,11 +603,11 @@ pub fn packed_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if qkv.dtype() == DType::BF16 {
+    if matches!(qkv.dtype(), DType::BF16 | DType::F16) {
         // In f32, as in [`scaled_dot_product_attention`].
         let mask = mask.map(|m| m.to_dtype(DType::F32)).transpose()?;
         let out = packed_attention(&qkv.to_dtype(DType::F32)?, heads, mask.as_ref(), dropout)?;
-        return out.to_dtype(DType::BF16);
+        return out.to_dtype(qkv.dtype());
     }
     let shape = PackedSdpa::width(qkv.layout())?;
     let op = sdpa_op(shape, qkv.dtype(), heads, mask, dropout)?;

@@ -90,10 +90,13 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
     }
 }
 
-/// Runs `f` on f32 copies of bf16 slices and writes its f32 output back as bf16: the bf16
-/// kernels compute in f32 (the accumulation mixed precision asks for) with the vectorised
-/// f32 code.
-fn via_f32(out: &mut [half::bf16], f: impl FnOnce(&mut [f32])) {
+/// Runs `f` on an f32 copy of a half-precision slice and writes its f32 output back: the
+/// half-precision kernels compute in f32 (the accumulation mixed precision asks for) with
+/// the vectorised f32 code.
+fn via_f32<H>(out: &mut [H], f: impl FnOnce(&mut [f32]))
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
     use half::slice::HalfFloatSliceExt;
     let mut wide = vec![0f32; out.len()];
     out.convert_to_f32_slice(&mut wide);
@@ -101,145 +104,158 @@ fn via_f32(out: &mut [half::bf16], f: impl FnOnce(&mut [f32])) {
     out.convert_from_f32_slice(&wide);
 }
 
-fn widen(v: &[half::bf16]) -> Vec<f32> {
+fn widen<H>(v: &[H]) -> Vec<f32>
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
     use half::slice::HalfFloatSliceExt;
     let mut wide = vec![0f32; v.len()];
     v.convert_to_f32_slice(&mut wide);
     wide
 }
 
-fn narrow(v: &[f32]) -> Vec<half::bf16> {
+fn narrow<H: Default + Clone>(v: &[f32]) -> Vec<H>
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
     use half::slice::HalfFloatSliceExt;
-    let mut out = vec![half::bf16::ZERO; v.len()];
+    let mut out = vec![H::default(); v.len()];
     out.convert_from_f32_slice(v);
     out
 }
 
-/// bf16 (mixed precision's compute type): stored in bf16, computed in f32 — elementwise and
-/// row kernels through the f32 SIMD code, GEMMs on f32 copies of the operands with f32
-/// accumulation, rounded to bf16 once at the end.
-impl Float for half::bf16 {
-    fn slice(s: &CpuStorage) -> Option<&[Self]> {
-        match s {
-            CpuStorage::BF16(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::BF16(v)
-    }
-    #[inline]
-    fn f(self) -> f64 {
-        self.to_f64()
-    }
-    #[inline]
-    fn of(v: f64) -> Self {
-        half::bf16::from_f64(v)
-    }
-    fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
-        via_f32(s, |w| simd::softmax_rows_in_place(w, lse, d))
-    }
-    fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
-        via_f32(s, |w| simd::exp_rows_minus(w, lse, d))
-    }
-    fn softmax_rows_backward(y: &[Self], g: &[Self], dx: &mut [Self], d: usize) {
-        let (y, g) = (widen(y), widen(g));
-        via_f32(dx, |w| simd::softmax_rows_backward(&y, &g, w, d))
-    }
-    fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
-        let (x, bias) = (widen(x), widen(bias));
-        via_f32(out, |w| {
-            simd::gelu_forward(&x, &bias, w, approx == GeluApprox::Tanh)
-        })
-    }
-    fn gelu_backward(
-        x: &[Self],
-        bias: &[Self],
-        g: &[Self],
-        dx: &mut [Self],
-        dbias: &mut [f64],
-        approx: GeluApprox,
-    ) {
-        let (x, bias, g) = (widen(x), widen(bias), widen(g));
-        via_f32(dx, |w| {
-            simd::gelu_backward(&x, &bias, &g, w, dbias, approx == GeluApprox::Tanh)
-        })
-    }
-    fn norm_forward(
-        x: &[Self],
-        gamma: &[Self],
-        beta: Option<&[Self]>,
-        d: usize,
-        eps: f64,
-        center: bool,
-    ) -> Vec<Self> {
-        let beta = beta.map(widen);
-        narrow(&f32::norm_forward(
-            &widen(x),
-            &widen(gamma),
-            beta.as_deref(),
-            d,
-            eps,
-            center,
-        ))
-    }
-    fn norm_backward(
-        x: &[Self],
-        gamma: &[Self],
-        g: &[Self],
-        d: usize,
-        eps: f64,
-        center: bool,
-    ) -> (Vec<Self>, Vec<Self>, Vec<Self>) {
-        let (dx, dgamma, dbeta) =
-            f32::norm_backward(&widen(x), &widen(gamma), &widen(g), d, eps, center);
-        (narrow(&dx), narrow(&dgamma), narrow(&dbeta))
-    }
-    unsafe fn gemm(
-        (m, n, k): (usize, usize, usize),
-        dst: *mut Self,
-        dst_rs: usize,
-        accumulate: bool,
-        (lhs, lhs_rs, lhs_cs): (&[Self], usize, usize),
-        (rhs, rhs_rs, rhs_cs): (&[Self], usize, usize),
-        scale: f64,
-    ) {
-        // Contiguous f32 copies of exactly the elements the product reads.
-        let a: Vec<f32> = (0..m * k)
-            .map(|i| lhs[(i / k) * lhs_rs + (i % k) * lhs_cs].to_f32())
-            .collect();
-        let b: Vec<f32> = (0..k * n)
-            .map(|i| rhs[(i / n) * rhs_rs + (i % n) * rhs_cs].to_f32())
-            .collect();
-        let mut c = vec![0f32; m * n];
-        if accumulate {
-            for i in 0..m {
-                for j in 0..n {
-                    // SAFETY: the caller vouches for reads of `dst` when accumulating.
-                    c[i * n + j] = unsafe { *dst.add(i * dst_rs + j) }.to_f32();
+/// A half-precision type (mixed precision's compute dtypes): stored in half precision,
+/// computed in f32 — elementwise and row kernels through the f32 SIMD code, GEMMs on f32
+/// copies of the operands with f32 accumulation, rounded once at the end.
+macro_rules! half_float {
+    ($t:ty, $variant:ident) => {
+        impl Float for $t {
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+            #[inline]
+            fn f(self) -> f64 {
+                self.to_f64()
+            }
+            #[inline]
+            fn of(v: f64) -> Self {
+                <$t>::from_f64(v)
+            }
+            fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
+                via_f32(s, |w| simd::softmax_rows_in_place(w, lse, d))
+            }
+            fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
+                via_f32(s, |w| simd::exp_rows_minus(w, lse, d))
+            }
+            fn softmax_rows_backward(y: &[Self], g: &[Self], dx: &mut [Self], d: usize) {
+                let (y, g) = (widen(y), widen(g));
+                via_f32(dx, |w| simd::softmax_rows_backward(&y, &g, w, d))
+            }
+            fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
+                let (x, bias) = (widen(x), widen(bias));
+                via_f32(out, |w| {
+                    simd::gelu_forward(&x, &bias, w, approx == GeluApprox::Tanh)
+                })
+            }
+            fn gelu_backward(
+                x: &[Self],
+                bias: &[Self],
+                g: &[Self],
+                dx: &mut [Self],
+                dbias: &mut [f64],
+                approx: GeluApprox,
+            ) {
+                let (x, bias, g) = (widen(x), widen(bias), widen(g));
+                via_f32(dx, |w| {
+                    simd::gelu_backward(&x, &bias, &g, w, dbias, approx == GeluApprox::Tanh)
+                })
+            }
+            fn norm_forward(
+                x: &[Self],
+                gamma: &[Self],
+                beta: Option<&[Self]>,
+                d: usize,
+                eps: f64,
+                center: bool,
+            ) -> Vec<Self> {
+                let beta = beta.map(widen);
+                narrow(&f32::norm_forward(
+                    &widen(x),
+                    &widen(gamma),
+                    beta.as_deref(),
+                    d,
+                    eps,
+                    center,
+                ))
+            }
+            fn norm_backward(
+                x: &[Self],
+                gamma: &[Self],
+                g: &[Self],
+                d: usize,
+                eps: f64,
+                center: bool,
+            ) -> (Vec<Self>, Vec<Self>, Vec<Self>) {
+                let (dx, dgamma, dbeta) =
+                    f32::norm_backward(&widen(x), &widen(gamma), &widen(g), d, eps, center);
+                (narrow(&dx), narrow(&dgamma), narrow(&dbeta))
+            }
+            unsafe fn gemm(
+                (m, n, k): (usize, usize, usize),
+                dst: *mut Self,
+                dst_rs: usize,
+                accumulate: bool,
+                (lhs, lhs_rs, lhs_cs): (&[Self], usize, usize),
+                (rhs, rhs_rs, rhs_cs): (&[Self], usize, usize),
+                scale: f64,
+            ) {
+                // Contiguous f32 copies of exactly the elements the product reads.
+                let a: Vec<f32> = (0..m * k)
+                    .map(|i| lhs[(i / k) * lhs_rs + (i % k) * lhs_cs].to_f32())
+                    .collect();
+                let b: Vec<f32> = (0..k * n)
+                    .map(|i| rhs[(i / n) * rhs_rs + (i % n) * rhs_cs].to_f32())
+                    .collect();
+                let mut c = vec![0f32; m * n];
+                if accumulate {
+                    for i in 0..m {
+                        for j in 0..n {
+                            // SAFETY: the caller vouches for reads of `dst` when accumulating.
+                            c[i * n + j] = unsafe { *dst.add(i * dst_rs + j) }.to_f32();
+                        }
+                    }
+                }
+                // SAFETY: `c`, `a` and `b` are contiguous buffers of exactly these shapes.
+                unsafe {
+                    native_gemm(
+                        (m, n, k),
+                        c.as_mut_ptr(),
+                        n,
+                        accumulate,
+                        (&a, k, 1),
+                        (&b, n, 1),
+                        scale,
+                    )
+                };
+                for i in 0..m {
+                    for j in 0..n {
+                        // SAFETY: the caller vouches for writes of `dst`.
+                        unsafe { *dst.add(i * dst_rs + j) = <$t>::from_f32(c[i * n + j]) };
+                    }
                 }
             }
         }
-        // SAFETY: `c`, `a` and `b` are contiguous buffers of exactly these shapes.
-        unsafe {
-            native_gemm(
-                (m, n, k),
-                c.as_mut_ptr(),
-                n,
-                accumulate,
-                (&a, k, 1),
-                (&b, n, 1),
-                scale,
-            )
-        };
-        for i in 0..m {
-            for j in 0..n {
-                // SAFETY: the caller vouches for writes of `dst`.
-                unsafe { *dst.add(i * dst_rs + j) = half::bf16::from_f32(c[i * n + j]) };
-            }
-        }
-    }
+    };
 }
+
+half_float!(half::bf16, BF16);
+half_float!(half::f16, F16);
 
 impl Float for f32 {
     fn slice(s: &CpuStorage) -> Option<&[Self]> {
@@ -439,8 +455,12 @@ macro_rules! float_dispatch {
                 type $T = half::bf16;
                 $body
             }
+            candle_core::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
             other => Err(candle_core::Error::Msg(format!(
-                "{}: unsupported dtype {other:?} (f32, f64 or bf16)",
+                "{}: unsupported dtype {other:?} (f32, f64, bf16 or f16)",
                 $op
             ))),
         }
