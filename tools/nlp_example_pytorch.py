@@ -86,8 +86,15 @@ def worker(rank, args, result_file):
     tok = PreTrainedTokenizerFast(tokenizer_file=f"{MODEL}/tokenizer.json", pad_token="[PAD]")
     torch.manual_seed(args.seed)
     model = BertForSequenceClassification.from_pretrained(MODEL, num_labels=2, attn_implementation="eager")
+    mixed = None
+    if args.mixed_precision == "bf16":
+        # What fsdp-rs does with mixed_precision: bf16: parameters gathered and computed in
+        # bf16, gradients reduced in f32.
+        from torch.distributed.fsdp import MixedPrecision
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                               buffer_dtype=torch.bfloat16)
     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({BertEmbeddings, BertLayer}),
-                 device_id=torch.device("cpu"), use_orig_params=True)
+                 device_id=torch.device("cpu"), use_orig_params=True, mixed_precision=mixed)
     named = list(model.named_parameters())
     no_decay = lambda n: n.endswith("bias") or "LayerNorm" in n
     optim = torch.optim.AdamW([
@@ -95,6 +102,8 @@ def worker(rank, args, result_file):
         {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
     ], lr=args.lr)
     train, test = split(examples(), 0.2, args.seed)
+    if args.max_eval_samples is not None:
+        test = test[:args.max_eval_samples]
     g = args.batch_size * world
     steps_per_epoch = math.ceil(len(train) / g)
     total = min(args.max_train_steps or 1 << 62, steps_per_epoch * args.num_epochs)
@@ -141,7 +150,7 @@ def worker(rank, args, result_file):
                 break
             idx = [order[(s * g + rank * args.batch_size + i) % len(train)] for i in range(args.batch_size)]
             enc, lab = batch([train[i] for i in idx])
-            loss = torch.nn.functional.cross_entropy(model(**enc).logits, lab)
+            loss = torch.nn.functional.cross_entropy(model(**enc).logits.float(), lab)
             loss.backward()
             model.clip_grad_norm_(1.0)
             optim.step()
@@ -175,6 +184,8 @@ def main():
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--port", type=int, default=29651)
+    p.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
+    p.add_argument("--max_eval_samples", type=int, default=None)
     p.add_argument("--ours", help="path to the fsdp binary: run our example after, with the same arguments")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,6 +200,9 @@ def main():
                "--max_length", str(args.max_length), "--seed", str(args.seed)]
         if args.max_train_steps:
             cmd += ["--max_train_steps", str(args.max_train_steps)]
+        if args.max_eval_samples is not None:
+            cmd += ["--max_eval_samples", str(args.max_eval_samples)]
+        cmd += ["--mixed_precision", args.mixed_precision]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         for line in out.splitlines():
             if "accuracy" in line or ": trained " in line:

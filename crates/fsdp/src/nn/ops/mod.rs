@@ -124,6 +124,46 @@ where
     out
 }
 
+/// An f32 copy of the `rows` x `cols` operand at `v` with (row, column) strides `(rs, cs)`,
+/// and its strides: rows (or, for a transposed view, columns) that are contiguous are
+/// converted a slice at a time, keeping the operand's orientation for the GEMM.
+fn widen_operand<H: Copy + Default>(
+    v: &[H],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+) -> (Vec<f32>, usize, usize)
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut out = vec![0f32; rows * cols];
+    if rows == 0 || cols == 0 {
+        return (out, cols, 1);
+    }
+    if cs == 1 {
+        for i in 0..rows {
+            v[i * rs..i * rs + cols].convert_to_f32_slice(&mut out[i * cols..(i + 1) * cols]);
+        }
+        (out, cols, 1)
+    } else if rs == 1 {
+        for j in 0..cols {
+            v[j * cs..j * cs + rows].convert_to_f32_slice(&mut out[j * rows..(j + 1) * rows]);
+        }
+        (out, 1, rows)
+    } else {
+        let mut one = [0f32];
+        for i in 0..rows {
+            for j in 0..cols {
+                [v[i * rs + j * cs]].convert_to_f32_slice(&mut one);
+                out[i * cols + j] = one[0];
+            }
+        }
+        (out, cols, 1)
+    }
+}
+
 /// A half-precision type (mixed precision's compute dtypes): stored in half precision,
 /// computed in f32 — elementwise and row kernels through the f32 SIMD code, GEMMs on f32
 /// copies of the operands with f32 accumulation, rounded once at the end.
@@ -215,39 +255,35 @@ macro_rules! half_float {
                 (rhs, rhs_rs, rhs_cs): (&[Self], usize, usize),
                 scale: f64,
             ) {
-                // Contiguous f32 copies of exactly the elements the product reads.
-                let a: Vec<f32> = (0..m * k)
-                    .map(|i| lhs[(i / k) * lhs_rs + (i % k) * lhs_cs].to_f32())
-                    .collect();
-                let b: Vec<f32> = (0..k * n)
-                    .map(|i| rhs[(i / n) * rhs_rs + (i % n) * rhs_cs].to_f32())
-                    .collect();
+                use half::slice::HalfFloatSliceExt;
+                // f32 copies of exactly the elements the product reads, in their layout.
+                let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
+                let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
                 let mut c = vec![0f32; m * n];
-                if accumulate {
-                    for i in 0..m {
-                        for j in 0..n {
-                            // SAFETY: the caller vouches for reads of `dst` when accumulating.
-                            c[i * n + j] = unsafe { *dst.add(i * dst_rs + j) }.to_f32();
-                        }
+                for i in 0..m {
+                    // SAFETY: the caller vouches for reads (when accumulating) and writes of
+                    // `dst` at row i, columns 0..n.
+                    let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
+                    if accumulate {
+                        row.convert_to_f32_slice(&mut c[i * n..(i + 1) * n]);
                     }
                 }
-                // SAFETY: `c`, `a` and `b` are contiguous buffers of exactly these shapes.
+                // SAFETY: `c`, `a` and `b` are buffers of exactly these shapes and strides.
                 unsafe {
                     native_gemm(
                         (m, n, k),
                         c.as_mut_ptr(),
                         n,
                         accumulate,
-                        (&a, k, 1),
-                        (&b, n, 1),
+                        (&a, a_rs, a_cs),
+                        (&b, b_rs, b_cs),
                         scale,
                     )
                 };
                 for i in 0..m {
-                    for j in 0..n {
-                        // SAFETY: the caller vouches for writes of `dst`.
-                        unsafe { *dst.add(i * dst_rs + j) = <$t>::from_f32(c[i * n + j]) };
-                    }
+                    // SAFETY: as above.
+                    let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
+                    row.convert_from_f32_slice(&c[i * n..(i + 1) * n]);
                 }
             }
         }
