@@ -253,4 +253,18 @@ fn shard_layout_pads_dim_zero_and_memory_follows_the_strategy() {
     let ratio = full.params as f64 / ddp.params as f64;
     assert!((0.25..0.27).contains(&ratio), "{ratio}");
     assert!(full.gathered_peak > 0 && full.total() < ddp.total());
+    // Mixed precision gathers half the bytes; master state stays f32.
+    let bf16 = UnitPlan::build(
+        &info,
+        &plugin(|b| b.mixed_precision(fsdp::config::MixedPrecision::Bf16)),
+        BertModel::no_split_modules(),
+        4,
+    )
+    .unwrap()
+    .memory_estimate();
+    assert_eq!(2 * bf16.gathered_peak, full.gathered_peak);
+    assert_eq!(
+        (bf16.params, bf16.grads, bf16.optimizer),
+        (full.params, full.grads, full.optimizer)
+    );
 }

@@ -130,9 +130,13 @@ pub struct UnitPlan {
     pub group_size: usize,
     /// The strategy the memory estimate assumes.
     pub strategy: ShardingStrategy,
+    /// Bytes per gathered parameter element: 4, or 2 with mixed precision (parameters
+    /// gathered and computed in bf16 or fp16).
+    pub gathered_bytes: usize,
 }
 
-/// Per-rank bytes of model state, for f32 master weights and AdamW.
+/// Per-rank bytes of model state, for f32 master weights and AdamW (and, gathered, in the
+/// mixed-precision parameter dtype).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MemoryEstimate {
     /// Parameters stored between steps.
@@ -299,6 +303,10 @@ impl UnitPlan {
             ignored,
             group_size: group,
             strategy: plugin.sharding_strategy,
+            gathered_bytes: match plugin.mixed_precision {
+                crate::config::MixedPrecision::No => 4,
+                _ => 2,
+            },
         })
     }
 
@@ -339,7 +347,7 @@ impl UnitPlan {
             gathered_peak: if self.group_size == 1 {
                 0
             } else {
-                gathered_peak * f
+                gathered_peak * self.gathered_bytes
             },
         }
     }
