@@ -5,7 +5,8 @@
 //! rank.
 
 use std::path::PathBuf;
-use std::process::Command;
+
+mod common;
 
 #[test]
 fn rank0_loading_keeps_every_rank_near_its_shards() {
@@ -15,23 +16,10 @@ fn rank0_loading_keeps_every_rank_near_its_shards() {
         eprintln!("SKIPPED: all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh");
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("loading.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(["bench", "loading", "--num_processes", "2", "--model"])
-        .arg(&dir)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let doc = common::bench_json(
+        "loading",
+        &["--num_processes", "2", "--model", dir.to_str().unwrap()],
     );
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let file = doc["file_bytes"].as_f64().unwrap();
     let results = doc["results"].as_array().unwrap();
     let rank = |mode: &str, r: usize| {

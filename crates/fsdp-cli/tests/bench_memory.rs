@@ -5,7 +5,7 @@
 //! Activations are kept negligible (one sample of 8 tokens) so the figures are the engine's,
 //! except where activation checkpointing's drop of them is measured.
 
-use std::process::Command;
+mod common;
 
 fn measure(layers: usize) -> Vec<serde_json::Value> {
     measure_with(layers, &["--num_processes", "2"])
@@ -27,23 +27,11 @@ fn measure_with(layers: usize, extra: &[&str]) -> Vec<serde_json::Value> {
 
 /// `fsdp bench memory --steps 2` with `args`, its JSON results.
 fn measure_args(args: &[&str]) -> Vec<serde_json::Value> {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("memory.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(["bench", "memory", "--steps", "2"])
-        .args(args)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let args: Vec<&str> = ["--steps", "2"]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    let doc = common::bench_json("memory", &args);
     doc["results"].as_array().unwrap().clone()
 }
 

@@ -25,6 +25,27 @@ pub fn fsdp() -> Command {
     cmd
 }
 
+/// `fsdp bench WHAT ARGS --json FILE`: the JSON document it wrote (panics with the output
+/// when the benchmark fails).
+pub fn bench_json(what: &str, args: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let out = fsdp()
+        .args(["bench", what])
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
 pub fn port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -56,15 +56,7 @@ impl CustomOp1 for Unshard {
     }
 
     fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let data = self
-            .data
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                candle_core::Error::Msg("fsdp-unshard: parameter already materialised".into())
-            })?;
-        Ok((data, self.shape.clone()))
+        Ok((take_once(&self.data, "fsdp-unshard")?, self.shape.clone()))
     }
 
     fn bwd(
@@ -103,6 +95,16 @@ impl CustomOp1 for PreBackward {
         live(&self.step)?.pre_backward(self.unit)?;
         Ok(Some(grad.clone()))
     }
+}
+
+/// The values an op moves into the graph at its first (only) forward, without a copy.
+fn take_once(slot: &Mutex<Option<CpuStorage>>, op: &str) -> candle_core::Result<CpuStorage> {
+    slot.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!("{op}: values already moved into the graph"))
+        })
 }
 
 /// A contiguous copy of a unit output's float elements.
@@ -154,15 +156,10 @@ impl CustomOp2 for Checkpoint {
         _anchor: &CpuStorage,
         _al: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let data = self
-            .data
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                candle_core::Error::Msg("fsdp-checkpoint: output already materialised".into())
-            })?;
-        Ok((data, self.shape.clone()))
+        Ok((
+            take_once(&self.data, "fsdp-checkpoint")?,
+            self.shape.clone(),
+        ))
     }
 
     fn bwd(

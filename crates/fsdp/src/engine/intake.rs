@@ -31,16 +31,18 @@ impl WeightIntake<'_> {
         self.mesh.shard.rank() == 0 && self.mesh.replicate.as_ref().is_none_or(|r| r.rank() == 0)
     }
 
+    /// The model's description of parameter `layout`.
+    fn spec(&self, layout: &ShardLayout) -> Result<&ParamSpec, EngineError> {
+        self.specs
+            .get(layout.name.as_str())
+            .copied()
+            .ok_or_else(|| problem(layout, "not a parameter of the model".into()))
+    }
+
     /// Parameter `layout`'s full values from the source.
     fn read(&self, layout: &ShardLayout) -> Result<Vec<f32>, EngineError> {
-        let problem = |problem: String| EngineError::InitialWeight {
-            name: layout.name.clone(),
-            problem,
-        };
-        let spec = self
-            .specs
-            .get(layout.name.as_str())
-            .ok_or_else(|| problem("not a parameter of the model".into()))?;
+        let problem = |p: String| problem(layout, p);
+        let spec = self.spec(layout)?;
         let values = self
             .source
             .values(spec)
@@ -64,14 +66,8 @@ impl WeightIntake<'_> {
         shards: usize,
         packed: &mut [f32],
     ) -> Result<(), EngineError> {
-        let problem = |problem: String| EngineError::InitialWeight {
-            name: layout.name.clone(),
-            problem,
-        };
-        let spec = self
-            .specs
-            .get(layout.name.as_str())
-            .ok_or_else(|| problem("not a parameter of the model".into()))?;
+        let problem = |p: String| problem(layout, p);
+        let spec = self.spec(layout)?;
         let mut elements = 0;
         self.source
             .read_rows(spec, &mut |first, piece| {
@@ -179,5 +175,13 @@ impl WeightIntake<'_> {
             .iter()
             .map(|l| mine[l.offset..l.offset + l.shard_numel()].to_vec())
             .collect())
+    }
+}
+
+/// An [`EngineError::InitialWeight`] for parameter `layout`.
+fn problem(layout: &ShardLayout, problem: String) -> EngineError {
+    EngineError::InitialWeight {
+        name: layout.name.clone(),
+        problem,
     }
 }
