@@ -33,6 +33,7 @@ fn run_state(step: u64, rank: usize) -> RunState {
         schedulers: vec![serde_json::json!({"last_step": step})],
         random: serde_json::json!({"rank": rank, "dropout_base": 1000}),
         data: serde_json::json!({"epoch": 0, "batch": step}),
+        grad_scalers: vec![serde_json::json!({"scale": 1024.0, "growth_tracker": step})],
     }
 }
 
@@ -79,6 +80,7 @@ fn resumed(
             .unwrap();
         assert_eq!(run.step, first as u64);
         assert_eq!(run.schedulers, run_state(first as u64, rank).schedulers);
+        assert_eq!(run.grad_scalers, run_state(first as u64, rank).grad_scalers);
         assert_eq!(run.data["batch"], first as u64);
         if a == b {
             assert_eq!(run.random, run_state(first as u64, rank).random);

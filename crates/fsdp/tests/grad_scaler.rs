@@ -1,13 +1,14 @@
 //! fp16 loss scaling over real processes: with a scale large enough to overflow, every rank
 //! skips the same steps (weights and optimizer untouched), the scale backs off until the
 //! gradients fit, grows again after clean steps, and training then proceeds; an overflow in
-//! one rank's rows only makes every rank skip.
+//! one rank's rows only makes every rank skip; the scale is saved in checkpoints and resumed.
 
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use fsdp::accelerator::{Accelerator, ModelHandle};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
+use fsdp::data::LoaderPosition;
 use fsdp::engine::{GradScaler, GradScalerConfig};
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
@@ -18,6 +19,8 @@ mod common;
 
 const ROLE: &str = "FSDP_GRAD_SCALER_WORKER";
 const STEPS: usize = 14;
+/// Where the worker saves its checkpoint.
+const CHECKPOINT_DIR: &str = "TEST_GRAD_SCALER_CHECKPOINT";
 
 fn model() -> BertForSequenceClassification {
     BertForSequenceClassification::new(BertConfig {
@@ -122,18 +125,47 @@ fn scaler_worker() {
     }
     let scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
     let injected = scaler.unscale(model.engine(), &mut engine_grads).unwrap();
+    drop(engine_grads);
+    // The scale is part of the checkpoint: after the scaler is put back to where it
+    // started, load_state brings the saved scale back.
+    let dir = std::path::PathBuf::from(std::env::var(CHECKPOINT_DIR).unwrap());
+    acc.save_state(
+        Some(&dir),
+        &[&model],
+        &[&optimizer],
+        LoaderPosition::default(),
+    )
+    .unwrap();
+    let saved = model.grad_scaler().unwrap().state();
+    model
+        .grad_scaler_mut()
+        .unwrap()
+        .load_state((16_777_216.0, 0));
+    acc.load_state(&dir, &mut [&mut model], &mut [&mut optimizer])
+        .unwrap();
+    let resumed = model.grad_scaler().unwrap().state();
     println!(
         "RESULT {}",
         serde_json::json!({
             "skipped": skipped, "scales": scales, "unchanged": unchanged,
             "losses": losses, "injected_overflow_found": injected,
+            "saved_scale": saved.0,
+            "resumed_scale": resumed.0,
         })
     );
 }
 
 #[test]
 fn overflow_skips_the_step_on_every_rank_and_the_scale_recovers() {
-    let outputs = common::run_workers("scaler_worker", ROLE, 2, &[], Duration::from_secs(120));
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let outputs = common::run_workers(
+        "scaler_worker",
+        ROLE,
+        2,
+        &[(CHECKPOINT_DIR, ckpt.to_str().unwrap())],
+        Duration::from_secs(120),
+    );
     let results: Vec<serde_json::Value> = outputs.iter().map(|o| common::result_of(o)).collect();
     eprintln!("{}", results[0]);
     // The same decisions on both ranks.
@@ -163,5 +195,7 @@ fn overflow_skips_the_step_on_every_rank_and_the_scale_recovers() {
         let losses: Vec<f64> = serde_json::from_value(r["losses"].clone()).unwrap();
         assert!(losses.iter().all(|l| l.is_finite()), "{r}");
         assert_eq!(r["injected_overflow_found"], true, "{r}");
+        assert_eq!(r["resumed_scale"], r["saved_scale"], "{r}");
+        assert_ne!(r["resumed_scale"], 16_777_216.0, "{r}");
     }
 }

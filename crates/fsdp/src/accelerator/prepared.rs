@@ -191,6 +191,10 @@ pub trait ModelHandle {
     fn engine(&self) -> &Fsdp;
     /// The engine, writable (loading state).
     fn engine_mut(&mut self) -> &mut Fsdp;
+    /// The fp16 loss scaler, whose state checkpoints keep.
+    fn grad_scaler_mut(&mut self) -> Option<&mut GradScaler>;
+    /// The fp16 loss scaler.
+    fn scaler(&self) -> Option<&GradScaler>;
 }
 
 impl<M> ModelHandle for PreparedModel<M> {
@@ -204,6 +208,14 @@ impl<M> ModelHandle for PreparedModel<M> {
 
     fn engine_mut(&mut self) -> &mut Fsdp {
         &mut self.engine
+    }
+
+    fn grad_scaler_mut(&mut self) -> Option<&mut GradScaler> {
+        self.scaler.as_mut()
+    }
+
+    fn scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
     }
 }
 

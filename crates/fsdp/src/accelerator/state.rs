@@ -90,11 +90,25 @@ impl Accelerator {
             .map(|o| serde_json::to_value(o.scheduler()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| AcceleratorError::Usage(format!("scheduler state: {e}")))?;
+        let scalers: Vec<serde_json::Value> = models
+            .iter()
+            .map(|m| {
+                m.scaler().map_or(serde_json::Value::Null, |s| {
+                    let (scale, growth_tracker) = s.state();
+                    serde_json::json!({ "scale": scale, "growth_tracker": growth_tracker })
+                })
+            })
+            .collect();
         let run = RunState {
             step: self.steps,
             schedulers,
             random: serde_json::json!({ "seed": self.seed }),
             data: serde_json::json!(data),
+            grad_scalers: if scalers.iter().all(serde_json::Value::is_null) {
+                Vec::new()
+            } else {
+                scalers
+            },
         };
         let options = CheckpointOptions {
             automatic_naming: automatic,
@@ -162,6 +176,18 @@ impl Accelerator {
                     )));
                 }
             }
+        }
+        // fp16 loss scales continue where they were (a checkpoint without them, from a run
+        // without fp16 or an older one, leaves the scalers as prepared).
+        for (m, saved) in models.iter_mut().zip(&run.grad_scalers) {
+            let (Some(scaler), Some(scale), Some(tracker)) = (
+                m.grad_scaler_mut(),
+                saved["scale"].as_f64(),
+                saved["growth_tracker"].as_u64(),
+            ) else {
+                continue;
+            };
+            scaler.load_state((scale, tracker as u32));
         }
         self.steps = run.step;
         if self.is_main_process() {

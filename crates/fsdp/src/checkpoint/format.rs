@@ -68,6 +68,9 @@ pub struct CheckpointDoc {
     pub step: u64,
     /// Free-form position of the data pipeline (sampler epoch and index), as given.
     pub data: serde_json::Value,
+    /// Each model's fp16 loss-scaler state, as given (absent when no model has one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub grad_scalers: Vec<serde_json::Value>,
 }
 
 /// A model or optimizer folder's `metadata.json`.

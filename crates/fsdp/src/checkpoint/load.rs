@@ -256,5 +256,6 @@ fn read_all(
         schedulers,
         random,
         data: doc.data,
+        grad_scalers: doc.grad_scalers,
     })
 }

@@ -75,6 +75,9 @@ pub struct RunState {
     pub random: serde_json::Value,
     /// Where the data pipeline is (epoch, batch), restored as saved.
     pub data: serde_json::Value,
+    /// Each model's fp16 loss-scaler state (`Null` for a model without one; empty when no
+    /// model has one), in `fsdp_checkpoint.json`.
+    pub grad_scalers: Vec<serde_json::Value>,
 }
 
 /// Saves `models` (model i in `pytorch_model_fsdp_{i}`), `optimizers` (optimizer i of model

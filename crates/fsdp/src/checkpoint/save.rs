@@ -466,6 +466,7 @@ fn write_documents(
         schedulers: run.schedulers.len(),
         step: run.step,
         data: run.data.clone(),
+        grad_scalers: run.grad_scalers.clone(),
     };
     atomic::write_synced(
         &staging.join(format::CHECKPOINT_FILE),
