@@ -1,0 +1,244 @@
+//! Attention as candle custom ops: [`Sdpa`] on three operands, `PackedSdpa` on one fused
+//! QKV projection, and the public functions (half-precision inputs attended in f32).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use std::sync::Mutex;
+
+use super::{GradOut, Mask, Sdpa, View, dims3, view};
+use crate::nn::ops::{Float, float_dispatch, tensor, with_slice};
+
+/// Attention on three operands q, k, v.
+impl CustomOp3 for Sdpa {
+    fn name(&self) -> &'static str {
+        "fused-sdpa"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = dims3(l1)?;
+        if dims3(l2)? != shape || dims3(l3)? != shape {
+            return Err(candle_core::Error::Msg(format!(
+                "sdpa: q {:?}, k {:?} and v {:?} differ",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )));
+        }
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let out = self.forward::<T>(
+                &view(s1, l1, 0, self.name())?,
+                &view(s2, l2, 0, self.name())?,
+                &view(s3, l3, 0, self.name())?,
+                shape,
+            )?;
+            Ok((T::storage(out), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        q_t: &Tensor,
+        k_t: &Tensor,
+        v_t: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let shape = q_t.dims3()?;
+        let (b, s, w) = shape;
+        float_dispatch!(q_t.dtype(), self.name(), T => {
+            let n = b * s * w;
+            let (mut dq, mut dk, mut dv) =
+                (vec![T::of(0.0); n], vec![T::of(0.0); n], vec![T::of(0.0); n]);
+            with_slice::<T, _>(q_t, self.name(), |q| {
+                with_slice::<T, _>(k_t, self.name(), |k| {
+                    with_slice::<T, _>(v_t, self.name(), |v| {
+                        self.with_output_grad::<T, _>(res, grad, |o, g| {
+                            self.backward::<T>(
+                                &View::dense(q, s, w, 0),
+                                &View::dense(k, s, w, 0),
+                                &View::dense(v, s, w, 0),
+                                o,
+                                g,
+                                shape,
+                                &mut GradOut::Separate([&mut dq, &mut dk, &mut dv]),
+                            )
+                        })
+                    })
+                })
+            })?;
+            Ok((
+                Some(tensor(dq, q_t.shape(), q_t)?),
+                Some(tensor(dk, k_t.shape(), k_t)?),
+                Some(tensor(dv, v_t.shape(), v_t)?),
+            ))
+        })
+    }
+}
+
+/// Attention on one packed `[batch, seq, 3 * width]` projection (q, k, v side by side): its
+/// gradient is one tensor written in place, where slicing the projection would cost candle a
+/// zero-padded copy per slice in backward.
+struct PackedSdpa(Sdpa);
+
+impl PackedSdpa {
+    /// (batch, seq, width of one projection) of a packed `[batch, seq, 3 * width]` layout.
+    fn width(l: &Layout) -> Result<(usize, usize, usize)> {
+        let (b, s, w3) = dims3(l)?;
+        if w3 % 3 != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "sdpa: packed qkv {:?} is not three projections wide",
+                l.dims()
+            )));
+        }
+        Ok((b, s, w3 / 3))
+    }
+}
+
+impl CustomOp1 for PackedSdpa {
+    fn name(&self) -> &'static str {
+        "fused-sdpa-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let shape = Self::width(l)?;
+        let w = shape.2;
+        float_dispatch!(s.dtype(), self.name(), T => {
+            let part = |i| view::<T>(s, l, i * w, self.name());
+            let out = self.0.forward::<T>(&part(0)?, &part(1)?, &part(2)?, shape)?;
+            Ok((T::storage(out), Shape::from(shape)))
+        })
+    }
+
+    fn bwd(&self, qkv_t: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let shape = Self::width(qkv_t.layout())?;
+        let (b, s, w) = shape;
+        float_dispatch!(qkv_t.dtype(), self.name(), T => {
+            let dqkv = with_slice::<T, _>(qkv_t, self.name(), |qkv| {
+                self.0.with_output_grad::<T, _>(res, grad, |o, g| {
+                    let part = |i: usize| View::dense(qkv, s, 3 * w, i * w);
+                    let mut dqkv = vec![T::of(0.0); 3 * b * s * w];
+                    let mut out = GradOut::Packed(&mut dqkv);
+                    self.0.backward::<T>(&part(0), &part(1), &part(2), o, g, shape, &mut out)?;
+                    Ok(dqkv)
+                })
+            })?;
+            Ok(Some(tensor(dqkv, qkv_t.shape(), qkv_t)?))
+        })
+    }
+}
+
+/// Checks the attention settings and builds the op (mask broadcast to
+/// `[batch, heads, seq, seq]`).
+fn sdpa_op(
+    (batch, seq, width): (usize, usize, usize),
+    dtype: candle_core::DType,
+    heads: usize,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Sdpa> {
+    if heads == 0 || width % heads != 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "sdpa: width {width} is not a multiple of {heads} heads"
+        )));
+    }
+    if let Some((p, _)) = dropout {
+        if !(0.0..1.0).contains(&p) {
+            return Err(candle_core::Error::Msg(format!(
+                "attention dropout probability {p} is not in [0, 1)"
+            )));
+        }
+    }
+    let mask = match mask {
+        None => None,
+        Some(m) => {
+            let md = m.dims();
+            if md.len() > 4 {
+                return Err(candle_core::Error::Msg(format!(
+                    "sdpa: mask has {} dims (at most 4)",
+                    md.len()
+                )));
+            }
+            let mut dims = [1usize; 4];
+            dims[4 - md.len()..].copy_from_slice(md);
+            let full = [batch, heads, seq, seq];
+            if dims.iter().zip(full).any(|(&d, f)| d != 1 && d != f) {
+                return Err(candle_core::Error::Msg(format!(
+                    "sdpa: mask {md:?} does not broadcast to {full:?}"
+                )));
+            }
+            Some(Mask {
+                values: m.detach().to_dtype(dtype)?.contiguous()?,
+                dims,
+            })
+        }
+    };
+    Ok(Sdpa {
+        heads,
+        scale: 1.0 / ((width / heads) as f64).sqrt(),
+        mask,
+        dropout: dropout.filter(|(p, _)| *p > 0.0),
+        lse: Mutex::new(Vec::new()),
+    })
+}
+
+/// `softmax(Q K^T / sqrt(head_dim) + mask) V` per head, with optional dropout
+/// `(probability, seed)` on the probabilities. `q`, `k`, `v`: `[batch, seq, heads * head_dim]`
+/// (rows may be strided); `mask`: additive, broadcastable to `[batch, heads, seq, seq]`
+/// (e.g. `[batch, 1, 1, seq]` padding or `[1, 1, seq, seq]` causal). Returns
+/// `[batch, seq, heads * head_dim]`.
+pub fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    if matches!(q.dtype(), DType::BF16 | DType::F16) {
+        // Probabilities kept in half precision lose too much in softmax's backward (a
+        // difference of nearly equal products): half-precision inputs are attended in f32, as
+        // PyTorch's kernels accumulate and keep them, and the output is cast back.
+        let wide = |t: &Tensor| t.to_dtype(DType::F32);
+        let mask = mask.map(wide).transpose()?;
+        let out = scaled_dot_product_attention(
+            &wide(q)?,
+            &wide(k)?,
+            &wide(v)?,
+            heads,
+            mask.as_ref(),
+            dropout,
+        )?;
+        return out.to_dtype(q.dtype());
+    }
+    let op = sdpa_op(q.dims3()?, q.dtype(), heads, mask, dropout)?;
+    q.apply_op3(k, v, op)
+}
+
+/// [`scaled_dot_product_attention`] on a fused projection `qkv` `[batch, seq, 3 * width]`
+/// holding q, k and v side by side (BERT's query/key/value or GPT-2's `c_attn` computed by
+/// one GEMM). Returns `[batch, seq, width]`.
+pub fn packed_attention(
+    qkv: &Tensor,
+    heads: usize,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    if matches!(qkv.dtype(), DType::BF16 | DType::F16) {
+        // In f32, as in [`scaled_dot_product_attention`].
+        let mask = mask.map(|m| m.to_dtype(DType::F32)).transpose()?;
+        let out = packed_attention(&qkv.to_dtype(DType::F32)?, heads, mask.as_ref(), dropout)?;
+        return out.to_dtype(qkv.dtype());
+    }
+    let shape = PackedSdpa::width(qkv.layout())?;
+    let op = sdpa_op(shape, qkv.dtype(), heads, mask, dropout)?;
+    qkv.apply_op1(PackedSdpa(op))
+}

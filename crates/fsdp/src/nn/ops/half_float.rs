@@ -1,0 +1,210 @@
+//! The half-precision [`Float`] types (bf16 and f16, mixed precision's compute dtypes):
+//! stored in half precision, computed in f32 through the f32 kernels.
+
+use candle_core::CpuStorage;
+
+use super::matmul::native_gemm;
+use super::{Float, GeluApprox, simd};
+
+/// Runs `f` on an f32 copy of a half-precision slice and writes its f32 output back: the
+/// half-precision kernels compute in f32 (the accumulation mixed precision asks for) with
+/// the vectorised f32 code.
+fn via_f32<H>(out: &mut [H], f: impl FnOnce(&mut [f32]))
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut wide = vec![0f32; out.len()];
+    out.convert_to_f32_slice(&mut wide);
+    f(&mut wide);
+    out.convert_from_f32_slice(&wide);
+}
+
+fn widen<H>(v: &[H]) -> Vec<f32>
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut wide = vec![0f32; v.len()];
+    v.convert_to_f32_slice(&mut wide);
+    wide
+}
+
+fn narrow<H: Default + Clone>(v: &[f32]) -> Vec<H>
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut out = vec![H::default(); v.len()];
+    out.convert_from_f32_slice(v);
+    out
+}
+
+/// An f32 copy of the `rows` x `cols` operand at `v` with (row, column) strides `(rs, cs)`,
+/// and its strides: rows (or, for a transposed view, columns) that are contiguous are
+/// converted a slice at a time, keeping the operand's orientation for the GEMM.
+fn widen_operand<H: Copy + Default>(
+    v: &[H],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+) -> (Vec<f32>, usize, usize)
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut out = vec![0f32; rows * cols];
+    if rows == 0 || cols == 0 {
+        return (out, cols, 1);
+    }
+    if cs == 1 {
+        for i in 0..rows {
+            v[i * rs..i * rs + cols].convert_to_f32_slice(&mut out[i * cols..(i + 1) * cols]);
+        }
+        (out, cols, 1)
+    } else if rs == 1 {
+        for j in 0..cols {
+            v[j * cs..j * cs + rows].convert_to_f32_slice(&mut out[j * rows..(j + 1) * rows]);
+        }
+        (out, 1, rows)
+    } else {
+        let mut one = [0f32];
+        for i in 0..rows {
+            for j in 0..cols {
+                [v[i * rs + j * cs]].convert_to_f32_slice(&mut one);
+                out[i * cols + j] = one[0];
+            }
+        }
+        (out, cols, 1)
+    }
+}
+
+/// A half-precision type (mixed precision's compute dtypes): stored in half precision,
+/// computed in f32 — elementwise and row kernels through the f32 SIMD code, GEMMs on f32
+/// copies of the operands with f32 accumulation, rounded once at the end.
+macro_rules! half_float {
+    ($t:ty, $variant:ident) => {
+        impl Float for $t {
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+            #[inline]
+            fn f(self) -> f64 {
+                self.to_f64()
+            }
+            #[inline]
+            fn of(v: f64) -> Self {
+                <$t>::from_f64(v)
+            }
+            fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
+                via_f32(s, |w| simd::softmax_rows_in_place(w, lse, d))
+            }
+            fn exp_rows_minus(s: &mut [Self], lse: &[f64], d: usize) {
+                via_f32(s, |w| simd::exp_rows_minus(w, lse, d))
+            }
+            fn softmax_rows_backward(y: &[Self], g: &[Self], dx: &mut [Self], d: usize) {
+                let (y, g) = (widen(y), widen(g));
+                via_f32(dx, |w| simd::softmax_rows_backward(&y, &g, w, d))
+            }
+            fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
+                let (x, bias) = (widen(x), widen(bias));
+                via_f32(out, |w| {
+                    simd::gelu_forward(&x, &bias, w, approx == GeluApprox::Tanh)
+                })
+            }
+            fn gelu_backward(
+                x: &[Self],
+                bias: &[Self],
+                g: &[Self],
+                dx: &mut [Self],
+                dbias: &mut [f64],
+                approx: GeluApprox,
+            ) {
+                let (x, bias, g) = (widen(x), widen(bias), widen(g));
+                via_f32(dx, |w| {
+                    simd::gelu_backward(&x, &bias, &g, w, dbias, approx == GeluApprox::Tanh)
+                })
+            }
+            fn norm_forward(
+                x: &[Self],
+                gamma: &[Self],
+                beta: Option<&[Self]>,
+                d: usize,
+                eps: f64,
+                center: bool,
+            ) -> Vec<Self> {
+                let beta = beta.map(widen);
+                narrow(&f32::norm_forward(
+                    &widen(x),
+                    &widen(gamma),
+                    beta.as_deref(),
+                    d,
+                    eps,
+                    center,
+                ))
+            }
+            fn norm_backward(
+                x: &[Self],
+                gamma: &[Self],
+                g: &[Self],
+                d: usize,
+                eps: f64,
+                center: bool,
+            ) -> (Vec<Self>, Vec<Self>, Vec<Self>) {
+                let (dx, dgamma, dbeta) =
+                    f32::norm_backward(&widen(x), &widen(gamma), &widen(g), d, eps, center);
+                (narrow(&dx), narrow(&dgamma), narrow(&dbeta))
+            }
+            unsafe fn gemm(
+                (m, n, k): (usize, usize, usize),
+                dst: *mut Self,
+                dst_rs: usize,
+                accumulate: bool,
+                (lhs, lhs_rs, lhs_cs): (&[Self], usize, usize),
+                (rhs, rhs_rs, rhs_cs): (&[Self], usize, usize),
+                scale: f64,
+            ) {
+                use half::slice::HalfFloatSliceExt;
+                // f32 copies of exactly the elements the product reads, in their layout.
+                let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
+                let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
+                let mut c = vec![0f32; m * n];
+                for i in 0..m {
+                    // SAFETY: the caller vouches for reads (when accumulating) and writes of
+                    // `dst` at row i, columns 0..n.
+                    let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
+                    if accumulate {
+                        row.convert_to_f32_slice(&mut c[i * n..(i + 1) * n]);
+                    }
+                }
+                // SAFETY: `c`, `a` and `b` are buffers of exactly these shapes and strides.
+                unsafe {
+                    native_gemm(
+                        (m, n, k),
+                        c.as_mut_ptr(),
+                        n,
+                        accumulate,
+                        (&a, a_rs, a_cs),
+                        (&b, b_rs, b_cs),
+                        scale,
+                    )
+                };
+                for i in 0..m {
+                    // SAFETY: as above.
+                    let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
+                    row.convert_from_f32_slice(&c[i * n..(i + 1) * n]);
+                }
+            }
+        }
+    };
+}
+
+half_float!(half::bf16, BF16);
+half_float!(half::f16, F16);

@@ -1,0 +1,167 @@
+//! The GEMMs every op calls: [`gemm_into`] and [`gemm_new`] check the operands' strides and
+//! go through [`Float::gemm`], which is the `gemm` crate's for f32 and f64
+//! ([`native_gemm`]) and an f32 GEMM on converted operands for the half-precision types.
+
+use super::Float;
+
+fn parallelism() -> ::gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        0 | 1 => ::gemm::Parallelism::None,
+        n => ::gemm::Parallelism::Rayon(n),
+    }
+}
+
+/// `dst[m×n] = (dst if accumulate) + scale · lhs[m×k] · rhs[k×n]`, every operand given by
+/// (row, column) strides (`dst` by its row stride, columns contiguous).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: &[T],
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: &[T],
+    rhs_rs: usize,
+    rhs_cs: usize,
+    scale: f64,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        dst.len() >= (m - 1) * dst_rs + n,
+        "gemm: destination too short"
+    );
+    // SAFETY: the assertion above keeps every destination index inside `dst`.
+    unsafe {
+        gemm_raw(
+            (m, n, k),
+            dst.as_mut_ptr(),
+            dst_rs,
+            accumulate,
+            (lhs, lhs_rs, lhs_cs),
+            (rhs, rhs_rs, rhs_cs),
+            scale,
+        )
+    }
+}
+
+/// `scale · lhs[m×k] · rhs[k×n]` into a new row-major vector, written by the GEMM directly
+/// (no zero-fill first: outputs here are activation- and weight-sized).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_new<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: &[T],
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: &[T],
+    rhs_rs: usize,
+    rhs_cs: usize,
+    scale: f64,
+) -> Vec<T> {
+    if m == 0 || n == 0 || k == 0 {
+        return vec![T::of(0.0); m * n];
+    }
+    let mut dst: Vec<T> = Vec::with_capacity(m * n);
+    // SAFETY: the destination is the vector's m·n reserved elements, which a GEMM that does
+    // not read its destination (`accumulate` false) writes in full before the length is set.
+    unsafe {
+        gemm_raw(
+            (m, n, k),
+            dst.as_mut_ptr(),
+            n,
+            false,
+            (lhs, lhs_rs, lhs_cs),
+            (rhs, rhs_rs, rhs_cs),
+            scale,
+        );
+        dst.set_len(m * n);
+    }
+    dst
+}
+
+/// The one call into `gemm`; checks that the operands' strides stay inside their slices.
+///
+/// # Safety
+/// `dst` must be valid for writes (and for reads when `accumulate`) at every
+/// `i * dst_rs + j`, `i < m`, `j < n`.
+unsafe fn gemm_raw<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): (&[T], usize, usize),
+    (rhs, rhs_rs, rhs_cs): (&[T], usize, usize),
+    scale: f64,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k > 0 {
+        assert!(
+            lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
+            "gemm: lhs too short"
+        );
+        assert!(
+            rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
+            "gemm: rhs too short"
+        );
+    }
+    // SAFETY: the caller vouches for `dst`; the assertions above for the operands.
+    unsafe {
+        T::gemm(
+            (m, n, k),
+            dst,
+            dst_rs,
+            accumulate,
+            (lhs, lhs_rs, lhs_cs),
+            (rhs, rhs_rs, rhs_cs),
+            scale,
+        )
+    }
+}
+
+/// The `gemm` crate's GEMM for the types it has (f32, f64).
+///
+/// # Safety
+/// As [`gemm_raw`], whose checks have been made.
+pub(super) unsafe fn native_gemm<T: 'static + Copy + Float>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): (&[T], usize, usize),
+    (rhs, rhs_rs, rhs_cs): (&[T], usize, usize),
+    scale: f64,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        ::gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            T::of(1.0),
+            T::of(scale),
+            false,
+            false,
+            false,
+            parallelism(),
+        )
+    }
+}
