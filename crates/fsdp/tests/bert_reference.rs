@@ -10,6 +10,8 @@ use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::optim::{AdamW, AdamWConfig, Optimizer};
 
+mod common;
+
 fn reference_dir() -> Option<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference");
     dir.join("init.safetensors").is_file().then_some(dir)
@@ -95,17 +97,7 @@ fn thirty_steps_match_pytorch_single_process() {
             .unwrap();
     let mut max_abs = 0f32;
     for (name, t) in params.tensors() {
-        let diff = (t - &final_ref[&name])
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        max_abs = max_abs.max(diff);
+        max_abs = max_abs.max(common::max_abs_diff(&t, &final_ref[&name]));
     }
     eprintln!(
         "worst absolute loss difference {worst:e}; largest final weight difference {max_abs:e}"

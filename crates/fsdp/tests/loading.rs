@@ -133,17 +133,7 @@ fn loading_worker() {
                 Some(base) => &file_weights[base],
                 None => &fresh[name],
             };
-            let diff = (got - want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            worst = worst.max(diff);
+            worst = worst.max(common::max_abs_diff(got, want));
         }
         println!(
             "RESULT {}",

@@ -19,13 +19,12 @@ pub(crate) trait StepHooks: Send + Sync {
     fn pre_backward(&self, unit: usize) -> candle_core::Result<()>;
     /// The complete gradient of parameter `param` of unit `unit` is `grad`.
     fn post_backward(&self, unit: usize, param: usize, grad: &Tensor) -> candle_core::Result<()>;
-    /// Activation checkpointing: runs `forward` of unit `unit` again on `x` (reading the
-    /// unit's refilled parameters and the `replicated` ones), back-propagates `grad` through
-    /// it (the parameters' gradients reach [`StepHooks::post_backward`]) and returns the
-    /// gradient of `x` when `x` needs one.
+    /// Activation checkpointing: runs a unit's `forward` again on `x` (reading the unit's
+    /// refilled parameters and the `replicated` ones), back-propagates `grad` through it (the
+    /// parameters' gradients reach [`StepHooks::post_backward`]) and returns the gradient of
+    /// `x` when `x` needs one.
     fn recompute(
         &self,
-        unit: usize,
         x: &Tensor,
         forward: &Recompute,
         replicated: &HashMap<String, Tensor>,
@@ -138,7 +137,6 @@ pub(crate) struct Checkpoint {
     pub data: Mutex<Option<CpuStorage>>,
     pub shape: Shape,
     pub step: Weak<dyn StepHooks>,
-    pub unit: usize,
     pub forward: Recompute,
     /// The replicated (ignored) parameters, which the forward may read.
     pub replicated: HashMap<String, Tensor>,
@@ -169,8 +167,7 @@ impl CustomOp2 for Checkpoint {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let gx =
-            live(&self.step)?.recompute(self.unit, x, &self.forward, &self.replicated, grad)?;
+        let gx = live(&self.step)?.recompute(x, &self.forward, &self.replicated, grad)?;
         Ok((gx, None))
     }
 }

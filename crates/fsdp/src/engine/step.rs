@@ -348,7 +348,6 @@ impl StepShared {
             data: Mutex::new(Some(data)),
             shape,
             step: self.hooks(),
-            unit: u,
             forward,
             replicated: params.replicated.clone(),
         };
@@ -366,7 +365,6 @@ impl StepShared {
 impl StepHooks for StepShared {
     fn recompute(
         &self,
-        _unit: usize,
         x: &Tensor,
         forward: &Recompute,
         replicated: &HashMap<String, Tensor>,

@@ -8,6 +8,7 @@ pub mod tiny;
 use std::process::Command;
 use std::time::Duration;
 
+use candle_core::Tensor;
 use fsdp_comm::LocalJob;
 
 /// Starts `world` copies of this test binary running test `entry` with `role=1` set (one
@@ -48,4 +49,18 @@ pub fn result_of(output: &str) -> serde_json::Value {
         .find_map(|l| l.split("RESULT ").nth(1))
         .unwrap_or_else(|| panic!("no RESULT line in:\n{output}"));
     serde_json::from_str(line).unwrap()
+}
+
+/// The largest absolute difference between two tensors of one shape (f32).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }

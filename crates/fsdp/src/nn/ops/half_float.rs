@@ -20,6 +20,18 @@ where
     out.convert_from_f32_slice(&wide);
 }
 
+/// Runs `f` on a zeroed f32 buffer and writes what it produced into `out` (an output the
+/// kernel only writes: nothing is converted in first).
+fn write_via_f32<H>(out: &mut [H], f: impl FnOnce(&mut [f32]))
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut wide = vec![0f32; out.len()];
+    f(&mut wide);
+    out.convert_from_f32_slice(&wide);
+}
+
 fn widen<H>(v: &[H]) -> Vec<f32>
 where
     [H]: half::slice::HalfFloatSliceExt,
@@ -111,11 +123,11 @@ macro_rules! half_float {
             }
             fn softmax_rows_backward(y: &[Self], g: &[Self], dx: &mut [Self], d: usize) {
                 let (y, g) = (widen(y), widen(g));
-                via_f32(dx, |w| simd::softmax_rows_backward(&y, &g, w, d))
+                write_via_f32(dx, |w| simd::softmax_rows_backward(&y, &g, w, d))
             }
             fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
                 let (x, bias) = (widen(x), widen(bias));
-                via_f32(out, |w| {
+                write_via_f32(out, |w| {
                     simd::gelu_forward(&x, &bias, w, approx == GeluApprox::Tanh)
                 })
             }
@@ -128,7 +140,7 @@ macro_rules! half_float {
                 approx: GeluApprox,
             ) {
                 let (x, bias, g) = (widen(x), widen(bias), widen(g));
-                via_f32(dx, |w| {
+                write_via_f32(dx, |w| {
                     simd::gelu_backward(&x, &bias, &g, w, dbias, approx == GeluApprox::Tanh)
                 })
             }
