@@ -2,7 +2,9 @@
 //! engine has handed back to the system inside allocations that stay live (released full
 //! parameters keep their storage, see `engine::sharded`), so "resident model memory" can be
 //! measured rather than estimated. glibc keeps freed blocks, so peak RSS alone cannot show
-//! what FSDP frees.
+//! what FSDP frees. Returned bytes count as resident again exactly when their allocation is
+//! refilled or freed (the allocator itself sees the free): not when the engine lets go of
+//! its handle while the autograd graph still holds the storage.
 //!
 //! ```ignore
 //! #[global_allocator]
@@ -10,12 +12,72 @@
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicI64 = AtomicI64::new(0);
 static RELEASED: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// How many allocations can have returned pages at once; beyond it a release is not counted
+/// (the figures then overstate what is resident, never understate it).
+const RELEASED_CAPACITY: usize = 4096;
+
+/// The live allocations with pages returned inside them: (address, bytes returned). A fixed
+/// array, so the allocator's free path can consult it without allocating.
+struct ReleasedAllocations {
+    len: usize,
+    entries: [(usize, usize); RELEASED_CAPACITY],
+}
+
+impl ReleasedAllocations {
+    fn position(&self, address: usize) -> Option<usize> {
+        self.entries[..self.len]
+            .iter()
+            .position(|&(a, _)| a == address)
+    }
+
+    /// Forgets `address`; the bytes it had returned.
+    fn remove(&mut self, address: usize) -> usize {
+        let Some(i) = self.position(address) else {
+            return 0;
+        };
+        let (_, bytes) = self.entries[i];
+        self.len -= 1;
+        self.entries[i] = self.entries[self.len];
+        RELEASED_COUNT.store(self.len, Ordering::Relaxed);
+        bytes
+    }
+}
+
+static RELEASED_ALLOCATIONS: Mutex<ReleasedAllocations> = Mutex::new(ReleasedAllocations {
+    len: 0,
+    entries: [(0, 0); RELEASED_CAPACITY],
+});
+/// Entries in [`RELEASED_ALLOCATIONS`], read without its lock so frees skip it when empty.
+static RELEASED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Smallest allocation that can hold a whole returned page.
+const PAGE: usize = 4096;
+
+fn released_allocations() -> std::sync::MutexGuard<'static, ReleasedAllocations> {
+    RELEASED_ALLOCATIONS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// The allocation at `address` (of `size` bytes) is being freed: its returned bytes stop
+/// being subtracted, after its own bytes left the live count.
+fn note_freed(address: *mut u8, size: usize) {
+    if size < PAGE || RELEASED_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let bytes = released_allocations().remove(address as usize);
+    if bytes > 0 {
+        RELEASED.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
 
 /// The system allocator, counting live bytes and their peak (less the engine's released bytes).
 pub struct CountingAllocator;
@@ -47,9 +109,11 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // Before the address can be handed out again.
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        note_freed(ptr, layout.size());
         // SAFETY: forwarded with the caller's pointer and layout.
         unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -57,6 +121,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            note_freed(ptr, layout.size());
             note_alloc(new_size);
         }
         p
@@ -93,13 +158,34 @@ pub fn reset_peak() {
     PEAK.store(resident_bytes() as i64, Ordering::Relaxed);
 }
 
-/// Records `bytes` returned to the system inside a live allocation.
-pub(crate) fn note_released(bytes: usize) {
+/// Records `bytes` returned to the system inside the live allocation starting at
+/// `allocation`, until [`note_refilled`] or the allocation's free. Not recorded without an
+/// installed [`CountingAllocator`] (nothing would see the free).
+pub(crate) fn note_released(allocation: *const u8, bytes: usize) {
+    if !INSTALLED.load(Ordering::Relaxed) || bytes == 0 {
+        return;
+    }
+    let mut table = released_allocations();
+    let before = table.remove(allocation as usize);
+    if table.len == RELEASED_CAPACITY {
+        RELEASED.fetch_sub(before, Ordering::Relaxed);
+        return;
+    }
+    let i = table.len;
+    table.entries[i] = (allocation as usize, bytes);
+    table.len += 1;
+    RELEASED_COUNT.store(table.len, Ordering::Relaxed);
+    // Added before the old figure leaves: the resident count may dip, never overshoot.
     RELEASED.fetch_add(bytes, Ordering::Relaxed);
+    RELEASED.fetch_sub(before, Ordering::Relaxed);
 }
 
-/// Records `bytes` of a released allocation resident again (refilled or freed).
-pub(crate) fn note_reclaimed(bytes: usize) {
+/// Records the allocation starting at `allocation` resident again (its pages written back).
+pub(crate) fn note_refilled(allocation: *const u8) {
+    if RELEASED_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let bytes = released_allocations().remove(allocation as usize);
     RELEASED.fetch_sub(bytes, Ordering::Relaxed);
 }
 

@@ -4,8 +4,6 @@
 //! released after its unit's forward and refilled before its backward.
 
 use std::ops::Range;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor};
@@ -272,48 +270,22 @@ pub(crate) fn unpack_storage(
     })
 }
 
-/// Pages of a full parameter returned to the system while its allocation stays live, so the
-/// counting allocator's figures show what FSDP frees.
-#[derive(Default)]
-pub(crate) struct PageLedger(AtomicUsize);
-
-impl PageLedger {
-    fn set(&self, bytes: usize) {
-        let before = self.0.swap(bytes, Ordering::Relaxed);
-        crate::memory::note_released(bytes);
-        crate::memory::note_reclaimed(before);
-    }
-}
-
-impl Drop for PageLedger {
-    fn drop(&mut self) {
-        crate::memory::note_reclaimed(*self.0.get_mut());
-    }
-}
-
 /// A parameter gathered for one step: a graph node whose storage is released after its
 /// unit's forward (FULL_SHARD) and refilled before the unit's backward.
 pub(crate) struct UnshardedParam {
     /// The full parameter (the output of the unit's unshard op).
     pub tensor: Tensor,
-    pages: Arc<PageLedger>,
 }
 
 impl UnshardedParam {
     pub fn new(tensor: Tensor) -> UnshardedParam {
-        UnshardedParam {
-            tensor,
-            pages: Arc::new(PageLedger::default()),
-        }
+        UnshardedParam { tensor }
     }
 
     /// Frees the memory while the graph still references the tensor: NaN-poisoned with
     /// `poison` (debug mode), else the whole pages inside the buffer are returned.
     pub fn release(&self, poison: bool) -> Result<(), EngineError> {
-        Ok(self.tensor.inplace_op1(&Release {
-            poison,
-            pages: &self.pages,
-        })?)
+        Ok(self.tensor.inplace_op1(&Release { poison })?)
     }
 
     /// Writes the parameter's rows back from a gathered block.
@@ -330,19 +302,17 @@ impl UnshardedParam {
             block,
             ranks,
         })?;
-        self.pages.set(0);
         Ok(())
     }
 }
 
 /// Releases a full parameter's memory in place, keeping the storage's length (candle's
 /// kernels index without bounds checks, so a shorter storage would be unsound).
-struct Release<'a> {
+struct Release {
     poison: bool,
-    pages: &'a PageLedger,
 }
 
-impl Release<'_> {
+impl Release {
     fn release<T: Copy>(&self, v: &mut [T], nan: T) {
         if self.poison {
             v.fill(nan);
@@ -364,13 +334,13 @@ impl Release<'_> {
                 )
             };
             if rc == 0 {
-                self.pages.set(last - first);
+                crate::memory::note_released(v.as_ptr().cast(), last - first);
             }
         }
     }
 }
 
-impl InplaceOp1 for Release<'_> {
+impl InplaceOp1 for Release {
     fn name(&self) -> &'static str {
         "fsdp-release"
     }
@@ -414,6 +384,7 @@ impl InplaceOp1 for Refill<'_> {
             |v, g| {
                 self.layout
                     .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
+                crate::memory::note_refilled(v.as_ptr().cast());
                 Ok(())
             },
             Err(candle_core::Error::Msg(format!(
