@@ -273,8 +273,8 @@ pub fn run(a: LayerArgs) -> Result<()> {
 /// Prints the table and the JSON line.
 fn report(a: &LayerArgs, rows: &[(String, f64, f64, f64, f64)]) -> Result<()> {
     println!(
-        "one BERT layer, f32, batch {} seq {} hidden {} heads {} intermediate {}, {} thread(s)",
-        a.batch, a.seq, a.hidden, a.heads, a.intermediate, a.threads
+        "one BERT layer, {}, batch {} seq {} hidden {} heads {} intermediate {}, {} thread(s)",
+        a.dtype, a.batch, a.seq, a.hidden, a.heads, a.intermediate, a.threads
     );
     println!(
         "{:<38} {:>10} {:>10} {:>12} {:>12}",
@@ -286,6 +286,7 @@ fn report(a: &LayerArgs, rows: &[(String, f64, f64, f64, f64)]) -> Result<()> {
     let json = serde_json::json!({
         "benchmark": "layer",
         "shape": {"batch": a.batch, "seq": a.seq, "hidden": a.hidden, "heads": a.heads, "intermediate": a.intermediate},
+        "dtype": a.dtype,
         "threads": a.threads,
         "reps": a.reps,
         "results": rows.iter().map(|(name, fm, fmin, am, amin)| serde_json::json!({
