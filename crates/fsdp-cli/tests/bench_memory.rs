@@ -214,3 +214,26 @@ fn activation_checkpointing_recomputes_each_layer_and_lowers_the_peak() {
         "peak above state {c} with checkpointing vs {p} without"
     );
 }
+
+#[test]
+fn half_precision_gathers_and_reductions_send_half_the_bytes() {
+    let shape = |extra: &[&str]| {
+        let mut args = vec!["--num_processes", "2", "--strategies", "FULL_SHARD"];
+        args.extend(extra);
+        measure_with(2, &args)
+    };
+    let full = shape(&[]);
+    let gathered = shape(&["--mixed_precision", "on"]);
+    let both = shape(&["--mixed_precision", "on", "--reduce_dtype", "bf16"]);
+    let (full, gathered, both) = (&full[0], &gathered[0], &both[0]);
+    assert_eq!(both["label"], "FULL_SHARD bf16 reduce bf16");
+    let sent = |r: &serde_json::Value| {
+        assert_traffic(r);
+        field(r, "bytes_sent_per_step")
+    };
+    // bf16 gathers halve the gathers' bytes (gradients still reduced in f32); bf16
+    // reductions too halve everything.
+    let (f, g, b) = (sent(full), sent(gathered), sent(both));
+    assert!(0.55 < g / f && g / f < 0.9, "{f} -> {g}");
+    assert!((b / f - 0.5).abs() < 0.001, "{f} -> {b}");
+}

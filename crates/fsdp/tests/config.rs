@@ -360,6 +360,15 @@ fn bad_values_name_file_line_key_and_choices() {
         &e,
         &["fsdp_ignored_modules", "not a valid regular expression"],
     );
+    let e = error_of("fsdp_config:\n  fsdp_reduce_dtype: fp8\n");
+    assert_contains(
+        &e,
+        &[
+            "cfg.yaml:2",
+            "`fsdp_reduce_dtype`",
+            "fp32 (1), bf16 (2), fp16 (3)",
+        ],
+    );
     let e = error_of("fsdp_config: [1, 2]\n");
     assert_contains(&e, &["cfg.yaml:1", "`fsdp_config` must be a mapping"]);
     let e = error_of("a: [1, 2\n");

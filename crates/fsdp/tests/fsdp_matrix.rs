@@ -29,6 +29,8 @@ mod common;
 const ROLE: &str = "FSDP_MATRIX_WORKER";
 /// Set for workers that train with `mixed_precision: bf16` (compared with f32 training).
 const BF16: &str = "FSDP_MATRIX_BF16";
+/// Set (with [`BF16`]) for workers that also reduce gradients in bf16 (`fsdp_reduce_dtype`).
+const REDUCE_BF16: &str = "FSDP_MATRIX_REDUCE_BF16";
 /// Set for workers that train with `mixed_precision: fp16` and dynamic loss scaling.
 const FP16: &str = "FSDP_MATRIX_FP16";
 const STEPS: usize = 10;
@@ -377,6 +379,9 @@ fn sharded(
     if std::env::var(BF16).is_ok() {
         builder = builder.mixed_precision(fsdp::config::MixedPrecision::Bf16);
     }
+    if std::env::var(REDUCE_BF16).is_ok() {
+        builder = builder.reduce_dtype(fsdp::config::ReduceDtype::Bf16);
+    }
     let fp16 = std::env::var(FP16).is_ok();
     if fp16 {
         builder = builder.mixed_precision(fsdp::config::MixedPrecision::Fp16);
@@ -625,11 +630,16 @@ fn check_world_with(world: usize, env: &[(&str, &str)]) {
     let outputs = common::run_workers("matrix_worker", ROLE, world, &env, Duration::from_secs(900));
     let result = common::result_of(&outputs[0]);
     eprintln!(
-        "{world} ranks{}: {} cases, worst relative difference: losses {}, weights {} (key-bias elements: {} absolute)",
+        "{world} ranks{}{}: {} cases, worst relative difference: losses {}, weights {} (key-bias elements: {} absolute)",
         match env.iter().find(|(k, _)| *k == BF16 || *k == FP16) {
             Some((k, _)) if *k == BF16 => " in bf16",
             Some(_) => " in fp16",
             None => "",
+        },
+        if env.iter().any(|(k, _)| *k == REDUCE_BF16) {
+            ", gradients reduced in bf16"
+        } else {
+            ""
         },
         result["cases"],
         result["worst_loss"],
@@ -665,9 +675,10 @@ fn bf16_on_two_ranks_tracks_f32_single_process() {
     check_world_with(2, &[(BF16, "1")]);
 }
 
+/// Three ranks: the ring's reduce-scatter rounds partial sums to bf16 at every hop.
 #[test]
-fn bf16_on_three_ranks_tracks_f32_single_process() {
-    check_world_with(3, &[(BF16, "1")]);
+fn bf16_reducing_in_bf16_on_three_ranks_tracks_f32_single_process() {
+    check_world_with(3, &[(BF16, "1"), (REDUCE_BF16, "1")]);
 }
 
 #[test]

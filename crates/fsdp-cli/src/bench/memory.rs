@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use fsdp::config::{FsdpPlugin, Layer, MixedPrecision, ShardingStrategy};
+use fsdp::config::{Choice, FsdpPlugin, Layer, MixedPrecision, ReduceDtype, ShardingStrategy};
 use fsdp::engine::{Fsdp, Gradients, UnitPlan};
 use fsdp::memory;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
@@ -89,12 +89,19 @@ pub struct MemoryArgs {
     /// gradients reduced in f32), or both side by side.
     #[arg(long = "mixed_precision", value_enum, default_value_t = Toggle::Off)]
     mixed_precision: Toggle,
+    /// What gradients are reduced in (fsdp_reduce_dtype: fp32, bf16, fp16).
+    #[arg(long = "reduce_dtype", default_value = "fp32", value_parser = parse_reduce_dtype)]
+    reduce_dtype: ReduceDtype,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
     /// Internal: run as one of the benchmark's workers with this strategy.
     #[arg(long, hide = true)]
     worker: Option<String>,
+}
+
+fn parse_reduce_dtype(s: &str) -> Result<ReduceDtype, String> {
+    s.parse()
 }
 
 /// A setting measured off, on, or both ways.
@@ -182,6 +189,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             args.push("--forward_prefetch".into());
         }
         args.extend(["--accumulation".into(), a.accumulation.to_string()]);
+        args.extend(["--reduce_dtype".into(), a.reduce_dtype.name().into()]);
         let runs = modes.iter().flat_map(|&no_sync| {
             let checkpointing = a.activation_checkpointing.values();
             checkpointing.iter().flat_map(move |&ckpt| {
@@ -225,7 +233,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         a.forward_prefetch
     );
     println!(
-        "{:>26} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8}",
+        "{:>32} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8}",
         "strategy",
         "state",
         "formula",
@@ -244,7 +252,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     );
     for r in &results {
         println!(
-            "{:>26} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>8.2} {:>8.2} {:>8.2} {:>9.1} {:>8.1}",
+            "{:>32} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>8.2} {:>8.2} {:>8.2} {:>9.1} {:>8.1}",
             r["label"].as_str().unwrap_or("?"),
             mib(&r["state_bytes"]),
             mib(&r["state_formula_bytes"]),
@@ -280,9 +288,10 @@ struct Traffic {
     micro: usize,
     /// Micro-batches before the last run without sync.
     no_sync: bool,
-    /// Bytes per parameter element gathered (4 in f32, 2 in bf16); gradients are reduced in
-    /// f32 either way.
+    /// Bytes per parameter element gathered (4 in f32, 2 in bf16).
     gather_bytes: usize,
+    /// Bytes per gradient element reduced (4 in f32, 2 in bf16 or fp16).
+    reduce_bytes: usize,
 }
 
 /// Bytes each rank sends per step of `micro` micro-batches by the ring algorithms, inside its
@@ -299,7 +308,7 @@ fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize, t: Traffic)
     let mut across = 0;
     for u in &plan.units {
         let elems = u.shard_numel();
-        let block = elems * 4;
+        let block = elems * t.reduce_bytes;
         if s > 1 {
             let regather = matches!(
                 plan.strategy,
@@ -331,6 +340,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         } else {
             MixedPrecision::No
         })
+        .reduce_dtype(a.reduce_dtype)
         .resolve(&Layer::from_process_env()?, None)?
         .fsdp;
     let config = BertConfig {
@@ -441,6 +451,11 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             micro,
             no_sync: a.no_sync,
             gather_bytes: if bf16 { 2 } else { 4 },
+            reduce_bytes: if a.reduce_dtype == ReduceDtype::Fp32 {
+                4
+            } else {
+                2
+            },
         };
         let (theory_inside, theory_across) =
             bytes_theory(&plan, mesh.shard_size(), mesh.replicas(), traffic);
@@ -457,6 +472,9 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         if bf16 {
             label.push_str(" bf16");
         }
+        if a.reduce_dtype != ReduceDtype::Fp32 {
+            label.push_str(&format!(" reduce {}", a.reduce_dtype.name()));
+        }
         println!(
             "RESULT {}",
             serde_json::json!({
@@ -467,6 +485,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "kept_unreduced_bytes": worst(6),
                 "activation_checkpointing": checkpointing,
                 "mixed_precision": if bf16 { "bf16" } else { "no" },
+                "reduce_dtype": a.reduce_dtype.name(),
                 "recomputed_units_per_step": fsdp.recomputed_units() as f64 / (steps + 1.0),
                 "state_bytes": worst(0),
                 "state_formula_bytes": formula,

@@ -2,7 +2,8 @@
 //! same schema as files and environment.
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, Choice, MixedPrecision, ShardingStrategy, StateDictType,
+    AutoWrapPolicy, BackwardPrefetch, Choice, MixedPrecision, ReduceDtype, ShardingStrategy,
+    StateDictType,
 };
 use super::error::ConfigError;
 use super::layer::Layer;
@@ -65,6 +66,8 @@ impl FsdpPluginBuilder {
         ignored_modules(&str) => FsdpIgnoredModules, |s: &str| Value::Text(s.into());
         /// `mixed_precision`.
         mixed_precision(MixedPrecision) => MixedPrecision, choice;
+        /// `fsdp_reduce_dtype`: what gradients are reduced in (f32 unless set).
+        reduce_dtype(ReduceDtype) => FsdpReduceDtype, choice;
         /// `debug`: check FSDP state transitions, poison released parameters.
         debug(bool) => Debug, Value::Bool;
     }

@@ -142,6 +142,20 @@ choice_enum!(
 );
 
 choice_enum!(
+    /// The element type gradients are reduced in (PyTorch's `MixedPrecision.reduce_dtype`):
+    /// f32 by default whatever the compute dtype, since summing half-precision gradients
+    /// over ranks rounds away their low bits; a half type halves the reduction's bytes.
+    ReduceDtype {
+        /// f32.
+        Fp32 => "fp32",
+        /// bf16.
+        Bf16 => "bf16",
+        /// fp16 (needs a loss scale that keeps gradients in range: `mixed_precision: fp16`'s).
+        Fp16 => "fp16",
+    }
+);
+
+choice_enum!(
     /// What kind of job the configuration describes.
     DistributedType {
         /// A single process.

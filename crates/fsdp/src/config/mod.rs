@@ -15,7 +15,8 @@ pub mod yaml;
 pub use builder::FsdpPluginBuilder;
 pub use choices::{
     AutoWrapPolicy, BackwardPrefetch, Choice, ComputeEnvironment, DistributedType, MixedPrecision,
-    RendezvousBackend, ShardingStrategy, StateDictType, describe_choices, parse_choice_index,
+    ReduceDtype, RendezvousBackend, ShardingStrategy, StateDictType, describe_choices,
+    parse_choice_index,
 };
 pub use error::ConfigError;
 pub use layer::Layer;

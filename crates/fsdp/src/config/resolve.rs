@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, Choice, DistributedType, MixedPrecision, ShardingStrategy,
-    StateDictType,
+    AutoWrapPolicy, BackwardPrefetch, Choice, DistributedType, MixedPrecision, ReduceDtype,
+    ShardingStrategy, StateDictType,
 };
 use super::error::ConfigError;
 use super::layer::Layer;
@@ -78,6 +78,8 @@ pub struct FsdpPlugin {
     pub ignored_modules: Option<regex::Regex>,
     /// Compute precision.
     pub mixed_precision: MixedPrecision,
+    /// What gradients are reduced in.
+    pub reduce_dtype: ReduceDtype,
     /// Check FSDP state transitions and poison released parameters (the `debug` key).
     pub debug: bool,
 }
@@ -305,6 +307,7 @@ impl View<'_> {
             activation_checkpointing: self.flag(Key::FsdpActivationCheckpointing),
             ignored_modules,
             mixed_precision: self.choice(Key::MixedPrecision),
+            reduce_dtype: self.choice(Key::FsdpReduceDtype),
             debug: self.flag(Key::Debug),
         };
         (plugin, errors)

@@ -4,7 +4,7 @@
 
 use super::choices::{
     AutoWrapPolicy, BackwardPrefetch, Choice, ComputeEnvironment, DistributedType, MixedPrecision,
-    RendezvousBackend, ShardingStrategy, StateDictType,
+    ReduceDtype, RendezvousBackend, ShardingStrategy, StateDictType,
 };
 
 /// Where a key lives in an Accelerate config file.
@@ -227,6 +227,9 @@ key_table! {
     FsdpIgnoredModules: "fsdp_ignored_modules", Fsdp, Kind::Text, D::Unset,
         Some("FSDP_IGNORED_MODULES"), &[], Used,
         "regex on module paths kept out of FSDP (replicated)";
+    FsdpReduceDtype: "fsdp_reduce_dtype", Fsdp, Kind::Choice(ReduceDtype::NAMES), D::Text("fp32"),
+        Some("FSDP_REDUCE_DTYPE"), &[], Used,
+        "dtype gradients are reduced in (fsdp-rs; PyTorch's MixedPrecision.reduce_dtype)";
 }
 
 impl Key {

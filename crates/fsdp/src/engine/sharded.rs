@@ -24,26 +24,28 @@ use super::placement::Placement;
 use super::plan::UnitPlan;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::{FsdpUnit, Prefetch};
-use crate::config::{FsdpPlugin, MixedPrecision, ShardingStrategy, StateDictType};
+use crate::config::{FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
 
-/// The element types of communication and compute for `mixed_precision`.
-fn comm_dtypes(plugin: &FsdpPlugin) -> Result<CommDtypes, EngineError> {
-    match plugin.mixed_precision {
-        MixedPrecision::No => Ok(CommDtypes::default()),
-        // f32 master shards and optimizer state; parameters gathered and computed in bf16;
-        // gradients reduced in f32 (bf16 gradients summed over ranks lose low bits).
-        MixedPrecision::Bf16 => Ok(CommDtypes {
-            param: fsdp_comm::DType::BF16,
-            reduce: fsdp_comm::DType::F32,
-        }),
-        // fp16 as bf16, with a narrower range: scale the loss with a `GradScaler` (the
-        // Accelerator does).
-        MixedPrecision::Fp16 => Ok(CommDtypes {
-            param: fsdp_comm::DType::F16,
-            reduce: fsdp_comm::DType::F32,
-        }),
+/// The element types of communication and compute: parameters gathered (and computed) in
+/// `mixed_precision`'s dtype over f32 master shards and optimizer state; gradients reduced in
+/// `fsdp_reduce_dtype` (f32 unless set: half-precision gradients summed over ranks lose low
+/// bits). fp16 has bf16's precision and a narrower range: scale the loss with a
+/// `GradScaler` (the Accelerator does).
+fn comm_dtypes(plugin: &FsdpPlugin) -> CommDtypes {
+    use fsdp_comm::DType;
+    CommDtypes {
+        param: match plugin.mixed_precision {
+            MixedPrecision::No => DType::F32,
+            MixedPrecision::Bf16 => DType::BF16,
+            MixedPrecision::Fp16 => DType::F16,
+        },
+        reduce: match plugin.reduce_dtype {
+            ReduceDtype::Fp32 => DType::F32,
+            ReduceDtype::Bf16 => DType::BF16,
+            ReduceDtype::Fp16 => DType::F16,
+        },
     }
 }
 
@@ -173,7 +175,7 @@ impl Fsdp {
         default_wrap: &[&str],
         mesh: Mesh,
     ) -> Result<Fsdp, EngineError> {
-        let dtypes = comm_dtypes(plugin)?;
+        let dtypes = comm_dtypes(plugin);
         crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
         let placement = Placement::new(initial.device(), plugin.offload_params);
