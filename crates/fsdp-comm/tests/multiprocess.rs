@@ -265,7 +265,14 @@ impl TestElement for u8 {
 }
 
 fn data<T: TestElement>(r: usize, n: usize) -> Vec<T> {
-    (0..n).map(|i| T::from_f64(value(r, i))).collect()
+    data_from(r, 0, n)
+}
+
+/// Elements `start..start + n` of rank `r`'s data.
+fn data_from<T: TestElement>(r: usize, start: usize, n: usize) -> Vec<T> {
+    (start..start + n)
+        .map(|i| T::from_f64(value(r, i)))
+        .collect()
 }
 
 fn expect_eq<T: TestElement>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
@@ -310,18 +317,16 @@ fn check_dtype<T: TestElement>(
         let got = pg.all_gather(data::<T>(rank, len)).wait().map_err(err)?;
         expect_eq(&ctx("all_gather"), &got, &all.concat())?;
 
-        let full: Vec<Vec<T>> = (0..n).map(|r| data::<T>(r, len * n)).collect();
+        // Rank r's input of n blocks is data(r, len * n); only this rank's block of each is
+        // needed to check the result (materialising all would cost n^2 blocks).
+        let my_block_of = |r: usize| data_from::<T>(r, rank * len, len);
         let got = pg
-            .reduce_scatter(full[rank].clone(), ReduceOp::Sum)
+            .reduce_scatter(data::<T>(rank, len * n), ReduceOp::Sum)
             .wait()
             .map_err(err)?;
-        let mut want = full[0][rank * len..(rank + 1) * len].to_vec();
-        for f in &full[1..] {
-            fsdp_comm::dtype::reduce_into(
-                &mut want,
-                &f[rank * len..(rank + 1) * len],
-                ReduceOp::Sum,
-            );
+        let mut want = my_block_of(0);
+        for r in 1..n {
+            fsdp_comm::dtype::reduce_into(&mut want, &my_block_of(r), ReduceOp::Sum);
         }
         expect_eq(&ctx("reduce_scatter"), &got, &want)?;
 
@@ -340,16 +345,12 @@ fn check_dtype<T: TestElement>(
             )?;
         }
         let input = if rank == root {
-            full[root].clone()
+            data::<T>(root, len * n)
         } else {
             Vec::new()
         };
         let got = pg.scatter(input, len, root).wait().map_err(err)?;
-        expect_eq(
-            &ctx("scatter"),
-            &got,
-            &full[root][rank * len..(rank + 1) * len],
-        )?;
+        expect_eq(&ctx("scatter"), &got, &my_block_of(root))?;
 
         let counts: Vec<usize> = (0..n).map(|r| len + r).collect();
         let got = pg
