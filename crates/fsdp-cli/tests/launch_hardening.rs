@@ -521,3 +521,38 @@ fn a_job_trains_and_ends_on_time_while_its_store_is_flooded() {
     assert!(threads < 16, "{threads} launcher threads");
     assert!(rss < 32 << 10, "launcher RSS {rss} KiB");
 }
+
+#[test]
+fn the_rank_that_exits_first_is_blamed_when_a_peer_follows_at_once() {
+    // Rank 1 fails; rank 0, like a rank whose collective broke with its peer, fails the
+    // moment rank 1 has exited (it spins on rank 1's state without starting a process).
+    // Both exits land within microseconds; the launcher must name rank 1 every time.
+    let dir = tempfile::tempdir().unwrap();
+    for attempt in 0..10 {
+        let marker = dir.path().join(format!("rank1.{attempt}"));
+        let m = marker.display();
+        let script = format!(
+            "if [ \"$RANK\" = 1 ]; then echo $$ > {m}.tmp; mv {m}.tmp {m}; exit 3; fi; \
+             while [ ! -e {m} ]; do :; done; read -r pid < {m}; \
+             while read -r line < /proc/$pid/stat; do case \"$line\" in *') Z '*) exit 5;; esac; done; exit 5"
+        );
+        let run = launch(
+            &[
+                "--num_processes",
+                "2",
+                "--main_process_port",
+                &port(),
+                "sh",
+                "-c",
+                &script,
+            ],
+            Duration::from_secs(30),
+        );
+        assert_eq!(run.code, Some(3), "attempt {attempt}: {}", run.out);
+        assert!(
+            run.out.contains("rank 1 (pid") && run.out.contains("exited with code 3"),
+            "attempt {attempt}: {}",
+            run.out
+        );
+    }
+}

@@ -5,6 +5,7 @@
 //! `relay` (its output), `supervise` (an attempt of the group, and its teardown).
 
 mod args;
+mod exits;
 mod plan;
 mod relay;
 mod spawn;

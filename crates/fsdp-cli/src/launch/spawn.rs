@@ -1,16 +1,15 @@
 //! Starting one worker: its environment (the torchrun contract from fsdp-comm's
 //! `WorkerEnv`, and the configuration's `FSDP_*` variables), its own process group, death
-//! with the launcher (`PR_SET_PDEATHSIG`), its output relays and the thread that observes
-//! its exit without reaping it.
+//! with the launcher (`PR_SET_PDEATHSIG`), its output relays, and watching its exit.
 
 use std::process::{Command, Stdio};
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail};
 use fsdp::config::{DistributedType, Key, ResolvedConfig, Source, Value};
 
 use super::args::LaunchArgs;
+use super::exits::ExitWatcher;
 use super::plan::Plan;
 use super::relay::{Relay, Route, Tail};
 
@@ -21,12 +20,8 @@ pub(super) struct Worker {
     pub rank: usize,
     pub tail: Arc<Mutex<Tail>>,
     pub relays: Vec<Relay>,
-    pub waiter: Option<std::thread::JoinHandle<()>>,
     pub done: Option<std::process::ExitStatus>,
 }
-
-/// A worker's exit as its waiter thread saw it.
-pub(super) type ExitSender = Sender<(usize, std::process::ExitStatus)>;
 
 /// The environment every worker gets from the configuration: every value that is not the
 /// default (workers apply the same defaults table), and whether to use FSDP.
@@ -55,7 +50,7 @@ pub(super) struct Attempt<'a> {
 }
 
 /// Starts local rank `local_rank`. On error nothing of this worker is left running.
-pub(super) fn spawn(a: &Attempt<'_>, local_rank: usize, exits: &ExitSender) -> Result<Worker> {
+pub(super) fn spawn(a: &Attempt<'_>, local_rank: usize, exits: &mut ExitWatcher) -> Result<Worker> {
     let (plan, args) = (a.plan, a.args);
     let rank = plan.first_rank() + local_rank;
     let program = args.program();
@@ -94,15 +89,15 @@ pub(super) fn spawn(a: &Attempt<'_>, local_rank: usize, exits: &ExitSender) -> R
         .spawn()
         .with_context(|| format!("cannot start `{}` for rank {rank}", program[0]))?;
     let pid = child.id();
-    let started = start_threads(&mut child, a, local_rank, rank, logs, exits);
+    let started = start_relays(&mut child, a, local_rank, rank, logs)
+        .and_then(|started| exits.watch(rank, pid).map(|()| started));
     match started {
-        Ok((tail, relays, waiter)) => Ok(Worker {
+        Ok((tail, relays)) => Ok(Worker {
             child,
             pid,
             rank,
             tail,
             relays,
-            waiter: Some(waiter),
             done: None,
         }),
         Err(e) => {
@@ -161,15 +156,14 @@ pub(super) fn log_file_name(rank: usize, stream: &str, attempt: u32) -> String {
     }
 }
 
-type Started = (Arc<Mutex<Tail>>, Vec<Relay>, std::thread::JoinHandle<()>);
+type Started = (Arc<Mutex<Tail>>, Vec<Relay>);
 
-fn start_threads(
+fn start_relays(
     child: &mut std::process::Child,
     a: &Attempt<'_>,
     local_rank: usize,
     rank: usize,
     logs: [Option<std::fs::File>; 2],
-    exits: &ExitSender,
 ) -> Result<Started> {
     let tail = Arc::new(Mutex::new(Tail::default()));
     let show = a.shown.as_ref().is_none_or(|s| s.contains(&local_rank));
@@ -197,18 +191,8 @@ fn start_threads(
                 .with_context(|| format!("starting a thread to relay rank {rank}'s output"))?,
         );
     }
-    let pid = child.id();
-    let tx = exits.clone();
-    let waiter = std::thread::Builder::new()
-        .name(format!("fsdp-wait-{rank}"))
-        .spawn(move || {
-            if let Some(status) = super::supervise::wait_without_reaping(pid) {
-                let _ = tx.send((rank, status));
-            }
-        })
-        .with_context(|| format!("starting a thread to watch rank {rank}"))?;
     if relays.len() != 2 {
         bail!("rank {rank}'s output pipes were not created");
     }
-    Ok((tail, relays, waiter))
+    Ok((tail, relays))
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
+use super::exits::ExitWatcher;
 use super::spawn::{Attempt, Worker, spawn};
 use super::{INTERRUPTED, Outcome};
 
@@ -18,19 +19,22 @@ const REPORT_DRAIN: Duration = Duration::from_millis(500);
 /// How long output relays may take to drain after the group is gone.
 const FINAL_DRAIN: Duration = Duration::from_secs(2);
 
-/// Exits as waiter threads see them, in the order they happened.
+/// Exits as the watcher reports them, in the order they happened.
 type Exits = std::sync::mpsc::Receiver<(usize, std::process::ExitStatus)>;
 
 /// Runs one attempt to its end.
 pub(super) fn run_attempt(a: &Attempt<'_>, say: &dyn Fn(String)) -> Result<Outcome> {
     let (exit_tx, exits) = std::sync::mpsc::channel();
+    let mut watcher = ExitWatcher::new(exit_tx);
     let mut workers: Vec<Worker> = Vec::new();
     for local_rank in 0..a.plan.local {
-        match spawn(a, local_rank, &exit_tx) {
+        match spawn(a, local_rank, &mut watcher) {
             Ok(w) => workers.push(w),
             Err(e) => {
                 let started = workers.len();
+                watcher.all_watched();
                 stop_all(&mut workers, &exits, libc::SIGTERM);
+                watcher.finish();
                 return Err(e.context(format!(
                     "rank {} could not start; the {started} worker(s) already started were stopped",
                     a.plan.first_rank() + local_rank
@@ -38,8 +42,10 @@ pub(super) fn run_attempt(a: &Attempt<'_>, say: &dyn Fn(String)) -> Result<Outco
             }
         }
     }
-    drop(exit_tx);
-    supervise(&mut workers, &exits, say)
+    watcher.all_watched();
+    let outcome = supervise(&mut workers, &exits, say);
+    watcher.finish();
+    outcome
 }
 
 fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Result<Outcome> {
@@ -100,36 +106,6 @@ fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Res
     }
 }
 
-/// Blocks until process `pid` exits and returns its status, leaving it unreaped (a zombie
-/// keeps its pid and process group id from being reused until the launcher is done with them).
-pub(super) fn wait_without_reaping(pid: u32) -> Option<std::process::ExitStatus> {
-    use std::os::unix::process::ExitStatusExt;
-    loop {
-        // SAFETY: waitid fills `info` for our own child.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let rc = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT,
-            )
-        };
-        if rc == 0 {
-            // SAFETY: for WEXITED the kernel filled si_status.
-            let status = unsafe { info.si_status() };
-            let raw = match info.si_code {
-                libc::CLD_EXITED => (status & 0xff) << 8,
-                _ => status & 0x7f,
-            };
-            return Some(std::process::ExitStatus::from_raw(raw));
-        }
-        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return None;
-        }
-    }
-}
-
 fn describe_status(status: std::process::ExitStatus) -> (i32, String) {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
@@ -174,9 +150,6 @@ fn stop_all(workers: &mut [Worker], exits: &Exits, sig: i32) {
             libc::kill(-(w.pid as i32), libc::SIGKILL);
         }
         let _ = w.child.wait();
-        if let Some(t) = w.waiter.take() {
-            let _ = t.join();
-        }
         fsdp_comm::remove_shm_segments_of(w.pid);
     }
     let deadline = Instant::now() + FINAL_DRAIN;

@@ -1,0 +1,228 @@
+//! Observing workers' exits, in the order they happen, without reaping them (a zombie keeps
+//! its pid and process group id from being reused until the launcher is done with them).
+//!
+//! One thread waits on the workers' pidfds in an epoll set. The kernel queues a pidfd on the
+//! set's ready list when its process exits, first in first out, so two exits a moment apart
+//! are reported in their order even on a loaded machine: the launcher blames the rank that
+//! failed first, not the peer that failed because of it. (With a thread per worker, the
+//! order was whichever thread the scheduler ran first.) Where pidfds are missing (Linux
+//! before 5.3), each worker gets a thread of its own, as before.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::process::ExitStatus;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+/// Where exits are reported: (rank, status), in the order they happened.
+pub(super) type ExitSender = Sender<(usize, ExitStatus)>;
+
+/// How long the epoll thread sleeps between checks that it is still needed.
+const POLL: Duration = Duration::from_millis(50);
+
+/// A worker in the epoll set.
+struct Watched {
+    rank: usize,
+    pid: u32,
+    pidfd: Option<OwnedFd>,
+}
+
+/// State the epoll thread shares with the launcher.
+struct Shared {
+    epoll: OwnedFd,
+    watched: Mutex<Vec<Watched>>,
+    /// No worker will be added: the thread ends once every watched one has exited.
+    closing: AtomicBool,
+}
+
+/// Reports each watched worker's exit once, on `exits`.
+pub(super) struct ExitWatcher {
+    /// Dropped once every worker is watched, so the channel closes when the reporting
+    /// threads are done.
+    exits: Option<ExitSender>,
+    epoll: Option<(Arc<Shared>, JoinHandle<()>)>,
+    /// Threads of workers watched one thread each (no pidfd).
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl ExitWatcher {
+    pub fn new(exits: ExitSender) -> ExitWatcher {
+        ExitWatcher {
+            epoll: start_epoll(exits.clone()),
+            exits: Some(exits),
+            threads: Vec::new(),
+        }
+    }
+
+    /// Starts watching `pid` (rank `rank`), which must be an unreaped child.
+    pub fn watch(&mut self, rank: usize, pid: u32) -> Result<()> {
+        if let Some((shared, _)) = &self.epoll
+            && let Some(pidfd) = pidfd_open(pid)
+        {
+            let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
+            let mut event = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: watched.len() as u64,
+            };
+            // SAFETY: both descriptors are open; `event` is a valid epoll_event.
+            let rc = unsafe {
+                libc::epoll_ctl(
+                    shared.epoll.as_raw_fd(),
+                    libc::EPOLL_CTL_ADD,
+                    pidfd.as_raw_fd(),
+                    &mut event,
+                )
+            };
+            if rc == 0 {
+                watched.push(Watched {
+                    rank,
+                    pid,
+                    pidfd: Some(pidfd),
+                });
+                return Ok(());
+            }
+        }
+        let tx = self
+            .exits
+            .clone()
+            .context("a worker was started after the others were all watched")?;
+        let thread = std::thread::Builder::new()
+            .name(format!("fsdp-wait-{rank}"))
+            .spawn(move || {
+                if let Some(status) = wait_without_reaping(pid) {
+                    let _ = tx.send((rank, status));
+                }
+            })
+            .with_context(|| format!("starting a thread to watch rank {rank}"))?;
+        self.threads.push(thread);
+        Ok(())
+    }
+
+    /// Every worker is started: no more will be watched.
+    pub fn all_watched(&mut self) {
+        self.exits = None;
+    }
+
+    /// Waits for the watching threads; call once every watched worker has exited.
+    pub fn finish(self) {
+        if let Some((shared, thread)) = self.epoll {
+            shared.closing.store(true, Ordering::SeqCst);
+            let _ = thread.join();
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The epoll set and its thread; `None` where the system has no epoll or no pidfds.
+fn start_epoll(exits: ExitSender) -> Option<(Arc<Shared>, JoinHandle<()>)> {
+    // SAFETY: epoll_create1 has no preconditions; a valid result is a new descriptor.
+    let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` is a descriptor we own from here on.
+    let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
+    let shared = Arc::new(Shared {
+        epoll,
+        watched: Mutex::new(Vec::new()),
+        closing: AtomicBool::new(false),
+    });
+    let for_thread = shared.clone();
+    let thread = std::thread::Builder::new()
+        .name("fsdp-wait".into())
+        .spawn(move || report_exits(&for_thread, &exits))
+        .ok()?;
+    Some((shared, thread))
+}
+
+/// The epoll thread: one ready pidfd at a time, so exits go out in the ready list's order.
+fn report_exits(shared: &Shared, exits: &ExitSender) {
+    loop {
+        let mut event = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: `event` has room for the one event asked for.
+        let n = unsafe {
+            libc::epoll_wait(
+                shared.epoll.as_raw_fd(),
+                &mut event,
+                1,
+                POLL.as_millis() as i32,
+            )
+        };
+        if n == 1 {
+            let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(w) = watched.get_mut(event.u64 as usize) else {
+                continue;
+            };
+            if let Some(pidfd) = w.pidfd.take() {
+                // SAFETY: removing a descriptor that is in the set; it is closed on drop.
+                unsafe {
+                    libc::epoll_ctl(
+                        shared.epoll.as_raw_fd(),
+                        libc::EPOLL_CTL_DEL,
+                        pidfd.as_raw_fd(),
+                        std::ptr::null_mut(),
+                    );
+                }
+                if let Some(status) = wait_without_reaping(w.pid) {
+                    let _ = exits.send((w.rank, status));
+                }
+            }
+            continue;
+        }
+        let interrupted =
+            n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
+        if n < 0 && !interrupted {
+            return;
+        }
+        let watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
+        if shared.closing.load(Ordering::SeqCst) && watched.iter().all(|w| w.pidfd.is_none()) {
+            return;
+        }
+    }
+}
+
+/// A pidfd for `pid` (Linux 5.3 and later); `None` where the call is missing or fails.
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags; a valid result is a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` is a descriptor we own from here on.
+    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Blocks until process `pid` exits and returns its status, leaving it unreaped.
+pub(super) fn wait_without_reaping(pid: u32) -> Option<ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    loop {
+        // SAFETY: waitid fills `info` for our own child.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if rc == 0 {
+            // SAFETY: for WEXITED the kernel filled si_status.
+            let status = unsafe { info.si_status() };
+            let raw = match info.si_code {
+                libc::CLD_EXITED => (status & 0xff) << 8,
+                _ => status & 0x7f,
+            };
+            return Some(ExitStatus::from_raw(raw));
+        }
+        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return None;
+        }
+    }
+}
