@@ -32,7 +32,8 @@ pub(crate) trait StepHooks: Send + Sync {
     ) -> candle_core::Result<Option<Tensor>>;
 }
 
-fn live(step: &Weak<dyn StepHooks>) -> candle_core::Result<std::sync::Arc<dyn StepHooks>> {
+/// The step behind a weak reference, or the "step has ended" error once it is gone.
+pub(crate) fn live<S: ?Sized>(step: &Weak<S>) -> candle_core::Result<std::sync::Arc<S>> {
     step.upgrade()
         .ok_or_else(|| candle_core::Error::Msg(super::EngineError::StepEnded.to_string()))
 }

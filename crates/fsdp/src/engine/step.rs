@@ -370,10 +370,7 @@ impl StepHooks for StepShared {
         replicated: &HashMap<String, Tensor>,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let shared = self
-            .me
-            .upgrade()
-            .ok_or_else(|| candle_core::Error::Msg(EngineError::StepEnded.to_string()))?;
+        let shared = super::hooks::live(&self.me)?;
         let params = StepParams {
             shared,
             replicated: replicated.clone(),
