@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
-use crate::buffer::Buffer;
-use crate::dtype::{DType, ReduceOp, finish_avg, reduce_into};
+use crate::buffer::{Buffer, BufferElement};
+use crate::dtype::{DType, Element, ReduceOp, finish_avg, reduce_into};
 use crate::error::{CommError, Result};
 use crate::work::Work;
 
@@ -368,57 +368,38 @@ impl Member {
     }
 }
 
-/// The reduction of `range` of every input, in rank order.
+/// The reduction of `range` of every input, in rank order (host buffers of one type: checked
+/// when they were contributed).
 fn reduce_range(inputs: &[Arc<Buffer>], range: Range<usize>, op: ReduceOp) -> Buffer {
-    macro_rules! reduce {
-        ($variant:ident) => {{
-            let mut out = Vec::with_capacity(range.len());
-            for (i, b) in inputs.iter().enumerate() {
-                if let Buffer::$variant(v) = &**b {
-                    if i == 0 {
-                        out.extend_from_slice(&v[range.clone()]);
-                    } else {
-                        reduce_into(&mut out, &v[range.clone()], op);
-                    }
-                }
-            }
-            finish_avg(&mut out, op, inputs.len());
-            Buffer::$variant(out)
-        }};
+    fn reduce<T: Element + BufferElement>(
+        first: &[T],
+        rest: &[Arc<Buffer>],
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Buffer {
+        let mut out = first.to_vec();
+        for v in rest.iter().filter_map(|b| T::slice_of(b)) {
+            reduce_into(&mut out, &v[range.clone()], op);
+        }
+        finish_avg(&mut out, op, rest.len() + 1);
+        T::into_buffer(out)
     }
-    match inputs[0].dtype() {
-        DType::F32 => reduce!(F32),
-        DType::F64 => reduce!(F64),
-        DType::F16 => reduce!(F16),
-        DType::BF16 => reduce!(BF16),
-        DType::I32 => reduce!(I32),
-        DType::I64 => reduce!(I64),
-        DType::U8 => reduce!(U8),
-    }
+    crate::with_host_vec!(&*inputs[0], v => reduce(&v[range.clone()], &inputs[1..], range, op),
+        cuda => unreachable!("local groups refuse device buffers on entry"))
 }
 
 /// Every input concatenated in rank order.
 fn concat(inputs: &[Arc<Buffer>]) -> Buffer {
-    macro_rules! cat {
-        ($variant:ident) => {{
-            let mut out = Vec::with_capacity(inputs.iter().map(|b| b.len()).sum());
-            for b in inputs {
-                if let Buffer::$variant(v) = &**b {
-                    out.extend_from_slice(v);
-                }
-            }
-            Buffer::$variant(out)
-        }};
+    /// `first` only names the element type.
+    fn cat<T: BufferElement>(_first: &[T], inputs: &[Arc<Buffer>]) -> Buffer {
+        let mut out = Vec::with_capacity(inputs.iter().map(|b| b.len()).sum());
+        for v in inputs.iter().filter_map(|b| T::slice_of(b)) {
+            out.extend_from_slice(v);
+        }
+        T::into_buffer(out)
     }
-    match inputs[0].dtype() {
-        DType::F32 => cat!(F32),
-        DType::F64 => cat!(F64),
-        DType::F16 => cat!(F16),
-        DType::BF16 => cat!(BF16),
-        DType::I32 => cat!(I32),
-        DType::I64 => cat!(I64),
-        DType::U8 => cat!(U8),
-    }
+    crate::with_host_vec!(&*inputs[0], v => cat(v, inputs),
+        cuda => unreachable!("local groups refuse device buffers on entry"))
 }
 
 fn bytes(b: &Buffer) -> f64 {
