@@ -89,7 +89,7 @@ pub trait Communicator: Send + Sync {
 
 /// Checks that `shard_size` divides a group of `size` (for [`Communicator::split_2d`]).
 pub(crate) fn check_split(rank: usize, size: usize, shard_size: usize) -> Result<()> {
-    if shard_size == 0 || size % shard_size != 0 {
+    if shard_size == 0 || !size.is_multiple_of(shard_size) {
         return Err(CommError::InvalidArgument {
             rank,
             op: format!("split_2d({shard_size})"),

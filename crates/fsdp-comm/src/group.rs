@@ -392,7 +392,7 @@ impl ProcessGroup {
     /// `r = replica * shard_size + shard`): returns (the shard group: ranks of this replica;
     /// the replicate group: ranks with this shard index). Used by hybrid sharding.
     pub fn mesh_2d(&self, shard_size: usize) -> Result<(ProcessGroup, ProcessGroup)> {
-        if shard_size == 0 || self.size % shard_size != 0 {
+        if shard_size == 0 || !self.size.is_multiple_of(shard_size) {
             return Err(CommError::InvalidArgument {
                 rank: self.global_rank(),
                 op: "mesh_2d".into(),

@@ -149,13 +149,13 @@ impl Segment {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.len);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.len);
         // SAFETY: in bounds, 8-aligned (page-aligned base), shared memory accessed atomically.
         unsafe { &*self.base.add(off).cast::<AtomicU64>() }
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= self.len);
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.len);
         // SAFETY: as above.
         unsafe { &*self.base.add(off).cast::<AtomicU32>() }
     }

@@ -181,7 +181,7 @@ fn cases(world: usize) -> Vec<Case> {
             ShardingStrategy::HybridShard,
             ShardingStrategy::HybridShardZero2,
         ];
-        for strategy in hybrid.into_iter().filter(|_| world % 2 == 0) {
+        for strategy in hybrid.into_iter().filter(|_| world.is_multiple_of(2)) {
             for (j, (backward_prefetch, forward_prefetch)) in prefetch.into_iter().enumerate() {
                 out.push(Case {
                     model,

@@ -137,7 +137,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     if a.num_processes < 1 {
         bail!("--num_processes must be at least 1");
     }
-    if a.num_machines == 0 || a.num_processes % a.num_machines != 0 {
+    if a.num_machines == 0 || !a.num_processes.is_multiple_of(a.num_machines) {
         bail!(
             "--num_machines {} does not divide --num_processes {}",
             a.num_machines,

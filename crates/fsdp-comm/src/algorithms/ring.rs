@@ -164,7 +164,7 @@ impl Engine {
         op: ReduceOp,
     ) -> Result<(Vec<T>, Vec<T>)> {
         let n = self.size;
-        if input.len() % n != 0 {
+        if !input.len().is_multiple_of(n) {
             return Err(self.invalid(
                 "reduce_scatter",
                 format!(

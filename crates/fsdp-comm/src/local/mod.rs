@@ -412,7 +412,7 @@ fn check(buf: &Buffer, size: usize, call: Call) -> Option<String> {
         return Some("a local group moves host buffers, not device memory".into());
     }
     match call {
-        Call::ReduceScatter(_) if buf.len() % size != 0 => Some(format!(
+        Call::ReduceScatter(_) if !buf.len().is_multiple_of(size) => Some(format!(
             "input length {} is not a multiple of the group size {size}",
             buf.len()
         )),

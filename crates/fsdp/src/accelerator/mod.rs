@@ -438,7 +438,7 @@ impl Accelerator {
         } else {
             loss
         };
-        let boundary = (model.backward_passes() + 1) % self.accumulation as u64 == 0;
+        let boundary = (model.backward_passes() + 1).is_multiple_of(self.accumulation as u64);
         let passes = model.backward(loss, boundary || self.sync_each_batch)?;
         self.sync = passes % self.accumulation as u64 == 0;
         Ok(())
@@ -474,7 +474,10 @@ impl Accelerator {
         model: &mut PreparedModel<M>,
         optimizer: &mut PreparedOptimizer,
     ) -> Result<bool, AcceleratorError> {
-        if model.backward_passes() % self.accumulation as u64 != 0 {
+        if !model
+            .backward_passes()
+            .is_multiple_of(self.accumulation as u64)
+        {
             return Ok(false);
         }
         let stepped = optimizer.step(model)?;

@@ -96,10 +96,11 @@ pub fn save_pretrained(
     model.gather_rows_to_first(
         &|name, _| model.local_values_of(name).map(Some),
         &mut |_, chunks| {
-            if first && failed.is_none() {
-                if let Err(e) = write(chunks) {
-                    failed = Some(e);
-                }
+            if first
+                && failed.is_none()
+                && let Err(e) = write(chunks)
+            {
+                failed = Some(e);
             }
             Ok(())
         },

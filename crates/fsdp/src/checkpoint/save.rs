@@ -210,10 +210,10 @@ fn write_full(
     };
     let mut failed = None;
     m.gather_rows_to_first(local, &mut |_, chunks| {
-        if let (Some(w), None) = (writer.as_mut(), &failed) {
-            if let Err(e) = w.write_chunks(chunks) {
-                failed = Some(e);
-            }
+        if let (Some(w), None) = (writer.as_mut(), &failed)
+            && let Err(e) = w.write_chunks(chunks)
+        {
+            failed = Some(e);
         }
         Ok(())
     })?;
@@ -347,10 +347,10 @@ fn write_full_state(
         m.gather_rows_to_first(
             &|name, _| Ok(o.state(name).and_then(|s| s.buffers.get(key).cloned())),
             &mut |_, chunks| {
-                if let (Some(w), None) = (writer.as_mut(), &failed) {
-                    if let Err(e) = w.write_chunks(chunks) {
-                        failed = Some(e);
-                    }
+                if let (Some(w), None) = (writer.as_mut(), &failed)
+                    && let Err(e) = w.write_chunks(chunks)
+                {
+                    failed = Some(e);
                 }
                 Ok(())
             },

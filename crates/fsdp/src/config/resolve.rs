@@ -362,7 +362,7 @@ impl View<'_> {
                 ),
             );
         }
-        if launch.num_processes % launch.num_machines != 0 {
+        if !launch.num_processes.is_multiple_of(launch.num_machines) {
             inconsistent(
                 &[Key::NumProcesses, Key::NumMachines],
                 format!(
@@ -408,7 +408,8 @@ impl View<'_> {
             } else {
                 Key::FsdpShardingStrategy
             };
-            if launch.num_machines < 2 || launch.num_processes % launch.num_machines != 0 {
+            if launch.num_machines < 2 || !launch.num_processes.is_multiple_of(launch.num_machines)
+            {
                 inconsistent(
                     &[strategy_key, Key::NumMachines, Key::NumProcesses],
                     format!(

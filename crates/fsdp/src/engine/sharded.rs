@@ -57,7 +57,7 @@ fn machine_size(world: usize) -> Result<usize, EngineError> {
         Ok(v) => v.trim().parse::<usize>().ok(),
     };
     match local {
-        Some(n) if n > 0 && world % n == 0 => Ok(n),
+        Some(n) if n > 0 && world.is_multiple_of(n) => Ok(n),
         _ => Err(EngineError::Unsupported {
             setting: format!(
                 "hybrid sharding with LOCAL_WORLD_SIZE={} in a group of {world}",

@@ -301,7 +301,7 @@ pub struct Gpt2LmHeadModel {
 impl Gpt2LmHeadModel {
     /// A model for `config`; an error when the heads do not divide the hidden size.
     pub fn new(config: Gpt2Config) -> Result<Self> {
-        if config.n_embd % config.n_head != 0 {
+        if !config.n_embd.is_multiple_of(config.n_head) {
             return Err(candle_core::Error::Msg(format!(
                 "n_embd {} is not a multiple of n_head {}",
                 config.n_embd, config.n_head

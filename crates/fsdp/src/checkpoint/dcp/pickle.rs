@@ -406,7 +406,7 @@ pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, 
 }
 
 fn pairs(items: Vec<Value>, at: usize) -> Result<Vec<(Value, Value)>, PickleError> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return Err(PickleError::Malformed {
             at,
             what: "a dict with an odd number of items".into(),

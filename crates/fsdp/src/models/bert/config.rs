@@ -128,7 +128,7 @@ impl BertConfig {
     }
 
     pub(super) fn head_dim(&self) -> Result<usize> {
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(candle_core::Error::Msg(format!(
                 "hidden_size {} is not a multiple of num_attention_heads {}",
                 self.hidden_size, self.num_attention_heads

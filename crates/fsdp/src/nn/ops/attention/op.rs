@@ -150,12 +150,12 @@ fn sdpa_op(
             "sdpa: width {width} is not a multiple of {heads} heads"
         )));
     }
-    if let Some((p, _)) = dropout {
-        if !(0.0..1.0).contains(&p) {
-            return Err(candle_core::Error::Msg(format!(
-                "attention dropout probability {p} is not in [0, 1)"
-            )));
-        }
+    if let Some((p, _)) = dropout
+        && !(0.0..1.0).contains(&p)
+    {
+        return Err(candle_core::Error::Msg(format!(
+            "attention dropout probability {p} is not in [0, 1)"
+        )));
     }
     let mask = match mask {
         None => None,
