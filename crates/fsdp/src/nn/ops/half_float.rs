@@ -1,8 +1,10 @@
 //! The half-precision [`Float`] types (bf16 and f16, mixed precision's compute dtypes):
-//! stored in half precision, computed in f32 through the f32 kernels.
+//! stored in half precision, computed in f32 through the f32 kernels, and bf16 GEMMs in
+//! bf16 dot products with f32 sums where the CPU has them (`bf16_gemm`).
 
 use candle_core::CpuStorage;
 
+use super::bf16_gemm;
 use super::matmul::native_gemm;
 use super::{Float, GeluApprox, simd};
 
@@ -95,8 +97,10 @@ where
 /// A half-precision type (mixed precision's compute dtypes): stored in half precision,
 /// computed in f32 — elementwise and row kernels through the f32 SIMD code, GEMMs on f32
 /// copies of the operands with f32 accumulation, rounded once at the end.
+/// `dot`, where given, is a module with a GEMM in this type's own dot-product instructions
+/// (`available()`, `gemm(...)`), taken where the CPU has them.
 macro_rules! half_float {
-    ($t:ty, $variant:ident) => {
+    ($t:ty, $variant:ident $(, dot = $dot:ident)?) => {
         impl Float for $t {
             fn slice(s: &CpuStorage) -> Option<&[Self]> {
                 match s {
@@ -184,6 +188,23 @@ macro_rules! half_float {
                 scale: f64,
             ) {
                 use half::slice::HalfFloatSliceExt;
+                $(
+                    #[cfg(target_arch = "x86_64")]
+                    if $dot::available() {
+                        // SAFETY: forwarded from the caller; the CPU has the instructions.
+                        return unsafe {
+                            $dot::gemm(
+                                (m, n, k),
+                                dst,
+                                dst_rs,
+                                accumulate,
+                                (lhs, lhs_rs, lhs_cs),
+                                (rhs, rhs_rs, rhs_cs),
+                                scale,
+                            )
+                        };
+                    }
+                )?
                 // f32 copies of exactly the elements the product reads, in their layout.
                 let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
                 let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
@@ -218,5 +239,5 @@ macro_rules! half_float {
     };
 }
 
-half_float!(half::bf16, BF16);
+half_float!(half::bf16, BF16, dot = bf16_gemm);
 half_float!(half::f16, F16);

@@ -3,6 +3,7 @@
 //! at all, and candle's composed backward formulas are slow and memory-hungry).
 
 mod attention;
+mod bf16_gemm;
 mod cross_entropy;
 mod dropout;
 mod embedding;
