@@ -79,6 +79,7 @@ fn print_text(
         "- CPU: {}, {} cores available",
         s.cpu_model, s.available_cores
     );
+    println!("- bf16 matmul: {}", fsdp::nn::ops::bf16_matmul_kernel());
     let mem = |m: Option<u64>| m.map_or("unknown".into(), gib);
     println!(
         "- Memory: {} total, {} available",
@@ -157,6 +158,7 @@ fn print_json(
         "arch": s.arch,
         "cpu_model": s.cpu_model,
         "available_cores": s.available_cores,
+        "bf16_matmul_kernel": fsdp::nn::ops::bf16_matmul_kernel(),
         "mem_total_bytes": s.mem_total,
         "mem_available_bytes": s.mem_available,
         "cuda": {

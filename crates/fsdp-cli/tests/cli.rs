@@ -263,6 +263,7 @@ fn env_reports_machine_and_sources() {
     for part in [
         "`fsdp` version: 0.1.0",
         "- CPU: ",
+        "- bf16 matmul: ",
         "- Memory: ",
         "- CUDA: ",
         "Standalone: rank 0 of 1",
@@ -308,6 +309,7 @@ fn env_reports_machine_and_sources() {
             .contains("rank 1 of 2")
     );
     assert!(doc["available_cores"].as_u64().unwrap() >= 1);
+    assert!(doc["bf16_matmul_kernel"].is_string());
 
     let out = fsdp(dir.path())
         .args(["env"])

@@ -24,6 +24,16 @@ pub use linear::{conv1d, linear, linear_gelu};
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
 pub use softmax::softmax_last_dim;
 
+/// Which kernel runs bf16 matrix products on this CPU (what `fsdp env` reports): mixed
+/// precision's speed depends on it.
+pub fn bf16_matmul_kernel() -> &'static str {
+    if bf16_gemm::available() {
+        "AVX512_BF16 dot products, f32 sums"
+    } else {
+        "f32 GEMM on widened operands (this CPU has no AVX512_BF16)"
+    }
+}
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Result, Shape, Storage, Tensor};
 
