@@ -23,6 +23,7 @@ mkdir -p "$work"
 cd "$work"
 echo "avx512bf16_emulated: working in $work" >&2
 
+apt-get update -qq
 apt-get install -y -qq g++ make xorriso isolinux syslinux-common busybox-static cpio >/dev/null
 
 # --- Bochs 3.0 from the next release's source package, through apt with private lists.
