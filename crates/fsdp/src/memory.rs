@@ -49,6 +49,17 @@ impl ReleasedAllocations {
         RELEASED_COUNT.store(self.len, Ordering::Relaxed);
         bytes
     }
+
+    /// Records `bytes` returned inside `address` (not yet in the table); false when full.
+    fn insert(&mut self, address: usize, bytes: usize) -> bool {
+        if self.len == RELEASED_CAPACITY {
+            return false;
+        }
+        self.entries[self.len] = (address, bytes);
+        self.len += 1;
+        RELEASED_COUNT.store(self.len, Ordering::Relaxed);
+        true
+    }
 }
 
 static RELEASED_ALLOCATIONS: Mutex<ReleasedAllocations> = Mutex::new(ReleasedAllocations {
@@ -67,15 +78,23 @@ fn released_allocations() -> std::sync::MutexGuard<'static, ReleasedAllocations>
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// The allocation at `address` (of `size` bytes) is being freed: its returned bytes stop
-/// being subtracted, after its own bytes left the live count.
-fn note_freed(address: *mut u8, size: usize) {
-    if size < PAGE || RELEASED_COUNT.load(Ordering::Relaxed) == 0 {
+/// The allocation at `address` is resident again (refilled or freed): the bytes it had
+/// returned stop being subtracted.
+fn forget_released(address: usize) {
+    if RELEASED_COUNT.load(Ordering::Relaxed) == 0 {
         return;
     }
-    let bytes = released_allocations().remove(address as usize);
+    let bytes = released_allocations().remove(address);
     if bytes > 0 {
         RELEASED.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// The allocation at `address` (of `size` bytes) is being freed, after its own bytes left
+/// the live count.
+fn note_freed(address: *mut u8, size: usize) {
+    if size >= PAGE {
+        forget_released(address as usize);
     }
 }
 
@@ -167,26 +186,16 @@ pub(crate) fn note_released(allocation: *const u8, bytes: usize) {
     }
     let mut table = released_allocations();
     let before = table.remove(allocation as usize);
-    if table.len == RELEASED_CAPACITY {
-        RELEASED.fetch_sub(before, Ordering::Relaxed);
-        return;
+    if table.insert(allocation as usize, bytes) {
+        // Added before the old figure leaves: the resident count may dip, never overshoot.
+        RELEASED.fetch_add(bytes, Ordering::Relaxed);
     }
-    let i = table.len;
-    table.entries[i] = (allocation as usize, bytes);
-    table.len += 1;
-    RELEASED_COUNT.store(table.len, Ordering::Relaxed);
-    // Added before the old figure leaves: the resident count may dip, never overshoot.
-    RELEASED.fetch_add(bytes, Ordering::Relaxed);
     RELEASED.fetch_sub(before, Ordering::Relaxed);
 }
 
 /// Records the allocation starting at `allocation` resident again (its pages written back).
 pub(crate) fn note_refilled(allocation: *const u8) {
-    if RELEASED_COUNT.load(Ordering::Relaxed) == 0 {
-        return;
-    }
-    let bytes = released_allocations().remove(allocation as usize);
-    RELEASED.fetch_sub(bytes, Ordering::Relaxed);
+    forget_released(allocation as usize);
 }
 
 /// Makes glibc keep freed memory for reuse instead of returning it to the system after every
