@@ -90,7 +90,7 @@ pub struct MemoryArgs {
     #[arg(long = "mixed_precision", value_enum, default_value_t = Toggle::Off)]
     mixed_precision: Toggle,
     /// What gradients are reduced in (fsdp_reduce_dtype: fp32, bf16, fp16).
-    #[arg(long = "reduce_dtype", default_value = "fp32", value_parser = parse_reduce_dtype)]
+    #[arg(long = "reduce_dtype", default_value = "fp32", value_parser = str::parse::<ReduceDtype>)]
     reduce_dtype: ReduceDtype,
     /// Write the JSON results to this file too.
     #[arg(long)]
@@ -98,10 +98,6 @@ pub struct MemoryArgs {
     /// Internal: run as one of the benchmark's workers with this strategy.
     #[arg(long, hide = true)]
     worker: Option<String>,
-}
-
-fn parse_reduce_dtype(s: &str) -> Result<ReduceDtype, String> {
-    s.parse()
 }
 
 /// A setting measured off, on, or both ways.

@@ -179,12 +179,12 @@ macro_rules! half_float {
                 (narrow(&dx), narrow(&dgamma), narrow(&dbeta))
             }
             unsafe fn gemm(
-                (m, n, k): (usize, usize, usize),
+                mnk: (usize, usize, usize),
                 dst: *mut Self,
                 dst_rs: usize,
                 accumulate: bool,
-                (lhs, lhs_rs, lhs_cs): (&[Self], usize, usize),
-                (rhs, rhs_rs, rhs_cs): (&[Self], usize, usize),
+                lhs: (&[Self], usize, usize),
+                rhs: (&[Self], usize, usize),
                 scale: f64,
             ) {
                 use half::slice::HalfFloatSliceExt;
@@ -192,19 +192,10 @@ macro_rules! half_float {
                     #[cfg(target_arch = "x86_64")]
                     if $dot::available() {
                         // SAFETY: forwarded from the caller; the CPU has the instructions.
-                        return unsafe {
-                            $dot::gemm(
-                                (m, n, k),
-                                dst,
-                                dst_rs,
-                                accumulate,
-                                (lhs, lhs_rs, lhs_cs),
-                                (rhs, rhs_rs, rhs_cs),
-                                scale,
-                            )
-                        };
+                        return unsafe { $dot::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) };
                     }
                 )?
+                let ((m, n, k), (lhs, lhs_rs, lhs_cs), (rhs, rhs_rs, rhs_cs)) = (mnk, lhs, rhs);
                 // f32 copies of exactly the elements the product reads, in their layout.
                 let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
                 let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
