@@ -6,7 +6,9 @@
 //! are reported in their order even on a loaded machine: the launcher blames the rank that
 //! failed first, not the peer that failed because of it. (With a thread per worker, the
 //! order was whichever thread the scheduler ran first.) Where pidfds are missing (Linux
-//! before 5.3), each worker gets a thread of its own, as before.
+//! before 5.3), each worker gets a thread of its own, as before; so does every worker still
+//! running if `epoll_wait` ever fails, so that no exit goes unreported and the launcher
+//! never waits forever.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::ExitStatus;
@@ -37,6 +39,9 @@ struct Shared {
     watched: Mutex<Vec<Watched>>,
     /// No worker will be added: the thread ends once every watched one has exited.
     closing: AtomicBool,
+    /// `epoll_wait` failed and the thread has ended: workers get a thread each instead.
+    /// Read and written with `watched` locked, so no worker joins a set nobody waits on.
+    broken: AtomicBool,
 }
 
 /// Reports each watched worker's exit once, on `exits`.
@@ -77,7 +82,7 @@ impl ExitWatcher {
                     &mut event,
                 )
             };
-            if rc == 0 {
+            if rc == 0 && !shared.broken.load(Ordering::SeqCst) {
                 watched.push(Watched {
                     rank,
                     pid,
@@ -90,13 +95,7 @@ impl ExitWatcher {
             .exits
             .clone()
             .context("a worker was started after the others were all watched")?;
-        let thread = std::thread::Builder::new()
-            .name(format!("fsdp-wait-{rank}"))
-            .spawn(move || {
-                if let Some(status) = wait_without_reaping(pid) {
-                    let _ = tx.send((rank, status));
-                }
-            })
+        let thread = spawn_waiter(rank, pid, tx)
             .with_context(|| format!("starting a thread to watch rank {rank}"))?;
         self.threads.push(thread);
         Ok(())
@@ -132,6 +131,7 @@ fn start_epoll(exits: ExitSender) -> Option<(Arc<Shared>, JoinHandle<()>)> {
         epoll,
         watched: Mutex::new(Vec::new()),
         closing: AtomicBool::new(false),
+        broken: AtomicBool::new(false),
     });
     let for_thread = shared.clone();
     let thread = std::thread::Builder::new()
@@ -178,13 +178,52 @@ fn report_exits(shared: &Shared, exits: &ExitSender) {
         let interrupted =
             n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
         if n < 0 && !interrupted {
-            return;
+            return hand_over(shared, exits);
         }
         let watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
         if shared.closing.load(Ordering::SeqCst) && watched.iter().all(|w| w.pidfd.is_none()) {
             return;
         }
     }
+}
+
+/// After a failed `epoll_wait`: every worker not yet reported is watched by a thread of its
+/// own (or, if no thread can start, waited for here in turn), and those threads are joined
+/// before the epoll thread ends.
+fn hand_over(shared: &Shared, exits: &ExitSender) {
+    let remaining: Vec<(usize, u32)> = {
+        let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
+        shared.broken.store(true, Ordering::SeqCst);
+        watched
+            .iter_mut()
+            .filter_map(|w| w.pidfd.take().map(|_| (w.rank, w.pid)))
+            .collect()
+    };
+    let mut threads = Vec::new();
+    for (rank, pid) in remaining {
+        match spawn_waiter(rank, pid, exits.clone()) {
+            Ok(thread) => threads.push(thread),
+            Err(_) => {
+                if let Some(status) = wait_without_reaping(pid) {
+                    let _ = exits.send((rank, status));
+                }
+            }
+        }
+    }
+    for thread in threads {
+        let _ = thread.join();
+    }
+}
+
+/// A thread that reports worker `rank`'s exit on `exits`.
+fn spawn_waiter(rank: usize, pid: u32, exits: ExitSender) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("fsdp-wait-{rank}"))
+        .spawn(move || {
+            if let Some(status) = wait_without_reaping(pid) {
+                let _ = exits.send((rank, status));
+            }
+        })
 }
 
 /// A pidfd for `pid` (Linux 5.3 and later); `None` where the call is missing or fails.
@@ -224,5 +263,47 @@ pub(super) fn wait_without_reaping(pid: u32) -> Option<ExitStatus> {
         if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
             return None;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::sync::mpsc::channel;
+
+    /// Replaces the epoll descriptor by /dev/null, so that the next `epoll_wait` fails.
+    fn break_epoll(watcher: &ExitWatcher) {
+        let (shared, _) = watcher.epoll.as_ref().expect("this kernel has epoll");
+        let null = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: both descriptors are open; dup2 swaps what the epoll number refers to.
+        assert!(unsafe { libc::dup2(null.as_raw_fd(), shared.epoll.as_raw_fd()) } >= 0);
+    }
+
+    #[test]
+    fn exits_are_reported_after_epoll_wait_fails() {
+        let (tx, rx) = channel();
+        let mut watcher = ExitWatcher::new(tx);
+        let mut first = Command::new("sleep").arg("0.4").spawn().unwrap();
+        watcher.watch(0, first.id()).unwrap();
+        break_epoll(&watcher);
+        // Watched after the failure (the set may be broken already, or not yet).
+        std::thread::sleep(POLL * 3);
+        let mut second = Command::new("sleep").arg("0.2").spawn().unwrap();
+        watcher.watch(1, second.id()).unwrap();
+        watcher.all_watched();
+        let mut ranks = Vec::new();
+        for _ in 0..2 {
+            let (rank, status) = rx
+                .recv_timeout(Duration::from_secs(20))
+                .expect("an exit went unreported");
+            assert!(status.success());
+            ranks.push(rank);
+        }
+        ranks.sort();
+        assert_eq!(ranks, [0, 1]);
+        watcher.finish();
+        first.wait().unwrap();
+        second.wait().unwrap();
     }
 }
