@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Result, Tensor};
 use half::{bf16, f16};
+use safetensors::Dtype;
+use safetensors::tensor::Metadata;
 
 use super::module::{LoadReport, ModuleInfo, ParamSpec, match_names};
 
@@ -73,9 +75,9 @@ struct Located {
     file: usize,
     /// Its name in the file.
     name: String,
-    dtype: String,
+    dtype: Dtype,
     shape: Vec<usize>,
-    /// Absolute byte range in the file.
+    /// Absolute byte range in the file (its length checked against dtype and shape).
     bytes: (u64, u64),
 }
 
@@ -143,21 +145,16 @@ impl SafetensorsWeights {
                 &spec.shape,
             ));
         }
-        let bad = |why: String| {
-            candle_core::Error::Msg(format!("{}: tensor `{}`: {why}", path.display(), t.name))
-        };
-        let width = match t.dtype.as_str() {
-            "F32" => 4,
-            "F16" | "BF16" => 2,
-            "F64" => 8,
-            other => return Err(bad(format!("dtype {other} is not a float type"))),
-        };
-        let n: usize = t.shape.iter().product();
-        let len = t.bytes.1 - t.bytes.0;
-        if len != (n * width) as u64 {
-            return Err(bad(format!("{len} bytes for {n} {} values", t.dtype)));
+        match t.dtype {
+            Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64 => {
+                Ok(Some((t, t.dtype.bitsize() / 8)))
+            }
+            other => Err(candle_core::Error::Msg(format!(
+                "{}: tensor `{}`: dtype {other} is not a float type",
+                path.display(),
+                t.name
+            ))),
         }
-        Ok(Some((t, width)))
     }
 
     /// Elements `first..first + out.len()` of tensor `t` (of element width `width`) as f32.
@@ -173,12 +170,14 @@ impl SafetensorsWeights {
         file.read_exact_at(&mut bytes, t.bytes.0 + (first * width) as u64)
             .map_err(|e| io_error(path, &format!("reading `{}` from", t.name), e))?;
         let chunks = bytes.chunks_exact(width).zip(out.iter_mut());
-        match (width, t.dtype.as_str()) {
-            (4, _) => chunks.for_each(|(c, o)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            (8, _) => chunks.for_each(|(c, o)| {
+        match t.dtype {
+            Dtype::F32 => {
+                chunks.for_each(|(c, o)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            }
+            Dtype::F64 => chunks.for_each(|(c, o)| {
                 *o = f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32
             }),
-            (_, "F16") => chunks.for_each(|(c, o)| *o = f16::from_le_bytes([c[0], c[1]]).to_f32()),
+            Dtype::F16 => chunks.for_each(|(c, o)| *o = f16::from_le_bytes([c[0], c[1]]).to_f32()),
             _ => chunks.for_each(|(c, o)| *o = bf16::from_le_bytes([c[0], c[1]]).to_f32()),
         }
         Ok(())
@@ -230,7 +229,9 @@ fn io_error(path: &Path, doing: &str, e: std::io::Error) -> candle_core::Error {
     candle_core::Error::Msg(format!("{doing} {}: {e}", path.display()))
 }
 
-/// The tensors a safetensors file lists, with absolute byte ranges checked against its size.
+/// The tensors a safetensors file lists. The header is checked by the safetensors crate's own
+/// rules (tensors back to back, each one's bytes matching its dtype and shape), and its data
+/// against the file's size, reading the header alone.
 fn read_header(path: &Path, file: &File, index: usize) -> Result<Vec<Located>> {
     let bad = |why: &str| candle_core::Error::Msg(format!("{}: {why}", path.display()));
     let size = file
@@ -250,50 +251,30 @@ fn read_header(path: &Path, file: &File, index: usize) -> Result<Vec<Located>> {
     let mut head = vec![0u8; header_len as usize];
     file.read_exact_at(&mut head, 8)
         .map_err(|e| io_error(path, "reading", e))?;
-    let doc: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&head).map_err(|e| bad(&format!("header is not JSON: {e}")))?;
+    let header: Metadata =
+        serde_json::from_slice(&head).map_err(|e| bad(&format!("bad header: {e}")))?;
     let data_start = 8 + header_len;
-    let mut out = Vec::new();
-    for (name, entry) in doc {
-        if name == "__metadata__" {
-            continue;
-        }
-        let field = |k: &str| entry.get(k);
-        let dtype = field("dtype").and_then(|v| v.as_str());
-        let shape: Option<Vec<usize>> = field("shape").and_then(|v| {
-            v.as_array()?
-                .iter()
-                .map(|d| d.as_u64().map(|d| d as usize))
-                .collect()
-        });
-        let offsets: Option<Vec<u64>> =
-            field("data_offsets").and_then(|v| v.as_array()?.iter().map(|d| d.as_u64()).collect());
-        let (Some(dtype), Some(shape), Some([start, end])) = (
-            dtype,
-            shape,
-            offsets
-                .as_deref()
-                .and_then(|o| <[u64; 2]>::try_from(o).ok()),
-        ) else {
-            return Err(bad(&format!(
-                "tensor `{name}` lacks a dtype, shape or data_offsets"
-            )));
-        };
-        if start > end || data_start + end > size {
-            return Err(bad(&format!(
-                "tensor `{name}`: bytes {start}..{end} lie outside the file's {} data bytes (truncated?)",
-                size - data_start
-            )));
-        }
-        out.push(Located {
+    let data_len = header.data_len() as u64;
+    if data_start + data_len > size {
+        return Err(bad(&format!(
+            "its header lists {data_len} data bytes, the file holds {} (truncated?)",
+            size - data_start
+        )));
+    }
+    Ok(header
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| Located {
             file: index,
             name,
-            dtype: dtype.to_string(),
-            shape,
-            bytes: (data_start + start, data_start + end),
-        });
-    }
-    Ok(out)
+            dtype: info.dtype,
+            shape: info.shape.clone(),
+            bytes: (
+                data_start + info.data_offsets.0 as u64,
+                data_start + info.data_offsets.1 as u64,
+            ),
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -382,5 +363,62 @@ mod tests {
             err.contains("junk.safetensors") && err.contains("header"),
             "{err}"
         );
+    }
+
+    /// A safetensors file: `header` then `data_bytes` zero bytes.
+    fn write_safetensors(path: &Path, header: &str, data_bytes: usize) {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + data_bytes, 0);
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn inconsistent_headers_and_short_data_are_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = ModuleInfo::new(String::new(), "M").param("w", &[2, 2], Init::Zeros);
+        let cases = [
+            // 12 bytes for 4 f32 values.
+            (
+                r#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,12]}}"#,
+                12,
+                "header",
+            ),
+            // A gap between two tensors.
+            (
+                r#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"v":{"dtype":"F32","shape":[1],"data_offsets":[20,24]}}"#,
+                24,
+                "header",
+            ),
+            // No dtype.
+            (
+                r#"{"w":{"shape":[2,2],"data_offsets":[0,16]}}"#,
+                16,
+                "header",
+            ),
+            // The data cut short.
+            (
+                r#"{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#,
+                10,
+                "truncated",
+            ),
+        ];
+        for (i, (header, data_bytes, why)) in cases.into_iter().enumerate() {
+            let path = dir.path().join(format!("case{i}.safetensors"));
+            write_safetensors(&path, header, data_bytes);
+            let err = SafetensorsWeights::open(std::slice::from_ref(&path), &model, 0)
+                .err()
+                .unwrap_or_else(|| panic!("case {i} was accepted"))
+                .to_string();
+            assert!(
+                err.contains(&format!("case{i}.safetensors")) && err.contains(why),
+                "case {i}: {err}"
+            );
+        }
+        // The consistent file is read.
+        let path = dir.path().join("good.safetensors");
+        write_safetensors(&path, cases[3].0, 16);
+        let w = SafetensorsWeights::open(std::slice::from_ref(&path), &model, 0).unwrap();
+        assert_eq!(w.values(&spec("w", &[2, 2])).unwrap(), [0.0; 4]);
     }
 }
