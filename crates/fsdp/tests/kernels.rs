@@ -871,3 +871,62 @@ fn half_kernels_track_f32(half: DType, tol: f64) {
         tol,
     );
 }
+
+/// candle's vectorised bf16 element-wise kernels (patched in vendor/candle-core for AVX2) give
+/// bit for bit what one rounding of the f32 result does: every bf16 bit pattern (subnormals,
+/// infinities, NaNs) against pseudo-random partners, and ties that must round to even.
+#[test]
+fn bf16_add_and_mul_round_like_one_f32_rounding() {
+    use half::bf16;
+    // Every pattern, then 5 more so the scalar tail runs too.
+    let n = (1 << 16) + 5;
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let a: Vec<bf16> = (0..n).map(|i| bf16::from_bits(i as u16)).collect();
+    let mut b: Vec<bf16> = (0..n).map(|_| bf16::from_bits(next() as u16)).collect();
+    // 1 + 2^-8 lies halfway between two bf16 values (ties to 1), 1 + 3 * 2^-8 too (ties up).
+    let one = bf16::from_bits(0x3f80);
+    for (i, tie) in [(0x3f80usize, 2f32.powi(-8)), (0x3f81, 2f32.powi(-8))] {
+        b[i] = bf16::from_f32(tie);
+        assert_eq!(a[i].to_f32() - one.to_f32(), (i - 0x3f80) as f32 / 128.0);
+    }
+    let ta = Tensor::from_slice(&a, n, &Device::Cpu).unwrap();
+    let tb = Tensor::from_slice(&b, n, &Device::Cpu).unwrap();
+    type Case = (
+        &'static str,
+        fn(&Tensor, &Tensor) -> Result<Tensor>,
+        fn(f32, f32) -> f32,
+    );
+    let cases: [Case; 2] = [
+        ("add", |x, y| x + y, |x, y| x + y),
+        ("mul", |x, y| x * y, |x, y| x * y),
+    ];
+    for (name, op, f) in cases {
+        let got = op(&ta, &tb).unwrap().to_vec1::<bf16>().unwrap();
+        for i in 0..n {
+            let want = bf16::from_f32(f(a[i].to_f32(), b[i].to_f32()));
+            let same = if want.is_nan() {
+                got[i].is_nan()
+            } else {
+                got[i].to_bits() == want.to_bits()
+            };
+            assert!(
+                same,
+                "{name} {:#06x} {:#06x}: {:#06x}, want {:#06x}",
+                a[i].to_bits(),
+                b[i].to_bits(),
+                got[i].to_bits(),
+                want.to_bits()
+            );
+        }
+    }
+    // The ties: 1 + 2^-8 rounds to 1 (even), 1 + 2^-7 + 2^-8 to 1 + 2^-6.
+    let sums = (&ta + &tb).unwrap().to_vec1::<bf16>().unwrap();
+    assert_eq!(sums[0x3f80].to_bits(), 0x3f80);
+    assert_eq!(sums[0x3f81].to_bits(), 0x3f82);
+}

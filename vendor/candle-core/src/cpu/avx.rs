@@ -4,7 +4,6 @@ use core::arch::x86::*;
 #[cfg(target_arch = "x86_64")]
 use core::arch::x86_64::*;
 use half::{bf16, f16};
-use std::{is_x86_feature_detected, mem::transmute};
 
 pub struct CurrentCpu {}
 
@@ -162,18 +161,13 @@ impl CpuBF16 for CurrentCpuBF16 {
         _mm256_set1_ps(v)
     }
 
+    // bf16 is the upper half of an f32: widen each 16-bit value and shift it into place
+    // (exact, as `bf16::to_f32`), in AVX2 registers.
+    #[inline]
+    #[target_feature(enable = "avx2")]
     unsafe fn load(mem_addr: *const bf16) -> Self::Unit {
-        if is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512vl") {
-            _mm256_cvtpbh_ps(transmute::<__m128i, __m128bh>(_mm_loadu_si128(
-                mem_addr as *const __m128i,
-            )))
-        } else {
-            let mut tmp = [0.0f32; 8];
-            for i in 0..8 {
-                tmp[i] = (*mem_addr.add(i)).to_f32();
-            }
-            _mm256_loadu_ps(tmp.as_ptr())
-        }
+        let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(mem_addr as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
     }
 
     unsafe fn vec_add(a: Self::Unit, b: Self::Unit) -> Self::Unit {
@@ -184,19 +178,20 @@ impl CpuBF16 for CurrentCpuBF16 {
         _mm256_add_ps(_mm256_mul_ps(b, c), a)
     }
 
+    // Rounds to nearest, ties to even, and keeps NaNs quiet: bit for bit `bf16::from_f32`
+    // (unlike `vcvtneps2bf16`, which flushes subnormals), in AVX2 registers.
+    #[inline]
+    #[target_feature(enable = "avx2")]
     unsafe fn vec_store(mem_addr: *mut bf16, a: Self::Unit) {
-        if is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512vl") {
-            _mm_storeu_si128(
-                mem_addr as *mut __m128i,
-                transmute::<__m128bh, __m128i>(_mm256_cvtneps_pbh(a)),
-            )
-        } else {
-            let mut tmp = [0.0f32; 8];
-            _mm256_storeu_ps(tmp.as_mut_ptr(), a);
-            for i in 0..8 {
-                *mem_addr.add(i) = bf16::from_f32(tmp[i]);
-            }
-        }
+        let x = _mm256_castps_si256(a);
+        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+        let rounded = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+        let quiet_nan = _mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000));
+        let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
+        let high = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(rounded, quiet_nan, is_nan));
+        // Packing works per 128-bit lane: the eight results are 64-bit words 0 and 2.
+        let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(high, high));
+        _mm_storeu_si128(mem_addr as *mut __m128i, _mm256_castsi256_si128(packed))
     }
 
     unsafe fn vec_reduce(mut x: Self::Array, y: *mut f32) {
