@@ -161,8 +161,9 @@ impl CpuBF16 for CurrentCpuBF16 {
         _mm256_set1_ps(v)
     }
 
-    // bf16 is the upper half of an f32: widen each 16-bit value and shift it into place
-    // (exact, as `bf16::to_f32`), in AVX2 registers.
+    // bf16 is the upper half of an f32: widen each 16-bit value and shift it into place, in
+    // AVX2 registers. Exact, as `bf16::to_f32`, except that a signalling NaN stays signalling
+    // (the arithmetic that follows makes it quiet, as `to_f32` does).
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn load(mem_addr: *const bf16) -> Self::Unit {
