@@ -8,86 +8,99 @@ use super::bf16_gemm;
 use super::matmul::native_gemm;
 use super::{Float, GeluApprox, simd};
 
+/// Conversions between a half-precision type and f32: exact widening, narrowing rounded to
+/// nearest (ties to even). bf16 has its own vectorised kernels (`simd`); f16 has `half`'s,
+/// which use F16C where the CPU has it.
+trait F32Conversions: Sized + Copy + Default {
+    /// Appends `src`, widened, to `out` (no zero fill first).
+    fn extend_f32(src: &[Self], out: &mut Vec<f32>);
+    /// `src` rounded into `dst`, of the same length.
+    fn narrow_into(src: &[f32], dst: &mut [Self]);
+}
+
+impl F32Conversions for half::bf16 {
+    fn extend_f32(src: &[Self], out: &mut Vec<f32>) {
+        let start = out.len();
+        out.reserve(src.len());
+        simd::bf16_to_f32(src, &mut out.spare_capacity_mut()[..src.len()]);
+        // SAFETY: bf16_to_f32 wrote the `src.len()` elements past the old length.
+        unsafe { out.set_len(start + src.len()) };
+    }
+    fn narrow_into(src: &[f32], dst: &mut [Self]) {
+        simd::f32_to_bf16(src, dst)
+    }
+}
+
+impl F32Conversions for half::f16 {
+    fn extend_f32(src: &[Self], out: &mut Vec<f32>) {
+        use half::slice::HalfFloatSliceExt;
+        let start = out.len();
+        out.resize(start + src.len(), 0.0);
+        src.convert_to_f32_slice(&mut out[start..]);
+    }
+    fn narrow_into(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src)
+    }
+}
+
 /// Runs `f` on an f32 copy of a half-precision slice and writes its f32 output back: the
 /// half-precision kernels compute in f32 (the accumulation mixed precision asks for) with
 /// the vectorised f32 code.
-fn via_f32<H>(out: &mut [H], f: impl FnOnce(&mut [f32]))
-where
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    use half::slice::HalfFloatSliceExt;
-    let mut wide = vec![0f32; out.len()];
-    out.convert_to_f32_slice(&mut wide);
+fn via_f32<H: F32Conversions>(out: &mut [H], f: impl FnOnce(&mut [f32])) {
+    let mut wide = widen(out);
     f(&mut wide);
-    out.convert_from_f32_slice(&wide);
+    H::narrow_into(&wide, out);
 }
 
 /// Runs `f` on a zeroed f32 buffer and writes what it produced into `out` (an output the
 /// kernel only writes: nothing is converted in first).
-fn write_via_f32<H>(out: &mut [H], f: impl FnOnce(&mut [f32]))
-where
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    use half::slice::HalfFloatSliceExt;
+fn write_via_f32<H: F32Conversions>(out: &mut [H], f: impl FnOnce(&mut [f32])) {
     let mut wide = vec![0f32; out.len()];
     f(&mut wide);
-    out.convert_from_f32_slice(&wide);
+    H::narrow_into(&wide, out);
 }
 
-fn widen<H>(v: &[H]) -> Vec<f32>
-where
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    use half::slice::HalfFloatSliceExt;
-    let mut wide = vec![0f32; v.len()];
-    v.convert_to_f32_slice(&mut wide);
+fn widen<H: F32Conversions>(v: &[H]) -> Vec<f32> {
+    let mut wide = Vec::with_capacity(v.len());
+    H::extend_f32(v, &mut wide);
     wide
 }
 
-fn narrow<H: Default + Clone>(v: &[f32]) -> Vec<H>
-where
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    use half::slice::HalfFloatSliceExt;
+fn narrow<H: F32Conversions>(v: &[f32]) -> Vec<H> {
     let mut out = vec![H::default(); v.len()];
-    out.convert_from_f32_slice(v);
+    H::narrow_into(v, &mut out);
     out
 }
 
 /// An f32 copy of the `rows` x `cols` operand at `v` with (row, column) strides `(rs, cs)`,
 /// and its strides: rows (or, for a transposed view, columns) that are contiguous are
 /// converted a slice at a time, keeping the operand's orientation for the GEMM.
-fn widen_operand<H: Copy + Default>(
+fn widen_operand<H: F32Conversions>(
     v: &[H],
     rows: usize,
     cols: usize,
     rs: usize,
     cs: usize,
-) -> (Vec<f32>, usize, usize)
-where
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    use half::slice::HalfFloatSliceExt;
-    let mut out = vec![0f32; rows * cols];
+) -> (Vec<f32>, usize, usize) {
+    let mut out = Vec::with_capacity(rows * cols);
     if rows == 0 || cols == 0 {
         return (out, cols, 1);
     }
     if cs == 1 {
         for i in 0..rows {
-            v[i * rs..i * rs + cols].convert_to_f32_slice(&mut out[i * cols..(i + 1) * cols]);
+            H::extend_f32(&v[i * rs..i * rs + cols], &mut out);
         }
         (out, cols, 1)
     } else if rs == 1 {
         for j in 0..cols {
-            v[j * cs..j * cs + rows].convert_to_f32_slice(&mut out[j * rows..(j + 1) * rows]);
+            H::extend_f32(&v[j * cs..j * cs + rows], &mut out);
         }
         (out, 1, rows)
     } else {
-        let mut one = [0f32];
         for i in 0..rows {
             for j in 0..cols {
-                [v[i * rs + j * cs]].convert_to_f32_slice(&mut one);
-                out[i * cols + j] = one[0];
+                H::extend_f32(&[v[i * rs + j * cs]], &mut out);
             }
         }
         (out, cols, 1)
@@ -187,7 +200,6 @@ macro_rules! half_float {
                 rhs: (&[Self], usize, usize),
                 scale: f64,
             ) {
-                use half::slice::HalfFloatSliceExt;
                 $(
                     #[cfg(target_arch = "x86_64")]
                     if $dot::available() {
@@ -199,14 +211,16 @@ macro_rules! half_float {
                 // f32 copies of exactly the elements the product reads, in their layout.
                 let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
                 let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
-                let mut c = vec![0f32; m * n];
-                for i in 0..m {
-                    // SAFETY: the caller vouches for reads (when accumulating) and writes of
-                    // `dst` at row i, columns 0..n.
-                    let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
-                    if accumulate {
-                        row.convert_to_f32_slice(&mut c[i * n..(i + 1) * n]);
+                let mut c = Vec::with_capacity(m * n);
+                if accumulate {
+                    for i in 0..m {
+                        // SAFETY: the caller vouches for reads (when accumulating) and writes
+                        // of `dst` at row i, columns 0..n.
+                        let row = unsafe { std::slice::from_raw_parts(dst.add(i * dst_rs), n) };
+                        Self::extend_f32(row, &mut c);
                     }
+                } else {
+                    c.resize(m * n, 0.0);
                 }
                 // SAFETY: `c`, `a` and `b` are buffers of exactly these shapes and strides.
                 unsafe {
@@ -223,7 +237,7 @@ macro_rules! half_float {
                 for i in 0..m {
                     // SAFETY: as above.
                     let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
-                    row.convert_from_f32_slice(&c[i * n..(i + 1) * n]);
+                    Self::narrow_into(&c[i * n..(i + 1) * n], row);
                 }
             }
         }
