@@ -91,15 +91,16 @@ LABEL run
   APPEND initrd=/initrd.img console=ttyS0,115200 quiet panic=0 mitigations=off
 CFG
 
-# --- The tests, linked statically so the initramfs needs no libraries: the kernel's own,
-# the bf16 ops against f32, and bf16 FSDP training against f32 single-process training on
-# 2 and 3 processes (the numerics matrix's bf16 cases).
+# --- The tests, linked statically so the initramfs needs no libraries: the kernel's own and
+# the bf16 <-> f32 conversions' (compiled for AVX-512 there), the bf16 ops against f32 and
+# candle's bf16 element-wise kernels bit for bit, and bf16 FSDP training against f32
+# single-process training on 2 and 3 processes (the numerics matrix's bf16 cases).
 (cd "$repo" && RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$work/target" \
     cargo test -p fsdp --release --no-run --lib --test kernels --test fsdp_matrix \
     --target x86_64-unknown-linux-gnu --message-format=json 2>/dev/null) > build.json
 rm -rf root && mkdir -p root/bin root/proc root/sys root/dev root/tmp root/tests
 cp /bin/busybox root/bin/busybox
-tests="fsdp:bf16_gemm kernels:bf16_kernels_track_f32 fsdp_matrix:bf16"
+tests="fsdp:bf16 kernels:bf16 fsdp_matrix:bf16"
 for test in $tests; do
     name=${test%%:*}
     exe=$(python3 -c '
