@@ -5,7 +5,16 @@
 //! set's ready list when its process exits, first in first out, so two exits a moment apart
 //! are reported in their order even on a loaded machine: the launcher blames the rank that
 //! failed first, not the peer that failed because of it. (With a thread per worker, the
-//! order was whichever thread the scheduler ran first.) Where pidfds are missing (Linux
+//! order was whichever thread the scheduler ran first.)
+//!
+//! A worker can exit before the launcher has its pidfd in the set (a loaded machine may
+//! not run the launcher for milliseconds after a spawn). Its place in the ready list then
+//! says when it was added, not when it exited, so it could be reported after a peer that
+//! failed because of it. Such a worker is marked when it is watched, the thread reports
+//! nothing until every worker is watched, and then reports the marked ones first: a worker
+//! that died before the launcher could even watch it is taken to have died first.
+//!
+//! Where pidfds are missing (Linux
 //! before 5.3), each worker gets a thread of its own, as before; so does every worker still
 //! running if `epoll_wait` ever fails, so that no exit goes unreported and the launcher
 //! never waits forever.
@@ -31,12 +40,16 @@ struct Watched {
     rank: usize,
     pid: u32,
     pidfd: Option<OwnedFd>,
+    /// It had exited before its pidfd joined the set.
+    exited_unwatched: bool,
 }
 
 /// State the epoll thread shares with the launcher.
 struct Shared {
     epoll: OwnedFd,
     watched: Mutex<Vec<Watched>>,
+    /// Every worker is watched: the thread reports from then on.
+    all_watched: AtomicBool,
     /// No worker will be added: the thread ends once every watched one has exited.
     closing: AtomicBool,
     /// `epoll_wait` failed and the thread has ended: workers get a thread each instead.
@@ -68,6 +81,9 @@ impl ExitWatcher {
         if let Some((shared, _)) = &self.epoll
             && let Some(pidfd) = pidfd_open(pid)
         {
+            // Asked before the pidfd joins the set: one that exits after this has its
+            // place in the ready list by its exit.
+            let exited_unwatched = has_exited(pid);
             let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
             let mut event = libc::epoll_event {
                 events: libc::EPOLLIN as u32,
@@ -87,6 +103,7 @@ impl ExitWatcher {
                     rank,
                     pid,
                     pidfd: Some(pidfd),
+                    exited_unwatched,
                 });
                 return Ok(());
             }
@@ -104,6 +121,9 @@ impl ExitWatcher {
     /// Every worker is started: no more will be watched.
     pub fn all_watched(&mut self) {
         self.exits = None;
+        if let Some((shared, _)) = &self.epoll {
+            shared.all_watched.store(true, Ordering::SeqCst);
+        }
     }
 
     /// Waits for the watching threads; call once every watched worker has exited.
@@ -130,6 +150,7 @@ fn start_epoll(exits: ExitSender) -> Option<(Arc<Shared>, JoinHandle<()>)> {
     let shared = Arc::new(Shared {
         epoll,
         watched: Mutex::new(Vec::new()),
+        all_watched: AtomicBool::new(false),
         closing: AtomicBool::new(false),
         broken: AtomicBool::new(false),
     });
@@ -143,6 +164,15 @@ fn start_epoll(exits: ExitSender) -> Option<(Arc<Shared>, JoinHandle<()>)> {
 
 /// The epoll thread: one ready pidfd at a time, so exits go out in the ready list's order.
 fn report_exits(shared: &Shared, exits: &ExitSender) {
+    while !shared.all_watched.load(Ordering::SeqCst) && !shared.closing.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    {
+        let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
+        for w in watched.iter_mut().filter(|w| w.exited_unwatched) {
+            report(shared, w, exits);
+        }
+    }
     loop {
         let mut event = libc::epoll_event { events: 0, u64: 0 };
         // SAFETY: `event` has room for the one event asked for.
@@ -156,22 +186,8 @@ fn report_exits(shared: &Shared, exits: &ExitSender) {
         };
         if n == 1 {
             let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(w) = watched.get_mut(event.u64 as usize) else {
-                continue;
-            };
-            if let Some(pidfd) = w.pidfd.take() {
-                // SAFETY: removing a descriptor that is in the set; it is closed on drop.
-                unsafe {
-                    libc::epoll_ctl(
-                        shared.epoll.as_raw_fd(),
-                        libc::EPOLL_CTL_DEL,
-                        pidfd.as_raw_fd(),
-                        std::ptr::null_mut(),
-                    );
-                }
-                if let Some(status) = wait_without_reaping(w.pid) {
-                    let _ = exits.send((w.rank, status));
-                }
+            if let Some(w) = watched.get_mut(event.u64 as usize) {
+                report(shared, w, exits);
             }
             continue;
         }
@@ -183,6 +199,24 @@ fn report_exits(shared: &Shared, exits: &ExitSender) {
         let watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
         if shared.closing.load(Ordering::SeqCst) && watched.iter().all(|w| w.pidfd.is_none()) {
             return;
+        }
+    }
+}
+
+/// Reports `w`'s exit and takes its pidfd out of the set, unless it was reported already.
+fn report(shared: &Shared, w: &mut Watched, exits: &ExitSender) {
+    if let Some(pidfd) = w.pidfd.take() {
+        // SAFETY: removing a descriptor that is in the set; it is closed on drop.
+        unsafe {
+            libc::epoll_ctl(
+                shared.epoll.as_raw_fd(),
+                libc::EPOLL_CTL_DEL,
+                pidfd.as_raw_fd(),
+                std::ptr::null_mut(),
+            );
+        }
+        if let Some(status) = wait_without_reaping(w.pid) {
+            let _ = exits.send((w.rank, status));
         }
     }
 }
@@ -235,6 +269,22 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     }
     // SAFETY: `fd` is a descriptor we own from here on.
     Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Whether child `pid` has exited (it is left unreaped).
+fn has_exited(pid: u32) -> bool {
+    // SAFETY: waitid fills `info` for our own child; WNOHANG leaves si_pid 0 if it runs.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let rc = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: for WEXITED the kernel filled si_pid (0 while the child runs).
+    rc == 0 && unsafe { info.si_pid() } != 0
 }
 
 /// Blocks until process `pid` exits and returns its status, leaving it unreaped.
@@ -302,6 +352,37 @@ mod tests {
         }
         ranks.sort();
         assert_eq!(ranks, [0, 1]);
+        watcher.finish();
+        first.wait().unwrap();
+        second.wait().unwrap();
+    }
+
+    /// Waits until child `pid` has exited (unreaped).
+    fn until_exited(pid: u32) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !has_exited(pid) {
+            assert!(std::time::Instant::now() < deadline, "{pid} did not exit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_worker_that_exited_before_it_was_watched_is_reported_first() {
+        let (tx, rx) = channel();
+        let mut watcher = ExitWatcher::new(tx);
+        // Rank 0 is watched while it runs; rank 1 exits at once, then rank 0, and only then
+        // is rank 1 watched: rank 0's exit is in the ready list before rank 1 is.
+        let mut first = Command::new("sleep").arg("0.3").spawn().unwrap();
+        watcher.watch(0, first.id()).unwrap();
+        let mut second = Command::new("sh").args(["-c", "exit 3"]).spawn().unwrap();
+        until_exited(second.id());
+        until_exited(first.id());
+        watcher.watch(1, second.id()).unwrap();
+        watcher.all_watched();
+        let next = || rx.recv_timeout(Duration::from_secs(20)).unwrap();
+        let (rank, status) = next();
+        assert_eq!((rank, status.code()), (1, Some(3)));
+        assert_eq!(next().0, 0);
         watcher.finish();
         first.wait().unwrap();
         second.wait().unwrap();
