@@ -271,47 +271,42 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// `waitid` on child `pid` for its exit, with `WNOWAIT` (it stays unreaped) and `extra`
+/// flags: what the kernel filled in, or the error.
+fn peek_exit(pid: u32, extra: libc::c_int) -> std::io::Result<libc::siginfo_t> {
+    // SAFETY: an all-zero siginfo_t is valid; waitid fills it for our own child.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let flags = libc::WEXITED | libc::WNOWAIT | extra;
+    // SAFETY: `info` is a valid siginfo_t to fill.
+    if unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags) } == 0 {
+        Ok(info)
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Whether child `pid` has exited (it is left unreaped).
 fn has_exited(pid: u32) -> bool {
-    // SAFETY: waitid fills `info` for our own child; WNOHANG leaves si_pid 0 if it runs.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let rc = unsafe {
-        libc::waitid(
-            libc::P_PID,
-            pid as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-        )
-    };
-    // SAFETY: for WEXITED the kernel filled si_pid (0 while the child runs).
-    rc == 0 && unsafe { info.si_pid() } != 0
+    // SAFETY: with WNOHANG the kernel leaves si_pid 0 while the child runs.
+    peek_exit(pid, libc::WNOHANG).is_ok_and(|info| unsafe { info.si_pid() } != 0)
 }
 
 /// Blocks until process `pid` exits and returns its status, leaving it unreaped.
 pub(super) fn wait_without_reaping(pid: u32) -> Option<ExitStatus> {
     use std::os::unix::process::ExitStatusExt;
     loop {
-        // SAFETY: waitid fills `info` for our own child.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let rc = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT,
-            )
-        };
-        if rc == 0 {
-            // SAFETY: for WEXITED the kernel filled si_status.
-            let status = unsafe { info.si_status() };
-            let raw = match info.si_code {
-                libc::CLD_EXITED => (status & 0xff) << 8,
-                _ => status & 0x7f,
-            };
-            return Some(ExitStatus::from_raw(raw));
-        }
-        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return None;
+        match peek_exit(pid, 0) {
+            Ok(info) => {
+                // SAFETY: for WEXITED the kernel filled si_status.
+                let status = unsafe { info.si_status() };
+                let raw = match info.si_code {
+                    libc::CLD_EXITED => (status & 0xff) << 8,
+                    _ => status & 0x7f,
+                };
+                return Some(ExitStatus::from_raw(raw));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return None,
         }
     }
 }
