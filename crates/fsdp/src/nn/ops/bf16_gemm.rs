@@ -15,6 +15,8 @@ use std::ops::Range;
 
 use half::bf16;
 
+use super::simd::{bf16_as_f32, round_to_bf16};
+
 /// Rows of the product one tile computes: one broadcast per row and pair of k.
 const MR: usize = 12;
 /// Columns of the product one tile computes: two vectors of 16 f32 lanes, so a tile keeps
@@ -199,7 +201,8 @@ unsafe fn tiles_with(dot: Dot, p: &Product<'_>, strips: Range<usize>) {
 }
 
 /// Writes the part of `tile` inside the product at row `i0`, column `j0`: scaled, added to
-/// the destination when accumulating, rounded to bf16 (to nearest even).
+/// the destination when accumulating, rounded to bf16 by the rule every bf16 conversion
+/// here shares (`simd::round_to_bf16`).
 ///
 /// # Safety
 /// `dst` is valid as [`gemm`] says.
@@ -215,9 +218,9 @@ unsafe fn store_tile(p: &Product<'_>, tile: &Tile, i0: usize, j0: usize) {
             // SAFETY: as above; read only when accumulating, when the caller vouches for it.
             unsafe {
                 if p.accumulate {
-                    v += out.add(j).read().to_f32();
+                    v += bf16_as_f32(out.add(j).read());
                 }
-                out.add(j).write(bf16::from_f32(v));
+                out.add(j).write(round_to_bf16(v));
             }
         }
     }

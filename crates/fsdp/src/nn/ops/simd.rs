@@ -322,29 +322,45 @@ multiversion! {
     }
 }
 
+/// `b` as f32: exact, a NaN made quiet; bit for bit `bf16::to_f32`, without its branch, so
+/// loops over it vectorise.
+#[inline(always)]
+pub(super) fn bf16_as_f32(b: half::bf16) -> f32 {
+    let b = u32::from(b.to_bits());
+    let b = if b & 0x7fff > 0x7f80 { b | 0x40 } else { b };
+    f32::from_bits(b << 16)
+}
+
+/// `x` rounded to bf16: to nearest, ties to even, a NaN kept quiet; bit for bit
+/// `bf16::from_f32`, without its branches, so loops over it vectorise.
+#[inline(always)]
+pub(super) fn round_to_bf16(x: f32) -> half::bf16 {
+    let x = x.to_bits();
+    // Wraps only for NaNs, which take the other branch.
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let quiet_nan = (x >> 16) | 0x40;
+    let bits = if x & 0x7fff_ffff > 0x7f80_0000 {
+        quiet_nan
+    } else {
+        rounded
+    };
+    half::bf16::from_bits(bits as u16)
+}
+
 multiversion! {
-    /// `src` widened to f32 into `dst` (of the same length): exact, NaNs made quiet; bit for
-    /// bit `bf16::to_f32`.
+    /// `src` widened to f32 into `dst` (of the same length), as [`bf16_as_f32`].
     fn bf16_to_f32(src: &[half::bf16], dst: &mut [std::mem::MaybeUninit<f32>]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            let b = u32::from(s.to_bits());
-            let b = if b & 0x7fff > 0x7f80 { b | 0x40 } else { b };
-            d.write(f32::from_bits(b << 16));
+        for (d, &s) in dst.iter_mut().zip(src) {
+            d.write(bf16_as_f32(s));
         }
     }
 }
 
 multiversion! {
-    /// `src` rounded to bf16 into `dst` (of the same length): to nearest, ties to even, NaNs
-    /// kept quiet; bit for bit `bf16::from_f32`, whose branches do not vectorise.
+    /// `src` rounded to bf16 into `dst` (of the same length), as [`round_to_bf16`].
     fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            let x = s.to_bits();
-            // Wraps only for NaNs, which take the other branch.
-            let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-            let quiet_nan = (x >> 16) | 0x40;
-            let bits = if x & 0x7fff_ffff > 0x7f80_0000 { quiet_nan } else { rounded };
-            *d = half::bf16::from_bits(bits as u16);
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = round_to_bf16(s);
         }
     }
 }
