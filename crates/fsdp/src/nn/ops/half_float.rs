@@ -11,7 +11,7 @@ use super::{Float, GeluApprox, simd};
 /// Conversions between a half-precision type and f32: exact widening, narrowing rounded to
 /// nearest (ties to even). bf16 has its own vectorised kernels (`simd`); f16 has `half`'s,
 /// which use F16C where the CPU has it.
-trait F32Conversions: Sized + Copy + Default {
+trait F32Conversions: Sized + Copy + Default + Into<f32> {
     /// Appends `src`, widened, to `out` (no zero fill first).
     fn extend_f32(src: &[Self], out: &mut Vec<f32>);
     /// `src` rounded into `dst`, of the same length.
@@ -98,10 +98,9 @@ fn widen_operand<H: F32Conversions>(
         }
         (out, 1, rows)
     } else {
+        // Neither direction contiguous: one element at a time.
         for i in 0..rows {
-            for j in 0..cols {
-                H::extend_f32(&[v[i * rs + j * cs]], &mut out);
-            }
+            out.extend((0..cols).map(|j| v[i * rs + j * cs].into()));
         }
         (out, cols, 1)
     }
