@@ -81,6 +81,13 @@ struct Located {
     bytes: (u64, u64),
 }
 
+impl Located {
+    /// Bytes per element.
+    fn width(&self) -> usize {
+        self.dtype.bitsize() / 8
+    }
+}
+
 /// A pretrained checkpoint (`model.safetensors`, or the shards of a split one) read one
 /// tensor at a time with positioned reads: opening reads the headers only, so a rank that
 /// never asks for a tensor never reads the file, and the one that does holds one tensor at a
@@ -130,9 +137,9 @@ impl SafetensorsWeights {
 const PIECE_BYTES: usize = 4 << 20;
 
 impl SafetensorsWeights {
-    /// The file tensor for `spec`, its shape checked, with its element width; `None` when
+    /// The file tensor for `spec`, its shape and float dtype checked; `None` when
     /// the files lack it.
-    fn locate(&self, spec: &ParamSpec) -> Result<Option<(&Located, usize)>> {
+    fn locate(&self, spec: &ParamSpec) -> Result<Option<&Located>> {
         let Some(t) = self.tensors.get(&spec.name) else {
             return Ok(None);
         };
@@ -146,9 +153,7 @@ impl SafetensorsWeights {
             ));
         }
         match t.dtype {
-            Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64 => {
-                Ok(Some((t, t.dtype.bitsize() / 8)))
-            }
+            Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64 => Ok(Some(t)),
             other => Err(candle_core::Error::Msg(format!(
                 "{}: tensor `{}`: dtype {other} is not a float type",
                 path.display(),
@@ -157,15 +162,10 @@ impl SafetensorsWeights {
         }
     }
 
-    /// Elements `first..first + out.len()` of tensor `t` (of element width `width`) as f32.
-    fn read_elements(
-        &self,
-        t: &Located,
-        width: usize,
-        first: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
+    /// Elements `first..first + out.len()` of tensor `t` as f32.
+    fn read_elements(&self, t: &Located, first: usize, out: &mut [f32]) -> Result<()> {
         let (path, file) = &self.files[t.file];
+        let width = t.width();
         let mut bytes = vec![0u8; out.len() * width];
         file.read_exact_at(&mut bytes, t.bytes.0 + (first * width) as u64)
             .map_err(|e| io_error(path, &format!("reading `{}` from", t.name), e))?;
@@ -193,11 +193,11 @@ impl SafetensorsWeights {
 
 impl WeightSource for SafetensorsWeights {
     fn values(&self, spec: &ParamSpec) -> Result<Vec<f32>> {
-        let Some((t, width)) = self.locate(spec)? else {
+        let Some(t) = self.locate(spec)? else {
             return Ok(self.fresh(spec));
         };
         let mut out = vec![0f32; t.shape.iter().product()];
-        self.read_elements(t, width, 0, &mut out)?;
+        self.read_elements(t, 0, &mut out)?;
         Ok(out)
     }
 
@@ -206,18 +206,18 @@ impl WeightSource for SafetensorsWeights {
         spec: &ParamSpec,
         take: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<()> {
-        let Some((t, width)) = self.locate(spec)? else {
+        let Some(t) = self.locate(spec)? else {
             return take(0, &self.fresh(spec));
         };
         let rows = t.shape.first().copied().unwrap_or(1);
         let row_elems: usize = t.shape.iter().skip(1).product();
-        let per_piece = (PIECE_BYTES / (row_elems * width).max(1)).max(1);
+        let per_piece = (PIECE_BYTES / (row_elems * t.width()).max(1)).max(1);
         let mut piece = Vec::new();
         let mut first = 0;
         while first < rows {
             let n = per_piece.min(rows - first);
             piece.resize(n * row_elems, 0.0);
-            self.read_elements(t, width, first * row_elems, &mut piece)?;
+            self.read_elements(t, first * row_elems, &mut piece)?;
             take(first, &piece)?;
             first += n;
         }
