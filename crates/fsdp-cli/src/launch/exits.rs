@@ -89,16 +89,18 @@ impl ExitWatcher {
                 events: libc::EPOLLIN as u32,
                 u64: watched.len() as u64,
             };
+            // A broken set has nobody waiting on it: the worker gets a thread instead.
             // SAFETY: both descriptors are open; `event` is a valid epoll_event.
-            let rc = unsafe {
-                libc::epoll_ctl(
-                    shared.epoll.as_raw_fd(),
-                    libc::EPOLL_CTL_ADD,
-                    pidfd.as_raw_fd(),
-                    &mut event,
-                )
-            };
-            if rc == 0 && !shared.broken.load(Ordering::SeqCst) {
+            let added = !shared.broken.load(Ordering::SeqCst)
+                && unsafe {
+                    libc::epoll_ctl(
+                        shared.epoll.as_raw_fd(),
+                        libc::EPOLL_CTL_ADD,
+                        pidfd.as_raw_fd(),
+                        &mut event,
+                    )
+                } == 0;
+            if added {
                 watched.push(Watched {
                     rank,
                     pid,
