@@ -32,6 +32,17 @@ pub fn run(args: MergeArgs) -> Result<()> {
             "--unsafe_serialization (pickle, pytorch_model.bin) is not written by fsdp-rs: pickle files can run code when loaded; merge to model.safetensors, which transformers loads as it is"
         );
     }
+    if args.remove_checkpoint_dir {
+        let checkpoint = resolved(&args.checkpoint_directory)?;
+        let output = resolved(&args.output_path)?;
+        if output.starts_with(&checkpoint) {
+            bail!(
+                "--remove_checkpoint_dir would remove the merged file with the checkpoint: {} is inside {}; write the output elsewhere (nothing was merged or removed)",
+                args.output_path.display(),
+                args.checkpoint_directory.display()
+            );
+        }
+    }
     let started = Instant::now();
     let report = fsdp::checkpoint::merge_weights(&args.checkpoint_directory, &args.output_path)?;
     println!(
@@ -47,4 +58,36 @@ pub fn run(args: MergeArgs) -> Result<()> {
         println!("removed {}", args.checkpoint_directory.display());
     }
     Ok(())
+}
+
+/// `path` with symbolic links and `..` resolved, for a path that may not exist yet: its
+/// deepest existing ancestor resolved, the rest appended (where `..` goes up lexically).
+fn resolved(path: &std::path::Path) -> Result<PathBuf> {
+    use std::path::Component;
+    let absolute =
+        std::path::absolute(path).with_context(|| format!("resolving {}", path.display()))?;
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    while std::fs::symlink_metadata(existing).is_err() {
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => break,
+        }
+    }
+    let mut out = existing
+        .canonicalize()
+        .with_context(|| format!("resolving {}", existing.display()))?;
+    for name in rest.iter().rev() {
+        match std::path::Path::new(name).components().next() {
+            Some(Component::ParentDir) => {
+                out.pop();
+            }
+            Some(Component::CurDir) | None => {}
+            _ => out.push(name),
+        }
+    }
+    Ok(out)
 }

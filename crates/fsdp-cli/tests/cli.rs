@@ -446,6 +446,28 @@ fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
         std::fs::copy(e.path(), ckpt.join(e.file_name())).unwrap();
     }
     let out = home.path().join("merged");
+    // An output inside the checkpoint to be removed: refused before anything is written
+    // (it used to be merged and then deleted with the checkpoint), also through `..`.
+    for inside in [
+        home.path().join("ckpt/merged"),
+        home.path().join("ckpt/pytorch_model_fsdp_0/../merged"),
+        home.path().join("ckpt"),
+    ] {
+        let refused = fsdp(home.path())
+            .arg("merge-weights")
+            .arg(home.path().join("ckpt"))
+            .arg(&inside)
+            .arg("--remove_checkpoint_dir")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && err.contains("inside"), "{err}");
+        assert!(
+            ckpt.join(".metadata").is_file(),
+            "the checkpoint was touched"
+        );
+        assert!(!home.path().join("ckpt/merged").exists());
+    }
     let refused = fsdp(home.path())
         .args(["merge-weights", "--unsafe_serialization"])
         .arg(&ckpt)

@@ -99,3 +99,79 @@ fn damaged_or_hostile_distributed_checkpoints_are_errors_naming_the_file() {
     let e = err(&dir);
     assert!(e.contains("__0_0.distcp"), "{e}");
 }
+
+/// `.metadata` of a copy of the fsdp2 fixture with `from` replaced by `to` wherever it
+/// occurs (the pickle's frame lengths are not checked by readers, so lengths may change).
+fn crafted(tmp: &Path, case: &str, from: &[u8], to: &[u8]) -> PathBuf {
+    let dir = copy("fsdp2", &tmp.join(case));
+    let meta = dir.join(".metadata");
+    let bytes = std::fs::read(&meta).unwrap();
+    let mut out = Vec::new();
+    let mut i = 0;
+    let mut found = false;
+    while i < bytes.len() {
+        if bytes[i..].starts_with(from) {
+            out.extend_from_slice(to);
+            i += from.len();
+            found = true;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    assert!(found, "{case}: pattern not in the fixture");
+    std::fs::write(&meta, out).unwrap();
+    dir
+}
+
+#[test]
+fn crafted_distributed_checkpoints_are_refused_before_anything_is_allocated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let err = |dir: &Path| merge_weights(dir, &out).unwrap_err().to_string();
+    std::fs::write(tmp.path().join("passwd"), vec![0u8; 70000]).unwrap();
+    // A chunk file outside the checkpoint (same length, so the pickle stays well formed).
+    let dir = crafted(
+        tmp.path(),
+        "outside",
+        b"\x8c\x0c__0_0.distcp",
+        b"\x8c\x0c../../passwd",
+    );
+    let e = err(&dir);
+    assert!(
+        e.contains(".metadata") && e.contains("not a plain file name"),
+        "{e}"
+    );
+    let dir = crafted(
+        tmp.path(),
+        "absolute",
+        b"\x8c\x0c__0_0.distcp",
+        b"\x8c\x0c/etc/x.dcpxx",
+    );
+    let e = err(&dir);
+    assert!(e.contains("not a plain file name"), "{e}");
+    // A record claiming 2^50 bytes: refused against the file's length, not allocated.
+    let mut huge = b"\x8c\x06length\x94\x8a\x08".to_vec();
+    huge.extend_from_slice(&(1u64 << 50).to_le_bytes());
+    // (The first record's length, 2473, is a BININT2 in the fixture.)
+    let dir = crafted(tmp.path(), "huge", b"\x8c\x06length\x94M\xa9\x09", &huge);
+    let e = err(&dir);
+    assert!(
+        e.contains(".metadata") && e.contains("reaches past the end"),
+        "{e}"
+    );
+    assert!(!out.join("model.safetensors").exists());
+    assert!(
+        std::fs::read_dir(&out).map_or(true, |d| d.count() == 0),
+        "a merge of a crafted checkpoint left files"
+    );
+    // A FIFO in place of a chunk file: an error at once.
+    let dir = copy("fsdp1", &tmp.path().join("fifo"));
+    let file = dir.join("__1_0.distcp");
+    std::fs::remove_file(&file).unwrap();
+    let c = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let e = err(&dir);
+    assert!(e.contains("__1_0.distcp") && e.contains("FIFO"), "{e}");
+}

@@ -2,19 +2,28 @@
 //! destination, syncs every file and folder, and then renames it into place — swapping it
 //! with an existing checkpoint in one `renameat2(RENAME_EXCHANGE)` — so a process killed at
 //! any moment leaves the previous checkpoint (or none) at the destination, never half a new
-//! one. Also automatic naming (`checkpoint_<n>`) and rotation (`total_limit`).
+//! one. A save replaces only what is its own: a destination that holds anything but a
+//! complete checkpoint of ours is refused untouched, and a staging folder is removed as
+//! stale only when the job that made it no longer holds its lock. Also automatic naming
+//! (`checkpoint_<n>`) and rotation (`total_limit`), which likewise removes only checkpoints.
 
 use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use super::error::CheckpointError;
+use super::format;
 
 /// Prefix of staging folders (`.{name}.partial-{nonce}` beside the destination).
 const STAGING: &str = ".partial-";
+/// The lock file inside a staging folder, held (`flock`) by the saving process until the
+/// folder is sealed for publishing.
+const LOCK_FILE: &str = ".lock";
 
 /// The staging folder for a save to `dest`.
-pub(crate) fn staging_dir(dest: &Path, nonce: u64) -> PathBuf {
+fn staging_dir(dest: &Path, nonce: u64) -> PathBuf {
     let name = dest
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -22,7 +31,161 @@ pub(crate) fn staging_dir(dest: &Path, nonce: u64) -> PathBuf {
     dest.with_file_name(format!(".{name}{STAGING}{nonce:016x}"))
 }
 
-/// Removes staging folders left by saves to `dest` that were killed.
+/// A staging folder this process made and holds locked: no other job's save removes it
+/// while this process lives (the lock goes with the process, so a killed save's folder is
+/// removed by the next save).
+pub(crate) struct Staging {
+    path: PathBuf,
+    lock: Option<File>,
+}
+
+/// Takes an exclusive `flock` on `file` without waiting: false when another holds it.
+fn try_lock(file: &File) -> bool {
+    // SAFETY: flock on a descriptor this process owns.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+impl Staging {
+    /// Makes and locks a new staging folder for a save to `dest`.
+    pub(crate) fn create(dest: &Path) -> Result<Staging, CheckpointError> {
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ ((std::process::id() as u64) << 32);
+        let path = staging_dir(dest, nonce);
+        std::fs::create_dir(&path).map_err(|e| CheckpointError::io("creating", &path, e))?;
+        let lock_path = path.join(LOCK_FILE);
+        let lock =
+            File::create(&lock_path).map_err(|e| CheckpointError::io("creating", &lock_path, e))?;
+        if !try_lock(&lock) {
+            return Err(CheckpointError::io(
+                "locking",
+                &lock_path,
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Staging {
+            path,
+            lock: Some(lock),
+        })
+    }
+
+    /// The folder.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Removes the lock file before the folder is published (the lock itself is kept
+    /// until this value is dropped): the published folder holds only what the save wrote.
+    pub(crate) fn seal(&mut self) -> Result<(), CheckpointError> {
+        let lock_path = self.path.join(LOCK_FILE);
+        std::fs::remove_file(&lock_path).map_err(|e| CheckpointError::io("removing", &lock_path, e))
+    }
+
+    /// Removes the folder (a failed save) and releases the lock.
+    pub(crate) fn discard(mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+        self.lock = None;
+    }
+}
+
+/// Names `save_state` writes at a checkpoint's top level.
+fn is_checkpoint_entry(name: &str) -> bool {
+    let numbered = |prefix: &str, suffix: &str| {
+        name.strip_prefix(prefix)
+            .and_then(|rest| rest.strip_suffix(suffix))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    name == format::CHECKPOINT_FILE
+        || numbered("pytorch_model_fsdp_", "")
+        || numbered("optimizer_", "")
+        || numbered("scheduler_", ".json")
+        || numbered("random_states_", ".json")
+}
+
+/// Names `save_state` writes inside a model or optimizer folder.
+fn is_folder_entry(name: &str) -> bool {
+    name == format::METADATA_FILE
+        || name == format::FULL_MODEL_FILE
+        || name == format::FULL_OPTIMIZER_FILE
+        || name
+            .strip_prefix("rank_")
+            .and_then(|r| r.strip_suffix(".safetensors"))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Why `dest` may not be replaced by a save, or `None` when it may: it does not exist, is
+/// an empty folder, or is a complete checkpoint of ours (its `fsdp_checkpoint.json` of our
+/// format) holding nothing but what a save writes.
+fn not_replaceable(dest: &Path) -> Option<String> {
+    let meta = match std::fs::symlink_metadata(dest) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => return Some(format!("cannot be examined ({e})")),
+        Ok(m) => m,
+    };
+    if meta.file_type().is_symlink() {
+        return Some("is a symbolic link; save to the folder it points to".into());
+    }
+    if !meta.is_dir() {
+        return Some("exists and is not a folder".into());
+    }
+    let entries = match std::fs::read_dir(dest) {
+        Ok(e) => e.flatten().collect::<Vec<_>>(),
+        Err(e) => return Some(format!("cannot be listed ({e})")),
+    };
+    if entries.is_empty() {
+        return None;
+    }
+    let doc = dest.join(format::CHECKPOINT_FILE);
+    let ours = std::fs::read(&doc).ok().and_then(|b| {
+        let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
+        (v.get("format")?.as_str()? == format::FORMAT).then_some(())
+    });
+    if ours.is_none() {
+        return Some(format!(
+            "exists and is not a checkpoint written by save_state (no valid {}): it is replaced only if it is one; choose another folder",
+            format::CHECKPOINT_FILE
+        ));
+    }
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !is_checkpoint_entry(&name) {
+            return Some(format!(
+                "holds `{name}`, which no save wrote: a checkpoint is replaced only when it holds nothing else"
+            ));
+        }
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            for inner in std::fs::read_dir(entry.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let inner = inner.file_name().to_string_lossy().into_owned();
+                if !is_folder_entry(&inner) {
+                    return Some(format!(
+                        "holds `{name}/{inner}`, which no save wrote: a checkpoint is replaced only when it holds nothing else"
+                    ));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Checks that a save may replace `dest` (see `not_replaceable`): an error naming it
+/// otherwise, before anything is written.
+pub(crate) fn check_replaceable(dest: &Path) -> Result<(), CheckpointError> {
+    match not_replaceable(dest) {
+        None => Ok(()),
+        Some(reason) => Err(CheckpointError::Occupied {
+            path: dest.to_path_buf(),
+            reason,
+        }),
+    }
+}
+
+/// Removes staging folders left by saves to `dest` whose process is gone (their lock is
+/// free); folders another live job is writing, and folders without our lock file, stay.
 pub(crate) fn remove_stale(dest: &Path) -> Result<(), CheckpointError> {
     let (Some(parent), Some(name)) = (dest.parent(), dest.file_name()) else {
         return Ok(());
@@ -37,8 +200,15 @@ pub(crate) fn remove_stale(dest: &Path) -> Result<(), CheckpointError> {
         return Ok(());
     };
     for entry in entries.flatten() {
-        if entry.file_name().to_string_lossy().starts_with(&prefix) {
-            let path = entry.path();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if !is_dir || !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(lock) = File::open(path.join(LOCK_FILE)) else {
+            continue;
+        };
+        if try_lock(&lock) {
             std::fs::remove_dir_all(&path)
                 .map_err(|e| CheckpointError::io("removing a stale staging folder", path, e))?;
         }
@@ -69,15 +239,20 @@ fn c_path(path: &Path) -> Result<CString, CheckpointError> {
 }
 
 /// Moves the complete `staging` folder to `dest`: a rename when `dest` does not exist, an
-/// atomic exchange when it does (the old checkpoint is then removed). On file systems
-/// without exchange the old folder is moved aside first (a crash in between leaves it at
-/// `.{name}.partial-*`, removed by the next save).
-pub(crate) fn publish(staging: &Path, dest: &Path) -> Result<(), CheckpointError> {
+/// atomic exchange when it does (the old checkpoint is then removed) — only after checking
+/// again that `dest` is a checkpoint a save may replace. On file systems without exchange
+/// the old folder is moved aside first (a crash in between leaves it beside the staging
+/// folder's name with `.old` appended).
+pub(crate) fn publish(staging: &mut Staging, dest: &Path) -> Result<(), CheckpointError> {
+    check_replaceable(dest)?;
+    staging.seal()?;
+    let staging = staging.path.clone();
+    let staging = staging.as_path();
     let parent = dest
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    if !dest.exists() {
+    if std::fs::symlink_metadata(dest).is_err() {
         std::fs::rename(staging, dest).map_err(|e| CheckpointError::io("renaming", staging, e))?;
         return sync_dir(parent);
     }
@@ -98,7 +273,9 @@ pub(crate) fn publish(staging: &Path, dest: &Path) -> Result<(), CheckpointError
             return Err(CheckpointError::io("exchanging", dest, err));
         }
         // No atomic exchange here: move the old one aside, then the new one in.
-        let aside = staging.with_extension("old");
+        let mut aside = staging.as_os_str().to_owned();
+        aside.push(".old");
+        let aside = PathBuf::from(aside);
         std::fs::rename(dest, &aside).map_err(|e| CheckpointError::io("renaming", dest, e))?;
         std::fs::rename(staging, dest).map_err(|e| CheckpointError::io("renaming", staging, e))?;
         sync_dir(parent)?;
@@ -109,6 +286,81 @@ pub(crate) fn publish(staging: &Path, dest: &Path) -> Result<(), CheckpointError
     // `staging` now holds the previous checkpoint.
     std::fs::remove_dir_all(staging)
         .map_err(|e| CheckpointError::io("removing the previous checkpoint", staging, e))
+}
+
+/// Names a save that replaces or joins a model folder writes (transformers'
+/// `save_pretrained` names): a new save removes those of an earlier one it does not write.
+fn is_weights_entry(name: &str) -> bool {
+    name == "model.safetensors"
+        || name == "model.safetensors.index.json"
+        || name
+            .strip_prefix("model-")
+            .and_then(|r| r.strip_suffix(".safetensors"))
+            .and_then(|r| r.split_once("-of-"))
+            .is_some_and(|(a, b)| {
+                [a, b]
+                    .iter()
+                    .all(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()))
+            })
+}
+
+/// Moves the files of the complete `staging` folder into the folder `dest` (made when it
+/// does not exist), each replacing the file of that name atomically, and then removes the
+/// weight files of an earlier save that this one did not write. Everything else in `dest`
+/// (a tokenizer, a README) stays: `dest` is the user's folder, not ours.
+pub(crate) fn publish_into(staging: &mut Staging, dest: &Path) -> Result<(), CheckpointError> {
+    staging.seal()?;
+    let parent = dest
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let from = staging.path.clone();
+    match std::fs::metadata(dest) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::rename(&from, dest).map_err(|e| CheckpointError::io("renaming", &from, e))?;
+            return sync_dir(parent);
+        }
+        Err(e) => return Err(CheckpointError::io("examining", dest, e)),
+        Ok(m) if !m.is_dir() => {
+            return Err(CheckpointError::Occupied {
+                path: dest.to_path_buf(),
+                reason: "exists and is not a folder".into(),
+            });
+        }
+        Ok(_) => {}
+    }
+    let list = |dir: &Path| -> Result<Vec<String>, CheckpointError> {
+        Ok(std::fs::read_dir(dir)
+            .map_err(|e| CheckpointError::io("listing", dir, e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect())
+    };
+    let new = list(&from)?;
+    if let Some(taken) = new.iter().find(|n| dest.join(n).is_dir()) {
+        return Err(CheckpointError::Occupied {
+            path: dest.join(taken),
+            reason: "is a folder where the save writes a file".into(),
+        });
+    }
+    // Weights first, the index and config.json after, so the documents never name files
+    // that are not there yet.
+    let mut order = new.clone();
+    order.sort_by_key(|n| (!n.ends_with(".safetensors"), n.clone()));
+    for name in &order {
+        let src = from.join(name);
+        std::fs::rename(&src, dest.join(name))
+            .map_err(|e| CheckpointError::io("renaming", &src, e))?;
+    }
+    for old in list(dest)? {
+        let path = dest.join(&old);
+        if is_weights_entry(&old) && !new.contains(&old) && path.is_file() {
+            std::fs::remove_file(&path)
+                .map_err(|e| CheckpointError::io("removing an earlier weights file", path, e))?;
+        }
+    }
+    sync_dir(dest)?;
+    std::fs::remove_dir(&from).map_err(|e| CheckpointError::io("removing", &from, e))
 }
 
 /// `checkpoint_<n>` folders in `project`, by `n`.
@@ -133,9 +385,13 @@ pub(crate) fn next_numbered(project: &Path) -> PathBuf {
     project.join(format!("checkpoint_{n}"))
 }
 
-/// Removes the oldest automatic checkpoints so at most `limit` remain.
+/// Removes the oldest automatic checkpoints so at most `limit` remain; folders named like
+/// them that are not complete checkpoints of ours are neither counted nor removed.
 pub(crate) fn rotate(project: &Path, limit: usize) -> Result<(), CheckpointError> {
-    let all = numbered(project);
+    let all: Vec<(u64, PathBuf)> = numbered(project)
+        .into_iter()
+        .filter(|(_, p)| p.join(format::CHECKPOINT_FILE).is_file() && not_replaceable(p).is_none())
+        .collect();
     let excess = all.len().saturating_sub(limit);
     for (_, path) in all.into_iter().take(excess) {
         std::fs::remove_dir_all(&path)

@@ -47,6 +47,15 @@ pub enum CheckpointError {
         /// What differs.
         reason: String,
     },
+    /// A save's destination holds something the save did not write (a user's folder, a
+    /// file): it is left as it is and nothing is written there.
+    #[error("{}: {reason}; nothing was written or removed", path.display())]
+    Occupied {
+        /// The destination.
+        path: PathBuf,
+        /// What is there.
+        reason: String,
+    },
     /// Another rank failed during the collective save or load; every rank reports it.
     #[error("rank {rank} failed: {message}")]
     OnRank {

@@ -1,5 +1,6 @@
-//! The on-disk format (version 1, specified in `docs/CHECKPOINT_FORMAT.md`): the names of a
-//! checkpoint's files and folders, and the JSON documents that describe them.
+//! The on-disk format (version 2, specified in `docs/CHECKPOINT_FORMAT.md`): the names of a
+//! checkpoint's files and folders, the JSON documents that describe them, their checksums,
+//! and the checks a document passes before anything it declares is opened or allocated.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -7,11 +8,18 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::error::CheckpointError;
+use super::files::{plain_name, read_bounded};
 
 /// The `format` field of every metadata document.
 pub const FORMAT: &str = "fsdp-rs-checkpoint";
-/// The version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// The version this build writes.
+pub const VERSION: u32 = 2;
+/// The oldest version this build reads (version 1 documents carry no checksums).
+pub const OLDEST_VERSION: u32 = 1;
+/// The largest JSON document read (a model of a million tensors fits).
+pub const DOCUMENT_LIMIT: u64 = 256 << 20;
+/// The field of a version-2 document holding the CRC-32 of the rest of it.
+const CHECKSUM_FIELD: &str = "crc32";
 /// The document whose presence makes a folder a complete checkpoint (written last).
 pub const CHECKPOINT_FILE: &str = "fsdp_checkpoint.json";
 /// A model or optimizer folder's description of its tensors.
@@ -71,6 +79,10 @@ pub struct CheckpointDoc {
     /// Each model's fp16 loss-scaler state, as given (absent when no model has one).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub grad_scalers: Vec<serde_json::Value>,
+    /// Version 2: the CRC-32 of each document written as given (`scheduler_{i}.json`,
+    /// `random_states_{rank}.json`), by file name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub documents: BTreeMap<String, u32>,
 }
 
 /// A model or optimizer folder's `metadata.json`.
@@ -167,16 +179,80 @@ impl std::fmt::Display for LayoutDoc {
     }
 }
 
-/// Reads and parses a JSON document, naming the file in every error.
-pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, CheckpointError> {
-    let text = std::fs::read(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => CheckpointError::Missing {
-            path: path.to_path_buf(),
-            what: "a checkpoint document".into(),
-        },
-        _ => CheckpointError::io("reading", path, e),
-    })?;
-    serde_json::from_slice(&text).map_err(|e| CheckpointError::corrupt(path, e.to_string()))
+/// The CRC-32 of a document's canonical text (compact, keys sorted) without its checksum
+/// field: what the field must hold.
+fn canonical_crc(doc: &serde_json::Map<String, serde_json::Value>) -> u32 {
+    let mut body = doc.clone();
+    body.remove(CHECKSUM_FIELD);
+    let text = serde_json::to_vec(&serde_json::Value::Object(body)).unwrap_or_default();
+    crc32fast::hash(&text)
+}
+
+/// A metadata document as written: its JSON with a checksum field over the rest.
+pub fn document_bytes<T: Serialize>(doc: &T) -> Result<Vec<u8>, CheckpointError> {
+    let value = serde_json::to_value(doc)
+        .map_err(|e| CheckpointError::Usage(format!("a checkpoint document: {e}")))?;
+    let serde_json::Value::Object(mut map) = value else {
+        return Err(CheckpointError::Usage(
+            "a checkpoint document that is not a JSON object".into(),
+        ));
+    };
+    let crc = canonical_crc(&map);
+    map.insert(CHECKSUM_FIELD.into(), crc.into());
+    serde_json::to_vec_pretty(&serde_json::Value::Object(map))
+        .map_err(|e| CheckpointError::Usage(format!("a checkpoint document: {e}")))
+}
+
+/// Reads a metadata document (`fsdp_checkpoint.json`, `metadata.json`), bounded in size,
+/// and from version 2 on verifies its checksum; its format and version are checked too.
+pub fn read_document<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, CheckpointError> {
+    let bytes = read_bounded(path, DOCUMENT_LIMIT, "checkpoint document")?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| CheckpointError::corrupt(path, e.to_string()))?;
+    let serde_json::Value::Object(map) = &value else {
+        return Err(CheckpointError::corrupt(path, "not a JSON object"));
+    };
+    let format = map.get("format").and_then(|v| v.as_str()).unwrap_or("");
+    let version = map.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+    check_version(path, format, u32::try_from(version).unwrap_or(u32::MAX))?;
+    if version >= 2 {
+        let stored = map.get(CHECKSUM_FIELD).and_then(|v| v.as_u64());
+        let want = canonical_crc(map);
+        match stored {
+            None => {
+                return Err(CheckpointError::corrupt(
+                    path,
+                    format!(
+                        "no `{CHECKSUM_FIELD}` field, which every version-{version} document has"
+                    ),
+                ));
+            }
+            Some(got) if got != want as u64 => {
+                return Err(CheckpointError::corrupt(
+                    path,
+                    "the document's checksum does not match: it was edited or damaged",
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    serde_json::from_value(value).map_err(|e| CheckpointError::corrupt(path, e.to_string()))
+}
+
+/// Reads a document written as given (a scheduler's or random generator's state), bounded
+/// in size, verifying its bytes against `crc32` (listed in `fsdp_checkpoint.json` from
+/// version 2 on; `None` for version 1).
+pub fn read_listed(path: &Path, crc32: Option<u32>) -> Result<serde_json::Value, CheckpointError> {
+    let bytes = read_bounded(path, DOCUMENT_LIMIT, "checkpoint document")?;
+    if let Some(want) = crc32
+        && crc32fast::hash(&bytes) != want
+    {
+        return Err(CheckpointError::corrupt(
+            path,
+            "its checksum does not match the one in fsdp_checkpoint.json: it was edited or damaged",
+        ));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| CheckpointError::corrupt(path, e.to_string()))
 }
 
 /// Checks a document's format and version.
@@ -187,24 +263,124 @@ pub fn check_version(path: &Path, format: &str, version: u32) -> Result<(), Chec
             format!("format `{format}`, not `{FORMAT}`"),
         ));
     }
-    if version != VERSION {
+    if !(OLDEST_VERSION..=VERSION).contains(&version) {
         return Err(CheckpointError::corrupt(
             path,
-            format!("format version {version}; this build reads version {VERSION}"),
+            format!(
+                "format version {version}; this build reads versions {OLDEST_VERSION} to {VERSION}"
+            ),
         ));
     }
     Ok(())
 }
 
+impl FolderDoc {
+    /// Checks everything the folder declares before any of it is opened or allocated: every
+    /// file name is a plain name listed in `files`; every tensor is F32 with a size that
+    /// fits in memory arithmetic; every piece holds rows inside its tensor, exactly the
+    /// bytes those rows take, inside the declared length of its file, overlapping no other
+    /// piece; and each tensor's pieces cover its rows once (`local`: rows several ranks
+    /// hold appear once per rank file). With the files' real lengths checked against
+    /// `files` when they are opened, nothing read can be larger than the files are.
+    pub fn validate(&self, path: &Path, local: bool) -> Result<(), CheckpointError> {
+        let bad = |reason: String| CheckpointError::corrupt(path, reason);
+        for name in self.files.keys() {
+            plain_name(path, name)?;
+        }
+        let mut extents: BTreeMap<&str, Vec<(u64, u64, &str)>> = BTreeMap::new();
+        for (name, t) in &self.tensors {
+            if t.dtype != "F32" {
+                return Err(bad(format!("`{name}`: dtype {}, not F32", t.dtype)));
+            }
+            let rows = t.shape.first().copied().unwrap_or(1);
+            let row_bytes = t
+                .shape
+                .iter()
+                .skip(1)
+                .try_fold(4usize, |a, &d| a.checked_mul(d))
+                .filter(|b| b.checked_mul(rows).is_some())
+                .ok_or_else(|| bad(format!("`{name}`: shape {:?} is too large", t.shape)))?;
+            let mut ranges = Vec::with_capacity(t.pieces.len());
+            for p in &t.pieces {
+                plain_name(path, &p.file)?;
+                let file = self.files.get(&p.file).ok_or_else(|| {
+                    bad(format!(
+                        "`{name}` has a piece in `{}`, which the file list does not have",
+                        p.file
+                    ))
+                })?;
+                let [a, b] = p.rows;
+                if a >= b || b > rows {
+                    return Err(bad(format!(
+                        "`{name}`: a piece of rows {a}..{b} of a tensor of {rows} rows"
+                    )));
+                }
+                let want = ((b - a) as u64).checked_mul(row_bytes as u64);
+                if want != Some(p.bytes) {
+                    return Err(bad(format!(
+                        "`{name}` rows {a}..{b}: {} bytes listed where the rows take {}",
+                        p.bytes,
+                        want.map_or("more than 2^64".into(), |w| w.to_string())
+                    )));
+                }
+                let end = p.offset.checked_add(p.bytes).filter(|&e| e <= file.bytes);
+                let end = end.ok_or_else(|| {
+                    bad(format!(
+                        "`{name}` rows {a}..{b}: bytes from {} reach past the end of `{}` ({} bytes)",
+                        p.offset, p.file, file.bytes
+                    ))
+                })?;
+                extents
+                    .entry(p.file.as_str())
+                    .or_default()
+                    .push((p.offset, end, name));
+                ranges.push((a, b));
+            }
+            ranges.sort_unstable();
+            if local {
+                ranges.dedup();
+            }
+            let mut next = 0;
+            for (a, b) in ranges {
+                if a != next {
+                    return Err(bad(format!(
+                        "`{name}`: its pieces {} row {next}",
+                        if a < next { "overlap at" } else { "miss" }
+                    )));
+                }
+                next = b;
+            }
+            if next != rows {
+                return Err(bad(format!(
+                    "`{name}`: its pieces cover rows 0..{next} of {rows}"
+                )));
+            }
+        }
+        for (file, mut spans) in extents {
+            spans.sort_unstable();
+            for w in spans.windows(2) {
+                if w[1].0 < w[0].1 {
+                    return Err(bad(format!(
+                        "`{}` and `{}` overlap in `{file}` (bytes {}..{})",
+                        w[0].2, w[1].2, w[1].0, w[0].1
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Finds the checkpoint folder from a path that is the checkpoint itself or a folder inside
-/// it (`.../pytorch_model_fsdp_0`): users point at either.
+/// it (`.../pytorch_model_fsdp_0`): users point at either. Whatever stands at the
+/// document's name counts (reading it then says what is wrong with it).
 pub fn checkpoint_root(path: &Path) -> Option<PathBuf> {
-    if path.join(CHECKPOINT_FILE).is_file() {
+    if path.join(CHECKPOINT_FILE).exists() {
         return Some(path.to_path_buf());
     }
     let parent = path.parent()?;
     parent
         .join(CHECKPOINT_FILE)
-        .is_file()
+        .exists()
         .then(|| parent.to_path_buf())
 }

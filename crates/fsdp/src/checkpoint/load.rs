@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::collect::{agree, join};
 use super::error::CheckpointError;
-use super::format::{self, CheckpointDoc, FolderDoc, check_version, read_json};
+use super::format::{self, CheckpointDoc, FolderDoc, read_document, read_listed};
 use super::save::layout_of;
 use super::tensor_file::TensorReader;
 use super::{CheckpointOptions, RunState};
@@ -18,8 +18,7 @@ use crate::optim::{Optimizer, ParamState};
 /// Reads a folder's metadata, checking its format, kind and cut.
 fn folder_doc(dir: &Path, kind: &str, state_dict_type: &str) -> Result<FolderDoc, CheckpointError> {
     let path = dir.join(format::METADATA_FILE);
-    let doc: FolderDoc = read_json(&path)?;
-    check_version(&path, &doc.format, doc.version)?;
+    let doc: FolderDoc = read_document(&path)?;
     if doc.kind != kind || doc.state_dict_type != state_dict_type {
         return Err(CheckpointError::corrupt(
             &path,
@@ -29,6 +28,7 @@ fn folder_doc(dir: &Path, kind: &str, state_dict_type: &str) -> Result<FolderDoc
             ),
         ));
     }
+    doc.validate(&path, state_dict_type == "LOCAL_STATE_DICT")?;
     Ok(doc)
 }
 
@@ -210,8 +210,20 @@ fn read_all(
         what: "the document of a complete checkpoint (a folder written by save_state)".into(),
     })?;
     let doc_path = root.join(format::CHECKPOINT_FILE);
-    let doc: CheckpointDoc = read_json(&doc_path)?;
-    check_version(&doc_path, &doc.format, doc.version)?;
+    let doc: CheckpointDoc = read_document(&doc_path)?;
+    // From version 2 on, every document written as given is listed with its checksum.
+    let listed = |name: String| -> Result<serde_json::Value, CheckpointError> {
+        let crc = match doc.version {
+            1 => None,
+            _ => Some(*doc.documents.get(&name).ok_or_else(|| {
+                CheckpointError::corrupt(
+                    &doc_path,
+                    format!("`{name}` is not listed among the documents"),
+                )
+            })?),
+        };
+        read_listed(&root.join(&name), crc)
+    };
     if doc.models != models.len() || doc.optimizers != optimizers.len() {
         return Err(CheckpointError::Mismatch {
             path: root.clone(),
@@ -242,11 +254,11 @@ fn read_all(
         load_optimizer(&dir, &folder, models[i], &mut **o)?;
     }
     let schedulers = (0..doc.schedulers)
-        .map(|i| read_json::<serde_json::Value>(&root.join(format::scheduler_file(i))))
+        .map(|i| listed(format::scheduler_file(i)))
         .collect::<Result<Vec<_>, _>>()?;
     let rank = models[0].mesh().rank();
     let random = if doc.world_size == models[0].mesh().world_size() {
-        read_json(&root.join(format::random_states_file(rank)))?
+        listed(format::random_states_file(rank))?
     } else {
         // Per-rank generators of another world size do not map onto this one's ranks.
         serde_json::Value::Null

@@ -14,7 +14,7 @@ use safetensors::{Dtype, View};
 
 use super::dcp;
 use super::error::CheckpointError;
-use super::format::{self, FolderDoc, check_version, read_json};
+use super::format::{self, FolderDoc, read_document};
 use super::tensor_file::{TensorReader, f32_bytes};
 
 /// What a merge wrote.
@@ -49,13 +49,14 @@ impl View for &Lazy<'_> {
     fn data(&self) -> Cow<'_, [u8]> {
         match (self.load)() {
             Ok(bytes) if bytes.len() == self.len => Cow::Owned(bytes),
+            // The merge fails and its partial file is removed: nothing needs writing.
             Ok(_) => {
                 self.fail(CheckpointError::Usage("a tensor of the wrong size".into()));
-                Cow::Owned(vec![0; self.len])
+                Cow::Borrowed(&[])
             }
             Err(e) => {
                 self.fail(e);
-                Cow::Owned(vec![0; self.len])
+                Cow::Borrowed(&[])
             }
         }
     }
@@ -113,21 +114,24 @@ pub fn merge_weights(src: &Path, out_dir: &Path) -> Result<MergeReport, Checkpoi
     match source(src)? {
         Source::Ours(dir) => {
             let meta_path = dir.join(format::METADATA_FILE);
-            let mut doc: FolderDoc = read_json(&meta_path)?;
-            check_version(&meta_path, &doc.format, doc.version)?;
+            let mut doc: FolderDoc = read_document(&meta_path)?;
             if doc.kind != "model" {
                 return Err(CheckpointError::corrupt(
                     &meta_path,
                     format!("a {} folder, not a model folder", doc.kind),
                 ));
             }
+            doc.validate(&meta_path, doc.state_dict_type == "LOCAL_STATE_DICT")?;
             // Local shards repeat the rows every rank holds: keep one copy of each row range.
             for t in doc.tensors.values_mut() {
                 let mut seen = std::collections::HashSet::new();
                 t.pieces.retain(|p| seen.insert(p.rows));
             }
             ours_doc = doc;
-            reader = RefCell::new(TensorReader::new(&dir, &ours_doc.files));
+            // Every file's real size checked before the output's header declares any tensor.
+            let mut checked = TensorReader::new(&dir, &ours_doc.files);
+            checked.check_files()?;
+            reader = RefCell::new(checked);
             for (name, t) in &ours_doc.tensors {
                 let rows = t.shape.first().copied().unwrap_or(1);
                 let row_elems: usize = t.shape.iter().skip(1).product();

@@ -16,6 +16,7 @@ mod atomic;
 mod collect;
 mod dcp;
 mod error;
+mod files;
 pub mod format;
 mod load;
 mod merge;

@@ -37,7 +37,9 @@ fn assign(names: &[(String, Vec<usize>)], max_bytes: u64) -> Vec<Vec<PlannedTens
 /// Writes `model`'s full weights and `config` (the model's `config.json`) to `dir` on rank
 /// 0 — collective: every rank calls it; rank 0 holds at most one unit beyond its shards.
 /// Files above `max_shard_bytes` are split as transformers does. Written into a staging
-/// folder and moved into place whole. Returns `dir`.
+/// folder beside `dir`, then each file moved into `dir`, replacing the file of its name;
+/// other files in `dir` (a tokenizer, a README) stay, and weight files of an earlier save
+/// that this one does not write are removed. Returns `dir`.
 pub fn save_pretrained(
     model: &Fsdp,
     dir: &Path,
@@ -59,16 +61,23 @@ pub fn save_pretrained(
             format!("model-{:05}-of-{n:05}.safetensors", i + 1)
         }
     };
-    let staging = atomic::staging_dir(dir, std::process::id() as u64 ^ 0x5eed_0000_0000_0000);
+    // Rank 0 stages the files beside `dir` (the others only send it their rows).
     let prepared = if first {
-        atomic::remove_stale(dir).and_then(|()| {
-            std::fs::create_dir_all(&staging)
-                .map_err(|e| CheckpointError::io("creating", &staging, e))
-        })
+        let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+        parent
+            .map_or(Ok(()), |p| {
+                std::fs::create_dir_all(p).map_err(|e| CheckpointError::io("creating", p, e))
+            })
+            .and_then(|()| atomic::remove_stale(dir))
+            .and_then(|()| atomic::Staging::create(dir))
+            .map(Some)
     } else {
-        Ok(())
+        Ok(None)
     };
-    agree(model.mesh(), prepared)?;
+    let mut held = agree(model.mesh(), prepared)?;
+    let staging = held
+        .as_ref()
+        .map_or_else(PathBuf::new, |s| s.path().to_path_buf());
     // Rank 0 streams the tensors, in gathering order, file after file.
     let mut current: Option<(usize, TensorFileWriter)> = None;
     let mut next_file = 0usize;
@@ -110,16 +119,18 @@ pub fn save_pretrained(
         (None, Some((_, w))) => w.finish().map(|_| ()),
         (None, None) => Ok(()),
     };
-    let published = if first {
-        finished
-            .and_then(|()| write_documents(&staging, config, &files, &file_name))
-            .and_then(|()| atomic::sync_dir(&staging))
-            .and_then(|()| atomic::publish(&staging, dir))
-            .inspect_err(|_| {
-                let _ = std::fs::remove_dir_all(&staging);
-            })
-    } else {
-        Ok(())
+    let published = match held.take() {
+        Some(mut held) => {
+            let published = finished
+                .and_then(|()| write_documents(&staging, config, &files, &file_name))
+                .and_then(|()| atomic::sync_dir(&staging))
+                .and_then(|()| atomic::publish_into(&mut held, dir));
+            if published.is_err() {
+                held.discard();
+            }
+            published
+        }
+        None => Ok(()),
     };
     agree(model.mesh(), published)?;
     Ok(dir.to_path_buf())

@@ -35,6 +35,8 @@ struct RankFolder {
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct RankReport {
     folders: Vec<RankFolder>,
+    /// The CRC-32 of this rank's `random_states_{rank}.json`.
+    random_crc32: u32,
 }
 
 /// One tensor this rank writes: name, full shape, its rows and their values (borrowed from
@@ -242,12 +244,13 @@ fn write_rank(
     kind: StateDictType,
 ) -> Result<RankReport, CheckpointError> {
     let rank = models[0].mesh().rank();
-    atomic::write_synced(
-        &staging.join(format::random_states_file(rank)),
-        &serde_json::to_vec_pretty(&run.random)
-            .map_err(|e| CheckpointError::Usage(format!("random state: {e}")))?,
-    )?;
-    let mut report = RankReport::default();
+    let random = serde_json::to_vec_pretty(&run.random)
+        .map_err(|e| CheckpointError::Usage(format!("random state: {e}")))?;
+    atomic::write_synced(&staging.join(format::random_states_file(rank)), &random)?;
+    let mut report = RankReport {
+        random_crc32: crc32fast::hash(&random),
+        ..Default::default()
+    };
     let mut optimizer_folders = Vec::new();
     for (i, m) in models.iter().enumerate() {
         let opt = optimizers.get(i).copied();
@@ -444,17 +447,20 @@ fn write_documents(
         std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
         atomic::write_synced(
             &dir.join(format::METADATA_FILE),
-            &serde_json::to_vec_pretty(&doc)
-                .map_err(|e| CheckpointError::Usage(format!("metadata: {e}")))?,
+            &format::document_bytes(&doc)?,
         )?;
         atomic::sync_dir(&dir)?;
     }
+    let mut documents: BTreeMap<String, u32> = reports
+        .iter()
+        .enumerate()
+        .map(|(rank, r)| (format::random_states_file(rank), r.random_crc32))
+        .collect();
     for (i, s) in run.schedulers.iter().enumerate() {
-        atomic::write_synced(
-            &staging.join(format::scheduler_file(i)),
-            &serde_json::to_vec_pretty(s)
-                .map_err(|e| CheckpointError::Usage(format!("scheduler {i}: {e}")))?,
-        )?;
+        let bytes = serde_json::to_vec_pretty(s)
+            .map_err(|e| CheckpointError::Usage(format!("scheduler {i}: {e}")))?;
+        atomic::write_synced(&staging.join(format::scheduler_file(i)), &bytes)?;
+        documents.insert(format::scheduler_file(i), crc32fast::hash(&bytes));
     }
     let doc = CheckpointDoc {
         format: format::FORMAT.into(),
@@ -467,11 +473,11 @@ fn write_documents(
         step: run.step,
         data: run.data.clone(),
         grad_scalers: run.grad_scalers.clone(),
+        documents,
     };
     atomic::write_synced(
         &staging.join(format::CHECKPOINT_FILE),
-        &serde_json::to_vec_pretty(&doc)
-            .map_err(|e| CheckpointError::Usage(format!("checkpoint document: {e}")))?,
+        &format::document_bytes(&doc)?,
     )?;
     atomic::sync_dir(staging)
 }
@@ -500,24 +506,21 @@ pub(crate) fn save(
     join(&mesh, "save_state", options.join_timeout)?;
     let kind = options.state_dict_type.unwrap_or(first.state_dict_type());
     let rank0 = mesh.rank() == 0;
-    // Rank 0 chooses the destination and makes the staging folder; the others learn where.
+    // Rank 0 chooses the destination and makes (and holds) the staging folder; the others
+    // learn where.
     let prepared = if rank0 {
-        prepare(dest, options, models.len(), optimizers.len())
+        prepare(dest, options, models.len(), optimizers.len()).map(Some)
     } else {
-        Ok((PathBuf::new(), PathBuf::new()))
+        Ok(None)
     };
     let text = match &prepared {
-        Ok((d, s)) => serde_json::json!([d, s]).to_string(),
-        Err(_) => String::new(),
+        Ok(Some((d, s))) => serde_json::json!([d, s.path()]).to_string(),
+        _ => String::new(),
     };
-    let prepared = agree(&mesh, prepared)?;
+    let mut held = agree(&mesh, prepared)?;
     let shared = broadcast_bytes(&mesh, text.as_bytes())?;
-    let (dest, staging): (PathBuf, PathBuf) = if rank0 {
-        prepared
-    } else {
-        serde_json::from_slice(&shared)
-            .map_err(|e| CheckpointError::Usage(format!("staging folder: {e}")))?
-    };
+    let (dest, staging): (PathBuf, PathBuf) = serde_json::from_slice(&shared)
+        .map_err(|e| CheckpointError::Usage(format!("staging folder: {e}")))?;
     let written = write_rank(&staging, models, optimizers, run, kind);
     let report_text = match &written {
         Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
@@ -527,41 +530,45 @@ pub(crate) fn save(
     let reports = match written {
         Ok(_) => all_gather_bytes(&mesh, &report_text)?,
         Err(e) => {
-            if rank0 {
-                let _ = std::fs::remove_dir_all(&staging);
+            if let Some((_, s)) = held.take() {
+                s.discard();
             }
             return Err(e);
         }
     };
-    let published = if rank0 {
-        let reports: Result<Vec<RankReport>, _> =
-            reports.iter().map(|r| serde_json::from_slice(r)).collect();
-        reports
-            .map_err(|e| CheckpointError::Usage(format!("rank report: {e}")))
-            .and_then(|reports| write_documents(&staging, &reports, models, optimizers, run, kind))
-            .and_then(|()| atomic::publish(&staging, &dest))
-            .and_then(|()| match (options.automatic_naming, options.total_limit) {
+    let published = match held.take() {
+        Some((_, mut held)) => {
+            let reports: Result<Vec<RankReport>, _> =
+                reports.iter().map(|r| serde_json::from_slice(r)).collect();
+            let published = reports
+                .map_err(|e| CheckpointError::Usage(format!("rank report: {e}")))
+                .and_then(|reports| {
+                    write_documents(&staging, &reports, models, optimizers, run, kind)
+                })
+                .and_then(|()| atomic::publish(&mut held, &dest));
+            if published.is_err() {
+                held.discard();
+            }
+            published.and_then(|()| match (options.automatic_naming, options.total_limit) {
                 (true, Some(limit)) => atomic::rotate(dest.parent().unwrap_or(&dest), limit),
                 _ => Ok(()),
             })
-            .inspect_err(|_| {
-                let _ = std::fs::remove_dir_all(&staging);
-            })
-    } else {
-        Ok(())
+        }
+        None => Ok(()),
     };
     agree(&mesh, published)?;
     Ok(dest)
 }
 
-/// Rank 0: the destination (the next `checkpoint_<n>` with automatic naming), stale staging
-/// folders removed, and a fresh staging folder with the model and optimizer folders.
+/// Rank 0: the destination (the next `checkpoint_<n>` with automatic naming), checked to be
+/// one a save may replace, stale staging folders removed, and a fresh staging folder (held
+/// locked) with the model and optimizer folders.
 fn prepare(
     dest: &Path,
     options: &CheckpointOptions,
     models: usize,
     optimizers: usize,
-) -> Result<(PathBuf, PathBuf), CheckpointError> {
+) -> Result<(PathBuf, atomic::Staging), CheckpointError> {
     let dest = if options.automatic_naming {
         let project = dest.join("checkpoints");
         std::fs::create_dir_all(&project)
@@ -570,21 +577,21 @@ fn prepare(
     } else {
         dest.to_path_buf()
     };
+    atomic::check_replaceable(&dest)?;
     if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| CheckpointError::io("creating", parent, e))?;
     }
     atomic::remove_stale(&dest)?;
-    let nonce = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-        ^ ((std::process::id() as u64) << 32);
-    let staging = atomic::staging_dir(&dest, nonce);
+    let staging = atomic::Staging::create(&dest)?;
     for sub in (0..models)
         .map(format::model_folder)
         .chain((0..optimizers).map(format::optimizer_folder))
     {
-        let dir = staging.join(sub);
-        std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
+        let dir = staging.path().join(sub);
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            staging.discard();
+            return Err(CheckpointError::io("creating", &dir, e));
+        }
     }
     Ok((dest, staging))
 }

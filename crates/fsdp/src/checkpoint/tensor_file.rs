@@ -179,20 +179,16 @@ impl<'a> TensorReader<'a> {
 
     fn file(&mut self, name: &str) -> Result<&File, CheckpointError> {
         if !self.open.contains_key(name) {
+            let meta_path = self.folder.join(super::format::METADATA_FILE);
+            super::files::plain_name(&meta_path, name)?;
             let path = self.folder.join(name);
             let doc = self.files.get(name).ok_or_else(|| {
                 CheckpointError::corrupt(
-                    self.folder.join(super::format::METADATA_FILE),
+                    &meta_path,
                     format!("a piece refers to `{name}`, which the file list does not have"),
                 )
             })?;
-            let file = File::open(&path).map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => CheckpointError::Missing {
-                    path: path.clone(),
-                    what: format!("written by rank {}", doc.rank),
-                },
-                _ => CheckpointError::io("opening", &path, e),
-            })?;
+            let file = super::files::open_regular(&path, &format!("written by rank {}", doc.rank))?;
             let size = file
                 .metadata()
                 .map_err(|e| CheckpointError::io("reading", &path, e))?
@@ -228,6 +224,17 @@ impl<'a> TensorReader<'a> {
         Ok(&self.open[name])
     }
 
+    /// Opens every listed file, checking that each is a regular file of the size and header
+    /// the metadata gives: after this (and [`FolderDoc::validate`](super::format::FolderDoc::validate)),
+    /// nothing the metadata declares is larger than the files really are.
+    pub fn check_files(&mut self) -> Result<(), CheckpointError> {
+        let files = self.files;
+        for name in files.keys() {
+            self.file(name)?;
+        }
+        Ok(())
+    }
+
     /// Rows `rows` of tensor `name` (described by `doc`), each row `row_elems` values.
     pub fn read_rows(
         &mut self,
@@ -244,7 +251,13 @@ impl<'a> TensorReader<'a> {
             if start >= end {
                 continue;
             }
-            let values = self.read_piece(name, piece, (b - a) * row_elems)?;
+            let elems = (b - a).checked_mul(row_elems).ok_or_else(|| {
+                CheckpointError::corrupt(
+                    self.folder.join(super::format::METADATA_FILE),
+                    format!("`{name}`: a piece of rows {a}..{b} is too large"),
+                )
+            })?;
+            let values = self.read_piece(name, piece, elems)?;
             out[(start - rows.start) * row_elems..(end - rows.start) * row_elems]
                 .copy_from_slice(&values[(start - a) * row_elems..(end - a) * row_elems]);
             covered += end - start;
@@ -268,7 +281,7 @@ impl<'a> TensorReader<'a> {
         elems: usize,
     ) -> Result<Vec<f32>, CheckpointError> {
         let path = self.folder.join(&piece.file);
-        if piece.bytes != elems as u64 * 4 {
+        if Some(piece.bytes) != (elems as u64).checked_mul(4) {
             return Err(CheckpointError::corrupt(
                 &path,
                 format!(
@@ -277,7 +290,22 @@ impl<'a> TensorReader<'a> {
                 ),
             ));
         }
+        // The file first: its real length bounds what is allocated for the piece.
+        let size = self.files.get(&piece.file).map_or(0, |f| f.bytes);
         let file = self.file(&piece.file)?;
+        if piece
+            .offset
+            .checked_add(piece.bytes)
+            .is_none_or(|end| end > size)
+        {
+            return Err(CheckpointError::corrupt(
+                &path,
+                format!(
+                    "`{name}` rows {:?}: bytes {}+{} reach past the end of the file ({size} bytes)",
+                    piece.rows, piece.offset, piece.bytes
+                ),
+            ));
+        }
         let mut values = vec![0f32; elems];
         // SAFETY: any byte pattern is a valid f32; the slice covers exactly the vector.
         let bytes =

@@ -15,9 +15,12 @@ use std::path::{Path, PathBuf};
 use pickle::Value;
 
 use super::error::CheckpointError;
+use super::files::{open_regular, plain_name, read_bounded};
 
 /// The metadata file of a distributed checkpoint.
 pub(crate) const METADATA: &str = ".metadata";
+/// The largest `.metadata` read.
+const METADATA_LIMIT: u64 = 1 << 30;
 
 /// Classes and functions `.metadata` refers to.
 fn metadata_globals(module: &str, name: &str) -> bool {
@@ -129,7 +132,7 @@ fn usizes(v: Option<&Value>) -> Option<Vec<usize>> {
 /// Reads `dir/.metadata`.
 pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
     let path = dir.join(METADATA);
-    let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io("reading", &path, e))?;
+    let bytes = read_bounded(&path, METADATA_LIMIT, "distributed checkpoint metadata")?;
     let meta = pickle::load(&bytes, &metadata_globals).map_err(|e| bad(&path, e.to_string()))?;
     let entries = meta
         .get("state_dict_metadata")
@@ -175,14 +178,14 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
                 ),
             ));
         }
-        places.insert(
-            (fqn.to_string(), offsets),
-            (
-                file.to_string(),
-                at.first().copied().unwrap_or(0) as u64,
-                length as u64,
-            ),
-        );
+        plain_name(&path, file)?;
+        let (Ok(at), Ok(length)) = (
+            u64::try_from(at.first().copied().unwrap_or(0)),
+            u64::try_from(length),
+        ) else {
+            return Err(bad(&path, format!("`{fqn}`: a negative offset or length")));
+        };
+        places.insert((fqn.to_string(), offsets), (file.to_string(), at, length));
     }
     let names: BTreeMap<String, String> = meta
         .get("planner_data")
@@ -259,11 +262,20 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
                     .iter()
                     .zip(&sizes)
                     .zip(&shape)
-                    .any(|((o, s), d)| o + s > *d)
+                    .any(|((o, s), d)| o.checked_add(*s).is_none_or(|end| end > *d))
             {
                 return Err(bad(
                     &path,
                     format!("`{fqn}`: chunk {offsets:?}+{sizes:?} outside {shape:?}"),
+                ));
+            }
+            // torch.save stores a chunk's storage uncompressed inside its record.
+            if numel_bytes(&sizes, size).is_none_or(|b| b as u64 > length) {
+                return Err(bad(
+                    &path,
+                    format!(
+                        "`{fqn}`: chunk {offsets:?} of {sizes:?} cannot fit in its record of {length} bytes"
+                    ),
                 ));
             }
             chunks.push(Chunk {
@@ -274,11 +286,10 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
                 length,
             });
         }
-        let covered: usize = chunks
+        let covered = chunks
             .iter()
-            .map(|c| c.sizes.iter().product::<usize>())
-            .sum();
-        if covered != shape.iter().product::<usize>() {
+            .try_fold(0usize, |sum, c| sum.checked_add(numel_bytes(&c.sizes, 1)?));
+        if numel_bytes(&shape, size).is_none() || covered != numel_bytes(&shape, 1) {
             return Err(bad(
                 &path,
                 format!("`{fqn}`: the chunks do not cover the tensor"),
@@ -298,10 +309,61 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
             },
         );
     }
+    check_records(dir, &path, &tensors)?;
     Ok(DcpCheckpoint {
         dir: dir.to_path_buf(),
         tensors,
     })
+}
+
+/// The elements of `shape` times `size` bytes, `None` past `usize`.
+fn numel_bytes(shape: &[usize], size: usize) -> Option<usize> {
+    shape.iter().try_fold(size, |a, &d| a.checked_mul(d))
+}
+
+/// Checks that every chunk's record lies inside its file, a regular file, and overlaps no
+/// other record: what the tensors declare is then no larger than the files are.
+fn check_records(
+    dir: &Path,
+    metadata: &Path,
+    tensors: &BTreeMap<String, DcpTensor>,
+) -> Result<(), CheckpointError> {
+    let mut by_file: BTreeMap<&str, Vec<(u64, u64, &str)>> = BTreeMap::new();
+    for (name, t) in tensors {
+        for c in &t.chunks {
+            by_file
+                .entry(c.file.as_str())
+                .or_default()
+                .push((c.at, c.length, name));
+        }
+    }
+    for (file, mut records) in by_file {
+        let path = dir.join(file);
+        let size = open_regular(&path, "a file of the distributed checkpoint")?
+            .metadata()
+            .map_err(|e| CheckpointError::io("reading", &path, e))?
+            .len();
+        records.sort_unstable();
+        let mut end_of_last = 0u64;
+        for (at, length, name) in records {
+            let end = at.checked_add(length).filter(|&e| e <= size).ok_or_else(|| {
+                bad(
+                    metadata,
+                    format!(
+                        "`{name}`: a record at bytes {at}+{length} reaches past the end of `{file}` ({size} bytes)"
+                    ),
+                )
+            })?;
+            if at < end_of_last {
+                return Err(bad(
+                    metadata,
+                    format!("`{name}`: its record at byte {at} of `{file}` overlaps another"),
+                ));
+            }
+            end_of_last = end;
+        }
+    }
+    Ok(())
 }
 
 impl DcpCheckpoint {
@@ -325,13 +387,7 @@ impl DcpCheckpoint {
         c: &Chunk,
         t: &DcpTensor,
     ) -> Result<Vec<u8>, CheckpointError> {
-        let file = std::fs::File::open(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => CheckpointError::Missing {
-                path: path.to_path_buf(),
-                what: "a file of the distributed checkpoint".into(),
-            },
-            _ => CheckpointError::io("opening", path, e),
-        })?;
+        let file = open_regular(path, "a file of the distributed checkpoint")?;
         let mut record = vec![0u8; c.length as usize];
         file.read_exact_at(&mut record, c.at).map_err(|e| {
             bad(
@@ -346,9 +402,12 @@ impl DcpCheckpoint {
             .find(|n| n.ends_with("data.pkl"))
             .ok_or_else(|| bad(path, format!("record at byte {}: no data.pkl", c.at)))?;
         let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
+        // Entries are read no further than the record is long (a compressed entry could
+        // otherwise inflate without bound).
+        let limit = c.length;
         let mut pkl = Vec::new();
         zip.by_name(&pkl_name)
-            .and_then(|mut f| f.read_to_end(&mut pkl).map_err(Into::into))
+            .and_then(|f| f.take(limit).read_to_end(&mut pkl).map_err(Into::into))
             .map_err(|e| bad(path, format!("record at byte {}: {e}", c.at)))?;
         let v = pickle::load(&pkl, &record_globals).map_err(|e| bad(path, e.to_string()))?;
         let Value::Object { class, args, .. } = v else {
@@ -381,10 +440,12 @@ impl DcpCheckpoint {
         let key = key.ok_or_else(|| bad(path, "a storage without a key"))?;
         let mut storage = Vec::new();
         zip.by_name(&format!("{prefix}data/{key}"))
-            .and_then(|mut f| f.read_to_end(&mut storage).map_err(Into::into))
+            .and_then(|f| f.take(limit).read_to_end(&mut storage).map_err(Into::into))
             .map_err(|e| bad(path, format!("storage {key}: {e}")))?;
         let offset = match &args[1] {
-            Value::Int(i) => *i as usize,
+            Value::Int(i) => {
+                usize::try_from(*i).map_err(|_| bad(path, "a negative storage offset"))?
+            }
             _ => return Err(bad(path, "a storage offset that is not an integer")),
         };
         let (Some(shape), Some(stride)) = (usizes(Some(&args[2])), usizes(Some(&args[3]))) else {
@@ -414,8 +475,12 @@ fn gather_strided(
     let mut out = Vec::with_capacity(numel * size);
     let mut index = vec![0usize; shape.len()];
     for _ in 0..numel {
-        let at = offset + index.iter().zip(stride).map(|(i, s)| i * s).sum::<usize>();
-        out.extend_from_slice(storage.get(at * size..(at + 1) * size)?);
+        let at = index
+            .iter()
+            .zip(stride)
+            .try_fold(offset, |a, (i, s)| a.checked_add(i.checked_mul(*s)?))?;
+        let start = at.checked_mul(size)?;
+        out.extend_from_slice(storage.get(start..start.checked_add(size)?)?);
         for d in (0..shape.len()).rev() {
             index[d] += 1;
             if index[d] < shape[d] {

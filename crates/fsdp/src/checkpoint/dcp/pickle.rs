@@ -117,9 +117,35 @@ pub enum PickleError {
     },
 }
 
+/// The deepest nesting a decoded value may have (DCP's metadata nests a handful deep).
+const MAX_DEPTH: usize = 256;
+/// The most values and string bytes a pickle may decode to, whatever its length: memo
+/// references share one object many times, and writing the tree out copies it each time.
+const MAX_VALUES: usize = 1 << 25;
+/// Values allowed per input byte (beyond a small base): legitimate pickles expand little.
+const VALUES_PER_BYTE: usize = 16;
+
+/// A value while decoding: containers hold other nodes by index into the arena, so a memo
+/// reference (`GET`) shares a node instead of copying it, and a container memoized before
+/// it was filled (as pickle does) is seen filled, as in Python.
+#[derive(Debug)]
+enum Node {
+    Leaf(Value),
+    Tuple(Vec<usize>),
+    List(Vec<usize>),
+    Dict(Vec<(usize, usize)>),
+    Set(Vec<usize>),
+    Object {
+        class: (String, String),
+        args: Vec<usize>,
+        state: Option<usize>,
+    },
+    Persistent(usize),
+}
+
 enum Item {
     Mark,
-    Value(Value),
+    Node(usize),
 }
 
 struct Reader<'a> {
@@ -146,6 +172,10 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(v))
     }
 
+    fn len(&mut self, n: usize) -> Result<usize, PickleError> {
+        usize::try_from(self.le(n)?).map_err(|_| PickleError::Truncated(self.at))
+    }
+
     fn line(&mut self) -> Result<String, PickleError> {
         let start = self.at;
         let len = self.data[start..]
@@ -165,44 +195,54 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Decodes `data`, accepting only the globals `allowed` says yes to.
-pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, PickleError> {
-    let mut r = Reader { data, at: 0 };
-    let mut stack: Vec<Item> = Vec::new();
-    let mut memo: HashMap<u64, Value> = HashMap::new();
-    let malformed = |at: usize, what: &str| PickleError::Malformed {
+fn malformed(at: usize, what: &str) -> PickleError {
+    PickleError::Malformed {
         at,
         what: what.into(),
-    };
-    loop {
+    }
+}
+
+/// Decodes `data`, accepting only the globals `allowed` says yes to. The result is bounded:
+/// at most [`MAX_DEPTH`] deep, and at most 16 values and string bytes per input byte (and
+/// [`MAX_VALUES`] in all), so a small file cannot expand into a large tree.
+pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, PickleError> {
+    let mut r = Reader { data, at: 0 };
+    let mut nodes: Vec<Node> = Vec::new();
+    let mut stack: Vec<Item> = Vec::new();
+    let mut memo: HashMap<u64, usize> = HashMap::new();
+    let root = loop {
         let at = r.at;
         let op = r.u8()?;
-        let pop = |stack: &mut Vec<Item>| -> Result<Value, PickleError> {
+        let pop = |stack: &mut Vec<Item>| -> Result<usize, PickleError> {
             match stack.pop() {
-                Some(Item::Value(v)) => Ok(v),
+                Some(Item::Node(n)) => Ok(n),
                 _ => Err(malformed(at, "stack empty or at a mark")),
             }
         };
-        let pop_mark = |stack: &mut Vec<Item>| -> Result<Vec<Value>, PickleError> {
-            let mut items = Vec::new();
-            loop {
-                match stack.pop() {
-                    Some(Item::Value(v)) => items.push(v),
-                    Some(Item::Mark) => break,
-                    None => return Err(malformed(at, "no mark")),
-                }
-            }
-            items.reverse();
+        let pop_mark = |stack: &mut Vec<Item>| -> Result<Vec<usize>, PickleError> {
+            let mark = stack
+                .iter()
+                .rposition(|i| matches!(i, Item::Mark))
+                .ok_or_else(|| malformed(at, "no mark"))?;
+            let items = stack
+                .drain(mark + 1..)
+                .filter_map(|i| match i {
+                    Item::Node(n) => Some(n),
+                    Item::Mark => None,
+                })
+                .collect();
+            stack.pop();
             Ok(items)
         };
         let global = |module: String, name: String| {
             if allowed(&module, &name) {
-                Ok(Value::Global(module, name))
+                Ok(Node::Leaf(Value::Global(module, name)))
             } else {
                 Err(PickleError::Forbidden(module, name))
             }
         };
-        let value = match op {
+        let leaf = |v: Value| Node::Leaf(v);
+        let node = match op {
             0x80 => {
                 r.u8()?; // PROTO
                 continue;
@@ -211,7 +251,7 @@ pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, 
                 r.le(8)?; // FRAME
                 continue;
             }
-            b'.' => return pop(&mut stack),
+            b'.' => break pop(&mut stack)?,
             b'(' => {
                 stack.push(Item::Mark);
                 continue;
@@ -224,17 +264,17 @@ pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, 
                 pop_mark(&mut stack)?;
                 continue;
             }
-            b'N' => Value::None,
-            0x88 => Value::Bool(true),
-            0x89 => Value::Bool(false),
-            b'J' => Value::Int(r.le(4)? as u32 as i32 as i64),
-            b'K' => Value::Int(r.u8()? as i64),
-            b'M' => Value::Int(r.le(2)? as i64),
+            b'N' => leaf(Value::None),
+            0x88 => leaf(Value::Bool(true)),
+            0x89 => leaf(Value::Bool(false)),
+            b'J' => leaf(Value::Int(r.le(4)? as u32 as i32 as i64)),
+            b'K' => leaf(Value::Int(r.u8()? as i64)),
+            b'M' => leaf(Value::Int(r.le(2)? as i64)),
             0x8a | 0x8b => {
                 let n = if op == 0x8a {
                     r.u8()? as usize
                 } else {
-                    r.le(4)? as usize
+                    r.len(4)?
                 };
                 let bytes = r.take(n)?;
                 if n > 8 {
@@ -246,68 +286,65 @@ pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, 
                     0
                 }; 8];
                 v[..n].copy_from_slice(bytes);
-                Value::Int(i64::from_le_bytes(v))
+                leaf(Value::Int(i64::from_le_bytes(v)))
             }
             b'G' => {
                 let mut v = [0u8; 8];
                 v.copy_from_slice(r.take(8)?);
-                Value::Float(f64::from_be_bytes(v))
+                leaf(Value::Float(f64::from_be_bytes(v)))
             }
             0x8c => {
                 let n = r.u8()? as usize;
-                Value::Str(r.string(n)?)
+                leaf(Value::Str(r.string(n)?))
             }
             b'X' => {
-                let n = r.le(4)? as usize;
-                Value::Str(r.string(n)?)
+                let n = r.len(4)?;
+                leaf(Value::Str(r.string(n)?))
             }
             0x8d => {
-                let n = r.le(8)? as usize;
-                Value::Str(r.string(n)?)
+                let n = r.len(8)?;
+                leaf(Value::Str(r.string(n)?))
             }
             b'U' => {
                 let n = r.u8()? as usize;
-                Value::Str(String::from_utf8_lossy(r.take(n)?).into_owned())
+                leaf(Value::Str(String::from_utf8_lossy(r.take(n)?).into_owned()))
             }
             b'T' => {
-                let n = r.le(4)? as usize;
-                Value::Str(String::from_utf8_lossy(r.take(n)?).into_owned())
+                let n = r.len(4)?;
+                leaf(Value::Str(String::from_utf8_lossy(r.take(n)?).into_owned()))
             }
             b'C' => {
                 let n = r.u8()? as usize;
-                Value::Bytes(r.take(n)?.to_vec())
+                leaf(Value::Bytes(r.take(n)?.to_vec()))
             }
             b'B' => {
-                let n = r.le(4)? as usize;
-                Value::Bytes(r.take(n)?.to_vec())
+                let n = r.len(4)?;
+                leaf(Value::Bytes(r.take(n)?.to_vec()))
             }
             0x8e => {
-                let n = r.le(8)? as usize;
-                Value::Bytes(r.take(n)?.to_vec())
+                let n = r.len(8)?;
+                leaf(Value::Bytes(r.take(n)?.to_vec()))
             }
-            b')' => Value::Tuple(Vec::new()),
-            b't' => Value::Tuple(pop_mark(&mut stack)?),
-            0x85 => Value::Tuple(vec![pop(&mut stack)?]),
+            b')' => Node::Tuple(Vec::new()),
+            b't' => Node::Tuple(pop_mark(&mut stack)?),
+            0x85 => Node::Tuple(vec![pop(&mut stack)?]),
             0x86 => {
                 let b = pop(&mut stack)?;
                 let a = pop(&mut stack)?;
-                Value::Tuple(vec![a, b])
+                Node::Tuple(vec![a, b])
             }
             0x87 => {
                 let c = pop(&mut stack)?;
                 let b = pop(&mut stack)?;
                 let a = pop(&mut stack)?;
-                Value::Tuple(vec![a, b, c])
+                Node::Tuple(vec![a, b, c])
             }
-            b']' => Value::List(Vec::new()),
-            b'l' => Value::List(pop_mark(&mut stack)?),
-            b'}' => Value::Dict(Vec::new()),
-            b'd' => {
-                let items = pop_mark(&mut stack)?;
-                Value::Dict(pairs(items, at)?)
-            }
-            0x8f => Value::Set(Vec::new()),
-            0x91 => Value::Set(pop_mark(&mut stack)?),
+            b']' => Node::List(Vec::new()),
+            b'l' => Node::List(pop_mark(&mut stack)?),
+            b'}' => Node::Dict(Vec::new()),
+            b'd' => Node::Dict(pairs(pop_mark(&mut stack)?, at)?),
+            0x8f => Node::Set(Vec::new()),
+            0x91 => Node::Set(pop_mark(&mut stack)?),
             b'a' | b'e' | b's' | b'u' | 0x90 => {
                 let items = match op {
                     b'a' => vec![pop(&mut stack)?],
@@ -318,14 +355,14 @@ pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, 
                     }
                     _ => pop_mark(&mut stack)?,
                 };
-                let target = match stack.last_mut() {
-                    Some(Item::Value(v)) => v,
+                let target = match stack.last() {
+                    Some(Item::Node(n)) => *n,
                     _ => return Err(malformed(at, "nothing to add to")),
                 };
-                match (op, target) {
-                    (b'a' | b'e', Value::List(l)) => l.extend(items),
-                    (b's' | b'u', Value::Dict(d)) => d.extend(pairs(items, at)?),
-                    (0x90, Value::Set(s)) => s.extend(items),
+                match (op, &mut nodes[target]) {
+                    (b'a' | b'e', Node::List(l)) => l.extend(items),
+                    (b's' | b'u', Node::Dict(d)) => d.extend(pairs(items, at)?),
+                    (0x90, Node::Set(s)) => s.extend(items),
                     _ => return Err(malformed(at, "adding to a value of another kind")),
                 }
                 continue;
@@ -338,86 +375,163 @@ pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, 
             0x93 => {
                 let name = pop(&mut stack)?;
                 let module = pop(&mut stack)?;
-                match (module, name) {
-                    (Value::Str(m), Value::Str(n)) => global(m, n)?,
+                match (&nodes[module], &nodes[name]) {
+                    (Node::Leaf(Value::Str(m)), Node::Leaf(Value::Str(n))) => {
+                        global(m.clone(), n.clone())?
+                    }
                     _ => return Err(malformed(at, "STACK_GLOBAL of non-strings")),
                 }
             }
             b'R' | 0x81 => {
                 let args = pop(&mut stack)?;
                 let callable = pop(&mut stack)?;
-                let (Value::Global(m, n), Value::Tuple(args)) = (callable, args) else {
+                let (Node::Leaf(Value::Global(m, n)), Node::Tuple(args)) =
+                    (&nodes[callable], &nodes[args])
+                else {
                     return Err(malformed(
                         at,
                         "a call of something that is not an allowed global",
                     ));
                 };
                 if (m.as_str(), n.as_str()) == ("collections", "OrderedDict") {
-                    Value::Dict(Vec::new())
+                    Node::Dict(Vec::new())
                 } else {
-                    Value::Object {
-                        class: (m, n),
-                        args,
+                    Node::Object {
+                        class: (m.clone(), n.clone()),
+                        args: args.clone(),
                         state: None,
                     }
                 }
             }
             b'b' => {
                 let state = pop(&mut stack)?;
-                match stack.last_mut() {
-                    Some(Item::Value(Value::Object { state: s, .. })) => *s = Some(Box::new(state)),
-                    Some(Item::Value(Value::Dict(d))) => {
-                        if let Value::Dict(extra) = state {
-                            d.extend(extra);
-                        }
-                    }
+                let target = match stack.last() {
+                    Some(Item::Node(n)) => *n,
+                    _ => return Err(malformed(at, "BUILD of a value that is not an object")),
+                };
+                let extra = match &nodes[state] {
+                    Node::Dict(d) => d.clone(),
+                    _ => Vec::new(),
+                };
+                match &mut nodes[target] {
+                    Node::Object { state: s, .. } => *s = Some(state),
+                    Node::Dict(d) => d.extend(extra),
                     _ => return Err(malformed(at, "BUILD of a value that is not an object")),
                 }
                 continue;
             }
-            b'Q' => Value::Persistent(Box::new(pop(&mut stack)?)),
-            0x94 => {
-                let v = match stack.last() {
-                    Some(Item::Value(v)) => v.clone(),
-                    _ => return Err(malformed(at, "MEMOIZE with nothing to keep")),
+            b'Q' => Node::Persistent(pop(&mut stack)?),
+            0x94 | b'q' | b'r' => {
+                let key = match op {
+                    0x94 => memo.len() as u64,
+                    b'q' => r.u8()? as u64,
+                    _ => r.le(4)?,
                 };
-                memo.insert(memo.len() as u64, v);
-                continue;
-            }
-            b'q' | b'r' => {
-                let key = if op == b'q' { r.u8()? as u64 } else { r.le(4)? };
-                let v = match stack.last() {
-                    Some(Item::Value(v)) => v.clone(),
-                    _ => return Err(malformed(at, "PUT with nothing to keep")),
+                let n = match stack.last() {
+                    Some(Item::Node(n)) => *n,
+                    _ => return Err(malformed(at, "MEMOIZE or PUT with nothing to keep")),
                 };
-                memo.insert(key, v);
+                memo.insert(key, n);
                 continue;
             }
             b'h' | b'j' => {
                 let key = if op == b'h' { r.u8()? as u64 } else { r.le(4)? };
-                memo.get(&key)
-                    .cloned()
-                    .ok_or_else(|| malformed(at, "GET of an unknown memo key"))?
+                let n = *memo
+                    .get(&key)
+                    .ok_or_else(|| malformed(at, "GET of an unknown memo key"))?;
+                stack.push(Item::Node(n));
+                continue;
             }
             _ => return Err(PickleError::Opcode { op, at }),
         };
-        stack.push(Item::Value(value));
+        nodes.push(node);
+        stack.push(Item::Node(nodes.len() - 1));
+    };
+    let budget = VALUES_PER_BYTE
+        .saturating_mul(data.len())
+        .saturating_add(4096)
+        .min(MAX_VALUES);
+    let mut tree = Tree {
+        nodes: &nodes,
+        left: budget,
+        at: r.at,
+    };
+    tree.expand(root, 0)
+}
+
+/// Writes the arena out as a tree of [`Value`]s within the limits.
+struct Tree<'a> {
+    nodes: &'a [Node],
+    /// Values and string bytes still allowed.
+    left: usize,
+    /// Where the pickle ended (for messages).
+    at: usize,
+}
+
+impl Tree<'_> {
+    fn spend(&mut self, n: usize) -> Result<(), PickleError> {
+        self.left = self.left.checked_sub(n).ok_or_else(|| {
+            malformed(
+                self.at,
+                "it expands to more values than its size can hold (shared references repeated)",
+            )
+        })?;
+        Ok(())
+    }
+
+    fn all(&mut self, items: &[usize], depth: usize) -> Result<Vec<Value>, PickleError> {
+        items.iter().map(|&i| self.expand(i, depth)).collect()
+    }
+
+    fn expand(&mut self, node: usize, depth: usize) -> Result<Value, PickleError> {
+        if depth > MAX_DEPTH {
+            return Err(malformed(
+                self.at,
+                &format!("nested deeper than {MAX_DEPTH} levels (or refers to itself)"),
+            ));
+        }
+        self.spend(1)?;
+        let d = depth + 1;
+        Ok(match &self.nodes[node] {
+            Node::Leaf(v) => {
+                if let Value::Str(s) = v {
+                    self.spend(s.len())?;
+                }
+                if let Value::Bytes(b) = v {
+                    self.spend(b.len())?;
+                }
+                v.clone()
+            }
+            Node::Tuple(items) => Value::Tuple(self.all(items, d)?),
+            Node::List(items) => Value::List(self.all(items, d)?),
+            Node::Set(items) => Value::Set(self.all(items, d)?),
+            Node::Dict(entries) => Value::Dict(
+                entries
+                    .iter()
+                    .map(|&(k, v)| Ok((self.expand(k, d)?, self.expand(v, d)?)))
+                    .collect::<Result<_, PickleError>>()?,
+            ),
+            Node::Object { class, args, state } => Value::Object {
+                class: class.clone(),
+                args: self.all(args, d)?,
+                state: match state {
+                    Some(s) => Some(Box::new(self.expand(*s, d)?)),
+                    None => None,
+                },
+            },
+            Node::Persistent(p) => Value::Persistent(Box::new(self.expand(*p, d)?)),
+        })
     }
 }
 
-fn pairs(items: Vec<Value>, at: usize) -> Result<Vec<(Value, Value)>, PickleError> {
+fn pairs(items: Vec<usize>, at: usize) -> Result<Vec<(usize, usize)>, PickleError> {
     if !items.len().is_multiple_of(2) {
         return Err(PickleError::Malformed {
             at,
             what: "a dict with an odd number of items".into(),
         });
     }
-    let mut out = Vec::with_capacity(items.len() / 2);
-    let mut it = items.into_iter();
-    while let (Some(k), Some(v)) = (it.next(), it.next()) {
-        out.push((k, v));
-    }
-    Ok(out)
+    Ok(items.chunks_exact(2).map(|p| (p[0], p[1])).collect())
 }
 
 #[cfg(test)]
@@ -474,5 +588,52 @@ mod tests {
             load(b"\x80\x02i", &any),
             Err(PickleError::Opcode { op: b'i', .. })
         ));
+    }
+
+    #[test]
+    fn shared_references_are_shared_and_filled_containers_seen_filled() {
+        // pickle.dumps([x, x]) for x = [1, 2]: x is memoized empty, then filled, then got.
+        let p = b"\x80\x04]\x94(]\x94(K\x01K\x02eh\x01e.";
+        assert_eq!(
+            load(p, &any).unwrap(),
+            Value::List(vec![
+                Value::List(vec![Value::Int(1), Value::Int(2)]),
+                Value::List(vec![Value::Int(1), Value::Int(2)]),
+            ])
+        );
+    }
+
+    #[test]
+    fn memo_bombs_deep_nesting_and_cycles_are_errors_within_bounds() {
+        // A memo bomb: each level a list holding the previous level 16 times, 40 levels
+        // (16^40 values if copied out; a few hundred bytes of input).
+        let mut bomb = b"\x80\x04]\x94".to_vec();
+        for level in 0..40u8 {
+            bomb.push(b'(');
+            for _ in 0..16 {
+                bomb.extend_from_slice(&[b'h', level]);
+            }
+            bomb.extend_from_slice(b"l\x94");
+        }
+        bomb.push(b'.');
+        assert!(bomb.len() < 1500);
+        let started = std::time::Instant::now();
+        let err = load(&bomb, &any).unwrap_err().to_string();
+        assert!(err.contains("expands to more values"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        // 4 MB of nesting: refused, not a stack overflow.
+        let mut deep = b"\x80\x04".to_vec();
+        deep.extend(std::iter::repeat_n(b']', 4 << 20));
+        deep.extend(std::iter::repeat_n(b'a', (4 << 20) - 1));
+        deep.push(b'.');
+        let err = load(&deep, &any).unwrap_err().to_string();
+        assert!(err.contains("nested deeper"), "{err}");
+        // A list that holds itself.
+        let cycle = b"\x80\x04]\x94h\x00a.";
+        let err = load(cycle, &any).unwrap_err().to_string();
+        assert!(err.contains("refers to itself"), "{err}");
+        // Lengths past the input are truncation, not allocation.
+        let huge = b"\x80\x04\x8d\xff\xff\xff\xff\xff\xff\xff\x7f";
+        assert!(matches!(load(huge, &any), Err(PickleError::Truncated(_))));
     }
 }

@@ -1,0 +1,433 @@
+//! Checkpoints against a hostile or clumsy user (issue 20): a save never deletes what is not
+//! its own (a user's folder, a file, another job's staging folder); documents that name
+//! files outside the checkpoint, declare sizes the files do not have, or whose arithmetic
+//! wraps are refused before anything is allocated, naming the file (with checksums
+//! recomputed, as a crafted file would have them); FIFOs and devices are refused at once;
+//! an edited document fails its checksum; version-1 checkpoints still load.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fsdp::checkpoint::{self, CheckpointOptions, RunState, format};
+use fsdp::config::{ShardingStrategy, StateDictType};
+
+mod common;
+
+use common::tiny::{OptimizerKind, Setup, Trainer, on_threads};
+
+fn sharded() -> Setup {
+    Setup {
+        strategy: ShardingStrategy::FullShard,
+        state_dict_type: StateDictType::ShardedStateDict,
+        optimizer: OptimizerKind::AdamW,
+        dropout: 0.0,
+    }
+}
+
+fn run_state(step: u64, rank: usize) -> RunState {
+    RunState {
+        step,
+        schedulers: vec![serde_json::json!({"last_step": step})],
+        random: serde_json::json!({"rank": rank}),
+        data: serde_json::json!({"epoch": 0, "step": step}),
+        grad_scalers: Vec::new(),
+    }
+}
+
+/// What every rank's save of one step of training to `dir` returns.
+fn save_results(dir: &Path) -> Vec<Result<PathBuf, String>> {
+    let dir = dir.to_path_buf();
+    on_threads(2, move |g| {
+        let rank = g.rank();
+        let mut t = Trainer::new(g, sharded());
+        t.train(0..1);
+        t.engine
+            .save_state(&dir, t.optimizer.as_ref(), &run_state(1, rank))
+            .map_err(|e| e.to_string())
+    })
+}
+
+fn saved(dir: &Path) {
+    for r in save_results(dir) {
+        r.unwrap();
+    }
+}
+
+/// The error each of 2 ranks gets loading `dir` (empty for success).
+fn load_errors(dir: &Path) -> Vec<String> {
+    let dir = dir.to_path_buf();
+    on_threads(2, move |g| {
+        let mut t = Trainer::new(g, sharded());
+        t.engine
+            .load_state(&dir, t.optimizer.as_mut())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    })
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Edits the JSON document at `path` and signs it again, as a crafted file would be.
+fn resign(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut doc: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    edit(&mut doc);
+    doc.as_object_mut().unwrap().remove("crc32");
+    std::fs::write(path, format::document_bytes(&doc).unwrap()).unwrap();
+}
+
+#[test]
+fn saves_replace_only_their_own_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A user's folder at the destination: refused, untouched, nothing staged left.
+    let user = tmp.path().join("step_1");
+    std::fs::create_dir(&user).unwrap();
+    std::fs::write(user.join("precious.txt"), "precious").unwrap();
+    for r in save_results(&user) {
+        let e = r.unwrap_err();
+        assert!(
+            e.contains("step_1") && e.contains("not a checkpoint") && e.contains("nothing was"),
+            "{e}"
+        );
+    }
+    assert_eq!(entries(&user), ["precious.txt"]);
+    assert_eq!(entries(tmp.path()), ["step_1"], "no staging folder left");
+
+    // A regular file at the destination: refused, kept.
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "mine").unwrap();
+    for r in save_results(&file) {
+        let e = r.unwrap_err();
+        assert!(e.contains("not a folder"), "{e}");
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+
+    // An empty folder and a checkpoint of ours are replaced.
+    let ours = tmp.path().join("ours");
+    std::fs::create_dir(&ours).unwrap();
+    saved(&ours);
+    saved(&ours);
+    assert!(ours.join("fsdp_checkpoint.json").is_file());
+
+    // A checkpoint of ours the user put a file into is not.
+    std::fs::write(ours.join("notes.txt"), "my notes").unwrap();
+    for r in save_results(&ours) {
+        let e = r.unwrap_err();
+        assert!(e.contains("notes.txt"), "{e}");
+    }
+    std::fs::remove_file(ours.join("notes.txt")).unwrap();
+    std::fs::write(ours.join("pytorch_model_fsdp_0/notes.txt"), "x").unwrap();
+    for r in save_results(&ours) {
+        let e = r.unwrap_err();
+        assert!(e.contains("pytorch_model_fsdp_0/notes.txt"), "{e}");
+    }
+    assert!(ours.join("pytorch_model_fsdp_0/notes.txt").is_file());
+
+    // Rotation removes old checkpoints, never a user's folder named like one.
+    let project = tmp.path().join("project");
+    let foreign = project.join("checkpoints/checkpoint_0");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("mine.txt"), "x").unwrap();
+    let p = project.clone();
+    on_threads(2, move |g| {
+        let rank = g.rank();
+        let mut t = Trainer::new(g, sharded());
+        let options = CheckpointOptions {
+            automatic_naming: true,
+            total_limit: Some(1),
+            ..Default::default()
+        };
+        for step in 0..3 {
+            t.train(step..step + 1);
+            checkpoint::save_state(
+                &p,
+                &[&t.engine],
+                &[t.optimizer.as_ref()],
+                &run_state(step as u64, rank),
+                &options,
+            )
+            .unwrap();
+        }
+    });
+    assert_eq!(
+        entries(&project.join("checkpoints")),
+        ["checkpoint_0", "checkpoint_3"]
+    );
+    assert_eq!(entries(&foreign), ["mine.txt"]);
+}
+
+#[test]
+fn save_pretrained_keeps_the_users_files_in_its_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("tokenizer.json"), "{}").unwrap();
+    std::fs::write(model.join("README.md"), "# mine").unwrap();
+    let dir = model.clone();
+    let file = tmp.path().join("a_file");
+    std::fs::write(&file, "mine").unwrap();
+    let f = file.clone();
+    let errors = on_threads(2, move |g| {
+        let t = Trainer::new(g, sharded());
+        let config = serde_json::json!({"model_type": "bert"});
+        checkpoint::save_pretrained(&t.engine, &dir, &config, 4096).unwrap();
+        // Saved again as one file: the shards of the first save go, the user's files stay.
+        checkpoint::save_pretrained(&t.engine, &dir, &config, u64::MAX).unwrap();
+        checkpoint::save_pretrained(&t.engine, &f, &config, u64::MAX)
+            .unwrap_err()
+            .to_string()
+    });
+    assert_eq!(
+        entries(&model),
+        [
+            "README.md",
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json"
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(model.join("README.md")).unwrap(),
+        "# mine"
+    );
+    assert!(errors[0].contains("not a folder"), "{}", errors[0]);
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+    assert_eq!(entries(tmp.path()), ["a_file", "model"], "no staging left");
+}
+
+#[test]
+fn a_staging_folder_another_live_job_holds_is_left_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = tmp.path().join("step_1");
+    // Another job's save in progress: its staging folder, its lock held.
+    let theirs = tmp.path().join(".step_1.partial-00000000deadbeef");
+    std::fs::create_dir(&theirs).unwrap();
+    let lock = std::fs::File::create(theirs.join(".lock")).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    assert_eq!(
+        unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&lock),
+                libc::LOCK_EX | libc::LOCK_NB,
+            )
+        },
+        0
+    );
+    std::fs::write(theirs.join("half_written"), "x").unwrap();
+    // And a folder named like staging that no save of ours made (no lock file).
+    let unknown = tmp.path().join(".step_1.partial-someone-elses");
+    std::fs::create_dir(&unknown).unwrap();
+    saved(&dest);
+    assert!(
+        theirs.join("half_written").is_file(),
+        "a live job's staging folder was removed"
+    );
+    assert!(unknown.is_dir());
+    // Once that job is gone (its lock released), the next save removes its folder.
+    drop(lock);
+    saved(&dest);
+    assert!(!theirs.exists(), "a dead job's staging folder stays");
+    assert!(unknown.is_dir());
+}
+
+/// The errors of loading and of merging `dir` (each must name `needle`), and that the
+/// merge left nothing in its output folder.
+fn refused(dir: &Path, needles: &[&str]) {
+    for e in load_errors(dir) {
+        assert!(needles.iter().all(|n| e.contains(n)), "load: {e}");
+    }
+    let out = dir.parent().unwrap().join("merged");
+    let e = checkpoint::merge_weights(dir, &out)
+        .unwrap_err()
+        .to_string();
+    assert!(needles.iter().all(|n| e.contains(n)), "merge: {e}");
+    assert!(entries(&out).is_empty(), "merge left {:?}", entries(&out));
+}
+
+#[test]
+fn crafted_metadata_is_refused_before_anything_is_read_or_allocated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fresh = |name: &str| -> PathBuf {
+        let d = tmp.path().join(name).join("ck");
+        saved(&d);
+        d
+    };
+    let meta = |d: &Path| d.join("pytorch_model_fsdp_0/metadata.json");
+    let first_tensor = |doc: &mut serde_json::Value| -> String {
+        doc["tensors"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .find(|k| k.contains("embeddings.word_embeddings"))
+            .unwrap()
+            .clone()
+    };
+    // File names outside the checkpoint, listed and pointed at.
+    std::fs::write(tmp.path().join("outside.safetensors"), vec![0u8; 64]).unwrap();
+    for (case, name) in [
+        ("dotdot", "../../outside.safetensors"),
+        ("absolute", "/etc/passwd"),
+    ] {
+        let d = fresh(case);
+        resign(&meta(&d), |doc| {
+            let t = first_tensor(doc);
+            let files = doc["files"].as_object_mut().unwrap();
+            let entry = files["rank_0.safetensors"].clone();
+            files.insert(name.into(), entry);
+            doc["tensors"][&t]["pieces"][0]["file"] = name.into();
+        });
+        refused(&d, &["metadata.json", "not a plain file name"]);
+    }
+    // A piece claiming 2^36 rows of a tensor declared that large.
+    let d = fresh("rows");
+    resign(&meta(&d), |doc| {
+        let t = first_tensor(doc);
+        let cols = doc["tensors"][&t]["shape"][1].as_u64().unwrap();
+        doc["tensors"][&t]["shape"][0] = (1u64 << 36).into();
+        doc["tensors"][&t]["pieces"] = serde_json::json!([{
+            "file": "rank_0.safetensors", "rows": [0u64, 1u64 << 36], "offset": 0,
+            "bytes": (1u64 << 36) * cols * 4, "crc32": 0
+        }]);
+    });
+    refused(&d, &["metadata.json", "reach past the end"]);
+    // A tensor of 2^20 x 2^20 whose pieces cover a few rows.
+    let d = fresh("square");
+    resign(&meta(&d), |doc| {
+        let t = first_tensor(doc);
+        doc["tensors"][&t]["shape"] = serde_json::json!([1u64 << 20, 1u64 << 20]);
+    });
+    refused(&d, &["metadata.json", "word_embeddings"]);
+    // Rows x row length that wraps around 2^64.
+    let d = fresh("wraps");
+    resign(&meta(&d), |doc| {
+        let t = first_tensor(doc);
+        doc["tensors"][&t]["shape"] = serde_json::json!([1u64 << 62, 8]);
+        doc["tensors"][&t]["pieces"][0]["rows"] = serde_json::json!([0, 1u64 << 62]);
+    });
+    refused(&d, &["metadata.json", "too large"]);
+    // Two tensors claiming the same bytes (a merged file larger than the checkpoint).
+    let d = fresh("overlap");
+    resign(&meta(&d), |doc| {
+        let names: Vec<String> = doc["tensors"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        let a = doc["tensors"][&names[0]]["pieces"][0].clone();
+        let b = &mut doc["tensors"][&names[1]]["pieces"][0];
+        if b["bytes"] == a["bytes"] && b["file"] == a["file"] {
+            b["offset"] = a["offset"].clone();
+        } else {
+            b["file"] = a["file"].clone();
+            b["offset"] = a["offset"].clone();
+        }
+    });
+    for e in load_errors(&d) {
+        assert!(e.contains("metadata.json"), "{e}");
+    }
+}
+
+#[test]
+fn fifos_devices_and_edited_documents_are_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fresh = |name: &str| -> PathBuf {
+        let d = tmp.path().join(name).join("ck");
+        saved(&d);
+        d
+    };
+    // A FIFO in place of a shard: an error naming it at once (not a wait for a writer).
+    let d = fresh("fifo");
+    let shard = d.join("pytorch_model_fsdp_0/rank_1.safetensors");
+    std::fs::remove_file(&shard).unwrap();
+    let c = std::ffi::CString::new(shard.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let started = Instant::now();
+    refused(&d, &["rank_1.safetensors", "FIFO"]);
+    assert!(started.elapsed() < Duration::from_secs(20));
+
+    // A device as a document.
+    let d = fresh("device");
+    std::fs::remove_file(d.join("fsdp_checkpoint.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", d.join("fsdp_checkpoint.json")).unwrap();
+    for e in load_errors(&d) {
+        assert!(
+            e.contains("fsdp_checkpoint.json") && e.contains("a device"),
+            "{e}"
+        );
+    }
+
+    // Edited documents: the step, a parameter's step count, a scheduler's state.
+    let d = fresh("edited");
+    let doc = d.join("fsdp_checkpoint.json");
+    let text = std::fs::read_to_string(&doc).unwrap();
+    std::fs::write(&doc, text.replace("\"step\": 1", "\"step\": 5")).unwrap();
+    for e in load_errors(&d) {
+        assert!(
+            e.contains("fsdp_checkpoint.json") && e.contains("checksum"),
+            "{e}"
+        );
+    }
+    let d = fresh("edited_steps");
+    let opt = d.join("optimizer_0/metadata.json");
+    let text = std::fs::read_to_string(&opt).unwrap();
+    let edited = text.replacen(": 1,", ": 18446744073709551615,", 1);
+    assert_ne!(edited, text);
+    std::fs::write(&opt, edited).unwrap();
+    for e in load_errors(&d) {
+        assert!(
+            e.contains("optimizer_0/metadata.json") && e.contains("checksum"),
+            "{e}"
+        );
+    }
+    let d = fresh("edited_scheduler");
+    std::fs::write(d.join("scheduler_0.json"), "{\"last_step\": 7}").unwrap();
+    for e in load_errors(&d) {
+        assert!(
+            e.contains("scheduler_0.json") && e.contains("checksum"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn version_one_checkpoints_without_checksums_still_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("v1");
+    saved(&d);
+    // Written as version 1 was: no checksum fields, no list of documents.
+    for path in [
+        d.join("fsdp_checkpoint.json"),
+        d.join("pytorch_model_fsdp_0/metadata.json"),
+        d.join("optimizer_0/metadata.json"),
+    ] {
+        let mut doc: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let map = doc.as_object_mut().unwrap();
+        map.remove("crc32");
+        map.remove("documents");
+        map.insert("version".into(), 1.into());
+        std::fs::write(&path, serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
+    }
+    assert_eq!(load_errors(&d), ["", ""]);
+    // A version-2 document without its checksum is refused.
+    let path = d.join("fsdp_checkpoint.json");
+    let mut doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    doc["version"] = 2.into();
+    std::fs::write(&path, serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
+    for e in load_errors(&d) {
+        assert!(e.contains("no `crc32` field"), "{e}");
+    }
+}
