@@ -298,7 +298,7 @@ fn main() -> Result<()> {
 
     let accumulation = acc.gradient_accumulation_steps() as u64;
     let steps_per_epoch = train_loader.steps_per_epoch() as u64 / accumulation;
-    let total_steps = args
+    let mut total_steps = args
         .max_train_steps
         .unwrap_or(u64::MAX)
         .min(steps_per_epoch * args.num_epochs);
@@ -322,12 +322,23 @@ fn main() -> Result<()> {
     if let Some(dir) = &args.resume_from_checkpoint {
         let position = acc.load_state(dir, &mut [&mut model], &mut [&mut optimizer])?;
         train_loader.set_position(position);
+        // The steps left, counted in this job's global batch (a checkpoint saved with
+        // another number of processes counted in its own).
+        if train_loader.position().epoch < args.num_epochs {
+            let left = train_loader.steps_left_in_epoch() as u64 / accumulation
+                + (args.num_epochs - position.epoch - 1) * steps_per_epoch;
+            total_steps = args
+                .max_train_steps
+                .unwrap_or(u64::MAX)
+                .min(acc.step() + left);
+        }
         acc.print(format!(
-            "resumed from {} at optimizer step {} (epoch {}, batch {})",
+            "resumed from {} at optimizer step {} (epoch {}, {} samples in; {} steps to go)",
             dir.display(),
             acc.step(),
             position.epoch,
-            position.step
+            train_loader.position().samples,
+            total_steps.saturating_sub(acc.step())
         ));
     }
 
@@ -339,8 +350,7 @@ fn main() -> Result<()> {
         if train_loader.position().epoch != epoch {
             train_loader.set_epoch(epoch);
         }
-        let left_in_epoch =
-            (train_loader.steps_per_epoch() - train_loader.position().step) as u64 / accumulation;
+        let left_in_epoch = train_loader.steps_left_in_epoch() as u64 / accumulation;
         let mut progress = acc.progress(
             left_in_epoch.min(total_steps.saturating_sub(acc.step())),
             &format!("epoch {epoch}"),
@@ -402,10 +412,7 @@ fn main() -> Result<()> {
         eval_secs += evaluate(&acc, &mut model, &mut eval_loader, epoch)?;
         if let Some(Checkpointing::Epoch) = args.checkpointing_steps {
             let dir = args.output_dir.join(format!("epoch_{epoch}"));
-            let next = fsdp::data::LoaderPosition {
-                epoch: epoch + 1,
-                step: 0,
-            };
+            let next = fsdp::data::LoaderPosition::start_of(epoch + 1);
             acc.save_state(Some(&dir), &[&model], &[&optimizer], next)?;
         }
     }

@@ -107,7 +107,7 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
     ]);
     let out = run("nlp_example", &args);
     assert!(
-        out.contains("at optimizer step 2 (epoch 0, batch 2)"),
+        out.contains("at optimizer step 2 (epoch 0, 16 samples in; 2 steps to go)"),
         "{out}"
     );
     let read = |d: &Path| std::fs::read(d.join("model/model.safetensors")).unwrap();

@@ -203,6 +203,7 @@ impl Accelerator {
     /// Continues `loader` after the first `steps` steps of its epoch (resuming mid-epoch).
     pub fn skip_first_batches<D: Dataset, B>(&self, loader: &mut DataLoader<D, B>, steps: usize) {
         let epoch = loader.position().epoch;
-        loader.set_position(LoaderPosition { epoch, step: steps });
+        let samples = steps.saturating_mul(loader.global_batch_size());
+        loader.set_position(LoaderPosition::at(epoch, samples));
     }
 }

@@ -33,13 +33,57 @@ impl<T: Clone> Dataset for Vec<T> {
     }
 }
 
-/// Where a loader is: the epoch and the steps of it already taken (what a checkpoint keeps).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Where a loader is: the epoch, and how many samples of the epoch's order all ranks have
+/// taken together (what a checkpoint keeps). Counting samples, not steps, lets a job resumed
+/// with another number of processes (another global batch) continue at exactly the next
+/// unseen sample of the same permutation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct LoaderPosition {
     /// The epoch.
     pub epoch: u64,
-    /// Steps of the epoch already taken.
-    pub step: usize,
+    /// Samples of the epoch's order already taken, over all ranks.
+    pub samples: usize,
+    /// A position saved before samples were counted (`{epoch, step}`): steps of the global
+    /// batch the loader it is given to has (the only one such positions were resumed with).
+    #[serde(skip)]
+    legacy_steps: Option<usize>,
+}
+
+impl LoaderPosition {
+    /// The start of `epoch`.
+    pub fn start_of(epoch: u64) -> LoaderPosition {
+        LoaderPosition::at(epoch, 0)
+    }
+
+    /// `samples` samples into `epoch`.
+    pub fn at(epoch: u64, samples: usize) -> LoaderPosition {
+        LoaderPosition {
+            epoch,
+            samples,
+            legacy_steps: None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LoaderPosition {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Saved {
+            epoch: u64,
+            samples: Option<usize>,
+            step: Option<usize>,
+        }
+        let saved = Saved::deserialize(d)?;
+        Ok(match (saved.samples, saved.step) {
+            (Some(samples), _) => LoaderPosition::at(saved.epoch, samples),
+            (None, Some(steps)) => LoaderPosition {
+                epoch: saved.epoch,
+                samples: 0,
+                legacy_steps: Some(steps),
+            },
+            (None, None) => return Err(serde::de::Error::missing_field("samples")),
+        })
+    }
 }
 
 /// One step's batch for this rank.
@@ -47,7 +91,8 @@ pub struct LoaderPosition {
 pub struct LoadedBatch<B> {
     /// The collated batch.
     pub batch: B,
-    /// The step within the epoch.
+    /// The step within the epoch (counted in this loader's global batch: a loader resumed
+    /// at a position between its steps counts the partial one before it).
     pub step: usize,
     /// The dataset indices of this rank's examples.
     pub indices: Vec<usize>,
@@ -84,7 +129,11 @@ pub struct DataLoader<D: Dataset, B> {
     collate: CollateFn<D::Item, B>,
     rank: usize,
     ranks: usize,
-    position: LoaderPosition,
+    epoch: u64,
+    /// Samples of the epoch's order taken before this loader's steps of it began.
+    start: usize,
+    /// Steps this loader has taken since `start`.
+    taken: usize,
     /// The order of the epoch being read, and that epoch.
     order: Option<(u64, Vec<usize>)>,
 }
@@ -111,7 +160,9 @@ impl<D: Dataset, B> DataLoader<D, B> {
             collate: Box::new(collate),
             rank: 0,
             ranks: 1,
-            position: LoaderPosition::default(),
+            epoch: 0,
+            start: 0,
+            taken: 0,
             order: None,
         }
     }
@@ -151,29 +202,51 @@ impl<D: Dataset, B> DataLoader<D, B> {
         if self.drop_last { n / g } else { n.div_ceil(g) }
     }
 
+    /// Where the next step starts in the epoch's order.
+    fn next_sample(&self) -> usize {
+        self.start
+            .saturating_add(self.taken.saturating_mul(self.global_batch_size()))
+    }
+
+    /// Steps left in the current epoch (the next one included).
+    pub fn steps_left_in_epoch(&self) -> usize {
+        let (n, g) = (self.dataset.len(), self.global_batch_size());
+        let left = n.saturating_sub(self.next_sample());
+        if self.drop_last {
+            left / g
+        } else {
+            left.div_ceil(g)
+        }
+    }
+
     /// Where the loader is.
     pub fn position(&self) -> LoaderPosition {
-        self.position
+        LoaderPosition::at(self.epoch, self.next_sample().min(self.dataset.len()))
     }
 
     /// Starts `epoch` from its first step.
     pub fn set_epoch(&mut self, epoch: u64) {
-        self.position = LoaderPosition { epoch, step: 0 };
+        self.set_position(LoaderPosition::start_of(epoch));
     }
 
-    /// Continues from `position` (a checkpoint's), skipping the steps already taken.
+    /// Continues from `position` (a checkpoint's, saved with any number of ranks): the next
+    /// step starts at its first sample not yet taken.
     pub fn set_position(&mut self, position: LoaderPosition) {
-        self.position = position;
+        self.epoch = position.epoch;
+        self.start = match position.legacy_steps {
+            Some(steps) => steps.saturating_mul(self.global_batch_size()),
+            None => position.samples,
+        };
+        self.taken = 0;
     }
 
     /// This rank's batch of the next step of the current epoch (`None` at the epoch's end).
     pub fn next_batch(&mut self) -> Option<Result<LoadedBatch<B>, CollateError>> {
-        let step = self.position.step;
-        if step >= self.steps_per_epoch() {
+        if self.steps_left_in_epoch() == 0 {
             return None;
         }
         let n = self.dataset.len();
-        let epoch = self.position.epoch;
+        let epoch = self.epoch;
         if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
             let order = match self.shuffle {
                 Some(seed) => permutation(n, seed, epoch),
@@ -187,13 +260,14 @@ impl<D: Dataset, B> DataLoader<D, B> {
             .map(|(_, o)| o.as_slice())
             .unwrap_or(&[]);
         let g = self.global_batch_size();
-        let start = step * g;
+        let start = self.next_sample();
+        let step = start.div_ceil(g);
         let real = n.saturating_sub(start).min(g);
         let indices: Vec<usize> = (0..self.batch_size)
             .map(|i| order[(start + self.rank * self.batch_size + i) % n])
             .collect();
         let items: Vec<D::Item> = indices.iter().map(|&i| self.dataset.get(i)).collect();
-        self.position.step += 1;
+        self.taken += 1;
         Some((self.collate)(&items).map(|batch| LoadedBatch {
             batch,
             step,
@@ -308,7 +382,7 @@ mod tests {
             straight.next_batch();
         }
         let position = straight.position();
-        assert_eq!(position, LoaderPosition { epoch: 2, step: 3 });
+        assert_eq!(position, LoaderPosition::at(2, 3 * 8));
         let mut resumed = loader(50, 4, 1, 2);
         resumed.set_position(position);
         loop {
@@ -321,5 +395,59 @@ mod tests {
                 _ => panic!("the resumed loader ended at another step"),
             }
         }
+    }
+
+    #[test]
+    fn a_resume_with_another_number_of_ranks_takes_each_remaining_sample_once() {
+        // 96 examples, 8 per rank: 2 ranks take 8 steps (epoch 0's 6, then 2 of epoch 1),
+        // and a job of 3 ranks, or of 1, continues with exactly the 64 samples left.
+        let (n, batch) = (96, 8);
+        let mut first: Vec<_> = (0..2).map(|r| loader(n, batch, r, 2)).collect();
+        for l in &mut first {
+            l.set_epoch(1);
+            l.next_batch();
+            l.next_batch();
+        }
+        let position = first[0].position();
+        assert_eq!(position, LoaderPosition::at(1, 32));
+        // Through a checkpoint's JSON.
+        let saved: LoaderPosition =
+            serde_json::from_value(serde_json::to_value(position).unwrap()).unwrap();
+        let order = permutation(n, 7, 1);
+        for ranks in [3, 1, 4, 2] {
+            let mut resumed: Vec<_> = (0..ranks).map(|r| loader(n, batch, r, ranks)).collect();
+            for l in &mut resumed {
+                l.set_position(saved);
+            }
+            let want_steps = (n - 32).div_ceil(batch * ranks);
+            assert_eq!(
+                resumed[0].steps_left_in_epoch(),
+                want_steps,
+                "{ranks} ranks"
+            );
+            let mut taken: Vec<usize> = Vec::new();
+            for _ in 0..want_steps {
+                let got: Vec<_> = resumed
+                    .iter_mut()
+                    .map(|l| l.next_batch().unwrap().unwrap())
+                    .collect();
+                let all: Vec<usize> = got.iter().flat_map(|b| b.indices.clone()).collect();
+                taken.extend(&all[..got[0].real]);
+            }
+            assert!(resumed.iter_mut().all(|l| l.next_batch().is_none()));
+            assert_eq!(
+                taken,
+                order[32..],
+                "{ranks} ranks: the samples after the 32 taken"
+            );
+            assert_eq!(resumed[0].position(), LoaderPosition::at(1, n));
+        }
+        // A position saved as steps (before samples were counted) means steps of the
+        // loader's own global batch.
+        let legacy: LoaderPosition =
+            serde_json::from_value(serde_json::json!({"epoch": 1, "step": 2})).unwrap();
+        let mut l = loader(n, batch, 0, 2);
+        l.set_position(legacy);
+        assert_eq!(l.position(), LoaderPosition::at(1, 32));
     }
 }
