@@ -45,7 +45,7 @@ impl ProcessGroup {
             op: "process group initialisation".into(),
             reason: e.to_string(),
         })?;
-        ProcessGroup::init(&world, GroupOptions::from_env())
+        ProcessGroup::init(&world, GroupOptions::from_env()?)
     }
 
     /// Joins the job: rank 0 hosts the store at `MASTER_ADDR:MASTER_PORT`, every rank

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use crate::error::CommError;
+
 /// Environment variable holding the per-job secret (set by `fsdp launch`).
 pub const SECRET_ENV: &str = "FSDP_JOB_SECRET";
 /// Environment variable: collective timeout in seconds.
@@ -62,34 +64,95 @@ impl Default for GroupOptions {
     }
 }
 
+/// A positive, finite number of seconds below 10^9 (about 31 years): what every timeout
+/// takes, from a flag or from the environment alike.
+pub fn parse_seconds(text: &str) -> Result<Duration, String> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(format!(
+            "`{text}` is not a positive number of seconds (below 10^9)"
+        )),
+    }
+}
+
+/// The value of environment variable `var`, `None` when unset; an error naming it when
+/// its value is not UTF-8 text (it is never silently ignored).
+pub fn env_text(var: &str) -> Result<Option<String>, String> {
+    match std::env::var_os(var) {
+        None => Ok(None),
+        Some(v) => v
+            .into_string()
+            .map(Some)
+            .map_err(|v| format!("{var}={}: not UTF-8 text", v.to_string_lossy())),
+    }
+}
+
 impl GroupOptions {
     /// Defaults overridden by `FSDP_COMM_TIMEOUT_SECS`, `FSDP_RENDEZVOUS_TIMEOUT_SECS`,
-    /// `FSDP_JOB_SECRET` and `FSDP_COMM_TRANSPORT` (an unknown transport name is treated as
-    /// `auto`).
-    pub fn from_env() -> GroupOptions {
-        let secs = |var: &str| {
-            std::env::var(var)
+    /// `FSDP_JOB_SECRET` and `FSDP_COMM_TRANSPORT` (`auto`, `tcp` or `shm`). A value that
+    /// does not parse is an error naming the variable, as the launcher's flags are.
+    pub fn from_env() -> Result<GroupOptions, CommError> {
+        let invalid = |reason: String| CommError::InvalidArgument {
+            rank: std::env::var("RANK")
                 .ok()
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .filter(|s| *s > 0.0)
-                .map(Duration::from_secs_f64)
+                .and_then(|r| r.trim().parse().ok())
+                .unwrap_or(0),
+            op: "reading the environment".into(),
+            reason,
+        };
+        let text = |var: &str| env_text(var).map_err(invalid);
+        let secs = |var: &str, default: Duration| -> Result<Duration, CommError> {
+            match text(var)? {
+                None => Ok(default),
+                Some(t) => parse_seconds(&t).map_err(|e| invalid(format!("{var}: {e}"))),
+            }
         };
         let d = GroupOptions::default();
-        GroupOptions {
-            timeout: secs(TIMEOUT_ENV).unwrap_or(d.timeout),
-            rendezvous_timeout: secs(RENDEZVOUS_TIMEOUT_ENV).unwrap_or(d.rendezvous_timeout),
-            secret: std::env::var(SECRET_ENV).unwrap_or_default().into_bytes(),
-            transport: match std::env::var(TRANSPORT_ENV)
-                .unwrap_or_default()
-                .to_ascii_lowercase()
-                .as_str()
-            {
-                "tcp" => TransportChoice::Tcp,
-                "shm" => TransportChoice::Shm,
-                _ => TransportChoice::Auto,
-            },
-            host_store: std::env::var(STORE_HOSTED_ENV).map_or(true, |v| v.trim() != "1"),
-            store_prefix: std::env::var(PREFIX_ENV).unwrap_or_default(),
+        let transport = match text(TRANSPORT_ENV)?
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "" | "auto" => TransportChoice::Auto,
+            "tcp" => TransportChoice::Tcp,
+            "shm" => TransportChoice::Shm,
+            other => {
+                return Err(invalid(format!(
+                    "{TRANSPORT_ENV}: `{other}` is not one of auto, tcp, shm"
+                )));
+            }
+        };
+        Ok(GroupOptions {
+            timeout: secs(TIMEOUT_ENV, d.timeout)?,
+            rendezvous_timeout: secs(RENDEZVOUS_TIMEOUT_ENV, d.rendezvous_timeout)?,
+            secret: text(SECRET_ENV)?.unwrap_or_default().into_bytes(),
+            transport,
+            host_store: text(STORE_HOSTED_ENV)?.is_none_or(|v| v.trim() != "1"),
+            store_prefix: text(PREFIX_ENV)?.unwrap_or_default(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_are_positive_finite_and_bounded() {
+        assert_eq!(parse_seconds(" 2.5 "), Ok(Duration::from_millis(2500)));
+        for bad in [
+            "inf",
+            "1e23",
+            "18446744073709551616",
+            "-5",
+            "0",
+            "abc",
+            "NaN",
+            "",
+        ] {
+            let e = parse_seconds(bad).unwrap_err();
+            assert!(e.contains(bad), "{bad}: {e}");
         }
     }
 }

@@ -102,7 +102,7 @@ impl Plan {
     /// Machine 0 hosts the store for the job's lifetime (restarts included); every machine
     /// registers its machine rank, so a duplicate or missing machine is reported by number.
     pub(super) fn rendezvous(&self, say: &dyn Fn(String)) -> Result<Option<StoreServer>> {
-        let timeout = rendezvous_timeout();
+        let timeout = rendezvous_timeout()?;
         let server = if self.machine_rank == 0 {
             Some(
                 StoreServer::bind((self.addr.as_str(), self.port), self.secret.as_bytes())
@@ -181,9 +181,11 @@ fn free_port(addr: &str) -> Result<u16> {
         .port())
 }
 
-/// The rendezvous timeout workers use too (`FSDP_RENDEZVOUS_TIMEOUT_SECS`).
-fn rendezvous_timeout() -> Duration {
-    fsdp_comm::GroupOptions::from_env().rendezvous_timeout
+/// The rendezvous timeout workers use too (`FSDP_RENDEZVOUS_TIMEOUT_SECS`); the workers'
+/// other `FSDP_*` group settings are checked here too, so a bad value fails the launch
+/// naming the variable before any worker starts.
+fn rendezvous_timeout() -> Result<Duration> {
+    Ok(fsdp_comm::GroupOptions::from_env()?.rendezvous_timeout)
 }
 
 fn hostname() -> String {

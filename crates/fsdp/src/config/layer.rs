@@ -190,12 +190,35 @@ impl Layer {
         }
     }
 
-    /// Reads this process's environment.
+    /// Reads this process's environment. A variable the configuration reads whose value is
+    /// not UTF-8 text is an error naming it (never silently skipped, which would let the
+    /// file's value run).
     pub fn from_process_env() -> Result<Layer, ConfigError> {
-        Layer::from_env_vars(
-            std::env::vars_os()
-                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
-        )
+        let mut vars = Vec::new();
+        let mut errors = Vec::new();
+        for (k, v) in std::env::vars_os() {
+            let Ok(k) = k.into_string() else { continue };
+            match v.into_string() {
+                Ok(v) => vars.push((k, v)),
+                Err(v) => {
+                    if let Some(key) = Key::from_env_var(&k) {
+                        errors.push(ConfigError::InvalidValue {
+                            origin: Source::Env { var: k },
+                            key: key.name(),
+                            value: v.to_string_lossy().into_owned(),
+                            reason: "not UTF-8 text".into(),
+                        });
+                    } else if LAYOUT_VARS.contains(&k.as_str()) {
+                        errors.push(ConfigError::Structure {
+                            origin: Source::Env { var: k },
+                            message: format!("`{}` is not UTF-8 text", v.to_string_lossy()),
+                        });
+                    }
+                }
+            }
+        }
+        ConfigError::collect(errors)?;
+        Layer::from_env_vars(vars)
     }
 
     /// Writes the layer as an Accelerate YAML file: keys sorted, FSDP keys under

@@ -73,6 +73,18 @@ pub struct SyntaxError {
 /// Parses one YAML document. An empty document is an empty mapping; a second document is an
 /// error (PyYAML's `safe_load` refuses it too, rather than reading only the first).
 pub fn parse(text: &str) -> Result<Node, SyntaxError> {
+    // A byte-order mark may start a YAML stream (PyYAML skips it); a NUL may stand nowhere
+    // (YAML's character set excludes it; the parser would silently stop reading there).
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    if let Some(at) = text.find('\0') {
+        let before = &text[..at];
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        return Err(SyntaxError {
+            line: before.matches('\n').count() + 1,
+            col: before[line_start..].chars().count() + 1,
+            message: "a NUL byte, which YAML does not allow".into(),
+        });
+    }
     let mut builder = TreeBuilder::default();
     let mut parser = Parser::new_from_str(text);
     parser.load(&mut builder, true).map_err(|e| SyntaxError {
@@ -318,6 +330,18 @@ mod tests {
         );
         assert_eq!(entries[2].1.line, 4);
         assert_eq!(entries[3].1.kind, NodeKind::Seq(vec![]));
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_skipped_and_a_nul_is_an_error_at_its_line() {
+        let with_bom = parse("\u{feff}num_processes: 2\n").unwrap();
+        let NodeKind::Map(entries) = with_bom.kind else {
+            panic!("not a map")
+        };
+        assert_eq!(entries[0].0.as_scalar(), Some("num_processes"));
+        let err = parse("a: 1\nb: x\0y\nnum_processes: 2\n").unwrap_err();
+        assert_eq!((err.line, err.col), (2, 5));
+        assert!(err.message.contains("NUL"), "{}", err.message);
     }
 
     #[test]
