@@ -3,7 +3,8 @@
 //! step 8 (2 steps into epoch 1), and jobs of 3 and of 1 process resume from it and take
 //! each of epoch 1's remaining 64 samples once, in the permutation's order, with the step
 //! total counted in their own global batch. Real processes through the `Accelerator`; the
-//! test binary re-runs itself as the workers.
+//! test binary re-runs itself as the workers. Their logs, written to pipes, carry no colour
+//! codes.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -149,6 +150,16 @@ fn a_resume_on_another_number_of_processes_continues_at_the_next_unseen_sample()
         )
     };
     let saved = run(2, "save");
+    // Logs through pipes carry no colour codes (issue 20, item 16).
+    assert!(
+        saved[0].contains("saved the training state"),
+        "{}",
+        saved[0]
+    );
+    assert!(
+        !saved.concat().contains('\x1b'),
+        "colour codes in a pipe: {saved:?}"
+    );
     let (before, _) = taken(&saved, 1);
     let order = permutation(EXAMPLES, SEED, 1);
     assert_eq!(before, order[..32], "2 steps of 16 into epoch 1");

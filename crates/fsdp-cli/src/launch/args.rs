@@ -76,7 +76,8 @@ pub struct LaunchArgs {
     /// 3 both (torchrun's --tee).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub(super) tee: u8,
-    /// Directory for per-rank log files (rank{N}.stdout / rank{N}.stderr).
+    /// Directory for per-rank log files (rank{N}.stdout / rank{N}.stderr); one holding an
+    /// earlier job's log files is refused.
     #[arg(long = "log_dir", visible_alias = "log-dir")]
     pub(super) log_dir: Option<PathBuf>,
     /// Local ranks whose output is shown on the console, comma-separated [default: all].
@@ -87,7 +88,7 @@ pub struct LaunchArgs {
     pub(super) quiet: bool,
     /// Seconds a collective may wait for a peer before failing on every rank
     /// (FSDP_COMM_TIMEOUT_SECS for the workers) [default: 300].
-    #[arg(long = "comm_timeout", visible_alias = "comm-timeout", value_parser = parse_seconds)]
+    #[arg(long = "comm_timeout", visible_alias = "comm-timeout", value_parser = fsdp_comm::parse_seconds)]
     pub(super) comm_timeout: Option<Duration>,
     /// Run with collective and FSDP state checks.
     #[arg(long)]
@@ -106,14 +107,6 @@ pub struct LaunchArgs {
     /// `--fsdp_*` flags, one per FSDP key of the schema (filled from the matches).
     #[arg(skip)]
     fsdp_flags: Vec<(Key, String)>,
-}
-
-/// A positive number of seconds.
-fn parse_seconds(text: &str) -> Result<Duration, String> {
-    match text.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
-        _ => Err(format!("`{text}` is not a positive number of seconds")),
-    }
 }
 
 /// Adds a `--<key>` flag for every key of the FSDP section.
@@ -158,19 +151,22 @@ impl LaunchArgs {
         self.example = None;
     }
 
-    /// The local ranks `--local_ranks_filter` shows (all when unset).
-    pub(super) fn shown_local_ranks(&self) -> Result<Option<Vec<usize>>> {
+    /// The local ranks `--local_ranks_filter` shows (all when unset), each one of the `local`
+    /// ranks this machine runs.
+    pub(super) fn shown_local_ranks(&self, local: usize) -> Result<Option<Vec<usize>>> {
         let Some(f) = &self.local_ranks_filter else {
             return Ok(None);
         };
-        let ranks = f
-            .split(',')
-            .map(|r| r.trim().parse::<usize>())
-            .collect::<Result<_, _>>();
-        match ranks {
-            Ok(r) => Ok(Some(r)),
+        let ranks: Vec<usize> = match f.split(',').map(|r| r.trim().parse::<usize>()).collect() {
+            Ok(r) => r,
             Err(_) => bail!("--local_ranks_filter takes comma-separated local ranks, got `{f}`"),
+        };
+        if let Some(r) = ranks.iter().find(|&&r| r >= local) {
+            bail!(
+                "--local_ranks_filter {f}: there is no local rank {r}; this machine runs local ranks 0..{local}"
+            );
         }
+        Ok(Some(ranks))
     }
 
     /// The flags as the strongest configuration layer.

@@ -6,6 +6,7 @@
 
 mod args;
 mod exits;
+mod orphans;
 mod plan;
 mod relay;
 mod spawn;
@@ -55,6 +56,7 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
     let plan = Plan::new(&config, &args)?;
     let say = |msg: String| {
         if !args.quiet {
+            relay::end_open_line();
             eprintln!("[fsdp launch] {msg}");
         }
     };
@@ -66,12 +68,16 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
             setting.source
         ));
     }
+    let shown = args.shown_local_ranks(plan.local)?;
     install_signal_handlers();
+    if let Err(e) = orphans::become_subreaper() {
+        say(format!(
+            "note: cannot become the subreaper of the workers' children ({e}): processes they move out of their process group are not stopped with them"
+        ));
+    }
     let store = plan.rendezvous(&say)?;
-    let shown = args.shown_local_ranks()?;
     if let Some(dir) = &args.log_dir {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating --log_dir {}", dir.display()))?;
+        spawn::prepare_log_dir(dir)?;
     }
     let mut number = 0;
     loop {
@@ -90,6 +96,7 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
             env: config_env(&config),
             number,
             shown: shown.clone(),
+            log_dir: args.log_dir.as_deref(),
         };
         match supervise::run_attempt(&attempt, &say)? {
             Outcome::Success => return Ok(0),

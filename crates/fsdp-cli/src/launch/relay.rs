@@ -1,7 +1,8 @@
 //! A worker's output, relayed as it comes: bytes go unchanged to its log file, and to the
 //! console with `[rankN]: ` at the start of each line. Lines end at `\n` or `\r` (a progress
 //! bar redrawing itself shows live), invalid UTF-8 passes through untouched, a line still
-//! open when a read ends is written at once (no line is ever buffered whole), and the pipe
+//! open when a read ends is written at once (no line is ever buffered whole) and ended
+//! before another worker's output is written after it (its rest gets a new prefix), and the pipe
 //! is drained to its end whatever happens to the console, so a worker never dies of a
 //! closed pipe. The last lines are kept, decoded lossily, for the failure report.
 
@@ -104,40 +105,79 @@ impl Relay {
     }
 }
 
+/// The stream (rank, standard error or not) whose line is open on the console: written up
+/// to a point without its end. Shared by every relay, and held while a segment is written,
+/// so one worker's partial line is ended before another's output starts — lines never run
+/// into each other — while a partial line (a progress bar) still shows at once.
+static OPEN_LINE: Mutex<Option<(usize, bool)>> = Mutex::new(None);
+
+/// Ends whatever worker line is open on the console, so a message of the launcher's own
+/// starts on a line of its own.
+pub(super) fn end_open_line() {
+    let mut open = OPEN_LINE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, to_stderr)) = open.take() {
+        console_write(to_stderr, b"\n");
+    }
+}
+
 /// The console side: the prefix at each line start.
 struct Console {
+    rank: usize,
     prefix: Vec<u8>,
     to_stderr: bool,
-    /// The console's current line is this worker's, already prefixed.
-    open: bool,
+}
+
+/// Writes to the launcher's standard output or error; errors (a closed console) are
+/// ignored: the pipe must still be drained.
+fn console_write(to_stderr: bool, bytes: &[u8]) {
+    if to_stderr {
+        let mut e = std::io::stderr().lock();
+        let _ = e.write_all(bytes);
+        let _ = e.flush();
+    } else {
+        let mut o = std::io::stdout().lock();
+        let _ = o.write_all(bytes);
+        let _ = o.flush();
+    }
 }
 
 impl Console {
+    fn me(&self) -> (usize, bool) {
+        (self.rank, self.to_stderr)
+    }
+
     fn write(&mut self, segment: &[u8]) {
-        let mut out = Vec::with_capacity(segment.len() + self.prefix.len());
-        if !self.open {
-            out.extend_from_slice(&self.prefix);
+        let mut open = OPEN_LINE.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::with_capacity(segment.len() + self.prefix.len() + 1);
+        match *open {
+            Some(me) if me == self.me() => {}
+            Some((_, other_stderr)) => {
+                // Another stream's line is open: end it (it continues under a new prefix).
+                console_write(other_stderr, b"\n");
+                out.extend_from_slice(&self.prefix);
+            }
+            None => out.extend_from_slice(&self.prefix),
         }
         out.extend_from_slice(segment);
-        self.open = !matches!(segment.last(), Some(b'\n' | b'\r'));
-        // Errors (a closed console) are ignored: the pipe must still be drained.
-        if self.to_stderr {
-            let mut e = std::io::stderr().lock();
-            let _ = e.write_all(&out);
-            let _ = e.flush();
-        } else {
-            let mut o = std::io::stdout().lock();
-            let _ = o.write_all(&out);
-            let _ = o.flush();
+        console_write(self.to_stderr, &out);
+        *open = (!matches!(segment.last(), Some(b'\n' | b'\r'))).then(|| self.me());
+    }
+
+    /// Ends this stream's line if it is the open one (the worker's output ended inside it).
+    fn close(&mut self) {
+        let mut open = OPEN_LINE.lock().unwrap_or_else(|e| e.into_inner());
+        if *open == Some(self.me()) {
+            console_write(self.to_stderr, b"\n");
+            *open = None;
         }
     }
 }
 
 fn relay(mut stream: Box<dyn Read + Send>, mut route: Route) {
     let mut console = Console {
+        rank: route.rank,
         prefix: format!("[rank{}]: ", route.rank).into_bytes(),
         to_stderr: route.to_stderr,
-        open: false,
     };
     let mut buf = vec![0u8; CHUNK];
     loop {
@@ -164,8 +204,8 @@ fn relay(mut stream: Box<dyn Read + Send>, mut route: Route) {
             .unwrap_or_else(|e| e.into_inner())
             .push(chunk);
     }
-    if route.show && console.open {
-        console.write(b"\n");
+    if route.show {
+        console.close();
     }
 }
 

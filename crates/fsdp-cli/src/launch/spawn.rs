@@ -47,6 +47,8 @@ pub(super) struct Attempt<'a> {
     pub env: Vec<(String, String)>,
     pub number: u32,
     pub shown: Option<Vec<usize>>,
+    /// `--log_dir`, checked to hold no earlier job's logs.
+    pub log_dir: Option<&'a std::path::Path>,
 }
 
 /// Starts local rank `local_rank`. On error nothing of this worker is left running.
@@ -84,7 +86,7 @@ pub(super) fn spawn(a: &Attempt<'_>, local_rank: usize, exits: &mut ExitWatcher)
     // (a terminal's Ctrl-C reaches only the launcher, which forwards it).
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     die_with_launcher(&mut cmd);
-    let logs = open_logs(args, rank, a.number)?;
+    let logs = open_logs(a.log_dir, args.tee, rank, a.number)?;
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start `{}` for rank {rank}", program[0]))?;
@@ -129,15 +131,20 @@ fn die_with_launcher(cmd: &mut Command) {
     }
 }
 
-/// The rank's log files in `--log_dir` (stdout, stderr), as `--tee` says; files of earlier
-/// attempts are kept (`rank{N}.attempt{K}.stdout` after the first).
-fn open_logs(args: &LaunchArgs, rank: usize, attempt: u32) -> Result<[Option<std::fs::File>; 2]> {
+/// The rank's log files in this job's log folder (stdout, stderr), as `--tee` says; files of
+/// earlier attempts are kept (`rank{N}.attempt{K}.stdout` after the first).
+fn open_logs(
+    dir: Option<&std::path::Path>,
+    tee: u8,
+    rank: usize,
+    attempt: u32,
+) -> Result<[Option<std::fs::File>; 2]> {
     let mut out = [None, None];
-    let Some(dir) = &args.log_dir else {
+    let Some(dir) = dir else {
         return Ok(out);
     };
     for (i, (name, bit)) in [("stdout", 1u8), ("stderr", 2u8)].into_iter().enumerate() {
-        if args.tee & bit != 0 || args.tee == 0 {
+        if tee & bit != 0 || tee == 0 {
             let path = dir.join(log_file_name(rank, name, attempt));
             out[i] = Some(
                 std::fs::File::create(&path)
@@ -146,6 +153,48 @@ fn open_logs(args: &LaunchArgs, rank: usize, attempt: u32) -> Result<[Option<std
         }
     }
     Ok(out)
+}
+
+/// Prepares `--log_dir`: made if missing, and refused when it holds log files of an earlier
+/// job (`rank{N}.stdout`, ...), whose files would otherwise mix with this job's — a job of
+/// fewer ranks would leave the others' files looking like its own.
+pub(super) fn prepare_log_dir(log_dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(log_dir)
+        .with_context(|| format!("creating --log_dir {}", log_dir.display()))?;
+    let mut earlier: Vec<String> = std::fs::read_dir(log_dir)
+        .with_context(|| format!("reading --log_dir {}", log_dir.display()))?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| is_log_file_name(n))
+        .collect();
+    earlier.sort();
+    if let Some(first) = earlier.first() {
+        bail!(
+            "--log_dir {} holds the logs of an earlier job ({first}{}): give each job a folder of its own, or remove them",
+            log_dir.display(),
+            if earlier.len() > 1 {
+                format!(" and {} more", earlier.len() - 1)
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
+}
+
+/// Whether `name` is one `log_file_name` gives.
+fn is_log_file_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("rank") else {
+        return false;
+    };
+    let Some((stem, stream)) = rest.rsplit_once('.') else {
+        return false;
+    };
+    let rank = stem.split_once(".attempt").map_or(stem, |(r, _)| r);
+    matches!(stream, "stdout" | "stderr")
+        && !rank.is_empty()
+        && rank.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// `rank{N}.{stream}` for the first attempt, `rank{N}.attempt{K}.{stream}` for restarts.
@@ -195,4 +244,27 @@ fn start_relays(
         bail!("rank {rank}'s output pipes were not created");
     }
     Ok((tail, relays))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{is_log_file_name, log_file_name};
+
+    #[test]
+    fn log_file_names_are_recognised() {
+        for (rank, attempt) in [(0, 0), (12, 0), (3, 2)] {
+            for stream in ["stdout", "stderr"] {
+                assert!(is_log_file_name(&log_file_name(rank, stream, attempt)));
+            }
+        }
+        for other in [
+            "rank.stdout",
+            "rankx.stdout",
+            "rank0.log",
+            "notes.txt",
+            "rank0",
+        ] {
+            assert!(!is_log_file_name(other), "{other}");
+        }
+    }
 }

@@ -91,6 +91,7 @@ fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Res
         } else {
             format!(" (still running: rank {})", running.join(", "))
         };
+        super::relay::end_open_line();
         eprintln!(
             "[fsdp launch] rank {rank} (pid {}) {how}; stopping the other workers{still}.",
             w.pid
@@ -116,9 +117,9 @@ fn describe_status(status: std::process::ExitStatus) -> (i32, String) {
 }
 
 /// Sends `sig` to every running worker's process group, waits up to the grace period, then
-/// kills what is left, including what exited workers left behind in their groups; reaps
-/// everything, drains the output relays for a bounded time, and removes shared memory a
-/// killed worker may have left.
+/// kills what is left, including what exited workers left behind in their groups and what
+/// they moved out of them (reparented to the launcher); reaps everything, drains the output
+/// relays for a bounded time, and removes shared memory a killed worker may have left.
 fn stop_all(workers: &mut [Worker], exits: &Exits, sig: i32) {
     let signal_running = |workers: &[Worker], sig: i32| {
         for w in workers.iter().filter(|w| w.done.is_none()) {
@@ -152,6 +153,9 @@ fn stop_all(workers: &mut [Worker], exits: &Exits, sig: i32) {
         let _ = w.child.wait();
         fsdp_comm::remove_shm_segments_of(w.pid);
     }
+    // What workers started outside their groups (reparented here, the subreaper).
+    let pids: Vec<u32> = workers.iter().map(|w| w.pid).collect();
+    super::orphans::end_orphans(&pids);
     let deadline = Instant::now() + FINAL_DRAIN;
     for w in workers.iter_mut() {
         w.relays = std::mem::take(&mut w.relays)

@@ -49,8 +49,12 @@ pub fn init_logging(rank: usize) {
         "error" => Level::ERROR,
         _ => Level::INFO,
     };
+    // Colours only on a terminal (not into the launcher's pipes and log files), and never
+    // with NO_COLOR set.
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(level)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .event_format(RankFormat { rank })
         .finish();
