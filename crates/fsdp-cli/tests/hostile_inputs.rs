@@ -11,7 +11,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::{finish, fsdp, launch};
+use common::{alive, finish, fsdp, launch};
 
 #[test]
 fn timeouts_that_do_not_parse_are_errors_naming_the_variable() {
@@ -112,14 +112,6 @@ fn a_nul_in_a_config_file_is_an_error_and_a_byte_order_mark_is_skipped() {
     let run = finish(child, Duration::from_secs(30));
     assert_eq!(run.code, Some(0), "{}", run.out);
     assert!(run.out.contains("[rank1]: up"), "{}", run.out);
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit(')')
-            .next()
-            .is_some_and(|r| !r.trim_start().starts_with('Z'))
-    })
 }
 
 #[test]

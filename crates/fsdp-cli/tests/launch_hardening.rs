@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{finish, fsdp, launch, pids, port, survivors};
+use common::{alive, finish, fsdp, launch, pids, port, survivors};
 
 /// The launcher's raw output (stdout then stderr) and exit code.
 fn launch_bytes(args: &[&str], limit: Duration) -> (Option<i32>, Vec<u8>) {
@@ -41,14 +41,6 @@ fn launch_bytes(args: &[&str], limit: Duration) -> (Option<i32>, Vec<u8>) {
     let mut all = out.join().unwrap();
     all.extend(err.join().unwrap());
     (code, all)
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit(')')
-            .next()
-            .is_some_and(|r| !r.trim_start().starts_with('Z'))
-    })
 }
 
 #[test]

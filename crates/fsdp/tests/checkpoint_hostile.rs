@@ -112,6 +112,16 @@ fn saves_replace_only_their_own_checkpoints() {
     }
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
 
+    // A FIFO where the destination's document would be: refused at once, not a hang.
+    let fifo_dest = tmp.path().join("fifo_dest");
+    std::fs::create_dir(&fifo_dest).unwrap();
+    common::mkfifo(&fifo_dest.join("fsdp_checkpoint.json"));
+    for r in save_results(&fifo_dest) {
+        let e = r.unwrap_err();
+        assert!(e.contains("not a checkpoint"), "{e}");
+    }
+    std::fs::remove_dir_all(&fifo_dest).unwrap();
+
     // An empty folder and a checkpoint of ours are replaced.
     let ours = tmp.path().join("ours");
     std::fs::create_dir(&ours).unwrap();
@@ -350,9 +360,7 @@ fn fifos_devices_and_edited_documents_are_refused_at_once() {
     let d = fresh("fifo");
     let shard = d.join("pytorch_model_fsdp_0/rank_1.safetensors");
     std::fs::remove_file(&shard).unwrap();
-    let c = std::ffi::CString::new(shard.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    common::mkfifo(&shard);
     let started = Instant::now();
     refused(&d, &["rank_1.safetensors", "FIFO"]);
     assert!(started.elapsed() < Duration::from_secs(20));

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use fsdp::checkpoint::merge_weights;
 
+mod common;
+
 fn fixture(version: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/dcp/{version}"))
 }
@@ -169,9 +171,7 @@ fn crafted_distributed_checkpoints_are_refused_before_anything_is_allocated() {
     let dir = copy("fsdp1", &tmp.path().join("fifo"));
     let file = dir.join("__1_0.distcp");
     std::fs::remove_file(&file).unwrap();
-    let c = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    common::mkfifo(&file);
     let e = err(&dir);
     assert!(e.contains("__1_0.distcp") && e.contains("FIFO"), "{e}");
 }

@@ -139,3 +139,12 @@ pub fn survivors(groups: &[u32]) -> Vec<u32> {
 
 /// The binary under test.
 pub const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
+
+/// Whether process `pid` exists and is not a zombie.
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit(')')
+            .next()
+            .is_some_and(|r| !r.trim_start().starts_with('Z'))
+    })
+}

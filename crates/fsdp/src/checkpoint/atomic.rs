@@ -137,10 +137,12 @@ fn not_replaceable(dest: &Path) -> Option<String> {
         return None;
     }
     let doc = dest.join(format::CHECKPOINT_FILE);
-    let ours = std::fs::read(&doc).ok().and_then(|b| {
-        let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
-        (v.get("format")?.as_str()? == format::FORMAT).then_some(())
-    });
+    let ours = super::files::read_bounded(&doc, format::DOCUMENT_LIMIT, "checkpoint document")
+        .ok()
+        .and_then(|b| {
+            let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
+            (v.get("format")?.as_str()? == format::FORMAT).then_some(())
+        });
     if ours.is_none() {
         return Some(format!(
             "exists and is not a checkpoint written by save_state (no valid {}): it is replaced only if it is one; choose another folder",
