@@ -66,6 +66,19 @@ fn world_line(world: &Result<WorldInfo, fsdp_comm::WorldError>) -> String {
     }
 }
 
+/// The address this process would listen on for its peers, and why (the launch
+/// environment's `MASTER_ADDR`, or 127.0.0.1 outside a job).
+fn peer_address_line(world: &Result<WorldInfo, fsdp_comm::WorldError>) -> String {
+    let (addr, port) = match world {
+        Ok(w) => (w.master_addr.clone(), w.master_port),
+        Err(_) => ("127.0.0.1".to_string(), 29500),
+    };
+    match fsdp_comm::listen_address(&addr, port) {
+        Ok(a) => format!("{} (chosen by {})", a.ip, a.chosen_by),
+        Err(e) => format!("none: {e}"),
+    }
+}
+
 fn print_text(
     s: &SystemInfo,
     world: &Result<WorldInfo, fsdp_comm::WorldError>,
@@ -88,6 +101,7 @@ fn print_text(
     );
     println!("- CUDA: {}", cuda_line(s));
     println!("- Launch environment: {}", world_line(world));
+    println!("- Listens for peers on: {}", peer_address_line(world));
     println!(
         "- Config file: {}",
         file.map_or("none (environment and defaults only)".to_string(), |p| p
@@ -168,6 +182,7 @@ fn print_json(
             "nccl_support_built": cfg!(feature = "nccl"),
         },
         "launch_environment": world_line(world),
+        "peer_listen_address": peer_address_line(world),
         "config_file": file,
         "config": config,
     });

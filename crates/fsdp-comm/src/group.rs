@@ -94,7 +94,15 @@ impl ProcessGroup {
         )?);
         let members: Vec<usize> = (0..world.world_size).collect();
         let name = format!("{}world", options.store_prefix);
-        let streams = connect_mesh(&store, &name, rank, &members, &world.master_addr, &options)?;
+        // This host's own address for peers (MASTER_ADDR is machine 0's).
+        let listen = crate::address::listen_address(&world.master_addr, world.master_port)
+            .map_err(|reason| CommError::InvalidArgument {
+                rank,
+                op: "choosing the address to listen on for peers".into(),
+                reason,
+            })?;
+        let data_ip = listen.ip.to_string();
+        let streams = connect_mesh(&store, &name, rank, &members, &data_ip, &options)?;
         let shm = setup_shm(&store, &name, rank, &members, &options)?;
         ProcessGroup::start(
             rank,
@@ -102,7 +110,7 @@ impl ProcessGroup {
             Some(store),
             server,
             options,
-            world.master_addr.clone(),
+            data_ip,
             name,
             streams,
             shm,

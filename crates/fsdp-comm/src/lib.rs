@@ -10,6 +10,7 @@
 //! calling different collectives get a `Mismatch` error; a peer that dies is seen as soon as
 //! its connection closes; any failure is broadcast so every rank stops.
 
+pub mod address;
 mod algorithms;
 pub mod buffer;
 pub mod communicator;
@@ -33,6 +34,7 @@ mod transport;
 pub mod work;
 pub mod world;
 
+pub use address::{ListenAddress, SOCKET_IFNAME_ENVS, listen_address};
 pub use buffer::{Buffer, BufferElement};
 pub use communicator::{Communicator, CommunicatorExt, SingleRank};
 pub use dtype::{DType, Element, ReduceOp};
