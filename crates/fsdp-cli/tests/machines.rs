@@ -4,8 +4,9 @@
 //! --num_machines 2 --machine_rank i --main_process_ip <machine 0's address>`: TCP between
 //! the machines, shared memory inside each. Every rank must listen on its own machine's
 //! address (binding every listener to MASTER_ADDR failed on machine 1 with "Cannot assign
-//! requested address"). Needs root; skips with a reason otherwise. The namespaces are
-//! removed at the end, whatever happens.
+//! requested address"). When one machine's workers fail before joining, the other's fail
+//! within seconds naming that machine. Needs root; skips with a reason otherwise. The
+//! namespaces are removed at the end, whatever happens.
 
 use std::process::Command;
 use std::time::Duration;
@@ -171,6 +172,50 @@ fn two_machines_over_a_network_train_like_one_process() {
             r1.out
         );
     }
+    // Machine 1's workers fail before they join: machine 0's ranks, waiting for them, fail
+    // within seconds naming machine 1, not after the 120 s rendezvous timeout.
+    let start = |i: usize, program: &[&str]| {
+        let rank = i.to_string();
+        let mut args = vec![
+            "launch",
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "4",
+            "--main_process_ip",
+            &machines.addrs[0],
+            "--main_process_port",
+            "29501",
+            "--machine_rank",
+            &rank,
+        ];
+        args.extend_from_slice(program);
+        machines
+            .fsdp(i, &args)
+            .env("FSDP_JOB_SECRET", "two-machines-over-veth")
+            .spawn()
+            .unwrap()
+    };
+    let m0 = start(0, &[EXE, "test", "--worker"]);
+    let m1 = start(1, &["sh", "-c", "echo cannot start; exit 7"]);
+    let (r0, r1) = (
+        finish(m0, Duration::from_secs(60)),
+        finish(m1, Duration::from_secs(60)),
+    );
+    assert_eq!(r1.code, Some(7), "{}", r1.out);
+    assert_ne!(r0.code, Some(0), "{}", r0.out);
+    assert!(
+        r0.out.contains("machine 1 failed") && r0.out.contains("never joined"),
+        "{}",
+        r0.out
+    );
+    assert!(
+        r0.elapsed < Duration::from_secs(20),
+        "machine 0 took {:?} to fail:\n{}",
+        r0.elapsed,
+        r0.out
+    );
+
     // Each machine listens on its own address, as `fsdp env` shows.
     for i in 0..2 {
         let out = machines

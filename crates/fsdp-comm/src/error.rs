@@ -95,6 +95,15 @@ pub enum CommError {
         /// Why.
         reason: String,
     },
+    /// A launcher of the job stopped it while this rank waited to join (its part of the
+    /// job failed): every rank still joining fails at once with its reason.
+    #[error("rank {rank}: the job was stopped before it could start: {reason}")]
+    JobStopped {
+        /// The waiting rank.
+        rank: usize,
+        /// What the launcher said.
+        reason: String,
+    },
     /// The caller passed arguments that cannot work (sizes, ranks).
     #[error("rank {rank}: invalid {op} call: {reason}")]
     InvalidArgument {

@@ -21,6 +21,10 @@ pub const STORE_HOSTED_ENV: &str = "FSDP_STORE_HOSTED";
 /// Environment variable: prefix of this attempt's keys in the store (a restarted job uses a
 /// new prefix on the same store).
 pub const PREFIX_ENV: &str = "FSDP_RENDEZVOUS_PREFIX";
+/// The store key (under the attempt's prefix) a launcher sets, with its reason, when its
+/// part of the job fails: ranks still waiting to join fail within a second naming it,
+/// instead of waiting out the rendezvous timeout.
+pub const ABORT_KEY: &str = "abort";
 
 /// Which transport carries a group's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -130,6 +130,43 @@ fn missing_members(missing: &[String], members: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// Waits until every key is set, a second at a time, failing at once when a launcher has
+/// stopped the job (`ABORT_KEY`), and with the members still missing at the timeout.
+fn wait_or_stopped(
+    store: &StoreClient,
+    keys: &[String],
+    rank: usize,
+    members: &[usize],
+    options: &GroupOptions,
+) -> Result<()> {
+    let deadline = Instant::now() + options.rendezvous_timeout;
+    let abort = format!("{}{}", options.store_prefix, crate::options::ABORT_KEY);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let missing = match store.wait(keys, left.min(Duration::from_secs(1)))? {
+            Ok(()) => return Ok(()),
+            Err(missing) => missing,
+        };
+        if let Some(reason) = store.get(&abort)? {
+            return Err(CommError::JobStopped {
+                rank,
+                reason: format!(
+                    "{} (rank(s) {:?} never joined)",
+                    String::from_utf8_lossy(&reason),
+                    missing_members(&missing, members)
+                ),
+            });
+        }
+        if left.is_zero() {
+            return Err(CommError::RendezvousTimeout {
+                rank,
+                missing: missing_members(&missing, members),
+                timeout: options.rendezvous_timeout,
+            });
+        }
+    }
+}
+
 /// Registers this rank under `name` in the store and connects to every other member: lower
 /// ranks dial higher ones' listeners. `me` is the index into `members` (global ranks).
 pub(crate) fn connect_mesh(
@@ -172,13 +209,7 @@ pub(crate) fn connect_mesh(
         .map_err(|e| io("listener address".into(), e))?;
     store.set(&format!("{name}/addr/{me}"), addr.to_string().as_bytes())?;
     let keys: Vec<String> = (0..n).map(|i| format!("{name}/addr/{i}")).collect();
-    if let Err(missing) = store.wait(&keys, options.rendezvous_timeout)? {
-        return Err(CommError::RendezvousTimeout {
-            rank,
-            missing: missing_members(&missing, members),
-            timeout: options.rendezvous_timeout,
-        });
-    }
+    wait_or_stopped(store, &keys, rank, members, options)?;
     let deadline = Instant::now() + options.rendezvous_timeout;
     let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     for (peer, key) in keys.iter().enumerate().take(me) {

@@ -75,9 +75,12 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
             "note: cannot become the subreaper of the workers' children ({e}): processes they move out of their process group are not stopped with them"
         ));
     }
-    let store = plan.rendezvous(&say)?;
-    if let Some(dir) = &args.log_dir {
-        spawn::prepare_log_dir(dir)?;
+    let rendezvous = plan.rendezvous(&say)?;
+    if let Some(dir) = &args.log_dir
+        && let Err(e) = spawn::prepare_log_dir(dir)
+    {
+        rendezvous.stop_joining(0, &format!("{e:#}"));
+        return Err(e);
     }
     let mut number = 0;
     loop {
@@ -98,7 +101,20 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
             shown: shown.clone(),
             log_dir: args.log_dir.as_deref(),
         };
-        match supervise::run_attempt(&attempt, &say)? {
+        let outcome = supervise::run_attempt(&attempt, &say).inspect_err(|e| {
+            rendezvous.stop_joining(number, &format!("{e:#}"));
+        })?;
+        match &outcome {
+            Outcome::Success => {}
+            Outcome::Interrupted(code) => {
+                rendezvous.stop_joining(number, &format!("interrupted (exit code {code})"))
+            }
+            Outcome::Failed(code) => rendezvous.stop_joining(
+                number,
+                &format!("its worker group failed with exit code {code}"),
+            ),
+        }
+        match outcome {
             Outcome::Success => return Ok(0),
             Outcome::Interrupted(code) => return Ok(code),
             Outcome::Failed(code) if number < args.max_restarts => {
@@ -109,7 +125,7 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
                 ));
             }
             Outcome::Failed(code) => {
-                drop(store);
+                drop(rendezvous);
                 return Ok(code);
             }
         }

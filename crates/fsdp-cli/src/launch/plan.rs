@@ -101,7 +101,7 @@ impl Plan {
 
     /// Machine 0 hosts the store for the job's lifetime (restarts included); every machine
     /// registers its machine rank, so a duplicate or missing machine is reported by number.
-    pub(super) fn rendezvous(&self, say: &dyn Fn(String)) -> Result<Option<StoreServer>> {
+    pub(super) fn rendezvous(&self, say: &dyn Fn(String)) -> Result<Rendezvous> {
         let timeout = rendezvous_timeout()?;
         let server = if self.machine_rank == 0 {
             Some(
@@ -114,7 +114,11 @@ impl Plan {
             None
         };
         if self.num_machines == 1 {
-            return Ok(server);
+            return Ok(Rendezvous {
+                _server: server,
+                client: None,
+                machine_rank: 0,
+            });
         }
         say(format!(
             "machine {} of {}: rendezvous at {}:{}",
@@ -169,7 +173,34 @@ impl Plan {
                 self.port
             );
         }
-        Ok(server)
+        Ok(Rendezvous {
+            _server: server,
+            client: Some(client),
+            machine_rank: self.machine_rank,
+        })
+    }
+}
+
+/// This launcher's part in the job's rendezvous: the store it hosts (machine 0), and with
+/// several machines its connection to the store, through which it stops the others' ranks
+/// still joining when its own part fails.
+pub(super) struct Rendezvous {
+    /// The store (machine 0 only), held for the job's lifetime: dropping it stops it.
+    _server: Option<StoreServer>,
+    client: Option<StoreClient>,
+    machine_rank: usize,
+}
+
+impl Rendezvous {
+    /// Tells the ranks of attempt `attempt` on every machine that are still joining that
+    /// this machine's part failed (`reason`), so they fail at once naming it instead of
+    /// waiting out the rendezvous timeout. Best effort: the job is failing already.
+    pub(super) fn stop_joining(&self, attempt: u32, reason: &str) {
+        if let Some(client) = &self.client {
+            let key = format!("attempt{attempt}/{}", fsdp_comm::ABORT_KEY);
+            let text = format!("machine {} failed: {reason}", self.machine_rank);
+            let _ = client.set(&key, text.as_bytes());
+        }
     }
 }
 
