@@ -21,6 +21,7 @@ const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 struct Machines {
     names: [String; 2],
     addrs: [String; 2],
+    veth: [String; 2],
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -45,24 +46,35 @@ impl Machines {
         if unsafe { libc::geteuid() } != 0 {
             return Err("not root: network namespaces cannot be made".into());
         }
+        // Tests of this binary run at once: each pair of machines gets names and a subnet
+        // of its own.
+        static PAIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let k = PAIRS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let pid = std::process::id();
-        let net = 20 + pid % 200;
+        let net = 20 + (pid % 50) * 4 + k % 4;
         let m = Machines {
-            names: [format!("fsdp-{pid}-m0"), format!("fsdp-{pid}-m1")],
+            names: [format!("fsdp-{pid}-{k}-m0"), format!("fsdp-{pid}-{k}-m1")],
             addrs: [format!("10.231.{net}.1"), format!("10.231.{net}.2")],
+            veth: [format!("fv{pid}{k}a"), format!("fv{pid}{k}b")],
         };
-        let veth = [format!("fv{pid}a"), format!("fv{pid}b")];
-        for n in &m.names {
-            ip(&["netns", "add", n])?;
-        }
-        ip(&[
-            "link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1],
-        ])?;
-        for ((ns, dev), addr) in m.names.iter().zip(&veth).zip(&m.addrs) {
-            ip(&["link", "set", dev, "netns", ns])?;
-            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        // The first namespace says whether this machine can make them at all.
+        ip(&["netns", "add", &m.names[0]])?;
+        let setup = || -> Result<(), String> {
+            let veth = &m.veth;
+            ip(&["netns", "add", &m.names[1]])?;
+            ip(&[
+                "link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1],
+            ])?;
+            for ((ns, dev), addr) in m.names.iter().zip(veth).zip(&m.addrs) {
+                ip(&["link", "set", dev, "netns", ns])?;
+                ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+                ip(&["-n", ns, "link", "set", dev, "up"])?;
+                ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            }
+            Ok(())
+        };
+        if let Err(e) = setup() {
+            panic!("setting up the namespaced machines: {e}");
         }
         Ok(m)
     }
@@ -107,6 +119,142 @@ impl Drop for Machines {
             let _ = ip(&["netns", "del", n]);
         }
     }
+}
+
+/// Set for the test binary re-run as a worker of `a_machine_that_vanishes_...`.
+const VANISH_ROLE: &str = "FSDP_TEST_VANISH_WORKER";
+
+/// A worker that all-reduces 16 MiB again and again, saying each round, until a
+/// collective fails (which it prints and exits with).
+#[test]
+fn vanish_worker() {
+    if std::env::var(VANISH_ROLE).is_err() {
+        return;
+    }
+    let pg = fsdp_comm::ProcessGroup::from_env().unwrap();
+    for round in 0..100_000 {
+        match pg
+            .all_reduce(vec![1.0f32; 4 << 20], fsdp_comm::ReduceOp::Sum)
+            .wait()
+        {
+            Ok(_) => println!("round {round}"),
+            Err(e) => {
+                println!("collective failed: {e}");
+                std::process::exit(3);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_machine_that_vanishes_mid_transfer_is_named_within_seconds() {
+    let machines = match Machines::new() {
+        Ok(m) => m,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+    // One process per machine (their one connection carries the transfer, so only the
+    // unacknowledged-data timeout can notice), then two.
+    for processes in ["2", "4"] {
+        vanish(&machines, processes);
+    }
+}
+
+/// Starts the all-reduce job on both machines, takes machine 1's link down once transfers
+/// run, and checks that machine 0 fails within seconds naming the lost ranks.
+fn vanish(machines: &Machines, processes: &str) {
+    let test_exe = std::env::current_exe().unwrap();
+    let exe = test_exe.to_str().unwrap();
+    let port = format!("2950{processes}");
+    let start = |i: usize| {
+        let rank = i.to_string();
+        machines
+            .fsdp(
+                i,
+                &[
+                    "launch",
+                    "--num_machines",
+                    "2",
+                    "--num_processes",
+                    processes,
+                    "--main_process_ip",
+                    &machines.addrs[0],
+                    "--main_process_port",
+                    &port,
+                    "--machine_rank",
+                    &rank,
+                    exe,
+                    "--exact",
+                    "vanish_worker",
+                    "--nocapture",
+                    "--test-threads=1",
+                ],
+            )
+            .env("FSDP_JOB_SECRET", "two-machines-over-veth")
+            .env(VANISH_ROLE, "1")
+            .spawn()
+            .unwrap()
+    };
+    let (mut m0, m1) = (start(0), start(1));
+    // If this test fails before machine 1's launcher is waited for, it is killed (its
+    // workers die with it, PR_SET_PDEATHSIG).
+    let m1_guard = KillOnDrop(Some(m1.id()));
+    // Once transfers run, machine 1 vanishes: its link goes down, no connection is closed.
+    let mut out = m0.stdout.take().unwrap();
+    let mut seen = String::new();
+    let started = std::time::Instant::now();
+    while !seen.contains("round 3") {
+        let mut buf = [0u8; 4096];
+        let n = std::io::Read::read(&mut out, &mut buf).unwrap();
+        assert!(
+            n > 0 && started.elapsed() < Duration::from_secs(60),
+            "{seen}"
+        );
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    ip(&[
+        "-n",
+        &machines.names[1],
+        "link",
+        "set",
+        &machines.veth[1],
+        "down",
+    ])
+    .unwrap();
+    let cut = std::time::Instant::now();
+    let drain = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut out, &mut rest);
+        rest
+    });
+    let r0 = finish(m0, Duration::from_secs(60));
+    let failed_after = cut.elapsed();
+    let all = format!("{seen}{}{}", drain.join().unwrap(), r0.out);
+    assert_ne!(r0.code, Some(0), "{all}");
+    assert!(
+        failed_after < Duration::from_secs(25),
+        "machine 0 took {failed_after:?} to fail after machine 1 vanished:\n{all}"
+    );
+    let lost = if processes == "2" { "rank 1" } else { "rank 2" };
+    assert!(
+        all.contains(lost) || all.contains("rank 3"),
+        "the lost ranks are not named:\n{all}"
+    );
+    eprintln!("{processes} processes: machine 0 failed {failed_after:?} after machine 1 vanished");
+    let r1 = finish(m1, Duration::from_secs(60));
+    std::mem::forget(m1_guard);
+    assert_ne!(r1.code, Some(0), "{}", r1.out);
+    ip(&[
+        "-n",
+        &machines.names[1],
+        "link",
+        "set",
+        &machines.veth[1],
+        "up",
+    ])
+    .unwrap();
 }
 
 #[test]
@@ -236,5 +384,19 @@ fn two_machines_over_a_network_train_like_one_process() {
             )
         };
         assert!(text.contains(&want), "machine {i}: {text}");
+    }
+}
+
+/// Kills a launcher this test started and has not waited for yet, when dropped.
+struct KillOnDrop(Option<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            // SAFETY: a child of this process not yet reaped (its pid cannot be reused).
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL);
+            }
+        }
     }
 }

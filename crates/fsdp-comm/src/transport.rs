@@ -370,9 +370,16 @@ impl Drop for Links {
     }
 }
 
-/// Probes an idle connection after 5 s, every 2 s, 3 times: a peer whose host vanished
-/// without closing the connection is declared lost within about 11 s.
-fn enable_keepalive(stream: &TcpStream) {
+/// How long data sent to a peer may stay unacknowledged before its connection is declared
+/// lost (`TCP_USER_TIMEOUT`): keepalive probes only an idle connection, so a host that
+/// vanishes while a transfer is in flight would otherwise be retransmitted to for about 15
+/// minutes.
+const UNACKNOWLEDGED_MS: libc::c_int = 10_000;
+
+/// Probes an idle connection after 5 s, every 2 s, 3 times, and gives data in flight 10 s
+/// to be acknowledged: a peer whose host vanished without closing the connection is
+/// declared lost within about 11 s, idle or mid-transfer.
+pub(crate) fn enable_keepalive(stream: &TcpStream) {
     use std::os::fd::AsRawFd;
     let fd = stream.as_raw_fd();
     let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| {
@@ -391,6 +398,7 @@ fn enable_keepalive(stream: &TcpStream) {
     set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 5);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 2);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, UNACKNOWLEDGED_MS);
 }
 
 fn read_frame(stream: &mut TcpStream) -> Option<Frame> {

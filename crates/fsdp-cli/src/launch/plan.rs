@@ -175,11 +175,14 @@ impl Plan {
         }
         Ok(Rendezvous {
             _server: server,
-            client: Some(client),
+            client: Some(std::sync::Arc::new(client)),
             machine_rank: self.machine_rank,
         })
     }
 }
+
+/// How long a failing launcher waits for the store to take its stop message.
+const STOP_JOINING_WAIT: Duration = Duration::from_secs(2);
 
 /// This launcher's part in the job's rendezvous: the store it hosts (machine 0), and with
 /// several machines its connection to the store, through which it stops the others' ranks
@@ -187,7 +190,7 @@ impl Plan {
 pub(super) struct Rendezvous {
     /// The store (machine 0 only), held for the job's lifetime: dropping it stops it.
     _server: Option<StoreServer>,
-    client: Option<StoreClient>,
+    client: Option<std::sync::Arc<StoreClient>>,
     machine_rank: usize,
 }
 
@@ -196,10 +199,23 @@ impl Rendezvous {
     /// this machine's part failed (`reason`), so they fail at once naming it instead of
     /// waiting out the rendezvous timeout. Best effort: the job is failing already.
     pub(super) fn stop_joining(&self, attempt: u32, reason: &str) {
-        if let Some(client) = &self.client {
-            let key = format!("attempt{attempt}/{}", fsdp_comm::ABORT_KEY);
-            let text = format!("machine {} failed: {reason}", self.machine_rank);
-            let _ = client.set(&key, text.as_bytes());
+        let Some(client) = &self.client else {
+            return;
+        };
+        let key = format!("attempt{attempt}/{}", fsdp_comm::ABORT_KEY);
+        let text = format!("machine {} failed: {reason}", self.machine_rank);
+        // At most a couple of seconds (the store's host may be the machine that vanished):
+        // the request goes on in a thread of its own, which the launcher does not wait for.
+        let (done, wait) = std::sync::mpsc::channel();
+        let client = client.clone();
+        let setter = std::thread::Builder::new()
+            .name("fsdp-stop-joining".into())
+            .spawn(move || {
+                let _ = client.set(&key, text.as_bytes());
+                let _ = done.send(());
+            });
+        if setter.is_ok() {
+            let _ = wait.recv_timeout(STOP_JOINING_WAIT);
         }
     }
 }

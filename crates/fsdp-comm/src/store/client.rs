@@ -48,6 +48,8 @@ impl StoreClient {
             // like a store not up yet, that is retried until the deadline.
             let outcome = attempt.and_then(|stream| {
                 let _ = stream.set_nodelay(true);
+                // A store host that vanishes fails requests within seconds, not minutes.
+                crate::transport::enable_keepalive(&stream);
                 // The greeting's reply must come by the deadline; later requests wait as
                 // long as they need (a wait carries its own timeout).
                 let left = deadline.saturating_duration_since(Instant::now());
