@@ -113,6 +113,34 @@ impl Machines {
     }
 }
 
+impl Machines {
+    /// Starts `fsdp launch` of machine `i` of a 2-machine job of `processes` processes on
+    /// `port`, running `rest` (launcher flags, then the program; the vanish worker's role is
+    /// set, which other programs ignore).
+    fn launch(&self, i: usize, processes: &str, port: &str, rest: &[&str]) -> std::process::Child {
+        let rank = i.to_string();
+        let mut args = vec![
+            "launch",
+            "--num_machines",
+            "2",
+            "--num_processes",
+            processes,
+            "--main_process_ip",
+            &self.addrs[0],
+            "--main_process_port",
+            port,
+            "--machine_rank",
+            &rank,
+        ];
+        args.extend_from_slice(rest);
+        self.fsdp(i, &args)
+            .env("FSDP_JOB_SECRET", "two-machines-over-veth")
+            .env(VANISH_ROLE, "1")
+            .spawn()
+            .unwrap()
+    }
+}
+
 impl Drop for Machines {
     fn drop(&mut self) {
         for n in &self.names {
@@ -169,33 +197,14 @@ fn vanish(machines: &Machines, processes: &str) {
     let exe = test_exe.to_str().unwrap();
     let port = format!("2950{processes}");
     let start = |i: usize| {
-        let rank = i.to_string();
-        machines
-            .fsdp(
-                i,
-                &[
-                    "launch",
-                    "--num_machines",
-                    "2",
-                    "--num_processes",
-                    processes,
-                    "--main_process_ip",
-                    &machines.addrs[0],
-                    "--main_process_port",
-                    &port,
-                    "--machine_rank",
-                    &rank,
-                    exe,
-                    "--exact",
-                    "vanish_worker",
-                    "--nocapture",
-                    "--test-threads=1",
-                ],
-            )
-            .env("FSDP_JOB_SECRET", "two-machines-over-veth")
-            .env(VANISH_ROLE, "1")
-            .spawn()
-            .unwrap()
+        let program = [
+            exe,
+            "--exact",
+            "vanish_worker",
+            "--nocapture",
+            "--test-threads=1",
+        ];
+        machines.launch(i, processes, &port, &program)
     };
     let (mut m0, m1) = (start(0), start(1));
     // If this test fails before machine 1's launcher is waited for, it is killed (its
@@ -268,32 +277,14 @@ fn two_machines_over_a_network_train_like_one_process() {
     };
     for strategy in ["FULL_SHARD", "HYBRID_SHARD"] {
         let start = |i: usize| {
-            let rank = i.to_string();
-            machines
-                .fsdp(
-                    i,
-                    &[
-                        "launch",
-                        "--num_machines",
-                        "2",
-                        "--num_processes",
-                        "4",
-                        "--main_process_ip",
-                        &machines.addrs[0],
-                        "--main_process_port",
-                        "29500",
-                        "--machine_rank",
-                        &rank,
-                        "--fsdp_sharding_strategy",
-                        strategy,
-                        EXE,
-                        "test",
-                        "--worker",
-                    ],
-                )
-                .env("FSDP_JOB_SECRET", "two-machines-over-veth")
-                .spawn()
-                .unwrap()
+            let program = [
+                "--fsdp_sharding_strategy",
+                strategy,
+                EXE,
+                "test",
+                "--worker",
+            ];
+            machines.launch(i, "4", "29500", &program)
         };
         let (m0, m1) = (start(0), start(1));
         let (r0, r1) = (
@@ -322,28 +313,7 @@ fn two_machines_over_a_network_train_like_one_process() {
     }
     // Machine 1's workers fail before they join: machine 0's ranks, waiting for them, fail
     // within seconds naming machine 1, not after the 120 s rendezvous timeout.
-    let start = |i: usize, program: &[&str]| {
-        let rank = i.to_string();
-        let mut args = vec![
-            "launch",
-            "--num_machines",
-            "2",
-            "--num_processes",
-            "4",
-            "--main_process_ip",
-            &machines.addrs[0],
-            "--main_process_port",
-            "29501",
-            "--machine_rank",
-            &rank,
-        ];
-        args.extend_from_slice(program);
-        machines
-            .fsdp(i, &args)
-            .env("FSDP_JOB_SECRET", "two-machines-over-veth")
-            .spawn()
-            .unwrap()
-    };
+    let start = |i: usize, program: &[&str]| machines.launch(i, "4", "29501", program);
     let m0 = start(0, &[EXE, "test", "--worker"]);
     let m1 = start(1, &["sh", "-c", "echo cannot start; exit 7"]);
     let (r0, r1) = (
