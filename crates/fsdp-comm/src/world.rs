@@ -107,6 +107,40 @@ impl Vars<'_> {
     fn addr(&self) -> String {
         self.get("MASTER_ADDR").unwrap_or("127.0.0.1").to_string()
     }
+
+    /// `MASTER_ADDR`, else the allocation's first host (where task 0 runs), else loopback.
+    fn slurm_addr(&self) -> String {
+        match self.get("MASTER_ADDR") {
+            Some(a) => a.to_string(),
+            None => ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+                .iter()
+                .find_map(|v| first_host(self.get(v)?))
+                .unwrap_or_else(|| "127.0.0.1".into()),
+        }
+    }
+}
+
+/// The first host of a SLURM host list (`node[01-04,07],gpu5` gives `node01`,
+/// `rack[1-2]-n[3-4]` gives `rack1-n3`): the first entry, each bracket replaced by the
+/// first number of its first range, zero padding kept.
+pub fn first_host(hostlist: &str) -> Option<String> {
+    let mut out = String::new();
+    let mut chars = hostlist.trim().chars();
+    while let Some(c) = chars.next() {
+        match c {
+            ',' => break,
+            '[' => {
+                let inside: String = chars.by_ref().take_while(|&c| c != ']').collect();
+                let first = inside.split([',', '-']).next()?.trim();
+                if first.is_empty() || !first.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                out.push_str(first);
+            }
+            c => out.push(c),
+        }
+    }
+    (!out.is_empty()).then_some(out)
 }
 
 impl WorldInfo {
@@ -153,7 +187,7 @@ impl WorldInfo {
                 local_rank: v.number("SLURM_LOCALID")?.unwrap_or(0),
                 local_world_size,
                 node_rank: v.number("SLURM_NODEID")?.unwrap_or(0),
-                master_addr: v.addr(),
+                master_addr: v.slurm_addr(),
                 master_port: v.port()?,
                 launcher: l,
             }
@@ -279,6 +313,23 @@ mod tests {
             ),
             (5, 8, 1, 2, 2)
         );
+        assert_eq!(w.master_addr, "127.0.0.1");
+        // Across nodes, task 0 runs on the allocation's first host.
+        let w = WorldInfo::from_vars(&vars(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "cn[007-009,012],gpu1"),
+        ]))
+        .unwrap();
+        assert_eq!(w.master_addr, "cn007");
+        let w = WorldInfo::from_vars(&vars(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "cn[007-009]"),
+            ("MASTER_ADDR", "10.0.0.9"),
+        ]))
+        .unwrap();
+        assert_eq!(w.master_addr, "10.0.0.9", "MASTER_ADDR wins");
         let w = WorldInfo::from_vars(&vars(&[
             ("OMPI_COMM_WORLD_RANK", "3"),
             ("OMPI_COMM_WORLD_SIZE", "4"),
@@ -311,5 +362,20 @@ mod tests {
         );
         let err = WorldInfo::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
         assert!(err.to_string().contains("RANK=\"x\""), "{err}");
+    }
+
+    #[test]
+    fn the_first_host_of_a_slurm_host_list() {
+        for (list, first) in [
+            ("node1", Some("node1")),
+            ("node[01-04,07],gpu5", Some("node01")),
+            ("gpu5,node[1-2]", Some("gpu5")),
+            ("rack[1-2]-n[3-4]", Some("rack1-n3")),
+            ("n[10,2]", Some("n10")),
+            ("", None),
+            ("n[x-y]", None),
+        ] {
+            assert_eq!(first_host(list).as_deref(), first, "{list}");
+        }
     }
 }
