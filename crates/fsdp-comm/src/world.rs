@@ -203,9 +203,10 @@ impl WorldInfo {
                 world_size,
                 local_rank: v.number("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0),
                 local_world_size,
-                node_rank: v
-                    .number("OMPI_COMM_WORLD_NODE_RANK")?
-                    .unwrap_or(rank / local_world_size.max(1)),
+                // Open MPI names no node index (its OMPI_COMM_WORLD_NODE_RANK is a rank
+                // within the node): with its default by-slot mapping, ranks fill node
+                // after node.
+                node_rank: rank / local_world_size.max(1),
                 master_addr: v.addr(),
                 master_port: v.port()?,
                 launcher: l,
@@ -338,6 +339,16 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!((w.rank, w.node_rank, w.launcher), (3, 1, Launcher::OpenMpi));
+        // The second process on the first node (Open MPI sets NODE_RANK 1 there).
+        let w = WorldInfo::from_vars(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("OMPI_COMM_WORLD_NODE_RANK", "1"),
+        ]))
+        .unwrap();
+        assert_eq!((w.local_rank, w.node_rank), (1, 0));
     }
 
     #[test]

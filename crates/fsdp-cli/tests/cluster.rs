@@ -1,0 +1,104 @@
+//! Jobs started by a cluster's own launcher, with no `fsdp launch` (issue 21, point 3): Open
+//! MPI's `mpirun -n N` starts the processes, which read their place from Open MPI's
+//! variables and train equal to one process; a rank that dies ends the job with a failure,
+//! nothing left running. Needs `mpirun` (Debian's openmpi-bin, which `.ci/run` installs);
+//! skips with a reason without it. Bounded in time.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::alive;
+
+const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
+
+/// `mpirun` for `n` processes of `fsdp ARGS` on this machine, with the environment of
+/// `common::fsdp()` (no FSDP_* variables), as root if need be.
+fn mpirun(n: usize, port: &str, args: &[&str]) -> Option<Command> {
+    let found = Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        return None;
+    }
+    let base = common::fsdp();
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ])
+    .args(["-n", &n.to_string()])
+    .args(["-x", "MASTER_PORT"])
+    .arg(EXE)
+    .args(args)
+    .env("MASTER_PORT", port)
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    for (k, v) in base.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    Some(cmd)
+}
+
+/// Runs `cmd` to its end within `limit` (killed after it); its code and output.
+fn run(mut cmd: Command, limit: Duration) -> (Option<i32>, String, Duration) {
+    let start = Instant::now();
+    let child = cmd.spawn().unwrap();
+    let run = common::finish(child, limit);
+    (run.code, run.out, start.elapsed())
+}
+
+#[test]
+fn mpirun_starts_a_job_that_trains_like_one_process() {
+    let Some(cmd) = mpirun(2, &common::port(), &["test", "--worker"]) else {
+        eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+        return;
+    };
+    let (code, out, _) = run(cmd, Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("ranks (rank:local@machine): 0:0@0 1:1@0"),
+        "one machine, two local ranks:\n{out}"
+    );
+    assert!(out.contains("training ok: 8 steps on 2 processes"), "{out}");
+
+    // Rank 1 dies: the job fails, and no process of it is left.
+    let cmd = mpirun(
+        3,
+        &common::port(),
+        &["test", "--worker", "--fault", "die:1"],
+    )
+    .unwrap();
+    let (code, out, took) = run(cmd, Duration::from_secs(60));
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("rank 1 exits on purpose"), "{out}");
+    assert!(took < Duration::from_secs(30), "{took:?}: {out}");
+    let workers: Vec<u32> = out
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("rank ")?
+                .split(" pid ")
+                .nth(1)?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(workers.len(), 3, "{out}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while workers.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = workers.into_iter().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "left running: {left:?}\n{out}");
+}
