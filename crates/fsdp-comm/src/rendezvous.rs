@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::error::{CommError, Result};
 use crate::options::{GroupOptions, TRANSPORT_ENV, TransportChoice};
 use crate::shm::Segment;
-use crate::store::{StoreClient, constant_time_eq};
+use crate::store::{StoreClient, Waited, constant_time_eq};
 
 const HELLO_MAGIC: &[u8; 8] = b"FSDPHELO";
 
@@ -130,8 +130,9 @@ fn missing_members(missing: &[String], members: &[usize]) -> Vec<usize> {
         .collect()
 }
 
-/// Waits until every key is set, a second at a time, failing at once when a launcher has
-/// stopped the job (`ABORT_KEY`), and with the members still missing at the timeout.
+/// Waits until every key is set, failing at once when a launcher has stopped the job
+/// (`ABORT_KEY` set: its machine's part failed), and with the members still missing at the
+/// timeout.
 fn wait_or_stopped(
     store: &StoreClient,
     keys: &[String],
@@ -139,31 +140,30 @@ fn wait_or_stopped(
     members: &[usize],
     options: &GroupOptions,
 ) -> Result<()> {
-    let deadline = Instant::now() + options.rendezvous_timeout;
     let abort = format!("{}{}", options.store_prefix, crate::options::ABORT_KEY);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let missing = match store.wait(keys, left.min(Duration::from_secs(1)))? {
-            Ok(()) => return Ok(()),
-            Err(missing) => missing,
-        };
-        if let Some(reason) = store.get(&abort)? {
-            return Err(CommError::JobStopped {
+    match store.wait_unless(keys, &abort, options.rendezvous_timeout)? {
+        Waited::Ready => Ok(()),
+        Waited::Stopped(reason) => {
+            // Which members had not arrived, for the message (best effort).
+            let missing: Vec<String> = keys
+                .iter()
+                .filter(|k| store.get(k).is_ok_and(|v| v.is_none()))
+                .cloned()
+                .collect();
+            Err(CommError::JobStopped {
                 rank,
                 reason: format!(
                     "{} (rank(s) {:?} never joined)",
                     String::from_utf8_lossy(&reason),
                     missing_members(&missing, members)
                 ),
-            });
+            })
         }
-        if left.is_zero() {
-            return Err(CommError::RendezvousTimeout {
-                rank,
-                missing: missing_members(&missing, members),
-                timeout: options.rendezvous_timeout,
-            });
-        }
+        Waited::Missing(missing) => Err(CommError::RendezvousTimeout {
+            rank,
+            missing: missing_members(&missing, members),
+            timeout: options.rendezvous_timeout,
+        }),
     }
 }
 

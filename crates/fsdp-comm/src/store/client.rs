@@ -6,8 +6,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    MAX_FRAME, OP_ADD, OP_AUTH, OP_CAS, OP_GET, OP_SET, OP_WAIT, REPLY_OK, REPLY_TIMEOUT, Reader,
-    put_bytes, put_u32, write_frame,
+    MAX_FRAME, OP_ADD, OP_AUTH, OP_CAS, OP_GET, OP_SET, OP_WAIT, OP_WAIT_UNLESS, REPLY_OK,
+    REPLY_STOPPED, REPLY_TIMEOUT, Reader, put_bytes, put_u32, write_frame,
 };
 use crate::error::{CommError, Result};
 
@@ -16,6 +16,17 @@ pub struct StoreClient {
     stream: Mutex<TcpStream>,
     rank: usize,
     timeout: Duration,
+}
+
+/// How a [`StoreClient::wait_unless`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Waited {
+    /// Every key is set.
+    Ready,
+    /// The timeout passed: the keys still missing.
+    Missing(Vec<String>),
+    /// The stop key was set: its value.
+    Stopped(Vec<u8>),
 }
 
 impl StoreClient {
@@ -164,6 +175,40 @@ impl StoreClient {
                 Ok(Err((0..n).filter_map(|_| r.string()).collect()))
             }
             _ => self.expect_ok(reply, "wait").map(|_| Ok(())),
+        }
+    }
+
+    /// Like [`StoreClient::wait`], but also ends as soon as `stop_key` is set: then
+    /// `Stopped` with its value (a launcher stopping the job while ranks still join).
+    pub fn wait_unless(
+        &self,
+        keys: &[String],
+        stop_key: &str,
+        timeout: Duration,
+    ) -> Result<Waited> {
+        let mut req = vec![OP_WAIT_UNLESS];
+        put_u32(&mut req, keys.len() as u32);
+        req.extend_from_slice(&(timeout.as_millis() as u64).to_le_bytes());
+        put_bytes(&mut req, Some(stop_key.as_bytes()));
+        for k in keys {
+            put_bytes(&mut req, Some(k.as_bytes()));
+        }
+        let reply = self.request(&req, "wait")?;
+        match reply.first() {
+            Some(&REPLY_OK) => Ok(Waited::Ready),
+            Some(&REPLY_STOPPED) => Ok(Waited::Stopped(
+                Reader(&reply[1..])
+                    .opt_bytes()
+                    .flatten()
+                    .unwrap_or_default()
+                    .to_vec(),
+            )),
+            Some(&REPLY_TIMEOUT) => {
+                let mut r = Reader(&reply[1..]);
+                let n = r.u32().unwrap_or(0);
+                Ok(Waited::Missing((0..n).filter_map(|_| r.string()).collect()))
+            }
+            _ => self.expect_ok(reply, "wait").map(|_| Waited::Ready),
         }
     }
 

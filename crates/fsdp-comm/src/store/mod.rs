@@ -9,7 +9,7 @@ mod server;
 use std::io::Write;
 use std::net::TcpStream;
 
-pub use client::StoreClient;
+pub use client::{StoreClient, Waited};
 pub use server::StoreServer;
 
 const OP_AUTH: u8 = 1;
@@ -18,9 +18,13 @@ const OP_GET: u8 = 3;
 const OP_WAIT: u8 = 4;
 const OP_ADD: u8 = 5;
 const OP_CAS: u8 = 6;
+/// A wait that also ends when a stop key appears (a launcher stopping the job).
+const OP_WAIT_UNLESS: u8 = 7;
 const REPLY_OK: u8 = 0;
 const REPLY_ERR: u8 = 1;
 const REPLY_TIMEOUT: u8 = 2;
+/// The stop key of an `OP_WAIT_UNLESS` appeared: its value follows.
+const REPLY_STOPPED: u8 = 3;
 /// Largest request or reply accepted from an authenticated peer.
 const MAX_FRAME: usize = 64 << 20;
 
@@ -106,6 +110,38 @@ pub(super) fn write_frame(stream: &mut TcpStream, payload: &[u8]) -> std::io::Re
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_wait_ends_when_its_stop_key_is_set() {
+        let server = StoreServer::bind("127.0.0.1:0", b"s").unwrap();
+        let port = server.local_addr().port();
+        let t = Duration::from_secs(5);
+        let c = StoreClient::connect("127.0.0.1", port, b"s", 0, t).unwrap();
+        let keys = vec!["a".to_string(), "b".to_string()];
+        c.set("a", b"").unwrap();
+        let short = Duration::from_millis(100);
+        assert_eq!(
+            c.wait_unless(&keys, "stop", short).unwrap(),
+            Waited::Missing(vec!["b".into()])
+        );
+        let c2 = StoreClient::connect("127.0.0.1", port, b"s", 1, t).unwrap();
+        let started = std::time::Instant::now();
+        let waiter = std::thread::spawn(move || c2.wait_unless(&keys, "stop", t).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        c.set("stop", b"machine 1 failed").unwrap();
+        assert_eq!(
+            waiter.join().unwrap(),
+            Waited::Stopped(b"machine 1 failed".to_vec())
+        );
+        assert!(started.elapsed() < Duration::from_secs(2));
+        c.set("b", b"").unwrap();
+        // Keys all set: ready, whatever the stop key says.
+        assert_eq!(
+            c.wait_unless(&["a".into(), "b".into()], "stop", short)
+                .unwrap(),
+            Waited::Ready
+        );
+    }
 
     #[test]
     fn operations_and_secret() {

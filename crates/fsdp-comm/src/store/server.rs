@@ -13,8 +13,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{
-    MAX_FRAME, OP_ADD, OP_AUTH, OP_CAS, OP_GET, OP_SET, OP_WAIT, REPLY_OK, REPLY_TIMEOUT, Reader,
-    constant_time_eq, err_reply, ok_reply, put_bytes, put_u32, write_frame,
+    MAX_FRAME, OP_ADD, OP_AUTH, OP_CAS, OP_GET, OP_SET, OP_WAIT, OP_WAIT_UNLESS, REPLY_OK,
+    REPLY_STOPPED, REPLY_TIMEOUT, Reader, constant_time_eq, err_reply, ok_reply, put_bytes,
+    put_u32, write_frame,
 };
 
 /// Largest greeting accepted from a client that has not authenticated: the operation and
@@ -330,9 +331,16 @@ fn handle(req: &[u8], shared: &Shared) -> Vec<u8> {
             },
             None => err_reply("malformed get"),
         },
-        Some(OP_WAIT) => {
+        Some(op @ (OP_WAIT | OP_WAIT_UNLESS)) => {
             let (Some(n), Some(ms)) = (r.u32(), r.u64()) else {
                 return err_reply("malformed wait");
+            };
+            let stop_key = match op {
+                OP_WAIT_UNLESS => match r.string() {
+                    Some(k) => Some(k),
+                    None => return err_reply("malformed wait"),
+                },
+                _ => None,
             };
             let keys: Option<Vec<String>> = (0..n).map(|_| r.string()).collect();
             let Some(keys) = keys else {
@@ -346,6 +354,11 @@ fn handle(req: &[u8], shared: &Shared) -> Vec<u8> {
                     .collect();
                 if missing.is_empty() {
                     return vec![REPLY_OK];
+                }
+                if let Some(stop) = stop_key.as_ref().and_then(|k| state.map.get(k)) {
+                    let mut out = vec![REPLY_STOPPED];
+                    put_bytes(&mut out, Some(stop));
+                    return out;
                 }
                 let now = Instant::now();
                 if now >= deadline || shared.stop.load(Ordering::SeqCst) {
