@@ -165,12 +165,22 @@ fn what_a_worker_moved_out_of_its_process_group_is_stopped_with_it() {
 
 #[test]
 fn two_ranks_partial_lines_never_run_together() {
-    // Rank 1 leaves a line open; rank 0 writes a whole one meanwhile, on the other stream.
-    let script = "if [ $RANK = 1 ]; then printf 'no end yet'; sleep 1; printf ' and the end\\n'; \
-                  else sleep 0.4; echo 'whole line' >&2; fi";
+    // Rank 1 leaves a line open; rank 0 writes a whole one meanwhile (flag files order them,
+    // whatever the load: rank 0 waits for rank 1's partial line, rank 1 for rank 0's line).
+    let dir = tempfile::tempdir().unwrap();
+    let wait_for = |f: &str| {
+        format!("i=0; while [ ! -e $D/{f} ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done")
+    };
+    let script = format!(
+        "if [ $RANK = 1 ]; then printf 'no end yet'; touch $D/open; {}; printf ' and the end\\n'; \
+         else {}; sleep 0.5; echo 'whole line'; touch $D/said; fi",
+        wait_for("said"),
+        wait_for("open")
+    );
     let out = fsdp()
         .args(["launch", "--num_processes", "2", "--main_process_port", "0"])
-        .args(["sh", "-c", &format!("exec 2>&1; {script}")])
+        .args(["sh", "-c", &script])
+        .env("D", dir.path())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
