@@ -3,145 +3,18 @@
 //! accepted only when the caller allows that name, and calls (`REDUCE`, `NEWOBJ`, `BUILD`)
 //! are recorded as data, never run — what reading PyTorch's checkpoint metadata and tensor
 //! records needs, and nothing an untrusted file could use.
+//!
+//! `value.rs` holds what it decodes to, `tree.rs` the arena it decodes into and the bounded
+//! writing-out of that arena as a tree.
+
+mod tree;
+mod value;
 
 use std::collections::HashMap;
 
-/// A decoded pickle value.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Value {
-    /// `None`.
-    None,
-    /// A boolean.
-    Bool(bool),
-    /// An integer.
-    Int(i64),
-    /// A float.
-    Float(f64),
-    /// A string.
-    Str(String),
-    /// Bytes.
-    Bytes(Vec<u8>),
-    /// A tuple.
-    Tuple(Vec<Value>),
-    /// A list.
-    List(Vec<Value>),
-    /// A dict, in insertion order.
-    Dict(Vec<(Value, Value)>),
-    /// A set or frozenset.
-    Set(Vec<Value>),
-    /// A reference to an allowed class or function: (module, name).
-    Global(String, String),
-    /// A call of an allowed global (`REDUCE`, `NEWOBJ`) with its arguments, and the state
-    /// `BUILD` gave it.
-    Object {
-        /// The class or function called: (module, name).
-        class: (String, String),
-        /// Its arguments.
-        args: Vec<Value>,
-        /// The state set by `BUILD`.
-        state: Option<Box<Value>>,
-    },
-    /// A persistent id (`BINPERSID`): how torch.save refers to a tensor's storage.
-    Persistent(Box<Value>),
-}
-
-impl Value {
-    /// The entries of a dict or of an object's state dict.
-    pub fn fields(&self) -> Option<&[(Value, Value)]> {
-        match self {
-            Value::Dict(d) => Some(d),
-            Value::Object { state: Some(s), .. } => s.fields(),
-            _ => None,
-        }
-    }
-
-    /// Entry `key` of a dict (or object state) with string keys.
-    pub fn get(&self, key: &str) -> Option<&Value> {
-        self.fields()?
-            .iter()
-            .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
-            .map(|(_, v)| v)
-    }
-
-    /// The integers of a tuple, a list or a `torch.Size`.
-    pub fn ints(&self) -> Option<Vec<i64>> {
-        match self {
-            Value::Tuple(v) | Value::List(v) => v
-                .iter()
-                .map(|x| match x {
-                    Value::Int(i) => Some(*i),
-                    _ => None,
-                })
-                .collect(),
-            Value::Object { args, .. } if args.len() == 1 => args[0].ints(),
-            Value::Object { args, .. } if args.is_empty() => Some(Vec::new()),
-            _ => None,
-        }
-    }
-
-    /// The string, if this is one.
-    pub fn str(&self) -> Option<&str> {
-        match self {
-            Value::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-}
-
-/// Why a pickle could not be read.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum PickleError {
-    /// The data ends inside an opcode.
-    #[error("truncated at byte {0}")]
-    Truncated(usize),
-    /// An opcode this reader does not take (it never runs code).
-    #[error("opcode 0x{op:02x} at byte {at} is not accepted")]
-    Opcode {
-        /// The opcode.
-        op: u8,
-        /// Where.
-        at: usize,
-    },
-    /// A reference to a class or function that is not on the allowed list.
-    #[error(
-        "refers to `{0}.{1}`, which is not allowed here (a pickle can run code on load; only known data classes are read)"
-    )]
-    Forbidden(String, String),
-    /// The opcodes do not form a valid pickle.
-    #[error("malformed at byte {at}: {what}")]
-    Malformed {
-        /// Where.
-        at: usize,
-        /// What is wrong.
-        what: String,
-    },
-}
-
-/// The deepest nesting a decoded value may have (DCP's metadata nests a handful deep).
-const MAX_DEPTH: usize = 256;
-/// The most values and string bytes a pickle may decode to, whatever its length: memo
-/// references share one object many times, and writing the tree out copies it each time.
-const MAX_VALUES: usize = 1 << 25;
-/// Values allowed per input byte (beyond a small base): legitimate pickles expand little.
-const VALUES_PER_BYTE: usize = 16;
-
-/// A value while decoding: containers hold other nodes by index into the arena, so a memo
-/// reference (`GET`) shares a node instead of copying it, and a container memoized before
-/// it was filled (as pickle does) is seen filled, as in Python.
-#[derive(Debug)]
-enum Node {
-    Leaf(Value),
-    Tuple(Vec<usize>),
-    List(Vec<usize>),
-    Dict(Vec<(usize, usize)>),
-    Set(Vec<usize>),
-    Object {
-        class: (String, String),
-        args: Vec<usize>,
-        state: Option<usize>,
-    },
-    Persistent(usize),
-}
+use tree::Node;
+use value::malformed;
+pub use value::{PickleError, Value};
 
 enum Item {
     Mark,
@@ -195,16 +68,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn malformed(at: usize, what: &str) -> PickleError {
-    PickleError::Malformed {
-        at,
-        what: what.into(),
-    }
-}
-
-/// Decodes `data`, accepting only the globals `allowed` says yes to. The result is bounded:
-/// at most [`MAX_DEPTH`] deep, and at most 16 values and string bytes per input byte (and
-/// [`MAX_VALUES`] in all), so a small file cannot expand into a large tree.
+/// Decodes `data`, accepting only the globals `allowed` says yes to. The result is bounded
+/// (see `tree.rs`): a small file cannot expand into a large tree.
 pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, PickleError> {
     let mut r = Reader { data, at: 0 };
     let mut nodes: Vec<Node> = Vec::new();
@@ -447,81 +312,7 @@ pub fn load(data: &[u8], allowed: &dyn Fn(&str, &str) -> bool) -> Result<Value, 
         nodes.push(node);
         stack.push(Item::Node(nodes.len() - 1));
     };
-    let budget = VALUES_PER_BYTE
-        .saturating_mul(data.len())
-        .saturating_add(4096)
-        .min(MAX_VALUES);
-    let mut tree = Tree {
-        nodes: &nodes,
-        left: budget,
-        at: r.at,
-    };
-    tree.expand(root, 0)
-}
-
-/// Writes the arena out as a tree of [`Value`]s within the limits.
-struct Tree<'a> {
-    nodes: &'a [Node],
-    /// Values and string bytes still allowed.
-    left: usize,
-    /// Where the pickle ended (for messages).
-    at: usize,
-}
-
-impl Tree<'_> {
-    fn spend(&mut self, n: usize) -> Result<(), PickleError> {
-        self.left = self.left.checked_sub(n).ok_or_else(|| {
-            malformed(
-                self.at,
-                "it expands to more values than its size can hold (shared references repeated)",
-            )
-        })?;
-        Ok(())
-    }
-
-    fn all(&mut self, items: &[usize], depth: usize) -> Result<Vec<Value>, PickleError> {
-        items.iter().map(|&i| self.expand(i, depth)).collect()
-    }
-
-    fn expand(&mut self, node: usize, depth: usize) -> Result<Value, PickleError> {
-        if depth > MAX_DEPTH {
-            return Err(malformed(
-                self.at,
-                &format!("nested deeper than {MAX_DEPTH} levels (or refers to itself)"),
-            ));
-        }
-        self.spend(1)?;
-        let d = depth + 1;
-        Ok(match &self.nodes[node] {
-            Node::Leaf(v) => {
-                if let Value::Str(s) = v {
-                    self.spend(s.len())?;
-                }
-                if let Value::Bytes(b) = v {
-                    self.spend(b.len())?;
-                }
-                v.clone()
-            }
-            Node::Tuple(items) => Value::Tuple(self.all(items, d)?),
-            Node::List(items) => Value::List(self.all(items, d)?),
-            Node::Set(items) => Value::Set(self.all(items, d)?),
-            Node::Dict(entries) => Value::Dict(
-                entries
-                    .iter()
-                    .map(|&(k, v)| Ok((self.expand(k, d)?, self.expand(v, d)?)))
-                    .collect::<Result<_, PickleError>>()?,
-            ),
-            Node::Object { class, args, state } => Value::Object {
-                class: class.clone(),
-                args: self.all(args, d)?,
-                state: match state {
-                    Some(s) => Some(Box::new(self.expand(*s, d)?)),
-                    None => None,
-                },
-            },
-            Node::Persistent(p) => Value::Persistent(Box::new(self.expand(*p, d)?)),
-        })
-    }
+    tree::write_out(&nodes, root, data.len(), r.at)
 }
 
 fn pairs(items: Vec<usize>, at: usize) -> Result<Vec<(usize, usize)>, PickleError> {
