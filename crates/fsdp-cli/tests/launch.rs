@@ -158,33 +158,10 @@ fn two_machines_on_loopback() {
             finish(m0, Duration::from_secs(60)),
             finish(m1, Duration::from_secs(60)),
         );
-        assert_eq!(
-            (r0.code, r1.code),
-            (Some(0), Some(0)),
-            "{strategy:?}\n{}\n{}",
-            r0.out,
-            r1.out
-        );
+        common::assert_two_machines_trained(&r0, &r1, strategy.unwrap_or("FULL_SHARD"));
         assert!(
             r0.out
                 .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1"),
-            "{}",
-            r0.out
-        );
-        assert!(
-            r1.out
-                .contains("[rank3]: rank 3 of 4 (local 1 of 2, machine 1)"),
-            "{}",
-            r1.out
-        );
-        let strategy_name = strategy.unwrap_or("FULL_SHARD");
-        assert!(
-            r0.out.contains(&format!("strategy {strategy_name}")),
-            "{}",
-            r0.out
-        );
-        assert!(
-            r0.out.contains("training ok: 8 steps on 4 processes"),
             "{}",
             r0.out
         );

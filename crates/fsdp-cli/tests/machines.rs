@@ -114,6 +114,13 @@ impl Machines {
 }
 
 impl Machines {
+    /// The machines, or `None` after a one-line reason where they cannot be made.
+    fn or_skip() -> Option<Machines> {
+        Machines::new()
+            .inspect_err(|why| eprintln!("SKIPPED: {why}"))
+            .ok()
+    }
+
     /// Starts `fsdp launch` of machine `i` of a 2-machine job of `processes` processes on
     /// `port`, running `rest` (launcher flags, then the program; the vanish worker's role is
     /// set, which other programs ignore).
@@ -176,12 +183,8 @@ fn vanish_worker() {
 
 #[test]
 fn a_machine_that_vanishes_mid_transfer_is_named_within_seconds() {
-    let machines = match Machines::new() {
-        Ok(m) => m,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
+    let Some(machines) = Machines::or_skip() else {
+        return;
     };
     // One process per machine (their one connection carries the transfer, so only the
     // unacknowledged-data timeout can notice), then two.
@@ -268,12 +271,8 @@ fn vanish(machines: &Machines, processes: &str) {
 
 #[test]
 fn two_machines_over_a_network_train_like_one_process() {
-    let machines = match Machines::new() {
-        Ok(m) => m,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
+    let Some(machines) = Machines::or_skip() else {
+        return;
     };
     for strategy in ["FULL_SHARD", "HYBRID_SHARD"] {
         let start = |i: usize| {
@@ -291,25 +290,7 @@ fn two_machines_over_a_network_train_like_one_process() {
             finish(m0, Duration::from_secs(90)),
             finish(m1, Duration::from_secs(90)),
         );
-        assert_eq!(
-            (r0.code, r1.code),
-            (Some(0), Some(0)),
-            "{strategy}\nmachine 0:\n{}\nmachine 1:\n{}",
-            r0.out,
-            r1.out
-        );
-        assert!(
-            r0.out.contains(&format!("strategy {strategy}"))
-                && r0.out.contains("training ok: 8 steps on 4 processes"),
-            "{}",
-            r0.out
-        );
-        assert!(
-            r1.out
-                .contains("[rank3]: rank 3 of 4 (local 1 of 2, machine 1)"),
-            "{}",
-            r1.out
-        );
+        common::assert_two_machines_trained(&r0, &r1, strategy);
     }
     // Machine 1's workers fail before they join: machine 0's ranks, waiting for them, fail
     // within seconds naming machine 1, not after the 120 s rendezvous timeout.

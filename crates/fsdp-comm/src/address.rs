@@ -88,12 +88,9 @@ fn interface_address(spec: &str, interfaces: &[(String, IpAddr)]) -> Option<IpAd
 /// `master_addr:master_port` (see the module documentation); an error saying why none fits.
 pub fn listen_address(master_addr: &str, master_port: u16) -> Result<ListenAddress, String> {
     for var in SOCKET_IFNAME_ENVS {
-        let Some(spec) = std::env::var_os(var) else {
+        let Some(spec) = crate::options::env_text(var)? else {
             continue;
         };
-        let spec = spec
-            .into_string()
-            .map_err(|v| format!("{var}={}: not UTF-8 text", v.to_string_lossy()))?;
         if spec.trim().is_empty() {
             continue;
         }

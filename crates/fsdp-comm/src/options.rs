@@ -81,7 +81,7 @@ pub fn parse_seconds(text: &str) -> Result<Duration, String> {
 
 /// The value of environment variable `var`, `None` when unset; an error naming it when
 /// its value is not UTF-8 text (it is never silently ignored).
-pub fn env_text(var: &str) -> Result<Option<String>, String> {
+pub(crate) fn env_text(var: &str) -> Result<Option<String>, String> {
     match std::env::var_os(var) {
         None => Ok(None),
         Some(v) => v

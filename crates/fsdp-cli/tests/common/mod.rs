@@ -148,3 +148,31 @@ pub fn alive(pid: u32) -> bool {
             .is_some_and(|r| !r.trim_start().starts_with('Z'))
     })
 }
+
+/// Checks the two launchers of a 2-machine, 4-process `fsdp test --worker` job: both
+/// succeeded, machine 1 ran ranks 2 and 3, and training under `strategy` matched one process.
+pub fn assert_two_machines_trained(r0: &Run, r1: &Run, strategy: &str) {
+    assert_eq!(
+        (r0.code, r1.code),
+        (Some(0), Some(0)),
+        "{strategy}\nmachine 0:\n{}\nmachine 1:\n{}",
+        r0.out,
+        r1.out
+    );
+    assert!(
+        r1.out
+            .contains("[rank3]: rank 3 of 4 (local 1 of 2, machine 1)"),
+        "{}",
+        r1.out
+    );
+    assert!(
+        r0.out.contains(&format!("strategy {strategy}")),
+        "{}",
+        r0.out
+    );
+    assert!(
+        r0.out.contains("training ok: 8 steps on 4 processes"),
+        "{}",
+        r0.out
+    );
+}

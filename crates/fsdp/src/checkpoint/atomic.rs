@@ -33,10 +33,18 @@ fn staging_dir(dest: &Path, nonce: u64) -> PathBuf {
 
 /// A staging folder this process made and holds locked: no other job's save removes it
 /// while this process lives (the lock goes with the process, so a killed save's folder is
-/// removed by the next save).
+/// removed by the next save). Dropped, it removes what is left at its path: everything
+/// when the save failed, nothing when the folder was published (renamed away).
 pub(crate) struct Staging {
     path: PathBuf,
-    lock: Option<File>,
+    /// Held for the flock; released after the folder is removed.
+    _lock: File,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
 }
 
 /// Takes an exclusive `flock` on `file` without waiting: false when another holds it.
@@ -64,10 +72,7 @@ impl Staging {
                 std::io::Error::last_os_error(),
             ));
         }
-        Ok(Staging {
-            path,
-            lock: Some(lock),
-        })
+        Ok(Staging { path, _lock: lock })
     }
 
     /// The folder.
@@ -80,12 +85,6 @@ impl Staging {
     pub(crate) fn seal(&mut self) -> Result<(), CheckpointError> {
         let lock_path = self.path.join(LOCK_FILE);
         std::fs::remove_file(&lock_path).map_err(|e| CheckpointError::io("removing", &lock_path, e))
-    }
-
-    /// Removes the folder (a failed save) and releases the lock.
-    pub(crate) fn discard(mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-        self.lock = None;
     }
 }
 

@@ -119,17 +119,12 @@ pub fn save_pretrained(
         (None, Some((_, w))) => w.finish().map(|_| ()),
         (None, None) => Ok(()),
     };
-    let published = match held.take() {
-        Some(mut held) => {
-            let published = finished
-                .and_then(|()| write_documents(&staging, config, &files, &file_name))
-                .and_then(|()| atomic::sync_dir(&staging))
-                .and_then(|()| atomic::publish_into(&mut held, dir));
-            if published.is_err() {
-                held.discard();
-            }
-            published
-        }
+    // On rank 0 the staging folder goes when `held` is dropped, published or not.
+    let published = match held.as_mut() {
+        Some(held) => finished
+            .and_then(|()| write_documents(&staging, config, &files, &file_name))
+            .and_then(|()| atomic::sync_dir(&staging))
+            .and_then(|()| atomic::publish_into(held, dir)),
         None => Ok(()),
     };
     agree(model.mesh(), published)?;

@@ -526,33 +526,23 @@ pub(crate) fn save(
         Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
         Err(_) => Vec::new(),
     };
-    let written = agree(&mesh, written);
-    let reports = match written {
-        Ok(_) => all_gather_bytes(&mesh, &report_text)?,
-        Err(e) => {
-            if let Some((_, s)) = held.take() {
-                s.discard();
-            }
-            return Err(e);
-        }
-    };
-    let published = match held.take() {
-        Some((_, mut held)) => {
+    // On failure rank 0's staging folder goes with `held`.
+    agree(&mesh, written)?;
+    let reports = all_gather_bytes(&mesh, &report_text)?;
+    let published = match held.as_mut() {
+        Some((_, held)) => {
             let reports: Result<Vec<RankReport>, _> =
                 reports.iter().map(|r| serde_json::from_slice(r)).collect();
-            let published = reports
+            reports
                 .map_err(|e| CheckpointError::Usage(format!("rank report: {e}")))
                 .and_then(|reports| {
                     write_documents(&staging, &reports, models, optimizers, run, kind)
                 })
-                .and_then(|()| atomic::publish(&mut held, &dest));
-            if published.is_err() {
-                held.discard();
-            }
-            published.and_then(|()| match (options.automatic_naming, options.total_limit) {
-                (true, Some(limit)) => atomic::rotate(dest.parent().unwrap_or(&dest), limit),
-                _ => Ok(()),
-            })
+                .and_then(|()| atomic::publish(held, &dest))
+                .and_then(|()| match (options.automatic_naming, options.total_limit) {
+                    (true, Some(limit)) => atomic::rotate(dest.parent().unwrap_or(&dest), limit),
+                    _ => Ok(()),
+                })
         }
         None => Ok(()),
     };
@@ -588,10 +578,7 @@ fn prepare(
         .chain((0..optimizers).map(format::optimizer_folder))
     {
         let dir = staging.path().join(sub);
-        if let Err(e) = std::fs::create_dir_all(&dir) {
-            staging.discard();
-            return Err(CheckpointError::io("creating", &dir, e));
-        }
+        std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
     }
     Ok((dest, staging))
 }

@@ -159,8 +159,9 @@ impl TensorFileWriter {
     }
 }
 
-/// Reads rows of tensors out of a folder's files, checking each file's size and header and
-/// each piece's checksum before using it.
+/// Reads rows of tensors out of a folder's files described by a validated
+/// [`FolderDoc`](super::format::FolderDoc), checking each file's size and header and each
+/// piece's checksum before using it.
 pub(crate) struct TensorReader<'a> {
     folder: PathBuf,
     files: &'a std::collections::BTreeMap<String, FileDoc>,
@@ -179,12 +180,10 @@ impl<'a> TensorReader<'a> {
 
     fn file(&mut self, name: &str) -> Result<&File, CheckpointError> {
         if !self.open.contains_key(name) {
-            let meta_path = self.folder.join(super::format::METADATA_FILE);
-            super::files::plain_name(&meta_path, name)?;
             let path = self.folder.join(name);
             let doc = self.files.get(name).ok_or_else(|| {
                 CheckpointError::corrupt(
-                    &meta_path,
+                    self.folder.join(super::format::METADATA_FILE),
                     format!("a piece refers to `{name}`, which the file list does not have"),
                 )
             })?;
@@ -290,22 +289,9 @@ impl<'a> TensorReader<'a> {
                 ),
             ));
         }
-        // The file first: its real length bounds what is allocated for the piece.
-        let size = self.files.get(&piece.file).map_or(0, |f| f.bytes);
+        // The file first: its real length is checked against the one the (validated)
+        // metadata gives, which bounds the piece, before the piece is allocated.
         let file = self.file(&piece.file)?;
-        if piece
-            .offset
-            .checked_add(piece.bytes)
-            .is_none_or(|end| end > size)
-        {
-            return Err(CheckpointError::corrupt(
-                &path,
-                format!(
-                    "`{name}` rows {:?}: bytes {}+{} reach past the end of the file ({size} bytes)",
-                    piece.rows, piece.offset, piece.bytes
-                ),
-            ));
-        }
         let mut values = vec![0f32; elems];
         // SAFETY: any byte pattern is a valid f32; the slice covers exactly the vector.
         let bytes =
