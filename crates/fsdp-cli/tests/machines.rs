@@ -121,6 +121,12 @@ impl Machines {
             .ok()
     }
 
+    /// Takes machine `i`'s link `up` or `down` (down: the machine vanishes from the network
+    /// without closing a connection).
+    fn set_link(&self, i: usize, state: &str) {
+        ip(&["-n", &self.names[i], "link", "set", &self.veth[i], state]).unwrap();
+    }
+
     /// Starts `fsdp launch` of machine `i` of a 2-machine job of `processes` processes on
     /// `port`, running `rest` (launcher flags, then the program; the vanish worker's role is
     /// set, which other programs ignore).
@@ -226,15 +232,7 @@ fn vanish(machines: &Machines, processes: &str) {
         );
         seen.push_str(&String::from_utf8_lossy(&buf[..n]));
     }
-    ip(&[
-        "-n",
-        &machines.names[1],
-        "link",
-        "set",
-        &machines.veth[1],
-        "down",
-    ])
-    .unwrap();
+    machines.set_link(1, "down");
     let cut = std::time::Instant::now();
     let drain = std::thread::spawn(move || {
         let mut rest = String::new();
@@ -258,15 +256,7 @@ fn vanish(machines: &Machines, processes: &str) {
     let r1 = finish(m1, Duration::from_secs(60));
     std::mem::forget(m1_guard);
     assert_ne!(r1.code, Some(0), "{}", r1.out);
-    ip(&[
-        "-n",
-        &machines.names[1],
-        "link",
-        "set",
-        &machines.veth[1],
-        "up",
-    ])
-    .unwrap();
+    machines.set_link(1, "up");
 }
 
 #[test]
