@@ -23,6 +23,8 @@ mod group_communicator;
 pub mod local;
 pub mod local_job;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod options;

@@ -6,8 +6,12 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use fsdp_comm::{Element, GroupOptions, LocalJob, ProcessGroup, ReduceOp, WorkerOutput, WorldInfo};
+use fsdp_comm::{GroupOptions, LocalJob, ProcessGroup, ReduceOp, WorkerOutput, WorldInfo};
 use half::{bf16, f16};
+
+mod common;
+
+use common::{TestElement, check_collectives, data, expect_eq, value};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
@@ -220,138 +224,19 @@ fn expect_error_on(
     }
 }
 
-/// Rank `r`'s value at index `i`: small integers, so float sums are exact in every dtype.
-fn value(r: usize, i: usize) -> f64 {
-    ((r * 7 + i * 3) % 5) as f64
-}
-
-trait TestElement: Element + std::fmt::Debug {
-    fn from_f64(v: f64) -> Self;
-}
-impl TestElement for f32 {
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-}
-impl TestElement for f64 {
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-}
-impl TestElement for f16 {
-    fn from_f64(v: f64) -> Self {
-        f16::from_f64(v)
-    }
-}
-impl TestElement for bf16 {
-    fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
-    }
-}
-impl TestElement for i32 {
-    fn from_f64(v: f64) -> Self {
-        v as i32
-    }
-}
-impl TestElement for i64 {
-    fn from_f64(v: f64) -> Self {
-        v as i64
-    }
-}
-impl TestElement for u8 {
-    fn from_f64(v: f64) -> Self {
-        v as u8
-    }
-}
-
-fn data<T: TestElement>(r: usize, n: usize) -> Vec<T> {
-    data_from(r, 0, n)
-}
-
-/// Elements `start..start + n` of rank `r`'s data.
-fn data_from<T: TestElement>(r: usize, start: usize, n: usize) -> Vec<T> {
-    (start..start + n)
-        .map(|i| T::from_f64(value(r, i)))
-        .collect()
-}
-
-fn expect_eq<T: TestElement>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{what}: length {} != {}", got.len(), want.len()));
-    }
-    match got
-        .iter()
-        .zip(want)
-        .position(|(a, b)| a.partial_cmp(b) != Some(std::cmp::Ordering::Equal))
-    {
-        None => Ok(()),
-        Some(i) => Err(format!(
-            "{what}: element {i}: got {:?}, want {:?}",
-            got[i], want[i]
-        )),
-    }
-}
-
+/// Every collective of the trait (the checks every backend meets), then what only a
+/// `ProcessGroup` has: all-gather of unequal parts and send/recv.
 fn check_dtype<T: TestElement>(
     pg: &ProcessGroup,
     name: &str,
     sizes: &[usize],
 ) -> Result<(), String> {
+    check_collectives::<T>(pg, name, sizes)?;
     let (rank, n) = (pg.rank(), pg.size());
     let err = |e: fsdp_comm::CommError| e.to_string();
     for &len in sizes {
         let ctx = |op: &str| format!("{op} {name} x {len}");
         let all: Vec<Vec<T>> = (0..n).map(|r| data::<T>(r, len)).collect();
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
-            let got = pg
-                .all_reduce(data::<T>(rank, len), op)
-                .wait()
-                .map_err(err)?;
-            let mut want = all[0].clone();
-            for other in &all[1..] {
-                fsdp_comm::dtype::reduce_into(&mut want, other, op);
-            }
-            fsdp_comm::dtype::finish_avg(&mut want, op, n);
-            expect_eq(&ctx(&format!("all_reduce {op:?}")), &got, &want)?;
-        }
-        let got = pg.all_gather(data::<T>(rank, len)).wait().map_err(err)?;
-        expect_eq(&ctx("all_gather"), &got, &all.concat())?;
-
-        // Rank r's input of n blocks is data(r, len * n); only this rank's block of each is
-        // needed to check the result (materialising all would cost n^2 blocks).
-        let my_block_of = |r: usize| data_from::<T>(r, rank * len, len);
-        let got = pg
-            .reduce_scatter(data::<T>(rank, len * n), ReduceOp::Sum)
-            .wait()
-            .map_err(err)?;
-        let mut want = my_block_of(0);
-        for r in 1..n {
-            fsdp_comm::dtype::reduce_into(&mut want, &my_block_of(r), ReduceOp::Sum);
-        }
-        expect_eq(&ctx("reduce_scatter"), &got, &want)?;
-
-        let root = n - 1;
-        let got = pg
-            .broadcast(data::<T>(rank, len), root)
-            .wait()
-            .map_err(err)?;
-        expect_eq(&ctx("broadcast"), &got, &all[root])?;
-        let got = pg.gather(data::<T>(rank, len), 0).wait().map_err(err)?;
-        if rank == 0 {
-            expect_eq(
-                &ctx("gather"),
-                &got.ok_or("gather gave root nothing")?,
-                &all.concat(),
-            )?;
-        }
-        let input = if rank == root {
-            data::<T>(root, len * n)
-        } else {
-            Vec::new()
-        };
-        let got = pg.scatter(input, len, root).wait().map_err(err)?;
-        expect_eq(&ctx("scatter"), &got, &my_block_of(root))?;
-
         let counts: Vec<usize> = (0..n).map(|r| len + r).collect();
         let got = pg
             .all_gather_v(data::<T>(rank, len + rank), counts.clone())

@@ -1,0 +1,150 @@
+//! What the multi-process tests of every backend share: test data whose float sums are exact
+//! in every dtype, comparisons, and one check of every collective through the
+//! `Communicator` trait, so each backend meets the same expectations.
+#![allow(dead_code)]
+
+use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Element, ReduceOp};
+use half::{bf16, f16};
+
+/// Rank `r`'s value at index `i`: small integers, so float sums are exact in every dtype.
+pub fn value(r: usize, i: usize) -> f64 {
+    ((r * 7 + i * 3) % 5) as f64
+}
+
+/// An element type the tests fill from f64 values.
+pub trait TestElement: Element + fsdp_comm::BufferElement + std::fmt::Debug {
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! test_element {
+    ($t:ty, |$v:ident| $conv:expr) => {
+        impl TestElement for $t {
+            fn from_f64($v: f64) -> Self {
+                $conv
+            }
+        }
+    };
+}
+test_element!(f32, |v| v as f32);
+test_element!(f64, |v| v);
+test_element!(f16, |v| f16::from_f64(v));
+test_element!(bf16, |v| bf16::from_f64(v));
+test_element!(i32, |v| v as i32);
+test_element!(i64, |v| v as i64);
+test_element!(u8, |v| v as u8);
+
+pub fn data<T: TestElement>(r: usize, n: usize) -> Vec<T> {
+    data_from(r, 0, n)
+}
+
+/// Elements `start..start + n` of rank `r`'s data.
+pub fn data_from<T: TestElement>(r: usize, start: usize, n: usize) -> Vec<T> {
+    (start..start + n)
+        .map(|i| T::from_f64(value(r, i)))
+        .collect()
+}
+
+pub fn expect_eq<T: TestElement>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: length {} != {}", got.len(), want.len()));
+    }
+    match got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a.partial_cmp(b) != Some(std::cmp::Ordering::Equal))
+    {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: element {i}: got {:?}, want {:?}",
+            got[i], want[i]
+        )),
+    }
+}
+
+fn typed<T: TestElement>(b: Buffer) -> Result<Vec<T>, String> {
+    b.into_vec::<T>()
+        .map_err(|b| format!("result holds {:?}, not {:?}", b.dtype(), T::DTYPE))
+}
+
+/// Every collective of the trait on `len`-element inputs of `T` for each of `sizes`,
+/// against results computed here: all-reduce with each op, all-gather, reduce-scatter,
+/// broadcast, gather and scatter from the last rank, barrier.
+pub fn check_collectives<T: TestElement>(
+    c: &dyn Communicator,
+    name: &str,
+    sizes: &[usize],
+) -> Result<(), String> {
+    let (rank, n) = (c.rank(), c.size());
+    let err = |e: fsdp_comm::CommError| e.to_string();
+    for &len in sizes {
+        let ctx = |op: &str| format!("{op} {name} x {len}");
+        let all: Vec<Vec<T>> = (0..n).map(|r| data::<T>(r, len)).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let got = c
+                .all_reduce_vec(data::<T>(rank, len), op)
+                .wait()
+                .map_err(err)?;
+            let mut want = all[0].clone();
+            for other in &all[1..] {
+                fsdp_comm::dtype::reduce_into(&mut want, other, op);
+            }
+            fsdp_comm::dtype::finish_avg(&mut want, op, n);
+            expect_eq(&ctx(&format!("all_reduce {op:?}")), &got, &want)?;
+        }
+        let got = c.all_gather_vec(data::<T>(rank, len)).wait().map_err(err)?;
+        expect_eq(&ctx("all_gather"), &got, &all.concat())?;
+
+        // Rank r's input of n blocks is data(r, len * n); only this rank's block of each is
+        // needed to check the result (materialising all would cost n^2 blocks).
+        let my_block_of = |r: usize| data_from::<T>(r, rank * len, len);
+        let got = c
+            .reduce_scatter(T::into_buffer(data::<T>(rank, len * n)), ReduceOp::Sum)
+            .wait()
+            .map_err(err)
+            .and_then(typed::<T>)?;
+        let mut want = my_block_of(0);
+        for r in 1..n {
+            fsdp_comm::dtype::reduce_into(&mut want, &my_block_of(r), ReduceOp::Sum);
+        }
+        expect_eq(&ctx("reduce_scatter"), &got, &want)?;
+
+        let root = n - 1;
+        let got = c
+            .broadcast_vec(data::<T>(rank, len), root)
+            .wait()
+            .map_err(err)?;
+        expect_eq(&ctx("broadcast"), &got, &all[root])?;
+        let got = c.gather_vec(data::<T>(rank, len), 0).wait().map_err(err)?;
+        if rank == 0 {
+            expect_eq(
+                &ctx("gather"),
+                &got.ok_or("gather gave root nothing")?,
+                &all.concat(),
+            )?;
+        }
+        let input = if rank == root {
+            data::<T>(root, len * n)
+        } else {
+            Vec::new()
+        };
+        let got = c
+            .scatter(T::into_buffer(input), len, root)
+            .wait()
+            .map_err(err)
+            .and_then(typed::<T>)?;
+        expect_eq(&ctx("scatter"), &got, &my_block_of(root))?;
+        c.barrier().wait().map_err(err)?;
+    }
+    Ok(())
+}
+
+/// [`check_collectives`] for every element type.
+pub fn check_every_dtype(c: &dyn Communicator, sizes: &[usize]) -> Result<(), String> {
+    check_collectives::<f32>(c, "f32", sizes)?;
+    check_collectives::<f64>(c, "f64", sizes)?;
+    check_collectives::<f16>(c, "f16", sizes)?;
+    check_collectives::<bf16>(c, "bf16", sizes)?;
+    check_collectives::<i32>(c, "i32", sizes)?;
+    check_collectives::<i64>(c, "i64", sizes)?;
+    check_collectives::<u8>(c, "u8", sizes)
+}

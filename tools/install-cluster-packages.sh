@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs, once and quietly, the Debian packages the cluster tests and the `mpi` feature use:
+# Open MPI (mpirun, and its headers and libraries for rsmpi) and libclang (rsmpi's bindgen).
+# Idempotent: does nothing when everything is there. Needs root (apt-get); without it, says
+# what is missing, and the tests that need it skip (a build with --all-features needs MPI).
+set -uo pipefail
+need=()
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+[ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] \
+  || need+=(libopenmpi-dev)
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 \
+  || need+=(libclang-dev)
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+  echo "note: not root; missing Debian packages: ${need[*]}" >&2
+  exit 0
+fi
+(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}") >/dev/null 2>&1 \
+  || echo "note: could not install ${need[*]}" >&2
+exit 0
