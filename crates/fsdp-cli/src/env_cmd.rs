@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use fsdp::config::ResolvedConfig;
-use fsdp_comm::WorldInfo;
+use fsdp_comm::{BackendChoice, WorldInfo};
 
 use crate::ConfigFileArg;
 use crate::system::{SystemInfo, gib};
@@ -79,6 +79,44 @@ fn peer_address_line(world: &Result<WorldInfo, fsdp_comm::WorldError>) -> String
     }
 }
 
+/// The engine collectives would run on here: the resolved `fsdp_comm_backend` (or
+/// `FSDP_COMM_BACKEND` when the configuration does not resolve) for this launch environment.
+fn backend_line(
+    world: &Result<WorldInfo, fsdp_comm::WorldError>,
+    resolved: &Result<ResolvedConfig>,
+) -> String {
+    let choice = match resolved {
+        Ok(config) => config
+            .get(fsdp::config::Key::FsdpCommBackend)
+            .and_then(|s| BackendChoice::parse(&s.value.to_env_text()))
+            .ok_or_else(|| "fsdp_comm_backend has no value".to_string()),
+        Err(_) => BackendChoice::from_env(),
+    };
+    let single = WorldInfo {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        local_world_size: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29500,
+        launcher: fsdp_comm::Launcher::Standalone,
+    };
+    let world = world.as_ref().unwrap_or(&single);
+    let mpi = if fsdp_comm::backend::MPI_BUILT {
+        "MPI built in"
+    } else {
+        "built without MPI"
+    };
+    match choice
+        .and_then(|c| fsdp_comm::backend::select(c, world, fsdp_comm::world::started_under_mpi()))
+    {
+        Ok(sel) if sel.engine == BackendChoice::Auto => format!("shm ({}; {mpi})", sel.why),
+        Ok(sel) => format!("{} ({}; {mpi})", sel.engine.name(), sel.why),
+        Err(e) => format!("none: {e}"),
+    }
+}
+
 fn print_text(
     s: &SystemInfo,
     world: &Result<WorldInfo, fsdp_comm::WorldError>,
@@ -102,6 +140,7 @@ fn print_text(
     println!("- CUDA: {}", cuda_line(s));
     println!("- Launch environment: {}", world_line(world));
     println!("- Listens for peers on: {}", peer_address_line(world));
+    println!("- Collectives backend: {}", backend_line(world, resolved));
     println!(
         "- Config file: {}",
         file.map_or("none (environment and defaults only)".to_string(), |p| p
@@ -183,6 +222,8 @@ fn print_json(
         },
         "launch_environment": world_line(world),
         "peer_listen_address": peer_address_line(world),
+        "collectives_backend": backend_line(world, resolved),
+        "mpi_support_built": fsdp_comm::backend::MPI_BUILT,
         "config_file": file,
         "config": config,
     });

@@ -9,7 +9,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use fsdp::config::FsdpPlugin;
-use fsdp_comm::{ProcessGroup, ReduceOp, WorldInfo};
+use fsdp_comm::{CommunicatorExt, ReduceOp, WorldInfo};
 
 use crate::ConfigFileArg;
 
@@ -61,7 +61,13 @@ fn worker(fault: Option<&str>) -> Result<()> {
     let plugin = FsdpPlugin::builder()
         .build()
         .context("reading the configuration from the environment")?;
-    let pg = ProcessGroup::from_env()?;
+    let joined = fsdp_comm::join_job()?;
+    if let Some(notice) = &joined.selection.notice
+        && world.rank == 0
+    {
+        eprintln!("fsdp: {notice}");
+    }
+    let pg = joined.group;
     println!("rank {} pid {}", world.rank, std::process::id());
     let faulty = |kind: &str| {
         fault
@@ -89,25 +95,26 @@ fn worker(fault: Option<&str>) -> Result<()> {
         );
     }
     let sum = pg
-        .all_reduce(vec![world.rank as i64], ReduceOp::Sum)
+        .all_reduce_vec(vec![world.rank as i64], ReduceOp::Sum)
         .wait()?[0];
     let want = (n * (n - 1) / 2) as i64;
     if sum != want {
         bail!("all_reduce of ranks gave {sum}, expected {want}");
     }
     let ranks = pg
-        .all_gather(vec![
+        .all_gather_vec(vec![
             world.rank as i64,
             world.local_rank as i64,
             world.node_rank as i64,
         ])
         .wait()?;
-    let strategies = pg.all_gather(vec![plugin.sharding_strategy as u8]).wait()?;
+    let strategies = pg
+        .all_gather_vec(vec![plugin.sharding_strategy as u8])
+        .wait()?;
     if strategies.iter().any(|s| *s != strategies[0]) {
         bail!("ranks received different sharding strategies: {strategies:?}");
     }
     pg.barrier().wait()?;
-    let pg = std::sync::Arc::new(pg);
     println!(
         "rank {} of {} (local {} of {}, machine {}): all_reduce ok, transport {}, strategy {}",
         world.rank,
@@ -115,7 +122,7 @@ fn worker(fault: Option<&str>) -> Result<()> {
         world.local_rank,
         world.local_world_size,
         world.node_rank,
-        pg.transport(),
+        pg.backend(),
         plugin.sharding_strategy
     );
     if world.rank == 0 {

@@ -14,8 +14,12 @@ use common::alive;
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 
 /// `mpirun` for `n` processes of `fsdp ARGS` on this machine, with the environment of
-/// `common::fsdp()` (no FSDP_* variables), as root if need be.
+/// `common::fsdp()` (no FSDP_* variables) and `env` passed on, as root if need be.
 fn mpirun(n: usize, port: &str, args: &[&str]) -> Option<Command> {
+    mpirun_with(n, port, &[], args)
+}
+
+fn mpirun_with(n: usize, port: &str, env: &[(&str, &str)], args: &[&str]) -> Option<Command> {
     let found = Command::new("mpirun")
         .arg("--version")
         .stdout(Stdio::null())
@@ -34,13 +38,16 @@ fn mpirun(n: usize, port: &str, args: &[&str]) -> Option<Command> {
         "none",
     ])
     .args(["-n", &n.to_string()])
-    .args(["-x", "MASTER_PORT"])
-    .arg(EXE)
-    .args(args)
-    .env("MASTER_PORT", port)
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    .args(["-x", "MASTER_PORT"]);
+    for (k, v) in env {
+        cmd.arg("-x").arg(format!("{k}={v}"));
+    }
+    cmd.arg(EXE)
+        .args(args)
+        .env("MASTER_PORT", port)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     for (k, v) in base.get_envs() {
         match v {
             Some(v) => cmd.env(k, v),
@@ -101,4 +108,42 @@ fn mpirun_starts_a_job_that_trains_like_one_process() {
     }
     let left: Vec<u32> = workers.into_iter().filter(|&p| alive(p)).collect();
     assert!(left.is_empty(), "left running: {left:?}\n{out}");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn mpirun_trains_over_mpi_when_asked_and_on_shared_memory_by_default() {
+    for (env, n, backend) in [
+        (&[("FSDP_COMM_BACKEND", "mpi")][..], 2, "transport mpi"),
+        (
+            &[
+                ("FSDP_COMM_BACKEND", "mpi"),
+                ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"),
+            ][..],
+            3,
+            "transport mpi",
+        ),
+        (&[][..], 2, "transport shm"),
+    ] {
+        let Some(cmd) = mpirun_with(n, &common::port(), env, &["test", "--worker"]) else {
+            eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+            return;
+        };
+        let (code, out, _) = run(cmd, Duration::from_secs(90));
+        assert_eq!(code, Some(0), "{env:?}: {out}");
+        assert!(out.contains(backend), "{env:?}: {backend}:\n{out}");
+        assert!(
+            out.contains(&format!("training ok: 8 steps on {n} processes")),
+            "{env:?}: {out}"
+        );
+    }
+    // Asked for MPI outside MPI: a clear error, before anything starts.
+    let out = common::fsdp()
+        .args(["test", "--worker"])
+        .env("FSDP_COMM_BACKEND", "mpi")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(text.contains("not started under MPI"), "{text}");
 }

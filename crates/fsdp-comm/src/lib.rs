@@ -12,6 +12,7 @@
 
 pub mod address;
 mod algorithms;
+pub mod backend;
 pub mod buffer;
 pub mod communicator;
 #[cfg(feature = "nccl")]
@@ -37,6 +38,7 @@ pub mod work;
 pub mod world;
 
 pub use address::{ListenAddress, SOCKET_IFNAME_ENVS, listen_address};
+pub use backend::{BACKEND_ENV, BackendChoice, Joined, Selection, join_job};
 pub use buffer::{Buffer, BufferElement};
 pub use communicator::{Communicator, CommunicatorExt, SingleRank};
 pub use dtype::{DType, Element, ReduceOp};

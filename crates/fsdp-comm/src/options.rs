@@ -12,7 +12,7 @@ pub const TIMEOUT_ENV: &str = "FSDP_COMM_TIMEOUT_SECS";
 /// Environment variable: rendezvous timeout in seconds.
 pub const RENDEZVOUS_TIMEOUT_ENV: &str = "FSDP_RENDEZVOUS_TIMEOUT_SECS";
 /// Environment variable: `auto` (shared memory when every member is on this host, else TCP),
-/// `tcp` or `shm`.
+/// `tcp` or `shm` — the older spelling of [`crate::backend::BACKEND_ENV`], still accepted.
 pub const TRANSPORT_ENV: &str = "FSDP_COMM_TRANSPORT";
 
 /// Environment variable: set to 1 when the launcher hosts the rendezvous store (rank 0 then
@@ -93,7 +93,8 @@ pub(crate) fn env_text(var: &str) -> Result<Option<String>, String> {
 
 impl GroupOptions {
     /// Defaults overridden by `FSDP_COMM_TIMEOUT_SECS`, `FSDP_RENDEZVOUS_TIMEOUT_SECS`,
-    /// `FSDP_JOB_SECRET` and `FSDP_COMM_TRANSPORT` (`auto`, `tcp` or `shm`). A value that
+    /// `FSDP_JOB_SECRET` and `FSDP_COMM_BACKEND` / `FSDP_COMM_TRANSPORT` (the transport of
+    /// `auto`, `tcp` or `shm`). A value that
     /// does not parse is an error naming the variable, as the launcher's flags are.
     pub fn from_env() -> Result<GroupOptions, CommError> {
         let invalid = |reason: String| CommError::InvalidArgument {
@@ -112,21 +113,9 @@ impl GroupOptions {
             }
         };
         let d = GroupOptions::default();
-        let transport = match text(TRANSPORT_ENV)?
-            .unwrap_or_default()
-            .trim()
-            .to_ascii_lowercase()
-            .as_str()
-        {
-            "" | "auto" => TransportChoice::Auto,
-            "tcp" => TransportChoice::Tcp,
-            "shm" => TransportChoice::Shm,
-            other => {
-                return Err(invalid(format!(
-                    "{TRANSPORT_ENV}: `{other}` is not one of auto, tcp, shm"
-                )));
-            }
-        };
+        let transport = crate::backend::BackendChoice::from_env()
+            .map_err(invalid)?
+            .transport();
         Ok(GroupOptions {
             timeout: secs(TIMEOUT_ENV, d.timeout)?,
             rendezvous_timeout: secs(RENDEZVOUS_TIMEOUT_ENV, d.rendezvous_timeout)?,

@@ -254,6 +254,14 @@ impl WorldInfo {
     }
 }
 
+/// Whether this process was started by an MPI launcher (Open MPI's `mpirun`, MPICH's
+/// Hydra, or a PMIx server such as `srun --mpi=pmix`), from the variables they set.
+pub fn started_under_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

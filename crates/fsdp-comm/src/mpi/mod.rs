@@ -30,6 +30,7 @@ use crate::error::{CommError, Result};
 use crate::options::GroupOptions;
 use crate::with_host_vec;
 use crate::work::Work;
+use crate::world::started_under_mpi;
 
 /// Set once MPI was started in this process (MPI can be initialized once per process).
 static STARTED: AtomicBool = AtomicBool::new(false);
@@ -76,14 +77,6 @@ pub struct MpiGroup {
     calls: AtomicU64,
     joins: AtomicU64,
     bytes_sent: AtomicU64,
-}
-
-/// Whether this process was started by an MPI launcher (Open MPI's `mpirun`, MPICH's
-/// Hydra, or a PMIx server such as `srun --mpi=pmix`), from the variables they set.
-pub fn started_under_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
 }
 
 impl MpiGroup {

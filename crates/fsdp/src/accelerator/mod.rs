@@ -59,7 +59,7 @@ use candle_core::Tensor;
 /// What `gather` and `reduce` take (f32, f64, i32, i64, u8, f16, bf16) and how `reduce`
 /// combines, re-exported so programs need not depend on fsdp-comm.
 pub use fsdp_comm::{BufferElement, ReduceOp};
-use fsdp_comm::{CommError, Communicator, CommunicatorExt, ProcessGroup};
+use fsdp_comm::{CommError, Communicator, CommunicatorExt};
 
 pub use logging::{Progress, init_logging};
 pub use prepared::{ModelHandle, PreparedModel, PreparedOptimizer};
@@ -247,9 +247,12 @@ impl AcceleratorBuilder {
                 "FullStateDictConfig { rank0_only: false }: fsdp-rs gathers full state dicts onto rank 0 only (every rank holding the whole model is what it avoids)".into(),
             ));
         }
-        let group: Arc<dyn Communicator> = match self.group {
-            Some(g) => g,
-            None => Arc::new(ProcessGroup::from_env()?),
+        let (group, notice) = match self.group {
+            Some(g) => (g, None),
+            None => {
+                let joined = fsdp_comm::join_job()?;
+                (joined.group, joined.selection.notice)
+            }
         };
         let local_rank = std::env::var("LOCAL_RANK")
             .ok()
@@ -258,6 +261,11 @@ impl AcceleratorBuilder {
         let accumulation = self.accumulation.unwrap_or(1).max(1);
         let rank = group.rank();
         init_logging(rank);
+        if let Some(notice) = notice
+            && rank == 0
+        {
+            tracing::info!("{notice}");
+        }
         tracing::debug!(
             rank,
             processes = group.size(),

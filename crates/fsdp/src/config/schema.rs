@@ -230,6 +230,9 @@ key_table! {
     FsdpReduceDtype: "fsdp_reduce_dtype", Fsdp, Kind::Choice(ReduceDtype::NAMES), D::Text("fp32"),
         Some("FSDP_REDUCE_DTYPE"), &[], Used,
         "dtype gradients are reduced in (fsdp-rs; PyTorch's MixedPrecision.reduce_dtype)";
+    FsdpCommBackend: "fsdp_comm_backend", Fsdp, Kind::Choice(fsdp_comm::BackendChoice::NAMES),
+        D::Text("auto"), Some("FSDP_COMM_BACKEND"), &[], Used,
+        "engine carrying collectives: auto (shared memory on one host, MPI across hosts under mpirun, else TCP), shm, tcp, mpi (fsdp-rs)";
 }
 
 impl Key {

@@ -1,0 +1,297 @@
+//! Which engine carries a job's collectives — `FSDP_COMM_BACKEND=auto|shm|tcp|mpi` (the
+//! configuration key `comm_backend` and `fsdp launch --comm_backend` set it for workers) —
+//! and joining the job with it ([`join_job`]).
+//!
+//! `auto` (the default): shared memory when every rank is on this host; MPI when the job
+//! spans machines, this program was built with the `mpi` feature and MPI started it; fsdp-rs's
+//! TCP ring otherwise, with a one-line notice saying why.
+
+use std::sync::Arc;
+
+use crate::communicator::Communicator;
+use crate::error::{CommError, Result};
+use crate::group::ProcessGroup;
+use crate::options::{GroupOptions, TRANSPORT_ENV, TransportChoice, env_text};
+use crate::world::WorldInfo;
+
+/// Environment variable: the engine that carries collectives (`auto`, `shm`, `tcp`, `mpi`).
+pub const BACKEND_ENV: &str = "FSDP_COMM_BACKEND";
+
+/// Whether this build has the MPI communicator (feature `mpi`).
+pub const MPI_BUILT: bool = cfg!(feature = "mpi");
+
+/// The engine asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// Shared memory on one host, MPI across hosts when possible, else the TCP ring.
+    Auto,
+    /// Shared memory; an error when ranks are on different hosts.
+    Shm,
+    /// fsdp-rs's TCP ring, also between ranks of one host.
+    Tcp,
+    /// MPI (feature `mpi`, and started by `mpirun` or `srun --mpi=pmix`).
+    Mpi,
+}
+
+impl BackendChoice {
+    /// The names, in the order of [`BackendChoice::ALL`].
+    pub const NAMES: &'static [&'static str] = &["auto", "shm", "tcp", "mpi"];
+    /// Every choice.
+    pub const ALL: &'static [BackendChoice] = &[
+        BackendChoice::Auto,
+        BackendChoice::Shm,
+        BackendChoice::Tcp,
+        BackendChoice::Mpi,
+    ];
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+
+    /// A name in any case, or its 1-based number (as the configuration accepts it).
+    pub fn parse(text: &str) -> Option<BackendChoice> {
+        let text = text.trim();
+        let i = match text.parse::<usize>() {
+            Ok(n) => n.checked_sub(1).filter(|&i| i < Self::ALL.len())?,
+            Err(_) => Self::NAMES
+                .iter()
+                .position(|n| n.eq_ignore_ascii_case(text))?,
+        };
+        Some(Self::ALL[i])
+    }
+
+    /// `FSDP_COMM_BACKEND`, or its older spelling `FSDP_COMM_TRANSPORT` (auto, tcp, shm);
+    /// `auto` when neither is set. A value that is not a choice, or the two variables
+    /// disagreeing, is an error naming them.
+    pub fn from_env() -> std::result::Result<BackendChoice, String> {
+        let read = |var: &str| -> std::result::Result<Option<BackendChoice>, String> {
+            match env_text(var)? {
+                None => Ok(None),
+                Some(t) if t.trim().is_empty() => Ok(None),
+                Some(t) => match BackendChoice::parse(&t) {
+                    Some(BackendChoice::Mpi) if var == TRANSPORT_ENV => Err(format!(
+                        "{var}=`{t}`: MPI is a backend: set {BACKEND_ENV}=mpi"
+                    )),
+                    Some(c) => Ok(Some(c)),
+                    None => Err(format!(
+                        "{var}: `{}` is not one of {}",
+                        t.trim(),
+                        Self::NAMES.join(", ")
+                    )),
+                },
+            }
+        };
+        match (read(BACKEND_ENV)?, read(TRANSPORT_ENV)?) {
+            (Some(a), Some(b)) if a != b => Err(format!(
+                "{BACKEND_ENV}={} and {TRANSPORT_ENV}={} disagree (set one)",
+                a.name(),
+                b.name()
+            )),
+            (a, b) => Ok(a.or(b).unwrap_or(BackendChoice::Auto)),
+        }
+    }
+
+    /// The transport a [`ProcessGroup`] uses for this choice (MPI groups have none).
+    pub fn transport(self) -> TransportChoice {
+        match self {
+            BackendChoice::Shm => TransportChoice::Shm,
+            BackendChoice::Tcp => TransportChoice::Tcp,
+            BackendChoice::Auto | BackendChoice::Mpi => TransportChoice::Auto,
+        }
+    }
+}
+
+/// The engine a job's ranks will use, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    /// The engine: `mpi`, or a process group's `shm`, `tcp` (or `auto` for a process group
+    /// that picks shared memory when its members share a host).
+    pub engine: BackendChoice,
+    /// One line on why (for `fsdp env` and logs).
+    pub why: String,
+    /// A notice for the user when `auto` falls back to the TCP ring across machines.
+    pub notice: Option<String>,
+}
+
+/// What `choice` means for a job laid out as `world`, `under_mpi` telling whether an MPI
+/// launcher started this process; an error saying what is missing when it cannot work.
+pub fn select(
+    choice: BackendChoice,
+    world: &WorldInfo,
+    under_mpi: bool,
+) -> std::result::Result<Selection, String> {
+    let machines = world
+        .world_size
+        .div_ceil(world.local_world_size.max(1))
+        .max(1);
+    let why = |engine: BackendChoice, why: String| Selection {
+        engine,
+        why,
+        notice: None,
+    };
+    match choice {
+        BackendChoice::Mpi if !MPI_BUILT => Err(format!(
+            "{BACKEND_ENV}=mpi, but this program was built without MPI (build it with fsdp-comm's `mpi` feature, e.g. `cargo build --features fsdp/mpi`; it needs an MPI library such as Debian's libopenmpi-dev)"
+        )),
+        BackendChoice::Mpi if !under_mpi => Err(format!(
+            "{BACKEND_ENV}=mpi, but this process was not started under MPI: start it with `mpirun -n N` or `srun --mpi=pmix -n N`"
+        )),
+        BackendChoice::Mpi => Ok(why(BackendChoice::Mpi, format!("{BACKEND_ENV}=mpi"))),
+        BackendChoice::Shm => Ok(why(BackendChoice::Shm, format!("{BACKEND_ENV}=shm"))),
+        BackendChoice::Tcp => Ok(why(BackendChoice::Tcp, format!("{BACKEND_ENV}=tcp"))),
+        BackendChoice::Auto if machines == 1 => Ok(why(
+            BackendChoice::Auto,
+            "auto, every rank on this host: shared memory".into(),
+        )),
+        BackendChoice::Auto if MPI_BUILT && under_mpi => Ok(why(
+            BackendChoice::Mpi,
+            format!("auto, {machines} machines, started under MPI"),
+        )),
+        BackendChoice::Auto => {
+            let reason = if MPI_BUILT {
+                "this process was not started under MPI"
+            } else {
+                "this program was built without the `mpi` feature"
+            };
+            Ok(Selection {
+                engine: BackendChoice::Tcp,
+                why: format!("auto, {machines} machines: fsdp-rs's TCP ring ({reason})"),
+                notice: Some(format!(
+                    "the job spans {machines} machines: collectives between them run on fsdp-rs's TCP ring ({reason}; an MPI build started by mpirun or srun --mpi=pmix uses MPI)"
+                )),
+            })
+        }
+    }
+}
+
+/// A joined job: its world group and the selection that made it.
+pub struct Joined {
+    /// The group of every rank.
+    pub group: Arc<dyn Communicator>,
+    /// Which engine carries it, and why.
+    pub selection: Selection,
+}
+
+/// Joins the job this process belongs to, with the engine `FSDP_COMM_BACKEND` selects for
+/// the launch environment ([`WorldInfo::from_env`]); errors name the variable or the
+/// rank and what disagrees.
+pub fn join_job() -> Result<Joined> {
+    let invalid = |rank: usize, reason: String| CommError::InvalidArgument {
+        rank,
+        op: "joining the job".into(),
+        reason,
+    };
+    let world = WorldInfo::from_env().map_err(|e| invalid(0, e.to_string()))?;
+    let choice = BackendChoice::from_env().map_err(|e| invalid(world.rank, e))?;
+    let selection = select(choice, &world, crate::world::started_under_mpi())
+        .map_err(|e| invalid(world.rank, e))?;
+    let options = GroupOptions::from_env()?;
+    let group: Arc<dyn Communicator> = match selection.engine {
+        BackendChoice::Mpi => join_mpi(&world, &options)?,
+        engine => Arc::new(ProcessGroup::init(
+            &world,
+            GroupOptions {
+                transport: engine.transport(),
+                ..options
+            },
+        )?),
+    };
+    Ok(Joined { group, selection })
+}
+
+#[cfg(feature = "mpi")]
+fn join_mpi(world: &WorldInfo, options: &GroupOptions) -> Result<Arc<dyn Communicator>> {
+    let group = crate::mpi::MpiGroup::world(options)?;
+    if (group.rank(), group.size()) != (world.rank, world.world_size) {
+        return Err(CommError::InvalidArgument {
+            rank: group.rank(),
+            op: "joining the job over MPI".into(),
+            reason: format!(
+                "MPI places this process at rank {} of {}, but its launch environment ({:?}) says rank {} of {}",
+                group.rank(),
+                group.size(),
+                world.launcher,
+                world.rank,
+                world.world_size
+            ),
+        });
+    }
+    Ok(Arc::new(group))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn join_mpi(world: &WorldInfo, _options: &GroupOptions) -> Result<Arc<dyn Communicator>> {
+    Err(CommError::InvalidArgument {
+        rank: world.rank,
+        op: "joining the job".into(),
+        reason: "this program was built without MPI".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::world::Launcher;
+
+    fn world(size: usize, local: usize) -> WorldInfo {
+        WorldInfo {
+            rank: 0,
+            world_size: size,
+            local_rank: 0,
+            local_world_size: local,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            launcher: Launcher::OpenMpi,
+        }
+    }
+
+    #[test]
+    fn auto_picks_shared_memory_on_one_host_and_mpi_or_tcp_across_hosts() {
+        let one = select(BackendChoice::Auto, &world(4, 4), true).unwrap();
+        assert_eq!(one.engine, BackendChoice::Auto);
+        assert!(one.notice.is_none());
+        let across = select(BackendChoice::Auto, &world(4, 2), true).unwrap();
+        if MPI_BUILT {
+            assert_eq!(across.engine, BackendChoice::Mpi);
+            assert!(across.notice.is_none());
+        } else {
+            assert_eq!(across.engine, BackendChoice::Tcp);
+        }
+        let tcp = select(BackendChoice::Auto, &world(4, 2), false).unwrap();
+        assert_eq!(tcp.engine, BackendChoice::Tcp);
+        let notice = tcp.notice.unwrap();
+        assert!(
+            notice.contains("2 machines") && notice.contains("TCP ring"),
+            "{notice}"
+        );
+    }
+
+    #[test]
+    fn mpi_without_the_feature_or_outside_mpi_says_which() {
+        let e = select(BackendChoice::Mpi, &world(2, 2), false).unwrap_err();
+        if MPI_BUILT {
+            assert!(e.contains("not started under MPI"), "{e}");
+        } else {
+            assert!(e.contains("built without MPI"), "{e}");
+        }
+        let ok = select(BackendChoice::Mpi, &world(2, 2), true);
+        assert_eq!(ok.is_ok(), MPI_BUILT, "{ok:?}");
+    }
+
+    #[test]
+    fn names_parse_in_any_case() {
+        for (i, n) in BackendChoice::NAMES.iter().enumerate() {
+            assert_eq!(
+                BackendChoice::parse(&n.to_uppercase()),
+                Some(BackendChoice::ALL[i])
+            );
+            assert_eq!(BackendChoice::ALL[i].name(), *n);
+        }
+        assert_eq!(BackendChoice::parse("4"), Some(BackendChoice::Mpi));
+        assert_eq!(BackendChoice::parse("gloo"), None);
+        assert_eq!(BackendChoice::parse("0"), None);
+        assert_eq!(BackendChoice::parse("5"), None);
+    }
+}
