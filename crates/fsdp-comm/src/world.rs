@@ -177,16 +177,23 @@ impl WorldInfo {
             let l = Launcher::Slurm;
             let world_size = v.required(l, "SLURM_NTASKS")?;
             let nodes = v.number("SLURM_NNODES")?.unwrap_or(1).max(1);
-            let local_world_size = v
-                .get("SLURM_NTASKS_PER_NODE")
-                .and_then(|t| t.split(['(', ',']).next()?.trim().parse().ok())
+            let node = v.number("SLURM_NODEID")?.unwrap_or(0);
+            // The step's tasks on each node ("2(x3),1": SLURM's block layout may give nodes
+            // different counts), else the job's, else an even split.
+            let local_world_size = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+                .iter()
+                .find_map(|var| tasks_on_node(v.get(var)?, node))
+                .or_else(|| {
+                    v.get("SLURM_NTASKS_PER_NODE")
+                        .and_then(|t| t.split(['(', ',']).next()?.trim().parse().ok())
+                })
                 .unwrap_or(world_size.div_ceil(nodes));
             WorldInfo {
                 rank: v.required(l, "SLURM_PROCID")?,
                 world_size,
                 local_rank: v.number("SLURM_LOCALID")?.unwrap_or(0),
                 local_world_size,
-                node_rank: v.number("SLURM_NODEID")?.unwrap_or(0),
+                node_rank: node,
                 master_addr: v.slurm_addr(),
                 master_port: v.port()?,
                 launcher: l,
@@ -252,6 +259,26 @@ impl WorldInfo {
         }
         Ok(())
     }
+}
+
+/// The number of tasks on node `node` from SLURM's per-node list (`"2(x3),1"`: two on each
+/// of the first three nodes, then one); `None` when the list does not parse or is too short.
+fn tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut seen = 0usize;
+    for entry in list.split(',') {
+        let (count, repeat) = match entry.trim().split_once("(x") {
+            Some((c, r)) => (
+                c.trim().parse::<usize>().ok()?,
+                r.strip_suffix(')')?.trim().parse::<usize>().ok()?,
+            ),
+            None => (entry.trim().parse::<usize>().ok()?, 1),
+        };
+        seen = seen.checked_add(repeat)?;
+        if node < seen {
+            return Some(count);
+        }
+    }
+    None
 }
 
 /// Whether this process was started by an MPI launcher (Open MPI's `mpirun`, MPICH's
@@ -323,6 +350,23 @@ mod tests {
             (5, 8, 1, 2, 2)
         );
         assert_eq!(w.master_addr, "127.0.0.1");
+        // SLURM's block layout of 4 tasks on 2 nodes of 4 CPUs is 3 and 1.
+        for (node, local) in [("0", 3), ("1", 1)] {
+            let w = WorldInfo::from_vars(&vars(&[
+                ("SLURM_PROCID", "2"),
+                ("SLURM_NTASKS", "4"),
+                ("SLURM_LOCALID", "0"),
+                ("SLURM_NODEID", node),
+                ("SLURM_NNODES", "2"),
+                ("SLURM_STEP_TASKS_PER_NODE", "3,1"),
+            ]))
+            .unwrap();
+            assert_eq!(w.local_world_size, local, "node {node}");
+        }
+        assert_eq!(tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(tasks_on_node("2(x", 0), None);
         // Across nodes, task 0 runs on the allocation's first host.
         let w = WorldInfo::from_vars(&vars(&[
             ("SLURM_PROCID", "1"),

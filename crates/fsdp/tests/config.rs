@@ -527,3 +527,43 @@ fn null_means_unset_and_empty_file_is_defaults() {
     resolve_file("").unwrap();
     resolve_file("# only a comment\n").unwrap();
 }
+
+/// A program that a cluster's launcher starts (no `fsdp launch`) resolves the job's layout
+/// from that launcher's variables, so hybrid sharding finds its machines; SLURM's uneven
+/// block layout has no whole number of processes per machine, and hybrid is refused there.
+#[test]
+fn cluster_launchers_give_workers_their_layout() {
+    let hybrid = ("FSDP_SHARDING_STRATEGY", "HYBRID_SHARD");
+    let mpi = env(&[
+        hybrid,
+        ("OMPI_COMM_WORLD_RANK", "2"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ]);
+    let distributed = file("distributed_type: FSDP\n").unwrap();
+    let r = ResolvedConfig::resolve(&[&mpi, &distributed]).unwrap();
+    assert_eq!((r.launch.num_processes, r.launch.num_machines), (4, 2));
+    assert_eq!(r.launch.machine_rank, 1);
+    let slurm = |per_node: &str| {
+        env(&[
+            hybrid,
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_TASKS_PER_NODE", per_node),
+            ("SLURM_JOB_NODELIST", "cn[1-2]"),
+        ])
+    };
+    let r = ResolvedConfig::resolve(&[&slurm("2(x2)"), &distributed]).unwrap();
+    assert_eq!(
+        (r.launch.num_machines, r.launch.main_process_ip.as_deref()),
+        (2, Some("cn1"))
+    );
+    let e = ResolvedConfig::resolve(&[&slurm("3,1"), &distributed]).unwrap_err();
+    assert_contains(
+        &e.to_string(),
+        &["at least 2 machines with the same number of processes"],
+    );
+}

@@ -15,14 +15,22 @@ pub struct Layer {
     settings: BTreeMap<Key, Setting>,
 }
 
-/// The torchrun variables a launched worker's layout is read from.
-const LAYOUT_VARS: &[&str] = &[
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-];
+/// Whether `var` is one a launched worker's layout is read from: the torchrun contract
+/// (`fsdp launch`'s), or a cluster launcher's (SLURM's `srun`, Open MPI's `mpirun`).
+fn is_layout_var(var: &str) -> bool {
+    matches!(
+        var,
+        "RANK"
+            | "WORLD_SIZE"
+            | "LOCAL_RANK"
+            | "LOCAL_WORLD_SIZE"
+            | "NODE_RANK"
+            | "GROUP_RANK"
+            | "MASTER_ADDR"
+            | "MASTER_PORT"
+    ) || var.starts_with("SLURM_")
+        || var.starts_with("OMPI_COMM_WORLD_")
+}
 
 impl Layer {
     /// An empty layer.
@@ -117,7 +125,7 @@ impl Layer {
         let mut layout: Vec<(String, String)> = Vec::new();
         for (var, text) in vars {
             let (var, text) = (var.as_ref(), text.as_ref());
-            if LAYOUT_VARS.contains(&var) {
+            if is_layout_var(var) {
                 layout.push((var.to_string(), text.to_string()));
             }
             let Some(key) = Key::from_env_var(var) else {
@@ -152,41 +160,67 @@ impl Layer {
         Ok(layer)
     }
 
-    /// A launched FSDP worker's layout from the torchrun variables (`WORLD_SIZE`,
-    /// `LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`), so that settings
-    /// checked against the layout (hybrid sharding needs several machines) resolve in the
-    /// worker as they did in the launcher. Only with `ACCELERATE_USE_FSDP=true` (what
-    /// `fsdp launch` sets for FSDP jobs); values that do not parse are left to the process
-    /// group, which reports them.
+    /// A launched worker's layout — processes, machines, this machine's rank, the
+    /// rendezvous address — from its launcher's variables (`fsdp launch`'s torchrun
+    /// contract, or SLURM's / Open MPI's as `fsdp_comm::WorldInfo` reads them), so that
+    /// settings checked against the layout (hybrid sharding needs several machines) resolve
+    /// in the worker as they did in the launcher. With the torchrun contract only under
+    /// `ACCELERATE_USE_FSDP=true` (what `fsdp launch` sets for FSDP jobs); a layout that does
+    /// not parse is left to the process group, which reports it.
     fn set_launch_layout(&mut self, vars: &[(String, String)]) {
+        use fsdp_comm::{Launcher, WorldInfo};
         let fsdp = self
             .get(Key::DistributedType)
             .is_some_and(|s| s.value == Value::Text("FSDP".into()));
-        if !fsdp {
+        let map: std::collections::HashMap<String, String> = vars.iter().cloned().collect();
+        let Ok(w) = WorldInfo::from_vars(&map) else {
             return;
-        }
-        let get = |name: &str| {
-            vars.iter()
-                .find(|(v, _)| v == name)
-                .map(|(_, t)| t.trim().to_string())
         };
-        let number = |name: &str| get(name)?.parse::<u64>().ok().filter(|n| *n > 0);
-        let env = |var: &str| Source::Env { var: var.into() };
-        if let Some(world) = number("WORLD_SIZE") {
-            self.set(Key::NumProcesses, Value::UInt(world), env("WORLD_SIZE"));
-            if let Some(local) = number("LOCAL_WORLD_SIZE").filter(|l| world % l == 0) {
-                let machines = Value::UInt(world / local);
-                self.set(Key::NumMachines, machines, env("LOCAL_WORLD_SIZE"));
+        // The variables each value comes from, for messages.
+        let (size, local, node, addr) = match w.launcher {
+            Launcher::Torchrun if fsdp => {
+                ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR")
             }
+            Launcher::Slurm => (
+                "SLURM_NTASKS",
+                "SLURM_TASKS_PER_NODE",
+                "SLURM_NODEID",
+                "SLURM_JOB_NODELIST",
+            ),
+            Launcher::OpenMpi => (
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "OMPI_COMM_WORLD_RANK",
+                "MASTER_ADDR",
+            ),
+            _ => return,
+        };
+        let env = |var: &str| Source::Env { var: var.into() };
+        let (world, per_machine) = (w.world_size as u64, w.local_world_size as u64);
+        self.set(Key::NumProcesses, Value::UInt(world), env(size));
+        if per_machine > 0 && world.is_multiple_of(per_machine) {
+            self.set(
+                Key::NumMachines,
+                Value::UInt(world / per_machine),
+                env(local),
+            );
         }
-        if let Some(node) = get("NODE_RANK").and_then(|t| t.parse::<u64>().ok()) {
-            self.set(Key::MachineRank, Value::UInt(node), env("NODE_RANK"));
+        self.set(Key::MachineRank, Value::UInt(w.node_rank as u64), env(node));
+        // Under a cluster launcher the address is its (MPI needs none; the process group
+        // reports one it cannot reach).
+        if map.contains_key("MASTER_ADDR") || w.launcher != Launcher::Torchrun {
+            self.set(
+                Key::MainProcessIp,
+                Value::Text(w.master_addr.clone()),
+                env(addr),
+            );
         }
-        if let Some(addr) = get("MASTER_ADDR").filter(|a| !a.is_empty()) {
-            self.set(Key::MainProcessIp, Value::Text(addr), env("MASTER_ADDR"));
-        }
-        if let Some(port) = get("MASTER_PORT").and_then(|t| t.parse::<u64>().ok()) {
-            self.set(Key::MainProcessPort, Value::UInt(port), env("MASTER_PORT"));
+        if map.contains_key("MASTER_PORT") {
+            self.set(
+                Key::MainProcessPort,
+                Value::UInt(u64::from(w.master_port)),
+                env("MASTER_PORT"),
+            );
         }
     }
 
@@ -208,7 +242,7 @@ impl Layer {
                             value: v.to_string_lossy().into_owned(),
                             reason: "not UTF-8 text".into(),
                         });
-                    } else if LAYOUT_VARS.contains(&k.as_str()) {
+                    } else if is_layout_var(&k) {
                         errors.push(ConfigError::Structure {
                             origin: Source::Env { var: k },
                             message: format!("`{}` is not UTF-8 text", v.to_string_lossy()),
