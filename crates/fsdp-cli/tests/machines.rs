@@ -13,153 +13,41 @@ use std::time::Duration;
 
 mod common;
 
-use common::{finish, fsdp};
+use common::finish;
+use common::machines::Machines;
 
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 
-/// Two namespaces joined by a veth pair, `10.231.<net>.1` and `.2`; removed on drop.
-struct Machines {
-    names: [String; 2],
-    addrs: [String; 2],
-    veth: [String; 2],
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-impl Machines {
-    fn new() -> Result<Machines, String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("not root: network namespaces cannot be made".into());
-        }
-        // Tests of this binary run at once: each pair of machines gets names and a subnet
-        // of its own.
-        static PAIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let k = PAIRS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let pid = std::process::id();
-        let net = 20 + (pid % 50) * 4 + k % 4;
-        let m = Machines {
-            names: [format!("fsdp-{pid}-{k}-m0"), format!("fsdp-{pid}-{k}-m1")],
-            addrs: [format!("10.231.{net}.1"), format!("10.231.{net}.2")],
-            veth: [format!("fv{pid}{k}a"), format!("fv{pid}{k}b")],
-        };
-        // The first namespace says whether this machine can make them at all.
-        ip(&["netns", "add", &m.names[0]])?;
-        let setup = || -> Result<(), String> {
-            let veth = &m.veth;
-            ip(&["netns", "add", &m.names[1]])?;
-            ip(&[
-                "link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1],
-            ])?;
-            for ((ns, dev), addr) in m.names.iter().zip(veth).zip(&m.addrs) {
-                ip(&["link", "set", dev, "netns", ns])?;
-                ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
-                ip(&["-n", ns, "link", "set", dev, "up"])?;
-                ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            }
-            Ok(())
-        };
-        if let Err(e) = setup() {
-            panic!("setting up the namespaced machines: {e}");
-        }
-        Ok(m)
-    }
-
-    /// `fsdp ARGS` on machine `i`, in its namespace and under its own hostname.
-    fn fsdp(&self, i: usize, args: &[&str]) -> Command {
-        // The test environment of `fsdp()` (HOME, no FSDP_* variables), around `ip netns exec`.
-        let cmd = fsdp();
-        let script = format!("hostname {}; exec \"$@\"", self.names[i]);
-        let mut wrapped = Command::new("ip");
-        wrapped
-            .args([
-                "netns",
-                "exec",
-                &self.names[i],
-                "unshare",
-                "--uts",
-                "sh",
-                "-c",
-            ])
-            .arg(script)
-            .arg("sh")
-            .arg(EXE)
-            .args(args);
-        for (k, v) in cmd.get_envs() {
-            match v {
-                Some(v) => wrapped.env(k, v),
-                None => wrapped.env_remove(k),
-            };
-        }
-        wrapped
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        wrapped
-    }
-}
-
-impl Machines {
-    /// The machines, or `None` after a one-line reason where they cannot be made.
-    fn or_skip() -> Option<Machines> {
-        Machines::new()
-            .inspect_err(|why| eprintln!("SKIPPED: {why}"))
-            .ok()
-    }
-
-    /// Takes machine `i`'s link `up` or `down` (down: the machine vanishes from the network
-    /// without closing a connection).
-    fn set_link(&self, i: usize, state: &str) {
-        ip(&["-n", &self.names[i], "link", "set", &self.veth[i], state]).unwrap();
-    }
-
-    /// Starts `fsdp launch` of machine `i` of a 2-machine job of `processes` processes on
-    /// `port`, running `rest` (launcher flags, then the program; the vanish worker's role is
-    /// set, which other programs ignore).
-    fn launch(&self, i: usize, processes: &str, port: &str, rest: &[&str]) -> std::process::Child {
-        let rank = i.to_string();
-        let mut args = vec![
-            "launch",
-            "--num_machines",
-            "2",
-            "--num_processes",
-            processes,
-            "--main_process_ip",
-            &self.addrs[0],
-            "--main_process_port",
-            port,
-            "--machine_rank",
-            &rank,
-        ];
-        args.extend_from_slice(rest);
-        self.fsdp(i, &args)
-            .env("FSDP_JOB_SECRET", "two-machines-over-veth")
-            .env(VANISH_ROLE, "1")
-            .spawn()
-            .unwrap()
-    }
-}
-
-impl Drop for Machines {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = ip(&["netns", "del", n]);
-        }
-    }
+/// Starts `fsdp launch` of machine `i` of a 2-machine job of `processes` processes on
+/// `port`, running `rest` (launcher flags, then the program; the vanish worker's role is
+/// set, which other programs ignore).
+fn launch(
+    m: &Machines,
+    i: usize,
+    processes: &str,
+    port: &str,
+    rest: &[&str],
+) -> std::process::Child {
+    let rank = i.to_string();
+    let mut args = vec![
+        "launch",
+        "--num_machines",
+        "2",
+        "--num_processes",
+        processes,
+        "--main_process_ip",
+        &m.addrs[0],
+        "--main_process_port",
+        port,
+        "--machine_rank",
+        &rank,
+    ];
+    args.extend_from_slice(rest);
+    m.fsdp(i, &args)
+        .env("FSDP_JOB_SECRET", "two-machines-over-veth")
+        .env(VANISH_ROLE, "1")
+        .spawn()
+        .unwrap()
 }
 
 /// Set for the test binary re-run as a worker of `a_machine_that_vanishes_...`.
@@ -213,7 +101,7 @@ fn vanish(machines: &Machines, processes: &str) {
             "--nocapture",
             "--test-threads=1",
         ];
-        machines.launch(i, processes, &port, &program)
+        launch(machines, i, processes, &port, &program)
     };
     let (mut m0, m1) = (start(0), start(1));
     // If this test fails before machine 1's launcher is waited for, it is killed (its
@@ -273,7 +161,7 @@ fn two_machines_over_a_network_train_like_one_process() {
                 "test",
                 "--worker",
             ];
-            machines.launch(i, "4", "29500", &program)
+            launch(&machines, i, "4", "29500", &program)
         };
         let (m0, m1) = (start(0), start(1));
         let (r0, r1) = (
@@ -284,7 +172,7 @@ fn two_machines_over_a_network_train_like_one_process() {
     }
     // Machine 1's workers fail before they join: machine 0's ranks, waiting for them, fail
     // within seconds naming machine 1, not after the 120 s rendezvous timeout.
-    let start = |i: usize, program: &[&str]| machines.launch(i, "4", "29501", program);
+    let start = |i: usize, program: &[&str]| launch(&machines, i, "4", "29501", program);
     let m0 = start(0, &[EXE, "test", "--worker"]);
     let m1 = start(1, &["sh", "-c", "echo cannot start; exit 7"]);
     let (r0, r1) = (
@@ -339,5 +227,78 @@ impl Drop for KillOnDrop {
                 libc::kill(pid as i32, libc::SIGKILL);
             }
         }
+    }
+}
+
+/// `mpirun` across the two machines (Open MPI starts machine 1's processes through
+/// `tools/netns-rsh.sh`, as it would through ssh): FULL_SHARD and HYBRID_SHARD train equal
+/// to one process, over MPI (auto picks it: several machines, started under MPI) and, asked
+/// for, over our TCP ring between the machines.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpirun_across_two_machines_trains_over_mpi_and_over_tcp() {
+    let Some(machines) = Machines::or_skip() else {
+        return;
+    };
+    let has_mpirun = Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_mpirun {
+        eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+        return;
+    }
+    let agent = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/netns-rsh.sh");
+    let subnet = format!("{}/24", machines.addrs[0]);
+    let hosts = format!("{}:2,{}:2", machines.names[0], machines.names[1]);
+    for (strategy, backend, transport) in [
+        ("FULL_SHARD", "auto", "transport mpi"),
+        ("HYBRID_SHARD", "auto", "transport mpi"),
+        ("HYBRID_SHARD", "tcp", "transport tcp"),
+    ] {
+        let port = common::port();
+        let mut args = vec![
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "-n",
+            "4",
+            "--host",
+            &hosts,
+            "--mca",
+            "plm_rsh_agent",
+            agent,
+            "--mca",
+            "oob_tcp_if_include",
+            &subnet,
+            "--mca",
+            "btl_tcp_if_include",
+            &subnet,
+        ];
+        let env = [
+            format!("MASTER_ADDR={}", machines.addrs[0]),
+            format!("MASTER_PORT={port}"),
+            format!("FSDP_SHARDING_STRATEGY={strategy}"),
+            format!("FSDP_COMM_BACKEND={backend}"),
+        ];
+        for e in &env {
+            args.extend(["-x", e.as_str()]);
+        }
+        args.extend([EXE, "test", "--worker"]);
+        let run = finish(
+            machines.command(0, "mpirun", &args).spawn().unwrap(),
+            Duration::from_secs(120),
+        );
+        let what = format!("{strategy} over {backend}");
+        assert_eq!(run.code, Some(0), "{what}: {}", run.out);
+        assert!(run.out.contains(transport), "{what}: {}", run.out);
+        assert!(
+            run.out
+                .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1")
+                && run.out.contains("training ok: 8 steps on 4 processes"),
+            "{what}: {}",
+            run.out
+        );
     }
 }

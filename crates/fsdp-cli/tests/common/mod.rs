@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod machines;
+
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
