@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs, once and quietly, the Debian packages the cluster tests and the `mpi` feature use:
-# Open MPI (mpirun, and its headers and libraries for rsmpi) and libclang (rsmpi's bindgen).
+# Open MPI (mpirun, and its headers and libraries for rsmpi), libclang (rsmpi's bindgen), and
+# SLURM with munge (tools/slurm-cluster.sh starts a cluster of them for the tests).
 # Idempotent: does nothing when everything is there. Needs root (apt-get); without it, says
 # what is missing, and the tests that need it skip (a build with --all-features needs MPI).
 set -uo pipefail
@@ -10,6 +11,9 @@ command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
   || need+=(libopenmpi-dev)
 ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 \
   || need+=(libclang-dev)
+for b in slurmctld:slurmctld slurmd:slurmd srun:slurm-client munged:munge; do
+  command -v "${b%%:*}" >/dev/null 2>&1 || need+=("${b#*:}")
+done
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "note: not root; missing Debian packages: ${need[*]}" >&2

@@ -9,6 +9,7 @@ mod exits;
 mod orphans;
 mod plan;
 mod relay;
+mod slurm;
 mod spawn;
 mod supervise;
 
@@ -52,7 +53,20 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
         let exe = build_example(&example)?;
         args.set_program_path(exe);
     }
-    let config = args.file.resolve(&[&args.cli_layer()?])?;
+    let env: std::collections::HashMap<String, String> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect();
+    let step = slurm::step_layer(&env)?;
+    let config = args.file.resolve(&[&args.cli_layer()?, &step])?;
+    if !step.is_empty()
+        && config.launch.num_machines > 1
+        && env.get(fsdp_comm::SECRET_ENV).is_none_or(|s| s.is_empty())
+    {
+        bail!(
+            "{secret} is not set: the launchers srun starts on each node must share the job's secret. Set it before srun, which passes it on: export {secret}=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')",
+            secret = fsdp_comm::SECRET_ENV
+        );
+    }
     let plan = Plan::new(&config, &args)?;
     let say = |msg: String| {
         if !args.quiet {
