@@ -1,13 +1,15 @@
 //! `fsdp bench collectives`: collective bandwidth between processes on this machine, with
 //! NCCL-tests conventions (algorithm bandwidth = bytes / time; bus bandwidth scaled by
 //! 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter), next to a memcpy
-//! baseline measured in the same run.
+//! baseline measured in the same run. Transports: our shared memory and TCP ring (workers
+//! started like `fsdp launch` starts them), and MPI (feature `mpi`; workers started by
+//! `mpirun`, Open MPI's own shared-memory path the anchor for ours).
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use fsdp_comm::{ProcessGroup, ReduceOp};
+use fsdp_comm::{Buffer, Communicator, CommunicatorExt, ReduceOp};
 
 fn sizes(max_mib: usize) -> Vec<usize> {
     let mut out = Vec::new();
@@ -35,8 +37,9 @@ pub struct CollectiveArgs {
     /// Largest message in MiB.
     #[arg(long = "max_mib", default_value_t = 64)]
     max_mib: usize,
-    /// Transports to measure: shm, tcp, or both (side by side, with ratios).
-    #[arg(long, default_value = "both", value_parser = ["shm", "tcp", "both"])]
+    /// Transports to measure, comma-separated, side by side with ratios: shm, tcp, mpi
+    /// (`mpi` needs a build with the `mpi` feature and Open MPI's mpirun); `both` is shm,tcp.
+    #[arg(long, default_value = "both")]
     transport: String,
     /// Write the JSON results to this file too.
     #[arg(long)]
@@ -57,13 +60,21 @@ fn launch(a: &CollectiveArgs) -> Result<()> {
     if a.num_processes < 2 {
         bail!("--num_processes must be at least 2 to measure communication");
     }
-    let transports: &[&str] = match a.transport.as_str() {
-        "both" => &["shm", "tcp"],
-        "shm" => &["shm"],
-        _ => &["tcp"],
+    let transports: Vec<&str> = match a.transport.as_str() {
+        "both" => vec!["shm", "tcp"],
+        list => list.split(',').map(str::trim).collect(),
     };
+    if let Some(bad) = transports
+        .iter()
+        .find(|t| !["shm", "tcp", "mpi"].contains(t))
+    {
+        bail!("--transport: `{bad}` is not one of shm, tcp, mpi (comma-separated) or both");
+    }
+    if transports.contains(&"mpi") && !fsdp_comm::backend::MPI_BUILT {
+        bail!("--transport mpi: this fsdp was built without MPI (build with `--features mpi`)");
+    }
     let mut docs = Vec::new();
-    for t in transports {
+    for t in &transports {
         let report = run_workers(a, t)?;
         let (table, json) = report.trim_end().rsplit_once('\n').unwrap_or(("", &report));
         println!("{table}");
@@ -72,25 +83,32 @@ fn launch(a: &CollectiveArgs) -> Result<()> {
                 .context("reading a worker's JSON report")?,
         );
     }
+    // The first transport's bus bandwidth over each other's, op by op and size by size.
     let mut ratios = Vec::new();
-    if let [shm, tcp] = docs.as_slice() {
-        println!("\nshared memory / TCP bus bandwidth:");
-        let (s, t) = (shm["results"].as_array(), tcp["results"].as_array());
-        for (rs, rt) in s.into_iter().flatten().zip(t.into_iter().flatten()) {
-            let ratio = rs["busbw_gbps"].as_f64().unwrap_or(0.0)
-                / rt["busbw_gbps"].as_f64().unwrap_or(f64::NAN);
-            println!(
-                "{:>15} {:>10} {ratio:>8.2}x",
-                rs["op"].as_str().unwrap_or("?"),
-                rs["bytes"]
+    if let Some((first, others)) = docs.split_first() {
+        for other in others {
+            let (a_name, b_name) = (
+                first["transport"].as_str().unwrap_or("?"),
+                other["transport"].as_str().unwrap_or("?"),
             );
-            ratios.push(
-                serde_json::json!({"op": rs["op"], "bytes": rs["bytes"], "shm_over_tcp": ratio}),
-            );
+            println!("\n{a_name} / {b_name} bus bandwidth:");
+            let (x, y) = (first["results"].as_array(), other["results"].as_array());
+            for (rx, ry) in x.into_iter().flatten().zip(y.into_iter().flatten()) {
+                let ratio = rx["busbw_gbps"].as_f64().unwrap_or(0.0)
+                    / ry["busbw_gbps"].as_f64().unwrap_or(f64::NAN);
+                println!(
+                    "{:>15} {:>10} {ratio:>8.2}x",
+                    rx["op"].as_str().unwrap_or("?"),
+                    rx["bytes"]
+                );
+                ratios.push(serde_json::json!({
+                    "op": rx["op"], "bytes": rx["bytes"], "of": a_name, "over": b_name,
+                    "ratio": ratio,
+                }));
+            }
         }
     }
-    let doc =
-        serde_json::json!({ "benchmark": "collectives", "runs": docs, "shm_over_tcp": ratios });
+    let doc = serde_json::json!({ "benchmark": "collectives", "runs": docs, "ratios": ratios });
     println!("{doc}");
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
@@ -113,12 +131,12 @@ fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
         &a.num_processes.to_string(),
     ]
     .map(String::from);
-    super::workers::spawn_workers(
-        &args,
-        a.num_processes,
-        1,
-        &[("FSDP_COMM_TRANSPORT", transport)],
-    )
+    let env = [("FSDP_COMM_BACKEND", transport)];
+    if transport == "mpi" {
+        super::workers::spawn_mpi_workers(&args, a.num_processes, &env)
+    } else {
+        super::workers::spawn_workers(&args, a.num_processes, 1, &env)
+    }
     .with_context(|| format!("over {transport}"))
 }
 
@@ -131,7 +149,7 @@ struct Row {
 }
 
 fn worker(a: &CollectiveArgs) -> Result<()> {
-    let pg = ProcessGroup::from_env()?;
+    let pg = fsdp_comm::join_job()?.group;
     let n = pg.size();
     let mut rows = Vec::new();
     for bytes in sizes(a.max_mib) {
@@ -140,11 +158,12 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
         // Buffers live across repetitions, as in a training loop (NCCL-tests does the same):
         // one full-size buffer and one shard-size buffer, each op's pair passed through.
         let shard = elems / n;
-        let full = std::cell::RefCell::new(vec![1.0f32; elems]);
-        let part = std::cell::RefCell::new(vec![1.0f32; shard]);
-        let gathered = std::cell::RefCell::new(vec![0.0f32; shard * n]);
-        let scattered = std::cell::RefCell::new(vec![0.0f32; shard]);
-        let take = |c: &std::cell::RefCell<Vec<f32>>| std::mem::take(&mut *c.borrow_mut());
+        let cell = |len: usize, v: f32| std::cell::RefCell::new(Buffer::F32(vec![v; len]));
+        let (full, part) = (cell(elems, 1.0), cell(shard, 1.0));
+        let (gathered, scattered) = (cell(shard * n, 0.0), cell(shard, 0.0));
+        let take = |c: &std::cell::RefCell<Buffer>| {
+            std::mem::replace(&mut *c.borrow_mut(), Buffer::F32(Vec::new()))
+        };
         type Case<'a> = (&'static str, f64, Box<dyn Fn() -> Result<()> + 'a>);
         let cases: Vec<Case> = vec![
             (
@@ -185,7 +204,7 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
             ),
         ];
         for (op, bus_factor, f) in cases {
-            let median = time_op(&pg, a.iters, &*f)?;
+            let median = time_op(pg.as_ref(), a.iters, &*f)?;
             let algbw = bytes as f64 / median.as_secs_f64() / 1e9;
             rows.push(Row {
                 op,
@@ -198,7 +217,7 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
     }
     if pg.rank() == 0 {
         let memcpy = memcpy_gbps(64 << 20);
-        report(&rows, memcpy, n, a, pg.transport())?;
+        report(&rows, memcpy, n, a, pg.backend())?;
     }
     pg.barrier().wait()?;
     Ok(())
@@ -206,14 +225,14 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
 
 /// Median over ranks' slowest time per repetition (buffers allocated inside are part of the
 /// cost, as they are for a caller).
-fn time_op(pg: &ProcessGroup, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<Duration> {
+fn time_op(pg: &dyn Communicator, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<Duration> {
     let mut times = Vec::with_capacity(iters);
     for i in 0..=iters {
         pg.barrier().wait()?;
         let t = Instant::now();
         f()?;
         let mine = t.elapsed().as_secs_f64();
-        let slowest = pg.all_reduce(vec![mine], ReduceOp::Max).wait()?[0];
+        let slowest = pg.all_reduce_vec(vec![mine], ReduceOp::Max).wait()?[0];
         if i > 0 {
             times.push(slowest);
         }

@@ -48,3 +48,38 @@ pub(crate) fn spawn_workers(
         .map(|o| o.stdout)
         .unwrap_or_default())
 }
+
+/// Runs this binary with `args` as `n` processes that Open MPI's `mpirun` starts on this
+/// machine (`env` passed to them, threads split between them) and returns their standard
+/// output (rank 0 alone prints its report).
+pub(crate) fn spawn_mpi_workers(args: &[String], n: usize, env: &[(&str, &str)]) -> Result<String> {
+    let exe = std::env::current_exe()?;
+    let threads = (crate::system::available_cores() / n).max(1).to_string();
+    let mut cmd = Command::new("mpirun");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cmd.arg("--allow-run-as-root");
+    }
+    cmd.args(["--oversubscribe", "--bind-to", "none", "-n", &n.to_string()]);
+    for (k, v) in env
+        .iter()
+        .copied()
+        .chain([("RAYON_NUM_THREADS", threads.as_str())])
+    {
+        cmd.arg("-x").arg(format!("{k}={v}"));
+    }
+    let out = cmd
+        .arg(&exe)
+        .args(args)
+        .output()
+        .context("starting the benchmark workers with mpirun (Debian: openmpi-bin)")?;
+    if !out.status.success() {
+        bail!(
+            "mpirun of the benchmark workers failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
