@@ -85,7 +85,9 @@ impl ConfigFileArg {
             .as_deref()
             .map(fsdp::config::Layer::from_yaml_file)
             .transpose()?;
-        let env = fsdp::config::Layer::from_process_env()?;
+        let mut env = fsdp::config::Layer::from_process_env()?;
+        // These commands launch or describe jobs; they are not a cluster launcher's workers.
+        env.drop_cluster_layout();
         let mut layers = stronger.to_vec();
         layers.push(&env);
         layers.extend(file.as_ref());

@@ -1,5 +1,5 @@
 //! Reading a worker's place in the job from its environment: the torchrun contract that
-//! `fsdp launch` sets, and the variables SLURM and Open MPI set.
+//! `fsdp launch` sets, and the variables SLURM, Open MPI and MPICH's Hydra set.
 
 use std::collections::HashMap;
 
@@ -12,6 +12,8 @@ pub enum Launcher {
     Slurm,
     /// `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, ...
     OpenMpi,
+    /// `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` (MPICH's Hydra `mpiexec`).
+    Mpich,
     /// No launcher variables: a single process.
     Standalone,
 }
@@ -153,7 +155,8 @@ impl WorldInfo {
     }
 
     /// Reads a given set of variables: torchrun's if `RANK` is set, else SLURM's if
-    /// `SLURM_PROCID` is, else Open MPI's if `OMPI_COMM_WORLD_RANK` is, else a single process.
+    /// `SLURM_PROCID` is, else Open MPI's if `OMPI_COMM_WORLD_RANK` is, else MPICH's if
+    /// `PMI_RANK` is, else a single process.
     pub fn from_vars(vars: &HashMap<String, String>) -> Result<WorldInfo, WorldError> {
         let v = Vars(vars);
         let info = if v.get("RANK").is_some() {
@@ -213,6 +216,22 @@ impl WorldInfo {
                 // Open MPI names no node index (its OMPI_COMM_WORLD_NODE_RANK is a rank
                 // within the node): with its default by-slot mapping, ranks fill node
                 // after node.
+                node_rank: rank / local_world_size.max(1),
+                master_addr: v.addr(),
+                master_port: v.port()?,
+                launcher: l,
+            }
+        } else if v.get("PMI_RANK").is_some() {
+            let l = Launcher::Mpich;
+            let world_size = v.required(l, "PMI_SIZE")?;
+            let local_world_size = v.number("MPI_LOCALNRANKS")?.unwrap_or(world_size);
+            let rank = v.required(l, "PMI_RANK")?;
+            WorldInfo {
+                rank,
+                world_size,
+                local_rank: v.number("MPI_LOCALRANKID")?.unwrap_or(0),
+                local_world_size,
+                // Hydra names no node index either; its default layout fills node after node.
                 node_rank: rank / local_world_size.max(1),
                 master_addr: v.addr(),
                 master_port: v.port()?,
@@ -367,6 +386,17 @@ mod tests {
         assert_eq!(tasks_on_node("2(x3),1", 3), Some(1));
         assert_eq!(tasks_on_node("2(x3),1", 4), None);
         assert_eq!(tasks_on_node("2(x", 0), None);
+        let w = WorldInfo::from_vars(&vars(&[
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (w.rank, w.world_size, w.local_rank, w.node_rank, w.launcher),
+            (3, 4, 1, 1, Launcher::Mpich)
+        );
         // Across nodes, task 0 runs on the allocation's first host.
         let w = WorldInfo::from_vars(&vars(&[
             ("SLURM_PROCID", "1"),

@@ -567,3 +567,31 @@ fn cluster_launchers_give_workers_their_layout() {
         &["at least 2 machines with the same number of processes"],
     );
 }
+
+/// A configuration asking for another layout than the one the cluster's launcher started
+/// is an error naming both, not silently outvoted by the launcher's variables.
+#[test]
+fn a_cluster_layout_that_disagrees_with_the_file_is_an_error() {
+    let mpi = env(&[
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ]);
+    let four = file("distributed_type: FSDP\nnum_processes: 4\n").unwrap();
+    let e = ResolvedConfig::resolve(&[&mpi, &four])
+        .unwrap_err()
+        .to_string();
+    assert_contains(
+        &e,
+        &[
+            "`num_processes: 2` (environment variable OMPI_COMM_WORLD_SIZE)",
+            "`num_processes: 4` (cfg.yaml:2)",
+        ],
+    );
+    let two = file("distributed_type: FSDP\nnum_processes: 2\n").unwrap();
+    ResolvedConfig::resolve(&[&mpi, &two]).unwrap();
+    // fsdp's own commands are launchers: they drop what the cluster's variables say.
+    let mut launcher = mpi.clone();
+    launcher.drop_cluster_layout();
+    assert!(launcher.get(fsdp::config::Key::NumProcesses).is_none());
+}

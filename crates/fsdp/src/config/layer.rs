@@ -15,6 +15,14 @@ pub struct Layer {
     settings: BTreeMap<Key, Setting>,
 }
 
+/// Whether `var` is one of a cluster launcher's (SLURM's `srun`, Open MPI's `mpirun`, MPICH's
+/// Hydra) that a worker's layout is read from.
+pub(crate) fn is_cluster_layout_var(var: &str) -> bool {
+    ["SLURM_", "OMPI_", "PMI_", "MPI_LOCAL"]
+        .iter()
+        .any(|p| var.starts_with(p))
+}
+
 /// Whether `var` is one a launched worker's layout is read from: the torchrun contract
 /// (`fsdp launch`'s), or a cluster launcher's (SLURM's `srun`, Open MPI's `mpirun`).
 fn is_layout_var(var: &str) -> bool {
@@ -28,8 +36,7 @@ fn is_layout_var(var: &str) -> bool {
             | "GROUP_RANK"
             | "MASTER_ADDR"
             | "MASTER_PORT"
-    ) || var.starts_with("SLURM_")
-        || var.starts_with("OMPI_COMM_WORLD_")
+    ) || is_cluster_layout_var(var)
 }
 
 impl Layer {
@@ -187,6 +194,7 @@ impl Layer {
                 "SLURM_NODEID",
                 "SLURM_JOB_NODELIST",
             ),
+            Launcher::Mpich => ("PMI_SIZE", "MPI_LOCALNRANKS", "PMI_RANK", "MASTER_ADDR"),
             Launcher::OpenMpi => (
                 "OMPI_COMM_WORLD_SIZE",
                 "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -222,6 +230,14 @@ impl Layer {
                 env("MASTER_PORT"),
             );
         }
+    }
+
+    /// Removes what a cluster launcher's variables set (`SLURM_*`, `OMPI_*`, `PMI_*`): for
+    /// `fsdp launch` run as a task of `srun`, the step's task count is the launchers', not
+    /// the job's processes.
+    pub fn drop_cluster_layout(&mut self) {
+        self.settings
+            .retain(|_, s| !matches!(&s.source, Source::Env { var } if is_cluster_layout_var(var)));
     }
 
     /// Reads this process's environment. A variable the configuration reads whose value is

@@ -109,9 +109,11 @@ impl ResolvedConfig {
                 settings.insert(key, setting);
             }
         }
+        let mut errors = cluster_layout_conflicts(layers, &settings);
         let view = View(&settings);
         let launch = view.launch();
-        let (fsdp, mut errors) = view.fsdp();
+        let (fsdp, fsdp_errors) = view.fsdp();
+        errors.extend(fsdp_errors);
         errors.extend(view.check(&launch, &fsdp));
         ConfigError::collect(errors)?;
         Ok(ResolvedConfig {
@@ -441,4 +443,41 @@ impl View<'_> {
         }
         errors
     }
+}
+
+/// A job that a cluster's launcher started (srun, mpirun, mpiexec) has the size that
+/// launcher gave it; a weaker source (the file, `fsdp launch`'s environment) asking for
+/// another process or machine count is an error naming both, not silently outvoted.
+fn cluster_layout_conflicts(
+    layers: &[&Layer],
+    settings: &BTreeMap<Key, Setting>,
+) -> Vec<ConfigError> {
+    let mut errors = Vec::new();
+    for key in [Key::NumProcesses, Key::NumMachines] {
+        let Some(won) = settings.get(&key) else {
+            continue;
+        };
+        let Source::Env { var } = &won.source else {
+            continue;
+        };
+        if !super::layer::is_cluster_layout_var(var) {
+            continue;
+        }
+        let weaker = layers.iter().filter_map(|l| l.get(key)).skip(1);
+        for other in weaker.filter(|o| o.value != won.value) {
+            errors.push(ConfigError::Inconsistent {
+                keys: vec![key.name()],
+                message: format!(
+                    "the cluster's launcher started this job with `{}: {}` ({}), but `{}: {}` ({}) asks for another layout: start it with the layout the configuration describes, or drop the setting",
+                    key.name(),
+                    won.value,
+                    won.source,
+                    key.name(),
+                    other.value,
+                    other.source
+                ),
+            });
+        }
+    }
+    errors
 }
