@@ -32,6 +32,9 @@ pub struct Header {
     pub reduce: u8,
     /// Step inside the collective.
     pub step: u32,
+    /// Which piece of the step's transfer this frame carries (large transfers travel as
+    /// pieces, so the receiver copies one while the next is on the wire).
+    pub part: u32,
     /// The collective's sequence number in its group.
     pub seq: u64,
     /// The collective's element count as called (the mismatch check compares it).
@@ -54,6 +57,7 @@ impl Header {
         b[6] = self.dtype;
         b[7] = self.reduce;
         b[8..12].copy_from_slice(&self.step.to_le_bytes());
+        b[12..16].copy_from_slice(&self.part.to_le_bytes());
         b[16..24].copy_from_slice(&self.seq.to_le_bytes());
         b[24..32].copy_from_slice(&self.count.to_le_bytes());
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
@@ -69,6 +73,7 @@ impl Header {
             dtype: b[6],
             reduce: b[7],
             step: u32::from_le_bytes(b[8..12].try_into().unwrap_or_default()),
+            part: u32::from_le_bytes(b[12..16].try_into().unwrap_or_default()),
             seq: u64_at(16),
             count: u64_at(24),
             len: u64_at(32),
@@ -84,6 +89,7 @@ impl Header {
             self.seq,
             self.count,
             self.step,
+            self.part,
         ) == (
             other.op,
             other.dtype,
@@ -91,6 +97,7 @@ impl Header {
             other.seq,
             other.count,
             other.step,
+            other.part,
         )
     }
 }
@@ -336,6 +343,7 @@ impl Links {
             dtype: 0,
             reduce: 0,
             step: 0,
+            part: 0,
             seq: 0,
             count: 0,
             len: message.len() as u64,

@@ -23,6 +23,7 @@ impl Engine {
             dtype: T::DTYPE as u8,
             reduce: 0,
             step: 0,
+            part: 0,
             seq,
             count: count as u64,
             len: 0,
