@@ -33,6 +33,9 @@ tag=$$
 m0=fsdpb$tag-m0 m1=fsdpb$tag-m1
 a0=10.233.$((tag % 250)).1 a1=10.233.$((tag % 250)).2
 cleanup() {
+  if [ "$rate" != none ]; then # what the shaper sent and dropped, for reading the figures
+    for ns in "$m0" "$m1"; do tc -n "$ns" -s qdisc show 2>/dev/null | sed "s/^/# $ns: /" >&2 || true; done
+  fi
   ip netns del "$m0" 2>/dev/null || true
   ip netns del "$m1" 2>/dev/null || true
   rm -rf "/etc/netns/$m0" "/etc/netns/$m1"
