@@ -9,8 +9,6 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::alive;
-
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 
 /// `mpirun` for `n` processes of `fsdp ARGS` on this machine, with the environment of
@@ -90,24 +88,9 @@ fn mpirun_starts_a_job_that_trains_like_one_process() {
     assert_ne!(code, Some(0), "{out}");
     assert!(out.contains("rank 1 exits on purpose"), "{out}");
     assert!(took < Duration::from_secs(30), "{took:?}: {out}");
-    let workers: Vec<u32> = out
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("rank ")?
-                .split(" pid ")
-                .nth(1)?
-                .trim()
-                .parse()
-                .ok()
-        })
-        .collect();
+    let workers = common::worker_pids(&out);
     assert_eq!(workers.len(), 3, "{out}");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while workers.iter().any(|&p| alive(p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left: Vec<u32> = workers.into_iter().filter(|&p| alive(p)).collect();
-    assert!(left.is_empty(), "left running: {left:?}\n{out}");
+    common::assert_gone(&workers, Duration::from_secs(5), &out);
 }
 
 #[cfg(feature = "mpi")]

@@ -14,7 +14,7 @@ use std::time::Duration;
 mod common;
 
 use common::machines::Machines;
-use common::{Run, alive, finish, fsdp};
+use common::{Run, finish, fsdp};
 
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 
@@ -220,25 +220,9 @@ fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
         "{}",
         run.out
     );
-    let pids: Vec<u32> = run
-        .out
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("rank ")?
-                .split(" pid ")
-                .nth(1)?
-                .trim()
-                .parse()
-                .ok()
-        })
-        .collect();
+    let pids = common::worker_pids(&run.out);
     assert_eq!(pids.len(), 3, "{}", run.out);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while pids.iter().any(|&p| alive(p)) && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left: Vec<u32> = pids.into_iter().filter(|&p| alive(p)).collect();
-    assert!(left.is_empty(), "left running: {left:?}\n{}", run.out);
+    common::assert_gone(&pids, Duration::from_secs(10), &run.out);
 }
 
 #[test]
@@ -272,39 +256,22 @@ fn srun_across_two_nodes_on_a_real_network() {
     );
 
     // fsdp launch, one per node: machine rank, count and address from the job step.
-    let run = cluster.run(
-        "srun",
-        &[
-            "-N",
-            "2",
-            "--ntasks-per-node=1",
-            EXE,
-            "launch",
-            "--num_processes",
-            "4",
-            EXE,
-            "test",
-            "--worker",
-        ],
-        &[("FSDP_JOB_SECRET", "slurm-two-nodes")],
-    );
+    let per_node = [
+        "-N",
+        "2",
+        "--ntasks-per-node=1",
+        EXE,
+        "launch",
+        "--num_processes",
+        "4",
+        EXE,
+        "test",
+        "--worker",
+    ];
+    let run = cluster.run("srun", &per_node, &[("FSDP_JOB_SECRET", "slurm-two-nodes")]);
     assert_trained(&run, 4);
     // Without a shared secret the launchers refuse at once, saying how to set one.
-    let run = cluster.run(
-        "srun",
-        &[
-            "-N",
-            "2",
-            "--ntasks-per-node=1",
-            EXE,
-            "launch",
-            "--num_processes",
-            "4",
-            EXE,
-            "test",
-        ],
-        &[],
-    );
+    let run = cluster.run("srun", &per_node, &[]);
     assert_ne!(run.code, Some(0), "{}", run.out);
     assert!(
         run.out.contains("FSDP_JOB_SECRET is not set"),

@@ -106,6 +106,30 @@ impl Vars<'_> {
         }
     }
 
+    /// The layout an MPI launcher gives from its variables for rank, size, local rank and
+    /// local size. MPI launchers name no node index (Open MPI's OMPI_COMM_WORLD_NODE_RANK is
+    /// a rank within the node): with their default by-slot mapping, ranks fill node after
+    /// node.
+    fn mpi(
+        &self,
+        l: Launcher,
+        [rank, size, local_rank, local_size]: [&'static str; 4],
+    ) -> Result<WorldInfo, WorldError> {
+        let world_size = self.required(l, size)?;
+        let local_world_size = self.number(local_size)?.unwrap_or(world_size);
+        let rank = self.required(l, rank)?;
+        Ok(WorldInfo {
+            rank,
+            world_size,
+            local_rank: self.number(local_rank)?.unwrap_or(0),
+            local_world_size,
+            node_rank: rank / local_world_size.max(1),
+            master_addr: self.addr(),
+            master_port: self.port()?,
+            launcher: l,
+        })
+    }
+
     fn addr(&self) -> String {
         self.get("MASTER_ADDR").unwrap_or("127.0.0.1").to_string()
     }
@@ -202,41 +226,20 @@ impl WorldInfo {
                 launcher: l,
             }
         } else if v.get("OMPI_COMM_WORLD_RANK").is_some() {
-            let l = Launcher::OpenMpi;
-            let world_size = v.required(l, "OMPI_COMM_WORLD_SIZE")?;
-            let local_world_size = v
-                .number("OMPI_COMM_WORLD_LOCAL_SIZE")?
-                .unwrap_or(world_size);
-            let rank = v.required(l, "OMPI_COMM_WORLD_RANK")?;
-            WorldInfo {
-                rank,
-                world_size,
-                local_rank: v.number("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0),
-                local_world_size,
-                // Open MPI names no node index (its OMPI_COMM_WORLD_NODE_RANK is a rank
-                // within the node): with its default by-slot mapping, ranks fill node
-                // after node.
-                node_rank: rank / local_world_size.max(1),
-                master_addr: v.addr(),
-                master_port: v.port()?,
-                launcher: l,
-            }
+            v.mpi(
+                Launcher::OpenMpi,
+                [
+                    "OMPI_COMM_WORLD_RANK",
+                    "OMPI_COMM_WORLD_SIZE",
+                    "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                ],
+            )?
         } else if v.get("PMI_RANK").is_some() {
-            let l = Launcher::Mpich;
-            let world_size = v.required(l, "PMI_SIZE")?;
-            let local_world_size = v.number("MPI_LOCALNRANKS")?.unwrap_or(world_size);
-            let rank = v.required(l, "PMI_RANK")?;
-            WorldInfo {
-                rank,
-                world_size,
-                local_rank: v.number("MPI_LOCALRANKID")?.unwrap_or(0),
-                local_world_size,
-                // Hydra names no node index either; its default layout fills node after node.
-                node_rank: rank / local_world_size.max(1),
-                master_addr: v.addr(),
-                master_port: v.port()?,
-                launcher: l,
-            }
+            v.mpi(
+                Launcher::Mpich,
+                ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+            )?
         } else {
             WorldInfo {
                 rank: 0,

@@ -143,6 +143,32 @@ pub fn survivors(groups: &[u32]) -> Vec<u32> {
 pub const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 
 /// Whether process `pid` exists and is not a zombie.
+/// The pids of `fsdp test --worker` processes started without `fsdp launch` (lines
+/// `rank R pid P`).
+pub fn worker_pids(out: &str) -> Vec<u32> {
+    out.lines()
+        .filter_map(|l| {
+            l.strip_prefix("rank ")?
+                .split(" pid ")
+                .nth(1)?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Asserts that every process of `pids` is gone within `limit` (what the job's launcher
+/// must ensure once it has ended); `out` is shown otherwise.
+pub fn assert_gone(pids: &[u32], limit: Duration, out: &str) {
+    let deadline = Instant::now() + limit;
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "left running: {left:?}\n{out}");
+}
+
 pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
         s.rsplit(')')
