@@ -116,6 +116,33 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Submits `script` with `sbatch --wait`; the job's output (the test fails when the job
+    /// does).
+    fn sbatch(&self, script: &str) -> String {
+        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let (file, out) = (
+            self.dir.join(format!("job{n}.sbatch")),
+            self.dir.join(format!("job{n}.out")),
+        );
+        std::fs::write(&file, script).unwrap();
+        let output = format!("--output={}", out.display());
+        let run = self.run("sbatch", &["--wait", &output, file.to_str().unwrap()], &[]);
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        assert_eq!(run.code, Some(0), "{script}\n{}\n{text}", run.out);
+        text
+    }
+}
+
+/// The README's batch script for `nodes` nodes and `processes` processes, training with
+/// `fsdp test --worker` instead of nlp_example (its check against one process).
+fn readme_sbatch(nodes: usize, processes: usize) -> String {
+    format!(
+        "#!/bin/sh\n#SBATCH --nodes={nodes} --ntasks-per-node=1 --exclusive\nexport FSDP_JOB_SECRET=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')\nsrun {EXE} launch --num_processes {processes} {EXE} test --worker\n"
+    )
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/slurm-cluster.sh");
@@ -188,24 +215,20 @@ fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
     assert_ne!(run.code, Some(0), "{}", run.out);
     assert!(run.out.contains("--ntasks-per-node=1"), "{}", run.out);
 
-    // A batch script.
-    let script = cluster.dir.join("train.sbatch");
-    let out = cluster.dir.join("train.out");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/sh\n#SBATCH --ntasks=2\n#SBATCH --output={}\nexport MASTER_PORT={port}\nsrun {EXE} test --worker\n",
-            out.display()
-        ),
-    )
-    .unwrap();
-    let run = cluster.run("sbatch", &["--wait", script.to_str().unwrap()], &[]);
-    let text = std::fs::read_to_string(&out).unwrap_or_default();
-    assert_eq!(run.code, Some(0), "{}\n{text}", run.out);
+    // A batch script that starts the processes with srun, and the README's, whose srun
+    // starts one launcher per node.
+    let script = format!(
+        "#!/bin/sh\n#SBATCH --ntasks=2\nexport MASTER_PORT={port}\nsrun {EXE} test --worker\n"
+    );
+    let text = cluster.sbatch(&script);
     assert!(
         text.contains("training ok: 8 steps on 2 processes"),
-        "{}\n{text}",
-        run.out
+        "{text}"
+    );
+    let text = cluster.sbatch(&readme_sbatch(1, 2));
+    assert!(
+        text.contains("training ok: 8 steps on 2 processes"),
+        "{text}"
     );
 
     // A rank that dies ends the step with its rank named, and nothing of it is left.
@@ -270,6 +293,12 @@ fn srun_across_two_nodes_on_a_real_network() {
     ];
     let run = cluster.run("srun", &per_node, &[("FSDP_JOB_SECRET", "slurm-two-nodes")]);
     assert_trained(&run, 4);
+    // The README's batch script on two nodes.
+    let text = cluster.sbatch(&readme_sbatch(2, 4));
+    assert!(
+        text.contains("training ok: 8 steps on 4 processes"),
+        "{text}"
+    );
     // Without a shared secret the launchers refuse at once, saying how to set one.
     let run = cluster.run("srun", &per_node, &[]);
     assert_ne!(run.code, Some(0), "{}", run.out);
