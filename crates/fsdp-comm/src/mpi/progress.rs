@@ -475,9 +475,15 @@ impl MpiThread {
                     }));
                     any = true;
                 }
-                Err(e) => {
-                    let done = self.in_flight.swap_remove(i);
-                    let _ = done.call.reply.send(e);
+                Err(answer) => {
+                    let mut done = self.in_flight.swap_remove(i);
+                    if answer.is_err() {
+                        // MPI may still write into a failed or abandoned call's buffers (a
+                        // schedule aborted half way, a receive still posted): they are never
+                        // freed. The group is unusable from here on anyway.
+                        std::mem::forget(std::mem::take(&mut done.call.bufs));
+                    }
+                    let _ = done.call.reply.send(answer);
                     any = true;
                 }
             }
