@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Collective bandwidth between two machines over a real, rate-limited network (issue 21's
-# measurements): two network namespaces joined by a veth pair, each end's egress shaped by
-# a tc token bucket (tbf: RATE, 512 KiB burst, which holds the largest GSO packet veth
-# sends; `none` leaves the link uncapped; kernels without netem get no added delay), one
+# measurements): two machines from tools/netns-machines.sh (network namespaces on a bridge,
+# each link shaped both ways by a tc token bucket of RATE; `none` leaves it uncapped), one
 # process per machine, f32
 # all-reduce / all-gather / reduce-scatter / broadcast up to MAX_MIB. Measures our TCP ring
 # (one `fsdp launch` per machine) and MPI (mpirun, machine 1 started through
@@ -30,32 +29,18 @@ fsdp=${FSDP:-$here/../target/release/fsdp}
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
 
 tag=$$
-m0=fsdpb$tag-m0 m1=fsdpb$tag-m1
-a0=10.233.$((tag % 250)).1 a1=10.233.$((tag % 250)).2
+set_name=fsdpb$tag
+m0=$set_name-m0 m1=$set_name-m1
+shaped=$([ "$rate" = none ] && echo "" || echo "$rate")
 cleanup() {
-  if [ "$rate" != none ]; then # what the shaper sent and dropped, for reading the figures
-    for ns in "$m0" "$m1"; do tc -n "$ns" -s qdisc show 2>/dev/null | sed "s/^/# $ns: /" >&2 || true; done
+  if [ -n "$shaped" ]; then # what the shapers sent and dropped, for reading the figures
+    for ns in "$m0" "$m1"; do tc -n "$ns" -s qdisc show dev eth0 2>/dev/null | sed "s/^/# $ns: /" >&2 || true; done
   fi
-  ip netns del "$m0" 2>/dev/null || true
-  ip netns del "$m1" 2>/dev/null || true
-  rm -rf "/etc/netns/$m0" "/etc/netns/$m1"
+  "$here/netns-machines.sh" down "$set_name" 2
 }
 trap cleanup EXIT
-ip netns add "$m0"
-ip netns add "$m1"
-ip link add "vb${tag}a" type veth peer name "vb${tag}b"
-for pair in "$m0:vb${tag}a:$a0" "$m1:vb${tag}b:$a1"; do
-  IFS=: read -r ns dev addr <<<"$pair"
-  ip link set "$dev" netns "$ns"
-  ip -n "$ns" addr add "$addr/24" dev "$dev"
-  ip -n "$ns" link set "$dev" up
-  ip -n "$ns" link set lo up
-  if [ "$rate" != none ]; then
-    tc -n "$ns" qdisc add dev "$dev" root tbf rate "$rate" burst 512kb latency 20ms
-  fi
-  mkdir -p "/etc/netns/$ns"
-  printf '127.0.0.1 localhost\n%s %s\n%s %s\n' "$a0" "$m0" "$a1" "$m1" > "/etc/netns/$ns/hosts"
-done
+machines=$("$here/netns-machines.sh" up "$set_name" 2 $shaped)
+a0=$(echo "$machines" | awk 'NR == 1 { print $2 }')
 on() { # on MACHINE CMD...: CMD on that machine under its own hostname
   local ns=$1; shift
   ip netns exec "$ns" unshare --uts sh -c 'hostname "$0"; exec "$@"' "$ns" "$@"

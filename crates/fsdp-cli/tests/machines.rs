@@ -1,6 +1,6 @@
 //! Jobs over two machines on a real network (issue 21, point 0): each machine is a network
 //! namespace of its own (with its own hostname, so the two are different hosts to the job)
-//! with one end of a veth pair and its own address on it, and runs its own `fsdp launch
+//! on a bridge with its own address (tools/netns-machines.sh), and runs its own `fsdp launch
 //! --num_machines 2 --machine_rank i --main_process_ip <machine 0's address>`: TCP between
 //! the machines, shared memory inside each. Every rank must listen on its own machine's
 //! address (binding every listener to MASTER_ADDR failed on machine 1 with "Cannot assign

@@ -1,5 +1,6 @@
-//! `fsdp bench collectives`: collective bandwidth between processes on this machine, with
-//! NCCL-tests conventions (algorithm bandwidth = bytes / time; bus bandwidth scaled by
+//! `fsdp bench collectives`: collective bandwidth between processes (on this machine, or
+//! across machines when tools/bench-machines.sh starts its workers), with NCCL-tests
+//! conventions (algorithm bandwidth = bytes / time; bus bandwidth scaled by
 //! 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter), next to a memcpy
 //! baseline measured in the same run. Transports: our shared memory and TCP ring (workers
 //! started like `fsdp launch` starts them), and MPI (feature `mpi`; workers started by
@@ -258,7 +259,7 @@ fn memcpy_gbps(bytes: usize) -> f64 {
 }
 
 fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &str) -> Result<()> {
-    println!("fsdp-comm collectives, f32, {n} processes on this machine, transport: {transport}");
+    println!("fsdp-comm collectives, f32, {n} processes, transport: {transport}");
     println!(
         "{:>15} {:>10} {:>12} {:>12} {:>12}",
         "op", "bytes", "median_us", "algbw_GB/s", "busbw_GB/s"

@@ -1,20 +1,23 @@
-//! Two machines on a real network for tests: network namespaces, each with its own address
-//! on one end of a veth pair, its own hostname for the processes started in it, and a hosts
-//! file naming both; everything is removed on drop. Needs root.
+//! Machines on a real network for tests, from `tools/netns-machines.sh`: network namespaces
+//! joined through a bridge, each with its own address on its `eth0`, its own hostname for
+//! the processes started in it, and a hosts file naming all; everything is removed on drop.
+//! Needs root.
 
 use std::process::Command;
 
 use super::fsdp;
 
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/netns-machines.sh");
 
-/// Two namespaces joined by a veth pair, `10.231.<net>.1` and `.2`; removed on drop.
+/// Namespaced machines on one bridge; removed on drop.
 pub struct Machines {
     /// The namespaces, which are also the machines' host names.
-    pub names: [String; 2],
-    /// Their addresses on the veth pair.
-    pub addrs: [String; 2],
-    veth: [String; 2],
+    pub names: Vec<String>,
+    /// Their addresses.
+    pub addrs: Vec<String>,
+    /// The script's name for the set.
+    set: String,
 }
 
 pub fn ip(args: &[&str]) -> Result<(), String> {
@@ -34,52 +37,43 @@ pub fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl Machines {
+    /// Two machines.
     pub fn new() -> Result<Machines, String> {
+        Machines::with(2)
+    }
+
+    /// `n` machines, or why they cannot be made here.
+    pub fn with(n: usize) -> Result<Machines, String> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return Err("not root: network namespaces cannot be made".into());
         }
-        // Tests of this binary run at once: each pair of machines gets names and a subnet
-        // of its own.
-        static PAIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let k = PAIRS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let pid = std::process::id();
-        let net = 20 + (pid % 50) * 4 + k % 4;
-        let m = Machines {
-            names: [format!("fsdp-{pid}-{k}-m0"), format!("fsdp-{pid}-{k}-m1")],
-            addrs: [format!("10.231.{net}.1"), format!("10.231.{net}.2")],
-            veth: [format!("fv{pid}{k}a"), format!("fv{pid}{k}b")],
+        // Tests of one binary run at once: each set gets a name of its own.
+        static SETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let k = SETS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let set = format!("fsdp-{}-{k}", std::process::id());
+        let out = Command::new("bash")
+            .args([SCRIPT, "up", &set, &n.to_string()])
+            .output()
+            .map_err(|e| format!("{SCRIPT}: {e}"))?;
+        let mut m = Machines {
+            names: Vec::new(),
+            addrs: Vec::new(),
+            set,
         };
-        // The first namespace says whether this machine can make them at all.
-        ip(&["netns", "add", &m.names[0]])?;
-        let setup = || -> Result<(), String> {
-            let veth = &m.veth;
-            ip(&["netns", "add", &m.names[1]])?;
-            ip(&[
-                "link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1],
-            ])?;
-            for ((ns, dev), addr) in m.names.iter().zip(veth).zip(&m.addrs) {
-                ip(&["link", "set", dev, "netns", ns])?;
-                ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
-                ip(&["-n", ns, "link", "set", dev, "up"])?;
-                ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            }
-            // `ip netns exec` shows /etc/netns/NAME/hosts as /etc/hosts: the machines know
-            // each other by name, as cluster nodes do.
-            let hosts = format!(
-                "127.0.0.1 localhost\n{} {}\n{} {}\n",
-                m.addrs[0], m.names[0], m.addrs[1], m.names[1]
+        if !out.status.success() {
+            panic!(
+                "setting up the namespaced machines: {}",
+                String::from_utf8_lossy(&out.stderr)
             );
-            for n in &m.names {
-                let d = format!("/etc/netns/{n}");
-                std::fs::create_dir_all(&d).map_err(|e| format!("{d}: {e}"))?;
-                std::fs::write(format!("{d}/hosts"), &hosts).map_err(|e| format!("{d}: {e}"))?;
-            }
-            Ok(())
-        };
-        if let Err(e) = setup() {
-            panic!("setting up the namespaced machines: {e}");
         }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some((name, addr)) = line.split_once(' ') {
+                m.names.push(name.to_string());
+                m.addrs.push(addr.to_string());
+            }
+        }
+        assert_eq!(m.names.len(), n, "{}", String::from_utf8_lossy(&out.stdout));
         Ok(m)
     }
 
@@ -133,15 +127,14 @@ impl Machines {
     /// Takes machine `i`'s link `up` or `down` (down: the machine vanishes from the network
     /// without closing a connection).
     pub fn set_link(&self, i: usize, state: &str) {
-        ip(&["-n", &self.names[i], "link", "set", &self.veth[i], state]).unwrap();
+        ip(&["-n", &self.names[i], "link", "set", "eth0", state]).unwrap();
     }
 }
 
 impl Drop for Machines {
     fn drop(&mut self) {
-        for n in &self.names {
-            let _ = ip(&["netns", "del", n]);
-            let _ = std::fs::remove_dir_all(format!("/etc/netns/{n}"));
-        }
+        let _ = Command::new("bash")
+            .args([SCRIPT, "down", &self.set, &self.names.len().to_string()])
+            .status();
     }
 }
