@@ -130,3 +130,40 @@ fn mpirun_trains_over_mpi_when_asked_and_on_shared_memory_by_default() {
     assert!(!out.status.success());
     assert!(text.contains("not started under MPI"), "{text}");
 }
+
+/// Ranks of one MPI job on different backends (MPI on rank 0, TCP on rank 1: mpirun's
+/// two-program form) cannot meet: the job fails within the rendezvous timeout with a
+/// message saying why, and mpirun ends the rank waiting inside MPI.
+#[cfg(feature = "mpi")]
+#[test]
+fn ranks_on_different_backends_fail_saying_why() {
+    let Some(mut cmd) = mpirun_with(
+        1,
+        &common::port(),
+        &[("FSDP_COMM_BACKEND", "mpi")],
+        &["test", "--worker"],
+    ) else {
+        eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+        return;
+    };
+    let port = cmd
+        .get_envs()
+        .find(|(k, _)| *k == "MASTER_PORT")
+        .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()))
+        .unwrap_or_default();
+    cmd.args([":", "-n", "1", "-x", &format!("MASTER_PORT={port}")])
+        .args([
+            "-x",
+            "FSDP_COMM_BACKEND=tcp",
+            "-x",
+            "FSDP_RENDEZVOUS_TIMEOUT_SECS=3",
+        ])
+        .args([EXE, "test", "--worker"]);
+    let (code, out, took) = run(cmd, Duration::from_secs(60));
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("rank 1") && out.contains("ranks with different FSDP_COMM_BACKEND"),
+        "{out}"
+    );
+    assert!(took < Duration::from_secs(20), "{took:?}: {out}");
+}

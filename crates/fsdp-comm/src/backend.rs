@@ -189,13 +189,30 @@ pub fn join_job() -> Result<Joined> {
     let options = GroupOptions::from_env()?;
     let group: Arc<dyn Communicator> = match selection.engine {
         BackendChoice::Mpi => join_mpi(&world, &options)?,
-        engine => Arc::new(ProcessGroup::init(
-            &world,
-            GroupOptions {
+        engine => {
+            let options = GroupOptions {
                 transport: engine.transport(),
                 ..options
-            },
-        )?),
+            };
+            Arc::new(ProcessGroup::init(&world, options).map_err(|e| {
+                // Ranks of one MPI job on different backends never meet: the ones on MPI
+                // wait inside MPI, the others at the rendezvous (whose store rank 0 would
+                // have hosted), which times out.
+                let unmet = match &e {
+                    CommError::RendezvousTimeout { .. } => true,
+                    CommError::Io { what, .. } => what.starts_with("connecting to the rendezvous store"),
+                    _ => false,
+                };
+                if unmet && crate::world::started_under_mpi() {
+                    invalid(world.rank, format!(
+                        "{e}. This job was started under MPI: ranks with different {BACKEND_ENV} (mpi on some, {} on others) never meet; give every rank the same",
+                        engine.name()
+                    ))
+                } else {
+                    e
+                }
+            })?)
+        }
     };
     Ok(Joined { group, selection })
 }
