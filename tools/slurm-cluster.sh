@@ -56,11 +56,14 @@ remount_cgroups='
     [ -n "$type" ] || continue
     mkdir -p "$dir" && mount -t "$type" -o "$opts" "$type" "$dir"
   done'
+# PMIx (srun --mpi=pmix) keeps each step's files under $dir/pmix, named by job and step
+# only: every node sees its own directory there (a bind mount in its private mount space).
+node_pmix='mkdir -p "$FSDP_PMIX-$0" && mount --bind "$FSDP_PMIX-$0" "$FSDP_PMIX"'
 as_node() { # as_node NAME NETNS CMD...: CMD in the node's namespace under its own hostname
   local name=$1 ns=$2; shift 2
   if [ -n "$ns" ]; then
-    FSDP_CGROUPS=$cgroups FSDP_CGROUP_ROOT=$cgroup_root ip netns exec "$ns" unshare --uts \
-      sh -c "$remount_cgroups"'; hostname "$0"; exec "$@"' "$name" "$@"
+    FSDP_CGROUPS=$cgroups FSDP_CGROUP_ROOT=$cgroup_root FSDP_PMIX=$dir/pmix ip netns exec "$ns" unshare --uts \
+      sh -c "$remount_cgroups; $node_pmix"'; hostname "$0"; exec "$@"' "$name" "$@"
   else
     "$@"
   fi
@@ -111,7 +114,8 @@ cpus=$(nproc); [ "$cpus" -ge 4 ] || cpus=4
   done
   echo "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
 } > "$dir/slurm.conf"
-mkdir -p "$dir/ctld"
+mkdir -p "$dir/ctld" "$dir/pmix"
+echo "PMIxCliTmpDirBase=$dir/pmix" > "$dir/mpi.conf"
 export SLURM_CONF="$dir/slurm.conf"
 
 as_node "$ctl_name" "$ctl_ns" slurmctld -f "$SLURM_CONF" -i

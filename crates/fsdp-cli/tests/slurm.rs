@@ -177,6 +177,18 @@ fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
     let run = cluster.run("srun", &["-n", "2", EXE, "test", "--worker"], &master);
     assert_trained(&run, 2);
 
+    // srun's PMIx server makes it an MPI launcher: the processes communicate over MPI.
+    #[cfg(feature = "mpi")]
+    {
+        let run = cluster.run(
+            "srun",
+            &["--mpi=pmix", "-n", "2", EXE, "test", "--worker"],
+            &[master[0], ("FSDP_COMM_BACKEND", "mpi")],
+        );
+        assert_trained(&run, 2);
+        assert!(run.out.contains("transport mpi"), "{}", run.out);
+    }
+
     // One launcher per node from srun: it takes the machine from the job step.
     let run = cluster.run(
         "srun",
@@ -277,6 +289,30 @@ fn srun_across_two_nodes_on_a_real_network() {
         "TCP between the nodes:\n{}",
         run.out
     );
+
+    // Under srun's PMIx, auto picks MPI between the nodes.
+    #[cfg(feature = "mpi")]
+    {
+        let run = cluster.run(
+            "srun",
+            &[
+                "--mpi=pmix",
+                "-N",
+                "2",
+                "--ntasks-per-node=2",
+                EXE,
+                "test",
+                "--worker",
+            ],
+            &[("MASTER_PORT", port.as_str())],
+        );
+        assert_trained(&run, 4);
+        assert!(
+            run.out.contains("transport mpi"),
+            "MPI between the nodes:\n{}",
+            run.out
+        );
+    }
 
     // fsdp launch, one per node: machine rank, count and address from the job step.
     let per_node = [
