@@ -32,7 +32,7 @@ pub struct CollectiveArgs {
         default_value_t = 2
     )]
     num_processes: usize,
-    /// Timed repetitions per op and size (after one warm-up).
+    /// Repetitions per op and size, back to back (after one warm-up).
     #[arg(long, default_value_t = 10)]
     iters: usize,
     /// Largest message in MiB.
@@ -144,7 +144,7 @@ fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
 struct Row {
     op: &'static str,
     bytes: usize,
-    median: Duration,
+    time: Duration,
     algbw: f64,
     busbw: f64,
 }
@@ -205,12 +205,12 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
             ),
         ];
         for (op, bus_factor, f) in cases {
-            let median = time_op(pg.as_ref(), a.iters, &*f)?;
-            let algbw = bytes as f64 / median.as_secs_f64() / 1e9;
+            let time = time_op(pg.as_ref(), a.iters, &*f)?;
+            let algbw = bytes as f64 / time.as_secs_f64() / 1e9;
             rows.push(Row {
                 op,
                 bytes,
-                median,
+                time,
                 algbw,
                 busbw: algbw * bus_factor,
             });
@@ -224,22 +224,21 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
     Ok(())
 }
 
-/// Median over ranks' slowest time per repetition (buffers allocated inside are part of the
-/// cost, as they are for a caller).
+/// Time per op as NCCL-tests measures it: `iters` repetitions back to back after one
+/// warm-up, between two barriers, the total divided by `iters` on the slowest rank. (Timing
+/// each repetition alone after a barrier let a rank whose part returns at once — a
+/// broadcast's root over TCP — send before a late peer started its clock, so that peer's
+/// time could read faster than the transfer; back to back, such skew is paid once.)
 fn time_op(pg: &dyn Communicator, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<Duration> {
-    let mut times = Vec::with_capacity(iters);
-    for i in 0..=iters {
-        pg.barrier().wait()?;
-        let t = Instant::now();
+    f()?;
+    pg.barrier().wait()?;
+    let t = Instant::now();
+    for _ in 0..iters.max(1) {
         f()?;
-        let mine = t.elapsed().as_secs_f64();
-        let slowest = pg.all_reduce_vec(vec![mine], ReduceOp::Max).wait()?[0];
-        if i > 0 {
-            times.push(slowest);
-        }
     }
-    times.sort_by(f64::total_cmp);
-    Ok(Duration::from_secs_f64(times[times.len() / 2]))
+    let mine = t.elapsed().as_secs_f64() / iters.max(1) as f64;
+    let slowest = pg.all_reduce_vec(vec![mine], ReduceOp::Max).wait()?[0];
+    Ok(Duration::from_secs_f64(slowest))
 }
 
 /// Single-thread copy bandwidth (GB/s) of a buffer of `bytes`, median of 10.
@@ -262,14 +261,14 @@ fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &s
     println!("fsdp-comm collectives, f32, {n} processes, transport: {transport}");
     println!(
         "{:>15} {:>10} {:>12} {:>12} {:>12}",
-        "op", "bytes", "median_us", "algbw_GB/s", "busbw_GB/s"
+        "op", "bytes", "time_us", "algbw_GB/s", "busbw_GB/s"
     );
     for r in rows {
         println!(
             "{:>15} {:>10} {:>12.1} {:>12.3} {:>12.3}",
             r.op,
             r.bytes,
-            r.median.as_secs_f64() * 1e6,
+            r.time.as_secs_f64() * 1e6,
             r.algbw,
             r.busbw
         );
@@ -283,7 +282,7 @@ fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &s
         "iters": a.iters,
         "memcpy_gbps": memcpy,
         "results": rows.iter().map(|r| serde_json::json!({
-            "op": r.op, "bytes": r.bytes, "median_us": r.median.as_secs_f64() * 1e6,
+            "op": r.op, "bytes": r.bytes, "time_us": r.time.as_secs_f64() * 1e6,
             "algbw_gbps": r.algbw, "busbw_gbps": r.busbw,
         })).collect::<Vec<_>>(),
     });
