@@ -462,3 +462,57 @@ fn activation_checkpointing_recomputes_with_the_same_dropout_masks() {
         assert!(d < 1e-6, "{name} differs with checkpointing by {d:e}");
     }
 }
+
+/// An optimizer step without `max_grad_norm` runs no collective (it used to all-reduce the
+/// gradient norm every step and drop it, also right after the caller's own clip), and
+/// clipping multiplies by `min(1, max_norm / (norm + 1e-6))` in f32 as PyTorch's
+/// `clip_grad_norm_` does: a norm exactly at the limit is still scaled.
+#[test]
+fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
+    let handles: Vec<_> = LocalGroup::create(2)
+        .into_iter()
+        .map(|group| {
+            std::thread::spawn(move || {
+                let group: Arc<dyn Communicator> = Arc::new(group);
+                let m = model();
+                let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+                let plugin = FsdpPlugin::builder()
+                    .resolve(&Layer::new(), None)
+                    .unwrap()
+                    .fsdp;
+                let mut engine = Fsdp::wrap(&m, &init.tensors(), &plugin, group.clone()).unwrap();
+                let mut opt = adamw();
+                let per_rank = GLOBAL_BATCH / 2;
+                let grads_of = |engine: &mut Fsdp, step: usize| {
+                    let (ids, labels) = batch(step);
+                    let ids = ids.narrow(0, group.rank() * per_rank, per_rank).unwrap();
+                    let labels = labels.narrow(0, group.rank() * per_rank, per_rank).unwrap();
+                    let params = engine.begin_step().unwrap();
+                    let logits = m.forward(&params, &ids, None, None).unwrap();
+                    let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+                    engine.backward(params, loss).unwrap()
+                };
+                let grads = grads_of(&mut engine, 0);
+                let before = group.bytes_sent();
+                let report = engine.step(grads, &mut opt, None).unwrap();
+                assert_eq!(group.bytes_sent(), before, "the step sent bytes of its own");
+                assert_eq!((report.grad_norm, report.clipped), (None, false));
+
+                let mut grads = grads_of(&mut engine, 1);
+                let (norm, clipped) = engine.clip_grad_norm(&mut grads, None).unwrap();
+                assert!(norm > 0.0 && !clipped);
+                let name = grads.names()[0].to_string();
+                let unscaled = grads.get(&name).unwrap().to_vec();
+                let (again, clipped) = engine.clip_grad_norm(&mut grads, Some(norm)).unwrap();
+                assert_eq!(again, norm);
+                assert!(clipped, "a norm at the limit is scaled, as in PyTorch");
+                let coef = (norm as f32 / (norm as f32 + 1e-6)).min(1.0);
+                let want: Vec<f32> = unscaled.iter().map(|g| g * coef).collect();
+                assert_eq!(grads.get(&name).unwrap(), want.as_slice());
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}

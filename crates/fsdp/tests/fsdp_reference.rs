@@ -93,7 +93,7 @@ fn worker_entry() {
             .ok()
             .map(|v| v.parse::<f64>().unwrap());
         let report = fsdp.step(grads, &mut adamw, max_norm).unwrap();
-        norms.push(report.grad_norm);
+        norms.push(report.grad_norm.unwrap_or(f64::NAN));
         losses.push(
             fsdp.mesh()
                 .all_reduce_vec(vec![local], ReduceOp::Avg)

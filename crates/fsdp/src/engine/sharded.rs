@@ -71,8 +71,10 @@ fn machine_size(world: usize) -> Result<usize, EngineError> {
 /// What a step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepReport {
-    /// The global gradient norm before clipping (over every parameter, all ranks).
-    pub grad_norm: f64,
+    /// The global gradient norm before clipping (over every parameter, all ranks), when
+    /// the step clipped: the norm is a collective, which a step without `max_grad_norm`
+    /// does not run (a caller who clipped first has it from [`Fsdp::clip_grad_norm`]).
+    pub grad_norm: Option<f64>,
     /// Whether gradients were scaled down to `max_grad_norm`.
     pub clipped: bool,
     /// Bytes of live allocations just after the update, measured by
@@ -431,8 +433,10 @@ impl Fsdp {
     }
 
     /// The global gradient norm (over every parameter on every rank: shards' squares summed
-    /// over the shard group, whole copies counted once), and, when `max_norm` is set and the
-    /// norm exceeds it, gradients scaled down to it (`clip_grad_norm_`).
+    /// over the shard group, whole copies counted once), and, when `max_norm` is set,
+    /// gradients multiplied by `min(1, max_norm / (norm + 1e-6))` in f32, as PyTorch's
+    /// `clip_grad_norm_` does (so a norm at the limit is still scaled, by a hair); whether
+    /// they were scaled.
     pub fn clip_grad_norm(
         &self,
         grads: &mut Gradients,
@@ -448,13 +452,13 @@ impl Fsdp {
         }
         let norm = (sharded_sq + replicated_sq).sqrt();
         let scale = match max_norm {
-            Some(max) if norm > max => (max / (norm + 1e-6)) as f32,
-            _ => 1.0,
+            Some(max) => (max as f32 / (norm as f32 + 1e-6)).min(1.0),
+            None => 1.0,
         };
-        if scale != 1.0 {
+        if scale < 1.0 {
             grads.scale(scale);
         }
-        Ok((norm, scale != 1.0))
+        Ok((norm, scale < 1.0))
     }
 
     /// Clips by the global gradient norm when `max_grad_norm` is set and updates this rank's
@@ -466,7 +470,13 @@ impl Fsdp {
         optimizer: &mut dyn Optimizer,
         max_grad_norm: Option<f64>,
     ) -> Result<StepReport, EngineError> {
-        let (grad_norm, clipped) = self.clip_grad_norm(&mut grads, max_grad_norm)?;
+        let (grad_norm, clipped) = match max_grad_norm {
+            Some(_) => {
+                let (norm, clipped) = self.clip_grad_norm(&mut grads, max_grad_norm)?;
+                (Some(norm), clipped)
+            }
+            None => (None, false),
+        };
         for (u, (reduced, has_grad)) in grads.units.iter().zip(&grads.has_grad).enumerate() {
             let Some(reduced) = reduced else { continue };
             // The step in flight has ended, so the unit is not shared: no copy.
