@@ -100,6 +100,10 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
         acc.optimizer_step(&mut model, &mut optimizer)?;
         losses.push(acc.reduce(vec![local], ReduceOp::Avg)?[0]);
     }
+    let mesh = {
+        let m = model.engine().mesh();
+        (m.shard_size(), m.replicas())
+    };
     if !acc.is_main_process() {
         return Ok(());
     }
@@ -135,7 +139,9 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
         bail!("the loss did not decrease: {losses:?}");
     }
     println!(
-        "training ok: {STEPS} steps on {world} processes, loss {:.4} -> {:.4}, equal to one process within {worst:.1e}",
+        "training ok: {STEPS} steps on {world} processes (shard groups of {} x {} replicas), loss {:.4} -> {:.4}, equal to one process within {worst:.1e}",
+        mesh.0,
+        mesh.1,
         losses[0],
         losses[STEPS - 1]
     );

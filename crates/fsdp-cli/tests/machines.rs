@@ -296,7 +296,10 @@ fn mpirun_across_two_machines_trains_over_mpi_and_over_tcp() {
         assert!(
             run.out
                 .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1")
-                && run.out.contains("training ok: 8 steps on 4 processes"),
+                && run.out.contains(&format!(
+                    "training ok: 8 steps on 4 processes ({})",
+                    common::mesh_of(strategy)
+                )),
             "{what}: {}",
             run.out
         );

@@ -199,8 +199,21 @@ pub fn assert_two_machines_trained(r0: &Run, r1: &Run, strategy: &str) {
         r0.out
     );
     assert!(
-        r0.out.contains("training ok: 8 steps on 4 processes"),
+        r0.out.contains(&format!(
+            "training ok: 8 steps on 4 processes ({})",
+            mesh_of(strategy)
+        )),
         "{}",
         r0.out
     );
+}
+
+/// How `fsdp test` reports the mesh of `strategy` on 2 machines of 2 processes: hybrid
+/// strategies shard inside each machine and replicate across the two.
+pub fn mesh_of(strategy: &str) -> &'static str {
+    if strategy.starts_with("HYBRID") {
+        "shard groups of 2 x 2 replicas"
+    } else {
+        "shard groups of 4 x 1 replicas"
+    }
 }

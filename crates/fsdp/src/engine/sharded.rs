@@ -49,22 +49,26 @@ fn comm_dtypes(plugin: &FsdpPlugin) -> CommDtypes {
     }
 }
 
-/// The processes of one machine (`LOCAL_WORLD_SIZE`), which hybrid sharding shards over;
-/// the whole group when the variable is absent (one machine).
+/// The processes of one machine, which hybrid sharding shards over: from the launch
+/// environment as `WorldInfo` reads it (`fsdp launch`'s `LOCAL_WORLD_SIZE`, or SLURM's,
+/// Open MPI's or MPICH's per-node counts); the whole group for a process no launcher
+/// started (one machine).
 fn machine_size(world: usize) -> Result<usize, EngineError> {
-    let local = match std::env::var("LOCAL_WORLD_SIZE") {
-        Err(_) => return Ok(world),
-        Ok(v) => v.trim().parse::<usize>().ok(),
+    let unsupported = |what: String| EngineError::Unsupported {
+        setting: format!("hybrid sharding with {what} in a group of {world}"),
+        hint: "hybrid sharding shards over each machine's processes: their number must divide the group",
     };
-    match local {
-        Some(n) if n > 0 && world.is_multiple_of(n) => Ok(n),
-        _ => Err(EngineError::Unsupported {
-            setting: format!(
-                "hybrid sharding with LOCAL_WORLD_SIZE={} in a group of {world}",
-                std::env::var("LOCAL_WORLD_SIZE").unwrap_or_default()
-            ),
-            hint: "hybrid sharding shards over each machine's processes: their number must divide the group",
-        }),
+    let info = fsdp_comm::WorldInfo::from_env()
+        .map_err(|e| unsupported(format!("a launch environment that does not read ({e})")))?;
+    if info.launcher == fsdp_comm::Launcher::Standalone {
+        return Ok(world);
+    }
+    match info.local_world_size {
+        n if n > 0 && world.is_multiple_of(n) => Ok(n),
+        n => Err(unsupported(format!(
+            "{n} processes on this machine ({:?} launch environment)",
+            info.launcher
+        ))),
     }
 }
 
