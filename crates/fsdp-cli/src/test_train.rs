@@ -80,6 +80,16 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
         .build()
         .context("reading the configuration from the environment")?;
     let world = acc.num_processes();
+    let place = fsdp_comm::WorldInfo::from_env()?;
+    if acc.local_process_index() != place.local_rank {
+        bail!(
+            "the Accelerator puts rank {} at local rank {}, its launch environment ({:?}) at {}",
+            acc.process_index(),
+            acc.local_process_index(),
+            place.launcher,
+            place.local_rank
+        );
+    }
     let m = model()?;
     let init = LocalParams::init(&m.info(), 11, DType::F32, &Device::Cpu)?.tensors();
     let names: Vec<String> = init.keys().cloned().collect();

@@ -254,10 +254,12 @@ impl AcceleratorBuilder {
                 (joined.group, joined.selection.notice)
             }
         };
-        let local_rank = std::env::var("LOCAL_RANK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
+        // This process's place on its machine, as the launch environment gives it
+        // (`fsdp launch`, srun, mpirun or mpiexec; LOCAL_RANK alone missed the cluster
+        // launchers, where every process took itself for its machine's first).
+        let local_rank = fsdp_comm::WorldInfo::from_env()
+            .map_err(|e| AcceleratorError::Usage(format!("the launch environment: {e}")))?
+            .local_rank;
         let accumulation = self.accumulation.unwrap_or(1).max(1);
         let rank = group.rank();
         init_logging(rank);
