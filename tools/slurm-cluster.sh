@@ -2,12 +2,13 @@
 # A real SLURM cluster for tests, from Debian's packages (slurmctld, slurmd, slurm-client,
 # munge; tools/install-cluster-packages.sh installs them). Runs as root.
 #
-#   tools/slurm-cluster.sh start DIR PORT [NODE...]   NODE = name:address[:netns]
+#   tools/slurm-cluster.sh start DIR PORT[,SLURMD_PORT] [NODE...]   NODE = name:address[:netns]
 #   tools/slurm-cluster.sh stop DIR
 #
 # `start` writes DIR/slurm.conf (use it with SLURM_CONF=DIR/slurm.conf), starts munged with a
 # key of its own, slurmctld on the first node's address (in that node's network namespace,
-# if it has one) on PORT, and one slurmd per node (slurmd -N name, on PORT+1, inside the
+# if it has one) on PORT, and one slurmd per node (slurmd -N name, on SLURMD_PORT, else
+# PORT+1, inside the
 # node's namespace under the node's name as hostname, so its tasks are on a host of their
 # own), then waits until every node is idle. Without NODE: one node, this host
 # at 127.0.0.1. ProctrackType=proctrack/linuxproc and TaskPlugin=task/none need no cgroups,
@@ -32,7 +33,8 @@ stop() {
 
 if [ "$cmd" = stop ]; then stop; exit 0; fi
 [ "$cmd" = start ] || { echo "unknown command $cmd" >&2; exit 2; }
-port=${3:?PORT}
+IFS=, read -r port slurmd_port <<<"${3:?PORT}"
+slurmd_port=${slurmd_port:-$((port + 1))}
 shift 3
 nodes=("$@")
 [ ${#nodes[@]} -gt 0 ] || nodes=("$(hostname -s):127.0.0.1")
@@ -82,7 +84,7 @@ cpus=$(nproc); [ "$cpus" -ge 4 ] || cpus=4
   echo "ClusterName=fsdp"
   echo "SlurmctldHost=${ctl_name}(${ctl_addr})"
   echo "SlurmctldPort=${port}"
-  echo "SlurmdPort=$((port + 1))"
+  echo "SlurmdPort=${slurmd_port}"
   echo "AuthType=auth/munge"
   echo "CredType=cred/munge"
   echo "AuthInfo=socket=${dir}/munge.sock"

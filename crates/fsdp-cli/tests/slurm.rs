@@ -51,7 +51,17 @@ impl Cluster {
             std::env::temp_dir().join(format!("fsdp-slurm-{}-{}", std::process::id(), nodes.len()));
         let _ = std::fs::remove_dir_all(&dir);
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/slurm-cluster.sh");
-        let port = common::port();
+        // Two ports free at once (slurmctld's, slurmd's): PORT+1 may be another's.
+        let (a, b) = (
+            std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+            std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        );
+        let port = format!(
+            "{},{}",
+            a.local_addr().unwrap().port(),
+            b.local_addr().unwrap().port()
+        );
+        drop((a, b));
         let out = Command::new("bash")
             .arg(script)
             .arg("start")
