@@ -7,6 +7,8 @@ use std::process::{Command, Output, Stdio};
 
 use fsdp::config::{Layer, ResolvedConfig};
 
+mod common;
+
 const GUIDE: &str = include_str!("../../fsdp/tests/data/accelerate_guide_fsdp.yaml");
 
 /// `fsdp` with a private HOME, so no real config file is read or written.
@@ -364,11 +366,7 @@ fn bench_collectives_prints_a_table_and_json() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     // MPI beside ours where this build has it and mpirun is installed.
-    let mpirun = std::process::Command::new("mpirun")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    let want: &[&str] = if cfg!(feature = "mpi") && mpirun {
+    let want: &[&str] = if cfg!(feature = "mpi") && common::has_mpirun() {
         &["shm", "tcp", "mpi"]
     } else {
         &["shm", "tcp"]

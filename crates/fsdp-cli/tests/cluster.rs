@@ -18,13 +18,7 @@ fn mpirun(n: usize, port: &str, args: &[&str]) -> Option<Command> {
 }
 
 fn mpirun_with(n: usize, port: &str, env: &[(&str, &str)], args: &[&str]) -> Option<Command> {
-    let found = Command::new("mpirun")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !found {
+    if !common::has_mpirun() {
         return None;
     }
     let base = common::fsdp();

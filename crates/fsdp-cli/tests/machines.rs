@@ -8,7 +8,6 @@
 //! within seconds naming that machine. Needs root; skips with a reason otherwise. The
 //! namespaces are removed at the end, whatever happens.
 
-use std::process::Command;
 use std::time::Duration;
 
 mod common;
@@ -240,11 +239,7 @@ fn mpirun_across_two_machines_trains_over_mpi_and_over_tcp() {
     let Some(machines) = Machines::or_skip() else {
         return;
     };
-    let has_mpirun = Command::new("mpirun")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_mpirun {
+    if !common::has_mpirun() {
         eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
         return;
     }

@@ -48,6 +48,17 @@ pub fn bench_json(what: &str, args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
 }
 
+/// Whether Open MPI's `mpirun` is installed (Debian's openmpi-bin): the tests that need it
+/// skip without it.
+pub fn has_mpirun() -> bool {
+    Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 pub fn port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
