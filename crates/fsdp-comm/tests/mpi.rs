@@ -12,12 +12,12 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fsdp_comm::mpi::MpiGroup;
-use fsdp_comm::{Buffer, CommError, Communicator, CommunicatorExt, GroupOptions, Mesh, ReduceOp};
+use fsdp_comm::{Buffer, CommError, Communicator, CommunicatorExt, GroupOptions, ReduceOp};
 use half::{bf16, f16};
 
 mod common;
 
-use common::{check_every_dtype, expect_eq};
+use common::{check_every_dtype, check_hybrid_mesh, expect_eq};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
@@ -208,15 +208,7 @@ fn mesh(g: MpiGroup) -> Result<(), String> {
         ));
     }
     drop((shard, replicate));
-    let mesh = Mesh::hybrid(g.as_ref(), 2).map_err(err)?;
-    let total = mesh
-        .all_reduce(Buffer::from(vec![rank as f64]), ReduceOp::Sum)
-        .map_err(err)?;
-    expect_eq(
-        "mesh all_reduce",
-        total.as_slice::<f64>().ok_or("dtype")?,
-        &[(0..n).sum::<usize>() as f64],
-    )?;
+    check_hybrid_mesh(g.as_ref())?;
     g.barrier().wait().map_err(err)
 }
 

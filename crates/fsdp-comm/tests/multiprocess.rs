@@ -11,7 +11,7 @@ use half::{bf16, f16};
 
 mod common;
 
-use common::{TestElement, check_collectives, data, expect_eq, value};
+use common::{TestElement, check_collectives, check_hybrid_mesh, data, expect_eq, value};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
@@ -325,7 +325,7 @@ fn subgroups() -> Result<(), String> {
 
 /// The same collectives through `dyn Communicator` (typed buffers) and a hybrid mesh.
 fn communicator() -> Result<(), String> {
-    use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Mesh};
+    use fsdp_comm::{Buffer, Communicator, CommunicatorExt};
     let pg = std::sync::Arc::new(group()?);
     let err = |e: fsdp_comm::CommError| e.to_string();
     let (rank, n) = (pg.rank(), pg.size());
@@ -365,29 +365,7 @@ fn communicator() -> Result<(), String> {
         expect_eq("dyn gather", &got.ok_or("root got nothing")?, &want)?;
     }
     // Hybrid mesh, 2 replicas of 2 shards: world all-reduce over both dimensions.
-    let mesh = Mesh::hybrid(pg.as_ref(), 2).map_err(err)?;
-    if (mesh.shard_size(), mesh.replicas(), mesh.rank()) != (2, n / 2, rank) {
-        return Err(format!(
-            "mesh shape {:?}",
-            (mesh.shard_size(), mesh.replicas(), mesh.rank())
-        ));
-    }
-    let total = mesh
-        .all_reduce(Buffer::from(vec![rank as f64]), ReduceOp::Sum)
-        .map_err(err)?;
-    expect_eq(
-        "mesh all_reduce",
-        total.as_slice::<f64>().ok_or("dtype")?,
-        &[(0..n).sum::<usize>() as f64],
-    )?;
-    let first = mesh
-        .broadcast_from_first(Buffer::from(vec![rank as i32 + 10]))
-        .map_err(err)?;
-    expect_eq(
-        "mesh broadcast",
-        first.as_slice::<i32>().ok_or("dtype")?,
-        &[10],
-    )?;
+    check_hybrid_mesh(pg.as_ref())?;
     c.barrier().wait().map_err(err)
 }
 

@@ -3,7 +3,7 @@
 //! `Communicator` trait, so each backend meets the same expectations.
 #![allow(dead_code)]
 
-use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Element, ReduceOp};
+use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Element, Mesh, ReduceOp};
 use half::{bf16, f16};
 
 /// Rank `r`'s value at index `i`: small integers, so float sums are exact in every dtype.
@@ -147,4 +147,34 @@ pub fn check_every_dtype(c: &dyn Communicator, sizes: &[usize]) -> Result<(), St
     check_collectives::<i32>(c, "i32", sizes)?;
     check_collectives::<i64>(c, "i64", sizes)?;
     check_collectives::<u8>(c, "u8", sizes)
+}
+
+/// The hybrid mesh of `c` (replicas of 2 shards): its shape, an all-reduce over both
+/// dimensions, and the broadcast from its first rank.
+pub fn check_hybrid_mesh(c: &dyn Communicator) -> Result<(), String> {
+    let err = |e: fsdp_comm::CommError| e.to_string();
+    let (rank, n) = (c.rank(), c.size());
+    let mesh = Mesh::hybrid(c, 2).map_err(err)?;
+    if (mesh.shard_size(), mesh.replicas(), mesh.rank()) != (2, n / 2, rank) {
+        return Err(format!(
+            "mesh shape {:?}",
+            (mesh.shard_size(), mesh.replicas(), mesh.rank())
+        ));
+    }
+    let total = mesh
+        .all_reduce(Buffer::from(vec![rank as f64]), ReduceOp::Sum)
+        .map_err(err)?;
+    expect_eq(
+        "mesh all_reduce",
+        total.as_slice::<f64>().ok_or("dtype")?,
+        &[(0..n).sum::<usize>() as f64],
+    )?;
+    let first = mesh
+        .broadcast_from_first(Buffer::from(vec![rank as i32 + 10]))
+        .map_err(err)?;
+    expect_eq(
+        "mesh broadcast",
+        first.as_slice::<i32>().ok_or("dtype")?,
+        &[10],
+    )
 }
