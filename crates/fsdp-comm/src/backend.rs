@@ -198,11 +198,10 @@ pub fn join_job() -> Result<Joined> {
                 // Ranks of one MPI job on different backends never meet: the ones on MPI
                 // wait inside MPI, the others at the rendezvous (whose store rank 0 would
                 // have hosted), which times out.
-                let unmet = match &e {
-                    CommError::RendezvousTimeout { .. } => true,
-                    CommError::Io { what, .. } => what.starts_with("connecting to the rendezvous store"),
-                    _ => false,
-                };
+                let unmet = matches!(
+                    e,
+                    CommError::RendezvousTimeout { .. } | CommError::StoreUnreachable { .. }
+                );
                 if unmet && crate::world::started_under_mpi() {
                     invalid(world.rank, format!(
                         "{e}. This job was started under MPI: ranks with different {BACKEND_ENV} (mpi on some, {} on others) never meet; give every rank the same",

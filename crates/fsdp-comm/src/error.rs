@@ -60,6 +60,17 @@ pub enum CommError {
         /// How long.
         timeout: Duration,
     },
+    /// The rendezvous store could not be reached before the deadline (no process hosts it
+    /// there, or the network does not lead to it).
+    #[error("rank {rank}: {what}: {message}")]
+    StoreUnreachable {
+        /// The rank that tried.
+        rank: usize,
+        /// Where and for how long it tried.
+        what: String,
+        /// The last connection error.
+        message: String,
+    },
     /// The rendezvous did not complete: names the ranks that never arrived.
     #[error(
         "rank {rank}: rendezvous timed out after {timeout:?}; ranks that never arrived: {missing:?}"

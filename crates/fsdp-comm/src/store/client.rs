@@ -94,7 +94,7 @@ impl StoreClient {
                     });
                 }
                 Err(e) if Instant::now() >= deadline => {
-                    return Err(CommError::Io {
+                    return Err(CommError::StoreUnreachable {
                         rank,
                         what: format!(
                             "connecting to the rendezvous store at {target} for {timeout:?}"
