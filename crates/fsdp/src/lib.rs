@@ -1,6 +1,10 @@
 //! fsdp-rs: fully sharded data-parallel training on candle, configured like Hugging Face
 //! Accelerate's FSDP plugin.
 
+// First: its macro serves the modules below.
+#[macro_use]
+mod multiversion;
+
 pub mod accelerator;
 pub mod checkpoint;
 pub mod config;
