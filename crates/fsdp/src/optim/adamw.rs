@@ -1,6 +1,7 @@
 //! Adam and AdamW with PyTorch's exact single-tensor update rules, on flat slices, so the same
 //! code updates a whole parameter or one rank's shard of it.
 
+use super::kernels::{self, AdamScalars};
 use super::{ParamState, UpdateRule, check_lr_betas_eps};
 
 /// AdamW hyper-parameters (PyTorch's defaults except the learning rate).
@@ -123,30 +124,21 @@ fn adam_update(
     let mut m = state.take("exp_avg", n);
     let mut v = state.take("exp_avg_sq", n);
     let step = state.step.max(1) as i32;
-    let b2 = betas.1 as f32;
-    let (w1, w2) = ((1.0 - betas.0) as f32, (1.0 - betas.1) as f32);
     let (shrink, l2) = match decay {
         Decay::Decoupled(wd) => ((1.0 - lr * wd) as f32, 0.0f32),
         Decay::L2(wd) => (1.0, wd as f32),
     };
-    let bc1 = 1.0 - betas.0.powi(step);
-    let bc2 = 1.0 - betas.1.powi(step);
-    let step_size = (lr / bc1) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let eps = eps as f32;
-    for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(&mut m).zip(&mut v) {
-        let g = if l2 != 0.0 { g + l2 * *p } else { g };
-        if shrink != 1.0 {
-            *p *= shrink;
-        }
-        // torch.lerp with weight < 0.5: m + w (g - m).
-        *m += w1 * (g - *m);
-        // torch.addcmul: v b2 + (value g) g.
-        *v = *v * b2 + w2 * g * g;
-        let denom = v.sqrt() / bc2_sqrt + eps;
-        // torch.addcdiv: p + (value m) / denom.
-        *p -= step_size * *m / denom;
-    }
+    let scalars = AdamScalars {
+        w1: (1.0 - betas.0) as f32,
+        b2: betas.1 as f32,
+        w2: (1.0 - betas.1) as f32,
+        shrink,
+        l2,
+        step_size: (lr / (1.0 - betas.0.powi(step))) as f32,
+        bc2_sqrt: (1.0 - betas.1.powi(step)).sqrt() as f32,
+        eps: eps as f32,
+    };
+    kernels::adam(param, grad, &mut m, &mut v, scalars);
     state.put("exp_avg", m);
     state.put("exp_avg_sq", v);
 }

@@ -9,6 +9,7 @@
 
 pub mod adamw;
 pub mod groups;
+mod kernels;
 pub mod schedule;
 pub mod sgd;
 

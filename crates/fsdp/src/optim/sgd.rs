@@ -1,5 +1,6 @@
 //! SGD with momentum, dampening, Nesterov and L2 weight decay, exactly as `torch.optim.SGD`.
 
+use super::kernels::{self, SgdScalars};
 use super::{ParamState, UpdateRule, adamw::check_weight_decay, check_lr_betas_eps};
 
 /// SGD hyper-parameters (PyTorch's names and defaults except the learning rate).
@@ -61,23 +62,22 @@ impl UpdateRule for SgdConfig {
 
     /// One update; the momentum buffer starts as the first (decayed) gradient.
     fn update(&self, param: &mut [f32], grad: &[f32], state: &mut ParamState) {
-        let (lr, wd) = (self.lr as f32, self.weight_decay as f32);
-        let (mu, damp) = (self.momentum as f32, (1.0 - self.dampening) as f32);
         let first = !state.buffers.contains_key("momentum_buffer");
+        let k = SgdScalars {
+            lr: self.lr as f32,
+            weight_decay: self.weight_decay as f32,
+            momentum: self.momentum as f32,
+            damp: (1.0 - self.dampening) as f32,
+            nesterov: self.nesterov,
+            first,
+        };
+        let mu = k.momentum;
         let mut buf = if mu != 0.0 {
             state.take("momentum_buffer", param.len())
         } else {
             Vec::new()
         };
-        for (i, (p, &g)) in param.iter_mut().zip(grad).enumerate() {
-            let mut d = if wd != 0.0 { g + wd * *p } else { g };
-            if mu != 0.0 {
-                let b = &mut buf[i];
-                *b = if first { d } else { *b * mu + damp * d };
-                d = if self.nesterov { d + mu * *b } else { *b };
-            }
-            *p -= lr * d;
-        }
+        kernels::sgd(param, grad, &mut buf, k);
         if mu != 0.0 {
             state.put("momentum_buffer", buf);
         }
