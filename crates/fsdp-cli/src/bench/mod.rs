@@ -1,11 +1,12 @@
 //! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
-//! checkpoints and loading pretrained weights, each printing a table and machine-readable JSON.
+//! checkpoints, loading pretrained weights and the optimizer step, each printing a table and machine-readable JSON.
 
 mod checkpoint;
 mod collectives;
 mod layer;
 mod loading;
 mod memory;
+mod optimizer;
 mod workers;
 
 use anyhow::Result;
@@ -35,6 +36,9 @@ enum BenchWhat {
     /// Building the sharded model from a pretrained safetensors file, every rank reading it
     /// against fsdp_cpu_ram_efficient_loading: per-rank peak memory, seconds, equality.
     Loading(loading::LoadingArgs),
+    /// One optimizer step over a rank's shard (100 M elements) against this machine's memory
+    /// bandwidth and, with --torch, torch.optim's implementations on the same shard.
+    Optimizer(optimizer::OptimizerArgs),
 }
 
 /// Runs `fsdp bench ...`.
@@ -45,5 +49,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Memory(a) => memory::run(a),
         BenchWhat::Checkpoint(a) => checkpoint::run(a),
         BenchWhat::Loading(a) => loading::run(a),
+        BenchWhat::Optimizer(a) => optimizer::run(a),
     }
 }
