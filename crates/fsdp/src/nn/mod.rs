@@ -12,4 +12,4 @@ pub use module::{
     Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
     ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name, match_names,
 };
-pub use weights::{SafetensorsWeights, WeightSource};
+pub use weights::{SafetensorsWeights, SeededWeights, WeightSource};

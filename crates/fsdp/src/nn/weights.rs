@@ -1,5 +1,6 @@
 //! Where a model's initial weights come from, one parameter at a time ([`WeightSource`]): a map
-//! of tensors already in memory, or [`SafetensorsWeights`], a pretrained checkpoint whose
+//! of tensors already in memory, the seeded initialisation ([`SeededWeights`]), or
+//! [`SafetensorsWeights`], a pretrained checkpoint whose
 //! tensors are read from disk only when asked for. The FSDP engine shards from a source unit
 //! by unit, so with `fsdp_cpu_ram_efficient_loading` only rank 0 reads the file and no rank
 //! ever holds the whole model.
@@ -35,6 +36,27 @@ pub trait WeightSource {
     /// The device training computes on for these weights.
     fn device(&self) -> Device {
         Device::Cpu
+    }
+}
+
+/// A model's seeded initialisation (what [`super::LocalParams::init`] gives, in f32), made
+/// one parameter at a time when asked for: a model of any size starts training without its
+/// weights ever being whole in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeededWeights(pub u64);
+
+impl SeededWeights {
+    fn fresh(&self, spec: &ParamSpec) -> Vec<f32> {
+        spec.initial_values(self.0)
+            .into_iter()
+            .map(|x| x as f32)
+            .collect()
+    }
+}
+
+impl WeightSource for SeededWeights {
+    fn values(&self, spec: &ParamSpec) -> Result<Vec<f32>> {
+        Ok(self.fresh(spec))
     }
 }
 
@@ -184,10 +206,7 @@ impl SafetensorsWeights {
     }
 
     fn fresh(&self, spec: &ParamSpec) -> Vec<f32> {
-        spec.initial_values(self.seed)
-            .into_iter()
-            .map(|x| x as f32)
-            .collect()
+        SeededWeights(self.seed).fresh(spec)
     }
 }
 
