@@ -233,7 +233,17 @@ fn print_json(
 /// Settings that act differently on this machine than their name suggests.
 fn notes(config: &ResolvedConfig) -> Vec<String> {
     let mut out = Vec::new();
-    if config.fsdp.offload_params {
+    if let Some(dir) = &config.fsdp.offload_dir {
+        let what = if config.fsdp.offload_params {
+            "parameter shards, gradients and optimizer state"
+        } else {
+            "optimizer state"
+        };
+        out.push(format!(
+            "offloaded to disk: {what} in private per-job files under {} (removed when training ends)",
+            dir.display()
+        ));
+    } else if config.fsdp.offload_params {
         out.push(format!(
             "`fsdp_offload_params: true`: {}",
             fsdp::engine::OFFLOAD_ON_CPU

@@ -409,6 +409,31 @@ fn inconsistent_settings_are_errors_naming_both_sides() {
             "`fsdp_sync_module_states: false` (cfg.yaml:3)",
         ],
     );
+    let e = error_of("fsdp_config:\n  fsdp_offload_optimizer: true\n");
+    assert_contains(
+        &e,
+        &["`fsdp_offload_optimizer: true` (cfg.yaml:2) needs `fsdp_offload_dir`"],
+    );
+    let e = error_of("fsdp_config:\n  fsdp_offload_dir: /scratch\n");
+    assert_contains(
+        &e,
+        &[
+            "`fsdp_offload_dir: /scratch` (cfg.yaml:2) offloads nothing",
+            "fsdp_offload_params: true",
+            "fsdp_offload_optimizer: true",
+        ],
+    );
+    let ok = |yaml: &str| {
+        ResolvedConfig::resolve(&[&file(yaml).unwrap()])
+            .unwrap()
+            .fsdp
+    };
+    let f = ok("fsdp_config:\n  fsdp_offload_params: true\n  fsdp_offload_dir: /scratch\n");
+    assert!(f.offload_params && !f.offload_optimizer);
+    assert_eq!(
+        f.offload_dir.as_deref(),
+        Some(std::path::Path::new("/scratch"))
+    );
     let e = error_of("fsdp_config:\n  fsdp_min_num_params: 1000\n");
     assert_contains(
         &e,

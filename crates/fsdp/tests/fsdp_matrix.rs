@@ -472,9 +472,9 @@ fn sharded(
                 continue;
             }
             let mut g = engine.backward(params, loss).map_err(|e| e.to_string())?;
-            g.scale(weight as f32);
+            g.scale(weight as f32).unwrap();
             match grads.as_mut() {
-                Some(acc) => acc.accumulate(g),
+                Some(acc) => acc.accumulate(g).unwrap(),
                 None => grads = Some(g),
             }
         }

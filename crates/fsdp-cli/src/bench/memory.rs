@@ -401,7 +401,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             } else {
                 let g = fsdp.backward(params, loss)?;
                 match grads.as_mut() {
-                    Some(acc) => acc.accumulate(g),
+                    Some(acc) => acc.accumulate(g)?,
                     None => grads = Some(g),
                 }
             }

@@ -117,7 +117,7 @@ impl<M> PreparedModel<M> {
         if sync {
             let grads = self.engine.backward(params, loss)?;
             match self.grads.as_mut() {
-                Some(acc) => acc.accumulate(grads),
+                Some(acc) => acc.accumulate(grads)?,
                 None => self.grads = Some(grads),
             }
         } else {

@@ -104,7 +104,7 @@ fn load_model(dir: &Path, doc: &FolderDoc, m: &mut Fsdp) -> Result<(), Checkpoin
 fn load_optimizer(
     dir: &Path,
     doc: &FolderDoc,
-    m: &Fsdp,
+    m: &mut Fsdp,
     o: &mut dyn Optimizer,
 ) -> Result<(), CheckpointError> {
     let meta = doc.optimizer.as_ref().ok_or_else(|| {
@@ -179,6 +179,7 @@ fn load_optimizer(
     for (g, &lr) in meta.lrs.iter().enumerate() {
         o.set_lr(g, lr)?;
     }
+    m.adopt_optimizer_state(o)?;
     Ok(())
 }
 
@@ -251,7 +252,7 @@ fn read_all(
         if local {
             local_only(&dir, &mut folder, models[i])?;
         }
-        load_optimizer(&dir, &folder, models[i], &mut **o)?;
+        load_optimizer(&dir, &folder, &mut *models[i], &mut **o)?;
     }
     let schedulers = (0..doc.schedulers)
         .map(|i| listed(format::scheduler_file(i)))

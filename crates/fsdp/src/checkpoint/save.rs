@@ -3,6 +3,7 @@
 //! one exchange of small documents gives rank 0 what it needs for the metadata, and rank 0
 //! puts the synced folder in place atomically.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -104,14 +105,30 @@ fn sharded_parts<'a>(
             continue;
         }
         let rows = [s.rows.start, s.rows.end];
-        if let Some(state) = opt.and_then(|o| o.state(s.name)) {
+        let state = match opt {
+            Some(o) => m.optimizer_state(o, s.name)?,
+            None => None,
+        };
+        if let Some(state) = state {
             steps.insert(s.name.to_string(), state.step);
-            for (key, buf) in &state.buffers {
+            let buffers: Vec<(String, Cow<'a, [f32]>)> = match state {
+                Cow::Borrowed(st) => st
+                    .buffers
+                    .iter()
+                    .map(|(k, b)| (k.clone(), Cow::Borrowed(b.as_slice())))
+                    .collect(),
+                Cow::Owned(st) => st
+                    .buffers
+                    .into_iter()
+                    .map(|(k, b)| (k, Cow::Owned(b)))
+                    .collect(),
+            };
+            for (key, values) in buffers {
                 states.push(Part {
                     name: format!("{}.{key}", s.name),
                     shape: s.shape.to_vec(),
                     rows,
-                    values: std::borrow::Cow::Borrowed(buf.as_slice()),
+                    values,
                 });
             }
         }
@@ -271,11 +288,12 @@ fn write_rank(
             )?);
             if let Some(o) = opt {
                 let mut folder = RankFolder::default();
-                let keys: Vec<String> = state_keys(o, &names);
+                let keys: Vec<String> = state_keys(m, o, &names);
                 let mut tensors = Vec::new();
                 for key in &keys {
                     for (n, s) in &names {
-                        if o.state(n).is_some_and(|st| st.buffers.contains_key(key)) {
+                        let info = m.optimizer_state_info(o, n);
+                        if info.is_some_and(|(_, keys)| keys.contains(key)) {
                             tensors.push((format!("{n}.{key}"), s.clone()));
                         }
                     }
@@ -285,7 +303,7 @@ fn write_rank(
                 folder.pieces = written.pieces;
                 folder.steps = names
                     .iter()
-                    .filter_map(|(n, _)| o.state(n).map(|s| (n.clone(), s.step)))
+                    .filter_map(|(n, _)| m.optimizer_state_info(o, n).map(|(s, _)| (n.clone(), s)))
                     .collect();
                 optimizer_folders.push(folder);
             }
@@ -310,11 +328,11 @@ fn write_rank(
 }
 
 /// The state names (`exp_avg`, ...) the optimizer holds for any of `names`, sorted.
-fn state_keys(o: &dyn Optimizer, names: &[(String, Vec<usize>)]) -> Vec<String> {
+fn state_keys(m: &Fsdp, o: &dyn Optimizer, names: &[(String, Vec<usize>)]) -> Vec<String> {
     let mut keys: Vec<String> = names
         .iter()
-        .filter_map(|(n, _)| o.state(n))
-        .flat_map(|s| s.buffers.keys().cloned())
+        .filter_map(|(n, _)| m.optimizer_state_info(o, n))
+        .flat_map(|(_, keys)| keys)
         .collect();
     keys.sort();
     keys.dedup();
@@ -348,7 +366,10 @@ fn write_full_state(
     let mut failed = None;
     for key in keys {
         m.gather_rows_to_first(
-            &|name, _| Ok(o.state(name).and_then(|s| s.buffers.get(key).cloned())),
+            &|name, _| {
+                let state = m.optimizer_state(o, name)?;
+                Ok(state.and_then(|s| s.buffers.get(key).cloned()))
+            },
             &mut |_, chunks| {
                 if let (Some(w), None) = (writer.as_mut(), &failed)
                     && let Err(e) = w.write_chunks(chunks)

@@ -44,6 +44,10 @@ impl FsdpPluginBuilder {
         version(u8) => FsdpVersion, |v: u8| Value::UInt(v.into());
         /// `fsdp_offload_params`.
         offload_params(bool) => FsdpOffloadParams, Value::Bool;
+        /// `fsdp_offload_dir` (fsdp-rs): where offloaded state lives.
+        offload_dir(&str) => FsdpOffloadDir, |s: &str| Value::Text(s.into());
+        /// `fsdp_offload_optimizer` (fsdp-rs): only the optimizer state in `offload_dir`.
+        offload_optimizer(bool) => FsdpOffloadOptimizer, Value::Bool;
         /// `fsdp_auto_wrap_policy`.
         auto_wrap_policy(AutoWrapPolicy) => FsdpAutoWrapPolicy, choice;
         /// `fsdp_transformer_layer_cls_to_wrap`, comma-separated.

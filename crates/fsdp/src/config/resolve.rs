@@ -54,8 +54,13 @@ pub struct FsdpPlugin {
     pub version: u8,
     /// The effective strategy (from `fsdp_sharding_strategy` or `fsdp_reshard_after_forward`).
     pub sharding_strategy: ShardingStrategy,
-    /// Keep parameters and gradients in host memory between uses.
+    /// Keep parameters and gradients in host memory between uses (on disk, with their
+    /// optimizer state, when `offload_dir` is set).
     pub offload_params: bool,
+    /// The folder offloaded state lives in (`fsdp_offload_dir`).
+    pub offload_dir: Option<std::path::PathBuf>,
+    /// Keep the optimizer state in `offload_dir` (`fsdp_offload_optimizer`).
+    pub offload_optimizer: bool,
     /// How the model is split into units.
     pub auto_wrap_policy: AutoWrapPolicy,
     /// Module type names that become units; `None` means the model's default list.
@@ -298,6 +303,8 @@ impl View<'_> {
             version,
             sharding_strategy,
             offload_params: self.flag(Key::FsdpOffloadParams),
+            offload_dir: self.text(Key::FsdpOffloadDir).map(std::path::PathBuf::from),
+            offload_optimizer: self.flag(Key::FsdpOffloadOptimizer),
             auto_wrap_policy: self.choice(Key::FsdpAutoWrapPolicy),
             transformer_layer_cls_to_wrap,
             min_num_params: self.uint(Key::FsdpMinNumParams).unwrap_or(100_000_000),
@@ -337,6 +344,28 @@ impl View<'_> {
                     "{} requires `fsdp_sync_module_states: true` (only rank 0 loads the weights, so they must be broadcast), but {}",
                     self.describe(Key::FsdpCpuRamEfficientLoading),
                     self.describe(Key::FsdpSyncModuleStates)
+                ),
+            );
+        }
+        if fsdp.offload_optimizer && fsdp.offload_dir.is_none() {
+            inconsistent(
+                &[Key::FsdpOffloadOptimizer, Key::FsdpOffloadDir],
+                format!(
+                    "{} needs `fsdp_offload_dir`, the folder the optimizer state is kept in",
+                    self.describe(Key::FsdpOffloadOptimizer)
+                ),
+            );
+        }
+        if fsdp.offload_dir.is_some() && !fsdp.offload_params && !fsdp.offload_optimizer {
+            inconsistent(
+                &[
+                    Key::FsdpOffloadDir,
+                    Key::FsdpOffloadParams,
+                    Key::FsdpOffloadOptimizer,
+                ],
+                format!(
+                    "{} offloads nothing: set `fsdp_offload_params: true` (parameters, gradients and optimizer state) or `fsdp_offload_optimizer: true` (optimizer state)",
+                    self.describe(Key::FsdpOffloadDir)
                 ),
             );
         }

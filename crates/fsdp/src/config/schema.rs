@@ -233,6 +233,12 @@ key_table! {
     FsdpCommBackend: "fsdp_comm_backend", Fsdp, Kind::Choice(fsdp_comm::BackendChoice::NAMES),
         D::Text("auto"), Some("FSDP_COMM_BACKEND"), &[], Used,
         "engine carrying collectives: auto (shared memory on one host, MPI across hosts under mpirun, else TCP), shm, tcp, mpi (fsdp-rs)";
+    FsdpOffloadDir: "fsdp_offload_dir", Fsdp, Kind::Text, D::Unset, Some("FSDP_OFFLOAD_DIR"),
+        &[], Used,
+        "local folder where offloaded state lives in private per-job files: with fsdp_offload_params, parameter shards, gradients and optimizer state; with fsdp_offload_optimizer, the optimizer state (fsdp-rs)";
+    FsdpOffloadOptimizer: "fsdp_offload_optimizer", Fsdp, Kind::Bool, D::Bool(false),
+        Some("FSDP_OFFLOAD_OPTIMIZER"), &[], Used,
+        "keep only the optimizer state in fsdp_offload_dir (DeepSpeed's offload_optimizer; fsdp-rs)";
 }
 
 impl Key {

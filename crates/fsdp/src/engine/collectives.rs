@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, Storage, Tensor};
 use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 
 use super::error::EngineError;
-use super::param::{FsdpParam, float_pair};
+use super::param::float_pair;
 use super::plan::ShardLayout;
 
 /// The element types a unit communicates in.
@@ -30,22 +30,13 @@ impl Default for CommDtypes {
     }
 }
 
-/// Starts gathering a unit: its parameters' shards packed into one buffer in `dtype` (the
-/// copy-in that is also the cast) and all-gathered over the shard dimension. `None` when the
-/// shard dimension is this rank alone (every parameter is already whole here).
+/// Starts gathering a unit: this rank's block (its parameters' shards, packed) cast to
+/// `dtype` and all-gathered over the shard dimension (of more than one rank).
 pub(crate) fn all_gather(
     mesh: &Mesh,
-    params: &[FsdpParam],
+    packed: Vec<f32>,
     dtype: DType,
-) -> Result<Option<Work<Buffer>>, EngineError> {
-    if mesh.shard_size() == 1 {
-        return Ok(None);
-    }
-    let block: usize = params.iter().map(|p| p.layout.shard_numel()).sum();
-    let mut packed = Vec::with_capacity(block);
-    for p in params {
-        packed.extend_from_slice(p.shard.values()?);
-    }
+) -> Result<Work<Buffer>, EngineError> {
     let send = if dtype == DType::F32 {
         Buffer::F32(packed)
     } else {
@@ -54,7 +45,7 @@ pub(crate) fn all_gather(
             hint: "parameters are gathered in a float type",
         })?
     };
-    Ok(Some(mesh.shard.all_gather(send)))
+    Ok(mesh.shard.all_gather(send))
 }
 
 /// A unit's gradients on their way to this rank's rows: a reduce-scatter (mean) over the
@@ -139,10 +130,9 @@ pub(crate) fn candle_dtype(d: DType) -> candle_core::DType {
     }
 }
 
-/// The CPU storage of a whole parameter's values cast to `dtype` (the shard group is this
+/// The CPU storage of a whole parameter's `values` cast to `dtype` (the shard group is this
 /// rank alone, so nothing is gathered).
-pub(crate) fn whole_storage(p: &FsdpParam, dtype: DType) -> Result<CpuStorage, EngineError> {
-    let values = &p.shard.values()?[..p.layout.numel()];
+pub(crate) fn whole_storage(values: &[f32], dtype: DType) -> Result<CpuStorage, EngineError> {
     Ok(match Buffer::from_f32(values, dtype) {
         Some(Buffer::F32(v)) => CpuStorage::F32(v),
         Some(Buffer::F64(v)) => CpuStorage::F64(v),

@@ -25,6 +25,9 @@ pub enum EngineError {
         /// The communication error (names the ranks).
         source: CommError,
     },
+    /// Offloaded state could not be written or read (names the file and the bytes).
+    #[error(transparent)]
+    Offload(#[from] super::offload::OffloadError),
     /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),

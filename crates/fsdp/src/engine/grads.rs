@@ -4,7 +4,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+use super::error::EngineError;
+use super::offload::{DiskTier, Key, OffloadError, Region};
 
 /// Where a parameter's rows sit in its unit's reduced block.
 #[derive(Debug, Clone)]
@@ -18,10 +21,156 @@ pub(crate) struct GradPlace {
 /// Parameter name → place, built once per engine.
 pub(crate) type GradIndex = HashMap<String, GradPlace>;
 
+/// One unit's reduced gradient block on this rank: in memory, or in the disk tier (written
+/// as the reduction ended, with what the step asks of it before reading it back: its sum of
+/// squares and whether it is finite).
+pub(crate) enum GradBlock {
+    Memory(Vec<f32>),
+    Disk(DiskGrad),
+}
+
+/// A gradient block in the disk tier; its file goes when it is dropped.
+pub(crate) struct DiskGrad {
+    tier: Arc<DiskTier>,
+    key: Key,
+    len: usize,
+    squares: f64,
+    finite: bool,
+    /// The values, once something borrowed them ([`Gradients::get`]).
+    cache: OnceLock<Option<Vec<f32>>>,
+}
+
+impl Drop for DiskGrad {
+    fn drop(&mut self) {
+        self.tier.remove(&self.key);
+    }
+}
+
+fn square_sum(v: &[f32]) -> f64 {
+    v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>()
+}
+
+impl GradBlock {
+    /// Unit `unit`'s block: kept in memory, or written to `tier` when there is one.
+    pub fn store(
+        tier: Option<&Arc<DiskTier>>,
+        unit: usize,
+        values: Vec<f32>,
+    ) -> Result<GradBlock, OffloadError> {
+        let Some(tier) = tier else {
+            return Ok(GradBlock::Memory(values));
+        };
+        let key = (unit, Region::Grads(tier.next_grads()));
+        let (len, squares) = (values.len(), square_sum(&values));
+        let finite = values.iter().all(|x| x.is_finite());
+        tier.write(&key, values)?;
+        Ok(GradBlock::Disk(DiskGrad {
+            tier: tier.clone(),
+            key,
+            len,
+            squares,
+            finite,
+            cache: OnceLock::new(),
+        }))
+    }
+
+    /// The values (read back from the tier).
+    pub fn into_values(self) -> Result<Vec<f32>, OffloadError> {
+        match self {
+            GradBlock::Memory(v) => Ok(v),
+            GradBlock::Disk(mut d) => match d.cache.take().flatten() {
+                Some(v) => Ok(v),
+                None => d.tier.read(&d.key, d.len),
+            },
+        }
+    }
+
+    /// Starts reading a block in the tier ahead of [`GradBlock::into_values`].
+    pub fn read_ahead(&self) -> Result<(), OffloadError> {
+        match self {
+            GradBlock::Disk(d) if d.cache.get().is_none() => d.tier.read_ahead(&d.key, d.len),
+            _ => Ok(()),
+        }
+    }
+
+    /// The values borrowed (a block in the tier is read into memory once).
+    fn values(&self) -> Option<&[f32]> {
+        match self {
+            GradBlock::Memory(v) => Some(v),
+            GradBlock::Disk(d) => d
+                .cache
+                .get_or_init(|| match d.tier.read(&d.key, d.len) {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        tracing::error!("offloaded gradients: {e}");
+                        None
+                    }
+                })
+                .as_deref(),
+        }
+    }
+
+    /// The values, writable: a block in the tier comes back into memory.
+    fn values_mut(&mut self) -> Result<&mut Vec<f32>, OffloadError> {
+        if let GradBlock::Disk(d) = self {
+            let v = match d.cache.take().flatten() {
+                Some(v) => v,
+                None => d.tier.read(&d.key, d.len)?,
+            };
+            *self = GradBlock::Memory(v);
+        }
+        match self {
+            GradBlock::Memory(v) => Ok(v),
+            GradBlock::Disk(_) => unreachable!("just made a memory block"),
+        }
+    }
+
+    /// Applies `f` to the values in place, wherever they live (a block in the tier is read,
+    /// changed and written back).
+    fn update(&mut self, f: impl FnOnce(&mut [f32])) -> Result<(), OffloadError> {
+        match self {
+            GradBlock::Memory(v) => f(v),
+            GradBlock::Disk(d) => {
+                let mut v = match d.cache.take().flatten() {
+                    Some(v) => v,
+                    None => d.tier.read(&d.key, d.len)?,
+                };
+                f(&mut v);
+                let unit = d.key.0;
+                let tier = d.tier.clone();
+                *self = GradBlock::store(Some(&tier), unit, v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The values, when they are in memory.
+    pub fn memory(&self) -> Option<&[f32]> {
+        match self {
+            GradBlock::Memory(v) => Some(v),
+            GradBlock::Disk(_) => None,
+        }
+    }
+
+    fn squares(&self) -> f64 {
+        match self {
+            GradBlock::Memory(v) => square_sum(v),
+            GradBlock::Disk(d) => d.squares,
+        }
+    }
+
+    fn all_finite(&self) -> bool {
+        match self {
+            GradBlock::Memory(v) => v.iter().all(|x| x.is_finite()),
+            GradBlock::Disk(d) => d.finite,
+        }
+    }
+}
+
 /// One backward's gradients, reduced: each rank holds the rows of the parameters it owns
 /// (whole parameters with NO_SHARD and for ignored modules). Dropping them is `zero_grad`.
 pub struct Gradients {
-    pub(crate) units: Vec<Option<Vec<f32>>>,
+    pub(crate) units: Vec<Option<GradBlock>>,
     pub(crate) has_grad: Vec<Vec<bool>>,
     pub(crate) replicated: BTreeMap<String, Vec<f32>>,
     pub(crate) index: Arc<GradIndex>,
@@ -29,10 +178,14 @@ pub struct Gradients {
 
 impl Gradients {
     /// Adds another backward's gradients (gradient accumulation over micro-batches).
-    pub fn accumulate(&mut self, other: Gradients) {
+    /// Offloaded blocks are read, summed and written back one unit at a time.
+    pub fn accumulate(&mut self, other: Gradients) -> Result<(), EngineError> {
         for (mine, theirs) in self.units.iter_mut().zip(other.units) {
             match (mine.as_mut(), theirs) {
-                (Some(a), Some(b)) => a.iter_mut().zip(&b).for_each(|(x, y)| *x += y),
+                (Some(a), Some(b)) => {
+                    let b = b.into_values()?;
+                    a.update(|a| a.iter_mut().zip(&b).for_each(|(x, y)| *x += y))?;
+                }
                 (None, Some(b)) => *mine = Some(b),
                 _ => {}
             }
@@ -48,15 +201,18 @@ impl Gradients {
                 }
             }
         }
+        Ok(())
     }
 
     /// Scales every gradient (e.g. by 1/accumulation steps).
-    pub fn scale(&mut self, factor: f32) {
-        self.units
-            .iter_mut()
-            .flatten()
-            .chain(self.replicated.values_mut())
+    pub fn scale(&mut self, factor: f32) -> Result<(), EngineError> {
+        for g in self.units.iter_mut().flatten() {
+            g.update(|v| v.iter_mut().for_each(|x| *x *= factor))?;
+        }
+        self.replicated
+            .values_mut()
             .for_each(|g| g.iter_mut().for_each(|x| *x *= factor));
+        Ok(())
     }
 
     /// This rank's gradient rows of parameter `name` (row-major, the rows the engine's
@@ -69,7 +225,7 @@ impl Gradients {
         if !self.has_grad[place.unit][place.param] {
             return None;
         }
-        Some(&self.units[place.unit].as_ref()?[place.elements.clone()])
+        Some(&self.units[place.unit].as_ref()?.values()?[place.elements.clone()])
     }
 
     /// [`Gradients::get`], writable.
@@ -81,7 +237,13 @@ impl Gradients {
         if !self.has_grad[place.unit][place.param] {
             return None;
         }
-        Some(&mut self.units[place.unit].as_mut()?[place.elements.clone()])
+        match self.units[place.unit].as_mut()?.values_mut() {
+            Ok(v) => Some(&mut v[place.elements.clone()]),
+            Err(e) => {
+                tracing::error!("offloaded gradients of `{name}`: {e}");
+                None
+            }
+        }
     }
 
     /// Names of the parameters that received a gradient.
@@ -100,19 +262,18 @@ impl Gradients {
     /// Whether every gradient value this rank holds is finite (the overflow check of fp16
     /// loss scaling, see [`super::GradScaler`]).
     pub fn all_finite(&self) -> bool {
-        self.units
-            .iter()
-            .flatten()
-            .chain(self.replicated.values())
-            .all(|g| g.iter().all(|x| x.is_finite()))
+        self.units.iter().flatten().all(GradBlock::all_finite)
+            && self
+                .replicated
+                .values()
+                .all(|g| g.iter().all(|x| x.is_finite()))
     }
 
     /// Sums of squares: of the sharded rows (disjoint across the shard group, padding zero)
     /// and of the whole replicated gradients.
     pub(crate) fn squares(&self) -> (f64, f64) {
-        let square = |v: &[f32]| v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-        let sharded = self.units.iter().flatten().map(|g| square(g)).sum();
-        let replicated = self.replicated.values().map(|g| square(g)).sum();
+        let sharded = self.units.iter().flatten().map(GradBlock::squares).sum();
+        let replicated = self.replicated.values().map(|g| square_sum(g)).sum();
         (sharded, replicated)
     }
 }

@@ -3,7 +3,7 @@
 //! (`param`); a unit's lifecycle as a state machine with prefetch decided in one place
 //! (`unit`); the unit's collectives in the dtypes given (`collectives`); the graph ops that
 //! hook autograd (`hooks`); initial weights into shards (`intake`); one step driving the units (`step`); debug checks (`debug`);
-//! reduced gradients by name (`grads`); fp16 loss scaling agreed over ranks (`grad_scaler`); storage and compute devices (`placement`); the engine that owns shards (`sharded`); and its
+//! reduced gradients by name (`grads`); fp16 loss scaling agreed over ranks (`grad_scaler`); storage and compute devices (`placement`); the disk tier of offloaded state and the optimizer step streaming it (`offload`); the engine that owns shards (`sharded`); and its
 //! state by parameter name (`state`).
 
 mod collectives;
@@ -13,6 +13,7 @@ mod grad_scaler;
 mod grads;
 mod hooks;
 mod intake;
+mod offload;
 mod param;
 mod placement;
 pub mod plan;
@@ -25,6 +26,7 @@ pub use collectives::CommDtypes;
 pub use error::EngineError;
 pub use grad_scaler::{GradScaler, GradScalerConfig};
 pub use grads::Gradients;
+pub use offload::{OffloadError, OffloadStats};
 pub use param::{FsdpParam, ShardBuffer};
 pub use placement::{OFFLOAD_ON_CPU, Placement};
 pub use plan::{MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};

@@ -159,7 +159,17 @@ impl FsdpParam {
     /// This rank's values of the owned rows (padding left out).
     pub fn local_values(&self) -> Result<&[f32], EngineError> {
         let n = self.owned_rows().len() * self.layout.row_elems;
-        Ok(&self.shard.values()?[..n])
+        self.shard
+            .values()?
+            .get(..n)
+            .ok_or_else(|| self.not_in_memory())
+    }
+
+    fn not_in_memory(&self) -> EngineError {
+        EngineError::State {
+            name: self.layout.name.clone(),
+            problem: "its rows are not in memory: they are offloaded to disk (read them through the engine)".into(),
+        }
     }
 
     /// Replaces the values of the owned rows (exactly `owned_rows().len()` rows).
@@ -175,6 +185,9 @@ impl FsdpParam {
                     self.layout.row_elems
                 ),
             });
+        }
+        if self.shard.len() < n {
+            return Err(self.not_in_memory());
         }
         self.shard.values_mut()?[..n].copy_from_slice(values);
         Ok(())

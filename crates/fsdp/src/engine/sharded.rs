@@ -8,6 +8,7 @@
 //! SHARD_GRAD_OP keeps them from forward through backward and frees them after; NO_SHARD keeps
 //! whole parameters on every rank and all-reduces gradients (DDP).
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,14 +20,16 @@ use super::collectives::CommDtypes;
 use super::error::EngineError;
 use super::grads::{GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
-use super::param::FsdpParam;
+use super::offload::step::{OffloadedStates, adopt_state, update_units};
+use super::offload::{DiskTier, OffloadStats, Region};
+use super::param::{FsdpParam, ShardBuffer};
 use super::placement::Placement;
 use super::plan::UnitPlan;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::{FsdpUnit, Prefetch};
 use crate::config::{FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, ParamState};
 
 /// The element types of communication and compute: parameters gathered (and computed) in
 /// `mixed_precision`'s dtype over f32 master shards and optimizer state; gradients reduced in
@@ -72,6 +75,54 @@ fn machine_size(world: usize) -> Result<usize, EngineError> {
     }
 }
 
+/// The disk tier `plugin` asks for (`fsdp_offload_dir` with `fsdp_offload_params` or
+/// `fsdp_offload_optimizer`), after checking the disk has room for this rank's share of the
+/// plan: shards, gradients and two optimizer buffers (Adam's) per element, or the buffers
+/// alone.
+fn offload_tier(
+    plugin: &FsdpPlugin,
+    plan: &UnitPlan,
+    mesh: &Mesh,
+) -> Result<Option<Arc<DiskTier>>, EngineError> {
+    let Some(dir) = &plugin.offload_dir else {
+        return Ok(None);
+    };
+    if !plugin.offload_params && !plugin.offload_optimizer {
+        return Ok(None);
+    }
+    let elements: u64 = plan
+        .units
+        .iter()
+        .flat_map(|u| &u.params)
+        .map(|l| l.shard_numel() as u64)
+        .sum();
+    let (copies, what) = if plugin.offload_params {
+        (
+            4,
+            "parameter shards, gradients and two optimizer buffers, f32",
+        )
+    } else {
+        (2, "two optimizer buffers, f32")
+    };
+    let tier = DiskTier::create(
+        dir,
+        mesh.rank(),
+        plugin.offload_params,
+        elements * 4 * copies,
+        what,
+    )?;
+    tracing::info!(
+        "offloading {} to {}",
+        if plugin.offload_params {
+            "parameter shards, gradients and optimizer state"
+        } else {
+            "optimizer state"
+        },
+        tier.path().display()
+    );
+    Ok(Some(Arc::new(tier)))
+}
+
 /// What a step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepReport {
@@ -108,6 +159,11 @@ pub struct Fsdp {
     checkpointing: bool,
     /// Units recomputed in backward so far (activation checkpointing).
     recomputed: Arc<AtomicU64>,
+    /// The disk tier (`fsdp_offload_dir`): optimizer state, and with `fsdp_offload_params`
+    /// the shards and reduced gradients too.
+    pub(crate) tier: Option<Arc<DiskTier>>,
+    /// Which parameters' optimizer state is in the tier.
+    pub(crate) offloaded: OffloadedStates,
 }
 
 /// What backwards without sync kept: per unit the packed whole gradients, and the
@@ -200,6 +256,8 @@ impl Fsdp {
         };
         let rank = mesh.shard.rank();
         let reshard = mesh.shard_size() > 1;
+        let tier = offload_tier(plugin, &plan, &mesh)?;
+        let shards_offloaded = tier.as_ref().filter(|t| t.params);
         let mut units = Vec::with_capacity(plan.units.len());
         let mut grad_index = HashMap::new();
         for (u, unit) in plan.units.iter().enumerate() {
@@ -218,8 +276,20 @@ impl Fsdp {
                 );
                 params.push(p);
             }
+            if let Some(tier) = shards_offloaded {
+                let block: Vec<f32> = params
+                    .iter()
+                    .flat_map(|p| p.shard.values().unwrap_or_default().iter().copied())
+                    .collect();
+                tier.write(&(u, Region::Params), block)?;
+                for p in &mut params {
+                    p.shard = ShardBuffer::f32(Vec::new(), placement.storage.clone());
+                }
+            }
             units.push(Arc::new(FsdpUnit {
                 path: unit.path.clone(),
+                index: u,
+                tier: shards_offloaded.cloned(),
                 params,
                 reshard_after_forward: reshard
                     && !unit.path.is_empty()
@@ -254,7 +324,71 @@ impl Fsdp {
             unreduced: None,
             checkpointing: plugin.activation_checkpointing,
             recomputed: Arc::default(),
+            tier,
+            offloaded: OffloadedStates::new(),
         })
+    }
+
+    /// The disk tier's folder and what it has moved, when state is offloaded to disk.
+    pub fn offload(&self) -> Option<(&std::path::Path, OffloadStats)> {
+        self.tier.as_ref().map(|t| (t.path(), t.stats()))
+    }
+
+    /// With state offloaded to disk: moves `optimizer`'s state of the sharded parameters
+    /// (just loaded from a checkpoint) into the disk tier; nothing otherwise.
+    pub(crate) fn adopt_optimizer_state(
+        &mut self,
+        optimizer: &mut dyn Optimizer,
+    ) -> Result<(), EngineError> {
+        match self.tier.clone() {
+            Some(tier) => adopt_state(&tier, &self.units, optimizer, &mut self.offloaded),
+            None => Ok(()),
+        }
+    }
+
+    /// The step count and buffer names of parameter `name`'s optimizer state, wherever it
+    /// lives (nothing is read).
+    pub fn optimizer_state_info(
+        &self,
+        optimizer: &dyn Optimizer,
+        name: &str,
+    ) -> Option<(u64, Vec<String>)> {
+        match optimizer.state(name) {
+            Some(s) => Some((s.step, s.buffers.keys().cloned().collect())),
+            None => self
+                .offloaded
+                .get(name)
+                .map(|s| (s.step, s.buffers.clone())),
+        }
+    }
+
+    /// The optimizer state of parameter `name`: `optimizer`'s own, or read back from the
+    /// disk tier when it is offloaded there (what checkpoints save).
+    pub fn optimizer_state<'a>(
+        &self,
+        optimizer: &'a dyn Optimizer,
+        name: &str,
+    ) -> Result<Option<Cow<'a, ParamState>>, EngineError> {
+        if let Some(state) = optimizer.state(name) {
+            return Ok(Some(Cow::Borrowed(state)));
+        }
+        let (Some(tier), Some(saved)) = (&self.tier, self.offloaded.get(name)) else {
+            return Ok(None);
+        };
+        let place = self
+            .grad_index
+            .get(name)
+            .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })?;
+        let mut buffers = BTreeMap::new();
+        for b in &saved.buffers {
+            let key = (place.unit, Region::State(b.clone()));
+            let values = tier.read_at(&key, place.elements.start, place.elements.len())?;
+            buffers.insert(b.clone(), values);
+        }
+        Ok(Some(Cow::Owned(ParamState {
+            step: saved.step,
+            buffers,
+        })))
     }
 
     /// The plan in use.
@@ -460,7 +594,7 @@ impl Fsdp {
             None => 1.0,
         };
         if scale < 1.0 {
-            grads.scale(scale);
+            grads.scale(scale)?;
         }
         Ok((norm, scale < 1.0))
     }
@@ -481,8 +615,21 @@ impl Fsdp {
             }
             None => (None, false),
         };
+        if let Some(tier) = &self.tier {
+            let tier = tier.clone();
+            update_units(
+                &tier,
+                &mut self.units,
+                &mut grads,
+                optimizer,
+                &mut self.offloaded,
+            )?;
+        }
         for (u, (reduced, has_grad)) in grads.units.iter().zip(&grads.has_grad).enumerate() {
             let Some(reduced) = reduced else { continue };
+            let Some(reduced) = reduced.memory() else {
+                continue;
+            };
             // The step in flight has ended, so the unit is not shared: no copy.
             let unit = Arc::make_mut(&mut self.units[u]);
             for (p, &has) in unit.params.iter_mut().zip(has_grad) {

@@ -44,12 +44,12 @@ impl Fsdp {
         let whole = self.mesh.shard_size() == 1;
         let mut out = Vec::new();
         for unit in &self.units {
-            for p in &unit.params {
+            for (i, p) in unit.params.iter().enumerate() {
                 out.push(LocalShard {
                     name: &p.layout.name,
                     shape: &p.layout.shape,
                     rows: p.owned_rows(),
-                    values: Cow::Borrowed(p.local_values()?),
+                    values: unit.local_values(i)?,
                     requires_grad: p.layout.requires_grad,
                     replicated: whole || self.mesh.replicas() > 1,
                 });
@@ -107,7 +107,7 @@ impl Fsdp {
             let Some(i) = unit.params.iter().position(|p| p.layout.name == name) else {
                 continue;
             };
-            return Arc::make_mut(unit).params[i].set_local_values(values);
+            return Arc::make_mut(unit).set_local_values(i, values);
         }
         Err(EngineError::UnknownParameter { name: name.into() })
     }
@@ -153,12 +153,12 @@ impl Fsdp {
         if let Some(var) = self.replicated.get(name) {
             return Ok(var.as_tensor().flatten_all()?.to_vec1()?);
         }
-        self.units
-            .iter()
-            .flat_map(|u| &u.params)
-            .find(|p| p.layout.name == name)
-            .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })
-            .and_then(|p| Ok(p.local_values()?.to_vec()))
+        for unit in &self.units {
+            if let Some(i) = unit.params.iter().position(|p| p.layout.name == name) {
+                return Ok(unit.local_values(i)?.into_owned());
+            }
+        }
+        Err(EngineError::UnknownParameter { name: name.into() })
     }
 
     /// Gathers per-parameter row data onto rank 0 of the mesh one unit at a time and calls

@@ -13,7 +13,9 @@ use fsdp_comm::{Buffer, Mesh};
 use super::collectives::{CommDtypes, PendingReduce};
 use super::debug;
 use super::error::EngineError;
+use super::grads::GradBlock;
 use super::hooks::{Checkpoint, StepHooks, float_copy};
+use super::offload::DiskTier;
 use super::unit::{FsdpUnit, Moment, Prefetch, RunContext, ShardedState, UnitRun};
 use crate::nn::{Params, Recompute};
 
@@ -45,6 +47,9 @@ struct Inner {
     backward_order: Vec<usize>,
     /// Reductions issued, in issue order.
     pending: Vec<(usize, PendingReduce)>,
+    /// Reductions already waited for (with offloaded gradients, each is written out as
+    /// soon as the next one is issued).
+    reduced: Vec<Option<GradBlock>>,
     /// The first error a graph op hit (graph ops can only return candle's error).
     error: Option<EngineError>,
     /// Gradients of replicated parameters read inside checkpointed units, from their
@@ -54,7 +59,7 @@ struct Inner {
 
 /// Each unit's reduced gradient block (None: no gradient this step) and which of its
 /// parameters received one.
-pub(crate) type ReducedGrads = (Vec<Option<Vec<f32>>>, Vec<Vec<bool>>);
+pub(crate) type ReducedGrads = (Vec<Option<GradBlock>>, Vec<Vec<bool>>);
 
 /// Per unit, the whole local gradients a backward without sync kept (packed as the
 /// reduction takes them) and which parameters had one.
@@ -69,6 +74,8 @@ pub(crate) struct StepShared {
     checkpointable: Vec<bool>,
     prefetch: Prefetch,
     opts: StepOptions,
+    /// The disk tier holding the units' shards and gradients (`fsdp_offload_params`).
+    tier: Option<Arc<DiskTier>>,
     inner: Mutex<Inner>,
 }
 
@@ -97,6 +104,8 @@ impl StepShared {
                     && !units.iter().any(|o| o.path.starts_with(&inner))
             })
             .collect();
+        let tier = units.iter().find_map(|u| u.tier.clone());
+        let n_units = units.len();
         let mut prefetch = prefetch;
         if prefetch.forward_order.is_empty() {
             prefetch.forward_order = (0..units.len()).collect();
@@ -109,11 +118,13 @@ impl StepShared {
             checkpointable,
             prefetch,
             opts,
+            tier,
             inner: Mutex::new(Inner {
                 runs: units.into_iter().map(UnitRun::new).collect(),
                 forward_order: Vec::new(),
                 backward_order: Vec::new(),
                 pending: Vec::new(),
+                reduced: (0..n_units).map(|_| None).collect(),
                 error: None,
                 recomputed_replicated: Vec::new(),
             }),
@@ -165,6 +176,42 @@ impl StepShared {
         Ok(())
     }
 
+    /// With offloaded shards: starts reading the unit after `u` in `order` from disk.
+    fn read_ahead_after(
+        &self,
+        inner: &Inner,
+        u: usize,
+        order: &[usize],
+    ) -> Result<(), EngineError> {
+        if self.tier.is_none() {
+            return Ok(());
+        }
+        let at = order.iter().position(|&x| x == u);
+        match at.and_then(|at| order.get(at + 1)) {
+            Some(&next) => inner.runs[next].read_ahead(),
+            None => Ok(()),
+        }
+    }
+
+    /// With offloaded gradients: waits for every reduction but the newest and writes it
+    /// out, so a rank holds at most two units' reduced blocks.
+    fn store_reduced(&self, inner: &mut Inner, keep: usize) -> Result<(), EngineError> {
+        let Some(tier) = &self.tier else {
+            return Ok(());
+        };
+        let keep = keep.min(inner.pending.len());
+        let done: Vec<_> = inner.pending.drain(..inner.pending.len() - keep).collect();
+        for (u, work) in done {
+            let values = work.wait().map_err(|source| EngineError::Collective {
+                op: "reduce-scatter of the gradients".into(),
+                unit: inner.runs[u].unit.name(),
+                source,
+            })?;
+            inner.reduced[u] = Some(GradBlock::store(Some(tier), u, values)?);
+        }
+        Ok(())
+    }
+
     fn read(&self, inner: &mut Inner, u: usize, i: usize) -> Result<Tensor, EngineError> {
         let run = &inner.runs[u];
         if !run.readable() {
@@ -178,6 +225,7 @@ impl StepShared {
             inner.runs[u].wait_for_unshard(&self.cx(), self.hooks(), u)?;
             inner.forward_order.push(u);
             self.prefetch_after(inner, Moment::Gathered, u)?;
+            self.read_ahead_after(inner, u, &self.prefetch.forward_order)?;
         }
         Ok(inner.runs[u].full[i].tensor.clone())
     }
@@ -272,14 +320,17 @@ impl StepShared {
                 pending.push((u, p));
             }
         }
-        let mut reduced: Vec<Option<Vec<f32>>> = vec![None; inner.runs.len()];
+        if let Some(tier) = &self.tier {
+            tier.discard_reads_ahead();
+        }
+        let mut reduced = std::mem::take(&mut inner.reduced);
         for (u, work) in pending {
             let values = work.wait().map_err(|source| EngineError::Collective {
                 op: "reduce-scatter of the gradients".into(),
                 unit: inner.runs[u].unit.name(),
                 source,
             })?;
-            reduced[u] = Some(values);
+            reduced[u] = Some(GradBlock::store(self.tier.as_ref(), u, values)?);
         }
         let has_grad = inner.runs.iter().map(|r| r.has_grad.clone()).collect();
         Ok((reduced, has_grad))
@@ -401,7 +452,9 @@ impl StepHooks for StepShared {
         let mut inner = self.lock();
         let result = inner.runs[u].pre_backward(&self.cx()).and_then(|refilled| {
             if refilled {
-                self.prefetch_after(&mut inner, Moment::Refilled, u)
+                self.prefetch_after(&mut inner, Moment::Refilled, u)?;
+                let order = inner.backward_order.clone();
+                self.read_ahead_after(&inner, u, &order)
             } else {
                 Ok(())
             }
@@ -416,7 +469,8 @@ impl StepHooks for StepShared {
             .and_then(|pending| match pending {
                 Some(p) => {
                     inner.pending.push((u, p));
-                    self.prefetch_after(&mut inner, Moment::Reduced, u)
+                    self.prefetch_after(&mut inner, Moment::Reduced, u)?;
+                    self.store_reduced(&mut inner, 1)
                 }
                 None => Ok(()),
             });

@@ -3,6 +3,7 @@
 //! after forward), moved only by `unshard` / `wait_for_unshard` / `post_forward` /
 //! `pre_backward` / `post_backward`, with prefetch decided in one place ([`Prefetch`]).
 
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex, Weak};
 
 use candle_core::{Device, Shape, Tensor, Var};
@@ -11,14 +12,21 @@ use fsdp_comm::{Buffer, Mesh, Work};
 use super::collectives::{self, CommDtypes, PendingReduce};
 use super::error::{EngineError, unit_name};
 use super::hooks::{PreBackward, StepHooks, Unshard};
+use super::offload::{DiskTier, Region};
 use super::param::{FsdpParam, UnshardedParam, unpack_storage};
 use crate::config::BackwardPrefetch;
 
-/// A unit as the engine keeps it between steps: its parameters' shards.
+/// A unit as the engine keeps it between steps: its parameters' shards (in memory, or in
+/// the disk tier's files with `fsdp_offload_params`).
 #[derive(Debug, Clone)]
 pub(crate) struct FsdpUnit {
     /// Path of the wrapped module (empty for the root unit).
     pub path: String,
+    /// The unit's index in the plan (its files' name in the disk tier).
+    pub index: usize,
+    /// The disk tier holding the shards, when parameters are offloaded (the params'
+    /// own buffers are then empty).
+    pub tier: Option<Arc<DiskTier>>,
     /// Parameters in packing order.
     pub params: Vec<FsdpParam>,
     /// Free the full parameters after the unit's forward (FULL_SHARD, non-root units).
@@ -36,6 +44,56 @@ impl FsdpUnit {
     /// `the root unit` or ``unit `path` ``.
     pub fn name(&self) -> String {
         unit_name(&self.path)
+    }
+
+    /// This rank's block of the unit: every parameter's padded rows at its offset, as the
+    /// all-gather sends it (read from the disk tier, or packed from the shards).
+    pub fn master_block(&self) -> Result<Vec<f32>, EngineError> {
+        if let Some(tier) = &self.tier {
+            return Ok(tier.read(&(self.index, Region::Params), self.block())?);
+        }
+        let mut packed = Vec::with_capacity(self.block());
+        for p in &self.params {
+            packed.extend_from_slice(p.shard.values()?);
+        }
+        Ok(packed)
+    }
+
+    /// Starts reading the block from the disk tier ahead of its use (nothing in memory).
+    pub fn read_ahead(&self) -> Result<(), EngineError> {
+        if let Some(tier) = &self.tier {
+            tier.read_ahead(&(self.index, Region::Params), self.block())?;
+        }
+        Ok(())
+    }
+
+    /// This rank's owned values of parameter `i` (unpadded).
+    pub fn local_values(&self, i: usize) -> Result<Cow<'_, [f32]>, EngineError> {
+        let p = &self.params[i];
+        match &self.tier {
+            Some(tier) => {
+                let n = p.owned_rows().len() * p.layout.row_elems;
+                let key = (self.index, Region::Params);
+                Ok(Cow::Owned(tier.read_at(&key, p.layout.offset, n)?))
+            }
+            None => Ok(Cow::Borrowed(p.local_values()?)),
+        }
+    }
+
+    /// Replaces the owned values of parameter `i` (exactly its owned elements).
+    pub fn set_local_values(&mut self, i: usize, values: &[f32]) -> Result<(), EngineError> {
+        let Some(tier) = &self.tier else {
+            return self.params[i].set_local_values(values);
+        };
+        let p = &self.params[i];
+        let n = p.owned_rows().len() * p.layout.row_elems;
+        if values.len() != n {
+            return Err(EngineError::State {
+                name: p.layout.name.clone(),
+                problem: format!("{} values given for {n} owned elements", values.len()),
+            });
+        }
+        Ok(tier.write_at(&(self.index, Region::Params), p.layout.offset, values)?)
     }
 }
 
@@ -197,8 +255,22 @@ impl UnitRun {
 
     /// Issues the unit's all-gather unless one is in flight (also the prefetch entry).
     pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
-        if self.gather.is_none() {
-            self.gather = collectives::all_gather(cx.mesh, &self.unit.params, cx.dtypes.param)?;
+        if self.gather.is_none() && cx.mesh.shard_size() > 1 {
+            let block = self.unit.master_block()?;
+            self.gather = Some(collectives::all_gather(cx.mesh, block, cx.dtypes.param)?);
+        }
+        Ok(())
+    }
+
+    /// Starts reading the unit's shards from the disk tier when its gather is still to
+    /// come (forward and backward order make the next unit known).
+    pub fn read_ahead(&self) -> Result<(), EngineError> {
+        let waiting = matches!(
+            self.sharded,
+            ShardedState::Sharded | ShardedState::ReleasedAfterForward
+        );
+        if self.gather.is_none() && waiting && self.training != TrainingState::PostBackward {
+            self.unit.read_ahead()?;
         }
         Ok(())
     }
@@ -240,11 +312,18 @@ impl UnitRun {
         let gathered = self.gathered(cx, "before its forward")?;
         let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
         let anchor = Var::zeros(1, candle_core::DType::F32, cx.device)?;
+        let whole = match gathered {
+            Some(_) => Vec::new(),
+            None => self.unit.master_block()?,
+        };
         let mut full = Vec::with_capacity(self.unit.params.len());
         for (i, p) in self.unit.params.iter().enumerate() {
             let data = match &gathered {
                 Some(g) => unpack_storage(g, &p.layout, block, ranks)?,
-                None => collectives::whole_storage(p, cx.dtypes.param)?,
+                None => {
+                    let values = &whole[p.layout.offset..p.layout.offset + p.layout.numel()];
+                    collectives::whole_storage(values, cx.dtypes.param)?
+                }
             };
             let op = Unshard {
                 data: Mutex::new(Some(data)),

@@ -168,6 +168,10 @@ impl<R: UpdateRule> Optimizer for Grouped<R> {
         Ok(())
     }
 
+    fn take_state(&mut self, name: &str) -> Option<ParamState> {
+        self.state.remove(name)
+    }
+
     fn state_names(&self) -> Vec<String> {
         self.state.keys().cloned().collect()
     }

@@ -148,6 +148,10 @@ pub trait Optimizer: Send {
     /// Replaces the state of parameter `name` (loading a checkpoint).
     fn set_state(&mut self, name: &str, state: ParamState) -> Result<(), OptimError>;
 
+    /// Removes and returns the state of parameter `name` (the engine keeps offloaded state
+    /// on disk between steps and hands it back with [`Optimizer::set_state`]).
+    fn take_state(&mut self, name: &str) -> Option<ParamState>;
+
     /// Names of the parameters that have state.
     fn state_names(&self) -> Vec<String>;
 }

@@ -1,0 +1,436 @@
+//! The disk tier (`fsdp_offload_dir`): a rank's parameter shards, reduced gradients and
+//! optimizer state kept in files between uses, a unit's block per file, moved by one I/O
+//! thread so reads ahead and writes behind overlap the compute.
+//!
+//! Every region is one file of f32 values in the layout the unit's all-gather sends (each
+//! parameter's padded rows at its offset in the unit's block), so a unit's gather reads its
+//! file into the send buffer and nothing is packed. Reads and writes are whole-file
+//! positioned I/O (`pread` / `pwrite`) through the page cache: one large request per
+//! region, which the kernel turns into sequential disk transfers.
+
+mod scratch;
+pub(crate) mod step;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+pub use scratch::{OffloadError, ScratchDir};
+
+/// What a file holds for one unit.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Region {
+    /// This rank's master shards.
+    Params,
+    /// One backward's reduced gradients (numbered: accumulated backwards coexist).
+    Grads(u64),
+    /// An optimizer state buffer by PyTorch's name (`exp_avg`, ...).
+    State(String),
+}
+
+/// A unit's region.
+pub(crate) type Key = (usize, Region);
+
+/// Bytes and seconds the tier has moved (for benchmarks).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OffloadStats {
+    /// Bytes read from the files.
+    pub bytes_read: u64,
+    /// Bytes written to them.
+    pub bytes_written: u64,
+    /// Seconds the I/O thread spent in reads.
+    pub read_seconds: f64,
+    /// Seconds it spent in writes.
+    pub write_seconds: f64,
+}
+
+/// A read the I/O thread will answer.
+type PendingRead = Receiver<Result<Vec<f32>, OffloadError>>;
+
+enum Job {
+    Read {
+        file: Arc<File>,
+        path: PathBuf,
+        len: usize,
+        reply: Sender<Result<Vec<f32>, OffloadError>>,
+    },
+    Write {
+        file: Arc<File>,
+        path: PathBuf,
+        data: Vec<f32>,
+    },
+    Flush {
+        reply: Sender<()>,
+    },
+}
+
+#[derive(Default)]
+struct Counters {
+    read: AtomicU64,
+    written: AtomicU64,
+    read_ns: AtomicU64,
+    write_ns: AtomicU64,
+}
+
+/// This rank's offloaded state: the scratch folder, its files and the I/O thread.
+pub struct DiskTier {
+    dir: ScratchDir,
+    /// Parameter shards and gradients live here too (`fsdp_offload_params`), not only the
+    /// optimizer state.
+    pub(crate) params: bool,
+    files: Mutex<HashMap<Key, (Arc<File>, PathBuf)>>,
+    queue: Mutex<Option<Sender<Job>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    reads_ahead: Mutex<HashMap<Key, PendingRead>>,
+    /// The first failed write (writes are asynchronous; it surfaces at the next call).
+    failed: Arc<Mutex<Option<OffloadError>>>,
+    counters: Arc<Counters>,
+    next_grads: AtomicU64,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier")
+            .field("dir", &self.dir.path())
+            .field("params", &self.params)
+            .finish()
+    }
+}
+
+impl DiskTier {
+    /// A tier in a new scratch folder under `parent` for rank `rank`, after checking that
+    /// `needed` bytes are free there.
+    pub(crate) fn create(
+        parent: &std::path::Path,
+        rank: usize,
+        params: bool,
+        needed: u64,
+        what: &str,
+    ) -> Result<DiskTier, OffloadError> {
+        let dir = ScratchDir::create(parent, rank, needed, what)?;
+        let (tx, rx) = channel::<Job>();
+        let failed: Arc<Mutex<Option<OffloadError>>> = Arc::default();
+        let counters: Arc<Counters> = Arc::default();
+        let (f, c) = (failed.clone(), counters.clone());
+        let worker = std::thread::Builder::new()
+            .name("fsdp-offload".into())
+            .spawn(move || io_thread(rx, f, c))
+            .map_err(|source| OffloadError::Io {
+                path: dir.path().to_path_buf(),
+                what: "starting the I/O thread".into(),
+                source,
+            })?;
+        Ok(DiskTier {
+            dir,
+            params,
+            files: Mutex::default(),
+            queue: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+            reads_ahead: Mutex::default(),
+            failed,
+            counters,
+            next_grads: AtomicU64::new(0),
+        })
+    }
+
+    /// The scratch folder.
+    pub fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    /// What the tier has moved so far.
+    pub fn stats(&self) -> OffloadStats {
+        let c = &self.counters;
+        OffloadStats {
+            bytes_read: c.read.load(Ordering::Relaxed),
+            bytes_written: c.written.load(Ordering::Relaxed),
+            read_seconds: c.read_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            write_seconds: c.write_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
+
+    /// A new gradient region number (one per backward's reduced block of a unit).
+    pub(crate) fn next_grads(&self) -> u64 {
+        self.next_grads.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn file(&self, key: &Key) -> Result<(Arc<File>, PathBuf), OffloadError> {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((f, p)) = files.get(key) {
+            return Ok((f.clone(), p.clone()));
+        }
+        let name = match &key.1 {
+            Region::Params => format!("unit-{:05}.params", key.0),
+            Region::Grads(n) => format!("unit-{:05}.grads-{n}", key.0),
+            Region::State(s) => format!("unit-{:05}.state-{s}", key.0),
+        };
+        let file = Arc::new(self.dir.create_file(&name)?);
+        let path = self.dir.path().join(name);
+        files.insert(key.clone(), (file.clone(), path.clone()));
+        Ok((file, path))
+    }
+
+    /// Whether region `key` has been written.
+    pub(crate) fn has(&self, key: &Key) -> bool {
+        self.files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(key)
+    }
+
+    fn send(&self, job: Job) -> Result<(), OffloadError> {
+        let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        match queue.as_ref().map(|q| q.send(job)) {
+            Some(Ok(())) => Ok(()),
+            _ => Err(self.io_error(
+                "queueing I/O",
+                std::io::Error::other("the I/O thread ended"),
+            )),
+        }
+    }
+
+    fn io_error(&self, what: &str, source: std::io::Error) -> OffloadError {
+        OffloadError::Io {
+            path: self.dir.path().to_path_buf(),
+            what: what.into(),
+            source,
+        }
+    }
+
+    fn check_failed(&self) -> Result<(), OffloadError> {
+        match self.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts reading region `key` (`len` values) in the background, unless a read of it
+    /// is already under way; [`DiskTier::read`] takes the result.
+    pub(crate) fn read_ahead(&self, key: &Key, len: usize) -> Result<(), OffloadError> {
+        let mut ahead = self.reads_ahead.lock().unwrap_or_else(|e| e.into_inner());
+        if ahead.contains_key(key) || !self.has(key) {
+            return Ok(());
+        }
+        let (file, path) = self.file(key)?;
+        let (reply, rx) = channel();
+        self.send(Job::Read {
+            file,
+            path,
+            len,
+            reply,
+        })?;
+        ahead.insert(key.clone(), rx);
+        Ok(())
+    }
+
+    /// Region `key`'s `len` values (the read ahead's, or read now). Reads come after every
+    /// write queued before them.
+    pub(crate) fn read(&self, key: &Key, len: usize) -> Result<Vec<f32>, OffloadError> {
+        self.check_failed()?;
+        let ahead = self
+            .reads_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        let rx = match ahead {
+            Some(rx) => rx,
+            None => {
+                let (file, path) = self.file(key)?;
+                let (reply, rx) = channel();
+                self.send(Job::Read {
+                    file,
+                    path,
+                    len,
+                    reply,
+                })?;
+                rx
+            }
+        };
+        let values = rx.recv().map_err(|_| {
+            self.io_error("reading", std::io::Error::other("the I/O thread ended"))
+        })??;
+        if values.len() != len {
+            return Err(self.io_error(
+                "reading",
+                std::io::Error::other(format!("{} values where {len} were expected", values.len())),
+            ));
+        }
+        Ok(values)
+    }
+
+    /// Writes `data` as region `key`, in the background (a failure surfaces at the next
+    /// read, write or [`DiskTier::flush`]). A read ahead of the old contents is dropped.
+    pub(crate) fn write(&self, key: &Key, data: Vec<f32>) -> Result<(), OffloadError> {
+        self.check_failed()?;
+        self.reads_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        let (file, path) = self.file(key)?;
+        self.send(Job::Write { file, path, data })
+    }
+
+    /// Waits until every queued write is on its file; the first failure, naming the file.
+    pub(crate) fn flush(&self) -> Result<(), OffloadError> {
+        let (reply, rx) = channel();
+        self.send(Job::Flush { reply })?;
+        let _ = rx.recv();
+        self.check_failed()
+    }
+
+    /// Drops reads ahead nobody took (a step ended without using them).
+    pub(crate) fn discard_reads_ahead(&self) {
+        self.reads_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    /// Removes region `key`'s file (a gradient block that was consumed).
+    pub(crate) fn remove(&self, key: &Key) {
+        self.reads_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        let removed = self
+            .files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        if let Some((_, path)) = removed {
+            // The I/O thread may still hold the file open for a queued write; the name goes
+            // now and the space when it is done.
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    /// `values.len()` values of region `key` from element `offset`, read now (after the
+    /// queued writes).
+    pub(crate) fn read_at(
+        &self,
+        key: &Key,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<f32>, OffloadError> {
+        self.flush()?;
+        let (file, path) = self.file(key)?;
+        let mut out = vec![0f32; len];
+        read_exact(&file, &mut out, offset).map_err(|source| OffloadError::Io {
+            path,
+            what: format!("reading {} bytes at byte {}", len * 4, offset * 4),
+            source,
+        })?;
+        self.counters
+            .read
+            .fetch_add(len as u64 * 4, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Writes `values` into region `key` from element `offset`, now (after the queued ones).
+    pub(crate) fn write_at(
+        &self,
+        key: &Key,
+        offset: usize,
+        values: &[f32],
+    ) -> Result<(), OffloadError> {
+        self.flush()?;
+        self.reads_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        let (file, path) = self.file(key)?;
+        file.write_all_at(as_bytes(values), offset as u64 * 4)
+            .map_err(|source| OffloadError::Io {
+                path,
+                what: format!("writing {} bytes at byte {}", values.len() * 4, offset * 4),
+                source,
+            })?;
+        self.counters
+            .written
+            .fetch_add(values.len() as u64 * 4, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Drop for DiskTier {
+    fn drop(&mut self) {
+        // End the I/O thread (it finishes what is queued) before the folder goes.
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(w) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = w.join();
+        }
+    }
+}
+
+fn as_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte pattern of it may be viewed as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+fn read_exact(file: &File, out: &mut [f32], offset: usize) -> std::io::Result<()> {
+    // SAFETY: any bytes are a valid f32; the view covers exactly `out`.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
+    };
+    file.read_exact_at(bytes, offset as u64 * 4)
+}
+
+/// The I/O thread: jobs in order, so a read queued after a write sees it.
+fn io_thread(rx: Receiver<Job>, failed: Arc<Mutex<Option<OffloadError>>>, c: Arc<Counters>) {
+    let fail = |e: OffloadError| {
+        failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+    };
+    for job in rx {
+        match job {
+            Job::Read {
+                file,
+                path,
+                len,
+                reply,
+            } => {
+                let t = Instant::now();
+                let mut out = vec![0f32; len];
+                let result = read_exact(&file, &mut out, 0)
+                    .map(|()| out)
+                    .map_err(|source| OffloadError::Io {
+                        path,
+                        what: format!("reading {} bytes", len * 4),
+                        source,
+                    });
+                c.read_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                if result.is_ok() {
+                    c.read.fetch_add(len as u64 * 4, Ordering::Relaxed);
+                }
+                let _ = reply.send(result);
+            }
+            Job::Write { file, path, data } => {
+                let t = Instant::now();
+                match file.write_all_at(as_bytes(&data), 0) {
+                    Ok(()) => {
+                        c.written
+                            .fetch_add(data.len() as u64 * 4, Ordering::Relaxed);
+                    }
+                    Err(source) => fail(OffloadError::Io {
+                        path,
+                        what: format!("writing {} bytes", data.len() * 4),
+                        source,
+                    }),
+                }
+                c.write_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            Job::Flush { reply } => {
+                let _ = reply.send(());
+            }
+        }
+    }
+}
