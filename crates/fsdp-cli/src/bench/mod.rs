@@ -1,11 +1,12 @@
 //! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
-//! checkpoints, loading pretrained weights and the optimizer step, each printing a table and machine-readable JSON.
+//! checkpoints, loading pretrained weights, the optimizer step and training offloaded to disk, each printing a table and machine-readable JSON.
 
 mod checkpoint;
 mod collectives;
 mod layer;
 mod loading;
 mod memory;
+mod offload;
 mod optimizer;
 mod workers;
 
@@ -39,6 +40,10 @@ enum BenchWhat {
     /// One optimizer step over a rank's shard (100 M elements) against this machine's memory
     /// bandwidth and, with --torch, torch.optim's implementations on the same shard.
     Optimizer(optimizer::OptimizerArgs),
+    /// GPT-2-shaped FSDP training (GPT-2 XL by default) with parameters, gradients and AdamW
+    /// state offloaded to disk and/or in memory: seconds and bytes per step, disk bandwidth
+    /// against the disk's own, peak RSS per rank, losses compared.
+    Offload(offload::OffloadArgs),
 }
 
 /// Runs `fsdp bench ...`.
@@ -50,5 +55,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Checkpoint(a) => checkpoint::run(a),
         BenchWhat::Loading(a) => loading::run(a),
         BenchWhat::Optimizer(a) => optimizer::run(a),
+        BenchWhat::Offload(a) => offload::run(a),
     }
 }
