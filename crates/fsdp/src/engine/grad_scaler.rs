@@ -80,7 +80,7 @@ impl GradScaler {
     /// inf or NaN in its rows (then every rank must skip the step).
     pub fn unscale(&self, fsdp: &Fsdp, grads: &mut Gradients) -> Result<bool, EngineError> {
         grads.scale((1.0 / self.scale) as f32)?;
-        let mine = f32::from(u8::from(!grads.all_finite()));
+        let mine = f32::from(u8::from(!grads.all_finite()?));
         let any = fsdp
             .mesh()
             .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)?;

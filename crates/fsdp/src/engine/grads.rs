@@ -34,10 +34,26 @@ pub(crate) struct DiskGrad {
     tier: Arc<DiskTier>,
     key: Key,
     len: usize,
+    /// Factors to multiply the file's values by, in order, when they are read (scaling an
+    /// offloaded block costs no pass over the disk; the products are the ones scaling in
+    /// memory makes, one rounding each).
+    factors: Vec<f32>,
+    /// Sum of squares and finiteness of the file's values (before `factors`).
     squares: f64,
     finite: bool,
     /// The values, once something borrowed them ([`Gradients::get`]).
     cache: OnceLock<Option<Vec<f32>>>,
+}
+
+impl DiskGrad {
+    /// The values with the factors applied.
+    fn load(&self) -> Result<Vec<f32>, OffloadError> {
+        let mut v = self.tier.read(&self.key, self.len)?;
+        for &f in &self.factors {
+            v.iter_mut().for_each(|x| *x *= f);
+        }
+        Ok(v)
+    }
 }
 
 impl Drop for DiskGrad {
@@ -68,6 +84,7 @@ impl GradBlock {
             tier: tier.clone(),
             key,
             len,
+            factors: Vec::new(),
             squares,
             finite,
             cache: OnceLock::new(),
@@ -80,7 +97,7 @@ impl GradBlock {
             GradBlock::Memory(v) => Ok(v),
             GradBlock::Disk(mut d) => match d.cache.take().flatten() {
                 Some(v) => Ok(v),
-                None => d.tier.read(&d.key, d.len),
+                None => d.load(),
             },
         }
     }
@@ -99,7 +116,7 @@ impl GradBlock {
             GradBlock::Memory(v) => Some(v),
             GradBlock::Disk(d) => d
                 .cache
-                .get_or_init(|| match d.tier.read(&d.key, d.len) {
+                .get_or_init(|| match d.load() {
                     Ok(v) => Some(v),
                     Err(e) => {
                         tracing::error!("offloaded gradients: {e}");
@@ -115,7 +132,7 @@ impl GradBlock {
         if let GradBlock::Disk(d) = self {
             let v = match d.cache.take().flatten() {
                 Some(v) => v,
-                None => d.tier.read(&d.key, d.len)?,
+                None => d.load()?,
             };
             *self = GradBlock::Memory(v);
         }
@@ -133,7 +150,7 @@ impl GradBlock {
             GradBlock::Disk(d) => {
                 let mut v = match d.cache.take().flatten() {
                     Some(v) => v,
-                    None => d.tier.read(&d.key, d.len)?,
+                    None => d.load()?,
                 };
                 f(&mut v);
                 let unit = d.key.0;
@@ -152,17 +169,27 @@ impl GradBlock {
         }
     }
 
-    fn squares(&self) -> f64 {
+    /// Multiplies the values by `factor`: in memory now, for a block in the tier when it
+    /// is read.
+    fn scale(&mut self, factor: f32) {
         match self {
-            GradBlock::Memory(v) => square_sum(v),
-            GradBlock::Disk(d) => d.squares,
+            GradBlock::Memory(v) => v.iter_mut().for_each(|x| *x *= factor),
+            GradBlock::Disk(d) => {
+                if let Some(Some(v)) = d.cache.get_mut() {
+                    v.iter_mut().for_each(|x| *x *= factor);
+                }
+                d.factors.push(factor);
+            }
         }
     }
 
-    fn all_finite(&self) -> bool {
+    /// Sum of squares and finiteness (a scaled block in the tier is read for them).
+    fn summary(&self) -> Result<(f64, bool), OffloadError> {
+        let of = |v: &[f32]| (square_sum(v), v.iter().all(|x| x.is_finite()));
         match self {
-            GradBlock::Memory(v) => v.iter().all(|x| x.is_finite()),
-            GradBlock::Disk(d) => d.finite,
+            GradBlock::Memory(v) => Ok(of(v)),
+            GradBlock::Disk(d) if d.factors.is_empty() => Ok((d.squares, d.finite)),
+            GradBlock::Disk(d) => Ok(of(&d.load()?)),
         }
     }
 }
@@ -207,7 +234,7 @@ impl Gradients {
     /// Scales every gradient (e.g. by 1/accumulation steps).
     pub fn scale(&mut self, factor: f32) -> Result<(), EngineError> {
         for g in self.units.iter_mut().flatten() {
-            g.update(|v| v.iter_mut().for_each(|x| *x *= factor))?;
+            g.scale(factor);
         }
         self.replicated
             .values_mut()
@@ -261,19 +288,26 @@ impl Gradients {
 
     /// Whether every gradient value this rank holds is finite (the overflow check of fp16
     /// loss scaling, see [`super::GradScaler`]).
-    pub fn all_finite(&self) -> bool {
-        self.units.iter().flatten().all(GradBlock::all_finite)
-            && self
-                .replicated
-                .values()
-                .all(|g| g.iter().all(|x| x.is_finite()))
+    pub fn all_finite(&self) -> Result<bool, EngineError> {
+        for g in self.units.iter().flatten() {
+            if !g.summary()?.1 {
+                return Ok(false);
+            }
+        }
+        Ok(self
+            .replicated
+            .values()
+            .all(|g| g.iter().all(|x| x.is_finite())))
     }
 
     /// Sums of squares: of the sharded rows (disjoint across the shard group, padding zero)
     /// and of the whole replicated gradients.
-    pub(crate) fn squares(&self) -> (f64, f64) {
-        let sharded = self.units.iter().flatten().map(GradBlock::squares).sum();
+    pub(crate) fn squares(&self) -> Result<(f64, f64), EngineError> {
+        let mut sharded = 0.0;
+        for g in self.units.iter().flatten() {
+            sharded += g.summary()?.0;
+        }
         let replicated = self.replicated.values().map(|g| square_sum(g)).sum();
-        (sharded, replicated)
+        Ok((sharded, replicated))
     }
 }

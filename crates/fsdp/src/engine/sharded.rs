@@ -20,7 +20,7 @@ use super::collectives::CommDtypes;
 use super::error::EngineError;
 use super::grads::{GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
-use super::offload::step::{OffloadedStates, adopt_state, update_units};
+use super::offload::step::{OffloadedStates, update_units};
 use super::offload::{DiskTier, OffloadStats, Region};
 use super::param::{FsdpParam, ShardBuffer};
 use super::placement::Placement;
@@ -334,16 +334,59 @@ impl Fsdp {
         self.tier.as_ref().map(|t| (t.path(), t.stats()))
     }
 
-    /// With state offloaded to disk: moves `optimizer`'s state of the sharded parameters
-    /// (just loaded from a checkpoint) into the disk tier; nothing otherwise.
-    pub(crate) fn adopt_optimizer_state(
-        &mut self,
-        optimizer: &mut dyn Optimizer,
-    ) -> Result<(), EngineError> {
-        match self.tier.clone() {
-            Some(tier) => adopt_state(&tier, &self.units, optimizer, &mut self.offloaded),
-            None => Ok(()),
+    /// A checkpoint's optimizer state is about to be loaded: with state offloaded to disk,
+    /// what the tier and `optimizer` held for the sharded parameters is forgotten.
+    pub(crate) fn begin_optimizer_load(&mut self, optimizer: &mut dyn Optimizer) {
+        if self.tier.is_none() {
+            return;
         }
+        self.offloaded.clear();
+        for p in self.units.iter().flat_map(|u| &u.params) {
+            optimizer.take_state(&p.layout.name);
+        }
+    }
+
+    /// With state offloaded to disk: writes this rank's rows of `param`'s optimizer buffer
+    /// `key` from a checkpoint straight into the tier (so loading never holds the state in
+    /// memory) and returns true; false when `param`'s state is kept by the optimizer.
+    pub(crate) fn load_offloaded_state(
+        &mut self,
+        param: &str,
+        key: &str,
+        values: &[f32],
+    ) -> Result<bool, EngineError> {
+        let (Some(tier), Some(place)) = (&self.tier, self.grad_index.get(param)) else {
+            return Ok(false);
+        };
+        if values.len() != place.elements.len() {
+            return Err(EngineError::State {
+                name: param.into(),
+                problem: format!(
+                    "optimizer state `{key}` has {} values for {} owned elements",
+                    values.len(),
+                    place.elements.len()
+                ),
+            });
+        }
+        let block = self.units[place.unit].block();
+        let region = (place.unit, Region::State(key.to_string()));
+        tier.write_at(&region, place.elements.start, values, block)?;
+        let saved = self.offloaded.entry(param.to_string()).or_default();
+        if !saved.buffers.iter().any(|b| b == key) {
+            saved.buffers.push(key.to_string());
+            saved.buffers.sort();
+        }
+        Ok(true)
+    }
+
+    /// With state offloaded to disk: sets `param`'s step count there and returns true;
+    /// false when its state is kept by the optimizer.
+    pub(crate) fn load_offloaded_step(&mut self, param: &str, step: u64) -> bool {
+        if self.tier.is_none() || !self.grad_index.contains_key(param) {
+            return false;
+        }
+        self.offloaded.entry(param.to_string()).or_default().step = step;
+        true
     }
 
     /// The step count and buffer names of parameter `name`'s optimizer state, wherever it
@@ -580,7 +623,7 @@ impl Fsdp {
         grads: &mut Gradients,
         max_norm: Option<f64>,
     ) -> Result<(f64, bool), EngineError> {
-        let (mut sharded_sq, replicated_sq) = grads.squares();
+        let (mut sharded_sq, replicated_sq) = grads.squares()?;
         if self.mesh.shard_size() > 1 {
             sharded_sq = self
                 .mesh
