@@ -130,14 +130,19 @@ fn load_optimizer(
             ),
         });
     }
-    let shapes: BTreeMap<&str, &[usize]> = m.parameters().into_iter().collect();
+    m.begin_optimizer_load(o);
+    let shapes: BTreeMap<String, Vec<usize>> = m
+        .parameters()
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), s.to_vec()))
+        .collect();
     let mut states: BTreeMap<String, ParamState> = BTreeMap::new();
     let mut reader = TensorReader::new(dir, &doc.files);
     for (tensor, t) in &doc.tensors {
         let param = tensor
             .rsplit_once('.')
             .map(|(p, _)| p)
-            .filter(|p| shapes.contains_key(p))
+            .filter(|p| shapes.contains_key(*p))
             .ok_or_else(|| CheckpointError::Mismatch {
                 path: dir.to_path_buf(),
                 reason: format!(
@@ -145,8 +150,8 @@ fn load_optimizer(
                 ),
             })?;
         let key = &tensor[param.len() + 1..];
-        let shape = shapes[param];
-        if t.shape != shape {
+        let shape = &shapes[param];
+        if &t.shape != shape {
             return Err(CheckpointError::Mismatch {
                 path: dir.to_path_buf(),
                 reason: format!("`{tensor}` is {:?}, the parameter {shape:?}", t.shape),
@@ -155,8 +160,10 @@ fn load_optimizer(
         let rows = m.owned_rows(param)?;
         let row_elems: usize = shape.iter().skip(1).product();
         let values = reader.read_rows(tensor, t, rows, row_elems)?;
-        let state = states.entry(param.to_string()).or_default();
-        state.buffers.insert(key.to_string(), values);
+        if !m.load_offloaded_state(param, key, &values)? {
+            let state = states.entry(param.to_string()).or_default();
+            state.buffers.insert(key.to_string(), values);
+        }
     }
     if let Some(p) = meta.steps.keys().find(|p| !shapes.contains_key(p.as_str())) {
         return Err(CheckpointError::Mismatch {
@@ -175,11 +182,14 @@ fn load_optimizer(
         let mut state = states.remove(param).unwrap_or_default();
         state.step = step;
         o.set_state(param, state)?;
+        if m.load_offloaded_step(param, step) {
+            // The state is in the disk tier: the optimizer only checked the group.
+            o.take_state(param);
+        }
     }
     for (g, &lr) in meta.lrs.iter().enumerate() {
         o.set_lr(g, lr)?;
     }
-    m.adopt_optimizer_state(o)?;
     Ok(())
 }
 

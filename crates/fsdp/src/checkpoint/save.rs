@@ -40,13 +40,28 @@ struct RankReport {
     random_crc32: u32,
 }
 
-/// One tensor this rank writes: name, full shape, its rows and their values (borrowed from
-/// the engine and the optimizer, not copied).
+/// One tensor this rank writes: name, full shape, its rows and their values.
 struct Part<'a> {
     name: String,
     shape: Vec<usize>,
     rows: [usize; 2],
-    values: std::borrow::Cow<'a, [f32]>,
+    values: PartValues<'a>,
+}
+
+/// A part's values: borrowed from the engine and the optimizer (not copied), or read from
+/// the disk tier when the part is written (offloaded state is never all in memory).
+enum PartValues<'a> {
+    Ready(Cow<'a, [f32]>),
+    Later(Box<dyn Fn() -> Result<Vec<f32>, crate::engine::EngineError> + 'a>),
+}
+
+impl PartValues<'_> {
+    fn get(&self) -> Result<Cow<'_, [f32]>, CheckpointError> {
+        Ok(match self {
+            PartValues::Ready(v) => Cow::Borrowed(v.as_ref()),
+            PartValues::Later(read) => Cow::Owned(read()?),
+        })
+    }
 }
 
 fn state_dict_name(t: StateDictType) -> &'static str {
@@ -99,45 +114,44 @@ fn sharded_parts<'a>(
     local: bool,
 ) -> Result<(Vec<Part<'a>>, Vec<Part<'a>>, BTreeMap<String, u64>), CheckpointError> {
     let (mut params, mut states, mut steps) = (Vec::new(), Vec::new(), BTreeMap::new());
-    for (index, s) in m.local_shards()?.into_iter().enumerate() {
-        let full_rows = s.shape.first().copied().unwrap_or(1);
-        if s.rows.is_empty() || !(local || writes(m, s.rows.len(), full_rows, index)) {
+    for (index, (name, shape)) in m.parameters().into_iter().enumerate() {
+        let owned = m.owned_rows(name)?;
+        let full_rows = shape.first().copied().unwrap_or(1);
+        if owned.is_empty() || !(local || writes(m, owned.len(), full_rows, index)) {
             continue;
         }
-        let rows = [s.rows.start, s.rows.end];
-        let state = match opt {
-            Some(o) => m.optimizer_state(o, s.name)?,
-            None => None,
+        let rows = [owned.start, owned.end];
+        let part = |name: String, values| Part {
+            name,
+            shape: shape.to_vec(),
+            rows,
+            values,
         };
-        if let Some(state) = state {
-            steps.insert(s.name.to_string(), state.step);
-            let buffers: Vec<(String, Cow<'a, [f32]>)> = match state {
-                Cow::Borrowed(st) => st
-                    .buffers
-                    .iter()
-                    .map(|(k, b)| (k.clone(), Cow::Borrowed(b.as_slice())))
-                    .collect(),
-                Cow::Owned(st) => st
-                    .buffers
-                    .into_iter()
-                    .map(|(k, b)| (k, Cow::Owned(b)))
-                    .collect(),
-            };
-            for (key, values) in buffers {
-                states.push(Part {
-                    name: format!("{}.{key}", s.name),
-                    shape: s.shape.to_vec(),
-                    rows,
-                    values,
-                });
+        if let Some(o) = opt
+            && let Some((step, keys)) = m.optimizer_state_info(o, name)
+        {
+            steps.insert(name.to_string(), step);
+            for key in keys {
+                let values = match o.state(name).and_then(|st| st.buffers.get(&key)) {
+                    Some(b) => PartValues::Ready(Cow::Borrowed(b.as_slice())),
+                    None => {
+                        let key = key.clone();
+                        PartValues::Later(Box::new(move || {
+                            let state = m.optimizer_state(o, name)?;
+                            Ok(state
+                                .and_then(|s| s.buffers.get(&key).cloned())
+                                .unwrap_or_default())
+                        }))
+                    }
+                };
+                states.push(part(format!("{name}.{key}"), values));
             }
         }
-        params.push(Part {
-            name: s.name.to_string(),
-            shape: s.shape.to_vec(),
-            rows,
-            values: s.values,
-        });
+        let values = match m.local_values_in_memory(name) {
+            Some(v) => PartValues::Ready(Cow::Borrowed(v)),
+            None => PartValues::Later(Box::new(move || m.local_values_of(name))),
+        };
+        params.push(part(name.to_string(), values));
     }
     Ok((params, states, steps))
 }
@@ -167,7 +181,7 @@ fn write_parts(
         .collect();
     let mut w = TensorFileWriter::create(&folder.join(file), plan)?;
     for p in &parts {
-        w.write_next(&p.values)?;
+        w.write_next(&p.values.get()?)?;
     }
     let written = w.finish()?;
     Ok(describe(

@@ -148,6 +148,16 @@ impl Fsdp {
             .collect()
     }
 
+    /// This rank's rows of parameter `name`, when they are in memory (not offloaded).
+    pub(crate) fn local_values_in_memory(&self, name: &str) -> Option<&[f32]> {
+        self.units
+            .iter()
+            .filter(|u| u.tier.is_none())
+            .flat_map(|u| &u.params)
+            .find(|p| p.layout.name == name)
+            .and_then(|p| p.local_values().ok())
+    }
+
     /// This rank's rows of parameter `name` (copied).
     pub(crate) fn local_values_of(&self, name: &str) -> Result<Vec<f32>, EngineError> {
         if let Some(var) = self.replicated.get(name) {

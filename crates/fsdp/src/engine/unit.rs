@@ -93,7 +93,8 @@ impl FsdpUnit {
                 problem: format!("{} values given for {n} owned elements", values.len()),
             });
         }
-        Ok(tier.write_at(&(self.index, Region::Params), p.layout.offset, values)?)
+        let key = (self.index, Region::Params);
+        Ok(tier.write_at(&key, p.layout.offset, values, self.block())?)
     }
 }
 

@@ -331,12 +331,14 @@ impl DiskTier {
         Ok(out)
     }
 
-    /// Writes `values` into region `key` from element `offset`, now (after the queued ones).
+    /// Writes `values` into region `key` (of `region_len` values: a new file is extended to
+    /// it with zeros) from element `offset`, now (after the queued writes).
     pub(crate) fn write_at(
         &self,
         key: &Key,
         offset: usize,
         values: &[f32],
+        region_len: usize,
     ) -> Result<(), OffloadError> {
         self.flush()?;
         self.reads_ahead
@@ -344,12 +346,26 @@ impl DiskTier {
             .unwrap_or_else(|e| e.into_inner())
             .remove(key);
         let (file, path) = self.file(key)?;
+        let io = |what: String| {
+            let path = path.clone();
+            move |source| OffloadError::Io { path, what, source }
+        };
         file.write_all_at(as_bytes(values), offset as u64 * 4)
-            .map_err(|source| OffloadError::Io {
-                path,
-                what: format!("writing {} bytes at byte {}", values.len() * 4, offset * 4),
-                source,
-            })?;
+            .map_err(io(format!(
+                "writing {} bytes at byte {}",
+                values.len() * 4,
+                offset * 4
+            )))?;
+        let len = region_len as u64 * 4;
+        if file
+            .metadata()
+            .map_err(io("reading its size".into()))?
+            .len()
+            < len
+        {
+            file.set_len(len)
+                .map_err(io(format!("extending it to {len} bytes")))?;
+        }
         self.counters
             .written
             .fetch_add(values.len() as u64 * 4, Ordering::Relaxed);

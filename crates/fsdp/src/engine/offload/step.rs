@@ -160,29 +160,3 @@ fn stash(
         buffers: state.buffers.into_keys().collect(),
     })
 }
-
-/// Moves the optimizer's state of every unit parameter into the tier (after a checkpoint
-/// loaded it into the optimizer), replacing what the tier held.
-pub(crate) fn adopt_state(
-    tier: &DiskTier,
-    units: &[std::sync::Arc<FsdpUnit>],
-    optimizer: &mut dyn Optimizer,
-    states: &mut OffloadedStates,
-) -> Result<(), EngineError> {
-    states.clear();
-    for unit in units {
-        let block = unit.block();
-        let mut blocks = BTreeMap::new();
-        for p in &unit.params {
-            if let Some(state) = optimizer.take_state(&p.layout.name) {
-                let saved = stash(&mut blocks, block, p.layout.offset, &p.layout.name, state)?;
-                states.insert(p.layout.name.clone(), saved);
-            }
-        }
-        for (name, values) in blocks {
-            tier.write(&(unit.index, Region::State(name)), values)?;
-        }
-    }
-    tier.flush()?;
-    Ok(())
-}
