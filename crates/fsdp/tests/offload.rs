@@ -73,6 +73,8 @@ struct Recipe {
     accumulation: usize,
     max_grad_norm: Option<f64>,
     sgd: bool,
+    /// `fsdp_activation_checkpointing`.
+    checkpointing: bool,
 }
 
 /// Bits of every loss and of the final full weights.
@@ -88,8 +90,10 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .collect()
 }
 
-fn plugin(strategy: ShardingStrategy, offload: Offload, dir: &Path) -> FsdpPlugin {
-    let b = FsdpPlugin::builder().sharding_strategy(strategy);
+fn plugin(r: Recipe, offload: Offload, dir: &Path) -> FsdpPlugin {
+    let b = FsdpPlugin::builder()
+        .sharding_strategy(r.strategy)
+        .activation_checkpointing(r.checkpointing);
     let b = match offload {
         Offload::None => b,
         Offload::Params => b.offload_params(true).offload_dir(dir.to_str().unwrap()),
@@ -171,7 +175,7 @@ fn train(
                 let rank = group.rank();
                 let m = model();
                 let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
-                let plugin = plugin(r.strategy, offload, &scratch);
+                let plugin = plugin(r, offload, &scratch);
                 let new_engine =
                     || Fsdp::wrap(&m, &init.tensors(), &plugin, group.clone()).unwrap();
                 let mut engine = new_engine();
@@ -250,6 +254,7 @@ fn recipe(world: usize, strategy: ShardingStrategy) -> Recipe {
         accumulation: 1,
         max_grad_norm: None,
         sgd: false,
+        checkpointing: false,
     }
 }
 
@@ -295,6 +300,15 @@ fn offloaded_training_equals_training_in_memory_bit_for_bit() {
     r.sgd = true;
     let memory = train(r, Offload::None, 3, None);
     assert_same("SGD", &train(r, Offload::Params, 3, None), &memory);
+    // Activation checkpointing: units recompute their forward from shards read again.
+    let mut r = recipe(3, ShardingStrategy::FullShard);
+    r.checkpointing = true;
+    let memory = train(r, Offload::None, 3, None);
+    assert_same(
+        "checkpointing",
+        &train(r, Offload::Params, 3, None),
+        &memory,
+    );
 }
 
 #[test]
@@ -326,7 +340,11 @@ fn an_offload_folder_that_cannot_be_made_is_an_error_naming_it() {
     let bad = file.join("scratch");
     let m = model();
     let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
-    let plugin = plugin(ShardingStrategy::FullShard, Offload::Params, &bad);
+    let plugin = plugin(
+        recipe(1, ShardingStrategy::FullShard),
+        Offload::Params,
+        &bad,
+    );
     let group: Arc<dyn Communicator> = Arc::new(LocalGroup::create(1).pop().unwrap());
     let err = match Fsdp::wrap(&m, &init.tensors(), &plugin, group) {
         Ok(_) => panic!("an offload folder inside a file was accepted"),
