@@ -20,7 +20,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-pub use scratch::{OffloadError, ScratchDir};
+pub use scratch::{OffloadError, ScratchDir, free_bytes};
 
 /// What a file holds for one unit.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -89,6 +89,8 @@ pub struct DiskTier {
     reads_ahead: Mutex<HashMap<Key, PendingRead>>,
     /// The first failed write (writes are asynchronous; it surfaces at the next call).
     failed: Arc<Mutex<Option<OffloadError>>>,
+    /// That failure in words, once it surfaced: every later call fails with it.
+    poisoned: Mutex<Option<String>>,
     counters: Arc<Counters>,
     next_grads: AtomicU64,
 }
@@ -133,6 +135,7 @@ impl DiskTier {
             worker: Mutex::new(Some(worker)),
             reads_ahead: Mutex::default(),
             failed,
+            poisoned: Mutex::default(),
             counters,
             next_grads: AtomicU64::new(0),
         })
@@ -203,8 +206,18 @@ impl DiskTier {
     }
 
     fn check_failed(&self) -> Result<(), OffloadError> {
+        let mut poisoned = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(first) = poisoned.as_ref() {
+            return Err(OffloadError::Failed {
+                path: self.dir.path().to_path_buf(),
+                first: first.clone(),
+            });
+        }
         match self.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(e) => Err(e),
+            Some(e) => {
+                *poisoned = Some(e.to_string());
+                Err(e)
+            }
             None => Ok(()),
         }
     }
@@ -216,6 +229,12 @@ impl DiskTier {
         if ahead.contains_key(key) || !self.has(key) {
             return Ok(());
         }
+        ahead.insert(key.clone(), self.queue_read(key, len)?);
+        Ok(())
+    }
+
+    /// Queues a read of region `key` (`len` values) behind the writes already queued.
+    fn queue_read(&self, key: &Key, len: usize) -> Result<PendingRead, OffloadError> {
         let (file, path) = self.file(key)?;
         let (reply, rx) = channel();
         self.send(Job::Read {
@@ -224,8 +243,7 @@ impl DiskTier {
             len,
             reply,
         })?;
-        ahead.insert(key.clone(), rx);
-        Ok(())
+        Ok(rx)
     }
 
     /// Region `key`'s `len` values (the read ahead's, or read now). Reads come after every
@@ -239,17 +257,7 @@ impl DiskTier {
             .remove(key);
         let rx = match ahead {
             Some(rx) => rx,
-            None => {
-                let (file, path) = self.file(key)?;
-                let (reply, rx) = channel();
-                self.send(Job::Read {
-                    file,
-                    path,
-                    len,
-                    reply,
-                })?;
-                rx
-            }
+            None => self.queue_read(key, len)?,
         };
         let values = rx.recv().map_err(|_| {
             self.io_error("reading", std::io::Error::other("the I/O thread ended"))
@@ -448,5 +456,69 @@ fn io_thread(rx: Receiver<Job>, failed: Arc<Mutex<Option<OffloadError>>>, c: Arc
                 let _ = reply.send(());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder on a 256 KiB tmpfs (root only: `None` elsewhere), unmounted when dropped.
+    struct SmallDisk(PathBuf);
+
+    impl SmallDisk {
+        fn mount() -> Option<SmallDisk> {
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } != 0 {
+                return None;
+            }
+            let dir = std::env::temp_dir().join(format!("fsdp-small-disk-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).ok()?;
+            let ok = std::process::Command::new("mount")
+                .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+                .arg(&dir)
+                .status()
+                .is_ok_and(|s| s.success());
+            ok.then_some(SmallDisk(dir))
+        }
+    }
+
+    impl Drop for SmallDisk {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_full_disk_is_an_error_naming_the_file_and_the_bytes_and_later_calls_fail() {
+        let Some(disk) = SmallDisk::mount() else {
+            eprintln!("skipped: mounting a small tmpfs needs root");
+            return;
+        };
+        // The plan is checked first: more than the disk holds is refused before any write.
+        let err = DiskTier::create(&disk.0, 0, true, 1 << 30, "the plan").unwrap_err();
+        assert!(matches!(err, OffloadError::NoSpace { .. }), "{err}");
+        let tier = DiskTier::create(&disk.0, 0, true, 0, "nothing").unwrap();
+        let key = (3, Region::Params);
+        tier.write(&key, vec![1.0; 16]).unwrap();
+        assert_eq!(tier.read(&key, 16).unwrap(), vec![1.0; 16]);
+        // A block larger than the disk: the write behind fails, and says where and how much.
+        tier.write(&(4, Region::Grads(0)), vec![2.0; 1 << 20])
+            .unwrap();
+        let err = tier.flush().unwrap_err().to_string();
+        assert!(err.contains("unit-00004.grads-0"), "{err}");
+        assert!(err.contains(&format!("writing {} bytes", 4 << 20)), "{err}");
+        assert!(err.contains("No space left on device"), "{err}");
+        // The files no longer hold one consistent state: every later call says so.
+        let later = tier.read(&key, 16).unwrap_err();
+        assert!(matches!(later, OffloadError::Failed { .. }), "{later}");
+        assert!(
+            later.to_string().contains("No space left on device"),
+            "{later}"
+        );
+        let path = tier.path().to_path_buf();
+        drop(tier);
+        assert!(!path.exists(), "the scratch folder is removed");
     }
 }

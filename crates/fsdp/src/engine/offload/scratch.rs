@@ -28,6 +28,15 @@ pub enum OffloadError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// An earlier write failed, so the files no longer hold a consistent state: every later
+    /// use of the tier fails too.
+    #[error("offload folder {path}: unusable after an earlier failure: {first}")]
+    Failed {
+        /// The folder.
+        path: PathBuf,
+        /// The first failure.
+        first: String,
+    },
     /// The disk holding the folder has too little free space for the plan.
     #[error(
         "offload folder {path}: {needed} bytes are needed for this rank's offloaded state ({what}) but only {available} are free on its file system"
@@ -51,7 +60,8 @@ pub struct ScratchDir {
 }
 
 impl ScratchDir {
-    /// Makes `parent/fsdp-offload-<host>-<pid>-rank<rank>` (and `parent` if missing), after
+    /// Makes `parent/fsdp-offload-<host>-<pid>-rank<rank>-<n>` (`n` counts this process's
+    /// engines; `parent` is made if missing), after
     /// removing stale folders of dead processes of this host and checking that `needed`
     /// bytes (`what`) are free there.
     pub fn create(
@@ -77,11 +87,11 @@ impl ScratchDir {
                 what: what.to_string(),
             });
         }
-        let path = parent.join(format!("{PREFIX}{host}-{}-rank{rank}", std::process::id()));
-        if path.exists() {
-            // Our own pid's folder from an earlier engine in this process: not state to keep.
-            std::fs::remove_dir_all(&path).map_err(io(&path, "removing an earlier folder"))?;
-        }
+        static ENGINES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = ENGINES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid = std::process::id();
+        let path = parent.join(format!("{PREFIX}{host}-{pid}-rank{rank}-{n}"));
+        // `create` fails on an existing folder: nothing of another engine is ever reused.
         DirBuilder::new()
             .mode(0o700)
             .create(&path)
@@ -145,8 +155,9 @@ fn host_name() -> String {
     }
 }
 
-/// Bytes free for this user on the file system holding `dir`.
-fn free_bytes(dir: &Path) -> std::io::Result<u64> {
+/// Bytes free for this user on the file system holding `dir` (what the disk tier checks the
+/// plan against).
+pub fn free_bytes(dir: &Path) -> std::io::Result<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
         .map_err(|_| std::io::Error::other("the path holds a NUL byte"))?;
@@ -206,14 +217,25 @@ mod tests {
         let host = host_name();
         // A folder a crashed process left (pid 0x7fff_fff0 does not exist), one without the
         // marker (not ours: kept), and a user's folder (kept).
-        let stale = parent.join(format!("{PREFIX}{host}-{}-rank0", 0x7fff_fff0));
-        let foreign = parent.join(format!("{PREFIX}{host}-{}-rank1", 0x7fff_fff1));
+        let stale = parent.join(format!("{PREFIX}{host}-{}-rank0-0", 0x7fff_fff0));
+        let foreign = parent.join(format!("{PREFIX}{host}-{}-rank1-0", 0x7fff_fff1));
         let user = parent.join("data");
         for d in [&stale, &foreign, &user] {
             std::fs::create_dir_all(d).unwrap();
         }
         std::fs::write(stale.join(MARKER), b"").unwrap();
         let dir = ScratchDir::create(&parent, 3, 1, "test").unwrap();
+        let second = ScratchDir::create(&parent, 3, 1, "test").unwrap();
+        assert_ne!(
+            dir.path(),
+            second.path(),
+            "two engines of one rank in one process"
+        );
+        drop(second);
+        assert!(
+            dir.path().is_dir(),
+            "dropping one engine's folder left the other's"
+        );
         assert!(
             !stale.exists(),
             "a dead process's scratch folder is removed"
