@@ -267,4 +267,34 @@ fn shard_layout_pads_dim_zero_and_memory_follows_the_strategy() {
         (bf16.params, bf16.grads, bf16.optimizer),
         (full.params, full.grads, full.optimizer)
     );
+    // Offloaded to disk, state leaves memory for the disk tier (shards, gradients and two
+    // Adam buffers), and memory streams two units' blocks of each kind.
+    let disk = UnitPlan::build(
+        &info,
+        &plugin(|b| b.offload_params(true).offload_dir("/scratch")),
+        BertModel::no_split_modules(),
+        4,
+    )
+    .unwrap();
+    let blocks = {
+        let mut b: Vec<usize> = disk.units.iter().map(|u| u.shard_numel()).collect();
+        b.sort_unstable_by(|x, y| y.cmp(x));
+        b[0] + b[1]
+    };
+    let disk = disk.memory_estimate();
+    assert_eq!((disk.params, disk.grads, disk.optimizer), (0, 0, 0));
+    assert_eq!(disk.disk, full.params + full.grads + full.optimizer);
+    assert_eq!(disk.streaming, 4 * blocks * 4);
+    assert_eq!(disk.gathered_peak, full.gathered_peak);
+    let state_only = UnitPlan::build(
+        &info,
+        &plugin(|b| b.offload_optimizer(true).offload_dir("/scratch")),
+        BertModel::no_split_modules(),
+        4,
+    )
+    .unwrap()
+    .memory_estimate();
+    assert_eq!((state_only.params, state_only.optimizer), (full.params, 0));
+    assert_eq!(state_only.disk, full.optimizer);
+    assert_eq!(full.disk + full.streaming, 0);
 }

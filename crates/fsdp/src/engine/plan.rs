@@ -133,6 +133,17 @@ pub struct UnitPlan {
     /// Bytes per gathered parameter element: 4, or 2 with mixed precision (parameters
     /// gathered and computed in bf16 or fp16).
     pub gathered_bytes: usize,
+    /// What lives in the disk tier (`fsdp_offload_dir`).
+    pub disk: DiskOffload,
+}
+
+/// What a plan keeps in the disk tier between uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskOffload {
+    /// Parameter shards, reduced gradients and optimizer state (`fsdp_offload_params`).
+    pub params: bool,
+    /// Optimizer state (`fsdp_offload_optimizer`, or with `params`).
+    pub optimizer: bool,
 }
 
 /// Per-rank bytes of model state, for f32 master weights and AdamW (and, gathered, in the
@@ -147,12 +158,17 @@ pub struct MemoryEstimate {
     pub optimizer: usize,
     /// Full parameters gathered at the peak of forward/backward, beyond the stored shards.
     pub gathered_peak: usize,
+    /// Memory the disk tier streams state through: two units' blocks (the one in use and
+    /// the one read ahead, the two largest) of each offloaded kind.
+    pub streaming: usize,
+    /// Bytes in the disk tier's files (not in memory).
+    pub disk: usize,
 }
 
 impl MemoryEstimate {
-    /// Sum of the components.
+    /// Memory: the sum of the components other than the disk.
     pub fn total(&self) -> usize {
-        self.params + self.grads + self.optimizer + self.gathered_peak
+        self.params + self.grads + self.optimizer + self.gathered_peak + self.streaming
     }
 }
 
@@ -307,6 +323,11 @@ impl UnitPlan {
                 crate::config::MixedPrecision::No => 4,
                 _ => 2,
             },
+            disk: DiskOffload {
+                params: plugin.offload_dir.is_some() && plugin.offload_params,
+                optimizer: plugin.offload_dir.is_some()
+                    && (plugin.offload_params || plugin.offload_optimizer),
+            },
         })
     }
 
@@ -339,17 +360,50 @@ impl UnitPlan {
             ShardingStrategy::ShardGradOp | ShardingStrategy::HybridShardZero2 => full,
             ShardingStrategy::NoShard => 0,
         };
+        // The disk tier holds whole units' blocks; memory streams one unit's while the next
+        // one's are read ahead: at most the two largest blocks of each kind.
+        let mut blocks: Vec<usize> = self.units.iter().map(Unit::shard_numel).collect();
+        blocks.sort_unstable_by(|a, b| b.cmp(a));
+        let two_blocks: usize = blocks.iter().take(2).sum();
+        let (on_disk_params, on_disk_state) = (self.disk.params, self.disk.optimizer);
+        let kinds = 2 * usize::from(on_disk_params) + 2 * usize::from(on_disk_state);
+        let in_memory = |offloaded: bool, units: usize| if offloaded { 0 } else { units };
         MemoryEstimate {
-            params: (shard + ignored) * f,
-            grads: (trainable_shard + ignored_trainable) * f,
-            optimizer: 2 * (trainable_shard + ignored_trainable) * f,
+            params: (in_memory(on_disk_params, shard) + ignored) * f,
+            grads: (in_memory(on_disk_params, trainable_shard) + ignored_trainable) * f,
+            optimizer: 2 * (in_memory(on_disk_state, trainable_shard) + ignored_trainable) * f,
             // With one rank per group the stored parameters are already whole.
             gathered_peak: if self.group_size == 1 {
                 0
             } else {
                 gathered_peak * self.gathered_bytes
             },
+            streaming: kinds * two_blocks * f,
+            disk: (usize::from(on_disk_params) * (shard + trainable_shard)
+                + usize::from(on_disk_state) * 2 * trainable_shard)
+                * f,
         }
+    }
+
+    /// The memory estimate in one line: memory per rank by kind, and the disk tier's bytes.
+    pub fn memory_summary(&self) -> String {
+        let m = self.memory_estimate();
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        let mut out = format!(
+            "per rank: params {:.1} MiB, grads {:.1} MiB, optimizer {:.1} MiB, gathered at peak {:.1} MiB",
+            mib(m.params),
+            mib(m.grads),
+            mib(m.optimizer),
+            mib(m.gathered_peak),
+        );
+        if m.disk > 0 {
+            let _ = write!(out, ", offload buffers {:.1} MiB", mib(m.streaming));
+        }
+        let _ = write!(out, ", total {:.1} MiB", mib(m.total()));
+        if m.disk > 0 {
+            let _ = write!(out, "; on disk {:.1} MiB", mib(m.disk));
+        }
+        out
     }
 
     /// A table of units, their parameters and sizes per rank, and the memory estimate.
@@ -382,17 +436,7 @@ impl UnitPlan {
         for p in &self.ignored {
             let _ = writeln!(out, "ignored (replicated): {} {:?}", p.name, p.shape);
         }
-        let m = self.memory_estimate();
-        let mib = |b: usize| b as f64 / (1 << 20) as f64;
-        let _ = writeln!(
-            out,
-            "per rank: params {:.1} MiB, grads {:.1} MiB, optimizer {:.1} MiB, gathered at peak {:.1} MiB, total {:.1} MiB",
-            mib(m.params),
-            mib(m.grads),
-            mib(m.optimizer),
-            mib(m.gathered_peak),
-            mib(m.total())
-        );
+        let _ = writeln!(out, "{}", self.memory_summary());
         out
     }
 }

@@ -77,8 +77,7 @@ fn machine_size(world: usize) -> Result<usize, EngineError> {
 
 /// The disk tier `plugin` asks for (`fsdp_offload_dir` with `fsdp_offload_params` or
 /// `fsdp_offload_optimizer`), after checking the disk has room for this rank's share of the
-/// plan: shards, gradients and two optimizer buffers (Adam's) per element, or the buffers
-/// alone.
+/// plan (its estimate counts Adam's two buffers per element).
 fn offload_tier(
     plugin: &FsdpPlugin,
     plan: &UnitPlan,
@@ -87,38 +86,20 @@ fn offload_tier(
     let Some(dir) = &plugin.offload_dir else {
         return Ok(None);
     };
-    if !plugin.offload_params && !plugin.offload_optimizer {
+    if !plan.disk.optimizer {
         return Ok(None);
     }
-    let elements: u64 = plan
-        .units
-        .iter()
-        .flat_map(|u| &u.params)
-        .map(|l| l.shard_numel() as u64)
-        .sum();
-    let (copies, what) = if plugin.offload_params {
-        (
-            4,
-            "parameter shards, gradients and two optimizer buffers, f32",
-        )
+    let what = if plan.disk.params {
+        "parameter shards, gradients and optimizer state"
     } else {
-        (2, "two optimizer buffers, f32")
+        "optimizer state"
     };
-    let tier = DiskTier::create(
-        dir,
-        mesh.rank(),
-        plugin.offload_params,
-        elements * 4 * copies,
-        what,
-    )?;
+    let needed = plan.memory_estimate().disk as u64;
+    let tier = DiskTier::create(dir, mesh.rank(), plan.disk.params, needed, what)?;
     tracing::info!(
-        "offloading {} to {}",
-        if plugin.offload_params {
-            "parameter shards, gradients and optimizer state"
-        } else {
-            "optimizer state"
-        },
-        tier.path().display()
+        "offloading {what} to {}; {}",
+        tier.path().display(),
+        plan.memory_summary()
     );
     Ok(Some(Arc::new(tier)))
 }
