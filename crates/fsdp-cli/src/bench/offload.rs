@@ -29,6 +29,10 @@ pub struct OffloadArgs {
     /// gpt2 (124 M) or tiny.
     #[arg(long, default_value = "gpt2-xl", value_parser = ["gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2", "tiny"])]
     model: String,
+    /// Blocks instead of the shape's own number (`--model gpt2-xl --layers 64`: 2.0 B
+    /// parameters, 32.8 GB of training state).
+    #[arg(long)]
+    layers: Option<usize>,
     /// Processes.
     #[arg(long = "num_processes", default_value_t = 2)]
     num_processes: usize,
@@ -55,7 +59,7 @@ pub struct OffloadArgs {
     worker: Option<String>,
 }
 
-fn config(name: &str) -> Gpt2Config {
+fn config(name: &str, layers: Option<usize>) -> Gpt2Config {
     let (n_embd, n_layer, n_head, vocab_size, n_positions) = match name {
         "gpt2-xl" => (1600, 48, 25, 50257, 1024),
         "gpt2-large" => (1280, 36, 20, 50257, 1024),
@@ -67,7 +71,7 @@ fn config(name: &str) -> Gpt2Config {
         vocab_size,
         n_positions,
         n_embd,
-        n_layer,
+        n_layer: layers.unwrap_or(n_layer),
         n_head,
         n_inner: None,
         layer_norm_epsilon: 1e-5,
@@ -86,16 +90,8 @@ pub fn run(a: OffloadArgs) -> Result<()> {
     }
 }
 
-/// Bytes free on the file system holding `dir`.
 fn free_bytes(dir: &Path) -> Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
-    // SAFETY: `c` is a NUL-terminated path and `st` a writable statvfs.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error()).context(format!("statvfs {}", dir.display()));
-    }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    fsdp::engine::free_bytes(dir).with_context(|| format!("statvfs {}", dir.display()))
 }
 
 /// The disk's sequential bandwidth under `dir`: a file of `bytes` written in 8 MiB requests
@@ -131,8 +127,57 @@ fn disk_bandwidth(dir: &Path, bytes: usize) -> Result<(f64, f64)> {
     Ok((write, read))
 }
 
+/// [`disk_bandwidth`] through `O_DIRECT` (no page cache; 4 KiB-aligned 8 MiB requests):
+/// what the device does without the kernel's copies, to compare the buffered path with.
+fn direct_bandwidth(dir: &Path, bytes: usize) -> Result<(f64, f64)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    const PIECE: usize = 8 << 20;
+    let layout = std::alloc::Layout::from_size_align(PIECE, 4096)?;
+    // SAFETY: the layout has a non-zero size; the pointer is checked, filled before use,
+    // viewed as exactly PIECE bytes and freed with the same layout below.
+    let ptr = unsafe { std::alloc::alloc(layout) };
+    if ptr.is_null() {
+        bail!("allocating an aligned buffer");
+    }
+    let buf = unsafe { std::slice::from_raw_parts_mut(ptr, PIECE) };
+    buf.fill(0x5a);
+    let path = dir.join("fsdp-bench-direct-probe");
+    let result = (|| -> Result<(f64, f64)> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .with_context(|| format!("opening {} with O_DIRECT", path.display()))?;
+        let t = Instant::now();
+        let mut at = 0;
+        while at < bytes {
+            f.write_all_at(buf, at as u64)?;
+            at += PIECE;
+        }
+        f.sync_all()?;
+        let write = at as f64 / t.elapsed().as_secs_f64();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)?;
+        let t = Instant::now();
+        let mut done = 0;
+        while done < at {
+            f.read_exact_at(buf, done as u64)?;
+            done += PIECE;
+        }
+        Ok((write, done as f64 / t.elapsed().as_secs_f64()))
+    })();
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(ptr, layout) };
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
 fn launch(a: &OffloadArgs) -> Result<()> {
-    let model = Gpt2LmHeadModel::new(config(&a.model))?;
+    let model = Gpt2LmHeadModel::new(config(&a.model, a.layers))?;
     let params: usize = model
         .info()
         .all_params()
@@ -161,14 +206,17 @@ fn launch(a: &OffloadArgs) -> Result<()> {
         );
     }
     let (disk_write, disk_read) = disk_bandwidth(&dir, 1 << 30)?;
+    let (direct_write, direct_read) = direct_bandwidth(&dir, 1 << 30)?;
     println!(
-        "{}: {params} parameters, {:.1} GB of training state (f32 parameters, gradients, AdamW); {} processes; disk under {}: {:.2} GB/s write, {:.2} GB/s read (sequential, 8 MiB requests)",
+        "{}: {params} parameters, {:.1} GB of training state (f32 parameters, gradients, AdamW); {} processes; disk under {}, sequential 8 MiB requests: {:.2} GB/s write, {:.2} GB/s read buffered (what the tier uses), {:.2} / {:.2} GB/s with O_DIRECT",
         a.model,
         state as f64 / 1e9,
         a.num_processes,
         dir.display(),
         disk_write / 1e9,
-        disk_read / 1e9
+        disk_read / 1e9,
+        direct_write / 1e9,
+        direct_read / 1e9
     );
     let mut results = Vec::new();
     for mode in &modes {
@@ -188,6 +236,9 @@ fn launch(a: &OffloadArgs) -> Result<()> {
             "--worker".into(),
             mode.to_string(),
         ];
+        if let Some(n) = a.layers {
+            args.extend(["--layers".into(), n.to_string()]);
+        }
         if a.no_activation_checkpointing {
             args.push("--no-activation-checkpointing".into());
         }
@@ -227,6 +278,21 @@ fn launch(a: &OffloadArgs) -> Result<()> {
         }
     }
     println!("* all ranks together; peak RSS: the largest rank's");
+    for r in &results {
+        let peak = r["peak_rss_bytes"]
+            .as_array()
+            .map(|v| v.iter().filter_map(|x| x.as_f64()).fold(0f64, f64::max))
+            .unwrap_or(0.0);
+        let plan = r["plan_memory_bytes"].as_f64().unwrap_or(0.0);
+        println!(
+            "{}: the plan's memory per rank {:.2} GiB (disk {:.2} GiB), measured peak RSS {:.2} GiB ({:+.0}%)",
+            r["mode"].as_str().unwrap_or(""),
+            plan / f64::from(1 << 30),
+            r["plan_disk_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 30),
+            peak / f64::from(1 << 30),
+            100.0 * (peak - plan) / plan.max(1.0)
+        );
+    }
     let equal = (results.len() == 2).then(|| results[0]["losses"] == results[1]["losses"]);
     if let Some(equal) = equal {
         println!("losses bitwise equal in memory and offloaded: {equal}");
@@ -234,12 +300,15 @@ fn launch(a: &OffloadArgs) -> Result<()> {
     let json = serde_json::json!({
         "bench": "offload",
         "model": a.model,
+        "layers": a.layers,
         "parameters": params,
         "state_bytes": state,
         "processes": a.num_processes,
         "tokens_per_rank_step": a.batch * a.seq,
         "disk_sequential_write_bytes_per_s": disk_write,
         "disk_sequential_read_bytes_per_s": disk_read,
+        "disk_direct_write_bytes_per_s": direct_write,
+        "disk_direct_read_bytes_per_s": direct_read,
         "results": results,
         "losses_bitwise_equal": equal,
     });
@@ -260,12 +329,13 @@ fn worker(a: &OffloadArgs, mode: &str) -> Result<()> {
             .offload_dir(dir.to_str().context("a UTF-8 folder name")?);
     }
     let plugin = builder.resolve(&Layer::from_process_env()?, None)?.fsdp;
-    let cfg = config(&a.model);
+    let cfg = config(&a.model, a.layers);
     let vocab = cfg.vocab_size as u64;
     let model = Gpt2LmHeadModel::new(cfg)?;
     let built = Instant::now();
     let mut fsdp = Fsdp::wrap(&model, &SeededWeights(42), &plugin, pg.clone())?;
     let setup = built.elapsed().as_secs_f64();
+    let estimate = fsdp.plan().memory_estimate();
     let mut opt = AdamW::new(AdamWConfig {
         lr: 1e-4,
         ..Default::default()
@@ -332,6 +402,8 @@ fn worker(a: &OffloadArgs, mode: &str) -> Result<()> {
             "steps": steps,
             "losses": losses,
             "peak_rss_bytes": peaks,
+            "plan_memory_bytes": estimate.total(),
+            "plan_disk_bytes": estimate.disk,
         });
         println!("{json}");
     }
