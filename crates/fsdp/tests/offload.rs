@@ -14,45 +14,18 @@ use candle_core::{DType, Device, Tensor};
 use fsdp::checkpoint::RunState;
 use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
 use fsdp::engine::{EngineError, Fsdp};
-use fsdp::models::{BertConfig, BertForSequenceClassification};
+use fsdp::models::BertForSequenceClassification;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{LocalParams, Module};
 use fsdp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use fsdp_comm::{Communicator, LocalGroup};
 
-const GLOBAL_BATCH: usize = 12;
-const SEQ: usize = 5;
+mod common;
+
+use common::tiny::{GLOBAL_BATCH, batch};
 
 fn model() -> BertForSequenceClassification {
-    BertForSequenceClassification::new(BertConfig {
-        vocab_size: 37,
-        hidden_size: 12,
-        num_hidden_layers: 2,
-        num_attention_heads: 2,
-        intermediate_size: 20,
-        max_position_embeddings: 8,
-        num_labels: 3,
-        ..BertConfig::default()
-    })
-    .unwrap()
-}
-
-fn batch(step: usize) -> (Tensor, Tensor) {
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9);
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    let ids: Vec<u32> = (0..GLOBAL_BATCH * SEQ)
-        .map(|_| (next() % 37) as u32)
-        .collect();
-    let labels: Vec<u32> = (0..GLOBAL_BATCH).map(|_| (next() % 3) as u32).collect();
-    (
-        Tensor::from_vec(ids, (GLOBAL_BATCH, SEQ), &Device::Cpu).unwrap(),
-        Tensor::from_vec(labels, GLOBAL_BATCH, &Device::Cpu).unwrap(),
-    )
+    common::tiny::model(0.0)
 }
 
 /// Where state lives in a run.
