@@ -289,6 +289,29 @@ fn env_reports_machine_and_sources() {
             .any(|l| l.contains("fsdp_sharding_strategy") && l.contains("c.yaml:11]")),
         "{t}"
     );
+    // With a folder for it, offloading goes to disk, and env says what goes where.
+    let out = fsdp(dir.path())
+        .args(["env", "--config_file"])
+        .arg(&path)
+        .env("FSDP_OFFLOAD_PARAMS", "true")
+        .env("FSDP_OFFLOAD_DIR", "/scratch/x")
+        .output()
+        .unwrap();
+    let d = text(&out);
+    assert!(out.status.success(), "{d}");
+    assert!(
+        d.lines().any(|l| l.contains("fsdp_offload_dir")
+            && l.contains("/scratch/x")
+            && l.contains("[environment variable FSDP_OFFLOAD_DIR]")),
+        "{d}"
+    );
+    assert!(
+        d.lines().any(
+            |l| l.starts_with("- Note: offloaded to disk: parameter shards")
+                && l.contains("/scratch/x")
+        ),
+        "{d}"
+    );
     assert!(
         t.lines()
             .any(|l| l.contains("fsdp_activation_checkpointing") && l.contains("[default]")),

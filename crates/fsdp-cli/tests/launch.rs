@@ -73,6 +73,49 @@ fn fsdp_test_fails_for_a_configuration_that_cannot_train() {
 }
 
 #[test]
+fn workers_train_with_state_offloaded_to_disk_from_the_config_file() {
+    // Real processes: the folder from the YAML file reaches every worker, which trains with
+    // its shards, gradients and AdamW state in files there (equal to one process) and
+    // leaves nothing behind.
+    let dir = tempfile::tempdir().unwrap();
+    let scratch = dir.path().join("scratch");
+    for strategy in ["FULL_SHARD", "SHARD_GRAD_OP"] {
+        let cfg = dir.path().join("c.yaml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_sharding_strategy: {strategy}\n  fsdp_offload_params: true\n  fsdp_offload_dir: {}\n",
+                scratch.display()
+            ),
+        )
+        .unwrap();
+        let run = finish(
+            fsdp()
+                .args(["test", "--config_file", cfg.to_str().unwrap()])
+                .spawn()
+                .unwrap(),
+            Duration::from_secs(90),
+        );
+        assert_eq!(run.code, Some(0), "{strategy}: {}", run.out);
+        assert!(
+            run.out.contains("training ok: 8 steps on 2 processes"),
+            "{strategy}: {}",
+            run.out
+        );
+        assert!(
+            run.out.contains("offloading parameter shards"),
+            "{}",
+            run.out
+        );
+        let left: Vec<_> = std::fs::read_dir(&scratch).unwrap().flatten().collect();
+        assert!(
+            left.is_empty(),
+            "{strategy}: left in the offload folder: {left:?}"
+        );
+    }
+}
+
+#[test]
 fn workers_get_the_torchrun_contract_and_the_configuration() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("c.yaml");
