@@ -330,3 +330,51 @@ fn an_offload_folder_that_cannot_be_made_is_an_error_naming_it() {
     );
     std::fs::remove_file(&file).unwrap();
 }
+
+#[test]
+fn the_accelerator_reduces_every_micro_batch_when_parameters_are_on_disk() {
+    // Without sync, the micro-batches before the last keep whole local gradients: what an
+    // offloaded model cannot hold. Offloaded, each micro-batch is reduced to this rank's rows
+    // (on disk) instead; in memory, Accelerate's default stays.
+    let scratch = tempdir("accelerator");
+    for offload in [Offload::None, Offload::Params] {
+        let plugin = {
+            let b = FsdpPlugin::builder();
+            match offload {
+                Offload::Params => b
+                    .offload_params(true)
+                    .offload_dir(scratch.to_str().unwrap()),
+                _ => b,
+            }
+        };
+        let mut acc = fsdp::accelerator::Accelerator::builder()
+            .fsdp_plugin(plugin)
+            .gradient_accumulation_steps(2)
+            .build()
+            .unwrap();
+        let m = model();
+        let w = LocalParams::init(&m.info(), 1, DType::F32, &Device::Cpu)
+            .unwrap()
+            .tensors();
+        let mut model = acc.prepare_model(m, &w).unwrap();
+        let adamw = AdamW::new(AdamWConfig::default()).unwrap();
+        let mut opt = acc.prepare_optimizer(adamw).unwrap();
+        for step in 0..2 {
+            let (ids, labels) = batch(step);
+            let logits = model
+                .forward(|m, p| m.forward(p, &ids, None, None))
+                .unwrap();
+            let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+            acc.backward(&mut model, loss).unwrap();
+            if step == 0 {
+                let kept = model.engine().unreduced_bytes();
+                match offload {
+                    Offload::None => assert!(kept > 0, "no_sync keeps whole gradients"),
+                    _ => assert_eq!(kept, 0, "offloaded: nothing kept whole"),
+                }
+            }
+        }
+        acc.optimizer_step(&mut model, &mut opt).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+}

@@ -196,7 +196,9 @@ impl AcceleratorBuilder {
     /// `GradientAccumulationPlugin(sync_each_batch=True)`): only this rank's rows are kept
     /// in between, at the price of a reduction per micro-batch. Off by default, as in
     /// Accelerate: micro-batches before the last run without sync (`no_sync`), keeping whole
-    /// local gradients and reducing once.
+    /// local gradients and reducing once — except with parameters offloaded to disk
+    /// (`fsdp_offload_dir`), where whole gradients would not fit either, so every micro-batch
+    /// reduces (DeepSpeed ZeRO's way).
     pub fn sync_each_batch(mut self, on: bool) -> Self {
         self.sync_each_batch = on;
         self
@@ -276,12 +278,18 @@ impl AcceleratorBuilder {
             accumulation,
             "joined the job"
         );
+        let on_disk = resolved.fsdp.offload_params && resolved.fsdp.offload_dir.is_some();
+        if on_disk && accumulation > 1 && !self.sync_each_batch {
+            tracing::info!(
+                "gradient accumulation with parameters offloaded to disk reduces every micro-batch (sync_each_batch): whole local gradients kept without sync would need the memory offloading saves"
+            );
+        }
         Ok(Accelerator {
             group,
             plugin: resolved.fsdp,
             local_rank,
             accumulation,
-            sync_each_batch: self.sync_each_batch,
+            sync_each_batch: self.sync_each_batch || on_disk,
             grad_scaler: self.grad_scaler.unwrap_or_default(),
             models: 0,
             optimizers: 0,
