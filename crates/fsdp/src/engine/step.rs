@@ -65,6 +65,21 @@ pub(crate) type ReducedGrads = (Vec<Option<GradBlock>>, Vec<Vec<bool>>);
 /// reduction takes them) and which parameters had one.
 pub(crate) type UnreducedUnits = Vec<Option<(Buffer, Vec<bool>)>>;
 
+/// Unit `u`'s reduced gradients once `work` is done: kept in memory, or written to `tier`.
+fn reduced_block(
+    tier: Option<&Arc<DiskTier>>,
+    runs: &[UnitRun],
+    u: usize,
+    work: PendingReduce,
+) -> Result<GradBlock, EngineError> {
+    let values = work.wait().map_err(|source| EngineError::Collective {
+        op: "reduce-scatter of the gradients".into(),
+        unit: runs[u].unit.name(),
+        source,
+    })?;
+    Ok(GradBlock::store(tier, u, values)?)
+}
+
 pub(crate) struct StepShared {
     me: Weak<StepShared>,
     mesh: Mesh,
@@ -202,12 +217,7 @@ impl StepShared {
         let keep = keep.min(inner.pending.len());
         let done: Vec<_> = inner.pending.drain(..inner.pending.len() - keep).collect();
         for (u, work) in done {
-            let values = work.wait().map_err(|source| EngineError::Collective {
-                op: "reduce-scatter of the gradients".into(),
-                unit: inner.runs[u].unit.name(),
-                source,
-            })?;
-            inner.reduced[u] = Some(GradBlock::store(Some(tier), u, values)?);
+            inner.reduced[u] = Some(reduced_block(Some(tier), &inner.runs, u, work)?);
         }
         Ok(())
     }
@@ -325,12 +335,7 @@ impl StepShared {
         }
         let mut reduced = std::mem::take(&mut inner.reduced);
         for (u, work) in pending {
-            let values = work.wait().map_err(|source| EngineError::Collective {
-                op: "reduce-scatter of the gradients".into(),
-                unit: inner.runs[u].unit.name(),
-                source,
-            })?;
-            reduced[u] = Some(GradBlock::store(self.tier.as_ref(), u, values)?);
+            reduced[u] = Some(reduced_block(self.tier.as_ref(), &inner.runs, u, work)?);
         }
         let has_grad = inner.runs.iter().map(|r| r.has_grad.clone()).collect();
         Ok((reduced, has_grad))
