@@ -281,7 +281,26 @@ fn shard_layout_pads_dim_zero_and_memory_follows_the_strategy() {
         b.sort_unstable_by(|x, y| y.cmp(x));
         b[0] + b[1]
     };
+    let largest = {
+        let plan =
+            UnitPlan::build(&info, &plugin(|b| b), BertModel::no_split_modules(), 4).unwrap();
+        plan.units.iter().map(|u| u.numel()).max().unwrap()
+    };
+    let largest_block = {
+        let plan =
+            UnitPlan::build(&info, &plugin(|b| b), BertModel::no_split_modules(), 4).unwrap();
+        plan.units.iter().map(|u| u.shard_numel()).max().unwrap()
+    };
     let disk = disk.memory_estimate();
+    // Backward: the largest unit's gradient and its packed f32 copy; offloaded, also three
+    // of its blocks (being written, waiting, read ahead).
+    assert_eq!(full.reducing, largest * 8);
+    assert_eq!(disk.reducing, full.reducing + 3 * largest_block * 4);
+    // The peak: state kept in memory plus the larger of backward's and the step's buffers.
+    assert_eq!(
+        disk.total(),
+        (disk.gathered_peak + disk.reducing).max(disk.streaming)
+    );
     assert_eq!((disk.params, disk.grads, disk.optimizer), (0, 0, 0));
     assert_eq!(disk.disk, full.params + full.grads + full.optimizer);
     assert_eq!(disk.streaming, 4 * blocks * 4);

@@ -133,6 +133,8 @@ pub struct UnitPlan {
     /// Bytes per gathered parameter element: 4, or 2 with mixed precision (parameters
     /// gathered and computed in bf16 or fp16).
     pub gathered_bytes: usize,
+    /// Bytes per gradient element in a reduction: 4, or 2 with `fsdp_reduce_dtype` bf16/fp16.
+    pub reduce_bytes: usize,
     /// What lives in the disk tier (`fsdp_offload_dir`).
     pub disk: DiskOffload,
 }
@@ -158,17 +160,24 @@ pub struct MemoryEstimate {
     pub optimizer: usize,
     /// Full parameters gathered at the peak of forward/backward, beyond the stored shards.
     pub gathered_peak: usize,
-    /// Memory the disk tier streams state through: two units' blocks (the one in use and
-    /// the one read ahead, the two largest) of each offloaded kind.
+    /// Backward's transient gradients at its peak: the largest unit's full gradient and its
+    /// packed copy for the reduction; with gradients offloaded, also three of its blocks
+    /// (the reduced block being written, the one waiting for the next reduction, the next
+    /// unit's shards read ahead).
+    pub reducing: usize,
+    /// Memory the optimizer step streams offloaded state through: two units' blocks (the
+    /// one in use and the one read ahead, the two largest) of each offloaded kind.
     pub streaming: usize,
     /// Bytes in the disk tier's files (not in memory).
     pub disk: usize,
 }
 
 impl MemoryEstimate {
-    /// Memory: the sum of the components other than the disk.
+    /// Peak memory: the state kept in memory plus the larger of backward's peak (gathered
+    /// parameters and transient gradients) and the optimizer step's streaming buffers.
     pub fn total(&self) -> usize {
-        self.params + self.grads + self.optimizer + self.gathered_peak + self.streaming
+        let backward = self.gathered_peak + self.reducing;
+        self.params + self.grads + self.optimizer + backward.max(self.streaming)
     }
 }
 
@@ -323,6 +332,10 @@ impl UnitPlan {
                 crate::config::MixedPrecision::No => 4,
                 _ => 2,
             },
+            reduce_bytes: match plugin.reduce_dtype {
+                crate::config::ReduceDtype::Fp32 => 4,
+                _ => 2,
+            },
             disk: DiskOffload {
                 params: plugin.offload_dir.is_some() && plugin.offload_params,
                 optimizer: plugin.offload_dir.is_some()
@@ -365,7 +378,13 @@ impl UnitPlan {
         let mut blocks: Vec<usize> = self.units.iter().map(Unit::shard_numel).collect();
         blocks.sort_unstable_by(|a, b| b.cmp(a));
         let two_blocks: usize = blocks.iter().take(2).sum();
+        let largest_unit = self.units.iter().map(Unit::numel).max().unwrap_or(0);
         let (on_disk_params, on_disk_state) = (self.disk.params, self.disk.optimizer);
+        let offloaded_grads = if on_disk_params {
+            3 * blocks.first().copied().unwrap_or(0) * f
+        } else {
+            0
+        };
         let kinds = 2 * usize::from(on_disk_params) + 2 * usize::from(on_disk_state);
         let in_memory = |offloaded: bool, units: usize| if offloaded { 0 } else { units };
         MemoryEstimate {
@@ -378,6 +397,7 @@ impl UnitPlan {
             } else {
                 gathered_peak * self.gathered_bytes
             },
+            reducing: largest_unit * (f + self.reduce_bytes) + offloaded_grads,
             streaming: kinds * two_blocks * f,
             disk: (usize::from(on_disk_params) * (shard + trainable_shard)
                 + usize::from(on_disk_state) * 2 * trainable_shard)
@@ -390,16 +410,17 @@ impl UnitPlan {
         let m = self.memory_estimate();
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         let mut out = format!(
-            "per rank: params {:.1} MiB, grads {:.1} MiB, optimizer {:.1} MiB, gathered at peak {:.1} MiB",
+            "per rank: params {:.1} MiB, grads {:.1} MiB, optimizer {:.1} MiB, gathered at peak {:.1} MiB, backward's gradients {:.1} MiB",
             mib(m.params),
             mib(m.grads),
             mib(m.optimizer),
             mib(m.gathered_peak),
+            mib(m.reducing),
         );
         if m.disk > 0 {
             let _ = write!(out, ", offload buffers {:.1} MiB", mib(m.streaming));
         }
-        let _ = write!(out, ", total {:.1} MiB", mib(m.total()));
+        let _ = write!(out, ", peak {:.1} MiB", mib(m.total()));
         if m.disk > 0 {
             let _ = write!(out, "; on disk {:.1} MiB", mib(m.disk));
         }
