@@ -254,6 +254,13 @@ fn offloaded_training_equals_training_in_memory_bit_for_bit() {
             );
         }
     }
+    // NO_SHARD: whole parameters on disk, gradients all-reduced.
+    let r = recipe(2, ShardingStrategy::NoShard);
+    assert_same(
+        "NO_SHARD",
+        &train(r, Offload::Params, 3, None),
+        &train(r, Offload::None, 3, None),
+    );
     // Accumulation (sums of reduced blocks on disk), clipping (scaled on disk), and only the
     // optimizer state offloaded; SGD's momentum buffer as the state.
     let mut r = recipe(2, ShardingStrategy::FullShard);
