@@ -96,6 +96,15 @@ fn offload_tier(
     };
     let needed = plan.memory_estimate().disk as u64;
     let tier = DiskTier::create(dir, mesh.rank(), plan.disk.params, needed, what)?;
+    // Writes waiting for the disk: at most one unit's blocks of every offloaded kind.
+    let largest = plan
+        .units
+        .iter()
+        .map(|u| u.shard_numel())
+        .max()
+        .unwrap_or(0) as u64;
+    let kinds = if plan.disk.params { 4 } else { 2 };
+    tier.set_write_cap(kinds * largest * 4);
     tracing::info!(
         "offloading {what} to {}; {}",
         tier.path().display(),

@@ -75,7 +75,23 @@ struct Counters {
     written: AtomicU64,
     read_ns: AtomicU64,
     write_ns: AtomicU64,
+    /// Bytes handed to the I/O thread and not written yet (each write holds its block).
+    queued: Mutex<u64>,
+    /// Rung when queued bytes were written.
+    drained: std::sync::Condvar,
 }
+
+impl Counters {
+    fn written_out(&self, bytes: u64) {
+        let mut q = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        *q = q.saturating_sub(bytes);
+        self.drained.notify_all();
+    }
+}
+
+/// Bytes of writes a tier lets wait for the disk before a new one waits (until the engine
+/// sets its own cap from the plan).
+const DEFAULT_WRITE_CAP: u64 = 256 << 20;
 
 /// This rank's offloaded state: the scratch folder, its files and the I/O thread.
 pub struct DiskTier {
@@ -93,6 +109,9 @@ pub struct DiskTier {
     poisoned: Mutex<Option<String>>,
     counters: Arc<Counters>,
     next_grads: AtomicU64,
+    /// At most this many bytes of writes wait for the disk (a slow disk slows the step
+    /// instead of growing memory); one larger write is always let through.
+    write_cap: AtomicU64,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -138,6 +157,7 @@ impl DiskTier {
             poisoned: Mutex::default(),
             counters,
             next_grads: AtomicU64::new(0),
+            write_cap: AtomicU64::new(DEFAULT_WRITE_CAP),
         })
     }
 
@@ -155,6 +175,12 @@ impl DiskTier {
             read_seconds: c.read_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             write_seconds: c.write_ns.load(Ordering::Relaxed) as f64 * 1e-9,
         }
+    }
+
+    /// Lets at most `bytes` of writes wait for the disk at once (the engine: one unit's
+    /// blocks of every offloaded kind, what its memory plan counts).
+    pub(crate) fn set_write_cap(&self, bytes: u64) {
+        self.write_cap.store(bytes.max(1), Ordering::Relaxed);
     }
 
     /// A new gradient region number (one per backward's reduced block of a unit).
@@ -272,7 +298,8 @@ impl DiskTier {
     }
 
     /// Writes `data` as region `key`, in the background (a failure surfaces at the next
-    /// read, write or [`DiskTier::flush`]). A read ahead of the old contents is dropped.
+    /// read, write or [`DiskTier::flush`]), after waiting while the writes already queued
+    /// exceed the cap. A read ahead of the old contents is dropped.
     pub(crate) fn write(&self, key: &Key, data: Vec<f32>) -> Result<(), OffloadError> {
         self.check_failed()?;
         self.reads_ahead
@@ -280,7 +307,21 @@ impl DiskTier {
             .unwrap_or_else(|e| e.into_inner())
             .remove(key);
         let (file, path) = self.file(key)?;
-        self.send(Job::Write { file, path, data })
+        let bytes = data.len() as u64 * 4;
+        {
+            let cap = self.write_cap.load(Ordering::Relaxed);
+            let c = &self.counters;
+            let mut q = c.queued.lock().unwrap_or_else(|e| e.into_inner());
+            while *q > 0 && *q + bytes > cap {
+                q = c.drained.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            *q += bytes;
+        }
+        let sent = self.send(Job::Write { file, path, data });
+        if sent.is_err() {
+            self.counters.written_out(bytes);
+        }
+        sent
     }
 
     /// Waits until every queued write is on its file; the first failure, naming the file.
@@ -438,19 +479,21 @@ fn io_thread(rx: Receiver<Job>, failed: Arc<Mutex<Option<OffloadError>>>, c: Arc
             }
             Job::Write { file, path, data } => {
                 let t = Instant::now();
+                let bytes = data.len() as u64 * 4;
                 match file.write_all_at(as_bytes(&data), 0) {
                     Ok(()) => {
-                        c.written
-                            .fetch_add(data.len() as u64 * 4, Ordering::Relaxed);
+                        c.written.fetch_add(bytes, Ordering::Relaxed);
                     }
                     Err(source) => fail(OffloadError::Io {
                         path,
-                        what: format!("writing {} bytes", data.len() * 4),
+                        what: format!("writing {bytes} bytes"),
                         source,
                     }),
                 }
+                drop(data);
                 c.write_ns
                     .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                c.written_out(bytes);
             }
             Job::Flush { reply } => {
                 let _ = reply.send(());
@@ -488,6 +531,29 @@ mod tests {
             let _ = std::process::Command::new("umount").arg(&self.0).status();
             let _ = std::fs::remove_dir(&self.0);
         }
+    }
+
+    #[test]
+    fn writes_waiting_for_the_disk_stay_under_the_cap_and_land_in_order() {
+        let parent = std::env::temp_dir().join(format!("fsdp-tier-cap-{}", std::process::id()));
+        let tier = DiskTier::create(&parent, 0, true, 0, "test").unwrap();
+        tier.set_write_cap(3 * 4096);
+        for i in 0..64usize {
+            tier.write(&(i % 5, Region::Params), vec![i as f32; 1024]).unwrap();
+            let queued = *tier.counters.queued.lock().unwrap();
+            assert!(queued <= 3 * 4096, "{queued} bytes queued after write {i}");
+        }
+        // One write larger than the cap still goes through.
+        tier.write(&(9, Region::Params), vec![7.0; 4096]).unwrap();
+        tier.flush().unwrap();
+        assert_eq!(*tier.counters.queued.lock().unwrap(), 0);
+        for u in 0..5 {
+            let last = (0..64).filter(|i| i % 5 == u).max().unwrap() as f32;
+            assert_eq!(tier.read(&(u, Region::Params), 1024).unwrap(), vec![last; 1024]);
+        }
+        assert_eq!(tier.read(&(9, Region::Params), 4096).unwrap(), vec![7.0; 4096]);
+        drop(tier);
+        std::fs::remove_dir_all(&parent).unwrap();
     }
 
     #[test]
