@@ -283,14 +283,21 @@ fn launch(a: &OffloadArgs) -> Result<()> {
             .as_array()
             .map(|v| v.iter().filter_map(|x| x.as_f64()).fold(0f64, f64::max))
             .unwrap_or(0.0);
+        let live = r["peak_live_bytes"]
+            .as_array()
+            .map(|v| v.iter().filter_map(|x| x.as_f64()).fold(0f64, f64::max))
+            .unwrap_or(0.0);
         let plan = r["plan_memory_bytes"].as_f64().unwrap_or(0.0);
+        let gib = |b: f64| b / f64::from(1 << 30);
         println!(
-            "{}: the plan's memory per rank {:.2} GiB (disk {:.2} GiB), measured peak RSS {:.2} GiB ({:+.0}%)",
+            "{}: the plan's memory per rank {:.2} GiB (disk {:.2} GiB); measured peak RSS {:.2} GiB ({:+.0}%), peak of live allocations {:.2} GiB ({:+.0}%)",
             r["mode"].as_str().unwrap_or(""),
-            plan / f64::from(1 << 30),
-            r["plan_disk_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 30),
-            peak / f64::from(1 << 30),
-            100.0 * (peak - plan) / plan.max(1.0)
+            gib(plan),
+            gib(r["plan_disk_bytes"].as_f64().unwrap_or(0.0)),
+            gib(peak),
+            100.0 * (peak - plan) / plan.max(1.0),
+            gib(live),
+            100.0 * (live - plan) / plan.max(1.0)
         );
     }
     let equal = (results.len() == 2).then(|| results[0]["losses"] == results[1]["losses"]);
@@ -317,6 +324,7 @@ fn launch(a: &OffloadArgs) -> Result<()> {
 }
 
 fn worker(a: &OffloadArgs, mode: &str) -> Result<()> {
+    memory::CountingAllocator::mark_installed();
     let pg = Arc::new(ProcessGroup::from_env()?);
     let rank = pg.rank();
     let mut builder = FsdpPlugin::builder()
@@ -380,8 +388,13 @@ fn worker(a: &OffloadArgs, mode: &str) -> Result<()> {
         }));
     }
     let peak = memory::peak_rss_bytes().unwrap_or(0) as f64;
-    // Every rank's peak, and the steps' traffic summed over ranks.
-    let peaks = pg.all_gather_vec(vec![peak]).wait()?;
+    // Every rank's peaks (RSS, and live bytes the counting allocator saw), and the steps'
+    // traffic summed over ranks.
+    let both = pg
+        .all_gather_vec(vec![peak, memory::peak_bytes() as f64])
+        .wait()?;
+    let peaks: Vec<f64> = both.iter().step_by(2).copied().collect();
+    let live: Vec<f64> = both.iter().skip(1).step_by(2).copied().collect();
     let mut traffic: Vec<f64> = steps
         .iter()
         .flat_map(|s| [s["bytes_read"].as_f64(), s["bytes_written"].as_f64()])
@@ -402,6 +415,7 @@ fn worker(a: &OffloadArgs, mode: &str) -> Result<()> {
             "steps": steps,
             "losses": losses,
             "peak_rss_bytes": peaks,
+            "peak_live_bytes": live,
             "plan_memory_bytes": estimate.total(),
             "plan_disk_bytes": estimate.disk,
         });
