@@ -54,6 +54,14 @@ impl DiskGrad {
         }
         Ok(v)
     }
+
+    /// The values, taken from the cache when something borrowed them, else read.
+    fn take_values(&mut self) -> Result<Vec<f32>, OffloadError> {
+        match self.cache.take().flatten() {
+            Some(v) => Ok(v),
+            None => self.load(),
+        }
+    }
 }
 
 impl Drop for DiskGrad {
@@ -95,10 +103,7 @@ impl GradBlock {
     pub fn into_values(self) -> Result<Vec<f32>, OffloadError> {
         match self {
             GradBlock::Memory(v) => Ok(v),
-            GradBlock::Disk(mut d) => match d.cache.take().flatten() {
-                Some(v) => Ok(v),
-                None => d.load(),
-            },
+            GradBlock::Disk(mut d) => d.take_values(),
         }
     }
 
@@ -130,15 +135,14 @@ impl GradBlock {
     /// The values, writable: a block in the tier comes back into memory.
     fn values_mut(&mut self) -> Result<&mut Vec<f32>, OffloadError> {
         if let GradBlock::Disk(d) = self {
-            let v = match d.cache.take().flatten() {
-                Some(v) => v,
-                None => d.load()?,
-            };
-            *self = GradBlock::Memory(v);
+            *self = GradBlock::Memory(d.take_values()?);
         }
         match self {
             GradBlock::Memory(v) => Ok(v),
-            GradBlock::Disk(_) => unreachable!("just made a memory block"),
+            GradBlock::Disk(d) => Err(OffloadError::Failed {
+                path: d.tier.path().to_path_buf(),
+                first: "a gradient block could not come back into memory".into(),
+            }),
         }
     }
 
@@ -148,10 +152,7 @@ impl GradBlock {
         match self {
             GradBlock::Memory(v) => f(v),
             GradBlock::Disk(d) => {
-                let mut v = match d.cache.take().flatten() {
-                    Some(v) => v,
-                    None => d.load()?,
-                };
+                let mut v = d.take_values()?;
                 f(&mut v);
                 let unit = d.key.0;
                 let tier = d.tier.clone();
