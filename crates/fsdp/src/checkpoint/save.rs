@@ -137,10 +137,7 @@ fn sharded_parts<'a>(
                     None => {
                         let key = key.clone();
                         PartValues::Later(Box::new(move || {
-                            let state = m.optimizer_state(o, name)?;
-                            Ok(state
-                                .and_then(|s| s.buffers.get(&key).cloned())
-                                .unwrap_or_default())
+                            Ok(m.optimizer_state_buffer(o, name, &key)?.unwrap_or_default())
                         }))
                     }
                 };
@@ -380,10 +377,7 @@ fn write_full_state(
     let mut failed = None;
     for key in keys {
         m.gather_rows_to_first(
-            &|name, _| {
-                let state = m.optimizer_state(o, name)?;
-                Ok(state.and_then(|s| s.buffers.get(key).cloned()))
-            },
+            &|name, _| m.optimizer_state_buffer(o, name, key),
             &mut |_, chunks| {
                 if let (Some(w), None) = (writer.as_mut(), &failed)
                     && let Err(e) = w.write_chunks(chunks)

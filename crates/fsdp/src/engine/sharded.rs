@@ -8,7 +8,6 @@
 //! SHARD_GRAD_OP keeps them from forward through backward and frees them after; NO_SHARD keeps
 //! whole parameters on every rank and all-reduces gradients (DDP).
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,7 +28,7 @@ use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUn
 use super::unit::{FsdpUnit, Prefetch};
 use crate::config::{FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
-use crate::optim::{Optimizer, ParamState};
+use crate::optim::Optimizer;
 
 /// The element types of communication and compute: parameters gathered (and computed) in
 /// `mixed_precision`'s dtype over f32 master shards and optimizer state; gradients reduced in
@@ -395,33 +394,34 @@ impl Fsdp {
         }
     }
 
-    /// The optimizer state of parameter `name`: `optimizer`'s own, or read back from the
-    /// disk tier when it is offloaded there (what checkpoints save).
-    pub fn optimizer_state<'a>(
+    /// Buffer `key` (`exp_avg`, ...) of parameter `name`'s optimizer state: a copy of
+    /// `optimizer`'s own, or this rank's rows read back from the disk tier when the state is
+    /// offloaded there (what checkpoints save, one buffer at a time).
+    pub fn optimizer_state_buffer(
         &self,
-        optimizer: &'a dyn Optimizer,
+        optimizer: &dyn Optimizer,
         name: &str,
-    ) -> Result<Option<Cow<'a, ParamState>>, EngineError> {
+        key: &str,
+    ) -> Result<Option<Vec<f32>>, EngineError> {
         if let Some(state) = optimizer.state(name) {
-            return Ok(Some(Cow::Borrowed(state)));
+            return Ok(state.buffers.get(key).cloned());
         }
         let (Some(tier), Some(saved)) = (&self.tier, self.offloaded.get(name)) else {
             return Ok(None);
         };
+        if !saved.buffers.iter().any(|b| b == key) {
+            return Ok(None);
+        }
         let place = self
             .grad_index
             .get(name)
             .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })?;
-        let mut buffers = BTreeMap::new();
-        for b in &saved.buffers {
-            let key = (place.unit, Region::State(b.clone()));
-            let values = tier.read_at(&key, place.elements.start, place.elements.len())?;
-            buffers.insert(b.clone(), values);
-        }
-        Ok(Some(Cow::Owned(ParamState {
-            step: saved.step,
-            buffers,
-        })))
+        let region = (place.unit, Region::State(key.to_string()));
+        Ok(Some(tier.read_at(
+            &region,
+            place.elements.start,
+            place.elements.len(),
+        )?))
     }
 
     /// The plan in use.
