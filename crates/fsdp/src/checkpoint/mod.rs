@@ -22,6 +22,7 @@ mod load;
 mod merge;
 mod pretrained;
 mod save;
+mod save_full;
 mod tensor_file;
 
 use std::path::{Path, PathBuf};

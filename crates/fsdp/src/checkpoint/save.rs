@@ -15,21 +15,22 @@ use super::error::CheckpointError;
 use super::format::{
     self, CheckpointDoc, FileDoc, FolderDoc, LayoutDoc, OptimizerDoc, PieceDoc, TensorDoc,
 };
+use super::save_full::{state_keys, write_full, write_full_state};
 use super::tensor_file::{PlannedTensor, TensorFileWriter, WrittenFile};
 use super::{CheckpointOptions, RunState};
 use crate::config::StateDictType;
-use crate::engine::{Fsdp, LocalRows};
+use crate::engine::Fsdp;
 use crate::optim::Optimizer;
 
 /// A piece as a rank reports it: (tensor, full shape, rows, offset, bytes, crc32).
-type RankPiece = (String, Vec<usize>, [usize; 2], u64, u64, u32);
+pub(super) type RankPiece = (String, Vec<usize>, [usize; 2], u64, u64, u32);
 
 /// What one rank wrote into one folder: its file and the pieces in it.
 #[derive(Debug, Default, Serialize, Deserialize)]
-struct RankFolder {
-    file: Option<(String, FileDoc)>,
-    pieces: Vec<RankPiece>,
-    steps: BTreeMap<String, u64>,
+pub(super) struct RankFolder {
+    pub(super) file: Option<(String, FileDoc)>,
+    pub(super) pieces: Vec<RankPiece>,
+    pub(super) steps: BTreeMap<String, u64>,
 }
 
 /// What one rank reports after writing: one entry per model folder, then per optimizer.
@@ -189,7 +190,7 @@ fn write_parts(
     ))
 }
 
-fn describe(
+pub(super) fn describe(
     file: &str,
     rank: usize,
     written: &WrittenFile,
@@ -213,53 +214,6 @@ fn describe(
             })
             .collect(),
         steps: BTreeMap::new(),
-    }
-}
-
-/// FULL_STATE_DICT: `local(name, owned)` rows of every parameter gathered unit by unit onto
-/// rank 0, which streams them into one file (the header planned from the names and shapes).
-fn write_full(
-    m: &Fsdp,
-    folder: &Path,
-    file: &str,
-    names: Vec<(String, Vec<usize>)>,
-    local: &LocalRows<'_>,
-) -> Result<RankFolder, CheckpointError> {
-    let first = m.mesh().rank() == 0;
-    let plan: Vec<PlannedTensor> = names
-        .iter()
-        .map(|(n, shape)| PlannedTensor {
-            name: n.clone(),
-            shape: shape.clone(),
-        })
-        .collect();
-    let mut writer = if first && !plan.is_empty() {
-        Some(TensorFileWriter::create(&folder.join(file), plan)?)
-    } else {
-        None
-    };
-    let mut failed = None;
-    m.gather_rows_to_first(local, &mut |_, chunks| {
-        if let (Some(w), None) = (writer.as_mut(), &failed)
-            && let Err(e) = w.write_chunks(chunks)
-        {
-            failed = Some(e);
-        }
-        Ok(())
-    })?;
-    if let Some(e) = failed {
-        return Err(e);
-    }
-    match writer {
-        None => Ok(RankFolder::default()),
-        Some(w) => {
-            let written = w.finish()?;
-            let shapes = names.into_iter().map(|(_, s)| {
-                let rows = [0, s.first().copied().unwrap_or(1)];
-                (s, rows)
-            });
-            Ok(describe(file, 0, &written, shapes))
-        }
     }
 }
 
@@ -336,72 +290,6 @@ fn write_rank(
     }
     report.folders.extend(optimizer_folders);
     Ok(report)
-}
-
-/// The state names (`exp_avg`, ...) the optimizer holds for any of `names`, sorted.
-fn state_keys(m: &Fsdp, o: &dyn Optimizer, names: &[(String, Vec<usize>)]) -> Vec<String> {
-    let mut keys: Vec<String> = names
-        .iter()
-        .filter_map(|(n, _)| m.optimizer_state_info(o, n))
-        .flat_map(|(_, keys)| keys)
-        .collect();
-    keys.sort();
-    keys.dedup();
-    keys
-}
-
-/// FULL_STATE_DICT optimizer state: each state name's rows gathered like the parameters.
-fn write_full_state(
-    m: &Fsdp,
-    o: &dyn Optimizer,
-    folder: &Path,
-    keys: &[String],
-    tensors: Vec<(String, Vec<usize>)>,
-) -> Result<RankFolder, CheckpointError> {
-    let first = m.mesh().rank() == 0;
-    let plan: Vec<PlannedTensor> = tensors
-        .iter()
-        .map(|(n, s)| PlannedTensor {
-            name: n.clone(),
-            shape: s.clone(),
-        })
-        .collect();
-    let mut writer = if first && !plan.is_empty() {
-        Some(TensorFileWriter::create(
-            &folder.join(format::FULL_OPTIMIZER_FILE),
-            plan,
-        )?)
-    } else {
-        None
-    };
-    let mut failed = None;
-    for key in keys {
-        m.gather_rows_to_first(
-            &|name, _| m.optimizer_state_buffer(o, name, key),
-            &mut |_, chunks| {
-                if let (Some(w), None) = (writer.as_mut(), &failed)
-                    && let Err(e) = w.write_chunks(chunks)
-                {
-                    failed = Some(e);
-                }
-                Ok(())
-            },
-        )?;
-    }
-    if let Some(e) = failed {
-        return Err(e);
-    }
-    match writer {
-        None => Ok(RankFolder::default()),
-        Some(w) => {
-            let written = w.finish()?;
-            let shapes = tensors.into_iter().map(|(_, s)| {
-                let rows = [0, s.first().copied().unwrap_or(1)];
-                (s, rows)
-            });
-            Ok(describe(format::FULL_OPTIMIZER_FILE, 0, &written, shapes))
-        }
-    }
 }
 
 /// Rank 0: the folders' metadata from every rank's report, the schedulers, and last the

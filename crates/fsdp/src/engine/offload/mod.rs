@@ -12,6 +12,7 @@
 //! disk slows the step instead of growing memory.
 
 mod scratch;
+pub(crate) mod state;
 pub(crate) mod step;
 
 use std::collections::HashMap;

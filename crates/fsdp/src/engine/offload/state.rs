@@ -1,0 +1,159 @@
+//! The engine's side of the disk tier: making it for a plan (free space checked), and the
+//! engine's offloaded optimizer state as checkpoints read and write it, by parameter name.
+
+use std::sync::Arc;
+
+use fsdp_comm::Mesh;
+
+use super::{DiskTier, OffloadStats, Region};
+use crate::config::FsdpPlugin;
+use crate::engine::error::EngineError;
+use crate::engine::plan::UnitPlan;
+use crate::engine::sharded::Fsdp;
+use crate::optim::Optimizer;
+
+/// The disk tier `plugin` asks for (`fsdp_offload_dir` with `fsdp_offload_params` or
+/// `fsdp_offload_optimizer`), after checking the disk has room for this rank's share of the
+/// plan (its estimate counts Adam's two buffers per element).
+pub(crate) fn offload_tier(
+    plugin: &FsdpPlugin,
+    plan: &UnitPlan,
+    mesh: &Mesh,
+) -> Result<Option<Arc<DiskTier>>, EngineError> {
+    let Some(dir) = &plugin.offload_dir else {
+        return Ok(None);
+    };
+    if !plan.disk.optimizer {
+        return Ok(None);
+    }
+    let what = if plan.disk.params {
+        "parameter shards, gradients and optimizer state"
+    } else {
+        "optimizer state"
+    };
+    let needed = plan.memory_estimate().disk as u64;
+    let tier = DiskTier::create(dir, mesh.rank(), plan.disk.params, needed, what)?;
+    // Writes waiting for the disk: at most one unit's blocks of every offloaded kind.
+    let largest = plan
+        .units
+        .iter()
+        .map(|u| u.shard_numel())
+        .max()
+        .unwrap_or(0) as u64;
+    let kinds = if plan.disk.params { 4 } else { 2 };
+    tier.set_write_cap(kinds * largest * 4);
+    tracing::info!(
+        "offloading {what} to {}; {}",
+        tier.path().display(),
+        plan.memory_summary()
+    );
+    Ok(Some(Arc::new(tier)))
+}
+
+impl Fsdp {
+    /// The disk tier's folder and what it has moved, when state is offloaded to disk.
+    pub fn offload(&self) -> Option<(&std::path::Path, OffloadStats)> {
+        self.tier.as_ref().map(|t| (t.path(), t.stats()))
+    }
+
+    /// A checkpoint's optimizer state is about to be loaded: with state offloaded to disk,
+    /// what the tier and `optimizer` held for the sharded parameters is forgotten.
+    pub(crate) fn begin_optimizer_load(&mut self, optimizer: &mut dyn Optimizer) {
+        if self.tier.is_none() {
+            return;
+        }
+        self.offloaded.clear();
+        for p in self.units.iter().flat_map(|u| &u.params) {
+            optimizer.take_state(&p.layout.name);
+        }
+    }
+
+    /// With state offloaded to disk: writes this rank's rows of `param`'s optimizer buffer
+    /// `key` from a checkpoint straight into the tier (so loading never holds the state in
+    /// memory) and returns true; false when `param`'s state is kept by the optimizer.
+    pub(crate) fn load_offloaded_state(
+        &mut self,
+        param: &str,
+        key: &str,
+        values: &[f32],
+    ) -> Result<bool, EngineError> {
+        let (Some(tier), Some(place)) = (&self.tier, self.grad_index.get(param)) else {
+            return Ok(false);
+        };
+        if values.len() != place.elements.len() {
+            return Err(EngineError::State {
+                name: param.into(),
+                problem: format!(
+                    "optimizer state `{key}` has {} values for {} owned elements",
+                    values.len(),
+                    place.elements.len()
+                ),
+            });
+        }
+        let block = self.units[place.unit].block();
+        let region = (place.unit, Region::State(key.to_string()));
+        tier.write_at(&region, place.elements.start, values, block)?;
+        let saved = self.offloaded.entry(param.to_string()).or_default();
+        if !saved.buffers.iter().any(|b| b == key) {
+            saved.buffers.push(key.to_string());
+            saved.buffers.sort();
+        }
+        Ok(true)
+    }
+
+    /// With state offloaded to disk: sets `param`'s step count there and returns true;
+    /// false when its state is kept by the optimizer.
+    pub(crate) fn load_offloaded_step(&mut self, param: &str, step: u64) -> bool {
+        if self.tier.is_none() || !self.grad_index.contains_key(param) {
+            return false;
+        }
+        self.offloaded.entry(param.to_string()).or_default().step = step;
+        true
+    }
+
+    /// The step count and buffer names of parameter `name`'s optimizer state, wherever it
+    /// lives (nothing is read).
+    pub fn optimizer_state_info(
+        &self,
+        optimizer: &dyn Optimizer,
+        name: &str,
+    ) -> Option<(u64, Vec<String>)> {
+        match optimizer.state(name) {
+            Some(s) => Some((s.step, s.buffers.keys().cloned().collect())),
+            None => self
+                .offloaded
+                .get(name)
+                .map(|s| (s.step, s.buffers.clone())),
+        }
+    }
+
+    /// Buffer `key` (`exp_avg`, ...) of parameter `name`'s optimizer state: a copy of
+    /// `optimizer`'s own, or this rank's rows read back from the disk tier when the state is
+    /// offloaded there (what checkpoints save, one buffer at a time).
+    pub fn optimizer_state_buffer(
+        &self,
+        optimizer: &dyn Optimizer,
+        name: &str,
+        key: &str,
+    ) -> Result<Option<Vec<f32>>, EngineError> {
+        if let Some(state) = optimizer.state(name) {
+            return Ok(state.buffers.get(key).cloned());
+        }
+        let (Some(tier), Some(saved)) = (&self.tier, self.offloaded.get(name)) else {
+            return Ok(None);
+        };
+        if !saved.buffers.iter().any(|b| b == key) {
+            return Ok(None);
+        }
+        let place = self
+            .grad_index
+            .get(name)
+            .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })?;
+        let region = (place.unit, Region::State(key.to_string()));
+        Ok(Some(tier.read_at(
+            &region,
+            place.elements.start,
+            place.elements.len(),
+        )?))
+    }
+}
