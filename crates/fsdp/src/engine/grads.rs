@@ -184,13 +184,22 @@ impl GradBlock {
         }
     }
 
-    /// Sum of squares and finiteness (a scaled block in the tier is read for them).
-    fn summary(&self) -> Result<(f64, bool), OffloadError> {
-        let of = |v: &[f32]| (square_sum(v), v.iter().all(|x| x.is_finite()));
+    /// Sum of squares (a scaled block in the tier is read for it).
+    fn squares(&self) -> Result<f64, OffloadError> {
         match self {
-            GradBlock::Memory(v) => Ok(of(v)),
-            GradBlock::Disk(d) if d.factors.is_empty() => Ok((d.squares, d.finite)),
-            GradBlock::Disk(d) => Ok(of(&d.load()?)),
+            GradBlock::Memory(v) => Ok(square_sum(v)),
+            GradBlock::Disk(d) if d.factors.is_empty() => Ok(d.squares),
+            GradBlock::Disk(d) => Ok(square_sum(&d.load()?)),
+        }
+    }
+
+    /// Whether every value is finite (a scaled block in the tier is read for it).
+    fn all_finite(&self) -> Result<bool, OffloadError> {
+        let finite = |v: &[f32]| v.iter().all(|x| x.is_finite());
+        match self {
+            GradBlock::Memory(v) => Ok(finite(v)),
+            GradBlock::Disk(d) if d.factors.is_empty() => Ok(d.finite),
+            GradBlock::Disk(d) => Ok(finite(&d.load()?)),
         }
     }
 }
@@ -291,7 +300,7 @@ impl Gradients {
     /// loss scaling, see [`super::GradScaler`]).
     pub fn all_finite(&self) -> Result<bool, EngineError> {
         for g in self.units.iter().flatten() {
-            if !g.summary()?.1 {
+            if !g.all_finite()? {
                 return Ok(false);
             }
         }
@@ -306,7 +315,7 @@ impl Gradients {
     pub(crate) fn squares(&self) -> Result<(f64, f64), EngineError> {
         let mut sharded = 0.0;
         for g in self.units.iter().flatten() {
-            sharded += g.summary()?.0;
+            sharded += g.squares()?;
         }
         let replicated = self.replicated.values().map(|g| square_sum(g)).sum();
         Ok((sharded, replicated))
