@@ -280,11 +280,7 @@ impl DiskTier {
     /// write queued before them.
     pub(crate) fn read(&self, key: &Key, len: usize) -> Result<Vec<f32>, OffloadError> {
         self.check_failed()?;
-        let ahead = self
-            .reads_ahead
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key);
+        let ahead = self.take_read_ahead(key);
         let rx = match ahead {
             Some(rx) => rx,
             None => self.queue_read(key, len)?,
@@ -306,10 +302,7 @@ impl DiskTier {
     /// exceed the cap. A read ahead of the old contents is dropped.
     pub(crate) fn write(&self, key: &Key, data: Vec<f32>) -> Result<(), OffloadError> {
         self.check_failed()?;
-        self.reads_ahead
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key);
+        self.take_read_ahead(key);
         let (file, path) = self.file(key)?;
         let bytes = data.len() as u64 * 4;
         {
@@ -336,6 +329,14 @@ impl DiskTier {
         self.check_failed()
     }
 
+    /// The read ahead of region `key`, if one is under way (dropping it discards it).
+    fn take_read_ahead(&self, key: &Key) -> Option<PendingRead> {
+        self.reads_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key)
+    }
+
     /// Drops reads ahead nobody took (a step ended without using them).
     pub(crate) fn discard_reads_ahead(&self) {
         self.reads_ahead
@@ -346,10 +347,7 @@ impl DiskTier {
 
     /// Removes region `key`'s file (a gradient block that was consumed).
     pub(crate) fn remove(&self, key: &Key) {
-        self.reads_ahead
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key);
+        self.take_read_ahead(key);
         let removed = self
             .files
             .lock()
@@ -394,10 +392,7 @@ impl DiskTier {
         region_len: usize,
     ) -> Result<(), OffloadError> {
         self.flush()?;
-        self.reads_ahead
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key);
+        self.take_read_ahead(key);
         let (file, path) = self.file(key)?;
         let io = |what: String| {
             let path = path.clone();
