@@ -8,6 +8,7 @@
 #![cfg(feature = "mpi")]
 
 use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -278,7 +279,8 @@ fn mpirun(n: usize, scenario: &str, extra: &[(&str, &str)]) -> Option<Command> {
 /// Runs `cmd` to its end (terminated after `limit`, failing the test): code, output, time.
 fn run(mut cmd: Command, limit: Duration) -> (Option<i32>, String, Duration) {
     let start = Instant::now();
-    let mut child = cmd.spawn().unwrap();
+    // Its own process group: mpirun and every rank can be killed together.
+    let mut child = cmd.process_group(0).spawn().unwrap();
     let read = |mut r: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut s = String::new();
@@ -293,10 +295,20 @@ fn run(mut cmd: Command, limit: Duration) -> (Option<i32>, String, Duration) {
             break status.code();
         }
         if start.elapsed() > limit {
-            // mpirun ends its processes when terminated.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            // mpirun ends its processes when terminated; one that does not (seen once: its
+            // ranks had exited and it waited on) is killed with its group after 5 s.
+            let group = -(child.id() as i32);
+            // SAFETY: signals to the process group this test started.
+            unsafe { libc::kill(group, libc::SIGTERM) };
+            let grace = Instant::now();
+            while child.try_wait().unwrap().is_none() && grace.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            // SAFETY: as above.
+            unsafe { libc::kill(group, libc::SIGKILL) };
             let _ = child.wait();
-            panic!("mpirun did not finish within {limit:?}");
+            let output = format!("{}{}", out.join().unwrap(), errs.join().unwrap());
+            panic!("mpirun did not finish within {limit:?}:\n{output}");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
