@@ -9,7 +9,8 @@ pub mod ops;
 mod weights;
 
 pub use module::{
-    Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
-    ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name, match_names,
+    Forward, Init, LoadReport, LocalParams, Model, Module, ModuleChildren, ModuleInfo,
+    ModuleOutput, NormalRng, ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name,
+    match_names,
 };
 pub use weights::{SafetensorsWeights, SeededWeights, WeightSource};

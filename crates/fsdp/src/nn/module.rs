@@ -267,8 +267,60 @@ pub trait Model: Module {
     fn no_split_modules(&self) -> &'static [&'static str];
 }
 
+/// What a field of a composite module contributes to its node of the module tree: one child
+/// for a module, each element for a `Vec` of modules (PyTorch's `nn.ModuleList`: the elements
+/// are built with paths such as `blocks.0`, `blocks.1`), nothing for an absent `Option`.
+pub trait ModuleChildren {
+    /// `node` with this field's modules appended as children, in order.
+    fn add_to(&self, node: ModuleInfo) -> ModuleInfo;
+}
+
+impl<T: Module> ModuleChildren for T {
+    fn add_to(&self, node: ModuleInfo) -> ModuleInfo {
+        node.child(self.info())
+    }
+}
+
+impl<T: Module> ModuleChildren for Vec<T> {
+    fn add_to(&self, node: ModuleInfo) -> ModuleInfo {
+        self.iter().fold(node, |node, m| node.child(m.info()))
+    }
+}
+
+impl<T: Module> ModuleChildren for Option<T> {
+    fn add_to(&self, node: ModuleInfo) -> ModuleInfo {
+        match self {
+            Some(m) => node.child(m.info()),
+            None => node,
+        }
+    }
+}
+
 /// Implements [`Module`] for a struct with a `path: String` field whose subtree is a node of
 /// type `$name` over the listed child fields, in order (the way PyTorch registers children).
+/// A field may be a module, a `Vec` of modules or an `Option` of one ([`ModuleChildren`]);
+/// fields not listed (dropout, sizes, flags) are not part of the tree.
+///
+/// ```
+/// use fsdp::composite_module;
+/// use fsdp::nn::layers::{LayerNorm, Linear};
+/// use fsdp::nn::{Module, join};
+///
+/// struct Block { path: String, ln: LayerNorm, fc: Linear }
+/// composite_module!(Block, "Block", [ln, fc]);
+///
+/// struct Net { path: String, blocks: Vec<Block> }
+/// composite_module!(Net, "Net", [blocks]);
+///
+/// let block = |i: usize| {
+///     let path = join("blocks", &i.to_string());
+///     Block { ln: LayerNorm::new(join(&path, "ln"), 8, 1e-5), fc: Linear::new(join(&path, "fc"), 8, 8, 0.02), path }
+/// };
+/// let net = Net { path: String::new(), blocks: vec![block(0), block(1)] };
+/// let names: Vec<String> = net.info().all_params().iter().map(|p| p.name.clone()).collect();
+/// assert_eq!(names[..3], ["blocks.0.ln.weight", "blocks.0.ln.bias", "blocks.0.fc.weight"]);
+/// assert_eq!(net.info().modules().len(), 7);   // Net, 2 Blocks, 2 LayerNorms, 2 Linears
+/// ```
 #[macro_export]
 macro_rules! composite_module {
     ($ty:ty, $name:literal, [$($child:ident),* $(,)?]) => {
@@ -278,8 +330,9 @@ macro_rules! composite_module {
             }
 
             fn info(&self) -> $crate::nn::ModuleInfo {
-                $crate::nn::ModuleInfo::new(self.path.clone(), $name)
-                    $(.child($crate::nn::Module::info(&self.$child)))*
+                let node = $crate::nn::ModuleInfo::new(self.path.clone(), $name);
+                $(let node = $crate::nn::ModuleChildren::add_to(&self.$child, node);)*
+                node
             }
         }
     };
