@@ -3,6 +3,8 @@
 //! released it, a parameter tensor kept from inside its unit and used after it (found before
 //! backward from the NaN poisoning of debug mode), a unit whose output never reaches `module_output`, and a
 //! model whose graph differs between ranks (a mismatched collective). Two real processes.
+//! Outside debug mode, a unit whose output never reaches `module_output` trains but is warned
+//! about once (in process).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -105,6 +107,16 @@ fn forward(t: &Toy, p: &dyn Params, x: &Tensor, misuse: Misuse) -> candle_core::
 }
 
 fn attempt(pg: &std::sync::Arc<ProcessGroup>, misuse: Misuse) -> Result<(), String> {
+    train(pg.clone(), misuse, true, 1)
+}
+
+/// `steps` steps of SGD on the toy model, misused as `misuse` says.
+fn train(
+    pg: std::sync::Arc<dyn fsdp_comm::Communicator>,
+    misuse: Misuse,
+    debug: bool,
+    steps: usize,
+) -> Result<(), String> {
     let model = toy();
     let info = model.info();
     let init = LocalParams::init(&info, 3, DType::F32, &Device::Cpu).unwrap();
@@ -116,17 +128,73 @@ fn attempt(pg: &std::sync::Arc<ProcessGroup>, misuse: Misuse) -> Result<(), Stri
         .unwrap()
         .fsdp;
     let mut engine =
-        Fsdp::new(&info, &init.tensors(), &plugin, &[], pg.clone()).map_err(|e| e.to_string())?;
-    engine.set_debug(true);
+        Fsdp::new(&info, &init.tensors(), &plugin, &[], pg).map_err(|e| e.to_string())?;
+    engine.set_debug(debug);
     let x = Tensor::ones((3, 8), DType::F32, &Device::Cpu).unwrap();
-    let params = engine.begin_step().map_err(|e| e.to_string())?;
-    let loss = forward(&model, &params, &x, misuse).map_err(|e| e.to_string())?;
-    let grads = engine.backward(params, loss).map_err(|e| e.to_string())?;
     let mut sgd = Sgd::new(SgdConfig::default()).map_err(|e| e.to_string())?;
-    engine
-        .step(grads, &mut sgd, None)
-        .map_err(|e| e.to_string())?;
+    for _ in 0..steps {
+        let params = engine.begin_step().map_err(|e| e.to_string())?;
+        let loss = forward(&model, &params, &x, misuse).map_err(|e| e.to_string())?;
+        let grads = engine.backward(params, loss).map_err(|e| e.to_string())?;
+        engine
+            .step(grads, &mut sgd, None)
+            .map_err(|e| e.to_string())?;
+    }
     Ok(())
+}
+
+/// What `tracing` wrote while `f` ran on this thread.
+fn logs_of(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Shared::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
+}
+
+#[test]
+fn a_unit_run_with_forward_trains_but_is_warned_about_once_outside_debug_mode() {
+    // Two ranks on threads (on one rank nothing is released after forward); each thread's
+    // logs, in rank order.
+    let logs = |misuse: Misuse| -> Vec<String> {
+        let threads: Vec<_> = fsdp_comm::LocalGroup::create(2)
+            .into_iter()
+            .map(|group| {
+                std::thread::spawn(move || {
+                    logs_of(|| train(std::sync::Arc::new(group), misuse, false, 3).unwrap())
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    };
+    let ranks = logs(Misuse::NotHooked);
+    let warnings: Vec<&str> = ranks[0].lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{ranks:?}");
+    assert!(
+        warnings[0].contains("unit `b`")
+            && warnings[0].contains("module_output")
+            && warnings[0].contains("Forward::call")
+            && !warnings[0].contains("unit `a`"),
+        "{ranks:?}"
+    );
+    assert!(!ranks[1].contains("WARN"), "only rank 0 reports: {ranks:?}");
+    for (rank, l) in logs(Misuse::None).iter().enumerate() {
+        assert!(!l.contains("WARN"), "rank {rank}: {l}");
+    }
 }
 
 #[test]

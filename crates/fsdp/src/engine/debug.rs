@@ -18,13 +18,13 @@ pub(crate) fn check_graph(
     in_graph: &HashSet<TensorId>,
 ) -> Result<(), EngineError> {
     for run in runs {
-        if run.sharded_state() == ShardedState::Sharded || run.unit.path.is_empty() {
-            continue;
-        }
-        if run.unit.reshard_after_forward && !run.hooked {
+        if run.unhooked() {
             return Err(EngineError::UnhookedOutput {
                 unit: run.unit.name(),
             });
+        }
+        if run.sharded_state() == ShardedState::Sharded || run.unit.path.is_empty() {
+            continue;
         }
         if run.outputs.is_empty() {
             continue;

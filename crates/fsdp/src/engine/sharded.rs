@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use candle_core::{Tensor, Var};
 use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Mesh, ReduceOp};
@@ -110,6 +110,8 @@ pub struct Fsdp {
     checkpointing: bool,
     /// Units recomputed in backward so far (activation checkpointing).
     recomputed: Arc<AtomicU64>,
+    /// Per unit: whether running it without reporting its output was warned about.
+    unhooked_reported: Arc<[AtomicBool]>,
     /// The disk tier (`fsdp_offload_dir`): optimizer state, and with `fsdp_offload_params`
     /// the shards and reduced gradients too.
     pub(crate) tier: Option<Arc<DiskTier>>,
@@ -257,6 +259,7 @@ impl Fsdp {
             let t = Tensor::from_vec(v, layout.shape.as_slice(), &placement.compute)?;
             replicated.insert(layout.name.clone(), Var::from_tensor(&t)?);
         }
+        let unhooked_reported = units.iter().map(|_| AtomicBool::new(false)).collect();
         Ok(Fsdp {
             plan,
             mesh,
@@ -275,6 +278,7 @@ impl Fsdp {
             unreduced: None,
             checkpointing: plugin.activation_checkpointing,
             recomputed: Arc::default(),
+            unhooked_reported,
             tier,
             offloaded: OffloadedStates::new(),
         })
@@ -339,6 +343,7 @@ impl Fsdp {
             train,
             checkpointing: self.checkpointing,
             recomputed: self.recomputed.clone(),
+            unhooked_reported: self.unhooked_reported.clone(),
             replicated_vars: self
                 .replicated
                 .iter()

@@ -4,7 +4,7 @@
 //! kernel runs; the reductions issued as units finish.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use candle_core::{Device, Storage, Tensor, TensorId, Var};
@@ -35,6 +35,8 @@ pub(crate) struct StepOptions {
     pub checkpointing: bool,
     /// Counts units recomputed in backward (the engine's running total).
     pub recomputed: Arc<AtomicU64>,
+    /// Per unit: whether running it unhooked was reported already (once per engine).
+    pub unhooked_reported: Arc<[AtomicBool]>,
     /// The replicated parameters' variables (forward may read them cast to the compute
     /// dtype), whose gradients recomputations report.
     pub replicated_vars: HashMap<String, Tensor>,
@@ -288,8 +290,23 @@ impl StepShared {
         if self.opts.debug {
             debug::check_graph(&inner.runs, &in_graph)?;
         }
+        self.report_unhooked(&inner.runs);
         inner.backward_order = order;
         Ok(())
+    }
+
+    /// Warns (rank 0, once per unit and engine) about units that stayed gathered through
+    /// forward because their output never passed through `module_output`: training is
+    /// correct, but FSDP's memory saving for them is gone, which nothing else would show.
+    fn report_unhooked(&self, runs: &[UnitRun]) {
+        for (run, reported) in runs.iter().zip(self.opts.unhooked_reported.iter()) {
+            if run.unhooked() && !reported.swap(true, Ordering::Relaxed) && self.mesh.rank() == 0 {
+                tracing::warn!(
+                    "{} was gathered in forward, but its output never passed through Params::module_output, so it stays gathered until its backward and FSDP saves no memory on it: run the module with `Forward::call` (`module.call(p, input)`), not `forward` (reported once per unit)",
+                    run.unit.name()
+                );
+            }
+        }
     }
 
     /// Sets how the coming backward treats gradients: reduced (`sync`, with `carried`, what

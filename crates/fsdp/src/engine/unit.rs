@@ -248,6 +248,16 @@ impl UnitRun {
         self.sharded
     }
 
+    /// Gathered in this forward, to be released after it, but its output never reached
+    /// [`crate::nn::Params::module_output`] (the module ran with `forward`, not `call`): it
+    /// stays gathered until its backward. The root is exempt (it is never released early).
+    pub fn unhooked(&self) -> bool {
+        self.sharded != ShardedState::Sharded
+            && !self.unit.path.is_empty()
+            && self.unit.reshard_after_forward
+            && !self.hooked
+    }
+
     /// Whether a parameter of the unit may be read now (gathering it first if needed).
     pub fn readable(&self) -> bool {
         self.training != TrainingState::PostBackward

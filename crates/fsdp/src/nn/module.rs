@@ -251,7 +251,10 @@ pub trait Forward<I>: Module {
     /// What forward returns.
     type Output: ModuleOutput;
 
-    /// The computation: parameters from `p`, submodules through [`Forward::call`].
+    /// The computation: parameters from `p`, submodules through [`Forward::call`]. Running a
+    /// submodule with `forward` skips the report: when it is an FSDP unit, the unit stays
+    /// gathered until its backward (training is still correct, the memory saving is gone),
+    /// which the engine warns about once per unit (debug mode makes it an error).
     fn forward(&self, p: &dyn Params, input: I) -> Result<Self::Output>;
 
     /// Runs [`Forward::forward`] and reports the output under this module's path.
