@@ -206,6 +206,46 @@ impl Forward<(&Tensor, &Tensor)> for LayerNorm {
     }
 }
 
+/// An `RMSNorm` module (`weight` ones, no bias; Llama's `LlamaRMSNorm`) over the last
+/// dimension, with the fused kernel.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    path: String,
+    weight: String,
+    dim: usize,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// An RMSNorm over the last dimension `dim` at `path`.
+    pub fn new(path: String, dim: usize, eps: f64) -> RmsNorm {
+        RmsNorm {
+            weight: join(&path, "weight"),
+            path,
+            dim,
+            eps,
+        }
+    }
+}
+
+impl Module for RmsNorm {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new(self.path.clone(), "RmsNorm").param("weight", &[self.dim], Init::Ones)
+    }
+}
+
+impl Forward<&Tensor> for RmsNorm {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
+        ops::rms_norm(x, &p.get(&self.weight)?, self.eps)
+    }
+}
+
 /// Seeded dropout at one call site: active when a step seed is given (training), identity
 /// otherwise. Each site draws its own mask from (step seed, site name).
 #[derive(Debug, Clone)]
@@ -242,4 +282,37 @@ pub(crate) fn site_seed(seed: u64, site: &str) -> u64 {
     site.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+    use crate::nn::LocalParams;
+
+    #[test]
+    fn rms_norm_module_normalises_by_the_root_mean_square_and_scales() {
+        let norm = RmsNorm::new("model.norm".into(), 3, 1e-6);
+        let info = norm.info();
+        assert_eq!(info.type_name, "RmsNorm");
+        assert_eq!(info.all_params()[0].name, "model.norm.weight");
+        let weight = Tensor::new(&[1.0f32, 2.0, 0.5], &Device::Cpu).unwrap();
+        let params =
+            LocalParams::from_tensors(&info, [("model.norm.weight".to_string(), weight)].into())
+                .unwrap();
+        let x = Tensor::new(&[[3.0f32, -4.0, 0.0]], &Device::Cpu).unwrap();
+        let y: Vec<f32> = norm
+            .call(&params, &x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let rms = ((9.0f32 + 16.0) / 3.0 + 1e-6).sqrt();
+        let want = [3.0 / rms, -8.0 / rms, 0.0];
+        for (a, b) in y.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{y:?} vs {want:?}");
+        }
+    }
 }

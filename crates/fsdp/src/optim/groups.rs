@@ -188,6 +188,37 @@ pub fn is_bias_or_norm(name: &str) -> bool {
         || leaf_module.starts_with("norm")
 }
 
+/// Normalisation module types ([`crate::nn::layers::LayerNorm`], [`crate::nn::layers::RmsNorm`]):
+/// with [`no_decay_by_module`], transformers' rule (biases and norm weights) decided by type.
+pub const NORM_MODULES: &[&str] = &["LayerNorm", "RmsNorm"];
+
+/// [`NORM_MODULES`] and `Embedding`: minGPT's rule (no decay on norms and embeddings).
+pub const NORM_AND_EMBEDDING_MODULES: &[&str] = &["LayerNorm", "RmsNorm", "Embedding"];
+
+/// Which parameters of `model` get no weight decay, decided by the module tree rather than by
+/// name: every parameter owned by a module whose type is in `types` (such as
+/// [`NORM_MODULES`]), and every bias (a parameter a module registers as `bias`, whatever the
+/// module is called). A norm named `blocks.0.ln` is found by its type, where
+/// [`is_bias_or_norm`] (names only, for Hugging Face's names) misses it. Pass the result to
+/// [`split_no_decay`]: `split_no_decay(names, rule, no_decay_by_module(&info, NORM_MODULES))`.
+pub fn no_decay_by_module(
+    model: &crate::nn::ModuleInfo,
+    types: &[&str],
+) -> impl Fn(&str) -> bool + use<> {
+    let picked: std::collections::HashSet<String> = model
+        .modules()
+        .into_iter()
+        .flat_map(|m| {
+            let by_type = types.contains(&m.type_name);
+            m.params
+                .iter()
+                .filter(move |p| by_type || p.name == m.join("bias"))
+                .map(|p| p.name.clone())
+        })
+        .collect();
+    move |name: &str| picked.contains(name)
+}
+
 /// Two groups over `names`: those `no_decay` picks with weight decay 0, the others with
 /// `rule`'s — the grouping fine-tuning recipes use (`AdamW::with_groups(split_no_decay(...))`).
 pub fn split_no_decay<R: UpdateRule>(
@@ -209,6 +240,7 @@ pub fn split_no_decay<R: UpdateRule>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::Init;
     use crate::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
 
     fn names() -> Vec<String> {
@@ -261,6 +293,53 @@ mod tests {
             ["exp_avg", "exp_avg_sq"]
         );
         assert_eq!(opt.state_names(), ["enc.dense.bias", "enc.dense.weight"]);
+    }
+
+    #[test]
+    fn no_decay_by_module_type_finds_norms_whatever_their_names() {
+        use crate::nn::layers::{Embedding, LayerNorm, Linear, RmsNorm};
+        use crate::nn::{Module, ModuleInfo};
+        // A model of one's own: norms called `ln` and `norm_out`, a projection with a bias.
+        let info = ModuleInfo::new("", "Net")
+            .child(Embedding::new("tok".into(), 10, 4, 0.02).info())
+            .child(
+                ModuleInfo::new("blocks.0", "Block")
+                    .child(LayerNorm::new("blocks.0.ln".into(), 4, 1e-5).info())
+                    .child(Linear::new("blocks.0.fc".into(), 4, 4, 0.02).info()),
+            )
+            .child(RmsNorm::new("norm_out".into(), 4, 1e-6).info())
+            .child(ModuleInfo::new("head", "Head").param("bias", &[4], Init::Zeros));
+        let names: Vec<String> = info.all_params().iter().map(|p| p.name.clone()).collect();
+        let groups = |types: &[&str]| {
+            split_no_decay(
+                names.clone(),
+                AdamWConfig::default(),
+                no_decay_by_module(&info, types),
+            )
+        };
+        let g = groups(NORM_MODULES);
+        assert_eq!(g[0].0, ["tok.weight", "blocks.0.fc.weight"]);
+        assert_eq!(
+            g[1].0,
+            [
+                "blocks.0.ln.weight",
+                "blocks.0.ln.bias",
+                "blocks.0.fc.bias",
+                "norm_out.weight",
+                "head.bias"
+            ]
+        );
+        assert_eq!((g[0].1.weight_decay, g[1].1.weight_decay), (0.01, 0.0));
+        // By name, the norm called `ln` would have been decayed.
+        assert!(!is_bias_or_norm("blocks.0.ln.weight"));
+        // minGPT's rule also spares the embedding.
+        assert_eq!(
+            groups(NORM_AND_EMBEDDING_MODULES)[0].0,
+            ["blocks.0.fc.weight"]
+        );
+        // A weight merely named `bias` elsewhere in its path is not a bias.
+        let odd = ModuleInfo::new("bias", "Linear").param("weight", &[2], Init::Zeros);
+        assert!(!no_decay_by_module(&odd, NORM_MODULES)("bias.weight"));
     }
 
     #[test]

@@ -16,7 +16,10 @@ pub mod sgd;
 use std::collections::BTreeMap;
 
 pub use adamw::{AdamConfig, AdamWConfig};
-pub use groups::{Grouped, ParamGroup, is_bias_or_norm, split_no_decay};
+pub use groups::{
+    Grouped, NORM_AND_EMBEDDING_MODULES, NORM_MODULES, ParamGroup, is_bias_or_norm,
+    no_decay_by_module, split_no_decay,
+};
 pub use schedule::{LrSchedule, LrScheduler};
 pub use sgd::SgdConfig;
 
