@@ -101,9 +101,25 @@ fn explicit_classes_size_policy_and_no_wrap() {
     assert!(
         text.contains("[\"GPT2Block\"]")
             && text.contains("BertLayer")
-            && text.contains("BertSelfAttention"),
+            && text.contains("BertSelfAttention")
+            && !text.contains("did you mean"),
         "{text}"
     );
+    // A name that differs only in case, or by a typo, gets the type it likely meant.
+    for (given, meant) in [("BERTLAYER", "BertLayer"), ("BertLayr", "BertLayer")] {
+        let text = UnitPlan::build(
+            &info,
+            &plugin(|b| b.transformer_layer_cls_to_wrap(given)),
+            &[],
+            2,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            text.contains(&format!("did you mean `{meant}` for `{given}`?")),
+            "{text}"
+        );
+    }
 
     // A layer of this model has 4*(16*16+16) + (16*32+32) + (32*16+16) + 2*(16+16) = 2224 parameters.
     let layer_params = info

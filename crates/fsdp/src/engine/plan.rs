@@ -13,13 +13,17 @@ use crate::nn::{ModuleInfo, ParamSpec};
 pub enum PlanError {
     /// TRANSFORMER_BASED_WRAP named module types the model does not have.
     #[error(
-        "fsdp_transformer_layer_cls_to_wrap names {missing:?}, which match no module of this model; its module types are: {available}"
+        "fsdp_transformer_layer_cls_to_wrap names {missing:?}, which match no module of this model; its module types are: {available}{}",
+        suggestions.iter().map(|(w, t)| format!("; did you mean `{t}` for `{w}`?")).collect::<String>()
     )]
     NoSuchModuleType {
         /// The names that matched nothing.
         missing: Vec<String>,
         /// The model's module type names, comma-separated.
         available: String,
+        /// (name given, the module type it likely meant): the same name in another case
+        /// (`MLPBlock` for `MlpBlock`), or one a few edits away.
+        suggestions: Vec<(String, String)>,
     },
     /// A tied parameter's owner and another user landed in different units.
     #[error(
@@ -231,9 +235,14 @@ impl UnitPlan {
                     let mut types: Vec<&str> = modules.iter().map(|m| m.type_name).collect();
                     types.sort_unstable();
                     types.dedup();
+                    let suggestions = missing
+                        .iter()
+                        .filter_map(|w| Some((w.clone(), nearest_type(w, &types)?.to_string())))
+                        .collect();
                     return Err(PlanError::NoSuchModuleType {
                         missing,
                         available: types.join(", "),
+                        suggestions,
                     });
                 }
                 modules
@@ -506,4 +515,18 @@ fn tied_outside(model: &ModuleInfo, m: &ModuleInfo) -> bool {
             .iter()
             .any(|name| inside(&user.path) != owned_inside(name))
     })
+}
+/// The module type `wanted` most likely means: one equal to it but for case, else the closest
+/// by edits (case ignored) within a third of its length.
+fn nearest_type<'a>(wanted: &str, types: &[&'a str]) -> Option<&'a str> {
+    if let Some(t) = types.iter().find(|t| t.eq_ignore_ascii_case(wanted)) {
+        return Some(t);
+    }
+    let wanted = wanted.to_lowercase();
+    types
+        .iter()
+        .map(|t| (strsim::damerau_levenshtein(&wanted, &t.to_lowercase()), *t))
+        .filter(|(d, t)| *d <= (t.len() / 3).max(1))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, t)| t)
 }
