@@ -496,6 +496,7 @@ fn saves_replace_atomically_rotate_and_merge_into_the_live_weights() {
         let out = tmp.path().join("merged");
         let report = checkpoint::merge_weights(&src, &out).unwrap();
         assert_eq!(report.tensors, weights.len());
+        assert_shareable(&report.output, 0o666);
         let merged =
             candle_core::safetensors::load(&report.output, &candle_core::Device::Cpu).unwrap();
         for (name, want) in weights {
@@ -507,6 +508,20 @@ fn saves_replace_atomically_rotate_and_merge_into_the_live_weights() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("neither a checkpoint"), "{err}");
+}
+
+/// `path` has the permissions `full` less the process's umask (0644 / 0755 as a rule), as
+/// an ordinarily created file or folder does.
+fn assert_shareable(path: &Path, full: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let umask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .map(|m| u32::from_str_radix(m.trim(), 8).unwrap())
+        .unwrap();
+    let mode = std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, full & !umask, "{}: {mode:o}", path.display());
 }
 
 #[test]
@@ -566,6 +581,13 @@ fn save_pretrained_writes_what_transformers_loads() {
         serde_json::from_str(&std::fs::read_to_string(one.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "bert");
     assert_eq!(config["architectures"][0], "BertForSequenceClassification");
+    // A saved model is for others to load: its folders and files as ordinarily created ones.
+    for dir in [one, split] {
+        assert_shareable(dir, 0o777);
+        for f in std::fs::read_dir(dir).unwrap() {
+            assert_shareable(&f.unwrap().path(), 0o666);
+        }
+    }
     // Our loader takes the file by name, as transformers does.
     let model = common::tiny::model(0.0);
     let (_, report) = fsdp::nn::LocalParams::load(

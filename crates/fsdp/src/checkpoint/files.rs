@@ -95,6 +95,27 @@ pub(crate) fn read_bounded(
     Ok(bytes)
 }
 
+/// The process's file mode creation mask (`Umask:` in `/proc/self/status`, which reads it
+/// without changing it; 022, the usual one, where that is unreadable).
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+            u32::from_str_radix(line.trim(), 8).ok()
+        })
+        .unwrap_or(0o022)
+}
+
+/// Gives `path` the permissions an ordinarily created file gets (0666 less the umask: 0644
+/// as a rule): for outputs meant to be shared, such as a merged model, which the temporary
+/// file it was written through would leave readable by its owner only.
+pub(crate) fn make_shareable(path: &Path) -> Result<(), CheckpointError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666 & !umask()))
+        .map_err(|e| CheckpointError::io("setting the permissions of", path, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -182,6 +182,8 @@ pub fn merge_weights(src: &Path, out_dir: &Path) -> Result<MergeReport, Checkpoi
         return Err(e);
     }
     written.map_err(|e| CheckpointError::corrupt(&partial, e.to_string()))?;
+    // A merged model is for others to load: not the 0600 of the temporary file it went through.
+    super::files::make_shareable(&partial)?;
     std::fs::rename(&partial, &output).map_err(|e| CheckpointError::io("renaming", &partial, e))?;
     super::atomic::sync_dir(out_dir)?;
     let bytes = std::fs::metadata(&output)
