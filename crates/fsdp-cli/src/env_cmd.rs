@@ -101,6 +101,7 @@ fn backend_line(
         master_addr: "127.0.0.1".into(),
         master_port: 29500,
         launcher: fsdp_comm::Launcher::Standalone,
+        output_prefixed: false,
     };
     let world = world.as_ref().unwrap_or(&single);
     let mpi = if fsdp_comm::backend::MPI_BUILT {

@@ -103,7 +103,13 @@ fn a_crate_outside_the_workspace_depends_on_fsdp_without_a_patch_and_trains() {
 
     let mut program = Command::new(target.join("debug/fsdp-downstream-check"));
     // One process of its own, whatever launched the tests.
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
         program.env_remove(var);
     }
     let (ok, out) = run(&mut program, Duration::from_secs(120));

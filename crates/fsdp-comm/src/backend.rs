@@ -260,6 +260,7 @@ mod tests {
             master_addr: "127.0.0.1".into(),
             master_port: 29500,
             launcher: Launcher::OpenMpi,
+            output_prefixed: false,
         }
     }
 

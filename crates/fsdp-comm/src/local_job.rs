@@ -8,7 +8,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::options::{PREFIX_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV};
+use crate::options::{OUTPUT_PREFIXED_ENV, PREFIX_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV};
 
 /// The environment of one worker: the torchrun contract (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
 /// `LOCAL_WORLD_SIZE`, `NODE_RANK`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`), the job secret,
@@ -39,6 +39,8 @@ pub struct WorkerEnv {
     pub store_prefix: Option<String>,
     /// Collective timeout.
     pub comm_timeout: Option<Duration>,
+    /// The launcher starts each line of the worker's output with its rank.
+    pub output_prefixed: bool,
 }
 
 impl WorkerEnv {
@@ -58,6 +60,7 @@ impl WorkerEnv {
             store_hosted: false,
             store_prefix: None,
             comm_timeout: None,
+            output_prefixed: false,
         }
     }
 
@@ -87,6 +90,9 @@ impl WorkerEnv {
         }
         if let Some(t) = self.comm_timeout {
             out.push((TIMEOUT_ENV, t.as_secs_f64().to_string()));
+        }
+        if self.output_prefixed {
+            out.push((OUTPUT_PREFIXED_ENV, "1".into()));
         }
         out
     }

@@ -21,6 +21,9 @@ pub const STORE_HOSTED_ENV: &str = "FSDP_STORE_HOSTED";
 /// Environment variable: prefix of this attempt's keys in the store (a restarted job uses a
 /// new prefix on the same store).
 pub const PREFIX_ENV: &str = "FSDP_RENDEZVOUS_PREFIX";
+/// Environment variable: set to 1 by `fsdp launch`, which starts every line of a worker's
+/// console output with `[rankN]: `, so the worker's own log lines leave the rank out.
+pub const OUTPUT_PREFIXED_ENV: &str = "FSDP_OUTPUT_PREFIXED";
 /// The store key (under the attempt's prefix) a launcher sets, with its reason, when its
 /// part of the job fails: ranks still waiting to join fail within a second naming it,
 /// instead of waiting out the rendezvous timeout.

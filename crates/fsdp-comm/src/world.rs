@@ -37,6 +37,9 @@ pub struct WorldInfo {
     pub master_port: u16,
     /// Where these values came from.
     pub launcher: Launcher,
+    /// The launcher starts every line of this process's output with its rank (`fsdp
+    /// launch`'s `[rankN]: `), so logs need not repeat it.
+    pub output_prefixed: bool,
 }
 
 /// A launch environment that is incomplete or contradictory.
@@ -127,6 +130,7 @@ impl Vars<'_> {
             master_addr: self.addr(),
             master_port: self.port()?,
             launcher: l,
+            output_prefixed: false,
         })
     }
 
@@ -199,6 +203,7 @@ impl WorldInfo {
                 master_addr: v.addr(),
                 master_port: v.port()?,
                 launcher: l,
+                output_prefixed: v.get(crate::options::OUTPUT_PREFIXED_ENV) == Some("1"),
             }
         } else if v.get("SLURM_PROCID").is_some() {
             let l = Launcher::Slurm;
@@ -224,6 +229,7 @@ impl WorldInfo {
                 master_addr: v.slurm_addr(),
                 master_port: v.port()?,
                 launcher: l,
+                output_prefixed: false,
             }
         } else if v.get("OMPI_COMM_WORLD_RANK").is_some() {
             v.mpi(
@@ -250,6 +256,7 @@ impl WorldInfo {
                 master_addr: v.addr(),
                 master_port: v.port()?,
                 launcher: Launcher::Standalone,
+                output_prefixed: false,
             }
         };
         info.check()?;
@@ -348,6 +355,15 @@ mod tests {
             (w.master_addr.as_str(), w.master_port, w.launcher),
             ("10.1.2.3", 1234, Launcher::Torchrun)
         );
+        // torchrun itself prefixes nothing; `fsdp launch` says it does.
+        assert!(!w.output_prefixed);
+        let w = WorldInfo::from_vars(&vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            (crate::options::OUTPUT_PREFIXED_ENV, "1"),
+        ]))
+        .unwrap();
+        assert!(w.output_prefixed);
     }
 
     #[test]

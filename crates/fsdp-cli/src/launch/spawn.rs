@@ -70,6 +70,8 @@ pub(super) fn spawn(a: &Attempt<'_>, local_rank: usize, exits: &mut ExitWatcher)
         store_hosted: true,
         store_prefix: Some(format!("attempt{}/", a.number)),
         comm_timeout: args.comm_timeout,
+        // The relay starts every console line with `[rankN]: `.
+        output_prefixed: true,
     };
     cmd.args(&program[1..])
         .envs(a.env.iter().map(|(k, v)| (k, v)));

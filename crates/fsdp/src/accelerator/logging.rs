@@ -13,9 +13,10 @@ use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
 
-/// `[rank N] LEVEL message fields`.
+/// `[rank N] LEVEL message fields`, or without the rank when the launcher already starts
+/// every line with it (`None`).
 struct RankFormat {
-    rank: usize,
+    rank: Option<usize>,
 }
 
 impl<S, N> FormatEvent<S, N> for RankFormat
@@ -29,15 +30,19 @@ where
         mut writer: Writer<'_>,
         event: &Event<'_>,
     ) -> fmt::Result {
-        write!(writer, "[rank {}] {} ", self.rank, event.metadata().level())?;
+        if let Some(rank) = self.rank {
+            write!(writer, "[rank {rank}] ")?;
+        }
+        write!(writer, "{} ", event.metadata().level())?;
         ctx.field_format().format_fields(writer.by_ref(), event)?;
         writeln!(writer)
     }
 }
 
 /// Installs the job's log format (once per process; later calls do nothing): `tracing`
-/// events go to standard error with the rank in every line.
-pub fn init_logging(rank: usize) {
+/// events go to standard error with `rank` in every line (`None`: the launcher prefixes
+/// the lines already, as `fsdp launch` does with `[rankN]: `).
+pub fn init_logging(rank: Option<usize>) {
     let level = match std::env::var("FSDP_LOG")
         .unwrap_or_default()
         .to_ascii_lowercase()

@@ -259,12 +259,12 @@ impl AcceleratorBuilder {
         // This process's place on its machine, as the launch environment gives it
         // (`fsdp launch`, srun, mpirun or mpiexec; LOCAL_RANK alone missed the cluster
         // launchers, where every process took itself for its machine's first).
-        let local_rank = fsdp_comm::WorldInfo::from_env()
-            .map_err(|e| AcceleratorError::Usage(format!("the launch environment: {e}")))?
-            .local_rank;
+        let world = fsdp_comm::WorldInfo::from_env()
+            .map_err(|e| AcceleratorError::Usage(format!("the launch environment: {e}")))?;
+        let local_rank = world.local_rank;
         let accumulation = self.accumulation.unwrap_or(1).max(1);
         let rank = group.rank();
-        init_logging(rank);
+        init_logging((!world.output_prefixed).then_some(rank));
         if let Some(notice) = notice
             && rank == 0
         {
