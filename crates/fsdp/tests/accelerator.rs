@@ -175,18 +175,66 @@ fn recipe(acc: &mut Accelerator) -> Value {
 }
 
 /// Evaluation over 10 examples, 3 per rank per step: every example's index, gathered
-/// without the repeats that fill up the last step.
-fn evaluation_indices(acc: &Accelerator) -> Vec<i64> {
+/// without the repeats that fill up the last step, as vectors and tensors of several element
+/// types (each must agree with the i64 indices), and a gather of mismatched shapes.
+fn evaluation_indices(acc: &Accelerator) -> Value {
     let data: Vec<i64> = (0..10).collect();
     let mut loader = acc.prepare_data_loader(DataLoader::new(data, 3, |x: &[i64]| {
         Ok::<_, CollateError>(x.to_vec())
     }));
-    let mut seen = Vec::new();
+    let (mut seen, mut even, mut big, mut wide) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut rows: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     while let Some(batch) = loader.next_batch() {
         let batch = batch.unwrap();
-        seen.extend(acc.gather_for_metrics(batch.batch.clone(), &batch).unwrap());
+        let ids = &batch.batch;
+        seen.extend(acc.gather_for_metrics(ids.clone(), &batch).unwrap());
+        let flags: Vec<bool> = ids.iter().map(|i| i % 2 == 0).collect();
+        even.extend(acc.gather_for_metrics(flags, &batch).unwrap());
+        let u32s: Vec<u32> = ids.iter().map(|&i| 4_000_000_000 + i as u32).collect();
+        big.extend(acc.gather_for_metrics(u32s, &batch).unwrap());
+        let u64s: Vec<u64> = ids.iter().map(|&i| u64::MAX - i as u64).collect();
+        wide.extend(acc.gather_for_metrics(u64s, &batch).unwrap());
+        // Rows (i, 2i) of every dtype the engine computes in.
+        let pairs: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| [i as f32, 2.0 * i as f32])
+            .collect();
+        let t = Tensor::from_vec(pairs, (ids.len(), 2), &Device::Cpu).unwrap();
+        for dtype in [
+            DType::F32,
+            DType::BF16,
+            DType::F16,
+            DType::F64,
+            DType::U8,
+            DType::U32,
+            DType::I64,
+        ] {
+            let g = acc
+                .gather_tensor_for_metrics(&t.to_dtype(dtype).unwrap(), &batch)
+                .unwrap();
+            assert_eq!(g.dtype(), dtype);
+            let values: Vec<f64> = g
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            rows.entry(format!("{dtype:?}")).or_default().extend(values);
+        }
     }
-    seen
+    let mismatch = acc
+        .gather_tensor(&Tensor::zeros(acc.process_index() + 1, DType::F32, &Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    json!({
+        "indices": seen,
+        "even": even,
+        "u32": big,
+        "u64": wide.iter().map(|w| w.to_string()).collect::<Vec<_>>(),
+        "rows": rows,
+        "mismatch": mismatch,
+    })
 }
 
 #[test]
@@ -337,17 +385,43 @@ fn a_recipe_on_several_processes_matches_pytorch_and_one_process() {
             &format!("{label} second model"),
         );
         if label != "1 process" {
-            let mut seen: Vec<i64> = got["evaluated"]
+            let eval = &got["evaluated"];
+            let order: Vec<i64> = eval["indices"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .map(|v| v.as_i64().unwrap())
                 .collect();
+            let mut seen = order.clone();
             seen.sort();
             assert_eq!(
                 seen,
                 (0..10).collect::<Vec<_>>(),
                 "{label}: every example once"
+            );
+            // Every element type in the same order: bools, u32 above i32's range, u64 bits.
+            let even: Vec<bool> = order.iter().map(|i| i % 2 == 0).collect();
+            assert_eq!(eval["even"], json!(even), "{label}");
+            let big: Vec<u64> = order.iter().map(|&i| 4_000_000_000 + i as u64).collect();
+            assert_eq!(eval["u32"], json!(big), "{label}");
+            let wide: Vec<String> = order
+                .iter()
+                .map(|&i| (u64::MAX - i as u64).to_string())
+                .collect();
+            assert_eq!(eval["u64"], json!(wide), "{label}");
+            let pairs: Vec<f64> = order
+                .iter()
+                .flat_map(|&i| [i as f64, 2.0 * i as f64])
+                .collect();
+            let rows = eval["rows"].as_object().unwrap();
+            assert_eq!(rows.len(), 7, "{label}: {rows:?}");
+            for (dtype, got) in rows {
+                assert_eq!(floats(got), pairs, "{label}: {dtype} rows");
+            }
+            let e = eval["mismatch"].as_str().unwrap();
+            assert!(
+                e.contains("rank 0 has a tensor of shape [1]") && e.contains("of another shape"),
+                "{label}: {e}"
             );
         }
     }

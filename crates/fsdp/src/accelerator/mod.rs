@@ -48,6 +48,7 @@
 //! # Ok(()) }
 //! ```
 
+mod gather;
 mod logging;
 mod prepared;
 mod state;
@@ -56,17 +57,18 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use candle_core::Tensor;
-/// What `gather` and `reduce` take (f32, f64, i32, i64, u8, f16, bf16) and how `reduce`
-/// combines, re-exported so programs need not depend on fsdp-comm.
+/// What `reduce` takes (f32, f64, i32, i64, u8, f16, bf16; `gather` takes more, see
+/// [`Gatherable`]) and how it combines, re-exported so programs need not depend on fsdp-comm.
 pub use fsdp_comm::{BufferElement, ReduceOp};
 use fsdp_comm::{CommError, Communicator, CommunicatorExt};
 
+pub use gather::Gatherable;
 pub use logging::{Progress, init_logging};
 pub use prepared::{ModelHandle, PreparedModel, PreparedOptimizer};
 
 use crate::checkpoint::CheckpointError;
 use crate::config::{ConfigError, FsdpPlugin, FsdpPluginBuilder, Layer, MixedPrecision};
-use crate::data::{DataLoader, Dataset, LoadedBatch};
+use crate::data::{DataLoader, Dataset};
 use crate::engine::{EngineError, Fsdp, GradScaler, GradScalerConfig};
 use crate::nn::{Model, WeightSource};
 use crate::optim::{LrSchedule, OptimError, Optimizer};
@@ -504,24 +506,6 @@ impl Accelerator {
             self.steps += 1;
         }
         Ok(stepped)
-    }
-
-    /// Every rank's `values` (the same length on all), concatenated in rank order, on every
-    /// rank.
-    pub fn gather<T: BufferElement>(&self, values: Vec<T>) -> Result<Vec<T>, AcceleratorError> {
-        Ok(self.group.all_gather_vec(values).wait()?)
-    }
-
-    /// [`Accelerator::gather`] of per-example values of `batch`, without the repeats that
-    /// filled up the last step of the epoch, so every example counts once.
-    pub fn gather_for_metrics<T: BufferElement, B>(
-        &self,
-        values: Vec<T>,
-        batch: &LoadedBatch<B>,
-    ) -> Result<Vec<T>, AcceleratorError> {
-        let mut all = self.gather(values)?;
-        all.truncate(batch.real);
-        Ok(all)
     }
 
     /// Element-wise reduction of `values` over the ranks.
