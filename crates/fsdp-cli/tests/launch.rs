@@ -120,7 +120,7 @@ fn workers_get_the_torchrun_contract_and_the_configuration() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("c.yaml");
     std::fs::write(&cfg, "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_offload_params: true\n").unwrap();
-    let script = "echo \"R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE N=$NODE_RANK A=$MASTER_ADDR P=$MASTER_PORT S=${FSDP_JOB_SECRET:+set} F=$ACCELERATE_USE_FSDP SS=$FSDP_SHARDING_STRATEGY O=$FSDP_OFFLOAD_PARAMS MP=$ACCELERATE_MIXED_PRECISION BP=$FSDP_BACKWARD_PREFETCH T=$RAYON_NUM_THREADS\"";
+    let script = "echo \"R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE N=$NODE_RANK A=$MASTER_ADDR P=$MASTER_PORT S=${FSDP_JOB_SECRET:+set} F=$ACCELERATE_USE_FSDP SS=$FSDP_SHARDING_STRATEGY O=$FSDP_OFFLOAD_PARAMS MP=$ACCELERATE_MIXED_PRECISION BP=$FSDP_BACKWARD_PREFETCH T=$RAYON_NUM_THREADS OP=$FSDP_OUTPUT_PREFIXED\"";
     let run = launch(
         &[
             "--config_file",
@@ -157,6 +157,8 @@ fn workers_get_the_torchrun_contract_and_the_configuration() {
             "MP=bf16",
             "BP=BACKWARD_POST",
             "T=3",
+            // The launcher prefixes each line with the rank: the workers' logs leave it out.
+            "OP=1",
         ] {
             assert!(line.contains(part), "{part} missing in {line}");
         }
