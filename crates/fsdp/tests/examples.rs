@@ -1,8 +1,10 @@
 //! The examples end to end, a few steps each, on 2 real processes over the real transport:
 //! `nlp_example` fine-tunes all-MiniLM-L6-v2, evaluates, checkpoints, and a second job
 //! resumed from its checkpoint ends with the same model bit for bit; `gpt2_example` trains
-//! and reports perplexity. They need the assets of tools/fetch-test-assets.sh and skip
-//! without them.
+//! and reports perplexity (both need the assets of tools/fetch-test-assets.sh and skip
+//! without them); `custom_model_example` (a model written with the module system, trained on
+//! its own source) trains, checkpoints, resumes on another number of processes to the same
+//! weights, and its merged weights carry the names its modules declared.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -34,10 +36,17 @@ fn example(name: &str) -> PathBuf {
 
 /// Runs `name` with `args` on 2 processes; returns rank 0's output.
 fn run(name: &str, args: &[&str]) -> String {
+    run_on(2, name, args, &[])
+}
+
+/// Runs `name` with `args` and `env` on `world` processes; returns rank 0's output.
+fn run_on(world: usize, name: &str, args: &[&str], env: &[(&str, &str)]) -> String {
     let exe = example(name);
-    let job = LocalJob::start(2, 0..2, Some(1), |_| {
+    let job = LocalJob::start(world, 0..world, Some(1), |_| {
         let mut cmd = Command::new(&exe);
-        cmd.args(args).env("FSDP_COMM_TIMEOUT_SECS", "120");
+        cmd.args(args)
+            .env("FSDP_COMM_TIMEOUT_SECS", "120")
+            .envs(env.iter().copied());
         cmd
     })
     .unwrap();
@@ -162,4 +171,119 @@ fn gpt2_example_trains_with_tied_embeddings_and_size_based_units() {
         "{out}"
     );
     assert!(tmp.path().join("model/model.safetensors").is_file());
+}
+
+#[test]
+fn custom_model_example_trains_resumes_at_another_world_size_and_merges_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n).to_str().unwrap().to_string();
+    let (straight, resumed) = (dir("straight"), dir("resumed"));
+    let common = ["--max_train_steps", "8", "--dropout", "0"];
+    // 2 processes of 16 examples; under a launcher that prefixes lines with the rank.
+    let out = run_on(
+        2,
+        "custom_model_example",
+        &[
+            &common[..],
+            &[
+                "--batch_size",
+                "16",
+                "--checkpoint_every",
+                "4",
+                "--output_dir",
+                &straight,
+            ],
+        ]
+        .concat(),
+        &[("FSDP_OUTPUT_PREFIXED", "1")],
+    );
+    assert!(
+        out.contains("ByteMlp (466176 parameters) in 4 units, 2 processes"),
+        "{out}"
+    );
+    assert!(out.contains("INFO saved the training state"), "{out}");
+    assert!(
+        !out.contains("[rank 0]"),
+        "the launcher names the rank already: {out}"
+    );
+    // Resumed at step 4 on 1 process of 32 examples: the same global batches.
+    let out = run_on(
+        1,
+        "custom_model_example",
+        &[
+            &common[..],
+            &[
+                "--batch_size",
+                "32",
+                "--output_dir",
+                &resumed,
+                "--resume_from_checkpoint",
+                &dir("straight/step_4"),
+            ],
+        ]
+        .concat(),
+        &[],
+    );
+    assert!(
+        out.contains("resumed from") && out.contains("at step 4"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[rank 0] INFO saved the training state"),
+        "{out}"
+    );
+
+    let merged = |run: &str| {
+        let report = fsdp::checkpoint::merge_weights(
+            &tmp.path().join(run).join("checkpoint"),
+            &tmp.path().join(run).join("merged"),
+        )
+        .unwrap();
+        candle_core::safetensors::load(report.output, &candle_core::Device::Cpu).unwrap()
+    };
+    let (a, b) = (merged("straight"), merged("resumed"));
+    // Exactly the names the model's modules declared.
+    let mut names: Vec<&str> = a.keys().map(String::as_str).collect();
+    names.sort();
+    let mut want = vec![
+        "embed.weight",
+        "proj.weight",
+        "proj.bias",
+        "ln_f.weight",
+        "ln_f.bias",
+        "head.weight",
+        "head.bias",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect::<Vec<_>>();
+    for i in 0..3 {
+        for leaf in [
+            "ln.weight",
+            "ln.bias",
+            "up.weight",
+            "up.bias",
+            "down.weight",
+            "down.bias",
+        ] {
+            want.push(format!("blocks.{i}.{leaf}"));
+        }
+    }
+    want.sort();
+    assert_eq!(names, want);
+    for (name, t) in &a {
+        let (x, y): (Vec<f32>, Vec<f32>) = (
+            t.flatten_all().unwrap().to_vec1().unwrap(),
+            b[name].flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        let worst = x
+            .iter()
+            .zip(&y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            worst < 1e-5,
+            "{name}: resumed on 1 process differs by {worst}"
+        );
+    }
 }
