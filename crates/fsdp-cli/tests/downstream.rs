@@ -1,11 +1,17 @@
-//! Depending on fsdp like any crate: a crate outside the workspace (`downstream_crate/`) that
-//! names only `fsdp` (and anyhow) in its manifest, with no `[patch]`, builds against the
-//! patched candle-core (`fsdp-candle-core`, reached through `fsdp::nn::candle`), never the
-//! registry's `candle-core`, and trains its own model for two steps.
+//! Depending on fsdp like any crate, from a fresh crate to a merged model: a crate outside the
+//! workspace that names only `fsdp` (and anyhow) in its manifest, with no `[patch]`, whose
+//! `src/main.rs` is the guide's program (`crates/fsdp/src/guide.md`, the README's "Train your
+//! own model") taken verbatim, builds against the patched candle-core (`fsdp-candle-core`),
+//! never the registry's `candle-core`, trains under `fsdp launch` on 2 processes, and
+//! `fsdp merge-weights` turns its checkpoint into a model with the names its modules declared.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+
+use common::fsdp;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -47,12 +53,20 @@ fn run(cmd: &mut Command, limit: Duration) -> (bool, String) {
     }
 }
 
+/// The first ```rust block of the guide.
+fn guide_program() -> String {
+    let guide = std::fs::read_to_string(workspace_root().join("crates/fsdp/src/guide.md")).unwrap();
+    let start = guide.find("```rust\n").expect("the guide has a program") + "```rust\n".len();
+    let len = guide[start..].find("\n```").unwrap() + 1;
+    guide[start..start + len].to_string()
+}
+
 #[test]
-fn a_crate_outside_the_workspace_depends_on_fsdp_without_a_patch_and_trains() {
+fn a_fresh_crate_with_the_guides_program_builds_without_a_patch_trains_and_merges() {
     let root = workspace_root();
     let scratch = tempfile::tempdir().unwrap();
     let manifest = format!(
-        "[package]\nname = \"fsdp-downstream-check\"\nversion = \"0.0.0\"\nedition = \"2024\"\npublish = false\n\n\
+        "[package]\nname = \"my-model\"\nversion = \"0.0.0\"\nedition = \"2024\"\npublish = false\n\n\
          [dependencies]\nfsdp = {{ path = \"{}\" }}\nanyhow = \"1\"\n\n\
          # Its own workspace: nothing of fsdp-rs's (profiles, patches) applies.\n[workspace]\n",
         root.join("crates/fsdp").display()
@@ -60,11 +74,7 @@ fn a_crate_outside_the_workspace_depends_on_fsdp_without_a_patch_and_trains() {
     assert!(!manifest.contains("[patch"));
     std::fs::write(scratch.path().join("Cargo.toml"), &manifest).unwrap();
     std::fs::create_dir(scratch.path().join("src")).unwrap();
-    std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/downstream_crate/src/main.rs"),
-        scratch.path().join("src/main.rs"),
-    )
-    .unwrap();
+    std::fs::write(scratch.path().join("src/main.rs"), guide_program()).unwrap();
     // The versions this workspace resolved (all in cargo's cache: the build needs no network).
     std::fs::copy(root.join("Cargo.lock"), scratch.path().join("Cargo.lock")).unwrap();
     let target = root.join("target/downstream-check");
@@ -101,27 +111,54 @@ fn a_crate_outside_the_workspace_depends_on_fsdp_without_a_patch_and_trains() {
     );
     assert!(ok, "the downstream crate does not build:\n{build}");
 
-    let mut program = Command::new(target.join("debug/fsdp-downstream-check"));
-    // One process of its own, whatever launched the tests.
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ] {
-        program.env_remove(var);
-    }
-    let (ok, out) = run(&mut program, Duration::from_secs(120));
-    assert!(ok, "the downstream program failed:\n{out}");
-    let losses: Vec<f32> = out
+    // As the guide says: fsdp launch on 2 processes, then fsdp merge-weights.
+    let out = scratch.path().join("out");
+    let mut launch = fsdp();
+    launch
+        .args(["launch", "--num_processes", "2"])
+        .arg(target.join("debug/my-model"))
+        .arg(&out);
+    let (ok, log) = run(&mut launch, Duration::from_secs(120));
+    assert!(ok, "the guide's program failed under fsdp launch:\n{log}");
+    let losses: Vec<f32> = log
         .lines()
-        .filter_map(|l| l.strip_prefix("loss "))
-        .map(|l| l.split(' ').nth(1).unwrap().parse().unwrap())
+        .filter_map(|l| {
+            l.strip_prefix("[rank0]: step ")?
+                .split("loss ")
+                .nth(1)?
+                .parse()
+                .ok()
+        })
         .collect();
-    assert_eq!(losses.len(), 2, "{out}");
-    assert!(losses.iter().all(|l| l.is_finite()), "{out}");
-    // ln(32) at the start (uniform over 32 classes), lower after one AdamW step.
-    assert!((losses[0] - 32f32.ln()).abs() < 0.1, "{out}");
-    assert!(losses[1] < losses[0], "{out}");
+    assert_eq!(losses.len(), 3, "{log}");
+    // ln(64) at the start (uniform over 64 ids), lower after AdamW steps.
+    assert!((losses[0] - 64f32.ln()).abs() < 0.1, "{log}");
+    assert!(losses[2] < losses[0], "{log}");
+    let mut merge = fsdp();
+    merge
+        .arg("merge-weights")
+        .arg(out.join("checkpoint"))
+        .arg(out.join("merged"));
+    let (ok, log) = run(&mut merge, Duration::from_secs(60));
+    assert!(ok, "{log}");
+    let merged = std::fs::read(out.join("merged/model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(merged[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&merged[8..8 + header_len]).unwrap();
+    let mut names: Vec<&str> = header
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .filter(|k| *k != "__metadata__")
+        .collect();
+    names.sort();
+    let mut want = vec!["embed.weight", "head.weight", "head.bias"];
+    let blocks: Vec<String> = (0..2)
+        .flat_map(|i| {
+            ["ln.weight", "ln.bias", "fc.weight", "fc.bias"].map(|l| format!("blocks.{i}.{l}"))
+        })
+        .collect();
+    want.extend(blocks.iter().map(String::as_str));
+    want.sort();
+    assert_eq!(names, want);
 }
