@@ -3,7 +3,9 @@
 //! files outside the checkpoint, declare sizes the files do not have, or whose arithmetic
 //! wraps are refused before anything is allocated, naming the file (with checksums
 //! recomputed, as a crafted file would have them); FIFOs and devices are refused at once;
-//! an edited document fails its checksum; version-1 checkpoints still load.
+//! an edited document fails its checksum; version-1 checkpoints still load. An optimizer
+//! whose parameter groups differ from the saved ones is refused before anything changes, as
+//! are saved group settings the optimizer refuses; matching groups get the saved settings.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -437,5 +439,138 @@ fn version_one_checkpoints_without_checksums_still_load() {
     std::fs::write(&path, serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
     for e in load_errors(&d) {
         assert!(e.contains("no `crc32` field"), "{e}");
+    }
+}
+
+/// AdamW over the tiny model's parameters in two groups: `no_decay` picks the second, with
+/// weight decay 0 (the first gets `base`'s).
+fn grouped(
+    t: &Trainer,
+    base: fsdp::optim::AdamWConfig,
+    no_decay: impl Fn(&str) -> bool,
+) -> Box<dyn fsdp::optim::Optimizer> {
+    let names = fsdp::nn::Module::info(&t.model)
+        .all_params()
+        .into_iter()
+        .map(|p| p.name.clone())
+        .collect::<Vec<_>>();
+    Box::new(
+        fsdp::optim::AdamW::with_groups(fsdp::optim::split_no_decay(names, base, no_decay))
+            .unwrap(),
+    )
+}
+
+#[test]
+fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
+    use fsdp::optim::{AdamWConfig, is_bias_or_norm};
+    let saved_with = AdamWConfig {
+        lr: 3e-3,
+        ..Default::default()
+    };
+    let other = AdamWConfig {
+        lr: 1e-2,
+        betas: (0.8, 0.9),
+        weight_decay: 0.5,
+        ..Default::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let results = on_threads(2, {
+        let dir = dir.clone();
+        move |g| {
+            let run = |t: &mut Trainer, steps| t.train(steps);
+            // The uninterrupted run: 4 steps in two groups (decay on weights, none on biases and
+            // LayerNorm weights), saved after 2.
+            let mut t = Trainer::new(g.clone(), sharded());
+            t.optimizer = grouped(&t, saved_with, is_bias_or_norm);
+            run(&mut t, 0..2);
+            t.engine
+                .save_state(&dir, t.optimizer.as_ref(), &RunState::default())
+                .unwrap();
+            let straight = run(&mut t, 2..4);
+            let saved_settings: Vec<_> = (0..2).map(|i| t.optimizer.group_settings(i)).collect();
+
+            // Groups of other sizes (one parameter, then the rest): refused, nothing changed.
+            let mut fresh = Trainer::new(g.clone(), sharded());
+            let first = fsdp::nn::Module::info(&fresh.model).all_params()[0]
+                .name
+                .clone();
+            fresh.optimizer = grouped(&fresh, other, move |n| n != first);
+            let before: Vec<_> = (0..2).map(|i| fresh.optimizer.group_settings(i)).collect();
+            let refused = fresh
+                .engine
+                .load_state(&dir, fresh.optimizer.as_mut())
+                .unwrap_err()
+                .to_string();
+            let after: Vec<_> = (0..2).map(|i| fresh.optimizer.group_settings(i)).collect();
+            assert_eq!(before, after, "a refused load changes no setting");
+            assert!(fresh.optimizer.state_names().is_empty(), "nor any state");
+
+            // The same groups built with other settings: loaded, and the saved settings restored,
+            // so the run continues exactly as the uninterrupted one.
+            let mut resumed = Trainer::new(g.clone(), sharded());
+            resumed.optimizer = grouped(&resumed, other, is_bias_or_norm);
+            resumed
+                .engine
+                .load_state(&dir, resumed.optimizer.as_mut())
+                .unwrap();
+            let restored: Vec<_> = (0..2)
+                .map(|i| resumed.optimizer.group_settings(i))
+                .collect();
+            let continued = run(&mut resumed, 2..4);
+            (refused, straight, continued, saved_settings, restored)
+        }
+    });
+    for (rank, (refused, straight, continued, saved, restored)) in results.iter().enumerate() {
+        assert!(
+            refused.contains("parameter group 0 holds")
+                && refused.contains("parameter(s) in the checkpoint and")
+                && refused.contains("is in group"),
+            "rank {rank}: {refused}"
+        );
+        assert_eq!(restored, saved, "rank {rank}");
+        assert_eq!(saved[1]["weight_decay"], 0.0);
+        assert_eq!(saved[0]["weight_decay"], 0.01);
+        assert_eq!(saved[0]["betas"], serde_json::json!([0.9, 0.999]));
+        assert_eq!(
+            continued, straight,
+            "rank {rank}: bitwise the uninterrupted run"
+        );
+    }
+
+    // Saved settings a group refuses (a negative rate in group 1): an error naming the group,
+    // and group 0, restored first, gets its own settings back.
+    let meta = dir.join("optimizer_0/metadata.json");
+    let rewrite = |edit: &dyn Fn(&mut checkpoint::format::OptimizerDoc)| {
+        let mut doc: checkpoint::format::FolderDoc =
+            checkpoint::format::read_document(&meta).unwrap();
+        edit(doc.optimizer.as_mut().unwrap());
+        std::fs::write(&meta, checkpoint::format::document_bytes(&doc).unwrap()).unwrap();
+    };
+    let load_into_other = |dir: PathBuf| {
+        on_threads(2, move |g| {
+            let mut t = Trainer::new(g, sharded());
+            t.optimizer = grouped(&t, other, is_bias_or_norm);
+            let loaded = t.engine.load_state(&dir, t.optimizer.as_mut()).map(|_| ());
+            (
+                loaded.map_err(|e| e.to_string()),
+                t.optimizer.group_settings(0)["weight_decay"].clone(),
+            )
+        })
+    };
+    rewrite(&|o| o.groups[1].settings["lr"] = serde_json::json!(-1.0));
+    for (loaded, decay) in load_into_other(dir.clone()) {
+        let e = loaded.unwrap_err();
+        assert!(
+            e.contains("the saved settings of parameter group 1") && e.contains("learning rate -1"),
+            "{e}"
+        );
+        assert_eq!(decay, 0.5, "group 0 keeps its settings");
+    }
+    // A checkpoint from before groups were recorded: checked by count only, settings kept.
+    rewrite(&|o| o.groups.clear());
+    for (loaded, decay) in load_into_other(dir.clone()) {
+        loaded.unwrap();
+        assert_eq!(decay, 0.5);
     }
 }

@@ -154,6 +154,21 @@ pub struct OptimizerDoc {
     pub lrs: Vec<f64>,
     /// Each parameter's update count (`state[p]["step"]`), for parameters with state.
     pub steps: BTreeMap<String, u64>,
+    /// Each parameter group's members and settings (PyTorch's `param_groups`); absent in
+    /// checkpoints written before groups were recorded, which are then checked by count only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<GroupDoc>,
+}
+
+/// One parameter group of a saved optimizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupDoc {
+    /// The model's parameters in the group, in the model's order (empty when the optimizer
+    /// does not say which group a parameter is in).
+    pub params: Vec<String>,
+    /// The group's settings under PyTorch's names (`lr`, `betas`, `weight_decay`,
+    /// `initial_lr`, ...), `null` when the optimizer records none.
+    pub settings: serde_json::Value,
 }
 
 /// The layout local (raw, padded) shards were cut for: loading needs the same.

@@ -130,6 +130,8 @@ fn load_optimizer(
             ),
         });
     }
+    super::groups::check(dir, meta, m, o)?;
+    super::groups::restore(dir, meta, o)?;
     m.begin_optimizer_load(o);
     let shapes: BTreeMap<String, Vec<usize>> = m
         .parameters()

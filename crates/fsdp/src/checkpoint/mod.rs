@@ -18,6 +18,7 @@ mod dcp;
 mod error;
 mod files;
 pub mod format;
+mod groups;
 mod load;
 mod merge;
 mod pretrained;

@@ -354,11 +354,13 @@ fn write_documents(
             t.pieces.sort_by_key(|p| (p.rows[0], p.file.clone()));
         }
         if !is_model {
-            let o = optimizers[f - models.len()];
+            let i = f - models.len();
+            let o = optimizers[i];
             doc.optimizer = Some(OptimizerDoc {
                 name: o.name().into(),
                 lrs: (0..o.num_groups()).map(|g| o.lr(g)).collect(),
                 steps,
+                groups: super::groups::recorded(models[i], o),
             });
         }
         std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;

@@ -2,10 +2,10 @@
 //! code updates a whole parameter or one rank's shard of it.
 
 use super::kernels::{self, AdamScalars};
-use super::{ParamState, UpdateRule, check_lr_betas_eps};
+use super::{ParamState, UpdateRule, check_lr_betas_eps, config_from, settings_of};
 
 /// AdamW hyper-parameters (PyTorch's defaults except the learning rate).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamWConfig {
     /// Learning rate.
     pub lr: f64,
@@ -58,6 +58,14 @@ macro_rules! adam_rule {
                 let decay = $decay(self.weight_decay);
                 adam_update(self.lr, self.betas, self.eps, decay, param, grad, state);
             }
+
+            fn settings(&self) -> serde_json::Value {
+                settings_of(self)
+            }
+
+            fn with_settings(&self, settings: &serde_json::Value) -> Result<Self, String> {
+                config_from(settings)
+            }
         }
     };
 }
@@ -67,7 +75,7 @@ macro_rules! adam_rule {
 adam_rule!(AdamWConfig, "AdamW", Decay::Decoupled);
 
 /// Adam (`torch.optim.Adam`): like AdamW, but weight decay is L2 added to the gradient.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamConfig {
     /// Learning rate.
     pub lr: f64,

@@ -175,6 +175,48 @@ impl<R: UpdateRule> Optimizer for Grouped<R> {
     fn state_names(&self) -> Vec<String> {
         self.state.keys().cloned().collect()
     }
+
+    fn param_group(&self, name: &str) -> Option<usize> {
+        self.group_of(name).ok()
+    }
+
+    fn group_settings(&self, group: usize) -> serde_json::Value {
+        let Some(g) = self.groups.get(group) else {
+            return serde_json::Value::Null;
+        };
+        let mut settings = g.rule.settings();
+        if let serde_json::Value::Object(m) = &mut settings {
+            m.insert("initial_lr".into(), g.initial_lr.into());
+        }
+        settings
+    }
+
+    fn set_group_settings(
+        &mut self,
+        group: usize,
+        settings: &serde_json::Value,
+    ) -> Result<(), OptimError> {
+        self.group(group)?;
+        if settings.is_null() {
+            return Ok(());
+        }
+        let invalid = |reason: String| OptimError::InvalidSetting {
+            optimizer: R::NAME,
+            group,
+            reason,
+        };
+        let g = &mut self.groups[group];
+        let rule = g.rule.with_settings(settings).map_err(invalid)?;
+        rule.validate().map_err(invalid)?;
+        g.rule = rule;
+        if let Some(lr) = settings
+            .get("initial_lr")
+            .and_then(serde_json::Value::as_f64)
+        {
+            g.initial_lr = lr;
+        }
+        Ok(())
+    }
 }
 
 /// transformers' usual rule for which parameters get no weight decay: biases and
@@ -340,6 +382,54 @@ mod tests {
         // A weight merely named `bias` elsewhere in its path is not a bias.
         let odd = ModuleInfo::new("bias", "Linear").param("weight", &[2], Init::Zeros);
         assert!(!no_decay_by_module(&odd, NORM_MODULES)("bias.weight"));
+    }
+
+    #[test]
+    fn group_settings_use_pytorchs_names_and_restore_checked() {
+        let sgd = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: true,
+            ..Default::default()
+        };
+        let mut opt = Sgd::with_groups(vec![
+            (vec!["a".into()], sgd),
+            (vec![], sgd.with_weight_decay(0.5)),
+        ])
+        .unwrap();
+        let s = opt.group_settings(1);
+        assert_eq!(
+            s,
+            serde_json::json!({"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.5, "nesterov": true, "initial_lr": 0.1})
+        );
+        assert_eq!(
+            (opt.param_group("a"), opt.param_group("b")),
+            (Some(0), Some(1))
+        );
+        // Restored: the settings and the initial rate schedules scale.
+        let mut other = s.clone();
+        other["momentum"] = 0.5.into();
+        other["initial_lr"] = 0.2.into();
+        opt.set_group_settings(0, &other).unwrap();
+        assert_eq!(
+            (opt.groups()[0].rule.momentum, opt.initial_lr(0)),
+            (0.5, 0.2)
+        );
+        // Refused as the constructor refuses (Nesterov without momentum), or when a field is
+        // missing; the group keeps its settings.
+        other["momentum"] = 0.0.into();
+        let e = opt.set_group_settings(0, &other).unwrap_err().to_string();
+        assert!(
+            e.contains("SGD parameter group 0: nesterov needs momentum"),
+            "{e}"
+        );
+        let e = opt
+            .set_group_settings(0, &serde_json::json!({"lr": 0.1}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing field"), "{e}");
+        assert_eq!(opt.groups()[0].rule.momentum, 0.5);
+        assert!(opt.set_group_settings(2, &s).is_err());
     }
 
     #[test]

@@ -157,6 +157,34 @@ pub trait Optimizer: Send {
 
     /// Names of the parameters that have state.
     fn state_names(&self) -> Vec<String>;
+
+    /// The group parameter `name` belongs to, if the optimizer says (checkpoints record each
+    /// group's members, and loading refuses groups that differ, as PyTorch's
+    /// `load_state_dict` refuses groups of other sizes). The default says nothing.
+    fn param_group(&self, name: &str) -> Option<usize> {
+        let _ = name;
+        None
+    }
+
+    /// `group`'s settings under PyTorch's `param_groups` names (`lr`, `betas`, `eps`,
+    /// `weight_decay`, `initial_lr`, ...), as checkpoints record them; `Null` (the default)
+    /// when there are none to record.
+    fn group_settings(&self, group: usize) -> serde_json::Value {
+        let _ = group;
+        serde_json::Value::Null
+    }
+
+    /// Restores `group`'s settings from what [`Optimizer::group_settings`] gave (loading a
+    /// checkpoint restores the saved settings, as PyTorch's `load_state_dict` does). The
+    /// default keeps the current ones.
+    fn set_group_settings(
+        &mut self,
+        group: usize,
+        settings: &serde_json::Value,
+    ) -> Result<(), OptimError> {
+        let _ = (group, settings);
+        Ok(())
+    }
 }
 
 /// The update rule of one optimizer with one group's settings: what [`Grouped`] needs to
@@ -179,6 +207,32 @@ pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
 
     /// One update of `param` with `grad` (same length); `state.step` already counts it.
     fn update(&self, param: &mut [f32], grad: &[f32], state: &mut ParamState);
+
+    /// These settings under PyTorch's names, for checkpoints; `Null` (the default) records
+    /// none.
+    fn settings(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+
+    /// The settings [`UpdateRule::settings`] recorded (loading a checkpoint); the default
+    /// keeps these.
+    fn with_settings(&self, settings: &serde_json::Value) -> Result<Self, String> {
+        let _ = settings;
+        Ok(self.clone())
+    }
+}
+
+/// [`UpdateRule::settings`] of a config that serialises under PyTorch's names.
+pub(crate) fn settings_of<T: serde::Serialize>(config: &T) -> serde_json::Value {
+    serde_json::to_value(config).unwrap_or(serde_json::Value::Null)
+}
+
+/// [`UpdateRule::with_settings`] of such a config: every field must be there (other keys,
+/// such as PyTorch's `foreach` or our `initial_lr`, are ignored).
+pub(crate) fn config_from<T: serde::de::DeserializeOwned>(
+    settings: &serde_json::Value,
+) -> Result<T, String> {
+    serde_json::from_value(settings.clone()).map_err(|e| format!("settings {settings}: {e}"))
 }
 
 /// The common checks of learning rate, betas and epsilon.

@@ -1,10 +1,12 @@
 //! SGD with momentum, dampening, Nesterov and L2 weight decay, exactly as `torch.optim.SGD`.
 
 use super::kernels::{self, SgdScalars};
-use super::{ParamState, UpdateRule, adamw::check_weight_decay, check_lr_betas_eps};
+use super::{
+    ParamState, UpdateRule, adamw::check_weight_decay, check_lr_betas_eps, config_from, settings_of,
+};
 
 /// SGD hyper-parameters (PyTorch's names and defaults except the learning rate).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SgdConfig {
     /// Learning rate.
     pub lr: f64,
@@ -58,6 +60,14 @@ impl UpdateRule for SgdConfig {
             return Err("nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)".into());
         }
         Ok(())
+    }
+
+    fn settings(&self) -> serde_json::Value {
+        settings_of(self)
+    }
+
+    fn with_settings(&self, settings: &serde_json::Value) -> Result<Self, String> {
+        config_from(settings)
     }
 
     /// One update; the momentum buffer starts as the first (decayed) gradient.
