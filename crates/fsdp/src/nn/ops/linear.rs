@@ -222,7 +222,7 @@ fn over_last_dim(
     y.reshape(dims)
 }
 
-/// `x W^T + b` over the last dimension of `x` (any leading shape), `W` [out, in], `b` [out].
+/// `x W^T + b` over the last dimension of `x` (any leading shape), `W` `[out, in]`, `b` `[out]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     over_last_dim(x, (w, b), WeightLayout::OutIn, None)
 }
@@ -232,7 +232,7 @@ pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Re
     over_last_dim(x, (w, b), WeightLayout::OutIn, Some(approx))
 }
 
-/// GPT-2's `Conv1D`: `x W + b` over the last dimension of `x`, `W` [in, out], `b` [out],
+/// GPT-2's `Conv1D`: `x W + b` over the last dimension of `x`, `W` `[in, out]`, `b` `[out]`,
 /// optionally followed by GELU, as one op.
 pub fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
     over_last_dim(x, (w, b), WeightLayout::InOut, gelu)
