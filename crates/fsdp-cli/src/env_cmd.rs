@@ -102,6 +102,7 @@ fn backend_line(
         master_port: 29500,
         launcher: fsdp_comm::Launcher::Standalone,
         output_prefixed: false,
+        restart_count: 0,
     };
     let world = world.as_ref().unwrap_or(&single);
     let mpi = if fsdp_comm::backend::MPI_BUILT {

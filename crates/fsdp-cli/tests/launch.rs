@@ -415,6 +415,82 @@ fn max_restarts_recovers_from_a_one_time_failure() {
     assert_eq!(run.code, Some(5));
 }
 
+/// An example of the fsdp crate, built by `cargo test --workspace` beside this test binary.
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let built = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        built.is_file(),
+        "{} is missing: run `cargo test --workspace` (it builds the examples)",
+        built.display()
+    );
+    built
+}
+
+#[test]
+fn a_restarted_job_resumes_from_its_latest_checkpoint_and_ends_as_if_it_never_failed() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = example("custom_model_example");
+    let train = |out: &Path, extra: &[&str]| {
+        let out = out.to_str().unwrap();
+        let args = [
+            &[
+                "--num_processes",
+                "2",
+                "--max_restarts",
+                "1",
+                exe.to_str().unwrap(),
+            ][..],
+            &[
+                "--max_train_steps",
+                "8",
+                "--checkpoint_every",
+                "2",
+                "--output_dir",
+                out,
+            ],
+            &["--resume_from_checkpoint", "latest"],
+            extra,
+        ]
+        .concat();
+        let run = launch(&args, Duration::from_secs(120));
+        assert_eq!(run.code, Some(0), "{}", run.out);
+        run.out
+    };
+    // The first attempt fails at step 5, after saving step 4; the restart finds step_4 as the
+    // latest checkpoint, resumes there and finishes.
+    let failing = dir.path().join("failing");
+    let out = train(&failing, &["--fail_at_step", "5"]);
+    assert!(out.contains("restarting (1 of 1)"), "{out}");
+    assert!(
+        out.contains("resumed from") && out.contains("step_4 at step 4"),
+        "{out}"
+    );
+    // Straight through: nothing to resume on the first attempt.
+    let straight = dir.path().join("straight");
+    let out = train(&straight, &[]);
+    assert!(
+        !out.contains("resumed from") && !out.contains("restarting"),
+        "{out}"
+    );
+    // The same final state, bit for bit (the data position, schedule, optimizer state and
+    // dropout masks all came back).
+    let weights = |run: &Path| {
+        let merged = run.join("merged");
+        let report = fsdp::checkpoint::merge_weights(&run.join("checkpoint"), &merged).unwrap();
+        std::fs::read(report.output).unwrap()
+    };
+    assert!(
+        weights(&failing) == weights(&straight),
+        "the resumed run's weights differ"
+    );
+}
+
 #[test]
 fn logs_filters_and_bad_flags() {
     let dir = tempfile::tempdir().unwrap();

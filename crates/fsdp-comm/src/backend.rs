@@ -261,6 +261,7 @@ mod tests {
             master_port: 29500,
             launcher: Launcher::OpenMpi,
             output_prefixed: false,
+            restart_count: 0,
         }
     }
 

@@ -48,8 +48,9 @@ pub use local::LocalGroup;
 pub use local_job::{LocalJob, WorkerEnv, WorkerOutput};
 pub use mesh::Mesh;
 pub use options::{
-    ABORT_KEY, GroupOptions, OUTPUT_PREFIXED_ENV, PREFIX_ENV, RENDEZVOUS_TIMEOUT_ENV, SECRET_ENV,
-    STORE_HOSTED_ENV, TIMEOUT_ENV, TRANSPORT_ENV, TransportChoice, parse_seconds,
+    ABORT_KEY, GroupOptions, OUTPUT_PREFIXED_ENV, PREFIX_ENV, RENDEZVOUS_TIMEOUT_ENV,
+    RESTART_COUNT_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV, TRANSPORT_ENV, TransportChoice,
+    parse_seconds,
 };
 pub use shm::remove_segments_of as remove_shm_segments_of;
 pub use work::Work;

@@ -8,7 +8,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::options::{OUTPUT_PREFIXED_ENV, PREFIX_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV};
+use crate::options::{
+    OUTPUT_PREFIXED_ENV, PREFIX_ENV, RESTART_COUNT_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV,
+};
 
 /// The environment of one worker: the torchrun contract (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
 /// `LOCAL_WORLD_SIZE`, `NODE_RANK`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`), the job secret,
@@ -41,6 +43,8 @@ pub struct WorkerEnv {
     pub comm_timeout: Option<Duration>,
     /// The launcher starts each line of the worker's output with its rank.
     pub output_prefixed: bool,
+    /// Which attempt of the job this is (0: the first; a restart after a failure counts up).
+    pub restart_count: u32,
 }
 
 impl WorkerEnv {
@@ -61,6 +65,7 @@ impl WorkerEnv {
             store_prefix: None,
             comm_timeout: None,
             output_prefixed: false,
+            restart_count: 0,
         }
     }
 
@@ -93,6 +98,10 @@ impl WorkerEnv {
         }
         if self.output_prefixed {
             out.push((OUTPUT_PREFIXED_ENV, "1".into()));
+        }
+        // torchrun's name too, for programs written against it.
+        for var in [RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT"] {
+            out.push((var, self.restart_count.to_string()));
         }
         out
     }

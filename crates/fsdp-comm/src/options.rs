@@ -24,6 +24,10 @@ pub const PREFIX_ENV: &str = "FSDP_RENDEZVOUS_PREFIX";
 /// Environment variable: set to 1 by `fsdp launch`, which starts every line of a worker's
 /// console output with `[rankN]: `, so the worker's own log lines leave the rank out.
 pub const OUTPUT_PREFIXED_ENV: &str = "FSDP_OUTPUT_PREFIXED";
+/// Environment variable: which attempt of the job this is, 0 for the first (set by `fsdp
+/// launch`; its `--max_restarts` counts them): a restarted program resumes from its newest
+/// checkpoint. torchrun's `TORCHELASTIC_RESTART_COUNT` is read too.
+pub const RESTART_COUNT_ENV: &str = "FSDP_RESTART_COUNT";
 /// The store key (under the attempt's prefix) a launcher sets, with its reason, when its
 /// part of the job fails: ranks still waiting to join fail within a second naming it,
 /// instead of waiting out the rendezvous timeout.

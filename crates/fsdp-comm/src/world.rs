@@ -40,6 +40,9 @@ pub struct WorldInfo {
     /// The launcher starts every line of this process's output with its rank (`fsdp
     /// launch`'s `[rankN]: `), so logs need not repeat it.
     pub output_prefixed: bool,
+    /// Which attempt of the job this is: 0 for the first, counting up with each restart after
+    /// a failure (`FSDP_RESTART_COUNT`, torchrun's `TORCHELASTIC_RESTART_COUNT`).
+    pub restart_count: u32,
 }
 
 /// A launch environment that is incomplete or contradictory.
@@ -98,6 +101,15 @@ impl Vars<'_> {
             .ok_or(WorldError::Missing { launcher, var })
     }
 
+    /// `FSDP_RESTART_COUNT`, else torchrun's `TORCHELASTIC_RESTART_COUNT`, else 0.
+    fn restart_count(&self) -> Result<u32, WorldError> {
+        let n = match self.number(crate::options::RESTART_COUNT_ENV)? {
+            Some(n) => Some(n),
+            None => self.number("TORCHELASTIC_RESTART_COUNT")?,
+        };
+        Ok(n.unwrap_or(0).min(u32::MAX as usize) as u32)
+    }
+
     fn port(&self) -> Result<u16, WorldError> {
         match self.get("MASTER_PORT") {
             None => Ok(DEFAULT_MASTER_PORT),
@@ -131,6 +143,7 @@ impl Vars<'_> {
             master_port: self.port()?,
             launcher: l,
             output_prefixed: false,
+            restart_count: 0,
         })
     }
 
@@ -204,6 +217,7 @@ impl WorldInfo {
                 master_port: v.port()?,
                 launcher: l,
                 output_prefixed: v.get(crate::options::OUTPUT_PREFIXED_ENV) == Some("1"),
+                restart_count: v.restart_count()?,
             }
         } else if v.get("SLURM_PROCID").is_some() {
             let l = Launcher::Slurm;
@@ -230,6 +244,8 @@ impl WorldInfo {
                 master_port: v.port()?,
                 launcher: l,
                 output_prefixed: false,
+                // SLURM's own count of requeues of the job.
+                restart_count: v.number("SLURM_RESTART_COUNT")?.unwrap_or(0) as u32,
             }
         } else if v.get("OMPI_COMM_WORLD_RANK").is_some() {
             v.mpi(
@@ -257,6 +273,7 @@ impl WorldInfo {
                 master_port: v.port()?,
                 launcher: Launcher::Standalone,
                 output_prefixed: false,
+                restart_count: 0,
             }
         };
         info.check()?;
@@ -355,15 +372,18 @@ mod tests {
             (w.master_addr.as_str(), w.master_port, w.launcher),
             ("10.1.2.3", 1234, Launcher::Torchrun)
         );
-        // torchrun itself prefixes nothing; `fsdp launch` says it does.
+        // torchrun itself prefixes nothing; `fsdp launch` says it does. The first attempt.
         assert!(!w.output_prefixed);
+        assert_eq!(w.restart_count, 0);
         let w = WorldInfo::from_vars(&vars(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "1"),
             (crate::options::OUTPUT_PREFIXED_ENV, "1"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
         ]))
         .unwrap();
         assert!(w.output_prefixed);
+        assert_eq!(w.restart_count, 2);
     }
 
     #[test]

@@ -187,9 +187,13 @@ struct Args {
     /// Also save a checkpoint every this many steps (OUTPUT_DIR/step_N).
     #[arg(long)]
     checkpoint_every: Option<u64>,
-    /// A checkpoint this example saved (at any number of processes).
+    /// A checkpoint this example saved (at any number of processes); `latest`: the newest in
+    /// OUTPUT_DIR, if any, so a job restarted by `fsdp launch --max_restarts` resumes there.
     #[arg(long)]
     resume_from_checkpoint: Option<PathBuf>,
+    /// Fail at this step on the job's first attempt (to watch `--max_restarts` resume it).
+    #[arg(long)]
+    fail_at_step: Option<u64>,
 }
 
 fn main() -> Result<()> {
@@ -241,7 +245,13 @@ fn main() -> Result<()> {
         acc.num_processes(),
         evaluate(&acc, &mut model, &mut eval_loader)?
     ));
-    if let Some(dir) = &args.resume_from_checkpoint {
+    let resume = match &args.resume_from_checkpoint {
+        Some(dir) if dir.as_os_str() == "latest" => {
+            acc.latest_checkpoint(Some(&args.output_dir))?
+        }
+        other => other.clone(),
+    };
+    if let Some(dir) = &resume {
         let position = acc.load_state(dir, &mut [&mut model], &mut [&mut optimizer])?;
         train_loader.set_position(position);
         acc.print(format!(
@@ -252,6 +262,12 @@ fn main() -> Result<()> {
     }
 
     while acc.step() < args.max_train_steps {
+        if args.fail_at_step == Some(acc.step()) && acc.restart_count() == 0 {
+            anyhow::bail!(
+                "failing at step {} as --fail_at_step asks (first attempt only)",
+                acc.step()
+            );
+        }
         let Some(batch) = train_loader.next_batch() else {
             train_loader.set_epoch(train_loader.position().epoch + 1);
             continue;

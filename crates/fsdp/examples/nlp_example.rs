@@ -112,7 +112,9 @@ struct Args {
     /// OUTPUT_DIR/step_N or OUTPUT_DIR/epoch_E).
     #[arg(long, value_parser = parse_checkpointing)]
     checkpointing_steps: Option<Checkpointing>,
-    /// Continue from a folder written by --checkpointing_steps (at any number of processes).
+    /// Continue from a folder written by --checkpointing_steps (at any number of processes);
+    /// `latest`: from the newest one in OUTPUT_DIR, if any (a job restarted by `fsdp launch
+    /// --max_restarts` resumes where it failed).
     #[arg(long)]
     resume_from_checkpoint: Option<PathBuf>,
     /// Where checkpoints, metrics and the fine-tuned model go.
@@ -319,7 +321,13 @@ fn main() -> Result<()> {
         total_steps
     ));
 
-    if let Some(dir) = &args.resume_from_checkpoint {
+    let resume = match &args.resume_from_checkpoint {
+        Some(dir) if dir.as_os_str() == "latest" => {
+            acc.latest_checkpoint(Some(&args.output_dir))?
+        }
+        other => other.clone(),
+    };
+    if let Some(dir) = &resume {
         let position = acc.load_state(dir, &mut [&mut model], &mut [&mut optimizer])?;
         train_loader.set_position(position);
         // The steps left, counted in this job's global batch (a checkpoint saved with

@@ -72,6 +72,7 @@ pub(super) fn spawn(a: &Attempt<'_>, local_rank: usize, exits: &mut ExitWatcher)
         comm_timeout: args.comm_timeout,
         // The relay starts every console line with `[rankN]: `.
         output_prefixed: true,
+        restart_count: a.number,
     };
     cmd.args(&program[1..])
         .envs(a.env.iter().map(|(k, v)| (k, v)));

@@ -263,7 +263,7 @@ impl AcceleratorBuilder {
         // launchers, where every process took itself for its machine's first).
         let world = fsdp_comm::WorldInfo::from_env()
             .map_err(|e| AcceleratorError::Usage(format!("the launch environment: {e}")))?;
-        let local_rank = world.local_rank;
+        let (local_rank, restart_count) = (world.local_rank, world.restart_count);
         let accumulation = self.accumulation.unwrap_or(1).max(1);
         let rank = group.rank();
         init_logging((!world.output_prefixed).then_some(rank));
@@ -288,6 +288,7 @@ impl AcceleratorBuilder {
         }
         Ok(Accelerator {
             group,
+            restart_count,
             plugin: resolved.fsdp,
             local_rank,
             accumulation,
@@ -308,6 +309,8 @@ impl AcceleratorBuilder {
 /// The process's view of a training job (see the module docs).
 pub struct Accelerator {
     group: Arc<dyn Communicator>,
+    /// Which attempt of the job this is (0: the first).
+    restart_count: u32,
     plugin: FsdpPlugin,
     local_rank: usize,
     accumulation: usize,
@@ -338,6 +341,14 @@ impl Accelerator {
     /// The FSDP settings in force.
     pub fn plugin(&self) -> &FsdpPlugin {
         &self.plugin
+    }
+
+    /// Which attempt of the job this process belongs to: 0 for the first, counting up with
+    /// each restart after a failure (`fsdp launch --max_restarts`; torchrun's and SLURM's
+    /// counts too). A program resumes from [`Accelerator::latest_checkpoint`] either way;
+    /// this says whether it is resuming after a crash.
+    pub fn restart_count(&self) -> u32 {
+        self.restart_count
     }
 
     /// This process's rank.

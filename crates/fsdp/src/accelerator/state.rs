@@ -1,12 +1,14 @@
 //! The accelerator's checkpoints: `save_state` / `load_state` of every prepared model,
 //! optimizer and scheduler with the step, the seed and the data position (the checkpoint
-//! module's format), `save_model` for sharing, and `skip_first_batches` to resume mid-epoch.
+//! module's format), `save_model` for sharing, `skip_first_batches` to resume mid-epoch, and
+//! `latest_checkpoint`, what a restarted job resumes from.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::Tensor;
+use fsdp_comm::CommunicatorExt;
 
 use super::{Accelerator, AcceleratorError, ModelHandle, PreparedModel, PreparedOptimizer};
 use crate::checkpoint::{self, CheckpointOptions, RunState};
@@ -129,6 +131,40 @@ impl Accelerator {
             );
         }
         Ok(written)
+    }
+
+    /// The newest complete checkpoint in `folder` (the project folder when `None`, with its
+    /// `checkpoints/` of automatic naming): the one with the highest saved step, whatever
+    /// its name, or `None` when there is none (a job's first attempt). What a job restarted by
+    /// `fsdp launch --max_restarts` resumes from with [`Accelerator::load_state`] (see
+    /// [`Accelerator::restart_count`]). Collective: rank 0 looks, and every rank gets its
+    /// answer, so all load the same checkpoint.
+    pub fn latest_checkpoint(
+        &self,
+        folder: Option<&Path>,
+    ) -> Result<Option<PathBuf>, AcceleratorError> {
+        let folder = folder.unwrap_or(&self.project.project_dir);
+        let found = (self.process_index() == 0).then(|| checkpoint::latest_checkpoint(folder));
+        let answer = match &found {
+            Some(Ok(latest)) => serde_json::json!({ "ok": latest.as_ref().map(|(p, _)| p) }),
+            Some(Err(e)) => serde_json::json!({ "error": e.to_string() }),
+            None => serde_json::Value::Null,
+        };
+        let mine = serde_json::to_vec(&answer).unwrap_or_default();
+        let len = self
+            .group
+            .broadcast_vec(vec![mine.len() as i64], 0)
+            .wait()?;
+        let mut bytes = mine;
+        bytes.resize(len.first().copied().unwrap_or(0).max(0) as usize, 0);
+        let bytes = self.group.broadcast_vec(bytes, 0).wait()?;
+        let answer: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        if let Some(e) = answer.get("error").and_then(|e| e.as_str()) {
+            return Err(AcceleratorError::Usage(format!(
+                "finding the latest checkpoint (rank 0): {e}"
+            )));
+        }
+        Ok(answer["ok"].as_str().map(PathBuf::from))
     }
 
     /// Loads what [`Accelerator::save_state`] wrote into the same kinds of objects, at any

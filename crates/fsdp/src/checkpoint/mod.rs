@@ -19,6 +19,7 @@ mod error;
 mod files;
 pub mod format;
 mod groups;
+mod latest;
 mod load;
 mod merge;
 mod pretrained;
@@ -32,6 +33,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use error::CheckpointError;
+pub use latest::latest_checkpoint;
 pub use merge::{MergeReport, merge_weights};
 pub use pretrained::save_pretrained;
 

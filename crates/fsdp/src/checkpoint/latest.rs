@@ -1,0 +1,106 @@
+//! Finding the checkpoint a restarted job resumes from: the complete checkpoint of ours with
+//! the highest saved step among a folder's subfolders (and its `checkpoints/`, where automatic
+//! naming puts them), whatever they are called (`checkpoint_<n>`, `step_<n>`, `epoch_<n>`).
+//! Saves are atomic, so a save killed midway left only a staging folder, which is not a
+//! candidate; a checkpoint whose document cannot be read is skipped with a warning naming it.
+
+use std::path::{Path, PathBuf};
+
+use super::error::CheckpointError;
+use super::format::{self, CheckpointDoc};
+
+/// The newest complete checkpoint under `folder` and its step, or `None` when there is none
+/// (a job's first attempt). A folder that does not exist holds none; one that cannot be
+/// listed is an error.
+pub fn latest_checkpoint(folder: &Path) -> Result<Option<(PathBuf, u64)>, CheckpointError> {
+    let mut best: Option<(PathBuf, u64)> = None;
+    for parent in [folder.to_path_buf(), folder.join("checkpoints")] {
+        let entries = match std::fs::read_dir(&parent) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(CheckpointError::io("listing", &parent, e)),
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let doc = path.join(format::CHECKPOINT_FILE);
+            // Staging folders (`.name.partial-...`) and anything without our document are not
+            // checkpoints.
+            if entry.file_name().to_string_lossy().starts_with('.') || !doc.is_file() {
+                continue;
+            }
+            match format::read_document::<CheckpointDoc>(&doc) {
+                Ok(d) => {
+                    let newer = best
+                        .as_ref()
+                        .is_none_or(|(p, step)| (d.step, modified(&path)) > (*step, modified(p)));
+                    if newer {
+                        best = Some((path, d.step));
+                    }
+                }
+                Err(e) => tracing::warn!("not resuming from {}: {e}", path.display()),
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// When the checkpoint's document was written (ties of step go to the newer save).
+fn modified(checkpoint: &Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(checkpoint.join(format::CHECKPOINT_FILE))
+        .and_then(|m| m.modified())
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder with a checkpoint document of step `step` (what `latest_checkpoint` reads).
+    fn checkpoint(at: &Path, step: u64) {
+        std::fs::create_dir_all(at).unwrap();
+        let doc = CheckpointDoc {
+            format: format::FORMAT.into(),
+            version: format::VERSION,
+            state_dict_type: "SHARDED_STATE_DICT".into(),
+            world_size: 2,
+            models: 1,
+            optimizers: 1,
+            schedulers: 0,
+            step,
+            data: serde_json::Value::Null,
+            grad_scalers: Vec::new(),
+            documents: Default::default(),
+        };
+        let bytes = format::document_bytes(&doc).unwrap();
+        std::fs::write(at.join(format::CHECKPOINT_FILE), bytes).unwrap();
+    }
+
+    #[test]
+    fn the_highest_saved_step_wins_whatever_the_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        assert_eq!(latest_checkpoint(&root.join("missing")).unwrap(), None);
+        assert_eq!(latest_checkpoint(root).unwrap(), None);
+        checkpoint(&root.join("step_10"), 10);
+        checkpoint(&root.join("step_9"), 9); // a name that sorts after step_10
+        checkpoint(&root.join("checkpoints/checkpoint_0"), 4); // automatic naming
+        // Not candidates: a save's staging folder, a folder of the user's, a damaged document.
+        checkpoint(&root.join(".step_20.partial-00ff"), 20);
+        std::fs::create_dir_all(root.join("notes")).unwrap();
+        checkpoint(&root.join("step_30"), 30);
+        let doc = root.join("step_30").join(format::CHECKPOINT_FILE);
+        let edited = std::fs::read_to_string(&doc)
+            .unwrap()
+            .replace("\"step\": 30", "\"step\": 31");
+        std::fs::write(&doc, edited).unwrap();
+        assert_eq!(
+            latest_checkpoint(root).unwrap(),
+            Some((root.join("step_10"), 10))
+        );
+        checkpoint(&root.join("checkpoints/checkpoint_1"), 12);
+        assert_eq!(
+            latest_checkpoint(root).unwrap(),
+            Some((root.join("checkpoints/checkpoint_1"), 12))
+        );
+    }
+}
