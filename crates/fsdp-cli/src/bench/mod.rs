@@ -1,5 +1,6 @@
 //! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
-//! checkpoints, loading pretrained weights, the optimizer step and training offloaded to disk, each printing a table and machine-readable JSON.
+//! checkpoints, loading pretrained weights, the optimizer step, training offloaded to disk and
+//! the rotary embedding op, each printing a table and machine-readable JSON.
 
 mod checkpoint;
 mod collectives;
@@ -8,6 +9,7 @@ mod loading;
 mod memory;
 mod offload;
 mod optimizer;
+mod rope;
 mod workers;
 
 use anyhow::Result;
@@ -44,6 +46,9 @@ enum BenchWhat {
     /// state offloaded to disk and/or in memory: seconds and bytes per step, disk bandwidth
     /// against the disk's own, peak RSS per rank, losses compared.
     Offload(offload::OffloadArgs),
+    /// The fused rotary position embedding against transformers' formula composed from
+    /// candle ops, forward and forward+backward, one thread.
+    Rope(rope::RopeArgs),
 }
 
 /// Runs `fsdp bench ...`.
@@ -56,5 +61,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Loading(a) => loading::run(a),
         BenchWhat::Optimizer(a) => optimizer::run(a),
         BenchWhat::Offload(a) => offload::run(a),
+        BenchWhat::Rope(a) => rope::run(a),
     }
+}
+
+/// candle sizes its thread pools from `RAYON_NUM_THREADS` at first use, so a benchmark on a
+/// given number of threads re-runs itself with it set: true when that run was made (and
+/// succeeded), false when this is that run.
+fn rerun_with_threads(threads: usize, what: &str) -> Result<bool> {
+    if std::env::var("RAYON_NUM_THREADS").ok() == Some(threads.to_string()) {
+        return Ok(false);
+    }
+    let status = std::process::Command::new(std::env::current_exe()?)
+        .args(std::env::args_os().skip(1))
+        .env("RAYON_NUM_THREADS", threads.to_string())
+        .env("CANDLE_NUM_THREADS", threads.to_string())
+        .status()
+        .map_err(|e| {
+            anyhow::anyhow!("re-running the {what} benchmark with the thread count set: {e}")
+        })?;
+    anyhow::ensure!(status.success(), "{what} benchmark failed");
+    Ok(true)
 }

@@ -12,6 +12,7 @@ mod half_float;
 mod linear;
 mod matmul;
 mod norm;
+mod rope;
 mod simd;
 mod softmax;
 
@@ -22,6 +23,7 @@ pub use embedding::embedding;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
 pub use linear::{conv1d, linear, linear_gelu};
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
+pub use rope::{RopeScaling, RopeTable, rope};
 pub use softmax::softmax_last_dim;
 
 /// Which kernel runs bf16 matrix products on this CPU (what `fsdp env` reports): mixed

@@ -1,0 +1,501 @@
+//! Rotary position embedding in Hugging Face's rotate-half layout (Llama, Qwen2, Mistral,
+//! SmolLM2): `x * cos + rotate_half(x) * sin`, where `rotate_half(x) = cat(-x2, x1)` over the
+//! two halves of the head dimension, as one op with a hand-written backward. The angles
+//! follow transformers: `inv_freq = 1 / theta^(2i / d)`, rescaled by `rope_scaling` (`linear`:
+//! divided by the factor; `llama3`: Llama 3.1's by-wavelength blend), times the position, in
+//! f32, then cos and sin (times the attention factor, 1 for these types).
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+use super::{Float, contiguous, float_dispatch, tensor, with_slice};
+
+/// `rope_scaling` of a transformers `config.json`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// `{"rope_type": "linear", "factor": f}`: positions divided by `factor`.
+    Linear {
+        /// The factor.
+        factor: f64,
+    },
+    /// `{"rope_type": "llama3", ...}`: long wavelengths divided by `factor`, short ones
+    /// kept, those between blended (Llama 3.1 and later).
+    Llama3 {
+        /// `factor`.
+        factor: f64,
+        /// `low_freq_factor`.
+        low_freq_factor: f64,
+        /// `high_freq_factor`.
+        high_freq_factor: f64,
+        /// `original_max_position_embeddings`.
+        original_max_position_embeddings: f64,
+    },
+}
+
+impl RopeScaling {
+    /// The scaling a `rope_scaling` object describes (`rope_type`, or the older `type`);
+    /// `None` for `default`, an error naming an unknown type or a missing field.
+    pub fn from_config(v: &serde_json::Value) -> std::result::Result<Option<RopeScaling>, String> {
+        let kind = v
+            .get("rope_type")
+            .or_else(|| v.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        let field = |name: &str| {
+            v.get(name)
+                .and_then(|f| f.as_f64())
+                .ok_or_else(|| format!("rope_scaling of type {kind} has no number `{name}`"))
+        };
+        match kind {
+            "default" => Ok(None),
+            "linear" => Ok(Some(RopeScaling::Linear {
+                factor: field("factor")?,
+            })),
+            "llama3" => Ok(Some(RopeScaling::Llama3 {
+                factor: field("factor")?,
+                low_freq_factor: field("low_freq_factor")?,
+                high_freq_factor: field("high_freq_factor")?,
+                original_max_position_embeddings: field("original_max_position_embeddings")?,
+            })),
+            other => Err(format!(
+                "rope_scaling type `{other}` is not supported (default, linear, llama3)"
+            )),
+        }
+    }
+}
+
+/// The rotation frequencies of one attention head size: what [`rope`] turns positions into
+/// angles with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeTable {
+    /// One frequency per pair of dimensions (`head_dim / 2`), as transformers' `inv_freq`
+    /// (f32).
+    pub inv_freq: Arc<[f32]>,
+}
+
+impl RopeTable {
+    /// The frequencies for heads of `head_dim` (even) with base `theta` (`rope_theta`).
+    pub fn new(head_dim: usize, theta: f64, scaling: Option<RopeScaling>) -> Result<RopeTable> {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(candle_core::Error::Msg(format!(
+                "rope: head_dim {head_dim} must be even and positive"
+            )));
+        }
+        // transformers: 1 / base ** (arange(0, dim, 2).float() / dim), in f32.
+        let base: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        let inv_freq = match scaling {
+            None => base,
+            Some(RopeScaling::Linear { factor }) => {
+                base.iter().map(|f| f / factor as f32).collect()
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            }) => {
+                let (factor, low, high, old) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                    old as f32,
+                );
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                        if wavelen < high_wavelen || wavelen > low_wavelen {
+                            scaled
+                        } else {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            (1.0 - smooth) * scaled / factor + smooth * scaled
+                        }
+                    })
+                    .collect()
+            }
+        };
+        Ok(RopeTable {
+            inv_freq: inv_freq.into(),
+        })
+    }
+
+    /// cos and sin of every (position, frequency) angle, `[positions.len(), head_dim / 2]`
+    /// each, in f32 as transformers computes them.
+    fn angles(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        let n = positions.len() * self.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for &p in positions {
+            for &f in self.inv_freq.iter() {
+                let angle = f * p as f32;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        (cos, sin)
+    }
+}
+
+/// The op: the angles of its positions, kept for backward.
+struct Rope {
+    cos: Arc<Vec<f32>>,
+    sin: Arc<Vec<f32>>,
+    /// Positions per batch element: the table's rows are `[batch?, seq]`.
+    seq: usize,
+    /// Rows of the table: `seq` (shared by the batch) or `batch * seq`.
+    table_rows: usize,
+}
+
+impl Rope {
+    /// `out = rotate(x)` (forward, `sign` 1) or its transpose (backward, `sign` -1) over rows
+    /// `[batch, heads, seq, head_dim]`, in `x`'s own precision: in f32 the same products and
+    /// sum, rounded the same way, as transformers' `q * cos + rotate_half(q) * sin`.
+    fn apply<T: Real>(&self, x: &[T], dims: &[usize], sign: f32) -> Vec<T> {
+        let (batch, heads, d) = (dims[0], dims[1], dims[3]);
+        let half = d / 2;
+        let mut out = vec![T::default(); x.len()];
+        let per_batch = self.table_rows != self.seq;
+        for b in 0..batch {
+            for h in 0..heads {
+                for s in 0..self.seq {
+                    let row = ((b * heads + h) * self.seq + s) * d;
+                    let t = if per_batch { b * self.seq + s } else { s } * half;
+                    let (xr, or) = (&x[row..row + d], &mut out[row..row + d]);
+                    for i in 0..half {
+                        let (c, sn) = (T::from(self.cos[t + i]), T::from(sign * self.sin[t + i]));
+                        let (a, z) = (xr[i], xr[i + half]);
+                        or[i] = a * c - z * sn;
+                        or[i + half] = z * c + a * sn;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn check(&self, dims: &[usize]) -> Result<()> {
+        let ok = dims.len() == 4
+            && dims[2] == self.seq
+            && dims[3].is_multiple_of(2)
+            && self.cos.len() == self.table_rows * dims[3] / 2
+            && (self.table_rows == self.seq || self.table_rows == dims[0] * self.seq);
+        if ok {
+            Ok(())
+        } else {
+            Err(candle_core::Error::Msg(format!(
+                "rope: x must be [batch, heads, seq, head_dim] with head_dim twice the table's frequencies and seq or batch * seq positions; got {dims:?} for {} positions",
+                self.table_rows
+            )))
+        }
+    }
+}
+
+/// The precisions the rotation computes in (half-precision inputs are widened to f32).
+trait Real:
+    Copy
+    + Default
+    + From<f32>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+{
+}
+
+impl Real for f32 {}
+impl Real for f64 {}
+
+/// An element type the op takes: f32 and f64 rotate in their own precision, bf16 and f16
+/// widened to f32 and rounded once.
+trait RopeElement: Float {
+    fn rotate(op: &Rope, x: &[Self], dims: &[usize], sign: f32) -> Vec<Self>;
+}
+
+impl RopeElement for f32 {
+    fn rotate(op: &Rope, x: &[f32], dims: &[usize], sign: f32) -> Vec<f32> {
+        op.apply(x, dims, sign)
+    }
+}
+
+impl RopeElement for f64 {
+    fn rotate(op: &Rope, x: &[f64], dims: &[usize], sign: f32) -> Vec<f64> {
+        op.apply(x, dims, sign)
+    }
+}
+
+impl RopeElement for half::bf16 {
+    /// Through f32 with the vectorised conversions the bf16 kernels use.
+    fn rotate(op: &Rope, x: &[half::bf16], dims: &[usize], sign: f32) -> Vec<half::bf16> {
+        let mut wide = Vec::with_capacity(x.len());
+        super::simd::bf16_to_f32(x, &mut wide.spare_capacity_mut()[..x.len()]);
+        // SAFETY: bf16_to_f32 wrote all `x.len()` elements.
+        unsafe { wide.set_len(x.len()) };
+        let rotated = op.apply(&wide, dims, sign);
+        let mut out = vec![half::bf16::ZERO; x.len()];
+        super::simd::f32_to_bf16(&rotated, &mut out);
+        out
+    }
+}
+
+/// f16 through f32 (`half`'s slice conversions, F16C where the CPU has it).
+macro_rules! through_f32 {
+    ($($t:ty),*) => {$(
+        impl RopeElement for $t {
+            fn rotate(op: &Rope, x: &[$t], dims: &[usize], sign: f32) -> Vec<$t> {
+                use half::slice::HalfFloatSliceExt;
+                let mut wide = vec![0f32; x.len()];
+                x.convert_to_f32_slice(&mut wide);
+                let rotated = op.apply(&wide, dims, sign);
+                let mut out = vec![<$t>::ZERO; x.len()];
+                out.convert_from_f32_slice(&rotated);
+                out
+            }
+        }
+    )*};
+}
+through_f32!(half::f16);
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.check(l.shape().dims())?;
+        float_dispatch!(s.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s, l, self.name())?;
+            Ok((T::storage(T::rotate(self, x, l.shape().dims(), 1.0)), l.shape().clone()))
+        })
+    }
+
+    /// The rotation is orthogonal: the gradient turns back by the same angles.
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        float_dispatch!(arg.dtype(), self.name(), T => {
+            with_slice::<T, _>(grad, self.name(), |g| {
+                tensor(T::rotate(self, g, arg.dims(), -1.0), arg.shape(), arg).map(Some)
+            })
+        })
+    }
+}
+
+/// Rotary position embedding of `x` `[batch, heads, seq, head_dim]` at `positions`: one per
+/// sequence position (shared by the batch) or `batch * seq` (each sequence its own, as
+/// transformers' `position_ids`), with `table`'s frequencies. f32 computes as transformers
+/// does; bf16 and f16 compute in f32 and round once (their gradients likewise).
+pub fn rope(x: &Tensor, table: &RopeTable, positions: &[u32]) -> Result<Tensor> {
+    let (cos, sin) = table.angles(positions);
+    let seq = x.dims().get(2).copied().unwrap_or(0);
+    let op = Rope {
+        cos: Arc::new(cos),
+        sin: Arc::new(sin),
+        seq,
+        table_rows: positions.len(),
+    };
+    x.contiguous()?.apply_op1(op)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Var};
+
+    use super::*;
+
+    fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    /// transformers' formula from candle ops: `x * cos + cat(-x2, x1) * sin`.
+    fn composed(x: &Tensor, table: &RopeTable, positions: &[u32]) -> Result<Tensor> {
+        let (b, _, s, d) = x.dims4()?;
+        let (cos, sin) = table.angles(positions);
+        let rows = positions.len() / s;
+        let full = |v: Vec<f32>| -> Result<Tensor> {
+            let t = Tensor::from_vec(v, (rows, 1, s, d / 2), x.device())?;
+            Tensor::cat(&[&t, &t], 3)?.to_dtype(x.dtype())
+        };
+        let (cos, sin) = (full(cos)?, full(sin)?);
+        let (x1, x2) = (x.narrow(3, 0, d / 2)?, x.narrow(3, d / 2, d / 2)?);
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
+        let _ = b;
+        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+    }
+
+    /// Value and gradient of `sum(f(x) * w)` at `x`.
+    fn value_and_grad(f: &dyn Fn(&Tensor) -> Result<Tensor>, x: &Tensor) -> (Vec<f64>, Vec<f64>) {
+        let v = Var::from_tensor(x).unwrap();
+        let out = f(v.as_tensor()).unwrap();
+        let w = rand(out.dims(), 5, out.dtype());
+        let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let flat = |t: &Tensor| -> Vec<f64> {
+            t.to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        (flat(&out), flat(grads.get(&v).unwrap()))
+    }
+
+    fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn values_and_gradients_equal_the_composed_formula_in_every_dtype() {
+        let scaling = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32.0,
+        };
+        let table = RopeTable::new(16, 500000.0, Some(scaling)).unwrap();
+        let shared: Vec<u32> = (0..6).collect();
+        let per_sequence: Vec<u32> = (0..6).chain(40..46).collect();
+        for (dtype, tol) in [
+            (DType::F64, 1e-6),
+            (DType::F32, 1e-5),
+            (DType::BF16, 4e-2),
+            (DType::F16, 4e-3),
+        ] {
+            for positions in [&shared, &per_sequence] {
+                let x = rand(&[2, 3, 6, 16], 1, dtype);
+                let (v, g) = value_and_grad(&|x| rope(x, &table, positions), &x);
+                let (cv, cg) = value_and_grad(&|x| composed(x, &table, positions), &x);
+                assert!(
+                    max_diff(&v, &cv) < tol,
+                    "{dtype:?} values: {}",
+                    max_diff(&v, &cv)
+                );
+                assert!(
+                    max_diff(&g, &cg) < 4.0 * tol,
+                    "{dtype:?} gradients: {}",
+                    max_diff(&g, &cg)
+                );
+                assert_eq!(rope(&x, &table, positions).unwrap().dtype(), dtype);
+            }
+        }
+    }
+
+    #[test]
+    fn the_gradient_matches_finite_differences() {
+        let table = RopeTable::new(8, 10000.0, None).unwrap();
+        let positions: Vec<u32> = vec![0, 5, 9];
+        let x = rand(&[1, 2, 3, 8], 3, DType::F64);
+        let w = rand(&[1, 2, 3, 8], 5, DType::F64);
+        let loss = |x: &Tensor| -> f64 {
+            (rope(x, &table, &positions).unwrap() * &w)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap()
+        };
+        let (_, g) = value_and_grad(&|x| rope(x, &table, &positions), &x);
+        let base: Vec<f64> = x.flatten_all().unwrap().to_vec1().unwrap();
+        for i in 0..base.len() {
+            let at = |h: f64| {
+                let mut v = base.clone();
+                v[i] += h;
+                loss(&Tensor::from_vec(v, x.dims(), &Device::Cpu).unwrap())
+            };
+            let numeric = (at(1e-6) - at(-1e-6)) / 2e-6;
+            assert!(
+                (numeric - g[i]).abs() < 1e-7,
+                "element {i}: {numeric} vs {}",
+                g[i]
+            );
+        }
+    }
+
+    #[test]
+    fn matches_transformers_for_each_rope_scaling() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/rope");
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("rope.json")).unwrap()).unwrap();
+        let tensors =
+            candle_core::safetensors::load(dir.join("rope.safetensors"), &Device::Cpu).unwrap();
+        let positions: Vec<u32> = doc["positions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| {
+                row.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| p.as_u64().unwrap() as u32)
+            })
+            .collect();
+        for (name, case) in doc["cases"].as_object().unwrap() {
+            let scaling = RopeScaling::from_config(&case["rope_scaling"]).unwrap();
+            let head_dim = case["head_dim"].as_u64().unwrap() as usize;
+            let table = RopeTable::new(head_dim, case["theta"].as_f64().unwrap(), scaling).unwrap();
+            let want: Vec<f32> = tensors[&format!("{name}.inv_freq")].to_vec1().unwrap();
+            for (a, b) in table.inv_freq.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs(),
+                    "{name} inv_freq: {a} vs {b}"
+                );
+            }
+            let out = rope(&tensors[&format!("{name}.q")], &table, &positions).unwrap();
+            let got: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+            let want: Vec<f32> = tensors[&format!("{name}.out")]
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            // Position 7000's angles are large: f32 cos/sin of them differ by a few ulps.
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(worst < 1e-5, "{name}: {worst}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_and_settings_are_errors() {
+        let table = RopeTable::new(8, 10000.0, None).unwrap();
+        let x = rand(&[2, 2, 3, 8], 1, DType::F32);
+        for (x, positions) in [
+            (x.clone(), vec![0, 1]),
+            (x.reshape((2, 6, 8)).unwrap(), vec![0, 1, 2]),
+        ] {
+            let e = rope(&x, &table, &positions).unwrap_err().to_string();
+            assert!(
+                e.contains("rope: x must be [batch, heads, seq, head_dim]"),
+                "{e}"
+            );
+        }
+        assert!(RopeTable::new(7, 10000.0, None).is_err());
+        let e = RopeScaling::from_config(&serde_json::json!({"rope_type": "yarn", "factor": 4.0}))
+            .unwrap_err();
+        assert!(e.contains("`yarn` is not supported"), "{e}");
+        let e = RopeScaling::from_config(&serde_json::json!({"type": "linear"})).unwrap_err();
+        assert!(e.contains("no number `factor`"), "{e}");
+        assert_eq!(
+            RopeScaling::from_config(&serde_json::json!({"rope_type": "default"})),
+            Ok(None)
+        );
+    }
+}
