@@ -1,10 +1,9 @@
 //! `fsdp bench layer`: one BERT encoder layer, forward and forward+backward, on a fixed
 //! number of threads, with a per-component breakdown; prints a table and JSON.
 
-use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use fsdp::models::{BertConfig, BertModel};
 use fsdp::nn::candle::{
@@ -141,17 +140,7 @@ fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
 
 /// Runs `fsdp bench layer`.
 pub fn run(a: LayerArgs) -> Result<()> {
-    // candle sizes its thread pools from RAYON_NUM_THREADS at first use: re-run with it set.
-    if std::env::var("RAYON_NUM_THREADS").ok() != Some(a.threads.to_string()) {
-        let status = Command::new(std::env::current_exe()?)
-            .args(std::env::args_os().skip(1))
-            .env("RAYON_NUM_THREADS", a.threads.to_string())
-            .env("CANDLE_NUM_THREADS", a.threads.to_string())
-            .status()
-            .context("re-running with the thread count set")?;
-        if !status.success() {
-            bail!("layer benchmark failed");
-        }
+    if super::rerun_with_threads(a.threads, "layer")? {
         return Ok(());
     }
     // As in training under the engine (Fsdp::new does the same).
