@@ -133,6 +133,12 @@ fn print_text(
         s.cpu_model, s.available_cores
     );
     println!("- bf16 matmul: {}", fsdp::nn::ops::bf16_matmul_kernel());
+    let peak = fsdp::perf::core_peak();
+    println!(
+        "- Core peak (the engine's GEMM on one thread, measured once, what MFU is against): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s",
+        peak.f32 / 1e9,
+        peak.bf16 / 1e9
+    );
     let mem = |m: Option<u64>| m.map_or("unknown".into(), gib);
     println!(
         "- Memory: {} total, {} available",
@@ -214,6 +220,10 @@ fn print_json(
         "cpu_model": s.cpu_model,
         "available_cores": s.available_cores,
         "bf16_matmul_kernel": fsdp::nn::ops::bf16_matmul_kernel(),
+        "core_peak_flops": {
+            "f32": fsdp::perf::core_peak().f32,
+            "bf16": fsdp::perf::core_peak().bf16,
+        },
         "mem_total_bytes": s.mem_total,
         "mem_available_bytes": s.mem_available,
         "cuda": {

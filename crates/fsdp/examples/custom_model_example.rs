@@ -261,6 +261,7 @@ fn main() -> Result<()> {
         ));
     }
 
+    let (trained_from, started) = (acc.step(), std::time::Instant::now());
     while acc.step() < args.max_train_steps {
         if args.fail_at_step == Some(acc.step()) && acc.restart_count() == 0 {
             anyhow::bail!(
@@ -297,6 +298,21 @@ fn main() -> Result<()> {
             acc.print(format!("step {}: training loss {mean:.4}", acc.step()));
         }
     }
+    // Model FLOPs: 6 per weight of a matrix product per example (one output per example).
+    let weights: usize = info
+        .all_params()
+        .iter()
+        .filter(|p| p.shape.len() == 2 && p.name != "embed.weight")
+        .map(|p| p.shape.iter().product::<usize>())
+        .sum();
+    let examples = (acc.step() - trained_from) as usize * train_loader.global_batch_size();
+    acc.print(fsdp::perf::mfu_line(
+        6.0 * weights as f64 * examples as f64,
+        None,
+        started.elapsed().as_secs_f64(),
+        fsdp::perf::job_cores(acc.num_processes()),
+        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
+    ));
     model.module_mut().dropout_seed = None;
     acc.print(format!(
         "held-out loss {:.4} after {} steps",

@@ -340,5 +340,20 @@ fn main() -> Result<()> {
         started.elapsed().as_secs_f64(),
         out.display()
     ));
+    // Every sequence is a full block (no padding); the tied head is a per-token product.
+    let shape = fsdp::perf::TransformerShape {
+        layers: config.n_layer,
+        hidden: config.n_embd,
+        intermediate: config.n_inner.unwrap_or(4 * config.n_embd),
+        head_per_token: config.vocab_size,
+    };
+    let sequences = acc.step() as usize * train_loader.global_batch_size();
+    acc.print(fsdp::perf::mfu_line(
+        shape.training_flops(std::iter::repeat_n(block, sequences)),
+        None,
+        secs,
+        fsdp::perf::job_cores(acc.num_processes()),
+        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
+    ));
     Ok(())
 }

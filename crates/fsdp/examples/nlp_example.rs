@@ -353,6 +353,14 @@ fn main() -> Result<()> {
     let train_started = Instant::now();
     let mut eval_secs = 0.0;
     let mut trained_samples = 0u64;
+    // Model FLOPs this rank trained, of real tokens and of padded batches (fsdp::perf).
+    let shape = fsdp::perf::TransformerShape {
+        layers: config.num_hidden_layers,
+        hidden: config.hidden_size,
+        intermediate: config.intermediate_size,
+        head_per_token: 0,
+    };
+    let mut flops = vec![0f64; 2];
     let first_epoch = train_loader.position().epoch;
     'epochs: for epoch in first_epoch..args.num_epochs {
         if train_loader.position().epoch != epoch {
@@ -366,6 +374,9 @@ fn main() -> Result<()> {
         while let Some(batch) = train_loader.next_batch() {
             let batch = batch.map_err(|e| anyhow::anyhow!("collating a batch: {e}"))?;
             let ClassificationBatch { inputs, labels } = batch.batch;
+            let (real, padded) = fsdp::perf::sequence_lengths(&inputs.attention_mask)?;
+            flops[0] += shape.training_flops(real);
+            flops[1] += shape.training_flops(padded);
             // Dropout masks from the seed, the batch and the rank: a resumed run draws the
             // same ones.
             let micro = epoch * train_loader.steps_per_epoch() as u64 + batch.step as u64;
@@ -433,6 +444,7 @@ fn main() -> Result<()> {
         &config.to_hf_json("BertForSequenceClassification"),
     )?;
     let peaks = acc.gather(vec![peak_rss_mib()])?;
+    let flops = acc.reduce(flops, ReduceOp::Sum)?;
     acc.print(format!(
         "trained {} samples in {:.1} s ({:.1} samples/s); wall time {:.1} s; peak RSS per rank (MiB): {}; model saved to {}",
         trained_samples,
@@ -441,6 +453,13 @@ fn main() -> Result<()> {
         started.elapsed().as_secs_f64(),
         peaks.iter().map(|p| format!("{p:.0}")).collect::<Vec<_>>().join(", "),
         out.display()
+    ));
+    acc.print(fsdp::perf::mfu_line(
+        flops[0],
+        Some(flops[1]),
+        train_secs,
+        fsdp::perf::job_cores(acc.num_processes()),
+        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
     ));
     Ok(())
 }

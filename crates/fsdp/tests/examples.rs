@@ -206,6 +206,10 @@ fn custom_model_example_trains_resumes_at_another_world_size_and_merges_by_name(
         !out.contains("[rank 0]"),
         "the launcher names the rank already: {out}"
     );
+    assert!(
+        out.contains("GFLOP/s, MFU") && out.contains("F32 peak measured"),
+        "{out}"
+    );
     // Resumed at step 4 on 1 process of 32 examples: the same global batches.
     let out = run_on(
         1,

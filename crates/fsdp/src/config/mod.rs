@@ -22,6 +22,7 @@ pub use error::ConfigError;
 pub use layer::Layer;
 pub use paths::{
     CONFIG_FILE_ENV, accelerate_config_path, default_config_path, existing_default_config,
+    fsdp_home,
 };
 pub use resolve::{FsdpPlugin, LaunchSettings, ResolvedConfig};
 pub use schema::{Applicability, DefaultValue, FSDP_SECTION, Key, KeySpec, Kind, Section};

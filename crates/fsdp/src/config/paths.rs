@@ -41,6 +41,15 @@ pub fn existing_default_config() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// fsdp-rs's own folder for what it keeps between runs: `$FSDP_HOME`, else
+/// `$XDG_CACHE_HOME/fsdp-rs`, else `~/.cache/fsdp-rs` (where `default_config.yaml` lives).
+pub fn fsdp_home() -> PathBuf {
+    std::env::var_os("FSDP_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("fsdp-rs"))
+}
+
 fn cache_dir() -> PathBuf {
     std::env::var_os("XDG_CACHE_HOME")
         .filter(|v| !v.is_empty())

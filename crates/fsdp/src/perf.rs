@@ -1,0 +1,303 @@
+//! Model FLOPs utilisation (MFU): how much of the CPU's arithmetic a training run uses. The
+//! peak is measured, not taken from a data sheet: the best rate of the engine's own GEMM
+//! (`ops::linear`, which every projection runs) on one thread, in f32 and in bf16, over a few
+//! square sizes. It is measured once per CPU and kept in `fsdp_home()/core_peak.json`.
+//!
+//! A transformer's training FLOPs are counted as PaLM's appendix B counts them: a step is
+//! forward plus backward, three times the forward's matrix products; the forward of one
+//! sequence of `L` tokens is `layers * (2 L (4 h^2 + 2 h I) + 4 L^2 h) + 2 L h V` (the four
+//! attention projections and the two feed-forward ones, the attention scores and their
+//! weighted sum over all `L^2` pairs, and an output head of `V` outputs per token, 0 when
+//! the head reads one token). Embedding lookups, norms, activations and softmax are not
+//! counted. Padded FLOPs count every position of the padded batch; real ones only the
+//! tokens of each sequence (its length `L`), which is the work the model needed.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// The measured peak of one core.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CorePeak {
+    /// The CPU it was measured on (`model name` and the SIMD features that decide the
+    /// kernels), so a cache from another machine is not used.
+    pub cpu: String,
+    /// f32 FLOP/s of one thread.
+    pub f32: f64,
+    /// bf16 FLOP/s of one thread (bf16 inputs, f32 sums).
+    pub bf16: f64,
+}
+
+impl CorePeak {
+    /// The peak of `dtype`'s GEMM (bf16 for bf16 and f16 compute, f32 otherwise).
+    pub fn for_dtype(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::BF16 | DType::F16 => self.bf16,
+            _ => self.f32,
+        }
+    }
+}
+
+/// This CPU as the cache keys it.
+fn this_cpu() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("model name")?
+                    .split_once(':')
+                    .map(|(_, m)| m.trim().to_string())
+            })
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    format!("{model}; bf16: {}", crate::nn::ops::bf16_matmul_kernel())
+}
+
+/// The peak of one core: from the cache when it was measured on this CPU, else measured now
+/// (about a second) and cached (a cache that cannot be written is only a lost shortcut).
+pub fn core_peak() -> CorePeak {
+    core_peak_cached_in(&crate::config::fsdp_home())
+}
+
+/// [`core_peak`] with its cache in `dir`.
+fn core_peak_cached_in(dir: &std::path::Path) -> CorePeak {
+    let file = dir.join("core_peak.json");
+    let cpu = this_cpu();
+    let cached = std::fs::read(&file)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<CorePeak>(&b).ok())
+        .filter(|p| p.cpu == cpu && p.f32 > 0.0 && p.bf16 > 0.0);
+    if let Some(peak) = cached {
+        return peak;
+    }
+    let peak = measure_core_peak();
+    if std::fs::create_dir_all(dir).is_ok()
+        && let Ok(bytes) = serde_json::to_vec_pretty(&peak)
+    {
+        let partial = file.with_extension("json.partial");
+        if std::fs::write(&partial, bytes).is_ok() {
+            let _ = std::fs::rename(&partial, &file);
+        }
+    }
+    peak
+}
+
+/// Measures the peak now, on one thread: the best of several runs of `ops::linear` on square
+/// matrices of 256, 512 and 1024.
+pub fn measure_core_peak() -> CorePeak {
+    let rate = |dtype: DType| -> f64 {
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build();
+        let run = || {
+            let mut best = 0f64;
+            for n in [256usize, 512, 1024] {
+                let make = |seed: f64| {
+                    Tensor::arange(0u32, (n * n) as u32, &Device::Cpu)
+                        .and_then(|t| t.to_dtype(DType::F32))
+                        .and_then(|t| ((t * (1e-6 * seed))?.sin()?).reshape((n, n)))
+                        .and_then(|t| t.to_dtype(dtype))
+                };
+                let (Ok(x), Ok(w), Ok(b)) =
+                    (make(1.0), make(2.0), Tensor::zeros(n, dtype, &Device::Cpu))
+                else {
+                    continue;
+                };
+                let reps = if n >= 1024 { 3 } else { 6 };
+                for _ in 0..reps + 1 {
+                    let t = Instant::now();
+                    if crate::nn::ops::linear(&x, &w, &b).is_err() {
+                        break;
+                    }
+                    let secs = t.elapsed().as_secs_f64();
+                    best = best.max(2.0 * (n * n * n) as f64 / secs.max(1e-9));
+                }
+            }
+            // Whole FLOP/s: the cache's JSON holds them exactly.
+            best.round()
+        };
+        match one {
+            Ok(pool) => pool.install(run),
+            Err(_) => run(),
+        }
+    };
+    CorePeak {
+        cpu: this_cpu(),
+        f32: rate(DType::F32),
+        bf16: rate(DType::BF16),
+    }
+}
+
+/// The sizes of a transformer that its FLOPs depend on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TransformerShape {
+    /// Layers (blocks).
+    pub layers: usize,
+    /// Hidden size `h`.
+    pub hidden: usize,
+    /// Feed-forward size `I`.
+    pub intermediate: usize,
+    /// Outputs of a head applied to every token (`V`: a language model's vocabulary); 0 for a
+    /// head that reads one token per sequence (classification).
+    pub head_per_token: usize,
+}
+
+impl TransformerShape {
+    /// Training FLOPs (forward and backward) of sequences of these lengths (see the module
+    /// docs for the formula).
+    pub fn training_flops(&self, lengths: impl IntoIterator<Item = usize>) -> f64 {
+        let (h, i, v) = (
+            self.hidden as f64,
+            self.intermediate as f64,
+            self.head_per_token as f64,
+        );
+        let forward: f64 = lengths
+            .into_iter()
+            .map(|l| {
+                let l = l as f64;
+                self.layers as f64 * (2.0 * l * (4.0 * h * h + 2.0 * h * i) + 4.0 * l * l * h)
+                    + 2.0 * l * h * v
+            })
+            .sum();
+        3.0 * forward
+    }
+}
+
+/// What a run reports: FLOP/s over the cores it ran on, and MFU against their peak.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Utilisation {
+    /// Model FLOPs per second (all processes).
+    pub flops_per_second: f64,
+    /// Those FLOPs as a share of the cores' peak (0..1).
+    pub mfu: f64,
+}
+
+/// `flops` done in `seconds` on `cores` cores of peak `per_core` FLOP/s each.
+pub fn utilisation(flops: f64, seconds: f64, cores: usize, per_core: f64) -> Utilisation {
+    let flops_per_second = flops / seconds.max(1e-9);
+    Utilisation {
+        flops_per_second,
+        mfu: flops_per_second / (cores.max(1) as f64 * per_core.max(1e-9)),
+    }
+}
+
+/// The dtype a run's matrix products compute in under `mixed_precision`.
+pub fn compute_dtype(mixed_precision: crate::config::MixedPrecision) -> DType {
+    match mixed_precision {
+        crate::config::MixedPrecision::Bf16 => DType::BF16,
+        crate::config::MixedPrecision::Fp16 => DType::F16,
+        crate::config::MixedPrecision::No => DType::F32,
+    }
+}
+
+/// Per sequence of a padded batch: its real length (the attention mask's ones) and the padded
+/// length, for [`TransformerShape::training_flops`].
+pub fn sequence_lengths(attention_mask: &Tensor) -> candle_core::Result<(Vec<usize>, Vec<usize>)> {
+    let (n, padded) = attention_mask.dims2()?;
+    let real: Vec<f32> = attention_mask.to_dtype(DType::F32)?.sum(1)?.to_vec1()?;
+    Ok((real.iter().map(|&l| l as usize).collect(), vec![padded; n]))
+}
+
+/// The cores this job computes on: its processes times each one's compute threads.
+pub fn job_cores(processes: usize) -> usize {
+    processes * candle_core::utils::get_num_threads()
+}
+
+/// One line for a run's log: model FLOP/s and MFU of `real` FLOPs (and of `padded` ones,
+/// when the batches were padded) done in `seconds` on `cores` cores computing in `dtype`,
+/// against this CPU's measured [`core_peak`].
+pub fn mfu_line(
+    real: f64,
+    padded: Option<f64>,
+    seconds: f64,
+    cores: usize,
+    dtype: DType,
+) -> String {
+    let per_core = core_peak().for_dtype(dtype);
+    let real = utilisation(real, seconds, cores, per_core);
+    let padded = padded
+        .map(|p| {
+            let p = utilisation(p, seconds, cores, per_core);
+            format!(
+                "; padded: {:.1} GFLOP/s, MFU {:.1}%",
+                p.flops_per_second / 1e9,
+                100.0 * p.mfu
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "model FLOPs {:.1} GFLOP/s, MFU {:.1}% of {cores} core(s) at {:.1} GFLOP/s ({dtype:?} peak measured){padded}",
+        real.flops_per_second / 1e9,
+        100.0 * real.mfu,
+        per_core / 1e9
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn training_flops_follow_the_formula() {
+        // BERT-base: 12 layers, 768, 3072; one sequence of 128 tokens. Forward:
+        // 12 * (2 * 128 * (4 * 768^2 + 2 * 768 * 3072) + 4 * 128^2 * 768) = 21.9 GFLOP.
+        let bert = TransformerShape {
+            layers: 12,
+            hidden: 768,
+            intermediate: 3072,
+            head_per_token: 0,
+        };
+        let f = bert.training_flops([128]);
+        let forward = 12.0
+            * (2.0 * 128.0 * (4.0 * 768.0 * 768.0 + 2.0 * 768.0 * 3072.0)
+                + 4.0 * 128.0 * 128.0 * 768.0);
+        assert_eq!(f, 3.0 * forward);
+        // The 6N rule: without attention and head, 6 FLOPs per parameter of the layers per token.
+        let params = 12.0 * (4.0 * 768.0 * 768.0 + 2.0 * 768.0 * 3072.0);
+        assert!((f - 6.0 * params * 128.0) / f < 0.03);
+        // Lengths add; a per-token head adds 6 h V per token.
+        assert_eq!(
+            bert.training_flops([100, 28]),
+            bert.training_flops([100]) + bert.training_flops([28])
+        );
+        let lm = TransformerShape {
+            head_per_token: 256,
+            ..bert
+        };
+        assert_eq!(
+            lm.training_flops([10]) - bert.training_flops([10]),
+            6.0 * 10.0 * 768.0 * 256.0
+        );
+        let mask = Tensor::new(&[[1u32, 1, 1, 0], [1, 1, 0, 0]], &Device::Cpu).unwrap();
+        assert_eq!(sequence_lengths(&mask).unwrap(), (vec![3, 2], vec![4, 4]));
+        let u = utilisation(4e9, 2.0, 2, 1e9);
+        assert_eq!((u.flops_per_second, u.mfu), (2e9, 1.0));
+    }
+
+    #[test]
+    fn the_peak_is_measured_once_per_cpu_and_cached() {
+        let home = tempfile::tempdir().unwrap();
+        let first = core_peak_cached_in(home.path());
+        assert!(first.f32 > 1e8 && first.bf16 > 1e8, "{first:?}");
+        let cached: CorePeak =
+            serde_json::from_slice(&std::fs::read(home.path().join("core_peak.json")).unwrap())
+                .unwrap();
+        assert_eq!(cached, first);
+        assert_eq!(
+            core_peak_cached_in(home.path()),
+            first,
+            "the second call reads the cache"
+        );
+        // Another CPU's cache is measured over.
+        let other = CorePeak {
+            cpu: "another CPU".into(),
+            f32: 1.0,
+            bf16: 1.0,
+        };
+        std::fs::write(
+            home.path().join("core_peak.json"),
+            serde_json::to_vec(&other).unwrap(),
+        )
+        .unwrap();
+        assert_ne!(core_peak_cached_in(home.path()).cpu, "another CPU");
+    }
+}
