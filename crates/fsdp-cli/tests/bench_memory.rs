@@ -69,6 +69,12 @@ fn state_traffic_and_peak_follow_each_strategy() {
         let ratio = field(r, "state_bytes") / field(r, "state_formula_bytes");
         assert!((0.9..1.1).contains(&ratio), "state/formula {ratio}: {r}");
         assert_traffic(r);
+        // Model FLOPs and MFU come with every result (a share of the measured peak).
+        let mfu = field(r, "mfu");
+        assert!(
+            mfu > 0.0 && mfu < 1.0 && field(r, "model_flops_per_s") > 0.0,
+            "{r}"
+        );
     }
     // FULL_SHARD sends 3 x params x (N-1)/N: half the parameters per rank, three times.
     let full = &four[0];

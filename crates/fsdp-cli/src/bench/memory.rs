@@ -211,7 +211,28 @@ fn launch(a: &MemoryArgs) -> Result<()> {
                 .lines()
                 .find_map(|l| l.strip_prefix("RESULT "))
                 .with_context(|| format!("no result from the {strategy} workers:\n{out}"))?;
-            results.push(serde_json::from_str::<serde_json::Value>(line)?);
+            let mut result = serde_json::from_str::<serde_json::Value>(line)?;
+            // Model FLOPs (fsdp::perf's count; every sequence `seq` tokens, no padding) and
+            // MFU over the cores the workers ran on.
+            let shape = fsdp::perf::TransformerShape {
+                layers: a.layers,
+                hidden: a.hidden,
+                intermediate: 4 * a.hidden,
+                head_per_token: 0,
+            };
+            let samples_per_s = result["samples_per_s"].as_f64().unwrap_or(0.0);
+            let cores =
+                a.num_processes * (crate::system::available_cores() / a.num_processes).max(1);
+            let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+            let u = fsdp::perf::utilisation(
+                samples_per_s * shape.training_flops([a.seq]),
+                1.0,
+                cores,
+                fsdp::perf::core_peak().for_dtype(dtype),
+            );
+            result["model_flops_per_s"] = u.flops_per_second.into();
+            result["mfu"] = u.mfu.into();
+            results.push(result);
         }
     }
     let mib = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN) / (1u64 << 20) as f64;
@@ -229,7 +250,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         a.forward_prefetch
     );
     println!(
-        "{:>32} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>9} {:>8}",
+        "{:>32} {:>9} {:>9} {:>6} {:>10} {:>9} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>9} {:>5} {:>8}",
         "strategy",
         "state",
         "formula",
@@ -244,11 +265,12 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         "theory",
         "kept",
         "samples/s",
+        "MFU%",
         "peakRSS"
     );
     for r in &results {
         println!(
-            "{:>32} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>8.2} {:>8.2} {:>8.2} {:>9.1} {:>8.1}",
+            "{:>32} {:>9.2} {:>9.2} {:>6.3} {:>10.2} {:>9.2} {:>6.2} {:>10.2} {:>10.2} {:>6.3} {:>8.2} {:>8.2} {:>8.2} {:>9.1} {:>5.1} {:>8.1}",
             r["label"].as_str().unwrap_or("?"),
             mib(&r["state_bytes"]),
             mib(&r["state_formula_bytes"]),
@@ -266,6 +288,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             mib(&r["bytes_across_replicas_theory"]),
             mib(&r["kept_unreduced_bytes"]),
             r["samples_per_s"].as_f64().unwrap_or(f64::NAN),
+            100.0 * r["mfu"].as_f64().unwrap_or(f64::NAN),
             mib(&r["peak_rss_bytes"]),
         );
     }

@@ -250,9 +250,22 @@ fn launch(a: &OffloadArgs) -> Result<()> {
             .with_context(|| format!("no result from the {mode} workers:\n{out}"))?;
         results.push(serde_json::from_str::<serde_json::Value>(line)?);
     }
+    // Model FLOPs of a step (fsdp::perf's count: every sequence `seq` tokens, the tied head
+    // per token) and MFU over all cores, for each step's time.
+    let gpt2 = config(&a.model, a.layers);
+    let shape = fsdp::perf::TransformerShape {
+        layers: gpt2.n_layer,
+        hidden: gpt2.n_embd,
+        intermediate: 4 * gpt2.n_embd,
+        head_per_token: gpt2.vocab_size,
+    };
+    let step_flops = shape.training_flops(std::iter::repeat_n(a.seq, a.batch * a.num_processes));
+    let core_peak = fsdp::perf::core_peak().f32;
+    let cores = crate::system::available_cores().max(1);
+    let mfu = |secs: f64| fsdp::perf::utilisation(step_flops, secs, cores, core_peak).mfu;
     println!(
-        "{:<8} {:>6} {:>10} {:>12} {:>12} {:>12} {:>14}",
-        "mode", "step", "seconds", "read GB*", "written GB*", "disk GB/s*", "peak RSS GiB"
+        "{:<8} {:>6} {:>10} {:>12} {:>12} {:>12} {:>14} {:>7}",
+        "mode", "step", "seconds", "read GB*", "written GB*", "disk GB/s*", "peak RSS GiB", "MFU%"
     );
     for r in &results {
         let peak = r["peak_rss_bytes"]
@@ -266,14 +279,15 @@ fn launch(a: &OffloadArgs) -> Result<()> {
                 s["bytes_written"].as_f64().unwrap_or(0.0),
             );
             println!(
-                "{:<8} {:>6} {:>10.2} {:>12.2} {:>12.2} {:>12.2} {:>14.2}",
+                "{:<8} {:>6} {:>10.2} {:>12.2} {:>12.2} {:>12.2} {:>14.2} {:>7.1}",
                 r["mode"].as_str().unwrap_or(""),
                 s["step"],
                 secs,
                 rd / 1e9,
                 wr / 1e9,
                 (rd + wr) / secs / 1e9,
-                peak / f64::from(1 << 30)
+                peak / f64::from(1 << 30),
+                100.0 * mfu(secs)
             );
         }
     }
@@ -312,6 +326,9 @@ fn launch(a: &OffloadArgs) -> Result<()> {
         "state_bytes": state,
         "processes": a.num_processes,
         "tokens_per_rank_step": a.batch * a.seq,
+        "model_flops_per_step": step_flops,
+        "core_peak_flops": core_peak,
+        "cores": cores,
         "disk_sequential_write_bytes_per_s": disk_write,
         "disk_sequential_read_bytes_per_s": disk_read,
         "disk_direct_write_bytes_per_s": direct_write,
