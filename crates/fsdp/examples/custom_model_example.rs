@@ -273,7 +273,7 @@ fn main() -> Result<()> {
             train_loader.set_epoch(train_loader.position().epoch + 1);
             continue;
         };
-        let (context, next) = batch.map_err(anyhow::Error::msg)?.batch;
+        let (context, next) = batch?.batch;
         model.module_mut().dropout_seed =
             Some(args.seed ^ acc.step() << 8 ^ acc.process_index() as u64);
         let logits = model.forward(|m, p| m.logits(p, &context))?;
@@ -345,7 +345,7 @@ fn evaluate<D: Dataset>(
     let (mut sum, mut count) = (0.0, 0usize);
     loader.set_epoch(0);
     while let Some(batch) = loader.next_batch() {
-        let batch = batch.map_err(anyhow::Error::msg)?;
+        let batch = batch?;
         let (context, next) = &batch.batch;
         let losses = model.evaluate(|m, p| {
             // Per example: logsumexp(logits) - logit of the true byte.

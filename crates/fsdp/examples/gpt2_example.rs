@@ -263,7 +263,7 @@ fn main() -> Result<()> {
             train_loader.set_epoch(epoch);
             continue;
         };
-        let batch = batch.map_err(|e| anyhow::anyhow!("collating a batch: {e}"))?;
+        let batch = batch?;
         let ids = batch.batch;
         model.module_mut().dropout_seed = (args.dropout > 0.0).then(|| {
             args.seed ^ acc.step().wrapping_mul(0x9E37_79B9) ^ ((acc.process_index() as u64) << 48)
@@ -288,7 +288,7 @@ fn main() -> Result<()> {
             let mut count = 0.0;
             eval_loader.set_epoch(0);
             while let Some(batch) = eval_loader.next_batch() {
-                let batch = batch.map_err(|e| anyhow::anyhow!("collating a batch: {e}"))?;
+                let batch = batch?;
                 let ids = &batch.batch;
                 // Each sequence's loss, every held-out sequence counted once (the repeats
                 // that fill up the last step drop out).

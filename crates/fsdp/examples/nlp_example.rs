@@ -372,7 +372,7 @@ fn main() -> Result<()> {
             &format!("epoch {epoch}"),
         );
         while let Some(batch) = train_loader.next_batch() {
-            let batch = batch.map_err(|e| anyhow::anyhow!("collating a batch: {e}"))?;
+            let batch = batch?;
             let ClassificationBatch { inputs, labels } = batch.batch;
             let (real, padded) = fsdp::perf::sequence_lengths(&inputs.attention_mask)?;
             flops[0] += shape.training_flops(real);
@@ -477,7 +477,7 @@ fn evaluate(
     loader.set_epoch(0);
     let (mut predictions, mut labels) = (Vec::new(), Vec::new());
     while let Some(batch) = loader.next_batch() {
-        let batch = batch.map_err(|e| anyhow::anyhow!("collating a batch: {e}"))?;
+        let batch = batch?;
         let inputs = &batch.batch.inputs;
         let logits = model.evaluate(|m, p| {
             m.forward(

@@ -141,6 +141,21 @@ pub struct DataLoader<D: Dataset, B> {
 /// What collation may fail with (a boxed error, so any collate function fits).
 pub type CollateError = Box<dyn std::error::Error + Send + Sync>;
 
+/// A batch that could not be collated: which one, and the collate function's error. A
+/// concrete error type, so `loader.next_batch()` results take `?` in any program (`anyhow`,
+/// `Box<dyn Error>`).
+#[derive(Debug, thiserror::Error)]
+#[error("collating the batch of epoch {epoch}, step {step}: {source}")]
+pub struct BatchError {
+    /// The epoch.
+    pub epoch: u64,
+    /// The step within it.
+    pub step: usize,
+    /// What the collate function returned.
+    #[source]
+    pub source: CollateError,
+}
+
 /// A collate function: examples into one batch.
 type CollateFn<I, B> = Box<dyn Fn(&[I]) -> Result<B, CollateError> + Send>;
 
@@ -241,7 +256,7 @@ impl<D: Dataset, B> DataLoader<D, B> {
     }
 
     /// This rank's batch of the next step of the current epoch (`None` at the epoch's end).
-    pub fn next_batch(&mut self) -> Option<Result<LoadedBatch<B>, CollateError>> {
+    pub fn next_batch(&mut self) -> Option<Result<LoadedBatch<B>, BatchError>> {
         if self.steps_left_in_epoch() == 0 {
             return None;
         }
@@ -268,18 +283,51 @@ impl<D: Dataset, B> DataLoader<D, B> {
             .collect();
         let items: Vec<D::Item> = indices.iter().map(|&i| self.dataset.get(i)).collect();
         self.taken += 1;
-        Some((self.collate)(&items).map(|batch| LoadedBatch {
-            batch,
-            step,
-            indices,
-            real,
-        }))
+        Some(
+            (self.collate)(&items)
+                .map(|batch| LoadedBatch {
+                    batch,
+                    step,
+                    indices,
+                    real,
+                })
+                .map_err(|source| BatchError {
+                    epoch,
+                    step,
+                    source,
+                }),
+        )
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_collate_error_names_its_batch_and_takes_question_marks() {
+        let mut loader = DataLoader::new(vec![1u32, 2, 3, 4], 2, |x: &[u32]| {
+            if x.contains(&3) {
+                Err("three is not allowed".into())
+            } else {
+                Ok(x.to_vec())
+            }
+        });
+        loader.set_epoch(5);
+        assert!(loader.next_batch().unwrap().is_ok());
+        let e = loader.next_batch().unwrap().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "collating the batch of epoch 5, step 1: three is not allowed"
+        );
+        assert_eq!(
+            std::error::Error::source(&e).unwrap().to_string(),
+            "three is not allowed"
+        );
+        // `?` into the usual error types of programs.
+        let boxed = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> { Err(e)? };
+        assert!(boxed().is_err());
+    }
 
     fn loader(
         n: usize,

@@ -6,7 +6,9 @@ pub mod loader;
 pub mod text;
 pub mod tokenizer;
 
-pub use loader::{CollateError, DataLoader, Dataset, LoadedBatch, LoaderPosition, permutation};
+pub use loader::{
+    BatchError, CollateError, DataLoader, Dataset, LoadedBatch, LoaderPosition, permutation,
+};
 pub use text::{
     ClassificationBatch, DataError, TextExample, collate, mrpc_tsv, train_test_split,
     vader_movie_reviews, vader_rated_sentences,
