@@ -482,6 +482,46 @@ fn linear_with_bias() {
 }
 
 #[test]
+fn linear_without_bias() {
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+        let x = rand(&[3, 5, 24], 26, 1.0, dtype);
+        let w = rand(&[17, 24], 27, 0.5, dtype);
+        against_composed(
+            "linear_no_bias",
+            &|t| ops::linear_no_bias(&t[0], &t[1]),
+            &|t| t[0].broadcast_matmul(&t[1].t()?),
+            &[x, w],
+            tol,
+        );
+    }
+    let x = rand(&[4, 6], 28, 1.0, DType::F64);
+    let w = rand(&[5, 6], 29, 0.5, DType::F64);
+    against_finite_differences(
+        "linear_no_bias",
+        &|t| ops::linear_no_bias(&t[0], &t[1]),
+        &[x, w],
+    );
+    // bf16 and f16 as the other kernels take them: within their rounding of f32's result.
+    for (dtype, tol) in [(DType::BF16, 2e-2), (DType::F16, 2e-3)] {
+        let (x, w) = (
+            rand(&[8, 32], 30, 1.0, DType::F32),
+            rand(&[16, 32], 31, 0.5, DType::F32),
+        );
+        let want = ops::linear_no_bias(&x, &w).unwrap();
+        let got =
+            ops::linear_no_bias(&x.to_dtype(dtype).unwrap(), &w.to_dtype(dtype).unwrap()).unwrap();
+        assert!(max_rel_diff(&got, &want) < tol, "{dtype:?}");
+    }
+    let e = ops::linear_no_bias(
+        &rand(&[2, 6], 1, 1.0, DType::F32),
+        &rand(&[5, 7], 2, 1.0, DType::F32),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("do not fit"), "{e}");
+}
+
+#[test]
 fn linear_gelu_fused() {
     for dtype in [DType::F64, DType::F32] {
         let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };

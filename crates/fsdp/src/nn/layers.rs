@@ -22,7 +22,8 @@ pub enum WeightLayout {
 pub struct Linear {
     path: String,
     weight: String,
-    bias: String,
+    /// `None` for a projection without bias (Llama's).
+    bias: Option<String>,
     d_in: usize,
     d_out: usize,
     std: f64,
@@ -35,7 +36,7 @@ impl Linear {
     pub fn new(path: String, d_in: usize, d_out: usize, std: f64) -> Linear {
         Linear {
             weight: join(&path, "weight"),
-            bias: join(&path, "bias"),
+            bias: Some(join(&path, "bias")),
             path,
             d_in,
             d_out,
@@ -51,6 +52,12 @@ impl Linear {
             layout: WeightLayout::InOut,
             ..Linear::new(path, d_in, d_out, std)
         }
+    }
+
+    /// The same `nn.Linear` without its bias (`bias=False`: Llama's, Mistral's projections);
+    /// the module then has the parameter `weight` only.
+    pub fn without_bias(self) -> Linear {
+        Linear { bias: None, ..self }
     }
 
     /// The same layer with GELU fused after it.
@@ -72,9 +79,15 @@ impl Module for Linear {
             WeightLayout::OutIn => ("Linear", [self.d_out, self.d_in]),
             WeightLayout::InOut => ("Conv1D", [self.d_in, self.d_out]),
         };
-        ModuleInfo::new(self.path.clone(), name)
-            .param("weight", &shape, Init::Normal { std: self.std })
-            .param("bias", &[self.d_out], Init::Zeros)
+        let info = ModuleInfo::new(self.path.clone(), name).param(
+            "weight",
+            &shape,
+            Init::Normal { std: self.std },
+        );
+        match self.bias {
+            Some(_) => info.param("bias", &[self.d_out], Init::Zeros),
+            None => info,
+        }
     }
 }
 
@@ -83,7 +96,17 @@ impl Forward<&Tensor> for Linear {
 
     fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
         let w = p.get(&self.weight)?;
-        let b = p.get(&self.bias)?;
+        let Some(bias) = &self.bias else {
+            let y = match self.layout {
+                WeightLayout::OutIn => ops::linear_no_bias(x, &w)?,
+                WeightLayout::InOut => x.broadcast_matmul(&w)?,
+            };
+            return match self.gelu {
+                Some(approx) => ops::gelu(&y, approx),
+                None => Ok(y),
+            };
+        };
+        let b = p.get(bias)?;
         match (self.layout, self.gelu) {
             (WeightLayout::OutIn, None) => ops::linear(x, &w, &b),
             (WeightLayout::OutIn, Some(approx)) => ops::linear_gelu(x, &w, &b, approx),
@@ -290,6 +313,26 @@ mod tests {
 
     use super::*;
     use crate::nn::LocalParams;
+
+    #[test]
+    fn a_linear_without_bias_has_a_weight_only_and_computes_x_w_t() {
+        let lin = Linear::new("q_proj".into(), 3, 2, 0.02).without_bias();
+        let info = lin.info();
+        let names: Vec<&str> = info.params.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["q_proj.weight"]);
+        let w = Tensor::new(&[[1.0f32, 0.0, 2.0], [0.5, -1.0, 0.0]], &Device::Cpu).unwrap();
+        let params =
+            LocalParams::from_tensors(&info, [("q_proj.weight".to_string(), w)].into()).unwrap();
+        let x = Tensor::new(&[[[1.0f32, 2.0, 3.0]]], &Device::Cpu).unwrap();
+        let y: Vec<f32> = lin
+            .call(&params, &x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(y, [7.0, -1.5]);
+    }
 
     #[test]
     fn rms_norm_module_normalises_by_the_root_mean_square_and_scales() {

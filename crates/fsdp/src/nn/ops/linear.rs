@@ -6,7 +6,7 @@
 use candle_core::backend::BackendStorage;
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::GeluApprox;
 
@@ -82,8 +82,20 @@ impl Linear {
         g: &[T],
         db: Vec<f64>,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = self.input_and_weight_grads((x_t, w_t), b_t.elem_count(), g)?;
+        let db: Vec<T> = db.into_iter().map(T::of).collect();
+        Ok((Some(dx), Some(dw), Some(tensor(db, b_t.shape(), b_t)?)))
+    }
+
+    /// dx = g M^T and the weight's gradient in its own layout (`n` outputs), with two direct
+    /// GEMMs.
+    fn input_and_weight_grads<T: Float>(
+        &self,
+        (x_t, w_t): (&Tensor, &Tensor),
+        n: usize,
+        g: &[T],
+    ) -> Result<(Tensor, Tensor)> {
         let (m, k) = x_t.dims2()?;
-        let n = b_t.elem_count();
         let (rs, cs) = self.operand_strides(k, n);
         let name = self.name();
         with_slice::<T, _>(x_t, name, |x| {
@@ -96,12 +108,7 @@ impl Linear {
                     // dW[k×n] = x^T[k×m] · g[m×n]
                     WeightLayout::InOut => gemm_new(k, n, m, x, 1, k, g, n, 1, 1.0),
                 };
-                let db: Vec<T> = db.into_iter().map(T::of).collect();
-                Ok((
-                    Some(tensor(dx, x_t.shape(), x_t)?),
-                    Some(tensor(dw, w_t.shape(), w_t)?),
-                    Some(tensor(db, b_t.shape(), b_t)?),
-                ))
+                Ok((tensor(dx, x_t.shape(), x_t)?, tensor(dw, w_t.shape(), w_t)?))
             })
         })
     }
@@ -180,6 +187,55 @@ impl CustomOp3 for Linear {
     }
 }
 
+/// `x W^T` without a bias (Llama's projections): the same GEMMs as [`Linear`], without the
+/// bias add and its gradient.
+struct LinearNoBias(Linear);
+
+impl CustomOp2 for LinearNoBias {
+    fn name(&self) -> &'static str {
+        "fused-linear-no-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (n, c) = l2.shape().dims2()?;
+        if c != k {
+            return Err(candle_core::Error::Msg(format!(
+                "linear (no bias): input {:?} and weight {:?} do not fit",
+                l1.shape().dims(),
+                l2.shape().dims()
+            )));
+        }
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let w = contiguous::<T>(s2, l2, self.name())?;
+            Ok((T::storage(self.0.product(x, w, (m, k, n))), Shape::from((m, n))))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        w_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let n = w_t.dim(0)?;
+        float_dispatch!(x_t.dtype(), self.name(), T => {
+            with_slice::<T, _>(grad, self.name(), |g| {
+                let (dx, dw) = self.0.input_and_weight_grads::<T>((x_t, w_t), n, g)?;
+                Ok((Some(dx), Some(dw)))
+            })
+        })
+    }
+}
+
 /// Column sums of `g` (rows of length `n`): blocks of rows summed in `T` (vectorised), the
 /// blocks accumulated in f64.
 fn column_sums<T: Float>(g: &[T], n: usize) -> Vec<f64> {
@@ -225,6 +281,26 @@ fn over_last_dim(
 /// `x W^T + b` over the last dimension of `x` (any leading shape), `W` `[out, in]`, `b` `[out]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     over_last_dim(x, (w, b), WeightLayout::OutIn, None)
+}
+
+/// `x W^T` over the last dimension of `x` (any leading shape), `W` `[out, in]`, no bias
+/// (Llama's, Mistral's and Qwen2's output projections), as one op.
+pub fn linear_no_bias(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let d_in = *dims.last().unwrap_or(&1);
+    let x2 = x
+        .reshape((x.elem_count() / d_in.max(1), d_in))?
+        .contiguous()?;
+    let op = LinearNoBias(Linear {
+        layout: WeightLayout::OutIn,
+        gelu: None,
+        pre: Mutex::new(None),
+    });
+    let y = x2.apply_op2(&w.contiguous()?, op)?;
+    if let Some(last) = dims.last_mut() {
+        *last = w.dim(0)?;
+    }
+    y.reshape(dims)
 }
 
 /// `gelu(x W^T + b)` over the last dimension of `x`, as one op.

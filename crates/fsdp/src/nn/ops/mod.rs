@@ -21,7 +21,7 @@ pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use embedding::embedding;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
-pub use linear::{conv1d, linear, linear_gelu};
+pub use linear::{conv1d, linear, linear_gelu, linear_no_bias};
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
 pub use rope::{RopeScaling, RopeTable, rope};
 pub use softmax::softmax_last_dim;
