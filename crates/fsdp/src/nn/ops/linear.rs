@@ -261,19 +261,27 @@ fn over_last_dim(
     layout: WeightLayout,
     gelu: Option<GeluApprox>,
 ) -> Result<Tensor> {
-    let mut dims = x.dims().to_vec();
-    let d_in = *dims.last().unwrap_or(&1);
-    let x2 = x
-        .reshape((x.elem_count() / d_in.max(1), d_in))?
-        .contiguous()?;
     let op = Linear {
         layout,
         gelu,
         pre: Mutex::new(None),
     };
-    let y = x2.apply_op3(&w.contiguous()?, &b.contiguous()?, op)?;
+    on_rows(x, b.elem_count(), |x2| {
+        x2.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+    })
+}
+
+/// `op` on `x` seen as the rows `[elements / d_in, d_in]` of its last dimension, its
+/// `[rows, d_out]` result given `x`'s leading shape back.
+fn on_rows(x: &Tensor, d_out: usize, op: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let d_in = *dims.last().unwrap_or(&1);
+    let x2 = x
+        .reshape((x.elem_count() / d_in.max(1), d_in))?
+        .contiguous()?;
+    let y = op(&x2)?;
     if let Some(last) = dims.last_mut() {
-        *last = b.elem_count();
+        *last = d_out;
     }
     y.reshape(dims)
 }
@@ -286,21 +294,12 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// `x W^T` over the last dimension of `x` (any leading shape), `W` `[out, in]`, no bias
 /// (Llama's, Mistral's and Qwen2's output projections), as one op.
 pub fn linear_no_bias(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let mut dims = x.dims().to_vec();
-    let d_in = *dims.last().unwrap_or(&1);
-    let x2 = x
-        .reshape((x.elem_count() / d_in.max(1), d_in))?
-        .contiguous()?;
     let op = LinearNoBias(Linear {
         layout: WeightLayout::OutIn,
         gelu: None,
         pre: Mutex::new(None),
     });
-    let y = x2.apply_op2(&w.contiguous()?, op)?;
-    if let Some(last) = dims.last_mut() {
-        *last = w.dim(0)?;
-    }
-    y.reshape(dims)
+    on_rows(x, w.dim(0)?, |x2| x2.apply_op2(&w.contiguous()?, op))
 }
 
 /// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
