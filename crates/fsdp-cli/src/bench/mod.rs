@@ -83,3 +83,16 @@ fn rerun_with_threads(threads: usize, what: &str) -> Result<bool> {
     anyhow::ensure!(status.success(), "{what} benchmark failed");
     Ok(true)
 }
+
+/// Minimum seconds of `f` over `reps` runs after two warm-ups (the kernel benchmarks' timer).
+fn best(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut best = f64::INFINITY;
+    for i in 0..reps + 2 {
+        let t = std::time::Instant::now();
+        f()?;
+        if i >= 2 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(best)
+}

@@ -3,12 +3,12 @@
 //! cat(-x2, x1) * sin`, what a model without the op would run), forward and
 //! forward+backward, on one thread; prints a table and one JSON line.
 
-use std::time::Instant;
-
 use anyhow::Result;
 use clap::Args;
 use fsdp::nn::candle::{DType, Device, Tensor, Var};
 use fsdp::nn::ops::{RopeTable, rope};
+
+use super::best;
 
 /// Options of `fsdp bench rope`.
 #[derive(Args, Clone)]
@@ -39,19 +39,6 @@ fn composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> fsdp::nn::candle::Result<
     let (x1, x2) = (x.narrow(3, 0, d / 2)?, x.narrow(3, d / 2, d / 2)?);
     let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
     x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
-}
-
-/// Minimum seconds of `f` over `reps` runs after two warm-ups.
-fn best(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let mut best = f64::INFINITY;
-    for i in 0..reps + 2 {
-        let t = Instant::now();
-        f()?;
-        if i >= 2 {
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-    }
-    Ok(best)
 }
 
 /// Runs `fsdp bench rope`.
