@@ -684,7 +684,7 @@ fn scaled_dot_product_attention() {
         for (mask, dropout) in [(Some(&causal), None), (Some(&pad), Some((0.3, 17u64)))] {
             against_composed(
                 &format!("packed attention {dtype:?} dropout {dropout:?}"),
-                &|t| ops::packed_attention(&t[0], heads, mask, dropout),
+                &|t| ops::packed_attention(&t[0], heads, false, mask, dropout),
                 &|t| {
                     sliced(t, &|q, k, v| {
                         composed_attention(q, k, v, heads, mask, dropout)
@@ -697,7 +697,7 @@ fn scaled_dot_product_attention() {
     }
     against_finite_differences(
         "packed attention",
-        &|t| ops::packed_attention(&t[0], 2, Some(&pad), Some((0.2, 5))),
+        &|t| ops::packed_attention(&t[0], 2, false, Some(&pad), Some((0.2, 5))),
         &[rand(&[b, s, 12], 34, 1.0, DType::F64)],
     );
     against_finite_differences(
@@ -708,6 +708,162 @@ fn scaled_dot_product_attention() {
             rand(&[b, s, 4], 32, 1.0, DType::F64),
             rand(&[b, s, 4], 33, 1.0, DType::F64),
         ],
+    );
+}
+
+/// Grouped-query attention from plain candle ops: each K/V head repeated for its query group
+/// (transformers' `repeat_kv`), then [`composed_attention`] under an additive causal mask.
+fn composed_gqa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: ops::AttentionHeads,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    let (b, s, w) = q.dims3()?;
+    let d = w / heads.heads;
+    let group = heads.heads / heads.kv_heads;
+    let repeat = |t: &Tensor| {
+        t.reshape((b, s, heads.kv_heads, 1, d))?
+            .broadcast_as((b, s, heads.kv_heads, group, d))?
+            .contiguous()?
+            .reshape((b, s, w))
+    };
+    let causal: Vec<f64> = (0..s * s)
+        .map(|i| {
+            if i % s > i / s {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let causal = Tensor::from_vec(causal, (1, 1, s, s), &Device::Cpu)?.to_dtype(q.dtype())?;
+    let mask = match (mask, heads.causal) {
+        (Some(m), true) => Some(m.to_dtype(q.dtype())?.broadcast_add(&causal)?),
+        (Some(m), false) => Some(m.clone()),
+        (None, true) => Some(causal),
+        (None, false) => None,
+    };
+    composed_attention(
+        q,
+        &repeat(k)?,
+        &repeat(v)?,
+        heads.heads,
+        mask.as_ref(),
+        dropout,
+    )
+}
+
+#[test]
+fn grouped_query_and_causal_attention() {
+    // 70 positions: causal blocks of 64 query rows, so a block boundary is crossed.
+    let (b, s, d) = (2, 70, 4);
+    let pad: Vec<f64> = (0..b * s)
+        .map(|i| if i >= b * s - 3 { f32::MIN as f64 } else { 0.0 })
+        .collect();
+    let pad = Tensor::from_vec(pad, (b, 1, 1, s), &Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        for (heads, kv_heads, causal) in [(4, 2, true), (4, 1, true), (4, 4, true), (6, 2, false)] {
+            let h = ops::AttentionHeads {
+                heads,
+                kv_heads,
+                causal,
+            };
+            for (mask, dropout) in [
+                (None, None),
+                (Some(&pad), None),
+                (Some(&pad), Some((0.25, 3u64))),
+            ] {
+                let inputs = [
+                    rand(&[b, s, heads * d], 51, 2.0, dtype),
+                    rand(&[b, s, kv_heads * d], 52, 2.0, dtype),
+                    rand(&[b, s, kv_heads * d], 53, 2.0, dtype),
+                ];
+                against_composed(
+                    &format!(
+                        "attention {dtype:?} {h:?} mask {} dropout {dropout:?}",
+                        mask.is_some()
+                    ),
+                    &|t| ops::grouped_query_attention(&t[0], &t[1], &t[2], h, mask, dropout),
+                    &|t| composed_gqa(&t[0], &t[1], &t[2], h, mask, dropout),
+                    &inputs,
+                    tol,
+                );
+            }
+        }
+        // Causal packed attention equals the packed op under a causal mask.
+        let (heads, w) = (2, 8);
+        let qkv = rand(&[b, s, 3 * w], 54, 2.0, dtype);
+        let causal: Vec<f64> = (0..s * s)
+            .map(|i| if i % s > i / s { f32::MIN as f64 } else { 0.0 })
+            .collect();
+        let causal = Tensor::from_vec(causal, (1, 1, s, s), &Device::Cpu).unwrap();
+        against_composed(
+            &format!("causal packed attention {dtype:?}"),
+            &|t| ops::packed_attention(&t[0], heads, true, Some(&pad), Some((0.1, 9))),
+            &|t| {
+                let mask = pad.broadcast_add(&causal)?;
+                ops::packed_attention(&t[0], heads, false, Some(&mask), Some((0.1, 9)))
+            },
+            std::slice::from_ref(&qkv),
+            tol,
+        );
+    }
+    let h = ops::AttentionHeads {
+        heads: 4,
+        kv_heads: 2,
+        causal: true,
+    };
+    against_finite_differences(
+        "grouped-query causal attention",
+        &|t| ops::grouped_query_attention(&t[0], &t[1], &t[2], h, Some(&pad), Some((0.2, 5))),
+        &[
+            rand(&[b, s, 8], 55, 1.0, DType::F64),
+            rand(&[b, s, 4], 56, 1.0, DType::F64),
+            rand(&[b, s, 4], 57, 1.0, DType::F64),
+        ],
+    );
+    // bf16 attends in f32 and rounds once: within bf16's rounding of the f32 result.
+    let inputs: Vec<Tensor> = [(8, 61), (4, 62), (4, 63)]
+        .iter()
+        .map(|&(w, seed)| rand(&[b, s, w], seed, 2.0, DType::F32))
+        .collect();
+    let f32_out =
+        ops::grouped_query_attention(&inputs[0], &inputs[1], &inputs[2], h, None, None).unwrap();
+    let half: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(DType::BF16).unwrap())
+        .collect();
+    let bf16_out =
+        ops::grouped_query_attention(&half[0], &half[1], &half[2], h, None, None).unwrap();
+    let diff = (bf16_out.to_dtype(DType::F32).unwrap() - f32_out)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap();
+    assert!(
+        diff.to_scalar::<f32>().unwrap() < 0.05,
+        "bf16 attention differs by {diff}"
+    );
+    // Head counts that do not fit are errors naming them.
+    let bad = ops::AttentionHeads {
+        heads: 4,
+        kv_heads: 3,
+        causal: true,
+    };
+    let err = ops::grouped_query_attention(&inputs[0], &inputs[1], &inputs[2], bad, None, None)
+        .unwrap_err();
+    assert!(err.to_string().contains("3 K/V heads"), "{err}");
+    let err = ops::grouped_query_attention(&inputs[0], &inputs[0], &inputs[2], h, None, None)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("do not fit 4 query and 2 K/V heads"),
+        "{err}"
     );
 }
 

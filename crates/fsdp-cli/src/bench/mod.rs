@@ -1,7 +1,8 @@
 //! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
-//! checkpoints, loading pretrained weights, the optimizer step, training offloaded to disk and
-//! the rotary embedding op, each printing a table and machine-readable JSON.
+//! checkpoints, loading pretrained weights, the optimizer step, training offloaded to disk, the
+//! rotary embedding op and causal grouped-query attention, each printing a table and machine-readable JSON.
 
+mod attention;
 mod checkpoint;
 mod collectives;
 mod layer;
@@ -49,6 +50,9 @@ enum BenchWhat {
     /// The fused rotary position embedding against transformers' formula composed from
     /// candle ops, forward and forward+backward, one thread.
     Rope(rope::RopeArgs),
+    /// Causal grouped-query attention against the fused op on repeated K/V under a causal
+    /// mask and against the formula composed from candle ops, one thread.
+    Attention(attention::AttentionArgs),
 }
 
 /// Runs `fsdp bench ...`.
@@ -62,6 +66,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Optimizer(a) => optimizer::run(a),
         BenchWhat::Offload(a) => offload::run(a),
         BenchWhat::Rope(a) => rope::run(a),
+        BenchWhat::Attention(a) => attention::run(a),
     }
 }
 

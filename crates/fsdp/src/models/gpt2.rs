@@ -95,8 +95,13 @@ impl<'a> Forward<(&'a Tensor, &'a Tensor, Option<u64>)> for Gpt2Attention {
         (x, mask, seed): (&Tensor, &Tensor, Option<u64>),
     ) -> Result<Tensor> {
         let qkv = self.c_attn.call(p, x)?;
-        let ctx =
-            ops::packed_attention(&qkv, self.heads, Some(mask), self.attn_dropout.seed(seed))?;
+        let ctx = ops::packed_attention(
+            &qkv,
+            self.heads,
+            false,
+            Some(mask),
+            self.attn_dropout.seed(seed),
+        )?;
         let out = self.c_proj.call(p, &ctx)?;
         self.resid_dropout.apply(&out, seed)
     }

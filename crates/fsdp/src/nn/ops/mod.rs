@@ -16,7 +16,9 @@ mod rope;
 mod simd;
 mod softmax;
 
-pub use attention::{packed_attention, scaled_dot_product_attention};
+pub use attention::{
+    AttentionHeads, grouped_query_attention, packed_attention, scaled_dot_product_attention,
+};
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
 pub use dropout::dropout;
 pub use embedding::embedding;

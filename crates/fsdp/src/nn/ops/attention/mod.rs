@@ -1,17 +1,22 @@
-//! Scaled dot-product attention as one op: scores, additive mask, softmax, dropout and the
-//! weighted sum per (batch, head), with memory for one head's scores at a time. Forward keeps
-//! only each row's log-sum-exp; backward recomputes that head's probabilities (one extra
-//! scores GEMM) instead of storing every head's, and regenerates the seeded dropout mask.
+//! Scaled dot-product attention as one op: scores, additive mask, causal limit, softmax,
+//! dropout and the weighted sum per (batch, head), with memory for one head's scores at a time.
+//! Forward keeps only each row's log-sum-exp; backward recomputes that head's probabilities
+//! (one extra scores GEMM) instead of storing every head's, and regenerates the seeded dropout
+//! mask.
 //!
 //! Inputs and output are `[batch, seq, heads * head_dim]` (the projections' own layout, rows
 //! may be strided such as a slice of a fused QKV projection), so no head transposes are
-//! materialised.
+//! materialised. Grouped-query attention reads each K/V head for its group of query heads in
+//! place (never repeated in memory); causal attention works in blocks of query rows that
+//! compute only the keys up to their last row, skipping the masked half of the work.
 //!
 //! This module is the computation; `op.rs` makes it candle ops and the public functions.
 
 mod op;
 
-pub use op::{packed_attention, scaled_dot_product_attention};
+pub use op::{
+    AttentionHeads, grouped_query_attention, packed_attention, scaled_dot_product_attention,
+};
 
 use std::sync::Mutex;
 
@@ -19,6 +24,10 @@ use candle_core::{CpuStorage, Layout, Result, Tensor};
 
 use super::dropout::keep;
 use super::{Float, gemm_into, with_slice};
+
+/// Query rows per block of causal attention: each block computes keys up to its last row, so
+/// the work is about `seq² / 2 + seq · CAUSAL_BLOCK / 2` scores instead of `seq²`.
+const CAUSAL_BLOCK: usize = 64;
 
 /// An additive mask broadcast to [batch, heads, query, key].
 struct Mask {
@@ -29,6 +38,10 @@ struct Mask {
 
 struct Sdpa {
     heads: usize,
+    /// K/V heads; each serves `heads / kv_heads` consecutive query heads.
+    kv_heads: usize,
+    /// Whether query row `i` sees keys `0..=i` only.
+    causal: bool,
     scale: f64,
     mask: Option<Mask>,
     dropout: Option<(f64, u64)>,
@@ -36,35 +49,64 @@ struct Sdpa {
     lse: Mutex<Vec<f64>>,
 }
 
-/// Where backward writes dQ, dK and dV (`[batch, seq, width]` each).
+/// The extents of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Dims {
+    batch: usize,
+    seq: usize,
+    head_dim: usize,
+}
+
+/// Query rows `r0..r1` attending to keys `0..keys`.
+#[derive(Clone, Copy)]
+struct Block {
+    r0: usize,
+    r1: usize,
+    keys: usize,
+}
+
+impl Block {
+    fn rows(&self) -> usize {
+        self.r1 - self.r0
+    }
+}
+
+/// Where backward writes dQ, dK and dV.
 enum GradOut<'a, T> {
     /// One `[batch, seq, 3 * width]` buffer, q, k, v side by side in each row (the layout
-    /// of a fused projection).
+    /// of a fused projection; equal head counts only).
     Packed(&'a mut [T]),
-    /// Three contiguous buffers.
+    /// Three contiguous buffers, `[batch, seq, heads * head_dim]` for dQ and
+    /// `[batch, seq, kv_heads * head_dim]` for dK and dV.
     Separate([&'a mut [T]; 3]),
 }
 
 impl<T> GradOut<'_, T> {
-    /// From row 0 of `b`'s head `h` in the gradient of operand `which` (0 q, 1 k, 2 v).
-    fn head(
+    /// From row `r` of `b`'s head `h` (a K/V head for `which` 1 and 2) in the gradient of
+    /// operand `which` (0 q, 1 k, 2 v), and the elements between its rows.
+    fn at(
         &mut self,
         which: usize,
         b: usize,
         h: usize,
-        (seq, width, d): (usize, usize, usize),
-    ) -> &mut [T] {
+        r: usize,
+        op: &Sdpa,
+        dims: Dims,
+    ) -> (&mut [T], usize) {
+        let d = dims.head_dim;
         match self {
-            GradOut::Packed(buf) => &mut buf[b * seq * 3 * width + which * width + h * d..],
-            GradOut::Separate(bufs) => &mut bufs[which][b * seq * width + h * d..],
-        }
-    }
-
-    /// Elements between consecutive rows.
-    fn row_stride(&self, width: usize) -> usize {
-        match self {
-            GradOut::Packed(_) => 3 * width,
-            GradOut::Separate(_) => width,
+            GradOut::Packed(buf) => {
+                let width = op.heads * d;
+                let row = 3 * width;
+                (
+                    &mut buf[(b * dims.seq + r) * row + which * width + h * d..],
+                    row,
+                )
+            }
+            GradOut::Separate(bufs) => {
+                let row = if which == 0 { op.heads } else { op.kv_heads } * d;
+                (&mut bufs[which][(b * dims.seq + r) * row + h * d..], row)
+            }
         }
     }
 }
@@ -86,9 +128,9 @@ impl<'a, T> View<'a, T> {
         }
     }
 
-    /// Elements from row 0 of `b`'s head `h` (head width `d`).
-    fn head(&self, b: usize, h: usize, d: usize) -> &[T] {
-        &self.data[b * self.batch + h * d..]
+    /// Elements from row `r` of `b`'s head `h` (head width `d`).
+    fn head(&self, b: usize, h: usize, r: usize, d: usize) -> &[T] {
+        &self.data[b * self.batch + r * self.row + h * d..]
     }
 }
 
@@ -116,29 +158,57 @@ fn view<'a, T: Float>(
 }
 
 impl Sdpa {
-    /// Scores of (b, h) into `s` [seq × seq]: `scale · Q K^T + mask`.
+    /// The K/V head that query head `h` reads.
+    fn kv_head(&self, h: usize) -> usize {
+        h / (self.heads / self.kv_heads)
+    }
+
+    /// The blocks of query rows one (batch, head) is computed in.
+    fn blocks(&self, seq: usize) -> impl Iterator<Item = Block> + use<> {
+        let (causal, step) = if self.causal {
+            (true, CAUSAL_BLOCK)
+        } else {
+            (false, seq.max(1))
+        };
+        (0..seq).step_by(step).map(move |r0| {
+            let r1 = (r0 + step).min(seq);
+            Block {
+                r0,
+                r1,
+                keys: if causal { r1 } else { seq },
+            }
+        })
+    }
+
+    /// Keys query row `i` sees among a block's.
+    fn visible(&self, i: usize, block: Block) -> usize {
+        if self.causal { i + 1 } else { block.keys }
+    }
+
+    /// Scores of (b, h) for `block` into `s` [rows × keys]: `scale · Q K^T + mask`.
     #[allow(clippy::too_many_arguments)]
     fn scores<T: Float>(
         &self,
         q: &View<T>,
         k: &View<T>,
         mask: Option<&[T]>,
-        b: usize,
-        h: usize,
-        (seq, d): (usize, usize),
+        (b, h): (usize, usize),
+        dims: Dims,
+        block: Block,
         s: &mut [T],
     ) {
+        let d = dims.head_dim;
         gemm_into(
-            seq,
-            seq,
+            block.rows(),
+            block.keys,
             d,
             s,
-            seq,
+            block.keys,
             false,
-            q.head(b, h, d),
+            q.head(b, h, block.r0, d),
             q.row,
             1,
-            k.head(b, h, d),
+            k.head(b, self.kv_head(h), 0, d),
             1,
             k.row,
             self.scale,
@@ -146,7 +216,8 @@ impl Sdpa {
         if let (Some(m), Some(spec)) = (mask, &self.mask) {
             let [mb, mh, mq, mk] = spec.dims;
             let base = ((if mb == 1 { 0 } else { b }) * mh + if mh == 1 { 0 } else { h }) * mq;
-            for (i, row) in s.chunks_mut(seq).enumerate() {
+            for (ri, row) in s.chunks_mut(block.keys).enumerate() {
+                let i = block.r0 + ri;
                 let mrow = &m[(base + if mq == 1 { 0 } else { i }) * mk..][..mk];
                 if mk == 1 {
                     row.iter_mut().for_each(|v| *v += mrow[0]);
@@ -183,18 +254,50 @@ impl Sdpa {
         })
     }
 
-    /// Applies the dropout mask of (b, h) to probabilities `p` (scaled by 1/(1-p)).
-    fn drop<T: Float>(&self, b: usize, h: usize, seq: usize, p: &mut [T]) {
-        if let Some((prob, seed)) = self.dropout {
-            let scale = 1.0 / (1.0 - prob);
+    /// Whether probability (b, h, i, j) survives dropout, and the survivors' scale.
+    fn dropout_mask(
+        &self,
+        b: usize,
+        h: usize,
+        seq: usize,
+    ) -> Option<(impl Fn(usize, usize) -> bool, f64)> {
+        self.dropout.map(|(prob, seed)| {
             let base = ((b * self.heads + h) * seq * seq) as u64;
-            for (i, v) in p.iter_mut().enumerate() {
-                *v = if keep(seed, base + i as u64, prob) {
-                    T::of(v.f() * scale)
-                } else {
-                    T::of(0.0)
-                };
+            (
+                move |i: usize, j: usize| keep(seed, base + (i * seq + j) as u64, prob),
+                1.0 / (1.0 - prob),
+            )
+        })
+    }
+
+    /// Applies the dropout mask of (b, h) to a block's probabilities `p` (scaled by 1/(1-p)).
+    fn drop<T: Float>(&self, b: usize, h: usize, seq: usize, block: Block, p: &mut [T]) {
+        if let Some((kept, scale)) = self.dropout_mask(b, h, seq) {
+            for (ri, row) in p.chunks_mut(block.keys).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = if kept(block.r0 + ri, j) {
+                        T::of(v.f() * scale)
+                    } else {
+                        T::of(0.0)
+                    };
+                }
             }
+        }
+    }
+
+    /// Turns a block's scores into probabilities: softmax over each row's visible keys
+    /// (saving its log-sum-exp, forward) or `exp(s - lse)` with the saved one (backward);
+    /// keys a row does not see become 0.
+    fn probabilities<T: Float>(&self, s: &mut [T], lse: &mut [f64], block: Block, forward: bool) {
+        for (ri, (row, l)) in s.chunks_mut(block.keys).zip(lse.iter_mut()).enumerate() {
+            let n = self.visible(block.r0 + ri, block);
+            let (seen, unseen) = row.split_at_mut(n);
+            if forward {
+                T::softmax_rows_in_place(seen, std::slice::from_mut(l), n);
+            } else {
+                T::exp_rows_minus(seen, std::slice::from_ref(l), n);
+            }
+            unseen.fill(T::of(0.0));
         }
     }
 
@@ -203,34 +306,42 @@ impl Sdpa {
         q: &View<T>,
         k: &View<T>,
         v: &View<T>,
-        (batch, seq, width): (usize, usize, usize),
+        dims: Dims,
     ) -> Result<Vec<T>> {
-        let d = width / self.heads;
+        let Dims {
+            batch,
+            seq,
+            head_dim: d,
+        } = dims;
+        let width = self.heads * d;
         let mut out = vec![T::of(0.0); batch * seq * width];
         let mut lse = vec![0f64; batch * self.heads * seq];
         let mut s = vec![T::of(0.0); seq * seq];
         let run = |mask: Option<&[T]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
-                    self.scores(q, k, mask, b, h, (seq, d), &mut s);
-                    let at = (b * self.heads + h) * seq;
-                    T::softmax_rows_in_place(&mut s, &mut lse[at..at + seq], seq);
-                    self.drop(b, h, seq, &mut s);
-                    gemm_into(
-                        seq,
-                        d,
-                        seq,
-                        &mut out[b * seq * width + h * d..],
-                        width,
-                        false,
-                        &s,
-                        seq,
-                        1,
-                        v.head(b, h, d),
-                        v.row,
-                        1,
-                        1.0,
-                    );
+                    for block in self.blocks(seq) {
+                        let s = &mut s[..block.rows() * block.keys];
+                        self.scores(q, k, mask, (b, h), dims, block, s);
+                        let at = (b * self.heads + h) * seq;
+                        self.probabilities(s, &mut lse[at + block.r0..at + block.r1], block, true);
+                        self.drop(b, h, seq, block, s);
+                        gemm_into(
+                            block.rows(),
+                            d,
+                            block.keys,
+                            &mut out[(b * seq + block.r0) * width + h * d..],
+                            width,
+                            false,
+                            s,
+                            block.keys,
+                            1,
+                            v.head(b, self.kv_head(h), 0, d),
+                            v.row,
+                            1,
+                            1.0,
+                        );
+                    }
                 }
             }
         };
@@ -239,7 +350,8 @@ impl Sdpa {
         Ok(out)
     }
 
-    /// Writes dQ, dK and dV into `out`.
+    /// Writes dQ, dK and dV into `out` (which starts zeroed: dK and dV accumulate over the
+    /// query heads of a group and the blocks of a head).
     #[allow(clippy::too_many_arguments)]
     fn backward<T: Float>(
         &self,
@@ -248,119 +360,135 @@ impl Sdpa {
         v: &View<T>,
         o: &[T],
         g: &[T],
-        (batch, seq, width): (usize, usize, usize),
+        dims: Dims,
         out: &mut GradOut<'_, T>,
     ) -> Result<()> {
-        let d = width / self.heads;
-        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        let Dims {
+            batch,
+            seq,
+            head_dim: d,
+        } = dims;
+        let width = self.heads * d;
+        let mut lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
         if lse.len() != batch * self.heads * seq {
             return Err(candle_core::Error::Msg(
                 "sdpa: backward without a matching forward".into(),
             ));
         }
-        let out_row = out.row_stride(width);
         let mut p = vec![T::of(0.0); seq * seq];
         let mut dp = vec![T::of(0.0); seq * seq];
         let mut rowdot = vec![T::of(0.0); seq];
         let run = |mask: Option<&[T]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
-                    let at = b * seq * width + h * d;
-                    self.scores(q, k, mask, b, h, (seq, d), &mut p);
-                    let l = (b * self.heads + h) * seq;
-                    T::exp_rows_minus(&mut p, &lse[l..l + seq], seq);
-                    // dV = P'^T dO, with P' the dropped-out probabilities.
-                    let dropped: &[T] = if self.dropout.is_some() {
-                        dp.copy_from_slice(&p);
-                        self.drop(b, h, seq, &mut dp);
-                        &dp
-                    } else {
-                        &p
-                    };
-                    gemm_into(
-                        seq,
-                        d,
-                        seq,
-                        out.head(2, b, h, (seq, width, d)),
-                        out_row,
-                        false,
-                        dropped,
-                        1,
-                        seq,
-                        &g[at..],
-                        width,
-                        1,
-                        1.0,
-                    );
-                    // dP' = dO V^T
-                    gemm_into(
-                        seq,
-                        seq,
-                        d,
-                        &mut dp,
-                        seq,
-                        false,
-                        &g[at..],
-                        width,
-                        1,
-                        v.head(b, h, d),
-                        1,
-                        v.row,
-                        1.0,
-                    );
-                    // D_i = sum_j P'_ij dP'_ij = dO_i . O_i
-                    for (i, r) in rowdot.iter_mut().enumerate() {
-                        let row = at + i * width;
-                        *r = dot(&g[row..row + d], &o[row..row + d]);
-                    }
-                    // dS = P (dP - D), dP = dP' * dropout mask / (1-p)
-                    let base = ((b * self.heads + h) * seq * seq) as u64;
-                    for (i, (prow, dprow)) in p.chunks(seq).zip(dp.chunks_mut(seq)).enumerate() {
-                        let r = rowdot[i];
-                        if let Some((prob, seed)) = self.dropout {
-                            let s = T::of(1.0 / (1.0 - prob));
-                            for (j, (&pv, dv)) in prow.iter().zip(dprow.iter_mut()).enumerate() {
-                                let kept = keep(seed, base + (i * seq + j) as u64, prob);
-                                let dpv = if kept { *dv * s } else { T::of(0.0) };
-                                *dv = pv * (dpv - r);
-                            }
+                    let kvh = self.kv_head(h);
+                    for block in self.blocks(seq) {
+                        let n = block.keys;
+                        let (p, dp) = (&mut p[..block.rows() * n], &mut dp[..block.rows() * n]);
+                        let at = (b * seq + block.r0) * width + h * d;
+                        self.scores(q, k, mask, (b, h), dims, block, p);
+                        let l = (b * self.heads + h) * seq;
+                        self.probabilities(p, &mut lse[l + block.r0..l + block.r1], block, false);
+                        // dV += P'^T dO, with P' the dropped-out probabilities.
+                        let dropped: &[T] = if self.dropout.is_some() {
+                            dp.copy_from_slice(p);
+                            self.drop(b, h, seq, block, dp);
+                            dp
                         } else {
-                            prow.iter()
-                                .zip(dprow.iter_mut())
-                                .for_each(|(&pv, dv)| *dv = pv * (*dv - r));
+                            p
+                        };
+                        let (dv, dv_row) = out.at(2, b, kvh, 0, self, dims);
+                        gemm_into(
+                            n,
+                            d,
+                            block.rows(),
+                            dv,
+                            dv_row,
+                            true,
+                            dropped,
+                            1,
+                            n,
+                            &g[at..],
+                            width,
+                            1,
+                            1.0,
+                        );
+                        // dP' = dO V^T
+                        gemm_into(
+                            block.rows(),
+                            n,
+                            d,
+                            dp,
+                            n,
+                            false,
+                            &g[at..],
+                            width,
+                            1,
+                            v.head(b, kvh, 0, d),
+                            1,
+                            v.row,
+                            1.0,
+                        );
+                        // D_i = sum_j P'_ij dP'_ij = dO_i . O_i
+                        for (ri, r) in rowdot[..block.rows()].iter_mut().enumerate() {
+                            let row = at + ri * width;
+                            *r = dot(&g[row..row + d], &o[row..row + d]);
                         }
+                        // dS = P (dP - D), dP = dP' * dropout mask / (1-p)
+                        let mask = self.dropout_mask(b, h, seq);
+                        for (ri, (prow, dprow)) in p.chunks(n).zip(dp.chunks_mut(n)).enumerate() {
+                            let (i, r) = (block.r0 + ri, rowdot[ri]);
+                            let seen = self.visible(i, block);
+                            if let Some((kept, scale)) = &mask {
+                                let s = T::of(*scale);
+                                for (j, (&pv, dv)) in
+                                    prow[..seen].iter().zip(dprow.iter_mut()).enumerate()
+                                {
+                                    let dpv = if kept(i, j) { *dv * s } else { T::of(0.0) };
+                                    *dv = pv * (dpv - r);
+                                }
+                            } else {
+                                prow[..seen]
+                                    .iter()
+                                    .zip(dprow.iter_mut())
+                                    .for_each(|(&pv, dv)| *dv = pv * (*dv - r));
+                            }
+                            dprow[seen..].fill(T::of(0.0));
+                        }
+                        // dQ = scale dS K; dK += scale dS^T Q
+                        let (dq, dq_row) = out.at(0, b, h, block.r0, self, dims);
+                        gemm_into(
+                            block.rows(),
+                            d,
+                            n,
+                            dq,
+                            dq_row,
+                            false,
+                            dp,
+                            n,
+                            1,
+                            k.head(b, kvh, 0, d),
+                            k.row,
+                            1,
+                            self.scale,
+                        );
+                        let (dk, dk_row) = out.at(1, b, kvh, 0, self, dims);
+                        gemm_into(
+                            n,
+                            d,
+                            block.rows(),
+                            dk,
+                            dk_row,
+                            true,
+                            dp,
+                            1,
+                            n,
+                            q.head(b, h, block.r0, d),
+                            q.row,
+                            1,
+                            self.scale,
+                        );
                     }
-                    // dQ = scale dS K; dK = scale dS^T Q
-                    gemm_into(
-                        seq,
-                        d,
-                        seq,
-                        out.head(0, b, h, (seq, width, d)),
-                        out_row,
-                        false,
-                        &dp,
-                        seq,
-                        1,
-                        k.head(b, h, d),
-                        k.row,
-                        1,
-                        self.scale,
-                    );
-                    gemm_into(
-                        seq,
-                        d,
-                        seq,
-                        out.head(1, b, h, (seq, width, d)),
-                        out_row,
-                        false,
-                        &dp,
-                        1,
-                        seq,
-                        q.head(b, h, d),
-                        q.row,
-                        1,
-                        self.scale,
-                    );
                 }
             }
         };

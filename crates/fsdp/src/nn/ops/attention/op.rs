@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape
 
 use std::sync::Mutex;
 
-use super::{GradOut, Mask, Sdpa, View, dims3, view};
+use super::{Dims, GradOut, Mask, Sdpa, View, dims3, view};
 use crate::nn::ops::{Float, float_dispatch, tensor, with_slice};
 
 /// Attention on three operands q, k, v.
@@ -24,21 +24,13 @@ impl CustomOp3 for Sdpa {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let shape = dims3(l1)?;
-        if dims3(l2)? != shape || dims3(l3)? != shape {
-            return Err(candle_core::Error::Msg(format!(
-                "sdpa: q {:?}, k {:?} and v {:?} differ",
-                l1.dims(),
-                l2.dims(),
-                l3.dims()
-            )));
-        }
+        let dims = self.dims(dims3(l1)?, dims3(l2)?, dims3(l3)?)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
             let out = self.forward::<T>(
                 &view(s1, l1, 0, self.name())?,
                 &view(s2, l2, 0, self.name())?,
                 &view(s3, l3, 0, self.name())?,
-                shape,
+                dims,
             )?;
             Ok((T::storage(out), l1.shape().clone()))
         })
@@ -52,23 +44,29 @@ impl CustomOp3 for Sdpa {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let shape = q_t.dims3()?;
-        let (b, s, w) = shape;
+        let dims = self.dims(q_t.dims3()?, k_t.dims3()?, v_t.dims3()?)?;
+        let (s, qw, kw) = (
+            dims.seq,
+            self.heads * dims.head_dim,
+            self.kv_heads * dims.head_dim,
+        );
         float_dispatch!(q_t.dtype(), self.name(), T => {
-            let n = b * s * w;
-            let (mut dq, mut dk, mut dv) =
-                (vec![T::of(0.0); n], vec![T::of(0.0); n], vec![T::of(0.0); n]);
+            let (mut dq, mut dk, mut dv) = (
+                vec![T::of(0.0); q_t.elem_count()],
+                vec![T::of(0.0); k_t.elem_count()],
+                vec![T::of(0.0); v_t.elem_count()],
+            );
             with_slice::<T, _>(q_t, self.name(), |q| {
                 with_slice::<T, _>(k_t, self.name(), |k| {
                     with_slice::<T, _>(v_t, self.name(), |v| {
                         self.with_output_grad::<T, _>(res, grad, |o, g| {
                             self.backward::<T>(
-                                &View::dense(q, s, w, 0),
-                                &View::dense(k, s, w, 0),
-                                &View::dense(v, s, w, 0),
+                                &View::dense(q, s, qw, 0),
+                                &View::dense(k, s, kw, 0),
+                                &View::dense(v, s, kw, 0),
                                 o,
                                 g,
-                                shape,
+                                dims,
                                 &mut GradOut::Separate([&mut dq, &mut dk, &mut dv]),
                             )
                         })
@@ -110,28 +108,79 @@ impl CustomOp1 for PackedSdpa {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let shape = Self::width(l)?;
-        let w = shape.2;
+        let (dims, w) = (self.0.dims(shape, shape, shape)?, shape.2);
         float_dispatch!(s.dtype(), self.name(), T => {
             let part = |i| view::<T>(s, l, i * w, self.name());
-            let out = self.0.forward::<T>(&part(0)?, &part(1)?, &part(2)?, shape)?;
+            let out = self.0.forward::<T>(&part(0)?, &part(1)?, &part(2)?, dims)?;
             Ok((T::storage(out), Shape::from(shape)))
         })
     }
 
     fn bwd(&self, qkv_t: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let shape = Self::width(qkv_t.layout())?;
-        let (b, s, w) = shape;
+        let (dims, (b, s, w)) = (self.0.dims(shape, shape, shape)?, shape);
         float_dispatch!(qkv_t.dtype(), self.name(), T => {
             let dqkv = with_slice::<T, _>(qkv_t, self.name(), |qkv| {
                 self.0.with_output_grad::<T, _>(res, grad, |o, g| {
                     let part = |i: usize| View::dense(qkv, s, 3 * w, i * w);
                     let mut dqkv = vec![T::of(0.0); 3 * b * s * w];
                     let mut out = GradOut::Packed(&mut dqkv);
-                    self.0.backward::<T>(&part(0), &part(1), &part(2), o, g, shape, &mut out)?;
+                    self.0.backward::<T>(&part(0), &part(1), &part(2), o, g, dims, &mut out)?;
                     Ok(dqkv)
                 })
             })?;
             Ok(Some(tensor(dqkv, qkv_t.shape(), qkv_t)?))
+        })
+    }
+}
+
+/// How many query and K/V heads an attention call has, and whether it is causal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionHeads {
+    /// Query heads.
+    pub heads: usize,
+    /// K/V heads (`num_key_value_heads`): equal to `heads` for multi-head attention, a divisor
+    /// of it for grouped-query attention (each serves `heads / kv_heads` consecutive query
+    /// heads, as transformers' `repeat_kv` orders them), 1 for multi-query.
+    pub kv_heads: usize,
+    /// Query `i` attends to keys `0..=i` only (decoder self-attention); the masked half of
+    /// the work is skipped rather than computed and masked.
+    pub causal: bool,
+}
+
+impl AttentionHeads {
+    /// Multi-head attention, every key visible (unless a mask hides it).
+    pub fn full(heads: usize) -> AttentionHeads {
+        AttentionHeads {
+            heads,
+            kv_heads: heads,
+            causal: false,
+        }
+    }
+}
+
+impl Sdpa {
+    /// The call's extents from the shapes of q, k and v, checked against the head counts.
+    fn dims(
+        &self,
+        (batch, seq, qw): (usize, usize, usize),
+        k: (usize, usize, usize),
+        v: (usize, usize, usize),
+    ) -> Result<Dims> {
+        let head_dim = qw / self.heads;
+        let kv = (batch, seq, self.kv_heads * head_dim);
+        if head_dim == 0 || qw % self.heads != 0 || k != kv || v != kv {
+            return Err(candle_core::Error::Msg(format!(
+                "sdpa: q {:?}, k {k:?} and v {v:?} do not fit {} query and {} K/V heads (k and v must be [batch, seq, kv_heads * head_dim] for q [batch, seq, heads * head_dim])",
+                (batch, seq, qw),
+                self.heads,
+                self.kv_heads
+            )));
+        }
+        Ok(Dims {
+            batch,
+            seq,
+            head_dim,
         })
     }
 }
@@ -141,13 +190,18 @@ impl CustomOp1 for PackedSdpa {
 fn sdpa_op(
     (batch, seq, width): (usize, usize, usize),
     dtype: candle_core::DType,
-    heads: usize,
+    heads: AttentionHeads,
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Sdpa> {
-    if heads == 0 || width % heads != 0 {
+    let AttentionHeads {
+        heads,
+        kv_heads,
+        causal,
+    } = heads;
+    if heads == 0 || width % heads != 0 || kv_heads == 0 || heads % kv_heads != 0 {
         return Err(candle_core::Error::Msg(format!(
-            "sdpa: width {width} is not a multiple of {heads} heads"
+            "sdpa: width {width} is not a multiple of {heads} heads, or {heads} query heads are not a multiple of {kv_heads} K/V heads"
         )));
     }
     if let Some((p, _)) = dropout
@@ -183,6 +237,8 @@ fn sdpa_op(
     };
     Ok(Sdpa {
         heads,
+        kv_heads,
+        causal,
         scale: 1.0 / ((width / heads) as f64).sqrt(),
         mask,
         dropout: dropout.filter(|(p, _)| *p > 0.0),
@@ -203,13 +259,30 @@ pub fn scaled_dot_product_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
+    grouped_query_attention(q, k, v, AttentionHeads::full(heads), mask, dropout)
+}
+
+/// Attention with `heads.kv_heads` K/V heads serving `heads.heads` query heads, causal or
+/// not: `q` `[batch, seq, heads * head_dim]`, `k` and `v` `[batch, seq, kv_heads * head_dim]`
+/// (rows may be strided), `mask` additive and broadcastable to `[batch, heads, seq, seq]`
+/// (padding; causality is `heads.causal`, not a mask), optional dropout
+/// `(probability, seed)`. The K/V heads are read in place, never repeated. Returns
+/// `[batch, seq, heads * head_dim]`. Half-precision inputs are attended in f32.
+pub fn grouped_query_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: AttentionHeads,
+    mask: Option<&Tensor>,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
     if matches!(q.dtype(), DType::BF16 | DType::F16) {
         // Probabilities kept in half precision lose too much in softmax's backward (a
         // difference of nearly equal products): half-precision inputs are attended in f32, as
         // PyTorch's kernels accumulate and keep them, and the output is cast back.
         let wide = |t: &Tensor| t.to_dtype(DType::F32);
         let mask = mask.map(wide).transpose()?;
-        let out = scaled_dot_product_attention(
+        let out = grouped_query_attention(
             &wide(q)?,
             &wide(k)?,
             &wide(v)?,
@@ -225,20 +298,31 @@ pub fn scaled_dot_product_attention(
 
 /// [`scaled_dot_product_attention`] on a fused projection `qkv` `[batch, seq, 3 * width]`
 /// holding q, k and v side by side (BERT's query/key/value or GPT-2's `c_attn` computed by
-/// one GEMM). Returns `[batch, seq, width]`.
+/// one GEMM); `causal` limits query `i` to keys `0..=i`. Returns `[batch, seq, width]`.
 pub fn packed_attention(
     qkv: &Tensor,
     heads: usize,
+    causal: bool,
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
     if matches!(qkv.dtype(), DType::BF16 | DType::F16) {
-        // In f32, as in [`scaled_dot_product_attention`].
+        // In f32, as in [`grouped_query_attention`].
         let mask = mask.map(|m| m.to_dtype(DType::F32)).transpose()?;
-        let out = packed_attention(&qkv.to_dtype(DType::F32)?, heads, mask.as_ref(), dropout)?;
+        let out = packed_attention(
+            &qkv.to_dtype(DType::F32)?,
+            heads,
+            causal,
+            mask.as_ref(),
+            dropout,
+        )?;
         return out.to_dtype(qkv.dtype());
     }
     let shape = PackedSdpa::width(qkv.layout())?;
+    let heads = AttentionHeads {
+        causal,
+        ..AttentionHeads::full(heads)
+    };
     let op = sdpa_op(shape, qkv.dtype(), heads, mask, dropout)?;
     qkv.apply_op1(PackedSdpa(op))
 }
