@@ -711,6 +711,93 @@ fn scaled_dot_product_attention() {
     );
 }
 
+#[test]
+fn swiglu() {
+    // silu(g) * u from candle ops: g * sigmoid(g) * u, sigmoid as 1 / (1 + exp(-g)).
+    let composed = |t: &[Tensor]| {
+        let sigmoid = ((t[0].neg()?.exp()? + 1.0)?).recip()?;
+        (&t[0] * sigmoid)? * &t[1]
+    };
+    // Wide enough to reach exp's clamped tails (|g| > 88).
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let inputs = [
+            rand(&[3, 7, 33], 71, 8.0, dtype),
+            rand(&[3, 7, 33], 72, 2.0, dtype),
+        ];
+        against_composed(
+            &format!("swiglu {dtype:?}"),
+            &|t| ops::swiglu(&t[0], &t[1]),
+            &composed,
+            &inputs,
+            tol,
+        );
+        let tails = [
+            Tensor::new(
+                &[-120.0, -90.0, -30.0, 0.0, 30.0, 90.0, 120.0],
+                &Device::Cpu,
+            )
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap(),
+            Tensor::new(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        ];
+        let (out, grads) = eval(&|t| ops::swiglu(&t[0], &t[1]), &tails);
+        for t in std::iter::once(&out).chain(&grads) {
+            let v: Vec<f64> = t.to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+            assert!(
+                v.iter().all(|x| x.is_finite()),
+                "swiglu {dtype:?} tails: {v:?}"
+            );
+        }
+        let v: Vec<f64> = out.to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+        assert!(v[0].abs() < 1e-30 && (v[6] - 840.0).abs() < 1e-3, "{v:?}");
+    }
+    against_finite_differences(
+        "swiglu",
+        &|t| ops::swiglu(&t[0], &t[1]),
+        &[
+            rand(&[4, 9], 73, 4.0, DType::F64),
+            rand(&[4, 9], 74, 2.0, DType::F64),
+        ],
+    );
+    // bf16 and f16 compute in f32 and round once: the f32 result rounded, gradients too.
+    let inputs = [
+        rand(&[5, 40], 75, 4.0, DType::F32),
+        rand(&[5, 40], 76, 2.0, DType::F32),
+    ];
+    let (_, grads32) = eval(&|t| ops::swiglu(&t[0], &t[1]), &inputs);
+    for half in [DType::BF16, DType::F16] {
+        let narrow: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(half).unwrap()).collect();
+        let wide: Vec<Tensor> = narrow
+            .iter()
+            .map(|t| t.to_dtype(DType::F32).unwrap())
+            .collect();
+        let (reference, _) = eval(&|t| ops::swiglu(&t[0], &t[1]), &wide);
+        let (out, grads) = eval(&|t| ops::swiglu(&t[0], &t[1]), &narrow);
+        let rounded = reference
+            .to_dtype(half)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        assert_eq!(
+            max_rel_diff(&out.to_dtype(DType::F32).unwrap(), &rounded),
+            0.0,
+            "{half:?}"
+        );
+        let eps = if half == DType::BF16 { 0.05 } else { 0.01 };
+        for (g, g32) in grads.iter().zip(&grads32) {
+            let d = max_rel_diff(&g.to_dtype(DType::F32).unwrap(), g32);
+            assert!(d < eps, "{half:?} gradient differs by {d}");
+        }
+    }
+    let err = ops::swiglu(&inputs[0], &inputs[1].narrow(1, 0, 39).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("differ in shape"), "{err}");
+}
+
 /// Grouped-query attention from plain candle ops: each K/V head repeated for its query group
 /// (transformers' `repeat_kv`), then [`composed_attention`] under an additive causal mask.
 fn composed_gqa(

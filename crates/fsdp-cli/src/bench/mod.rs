@@ -1,6 +1,6 @@
 //! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
 //! checkpoints, loading pretrained weights, the optimizer step, training offloaded to disk, the
-//! rotary embedding op and causal grouped-query attention, each printing a table and machine-readable JSON.
+//! rotary embedding, causal grouped-query attention and SwiGLU ops, each printing a table and machine-readable JSON.
 
 mod attention;
 mod checkpoint;
@@ -11,6 +11,7 @@ mod memory;
 mod offload;
 mod optimizer;
 mod rope;
+mod swiglu;
 mod workers;
 
 use anyhow::Result;
@@ -53,6 +54,8 @@ enum BenchWhat {
     /// Causal grouped-query attention against the fused op on repeated K/V under a causal
     /// mask and against the formula composed from candle ops, one thread.
     Attention(attention::AttentionArgs),
+    /// The fused `silu(gate) * up` against the formula composed from candle ops, one thread.
+    Swiglu(swiglu::SwigluArgs),
 }
 
 /// Runs `fsdp bench ...`.
@@ -67,6 +70,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Offload(a) => offload::run(a),
         BenchWhat::Rope(a) => rope::run(a),
         BenchWhat::Attention(a) => attention::run(a),
+        BenchWhat::Swiglu(a) => swiglu::run(a),
     }
 }
 

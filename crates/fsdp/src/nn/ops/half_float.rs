@@ -160,6 +160,22 @@ macro_rules! half_float {
                     simd::gelu_backward(&x, &bias, &g, w, dbias, approx == GeluApprox::Tanh)
                 })
             }
+            fn swiglu_forward(gate: &[Self], up: &[Self], out: &mut [Self]) {
+                let (gate, up) = (widen(gate), widen(up));
+                write_via_f32(out, |w| simd::swiglu_forward(&gate, &up, w))
+            }
+            fn swiglu_backward(
+                gate: &[Self],
+                up: &[Self],
+                dy: &[Self],
+                dgate: &mut [Self],
+                dup: &mut [Self],
+            ) {
+                let (gate, up, dy) = (widen(gate), widen(up), widen(dy));
+                let mut wide_up = vec![0f32; dup.len()];
+                write_via_f32(dgate, |w| simd::swiglu_backward(&gate, &up, &dy, w, &mut wide_up));
+                <Self as F32Conversions>::narrow_into(&wide_up, dup);
+            }
             fn norm_forward(
                 x: &[Self],
                 gamma: &[Self],

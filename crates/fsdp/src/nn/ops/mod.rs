@@ -15,6 +15,7 @@ mod norm;
 mod rope;
 mod simd;
 mod softmax;
+mod swiglu;
 
 pub use attention::{
     AttentionHeads, grouped_query_attention, packed_attention, scaled_dot_product_attention,
@@ -27,6 +28,7 @@ pub use linear::{conv1d, linear, linear_gelu, linear_no_bias};
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
 pub use rope::{RopeScaling, RopeTable, rope};
 pub use softmax::softmax_last_dim;
+pub use swiglu::swiglu;
 
 /// Which kernel runs bf16 matrix products on this CPU (what `fsdp env` reports): mixed
 /// precision's speed depends on it.
@@ -69,6 +71,16 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
         dx: &mut [Self],
         dbias: &mut [f64],
         approx: GeluApprox,
+    );
+    /// `out = silu(gate) * up`.
+    fn swiglu_forward(gate: &[Self], up: &[Self], out: &mut [Self]);
+    /// `dgate = dy * up * silu'(gate)`, `dup = dy * silu(gate)`.
+    fn swiglu_backward(
+        gate: &[Self],
+        up: &[Self],
+        dy: &[Self],
+        dgate: &mut [Self],
+        dup: &mut [Self],
     );
     /// LayerNorm (`center`) or RMSNorm rows of length `d`, affine.
     fn norm_forward(
@@ -148,6 +160,18 @@ impl Float for f32 {
         approx: GeluApprox,
     ) {
         simd::gelu_backward(x, bias, g, dx, dbias, approx == GeluApprox::Tanh)
+    }
+    fn swiglu_forward(gate: &[Self], up: &[Self], out: &mut [Self]) {
+        simd::swiglu_forward(gate, up, out)
+    }
+    fn swiglu_backward(
+        gate: &[Self],
+        up: &[Self],
+        dy: &[Self],
+        dgate: &mut [Self],
+        dup: &mut [Self],
+    ) {
+        simd::swiglu_backward(gate, up, dy, dgate, dup)
     }
     fn norm_forward(
         x: &[Self],
@@ -240,6 +264,18 @@ impl Float for f64 {
         approx: GeluApprox,
     ) {
         gelu::backward_scalar(x, bias, g, dx, dbias, approx)
+    }
+    fn swiglu_forward(gate: &[Self], up: &[Self], out: &mut [Self]) {
+        swiglu::forward_scalar(gate, up, out)
+    }
+    fn swiglu_backward(
+        gate: &[Self],
+        up: &[Self],
+        dy: &[Self],
+        dgate: &mut [Self],
+        dup: &mut [Self],
+    ) {
+        swiglu::backward_scalar(gate, up, dy, dgate, dup)
     }
     fn norm_forward(
         x: &[Self],

@@ -148,6 +148,34 @@ multiversion! {
     }
 }
 
+/// (silu(g), silu'(g)): `g σ(g)` and `σ(g) (1 + g (1 - σ(g)))`, σ through the branch-free
+/// `exp` (exactly 0 and 1 in its tails).
+#[inline(always)]
+fn silu<const F: bool>(g: f32) -> (f32, f32) {
+    let s = 1.0 / (1.0 + exp::<F>(-g));
+    (g * s, s * fma::<F>(g, 1.0 - s, 1.0))
+}
+
+multiversion! {
+    /// `out = silu(gate) * up`.
+    fn swiglu_forward(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((&g, &u), o) in gate.iter().zip(up).zip(out.iter_mut()) {
+            *o = silu::<FMA>(g).0 * u;
+        }
+    }
+}
+
+multiversion! {
+    /// `dgate = dy * up * silu'(gate)`, `dup = dy * silu(gate)`.
+    fn swiglu_backward(gate: &[f32], up: &[f32], dy: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+        for (((&g, &u), &d), (dg, du)) in gate.iter().zip(up).zip(dy).zip(dgate.iter_mut().zip(dup.iter_mut())) {
+            let (s, ds) = silu::<FMA>(g);
+            *dg = d * u * ds;
+            *du = d * s;
+        }
+    }
+}
+
 multiversion! {
     /// Softmax of each row of `s` (length `d`) in place, keeping each row's log-sum-exp (so a
     /// backward pass can recompute the probabilities instead of storing them).
