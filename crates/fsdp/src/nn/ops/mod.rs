@@ -26,7 +26,7 @@ pub use embedding::embedding;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
 pub use linear::{conv1d, linear, linear_gelu, linear_no_bias};
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
-pub use rope::{RopeScaling, RopeTable, rope};
+pub use rope::{RopeAngles, RopeLayout, RopeScaling, RopeTable, rope, rope_with};
 pub use softmax::softmax_last_dim;
 pub use swiglu::swiglu;
 

@@ -124,9 +124,10 @@ impl RopeTable {
         })
     }
 
-    /// cos and sin of every (position, frequency) angle, `[positions.len(), head_dim / 2]`
-    /// each, in f32 as transformers computes them.
-    fn angles(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    /// The angles of `positions`: one per sequence position (shared by the batch) or
+    /// `batch * seq` (each sequence its own, as transformers' `position_ids`). Made once per
+    /// forward, they serve every layer's [`rope_with`].
+    pub fn angles_at(&self, positions: &[u32]) -> RopeAngles {
         let n = positions.len() * self.inv_freq.len();
         let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for &p in positions {
@@ -136,37 +137,68 @@ impl RopeTable {
                 sin.push(angle.sin());
             }
         }
-        (cos, sin)
+        RopeAngles {
+            cos: cos.into(),
+            sin: sin.into(),
+            rows: positions.len(),
+        }
     }
+}
+
+/// cos and sin of every (position, frequency) angle, `[positions, head_dim / 2]` each, in
+/// f32 as transformers computes them (`RopeTable::angles_at`).
+#[derive(Debug, Clone)]
+pub struct RopeAngles {
+    cos: Arc<[f32]>,
+    sin: Arc<[f32]>,
+    rows: usize,
+}
+
+/// Where the heads and the sequence sit in rope's input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// `[batch, heads, seq, head_dim]` (transformers' layout after its head transpose).
+    HeadsFirst,
+    /// `[batch, seq, heads, head_dim]`: a projection's output `[batch, seq, heads *
+    /// head_dim]` reshaped, no transpose (what [`super::grouped_query_attention`] takes).
+    SeqFirst,
 }
 
 /// The op: the angles of its positions, kept for backward.
 struct Rope {
-    cos: Arc<Vec<f32>>,
-    sin: Arc<Vec<f32>>,
-    /// Positions per batch element: the table's rows are `[batch?, seq]`.
-    seq: usize,
-    /// Rows of the table: `seq` (shared by the batch) or `batch * seq`.
-    table_rows: usize,
+    angles: RopeAngles,
+    layout: RopeLayout,
 }
 
 impl Rope {
-    /// `out = rotate(x)` (forward, `sign` 1) or its transpose (backward, `sign` -1) over rows
-    /// `[batch, heads, seq, head_dim]`, in `x`'s own precision: in f32 the same products and
-    /// sum, rounded the same way, as transformers' `q * cos + rotate_half(q) * sin`.
+    /// (batch, heads, seq, head_dim) of an input of this op's layout.
+    fn extents(&self, dims: &[usize]) -> (usize, usize, usize, usize) {
+        match self.layout {
+            RopeLayout::HeadsFirst => (dims[0], dims[1], dims[2], dims[3]),
+            RopeLayout::SeqFirst => (dims[0], dims[2], dims[1], dims[3]),
+        }
+    }
+
+    /// `out = rotate(x)` (forward, `sign` 1) or its transpose (backward, `sign` -1) over the
+    /// head rows of `x`, in `x`'s own precision: in f32 the same products and sum, rounded
+    /// the same way, as transformers' `q * cos + rotate_half(q) * sin`.
     fn apply<T: Real>(&self, x: &[T], dims: &[usize], sign: f32) -> Vec<T> {
-        let (batch, heads, d) = (dims[0], dims[1], dims[3]);
+        let (batch, heads, seq, d) = self.extents(dims);
         let half = d / 2;
         let mut out = vec![T::default(); x.len()];
-        let per_batch = self.table_rows != self.seq;
+        let per_batch = self.angles.rows != seq;
+        let (cos, sin) = (&self.angles.cos, &self.angles.sin);
         for b in 0..batch {
             for h in 0..heads {
-                for s in 0..self.seq {
-                    let row = ((b * heads + h) * self.seq + s) * d;
-                    let t = if per_batch { b * self.seq + s } else { s } * half;
+                for s in 0..seq {
+                    let row = match self.layout {
+                        RopeLayout::HeadsFirst => ((b * heads + h) * seq + s) * d,
+                        RopeLayout::SeqFirst => ((b * seq + s) * heads + h) * d,
+                    };
+                    let t = if per_batch { b * seq + s } else { s } * half;
                     let (xr, or) = (&x[row..row + d], &mut out[row..row + d]);
                     for i in 0..half {
-                        let (c, sn) = (T::from(self.cos[t + i]), T::from(sign * self.sin[t + i]));
+                        let (c, sn) = (T::from(cos[t + i]), T::from(sign * sin[t + i]));
                         let (a, z) = (xr[i], xr[i + half]);
                         or[i] = a * c - z * sn;
                         or[i + half] = z * c + a * sn;
@@ -178,17 +210,22 @@ impl Rope {
     }
 
     fn check(&self, dims: &[usize]) -> Result<()> {
-        let ok = dims.len() == 4
-            && dims[2] == self.seq
-            && dims[3].is_multiple_of(2)
-            && self.cos.len() == self.table_rows * dims[3] / 2
-            && (self.table_rows == self.seq || self.table_rows == dims[0] * self.seq);
+        let rows = self.angles.rows;
+        let ok = dims.len() == 4 && {
+            let (batch, _, seq, d) = self.extents(dims);
+            d.is_multiple_of(2)
+                && self.angles.cos.len() == rows * d / 2
+                && (rows == seq || rows == batch * seq)
+        };
         if ok {
             Ok(())
         } else {
+            let expected = match self.layout {
+                RopeLayout::HeadsFirst => "[batch, heads, seq, head_dim]",
+                RopeLayout::SeqFirst => "[batch, seq, heads, head_dim]",
+            };
             Err(candle_core::Error::Msg(format!(
-                "rope: x must be [batch, heads, seq, head_dim] with head_dim twice the table's frequencies and seq or batch * seq positions; got {dims:?} for {} positions",
-                self.table_rows
+                "rope: x must be {expected} with head_dim twice the table's frequencies and seq or batch * seq positions; got {dims:?} for {rows} positions"
             )))
         }
     }
@@ -286,13 +323,14 @@ impl CustomOp1 for Rope {
 /// transformers' `position_ids`), with `table`'s frequencies. f32 computes as transformers
 /// does; bf16 and f16 compute in f32 and round once (their gradients likewise).
 pub fn rope(x: &Tensor, table: &RopeTable, positions: &[u32]) -> Result<Tensor> {
-    let (cos, sin) = table.angles(positions);
-    let seq = x.dims().get(2).copied().unwrap_or(0);
+    rope_with(x, &table.angles_at(positions), RopeLayout::HeadsFirst)
+}
+
+/// [`rope`] with angles made once (`RopeTable::angles_at`) on an input of either layout.
+pub fn rope_with(x: &Tensor, angles: &RopeAngles, layout: RopeLayout) -> Result<Tensor> {
     let op = Rope {
-        cos: Arc::new(cos),
-        sin: Arc::new(sin),
-        seq,
-        table_rows: positions.len(),
+        angles: angles.clone(),
+        layout,
     };
     x.contiguous()?.apply_op1(op)
 }
@@ -322,8 +360,9 @@ mod tests {
 
     /// transformers' formula from candle ops: `x * cos + cat(-x2, x1) * sin`.
     fn composed(x: &Tensor, table: &RopeTable, positions: &[u32]) -> Result<Tensor> {
-        let (b, _, s, d) = x.dims4()?;
-        let (cos, sin) = table.angles(positions);
+        let (_, _, s, d) = x.dims4()?;
+        let angles = table.angles_at(positions);
+        let (cos, sin) = (angles.cos.to_vec(), angles.sin.to_vec());
         let rows = positions.len() / s;
         let full = |v: Vec<f32>| -> Result<Tensor> {
             let t = Tensor::from_vec(v, (rows, 1, s, d / 2), x.device())?;
@@ -332,7 +371,6 @@ mod tests {
         let (cos, sin) = (full(cos)?, full(sin)?);
         let (x1, x2) = (x.narrow(3, 0, d / 2)?, x.narrow(3, d / 2, d / 2)?);
         let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
-        let _ = b;
         x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
     }
 
@@ -394,6 +432,36 @@ mod tests {
                 assert_eq!(rope(&x, &table, positions).unwrap().dtype(), dtype);
             }
         }
+    }
+
+    #[test]
+    fn the_seq_first_layout_equals_the_heads_first_one_transposed() {
+        let table = RopeTable::new(8, 10000.0, Some(RopeScaling::Linear { factor: 2.0 })).unwrap();
+        for positions in [(0..5).collect::<Vec<u32>>(), (0..5).chain(7..12).collect()] {
+            let angles = table.angles_at(&positions);
+            let x = rand(&[2, 5, 3, 8], 9, DType::F64);
+            let seq_first = |x: &Tensor| rope_with(x, &angles, RopeLayout::SeqFirst);
+            let heads_first = |x: &Tensor| {
+                let t = x.transpose(1, 2)?.contiguous()?;
+                rope_with(&t, &angles, RopeLayout::HeadsFirst)?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
+            let (v, g) = value_and_grad(&seq_first, &x);
+            let (hv, hg) = value_and_grad(&heads_first, &x);
+            assert!(max_diff(&v, &hv) < 1e-15 && max_diff(&g, &hg) < 1e-15);
+        }
+        let angles = table.angles_at(&[0, 1, 2]);
+        let err = rope_with(
+            &rand(&[1, 4, 2, 8], 1, DType::F32),
+            &angles,
+            RopeLayout::SeqFirst,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("[batch, seq, heads, head_dim]"),
+            "{err}"
+        );
     }
 
     #[test]
