@@ -8,7 +8,7 @@ use candle_core::{DType, Result, Tensor};
 use serde::Deserialize;
 
 use crate::composite_module;
-use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear};
+use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear, TiedLmHead};
 use crate::nn::module::{
     Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,
 };
@@ -258,37 +258,6 @@ impl Forward<(&Tensor, Option<u64>)> for Gpt2Model {
     }
 }
 
-/// The output projection, tied to the token embedding (`lm_head`).
-#[derive(Debug, Clone)]
-pub struct TiedLmHead {
-    path: String,
-    weight: String,
-}
-
-impl Module for TiedLmHead {
-    fn path(&self) -> &str {
-        &self.path
-    }
-
-    fn info(&self) -> ModuleInfo {
-        ModuleInfo::new(self.path.clone(), "Linear").uses(&self.weight)
-    }
-}
-
-impl Forward<&Tensor> for TiedLmHead {
-    type Output = Tensor;
-
-    /// Logits [batch, seq, vocab] for hidden states [batch, seq, hidden].
-    fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
-        let (batch, seq, hidden) = x.dims3()?;
-        let w = p.get(&self.weight)?;
-        let vocab = w.dim(0)?;
-        x.reshape((batch * seq, hidden))?
-            .matmul(&w.t()?)?
-            .reshape((batch, seq, vocab))
-    }
-}
-
 /// `GPT2LMHeadModel`.
 #[derive(Debug, Clone)]
 pub struct Gpt2LmHeadModel {
@@ -314,10 +283,7 @@ impl Gpt2LmHeadModel {
         }
         let (h, std) = (config.n_embd, config.initializer_range);
         let wte = Embedding::new("transformer.wte".into(), config.vocab_size, h, std);
-        let lm_head = TiedLmHead {
-            path: "lm_head".into(),
-            weight: wte.weight_name().to_string(),
-        };
+        let lm_head = TiedLmHead::new("lm_head".into(), wte.weight_name().to_string());
         let transformer = Gpt2Model {
             path: "transformer".into(),
             n_positions: config.n_positions,

@@ -269,6 +269,46 @@ impl Forward<&Tensor> for RmsNorm {
     }
 }
 
+/// An output projection whose weight is another module's (`lm_head` tied to the token
+/// embedding, `tie_word_embeddings`): `x W^T`, `W` read by name. The module tree records the
+/// use, so the plan keeps it in the embedding's unit.
+#[derive(Debug, Clone)]
+pub struct TiedLmHead {
+    path: String,
+    weight: String,
+}
+
+impl TiedLmHead {
+    /// The projection at `path` using the parameter named `weight` ([vocab, hidden]).
+    pub fn new(path: String, weight: String) -> TiedLmHead {
+        TiedLmHead { path, weight }
+    }
+}
+
+impl Module for TiedLmHead {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn info(&self) -> ModuleInfo {
+        ModuleInfo::new(self.path.clone(), "Linear").uses(&self.weight)
+    }
+}
+
+impl Forward<&Tensor> for TiedLmHead {
+    type Output = Tensor;
+
+    /// Logits [batch, seq, vocab] for hidden states [batch, seq, hidden].
+    fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
+        let (batch, seq, hidden) = x.dims3()?;
+        let w = p.get(&self.weight)?;
+        let vocab = w.dim(0)?;
+        x.reshape((batch * seq, hidden))?
+            .matmul(&w.t()?)?
+            .reshape((batch, seq, vocab))
+    }
+}
+
 /// Seeded dropout at one call site: active when a step seed is given (training), identity
 /// otherwise. Each site draws its own mask from (step seed, site name).
 #[derive(Debug, Clone)]
