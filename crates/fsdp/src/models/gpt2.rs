@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 use serde::Deserialize;
 
 use crate::composite_module;
@@ -12,7 +12,7 @@ use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear, TiedLmHead};
 use crate::nn::module::{
     Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,
 };
-use crate::nn::ops::{self, CrossEntropy, GeluApprox};
+use crate::nn::ops::{self, GeluApprox};
 
 /// The fields of a GPT-2 `config.json` this implementation uses.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -316,15 +316,7 @@ impl Gpt2LmHeadModel {
     /// Next-token cross-entropy: position t predicts token t+1; targets equal to -100 are
     /// ignored (as `GPT2LMHeadModel` with `labels`).
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        let (batch, seq, vocab) = logits.dims3()?;
-        let shifted = logits
-            .narrow(1, 0, seq - 1)?
-            .reshape((batch * (seq - 1), vocab))?;
-        let targets = labels
-            .to_dtype(DType::I64)?
-            .narrow(1, 1, seq - 1)?
-            .flatten_all()?;
-        ops::cross_entropy(&shifted, &targets, CrossEntropy::default())
+        super::causal_lm_loss(logits, labels)
     }
 }
 

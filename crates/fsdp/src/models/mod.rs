@@ -17,3 +17,21 @@ pub(crate) fn mask_lowest(dtype: candle_core::DType) -> f64 {
         _ => f32::MIN as f64,
     }
 }
+
+/// The causal-LM loss of transformers (`ForCausalLMLoss`): position t predicts token t+1
+/// (the last position predicts nothing), labels equal to -100 ignored, the mean over the
+/// rest.
+pub(crate) fn causal_lm_loss(
+    logits: &candle_core::Tensor,
+    labels: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    let (batch, seq, vocab) = logits.dims3()?;
+    let shifted = logits
+        .narrow(1, 0, seq - 1)?
+        .reshape((batch * (seq - 1), vocab))?;
+    let targets = labels
+        .to_dtype(candle_core::DType::I64)?
+        .narrow(1, 1, seq - 1)?
+        .flatten_all()?;
+    crate::nn::ops::cross_entropy(&shifted, &targets, crate::nn::ops::CrossEntropy::default())
+}
