@@ -302,7 +302,10 @@ impl<T: Module> ModuleChildren for Option<T> {
 /// Implements [`Module`] for a struct with a `path: String` field whose subtree is a node of
 /// type `$name` over the listed child fields, in order (the way PyTorch registers children).
 /// A field may be a module, a `Vec` of modules or an `Option` of one ([`ModuleChildren`]);
-/// fields not listed (dropout, sizes, flags) are not part of the tree.
+/// fields not listed (dropout, sizes, flags) are not part of the tree. A type whose name
+/// depends on the instance (one struct serving `LlamaDecoderLayer` and `Qwen2DecoderLayer`)
+/// gives a method instead of a literal: `composite_module!(Layer, fn type_name, [...])`, with
+/// `fn type_name(&self) -> &'static str`.
 ///
 /// ```
 /// use fsdp::composite_module;
@@ -334,6 +337,19 @@ macro_rules! composite_module {
 
             fn info(&self) -> $crate::nn::ModuleInfo {
                 let node = $crate::nn::ModuleInfo::new(self.path.clone(), $name);
+                $(let node = $crate::nn::ModuleChildren::add_to(&self.$child, node);)*
+                node
+            }
+        }
+    };
+    ($ty:ty, fn $name:ident, [$($child:ident),* $(,)?]) => {
+        impl $crate::nn::Module for $ty {
+            fn path(&self) -> &str {
+                &self.path
+            }
+
+            fn info(&self) -> $crate::nn::ModuleInfo {
+                let node = $crate::nn::ModuleInfo::new(self.path.clone(), self.$name());
                 $(let node = $crate::nn::ModuleChildren::add_to(&self.$child, node);)*
                 node
             }
