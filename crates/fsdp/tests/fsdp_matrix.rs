@@ -1,7 +1,7 @@
 //! Sharded training equals single-process training on the global batch, over real processes
 //! and the real transport: every sharding strategy x wrap policy x prefetch mode (hybrid
 //! strategies on "machines" of 2 ranks, wrap policies in rotation), for a BERT
-//! classifier and a GPT-2 LM, on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
+//! classifier, a GPT-2 LM and a Llama LM (grouped-query attention, tied head), on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
 //! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated), clipped and
 //! gradient-accumulation variants (reduced every micro-batch, or kept whole without sync and
 //! reduced once); a quarter of the cases with `fsdp_offload_params`, half with activation
@@ -17,7 +17,10 @@ use fsdp::config::{
     AutoWrapPolicy, BackwardPrefetch, FsdpPlugin, Key, Layer, ShardingStrategy, Source, Value,
 };
 use fsdp::engine::{Fsdp, GradScaler, GradScalerConfig};
-use fsdp::models::{BertConfig, BertForSequenceClassification, Gpt2Config, Gpt2LmHeadModel};
+use fsdp::models::{
+    BertConfig, BertForSequenceClassification, Gpt2Config, Gpt2LmHeadModel, LlamaConfig,
+    LlamaForCausalLM,
+};
 use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{LocalParams, ModuleInfo, Params};
@@ -42,6 +45,7 @@ const VOCAB: usize = 61;
 enum ModelKind {
     Bert,
     Gpt2,
+    Llama,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -148,7 +152,7 @@ fn cases(world: usize) -> Vec<Case> {
         Variant::AccumulatedNoSync,
     ];
     let mut i = 0;
-    for model in [ModelKind::Bert, ModelKind::Gpt2] {
+    for model in [ModelKind::Bert, ModelKind::Gpt2, ModelKind::Llama] {
         for strategy in [
             ShardingStrategy::FullShard,
             ShardingStrategy::ShardGradOp,
@@ -219,6 +223,7 @@ fn hybrid_layout(n: usize) -> Layer {
 enum Model {
     Bert(Box<BertForSequenceClassification>),
     Gpt2(Box<Gpt2LmHeadModel>),
+    Llama(Box<LlamaForCausalLM>),
 }
 
 impl Model {
@@ -255,6 +260,20 @@ impl Model {
                 })
                 .unwrap(),
             )),
+            // Grouped-query attention (4 query heads, 2 K/V heads), rotary positions, SwiGLU,
+            // RMSNorm and the lm_head tied to the embedding.
+            ModelKind::Llama => Model::Llama(Box::new(
+                LlamaForCausalLM::new(
+                    LlamaConfig::from_value(&serde_json::json!({
+                        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 16,
+                        "intermediate_size": 36, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "max_position_embeddings": 16,
+                        "tie_word_embeddings": true, "rms_norm_eps": 1e-5,
+                    }))
+                    .unwrap(),
+                )
+                .unwrap(),
+            )),
         }
     }
 
@@ -262,10 +281,12 @@ impl Model {
         let info = match self {
             Model::Bert(m) => m.info(),
             Model::Gpt2(m) => m.info(),
+            Model::Llama(m) => m.info(),
         };
         match (variant, self) {
             (Variant::Frozen, Model::Bert(_)) => info.freeze("bert.embeddings."),
             (Variant::Frozen, Model::Gpt2(_)) => info.freeze("transformer.wpe."),
+            (Variant::Frozen, Model::Llama(_)) => info.freeze("model.layers.0.self_attn."),
             _ => info,
         }
     }
@@ -274,6 +295,7 @@ impl Model {
         match self {
             Model::Bert(_) => fsdp::models::BertModel::no_split_modules(),
             Model::Gpt2(_) => Gpt2LmHeadModel::no_split_modules(),
+            Model::Llama(m) => fsdp::nn::Model::no_split_modules(m.as_ref()),
         }
     }
 
@@ -281,6 +303,7 @@ impl Model {
         match self {
             Model::Bert(_) => "^bert\\.pooler$",
             Model::Gpt2(_) => "^transformer\\.h\\.1\\.mlp$",
+            Model::Llama(_) => "^model\\.layers\\.1\\.mlp$",
         }
     }
 
@@ -293,6 +316,7 @@ impl Model {
                 CrossEntropy::default(),
             ),
             Model::Gpt2(m) => m.loss(&m.forward(p, ids)?, ids),
+            Model::Llama(m) => m.loss(&m.forward(p, ids, None)?, ids),
         }
     }
 }

@@ -2,9 +2,11 @@
 
 pub mod bert;
 pub mod gpt2;
+pub mod llama;
 
 pub use bert::{BertConfig, BertForSequenceClassification, BertInput, BertLayer, BertModel};
 pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
+pub use llama::{LlamaConfig, LlamaFamily, LlamaForCausalLM};
 
 /// The value additive attention masks put where attention is blocked: `dtype`'s lowest finite
 /// value (as transformers' `torch.finfo(dtype).min`), so a blocked score stays finite and
