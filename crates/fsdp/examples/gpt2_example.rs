@@ -341,12 +341,12 @@ fn main() -> Result<()> {
         out.display()
     ));
     // Every sequence is a full block (no padding); the tied head is a per-token product.
-    let shape = fsdp::perf::TransformerShape {
-        layers: config.n_layer,
-        hidden: config.n_embd,
-        intermediate: config.n_inner.unwrap_or(4 * config.n_embd),
-        head_per_token: config.vocab_size,
-    };
+    let shape = fsdp::perf::TransformerShape::dense(
+        config.n_layer,
+        config.n_embd,
+        config.n_inner.unwrap_or(4 * config.n_embd),
+        config.vocab_size,
+    );
     let sequences = acc.step() as usize * train_loader.global_batch_size();
     acc.print(fsdp::perf::mfu_line(
         shape.training_flops(std::iter::repeat_n(block, sequences)),

@@ -354,12 +354,12 @@ fn main() -> Result<()> {
     let mut eval_secs = 0.0;
     let mut trained_samples = 0u64;
     // Model FLOPs this rank trained, of real tokens and of padded batches (fsdp::perf).
-    let shape = fsdp::perf::TransformerShape {
-        layers: config.num_hidden_layers,
-        hidden: config.hidden_size,
-        intermediate: config.intermediate_size,
-        head_per_token: 0,
-    };
+    let shape = fsdp::perf::TransformerShape::dense(
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.intermediate_size,
+        0,
+    );
     let mut flops = vec![0f64; 2];
     let first_epoch = train_loader.position().epoch;
     'epochs: for epoch in first_epoch..args.num_epochs {

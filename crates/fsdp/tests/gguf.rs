@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use fsdp::models::llama::{GgufFile, GgufWeights, gguf_config, gguf_tokenizer};
 use fsdp::models::LlamaForCausalLM;
+use fsdp::models::llama::{GgufFile, GgufWeights, gguf_config, gguf_tokenizer};
 use fsdp::nn::{LocalParams, Module, WeightSource};
 use serde_json::Value;
 

@@ -214,12 +214,7 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             let mut result = serde_json::from_str::<serde_json::Value>(line)?;
             // Model FLOPs (fsdp::perf's count; every sequence `seq` tokens, no padding) and
             // MFU over the cores the workers ran on.
-            let shape = fsdp::perf::TransformerShape {
-                layers: a.layers,
-                hidden: a.hidden,
-                intermediate: 4 * a.hidden,
-                head_per_token: 0,
-            };
+            let shape = fsdp::perf::TransformerShape::dense(a.layers, a.hidden, 4 * a.hidden, 0);
             let samples_per_s = result["samples_per_s"].as_f64().unwrap_or(0.0);
             let cores =
                 a.num_processes * (crate::system::available_cores() / a.num_processes).max(1);

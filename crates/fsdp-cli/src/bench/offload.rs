@@ -253,12 +253,12 @@ fn launch(a: &OffloadArgs) -> Result<()> {
     // Model FLOPs of a step (fsdp::perf's count: every sequence `seq` tokens, the tied head
     // per token) and MFU over all cores, for each step's time.
     let gpt2 = config(&a.model, a.layers);
-    let shape = fsdp::perf::TransformerShape {
-        layers: gpt2.n_layer,
-        hidden: gpt2.n_embd,
-        intermediate: 4 * gpt2.n_embd,
-        head_per_token: gpt2.vocab_size,
-    };
+    let shape = fsdp::perf::TransformerShape::dense(
+        gpt2.n_layer,
+        gpt2.n_embd,
+        4 * gpt2.n_embd,
+        gpt2.vocab_size,
+    );
     let step_flops = shape.training_flops(std::iter::repeat_n(a.seq, a.batch * a.num_processes));
     let core_peak = fsdp::perf::core_peak().f32;
     let cores = crate::system::available_cores().max(1);
