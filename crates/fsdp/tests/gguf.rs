@@ -148,7 +148,9 @@ fn smollm2_from_gguf_matches_transformers() {
         "logits differ by {worst} (of values around 10-20)"
     );
 
-    let greedy = model.generate_greedy(&params, &prompt, 12, None).unwrap();
+    let greedy =
+        fsdp::models::generate_greedy(&prompt, 12, None, |ids| model.forward(&params, ids, None))
+            .unwrap();
     let reference: Vec<u32> = want["greedy"]
         .as_array()
         .unwrap()

@@ -37,3 +37,41 @@ pub(crate) fn causal_lm_loss(
         .flatten_all()?;
     crate::nn::ops::cross_entropy(&shifted, &targets, crate::nn::ops::CrossEntropy::default())
 }
+
+/// Greedy decoding (transformers' `generate(do_sample=False)`) for any causal LM: up to
+/// `max_new_tokens` tokens after `prompt`, each the most likely next one (the lowest id on a
+/// tie, as `argmax`), stopping after `eos`. `logits` runs the model on ids `[1, len]` and
+/// returns `[1, len, vocab]` (under FSDP, one `evaluate` per call, on every rank). Each step
+/// runs the whole sequence again (no key/value cache): meant for short samples during
+/// training, not for serving.
+pub fn generate_greedy(
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos: Option<u32>,
+    mut logits: impl FnMut(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+) -> candle_core::Result<Vec<u32>> {
+    let mut ids = prompt.to_vec();
+    let mut new = Vec::new();
+    for _ in 0..max_new_tokens {
+        let input =
+            candle_core::Tensor::from_slice(&ids, (1, ids.len()), &candle_core::Device::Cpu)?;
+        let last: Vec<f32> = logits(&input)?
+            .get(0)?
+            .get(ids.len() - 1)?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?;
+        let next = last
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 { (i, v) } else { best }
+            })
+            .0 as u32;
+        ids.push(next);
+        new.push(next);
+        if Some(next) == eos {
+            break;
+        }
+    }
+    Ok(new)
+}

@@ -247,6 +247,23 @@ impl LlamaConfig {
         Ok(config)
     }
 
+    /// The sizes its training FLOPs depend on (`fsdp::perf`): q/k/v/o and the three SwiGLU
+    /// projections per layer, attention `heads * head_dim` wide, the vocabulary as the head.
+    pub fn transformer_shape(&self) -> crate::perf::TransformerShape {
+        let (h, i) = (self.hidden_size, self.intermediate_size);
+        let (q, kv) = (
+            self.num_attention_heads * self.head_dim,
+            self.num_key_value_heads * self.head_dim,
+        );
+        crate::perf::TransformerShape {
+            layers: self.num_hidden_layers,
+            layer_matmul_params: 2 * h * q + 2 * h * kv + 3 * h * i,
+            attention_width: q,
+            hidden: h,
+            head_per_token: self.vocab_size,
+        }
+    }
+
     /// Parameters of the model this config describes (a tied `lm_head` counted once).
     pub fn num_parameters(&self) -> usize {
         let (h, i) = (self.hidden_size, self.intermediate_size);

