@@ -8,16 +8,18 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use fsdp::engine::UnitPlan;
 use fsdp::models::{
-    BertConfig, BertForSequenceClassification, BertModel, Gpt2Config, Gpt2LmHeadModel,
+    BertConfig, BertForSequenceClassification, BertModel, Gpt2Config, Gpt2LmHeadModel, LlamaConfig,
+    LlamaForCausalLM,
 };
-use fsdp::nn::Module;
+use fsdp::nn::{Model, Module};
 
 use crate::ConfigFileArg;
 
 /// Print the FSDP units of a model and the memory each rank needs.
 #[derive(Args)]
 pub struct EstimateArgs {
-    /// A Hugging Face `config.json` (model_type `bert` or `gpt2`).
+    /// A Hugging Face `config.json` (model_type `bert`, `gpt2`, `llama`, `mistral` or
+    /// `qwen2`).
     #[arg(
         long = "model_config",
         visible_alias = "model-config",
@@ -53,7 +55,13 @@ pub fn run(args: EstimateArgs) -> Result<()> {
             Gpt2LmHeadModel::no_split_modules(),
             "GPT2LMHeadModel",
         ),
-        other => bail!("model_type {other:?} is not supported (bert, gpt2)"),
+        "llama" | "mistral" | "qwen2" => {
+            let model = LlamaForCausalLM::new(LlamaConfig::from_json(&text)?)?;
+            let info = model.info();
+            let name = info.type_name;
+            (info, model.no_split_modules(), name)
+        }
+        other => bail!("model_type {other:?} is not supported (bert, gpt2, llama, mistral, qwen2)"),
     };
     let plan = UnitPlan::build(&info, &config.fsdp, default_wrap, n)?;
     println!("{name}: {} parameters", info.num_params());

@@ -462,6 +462,40 @@ fn estimate_memory_prints_units_and_per_rank_bytes() {
     );
 }
 
+/// Llama-3-8B's `config.json` (as its model card publishes it).
+const LLAMA3_8B: &str = r#"{"architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 128256}"#;
+
+#[test]
+fn estimate_memory_covers_llama_configs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("config.json");
+    std::fs::write(&model, LLAMA3_8B).unwrap();
+    let mut per_rank = Vec::new();
+    for n in ["8", "64"] {
+        let out = fsdp(dir.path())
+            .args(["estimate-memory", "--num_processes", n, "--model_config"])
+            .arg(&model)
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert!(out.status.success(), "{t}");
+        // Meta's published count for Llama-3-8B.
+        assert!(t.contains("LlamaForCausalLM: 8030261248 parameters"), "{t}");
+        assert!(
+            t.contains(&format!("33 unit(s), sharded over {n} rank(s), FullShard")),
+            "{t}"
+        );
+        assert!(t.contains("(LlamaDecoderLayer)"), "{t}");
+        per_rank.push(
+            t.lines()
+                .find(|l| l.contains("per rank: params"))
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert_ne!(per_rank[0], per_rank[1], "{per_rank:?}");
+}
+
 #[test]
 fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
     let home = tempfile::tempdir().unwrap();
