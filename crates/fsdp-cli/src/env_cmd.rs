@@ -132,6 +132,7 @@ fn print_text(
         "- CPU: {}, {} cores available",
         s.cpu_model, s.available_cores
     );
+    println!("- f32 matmul: {}", fsdp::nn::ops::f32_matmul_kernel());
     println!("- bf16 matmul: {}", fsdp::nn::ops::bf16_matmul_kernel());
     let peak = fsdp::perf::core_peak();
     println!(
@@ -219,6 +220,7 @@ fn print_json(
         "arch": s.arch,
         "cpu_model": s.cpu_model,
         "available_cores": s.available_cores,
+        "f32_matmul_kernel": fsdp::nn::ops::f32_matmul_kernel(),
         "bf16_matmul_kernel": fsdp::nn::ops::bf16_matmul_kernel(),
         "core_peak_flops": {
             "f32": fsdp::perf::core_peak().f32,

@@ -335,6 +335,7 @@ fn env_reports_machine_and_sources() {
     );
     assert!(doc["available_cores"].as_u64().unwrap() >= 1);
     assert!(doc["bf16_matmul_kernel"].is_string());
+    assert!(doc["f32_matmul_kernel"].is_string());
 
     let out = fsdp(dir.path())
         .args(["env"])

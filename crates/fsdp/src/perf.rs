@@ -53,7 +53,11 @@ fn this_cpu() -> String {
             })
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    format!("{model}; bf16: {}", crate::nn::ops::bf16_matmul_kernel())
+    format!(
+        "{model}; f32: {}; bf16: {}",
+        crate::nn::ops::f32_matmul_kernel(),
+        crate::nn::ops::bf16_matmul_kernel()
+    )
 }
 
 /// The peak of one core: from the cache when it was measured on this CPU, else measured now

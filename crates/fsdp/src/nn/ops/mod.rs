@@ -30,6 +30,34 @@ pub use rope::{RopeAngles, RopeLayout, RopeScaling, RopeTable, rope, rope_with};
 pub use softmax::softmax_last_dim;
 pub use swiglu::swiglu;
 
+/// Which kernels run f32 and f64 matrix products on this CPU (the `gemm` crate's, chosen at
+/// run time; built with its AVX-512 ones): what the f32 peak and every projection depend on.
+pub fn f32_matmul_kernel() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let has = |f: &str| match f {
+            "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
+            "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
+            "avx512cd" => std::arch::is_x86_feature_detected!("avx512cd"),
+            "avx512dq" => std::arch::is_x86_feature_detected!("avx512dq"),
+            "avx512vl" => std::arch::is_x86_feature_detected!("avx512vl"),
+            "avx2" => std::arch::is_x86_feature_detected!("avx2"),
+            "fma" => std::arch::is_x86_feature_detected!("fma"),
+            _ => false,
+        };
+        if ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
+            .iter()
+            .all(|f| has(f))
+        {
+            return "AVX-512 (x86-64-v4)";
+        }
+        if has("avx2") && has("fma") {
+            return "AVX2+FMA (x86-64-v3)";
+        }
+    }
+    "baseline SIMD"
+}
+
 /// Which kernel runs bf16 matrix products on this CPU (what `fsdp env` reports): mixed
 /// precision's speed depends on it.
 pub fn bf16_matmul_kernel() -> &'static str {
