@@ -75,6 +75,11 @@ struct Args {
     /// Where the fine-tuned model goes (model.safetensors and config.json).
     #[arg(long, default_value = "target/llama_example")]
     output_dir: PathBuf,
+    /// Write every step's batch of each rank (`batches.rank{r}.safetensors`, ids [steps,
+    /// batch, seq]) and the run's losses, step times and peak RSS (`fsdp-rs.json`) here, for
+    /// `tools/bench_llama_pytorch.py` to train PyTorch on the same batches.
+    #[arg(long)]
+    dump_batches: Option<PathBuf>,
 }
 
 /// Consecutive windows of `len` tokens of a tokenized text.
@@ -311,7 +316,13 @@ fn main() -> Result<()> {
         ));
         Ok(loss)
     };
-    let before = report(&acc, &mut model, "before fine-tuning")?;
+    // --eval_samples 0: no evaluation (benchmark runs).
+    let before = if args.eval_samples > 0 {
+        report(&acc, &mut model, "before fine-tuning")?
+    } else {
+        f64::NAN
+    };
+    let (mut dumped, mut losses, mut step_seconds) = (Vec::new(), Vec::new(), Vec::new());
 
     let mut progress = acc.progress(args.max_train_steps, "train");
     let train_started = Instant::now();
@@ -324,6 +335,10 @@ fn main() -> Result<()> {
             continue;
         };
         let ids = batch?.batch;
+        let step_started = Instant::now();
+        if args.dump_batches.is_some() {
+            dumped.push(ids.to_dtype(fsdp::nn::candle::DType::I64)?);
+        }
         let loss = model.forward(|m, p| m.loss(&m.forward(p, &ids, None)?, &ids))?;
         let local = loss
             .to_dtype(fsdp::nn::candle::DType::F32)?
@@ -332,11 +347,17 @@ fn main() -> Result<()> {
         acc.clip_grad_norm(&mut model, 1.0)?;
         acc.optimizer_step(&mut model, &mut optimizer)?;
         let loss = acc.reduce(vec![local], ReduceOp::Avg)?[0] as f64;
+        step_seconds.push(step_started.elapsed().as_secs_f64());
+        losses.push(loss);
         progress.step(train_loader.global_batch_size() as u64, loss);
     }
     progress.finish();
     let secs = train_started.elapsed().as_secs_f64();
-    let after = report(&acc, &mut model, "after fine-tuning")?;
+    let after = if args.eval_samples > 0 {
+        report(&acc, &mut model, "after fine-tuning")?
+    } else {
+        f64::NAN
+    };
 
     let sequences = acc.step() as usize * train_loader.global_batch_size();
     let peaks = acc.gather(vec![
@@ -350,6 +371,24 @@ fn main() -> Result<()> {
         after.exp(),
         peaks.iter().map(|m| format!("{m:.0}")).collect::<Vec<_>>().join(", ")
     ));
+    if let Some(dir) = &args.dump_batches {
+        std::fs::create_dir_all(dir)?;
+        let file = dir.join(format!("batches.rank{}.safetensors", acc.process_index()));
+        let ids = Tensor::stack(&dumped, 0)?;
+        fsdp::nn::candle::safetensors::save(
+            &std::collections::HashMap::from([("ids".to_string(), ids)]),
+            &file,
+        )?;
+        if acc.is_main_process() {
+            let run = serde_json::json!({
+                "losses": losses,
+                "step_seconds": step_seconds,
+                "tokens_per_s": (sequences * len) as f64 / secs,
+                "peak_rss_mib": peaks,
+            });
+            std::fs::write(dir.join("fsdp-rs.json"), run.to_string())?;
+        }
+    }
     acc.print(fsdp::perf::mfu_line(
         config
             .transformer_shape()
