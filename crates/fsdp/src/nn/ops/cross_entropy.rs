@@ -1,5 +1,9 @@
 //! Cross-entropy from logits with integer targets, `ignore_index`, label smoothing, and mean
-//! or sum reduction (PyTorch's `F.cross_entropy` semantics).
+//! or sum reduction (PyTorch's `F.cross_entropy` semantics). Forward keeps each row's
+//! log-sum-exp, so backward takes one exponential per logit (`exp(x - lse)`); f32 logits go
+//! through the vectorised exp of `simd`, sums in f64.
+
+use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -63,18 +67,23 @@ impl CrossEntropy {
         Ok(())
     }
 
-    /// Per-row (loss, whether counted) and the normaliser.
-    fn forward<T: Float>(&self, x: &[T], t: &[i64], c: usize) -> Result<f64> {
+    /// The reduced loss, and each row's log-sum-exp (NaN for ignored rows).
+    fn forward<T: Float>(&self, x: &[T], t: &[i64], c: usize) -> Result<(f64, Vec<f64>)> {
         let eps = self.label_smoothing;
         let mut total = 0.0;
         let mut count = 0usize;
-        for (row, &target) in x.chunks(c.max(1)).zip(t) {
+        let mut lses = vec![f64::NAN; t.len()];
+        let mut scratch = vec![T::of(0.0); c];
+        for ((row, &target), lse_out) in x.chunks(c.max(1)).zip(t).zip(lses.iter_mut()) {
             self.check(target, c)?;
             if target == self.ignore_index {
                 continue;
             }
             let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.f()));
-            let lse = max + row.iter().map(|v| (v.f() - max).exp()).sum::<f64>().ln();
+            scratch.copy_from_slice(row);
+            T::exp_rows_minus(&mut scratch, &[max], c);
+            let lse = max + scratch.iter().map(|v| v.f()).sum::<f64>().ln();
+            *lse_out = lse;
             let nll = lse - row[target as usize].f();
             let smooth = if eps > 0.0 {
                 lse - row.iter().map(|v| v.f()).sum::<f64>() / c as f64
@@ -84,14 +93,16 @@ impl CrossEntropy {
             total += (1.0 - eps) * nll + eps * smooth;
             count += 1;
         }
-        Ok(match self.reduction {
+        let loss = match self.reduction {
             Reduction::Sum => total,
             // PyTorch returns NaN for a mean over zero targets.
             Reduction::Mean => total / count as f64,
-        })
+        };
+        Ok((loss, lses))
     }
 
-    fn backward<T: Float>(&self, x: &[T], t: &[i64], c: usize, g: f64) -> Vec<T> {
+    /// The logits' gradient from the rows' saved log-sum-exps: `(softmax - q) * scale`.
+    fn backward<T: Float>(&self, x: &[T], t: &[i64], c: usize, g: f64, lses: &[f64]) -> Vec<T> {
         let eps = self.label_smoothing;
         let count = t.iter().filter(|&&v| v != self.ignore_index).count();
         let scale = match self.reduction {
@@ -99,23 +110,33 @@ impl CrossEntropy {
             Reduction::Mean => g / count as f64,
         };
         let mut dx = vec![T::of(0.0); x.len()];
-        for ((row, &target), dr) in x.chunks(c.max(1)).zip(t).zip(dx.chunks_mut(c.max(1))) {
+        let rows = x
+            .chunks(c.max(1))
+            .zip(t)
+            .zip(dx.chunks_mut(c.max(1)))
+            .zip(lses);
+        for (((row, &target), dr), &lse) in rows {
             if target == self.ignore_index {
                 continue;
             }
-            let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.f()));
-            let sum: f64 = row.iter().map(|v| (v.f() - max).exp()).sum();
-            for (j, (o, v)) in dr.iter_mut().zip(row).enumerate() {
-                let p = (v.f() - max).exp() / sum;
+            dr.copy_from_slice(row);
+            T::exp_rows_minus(dr, &[lse], c);
+            for (j, o) in dr.iter_mut().enumerate() {
                 let q = (1.0 - eps) * f64::from(u8::from(j == target as usize)) + eps / c as f64;
-                *o = T::of((p - q) * scale);
+                *o = T::of((o.f() - q) * scale);
             }
         }
         dx
     }
 }
 
-impl CustomOp2 for CrossEntropy {
+/// The op: the settings and the rows' log-sum-exps forward saves for backward.
+struct CrossEntropyOp {
+    settings: CrossEntropy,
+    lses: Mutex<Vec<f64>>,
+}
+
+impl CustomOp2 for CrossEntropyOp {
     fn name(&self) -> &'static str {
         "fused-cross-entropy"
     }
@@ -138,7 +159,9 @@ impl CustomOp2 for CrossEntropy {
         }
         float_dispatch!(s1.dtype(), self.name(), T => {
             let x = contiguous::<T>(s1, l1, self.name())?;
-            Ok((T::storage(vec![T::of(self.forward(x, &t, c)?)]), Shape::from(())))
+            let (loss, lses) = self.settings.forward(x, &t, c)?;
+            *self.lses.lock().unwrap_or_else(|e| e.into_inner()) = lses;
+            Ok((T::storage(vec![T::of(loss)]), Shape::from(())))
         })
     }
 
@@ -152,8 +175,17 @@ impl CustomOp2 for CrossEntropy {
         let t: Vec<i64> = t_t.to_dtype(DType::I64)?.flatten_all()?.to_vec1()?;
         let (_, c) = rows(x_t.shape());
         let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let lses = self.lses.lock().unwrap_or_else(|e| e.into_inner());
+        if lses.len() != t.len() {
+            return Err(candle_core::Error::Msg(
+                "cross_entropy: backward without a matching forward".into(),
+            ));
+        }
         float_dispatch!(x_t.dtype(), self.name(), T => {
-            with_slice::<T, _>(x_t, self.name(), |x| Ok((Some(tensor(self.backward(x, &t, c, g), x_t.shape(), x_t)?), None)))
+            with_slice::<T, _>(x_t, self.name(), |x| {
+                let dx = self.settings.backward(x, &t, c, g, &lses);
+                Ok((Some(tensor(dx, x_t.shape(), x_t)?), None))
+            })
         })
     }
 }
@@ -167,5 +199,9 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, settings: CrossEntropy) 
         DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
         _ => logits.contiguous()?,
     };
-    logits.apply_op2(&targets.contiguous()?, settings)
+    let op = CrossEntropyOp {
+        settings,
+        lses: Mutex::new(Vec::new()),
+    };
+    logits.apply_op2(&targets.contiguous()?, op)
 }
