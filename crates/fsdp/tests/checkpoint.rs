@@ -600,4 +600,54 @@ fn save_pretrained_writes_what_transformers_loads() {
         report.unexpected.is_empty() && report.missing.is_empty(),
         "{report:?}"
     );
+    // A folder opens as from_pretrained finds its files: the index of a split one, else
+    // model.safetensors; every tensor as saved.
+    use fsdp::nn::WeightSource;
+    let info = fsdp::nn::Module::info(&model);
+    for dir in [one, split] {
+        let source = fsdp::nn::SafetensorsWeights::open_dir(dir, &info, 0).unwrap();
+        assert!(source.report().missing.is_empty(), "{}", dir.display());
+        for spec in info.all_params() {
+            assert_eq!(
+                &source.values(spec).unwrap(),
+                &weights[&spec.name],
+                "{}",
+                spec.name
+            );
+        }
+    }
+    // An index that names a file outside the folder, or a file that lacks the tensor.
+    let text = std::fs::read_to_string(split.join("model.safetensors.index.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let (name, file) = {
+        let (n, f) = doc["weight_map"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .next()
+            .unwrap();
+        (n.clone(), f.as_str().unwrap().to_string())
+    };
+    let other = map
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .find(|f| *f != file)
+        .unwrap()
+        .to_string();
+    for (bad, expect) in [
+        ("../model.safetensors".to_string(), "not a file name"),
+        (other, "does not hold it"),
+    ] {
+        doc["weight_map"][&name] = bad.clone().into();
+        std::fs::write(split.join("model.safetensors.index.json"), doc.to_string()).unwrap();
+        let e = fsdp::nn::SafetensorsWeights::open_dir(split, &info, 0)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains(expect) && e.contains(&name) && e.contains("index.json"),
+            "{e}"
+        );
+    }
+    std::fs::write(split.join("model.safetensors.index.json"), text).unwrap();
 }

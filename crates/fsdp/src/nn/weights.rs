@@ -148,6 +148,58 @@ impl SafetensorsWeights {
         })
     }
 
+    /// Opens a pretrained folder as transformers' `from_pretrained` finds its weights: the
+    /// files `model.safetensors.index.json` lists (a split checkpoint; every tensor it maps
+    /// must be in the file it names), else `model.safetensors`. Errors name the file.
+    pub fn open_dir(dir: &Path, model: &ModuleInfo, seed: u64) -> Result<SafetensorsWeights> {
+        let index = dir.join("model.safetensors.index.json");
+        if !index.exists() {
+            return SafetensorsWeights::open(&[dir.join("model.safetensors")], model, seed);
+        }
+        let bad = |why: String| candle_core::Error::Msg(format!("{}: {why}", index.display()));
+        let text = std::fs::read_to_string(&index).map_err(|e| io_error(&index, "reading", e))?;
+        let doc: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let map = doc["weight_map"]
+            .as_object()
+            .ok_or_else(|| bad("no `weight_map` object".into()))?;
+        let mut files: Vec<String> = Vec::new();
+        for (tensor, file) in map {
+            let file = file
+                .as_str()
+                .filter(|f| !f.is_empty() && !f.contains('/') && !f.contains('\\') && *f != "..")
+                .ok_or_else(|| {
+                    bad(format!(
+                        "`{tensor}` maps to {file}, not a file name in this folder"
+                    ))
+                })?;
+            if !files.iter().any(|f| f == file) {
+                files.push(file.to_string());
+            }
+        }
+        files.sort();
+        let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+        let weights = SafetensorsWeights::open(&paths, model, seed)?;
+        // Every tensor the index maps is where it says.
+        let mut held: HashMap<&str, std::collections::HashSet<String>> = HashMap::new();
+        for (i, (file, (path, handle))) in files.iter().zip(&weights.files).enumerate() {
+            let names = read_header(path, handle, i)?
+                .into_iter()
+                .map(|l| l.name)
+                .collect();
+            held.insert(file.as_str(), names);
+        }
+        for (tensor, file) in map {
+            let file = file.as_str().unwrap_or_default();
+            if !held.get(file).is_some_and(|names| names.contains(tensor)) {
+                return Err(bad(format!(
+                    "`{tensor}` is mapped to {file}, which does not hold it"
+                )));
+            }
+        }
+        Ok(weights)
+    }
+
     /// What matched: parameters the files lack (initialised fresh) and tensors no parameter
     /// takes.
     pub fn report(&self) -> &LoadReport {
