@@ -52,6 +52,11 @@ impl GgufFile {
         self.content.metadata.get(key)
     }
 
+    /// A numeric metadata value (of any of GGUF's integer or float types) as f64.
+    pub fn number(&self, key: &str) -> Option<f64> {
+        self.metadata(key).and_then(number)
+    }
+
     /// A metadata value that must be there.
     pub(crate) fn required(&self, key: &str) -> Result<&Value> {
         self.metadata(key)
@@ -118,7 +123,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<(serde_json::Value, LlamaConfig)> 
         number(gguf.required(&full)?)
             .ok_or_else(|| err(path, format!("metadata `{full}` is not a number")))
     };
-    let id = |key: &str| gguf.metadata(key).and_then(number).map(|x| x as u64);
+    let id = |key: &str| gguf.number(key).map(|x| x as u64);
     for key in ["rope.scaling.type", "rope.scaling.factor", "expert_count"] {
         let full = format!("{arch}.{key}");
         if let Some(v) = gguf.metadata(&full) {
@@ -154,7 +159,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<(serde_json::Value, LlamaConfig)> 
         "intermediate_size": num("feed_forward_length")? as u64,
         "num_hidden_layers": num("block_count")? as u64,
         "num_attention_heads": heads,
-        "num_key_value_heads": gguf.metadata(&format!("{arch}.attention.head_count_kv")).and_then(number).map_or(heads, |x| x as u64),
+        "num_key_value_heads": gguf.number(&format!("{arch}.attention.head_count_kv")).map_or(heads, |x| x as u64),
         "head_dim": head_dim,
         "max_position_embeddings": num("context_length")? as u64,
         "rms_norm_eps": num("attention.layer_norm_rms_epsilon")?,

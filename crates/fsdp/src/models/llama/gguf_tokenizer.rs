@@ -52,14 +52,6 @@ fn flag(gguf: &GgufFile, key: &str) -> bool {
         .unwrap_or(false)
 }
 
-fn token_id(gguf: &GgufFile, key: &str) -> Option<u32> {
-    gguf.metadata(key).and_then(|v| {
-        v.to_u32()
-            .ok()
-            .or_else(|| v.to_i32().ok().map(|x| x as u32))
-    })
-}
-
 /// The split before the byte-level mapping for llama.cpp's pre-tokenizer name.
 fn pre_tokenizer(gguf: &GgufFile, pre: &str) -> Result<PreTokenizerWrapper> {
     let byte_level = |regex: bool| ByteLevel::new(false, true, regex);
@@ -158,7 +150,7 @@ pub fn gguf_tokenizer(gguf: &GgufFile) -> Result<Tokenizer> {
         .add_tokens(added(USER_DEFINED, false))
         .map_err(|e| err(gguf, format!("user-defined tokens: {e}")))?;
     if flag(gguf, "tokenizer.ggml.add_bos_token")
-        && let Some(bos) = token_id(gguf, "tokenizer.ggml.bos_token_id")
+        && let Some(bos) = gguf.number("tokenizer.ggml.bos_token_id").map(|x| x as u32)
     {
         let name = tokens.get(bos as usize).ok_or_else(|| {
             err(
