@@ -11,7 +11,6 @@
 //! York Times editorials, tweets; 2.6 MB), every 20th sentence held out.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
@@ -19,9 +18,9 @@ use clap::Parser;
 
 use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
 use fsdp::config::{AutoWrapPolicy, FsdpPlugin};
-use fsdp::data::{CollateError, DataLoader, Dataset, vader_rated_sentences};
+use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_rated_sentences};
 use fsdp::models::{Gpt2Config, Gpt2LmHeadModel};
-use fsdp::nn::candle::{DType, Device, Tensor};
+use fsdp::nn::candle::{DType, Device};
 use fsdp::nn::{LocalParams, Module};
 use fsdp::optim::{AdamW, AdamWConfig, LrSchedule, is_bias_or_norm, split_no_decay};
 
@@ -77,32 +76,9 @@ struct Args {
     with_tracking: bool,
 }
 
-/// Consecutive windows of `block` bytes of a text.
-struct Windows {
-    bytes: Arc<Vec<u8>>,
-    block: usize,
-}
-
-impl Dataset for Windows {
-    type Item = Vec<u32>;
-
-    fn len(&self) -> usize {
-        self.bytes.len() / self.block
-    }
-
-    fn get(&self, index: usize) -> Vec<u32> {
-        let start = index * self.block;
-        self.bytes[start..start + self.block]
-            .iter()
-            .map(|&b| u32::from(b))
-            .collect()
-    }
-}
-
-fn collate(windows: &[Vec<u32>]) -> Result<Tensor, CollateError> {
-    let block = windows[0].len();
-    let ids: Vec<u32> = windows.concat();
-    Ok(Tensor::from_vec(ids, (windows.len(), block), &Device::Cpu)?)
+/// Bytes as token ids (the vocabulary is the 256 byte values).
+fn bytes_as_tokens(bytes: &[u8]) -> Vec<u32> {
+    bytes.iter().map(|&b| u32::from(b)).collect()
 }
 
 /// The training and held-out text: every 20th sentence held out.
@@ -226,20 +202,14 @@ fn main() -> Result<()> {
     let block = args.block_size;
     let mut train_loader = acc.prepare_data_loader(
         DataLoader::new(
-            Windows {
-                bytes: Arc::new(train),
-                block,
-            },
+            TokenWindows::new(bytes_as_tokens(&train), block),
             args.batch_size,
-            collate,
+            TokenWindows::stack,
         )
         .shuffle(args.seed)
         .drop_last(true),
     );
-    let held_out = Windows {
-        bytes: Arc::new(held_out),
-        block,
-    };
+    let held_out = TokenWindows::new(bytes_as_tokens(&held_out), block);
     acc.print(format!(
         "{} training / {} held-out sequences of {block} bytes; {} per step, {} steps",
         train_loader.dataset().len(),
@@ -250,8 +220,11 @@ fn main() -> Result<()> {
     let eval_windows: Vec<Vec<u32>> = (0..held_out.len().min(args.eval_samples))
         .map(|i| held_out.get(i))
         .collect();
-    let mut eval_loader =
-        acc.prepare_data_loader(DataLoader::new(eval_windows, args.batch_size, collate));
+    let mut eval_loader = acc.prepare_data_loader(DataLoader::new(
+        eval_windows,
+        args.batch_size,
+        TokenWindows::stack,
+    ));
 
     let mut progress = acc.progress(args.max_train_steps, "train");
     let train_started = Instant::now();

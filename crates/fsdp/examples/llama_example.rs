@@ -14,7 +14,6 @@
 //! and `--activation_checkpointing` are the example's own flags.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -22,11 +21,11 @@ use clap::Parser;
 
 use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
-use fsdp::data::{CollateError, DataLoader, Dataset, vader_rated_sentences};
+use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_rated_sentences};
 use fsdp::models::llama::{GgufFile, GgufWeights, gguf_config, gguf_tokenizer};
 use fsdp::models::{LlamaForCausalLM, generate_greedy};
 use fsdp::nn::Module;
-use fsdp::nn::candle::{Device, Tensor};
+use fsdp::nn::candle::Tensor;
 use fsdp::optim::{
     AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,
 };
@@ -80,33 +79,6 @@ struct Args {
     /// `tools/bench_llama_pytorch.py` to train PyTorch on the same batches.
     #[arg(long)]
     dump_batches: Option<PathBuf>,
-}
-
-/// Consecutive windows of `len` tokens of a tokenized text.
-struct Windows {
-    ids: Arc<Vec<u32>>,
-    len: usize,
-}
-
-impl Dataset for Windows {
-    type Item = Vec<u32>;
-
-    fn len(&self) -> usize {
-        self.ids.len() / self.len
-    }
-
-    fn get(&self, index: usize) -> Vec<u32> {
-        self.ids[index * self.len..(index + 1) * self.len].to_vec()
-    }
-}
-
-fn collate(windows: &[Vec<u32>]) -> Result<Tensor, CollateError> {
-    let len = windows[0].len();
-    Ok(Tensor::from_vec(
-        windows.concat(),
-        (windows.len(), len),
-        &Device::Cpu,
-    )?)
 }
 
 /// An asset fetched by tools/fetch-test-assets.sh, found from the working directory or the
@@ -240,20 +212,14 @@ fn main() -> Result<()> {
     let len = args.seq_len;
     let mut train_loader = acc.prepare_data_loader(
         DataLoader::new(
-            Windows {
-                ids: Arc::new(train),
-                len,
-            },
+            TokenWindows::new(train, len),
             args.batch_size,
-            collate,
+            TokenWindows::stack,
         )
         .shuffle(args.seed)
         .drop_last(true),
     );
-    let held_out = Windows {
-        ids: Arc::new(held_out),
-        len,
-    };
+    let held_out = TokenWindows::new(held_out, len);
     acc.print(format!(
         "{} training / {} held-out sequences of {len} tokens; {} sequences per step, {} steps",
         train_loader.dataset().len(),
@@ -264,8 +230,11 @@ fn main() -> Result<()> {
     let eval_windows: Vec<Vec<u32>> = (0..held_out.len().min(args.eval_samples))
         .map(|i| held_out.get(i))
         .collect();
-    let mut eval_loader =
-        acc.prepare_data_loader(DataLoader::new(eval_windows, args.batch_size, collate));
+    let mut eval_loader = acc.prepare_data_loader(DataLoader::new(
+        eval_windows,
+        args.batch_size,
+        TokenWindows::stack,
+    ));
     let prompt = tokenizer
         .encode(args.prompt.as_str(), false)
         .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?

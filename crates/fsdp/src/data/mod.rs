@@ -10,7 +10,7 @@ pub use loader::{
     BatchError, CollateError, DataLoader, Dataset, LoadedBatch, LoaderPosition, permutation,
 };
 pub use text::{
-    ClassificationBatch, DataError, TextExample, collate, mrpc_tsv, train_test_split,
+    ClassificationBatch, DataError, TextExample, TokenWindows, collate, mrpc_tsv, train_test_split,
     vader_movie_reviews, vader_rated_sentences,
 };
 pub use tokenizer::{TextBatch, TextTokenizer, TokenizerError};

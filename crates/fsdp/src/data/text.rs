@@ -167,3 +167,61 @@ pub fn collate(
     let labels = Tensor::from_vec(labels, examples.len(), device)?;
     Ok(ClassificationBatch { inputs, labels })
 }
+
+/// A language model's training text as consecutive windows of `len` tokens (the remainder
+/// that fills no window is left out), each window a sequence that is its own labels (what
+/// the causal-LM loss shifts).
+#[derive(Debug, Clone)]
+pub struct TokenWindows {
+    ids: std::sync::Arc<Vec<u32>>,
+    len: usize,
+}
+
+impl TokenWindows {
+    /// Windows of `len` (at least 1) tokens over `ids`.
+    pub fn new(ids: Vec<u32>, len: usize) -> TokenWindows {
+        TokenWindows {
+            ids: std::sync::Arc::new(ids),
+            len: len.max(1),
+        }
+    }
+
+    /// A batch of windows as ids `[windows, len]` (u32): the collate function of a loader
+    /// over these windows.
+    pub fn stack(windows: &[Vec<u32>]) -> Result<Tensor, CollateError> {
+        let len = windows.first().map_or(0, Vec::len);
+        Ok(Tensor::from_vec(
+            windows.concat(),
+            (windows.len(), len),
+            &Device::Cpu,
+        )?)
+    }
+}
+
+impl super::loader::Dataset for TokenWindows {
+    type Item = Vec<u32>;
+
+    fn len(&self) -> usize {
+        self.ids.len() / self.len
+    }
+
+    fn get(&self, index: usize) -> Vec<u32> {
+        self.ids[index * self.len..(index + 1) * self.len].to_vec()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::Dataset;
+
+    #[test]
+    fn token_windows_are_consecutive_and_stack_into_a_batch() {
+        let windows = TokenWindows::new((0..10).collect(), 3);
+        assert_eq!(windows.len(), 3, "the last token fills no window");
+        assert_eq!(windows.get(1), [3, 4, 5]);
+        let batch = TokenWindows::stack(&[windows.get(0), windows.get(2)]).unwrap();
+        assert_eq!(batch.dims(), [2, 3]);
+        assert_eq!(batch.to_vec2::<u32>().unwrap(), [[0, 1, 2], [6, 7, 8]]);
+    }
+}
