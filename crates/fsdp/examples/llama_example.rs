@@ -30,6 +30,10 @@ use fsdp::optim::{
     AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,
 };
 
+// Live heap bytes are counted, so the state each rank holds is measured, not estimated.
+#[global_allocator]
+static ALLOC: fsdp::memory::CountingAllocator = fsdp::memory::CountingAllocator;
+
 /// Fine-tunes SmolLM2-135M-Instruct under FSDP.
 #[derive(Debug, Parser)]
 #[command(rename_all = "snake_case")]
@@ -134,6 +138,7 @@ fn texts(dir: &Path, tokenizer: &tokenizers::Tokenizer, eos: u32) -> Result<(Vec
 }
 
 fn main() -> Result<()> {
+    fsdp::memory::CountingAllocator::mark_installed();
     let args = Args::parse();
     let started = Instant::now();
     let mut plugin = FsdpPlugin::builder().activation_checkpointing(args.activation_checkpointing);
@@ -328,6 +333,20 @@ fn main() -> Result<()> {
         f64::NAN
     };
 
+    // What each rank holds between steps (its parameter shards and AdamW's moments; the
+    // gradients are gone after the step; and the tokenized text) against the plan's estimate.
+    let estimate = model.engine().plan().memory_estimate();
+    let state = (estimate.params + estimate.optimizer) as f64;
+    let resident = acc.gather(vec![fsdp::memory::resident_bytes() as f64])?;
+    acc.print(format!(
+        "heap between steps per rank (MiB): {} against the plan's {:.0} of parameter shards and AdamW state",
+        resident
+            .iter()
+            .map(|b| format!("{:.0}", b / (1 << 20) as f64))
+            .collect::<Vec<_>>()
+            .join(", "),
+        state / (1 << 20) as f64
+    ));
     let sequences = acc.step() as usize * train_loader.global_batch_size();
     let peaks = acc.gather(vec![
         fsdp::memory::peak_rss_bytes().map_or(f64::NAN, |b| b as f64 / (1 << 20) as f64),
