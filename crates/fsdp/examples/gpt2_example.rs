@@ -13,12 +13,12 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result};
 use clap::Parser;
 
 use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
 use fsdp::config::{AutoWrapPolicy, FsdpPlugin};
-use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_rated_sentences};
+use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_lm_sentences};
 use fsdp::models::{Gpt2Config, Gpt2LmHeadModel};
 use fsdp::nn::candle::{DType, Device};
 use fsdp::nn::{LocalParams, Module};
@@ -81,35 +81,18 @@ fn bytes_as_tokens(bytes: &[u8]) -> Vec<u32> {
     bytes.iter().map(|&b| u32::from(b)).collect()
 }
 
-/// The training and held-out text: every 20th sentence held out.
+/// The training and held-out text (every 20th sentence held out), one sentence per line.
 fn texts(dir: &Path) -> Result<(Vec<u8>, Vec<u8>)> {
-    let (mut train, mut held_out) = (Vec::new(), Vec::new());
-    let mut n = 0usize;
-    for name in [
-        "movieReviewSnippets",
-        "amazonReviewSnippets",
-        "nytEditorialSnippets",
-        "tweets",
-    ] {
-        let path = dir.join(format!("{name}_GroundTruth.txt"));
-        if !path.is_file() {
-            bail!(
-                "{}: no such file; run tools/fetch-test-assets.sh (it fetches VADER's rated sentences from the vaderSentiment package on PyPI)",
-                path.display()
-            );
-        }
-        for (_, sentence) in vader_rated_sentences(&path)? {
-            let into = if n % 20 == 19 {
-                &mut held_out
-            } else {
-                &mut train
-            };
-            into.extend_from_slice(sentence.as_bytes());
-            into.push(b'\n');
-            n += 1;
-        }
-    }
-    Ok((train, held_out))
+    let (train, held_out) = vader_lm_sentences(dir).with_context(|| {
+        "run tools/fetch-test-assets.sh (it fetches VADER's rated sentences from the vaderSentiment package on PyPI)"
+    })?;
+    let lines = |sentences: Vec<String>| {
+        sentences
+            .into_iter()
+            .flat_map(|s| s.into_bytes().into_iter().chain([b'\n']))
+            .collect()
+    };
+    Ok((lines(train), lines(held_out)))
 }
 
 fn main() -> Result<()> {

@@ -21,7 +21,7 @@ use clap::Parser;
 
 use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
-use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_rated_sentences};
+use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_lm_sentences};
 use fsdp::models::llama::{GgufFile, GgufWeights, gguf_config, gguf_tokenizer};
 use fsdp::models::{LlamaForCausalLM, generate_greedy};
 use fsdp::nn::Module;
@@ -98,43 +98,20 @@ fn asset(relative: &str) -> PathBuf {
     }
 }
 
-/// The training and held-out text (every 20th sentence held out), each sentence followed by
-/// the end-of-text token.
+/// The training and held-out text (every 20th sentence held out) as tokens, each sentence
+/// followed by the end-of-text token.
 fn texts(dir: &Path, tokenizer: &tokenizers::Tokenizer, eos: u32) -> Result<(Vec<u32>, Vec<u32>)> {
-    let (mut train, mut held_out) = (Vec::new(), Vec::new());
-    let mut n = 0usize;
-    for name in [
-        "movieReviewSnippets",
-        "amazonReviewSnippets",
-        "nytEditorialSnippets",
-        "tweets",
-    ] {
-        let path = dir.join(format!("{name}_GroundTruth.txt"));
-        if !path.is_file() {
-            bail!(
-                "{}: no such file; run tools/fetch-test-assets.sh",
-                path.display()
-            );
-        }
-        let sentences: Vec<String> = vader_rated_sentences(&path)?
-            .into_iter()
-            .map(|(_, s)| s)
-            .collect();
+    let (train, held_out) = vader_lm_sentences(dir).context("run tools/fetch-test-assets.sh")?;
+    let tokens = |sentences: Vec<String>| -> Result<Vec<u32>> {
         let encoded = tokenizer
             .encode_batch(sentences, false)
-            .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", path.display()))?;
-        for e in encoded {
-            let into = if n % 20 == 19 {
-                &mut held_out
-            } else {
-                &mut train
-            };
-            into.extend_from_slice(e.get_ids());
-            into.push(eos);
-            n += 1;
-        }
-    }
-    Ok((train, held_out))
+            .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", dir.display()))?;
+        Ok(encoded
+            .iter()
+            .flat_map(|e| e.get_ids().iter().copied().chain([eos]))
+            .collect())
+    };
+    Ok((tokens(train)?, tokens(held_out)?))
 }
 
 fn main() -> Result<()> {

@@ -11,6 +11,6 @@ pub use loader::{
 };
 pub use text::{
     ClassificationBatch, DataError, TextExample, TokenWindows, collate, mrpc_tsv, train_test_split,
-    vader_movie_reviews, vader_rated_sentences,
+    vader_lm_sentences, vader_movie_reviews, vader_rated_sentences,
 };
 pub use tokenizer::{TextBatch, TextTokenizer, TokenizerError};

@@ -80,6 +80,31 @@ pub fn vader_rated_sentences(path: &Path) -> Result<Vec<(f64, String)>, DataErro
     Ok(out)
 }
 
+/// VADER's four rated-sentence files in `dir` (movie and Amazon reviews, New York Times
+/// editorials, tweets, in that order) as a language model's text: (training, held-out)
+/// sentences, every 20th held out. The language-model examples train on it.
+pub fn vader_lm_sentences(dir: &Path) -> Result<(Vec<String>, Vec<String>), DataError> {
+    let (mut train, mut held_out) = (Vec::new(), Vec::new());
+    let files = [
+        "movieReviewSnippets",
+        "amazonReviewSnippets",
+        "nytEditorialSnippets",
+        "tweets",
+    ];
+    for name in files {
+        for (_, sentence) in vader_rated_sentences(&dir.join(format!("{name}_GroundTruth.txt")))? {
+            let n = train.len() + held_out.len();
+            if n % 20 == 19 {
+                &mut held_out
+            } else {
+                &mut train
+            }
+            .push(sentence);
+        }
+    }
+    Ok((train, held_out))
+}
+
 /// The VADER movie-review snippets (`movieReviewSnippets_GroundTruth.txt`): label 1 for a
 /// positive rating, 0 for a negative one; the few rated exactly 0 are left out.
 pub fn vader_movie_reviews(path: &Path) -> Result<Vec<TextExample>, DataError> {
