@@ -21,6 +21,7 @@ use super::{CheckpointOptions, RunState};
 use crate::config::StateDictType;
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
+use fsdp_comm::Mesh;
 
 /// A piece as a rank reports it: (tensor, full shape, rows, offset, bytes, crc32).
 pub(super) type RankPiece = (String, Vec<usize>, [usize; 2], u64, u64, u32);
@@ -35,34 +36,64 @@ pub(super) struct RankFolder {
 
 /// What one rank reports after writing: one entry per model folder, then per optimizer.
 #[derive(Debug, Default, Serialize, Deserialize)]
-struct RankReport {
+pub(super) struct RankReport {
     folders: Vec<RankFolder>,
     /// The CRC-32 of this rank's `random_states_{rank}.json`.
     random_crc32: u32,
 }
 
-/// One tensor this rank writes: name, full shape, its rows and their values.
-struct Part<'a> {
+/// One tensor this rank writes: name, full shape, its rows and their values (`V`: borrowed
+/// or read later by a synchronous save, owned by an asynchronous one).
+pub(super) struct Part<V> {
     name: String,
     shape: Vec<usize>,
     rows: [usize; 2],
-    values: PartValues<'a>,
+    values: V,
+}
+
+/// Where a part's values come from when it is written.
+pub(super) trait PartSource {
+    /// The values.
+    fn get(&self) -> Result<Cow<'_, [f32]>, CheckpointError>;
 }
 
 /// A part's values: borrowed from the engine and the optimizer (not copied), or read from
 /// the disk tier when the part is written (offloaded state is never all in memory).
-enum PartValues<'a> {
+pub(super) enum PartValues<'a> {
     Ready(Cow<'a, [f32]>),
     Later(Box<dyn Fn() -> Result<Vec<f32>, crate::engine::EngineError> + 'a>),
 }
 
-impl PartValues<'_> {
+impl PartSource for PartValues<'_> {
     fn get(&self) -> Result<Cow<'_, [f32]>, CheckpointError> {
         Ok(match self {
             PartValues::Ready(v) => Cow::Borrowed(v.as_ref()),
             PartValues::Later(read) => Cow::Owned(read()?),
         })
     }
+}
+
+impl PartSource for Vec<f32> {
+    fn get(&self) -> Result<Cow<'_, [f32]>, CheckpointError> {
+        Ok(Cow::Borrowed(self))
+    }
+}
+
+/// An optimizer's parts on this rank, with each parameter's step.
+type OptimizerParts<V> = (Vec<Part<V>>, BTreeMap<String, u64>);
+
+/// One model's parts on this rank, and its optimizer's when it has one.
+pub(super) struct ModelParts<V> {
+    params: Vec<Part<V>>,
+    optimizer: Option<OptimizerParts<V>>,
+}
+
+/// Everything this rank writes for a sharded or local save.
+pub(super) struct RankParts<V> {
+    pub(super) rank: usize,
+    /// `random_states_{rank}.json`'s bytes.
+    random: Vec<u8>,
+    models: Vec<ModelParts<V>>,
 }
 
 fn state_dict_name(t: StateDictType) -> &'static str {
@@ -108,12 +139,11 @@ fn writes(model: &Fsdp, shard_rows: usize, full_rows: usize, index: usize) -> bo
 }
 
 /// This rank's parts of model `m` (and of its optimizer `opt`): rows it owns and writes.
-#[allow(clippy::type_complexity)]
 fn sharded_parts<'a>(
     m: &'a Fsdp,
     opt: Option<&'a dyn Optimizer>,
     local: bool,
-) -> Result<(Vec<Part<'a>>, Vec<Part<'a>>, BTreeMap<String, u64>), CheckpointError> {
+) -> Result<ModelParts<PartValues<'a>>, CheckpointError> {
     let (mut params, mut states, mut steps) = (Vec::new(), Vec::new(), BTreeMap::new());
     for (index, (name, shape)) in m.parameters().into_iter().enumerate() {
         let owned = m.owned_rows(name)?;
@@ -151,15 +181,43 @@ fn sharded_parts<'a>(
         };
         params.push(part(name.to_string(), values));
     }
-    Ok((params, states, steps))
+    Ok(ModelParts {
+        params,
+        optimizer: opt.map(|_| (states, steps)),
+    })
+}
+
+/// This rank's parts of every model and optimizer for a sharded (or, with `local`, a local)
+/// save, borrowed where they are in memory.
+pub(super) fn rank_parts<'a>(
+    models: &[&'a Fsdp],
+    optimizers: &[&'a dyn Optimizer],
+    run: &RunState,
+    local: bool,
+) -> Result<RankParts<PartValues<'a>>, CheckpointError> {
+    Ok(RankParts {
+        rank: models[0].mesh().rank(),
+        random: random_bytes(run)?,
+        models: models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| sharded_parts(m, optimizers.get(i).copied(), local))
+            .collect::<Result<_, _>>()?,
+    })
+}
+
+/// `random_states_{rank}.json`'s bytes.
+fn random_bytes(run: &RunState) -> Result<Vec<u8>, CheckpointError> {
+    serde_json::to_vec_pretty(&run.random)
+        .map_err(|e| CheckpointError::Usage(format!("random state: {e}")))
 }
 
 /// Writes `parts` as one tensor file and describes it.
-fn write_parts(
+fn write_parts<V: PartSource>(
     folder: &Path,
     file: &str,
     rank: usize,
-    parts: Vec<Part>,
+    parts: &[Part<V>],
 ) -> Result<RankFolder, CheckpointError> {
     if parts.is_empty() {
         return Ok(RankFolder::default());
@@ -178,7 +236,7 @@ fn write_parts(
         })
         .collect();
     let mut w = TensorFileWriter::create(&folder.join(file), plan)?;
-    for p in &parts {
+    for p in parts {
         w.write_next(&p.values.get()?)?;
     }
     let written = w.finish()?;
@@ -225,12 +283,18 @@ fn write_rank(
     run: &RunState,
     kind: StateDictType,
 ) -> Result<RankReport, CheckpointError> {
+    if kind != StateDictType::FullStateDict {
+        let parts = rank_parts(
+            models,
+            optimizers,
+            run,
+            kind == StateDictType::LocalStateDict,
+        )?;
+        return write_rank_parts(staging, &parts);
+    }
     let rank = models[0].mesh().rank();
-    let random = serde_json::to_vec_pretty(&run.random)
-        .map_err(|e| CheckpointError::Usage(format!("random state: {e}")))?;
-    atomic::write_synced(&staging.join(format::random_states_file(rank)), &random)?;
     let mut report = RankReport {
-        random_crc32: crc32fast::hash(&random),
+        random_crc32: write_random(staging, rank, &random_bytes(run)?)?,
         ..Default::default()
     };
     let mut optimizer_folders = Vec::new();
@@ -238,53 +302,37 @@ fn write_rank(
         let opt = optimizers.get(i).copied();
         let model_dir = staging.join(format::model_folder(i));
         let opt_dir = staging.join(format::optimizer_folder(i));
-        if kind == StateDictType::FullStateDict {
-            let names: Vec<(String, Vec<usize>)> = m
-                .parameters()
-                .into_iter()
-                .map(|(n, s)| (n.to_string(), s.to_vec()))
-                .collect();
-            report.folders.push(write_full(
-                m,
-                &model_dir,
-                format::FULL_MODEL_FILE,
-                names.clone(),
-                &|name, _| m.local_values_of(name).map(Some),
-            )?);
-            if let Some(o) = opt {
-                let mut folder = RankFolder::default();
-                let keys: Vec<String> = state_keys(m, o, &names);
-                let mut tensors = Vec::new();
-                for key in &keys {
-                    for (n, s) in &names {
-                        let info = m.optimizer_state_info(o, n);
-                        if info.is_some_and(|(_, keys)| keys.contains(key)) {
-                            tensors.push((format!("{n}.{key}"), s.clone()));
-                        }
+        let names: Vec<(String, Vec<usize>)> = m
+            .parameters()
+            .into_iter()
+            .map(|(n, s)| (n.to_string(), s.to_vec()))
+            .collect();
+        report.folders.push(write_full(
+            m,
+            &model_dir,
+            format::FULL_MODEL_FILE,
+            names.clone(),
+            &|name, _| m.local_values_of(name).map(Some),
+        )?);
+        if let Some(o) = opt {
+            let mut folder = RankFolder::default();
+            let keys: Vec<String> = state_keys(m, o, &names);
+            let mut tensors = Vec::new();
+            for key in &keys {
+                for (n, s) in &names {
+                    let info = m.optimizer_state_info(o, n);
+                    if info.is_some_and(|(_, keys)| keys.contains(key)) {
+                        tensors.push((format!("{n}.{key}"), s.clone()));
                     }
                 }
-                let mut written = write_full_state(m, o, &opt_dir, &keys, tensors)?;
-                folder.file = written.file.take();
-                folder.pieces = written.pieces;
-                folder.steps = names
-                    .iter()
-                    .filter_map(|(n, _)| m.optimizer_state_info(o, n).map(|(s, _)| (n.clone(), s)))
-                    .collect();
-                optimizer_folders.push(folder);
             }
-            continue;
-        }
-        let local = kind == StateDictType::LocalStateDict;
-        let (params, states, steps) = sharded_parts(m, opt, local)?;
-        report.folders.push(write_parts(
-            &model_dir,
-            &format::rank_file(rank),
-            rank,
-            params,
-        )?);
-        if opt.is_some() {
-            let mut folder = write_parts(&opt_dir, &format::rank_file(rank), rank, states)?;
-            folder.steps = steps;
+            let mut written = write_full_state(m, o, &opt_dir, &keys, tensors)?;
+            folder.file = written.file.take();
+            folder.pieces = written.pieces;
+            folder.steps = names
+                .iter()
+                .filter_map(|(n, _)| m.optimizer_state_info(o, n).map(|(s, _)| (n.clone(), s)))
+                .collect();
             optimizer_folders.push(folder);
         }
     }
@@ -292,25 +340,93 @@ fn write_rank(
     Ok(report)
 }
 
+/// Writes `random_states_{rank}.json` into `staging`; returns its CRC-32.
+fn write_random(staging: &Path, rank: usize, random: &[u8]) -> Result<u32, CheckpointError> {
+    atomic::write_synced(&staging.join(format::random_states_file(rank)), random)?;
+    Ok(crc32fast::hash(random))
+}
+
+/// Writes a sharded or local save's files of this rank into `staging`: one file per model
+/// folder, then one per optimizer folder.
+pub(super) fn write_rank_parts<V: PartSource>(
+    staging: &Path,
+    parts: &RankParts<V>,
+) -> Result<RankReport, CheckpointError> {
+    let rank = parts.rank;
+    let mut report = RankReport {
+        random_crc32: write_random(staging, rank, &parts.random)?,
+        ..Default::default()
+    };
+    let mut optimizer_folders = Vec::new();
+    for (i, m) in parts.models.iter().enumerate() {
+        let file = format::rank_file(rank);
+        let model_dir = staging.join(format::model_folder(i));
+        report
+            .folders
+            .push(write_parts(&model_dir, &file, rank, &m.params)?);
+        if let Some((states, steps)) = &m.optimizer {
+            let opt_dir = staging.join(format::optimizer_folder(i));
+            let mut folder = write_parts(&opt_dir, &file, rank, states)?;
+            folder.steps = steps.clone();
+            optimizer_folders.push(folder);
+        }
+    }
+    report.folders.extend(optimizer_folders);
+    Ok(report)
+}
+
+/// What rank 0 takes from the models and optimizers for the documents, captured when the
+/// save begins (an asynchronous save writes them after training has moved on).
+pub(super) struct DocInputs {
+    /// The number of models.
+    models: usize,
+    /// The first model's layout (its world size; recorded by LOCAL_STATE_DICT).
+    layout: LayoutDoc,
+    /// Each optimizer's name, rates and groups (steps come from the ranks' reports).
+    optimizers: Vec<OptimizerDoc>,
+}
+
+impl DocInputs {
+    /// Captures them from `models` and `optimizers` (optimizer i of model i).
+    pub(super) fn of(models: &[&Fsdp], optimizers: &[&dyn Optimizer]) -> DocInputs {
+        DocInputs {
+            models: models.len(),
+            layout: layout_of(models[0]),
+            optimizers: optimizers
+                .iter()
+                .zip(models)
+                .map(|(o, m)| OptimizerDoc {
+                    name: o.name().into(),
+                    lrs: (0..o.num_groups()).map(|g| o.lr(g)).collect(),
+                    steps: BTreeMap::new(),
+                    groups: super::groups::recorded(m, *o),
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Rank 0: the folders' metadata from every rank's report, the schedulers, and last the
 /// checkpoint document.
 fn write_documents(
     staging: &Path,
     reports: &[RankReport],
-    models: &[&Fsdp],
-    optimizers: &[&dyn Optimizer],
+    inputs: &DocInputs,
     run: &RunState,
     kind: StateDictType,
 ) -> Result<(), CheckpointError> {
     let type_name = state_dict_name(kind);
-    let folders = models.len() + optimizers.len().min(models.len());
+    let models = inputs.models;
+    let folders = models + inputs.optimizers.len();
     for f in 0..folders {
-        let is_model = f < models.len();
+        let is_model = f < models;
         let (dir, kind_name) = if is_model {
             (staging.join(format::model_folder(f)), "model")
         } else {
-            let i = f - models.len();
-            (staging.join(format::optimizer_folder(i)), "optimizer")
+            (
+                staging.join(format::optimizer_folder(f - models)),
+                "optimizer",
+            )
         };
         let mut doc = FolderDoc {
             format: format::FORMAT.into(),
@@ -320,7 +436,7 @@ fn write_documents(
             tensors: BTreeMap::new(),
             files: BTreeMap::new(),
             optimizer: None,
-            layout: (kind == StateDictType::LocalStateDict).then(|| layout_of(models[0])),
+            layout: (kind == StateDictType::LocalStateDict).then(|| inputs.layout.clone()),
         };
         let mut steps = BTreeMap::new();
         for report in reports {
@@ -354,13 +470,9 @@ fn write_documents(
             t.pieces.sort_by_key(|p| (p.rows[0], p.file.clone()));
         }
         if !is_model {
-            let i = f - models.len();
-            let o = optimizers[i];
             doc.optimizer = Some(OptimizerDoc {
-                name: o.name().into(),
-                lrs: (0..o.num_groups()).map(|g| o.lr(g)).collect(),
                 steps,
-                groups: super::groups::recorded(models[i], o),
+                ..inputs.optimizers[f - models].clone()
             });
         }
         std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
@@ -385,9 +497,9 @@ fn write_documents(
         format: format::FORMAT.into(),
         version: format::VERSION,
         state_dict_type: type_name.into(),
-        world_size: models[0].mesh().world_size(),
-        models: models.len(),
-        optimizers: optimizers.len(),
+        world_size: inputs.layout.world_size,
+        models,
+        optimizers: inputs.optimizers.len(),
         schedulers: run.schedulers.len(),
         step: run.step,
         data: run.data.clone(),
@@ -401,14 +513,25 @@ fn write_documents(
     atomic::sync_dir(staging)
 }
 
-/// See [`super::save_state`].
-pub(crate) fn save(
+/// A save under way, after its first phase: every rank joined and knows the destination
+/// and the staging folder, which rank 0 holds.
+pub(super) struct Begun {
+    pub(super) mesh: Mesh,
+    pub(super) dest: PathBuf,
+    pub(super) staging: PathBuf,
+    /// Rank 0's staging folder (`None` on the others).
+    pub(super) held: Option<atomic::Staging>,
+    pub(super) kind: StateDictType,
+}
+
+/// The first phase of every save (collective): the arguments checked, every rank joined,
+/// and rank 0's destination and staging folder made and shared.
+pub(super) fn begin(
     dest: &Path,
     models: &[&Fsdp],
     optimizers: &[&dyn Optimizer],
-    run: &RunState,
     options: &CheckpointOptions,
-) -> Result<PathBuf, CheckpointError> {
+) -> Result<Begun, CheckpointError> {
     let Some(first) = models.first() else {
         return Err(CheckpointError::Usage(
             "save_state needs at least one model".into(),
@@ -424,10 +547,9 @@ pub(crate) fn save(
     let mesh = first.mesh().clone();
     join(&mesh, "save_state", options.join_timeout)?;
     let kind = options.state_dict_type.unwrap_or(first.state_dict_type());
-    let rank0 = mesh.rank() == 0;
     // Rank 0 chooses the destination and makes (and holds) the staging folder; the others
     // learn where.
-    let prepared = if rank0 {
+    let prepared = if mesh.rank() == 0 {
         prepare(dest, options, models.len(), optimizers.len()).map(Some)
     } else {
         Ok(None)
@@ -436,37 +558,79 @@ pub(crate) fn save(
         Ok(Some((d, s))) => serde_json::json!([d, s.path()]).to_string(),
         _ => String::new(),
     };
-    let mut held = agree(&mesh, prepared)?;
+    let held = agree(&mesh, prepared)?;
     let shared = broadcast_bytes(&mesh, text.as_bytes())?;
     let (dest, staging): (PathBuf, PathBuf) = serde_json::from_slice(&shared)
         .map_err(|e| CheckpointError::Usage(format!("staging folder: {e}")))?;
-    let written = write_rank(&staging, models, optimizers, run, kind);
+    Ok(Begun {
+        mesh,
+        dest,
+        staging,
+        held: held.map(|(_, s)| s),
+        kind,
+    })
+}
+
+/// Rank 0's last phase of every save: the documents from every rank's report, the folder
+/// published at `dest`, and rotation with automatic naming.
+pub(super) fn publish(
+    held: &mut atomic::Staging,
+    dest: &Path,
+    reports: &[RankReport],
+    inputs: &DocInputs,
+    run: &RunState,
+    kind: StateDictType,
+    options: &CheckpointOptions,
+) -> Result<(), CheckpointError> {
+    write_documents(held.path(), reports, inputs, run, kind)?;
+    atomic::publish(held, dest)?;
+    match (options.automatic_naming, options.total_limit) {
+        (true, Some(limit)) => atomic::rotate(dest.parent().unwrap_or(dest), limit),
+        _ => Ok(()),
+    }
+}
+
+/// See [`super::save_state`].
+pub(crate) fn save(
+    dest: &Path,
+    models: &[&Fsdp],
+    optimizers: &[&dyn Optimizer],
+    run: &RunState,
+    options: &CheckpointOptions,
+) -> Result<PathBuf, CheckpointError> {
+    let mut begun = begin(dest, models, optimizers, options)?;
+    let mesh = &begun.mesh;
+    let written = write_rank(&begun.staging, models, optimizers, run, begun.kind);
     let report_text = match &written {
         Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
         Err(_) => Vec::new(),
     };
     // On failure rank 0's staging folder goes with `held`.
-    agree(&mesh, written)?;
-    let reports = all_gather_bytes(&mesh, &report_text)?;
-    let published = match held.as_mut() {
-        Some((_, held)) => {
+    agree(mesh, written)?;
+    let reports = all_gather_bytes(mesh, &report_text)?;
+    let published = match begun.held.as_mut() {
+        Some(held) => {
             let reports: Result<Vec<RankReport>, _> =
                 reports.iter().map(|r| serde_json::from_slice(r)).collect();
             reports
                 .map_err(|e| CheckpointError::Usage(format!("rank report: {e}")))
                 .and_then(|reports| {
-                    write_documents(&staging, &reports, models, optimizers, run, kind)
-                })
-                .and_then(|()| atomic::publish(held, &dest))
-                .and_then(|()| match (options.automatic_naming, options.total_limit) {
-                    (true, Some(limit)) => atomic::rotate(dest.parent().unwrap_or(&dest), limit),
-                    _ => Ok(()),
+                    let inputs = DocInputs::of(models, optimizers);
+                    publish(
+                        held,
+                        &begun.dest,
+                        &reports,
+                        &inputs,
+                        run,
+                        begun.kind,
+                        options,
+                    )
                 })
         }
         None => Ok(()),
     };
-    agree(&mesh, published)?;
-    Ok(dest)
+    agree(mesh, published)?;
+    Ok(begun.dest)
 }
 
 /// Rank 0: the destination (the next `checkpoint_<n>` with automatic naming), checked to be
