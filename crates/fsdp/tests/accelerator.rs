@@ -505,3 +505,71 @@ fn models_and_optimizers_pair_by_preparation_order() {
         "nothing written"
     );
 }
+
+/// One optimizer step of the tiny model on batch `step`.
+fn train_step(
+    acc: &mut Accelerator,
+    model: &mut PreparedModel<BertForSequenceClassification>,
+    opt: &mut fsdp::accelerator::PreparedOptimizer,
+    step: usize,
+) {
+    let (ids, labels) = common::tiny::batch(step);
+    let logits = model
+        .forward(|m, p| m.forward(p, &ids, None, None))
+        .unwrap();
+    let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+    acc.backward(model, loss).unwrap();
+    acc.optimizer_step(model, opt).unwrap();
+}
+
+#[test]
+fn an_async_save_state_is_waited_for_by_the_next_load_and_holds_the_state_it_was_given() {
+    let mut acc = Accelerator::new().unwrap();
+    let m = common::tiny::model(0.0);
+    let w = LocalParams::init(&m.info(), 1, DType::F32, &Device::Cpu)
+        .unwrap()
+        .tensors();
+    let mut model = acc.prepare_model(m, &w).unwrap();
+    let mut opt = acc
+        .prepare_optimizer(Sgd::new(SgdConfig::default()).unwrap())
+        .unwrap();
+    train_step(&mut acc, &mut model, &mut opt, 0);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let saved = acc.get_state_dict(&model).unwrap().unwrap();
+    let written = acc
+        .save_state_async(Some(&dir), &[&model], &[&opt], Default::default())
+        .unwrap();
+    assert_eq!(written, dir);
+    // Training goes on while it is written.
+    train_step(&mut acc, &mut model, &mut opt, 1);
+    let trained = acc.get_state_dict(&model).unwrap().unwrap();
+    assert!(common::max_abs_diff(&trained["classifier.weight"], &saved["classifier.weight"]) > 0.0);
+    // load_state waits for the save, then loads what it was given.
+    acc.load_state(&dir, &mut [&mut model], &mut [&mut opt])
+        .unwrap();
+    let loaded = acc.get_state_dict(&model).unwrap().unwrap();
+    for (name, t) in &saved {
+        assert_eq!(common::max_abs_diff(t, &loaded[name]), 0.0, "{name}");
+    }
+    assert_eq!(
+        acc.wait_for_checkpoint().unwrap(),
+        None,
+        "nothing left to wait for"
+    );
+    // FULL_STATE_DICT is refused before anything is written.
+    let full = fsdp::checkpoint::save_state_async(
+        &tmp.path().join("full"),
+        &[model.engine()],
+        &[],
+        &Default::default(),
+        &fsdp::checkpoint::CheckpointOptions {
+            state_dict_type: Some(fsdp::config::StateDictType::FullStateDict),
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(full.contains("FULL_STATE_DICT"), "{full}");
+    assert!(!tmp.path().join("full").exists());
+}

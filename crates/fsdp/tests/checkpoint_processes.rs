@@ -31,7 +31,9 @@ fn run_state(step: u64) -> fsdp::checkpoint::RunState {
 }
 
 /// The worker: `FSDP_CKPT_MODE` is `straight` (6 steps), `save` (3 steps, then save),
-/// `resume` (load, then to step 6) or `save-loop` (save again and again until killed).
+/// `save-async` (3 steps, an asynchronous save, 3 more steps while it is written, then wait),
+/// `resume` (load, then to step 6), `save-loop` / `save-async-loop` (save again and again
+/// until killed) or `async-disk-full` (see `an_async_save_on_a_full_disk_fails_on_every_rank_..`).
 #[test]
 fn checkpoint_worker() {
     if std::env::var(ROLE).is_err() {
@@ -51,10 +53,35 @@ fn checkpoint_worker() {
                 .unwrap();
             l
         }
+        "save-async" => {
+            let mut l = t.train(0..3);
+            let pending = t
+                .engine
+                .save_state_async(&dir, t.optimizer.as_ref(), &run_state(3))
+                .unwrap();
+            assert!(pending.staged_bytes() > 0);
+            l.extend(t.train(3..6));
+            assert_eq!(pending.wait().unwrap(), dir);
+            l
+        }
         "resume" => {
             let run = t.engine.load_state(&dir, t.optimizer.as_mut()).unwrap();
             t.train(run.step as usize..6)
         }
+        "save-async-loop" => {
+            t.train(0..1);
+            for n in 1.. {
+                let pending = t
+                    .engine
+                    .save_state_async(&dir, t.optimizer.as_ref(), &run_state(n))
+                    .unwrap();
+                t.train(n as usize..n as usize + 1);
+                pending.wait().unwrap();
+                println!("SAVED {n}");
+            }
+            unreachable!()
+        }
+        "async-disk-full" => return disk_full_worker(&pg, &mut t, &dir),
         "save-loop" => {
             t.train(0..1);
             for n in 1.. {
@@ -77,6 +104,47 @@ fn checkpoint_worker() {
             serde_json::json!({"losses": mean, "weights": w})
         );
     }
+}
+
+/// `async-disk-full`: a checkpoint at step 1, the disk filled, an asynchronous save at step 2
+/// while a step trains; then the previous checkpoint loaded, the disk freed and a save again.
+fn disk_full_worker(pg: &std::sync::Arc<ProcessGroup>, t: &mut Trainer, dir: &std::path::Path) {
+    use std::io::Write;
+    t.train(0..1);
+    t.engine
+        .save_state(dir, t.optimizer.as_ref(), &run_state(1))
+        .unwrap();
+    let filler = dir.parent().unwrap().join("filler");
+    if pg.rank() == 0 {
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = vec![0u8; 1 << 16];
+        while f.write_all(&block).and_then(|()| f.sync_all()).is_ok() {}
+    }
+    pg.barrier().wait().unwrap();
+    let pending = t
+        .engine
+        .save_state_async(dir, t.optimizer.as_ref(), &run_state(2))
+        .expect("the save begins: only its files need room");
+    t.train(1..2);
+    let error = pending
+        .wait()
+        .expect_err("nothing fits on a full disk")
+        .to_string();
+    let loaded = t.engine.load_state(dir, t.optimizer.as_mut()).unwrap().step;
+    if pg.rank() == 0 {
+        std::fs::remove_file(&filler).unwrap();
+    }
+    pg.barrier().wait().unwrap();
+    let again = t
+        .engine
+        .save_state_async(dir, t.optimizer.as_ref(), &run_state(3))
+        .unwrap()
+        .wait();
+    let reloaded = t.engine.load_state(dir, t.optimizer.as_mut()).unwrap().step;
+    println!(
+        "RESULT {}",
+        serde_json::json!({"error": error, "loaded": loaded, "again": again.is_ok(), "reloaded": reloaded})
+    );
 }
 
 fn run(world: usize, mode: &str, dir: &std::path::Path, dropout: f64) -> serde_json::Value {
@@ -130,7 +198,15 @@ fn a_new_job_continues_from_the_checkpoint_at_the_same_or_another_size() {
 #[test]
 fn a_save_killed_at_any_moment_leaves_a_loadable_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ckpt");
+    for mode in ["save-loop", "save-async-loop"] {
+        killed_saves_leave_a_loadable_checkpoint(&tmp.path().join(mode), mode);
+    }
+}
+
+/// Kills a job of `mode` at eight moments of its saves to `dir`; each time the checkpoint
+/// there must load.
+fn killed_saves_leave_a_loadable_checkpoint(dir: &std::path::Path, mode: &str) {
+    let dir = dir.to_path_buf();
     let mut saved_before = Vec::new();
     for trial in 0..8u64 {
         let job = LocalJob::start(2, 0..2, Some(1), |_| {
@@ -142,7 +218,7 @@ fn a_save_killed_at_any_moment_leaves_a_loadable_checkpoint() {
                 "--test-threads=1",
             ])
             .env(ROLE, "1")
-            .env("FSDP_CKPT_MODE", "save-loop")
+            .env("FSDP_CKPT_MODE", mode)
             .env("FSDP_CKPT_DIR", &dir)
             .env("FSDP_CKPT_DROPOUT", "0");
             cmd
@@ -177,6 +253,120 @@ fn a_save_killed_at_any_moment_leaves_a_loadable_checkpoint() {
             Some(Ok(step)) => saved_before.push(*step),
         }
     }
-    eprintln!("steps found after each kill: {saved_before:?}");
-    assert!(!saved_before.is_empty(), "no save completed in any trial");
+    eprintln!("{mode}: steps found after each kill: {saved_before:?}");
+    assert!(
+        !saved_before.is_empty(),
+        "{mode}: no save completed in any trial"
+    );
+}
+
+/// Every file under `dir` (relative path → bytes).
+fn tree(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut files = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                todo.push(e.path());
+            } else {
+                let name = e.path().strip_prefix(dir).unwrap().display().to_string();
+                files.insert(name, std::fs::read(e.path()).unwrap());
+            }
+        }
+    }
+    files
+}
+
+#[test]
+fn an_async_save_lets_training_go_on_and_writes_what_a_synchronous_one_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let straight = run(2, "straight", tmp.path(), 0.1);
+    let sync_dir = tmp.path().join("sync");
+    run(2, "save", &sync_dir, 0.1);
+    let async_dir = tmp.path().join("async");
+    let trained = run(2, "save-async", &async_dir, 0.1);
+    // Training while the files were written changed nothing.
+    assert_eq!(trained["losses"], straight["losses"]);
+    assert_eq!(trained["weights"], straight["weights"]);
+    // The state as it was at the save, byte for byte what a synchronous save writes (and
+    // nothing else: no report or staging file left).
+    let (sync, written) = (tree(&sync_dir), tree(&async_dir));
+    assert_eq!(
+        sync.keys().collect::<Vec<_>>(),
+        written.keys().collect::<Vec<_>>()
+    );
+    for (name, bytes) in &sync {
+        assert!(written[name] == *bytes, "{name} differs");
+    }
+    let siblings: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(siblings.is_empty(), "staging left: {siblings:?}");
+    let resumed = run(2, "resume", &async_dir, 0.1);
+    assert_eq!(
+        resumed["losses"].as_array().unwrap()[..],
+        straight["losses"].as_array().unwrap()[3..]
+    );
+    assert_eq!(resumed["weights"], straight["weights"]);
+}
+
+/// A tmpfs of `size` mounted at `at` for the test's life (root only).
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(at: &std::path::Path, size: &str) -> Option<SmallDisk> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return None;
+        }
+        std::fs::create_dir_all(at).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| SmallDisk(at.to_path_buf()))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn an_async_save_on_a_full_disk_fails_on_every_rank_and_keeps_the_previous_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(disk) = SmallDisk::mount(&tmp.path().join("disk"), "2m") else {
+        eprintln!("SKIPPED: mounting a small tmpfs needs root");
+        return;
+    };
+    let dir = disk.0.join("ckpt");
+    let outputs = common::run_workers(
+        "checkpoint_worker",
+        ROLE,
+        2,
+        &[
+            ("FSDP_CKPT_MODE", "async-disk-full"),
+            ("FSDP_CKPT_DIR", dir.to_str().unwrap()),
+            ("FSDP_CKPT_DROPOUT", "0"),
+        ],
+        Duration::from_secs(120),
+    );
+    for (rank, out) in outputs.iter().enumerate() {
+        let r = common::result_of(out);
+        let error = r["error"].as_str().unwrap();
+        // The file that did not fit, in the save's staging folder, and why.
+        assert!(
+            error.contains(".ckpt.partial-") && error.contains("No space left on device"),
+            "rank {rank}: {error}"
+        );
+        assert_eq!(r["loaded"], 1, "rank {rank}: the previous checkpoint");
+        assert_eq!(r["again"], true, "rank {rank}: a save once there is room");
+        assert_eq!(r["reloaded"], 3, "rank {rank}");
+    }
 }

@@ -1,4 +1,5 @@
 //! `fsdp bench checkpoint`: wall time and memory of `save_state` (sharded and full),
+//! `save_state_async` (the time the caller is blocked, and until the files are written),
 //! `load_state` and `merge-weights` for a BERT trained one step with AdamW on local
 //! processes: the reference BERT by default, BERT-base with `--hidden 768 --layers 12
 //! --vocab 30522`.
@@ -114,19 +115,30 @@ fn launch(a: &CheckpointArgs) -> Result<()> {
     );
     for (label, key) in [
         ("save_state SHARDED", "save_sharded_s"),
+        ("save_state_async blocked", "save_async_blocked_s"),
+        ("save_state_async until written", "save_async_total_s"),
         ("save_state FULL", "save_full_s"),
         ("load_state SHARDED", "load_sharded_s"),
         ("merge_weights (in process)", "merge_s"),
         ("fsdp merge-weights (CLI)", "merge_weights_cli_s"),
     ] {
         println!(
-            "{label:<28} {:>8.3} s",
+            "{label:<31} {:>8.3} s",
             result[key].as_f64().unwrap_or(f64::NAN)
         );
     }
     println!(
-        "peak above state while saving (worst rank): {:.1} MiB sharded, {:.1} MiB full; largest unit {:.1} MiB; peak RSS {:.1} MiB",
+        "an asynchronous save blocks for {:.1}% of the synchronous one's time, staging {:.1} MiB per rank",
+        100.0
+            * result["save_async_blocked_vs_sync"]
+                .as_f64()
+                .unwrap_or(f64::NAN),
+        mib("save_async_staged_bytes")
+    );
+    println!(
+        "peak above state while saving (worst rank): {:.1} MiB sharded, {:.1} MiB asynchronous, {:.1} MiB full; largest unit {:.1} MiB; peak RSS {:.1} MiB",
         mib("save_sharded_peak_above_bytes"),
+        mib("save_async_peak_above_bytes"),
         mib("save_full_peak_above_bytes"),
         mib("largest_unit_bytes"),
         mib("peak_rss_bytes")
@@ -191,6 +203,19 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
         fsdp.save_state(&sharded, &adamw, &run)?;
         Ok(())
     })?;
+    // Asynchronous: what the caller is blocked for (the staging copy), and until written.
+    let async_dir = dir.join("async");
+    let (mut blocked, mut staged) = (Vec::new(), 0u64);
+    let (save_async_total, async_peak) = timed(a.reps, || {
+        let t = Instant::now();
+        let pending = fsdp.save_state_async(&async_dir, &adamw, &run)?;
+        blocked.push(t.elapsed().as_secs_f64());
+        staged = pending.staged_bytes();
+        pending.wait()?;
+        Ok(())
+    })?;
+    blocked.sort_by(f64::total_cmp);
+    let save_async_blocked = blocked[blocked.len() / 2];
     let full_options = CheckpointOptions {
         state_dict_type: Some(StateDictType::FullStateDict),
         ..Default::default()
@@ -218,10 +243,12 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
         sharded_peak as f64,
         full_peak as f64,
         memory::peak_rss_bytes().unwrap_or(0) as f64,
+        async_peak as f64,
+        staged as f64,
     ];
     let all = fsdp.mesh().all_gather_vec(mine)?;
     if rank == 0 {
-        let worst = |k: usize| all.chunks(3).map(|c| c[k]).fold(0f64, f64::max);
+        let worst = |k: usize| all.chunks(5).map(|c| c[k]).fold(0f64, f64::max);
         let plan = fsdp.plan();
         println!(
             "RESULT {}",
@@ -231,6 +258,11 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
                 "checkpoint_bytes": checkpoint_bytes,
                 "save_sharded_s": save_sharded,
                 "save_full_s": save_full,
+                "save_async_blocked_s": save_async_blocked,
+                "save_async_total_s": save_async_total,
+                "save_async_blocked_vs_sync": save_async_blocked / save_sharded,
+                "save_async_peak_above_bytes": worst(3),
+                "save_async_staged_bytes": worst(4),
                 "load_sharded_s": load_sharded,
                 "merge_s": merge,
                 "save_sharded_peak_above_bytes": worst(0),

@@ -302,6 +302,7 @@ impl AcceleratorBuilder {
             project: self.project.unwrap_or_default(),
             metrics: self.metrics,
             seed: self.seed,
+            pending_save: std::sync::Mutex::new(None),
         })
     }
 }
@@ -325,6 +326,8 @@ pub struct Accelerator {
     project: ProjectConfiguration,
     metrics: bool,
     seed: u64,
+    /// The asynchronous save being written, if any (waited for by the next save or load).
+    pending_save: std::sync::Mutex<Option<crate::checkpoint::PendingSave>>,
 }
 
 impl Accelerator {

@@ -65,7 +65,8 @@ impl Accelerator {
     /// Saves the prepared `models` and `optimizers` (in preparation order), the optimizers'
     /// schedulers, the step, the seed and `data`'s position (collective). `dir` is the
     /// folder, or with automatic naming `None` for the next
-    /// `project_dir/checkpoints/checkpoint_<n>`. Returns the folder written.
+    /// `project_dir/checkpoints/checkpoint_<n>`. Returns the folder written. An asynchronous
+    /// save still being written is waited for first.
     pub fn save_state(
         &self,
         dir: Option<&Path>,
@@ -73,6 +74,91 @@ impl Accelerator {
         optimizers: &[&PreparedOptimizer],
         data: LoaderPosition,
     ) -> Result<PathBuf, AcceleratorError> {
+        self.wait_for_checkpoint()?;
+        let (dir, run, options) = self.save_inputs(dir, models, optimizers, data)?;
+        let engines: Vec<&Fsdp> = models.iter().map(|m| m.engine()).collect();
+        let opts: Vec<&dyn Optimizer> = optimizers.iter().map(|o| o.optimizer()).collect();
+        let started = std::time::Instant::now();
+        let written = checkpoint::save_state(&dir, &engines, &opts, &run, &options)?;
+        if self.is_main_process() {
+            tracing::info!(
+                step = self.steps,
+                seconds = started.elapsed().as_secs_f64(),
+                "saved the training state to {}",
+                written.display()
+            );
+        }
+        Ok(written)
+    }
+
+    /// [`Accelerator::save_state`] in the background (PyTorch DCP's `async_save`): returns
+    /// the folder the checkpoint will be published at as soon as every rank has copied its
+    /// state (see [`checkpoint::save_state_async`]), and training goes on while the files are
+    /// written. The next `save_state`, `save_state_async`, `load_state`,
+    /// `latest_checkpoint` or [`Accelerator::wait_for_checkpoint`] waits for it and returns
+    /// its error on every rank if it failed (the previous checkpoint is then untouched);
+    /// call `wait_for_checkpoint` before the program ends (dropping the accelerator waits
+    /// too, but can only log a failure). SHARDED_STATE_DICT and LOCAL_STATE_DICT.
+    pub fn save_state_async(
+        &self,
+        dir: Option<&Path>,
+        models: &[&dyn ModelHandle],
+        optimizers: &[&PreparedOptimizer],
+        data: LoaderPosition,
+    ) -> Result<PathBuf, AcceleratorError> {
+        self.wait_for_checkpoint()?;
+        let (dir, run, options) = self.save_inputs(dir, models, optimizers, data)?;
+        let engines: Vec<&Fsdp> = models.iter().map(|m| m.engine()).collect();
+        let opts: Vec<&dyn Optimizer> = optimizers.iter().map(|o| o.optimizer()).collect();
+        let started = std::time::Instant::now();
+        let pending = checkpoint::save_state_async(&dir, &engines, &opts, &run, &options)?;
+        let dest = pending.dest().to_path_buf();
+        if self.is_main_process() {
+            tracing::info!(
+                step = self.steps,
+                blocked_seconds = started.elapsed().as_secs_f64(),
+                staged_mib = pending.staged_bytes() as f64 / (1u64 << 20) as f64,
+                "saving the training state to {} in the background",
+                dest.display()
+            );
+        }
+        *self.pending() = Some(pending);
+        Ok(dest)
+    }
+
+    /// Waits for the asynchronous save under way, if any (collective): its folder once
+    /// published, `None` when there was none, or its error on every rank.
+    pub fn wait_for_checkpoint(&self) -> Result<Option<PathBuf>, AcceleratorError> {
+        let Some(pending) = self.pending().take() else {
+            return Ok(None);
+        };
+        let started = std::time::Instant::now();
+        let written = pending.wait()?;
+        if self.is_main_process() {
+            tracing::info!(
+                waited_seconds = started.elapsed().as_secs_f64(),
+                "saved the training state to {}",
+                written.display()
+            );
+        }
+        Ok(Some(written))
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Option<checkpoint::PendingSave>> {
+        self.pending_save
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// What a save of `models` and `optimizers` writes and where: the folder, the run state
+    /// (step, schedulers, seed, data position, loss scalers) and the options.
+    fn save_inputs(
+        &self,
+        dir: Option<&Path>,
+        models: &[&dyn ModelHandle],
+        optimizers: &[&PreparedOptimizer],
+        data: LoaderPosition,
+    ) -> Result<(PathBuf, RunState, CheckpointOptions), AcceleratorError> {
         check_order(
             &models.iter().map(|m| m.index()).collect::<Vec<_>>(),
             &optimizers.iter().map(|o| o.index()).collect::<Vec<_>>(),
@@ -118,19 +204,7 @@ impl Accelerator {
             join_timeout: Duration::from_secs(60),
             ..Default::default()
         };
-        let engines: Vec<&Fsdp> = models.iter().map(|m| m.engine()).collect();
-        let opts: Vec<&dyn Optimizer> = optimizers.iter().map(|o| o.optimizer()).collect();
-        let started = std::time::Instant::now();
-        let written = checkpoint::save_state(&dir, &engines, &opts, &run, &options)?;
-        if self.is_main_process() {
-            tracing::info!(
-                step = self.steps,
-                seconds = started.elapsed().as_secs_f64(),
-                "saved the training state to {}",
-                written.display()
-            );
-        }
-        Ok(written)
+        Ok((dir, run, options))
     }
 
     /// The newest complete checkpoint in `folder` (the project folder when `None`, with its
@@ -143,6 +217,7 @@ impl Accelerator {
         &self,
         folder: Option<&Path>,
     ) -> Result<Option<PathBuf>, AcceleratorError> {
+        self.wait_for_checkpoint()?;
         let folder = folder.unwrap_or(&self.project.project_dir);
         let found = (self.process_index() == 0).then(|| checkpoint::latest_checkpoint(folder));
         let answer = match &found {
@@ -176,6 +251,7 @@ impl Accelerator {
         models: &mut [&mut dyn ModelHandle],
         optimizers: &mut [&mut PreparedOptimizer],
     ) -> Result<LoaderPosition, AcceleratorError> {
+        self.wait_for_checkpoint()?;
         check_order(
             &models.iter().map(|m| m.index()).collect::<Vec<_>>(),
             &optimizers.iter().map(|o| o.index()).collect::<Vec<_>>(),

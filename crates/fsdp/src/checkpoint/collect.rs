@@ -68,3 +68,25 @@ pub(crate) fn agree<T>(
         }),
     }
 }
+
+/// Every rank gets the same outcome: the error of the first failing rank in rank order (its
+/// own error on that rank), for failures where later ranks' errors may be consequences of
+/// an earlier one's (a folder removed under them).
+pub(crate) fn agree_on_first<T>(
+    mesh: &Mesh,
+    mine: Result<T, CheckpointError>,
+) -> Result<T, CheckpointError> {
+    let text = match &mine {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    let all = all_gather_bytes(mesh, text.as_bytes())?;
+    match all.iter().position(|m| !m.is_empty()) {
+        None => mine,
+        Some(rank) if rank == mesh.rank() => mine,
+        Some(rank) => Err(CheckpointError::OnRank {
+            rank,
+            message: String::from_utf8_lossy(&all[rank]).into_owned(),
+        }),
+    }
+}

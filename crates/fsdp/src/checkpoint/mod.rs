@@ -24,6 +24,7 @@ mod load;
 mod merge;
 mod pretrained;
 mod save;
+mod save_async;
 mod save_full;
 mod tensor_file;
 
@@ -36,6 +37,7 @@ pub use error::CheckpointError;
 pub use latest::latest_checkpoint;
 pub use merge::{MergeReport, merge_weights};
 pub use pretrained::save_pretrained;
+pub use save_async::PendingSave;
 
 use crate::config::StateDictType;
 use crate::engine::Fsdp;
@@ -99,6 +101,25 @@ pub fn save_state(
     save::save(dir, models, optimizers, run, options)
 }
 
+/// [`save_state`] that returns as soon as every rank has copied its state (its parameter
+/// rows and their optimizer state, see [`PendingSave::staged_bytes`]) — collective — while a
+/// background thread per rank writes, checksums and syncs the files and rank 0 publishes the
+/// checkpoint. Training may change the models and optimizers at once. Call
+/// [`PendingSave::wait`] (collective) before the next save or load of the same destination
+/// and before the program ends: it returns the folder, or on every rank the error that
+/// stopped the save, in which case the previous checkpoint at the destination is untouched.
+/// SHARDED_STATE_DICT and LOCAL_STATE_DICT only (FULL_STATE_DICT gathers through the
+/// training's collectives).
+pub fn save_state_async(
+    dir: &Path,
+    models: &[&Fsdp],
+    optimizers: &[&dyn Optimizer],
+    run: &RunState,
+    options: &CheckpointOptions,
+) -> Result<PendingSave, CheckpointError> {
+    save_async::save_async(dir, models, optimizers, run, options)
+}
+
 /// Loads what [`save_state`] wrote at `dir` (the checkpoint folder, or a folder inside it)
 /// into `models` and `optimizers` — collective — and returns the run state.
 pub fn load_state(
@@ -119,6 +140,22 @@ impl Fsdp {
         run: &RunState,
     ) -> Result<PathBuf, CheckpointError> {
         save_state(
+            dir,
+            &[self],
+            &[optimizer],
+            run,
+            &CheckpointOptions::default(),
+        )
+    }
+
+    /// [`save_state_async`] of this model and its optimizer.
+    pub fn save_state_async(
+        &self,
+        dir: &Path,
+        optimizer: &dyn Optimizer,
+        run: &RunState,
+    ) -> Result<PendingSave, CheckpointError> {
+        save_state_async(
             dir,
             &[self],
             &[optimizer],

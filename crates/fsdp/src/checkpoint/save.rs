@@ -27,7 +27,7 @@ use fsdp_comm::Mesh;
 pub(super) type RankPiece = (String, Vec<usize>, [usize; 2], u64, u64, u32);
 
 /// What one rank wrote into one folder: its file and the pieces in it.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct RankFolder {
     pub(super) file: Option<(String, FileDoc)>,
     pub(super) pieces: Vec<RankPiece>,
@@ -35,7 +35,7 @@ pub(super) struct RankFolder {
 }
 
 /// What one rank reports after writing: one entry per model folder, then per optimizer.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct RankReport {
     folders: Vec<RankFolder>,
     /// The CRC-32 of this rank's `random_states_{rank}.json`.
@@ -94,6 +94,77 @@ pub(super) struct RankParts<V> {
     /// `random_states_{rank}.json`'s bytes.
     random: Vec<u8>,
     models: Vec<ModelParts<V>>,
+}
+
+impl<V: PartSource> Part<V> {
+    /// The same part with its values copied out of the engine (what an asynchronous save
+    /// holds while it writes).
+    fn to_owned_part(&self) -> Result<Part<Vec<f32>>, CheckpointError> {
+        Ok(Part {
+            name: self.name.clone(),
+            shape: self.shape.clone(),
+            rows: self.rows,
+            values: staging_copy(&self.values.get()?),
+        })
+    }
+}
+
+/// A copy of `values` for the staging of an asynchronous save. Its pages are fresh, and
+/// faulting them in is most of the copy's time: large copies ask for transparent huge pages
+/// (one fault per 2 MiB instead of per 4 KiB), which the kernel may or may not grant.
+fn staging_copy(values: &[f32]) -> Vec<f32> {
+    const HUGE: usize = 2 << 20;
+    let mut copy = Vec::with_capacity(values.len());
+    let bytes = values.len() * 4;
+    if bytes >= 2 * HUGE {
+        let start = copy.as_mut_ptr() as usize;
+        let (from, to) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
+        if to > from {
+            // SAFETY: advice on whole pages inside this Vec's own allocation, not yet
+            // touched; madvise changes no contents and failure is harmless.
+            unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
+        }
+    }
+    copy.extend_from_slice(values);
+    copy
+}
+
+impl<V: PartSource> RankParts<V> {
+    /// The same parts with every value copied (the staging copy of an asynchronous save).
+    pub(super) fn to_owned_parts(&self) -> Result<RankParts<Vec<f32>>, CheckpointError> {
+        let copy = |parts: &[Part<V>]| -> Result<Vec<_>, CheckpointError> {
+            parts.iter().map(Part::to_owned_part).collect()
+        };
+        Ok(RankParts {
+            rank: self.rank,
+            random: self.random.clone(),
+            models: self
+                .models
+                .iter()
+                .map(|m| {
+                    Ok(ModelParts {
+                        params: copy(&m.params)?,
+                        optimizer: match &m.optimizer {
+                            Some((states, steps)) => Some((copy(states)?, steps.clone())),
+                            None => None,
+                        },
+                    })
+                })
+                .collect::<Result<_, CheckpointError>>()?,
+        })
+    }
+}
+
+impl RankParts<Vec<f32>> {
+    /// Bytes of tensor values held.
+    pub(super) fn value_bytes(&self) -> u64 {
+        let values =
+            |parts: &[Part<Vec<f32>>]| parts.iter().map(|p| p.values.len() as u64 * 4).sum::<u64>();
+        self.models
+            .iter()
+            .map(|m| values(&m.params) + m.optimizer.as_ref().map_or(0, |(s, _)| values(s)))
+            .sum()
+    }
 }
 
 fn state_dict_name(t: StateDictType) -> &'static str {
