@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-mod common;
+use crate::common;
 
 #[test]
 fn rank0_loading_keeps_every_rank_near_its_shards() {

@@ -5,7 +5,7 @@
 //! Activations are kept negligible (one sample of 8 tokens) so the figures are the engine's,
 //! except where activation checkpointing's drop of them is measured.
 
-mod common;
+use crate::common;
 
 fn measure(layers: usize) -> Vec<serde_json::Value> {
     measure_with(layers, &["--num_processes", "2"])

@@ -7,7 +7,7 @@ use std::process::{Command, Output, Stdio};
 
 use fsdp::config::{Layer, ResolvedConfig};
 
-mod common;
+use crate::common;
 
 const GUIDE: &str = include_str!("../../fsdp/tests/data/accelerate_guide_fsdp.yaml");
 

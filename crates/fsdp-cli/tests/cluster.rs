@@ -7,7 +7,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 

@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
-use common::{finish, fsdp};
+use crate::common::{finish, fsdp};
 
 /// splitmix64: the same cases on every run.
 struct Rng(u64);

@@ -9,9 +9,7 @@
 use std::os::unix::ffi::OsStrExt;
 use std::time::Duration;
 
-mod common;
-
-use common::{alive, finish, fsdp, launch};
+use crate::common::{alive, finish, fsdp, launch};
 
 #[test]
 fn timeouts_that_do_not_parse_are_errors_naming_the_variable() {

@@ -5,9 +5,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 
-use common::{EXE, finish, fsdp, launch, pids, port, survivors};
+use crate::common::{EXE, finish, fsdp, launch, pids, port, survivors};
 
 #[test]
 fn one_two_and_four_workers_see_consistent_ranks_and_all_reduce() {

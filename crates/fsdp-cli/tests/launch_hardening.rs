@@ -8,9 +8,9 @@ use std::io::Read;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-mod common;
+use crate::common;
 
-use common::{alive, finish, fsdp, launch, pids, port, survivors};
+use crate::common::{alive, finish, fsdp, launch, pids, port, survivors};
 
 /// The launcher's raw output (stdout then stderr) and exit code.
 fn launch_bytes(args: &[&str], limit: Duration) -> (Option<i32>, Vec<u8>) {

@@ -10,10 +10,10 @@
 
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
-use common::finish;
-use common::machines::Machines;
+use crate::common::finish;
+use crate::common::machines::Machines;
 
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 
@@ -96,7 +96,7 @@ fn vanish(machines: &Machines, processes: &str) {
         let program = [
             exe,
             "--exact",
-            "vanish_worker",
+            "machines::vanish_worker",
             "--nocapture",
             "--test-threads=1",
         ];

@@ -11,10 +11,10 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
-use common::machines::Machines;
-use common::{Run, finish, fsdp};
+use crate::common::machines::Machines;
+use crate::common::{Run, finish, fsdp};
 
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 

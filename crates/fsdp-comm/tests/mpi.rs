@@ -16,9 +16,7 @@ use fsdp_comm::mpi::MpiGroup;
 use fsdp_comm::{Buffer, CommError, Communicator, CommunicatorExt, GroupOptions, ReduceOp};
 use half::{bf16, f16};
 
-mod common;
-
-use common::{check_every_dtype, check_hybrid_mesh, expect_eq};
+use crate::common::{check_every_dtype, check_hybrid_mesh, expect_eq};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
@@ -267,7 +265,12 @@ fn mpirun(n: usize, scenario: &str, extra: &[(&str, &str)]) -> Option<Command> {
         cmd.arg("-x").arg(k).env(k, v);
     }
     cmd.arg(std::env::current_exe().unwrap())
-        .args(["--exact", "mpi_worker", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "mpi::mpi_worker",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(SCENARIO, scenario)
         .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null())

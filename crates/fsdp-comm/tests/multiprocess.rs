@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 use fsdp_comm::{GroupOptions, LocalJob, ProcessGroup, ReduceOp, WorkerOutput, WorldInfo};
 use half::{bf16, f16};
 
-mod common;
-
-use common::{TestElement, check_collectives, check_hybrid_mesh, data, expect_eq, value};
+use crate::common::{TestElement, check_collectives, check_hybrid_mesh, data, expect_eq, value};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
@@ -26,11 +24,16 @@ fn spawn(scenario: &str, world: usize, ranks: &[(usize, Vec<(&str, String)>)]) -
     let mut extras = ranks.iter().map(|(_, e)| e.clone());
     LocalJob::start(world, ranks.iter().map(|(r, _)| *r), None, |_| {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
-            .env(SCENARIO, scenario)
-            .env("FSDP_JOB_SECRET", "test-secret")
-            .env("FSDP_RENDEZVOUS_TIMEOUT_SECS", "30")
-            .env("RUST_BACKTRACE", "0");
+        cmd.args([
+            "--exact",
+            "multiprocess::worker_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SCENARIO, scenario)
+        .env("FSDP_JOB_SECRET", "test-secret")
+        .env("FSDP_RENDEZVOUS_TIMEOUT_SECS", "30")
+        .env("RUST_BACKTRACE", "0");
         for (k, v) in extras.next().unwrap_or_default() {
             cmd.env(k, v);
         }

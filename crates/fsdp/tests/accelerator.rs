@@ -20,7 +20,7 @@ use fsdp::optim::{
 };
 use serde_json::{Value, json};
 
-mod common;
+use crate::common;
 
 const ROLE: &str = "FSDP_ACCELERATOR_WORKER";
 

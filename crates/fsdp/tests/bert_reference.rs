@@ -10,7 +10,7 @@ use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::optim::{AdamW, AdamWConfig, Optimizer};
 
-mod common;
+use crate::common;
 
 fn reference_dir() -> Option<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference");

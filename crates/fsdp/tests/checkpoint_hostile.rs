@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use fsdp::checkpoint::{self, CheckpointOptions, RunState, format};
 use fsdp::config::{ShardingStrategy, StateDictType};
 
-mod common;
+use crate::common;
 
-use common::tiny::{OptimizerKind, Setup, Trainer, on_threads};
+use crate::common::tiny::{OptimizerKind, Setup, Trainer, on_threads};
 
 fn sharded() -> Setup {
     Setup {

@@ -8,9 +8,9 @@ use std::time::Duration;
 use fsdp::config::{ShardingStrategy, StateDictType};
 use fsdp_comm::{CommunicatorExt, LocalJob, ProcessGroup, ReduceOp};
 
-mod common;
+use crate::common;
 
-use common::tiny::{OptimizerKind, Setup, Trainer, on_threads};
+use crate::common::tiny::{OptimizerKind, Setup, Trainer, on_threads};
 
 const ROLE: &str = "FSDP_CHECKPOINT_WORKER";
 
@@ -213,7 +213,7 @@ fn killed_saves_leave_a_loadable_checkpoint(dir: &std::path::Path, mode: &str) {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
             cmd.args([
                 "--exact",
-                "checkpoint_worker",
+                "checkpoint_processes::checkpoint_worker",
                 "--nocapture",
                 "--test-threads=1",
             ])

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use fsdp::checkpoint::merge_weights;
 
-mod common;
+use crate::common;
 
 fn fixture(version: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/dcp/{version}"))

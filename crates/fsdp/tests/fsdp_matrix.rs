@@ -27,7 +27,7 @@ use fsdp::nn::{LocalParams, ModuleInfo, Params};
 use fsdp::optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use fsdp_comm::{Mesh, ProcessGroup, ReduceOp};
 
-mod common;
+use crate::common;
 
 const ROLE: &str = "FSDP_MATRIX_WORKER";
 /// Set for workers that train with `mixed_precision: bf16` (compared with f32 training).

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
 use candle_core::Device;
 use fsdp::config::{FsdpPlugin, Layer};

@@ -17,7 +17,7 @@ use fsdp::nn::{Forward, LocalParams, Module, ModuleInfo, Params};
 use fsdp::optim::{Sgd, SgdConfig};
 use fsdp_comm::ProcessGroup;
 
-mod common;
+use crate::common;
 
 const ROLE: &str = "FSDP_USAGE_WORKER";
 

@@ -15,7 +15,7 @@ use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{LocalParams, Module};
 use fsdp::optim::{AdamW, AdamWConfig};
 
-mod common;
+use crate::common;
 
 const ROLE: &str = "FSDP_GRAD_SCALER_WORKER";
 const STEPS: usize = 14;

@@ -17,7 +17,7 @@ use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
 use fsdp::nn::{LocalParams, Model, Module, ParamSpec, SafetensorsWeights, WeightSource};
 use fsdp_comm::{Communicator, Mesh, ProcessGroup};
 
-mod common;
+use crate::common;
 
 const ROLE: &str = "FSDP_LOADING_WORKER";
 const FILE: &str = "TEST_LOADING_FILE";

@@ -20,9 +20,9 @@ use fsdp::nn::{LocalParams, Module};
 use fsdp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use fsdp_comm::{Communicator, LocalGroup};
 
-mod common;
+use crate::common;
 
-use common::tiny::{GLOBAL_BATCH, batch};
+use crate::common::tiny::{GLOBAL_BATCH, batch};
 
 fn model() -> BertForSequenceClassification {
     common::tiny::model(0.0)

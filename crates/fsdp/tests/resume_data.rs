@@ -17,7 +17,7 @@ use fsdp::nn::{LocalParams, Module};
 use fsdp::optim::{AdamW, AdamWConfig};
 use serde_json::{Value, json};
 
-mod common;
+use crate::common;
 
 const ROLE: &str = "FSDP_RESUME_DATA_WORKER";
 const DIR: &str = "TEST_RESUME_DIR";

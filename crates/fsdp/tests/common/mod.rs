@@ -14,6 +14,7 @@ use fsdp_comm::LocalJob;
 /// Starts `world` copies of this test binary running test `entry` with `role=1` set (one
 /// compute thread each), waits up to `deadline` (killing all on expiry), and returns each
 /// rank's stdout+stderr. Panics if a worker fails, with its output.
+#[track_caller]
 pub fn run_workers(
     entry: &str,
     role: &str,
@@ -21,6 +22,7 @@ pub fn run_workers(
     env: &[(&str, &str)],
     deadline: Duration,
 ) -> Vec<String> {
+    let entry = &test_name(std::panic::Location::caller().file(), entry);
     let job = LocalJob::start(world, 0..world, Some(1), |_| {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args(["--exact", entry, "--nocapture", "--test-threads=1"])
@@ -40,6 +42,22 @@ pub fn run_workers(
         assert!(o.success(), "worker {} failed:\n{}", o.rank, o.combined());
     }
     outputs.iter().map(|o| o.combined()).collect()
+}
+
+/// The name libtest knows test `entry` of the test file `file` by: `module::entry` in the
+/// integration binary (whose modules are the files), `entry` in a binary of its own.
+pub fn test_name(file: &str, entry: &str) -> String {
+    let merged = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .is_some_and(|n| n.starts_with("integration-"));
+    let module = std::path::Path::new(file)
+        .file_stem()
+        .map(|s| s.to_string_lossy());
+    match module {
+        Some(m) if merged => format!("{m}::{entry}"),
+        _ => entry.to_string(),
+    }
 }
 
 /// The JSON a worker printed after `RESULT `.

@@ -1,0 +1,11 @@
+//! fsdp-comm's integration tests, one module per file, in one test binary: one build and link
+//! instead of one per file, and tests of different files run side by side (libtest's
+//! threads), so every test makes its own folders and ports. Workers that re-run this binary
+//! name their test with its module (`checkpoint_processes::checkpoint_worker`).
+
+mod common;
+
+mod local_group;
+mod mpi;
+mod multiprocess;
+mod store_hostile;

@@ -1,0 +1,29 @@
+//! fsdp's integration tests, one module per file, in one test binary: one build and link
+//! instead of one per file, and tests of different files run side by side (libtest's
+//! threads), so every test makes its own folders and ports. Workers that re-run this binary
+//! name their test with its module (`checkpoint_processes::checkpoint_worker`). The tests that count this process's allocations (memory_accounting, offload_memory) are binaries of their own: nothing else may allocate while they count.
+
+mod common;
+
+mod accelerator;
+mod bert_reference;
+mod checkpoint;
+mod checkpoint_hostile;
+mod checkpoint_processes;
+mod config;
+mod dcp;
+mod engine_in_process;
+mod examples;
+mod fsdp_matrix;
+mod fsdp_reference;
+mod fsdp_usage;
+mod gguf;
+mod grad_scaler;
+mod kernels;
+mod llama;
+mod loading;
+mod minilm;
+mod models;
+mod offload;
+mod plan;
+mod resume_data;
