@@ -4,11 +4,12 @@
 //! checksums; the optimizer state is matched by parameter and state name.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use super::collect::{agree, join};
 use super::error::CheckpointError;
-use super::format::{self, CheckpointDoc, FolderDoc, read_document, read_listed};
+use super::format::{self, CheckpointDoc, FolderDoc, OptimizerDoc, read_document, read_listed};
 use super::save::layout_of;
 use super::tensor_file::TensorReader;
 use super::{CheckpointOptions, RunState};
@@ -61,12 +62,52 @@ fn local_only(dir: &Path, doc: &mut FolderDoc, model: &Fsdp) -> Result<(), Check
 
 /// Model `m` from folder `dir`: every parameter's owned rows.
 fn load_model(dir: &Path, doc: &FolderDoc, m: &mut Fsdp) -> Result<(), CheckpointError> {
+    let saved: BTreeMap<&str, (&str, &[usize])> = doc
+        .tensors
+        .iter()
+        .map(|(n, t)| (n.as_str(), (t.dtype.as_str(), t.shape.as_slice())))
+        .collect();
+    let mut reader = TensorReader::new(dir, &doc.files);
+    load_params(dir, &saved, m, &mut |name, rows, row_elems| {
+        reader.read_rows(name, &doc.tensors[name], rows, row_elems)
+    })
+}
+
+/// How a checkpoint's tensor's rows are read: (name, rows, elements per row) → f32 values.
+pub(super) type ReadRows<'a> =
+    dyn FnMut(&str, Range<usize>, usize) -> Result<Vec<f32>, CheckpointError> + 'a;
+
+/// Every parameter of `m` from the tensors of `dir` (`saved`: name → dtype and shape), each
+/// rank's owned rows read by `read`. A tensor one side lacks, or of another shape or dtype
+/// than F32, is an error naming it.
+pub(super) fn load_params(
+    dir: &Path,
+    saved: &BTreeMap<&str, (&str, &[usize])>,
+    m: &mut Fsdp,
+    read: &mut ReadRows,
+) -> Result<(), CheckpointError> {
+    for (name, shape) in check_params(dir, saved, m)? {
+        let rows = m.owned_rows(&name)?;
+        let row_elems: usize = shape.iter().skip(1).product();
+        let values = read(&name, rows, row_elems)?;
+        m.load_local_shard(&name, &values)?;
+    }
+    Ok(())
+}
+
+/// Checks that `saved` (name → dtype and shape) holds exactly `m`'s parameters, in F32 and
+/// their shapes, changing nothing; returns the parameters with their shapes.
+pub(super) fn check_params(
+    dir: &Path,
+    saved: &BTreeMap<&str, (&str, &[usize])>,
+    m: &Fsdp,
+) -> Result<BTreeMap<String, Vec<usize>>, CheckpointError> {
     let names: BTreeMap<String, Vec<usize>> = m
         .parameters()
         .into_iter()
         .map(|(n, s)| (n.to_string(), s.to_vec()))
         .collect();
-    if let Some(extra) = doc.tensors.keys().find(|t| !names.contains_key(*t)) {
+    if let Some(extra) = saved.keys().find(|t| !names.contains_key(**t)) {
         return Err(CheckpointError::Mismatch {
             path: dir.to_path_buf(),
             reason: format!(
@@ -74,30 +115,24 @@ fn load_model(dir: &Path, doc: &FolderDoc, m: &mut Fsdp) -> Result<(), Checkpoin
             ),
         });
     }
-    let mut reader = TensorReader::new(dir, &doc.files);
     for (name, shape) in &names {
-        let t = doc
-            .tensors
-            .get(name)
-            .ok_or_else(|| CheckpointError::Mismatch {
-                path: dir.to_path_buf(),
-                reason: format!("parameter `{name}` of the model is not in the checkpoint"),
-            })?;
-        if &t.shape != shape || t.dtype != "F32" {
+        let &(dtype, saved_shape) =
+            saved
+                .get(name.as_str())
+                .ok_or_else(|| CheckpointError::Mismatch {
+                    path: dir.to_path_buf(),
+                    reason: format!("parameter `{name}` of the model is not in the checkpoint"),
+                })?;
+        if saved_shape != shape.as_slice() || dtype != "F32" {
             return Err(CheckpointError::Mismatch {
                 path: dir.to_path_buf(),
                 reason: format!(
-                    "`{name}` is {} {:?} in the checkpoint and F32 {shape:?} in the model",
-                    t.dtype, t.shape
+                    "`{name}` is {dtype} {saved_shape:?} in the checkpoint and F32 {shape:?} in the model"
                 ),
             });
         }
-        let rows = m.owned_rows(name)?;
-        let row_elems: usize = shape.iter().skip(1).product();
-        let values = reader.read_rows(name, t, rows, row_elems)?;
-        m.load_local_shard(name, &values)?;
     }
-    Ok(())
+    Ok(names)
 }
 
 /// Optimizer state for model `m` from folder `dir`, by parameter and state name.
@@ -120,17 +155,29 @@ fn load_optimizer(
             ),
         });
     }
-    if meta.lrs.len() != o.num_groups() {
-        return Err(CheckpointError::Mismatch {
-            path: dir.to_path_buf(),
-            reason: format!(
-                "{} parameter group(s) in the checkpoint, {} in the optimizer",
-                meta.lrs.len(),
-                o.num_groups()
-            ),
-        });
-    }
-    super::groups::check(dir, meta, m, o)?;
+    let tensors: Vec<(String, Vec<usize>)> = doc
+        .tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shape.clone()))
+        .collect();
+    let mut reader = TensorReader::new(dir, &doc.files);
+    load_optimizer_state(dir, meta, &tensors, m, o, &mut |name, rows, row_elems| {
+        reader.read_rows(name, &doc.tensors[name], rows, row_elems)
+    })
+}
+
+/// The optimizer `o` of model `m` from what `dir` holds: `meta`'s groups (checked, then
+/// their settings restored), rates and step counts, and the state tensors `tensors`
+/// (`{parameter}.{state}` with their shapes), each rank's owned rows read by `read`.
+pub(super) fn load_optimizer_state(
+    dir: &Path,
+    meta: &OptimizerDoc,
+    tensors: &[(String, Vec<usize>)],
+    m: &mut Fsdp,
+    o: &mut dyn Optimizer,
+    read: &mut ReadRows,
+) -> Result<(), CheckpointError> {
+    check_groups(dir, meta, m, o)?;
     super::groups::restore(dir, meta, o)?;
     m.begin_optimizer_load(o);
     let shapes: BTreeMap<String, Vec<usize>> = m
@@ -139,8 +186,7 @@ fn load_optimizer(
         .map(|(n, s)| (n.to_string(), s.to_vec()))
         .collect();
     let mut states: BTreeMap<String, ParamState> = BTreeMap::new();
-    let mut reader = TensorReader::new(dir, &doc.files);
-    for (tensor, t) in &doc.tensors {
+    for (tensor, saved_shape) in tensors {
         let param = tensor
             .rsplit_once('.')
             .map(|(p, _)| p)
@@ -153,15 +199,15 @@ fn load_optimizer(
             })?;
         let key = &tensor[param.len() + 1..];
         let shape = &shapes[param];
-        if &t.shape != shape {
+        if saved_shape != shape {
             return Err(CheckpointError::Mismatch {
                 path: dir.to_path_buf(),
-                reason: format!("`{tensor}` is {:?}, the parameter {shape:?}", t.shape),
+                reason: format!("`{tensor}` is {saved_shape:?}, the parameter {shape:?}"),
             });
         }
         let rows = m.owned_rows(param)?;
         let row_elems: usize = shape.iter().skip(1).product();
-        let values = reader.read_rows(tensor, t, rows, row_elems)?;
+        let values = read(tensor, rows, row_elems)?;
         if !m.load_offloaded_state(param, key, &values)? {
             let state = states.entry(param.to_string()).or_default();
             state.buffers.insert(key.to_string(), values);
@@ -193,6 +239,26 @@ fn load_optimizer(
         o.set_lr(g, lr)?;
     }
     Ok(())
+}
+
+/// Refuses `meta` for `o` when their groups differ in number or membership; changes nothing.
+pub(super) fn check_groups(
+    dir: &Path,
+    meta: &OptimizerDoc,
+    m: &Fsdp,
+    o: &dyn Optimizer,
+) -> Result<(), CheckpointError> {
+    if meta.lrs.len() != o.num_groups() {
+        return Err(CheckpointError::Mismatch {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "{} parameter group(s) in the checkpoint, {} in the optimizer",
+                meta.lrs.len(),
+                o.num_groups()
+            ),
+        });
+    }
+    super::groups::check(dir, meta, m, o)
 }
 
 /// See [`super::load_state`].
