@@ -574,3 +574,90 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
         assert_eq!(decay, 0.5);
     }
 }
+
+#[test]
+fn an_accelerate_checkpoint_of_another_optimizer_grouping_or_model_is_refused_before_anything_loads()
+ {
+    let dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/accelerate_resume/fsdp1/checkpoint");
+    let outcomes = on_threads(2, move |g| {
+        let mut t = Trainer::new(g.clone(), sharded());
+        let before = t.weights();
+        let mut errors = Vec::new();
+        // One group where the run had two (decay, no decay).
+        let mut one_group = fsdp::optim::AdamW::new(Default::default()).unwrap();
+        errors.push(
+            t.engine
+                .load_state(&dir, &mut one_group)
+                .unwrap_err()
+                .to_string(),
+        );
+        // Two groups of SGD for AdamW's state.
+        let names: Vec<String> = t
+            .engine
+            .parameters()
+            .into_iter()
+            .map(|(n, _)| n.into())
+            .collect();
+        let mut sgd = fsdp::optim::Sgd::with_groups(fsdp::optim::split_no_decay(
+            names,
+            fsdp::optim::SgdConfig::default(),
+            fsdp::optim::is_bias_or_norm,
+        ))
+        .unwrap();
+        errors.push(t.engine.load_state(&dir, &mut sgd).unwrap_err().to_string());
+        let unchanged = t.weights() == before;
+        // Another model: a vocabulary of 40 instead of 37.
+        let model = fsdp::models::BertForSequenceClassification::new(fsdp::models::BertConfig {
+            vocab_size: 40,
+            hidden_size: 12,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            intermediate_size: 20,
+            max_position_embeddings: 8,
+            num_labels: 3,
+            ..Default::default()
+        })
+        .unwrap();
+        use fsdp::nn::Module;
+        let init = fsdp::nn::LocalParams::init(
+            &model.info(),
+            1,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let plugin = fsdp::config::FsdpPlugin::builder()
+            .resolve(&fsdp::config::Layer::new(), None)
+            .unwrap()
+            .fsdp;
+        let mut other = fsdp::engine::Fsdp::wrap(&model, &init.tensors(), &plugin, g).unwrap();
+        errors.push(
+            other
+                .load_state(&dir, t.optimizer.as_mut())
+                .unwrap_err()
+                .to_string(),
+        );
+        (errors, unchanged)
+    });
+    for (rank, (errors, unchanged)) in outcomes.iter().enumerate() {
+        assert!(
+            errors[0].contains("2 parameter group(s) in the checkpoint, 1 in the optimizer"),
+            "rank {rank}: {}",
+            errors[0]
+        );
+        assert!(
+            errors[1].contains("holds AdamW state; the optimizer is SGD"),
+            "rank {rank}: {}",
+            errors[1]
+        );
+        assert!(
+            errors[2].contains("bert.embeddings.word_embeddings.weight")
+                && errors[2].contains("[37, 12]")
+                && errors[2].contains("[40, 12]"),
+            "rank {rank}: {}",
+            errors[2]
+        );
+        assert!(unchanged, "rank {rank}: a refused load changed the weights");
+    }
+}

@@ -82,6 +82,26 @@ fn checkpoint_worker() {
             unreachable!()
         }
         "async-disk-full" => return disk_full_worker(&pg, &mut t, &dir),
+        "resume-accelerate" => {
+            // The run's optimizer as the PyTorch script built it: AdamW, no decay on biases
+            // and LayerNorm weights (rates and decays come back from the checkpoint).
+            let names = t
+                .engine
+                .parameters()
+                .into_iter()
+                .map(|(n, _)| n.to_string());
+            t.optimizer = Box::new(
+                fsdp::optim::AdamW::with_groups(fsdp::optim::split_no_decay(
+                    names.collect::<Vec<_>>(),
+                    fsdp::optim::AdamWConfig::default(),
+                    fsdp::optim::is_bias_or_norm,
+                ))
+                .unwrap(),
+            );
+            let run = t.engine.load_state(&dir, t.optimizer.as_mut()).unwrap();
+            assert_eq!(run.step, 3, "the optimizer's step count");
+            t.train(3..6)
+        }
         "save-loop" => {
             t.train(0..1);
             for n in 1.. {
@@ -368,5 +388,56 @@ fn an_async_save_on_a_full_disk_fails_on_every_rank_and_keeps_the_previous_check
         assert_eq!(r["loaded"], 1, "rank {rank}: the previous checkpoint");
         assert_eq!(r["again"], true, "rank {rank}: a save once there is room");
         assert_eq!(r["reloaded"], 3, "rank {rank}");
+    }
+}
+
+/// What `tools/make_accelerate_resume_fixture.py` wrote: Accelerate's checkpoint after 3
+/// steps, and PyTorch's losses and weights of the run that went on.
+fn accelerate_fixture() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/accelerate_resume")
+}
+
+#[test]
+fn a_pytorch_accelerate_run_continues_here_from_its_checkpoint_at_any_world_size() {
+    for version in ["fsdp1", "fsdp2"] {
+        let fixture = accelerate_fixture().join(version);
+        let expected: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture.join("expected.json")).unwrap())
+                .unwrap();
+        let final_weights = candle_core::safetensors::load(
+            fixture.join("final.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        for world in [2, 3] {
+            let r = run(world, "resume-accelerate", &fixture.join("checkpoint"), 0.0);
+            let got = r["losses"].as_array().unwrap();
+            let want = &expected["losses"].as_array().unwrap()[3..];
+            for (step, (g, w)) in got.iter().zip(want).enumerate() {
+                let (g, w) = (g.as_f64().unwrap(), w.as_f64().unwrap());
+                assert!(
+                    (g - w).abs() < 1e-6,
+                    "{version}, {world} ranks, step {}: loss {g} here, {w} in PyTorch",
+                    step + 4
+                );
+            }
+            let mut worst = 0f32;
+            for (name, values) in r["weights"].as_object().unwrap() {
+                let want = final_weights[name]
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                for (g, w) in values.as_array().unwrap().iter().zip(&want) {
+                    let d = (g.as_f64().unwrap() as f32 - w).abs();
+                    worst = worst.max(d / w.abs().max(1.0));
+                }
+            }
+            eprintln!("{version}, {world} ranks: final weights within {worst:e} of PyTorch's");
+            assert!(
+                worst < 1e-5,
+                "{version}, {world} ranks: final weights differ by {worst}"
+            );
+        }
     }
 }

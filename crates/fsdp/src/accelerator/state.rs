@@ -244,7 +244,10 @@ impl Accelerator {
 
     /// Loads what [`Accelerator::save_state`] wrote into the same kinds of objects, at any
     /// world size and strategy (collective); returns the data position to continue from
-    /// (give it to the loader with `set_position`).
+    /// (give it to the loader with `set_position`). Also what Accelerate's `save_state`
+    /// writes with SHARDED_STATE_DICT (models, optimizers with their groups; the step is
+    /// the optimizers' count): a PyTorch run continues here, from the start of the data
+    /// (Accelerate saves no position).
     pub fn load_state(
         &mut self,
         dir: &Path,
@@ -308,6 +311,11 @@ impl Accelerator {
                 "loaded the training state from {}",
                 dir.display()
             );
+        }
+        if run.data.is_null() {
+            // Accelerate's checkpoints hold no data position: the start, and the caller
+            // skips what its run had consumed (`skip_first_batches`).
+            return Ok(LoaderPosition::default());
         }
         serde_json::from_value(run.data).map_err(|e| bad("data position", e))
     }

@@ -284,6 +284,9 @@ fn read_all(
     models: &mut [&mut Fsdp],
     optimizers: &mut [&mut dyn Optimizer],
 ) -> Result<RunState, CheckpointError> {
+    if super::from_accelerate::is_accelerate_checkpoint(path) {
+        return super::from_accelerate::read_all(path, models, optimizers);
+    }
     let root: PathBuf = format::checkpoint_root(path).ok_or_else(|| CheckpointError::Missing {
         path: path.join(format::CHECKPOINT_FILE),
         what: "the document of a complete checkpoint (a folder written by save_state)".into(),

@@ -154,6 +154,12 @@ pub fn merge_weights(src: &Path, out_dir: &Path) -> Result<MergeReport, Checkpoi
         }
         Source::Dcp(dir) => {
             checkpoint = dcp::open(&dir)?;
+            if let Some(name) = checkpoint.values.keys().next() {
+                return Err(CheckpointError::corrupt(
+                    dir.join(dcp::METADATA),
+                    format!("`{name}` is not a tensor: a model folder holds tensors only"),
+                ));
+            }
             for (name, t) in &checkpoint.tensors {
                 let c = &checkpoint;
                 tensors.push((

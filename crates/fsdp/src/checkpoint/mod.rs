@@ -18,6 +18,7 @@ mod dcp;
 mod error;
 mod files;
 pub mod format;
+mod from_accelerate;
 mod groups;
 mod latest;
 mod load;
@@ -121,7 +122,13 @@ pub fn save_state_async(
 }
 
 /// Loads what [`save_state`] wrote at `dir` (the checkpoint folder, or a folder inside it)
-/// into `models` and `optimizers` — collective — and returns the run state.
+/// into `models` and `optimizers` — collective — and returns the run state. `dir` may also
+/// be a checkpoint Accelerate's `save_state` wrote with SHARDED_STATE_DICT (FSDP1 or FSDP2:
+/// `pytorch_model_fsdp_{i}/` and `optimizer_{i}/` in PyTorch DCP): the models, the
+/// optimizers' state, groups (checked, settings restored) and step counts are read, each
+/// rank taking the rows it owns; the run state's step is the optimizers' count, and holds
+/// no schedulers, random state or data position (PyTorch pickles; a `scheduler.bin` is
+/// refused). Such a checkpoint is checked whole before anything is loaded.
 pub fn load_state(
     dir: &Path,
     models: &mut [&mut Fsdp],

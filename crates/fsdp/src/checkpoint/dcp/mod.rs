@@ -12,7 +12,7 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use pickle::Value;
+pub(crate) use pickle::Value;
 
 use super::error::CheckpointError;
 use super::files::{open_regular, plain_name, read_bounded};
@@ -97,6 +97,14 @@ struct Chunk {
     length: u64,
 }
 
+/// A `torch.save` record opened: its zip archive, the prefix of its entries, and how far
+/// any entry may be read.
+struct RecordArchive {
+    zip: zip::ZipArchive<std::io::Cursor<Vec<u8>>>,
+    prefix: String,
+    limit: u64,
+}
+
 /// One tensor of a distributed checkpoint.
 #[derive(Debug, Clone)]
 pub(crate) struct DcpTensor {
@@ -109,13 +117,24 @@ pub(crate) struct DcpTensor {
     chunks: Vec<Chunk>,
 }
 
-/// A distributed checkpoint's tensors, by the names a merged state dict gives them (the
-/// top-level `model` key dropped, as Accelerate's merge does).
+/// One non-tensor value of a distributed checkpoint (an optimizer's group settings): a
+/// `torch.save` record of a plain Python value.
+#[derive(Debug, Clone)]
+pub(crate) struct DcpBytes {
+    file: String,
+    at: u64,
+    length: u64,
+}
+
+/// A distributed checkpoint's tensors and other values, by the names a merged state dict
+/// gives them (the top-level `model` key dropped, as Accelerate's merge does).
 #[derive(Debug)]
 pub(crate) struct DcpCheckpoint {
     dir: PathBuf,
     /// Tensors by name.
     pub tensors: BTreeMap<String, DcpTensor>,
+    /// Values that are not tensors, by name.
+    pub values: BTreeMap<String, DcpBytes>,
 }
 
 fn bad(path: &Path, what: impl Into<String>) -> CheckpointError {
@@ -128,6 +147,9 @@ fn usizes(v: Option<&Value>) -> Option<Vec<usize>> {
         .map(|i| usize::try_from(i).ok())
         .collect()
 }
+
+/// Where a stored item is: (file, offset, length).
+type Place = (String, u64, u64);
 
 /// Reads `dir/.metadata`.
 pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
@@ -143,10 +165,14 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
         .and_then(Value::fields)
         .ok_or_else(|| bad(&path, "no storage_data"))?;
     // (fqn, chunk offsets) -> (file, offset, length)
-    let mut places: BTreeMap<(String, Vec<usize>), (String, u64, u64)> = BTreeMap::new();
+    let mut places: BTreeMap<(String, Option<Vec<usize>>), Place> = BTreeMap::new();
     for (index, info) in storage {
         let fqn = index.get("fqn").and_then(Value::str);
-        let offsets = usizes(index.get("offset"));
+        // A value that is not a tensor is stored whole: no chunk offsets.
+        let offsets = match index.get("offset") {
+            None | Some(Value::None) => Some(None),
+            v => usizes(v).map(Some),
+        };
         let file = info.get("relative_path").and_then(Value::str);
         let at = info
             .get("offset")
@@ -194,7 +220,15 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
         .flatten()
         .filter_map(|(k, v)| {
             let Value::Tuple(parts) = v else { return None };
-            let parts: Vec<&str> = parts.iter().filter_map(Value::str).collect();
+            // Keys and list indices (`param_groups`, 0, `lr`).
+            let parts: Vec<String> = parts
+                .iter()
+                .filter_map(|p| match p {
+                    Value::Int(i) => Some(i.to_string()),
+                    other => other.str().map(str::to_string),
+                })
+                .collect();
+            let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
             let name = match parts.as_slice() {
                 ["model", rest @ ..] if !rest.is_empty() => rest.join("."),
                 all => all.join("."),
@@ -202,7 +236,14 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
             Some((k.str()?.to_string(), name))
         })
         .collect();
+    let name_of = |fqn: &str| {
+        names
+            .get(fqn)
+            .cloned()
+            .unwrap_or_else(|| fqn.strip_prefix("model.").unwrap_or(fqn).to_string())
+    };
     let mut tensors = BTreeMap::new();
+    let mut values = BTreeMap::new();
     for (key, entry) in entries {
         let fqn = key.str().ok_or_else(|| bad(&path, "a non-string key"))?;
         let Value::Object { class, .. } = entry else {
@@ -211,13 +252,18 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
                 format!("`{fqn}`: not a storage metadata object"),
             ));
         };
+        if class.1 == "BytesStorageMetadata" {
+            let (file, at, length) = places
+                .get(&(fqn.to_string(), None))
+                .cloned()
+                .ok_or_else(|| bad(&path, format!("`{fqn}` is stored nowhere")))?;
+            values.insert(name_of(fqn), DcpBytes { file, at, length });
+            continue;
+        }
         if class.1 != "TensorStorageMetadata" {
             return Err(bad(
                 &path,
-                format!(
-                    "`{fqn}` is a {} (not a tensor): a model folder holds tensors only",
-                    class.1
-                ),
+                format!("`{fqn}` is a {}, neither a tensor nor a value", class.1),
             ));
         }
         let dtype = match entry.get("properties") {
@@ -248,7 +294,7 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
                 ));
             };
             let (file, at, length) = places
-                .get(&(fqn.to_string(), offsets.clone()))
+                .get(&(fqn.to_string(), Some(offsets.clone())))
                 .cloned()
                 .ok_or_else(|| {
                     bad(
@@ -295,12 +341,8 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
                 format!("`{fqn}`: the chunks do not cover the tensor"),
             ));
         }
-        let name = names
-            .get(fqn)
-            .cloned()
-            .unwrap_or_else(|| fqn.strip_prefix("model.").unwrap_or(fqn).to_string());
         tensors.insert(
-            name,
+            name_of(fqn),
             DcpTensor {
                 dtype,
                 size,
@@ -309,10 +351,23 @@ pub(crate) fn open(dir: &Path) -> Result<DcpCheckpoint, CheckpointError> {
             },
         );
     }
-    check_records(dir, &path, &tensors)?;
+    let records = tensors
+        .iter()
+        .flat_map(|(name, t)| {
+            t.chunks
+                .iter()
+                .map(move |c| (c.file.as_str(), c.at, c.length, name))
+        })
+        .chain(
+            values
+                .iter()
+                .map(|(name, v)| (v.file.as_str(), v.at, v.length, name)),
+        );
+    check_records(dir, &path, records)?;
     Ok(DcpCheckpoint {
         dir: dir.to_path_buf(),
         tensors,
+        values,
     })
 }
 
@@ -323,19 +378,17 @@ fn numel_bytes(shape: &[usize], size: usize) -> Option<usize> {
 
 /// Checks that every chunk's record lies inside its file, a regular file, and overlaps no
 /// other record: what the tensors declare is then no larger than the files are.
-fn check_records(
+fn check_records<'a>(
     dir: &Path,
     metadata: &Path,
-    tensors: &BTreeMap<String, DcpTensor>,
+    records: impl Iterator<Item = (&'a str, u64, u64, &'a String)>,
 ) -> Result<(), CheckpointError> {
     let mut by_file: BTreeMap<&str, Vec<(u64, u64, &str)>> = BTreeMap::new();
-    for (name, t) in tensors {
-        for c in &t.chunks {
-            by_file
-                .entry(c.file.as_str())
-                .or_default()
-                .push((c.at, c.length, name));
-        }
+    for (file, at, length, name) in records {
+        by_file
+            .entry(file)
+            .or_default()
+            .push((at, length, name.as_str()));
     }
     for (file, mut records) in by_file {
         let path = dir.join(file);
@@ -380,6 +433,59 @@ impl DcpCheckpoint {
         Ok(out)
     }
 
+    /// The plain Python value `name` (numbers, strings, booleans, `None`, tuples, lists and
+    /// dicts of them: nothing else is accepted).
+    pub fn read_value(&self, name: &str) -> Result<Value, CheckpointError> {
+        let v = self
+            .values
+            .get(name)
+            .ok_or_else(|| CheckpointError::Missing {
+                path: self.dir.join(METADATA),
+                what: format!("the value `{name}`"),
+            })?;
+        let path = self.dir.join(&v.file);
+        let (pkl, _) = self.record_pickle(&path, v.at, v.length)?;
+        pickle::load(&pkl, &|_, _| false).map_err(|e| bad(&path, format!("`{name}`: {e}")))
+    }
+
+    /// A `torch.save` record's pickle (at `at`, `length` bytes of `path`) and its archive.
+    fn record_pickle(
+        &self,
+        path: &Path,
+        at: u64,
+        length: u64,
+    ) -> Result<(Vec<u8>, RecordArchive), CheckpointError> {
+        let file = open_regular(path, "a file of the distributed checkpoint")?;
+        let mut record = vec![0u8; length as usize];
+        file.read_exact_at(&mut record, at).map_err(|e| {
+            bad(
+                path,
+                format!("bytes {}..{}: {e} (truncated?)", at, at + length),
+            )
+        })?;
+        let mut zip = zip::ZipArchive::new(std::io::Cursor::new(record))
+            .map_err(|e| bad(path, format!("record at byte {at}: {e}")))?;
+        let pkl_name = (0..zip.len())
+            .filter_map(|i| zip.name_for_index(i)?.ok().map(|n| n.to_string()))
+            .find(|n| n.ends_with("data.pkl"))
+            .ok_or_else(|| bad(path, format!("record at byte {at}: no data.pkl")))?;
+        let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
+        // Entries are read no further than the record is long (a compressed entry could
+        // otherwise inflate without bound).
+        let mut pkl = Vec::new();
+        zip.by_name(&pkl_name)
+            .and_then(|f| f.take(length).read_to_end(&mut pkl).map_err(Into::into))
+            .map_err(|e| bad(path, format!("record at byte {at}: {e}")))?;
+        Ok((
+            pkl,
+            RecordArchive {
+                zip,
+                prefix,
+                limit: length,
+            },
+        ))
+    }
+
     /// One chunk's bytes (row-major) out of its `torch.save` record.
     fn read_record(
         &self,
@@ -387,28 +493,12 @@ impl DcpCheckpoint {
         c: &Chunk,
         t: &DcpTensor,
     ) -> Result<Vec<u8>, CheckpointError> {
-        let file = open_regular(path, "a file of the distributed checkpoint")?;
-        let mut record = vec![0u8; c.length as usize];
-        file.read_exact_at(&mut record, c.at).map_err(|e| {
-            bad(
-                path,
-                format!("bytes {}..{}: {e} (truncated?)", c.at, c.at + c.length),
-            )
-        })?;
-        let mut zip = zip::ZipArchive::new(std::io::Cursor::new(record))
-            .map_err(|e| bad(path, format!("record at byte {}: {e}", c.at)))?;
-        let pkl_name = (0..zip.len())
-            .filter_map(|i| zip.name_for_index(i)?.ok().map(|n| n.to_string()))
-            .find(|n| n.ends_with("data.pkl"))
-            .ok_or_else(|| bad(path, format!("record at byte {}: no data.pkl", c.at)))?;
-        let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
-        // Entries are read no further than the record is long (a compressed entry could
-        // otherwise inflate without bound).
-        let limit = c.length;
-        let mut pkl = Vec::new();
-        zip.by_name(&pkl_name)
-            .and_then(|f| f.take(limit).read_to_end(&mut pkl).map_err(Into::into))
-            .map_err(|e| bad(path, format!("record at byte {}: {e}", c.at)))?;
+        let (pkl, archive) = self.record_pickle(path, c.at, c.length)?;
+        let RecordArchive {
+            mut zip,
+            prefix,
+            limit,
+        } = archive;
         let v = pickle::load(&pkl, &record_globals).map_err(|e| bad(path, e.to_string()))?;
         let Value::Object { class, args, .. } = v else {
             return Err(bad(path, "a record that is not a tensor"));
