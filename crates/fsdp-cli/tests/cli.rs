@@ -567,3 +567,40 @@ fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
         .unwrap();
     assert!(String::from_utf8_lossy(&missing.stderr).contains("nowhere"));
 }
+
+#[test]
+fn bench_reshard_saves_at_one_world_size_and_loads_at_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("reshard.json");
+    let out = fsdp(dir.path())
+        .args(["bench", "reshard", "--save", "4", "--load", "2,8"])
+        .args([
+            "--hidden", "64", "--layers", "1", "--vocab", "512", "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("read / share"), "{}", text(&out));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let checkpoint = doc["checkpoint_bytes"].as_f64().unwrap();
+    let loads = doc["loads"].as_array().unwrap();
+    assert_eq!(
+        loads
+            .iter()
+            .map(|l| l["processes"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [2, 8]
+    );
+    for l in loads {
+        // Every rank read something, none read the whole checkpoint twice over, and none
+        // held the whole of it.
+        let read = l["read_bytes_max"].as_f64().unwrap();
+        assert!(read > 0.0 && read < checkpoint, "{l}");
+        assert!(
+            l["heap_above_bytes_max"].as_f64().unwrap() < checkpoint,
+            "{l}"
+        );
+    }
+}

@@ -166,17 +166,23 @@ fn timed(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, usize)>
     Ok((times[times.len() / 2], peak_above))
 }
 
-fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
-    memory::CountingAllocator::mark_installed();
+/// A BERT classifier of `hidden` × `layers` and `vocab` (heads of 64) sharded over the job
+/// this process belongs to (FULL_SHARD, one unit per layer), with AdamW; with `trained`, one
+/// step taken so the optimizer has its moments.
+pub(super) fn bert_engine(
+    hidden: usize,
+    layers: usize,
+    vocab: usize,
+    trained: bool,
+) -> Result<(Fsdp, AdamW)> {
     let pg = ProcessGroup::from_env()?;
-    let rank = pg.rank();
     let plugin = FsdpPlugin::builder().resolve(&Layer::new(), None)?.fsdp;
     let config = BertConfig {
-        vocab_size: a.vocab,
-        hidden_size: a.hidden,
-        num_hidden_layers: a.layers,
-        num_attention_heads: (a.hidden / 64).max(1),
-        intermediate_size: 4 * a.hidden,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        num_hidden_layers: layers,
+        num_attention_heads: (hidden / 64).max(1),
+        intermediate_size: 4 * hidden,
         max_position_embeddings: 128,
         ..BertConfig::default()
     };
@@ -185,17 +191,25 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
     let mut fsdp = Fsdp::wrap(&model, &init.tensors(), &plugin, Arc::new(pg))?;
     drop(init);
     let mut adamw = AdamW::new(AdamWConfig::default())?;
-    // One step, so the optimizer has its moments.
-    let ids = Tensor::zeros((2, 16), DType::U32, &Device::Cpu)?;
-    let labels = Tensor::zeros(2, DType::U32, &Device::Cpu)?;
-    let params = fsdp.begin_step()?;
-    let loss = cross_entropy(
-        &model.forward(&params, &ids, None, None)?,
-        &labels,
-        CrossEntropy::default(),
-    )?;
-    let grads = fsdp.backward(params, loss)?;
-    fsdp.step(grads, &mut adamw, None)?;
+    if trained {
+        let ids = Tensor::zeros((2, 16), DType::U32, &Device::Cpu)?;
+        let labels = Tensor::zeros(2, DType::U32, &Device::Cpu)?;
+        let params = fsdp.begin_step()?;
+        let loss = cross_entropy(
+            &model.forward(&params, &ids, None, None)?,
+            &labels,
+            CrossEntropy::default(),
+        )?;
+        let grads = fsdp.backward(params, loss)?;
+        fsdp.step(grads, &mut adamw, None)?;
+    }
+    Ok((fsdp, adamw))
+}
+
+fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
+    memory::CountingAllocator::mark_installed();
+    let (mut fsdp, mut adamw) = bert_engine(a.hidden, a.layers, a.vocab, true)?;
+    let rank = fsdp.mesh().rank();
 
     let run = RunState::default();
     let sharded = dir.join("sharded");
@@ -275,7 +289,7 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
 }
 
 /// Bytes of every file under `dir`.
-fn walk_bytes(dir: &std::path::Path) -> u64 {
+pub(super) fn walk_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .into_iter()
         .flatten()

@@ -1,5 +1,5 @@
 //! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
-//! checkpoints, loading pretrained weights, the optimizer step, training offloaded to disk, the
+//! checkpoints and their resharding, loading pretrained weights, the optimizer step, training offloaded to disk, the
 //! rotary embedding, causal grouped-query attention and SwiGLU ops, each printing a table and machine-readable JSON.
 
 mod attention;
@@ -10,6 +10,7 @@ mod loading;
 mod memory;
 mod offload;
 mod optimizer;
+mod reshard;
 mod rope;
 mod swiglu;
 mod workers;
@@ -38,6 +39,9 @@ enum BenchWhat {
     /// save_state (sharded and full), load_state and merge-weights of a BERT trained one
     /// step: wall time, memory while saving, checkpoint size.
     Checkpoint(checkpoint::CheckpointArgs),
+    /// A sharded checkpoint saved by one number of processes and loaded by others (16 → 8
+    /// and 32): load time, heap and bytes read per rank against its share.
+    Reshard(reshard::ReshardArgs),
     /// Building the sharded model from a pretrained safetensors file, every rank reading it
     /// against fsdp_cpu_ram_efficient_loading: per-rank peak memory, seconds, equality.
     Loading(loading::LoadingArgs),
@@ -65,6 +69,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Layer(a) => layer::run(a),
         BenchWhat::Memory(a) => memory::run(a),
         BenchWhat::Checkpoint(a) => checkpoint::run(a),
+        BenchWhat::Reshard(a) => reshard::run(a),
         BenchWhat::Loading(a) => loading::run(a),
         BenchWhat::Optimizer(a) => optimizer::run(a),
         BenchWhat::Offload(a) => offload::run(a),
