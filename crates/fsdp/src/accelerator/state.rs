@@ -74,10 +74,7 @@ impl Accelerator {
         optimizers: &[&PreparedOptimizer],
         data: LoaderPosition,
     ) -> Result<PathBuf, AcceleratorError> {
-        self.wait_for_checkpoint()?;
-        let (dir, run, options) = self.save_inputs(dir, models, optimizers, data)?;
-        let engines: Vec<&Fsdp> = models.iter().map(|m| m.engine()).collect();
-        let opts: Vec<&dyn Optimizer> = optimizers.iter().map(|o| o.optimizer()).collect();
+        let (dir, run, options, engines, opts) = self.save_inputs(dir, models, optimizers, data)?;
         let started = std::time::Instant::now();
         let written = checkpoint::save_state(&dir, &engines, &opts, &run, &options)?;
         if self.is_main_process() {
@@ -106,10 +103,7 @@ impl Accelerator {
         optimizers: &[&PreparedOptimizer],
         data: LoaderPosition,
     ) -> Result<PathBuf, AcceleratorError> {
-        self.wait_for_checkpoint()?;
-        let (dir, run, options) = self.save_inputs(dir, models, optimizers, data)?;
-        let engines: Vec<&Fsdp> = models.iter().map(|m| m.engine()).collect();
-        let opts: Vec<&dyn Optimizer> = optimizers.iter().map(|o| o.optimizer()).collect();
+        let (dir, run, options, engines, opts) = self.save_inputs(dir, models, optimizers, data)?;
         let started = std::time::Instant::now();
         let pending = checkpoint::save_state_async(&dir, &engines, &opts, &run, &options)?;
         let dest = pending.dest().to_path_buf();
@@ -150,15 +144,27 @@ impl Accelerator {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// What a save of `models` and `optimizers` writes and where: the folder, the run state
-    /// (step, schedulers, seed, data position, loss scalers) and the options.
-    fn save_inputs(
+    /// What a save of `models` and `optimizers` writes and where, once a pending save is
+    /// written: the folder, the run state (step, schedulers, seed, data position, loss
+    /// scalers), the options, and the engines and optimizers.
+    #[allow(clippy::type_complexity)]
+    fn save_inputs<'a>(
         &self,
         dir: Option<&Path>,
-        models: &[&dyn ModelHandle],
-        optimizers: &[&PreparedOptimizer],
+        models: &[&'a dyn ModelHandle],
+        optimizers: &[&'a PreparedOptimizer],
         data: LoaderPosition,
-    ) -> Result<(PathBuf, RunState, CheckpointOptions), AcceleratorError> {
+    ) -> Result<
+        (
+            PathBuf,
+            RunState,
+            CheckpointOptions,
+            Vec<&'a Fsdp>,
+            Vec<&'a dyn Optimizer>,
+        ),
+        AcceleratorError,
+    > {
+        self.wait_for_checkpoint()?;
         check_order(
             &models.iter().map(|m| m.index()).collect::<Vec<_>>(),
             &optimizers.iter().map(|o| o.index()).collect::<Vec<_>>(),
@@ -204,7 +210,9 @@ impl Accelerator {
             join_timeout: Duration::from_secs(60),
             ..Default::default()
         };
-        Ok((dir, run, options))
+        let engines = models.iter().map(|m| m.engine()).collect();
+        let opts = optimizers.iter().map(|o| o.optimizer()).collect();
+        Ok((dir, run, options, engines, opts))
     }
 
     /// The newest complete checkpoint in `folder` (the project folder when `None`, with its

@@ -48,24 +48,37 @@ pub(crate) fn broadcast_bytes(mesh: &Mesh, mine: &[u8]) -> Result<Vec<u8>, Check
         .unwrap_or_default())
 }
 
+/// Every rank's error message (empty where it succeeded), in mesh-rank order.
+fn messages<T>(
+    mesh: &Mesh,
+    mine: &Result<T, CheckpointError>,
+) -> Result<Vec<Vec<u8>>, CheckpointError> {
+    let text = match mine {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    all_gather_bytes(mesh, text.as_bytes())
+}
+
+/// The error of rank `rank`, as the other ranks report it.
+fn on_rank(all: &[Vec<u8>], rank: usize) -> CheckpointError {
+    CheckpointError::OnRank {
+        rank,
+        message: String::from_utf8_lossy(&all[rank]).into_owned(),
+    }
+}
+
 /// Every rank learns whether every rank succeeded: this rank's own error, or the first
 /// failing rank's message.
 pub(crate) fn agree<T>(
     mesh: &Mesh,
     mine: Result<T, CheckpointError>,
 ) -> Result<T, CheckpointError> {
-    let text = match &mine {
-        Ok(_) => String::new(),
-        Err(e) => e.to_string(),
-    };
-    let all = all_gather_bytes(mesh, text.as_bytes())?;
+    let all = messages(mesh, &mine)?;
     let value = mine?;
     match all.iter().position(|m| !m.is_empty()) {
         None => Ok(value),
-        Some(rank) => Err(CheckpointError::OnRank {
-            rank,
-            message: String::from_utf8_lossy(&all[rank]).into_owned(),
-        }),
+        Some(rank) => Err(on_rank(&all, rank)),
     }
 }
 
@@ -76,17 +89,10 @@ pub(crate) fn agree_on_first<T>(
     mesh: &Mesh,
     mine: Result<T, CheckpointError>,
 ) -> Result<T, CheckpointError> {
-    let text = match &mine {
-        Ok(_) => String::new(),
-        Err(e) => e.to_string(),
-    };
-    let all = all_gather_bytes(mesh, text.as_bytes())?;
+    let all = messages(mesh, &mine)?;
     match all.iter().position(|m| !m.is_empty()) {
         None => mine,
         Some(rank) if rank == mesh.rank() => mine,
-        Some(rank) => Err(CheckpointError::OnRank {
-            rank,
-            message: String::from_utf8_lossy(&all[rank]).into_owned(),
-        }),
+        Some(rank) => Err(on_rank(&all, rank)),
     }
 }
