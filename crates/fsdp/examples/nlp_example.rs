@@ -123,6 +123,10 @@ struct Args {
     /// Write metrics as JSON lines to OUTPUT_DIR/metrics.jsonl.
     #[arg(long)]
     with_tracking: bool,
+    /// Batches of training examples of similar token counts (transformers'
+    /// `group_by_length`): less padding, batches no longer a uniform shuffle.
+    #[arg(long)]
+    group_by_length: bool,
 }
 
 /// `relative` under the current folder, else under the repository this example was built
@@ -292,9 +296,28 @@ fn main() -> Result<()> {
         let t = tokenizer.clone();
         move |ex: &[TextExample]| collate(&t, ex, &Device::Cpu)
     };
-    let mut train_loader = acc.prepare_data_loader(
-        DataLoader::new(train, args.batch_size, collate_fn.clone()).shuffle(args.seed),
-    );
+    let lengths = if args.group_by_length {
+        // Each example's token count, as the collate function will encode it.
+        let lengths = train
+            .iter()
+            .map(|e| {
+                let pair = [(e.text.as_str(), e.pair.as_deref())];
+                Ok(tokenizer
+                    .encode_pairs(&pair, &Device::Cpu)?
+                    .input_ids
+                    .dim(1)?)
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        Some(lengths)
+    } else {
+        None
+    };
+    let mut train_loader =
+        DataLoader::new(train, args.batch_size, collate_fn.clone()).shuffle(args.seed);
+    if let Some(lengths) = lengths {
+        train_loader = train_loader.group_by_length(lengths)?;
+    }
+    let mut train_loader = acc.prepare_data_loader(train_loader);
     let mut eval_loader =
         acc.prepare_data_loader(DataLoader::new(test, args.eval_batch_size, collate_fn));
 

@@ -7,7 +7,8 @@ pub mod text;
 pub mod tokenizer;
 
 pub use loader::{
-    BatchError, CollateError, DataLoader, Dataset, LoadedBatch, LoaderPosition, permutation,
+    BatchError, CollateError, DataLoader, Dataset, LengthsMismatch, LoadedBatch, LoaderPosition,
+    group_by_length, permutation,
 };
 pub use text::{
     ClassificationBatch, DataError, TextExample, TokenWindows, collate, mrpc_tsv, train_test_split,
