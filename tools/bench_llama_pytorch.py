@@ -43,6 +43,14 @@ def worker(rank, a, work, result_file):
         cpu_ram_efficient_loading=False,
     )
     acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    # Accelerate turns a plugin into FSDP only on accelerators: on CPU processes it would run
+    # DDP (MULTI_CPU, every rank a full replica). Its FSDP code paths run on CPU as they are.
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    PartialState().distributed_type = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+    acc.state.device = torch.device("cpu")  # not cpu:0, which FSDP's device check refuses
     gguf = Path(a.gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.config.use_cache = False
@@ -51,6 +59,7 @@ def worker(rank, a, work, result_file):
     for n, p in model.named_parameters():
         (no_decay if n.rsplit(".", 1)[0] in norms or n.endswith(".bias") else decay).append(p)
     model = acc.prepare(model)
+    assert type(model).__name__ == "FullyShardedDataParallel", type(model)
     # use_orig_params keeps the parameters' identity through wrapping, so the groups hold.
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=a.lr
