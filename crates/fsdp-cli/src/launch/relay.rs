@@ -75,9 +75,7 @@ pub(super) struct Route {
 /// A relay thread; `finished` says when it has drained its pipe.
 pub(super) struct Relay {
     thread: std::thread::JoinHandle<()>,
-    /// When the pipe reached its end (sent once by the thread).
-    done: Receiver<Instant>,
-    closed: Option<Instant>,
+    done: Receiver<()>,
 }
 
 impl Relay {
@@ -88,35 +86,17 @@ impl Relay {
             .name(format!("fsdp-relay-{}", route.rank))
             .spawn(move || {
                 relay(stream, route);
-                let _ = tx.send(Instant::now());
+                let _ = tx.send(());
             })?;
-        Ok(Relay {
-            thread,
-            done,
-            closed: None,
-        })
-    }
-
-    /// When the worker's end of the pipe closed, if it has: a worker's pipes close as it
-    /// exits, with its sockets — before a peer notices the lost connection — so this
-    /// orders exits that the processes' deaths alone may not (see `supervise`).
-    pub(super) fn closed_at(&mut self) -> Option<Instant> {
-        if self.closed.is_none() {
-            self.closed = self.done.try_recv().ok();
-        }
-        self.closed
+        Ok(Relay { thread, done })
     }
 
     /// Waits until the pipe is drained or `deadline`; true when drained (the thread is then
     /// joined). A pipe held open by a process outside the launcher's reach is left behind.
     pub(super) fn finish(self, deadline: Instant) -> Option<Relay> {
         let left = deadline.saturating_duration_since(Instant::now());
-        if self.closed.is_some() {
-            let _ = self.thread.join();
-            return None;
-        }
         match self.done.recv_timeout(left) {
-            Ok(_) | Err(RecvTimeoutError::Disconnected) => {
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
                 let _ = self.thread.join();
                 None
             }

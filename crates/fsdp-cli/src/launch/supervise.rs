@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 
 use super::exits::ExitWatcher;
-use super::relay::Relay;
 use super::spawn::{Attempt, Worker, spawn};
 use super::{INTERRUPTED, Outcome};
 
@@ -62,7 +61,7 @@ fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Res
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(Outcome::Success),
         };
-        let Some(mut i) = workers.iter().position(|w| w.rank == rank) else {
+        let Some(i) = workers.iter().position(|w| w.rank == rank) else {
             continue;
         };
         workers[i].done = Some(status);
@@ -72,11 +71,6 @@ fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Res
                 return Ok(Outcome::Success);
             }
             continue;
-        }
-        let (mut rank, mut status) = (rank, status);
-        if let Some((j, other)) = exited_earlier(workers, i, exits) {
-            // A peer whose exit had begun first failed too: it is the cause.
-            (i, rank, status) = (j, workers[j].rank, other);
         }
         let (code, how) = describe_status(status);
         let running: Vec<String> = workers
@@ -111,54 +105,6 @@ fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Res
         stop_all(workers, exits, libc::SIGTERM);
         return Ok(Outcome::Failed(code));
     }
-}
-
-/// How long a peer whose pipes closed first may take to finish exiting.
-const EARLIER_EXIT: Duration = Duration::from_secs(2);
-
-/// A running worker that had begun to exit before worker `i`, whose failure was just
-/// reported, and failed: the cause rather than the consequence. A process's death is
-/// reported when it is a zombie, which on a loaded machine can come after a peer has
-/// noticed the lost connection, failed and died; its pipes (and sockets) close earlier, as
-/// it begins to exit. So a worker whose output pipes closed before `i`'s did is waited for
-/// (briefly), and returned with its status when it failed.
-fn exited_earlier(
-    workers: &mut [Worker],
-    i: usize,
-    exits: &Exits,
-) -> Option<(usize, std::process::ExitStatus)> {
-    // Its pipes close before it is a zombie, unless a child it left behind holds them.
-    let deadline = Instant::now() + Duration::from_millis(200);
-    let closed = |w: &mut Worker| w.relays.iter_mut().filter_map(Relay::closed_at).min();
-    let mut failed_closed = None;
-    while failed_closed.is_none() && Instant::now() < deadline {
-        failed_closed = closed(&mut workers[i]);
-        if failed_closed.is_none() {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-    let failed_closed = failed_closed?;
-    let j = workers
-        .iter_mut()
-        .enumerate()
-        .filter(|(_, w)| w.done.is_none())
-        .filter_map(|(j, w)| closed(w).filter(|t| *t < failed_closed).map(|t| (t, j)))
-        .min()?
-        .1;
-    let until = Instant::now() + EARLIER_EXIT;
-    while Instant::now() < until {
-        let Ok((rank, status)) = exits.recv_timeout(until - Instant::now()) else {
-            break;
-        };
-        let Some(k) = workers.iter().position(|w| w.rank == rank) else {
-            continue;
-        };
-        workers[k].done = Some(status);
-        if k == j {
-            return (!status.success()).then_some((j, status));
-        }
-    }
-    None
 }
 
 fn describe_status(status: std::process::ExitStatus) -> (i32, String) {
