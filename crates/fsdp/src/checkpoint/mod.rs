@@ -27,6 +27,7 @@ mod pretrained;
 mod save;
 mod save_async;
 mod save_full;
+mod save_parts;
 mod tensor_file;
 
 use std::path::{Path, PathBuf};

@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use super::collect::{agree, agree_on_first};
 use super::error::CheckpointError;
-use super::save::{self, DocInputs, RankParts, RankReport};
+use super::save::{self, DocInputs, RankReport};
+use super::save_parts::{self, RankParts};
 use super::{CheckpointOptions, RunState, atomic};
 use crate::config::StateDictType;
 use crate::engine::Fsdp;
@@ -125,8 +126,8 @@ pub(crate) fn save_async(
     let mut begun = save::begin(dest, models, optimizers, options)?;
     let local = begun.kind == StateDictType::LocalStateDict;
     // The staging copy: offloaded rows are read from the disk tier here too.
-    let captured =
-        save::rank_parts(models, optimizers, run, local).and_then(|parts| parts.to_owned_parts());
+    let captured = save_parts::rank_parts(models, optimizers, run, local)
+        .and_then(|parts| parts.to_owned_parts());
     // Every rank captured, or all fail (rank 0's staging folder goes with `begun`).
     let parts = agree(&begun.mesh, captured)?;
     let staged_bytes = parts.value_bytes();

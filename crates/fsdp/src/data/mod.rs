@@ -3,6 +3,7 @@
 //! tokenization.
 
 pub mod loader;
+pub mod order;
 pub mod text;
 pub mod tokenizer;
 
