@@ -30,7 +30,7 @@ def worker(rank, a, work, result_file):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29653", RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate import FullyShardedDataParallelPlugin
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
@@ -42,15 +42,8 @@ def worker(rank, a, work, result_file):
         sync_module_states=False,
         cpu_ram_efficient_loading=False,
     )
-    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
-    # Accelerate turns a plugin into FSDP only on accelerators: on CPU processes it would run
-    # DDP (MULTI_CPU, every rank a full replica). Its FSDP code paths run on CPU as they are.
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-    PartialState().distributed_type = DistributedType.FSDP
-    acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = plugin
-    acc.state.device = torch.device("cpu")  # not cpu:0, which FSDP's device check refuses
+    from accelerate_cpu_fsdp import accelerator_with_fsdp
+    acc = accelerator_with_fsdp(plugin)
     gguf = Path(a.gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.config.use_cache = False

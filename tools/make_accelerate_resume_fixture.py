@@ -45,7 +45,7 @@ def worker(rank, out, version):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29655 + version), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate import FullyShardedDataParallelPlugin
     from transformers import BertConfig, BertForSequenceClassification
 
     plugin = FullyShardedDataParallelPlugin(
@@ -58,15 +58,9 @@ def worker(rank, out, version):
         sync_module_states=False,
         cpu_ram_efficient_loading=False,
     )
-    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
-    # Accelerate turns a plugin into FSDP only on accelerators: on CPU processes it would run
-    # DDP (MULTI_CPU) and save model.safetensors. Its FSDP code paths run on CPU as they are.
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
-    PartialState().distributed_type = DistributedType.FSDP
-    acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = plugin
-    acc.state.device = torch.device("cpu")  # not cpu:0, which FSDP's device check refuses
+    from accelerate_cpu_fsdp import accelerator_with_fsdp
+    acc = accelerator_with_fsdp(plugin)
     torch.manual_seed(0)
     config = BertConfig(vocab_size=VOCAB, hidden_size=12, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=20, max_position_embeddings=8, num_labels=3,
