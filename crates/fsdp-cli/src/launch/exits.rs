@@ -14,6 +14,14 @@
 //! nothing until every worker is watched, and then reports the marked ones first: a worker
 //! that died before the launcher could even watch it is taken to have died first.
 //!
+//! A process closes its files before it becomes a zombie, and on a loaded machine the gap
+//! can be long: a peer that sees its connection close may fail, exit and become a zombie
+//! first. So the set also holds each worker's output pipes (duplicates of the relays' read
+//! ends): they hang up, in the ready list's order too, when the worker closes its
+//! descriptors as it begins to exit. An exit is reported only once no worker still running
+//! had closed its outputs before this one began to exit (such a worker is waited for, up
+//! to [`CLOSED_GRACE`]): the worker that began to exit first is reported first.
+//!
 //! Where pidfds are missing (Linux
 //! before 5.3), each worker gets a thread of its own, as before; so does every worker still
 //! running if `epoll_wait` ever fails, so that no exit goes unreported and the launcher
@@ -25,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
@@ -35,13 +43,39 @@ pub(super) type ExitSender = Sender<(usize, ExitStatus)>;
 /// How long the epoll thread sleeps between checks that it is still needed.
 const POLL: Duration = Duration::from_millis(50);
 
+/// How long an exit's report waits for a running worker whose outputs closed before it:
+/// one beginning to exit becomes a zombie within this, even on a loaded machine; one that
+/// closed its outputs and goes on running only delays the report by this much.
+const CLOSED_GRACE: Duration = Duration::from_secs(2);
+
+/// Which of a worker's descriptors an event is for: its pidfd, or one of its outputs.
+const PIDFD_SLOT: u64 = 0;
+/// Bits of an event's number that hold the slot; the rest is the worker's index.
+const SLOT_BITS: u32 = 2;
+
 /// A worker in the epoll set.
 struct Watched {
     rank: usize,
     pid: u32,
+    /// In the set until its exit is seen.
     pidfd: Option<OwnedFd>,
+    /// Its output pipes' read ends, each in the set until it hangs up.
+    outputs: Vec<Option<OwnedFd>>,
     /// It had exited before its pidfd joined the set.
     exited_unwatched: bool,
+    /// The number of the event at which its last output hung up.
+    outputs_closed: Option<u64>,
+    /// The number of the event at which it exited, and when that was seen.
+    exited: Option<(u64, Instant)>,
+    reported: bool,
+}
+
+impl Watched {
+    /// Where its exit began in the order of events: its outputs closing, or its exit.
+    fn exit_began(&self) -> Option<u64> {
+        let (exited, _) = self.exited?;
+        Some(self.outputs_closed.map_or(exited, |c| c.min(exited)))
+    }
 }
 
 /// State the epoll thread shares with the launcher.
@@ -76,8 +110,9 @@ impl ExitWatcher {
         }
     }
 
-    /// Starts watching `pid` (rank `rank`), which must be an unreaped child.
-    pub fn watch(&mut self, rank: usize, pid: u32) -> Result<()> {
+    /// Starts watching `pid` (rank `rank`), which must be an unreaped child; `outputs` are
+    /// duplicates of the read ends of its output pipes.
+    pub fn watch(&mut self, rank: usize, pid: u32, outputs: Vec<OwnedFd>) -> Result<()> {
         if let Some((shared, _)) = &self.epoll
             && let Some(pidfd) = pidfd_open(pid)
         {
@@ -85,27 +120,29 @@ impl ExitWatcher {
             // place in the ready list by its exit.
             let exited_unwatched = has_exited(pid);
             let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
-            let mut event = libc::epoll_event {
-                events: libc::EPOLLIN as u32,
-                u64: watched.len() as u64,
-            };
+            let index = (watched.len() as u64) << SLOT_BITS;
             // A broken set has nobody waiting on it: the worker gets a thread instead.
-            // SAFETY: both descriptors are open; `event` is a valid epoll_event.
             let added = !shared.broken.load(Ordering::SeqCst)
-                && unsafe {
-                    libc::epoll_ctl(
-                        shared.epoll.as_raw_fd(),
-                        libc::EPOLL_CTL_ADD,
-                        pidfd.as_raw_fd(),
-                        &mut event,
-                    )
-                } == 0;
+                && add(shared, &pidfd, libc::EPOLLIN as u32, index | PIDFD_SLOT);
             if added {
+                // An output that cannot join the set only leaves its closing unobserved.
+                let outputs = (1..)
+                    .zip(outputs)
+                    .filter(|&(slot, _)| slot < 1 << SLOT_BITS)
+                    .map(|(slot, fd)| {
+                        // Hang-ups only (the kernel always reports them), once.
+                        add(shared, &fd, libc::EPOLLONESHOT as u32, index | slot).then_some(fd)
+                    })
+                    .collect();
                 watched.push(Watched {
                     rank,
                     pid,
                     pidfd: Some(pidfd),
+                    outputs,
                     exited_unwatched,
+                    outputs_closed: None,
+                    exited: None,
+                    reported: false,
                 });
                 return Ok(());
             }
@@ -164,7 +201,8 @@ fn start_epoll(exits: ExitSender) -> Option<(Arc<Shared>, JoinHandle<()>)> {
     Some((shared, thread))
 }
 
-/// The epoll thread: one ready pidfd at a time, so exits go out in the ready list's order.
+/// The epoll thread: one ready descriptor at a time, so events are seen in the ready list's
+/// order.
 fn report_exits(shared: &Shared, exits: &ExitSender) {
     while !shared.all_watched.load(Ordering::SeqCst) && !shared.closing.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(2));
@@ -172,9 +210,11 @@ fn report_exits(shared: &Shared, exits: &ExitSender) {
     {
         let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
         for w in watched.iter_mut().filter(|w| w.exited_unwatched) {
-            report(shared, w, exits);
+            forget_pidfd(shared, w);
+            report(w, exits);
         }
     }
+    let mut events = 0u64;
     loop {
         let mut event = libc::epoll_event { events: 0, u64: 0 };
         // SAFETY: `event` has room for the one event asked for.
@@ -186,40 +226,105 @@ fn report_exits(shared: &Shared, exits: &ExitSender) {
                 POLL.as_millis() as i32,
             )
         };
+        let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
         if n == 1 {
-            let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(w) = watched.get_mut(event.u64 as usize) {
-                report(shared, w, exits);
+            events += 1;
+            let (index, slot) = (event.u64 >> SLOT_BITS, event.u64 & ((1 << SLOT_BITS) - 1));
+            if let Some(w) = watched.get_mut(index as usize) {
+                if slot == PIDFD_SLOT {
+                    if forget_pidfd(shared, w) {
+                        w.exited = Some((events, Instant::now()));
+                    }
+                } else if let Some(fd) = w.outputs.get_mut(slot as usize - 1) {
+                    forget(shared, fd.take());
+                    if w.outputs.iter().all(Option::is_none) {
+                        w.outputs_closed = Some(events);
+                    }
+                }
             }
-            continue;
         }
+        report_in_order(&mut watched, exits);
         let interrupted =
             n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
         if n < 0 && !interrupted {
+            drop(watched);
             return hand_over(shared, exits);
         }
-        let watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
-        if shared.closing.load(Ordering::SeqCst) && watched.iter().all(|w| w.pidfd.is_none()) {
+        if shared.closing.load(Ordering::SeqCst) && watched.iter().all(|w| w.reported) {
             return;
         }
     }
 }
 
-/// Reports `w`'s exit and takes its pidfd out of the set, unless it was reported already.
-fn report(shared: &Shared, w: &mut Watched, exits: &ExitSender) {
-    if let Some(pidfd) = w.pidfd.take() {
+/// Reports the exits seen so far, the one that began first first; an exit waits while a
+/// running worker had closed its outputs before it began (up to [`CLOSED_GRACE`]).
+fn report_in_order(watched: &mut [Watched], exits: &ExitSender) {
+    loop {
+        let Some(next) = (0..watched.len())
+            .filter(|&i| !watched[i].reported)
+            .filter_map(|i| watched[i].exit_began().map(|began| (began, i)))
+            .min()
+        else {
+            return;
+        };
+        let (began, i) = next;
+        let closing_before = watched.iter().any(|w| {
+            !w.reported && w.exited.is_none() && w.outputs_closed.is_some_and(|c| c < began)
+        });
+        let waited = watched[i]
+            .exited
+            .map_or(Duration::ZERO, |(_, at)| at.elapsed());
+        if closing_before && waited < CLOSED_GRACE {
+            return;
+        }
+        report(&mut watched[i], exits);
+    }
+}
+
+/// Adds `fd` to the set for `events`, the event carrying `data`; whether it joined.
+fn add(shared: &Shared, fd: &OwnedFd, events: u32, data: u64) -> bool {
+    let mut event = libc::epoll_event { events, u64: data };
+    // SAFETY: both descriptors are open; `event` is a valid epoll_event.
+    unsafe {
+        libc::epoll_ctl(
+            shared.epoll.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            fd.as_raw_fd(),
+            &mut event,
+        ) == 0
+    }
+}
+
+/// Takes `fd` out of the set and closes it.
+fn forget(shared: &Shared, fd: Option<OwnedFd>) {
+    if let Some(fd) = fd {
         // SAFETY: removing a descriptor that is in the set; it is closed on drop.
         unsafe {
             libc::epoll_ctl(
                 shared.epoll.as_raw_fd(),
                 libc::EPOLL_CTL_DEL,
-                pidfd.as_raw_fd(),
+                fd.as_raw_fd(),
                 std::ptr::null_mut(),
             );
         }
-        if let Some(status) = wait_without_reaping(w.pid) {
-            let _ = exits.send((w.rank, status));
-        }
+    }
+}
+
+/// Takes `w`'s pidfd out of the set (its outputs stay until they hang up); whether it was
+/// still there.
+fn forget_pidfd(shared: &Shared, w: &mut Watched) -> bool {
+    let had = w.pidfd.is_some();
+    forget(shared, w.pidfd.take());
+    had
+}
+
+/// Reports `w`'s exit, unless it was reported already.
+fn report(w: &mut Watched, exits: &ExitSender) {
+    if std::mem::replace(&mut w.reported, true) {
+        return;
+    }
+    if let Some(status) = wait_without_reaping(w.pid) {
+        let _ = exits.send((w.rank, status));
     }
 }
 
@@ -232,7 +337,7 @@ fn hand_over(shared: &Shared, exits: &ExitSender) {
         shared.broken.store(true, Ordering::SeqCst);
         watched
             .iter_mut()
-            .filter_map(|w| w.pidfd.take().map(|_| (w.rank, w.pid)))
+            .filter_map(|w| (!std::mem::replace(&mut w.reported, true)).then_some((w.rank, w.pid)))
             .collect()
     };
     let mut threads = Vec::new();
@@ -332,12 +437,12 @@ mod tests {
         let (tx, rx) = channel();
         let mut watcher = ExitWatcher::new(tx);
         let mut first = Command::new("sleep").arg("0.4").spawn().unwrap();
-        watcher.watch(0, first.id()).unwrap();
+        watcher.watch(0, first.id(), Vec::new()).unwrap();
         break_epoll(&watcher);
         // Watched after the failure (the set may be broken already, or not yet).
         std::thread::sleep(POLL * 3);
         let mut second = Command::new("sleep").arg("0.2").spawn().unwrap();
-        watcher.watch(1, second.id()).unwrap();
+        watcher.watch(1, second.id(), Vec::new()).unwrap();
         watcher.all_watched();
         let mut ranks = Vec::new();
         for _ in 0..2 {
@@ -370,16 +475,84 @@ mod tests {
         // Rank 0 is watched while it runs; rank 1 exits at once, then rank 0, and only then
         // is rank 1 watched: rank 0's exit is in the ready list before rank 1 is.
         let mut first = Command::new("sleep").arg("0.3").spawn().unwrap();
-        watcher.watch(0, first.id()).unwrap();
+        watcher.watch(0, first.id(), Vec::new()).unwrap();
         let mut second = Command::new("sh").args(["-c", "exit 3"]).spawn().unwrap();
         until_exited(second.id());
         until_exited(first.id());
-        watcher.watch(1, second.id()).unwrap();
+        watcher.watch(1, second.id(), Vec::new()).unwrap();
         watcher.all_watched();
         let next = || rx.recv_timeout(Duration::from_secs(20)).unwrap();
         let (rank, status) = next();
         assert_eq!((rank, status.code()), (1, Some(3)));
         assert_eq!(next().0, 0);
+        watcher.finish();
+        first.wait().unwrap();
+        second.wait().unwrap();
+    }
+
+    /// Starts `script` under `sh` with piped outputs; returns it and duplicates of its
+    /// outputs' read ends.
+    fn piped(script: &str) -> (std::process::Child, Vec<OwnedFd>) {
+        use std::os::fd::AsFd;
+        let child = Command::new("sh")
+            .args(["-c", script])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let outputs = [
+            child.stdout.as_ref().unwrap().as_fd(),
+            child.stderr.as_ref().unwrap().as_fd(),
+        ]
+        .map(|fd| fd.try_clone_to_owned().unwrap());
+        (child, outputs.into())
+    }
+
+    #[test]
+    fn a_worker_whose_outputs_closed_first_is_reported_before_a_peer_that_became_a_zombie_first() {
+        // Rank 1 begins to exit (its outputs close) but takes 0.4 s to become a zombie, as a
+        // descheduled process can; rank 0 sees that and fails at once. Rank 0 is a zombie
+        // first, and rank 1 must still be reported first.
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("closed");
+        let m = marker.display();
+        let (tx, rx) = channel();
+        let mut watcher = ExitWatcher::new(tx);
+        let (mut first, outputs) =
+            piped(&format!("while [ ! -e {m} ]; do sleep 0.01; done; exit 1"));
+        watcher.watch(0, first.id(), outputs).unwrap();
+        let (mut second, outputs) = piped(&format!(
+            "exec >&- 2>&-; sleep 0.2; touch {m}; sleep 0.4; exit 3"
+        ));
+        watcher.watch(1, second.id(), outputs).unwrap();
+        watcher.all_watched();
+        let next = || rx.recv_timeout(Duration::from_secs(20)).unwrap();
+        let (rank, status) = next();
+        assert_eq!((rank, status.code()), (1, Some(3)));
+        assert_eq!(next(), (0, first.wait().unwrap()));
+        watcher.finish();
+        second.wait().unwrap();
+    }
+
+    #[test]
+    fn a_worker_that_closed_its_outputs_and_runs_on_delays_a_report_by_the_grace_only() {
+        let (tx, rx) = channel();
+        let mut watcher = ExitWatcher::new(tx);
+        let (mut first, outputs) = piped("sleep 0.3; exit 1");
+        watcher.watch(0, first.id(), outputs).unwrap();
+        let (mut second, outputs) = piped("exec >&- 2>&-; sleep 8");
+        watcher.watch(1, second.id(), outputs).unwrap();
+        watcher.all_watched();
+        let start = std::time::Instant::now();
+        let (rank, _) = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+        assert_eq!(rank, 0);
+        let waited = start.elapsed();
+        assert!(
+            waited >= CLOSED_GRACE && waited < CLOSED_GRACE * 2,
+            "reported after {waited:?}"
+        );
+        second.kill().unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap().0, 1);
         watcher.finish();
         first.wait().unwrap();
         second.wait().unwrap();

@@ -2,6 +2,7 @@
 //! `WorkerEnv`, and the configuration's `FSDP_*` variables), its own process group, death
 //! with the launcher (`PR_SET_PDEATHSIG`), its output relays, and watching its exit.
 
+use std::os::fd::{AsFd, OwnedFd};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 
@@ -94,8 +95,9 @@ pub(super) fn spawn(a: &Attempt<'_>, local_rank: usize, exits: &mut ExitWatcher)
         .spawn()
         .with_context(|| format!("cannot start `{}` for rank {rank}", program[0]))?;
     let pid = child.id();
+    let outputs = output_duplicates(&child);
     let started = start_relays(&mut child, a, local_rank, rank, logs)
-        .and_then(|started| exits.watch(rank, pid).map(|()| started));
+        .and_then(|started| exits.watch(rank, pid, outputs).map(|()| started));
     match started {
         Ok((tail, relays)) => Ok(Worker {
             child,
@@ -209,6 +211,20 @@ pub(super) fn log_file_name(rank: usize, stream: &str, attempt: u32) -> String {
 }
 
 type Started = (Arc<Mutex<Tail>>, Vec<Relay>);
+
+/// Second descriptors for the read ends of `child`'s output pipes, for the exit watcher to
+/// see them hang up as the worker begins to exit (one that cannot be made is left out).
+fn output_duplicates(child: &std::process::Child) -> Vec<OwnedFd> {
+    let stdout = child
+        .stdout
+        .as_ref()
+        .map(|s| s.as_fd().try_clone_to_owned());
+    let stderr = child
+        .stderr
+        .as_ref()
+        .map(|s| s.as_fd().try_clone_to_owned());
+    [stdout, stderr].into_iter().flatten().flatten().collect()
+}
 
 fn start_relays(
     child: &mut std::process::Child,
