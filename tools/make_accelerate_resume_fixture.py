@@ -41,8 +41,11 @@ def batch(step):
     return torch.tensor(ids).view(GLOBAL_BATCH, SEQ), torch.tensor(labels)
 
 
-def worker(rank, out, version):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29655 + version), RANK=str(rank), WORLD_SIZE="2",
+def prepare(rank, version, port):
+    """Rank `rank` of 2: the tiny BERT (seed 0) and AdamW (no decay on biases and LayerNorm
+    weights) prepared by Accelerate's FSDP`version` (FULL_SHARD, BertLayer units,
+    SHARDED_STATE_DICT) on CPU processes over gloo."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
     from accelerate import FullyShardedDataParallelPlugin
@@ -61,6 +64,7 @@ def worker(rank, out, version):
     from accelerate.utils import DistributedType
     from accelerate_cpu_fsdp import accelerator_with_fsdp
     acc = accelerator_with_fsdp(plugin)
+    assert acc.distributed_type == DistributedType.FSDP, acc.distributed_type
     torch.manual_seed(0)
     config = BertConfig(vocab_size=VOCAB, hidden_size=12, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=20, max_position_embeddings=8, num_labels=3,
@@ -73,24 +77,39 @@ def worker(rank, out, version):
     # Together, as FSDP2 requires (the optimizer's parameters are replaced by sharded ones).
     model, optimizer = acc.prepare(model, optimizer)
     assert type(model).__name__.startswith("FullyShardedDataParallel" if version == 1 else "FSDP"), type(model)
-    per_rank = GLOBAL_BATCH // 2
-    losses = []
     model.train()
+    return acc, model, optimizer
+
+
+def train_step(acc, model, optimizer, step, rank):
+    """One step on this rank's half of `batch(step)`; the loss averaged over the ranks."""
+    per_rank = GLOBAL_BATCH // 2
+    ids, labels = batch(step)
+    ids, labels = ids[rank * per_rank:(rank + 1) * per_rank], labels[rank * per_rank:(rank + 1) * per_rank]
+    loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits, labels)
+    acc.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(acc.reduce(loss.detach(), reduction="mean"))
+
+
+def save_weights(acc, model, path):
+    """The full weights, written by rank 0 as safetensors."""
+    state = acc.get_state_dict(model)
+    if acc.process_index == 0:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+
+
+def worker(rank, out, version):
+    acc, model, optimizer = prepare(rank, version, 29655 + version)
+    losses = []
     for step in range(6):
         if step == 3:
-            assert acc.distributed_type == DistributedType.FSDP, acc.distributed_type
             acc.save_state(f"{out}/checkpoint")
-        ids, labels = batch(step)
-        ids, labels = ids[rank * per_rank:(rank + 1) * per_rank], labels[rank * per_rank:(rank + 1) * per_rank]
-        loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits, labels)
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(acc.reduce(loss.detach(), reduction="mean")))
-    state = acc.get_state_dict(model)
+        losses.append(train_step(acc, model, optimizer, step, rank))
+    save_weights(acc, model, f"{out}/final.safetensors")
     if rank == 0:
-        from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in state.items()}, f"{out}/final.safetensors")
         json.dump({"losses": losses, "saved_after_steps": 3}, open(f"{out}/expected.json", "w"), indent=1)
 
 

@@ -10,7 +10,7 @@ use fsdp_comm::{CommunicatorExt, LocalJob, ProcessGroup, ReduceOp};
 
 use crate::common;
 
-use crate::common::tiny::{OptimizerKind, Setup, Trainer, on_threads};
+use crate::common::tiny::{OptimizerKind, Setup, Trainer, on_threads, pytorch_fixture_adamw};
 
 const ROLE: &str = "FSDP_CHECKPOINT_WORKER";
 
@@ -83,21 +83,9 @@ fn checkpoint_worker() {
         }
         "async-disk-full" => return disk_full_worker(&pg, &mut t, &dir),
         "resume-accelerate" => {
-            // The run's optimizer as the PyTorch script built it: AdamW, no decay on biases
-            // and LayerNorm weights (rates and decays come back from the checkpoint).
-            let names = t
-                .engine
-                .parameters()
-                .into_iter()
-                .map(|(n, _)| n.to_string());
-            t.optimizer = Box::new(
-                fsdp::optim::AdamW::with_groups(fsdp::optim::split_no_decay(
-                    names.collect::<Vec<_>>(),
-                    fsdp::optim::AdamWConfig::default(),
-                    fsdp::optim::is_bias_or_norm,
-                ))
-                .unwrap(),
-            );
+            // The run's optimizer as the PyTorch script built it (rates and decays come
+            // back from the checkpoint).
+            t.optimizer = pytorch_fixture_adamw(&t.engine);
             let run = t.engine.load_state(&dir, t.optimizer.as_mut()).unwrap();
             assert_eq!(run.step, 3, "the optimizer's step count");
             t.train(3..6)

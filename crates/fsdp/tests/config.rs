@@ -414,6 +414,21 @@ fn inconsistent_settings_are_errors_naming_both_sides() {
         &e,
         &["`fsdp_offload_optimizer: true` (cfg.yaml:2) needs `fsdp_offload_dir`"],
     );
+    let e = error_of(
+        "fsdp_config:\n  fsdp_checkpoint_format: torch-dcp\n  fsdp_state_dict_type: FULL_STATE_DICT\n",
+    );
+    assert_contains(
+        &e,
+        &[
+            "`fsdp_checkpoint_format: torch-dcp` (cfg.yaml:2) writes SHARDED_STATE_DICT checkpoints only",
+            "`fsdp_state_dict_type: FULL_STATE_DICT` (cfg.yaml:3)",
+        ],
+    );
+    let e = error_of("fsdp_config:\n  fsdp_checkpoint_format: dcp\n");
+    assert_contains(
+        &e,
+        &["fsdp_checkpoint_format", "fsdp-rs (1), torch-dcp (2)"],
+    );
     let e = error_of("fsdp_config:\n  fsdp_offload_dir: /scratch\n");
     assert_contains(
         &e,
@@ -428,6 +443,10 @@ fn inconsistent_settings_are_errors_naming_both_sides() {
             .unwrap()
             .fsdp
     };
+    assert_eq!(
+        ok("fsdp_config:\n  fsdp_checkpoint_format: torch-dcp\n").checkpoint_format,
+        fsdp::config::CheckpointFormat::TorchDcp
+    );
     let f = ok("fsdp_config:\n  fsdp_offload_params: true\n  fsdp_offload_dir: /scratch\n");
     assert!(f.offload_params && !f.offload_optimizer);
     assert_eq!(

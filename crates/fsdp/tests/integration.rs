@@ -10,6 +10,7 @@ mod bert_reference;
 mod checkpoint;
 mod checkpoint_hostile;
 mod checkpoint_processes;
+mod checkpoint_torch_dcp;
 mod config;
 mod dcp;
 mod engine_in_process;

@@ -276,6 +276,43 @@ impl PreparedOptimizer {
         Ok(())
     }
 
+    /// Continues the attached scheduler from a PyTorch scheduler's state (`file`,
+    /// `last_epoch`, `base_lrs` as the checkpoint reader gives them): PyTorch saves no
+    /// schedule, only how far it went, so the schedule stays the one attached here and takes
+    /// the step, once its base rates are checked to be the saved ones.
+    pub(super) fn restore_pytorch_scheduler(
+        &mut self,
+        saved: &serde_json::Value,
+    ) -> Result<(), AcceleratorError> {
+        let file = saved["file"].as_str().unwrap_or("scheduler.bin");
+        let Some(mut s) = self.scheduler.clone() else {
+            return Err(AcceleratorError::Usage(format!(
+                "{file} holds a learning-rate scheduler for optimizer {}, which has none: attach the run's schedule with `Accelerator::prepare_scheduler` before loading",
+                self.index
+            )));
+        };
+        let base: Vec<f64> = saved["base_lrs"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .unwrap_or_default();
+        let ours: Vec<f64> = (0..self.optimizer.num_groups())
+            .map(|g| self.optimizer.initial_lr(g))
+            .collect();
+        let same = base.len() == ours.len()
+            && base
+                .iter()
+                .zip(&ours)
+                .all(|(a, b)| (a - b).abs() <= 1e-12 * a.abs().max(b.abs()));
+        if !same {
+            return Err(AcceleratorError::Usage(format!(
+                "{file}: the scheduler's base_lrs {base:?} are not optimizer {}'s initial rates {ours:?}",
+                self.index
+            )));
+        }
+        s.steps = saved["last_epoch"].as_u64().unwrap_or(0);
+        self.restore_scheduler(s)
+    }
+
     /// One optimizer step of `model`, then one scheduler step; false (neither stepped) when
     /// loss scaling skipped the step.
     pub(super) fn step<M>(

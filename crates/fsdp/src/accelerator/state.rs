@@ -277,6 +277,10 @@ impl Accelerator {
             AcceleratorError::Usage(format!("{what} in {}: {e}", dir.display()))
         };
         for (o, v) in optimizers.iter_mut().zip(&run.schedulers) {
+            if let Some(pytorch) = v.get(checkpoint::PYTORCH_SCHEDULER) {
+                o.restore_pytorch_scheduler(pytorch)?;
+                continue;
+            }
             let saved: Option<LrScheduler> =
                 serde_json::from_value(v.clone()).map_err(|e| bad("scheduler state", e))?;
             match (saved, o.scheduler().is_some()) {

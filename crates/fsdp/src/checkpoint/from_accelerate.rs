@@ -10,8 +10,9 @@ use std::path::Path;
 
 use super::dcp::{self, DcpCheckpoint, Value};
 use super::error::CheckpointError;
-use super::format::{GroupDoc, OptimizerDoc};
+use super::format::{CheckpointDoc, GroupDoc, OptimizerDoc};
 use super::load::{check_groups, check_params, load_optimizer_state, load_params};
+use super::save_dcp::{RUN_STATE_FILE, scheduler_bin};
 use super::{RunState, format};
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
@@ -90,15 +91,16 @@ pub(crate) fn read_all(
             ),
         });
     }
-    if let Some(f) = ["scheduler.bin", "scheduler_0.bin"]
-        .iter()
-        .find(|f| root.join(f).exists())
-    {
-        return Err(CheckpointError::Usage(format!(
-            "{}: PyTorch scheduler state is not read; resume from a checkpoint saved without a prepared scheduler, or rebuild the schedule and set its step",
-            root.join(f).display()
-        )));
-    }
+    // fsdp-rs wrote it (torch-dcp): the run state is ours, exact; else PyTorch's schedulers.
+    let run_doc = root.join(RUN_STATE_FILE);
+    let ours: Option<CheckpointDoc> = match run_doc.is_file() {
+        true => Some(format::read_document(&run_doc)?),
+        false => None,
+    };
+    let schedulers = match &ours {
+        Some(_) => Vec::new(),
+        None => pytorch_schedulers(root, optimizers.len())?,
+    };
     // Everything checked before anything is loaded: a mismatch leaves the models and
     // optimizers as they were.
     let mut saved_models = Vec::new();
@@ -141,10 +143,73 @@ pub(crate) fn read_all(
             },
         )?;
     }
-    Ok(RunState {
-        step,
-        ..Default::default()
-    })
+    match ours {
+        Some(doc) => super::load::run_state(&run_doc, doc, models[0]),
+        None => Ok(RunState {
+            step,
+            schedulers,
+            ..Default::default()
+        }),
+    }
+}
+
+/// The key of a scheduler's state read from PyTorch (a `LambdaLR`'s `last_epoch` and
+/// `base_lrs`): the schedule itself is code, so the scheduler given to load into keeps its
+/// schedule and takes the step.
+pub(crate) const PYTORCH_SCHEDULER: &str = "pytorch_lr_scheduler";
+
+/// Each optimizer's scheduler state from Accelerate's `scheduler.bin` / `scheduler_{i}.bin`
+/// (`Null` for one without; empty when there are none).
+fn pytorch_schedulers(
+    root: &Path,
+    optimizers: usize,
+) -> Result<Vec<serde_json::Value>, CheckpointError> {
+    if let Some(extra) = (optimizers..optimizers + 8)
+        .map(scheduler_bin)
+        .find(|f| root.join(f).exists())
+    {
+        return Err(CheckpointError::Mismatch {
+            path: root.join(extra),
+            reason: format!(
+                "a scheduler beyond the {optimizers} optimizer(s) given to load into (a scheduler here belongs to the optimizer of its number)"
+            ),
+        });
+    }
+    let mut found = Vec::new();
+    for i in 0..optimizers {
+        let path = root.join(scheduler_bin(i));
+        if !path.exists() {
+            found.push(serde_json::Value::Null);
+            continue;
+        }
+        let state = dcp::read_saved_value(&path)?;
+        let bad = |what: &str| CheckpointError::corrupt(&path, format!("a scheduler state {what}"));
+        let last_epoch = match state.get("last_epoch") {
+            Some(Value::Int(i)) if *i >= 0 => *i as u64,
+            _ => return Err(bad("without a last_epoch count")),
+        };
+        let base_lrs: Option<Vec<f64>> = match state.get("base_lrs") {
+            Some(Value::List(l)) => l
+                .iter()
+                .map(|v| match v {
+                    Value::Float(f) => Some(*f),
+                    Value::Int(i) => Some(*i as f64),
+                    _ => None,
+                })
+                .collect(),
+            _ => None,
+        };
+        let base_lrs = base_lrs.ok_or_else(|| bad("without base_lrs"))?;
+        found.push(serde_json::json!({ PYTORCH_SCHEDULER: {
+            "file": path,
+            "last_epoch": last_epoch,
+            "base_lrs": base_lrs,
+        }}));
+    }
+    if found.iter().all(serde_json::Value::is_null) {
+        found.clear();
+    }
+    Ok(found)
 }
 
 /// An optimizer's state tensors (`{parameter}.{state}`) with their shapes.

@@ -1,4 +1,5 @@
-//! Finding the checkpoint a restarted job resumes from: the complete checkpoint of ours with
+//! Finding the checkpoint a restarted job resumes from: the complete checkpoint of ours (in
+//! our format, or a PyTorch distributed checkpoint we wrote, with its run state) with
 //! the highest saved step among a folder's subfolders (and its `checkpoints/`, where automatic
 //! naming puts them), whatever they are called (`checkpoint_<n>`, `step_<n>`, `epoch_<n>`).
 //! Saves are atomic, so a save killed midway left only a staging folder, which is not a
@@ -22,10 +23,12 @@ pub fn latest_checkpoint(folder: &Path) -> Result<Option<(PathBuf, u64)>, Checkp
         };
         for entry in entries.flatten() {
             let path = entry.path();
-            let doc = path.join(format::CHECKPOINT_FILE);
             // Staging folders (`.name.partial-...`) and anything without our document are not
             // checkpoints.
-            if entry.file_name().to_string_lossy().starts_with('.') || !doc.is_file() {
+            let Some(doc) = run_document(&path) else {
+                continue;
+            };
+            if entry.file_name().to_string_lossy().starts_with('.') {
                 continue;
             }
             match format::read_document::<CheckpointDoc>(&doc) {
@@ -45,8 +48,16 @@ pub fn latest_checkpoint(folder: &Path) -> Result<Option<(PathBuf, u64)>, Checkp
 }
 
 /// When the checkpoint's document was written (ties of step go to the newer save).
+/// The document that records a checkpoint's run state, when it has one.
+fn run_document(checkpoint: &Path) -> Option<PathBuf> {
+    [format::CHECKPOINT_FILE, super::save_dcp::RUN_STATE_FILE]
+        .into_iter()
+        .map(|f| checkpoint.join(f))
+        .find(|d| d.is_file())
+}
+
 fn modified(checkpoint: &Path) -> Option<std::time::SystemTime> {
-    std::fs::metadata(checkpoint.join(format::CHECKPOINT_FILE))
+    std::fs::metadata(run_document(checkpoint)?)
         .and_then(|m| m.modified())
         .ok()
 }

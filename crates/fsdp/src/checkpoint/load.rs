@@ -293,19 +293,6 @@ fn read_all(
     })?;
     let doc_path = root.join(format::CHECKPOINT_FILE);
     let doc: CheckpointDoc = read_document(&doc_path)?;
-    // From version 2 on, every document written as given is listed with its checksum.
-    let listed = |name: String| -> Result<serde_json::Value, CheckpointError> {
-        let crc = match doc.version {
-            1 => None,
-            _ => Some(*doc.documents.get(&name).ok_or_else(|| {
-                CheckpointError::corrupt(
-                    &doc_path,
-                    format!("`{name}` is not listed among the documents"),
-                )
-            })?),
-        };
-        read_listed(&root.join(&name), crc)
-    };
     if doc.models != models.len() || doc.optimizers != optimizers.len() {
         return Err(CheckpointError::Mismatch {
             path: root.clone(),
@@ -335,11 +322,36 @@ fn read_all(
         }
         load_optimizer(&dir, &folder, &mut *models[i], &mut **o)?;
     }
+    run_state(&doc_path, doc, models[0])
+}
+
+/// The run state the checkpoint document at `doc_path` records, with the schedulers' and
+/// (at the world size that saved it) `model`'s rank's random state read from the documents
+/// it lists.
+pub(super) fn run_state(
+    doc_path: &Path,
+    doc: CheckpointDoc,
+    model: &Fsdp,
+) -> Result<RunState, CheckpointError> {
+    let root = doc_path.parent().unwrap_or(Path::new("."));
+    // From version 2 on, every document written as given is listed with its checksum.
+    let listed = |name: String| -> Result<serde_json::Value, CheckpointError> {
+        let crc = match doc.version {
+            1 => None,
+            _ => Some(*doc.documents.get(&name).ok_or_else(|| {
+                CheckpointError::corrupt(
+                    doc_path,
+                    format!("`{name}` is not listed among the documents"),
+                )
+            })?),
+        };
+        read_listed(&root.join(&name), crc)
+    };
     let schedulers = (0..doc.schedulers)
         .map(|i| listed(format::scheduler_file(i)))
         .collect::<Result<Vec<_>, _>>()?;
-    let rank = models[0].mesh().rank();
-    let random = if doc.world_size == models[0].mesh().world_size() {
+    let rank = model.mesh().rank();
+    let random = if doc.world_size == model.mesh().world_size() {
         listed(format::random_states_file(rank))?
     } else {
         // Per-rank generators of another world size do not map onto this one's ranks.

@@ -26,6 +26,7 @@ mod merge;
 mod pretrained;
 mod save;
 mod save_async;
+mod save_dcp;
 mod save_full;
 mod save_parts;
 mod tensor_file;
@@ -36,12 +37,13 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use error::CheckpointError;
+pub(crate) use from_accelerate::PYTORCH_SCHEDULER;
 pub use latest::latest_checkpoint;
 pub use merge::{MergeReport, merge_weights};
 pub use pretrained::save_pretrained;
 pub use save_async::PendingSave;
 
-use crate::config::StateDictType;
+use crate::config::{CheckpointFormat, StateDictType};
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
 
@@ -50,6 +52,9 @@ use crate::optim::Optimizer;
 pub struct CheckpointOptions {
     /// The cut; `None` takes the model's `fsdp_state_dict_type`.
     pub state_dict_type: Option<StateDictType>,
+    /// The files of a SHARDED_STATE_DICT save; `None` takes the model's
+    /// `fsdp_checkpoint_format`.
+    pub format: Option<CheckpointFormat>,
     /// Save into `dir/checkpoints/checkpoint_<n>` (the next free `n`) instead of `dir`, as
     /// Accelerate's `ProjectConfiguration(automatic_checkpoint_naming=True)`.
     pub automatic_naming: bool,
@@ -64,6 +69,7 @@ impl Default for CheckpointOptions {
     fn default() -> Self {
         CheckpointOptions {
             state_dict_type: None,
+            format: None,
             automatic_naming: false,
             total_limit: None,
             join_timeout: Duration::from_secs(60),

@@ -18,7 +18,7 @@ use super::save_full::{state_keys, write_full, write_full_state};
 use super::save_parts::{Part, PartSource, RankParts, random_bytes, rank_parts};
 use super::tensor_file::{PlannedTensor, TensorFileWriter, WrittenFile};
 use super::{CheckpointOptions, RunState};
-use crate::config::StateDictType;
+use crate::config::{CheckpointFormat, StateDictType};
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
 use fsdp_comm::Mesh;
@@ -37,12 +37,12 @@ pub(super) struct RankFolder {
 /// What one rank reports after writing: one entry per model folder, then per optimizer.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct RankReport {
-    folders: Vec<RankFolder>,
+    pub(super) folders: Vec<RankFolder>,
     /// The CRC-32 of this rank's `random_states_{rank}.json`.
-    random_crc32: u32,
+    pub(super) random_crc32: u32,
 }
 
-fn state_dict_name(t: StateDictType) -> &'static str {
+pub(super) fn state_dict_name(t: StateDictType) -> &'static str {
     match t {
         StateDictType::FullStateDict => "FULL_STATE_DICT",
         StateDictType::LocalStateDict => "LOCAL_STATE_DICT",
@@ -139,6 +139,7 @@ fn write_rank(
     optimizers: &[&dyn Optimizer],
     run: &RunState,
     kind: StateDictType,
+    files: CheckpointFormat,
 ) -> Result<RankReport, CheckpointError> {
     if kind != StateDictType::FullStateDict {
         let parts = rank_parts(
@@ -147,7 +148,7 @@ fn write_rank(
             run,
             kind == StateDictType::LocalStateDict,
         )?;
-        return write_rank_parts(staging, &parts);
+        return write_rank_parts(staging, &parts, files);
     }
     let rank = models[0].mesh().rank();
     let mut report = RankReport {
@@ -198,17 +199,25 @@ fn write_rank(
 }
 
 /// Writes `random_states_{rank}.json` into `staging`; returns its CRC-32.
-fn write_random(staging: &Path, rank: usize, random: &[u8]) -> Result<u32, CheckpointError> {
+pub(super) fn write_random(
+    staging: &Path,
+    rank: usize,
+    random: &[u8],
+) -> Result<u32, CheckpointError> {
     atomic::write_synced(&staging.join(format::random_states_file(rank)), random)?;
     Ok(crc32fast::hash(random))
 }
 
 /// Writes a sharded or local save's files of this rank into `staging`: one file per model
-/// folder, then one per optimizer folder.
+/// folder, then one per optimizer folder (PyTorch DCP files with `TorchDcp`).
 pub(super) fn write_rank_parts<V: PartSource>(
     staging: &Path,
     parts: &RankParts<V>,
+    files: CheckpointFormat,
 ) -> Result<RankReport, CheckpointError> {
+    if files == CheckpointFormat::TorchDcp {
+        return super::save_dcp::write_rank(staging, parts);
+    }
     let rank = parts.rank;
     let mut report = RankReport {
         random_crc32: write_random(staging, rank, &parts.random)?,
@@ -236,11 +245,11 @@ pub(super) fn write_rank_parts<V: PartSource>(
 /// save begins (an asynchronous save writes them after training has moved on).
 pub(super) struct DocInputs {
     /// The number of models.
-    models: usize,
+    pub(super) models: usize,
     /// The first model's layout (its world size; recorded by LOCAL_STATE_DICT).
-    layout: LayoutDoc,
+    pub(super) layout: LayoutDoc,
     /// Each optimizer's name, rates and groups (steps come from the ranks' reports).
-    optimizers: Vec<OptimizerDoc>,
+    pub(super) optimizers: Vec<OptimizerDoc>,
 }
 
 impl DocInputs {
@@ -339,6 +348,26 @@ fn write_documents(
         )?;
         atomic::sync_dir(&dir)?;
     }
+    write_run_document(
+        staging,
+        reports,
+        inputs,
+        run,
+        type_name,
+        format::CHECKPOINT_FILE,
+    )
+}
+
+/// Rank 0: the schedulers' documents and the checkpoint document `file` (the run state,
+/// every other document listed with its checksum), written last.
+pub(super) fn write_run_document(
+    staging: &Path,
+    reports: &[RankReport],
+    inputs: &DocInputs,
+    run: &RunState,
+    type_name: &str,
+    file: &str,
+) -> Result<(), CheckpointError> {
     let mut documents: BTreeMap<String, u32> = reports
         .iter()
         .enumerate()
@@ -355,7 +384,7 @@ fn write_documents(
         version: format::VERSION,
         state_dict_type: type_name.into(),
         world_size: inputs.layout.world_size,
-        models,
+        models: inputs.models,
         optimizers: inputs.optimizers.len(),
         schedulers: run.schedulers.len(),
         step: run.step,
@@ -363,10 +392,7 @@ fn write_documents(
         grad_scalers: run.grad_scalers.clone(),
         documents,
     };
-    atomic::write_synced(
-        &staging.join(format::CHECKPOINT_FILE),
-        &format::document_bytes(&doc)?,
-    )?;
+    atomic::write_synced(&staging.join(file), &format::document_bytes(&doc)?)?;
     atomic::sync_dir(staging)
 }
 
@@ -379,6 +405,8 @@ pub(super) struct Begun {
     /// Rank 0's staging folder (`None` on the others).
     pub(super) held: Option<atomic::Staging>,
     pub(super) kind: StateDictType,
+    /// The files a sharded save writes.
+    pub(super) files: CheckpointFormat,
 }
 
 /// The first phase of every save (collective): the arguments checked, every rank joined,
@@ -404,6 +432,13 @@ pub(super) fn begin(
     let mesh = first.mesh().clone();
     join(&mesh, "save_state", options.join_timeout)?;
     let kind = options.state_dict_type.unwrap_or(first.state_dict_type());
+    let files = options.format.unwrap_or(first.checkpoint_format());
+    if files == CheckpointFormat::TorchDcp && kind != StateDictType::ShardedStateDict {
+        return Err(CheckpointError::Usage(format!(
+            "the torch-dcp checkpoint format writes SHARDED_STATE_DICT checkpoints only (as Accelerate's are), not {}",
+            state_dict_name(kind)
+        )));
+    }
     // Rank 0 chooses the destination and makes (and holds) the staging folder; the others
     // learn where.
     let prepared = if mesh.rank() == 0 {
@@ -425,6 +460,7 @@ pub(super) fn begin(
         staging,
         held: held.map(|(_, s)| s),
         kind,
+        files,
     })
 }
 
@@ -436,10 +472,15 @@ pub(super) fn publish(
     reports: &[RankReport],
     inputs: &DocInputs,
     run: &RunState,
-    kind: StateDictType,
+    (kind, files): (StateDictType, CheckpointFormat),
     options: &CheckpointOptions,
 ) -> Result<(), CheckpointError> {
-    write_documents(held.path(), reports, inputs, run, kind)?;
+    match files {
+        CheckpointFormat::TorchDcp => {
+            super::save_dcp::write_documents(held.path(), reports, inputs, run)?
+        }
+        CheckpointFormat::FsdpRs => write_documents(held.path(), reports, inputs, run, kind)?,
+    }
     atomic::publish(held, dest)?;
     match (options.automatic_naming, options.total_limit) {
         (true, Some(limit)) => atomic::rotate(dest.parent().unwrap_or(dest), limit),
@@ -457,7 +498,14 @@ pub(crate) fn save(
 ) -> Result<PathBuf, CheckpointError> {
     let mut begun = begin(dest, models, optimizers, options)?;
     let mesh = &begun.mesh;
-    let written = write_rank(&begun.staging, models, optimizers, run, begun.kind);
+    let written = write_rank(
+        &begun.staging,
+        models,
+        optimizers,
+        run,
+        begun.kind,
+        begun.files,
+    );
     let report_text = match &written {
         Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
         Err(_) => Vec::new(),
@@ -479,7 +527,7 @@ pub(crate) fn save(
                         &reports,
                         &inputs,
                         run,
-                        begun.kind,
+                        (begun.kind, begun.files),
                         options,
                     )
                 })

@@ -18,7 +18,7 @@ use super::error::CheckpointError;
 use super::save::{self, DocInputs, RankReport};
 use super::save_parts::{self, RankParts};
 use super::{CheckpointOptions, RunState, atomic};
-use crate::config::StateDictType;
+use crate::config::{CheckpointFormat, StateDictType};
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
 
@@ -140,6 +140,7 @@ pub(crate) fn save_async(
         parts,
         run: run.clone(),
         kind: begun.kind,
+        files: begun.files,
         options: options.clone(),
     };
     let handle = std::thread::Builder::new()
@@ -165,13 +166,14 @@ struct Writer {
     parts: RankParts<Vec<f32>>,
     run: RunState,
     kind: StateDictType,
+    files: CheckpointFormat,
     options: CheckpointOptions,
 }
 
 impl Writer {
     fn run(self) -> Result<(), CheckpointError> {
         let started = Instant::now();
-        let written = save::write_rank_parts(&self.staging, &self.parts);
+        let written = save::write_rank_parts(&self.staging, &self.parts, self.files);
         let rank = self.parts.rank;
         drop(self.parts);
         let Some(mut held) = self.held else {
@@ -194,7 +196,7 @@ impl Writer {
             &reports,
             &self.inputs,
             &self.run,
-            self.kind,
+            (self.kind, self.files),
             &self.options,
         )
     }

@@ -2,8 +2,8 @@
 //! same schema as files and environment.
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, Choice, MixedPrecision, ReduceDtype, ShardingStrategy,
-    StateDictType,
+    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, MixedPrecision, ReduceDtype,
+    ShardingStrategy, StateDictType,
 };
 use super::error::ConfigError;
 use super::layer::Layer;
@@ -60,6 +60,8 @@ impl FsdpPluginBuilder {
         forward_prefetch(bool) => FsdpForwardPrefetch, Value::Bool;
         /// `fsdp_state_dict_type`.
         state_dict_type(StateDictType) => FsdpStateDictType, choice;
+        /// `fsdp_checkpoint_format`.
+        checkpoint_format(CheckpointFormat) => FsdpCheckpointFormat, choice;
         /// `fsdp_cpu_ram_efficient_loading`.
         cpu_ram_efficient_loading(bool) => FsdpCpuRamEfficientLoading, Value::Bool;
         /// `fsdp_sync_module_states`.

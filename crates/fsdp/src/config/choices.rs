@@ -130,6 +130,17 @@ choice_enum!(
 );
 
 choice_enum!(
+    /// The files a SHARDED_STATE_DICT checkpoint is written as.
+    CheckpointFormat {
+        /// fsdp-rs's own: safetensors shards with checksummed JSON metadata.
+        FsdpRs => "fsdp-rs",
+        /// PyTorch's distributed checkpoint (`torch.distributed.checkpoint`), as Accelerate's
+        /// `save_state` writes it: `accelerator.load_state` in PyTorch resumes it.
+        TorchDcp => "torch-dcp",
+    }
+);
+
+choice_enum!(
     /// Precision of compute and communication.
     MixedPrecision {
         /// Everything in fp32.

@@ -14,9 +14,9 @@ pub mod yaml;
 
 pub use builder::FsdpPluginBuilder;
 pub use choices::{
-    AutoWrapPolicy, BackwardPrefetch, Choice, ComputeEnvironment, DistributedType, MixedPrecision,
-    ReduceDtype, RendezvousBackend, ShardingStrategy, StateDictType, describe_choices,
-    parse_choice_index,
+    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, ComputeEnvironment,
+    DistributedType, MixedPrecision, ReduceDtype, RendezvousBackend, ShardingStrategy,
+    StateDictType, describe_choices, parse_choice_index,
 };
 pub use error::ConfigError;
 pub use layer::Layer;

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, Choice, DistributedType, MixedPrecision, ReduceDtype,
-    ShardingStrategy, StateDictType,
+    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, DistributedType, MixedPrecision,
+    ReduceDtype, ShardingStrategy, StateDictType,
 };
 use super::error::ConfigError;
 use super::layer::Layer;
@@ -73,6 +73,8 @@ pub struct FsdpPlugin {
     pub forward_prefetch: bool,
     /// Checkpoint layout.
     pub state_dict_type: StateDictType,
+    /// The files a SHARDED_STATE_DICT checkpoint is written as.
+    pub checkpoint_format: CheckpointFormat,
     /// Only rank 0 materialises full weights at load time.
     pub cpu_ram_efficient_loading: bool,
     /// Broadcast rank 0's initial weights.
@@ -311,6 +313,7 @@ impl View<'_> {
             backward_prefetch: self.choice(Key::FsdpBackwardPrefetch),
             forward_prefetch: self.flag(Key::FsdpForwardPrefetch),
             state_dict_type: self.choice(Key::FsdpStateDictType),
+            checkpoint_format: self.choice(Key::FsdpCheckpointFormat),
             cpu_ram_efficient_loading: self.flag(Key::FsdpCpuRamEfficientLoading),
             sync_module_states: self.flag(Key::FsdpSyncModuleStates),
             activation_checkpointing: self.flag(Key::FsdpActivationCheckpointing),
@@ -344,6 +347,18 @@ impl View<'_> {
                     "{} requires `fsdp_sync_module_states: true` (only rank 0 loads the weights, so they must be broadcast), but {}",
                     self.describe(Key::FsdpCpuRamEfficientLoading),
                     self.describe(Key::FsdpSyncModuleStates)
+                ),
+            );
+        }
+        if fsdp.checkpoint_format == CheckpointFormat::TorchDcp
+            && fsdp.state_dict_type != StateDictType::ShardedStateDict
+        {
+            inconsistent(
+                &[Key::FsdpCheckpointFormat, Key::FsdpStateDictType],
+                format!(
+                    "{} writes SHARDED_STATE_DICT checkpoints only (as Accelerate's DCP checkpoints are), but {}",
+                    self.describe(Key::FsdpCheckpointFormat),
+                    self.describe(Key::FsdpStateDictType)
                 ),
             );
         }

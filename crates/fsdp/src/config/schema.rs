@@ -3,8 +3,9 @@
 //! questionnaire all read their defaults and spellings from here.
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, Choice, ComputeEnvironment, DistributedType, MixedPrecision,
-    ReduceDtype, RendezvousBackend, ShardingStrategy, StateDictType,
+    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, ComputeEnvironment,
+    DistributedType, MixedPrecision, ReduceDtype, RendezvousBackend, ShardingStrategy,
+    StateDictType,
 };
 
 /// Where a key lives in an Accelerate config file.
@@ -212,6 +213,9 @@ key_table! {
     FsdpStateDictType: "fsdp_state_dict_type", Fsdp, Kind::Choice(StateDictType::NAMES),
         D::Text("SHARDED_STATE_DICT"), Some("FSDP_STATE_DICT_TYPE"), &[], Used,
         "checkpoint layout";
+    FsdpCheckpointFormat: "fsdp_checkpoint_format", Fsdp, Kind::Choice(CheckpointFormat::NAMES),
+        D::Text("fsdp-rs"), Some("FSDP_CHECKPOINT_FORMAT"), &[], Used,
+        "files of a SHARDED_STATE_DICT checkpoint: fsdp-rs (checksummed safetensors) or torch-dcp (PyTorch DCP, resumable by Accelerate) (fsdp-rs)";
     FsdpUseOrigParams: "fsdp_use_orig_params", Fsdp, Kind::Bool, D::Bool(true),
         Some("FSDP_USE_ORIG_PARAMS"), &[],
         Na("fsdp-rs always shards per parameter, as use_orig_params=true does"),

@@ -26,7 +26,9 @@ use super::placement::Placement;
 use super::plan::UnitPlan;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::{FsdpUnit, Prefetch};
-use crate::config::{FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType};
+use crate::config::{
+    CheckpointFormat, FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType,
+};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
 
@@ -104,6 +106,7 @@ pub struct Fsdp {
     pub(crate) placement: Placement,
     pub(crate) grad_index: Arc<GradIndex>,
     state_dict_type: StateDictType,
+    checkpoint_format: CheckpointFormat,
     /// Whole local gradients kept by [`Fsdp::backward_no_sync`] for the next `backward`.
     unreduced: Option<Unreduced>,
     /// `fsdp_activation_checkpointing`.
@@ -275,6 +278,7 @@ impl Fsdp {
             placement,
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
+            checkpoint_format: plugin.checkpoint_format,
             unreduced: None,
             checkpointing: plugin.activation_checkpointing,
             recomputed: Arc::default(),
@@ -292,6 +296,11 @@ impl Fsdp {
     /// How checkpoints of this model are cut (`fsdp_state_dict_type`).
     pub fn state_dict_type(&self) -> StateDictType {
         self.state_dict_type
+    }
+
+    /// The files its SHARDED_STATE_DICT checkpoints are written as (`fsdp_checkpoint_format`).
+    pub fn checkpoint_format(&self) -> CheckpointFormat {
+        self.checkpoint_format
     }
 
     /// Where state is stored and where steps compute.

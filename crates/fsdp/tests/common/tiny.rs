@@ -88,6 +88,20 @@ impl OptimizerKind {
     }
 }
 
+/// The optimizer of the PyTorch fixture scripts' runs: AdamW (lr 1e-3), weight decay 0.01
+/// except on biases and LayerNorm weights (0.0), for `engine`'s parameters.
+pub fn pytorch_fixture_adamw(engine: &Fsdp) -> Box<dyn Optimizer> {
+    let names = engine.parameters().into_iter().map(|(n, _)| n.to_string());
+    Box::new(
+        AdamW::with_groups(fsdp::optim::split_no_decay(
+            names.collect::<Vec<_>>(),
+            AdamWConfig::default(),
+            fsdp::optim::is_bias_or_norm,
+        ))
+        .unwrap(),
+    )
+}
+
 /// How a trainer is set up.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Setup {

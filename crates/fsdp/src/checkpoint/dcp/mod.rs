@@ -7,11 +7,16 @@
 
 mod pickle;
 mod record;
+mod write;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub(crate) use pickle::Value;
+pub(crate) use pickle::{Py, Value};
+pub(crate) use record::read_saved_value;
+pub(crate) use write::{
+    Entry, PathPart, Stored, StoredChunk, metadata, tensor_record, value_record, write_records,
+};
 
 use super::error::CheckpointError;
 use super::files::{open_regular, plain_name, read_bounded};

@@ -68,46 +68,8 @@ impl DcpCheckpoint {
                 what: format!("the value `{name}`"),
             })?;
         let path = self.dir.join(&v.file);
-        let (pkl, _) = self.record_pickle(&path, v.at, v.length)?;
+        let (pkl, _) = record_pickle(&path, v.at, v.length)?;
         pickle::load(&pkl, &|_, _| false).map_err(|e| bad(&path, format!("`{name}`: {e}")))
-    }
-
-    /// A `torch.save` record's pickle (at `at`, `length` bytes of `path`) and its archive.
-    fn record_pickle(
-        &self,
-        path: &Path,
-        at: u64,
-        length: u64,
-    ) -> Result<(Vec<u8>, RecordArchive), CheckpointError> {
-        let file = open_regular(path, "a file of the distributed checkpoint")?;
-        let mut record = vec![0u8; length as usize];
-        file.read_exact_at(&mut record, at).map_err(|e| {
-            bad(
-                path,
-                format!("bytes {}..{}: {e} (truncated?)", at, at + length),
-            )
-        })?;
-        let mut zip = zip::ZipArchive::new(std::io::Cursor::new(record))
-            .map_err(|e| bad(path, format!("record at byte {at}: {e}")))?;
-        let pkl_name = (0..zip.len())
-            .filter_map(|i| zip.name_for_index(i)?.ok().map(|n| n.to_string()))
-            .find(|n| n.ends_with("data.pkl"))
-            .ok_or_else(|| bad(path, format!("record at byte {at}: no data.pkl")))?;
-        let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
-        // Entries are read no further than the record is long (a compressed entry could
-        // otherwise inflate without bound).
-        let mut pkl = Vec::new();
-        zip.by_name(&pkl_name)
-            .and_then(|f| f.take(length).read_to_end(&mut pkl).map_err(Into::into))
-            .map_err(|e| bad(path, format!("record at byte {at}: {e}")))?;
-        Ok((
-            pkl,
-            RecordArchive {
-                zip,
-                prefix,
-                limit: length,
-            },
-        ))
     }
 
     /// One chunk's bytes (row-major) out of its `torch.save` record.
@@ -117,7 +79,7 @@ impl DcpCheckpoint {
         c: &Chunk,
         t: &DcpTensor,
     ) -> Result<Vec<u8>, CheckpointError> {
-        let (pkl, archive) = self.record_pickle(path, c.at, c.length)?;
+        let (pkl, archive) = record_pickle(path, c.at, c.length)?;
         let RecordArchive {
             mut zip,
             prefix,
@@ -174,6 +136,63 @@ impl DcpCheckpoint {
         gather_strided(&storage, offset, &shape, &stride, size)
             .ok_or_else(|| bad(path, "a tensor reaching past its storage"))
     }
+}
+
+/// The largest `torch.save` file read whole (a scheduler's state).
+const SAVED_VALUE_LIMIT: u64 = 64 << 20;
+
+/// The plain Python value a `torch.save` file at `path` holds (numbers, strings, booleans,
+/// `None`, tuples, lists and dicts of them: nothing else is accepted).
+pub(crate) fn read_saved_value(path: &Path) -> Result<Value, CheckpointError> {
+    let length = open_regular(path, "a torch.save file")?
+        .metadata()
+        .map_err(|e| CheckpointError::io("reading", path, e))?
+        .len();
+    if length > SAVED_VALUE_LIMIT {
+        return Err(bad(
+            path,
+            format!("{length} bytes, more than the {SAVED_VALUE_LIMIT} read"),
+        ));
+    }
+    let (pkl, _) = record_pickle(path, 0, length)?;
+    pickle::load(&pkl, &|_, _| false).map_err(|e| bad(path, e.to_string()))
+}
+
+/// A `torch.save` record's pickle (at `at`, `length` bytes of `path`) and its archive.
+fn record_pickle(
+    path: &Path,
+    at: u64,
+    length: u64,
+) -> Result<(Vec<u8>, RecordArchive), CheckpointError> {
+    let file = open_regular(path, "a file of the distributed checkpoint")?;
+    let mut record = vec![0u8; length as usize];
+    file.read_exact_at(&mut record, at).map_err(|e| {
+        bad(
+            path,
+            format!("bytes {}..{}: {e} (truncated?)", at, at + length),
+        )
+    })?;
+    let mut zip = zip::ZipArchive::new(std::io::Cursor::new(record))
+        .map_err(|e| bad(path, format!("record at byte {at}: {e}")))?;
+    let pkl_name = (0..zip.len())
+        .filter_map(|i| zip.name_for_index(i)?.ok().map(|n| n.to_string()))
+        .find(|n| n.ends_with("data.pkl"))
+        .ok_or_else(|| bad(path, format!("record at byte {at}: no data.pkl")))?;
+    let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
+    // Entries are read no further than the record is long (a compressed entry could
+    // otherwise inflate without bound).
+    let mut pkl = Vec::new();
+    zip.by_name(&pkl_name)
+        .and_then(|f| f.take(length).read_to_end(&mut pkl).map_err(Into::into))
+        .map_err(|e| bad(path, format!("record at byte {at}: {e}")))?;
+    Ok((
+        pkl,
+        RecordArchive {
+            zip,
+            prefix,
+            limit: length,
+        },
+    ))
 }
 
 /// The elements of a strided view (`offset`, `shape`, `stride` in elements of `size` bytes)

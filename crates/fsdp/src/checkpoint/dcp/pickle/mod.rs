@@ -5,16 +5,19 @@
 //! records needs, and nothing an untrusted file could use.
 //!
 //! `value.rs` holds what it decodes to, `tree.rs` the arena it decodes into and the bounded
-//! writing-out of that arena as a tree.
+//! writing-out of that arena as a tree; `write.rs` writes the pickles a distributed
+//! checkpoint of ours holds.
 
 mod tree;
 mod value;
+mod write;
 
 use std::collections::HashMap;
 
 use tree::Node;
 use value::malformed;
 pub use value::{PickleError, Value};
+pub use write::{Py, dump};
 
 enum Item {
     Mark,
