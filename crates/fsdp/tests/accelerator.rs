@@ -506,22 +506,6 @@ fn models_and_optimizers_pair_by_preparation_order() {
     );
 }
 
-/// One optimizer step of the tiny model on batch `step`.
-fn train_step(
-    acc: &mut Accelerator,
-    model: &mut PreparedModel<BertForSequenceClassification>,
-    opt: &mut fsdp::accelerator::PreparedOptimizer,
-    step: usize,
-) {
-    let (ids, labels) = common::tiny::batch(step);
-    let logits = model
-        .forward(|m, p| m.forward(p, &ids, None, None))
-        .unwrap();
-    let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
-    acc.backward(model, loss).unwrap();
-    acc.optimizer_step(model, opt).unwrap();
-}
-
 #[test]
 fn an_async_save_state_is_waited_for_by_the_next_load_and_holds_the_state_it_was_given() {
     let mut acc = Accelerator::new().unwrap();
@@ -533,7 +517,7 @@ fn an_async_save_state_is_waited_for_by_the_next_load_and_holds_the_state_it_was
     let mut opt = acc
         .prepare_optimizer(Sgd::new(SgdConfig::default()).unwrap())
         .unwrap();
-    train_step(&mut acc, &mut model, &mut opt, 0);
+    common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 0);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     let saved = acc.get_state_dict(&model).unwrap().unwrap();
@@ -542,7 +526,7 @@ fn an_async_save_state_is_waited_for_by_the_next_load_and_holds_the_state_it_was
         .unwrap();
     assert_eq!(written, dir);
     // Training goes on while it is written.
-    train_step(&mut acc, &mut model, &mut opt, 1);
+    common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 1);
     let trained = acc.get_state_dict(&model).unwrap().unwrap();
     assert!(common::max_abs_diff(&trained["classifier.weight"], &saved["classifier.weight"]) > 0.0);
     // load_state waits for the save, then loads what it was given.

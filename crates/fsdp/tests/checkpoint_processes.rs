@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use fsdp::config::{ShardingStrategy, StateDictType};
-use fsdp_comm::{CommunicatorExt, LocalJob, ProcessGroup, ReduceOp};
+use fsdp_comm::{LocalJob, ProcessGroup};
 
 use crate::common;
 
@@ -102,16 +102,7 @@ fn checkpoint_worker() {
         }
         other => panic!("unknown mode {other}"),
     };
-    let mean: Vec<f32> = losses
-        .into_iter()
-        .map(|l| pg.all_reduce_vec(vec![l], ReduceOp::Avg).wait().unwrap()[0])
-        .collect();
-    if let Some(w) = t.weights() {
-        println!(
-            "RESULT {}",
-            serde_json::json!({"losses": mean, "weights": w})
-        );
-    }
+    t.print_result(pg.as_ref(), losses);
 }
 
 /// `async-disk-full`: a checkpoint at step 1, the disk filled, an asynchronous save at step 2

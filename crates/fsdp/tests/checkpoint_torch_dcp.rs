@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use fsdp::checkpoint::{CheckpointOptions, RunState};
 use fsdp::config::{CheckpointFormat, ShardingStrategy, StateDictType};
-use fsdp_comm::{CommunicatorExt, ProcessGroup, ReduceOp};
+use fsdp_comm::ProcessGroup;
 
 use crate::common;
 use crate::common::tiny::{OptimizerKind, Setup, Trainer, pytorch_fixture_adamw};
@@ -87,16 +87,7 @@ fn torch_dcp_worker() {
         }
         other => panic!("unknown mode {other}"),
     }
-    let mean: Vec<f32> = losses
-        .into_iter()
-        .map(|l| pg.all_reduce_vec(vec![l], ReduceOp::Avg).wait().unwrap()[0])
-        .collect();
-    if let Some(w) = t.weights() {
-        println!(
-            "RESULT {}",
-            serde_json::json!({"losses": mean, "weights": w})
-        );
-    }
+    t.print_result(pg.as_ref(), losses);
 }
 
 fn run(world: usize, mode: &str, dir: &Path) -> serde_json::Value {
@@ -313,29 +304,13 @@ fn dcp_accelerator(
     (acc, model, opt)
 }
 
-fn accelerator_step(
-    acc: &mut fsdp::accelerator::Accelerator,
-    model: &mut fsdp::accelerator::PreparedModel<fsdp::models::BertForSequenceClassification>,
-    opt: &mut fsdp::accelerator::PreparedOptimizer,
-    step: usize,
-) {
-    use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-    let (ids, labels) = common::tiny::batch(step);
-    let logits = model
-        .forward(|m, p| m.forward(p, &ids, None, None))
-        .unwrap();
-    let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
-    acc.backward(model, loss).unwrap();
-    acc.optimizer_step(model, opt).unwrap();
-}
-
 #[test]
 fn an_accelerator_set_to_torch_dcp_resumes_its_schedule_here_and_from_pytorchs_scheduler_state() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     let (mut acc, mut model, mut opt) = dcp_accelerator(1e-3, true);
     for step in 0..3 {
-        accelerator_step(&mut acc, &mut model, &mut opt, step);
+        common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, step);
     }
     acc.save_state(Some(&dir), &[&model], &[&opt], Default::default())
         .unwrap();
@@ -351,7 +326,7 @@ fn an_accelerator_set_to_torch_dcp_resumes_its_schedule_here_and_from_pytorchs_s
     }
     assert!(!dir.join("fsdp_checkpoint.json").exists());
     let next_lr = opt.scheduler().unwrap().next_lr(opt.optimizer(), 0);
-    accelerator_step(&mut acc, &mut model, &mut opt, 3);
+    common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 3);
     let straight = acc.get_state_dict(&model).unwrap().unwrap();
 
     // Resumed here: the run state is ours, the step and schedule exact.
@@ -364,7 +339,7 @@ fn an_accelerator_set_to_torch_dcp_resumes_its_schedule_here_and_from_pytorchs_s
             opt.scheduler().unwrap().next_lr(opt.optimizer(), 0),
             next_lr
         );
-        accelerator_step(&mut acc, &mut model, &mut opt, 3);
+        common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 3);
         let w = acc.get_state_dict(&model).unwrap().unwrap();
         for (name, t) in &straight {
             assert_eq!(common::max_abs_diff(t, &w[name]), 0.0, "{name}");

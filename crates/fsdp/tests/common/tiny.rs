@@ -171,6 +171,22 @@ impl Trainer {
         losses
     }
 
+    /// Prints, on rank 0, `RESULT` with `losses` averaged over the ranks (collective) and the
+    /// weights: what `common::result_of` reads from a worker's output.
+    pub fn print_result(&self, group: &dyn Communicator, losses: Vec<f32>) {
+        use fsdp_comm::{CommunicatorExt, ReduceOp};
+        let mean: Vec<f32> = losses
+            .into_iter()
+            .map(|l| group.all_reduce_vec(vec![l], ReduceOp::Avg).wait().unwrap()[0])
+            .collect();
+        if let Some(w) = self.weights() {
+            println!(
+                "RESULT {}",
+                serde_json::json!({"losses": mean, "weights": w})
+            );
+        }
+    }
+
     /// Every parameter's values on rank 0 (`None` elsewhere).
     pub fn weights(&self) -> Option<BTreeMap<String, Vec<f32>>> {
         self.engine.full_state_dict().unwrap().map(|w| {
@@ -195,4 +211,20 @@ pub fn on_threads<T: Send + 'static>(
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// One optimizer step of the tiny model on batch `step` through the accelerator.
+pub fn accelerator_step(
+    acc: &mut fsdp::accelerator::Accelerator,
+    model: &mut fsdp::accelerator::PreparedModel<BertForSequenceClassification>,
+    opt: &mut fsdp::accelerator::PreparedOptimizer,
+    step: usize,
+) {
+    let (ids, labels) = batch(step);
+    let logits = model
+        .forward(|m, p| m.forward(p, &ids, None, None))
+        .unwrap();
+    let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+    acc.backward(model, loss).unwrap();
+    acc.optimizer_step(model, opt).unwrap();
 }
