@@ -390,6 +390,43 @@ fn an_accelerator_set_to_torch_dcp_resumes_its_schedule_here_and_from_pytorchs_s
         "{err}"
     );
 
+    // A save replaces a DCP checkpoint of ours, never Accelerate's own (no run state of
+    // ours); automatic naming rotates DCP checkpoints of ours like any other.
+    acc.save_state(Some(&dir), &[&model], &[&opt], Default::default())
+        .unwrap();
+    let err = acc
+        .save_state(Some(&pytorch), &[&model], &[&opt], Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not a checkpoint written by save_state"),
+        "{err}"
+    );
+    assert!(pytorch.join("scheduler.bin").is_file(), "left as it was");
+    let project = tmp.path().join("project");
+    let rotating = CheckpointOptions {
+        format: Some(CheckpointFormat::TorchDcp),
+        automatic_naming: true,
+        total_limit: Some(2),
+        ..Default::default()
+    };
+    for _ in 0..3 {
+        fsdp::checkpoint::save_state(
+            &project,
+            &[model.engine()],
+            &[opt.optimizer()],
+            &RunState::default(),
+            &rotating,
+        )
+        .unwrap();
+    }
+    let mut kept: Vec<String> = std::fs::read_dir(project.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["checkpoint_1", "checkpoint_2"]);
+
     // torch-dcp writes SHARDED_STATE_DICT only: another cut is refused before anything is
     // written.
     let local = tmp.path().join("local");

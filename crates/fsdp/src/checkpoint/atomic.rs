@@ -96,26 +96,37 @@ fn is_checkpoint_entry(name: &str) -> bool {
             .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
     };
     name == format::CHECKPOINT_FILE
+        || name == format::RUN_STATE_FILE
+        || name == "scheduler.bin"
         || numbered("pytorch_model_fsdp_", "")
         || numbered("optimizer_", "")
         || numbered("scheduler_", ".json")
+        || numbered("scheduler_", ".bin")
         || numbered("random_states_", ".json")
 }
 
 /// Names `save_state` writes inside a model or optimizer folder.
 fn is_folder_entry(name: &str) -> bool {
+    let digits = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
     name == format::METADATA_FILE
         || name == format::FULL_MODEL_FILE
         || name == format::FULL_OPTIMIZER_FILE
+        || name == super::dcp::METADATA
         || name
             .strip_prefix("rank_")
             .and_then(|r| r.strip_suffix(".safetensors"))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .is_some_and(digits)
+        || name
+            .strip_prefix("__")
+            .and_then(|r| r.strip_suffix(".distcp"))
+            .and_then(|r| r.split_once('_'))
+            .is_some_and(|(rank, file)| digits(rank) && digits(file))
 }
 
 /// Why `dest` may not be replaced by a save, or `None` when it may: it does not exist, is
 /// an empty folder, or is a complete checkpoint of ours (its `fsdp_checkpoint.json` of our
-/// format) holding nothing but what a save writes.
+/// format, or `fsdp_run_state.json` for one written as a PyTorch distributed checkpoint)
+/// holding nothing but what a save writes.
 fn not_replaceable(dest: &Path) -> Option<String> {
     let meta = match std::fs::symlink_metadata(dest) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
@@ -135,9 +146,10 @@ fn not_replaceable(dest: &Path) -> Option<String> {
     if entries.is_empty() {
         return None;
     }
-    let doc = dest.join(format::CHECKPOINT_FILE);
-    let ours = super::files::read_bounded(&doc, format::DOCUMENT_LIMIT, "checkpoint document")
-        .ok()
+    let ours = format::run_document(dest)
+        .and_then(|doc| {
+            super::files::read_bounded(&doc, format::DOCUMENT_LIMIT, "checkpoint document").ok()
+        })
         .and_then(|b| {
             let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
             (v.get("format")?.as_str()? == format::FORMAT).then_some(())
@@ -391,7 +403,7 @@ pub(crate) fn next_numbered(project: &Path) -> PathBuf {
 pub(crate) fn rotate(project: &Path, limit: usize) -> Result<(), CheckpointError> {
     let all: Vec<(u64, PathBuf)> = numbered(project)
         .into_iter()
-        .filter(|(_, p)| p.join(format::CHECKPOINT_FILE).is_file() && not_replaceable(p).is_none())
+        .filter(|(_, p)| format::run_document(p).is_some() && not_replaceable(p).is_none())
         .collect();
     let excess = all.len().saturating_sub(limit);
     for (_, path) in all.into_iter().take(excess) {

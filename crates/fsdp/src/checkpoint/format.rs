@@ -22,6 +22,18 @@ pub const DOCUMENT_LIMIT: u64 = 256 << 20;
 const CHECKSUM_FIELD: &str = "crc32";
 /// The document whose presence makes a folder a complete checkpoint (written last).
 pub const CHECKPOINT_FILE: &str = "fsdp_checkpoint.json";
+/// The same document in a PyTorch distributed checkpoint we wrote (`torch-dcp`; a
+/// `fsdp_checkpoint.json` would make it a checkpoint of our format).
+pub const RUN_STATE_FILE: &str = "fsdp_run_state.json";
+
+/// The document that makes `checkpoint` a complete checkpoint of ours, in our format or
+/// PyTorch's, when it has one.
+pub fn run_document(checkpoint: &Path) -> Option<PathBuf> {
+    [CHECKPOINT_FILE, RUN_STATE_FILE]
+        .into_iter()
+        .map(|f| checkpoint.join(f))
+        .find(|d| d.is_file())
+}
 /// A model or optimizer folder's description of its tensors.
 pub const METADATA_FILE: &str = "metadata.json";
 

@@ -12,7 +12,7 @@ use super::dcp::{self, DcpCheckpoint, Value};
 use super::error::CheckpointError;
 use super::format::{CheckpointDoc, GroupDoc, OptimizerDoc};
 use super::load::{check_groups, check_params, load_optimizer_state, load_params};
-use super::save_dcp::{RUN_STATE_FILE, scheduler_bin};
+use super::save_dcp::scheduler_bin;
 use super::{RunState, format};
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
@@ -92,7 +92,7 @@ pub(crate) fn read_all(
         });
     }
     // fsdp-rs wrote it (torch-dcp): the run state is ours, exact; else PyTorch's schedulers.
-    let run_doc = root.join(RUN_STATE_FILE);
+    let run_doc = root.join(format::RUN_STATE_FILE);
     let ours: Option<CheckpointDoc> = match run_doc.is_file() {
         true => Some(format::read_document(&run_doc)?),
         false => None,

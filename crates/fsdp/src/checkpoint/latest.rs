@@ -25,7 +25,7 @@ pub fn latest_checkpoint(folder: &Path) -> Result<Option<(PathBuf, u64)>, Checkp
             let path = entry.path();
             // Staging folders (`.name.partial-...`) and anything without our document are not
             // checkpoints.
-            let Some(doc) = run_document(&path) else {
+            let Some(doc) = format::run_document(&path) else {
                 continue;
             };
             if entry.file_name().to_string_lossy().starts_with('.') {
@@ -48,16 +48,8 @@ pub fn latest_checkpoint(folder: &Path) -> Result<Option<(PathBuf, u64)>, Checkp
 }
 
 /// When the checkpoint's document was written (ties of step go to the newer save).
-/// The document that records a checkpoint's run state, when it has one.
-fn run_document(checkpoint: &Path) -> Option<PathBuf> {
-    [format::CHECKPOINT_FILE, super::save_dcp::RUN_STATE_FILE]
-        .into_iter()
-        .map(|f| checkpoint.join(f))
-        .find(|d| d.is_file())
-}
-
 fn modified(checkpoint: &Path) -> Option<std::time::SystemTime> {
-    std::fs::metadata(run_document(checkpoint)?)
+    std::fs::metadata(format::run_document(checkpoint)?)
         .and_then(|m| m.modified())
         .ok()
 }

@@ -29,9 +29,6 @@ use super::save::{DocInputs, RankFolder, RankReport, write_run_document};
 use super::save_parts::{Part, PartSource, RankParts};
 use super::{RunState, save};
 
-/// The run state of a DCP checkpoint (a `fsdp_checkpoint.json` would make it ours).
-pub(crate) const RUN_STATE_FILE: &str = "fsdp_run_state.json";
-
 /// Rank 0's file of each optimizer folder: step counts and group settings.
 const VALUES_FILE: &str = "__0_1.distcp";
 
@@ -347,6 +344,6 @@ pub(super) fn write_documents(
         inputs,
         run,
         "SHARDED_STATE_DICT",
-        RUN_STATE_FILE,
+        format::RUN_STATE_FILE,
     )
 }
