@@ -37,11 +37,13 @@ fn rows_of(
     row_elems: usize,
 ) -> Result<Vec<f32>, CheckpointError> {
     let t = &ckpt.tensors[name];
-    let bytes = ckpt.read(name, t)?;
-    let (from, to) = (rows.start * row_elems * 4, rows.end * row_elems * 4);
-    let owned = bytes.get(from..to).ok_or_else(|| {
-        CheckpointError::Usage(format!("`{name}`: rows {rows:?} outside {:?}", t.shape))
-    })?;
+    let owned = ckpt.read_rows(name, t, rows.clone())?;
+    if owned.len() != rows.len() * row_elems * 4 {
+        return Err(CheckpointError::Usage(format!(
+            "`{name}`: rows of {row_elems} elements asked of {:?}",
+            t.shape
+        )));
+    }
     Ok(owned
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))

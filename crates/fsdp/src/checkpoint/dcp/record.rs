@@ -57,6 +57,46 @@ impl DcpCheckpoint {
         Ok(out)
     }
 
+    /// Rows `rows` of tensor `t` (its first dimension; a 0-d tensor is one row) as
+    /// row-major bytes, read from the chunks that hold them only: a rank reading the rows it
+    /// owns never reads or holds the whole tensor.
+    pub fn read_rows(
+        &self,
+        name: &str,
+        t: &DcpTensor,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<u8>, CheckpointError> {
+        if t.shape.is_empty() && rows == (0..1) {
+            return self.read(name, t);
+        }
+        if t.shape.first().is_none_or(|&n| rows.end > n) || rows.start > rows.end {
+            return Err(CheckpointError::Usage(format!(
+                "`{name}`: rows {rows:?} outside {:?}",
+                t.shape
+            )));
+        }
+        let row_bytes: usize = t.shape[1..].iter().product::<usize>() * t.size;
+        let mut shape = t.shape.clone();
+        shape[0] = rows.len();
+        let mut out = vec![0u8; rows.len() * row_bytes];
+        for c in &t.chunks {
+            let (first, last) = (c.offsets[0], c.offsets[0] + c.sizes[0]);
+            let (from, to) = (first.max(rows.start), last.min(rows.end));
+            if from >= to {
+                continue;
+            }
+            let chunk = self.read_record(&self.dir.join(&c.file), c, t)?;
+            let chunk_row: usize = c.sizes[1..].iter().product::<usize>() * t.size;
+            let block = &chunk[(from - first) * chunk_row..(to - first) * chunk_row];
+            let mut offsets = c.offsets.clone();
+            offsets[0] = from - rows.start;
+            let mut sizes = c.sizes.clone();
+            sizes[0] = to - from;
+            copy_block(block, &mut out, &shape, &offsets, &sizes, t.size);
+        }
+        Ok(out)
+    }
+
     /// The plain Python value `name` (numbers, strings, booleans, `None`, tuples, lists and
     /// dicts of them: nothing else is accepted).
     pub fn read_value(&self, name: &str) -> Result<Value, CheckpointError> {
