@@ -99,9 +99,10 @@ def main():
                               str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
                               "--reps", str(args.reps)], check=True, capture_output=True, text=True).stdout
         ours = json.loads(out.strip().splitlines()[-1])
-        print("fsdp-rs", json.dumps({k: ours[k] for k in ("save_sharded_s", "save_async_blocked_s",
+        print("fsdp-rs", json.dumps({k: ours[k] for k in ("save_sharded_s", "save_torch_dcp_s", "save_async_blocked_s",
                                                             "save_async_total_s", "merge_weights_cli_s")}))
         print("ratio (ours / theirs): save_state", ours["save_sharded_s"] / result["save_s"],
+              "save_state as DCP (torch-dcp)", ours["save_torch_dcp_s"] / result["save_s"],
               "async save blocked", ours["save_async_blocked_s"] / result["async_save_blocked_s"],
               "async save until written", ours["save_async_total_s"] / result["async_save_total_s"],
               "merge-weights CLI", ours["merge_weights_cli_s"] / result["merge_weights_cli_s"])

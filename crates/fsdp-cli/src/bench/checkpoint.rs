@@ -1,6 +1,7 @@
-//! `fsdp bench checkpoint`: wall time and memory of `save_state` (sharded and full),
+//! `fsdp bench checkpoint`: wall time and memory of `save_state` (sharded, as a PyTorch
+//! distributed checkpoint, and full),
 //! `save_state_async` (the time the caller is blocked, and until the files are written),
-//! `load_state` and `merge-weights` for a BERT trained one step with AdamW on local
+//! `load_state` (of ours and of the DCP one) and `merge-weights` for a BERT trained one step with AdamW on local
 //! processes: the reference BERT by default, BERT-base with `--hidden 768 --layers 12
 //! --vocab 30522`.
 
@@ -10,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use fsdp::checkpoint::{self, CheckpointOptions, RunState};
-use fsdp::config::{FsdpPlugin, Layer, StateDictType};
+use fsdp::config::{CheckpointFormat, FsdpPlugin, Layer, StateDictType};
 use fsdp::engine::Fsdp;
 use fsdp::memory;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
@@ -119,6 +120,8 @@ fn launch(a: &CheckpointArgs) -> Result<()> {
         ("save_state_async until written", "save_async_total_s"),
         ("save_state FULL", "save_full_s"),
         ("load_state SHARDED", "load_sharded_s"),
+        ("save_state torch-dcp", "save_torch_dcp_s"),
+        ("load_state torch-dcp", "load_torch_dcp_s"),
         ("merge_weights (in process)", "merge_s"),
         ("fsdp merge-weights (CLI)", "merge_weights_cli_s"),
     ] {
@@ -136,9 +139,10 @@ fn launch(a: &CheckpointArgs) -> Result<()> {
         mib("save_async_staged_bytes")
     );
     println!(
-        "peak above state while saving (worst rank): {:.1} MiB sharded, {:.1} MiB asynchronous, {:.1} MiB full; largest unit {:.1} MiB; peak RSS {:.1} MiB",
+        "peak above state while saving (worst rank): {:.1} MiB sharded, {:.1} MiB asynchronous, {:.1} MiB torch-dcp, {:.1} MiB full; largest unit {:.1} MiB; peak RSS {:.1} MiB",
         mib("save_sharded_peak_above_bytes"),
         mib("save_async_peak_above_bytes"),
+        mib("save_torch_dcp_peak_above_bytes"),
         mib("save_full_peak_above_bytes"),
         mib("largest_unit_bytes"),
         mib("peak_rss_bytes")
@@ -239,8 +243,22 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
         checkpoint::save_state(&full, &[&fsdp], &[&adamw], &run, &full_options)?;
         Ok(())
     })?;
+    // The same save as a PyTorch distributed checkpoint (fsdp_checkpoint_format: torch-dcp).
+    let dcp_options = CheckpointOptions {
+        format: Some(CheckpointFormat::TorchDcp),
+        ..Default::default()
+    };
+    let dcp = dir.join("torch_dcp");
+    let (save_dcp, dcp_peak) = timed(a.reps, || {
+        checkpoint::save_state(&dcp, &[&fsdp], &[&adamw], &run, &dcp_options)?;
+        Ok(())
+    })?;
     let (load_sharded, _) = timed(a.reps, || {
         fsdp.load_state(&sharded, &mut adamw)?;
+        Ok(())
+    })?;
+    let (load_dcp, _) = timed(a.reps, || {
+        fsdp.load_state(&dcp, &mut adamw)?;
         Ok(())
     })?;
     let merged = dir.join("merged");
@@ -259,10 +277,11 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
         memory::peak_rss_bytes().unwrap_or(0) as f64,
         async_peak as f64,
         staged as f64,
+        dcp_peak as f64,
     ];
     let all = fsdp.mesh().all_gather_vec(mine)?;
     if rank == 0 {
-        let worst = |k: usize| all.chunks(5).map(|c| c[k]).fold(0f64, f64::max);
+        let worst = |k: usize| all.chunks(6).map(|c| c[k]).fold(0f64, f64::max);
         let plan = fsdp.plan();
         println!(
             "RESULT {}",
@@ -278,6 +297,10 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
                 "save_async_peak_above_bytes": worst(3),
                 "save_async_staged_bytes": worst(4),
                 "load_sharded_s": load_sharded,
+                "save_torch_dcp_s": save_dcp,
+                "save_torch_dcp_peak_above_bytes": worst(5),
+                "load_torch_dcp_s": load_dcp,
+                "torch_dcp_bytes": walk_bytes(&dcp),
                 "merge_s": merge,
                 "save_sharded_peak_above_bytes": worst(0),
                 "save_full_peak_above_bytes": worst(1),
