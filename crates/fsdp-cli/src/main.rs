@@ -12,6 +12,7 @@ mod questionnaire;
 mod system;
 mod test_cmd;
 mod test_train;
+mod trace_cmd;
 
 use std::path::PathBuf;
 
@@ -51,6 +52,8 @@ enum Command {
     MergeWeights(merge_cmd::MergeArgs),
     /// Measure collectives, one layer, training memory and checkpoints.
     Bench(bench::BenchArgs),
+    /// Draw the timelines a job wrote with `fsdp_trace_dir` (`FSDP_TRACE`).
+    Trace(trace_cmd::TraceArgs),
 }
 
 /// The `--config_file` option every command that reads or writes a config file takes.
@@ -115,6 +118,7 @@ fn main() -> std::process::ExitCode {
         Command::EstimateMemory(args) => estimate_cmd::run(args).map(|()| 0),
         Command::MergeWeights(args) => merge_cmd::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
+        Command::Trace(args) => trace_cmd::run(args).map(|()| 0),
     };
     match result {
         Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),

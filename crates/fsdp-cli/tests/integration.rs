@@ -18,3 +18,4 @@ mod launch;
 mod launch_hardening;
 mod machines;
 mod slurm;
+mod trace;

@@ -218,14 +218,19 @@ impl ProcessGroup {
         f: impl FnOnce(&mut Engine) -> Result<T> + Send + 'static,
     ) -> Work<T> {
         let (tx, rx) = mpsc::sync_channel(1);
+        let ran = crate::work::RunTimes::default();
+        let times = ran.clone();
         let job: Job = Box::new(move |engine: &mut Engine| {
-            let _ = tx.send(engine.run(f));
+            let started = std::time::Instant::now();
+            let result = engine.run(f);
+            let _ = times.set((started, std::time::Instant::now()));
+            let _ = tx.send(result);
         });
         let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(sender) = jobs.as_ref() {
             let _ = sender.send(job);
         }
-        Work::from_channel(rx, self.global_rank())
+        Work::from_channel_timed(rx, self.global_rank(), ran)
     }
 
     /// Element-wise reduction across ranks; every rank gets the result.

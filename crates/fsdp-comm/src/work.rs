@@ -1,14 +1,20 @@
 //! [`Work`]: the handle of a collective that is queued or running, so callers overlap
 //! communication with compute and wait only when they need the result.
 
-use std::sync::mpsc;
+use std::sync::{Arc, OnceLock, mpsc};
+use std::time::Instant;
 
 use crate::error::{CommError, Result};
+
+/// When a communication thread started and finished running a collective (what a timeline
+/// shows as its span; set by the thread before it answers).
+pub type RunTimes = Arc<OnceLock<(Instant, Instant)>>;
 
 /// A handle to a collective that is queued, running or done.
 #[must_use = "a collective's result is only known after wait()"]
 pub struct Work<T> {
     finish: Box<dyn FnOnce() -> Result<T> + Send>,
+    ran: Option<RunTimes>,
 }
 
 impl<T: Send + 'static> Work<T> {
@@ -17,6 +23,19 @@ impl<T: Send + 'static> Work<T> {
     pub fn from_channel(rx: mpsc::Receiver<Result<T>>, rank: usize) -> Work<T> {
         Work {
             finish: Box::new(move || rx.recv().unwrap_or(Err(CommError::Closed { rank }))),
+            ran: None,
+        }
+    }
+
+    /// [`Work::from_channel`] of a thread that records when it ran the collective in `ran`.
+    pub fn from_channel_timed(
+        rx: mpsc::Receiver<Result<T>>,
+        rank: usize,
+        ran: RunTimes,
+    ) -> Work<T> {
+        Work {
+            ran: Some(ran),
+            ..Work::from_channel(rx, rank)
         }
     }
 
@@ -24,6 +43,7 @@ impl<T: Send + 'static> Work<T> {
     pub fn ready(result: Result<T>) -> Work<T> {
         Work {
             finish: Box::new(move || result),
+            ran: None,
         }
     }
 
@@ -34,11 +54,20 @@ impl<T: Send + 'static> Work<T> {
     ) -> Work<U> {
         Work {
             finish: Box::new(move || (self.finish)().and_then(f)),
+            ran: self.ran,
         }
     }
 
     /// Blocks until the collective finishes and returns its result.
     pub fn wait(self) -> Result<T> {
         (self.finish)()
+    }
+
+    /// [`Work::wait`], with when the communication thread ran the collective (`None` where
+    /// the transport does not say).
+    pub fn wait_timed(self) -> Result<(T, Option<(Instant, Instant)>)> {
+        let ran = self.ran;
+        let value = (self.finish)()?;
+        Ok((value, ran.and_then(|r| r.get().copied())))
     }
 }

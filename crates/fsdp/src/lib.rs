@@ -23,6 +23,7 @@ pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod perf;
+pub mod trace;
 
 /// The README's Rust code, compiled (and run, where it is not marked `no_run`) as doc-tests,
 /// so the README cannot drift from the API.

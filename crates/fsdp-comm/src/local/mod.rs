@@ -179,7 +179,10 @@ impl LocalGroup {
         finish: impl FnOnce(&Member, &[Arc<Buffer>]) -> Result<T> + Send + 'static,
     ) -> Work<T> {
         let (tx, rx) = mpsc::sync_channel(1);
+        let ran = crate::work::RunTimes::default();
+        let times = ran.clone();
         let job: Job = Box::new(move |m: &mut Member| {
+            let started = std::time::Instant::now();
             let result = match invalid {
                 Some(reason) => {
                     let err = m.invalid(call.name(), reason);
@@ -194,13 +197,14 @@ impl LocalGroup {
                         _ => m.fail(m.shared.lock(), e),
                     }),
             };
+            let _ = times.set((started, std::time::Instant::now()));
             let _ = tx.send(result);
         });
         let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(sender) = jobs.as_ref() {
             let _ = sender.send(job);
         }
-        Work::from_channel(rx, self.rank)
+        Work::from_channel_timed(rx, self.rank, ran)
     }
 }
 

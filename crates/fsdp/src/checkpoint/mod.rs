@@ -106,7 +106,18 @@ pub fn save_state(
     run: &RunState,
     options: &CheckpointOptions,
 ) -> Result<PathBuf, CheckpointError> {
-    save::save(dir, models, optimizers, run, options)
+    let began = std::time::Instant::now();
+    let saved = save::save(dir, models, optimizers, run, options);
+    trace_save(models, "save_state", began, dir);
+    saved
+}
+
+/// Records a save that blocked training from `began` until now in the first model's
+/// timeline, when it has one.
+fn trace_save(models: &[&Fsdp], what: &str, began: std::time::Instant, dir: &Path) {
+    if let Some(t) = models.first().and_then(|m| m.tracer()) {
+        t.since(what, "checkpoint", began, serde_json::json!({ "dir": dir }));
+    }
 }
 
 /// [`save_state`] that returns as soon as every rank has copied its state (its parameter
@@ -125,7 +136,10 @@ pub fn save_state_async(
     run: &RunState,
     options: &CheckpointOptions,
 ) -> Result<PendingSave, CheckpointError> {
-    save_async::save_async(dir, models, optimizers, run, options)
+    let began = std::time::Instant::now();
+    let pending = save_async::save_async(dir, models, optimizers, run, options);
+    trace_save(models, "save_state_async (staging)", began, dir);
+    pending
 }
 
 /// Loads what [`save_state`] wrote at `dir` (the checkpoint folder, or a folder inside it)

@@ -75,6 +75,8 @@ pub struct FsdpPlugin {
     pub state_dict_type: StateDictType,
     /// The files a SHARDED_STATE_DICT checkpoint is written as.
     pub checkpoint_format: CheckpointFormat,
+    /// Where each rank writes its timeline (`fsdp_trace_dir`, `FSDP_TRACE`).
+    pub trace_dir: Option<std::path::PathBuf>,
     /// Only rank 0 materialises full weights at load time.
     pub cpu_ram_efficient_loading: bool,
     /// Broadcast rank 0's initial weights.
@@ -314,6 +316,7 @@ impl View<'_> {
             forward_prefetch: self.flag(Key::FsdpForwardPrefetch),
             state_dict_type: self.choice(Key::FsdpStateDictType),
             checkpoint_format: self.choice(Key::FsdpCheckpointFormat),
+            trace_dir: self.text(Key::FsdpTraceDir).map(std::path::PathBuf::from),
             cpu_ram_efficient_loading: self.flag(Key::FsdpCpuRamEfficientLoading),
             sync_module_states: self.flag(Key::FsdpSyncModuleStates),
             activation_checkpointing: self.flag(Key::FsdpActivationCheckpointing),

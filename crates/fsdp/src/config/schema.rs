@@ -213,6 +213,8 @@ key_table! {
     FsdpStateDictType: "fsdp_state_dict_type", Fsdp, Kind::Choice(StateDictType::NAMES),
         D::Text("SHARDED_STATE_DICT"), Some("FSDP_STATE_DICT_TYPE"), &[], Used,
         "checkpoint layout";
+    FsdpTraceDir: "fsdp_trace_dir", Fsdp, Kind::Text, D::Unset, Some("FSDP_TRACE"), &[], Used,
+        "folder where each rank writes its timeline, trace_rank<N>.json (Chrome trace; open in Perfetto, or draw with `fsdp trace plot`) (fsdp-rs)";
     FsdpCheckpointFormat: "fsdp_checkpoint_format", Fsdp, Kind::Choice(CheckpointFormat::NAMES),
         D::Text("fsdp-rs"), Some("FSDP_CHECKPOINT_FORMAT"), &[], Used,
         "files of a SHARDED_STATE_DICT checkpoint: fsdp-rs (checksummed safetensors) or torch-dcp (PyTorch DCP, resumable by Accelerate) (fsdp-rs)";

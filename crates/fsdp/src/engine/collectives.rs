@@ -3,6 +3,7 @@
 //! while packing, hybrid sharding the second collective on the replicate dimension.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{CpuStorage, Storage, Tensor};
 use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
@@ -10,6 +11,7 @@ use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 use super::error::EngineError;
 use super::param::float_pair;
 use super::plan::ShardLayout;
+use crate::trace::Tracer;
 
 /// The element types a unit communicates in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,14 +55,27 @@ pub(crate) fn all_gather(
 pub(crate) struct PendingReduce {
     scatter: Work<Buffer>,
     replicate: Option<Arc<dyn Communicator>>,
+    /// When it was issued, and the bytes sent (for the trace).
+    issued: Instant,
+    bytes: usize,
 }
 
 impl PendingReduce {
-    /// This rank's reduced gradient rows of the unit, in f32 (the optimizer's type).
-    pub fn wait(self) -> Result<Vec<f32>, CommError> {
-        let mut out = self.scatter.wait()?;
+    /// This rank's reduced gradient rows of the unit, in f32 (the optimizer's type); the
+    /// reduction is recorded in `trace` as `unit`'s.
+    pub fn wait(self, trace: Option<&Tracer>, unit: &str) -> Result<Vec<f32>, CommError> {
+        let waited = Instant::now();
+        let (mut out, ran) = self.scatter.wait_timed()?;
+        let (mut start, mut end) = ran.unwrap_or((self.issued, Instant::now()));
         if let Some(r) = &self.replicate {
-            out = r.all_reduce(out, ReduceOp::Avg).wait()?;
+            let (o, ran) = r.all_reduce(out, ReduceOp::Avg).wait_timed()?;
+            out = o;
+            let (s, e) = ran.unwrap_or((end, Instant::now()));
+            (start, end) = (start.min(s), e);
+        }
+        if let Some(t) = trace {
+            let args = serde_json::json!({ "bytes": self.bytes });
+            t.collective("reduce-scatter", "reduce", unit, (start, end), waited, args);
         }
         match out {
             Buffer::F32(v) => Ok(v),
@@ -75,6 +90,7 @@ impl PendingReduce {
 
 /// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean.
 pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
+    let packed_bytes = packed.len() * packed.dtype().size();
     let scatter = if mesh.shard_size() == 1 {
         Work::ready(Ok(packed))
     } else {
@@ -83,8 +99,14 @@ pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
         mesh.shard.reduce_scatter(packed, ReduceOp::Avg)
     };
     PendingReduce {
+        bytes: if mesh.shard_size() == 1 && mesh.replicate.is_none() {
+            0
+        } else {
+            packed_bytes
+        },
         scatter,
         replicate: mesh.replicate.clone(),
+        issued: Instant::now(),
     }
 }
 

@@ -131,6 +131,14 @@ pub enum EngineError {
     /// The optimizer refused an update or its settings.
     #[error("optimizer: {0}")]
     Optimizer(#[from] OptimError),
+    /// The timeline's folder (`fsdp_trace_dir`) cannot take this rank's file.
+    #[error("fsdp_trace_dir `{}`: {source}", dir.display())]
+    Trace {
+        /// The folder.
+        dir: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
     /// A configured feature this engine does not provide yet: refused rather than ignored.
     #[error("{setting} is not supported by the FSDP engine yet; {hint}")]
     Unsupported {

@@ -31,6 +31,7 @@ use crate::config::{
 };
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
+use crate::trace::Tracer;
 
 /// The element types of communication and compute: parameters gathered (and computed) in
 /// `mixed_precision`'s dtype over f32 master shards and optimizer state; gradients reduced in
@@ -107,6 +108,8 @@ pub struct Fsdp {
     pub(crate) grad_index: Arc<GradIndex>,
     state_dict_type: StateDictType,
     checkpoint_format: CheckpointFormat,
+    /// Where this rank's timeline is recorded (`fsdp_trace_dir`).
+    tracer: Option<Arc<Tracer>>,
     /// Whole local gradients kept by [`Fsdp::backward_no_sync`] for the next `backward`.
     unreduced: Option<Unreduced>,
     /// `fsdp_activation_checkpointing`.
@@ -263,6 +266,15 @@ impl Fsdp {
             replicated.insert(layout.name.clone(), Var::from_tensor(&t)?);
         }
         let unhooked_reported = units.iter().map(|_| AtomicBool::new(false)).collect();
+        let tracer = match &plugin.trace_dir {
+            Some(dir) => Some(Arc::new(Tracer::create(dir, mesh.rank()).map_err(
+                |source| EngineError::Trace {
+                    dir: dir.clone(),
+                    source,
+                },
+            )?)),
+            None => None,
+        };
         Ok(Fsdp {
             plan,
             mesh,
@@ -279,6 +291,7 @@ impl Fsdp {
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
             checkpoint_format: plugin.checkpoint_format,
+            tracer,
             unreduced: None,
             checkpointing: plugin.activation_checkpointing,
             recomputed: Arc::default(),
@@ -296,6 +309,11 @@ impl Fsdp {
     /// How checkpoints of this model are cut (`fsdp_state_dict_type`).
     pub fn state_dict_type(&self) -> StateDictType {
         self.state_dict_type
+    }
+
+    /// Where this rank's timeline is recorded, when `fsdp_trace_dir` is set.
+    pub fn tracer(&self) -> Option<&Tracer> {
+        self.tracer.as_deref()
     }
 
     /// The files its SHARDED_STATE_DICT checkpoints are written as (`fsdp_checkpoint_format`).
@@ -358,7 +376,11 @@ impl Fsdp {
                 .iter()
                 .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
                 .collect(),
+            trace: self.tracer.clone(),
         };
+        if let (true, Some(t)) = (train, &self.tracer) {
+            t.begin_step();
+        }
         let shared = StepShared::new(
             self.mesh.clone(),
             self.units.clone(),
@@ -518,6 +540,7 @@ impl Fsdp {
             }
             None => (None, false),
         };
+        let began = std::time::Instant::now();
         if let Some(tier) = &self.tier {
             let tier = tier.clone();
             update_units(
@@ -552,6 +575,11 @@ impl Fsdp {
             let mut p: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
             optimizer.update(name, &mut p, g)?;
             var.set(&Tensor::from_vec(p, var.dims(), &self.placement.compute)?)?;
+        }
+        if let Some(t) = &self.tracer {
+            let args = serde_json::json!({ "optimizer": optimizer.name() });
+            t.since("optimizer step", "optimizer", began, args);
+            t.end_step();
         }
         let resident_bytes = crate::memory::counting().then(crate::memory::resident_bytes);
         drop(grads);

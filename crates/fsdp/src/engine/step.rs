@@ -18,6 +18,7 @@ use super::hooks::{Checkpoint, StepHooks, float_copy};
 use super::offload::DiskTier;
 use super::unit::{FsdpUnit, Moment, Prefetch, RunContext, ShardedState, UnitRun};
 use crate::nn::{Params, Recompute};
+use crate::trace::Tracer;
 
 /// Step-wide settings.
 pub(crate) struct StepOptions {
@@ -40,6 +41,8 @@ pub(crate) struct StepOptions {
     /// The replicated parameters' variables (forward may read them cast to the compute
     /// dtype), whose gradients recomputations report.
     pub replicated_vars: HashMap<String, Tensor>,
+    /// Where the step's timeline is recorded (`fsdp_trace_dir`).
+    pub trace: Option<Arc<Tracer>>,
 }
 
 struct Inner {
@@ -70,15 +73,18 @@ pub(crate) type UnreducedUnits = Vec<Option<(Buffer, Vec<bool>)>>;
 /// Unit `u`'s reduced gradients once `work` is done: kept in memory, or written to `tier`.
 fn reduced_block(
     tier: Option<&Arc<DiskTier>>,
+    trace: Option<&Tracer>,
     runs: &[UnitRun],
     u: usize,
     work: PendingReduce,
 ) -> Result<GradBlock, EngineError> {
-    let values = work.wait().map_err(|source| EngineError::Collective {
-        op: "reduce-scatter of the gradients".into(),
-        unit: runs[u].unit.name(),
-        source,
-    })?;
+    let values = work
+        .wait(trace, runs[u].unit.trace_label())
+        .map_err(|source| EngineError::Collective {
+            op: "reduce-scatter of the gradients".into(),
+            unit: runs[u].unit.name(),
+            source,
+        })?;
     Ok(GradBlock::store(tier, u, values)?)
 }
 
@@ -159,6 +165,7 @@ impl StepShared {
             device: &self.opts.device,
             poison: self.opts.debug,
             train: self.opts.train,
+            trace: self.opts.trace.as_deref(),
         }
     }
 
@@ -219,7 +226,13 @@ impl StepShared {
         let keep = keep.min(inner.pending.len());
         let done: Vec<_> = inner.pending.drain(..inner.pending.len() - keep).collect();
         for (u, work) in done {
-            inner.reduced[u] = Some(reduced_block(Some(tier), &inner.runs, u, work)?);
+            inner.reduced[u] = Some(reduced_block(
+                Some(tier),
+                self.opts.trace.as_deref(),
+                &inner.runs,
+                u,
+                work,
+            )?);
         }
         Ok(())
     }
@@ -352,7 +365,13 @@ impl StepShared {
         }
         let mut reduced = std::mem::take(&mut inner.reduced);
         for (u, work) in pending {
-            reduced[u] = Some(reduced_block(self.tier.as_ref(), &inner.runs, u, work)?);
+            reduced[u] = Some(reduced_block(
+                self.tier.as_ref(),
+                self.opts.trace.as_deref(),
+                &inner.runs,
+                u,
+                work,
+            )?);
         }
         let has_grad = inner.runs.iter().map(|r| r.has_grad.clone()).collect();
         Ok((reduced, has_grad))

@@ -5,6 +5,7 @@
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 
 use candle_core::{Device, Shape, Tensor, Var};
 use fsdp_comm::{Buffer, Mesh, Work};
@@ -15,6 +16,7 @@ use super::hooks::{PreBackward, StepHooks, Unshard};
 use super::offload::{DiskTier, Region};
 use super::param::{FsdpParam, UnshardedParam, unpack_storage};
 use crate::config::BackwardPrefetch;
+use crate::trace::Tracer;
 
 /// A unit as the engine keeps it between steps: its parameters' shards (in memory, or in
 /// the disk tier's files with `fsdp_offload_params`).
@@ -39,6 +41,15 @@ impl FsdpUnit {
     /// Elements of one rank's block of the unit (the all-gather's input size).
     pub fn block(&self) -> usize {
         self.params.iter().map(|p| p.layout.shard_numel()).sum()
+    }
+
+    /// Its name in the timeline: its path, `root` for the root.
+    pub fn trace_label(&self) -> &str {
+        if self.path.is_empty() {
+            "root"
+        } else {
+            &self.path
+        }
     }
 
     /// `the root unit` or ``unit `path` ``.
@@ -132,6 +143,8 @@ pub(crate) struct RunContext<'a> {
     /// Training (parameters are graph nodes, outputs hooked); false for evaluation, where
     /// no graph is recorded and nothing is refilled.
     pub train: bool,
+    /// Where the step's timeline is recorded.
+    pub trace: Option<&'a Tracer>,
 }
 
 /// One unit in one step.
@@ -139,8 +152,11 @@ pub(crate) struct UnitRun {
     pub unit: Arc<FsdpUnit>,
     training: TrainingState,
     sharded: ShardedState,
-    /// A gather in flight (issued by the unit itself or by a prefetch).
-    gather: Option<Work<Buffer>>,
+    /// A gather in flight (issued by the unit itself or by a prefetch), and when it was.
+    gather: Option<(Work<Buffer>, Instant)>,
+    /// When the unit's forward and backward began (for the trace).
+    forward_began: Option<Instant>,
+    backward_began: Option<Instant>,
     anchor: Option<Var>,
     /// The full parameters (graph nodes), in the unit's order.
     pub full: Vec<UnshardedParam>,
@@ -174,6 +190,8 @@ impl UnitRun {
             training: TrainingState::Idle,
             sharded: ShardedState::Sharded,
             gather: None,
+            forward_began: None,
+            backward_began: None,
             anchor: None,
             full: Vec::new(),
             outputs: Vec::new(),
@@ -186,6 +204,19 @@ impl UnitRun {
             keep_unreduced: false,
             unreduced: None,
             checkpoint: None,
+        }
+    }
+
+    /// Records the unit's `what` (`forward`, `backward`) from `began` until now.
+    fn trace_span(&self, cx: &RunContext, what: &'static str, began: Option<Instant>) {
+        if let (Some(t), Some(began)) = (cx.trace, began) {
+            let unit = self.unit.trace_label();
+            t.since(
+                format!("{what} {unit}"),
+                what,
+                began,
+                serde_json::json!({ "unit": unit }),
+            );
         }
     }
 
@@ -226,6 +257,8 @@ impl UnitRun {
             }
             (pack, carried) => pack.or(carried),
         };
+        let began = self.backward_began.take();
+        self.trace_span(cx, "backward", began);
         if self.keep_unreduced {
             self.unreduced = merged;
             return Ok(None);
@@ -268,7 +301,8 @@ impl UnitRun {
     pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
         if self.gather.is_none() && cx.mesh.shard_size() > 1 {
             let block = self.unit.master_block()?;
-            self.gather = Some(collectives::all_gather(cx.mesh, block, cx.dtypes.param)?);
+            let work = collectives::all_gather(cx.mesh, block, cx.dtypes.param)?;
+            self.gather = Some((work, Instant::now()));
         }
         Ok(())
     }
@@ -299,17 +333,25 @@ impl UnitRun {
     /// `None` when the shard dimension is this rank alone.
     fn gathered(&mut self, cx: &RunContext, when: &str) -> Result<Option<Buffer>, EngineError> {
         self.unshard(cx)?;
-        match self.gather.take() {
-            None => Ok(None),
-            Some(w) => w
-                .wait()
-                .map(Some)
-                .map_err(|source| EngineError::Collective {
-                    op: format!("all-gather {when}"),
-                    unit: self.unit.name(),
-                    source,
-                }),
+        let Some((work, issued)) = self.gather.take() else {
+            return Ok(None);
+        };
+        let waited = Instant::now();
+        let (gathered, ran) = work
+            .wait_timed()
+            .map_err(|source| EngineError::Collective {
+                op: format!("all-gather {when}"),
+                unit: self.unit.name(),
+                source,
+            })?;
+        if let Some(t) = cx.trace {
+            let bytes = gathered.len() * gathered.dtype().size();
+            let args = serde_json::json!({ "bytes": bytes, "when": when });
+            let unit = self.unit.trace_label();
+            let ran = ran.unwrap_or((issued, Instant::now()));
+            t.collective("all-gather", "all_gather", unit, ran, waited, args);
         }
+        Ok(Some(gathered))
     }
 
     /// Forward reached the unit: its full parameters become graph nodes (outputs of
@@ -354,6 +396,7 @@ impl UnitRun {
         self.full = full;
         self.training = TrainingState::Forward;
         self.sharded = ShardedState::Unsharded;
+        self.forward_began = Some(Instant::now());
         Ok(())
     }
 
@@ -368,6 +411,8 @@ impl UnitRun {
         index: usize,
     ) -> Result<Tensor, EngineError> {
         self.hooked = true;
+        let began = self.forward_began.take();
+        self.trace_span(cx, "forward", began);
         if !cx.train {
             // Evaluation: no backward will need the parameters again.
             if self.unit.reshard_after_forward && self.sharded == ShardedState::Unsharded {
@@ -411,6 +456,7 @@ impl UnitRun {
     /// Backward reached the unit's output: refills the parameters released after forward.
     /// Returns whether it refilled (a prefetch may follow).
     pub fn pre_backward(&mut self, cx: &RunContext) -> Result<bool, EngineError> {
+        self.backward_began.get_or_insert_with(Instant::now);
         if self.sharded != ShardedState::ReleasedAfterForward {
             return Ok(false);
         }
@@ -443,6 +489,7 @@ impl UnitRun {
         i: usize,
         grad: &Tensor,
     ) -> Result<Option<PendingReduce>, EngineError> {
+        self.backward_began.get_or_insert_with(Instant::now);
         let p = &self.unit.params[i];
         if !self.readable() || self.sharded != ShardedState::Unsharded {
             return Err(EngineError::GradientOutsideUnit {
@@ -483,7 +530,7 @@ impl UnitRun {
         } else {
             None
         };
-        if let Some(w) = self.gather.take() {
+        if let Some((w, _)) = self.gather.take() {
             w.wait().map_err(|source| EngineError::Collective {
                 op: "unused prefetch".into(),
                 unit: self.unit.name(),
