@@ -589,30 +589,4 @@ impl Fsdp {
             resident_bytes,
         })
     }
-
-    /// Bytes of model state this rank holds between steps: parameter shards (and replicated
-    /// parameters) and `optimizer`'s state of them.
-    pub fn model_state_bytes(&self, optimizer: &dyn Optimizer) -> usize {
-        let params: usize = self
-            .units
-            .iter()
-            .flat_map(|u| &u.params)
-            .map(|p| p.shard.bytes())
-            .sum::<usize>()
-            + self
-                .replicated
-                .values()
-                .map(|v| v.elem_count() * 4)
-                .sum::<usize>();
-        let names = self
-            .units
-            .iter()
-            .flat_map(|u| u.params.iter().map(|p| p.layout.name.as_str()))
-            .chain(self.replicated.keys().map(String::as_str));
-        let state: usize = names
-            .filter_map(|n| optimizer.state(n))
-            .map(|s| s.bytes())
-            .sum();
-        params + state
-    }
 }

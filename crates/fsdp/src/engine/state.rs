@@ -12,6 +12,7 @@ use fsdp_comm::{Buffer, DType};
 
 use super::error::{EngineError, unit_name};
 use super::sharded::Fsdp;
+use crate::optim::Optimizer;
 
 /// This rank's rows of a parameter, given its name and its number of owned elements; `None`
 /// when it has none (see [`Fsdp::gather_rows_to_first`]).
@@ -39,6 +40,32 @@ pub struct LocalShard<'a> {
 }
 
 impl Fsdp {
+    /// Bytes of model state this rank holds between steps: parameter shards (and replicated
+    /// parameters) and `optimizer`'s state of them.
+    pub fn model_state_bytes(&self, optimizer: &dyn Optimizer) -> usize {
+        let params: usize = self
+            .units
+            .iter()
+            .flat_map(|u| &u.params)
+            .map(|p| p.shard.bytes())
+            .sum::<usize>()
+            + self
+                .replicated
+                .values()
+                .map(|v| v.elem_count() * 4)
+                .sum::<usize>();
+        let names = self
+            .units
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| p.layout.name.as_str()))
+            .chain(self.replicated.keys().map(String::as_str));
+        let state: usize = names
+            .filter_map(|n| optimizer.state(n))
+            .map(|s| s.bytes())
+            .sum();
+        params + state
+    }
+
     /// This rank's rows of every parameter, in plan order (units, then ignored modules).
     pub fn local_shards(&self) -> Result<Vec<LocalShard<'_>>, EngineError> {
         let whole = self.mesh.shard_size() == 1;
