@@ -25,7 +25,8 @@ fn fixtures() -> PathBuf {
 
 /// The worker: `FSDP_DCP_MODE` is `from-accelerate` (load Accelerate's checkpoint of step 3
 /// from `FSDP_DCP_FROM`, train to step 6, save as DCP to `FSDP_DCP_DIR`, train on to 9) or
-/// `resume` (load `FSDP_DCP_DIR`, train steps 6 to 9).
+/// `resume` (load `FSDP_DCP_DIR`, train steps 6 to 9). With `FSDP_DCP_ASYNC_DIR`,
+/// `from-accelerate` also saves asynchronously there while steps 7-9 train.
 #[test]
 fn torch_dcp_worker() {
     if std::env::var(ROLE).is_err() {
@@ -76,7 +77,24 @@ fn torch_dcp_worker() {
             )
             .unwrap();
             assert_eq!(saved, dir);
+            // The same state saved asynchronously while steps 7-9 train.
+            let pending = match std::env::var("FSDP_DCP_ASYNC_DIR") {
+                Ok(d) => Some(
+                    fsdp::checkpoint::save_state_async(
+                        Path::new(&d),
+                        &[&t.engine],
+                        &[t.optimizer.as_ref()],
+                        &run,
+                        &options,
+                    )
+                    .unwrap(),
+                ),
+                Err(_) => None,
+            };
             losses.extend(t.train(6..9));
+            if let Some(p) = pending {
+                p.wait().unwrap();
+            }
         }
         "resume" => {
             let run = t.engine.load_state(&dir, t.optimizer.as_mut()).unwrap();
@@ -91,16 +109,23 @@ fn torch_dcp_worker() {
 }
 
 fn run(world: usize, mode: &str, dir: &Path) -> serde_json::Value {
+    run_with(world, mode, dir, &[])
+}
+
+#[track_caller]
+fn run_with(world: usize, mode: &str, dir: &Path, more: &[(&str, &str)]) -> serde_json::Value {
     let from = fixtures().join("accelerate_resume/fsdp2/checkpoint");
+    let mut env = vec![
+        ("FSDP_DCP_MODE", mode),
+        ("FSDP_DCP_DIR", dir.to_str().unwrap()),
+        ("FSDP_DCP_FROM", from.to_str().unwrap()),
+    ];
+    env.extend_from_slice(more);
     let outputs = common::run_workers(
         "torch_dcp_worker",
         ROLE,
         world,
-        &[
-            ("FSDP_DCP_MODE", mode),
-            ("FSDP_DCP_DIR", dir.to_str().unwrap()),
-            ("FSDP_DCP_FROM", from.to_str().unwrap()),
-        ],
+        &env,
         Duration::from_secs(120),
     );
     common::result_of(&outputs[0])
@@ -151,7 +176,14 @@ fn worst(got: &BTreeMap<String, Vec<f32>>, want: &BTreeMap<String, Vec<f32>>) ->
 fn a_run_saved_as_dcp_resumes_here_exactly_and_continues_in_pytorch_as_it_does_here() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ours_at_step_6");
-    let straight = run(2, "from-accelerate", &dir);
+    let async_dir = tmp.path().join("async");
+    let async_path = async_dir.to_str().unwrap();
+    let straight = run_with(
+        2,
+        "from-accelerate",
+        &dir,
+        &[("FSDP_DCP_ASYNC_DIR", async_path)],
+    );
 
     // The files are the ones PyTorch + Accelerate loaded when the fixture was made.
     let roundtrip = fixtures().join("accelerate_roundtrip");
@@ -164,6 +196,11 @@ fn a_run_saved_as_dcp_resumes_here_exactly_and_continues_in_pytorch_as_it_does_h
         digests(&dir),
         recorded_files,
         "the DCP files written differ from those PyTorch read: rerun tools/make_accelerate_roundtrip_fixture.py"
+    );
+    assert_eq!(
+        digests(&async_dir),
+        recorded_files,
+        "an asynchronous save writes the same files"
     );
     for folder in ["pytorch_model_fsdp_0", "optimizer_0"] {
         assert!(dir.join(folder).join(".metadata").is_file());
