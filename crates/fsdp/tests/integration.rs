@@ -27,4 +27,5 @@ mod minilm;
 mod models;
 mod offload;
 mod plan;
+mod reshard_after_forward;
 mod resume_data;

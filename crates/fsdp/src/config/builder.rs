@@ -60,6 +60,8 @@ impl FsdpPluginBuilder {
         forward_prefetch(bool) => FsdpForwardPrefetch, Value::Bool;
         /// `fsdp_state_dict_type`.
         state_dict_type(StateDictType) => FsdpStateDictType, choice;
+        /// `fsdp_no_reshard_after_forward` (a regex on unit paths).
+        no_reshard_after_forward(&str) => FsdpNoReshardAfterForward, |s: &str| Value::Text(s.into());
         /// `fsdp_trace_dir`: where each rank writes its timeline.
         trace_dir(&str) => FsdpTraceDir, |s: &str| Value::Text(s.into());
         /// `fsdp_checkpoint_format`.

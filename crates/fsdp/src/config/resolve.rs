@@ -85,6 +85,8 @@ pub struct FsdpPlugin {
     pub activation_checkpointing: bool,
     /// Module paths kept out of FSDP (replicated).
     pub ignored_modules: Option<regex::Regex>,
+    /// Unit paths kept gathered from forward to backward (`fsdp_no_reshard_after_forward`).
+    pub no_reshard_after_forward: Option<regex::Regex>,
     /// Compute precision.
     pub mixed_precision: MixedPrecision,
     /// What gradients are reduced in.
@@ -303,6 +305,19 @@ impl View<'_> {
                 }
             },
         };
+        let no_reshard_after_forward = match self.text(Key::FsdpNoReshardAfterForward) {
+            None => None,
+            Some(pattern) => match regex::Regex::new(pattern) {
+                Ok(re) => Some(re),
+                Err(e) => {
+                    errors.push(invalid(
+                        Key::FsdpNoReshardAfterForward,
+                        format!("not a valid regular expression: {e}"),
+                    ));
+                    None
+                }
+            },
+        };
         let plugin = FsdpPlugin {
             version,
             sharding_strategy,
@@ -321,6 +336,7 @@ impl View<'_> {
             sync_module_states: self.flag(Key::FsdpSyncModuleStates),
             activation_checkpointing: self.flag(Key::FsdpActivationCheckpointing),
             ignored_modules,
+            no_reshard_after_forward,
             mixed_precision: self.choice(Key::MixedPrecision),
             reduce_dtype: self.choice(Key::FsdpReduceDtype),
             debug: self.flag(Key::Debug),
@@ -384,6 +400,21 @@ impl View<'_> {
                 format!(
                     "{} offloads nothing: set `fsdp_offload_params: true` (parameters, gradients and optimizer state) or `fsdp_offload_optimizer: true` (optimizer state)",
                     self.describe(Key::FsdpOffloadDir)
+                ),
+            );
+        }
+        if fsdp.no_reshard_after_forward.is_some()
+            && !matches!(
+                fsdp.sharding_strategy,
+                ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+            )
+        {
+            inconsistent(
+                &[Key::FsdpNoReshardAfterForward, Key::FsdpShardingStrategy],
+                format!(
+                    "{} keeps units gathered after forward, which only FULL_SHARD and HYBRID_SHARD release; {} keeps every unit gathered already",
+                    self.describe(Key::FsdpNoReshardAfterForward),
+                    self.describe(Key::FsdpShardingStrategy)
                 ),
             );
         }

@@ -213,6 +213,9 @@ key_table! {
     FsdpStateDictType: "fsdp_state_dict_type", Fsdp, Kind::Choice(StateDictType::NAMES),
         D::Text("SHARDED_STATE_DICT"), Some("FSDP_STATE_DICT_TYPE"), &[], Used,
         "checkpoint layout";
+    FsdpNoReshardAfterForward: "fsdp_no_reshard_after_forward", Fsdp, Kind::Text, D::Unset,
+        Some("FSDP_NO_RESHARD_AFTER_FORWARD"), &[], Used,
+        "regex on unit paths kept gathered from forward to backward, as FSDP2's fully_shard(module, reshard_after_forward=False): no re-gather in backward, their full parameters held meanwhile (fsdp-rs)";
     FsdpTraceDir: "fsdp_trace_dir", Fsdp, Kind::Text, D::Unset, Some("FSDP_TRACE"), &[], Used,
         "folder where each rank writes its timeline, trace_rank<N>.json (Chrome trace; open in Perfetto, or draw with `fsdp trace plot`) (fsdp-rs)";
     FsdpCheckpointFormat: "fsdp_checkpoint_format", Fsdp, Kind::Choice(CheckpointFormat::NAMES),

@@ -44,6 +44,16 @@ pub enum PlanError {
     /// The shard group size is zero.
     #[error("the shard group size must be at least 1")]
     EmptyGroup,
+    /// A pattern on unit paths matched no unit (the setting would do nothing).
+    #[error("{key} `{pattern}` matches no unit of this plan; its units are: {units}")]
+    NoSuchUnit {
+        /// The setting.
+        key: &'static str,
+        /// Its pattern.
+        pattern: String,
+        /// The plan's unit paths (the root excluded), comma-separated.
+        units: String,
+    },
 }
 
 /// How one parameter is laid out across the shard group.
@@ -109,6 +119,9 @@ pub struct Unit {
     pub type_name: &'static str,
     /// Its parameters, in registration order.
     pub params: Vec<ShardLayout>,
+    /// Released after its forward and gathered again for its backward (FULL_SHARD and
+    /// HYBRID_SHARD, except the root and units `fsdp_no_reshard_after_forward` keeps).
+    pub reshard_after_forward: bool,
 }
 
 impl Unit {
@@ -268,17 +281,42 @@ impl UnitPlan {
         };
 
         // Each parameter goes to the innermost unit root containing its module.
+        let resharding = matches!(
+            plugin.sharding_strategy,
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+        );
+        let kept = |path: &str| {
+            plugin
+                .no_reshard_after_forward
+                .as_ref()
+                .is_some_and(|re| re.is_match(path))
+        };
         let mut units: Vec<Unit> = std::iter::once(Unit {
             path: String::new(),
             type_name: model.type_name,
             params: Vec::new(),
+            reshard_after_forward: false,
         })
         .chain(roots.iter().map(|m| Unit {
             path: m.path.clone(),
             type_name: m.type_name,
             params: Vec::new(),
+            reshard_after_forward: resharding && !kept(&m.path),
         }))
         .collect();
+        if let Some(re) = &plugin.no_reshard_after_forward
+            && !roots.iter().any(|m| re.is_match(&m.path))
+        {
+            return Err(PlanError::NoSuchUnit {
+                key: "fsdp_no_reshard_after_forward",
+                pattern: re.as_str().to_string(),
+                units: roots
+                    .iter()
+                    .map(|m| m.path.clone())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
         let mut ignored = Vec::new();
         let unit_of = |path: &str| -> usize {
             roots
@@ -376,8 +414,11 @@ impl UnitPlan {
         largest.sort_unstable_by(|a, b| b.cmp(a));
         let two_largest: usize = largest.iter().take(2).sum();
         let gathered_peak = match self.strategy {
-            // The unit in use and the one being prefetched.
-            ShardingStrategy::FullShard | ShardingStrategy::HybridShard => two_largest,
+            // The unit in use and the one being prefetched, and the units kept gathered
+            // from their forward to their backward (`fsdp_no_reshard_after_forward`).
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard => {
+                two_largest + self.kept_gathered()
+            }
             // Everything stays gathered from forward through backward.
             ShardingStrategy::ShardGradOp | ShardingStrategy::HybridShardZero2 => full,
             ShardingStrategy::NoShard => 0,
@@ -414,6 +455,21 @@ impl UnitPlan {
         }
     }
 
+    /// Elements of the (non-root) units kept gathered from forward to backward.
+    pub fn kept_gathered(&self) -> usize {
+        self.units
+            .iter()
+            .filter(|u| !u.path.is_empty() && !u.reshard_after_forward)
+            .filter(|_| {
+                matches!(
+                    self.strategy,
+                    ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+                )
+            })
+            .map(Unit::numel)
+            .sum::<usize>()
+    }
+
     /// The memory estimate in one line: memory per rank by kind, and the disk tier's bytes.
     pub fn memory_summary(&self) -> String {
         let m = self.memory_estimate();
@@ -426,6 +482,14 @@ impl UnitPlan {
             mib(m.gathered_peak),
             mib(m.reducing),
         );
+        let kept = self.kept_gathered() * self.gathered_bytes;
+        if kept > 0 && self.group_size > 1 {
+            let _ = write!(
+                out,
+                " (of which {:.1} MiB kept gathered from forward to backward by fsdp_no_reshard_after_forward)",
+                mib(kept)
+            );
+        }
         if m.disk > 0 {
             let _ = write!(out, ", offload buffers {:.1} MiB", mib(m.streaming));
         }

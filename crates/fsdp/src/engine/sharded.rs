@@ -250,12 +250,7 @@ impl Fsdp {
                 index: u,
                 tier: shards_offloaded.cloned(),
                 params,
-                reshard_after_forward: reshard
-                    && !unit.path.is_empty()
-                    && matches!(
-                        plan.strategy,
-                        ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-                    ),
+                reshard_after_forward: reshard && unit.reshard_after_forward,
                 reshard_after_backward: reshard,
             }));
         }

@@ -130,16 +130,21 @@ pub struct Trainer {
 impl Trainer {
     /// Initial weights from a fixed seed, sharded over `group`.
     pub fn new(group: Arc<dyn Communicator>, setup: Setup) -> Trainer {
-        let model = model(setup.dropout);
-        let init = LocalParams::init(&model.info(), 7, DType::F32, &Device::Cpu).unwrap();
         let plugin = FsdpPlugin::builder()
             .sharding_strategy(setup.strategy)
             .state_dict_type(setup.state_dict_type)
             .resolve(&Layer::new(), None)
             .unwrap()
             .fsdp;
+        Trainer::with_plugin(group, setup, &plugin)
+    }
+
+    /// [`Trainer::new`] under `plugin` (the setup's strategy and cut not applied).
+    pub fn with_plugin(group: Arc<dyn Communicator>, setup: Setup, plugin: &FsdpPlugin) -> Trainer {
+        let model = model(setup.dropout);
+        let init = LocalParams::init(&model.info(), 7, DType::F32, &Device::Cpu).unwrap();
         let (rank, world) = (group.rank(), group.size());
-        let engine = Fsdp::wrap(&model, &init.tensors(), &plugin, group).unwrap();
+        let engine = Fsdp::wrap(&model, &init.tensors(), plugin, group).unwrap();
         Trainer {
             model,
             engine,

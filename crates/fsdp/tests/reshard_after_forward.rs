@@ -1,0 +1,129 @@
+//! `fsdp_no_reshard_after_forward`: the units it names stay gathered from forward to
+//! backward (the timeline shows no all-gather before their backward), training is bitwise
+//! what it is without, the plan counts their memory, and a pattern matching no unit, or a
+//! strategy that keeps every unit gathered anyway, is an error naming the setting.
+
+use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy, StateDictType};
+use fsdp::engine::UnitPlan;
+use fsdp::nn::Module;
+
+use crate::common::tiny::{OptimizerKind, Setup, Trainer, on_threads};
+
+fn setup() -> Setup {
+    Setup {
+        strategy: ShardingStrategy::FullShard,
+        state_dict_type: StateDictType::ShardedStateDict,
+        optimizer: OptimizerKind::AdamW,
+        dropout: 0.0,
+    }
+}
+
+/// The plugin: FULL_SHARD, tracing into `trace`, keeping the units `kept` matches.
+fn plugin(kept: Option<&str>, trace: &std::path::Path) -> FsdpPlugin {
+    let mut b = FsdpPlugin::builder()
+        .sharding_strategy(ShardingStrategy::FullShard)
+        .trace_dir(trace.to_str().unwrap());
+    if let Some(k) = kept {
+        b = b.no_reshard_after_forward(k);
+    }
+    b.resolve(&Layer::new(), None).unwrap().fsdp
+}
+
+/// Trains 3 steps on 2 threads-as-ranks: rank 0's weights, and the all-gathers every trace
+/// file of `trace` records before a backward, by unit.
+fn train(
+    kept: Option<&'static str>,
+    trace: &std::path::Path,
+) -> (
+    std::collections::BTreeMap<String, Vec<f32>>,
+    std::collections::BTreeMap<String, usize>,
+) {
+    let dir = trace.to_path_buf();
+    let weights = on_threads(2, move |g| {
+        let mut t = Trainer::with_plugin(g, setup(), &plugin(kept, &dir));
+        t.train(0..3);
+        t.weights()
+    });
+    let mut regathered = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(trace).unwrap() {
+        let path = e.unwrap().path();
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for ev in doc["traceEvents"].as_array().unwrap() {
+            if ev["cat"] == "all_gather" {
+                let unit = ev["args"]["unit"].as_str().unwrap().to_string();
+                let before_backward = ev["args"]["when"] == "before its backward";
+                *regathered.entry(unit).or_insert(0) += usize::from(before_backward);
+            }
+        }
+    }
+    (weights.into_iter().flatten().next().unwrap(), regathered)
+}
+
+#[test]
+fn kept_units_are_not_gathered_again_for_backward_and_train_bitwise_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (plain, plain_gathers) = train(None, &tmp.path().join("plain"));
+    let (kept, kept_gathers) = train(Some(r"^bert\.encoder\.layer\.0$"), &tmp.path().join("kept"));
+    assert_eq!(kept, plain, "the same gathered values, the same steps");
+    assert!(
+        plain_gathers["bert.encoder.layer.0"] > 0,
+        "{plain_gathers:?}"
+    );
+    assert_eq!(kept_gathers["bert.encoder.layer.0"], 0, "{kept_gathers:?}");
+    assert_eq!(
+        kept_gathers["bert.encoder.layer.1"],
+        plain_gathers["bert.encoder.layer.1"]
+    );
+}
+
+#[test]
+fn the_plan_counts_kept_units_and_refuses_patterns_that_do_nothing() {
+    let info = crate::common::tiny::model(0.0).info();
+    let plan_of =
+        |p: &FsdpPlugin| UnitPlan::build(&info, p, fsdp::models::BertModel::no_split_modules(), 2);
+    let with = |kept: &str, strategy| {
+        FsdpPlugin::builder()
+            .sharding_strategy(strategy)
+            .no_reshard_after_forward(kept)
+            .resolve(&Layer::new(), None)
+    };
+    let base = FsdpPlugin::builder()
+        .resolve(&Layer::new(), None)
+        .unwrap()
+        .fsdp;
+    let plain = plan_of(&base).unwrap();
+    let kept = plan_of(&with("layer", ShardingStrategy::FullShard).unwrap().fsdp).unwrap();
+    let layers: usize = kept
+        .units
+        .iter()
+        .filter(|u| u.path.contains("layer"))
+        .map(|u| u.numel())
+        .sum();
+    assert!(layers > 0);
+    assert_eq!(kept.kept_gathered(), layers);
+    assert_eq!(
+        kept.memory_estimate().gathered_peak - plain.memory_estimate().gathered_peak,
+        layers * 4
+    );
+    assert!(
+        kept.memory_summary()
+            .contains("kept gathered from forward to backward")
+    );
+    assert!(!plain.memory_summary().contains("kept gathered"));
+    let err = plan_of(&with("decoder", ShardingStrategy::FullShard).unwrap().fsdp)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("fsdp_no_reshard_after_forward `decoder` matches no unit")
+            && err.contains("bert.encoder.layer.0"),
+        "{err}"
+    );
+    let err = with("layer", ShardingStrategy::ShardGradOp)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("fsdp_no_reshard_after_forward") && err.contains("fsdp_sharding_strategy"),
+        "{err}"
+    );
+}
