@@ -246,3 +246,65 @@ impl Drop for Tracer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_folder_that_cannot_take_the_trace_fails_at_creation() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("a_file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(Tracer::create(&file.join("trace"), 0).is_err());
+        assert!(Tracer::create(&file, 0).is_err());
+    }
+
+    #[test]
+    fn spans_are_written_as_chrome_trace_events_in_unix_microseconds() {
+        let tmp = tempfile::tempdir().unwrap();
+        let before = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as f64;
+        let t = Tracer::create(tmp.path(), 3).unwrap();
+        let start = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let end = Instant::now();
+        t.record(
+            "all-gather x",
+            "all_gather",
+            Lane::Communication,
+            start,
+            end,
+            serde_json::json!({"bytes": 8}),
+        );
+        t.begin_step();
+        t.end_step();
+        t.write().unwrap();
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(t.path()).unwrap()).unwrap();
+        let events = doc["traceEvents"].as_array().unwrap();
+        let gather = events.iter().find(|e| e["cat"] == "all_gather").unwrap();
+        assert_eq!(
+            (
+                gather["ph"].as_str(),
+                gather["pid"].as_u64(),
+                gather["tid"].as_u64()
+            ),
+            (Some("X"), Some(3), Some(1))
+        );
+        assert_eq!(gather["args"]["bytes"], 8);
+        let ts = gather["ts"].as_f64().unwrap();
+        assert!(ts >= before && ts < before + 60e6, "{ts} vs {before}");
+        assert!(gather["dur"].as_f64().unwrap() >= 2000.0);
+        let step = events.iter().find(|e| e["cat"] == "step").unwrap();
+        assert_eq!(step["args"]["step"], 0);
+        assert!(
+            events
+                .iter()
+                .any(|e| e["ph"] == "M" && e["args"]["name"] == "communication")
+        );
+        assert!(!tmp.path().join("trace_rank3.json.partial").exists());
+    }
+}

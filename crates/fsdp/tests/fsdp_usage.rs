@@ -271,3 +271,32 @@ fn misuse_is_an_error_naming_the_parameter_and_unit() {
         eprintln!("rank {rank} held: {}", get("HeldAcrossUnits"));
     }
 }
+
+#[test]
+fn a_trace_folder_that_cannot_be_written_is_an_error_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("not_a_folder");
+    std::fs::write(&file, b"x").unwrap();
+    let plugin = FsdpPlugin::builder()
+        .trace_dir(file.join("trace").to_str().unwrap())
+        .resolve(&Layer::new(), None)
+        .unwrap()
+        .fsdp;
+    let model = common::tiny::model(0.0);
+    let init = LocalParams::init(&model.info(), 1, DType::F32, &Device::Cpu)
+        .unwrap()
+        .tensors();
+    let err = Fsdp::wrap(
+        &model,
+        &init,
+        &plugin,
+        std::sync::Arc::new(fsdp_comm::SingleRank::new(0)),
+    )
+    .err()
+    .expect("the trace folder is refused")
+    .to_string();
+    assert!(
+        err.contains("fsdp_trace_dir") && err.contains("not_a_folder/trace"),
+        "{err}"
+    );
+}
