@@ -115,8 +115,8 @@ fn key(k: &str) -> PathPart {
     PathPart::Key(k.to_string())
 }
 
-/// Every tensor of folder `f` from the ranks' reports, under `prefix` (the path of a name
-/// comes from `path_of`).
+/// Every tensor of folder `f` from the ranks' reports, its chunks in row order, at the
+/// state-dict path `path_of` gives its name.
 fn tensor_entries(
     reports: &[RankReport],
     f: usize,
