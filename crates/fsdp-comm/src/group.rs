@@ -221,10 +221,7 @@ impl ProcessGroup {
         let ran = crate::work::RunTimes::default();
         let times = ran.clone();
         let job: Job = Box::new(move |engine: &mut Engine| {
-            let started = std::time::Instant::now();
-            let result = engine.run(f);
-            let _ = times.set((started, std::time::Instant::now()));
-            let _ = tx.send(result);
+            let _ = tx.send(crate::work::run_timed(&times, || engine.run(f)));
         });
         let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(sender) = jobs.as_ref() {

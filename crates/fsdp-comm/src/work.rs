@@ -10,6 +10,14 @@ use crate::error::{CommError, Result};
 /// shows as its span; set by the thread before it answers).
 pub type RunTimes = Arc<OnceLock<(Instant, Instant)>>;
 
+/// Runs `f` on a communication thread, recording in `times` when it started and ended.
+pub(crate) fn run_timed<T>(times: &RunTimes, f: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let result = f();
+    let _ = times.set((started, Instant::now()));
+    result
+}
+
 /// A handle to a collective that is queued, running or done.
 #[must_use = "a collective's result is only known after wait()"]
 pub struct Work<T> {

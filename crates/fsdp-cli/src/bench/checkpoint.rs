@@ -31,15 +31,9 @@ pub struct CheckpointArgs {
         default_value_t = 2
     )]
     num_processes: usize,
-    /// Hidden size (the reference BERT: 256; BERT-base: 768).
-    #[arg(long, default_value_t = 256)]
-    hidden: usize,
-    /// Encoder layers.
-    #[arg(long, default_value_t = 4)]
-    layers: usize,
-    /// Vocabulary size.
-    #[arg(long, default_value_t = 8192)]
-    vocab: usize,
+    /// The BERT.
+    #[command(flatten)]
+    shape: super::BertShape,
     /// Timed repetitions of each operation (the median is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
@@ -71,22 +65,17 @@ fn launch(a: &CheckpointArgs) -> Result<()> {
             tmp.path().to_path_buf()
         }
     };
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "bench",
         "checkpoint",
         "--worker",
         dir.to_str().context("a folder path that is UTF-8")?,
-        "--hidden",
-        &a.hidden.to_string(),
-        "--layers",
-        &a.layers.to_string(),
-        "--vocab",
-        &a.vocab.to_string(),
         "--reps",
         &a.reps.to_string(),
     ]
     .map(String::from)
     .to_vec();
+    args.extend(a.shape.flags());
     let out = super::workers::spawn_workers(&args, a.num_processes, 1, &[])?;
     let line = out
         .lines()
@@ -106,11 +95,9 @@ fn launch(a: &CheckpointArgs) -> Result<()> {
     result["merge_weights_cli_s"] = started.elapsed().as_secs_f64().into();
     let mib = |k: &str| result[k].as_f64().unwrap_or(f64::NAN) / (1u64 << 20) as f64;
     println!(
-        "{} processes, BERT hidden {} x {} layers, vocab {}: {:.1} MiB of parameters, {:.1} MiB checkpoint",
+        "{} processes, {}: {:.1} MiB of parameters, {:.1} MiB checkpoint",
         a.num_processes,
-        a.hidden,
-        a.layers,
-        a.vocab,
+        a.shape,
         mib("params_bytes"),
         mib("checkpoint_bytes")
     );
@@ -170,15 +157,15 @@ fn timed(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, usize)>
     Ok((times[times.len() / 2], peak_above))
 }
 
-/// A BERT classifier of `hidden` × `layers` and `vocab` (heads of 64) sharded over the job
+/// A BERT classifier of `shape` (heads of 64) sharded over the job
 /// this process belongs to (FULL_SHARD, one unit per layer), with AdamW; with `trained`, one
 /// step taken so the optimizer has its moments.
-pub(super) fn bert_engine(
-    hidden: usize,
-    layers: usize,
-    vocab: usize,
-    trained: bool,
-) -> Result<(Fsdp, AdamW)> {
+pub(super) fn bert_engine(shape: super::BertShape, trained: bool) -> Result<(Fsdp, AdamW)> {
+    let super::BertShape {
+        hidden,
+        layers,
+        vocab,
+    } = shape;
     let pg = ProcessGroup::from_env()?;
     let plugin = FsdpPlugin::builder().resolve(&Layer::new(), None)?.fsdp;
     let config = BertConfig {
@@ -212,7 +199,7 @@ pub(super) fn bert_engine(
 
 fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
     memory::CountingAllocator::mark_installed();
-    let (mut fsdp, mut adamw) = bert_engine(a.hidden, a.layers, a.vocab, true)?;
+    let (mut fsdp, mut adamw) = bert_engine(a.shape, true)?;
     let rank = fsdp.mesh().rank();
 
     let run = RunState::default();
@@ -234,33 +221,38 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
     })?;
     blocked.sort_by(f64::total_cmp);
     let save_async_blocked = blocked[blocked.len() / 2];
-    let full_options = CheckpointOptions {
-        state_dict_type: Some(StateDictType::FullStateDict),
-        ..Default::default()
+    // Time and peak of saving into `dest` with `options`.
+    let save_with = |dest: &std::path::Path, options: CheckpointOptions| {
+        timed(a.reps, || {
+            checkpoint::save_state(dest, &[&fsdp], &[&adamw], &run, &options)?;
+            Ok(())
+        })
     };
     let full = dir.join("full");
-    let (save_full, full_peak) = timed(a.reps, || {
-        checkpoint::save_state(&full, &[&fsdp], &[&adamw], &run, &full_options)?;
-        Ok(())
-    })?;
+    let (save_full, full_peak) = save_with(
+        &full,
+        CheckpointOptions {
+            state_dict_type: Some(StateDictType::FullStateDict),
+            ..Default::default()
+        },
+    )?;
     // The same save as a PyTorch distributed checkpoint (fsdp_checkpoint_format: torch-dcp).
-    let dcp_options = CheckpointOptions {
-        format: Some(CheckpointFormat::TorchDcp),
-        ..Default::default()
-    };
     let dcp = dir.join("torch_dcp");
-    let (save_dcp, dcp_peak) = timed(a.reps, || {
-        checkpoint::save_state(&dcp, &[&fsdp], &[&adamw], &run, &dcp_options)?;
-        Ok(())
-    })?;
-    let (load_sharded, _) = timed(a.reps, || {
-        fsdp.load_state(&sharded, &mut adamw)?;
-        Ok(())
-    })?;
-    let (load_dcp, _) = timed(a.reps, || {
-        fsdp.load_state(&dcp, &mut adamw)?;
-        Ok(())
-    })?;
+    let (save_dcp, dcp_peak) = save_with(
+        &dcp,
+        CheckpointOptions {
+            format: Some(CheckpointFormat::TorchDcp),
+            ..Default::default()
+        },
+    )?;
+    let mut load = |from: &std::path::Path| {
+        timed(a.reps, || {
+            fsdp.load_state(from, &mut adamw)?;
+            Ok(())
+        })
+    };
+    let (load_sharded, _) = load(&sharded)?;
+    let (load_dcp, _) = load(&dcp)?;
     let merged = dir.join("merged");
     let (merge, _) = if rank == 0 {
         timed(a.reps, || {

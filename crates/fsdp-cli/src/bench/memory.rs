@@ -58,15 +58,9 @@ pub struct MemoryArgs {
     /// Sequence length.
     #[arg(long, default_value_t = 128)]
     seq: usize,
-    /// Hidden size (the reference BERT: 256).
-    #[arg(long, default_value_t = 256)]
-    hidden: usize,
-    /// Encoder layers.
-    #[arg(long, default_value_t = 4)]
-    layers: usize,
-    /// Vocabulary size.
-    #[arg(long, default_value_t = 8192)]
-    vocab: usize,
+    /// The BERT.
+    #[command(flatten)]
+    shape: super::BertShape,
     /// FSDP backward prefetch (BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH).
     #[arg(long = "backward_prefetch", default_value = "BACKWARD_PRE")]
     backward_prefetch: String,
@@ -169,18 +163,13 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             &a.batch.to_string(),
             "--seq",
             &a.seq.to_string(),
-            "--hidden",
-            &a.hidden.to_string(),
-            "--layers",
-            &a.layers.to_string(),
-            "--vocab",
-            &a.vocab.to_string(),
             "--backward_prefetch",
             &a.backward_prefetch,
         ]
         .map(String::from)
         .to_vec();
         let mut args = args;
+        args.extend(a.shape.flags());
         if a.forward_prefetch {
             args.push("--forward_prefetch".into());
         }
@@ -214,7 +203,12 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             let mut result = serde_json::from_str::<serde_json::Value>(line)?;
             // Model FLOPs (fsdp::perf's count; every sequence `seq` tokens, no padding) and
             // MFU over the cores the workers ran on.
-            let shape = fsdp::perf::TransformerShape::dense(a.layers, a.hidden, 4 * a.hidden, 0);
+            let shape = fsdp::perf::TransformerShape::dense(
+                a.shape.layers,
+                a.shape.hidden,
+                4 * a.shape.hidden,
+                0,
+            );
             let samples_per_s = result["samples_per_s"].as_f64().unwrap_or(0.0);
             let cores =
                 a.num_processes * (crate::system::available_cores() / a.num_processes).max(1);
@@ -235,9 +229,9 @@ fn launch(a: &MemoryArgs) -> Result<()> {
         "{} processes on {} machine(s), BERT hidden {} x {} layers, vocab {}, batch {}/rank x {} micro-batch(es), seq {}, backward prefetch {}, forward prefetch {}; MiB per rank (sent: inside shard groups + across replicas; kept: whole gradients held without sync)",
         a.num_processes,
         a.num_machines,
-        a.hidden,
-        a.layers,
-        a.vocab,
+        a.shape.hidden,
+        a.shape.layers,
+        a.shape.vocab,
         a.batch,
         a.accumulation,
         a.seq,
@@ -358,11 +352,11 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         .resolve(&Layer::from_process_env()?, None)?
         .fsdp;
     let config = BertConfig {
-        vocab_size: a.vocab,
-        hidden_size: a.hidden,
-        num_hidden_layers: a.layers,
-        num_attention_heads: (a.hidden / 64).max(1),
-        intermediate_size: 4 * a.hidden,
+        vocab_size: a.shape.vocab,
+        hidden_size: a.shape.hidden,
+        num_hidden_layers: a.shape.layers,
+        num_attention_heads: (a.shape.hidden / 64).max(1),
+        intermediate_size: 4 * a.shape.hidden,
         max_position_embeddings: a.seq,
         ..BertConfig::default()
     };
@@ -402,7 +396,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let (mut forward_s, mut backward_s) = (0f64, 0f64);
         for m in 0..micro {
             let ids: Vec<u32> = (0..a.batch * a.seq)
-                .map(|_| (next() % a.vocab as u64) as u32)
+                .map(|_| (next() % a.shape.vocab as u64) as u32)
                 .collect();
             let labels: Vec<u32> = (0..a.batch).map(|_| (next() % 2) as u32).collect();
             let ids = Tensor::from_vec(ids, (a.batch, a.seq), &Device::Cpu)?;

@@ -110,3 +110,42 @@ fn best(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     }
     Ok(best)
 }
+
+/// The BERT a benchmark builds (the reference BERT by default; BERT-base with
+/// `--hidden 768 --layers 12 --vocab 30522`).
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct BertShape {
+    /// Hidden size (the reference BERT: 256; BERT-base: 768).
+    #[arg(long, default_value_t = 256)]
+    pub hidden: usize,
+    /// Encoder layers.
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 8192)]
+    pub vocab: usize,
+}
+
+impl BertShape {
+    /// The flags that give a benchmark's worker the same shape.
+    pub fn flags(&self) -> Vec<String> {
+        [
+            ("--hidden", self.hidden),
+            ("--layers", self.layers),
+            ("--vocab", self.vocab),
+        ]
+        .into_iter()
+        .flat_map(|(flag, n)| [flag.to_string(), n.to_string()])
+        .collect()
+    }
+}
+
+impl std::fmt::Display for BertShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "BERT hidden {} x {} layers, vocab {}",
+            self.hidden, self.layers, self.vocab
+        )
+    }
+}

@@ -20,15 +20,9 @@ pub struct ReshardArgs {
     /// Numbers of processes that load, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [8, 32])]
     load: Vec<usize>,
-    /// Hidden size of the BERT saved.
-    #[arg(long, default_value_t = 256)]
-    hidden: usize,
-    /// Its encoder layers.
-    #[arg(long, default_value_t = 4)]
-    layers: usize,
-    /// Its vocabulary.
-    #[arg(long, default_value_t = 8192)]
-    vocab: usize,
+    /// The BERT.
+    #[command(flatten)]
+    shape: super::BertShape,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -50,26 +44,16 @@ fn launch(a: &ReshardArgs) -> Result<()> {
     let dir = tmp.path().join("checkpoint");
     let dir_arg = dir.to_str().context("a folder path that is UTF-8")?;
     let args = |phase: &str| -> Vec<String> {
-        let shape = [
-            ("--hidden", a.hidden),
-            ("--layers", a.layers),
-            ("--vocab", a.vocab),
-        ];
         let mut v: Vec<String> = vec!["bench".into(), "reshard".into()];
-        for (flag, n) in shape {
-            v.push(flag.into());
-            v.push(n.to_string());
-        }
+        v.extend(a.shape.flags());
         v.extend(["--worker".into(), phase.into(), dir_arg.into()]);
         v
     };
     super::workers::spawn_workers(&args("save"), a.save, 1, &[])?;
     let checkpoint_bytes = super::checkpoint::walk_bytes(&dir);
     println!(
-        "BERT hidden {} x {} layers, vocab {}: checkpoint of {:.1} MiB saved by {} processes",
-        a.hidden,
-        a.layers,
-        a.vocab,
+        "{}: checkpoint of {:.1} MiB saved by {} processes",
+        a.shape,
         checkpoint_bytes as f64 / (1u64 << 20) as f64,
         a.save
     );
@@ -126,12 +110,11 @@ fn worker(a: &ReshardArgs, phase: &str, dir: &std::path::Path) -> Result<()> {
     memory::CountingAllocator::mark_installed();
     match phase {
         "save" => {
-            let (fsdp, adamw) = super::checkpoint::bert_engine(a.hidden, a.layers, a.vocab, true)?;
+            let (fsdp, adamw) = super::checkpoint::bert_engine(a.shape, true)?;
             fsdp.save_state(dir, &adamw, &RunState::default())?;
         }
         "load" => {
-            let (mut fsdp, mut adamw) =
-                super::checkpoint::bert_engine(a.hidden, a.layers, a.vocab, false)?;
+            let (mut fsdp, mut adamw) = super::checkpoint::bert_engine(a.shape, false)?;
             let (heap, read) = (memory::resident_bytes(), bytes_read()?);
             memory::reset_peak();
             let started = Instant::now();

@@ -195,7 +195,8 @@ fn plot(a: &PlotArgs) -> Result<()> {
         .iter()
         .zip(&bounds)
         .map(|(r, b)| {
-            let ms = |us: f64| (us / 1000.0 * 1000.0).round() / 1000.0;
+            // Milliseconds, to the microsecond.
+            let ms = |us: f64| us.round() / 1000.0;
             let communication = covered(r, *b, 1, &["all_gather", "reduce"]);
             let waited = covered(r, *b, 0, &["wait"]);
             serde_json::json!({

@@ -182,8 +182,7 @@ impl LocalGroup {
         let ran = crate::work::RunTimes::default();
         let times = ran.clone();
         let job: Job = Box::new(move |m: &mut Member| {
-            let started = std::time::Instant::now();
-            let result = match invalid {
+            let result = crate::work::run_timed(&times, || match invalid {
                 Some(reason) => {
                     let err = m.invalid(call.name(), reason);
                     Err(m.fail(m.shared.lock(), err))
@@ -196,8 +195,7 @@ impl LocalGroup {
                         Call::Join => e,
                         _ => m.fail(m.shared.lock(), e),
                     }),
-            };
-            let _ = times.set((started, std::time::Instant::now()));
+            });
             let _ = tx.send(result);
         });
         let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());

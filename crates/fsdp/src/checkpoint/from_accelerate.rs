@@ -29,22 +29,15 @@ pub(crate) fn is_accelerate_checkpoint(root: &Path) -> bool {
         && !root.join(format::CHECKPOINT_FILE).exists()
 }
 
-/// A DCP tensor's owned rows as f32 (F32 tensors only; `load_params` refuses the others).
+/// A DCP tensor's rows `rows` as f32 (F32 tensors only; `load_params` refuses the others,
+/// and `check_params` made the shapes agree).
 fn rows_of(
     ckpt: &DcpCheckpoint,
     name: &str,
     rows: std::ops::Range<usize>,
-    row_elems: usize,
 ) -> Result<Vec<f32>, CheckpointError> {
-    let t = &ckpt.tensors[name];
-    let owned = ckpt.read_rows(name, t, rows.clone())?;
-    if owned.len() != rows.len() * row_elems * 4 {
-        return Err(CheckpointError::Usage(format!(
-            "`{name}`: rows of {row_elems} elements asked of {:?}",
-            t.shape
-        )));
-    }
-    Ok(owned
+    Ok(ckpt
+        .read_rows(name, &ckpt.tensors[name], rows)?
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect())
@@ -127,8 +120,8 @@ pub(crate) fn read_all(
         saved_optimizers.push((dir, ckpt, meta, tensors));
     }
     for ((dir, ckpt), m) in saved_models.iter().zip(models.iter_mut()) {
-        load_params(dir, &saved_of(ckpt), m, &mut |name, rows, row_elems| {
-            rows_of(ckpt, name, rows, row_elems)
+        load_params(dir, &saved_of(ckpt), m, &mut |name, rows, _| {
+            rows_of(ckpt, name, rows)
         })?;
     }
     let mut step = 0;
@@ -140,9 +133,7 @@ pub(crate) fn read_all(
             tensors,
             models[i],
             &mut *optimizers[i],
-            &mut |name, rows, row_elems| {
-                rows_of(ckpt, &format!("optimizer.state.{name}"), rows, row_elems)
-            },
+            &mut |name, rows, _| rows_of(ckpt, &format!("optimizer.state.{name}"), rows),
         )?;
     }
     match ours {
@@ -328,7 +319,7 @@ fn optimizer_doc(
             .ok_or_else(|| bad(format!("`{name}`: a tensor outside the optimizer's state")))?;
         match rest.strip_suffix(".step") {
             Some(param) => {
-                let value = rows_of(ckpt, name, 0..1, 1)?;
+                let value = rows_of(ckpt, name, 0..1)?;
                 let step = value.first().copied().unwrap_or(f32::NAN);
                 if !(step >= 0.0 && step.fract() == 0.0) {
                     return Err(bad(format!("`{name}` is {step}, not a step count")));
