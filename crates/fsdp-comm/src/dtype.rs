@@ -132,22 +132,41 @@ element!(
 
 /// Combines `src` into `dst` element-wise (`Avg` accumulates as `Sum`; divide at the end).
 pub fn reduce_into<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp) {
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, s)| *d = T::add(*d, *s)),
-        ReduceOp::Max => dst.iter_mut().zip(src).for_each(|(d, s)| {
-            if *s > *d {
-                *d = *s
-            }
-        }),
-        ReduceOp::Min => dst.iter_mut().zip(src).for_each(|(d, s)| {
-            if *s < *d {
-                *d = *s
-            }
-        }),
+    fn each<T: Element>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = f(*d, *s));
     }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each(dst, src, T::add),
+        ReduceOp::Max => each(dst, src, max_of),
+        ReduceOp::Min => each(dst, src, min_of),
+    }
+}
+
+/// Writes `a` combined with `b` element-wise into `dst`: [`reduce_into`] of `b` into a copy
+/// of `a`, bit for bit, without the copy.
+pub fn reduce_pair_into<T: Element>(dst: &mut [T], a: &[T], b: &[T], op: ReduceOp) {
+    fn each<T: Element>(dst: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+        dst.iter_mut()
+            .zip(a.iter().zip(b))
+            .for_each(|(d, (x, y))| *d = f(*x, *y));
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each(dst, a, b, T::add),
+        ReduceOp::Max => each(dst, a, b, max_of),
+        ReduceOp::Min => each(dst, a, b, min_of),
+    }
+}
+
+/// `s` where it is greater than `d`, else `d` (so a NaN `s` keeps `d`).
+#[inline]
+fn max_of<T: Element>(d: T, s: T) -> T {
+    if s > d { s } else { d }
+}
+
+/// `s` where it is less than `d`, else `d`.
+#[inline]
+fn min_of<T: Element>(d: T, s: T) -> T {
+    if s < d { s } else { d }
 }
 
 /// Finishes an average by dividing by the group size.
@@ -167,4 +186,46 @@ pub fn as_bytes<T: Element>(buf: &[T]) -> &[u8] {
 pub fn as_bytes_mut<T: Element>(buf: &mut [T]) -> &mut [u8] {
     // SAFETY: `Element` types are plain old data; every byte pattern is a valid value.
     unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast(), std::mem::size_of_val(buf)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Awkward values: rounding-sensitive sums, signed zeros, infinities and NaNs.
+    fn awkward(seed: u32, n: usize) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                match i % 11 {
+                    0 => f32::NAN,
+                    1 => -0.0,
+                    2 => f32::INFINITY,
+                    _ => f32::from_bits(x) % 1e6,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn reducing_a_pair_into_a_third_buffer_is_reducing_into_a_copy_bit_for_bit() {
+        let (a, b) = (awkward(1, 1000), awkward(2, 1000));
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let mut want = a.clone();
+            reduce_into(&mut want, &b, op);
+            let mut got = vec![7.0; a.len()];
+            reduce_pair_into(&mut got, &a, &b, op);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{op:?}");
+        }
+        let (x, y) = (vec![bf16::from_f32(1.0); 4], vec![bf16::from_f32(1e-3); 4]);
+        let mut want = x.clone();
+        reduce_into(&mut want, &y, ReduceOp::Sum);
+        let mut got = vec![bf16::ZERO; 4];
+        reduce_pair_into(&mut got, &x, &y, ReduceOp::Sum);
+        assert_eq!(got, want);
+    }
 }

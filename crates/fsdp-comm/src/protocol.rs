@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::dtype::{DType, Element, ReduceOp, as_bytes_mut, reduce_into};
+use crate::dtype::{DType, Element, ReduceOp, as_bytes_mut, reduce_into, reduce_pair_into};
 use crate::error::{CommError, Result};
 use crate::shm::{InFrame, OutFrame, Segment, Sink, TransferError};
 use crate::transport::{Header, KIND_DATA, Links, RecvFailure};
@@ -416,6 +416,30 @@ impl Engine {
                 let start = off / size;
                 let src = cast::<T>(piece);
                 reduce_into(&mut dst[start..start + src.len()], src, op);
+            }),
+        }
+    }
+
+    /// A receive that writes `own` reduced with what arrives into `dst` (same length), bit
+    /// for bit what [`Engine::reducing`] into a copy of `own` gives.
+    pub(crate) fn reducing_to<'a, T: Element>(
+        peer: usize,
+        step: u32,
+        own: &'a [T],
+        dst: &'a mut [T],
+        op: ReduceOp,
+    ) -> In<'a> {
+        let size = std::mem::size_of::<T>();
+        let len = std::mem::size_of_val(dst);
+        In {
+            peer,
+            step,
+            len,
+            sink: Box::new(move |off, piece| {
+                let start = off / size;
+                let src = cast::<T>(piece);
+                let end = start + src.len();
+                reduce_pair_into(&mut dst[start..end], &own[start..end], src, op);
             }),
         }
     }

@@ -30,21 +30,35 @@ impl Engine {
     }
 
     /// Ring reduce-scatter over `parts` (the chunk boundaries); on return this rank's part
-    /// `rank` holds the reduction of every rank's part `rank`.
+    /// `rank` holds the reduction of every rank's part `rank` — in `buf`, or, given `out`
+    /// (that part's length), in `out` (the last step reduces into it, sparing a copy).
     fn ring_reduce_scatter<T: Element>(
         &mut self,
         h: Header,
         buf: &mut [T],
         parts: &[(usize, usize)],
         op: ReduceOp,
+        out: Option<&mut [T]>,
     ) -> Result<()> {
         let n = self.size;
-        for s in 0..n - 1 {
+        let last = n - 2;
+        for s in 0..last {
             let send = (self.rank + 2 * n - 1 - s) % n;
             let recv = (self.rank + 2 * n - 2 - s) % n;
             self.ring_step(h, s as u32, buf, parts[send], parts[recv], Some(op))?;
         }
-        Ok(())
+        // The last step receives this rank's own part.
+        let send = parts[(self.rank + 1) % n];
+        let own = parts[self.rank];
+        match out {
+            None => self.ring_step(h, last as u32, buf, send, own, Some(op)),
+            Some(out) => {
+                let (prev, next) = (self.prev(), self.next());
+                let sink = Self::reducing_to(prev, last as u32, &buf[own.0..own.1], out, op);
+                let outs = [(next, last as u32, as_bytes(&buf[send.0..send.1]))];
+                self.transfer(h, &outs, vec![sink])
+            }
+        }
     }
 
     /// Ring all-gather: part `rank` of `buf` is this rank's; on return every part is filled.
@@ -83,7 +97,7 @@ impl Engine {
             return self.direct_all_reduce(h, buf, op);
         }
         let parts = split(buf.len(), n);
-        self.ring_reduce_scatter(h, &mut buf, &parts, op)?;
+        self.ring_reduce_scatter(h, &mut buf, &parts, op, None)?;
         let (a, b) = parts[self.rank];
         finish_avg(&mut buf[a..b], op, n);
         self.ring_all_gather(h, &mut buf, &parts, n as u32)?;
@@ -177,11 +191,22 @@ impl Engine {
         let k = input.len() / n;
         let parts: Vec<(usize, usize)> = (0..n).map(|r| (r * k, (r + 1) * k)).collect();
         if n > 1 && k > 0 {
-            self.ring_reduce_scatter(h, &mut input, &parts, op)?;
+            // Every element is written: a reused buffer of the right length is not cleared,
+            // and a new one comes from zeroed pages the kernel provides lazily.
+            if out.len() != k {
+                if out.capacity() >= k {
+                    out.clear();
+                    out.resize(k, T::default());
+                } else {
+                    out = vec![T::default(); k];
+                }
+            }
+            self.ring_reduce_scatter(h, &mut input, &parts, op, Some(&mut out))?;
+        } else {
+            let (a, b) = parts[self.rank];
+            out.clear();
+            out.extend_from_slice(&input[a..b]);
         }
-        let (a, b) = parts[self.rank];
-        out.clear();
-        out.extend_from_slice(&input[a..b]);
         finish_avg(&mut out, op, n);
         Ok((input, out))
     }

@@ -97,16 +97,19 @@ pub fn check_collectives<T: TestElement>(
         // Rank r's input of n blocks is data(r, len * n); only this rank's block of each is
         // needed to check the result (materialising all would cost n^2 blocks).
         let my_block_of = |r: usize| data_from::<T>(r, rank * len, len);
-        let got = c
-            .reduce_scatter(T::into_buffer(data::<T>(rank, len * n)), ReduceOp::Sum)
-            .wait()
-            .map_err(err)
-            .and_then(typed::<T>)?;
-        let mut want = my_block_of(0);
-        for r in 1..n {
-            fsdp_comm::dtype::reduce_into(&mut want, &my_block_of(r), ReduceOp::Sum);
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let got = c
+                .reduce_scatter(T::into_buffer(data::<T>(rank, len * n)), op)
+                .wait()
+                .map_err(err)
+                .and_then(typed::<T>)?;
+            let mut want = my_block_of(0);
+            for r in 1..n {
+                fsdp_comm::dtype::reduce_into(&mut want, &my_block_of(r), op);
+            }
+            fsdp_comm::dtype::finish_avg(&mut want, op, n);
+            expect_eq(&ctx(&format!("reduce_scatter {op:?}")), &got, &want)?;
         }
-        expect_eq(&ctx("reduce_scatter"), &got, &want)?;
 
         let root = n - 1;
         let got = c
