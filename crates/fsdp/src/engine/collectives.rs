@@ -8,8 +8,8 @@ use std::time::Instant;
 use candle_core::{CpuStorage, Storage, Tensor};
 use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 
+use super::cpu_floats::float_pair;
 use super::error::EngineError;
-use super::param::float_pair;
 use super::plan::ShardLayout;
 use crate::trace::Tracer;
 

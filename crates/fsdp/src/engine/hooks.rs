@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, Weak};
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 
+use super::cpu_floats::float_copy;
 use crate::nn::Recompute;
 
 /// What the graph ops call back into: the step they belong to.
@@ -105,29 +105,6 @@ fn take_once(slot: &Mutex<Option<CpuStorage>>, op: &str) -> candle_core::Result<
         .ok_or_else(|| {
             candle_core::Error::Msg(format!("{op}: values already moved into the graph"))
         })
-}
-
-/// A contiguous copy of a unit output's float elements.
-pub(crate) fn float_copy(
-    s: &CpuStorage,
-    l: &Layout,
-    op: &'static str,
-) -> candle_core::Result<CpuStorage> {
-    let (start, end) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: unit output must be contiguous")))?;
-    Ok(match s {
-        CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
-        CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
-        CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
-        CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
-        other => {
-            return Err(candle_core::Error::Msg(format!(
-                "{op}: unit outputs are floats, not {:?}",
-                other.dtype()
-            )));
-        }
-    })
 }
 
 /// A unit's forward under activation checkpointing as one graph node on (the unit's input,

@@ -9,6 +9,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor};
 use fsdp_comm::{Buffer, DType};
 
+use super::cpu_floats::float_pair;
 use super::error::EngineError;
 use super::plan::ShardLayout;
 
@@ -237,21 +238,6 @@ impl ShardLayout {
         }
     }
 }
-
-/// Runs `$body` with `$v` bound to the float vector of a CPU storage or host buffer of the
-/// same element type; `$other` otherwise.
-macro_rules! float_pair {
-    ($storage:expr, $buffer:expr, |$s:ident, $b:ident| $body:expr, $other:expr) => {
-        match ($storage, $buffer) {
-            (CpuStorage::F32($s), Buffer::F32($b)) => $body,
-            (CpuStorage::F64($s), Buffer::F64($b)) => $body,
-            (CpuStorage::BF16($s), Buffer::BF16($b)) => $body,
-            (CpuStorage::F16($s), Buffer::F16($b)) => $body,
-            _ => $other,
-        }
-    };
-}
-pub(crate) use float_pair;
 
 /// The full parameter `layout` out of a gathered block, as a CPU storage of its dtype.
 pub(crate) fn unpack_storage(

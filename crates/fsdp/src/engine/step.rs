@@ -11,10 +11,11 @@ use candle_core::{Device, Storage, Tensor, TensorId, Var};
 use fsdp_comm::{Buffer, Mesh};
 
 use super::collectives::{CommDtypes, PendingReduce};
+use super::cpu_floats::float_copy;
 use super::debug;
 use super::error::EngineError;
 use super::grads::GradBlock;
-use super::hooks::{Checkpoint, StepHooks, float_copy};
+use super::hooks::{Checkpoint, StepHooks};
 use super::offload::DiskTier;
 use super::unit::{FsdpUnit, Moment, Prefetch, RunContext, ShardedState, UnitRun};
 use crate::nn::{Params, Recompute};
