@@ -14,8 +14,9 @@
 #
 # `memory` instead trains `fsdp bench memory`'s BERT on 2 machines x 2 processes (one
 # `fsdp launch` per machine: shared memory inside a machine, TCP between them) under
-# FULL_SHARD and HYBRID_SHARD and prints each rank 0 result (step time, bytes sent inside
-# shard groups and across machines, against the algorithms' theory).
+# FULL_SHARD and HYBRID_SHARD (or the strategies STRATEGIES names, space-separated) and prints
+# each rank 0 result (step time, bytes sent inside shard groups and across machines, against
+# the algorithms' theory).
 set -euo pipefail
 mode=collectives
 if [ "${1:-}" = memory ]; then mode=memory; shift; fi
@@ -51,7 +52,7 @@ report() { sed -n 's/^\(\[rank0\]: \)\{0,1\}\({"benchmark".*\)$/\2/p' "$1" | tai
 if [ "$mode" = memory ]; then
   echo "# link: veth, tc tbf rate $rate; 2 machines x 2 processes" >&2
   results=()
-  for strategy in FULL_SHARD HYBRID_SHARD; do
+  for strategy in ${STRATEGIES:-FULL_SHARD HYBRID_SHARD}; do
     port=$((29600 + tag % 300))
     for i in 0 1; do
       ns=$([ $i = 0 ] && echo "$m0" || echo "$m1")

@@ -135,9 +135,9 @@ impl Tracer {
         self.record(name, category, Lane::Compute, began, Instant::now(), args);
     }
 
-    /// A collective of `unit` (`op`: `all-gather`, `reduce-scatter`; `category` its kind)
-    /// that ran from `ran.0` to `ran.1`, and the compute lane's wait for it from `waited`
-    /// until now; `args` (its bytes) gain the unit.
+    /// A collective of `unit` (`op`: `all-gather`, `reduce-scatter`, `all-reduce`; `category`
+    /// its kind) that ran from `ran.0` to `ran.1`, and the compute lane's wait for it from
+    /// `waited` until now; `args` (its bytes) gain the unit.
     pub fn collective(
         &self,
         op: &str,

@@ -20,7 +20,7 @@ const KINDS: [(&str, &str, [u8; 3]); 6] = [
     ("optimizer", "optimizer step", [0xf5, 0x85, 0x18]),
     ("wait", "waiting for a collective", [0xe4, 0x57, 0x56]),
     ("all_gather", "all-gather", [0xb2, 0x79, 0xa2]),
-    ("reduce", "reduce-scatter", [0x9d, 0x75, 0x5d]),
+    ("reduce", "gradient reduction", [0x9d, 0x75, 0x5d]),
 ];
 
 fn colour(category: &str) -> [u8; 3] {

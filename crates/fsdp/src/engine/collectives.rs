@@ -51,9 +51,13 @@ pub(crate) fn all_gather(
 }
 
 /// A unit's gradients on their way to this rank's rows: a reduce-scatter (mean) over the
-/// shard dimension in flight, then a mean over replicas when the mesh has them.
+/// shard dimension in flight, then a mean over replicas when the mesh has them — or, with a
+/// shard dimension of one rank (NO_SHARD), the replicas' mean itself in flight.
 pub(crate) struct PendingReduce {
     scatter: Work<Buffer>,
+    /// The collective in flight, for the trace.
+    kind: &'static str,
+    /// Replicas to average over once the reduce-scatter is done.
     replicate: Option<Arc<dyn Communicator>>,
     /// When it was issued, and the bytes sent (for the trace).
     issued: Instant,
@@ -75,7 +79,7 @@ impl PendingReduce {
         }
         if let Some(t) = trace {
             let args = serde_json::json!({ "bytes": self.bytes });
-            t.collective("reduce-scatter", "reduce", unit, (start, end), waited, args);
+            t.collective(self.kind, "reduce", unit, (start, end), waited, args);
         }
         match out {
             Buffer::F32(v) => Ok(v),
@@ -91,12 +95,18 @@ impl PendingReduce {
 /// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean.
 pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
     let packed_bytes = packed.len() * packed.dtype().size();
-    let scatter = if mesh.shard_size() == 1 {
-        Work::ready(Ok(packed))
-    } else {
+    let (scatter, kind, replicate) = match (mesh.shard_size(), &mesh.replicate) {
+        (1, None) => (Work::ready(Ok(packed)), "reduce-scatter", None),
+        // Nothing to scatter: the replicas' mean starts now, while backward goes on, instead
+        // of when the step waits for it.
+        (1, Some(r)) => (r.all_reduce(packed, ReduceOp::Avg), "all-reduce", None),
         // Not `reduce_scatter_into`: the packed input is freed when the collective is done
         // with it, not held until the step waits for every unit's reduction.
-        mesh.shard.reduce_scatter(packed, ReduceOp::Avg)
+        _ => (
+            mesh.shard.reduce_scatter(packed, ReduceOp::Avg),
+            "reduce-scatter",
+            mesh.replicate.clone(),
+        ),
     };
     PendingReduce {
         bytes: if mesh.shard_size() == 1 && mesh.replicate.is_none() {
@@ -105,7 +115,8 @@ pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
             packed_bytes
         },
         scatter,
-        replicate: mesh.replicate.clone(),
+        kind,
+        replicate,
         issued: Instant::now(),
     }
 }
