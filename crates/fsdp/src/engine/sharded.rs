@@ -408,10 +408,19 @@ impl Fsdp {
     pub fn backward(&mut self, params: StepParams, loss: Tensor) -> Result<Gradients, EngineError> {
         let ((units, has_grad), local) = self.run_backward(&params, loss, true)?;
         drop(params);
+        // Every replicated parameter's gradient in one collective, not one each.
+        let mut flat = Vec::with_capacity(local.values().map(Vec::len).sum());
+        local.values().for_each(|g| flat.extend_from_slice(g));
+        let mut flat = if flat.is_empty() {
+            Vec::new()
+        } else {
+            let mean = self.mesh.all_reduce(Buffer::F32(flat), ReduceOp::Avg)?;
+            mean.into_vec::<f32>().unwrap_or_default()
+        };
         let mut replicated = BTreeMap::new();
-        for (name, g) in local {
-            let g = self.mesh.all_reduce(Buffer::F32(g), ReduceOp::Avg)?;
-            replicated.insert(name, g.into_vec::<f32>().unwrap_or_default());
+        for (name, g) in local.into_iter().rev() {
+            let rest = flat.len() - g.len();
+            replicated.insert(name, flat.split_off(rest));
         }
         Ok(Gradients {
             units,
