@@ -66,6 +66,12 @@ impl<T: Send + 'static> Work<T> {
         }
     }
 
+    /// Whether the communication thread has finished running the collective, so
+    /// [`Work::wait`] returns without blocking; false where the transport does not say.
+    pub fn is_finished(&self) -> bool {
+        self.ran.as_ref().is_some_and(|r| r.get().is_some())
+    }
+
     /// Blocks until the collective finishes and returns its result.
     pub fn wait(self) -> Result<T> {
         (self.finish)()

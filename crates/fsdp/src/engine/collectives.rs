@@ -57,26 +57,60 @@ pub(crate) struct PendingReduce {
     scatter: Work<Buffer>,
     /// The collective in flight, for the trace.
     kind: &'static str,
-    /// Replicas to average over once the reduce-scatter is done.
+    /// Replicas to average over once the reduce-scatter is done (taken when that mean is
+    /// issued).
     replicate: Option<Arc<dyn Communicator>>,
+    /// When the reduce-scatter ran, once the replicas' mean has replaced it in `scatter`.
+    scattered: Option<(Instant, Instant)>,
     /// When it was issued, and the bytes sent (for the trace).
     issued: Instant,
     bytes: usize,
 }
 
 impl PendingReduce {
+    /// Issues the replicas' mean if the reduce-scatter has finished; returns whether nothing
+    /// is left to issue. Call it on a step's reductions in the order they were issued,
+    /// stopping at the first that returns false, so every rank issues the replicas' means in
+    /// one order whenever each rank sees its reduce-scatters finish.
+    pub fn advance(&mut self) -> bool {
+        if self.replicate.is_none() {
+            return true;
+        }
+        if !self.scatter.is_finished() {
+            return false;
+        }
+        self.issue_replicate();
+        true
+    }
+
+    /// Replaces the finished (or awaited) reduce-scatter with the replicas' mean of its
+    /// result; a failure stays in `scatter` for [`PendingReduce::wait`].
+    fn issue_replicate(&mut self) {
+        let Some(r) = self.replicate.take() else {
+            return;
+        };
+        let scatter =
+            std::mem::replace(&mut self.scatter, Work::ready(Ok(Buffer::F32(Vec::new()))));
+        self.scatter = match scatter.wait_timed() {
+            Ok((out, ran)) => {
+                self.scattered = Some(ran.unwrap_or((self.issued, Instant::now())));
+                r.all_reduce(out, ReduceOp::Avg)
+            }
+            Err(e) => Work::ready(Err(e)),
+        };
+    }
+
     /// This rank's reduced gradient rows of the unit, in f32 (the optimizer's type); the
     /// reduction is recorded in `trace` as `unit`'s.
-    pub fn wait(self, trace: Option<&Tracer>, unit: &str) -> Result<Vec<f32>, CommError> {
+    pub fn wait(mut self, trace: Option<&Tracer>, unit: &str) -> Result<Vec<f32>, CommError> {
         let waited = Instant::now();
-        let (mut out, ran) = self.scatter.wait_timed()?;
-        let (mut start, mut end) = ran.unwrap_or((self.issued, Instant::now()));
-        if let Some(r) = &self.replicate {
-            let (o, ran) = r.all_reduce(out, ReduceOp::Avg).wait_timed()?;
-            out = o;
-            let (s, e) = ran.unwrap_or((end, Instant::now()));
-            (start, end) = (start.min(s), e);
-        }
+        self.issue_replicate();
+        let (out, ran) = self.scatter.wait_timed()?;
+        let first = self.scattered.unwrap_or((self.issued, waited));
+        let (start, end) = match ran {
+            Some((s, e)) => (first.0.min(s), e),
+            None => (first.0, Instant::now()),
+        };
         if let Some(t) = trace {
             let args = serde_json::json!({ "bytes": self.bytes });
             t.collective(self.kind, "reduce", unit, (start, end), waited, args);
@@ -117,6 +151,7 @@ pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
         scatter,
         kind,
         replicate,
+        scattered: None,
         issued: Instant::now(),
     }
 }

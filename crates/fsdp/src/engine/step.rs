@@ -511,6 +511,12 @@ impl StepHooks for StepShared {
             .and_then(|pending| match pending {
                 Some(p) => {
                     inner.pending.push((u, p));
+                    // Replicas' means of the reductions done so far, in issue order.
+                    for (_, p) in inner.pending.iter_mut() {
+                        if !p.advance() {
+                            break;
+                        }
+                    }
                     self.prefetch_after(&mut inner, Moment::Reduced, u)?;
                     self.store_reduced(&mut inner, 1)
                 }
