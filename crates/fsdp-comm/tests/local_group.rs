@@ -242,3 +242,35 @@ fn join_names_the_members_that_did_not_come() {
         "{mixed:?}"
     );
 }
+
+#[test]
+fn a_handle_says_when_its_collective_has_run_without_waiting() {
+    let results = on_members(LocalGroup::create(2), |g| {
+        // Rank 1 joins late: rank 0's all-reduce cannot have run before it does.
+        if g.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let work = g.all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum);
+        let early = work.is_finished();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !work.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let finished = work.is_finished();
+        (
+            early,
+            finished,
+            work.wait().unwrap().into_vec::<f32>().unwrap(),
+        )
+    });
+    assert!(
+        !results[0].0,
+        "rank 0's all-reduce finished before its peer called it"
+    );
+    for (_, finished, sum) in &results {
+        assert!(finished);
+        assert_eq!(sum, &vec![2.0; 4]);
+    }
+    // A transport that does not say is never reported finished before it is waited for.
+    assert!(!fsdp_comm::Work::ready(Ok(1)).is_finished());
+}
