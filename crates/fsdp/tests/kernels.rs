@@ -361,6 +361,80 @@ fn cross_entropy_variants() {
 }
 
 #[test]
+fn linear_cross_entropy_is_projection_then_cross_entropy() {
+    // 4100 rows of a 4099-token vocabulary: three chunks of logits (2046, 2046, 8 rows).
+    let (n, h, v) = (4100, 3, 4099);
+    let targets: Vec<i64> = (0..n as i64)
+        .map(|i| {
+            if i % 7 == 3 {
+                -100
+            } else {
+                (i * 31) % v as i64
+            }
+        })
+        .collect();
+    let t = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let inputs = [rand(&[n, h], 21, 2.0, dtype), rand(&[v, h], 22, 2.0, dtype)];
+        for (reduction, smoothing) in [(Reduction::Mean, 0.0), (Reduction::Sum, 0.1)] {
+            let s = CrossEntropy {
+                reduction,
+                label_smoothing: smoothing,
+                ..Default::default()
+            };
+            let (t1, t2) = (t.clone(), t.clone());
+            against_composed(
+                &format!("linear_cross_entropy {dtype:?} {reduction:?} smoothing {smoothing}"),
+                &move |x| ops::linear_cross_entropy(&x[0], &x[1], &t1, s),
+                &move |x| ops::cross_entropy(&x[0].matmul(&x[1].t()?)?, &t2, s),
+                &inputs,
+                tol,
+            );
+        }
+    }
+    let small = Tensor::new(&[2i64, -100, 0, 4, 4, 1], &Device::Cpu).unwrap();
+    let s = CrossEntropy {
+        label_smoothing: 0.2,
+        ..Default::default()
+    };
+    let t1 = small.clone();
+    against_finite_differences(
+        "linear_cross_entropy",
+        &move |x| ops::linear_cross_entropy(&x[0], &x[1], &t1, s),
+        &[
+            rand(&[6, 4], 23, 1.5, DType::F64),
+            rand(&[5, 4], 24, 1.5, DType::F64),
+        ],
+    );
+    // Half precision is computed in f32 (the loss an f32 scalar, gradients in the inputs'
+    // type); shapes that do not fit are errors naming the op.
+    let t2 = small.clone();
+    half_tracks_f32(
+        "cross_entropy (linear)",
+        DType::BF16,
+        &move |x| ops::linear_cross_entropy(&x[0], &x[1], &t2, CrossEntropy::default()),
+        &[
+            rand(&[6, 4], 25, 1.0, DType::F32),
+            rand(&[5, 4], 26, 1.0, DType::F32),
+        ],
+        2e-2,
+    );
+    let bad = ops::linear_cross_entropy(
+        &rand(&[6, 4], 27, 1.0, DType::F32),
+        &rand(&[5, 3], 28, 1.0, DType::F32),
+        &small,
+        CrossEntropy::default(),
+    );
+    assert!(
+        bad.unwrap_err()
+            .to_string()
+            .contains("linear_cross_entropy"),
+        "a [5, 3] weight for [6, 4] hidden states"
+    );
+}
+
+#[test]
 fn dropout_is_seeded_scaled_and_differentiable() {
     let x = (rand(&[64, 64], 16, 1.0, DType::F64).abs().unwrap() + 1.0).unwrap();
     let y = ops::dropout(&x, 0.25, 42).unwrap();

@@ -68,7 +68,12 @@ impl CrossEntropy {
     }
 
     /// The reduced loss, and each row's log-sum-exp (NaN for ignored rows).
-    fn forward<T: Float>(&self, x: &[T], t: &[i64], c: usize) -> Result<(f64, Vec<f64>)> {
+    pub(super) fn forward<T: Float>(
+        &self,
+        x: &[T],
+        t: &[i64],
+        c: usize,
+    ) -> Result<(f64, Vec<f64>)> {
         let eps = self.label_smoothing;
         let mut total = 0.0;
         let mut count = 0usize;
@@ -102,7 +107,14 @@ impl CrossEntropy {
     }
 
     /// The logits' gradient from the rows' saved log-sum-exps: `(softmax - q) * scale`.
-    fn backward<T: Float>(&self, x: &[T], t: &[i64], c: usize, g: f64, lses: &[f64]) -> Vec<T> {
+    pub(super) fn backward<T: Float>(
+        &self,
+        x: &[T],
+        t: &[i64],
+        c: usize,
+        g: f64,
+        lses: &[f64],
+    ) -> Vec<T> {
         let eps = self.label_smoothing;
         let count = t.iter().filter(|&&v| v != self.ignore_index).count();
         let scale = match self.reduction {

@@ -1,0 +1,177 @@
+//! A language model's output projection and its cross-entropy as one op: the logits
+//! (`hidden · weightᵀ`, tokens × vocabulary — the largest activation of a small LM) are made a
+//! few rows at a time and never kept. Forward computes each chunk's loss and, while the
+//! chunk is at hand, its gradient, folding it into the gradients of the hidden states and of
+//! the weight; backward only scales those by the upstream gradient. The arithmetic per row is
+//! [`super::cross_entropy`]'s, so the loss is the unfused one's.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::cross_entropy::{CrossEntropy, Reduction};
+use super::matmul::{gemm_into, gemm_new};
+use super::{Float, contiguous, float_dispatch};
+
+/// Logit elements made at once (rows of the vocabulary's width): 32 MiB of f32.
+const CHUNK_ELEMS: usize = 8 << 20;
+
+/// The op: the settings, the targets, and the gradients forward leaves for backward (at an
+/// upstream gradient of one).
+struct LinearCrossEntropyOp {
+    settings: CrossEntropy,
+    targets: Vec<i64>,
+    grads: Mutex<Option<(Tensor, Tensor)>>,
+}
+
+/// The loss of `x` [n, h] projected by `w` [v, h] against `t`, and its gradients with
+/// respect to `x` and `w` at an upstream gradient of one.
+fn loss_and_grads<T: Float>(
+    settings: &CrossEntropy,
+    x: &[T],
+    w: &[T],
+    t: &[i64],
+    (n, h, v): (usize, usize, usize),
+) -> Result<(f64, Vec<T>, Vec<T>)> {
+    let count = t.iter().filter(|&&t| t != settings.ignore_index).count();
+    // Chunks are summed, then scaled as the reduction asks: the per-row terms are the
+    // unfused op's.
+    let summed = CrossEntropy {
+        reduction: Reduction::Sum,
+        ..*settings
+    };
+    let scale = match settings.reduction {
+        Reduction::Sum => 1.0,
+        Reduction::Mean => 1.0 / count as f64,
+    };
+    let rows = (CHUNK_ELEMS / v.max(1)).clamp(1, n.max(1));
+    let mut gx = vec![T::of(0.0); n * h];
+    let mut gw: Option<Vec<T>> = None;
+    let mut total = 0.0;
+    for r0 in (0..n).step_by(rows) {
+        let m = rows.min(n - r0);
+        let xc = &x[r0 * h..(r0 + m) * h];
+        let tc = &t[r0..r0 + m];
+        let logits = gemm_new(m, v, h, xc, h, 1, w, 1, h, 1.0);
+        let (part, lses) = summed.forward(&logits, tc, v)?;
+        total += part;
+        let dz = summed.backward(&logits, tc, v, scale, &lses);
+        drop(logits);
+        gemm_into(
+            m,
+            h,
+            v,
+            &mut gx[r0 * h..],
+            h,
+            false,
+            &dz,
+            v,
+            1,
+            w,
+            h,
+            1,
+            1.0,
+        );
+        match gw.as_mut() {
+            None => gw = Some(gemm_new(v, h, m, &dz, 1, v, xc, h, 1, 1.0)),
+            Some(gw) => gemm_into(v, h, m, gw, h, true, &dz, 1, v, xc, h, 1, 1.0),
+        }
+    }
+    let loss = match settings.reduction {
+        Reduction::Sum => total,
+        // PyTorch returns NaN for a mean over zero targets.
+        Reduction::Mean => total / count as f64,
+    };
+    Ok((loss, gx, gw.unwrap_or_else(|| vec![T::of(0.0); v * h])))
+}
+
+impl CustomOp2 for LinearCrossEntropyOp {
+    fn name(&self) -> &'static str {
+        "fused-linear-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (xd, wd) = (l1.shape().dims(), l2.shape().dims());
+        let ([n, h], [v, h2]) = (xd, wd) else {
+            return Err(candle_core::Error::Msg(format!(
+                "linear_cross_entropy: hidden states must be [N, H] and the weight [V, H]; got {xd:?} and {wd:?}"
+            )));
+        };
+        if h != h2 || self.targets.len() != *n || s1.dtype() != s2.dtype() {
+            return Err(candle_core::Error::Msg(format!(
+                "linear_cross_entropy: hidden states {xd:?} ({:?}), weight {wd:?} ({:?}) and {} targets do not fit",
+                s1.dtype(),
+                s2.dtype(),
+                self.targets.len()
+            )));
+        }
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let w = contiguous::<T>(s2, l2, self.name())?;
+            let (loss, gx, gw) =
+                loss_and_grads(&self.settings, x, w, &self.targets, (*n, *h, *v))?;
+            let device = candle_core::Device::Cpu;
+            let grads = (
+                Tensor::from_vec(gx, (*n, *h), &device)?,
+                Tensor::from_vec(gw, (*v, *h), &device)?,
+            );
+            *self.grads.lock().unwrap_or_else(|e| e.into_inner()) = Some(grads);
+            Ok((T::storage(vec![T::of(loss)]), Shape::from(())))
+        })
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let (gx, gw) = self
+            .grads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "linear_cross_entropy: backward without a matching forward".into(),
+                )
+            })?;
+        if g == 1.0 {
+            return Ok((Some(gx), Some(gw)));
+        }
+        Ok((Some(gx.affine(g, 0.0)?), Some(gw.affine(g, 0.0)?)))
+    }
+}
+
+/// Cross-entropy of the logits `hidden · weightᵀ` (`hidden` [N, H], `weight` [V, H]) against
+/// integer `targets` [N], as a scalar, without keeping the [N, V] logits or their gradient:
+/// what `cross_entropy(&hidden.matmul(&weight.t()?)?, targets, settings)` gives, with memory
+/// for a few rows of logits at a time. Gradients flow to both `hidden` and `weight`;
+/// half-precision inputs are taken in f32 (the loss is an f32 scalar).
+pub fn linear_cross_entropy(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    settings: CrossEntropy,
+) -> Result<Tensor> {
+    let widen = |t: &Tensor| match t.dtype() {
+        DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
+        _ => t.contiguous(),
+    };
+    let targets: Vec<i64> = targets.to_dtype(DType::I64)?.flatten_all()?.to_vec1()?;
+    let op = LinearCrossEntropyOp {
+        settings,
+        targets,
+        grads: Mutex::new(None),
+    };
+    widen(hidden)?.apply_op2(&widen(weight)?, op)
+}
