@@ -1,7 +1,8 @@
 //! The Llama family against transformers (fixtures from `tools/make_llama_fixture.py`):
 //! logits, loss and every parameter's gradient within 1e-5 relative in f32 for grouped-query
 //! and multi-head attention, tied and untied heads, Llama's and Qwen2's biases, linear and
-//! llama3 rope scaling and an explicit head_dim, on a right-padded batch; plus names, types,
+//! llama3 rope scaling and an explicit head_dim, on a right-padded batch (the loss from the
+//! logits and the loss with the head fused into it alike); plus names, types,
 //! causality, and configs that ask for what is not implemented.
 
 use std::path::{Path, PathBuf};
@@ -98,15 +99,26 @@ fn logits_loss_and_gradients_match_transformers() {
             };
             let d = rel_diff(&real(&logits), &real(want("logits")));
             assert!(d < tol, "{case} {dtype:?}: logits differ by {d:e}");
-            let d = rel_diff(&loss.reshape(1).unwrap(), want("loss"));
-            assert!(d < tol, "{case} {dtype:?}: loss differs by {d:e}");
-            let grads = loss.backward().unwrap();
-            for (name, var) in params.vars() {
-                let d = rel_diff(grads.get(var).unwrap(), want(&format!("grad.{name}")));
-                assert!(
-                    d < tol,
-                    "{case} {dtype:?}: gradient of {name} differs by {d:e}"
-                );
+            // The loss of the logits, and the loss with the head fused into it (no logits).
+            let fused = model
+                .forward_loss(
+                    &params,
+                    &ids,
+                    Some(&expected["attention_mask"]),
+                    &expected["labels"],
+                )
+                .unwrap();
+            for (how, loss) in [("from logits", loss), ("fused", fused)] {
+                let d = rel_diff(&loss.reshape(1).unwrap(), want("loss"));
+                assert!(d < tol, "{case} {dtype:?}: loss {how} differs by {d:e}");
+                let grads = loss.backward().unwrap();
+                for (name, var) in params.vars() {
+                    let d = rel_diff(grads.get(var).unwrap(), want(&format!("grad.{name}")));
+                    assert!(
+                        d < tol,
+                        "{case} {dtype:?}: gradient of {name} ({how}) differs by {d:e}"
+                    );
+                }
             }
             let reference = expected
                 .keys()

@@ -54,6 +54,13 @@ impl Linear {
         }
     }
 
+    /// The weight's name when this projection is `x · weightᵀ` alone (`nn.Linear`'s layout,
+    /// no bias, no activation): what an op fusing the projection with what follows takes.
+    pub fn plain_weight(&self) -> Option<&str> {
+        (self.bias.is_none() && self.gelu.is_none() && self.layout == WeightLayout::OutIn)
+            .then_some(self.weight.as_str())
+    }
+
     /// The same `nn.Linear` without its bias (`bias=False`: Llama's, Mistral's projections);
     /// the module then has the parameter `weight` only.
     pub fn without_bias(self) -> Linear {
@@ -282,6 +289,13 @@ impl TiedLmHead {
     /// The projection at `path` using the parameter named `weight` ([vocab, hidden]).
     pub fn new(path: String, weight: String) -> TiedLmHead {
         TiedLmHead { path, weight }
+    }
+}
+
+impl TiedLmHead {
+    /// The name of the weight it projects with (the embedding's).
+    pub fn weight_name(&self) -> &str {
+        &self.weight
     }
 }
 

@@ -354,6 +354,16 @@ impl Module for LmHead {
     }
 }
 
+impl LmHead {
+    /// The weight's name when the head is `x · weightᵀ` alone, as Llama's always is.
+    pub fn plain_weight(&self) -> Option<&str> {
+        match self {
+            LmHead::Own(l) => l.plain_weight(),
+            LmHead::Tied(t) => Some(t.weight_name()),
+        }
+    }
+}
+
 impl Forward<&Tensor> for LmHead {
     type Output = Tensor;
 
@@ -427,6 +437,37 @@ impl LlamaForCausalLM {
     /// ignored, the mean over the rest.
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
         super::causal_lm_loss(logits, labels)
+    }
+
+    /// [`LlamaForCausalLM::loss`] of the model's logits for `input_ids`, with the output
+    /// projection fused into the loss ([`crate::nn::ops::linear_cross_entropy`]): the
+    /// [batch, seq, vocab] logits and their gradient are never held, a few rows of them made
+    /// at a time. The same loss and gradients up to the order of float sums.
+    pub fn forward_loss(
+        &self,
+        p: &dyn Params,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> Result<Tensor> {
+        let x = self
+            .model
+            .call(p, (input_ids, attention_mask, self.dropout_seed))?;
+        let Some(weight) = self.lm_head.plain_weight() else {
+            return self.loss(&self.lm_head.call(p, &x)?, labels);
+        };
+        let (batch, seq, hidden) = x.dims3()?;
+        let shifted = x
+            .narrow(1, 0, seq - 1)?
+            .reshape((batch * (seq - 1), hidden))?;
+        let targets = labels
+            .to_dtype(candle_core::DType::I64)?
+            .narrow(1, 1, seq - 1)?
+            .flatten_all()?;
+        let settings = crate::nn::ops::CrossEntropy::default();
+        let loss =
+            crate::nn::ops::linear_cross_entropy(&shifted, &p.get(weight)?, &targets, settings)?;
+        crate::nn::ModuleOutput::report(loss, p, self.lm_head.path())
     }
 }
 
