@@ -383,7 +383,8 @@ fn main() -> Result<()> {
         if args.dump_batches.is_some() {
             dumped.push(ids.to_dtype(fsdp::nn::candle::DType::I64)?);
         }
-        let loss = model.forward(|m, p| m.loss(&m.forward(p, &ids, None)?, &ids))?;
+        // The head fused into the loss: the step never holds the [batch, seq, vocab] logits.
+        let loss = model.forward(|m, p| m.forward_loss(p, &ids, None, &ids))?;
         let local = loss
             .to_dtype(fsdp::nn::candle::DType::F32)?
             .to_scalar::<f32>()?;
