@@ -126,6 +126,30 @@ fn gpt2_is_causal_ties_gradients_and_learns() {
         .to_scalar::<f32>()
         .unwrap();
     assert!(unseen > 0.0, "no gradient through lm_head");
+    // With the head fused into the loss: the same loss and gradients.
+    let fused = model.forward_loss(&params, &ids, &ids).unwrap();
+    let (l0, l1) = (
+        loss.to_scalar::<f32>().unwrap(),
+        fused.to_scalar::<f32>().unwrap(),
+    );
+    assert!((l0 - l1).abs() <= 1e-6 * l0.abs(), "{l0} vs {l1}");
+    let fused_grads = fused.backward().unwrap();
+    for (name, var) in params.vars() {
+        let (a, b) = (grads.get(var).unwrap(), fused_grads.get(var).unwrap());
+        let scale = a
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let d = d.to_scalar::<f32>().unwrap();
+        assert!(
+            d <= 1e-5 * scale.max(1e-12),
+            "{name}: gradients differ by {d}"
+        );
+    }
     // A few steps of AdamW memorise the two sequences.
     let mut adamw = AdamW::new(AdamWConfig {
         lr: 3e-3,

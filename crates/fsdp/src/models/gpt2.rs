@@ -318,6 +318,22 @@ impl Gpt2LmHeadModel {
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
         super::causal_lm_loss(logits, labels)
     }
+
+    /// [`Gpt2LmHeadModel::loss`] of the model's logits for `input_ids`, with the tied head
+    /// fused into the loss ([`crate::nn::ops::linear_cross_entropy`]): the [batch, seq,
+    /// vocab] logits are never held. The same loss and gradients up to the order of float
+    /// sums.
+    pub fn forward_loss(
+        &self,
+        p: &dyn Params,
+        input_ids: &Tensor,
+        labels: &Tensor,
+    ) -> Result<Tensor> {
+        input_ids.dims2()?;
+        let x = self.transformer.call(p, (input_ids, self.dropout_seed))?;
+        let weight = p.get(self.lm_head.weight_name())?;
+        super::fused_causal_lm_loss(p, &x, &weight, labels, self.lm_head.path())
+    }
 }
 
 impl Module for Gpt2LmHeadModel {

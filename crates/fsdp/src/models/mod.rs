@@ -38,6 +38,30 @@ pub(crate) fn causal_lm_loss(
     crate::nn::ops::cross_entropy(&shifted, &targets, crate::nn::ops::CrossEntropy::default())
 }
 
+/// [`causal_lm_loss`] of the logits `hidden · weightᵀ` (`hidden` [batch, seq, h], `weight`
+/// [vocab, h]) without making them: the shifted hidden states go through
+/// [`crate::nn::ops::linear_cross_entropy`]. The loss is reported as module `head`'s output
+/// (what the logits were), so a head wrapped as an FSDP unit still sees its forward end.
+pub(crate) fn fused_causal_lm_loss(
+    p: &dyn crate::nn::Params,
+    hidden: &candle_core::Tensor,
+    weight: &candle_core::Tensor,
+    labels: &candle_core::Tensor,
+    head: &str,
+) -> candle_core::Result<candle_core::Tensor> {
+    let (batch, seq, h) = hidden.dims3()?;
+    let shifted = hidden
+        .narrow(1, 0, seq - 1)?
+        .reshape((batch * (seq - 1), h))?;
+    let targets = labels
+        .to_dtype(candle_core::DType::I64)?
+        .narrow(1, 1, seq - 1)?
+        .flatten_all()?;
+    let settings = crate::nn::ops::CrossEntropy::default();
+    let loss = crate::nn::ops::linear_cross_entropy(&shifted, weight, &targets, settings)?;
+    crate::nn::ModuleOutput::report(loss, p, head)
+}
+
 /// Greedy decoding (transformers' `generate(do_sample=False)`) for any causal LM: up to
 /// `max_new_tokens` tokens after `prompt`, each the most likely next one (the lowest id on a
 /// tie, as `argmax`), stopping after `eos`. `logits` runs the model on ids `[1, len]` and

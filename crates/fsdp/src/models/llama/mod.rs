@@ -456,18 +456,7 @@ impl LlamaForCausalLM {
         let Some(weight) = self.lm_head.plain_weight() else {
             return self.loss(&self.lm_head.call(p, &x)?, labels);
         };
-        let (batch, seq, hidden) = x.dims3()?;
-        let shifted = x
-            .narrow(1, 0, seq - 1)?
-            .reshape((batch * (seq - 1), hidden))?;
-        let targets = labels
-            .to_dtype(candle_core::DType::I64)?
-            .narrow(1, 1, seq - 1)?
-            .flatten_all()?;
-        let settings = crate::nn::ops::CrossEntropy::default();
-        let loss =
-            crate::nn::ops::linear_cross_entropy(&shifted, &p.get(weight)?, &targets, settings)?;
-        crate::nn::ModuleOutput::report(loss, p, self.lm_head.path())
+        super::fused_causal_lm_loss(p, &x, &p.get(weight)?, labels, self.lm_head.path())
     }
 }
 
