@@ -399,6 +399,23 @@ impl Engine {
         }
     }
 
+    /// A receive of `count` elements of `T`, each piece handed to `apply` as elements with
+    /// the index of its first.
+    fn elements<'a, T: Element>(
+        peer: usize,
+        step: u32,
+        count: usize,
+        mut apply: impl FnMut(usize, &[T]) + 'a,
+    ) -> In<'a> {
+        let size = std::mem::size_of::<T>();
+        In {
+            peer,
+            step,
+            len: count * size,
+            sink: Box::new(move |off, piece| apply(off / size, cast::<T>(piece))),
+        }
+    }
+
     /// A receive that reduces into `dst`.
     pub(crate) fn reducing<'a, T: Element>(
         peer: usize,
@@ -406,18 +423,9 @@ impl Engine {
         dst: &'a mut [T],
         op: ReduceOp,
     ) -> In<'a> {
-        let size = std::mem::size_of::<T>();
-        let len = std::mem::size_of_val(dst);
-        In {
-            peer,
-            step,
-            len,
-            sink: Box::new(move |off, piece| {
-                let start = off / size;
-                let src = cast::<T>(piece);
-                reduce_into(&mut dst[start..start + src.len()], src, op);
-            }),
-        }
+        Self::elements(peer, step, dst.len(), move |start, src: &[T]| {
+            reduce_into(&mut dst[start..start + src.len()], src, op)
+        })
     }
 
     /// A receive that writes `own` reduced with what arrives into `dst` (same length), bit
@@ -429,19 +437,10 @@ impl Engine {
         dst: &'a mut [T],
         op: ReduceOp,
     ) -> In<'a> {
-        let size = std::mem::size_of::<T>();
-        let len = std::mem::size_of_val(dst);
-        In {
-            peer,
-            step,
-            len,
-            sink: Box::new(move |off, piece| {
-                let start = off / size;
-                let src = cast::<T>(piece);
-                let end = start + src.len();
-                reduce_pair_into(&mut dst[start..end], &own[start..end], src, op);
-            }),
-        }
+        Self::elements(peer, step, dst.len(), move |start, src: &[T]| {
+            let end = start + src.len();
+            reduce_pair_into(&mut dst[start..end], &own[start..end], src, op)
+        })
     }
 
     /// Every other group rank.

@@ -307,10 +307,9 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
     let tmp = tempfile::tempdir().unwrap();
     // With fsdp_cpu_ram_efficient_loading only rank 0 dequantizes the file and sends each
     // rank its rows, unit by unit.
-    let out = run_on(
-        2,
-        "llama_example",
-        &[
+    // One step of short sequences, two held-out ones, a one-token continuation.
+    let short = |extra: &[&str]| -> Vec<String> {
+        let common = [
             "--max_train_steps",
             "1",
             "--seq_len",
@@ -321,11 +320,15 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
             "2",
             "--max_new_tokens",
             "1",
-            "--lr",
-            "3e-4",
-            "--output_dir",
-            tmp.path().to_str().unwrap(),
-        ],
+        ];
+        common.iter().chain(extra).map(|a| a.to_string()).collect()
+    };
+    let first = short(&["--lr", "3e-4", "--output_dir", tmp.path().to_str().unwrap()]);
+    let first: Vec<&str> = first.iter().map(String::as_str).collect();
+    let out = run_on(
+        2,
+        "llama_example",
+        &first,
         &[("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")],
     );
     // The held-out loss of the file's weights when every rank reads them itself (measured
@@ -367,24 +370,15 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
     // from the weights the first run ended with, tokenized alike — its held-out loss and
     // continuation before training are the first run's after.
     let again = tempfile::tempdir().unwrap();
+    let second = short(&[
+        "--model_dir",
+        saved.to_str().unwrap(),
+        "--output_dir",
+        again.path().to_str().unwrap(),
+    ]);
     let out2 = run(
         "llama_example",
-        &[
-            "--model_dir",
-            saved.to_str().unwrap(),
-            "--max_train_steps",
-            "1",
-            "--seq_len",
-            "32",
-            "--batch_size",
-            "2",
-            "--eval_samples",
-            "2",
-            "--max_new_tokens",
-            "1",
-            "--output_dir",
-            again.path().to_str().unwrap(),
-        ],
+        &second.iter().map(String::as_str).collect::<Vec<_>>(),
     );
     let evaluation = |out: &str, when: &str| {
         let line = out.lines().find(|l| l.contains(when)).unwrap_or_default();
