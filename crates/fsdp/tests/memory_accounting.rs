@@ -70,3 +70,39 @@ fn released_parameters_stay_uncounted_until_their_storage_is_freed() {
          {layer_bytes} and 2 ranks x {LAYERS} layers were released"
     );
 }
+
+/// The patched backward (vendor/candle-core) frees each activation once its backward has run,
+/// while the graph is still alive: after back-propagating a chain of 32 activations of 4 MiB
+/// (each op's output kept by the next op), only the ones the caller holds remain; a tensor
+/// the caller holds, and a view sharing its storage, keep their values.
+#[test]
+fn backward_frees_activations_as_it_goes_but_never_what_the_caller_holds() {
+    CountingAllocator::mark_installed();
+    let n = 1 << 20; // 4 MiB of f32 per activation
+    let x =
+        candle_core::Var::from_tensor(&Tensor::ones(n, DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let mut h = x.as_tensor().clone();
+    let mut held = None;
+    for i in 0..16 {
+        h = h.exp().unwrap().affine(0.25, 0.0).unwrap();
+        if i == 7 {
+            held = Some(h.clone());
+        }
+    }
+    let held = held.unwrap();
+    let view = held.reshape((1024, 1024)).unwrap();
+    let want: Vec<f32> = held.to_vec1().unwrap();
+    let loss = h.sum_all().unwrap();
+    let before = memory::resident_bytes() as f64 / (4 << 20) as f64;
+    let grads = loss.backward().unwrap();
+    // `loss` still holds the whole graph: without freeing, its 32 activations are all there.
+    let after = memory::resident_bytes() as f64 / (4 << 20) as f64;
+    assert!(
+        after < before - 25.0,
+        "{before:.1} activations' worth before backward, {after:.1} after it"
+    );
+    assert_eq!(held.to_vec1::<f32>().unwrap(), want);
+    assert_eq!(view.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    assert!(grads.get(x.as_tensor()).is_some());
+    drop(loss);
+}

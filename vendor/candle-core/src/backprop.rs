@@ -164,12 +164,29 @@ impl Tensor {
 
     pub fn backward(&self) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
+        // fsdp-rs patch: how many references the graph's own ops hold to each node, so a
+        // node's values can be freed once its backward has run (every consumer of a node comes
+        // before it in this order) when nothing else holds it.
+        let mut graph_refs: HashMap<TensorId, usize> = HashMap::new();
+        for node in sorted_nodes.iter() {
+            if let Some(op) = node.op() {
+                for input in op_inputs(op) {
+                    *graph_refs.entry(input.id()).or_default() += 1;
+                }
+            }
+        }
+        let mut processed: Option<&Tensor> = None;
+        let mut dead: HashMap<usize, usize> = HashMap::new();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
         for node in sorted_nodes.iter() {
+            if let Some(done) = processed.take() {
+                release(done, &mut grads, &graph_refs, &mut dead);
+            }
             if node.is_variable() {
                 continue;
             }
+            processed = Some(node);
             let grad = grads
                 .remove(node)
                 .expect("candle internal error - grad not populated");
@@ -689,6 +706,9 @@ impl Tensor {
                 };
             }
         }
+        if let Some(done) = processed.take() {
+            release(done, &mut grads, &graph_refs, &mut dead);
+        }
         Ok(grads)
     }
 }
@@ -787,5 +807,68 @@ impl GradStore {
     /// Get the tensor ids of the stored gradient tensors
     pub fn get_ids(&self) -> impl Iterator<Item = &TensorId> {
         self.0.keys()
+    }
+}
+
+/// fsdp-rs patch: after `node`'s backward, detaches the gradients it gave its inputs (a
+/// gradient computed from the node's values, such as `grad * node` for `exp`, would otherwise
+/// keep the node alive through its own graph), then frees the node's values if nothing but
+/// the graph holds it.
+fn release(
+    node: &Tensor,
+    grads: &mut GradStore,
+    graph_refs: &HashMap<TensorId, usize>,
+    dead: &mut HashMap<usize, usize>,
+) {
+    if let Some(op) = node.op() {
+        for input in op_inputs(op) {
+            if let Some(g) = grads.get_id(input.id()) {
+                let g = g.detach();
+                grads.insert_id(input.id(), g);
+            }
+        }
+    }
+    node.release_when_dead(graph_refs.get(&node.id()).copied().unwrap_or(0), dead);
+}
+
+/// fsdp-rs patch: the tensors an op reads (each as often as it holds it).
+fn op_inputs(op: &Op) -> Vec<&Tensor> {
+    match op {
+        Op::Binary(a, b, _)
+        | Op::Matmul(a, b)
+        | Op::Gather(a, b, _)
+        | Op::IndexSelect(a, b, _)
+        | Op::SliceScatter0(a, b, _)
+        | Op::CustomOp2(a, b, _) => vec![a, b],
+        Op::Scatter(a, b, c, _)
+        | Op::ScatterAdd(a, b, c, _)
+        | Op::IndexAdd(a, b, c, _)
+        | Op::WhereCond(a, b, c)
+        | Op::CustomOp3(a, b, c, _) => vec![a, b, c],
+        Op::Conv1D { arg, kernel, .. }
+        | Op::ConvTranspose1D { arg, kernel, .. }
+        | Op::Conv2D { arg, kernel, .. }
+        | Op::ConvTranspose2D { arg, kernel, .. } => vec![arg, kernel],
+        Op::Cat(args, _) => args.iter().collect(),
+        Op::Unary(a, _)
+        | Op::Cmp(a, _)
+        | Op::Reduce(a, _, _)
+        | Op::ToDType(a)
+        | Op::Copy(a)
+        | Op::Broadcast(a)
+        | Op::Narrow(a, _, _, _)
+        | Op::Reshape(a)
+        | Op::ToDevice(a)
+        | Op::Transpose(a, _, _)
+        | Op::Permute(a, _)
+        | Op::Elu(a, _)
+        | Op::Powf(a, _)
+        | Op::CustomOp1(a, _)
+        | Op::AvgPool2D { arg: a, .. }
+        | Op::MaxPool2D { arg: a, .. }
+        | Op::UpsampleNearest1D { arg: a, .. }
+        | Op::UpsampleNearest2D { arg: a, .. }
+        | Op::UpsampleBilinear2D { arg: a, .. }
+        | Op::Affine { arg: a, .. } => vec![a],
     }
 }

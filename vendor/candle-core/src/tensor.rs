@@ -2112,6 +2112,34 @@ impl Tensor {
         &self.op
     }
 
+    /// fsdp-rs patch, called by backward once this node's backward has run (no formula reads
+    /// its values after that): when the graph's `graph_refs` references are its only ones,
+    /// counts it in `dead` for its storage, and frees the storage's values (float CPU data)
+    /// once every tensor sharing that storage (views of one another) has been counted so.
+    pub(crate) fn release_when_dead(
+        &self,
+        graph_refs: usize,
+        dead: &mut std::collections::HashMap<usize, usize>,
+    ) {
+        if Arc::strong_count(&self.0) != graph_refs {
+            return;
+        }
+        let counted = dead.entry(Arc::as_ptr(&self.storage) as usize).or_default();
+        *counted += 1;
+        if *counted != Arc::strong_count(&self.storage) {
+            return;
+        }
+        let mut storage = self.storage.write();
+        let empty = match &*storage {
+            Storage::Cpu(crate::CpuStorage::F32(_)) => crate::CpuStorage::F32(Vec::new()),
+            Storage::Cpu(crate::CpuStorage::F64(_)) => crate::CpuStorage::F64(Vec::new()),
+            Storage::Cpu(crate::CpuStorage::BF16(_)) => crate::CpuStorage::BF16(Vec::new()),
+            Storage::Cpu(crate::CpuStorage::F16(_)) => crate::CpuStorage::F16(Vec::new()),
+            _ => return,
+        };
+        *storage = Storage::Cpu(empty);
+    }
+
     /// Computes the max of all the elements in this tensor and returns a tensor holding this
     /// scalar with zero dimensions.
     ///
