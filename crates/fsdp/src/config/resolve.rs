@@ -292,32 +292,16 @@ impl View<'_> {
                     .map(String::from)
                     .collect()
             });
-        let ignored_modules = match self.text(Key::FsdpIgnoredModules) {
-            None => None,
-            Some(pattern) => match regex::Regex::new(pattern) {
-                Ok(re) => Some(re),
-                Err(e) => {
-                    errors.push(invalid(
-                        Key::FsdpIgnoredModules,
-                        format!("not a valid regular expression: {e}"),
-                    ));
-                    None
-                }
-            },
+        let mut pattern_of = |key: Key| {
+            let pattern = self.text(key)?;
+            regex::Regex::new(pattern)
+                .map_err(|e| {
+                    errors.push(invalid(key, format!("not a valid regular expression: {e}")))
+                })
+                .ok()
         };
-        let no_reshard_after_forward = match self.text(Key::FsdpNoReshardAfterForward) {
-            None => None,
-            Some(pattern) => match regex::Regex::new(pattern) {
-                Ok(re) => Some(re),
-                Err(e) => {
-                    errors.push(invalid(
-                        Key::FsdpNoReshardAfterForward,
-                        format!("not a valid regular expression: {e}"),
-                    ));
-                    None
-                }
-            },
-        };
+        let ignored_modules = pattern_of(Key::FsdpIgnoredModules);
+        let no_reshard_after_forward = pattern_of(Key::FsdpNoReshardAfterForward);
         let plugin = FsdpPlugin {
             version,
             sharding_strategy,

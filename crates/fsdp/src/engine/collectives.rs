@@ -129,25 +129,28 @@ impl PendingReduce {
 /// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean.
 pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
     let packed_bytes = packed.len() * packed.dtype().size();
-    let (scatter, kind, replicate) = match (mesh.shard_size(), &mesh.replicate) {
-        (1, None) => (Work::ready(Ok(packed)), "reduce-scatter", None),
+    let (scatter, kind, replicate, bytes) = match (mesh.shard_size(), &mesh.replicate) {
+        // One rank: nothing leaves it.
+        (1, None) => (Work::ready(Ok(packed)), "reduce-scatter", None, 0),
         // Nothing to scatter: the replicas' mean starts now, while backward goes on, instead
         // of when the step waits for it.
-        (1, Some(r)) => (r.all_reduce(packed, ReduceOp::Avg), "all-reduce", None),
+        (1, Some(r)) => (
+            r.all_reduce(packed, ReduceOp::Avg),
+            "all-reduce",
+            None,
+            packed_bytes,
+        ),
         // Not `reduce_scatter_into`: the packed input is freed when the collective is done
         // with it, not held until the step waits for every unit's reduction.
         _ => (
             mesh.shard.reduce_scatter(packed, ReduceOp::Avg),
             "reduce-scatter",
             mesh.replicate.clone(),
+            packed_bytes,
         ),
     };
     PendingReduce {
-        bytes: if mesh.shard_size() == 1 && mesh.replicate.is_none() {
-            0
-        } else {
-            packed_bytes
-        },
+        bytes,
         scatter,
         kind,
         replicate,

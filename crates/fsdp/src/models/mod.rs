@@ -27,15 +27,23 @@ pub(crate) fn causal_lm_loss(
     logits: &candle_core::Tensor,
     labels: &candle_core::Tensor,
 ) -> candle_core::Result<candle_core::Tensor> {
-    let (batch, seq, vocab) = logits.dims3()?;
-    let shifted = logits
-        .narrow(1, 0, seq - 1)?
-        .reshape((batch * (seq - 1), vocab))?;
+    let (shifted, targets) = shift_for_next_token(logits, labels)?;
+    crate::nn::ops::cross_entropy(&shifted, &targets, crate::nn::ops::CrossEntropy::default())
+}
+
+/// Positions 0..seq-1 of `x` [batch, seq, d] as rows [batch·(seq-1), d], and the labels
+/// they predict (positions 1..seq, as i64): the pairing both causal-LM losses use.
+fn shift_for_next_token(
+    x: &candle_core::Tensor,
+    labels: &candle_core::Tensor,
+) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+    let (batch, seq, d) = x.dims3()?;
+    let rows = x.narrow(1, 0, seq - 1)?.reshape((batch * (seq - 1), d))?;
     let targets = labels
         .to_dtype(candle_core::DType::I64)?
         .narrow(1, 1, seq - 1)?
         .flatten_all()?;
-    crate::nn::ops::cross_entropy(&shifted, &targets, crate::nn::ops::CrossEntropy::default())
+    Ok((rows, targets))
 }
 
 /// [`causal_lm_loss`] of the logits `hidden · weightᵀ` (`hidden` [batch, seq, h], `weight`
@@ -49,14 +57,7 @@ pub(crate) fn fused_causal_lm_loss(
     labels: &candle_core::Tensor,
     head: &str,
 ) -> candle_core::Result<candle_core::Tensor> {
-    let (batch, seq, h) = hidden.dims3()?;
-    let shifted = hidden
-        .narrow(1, 0, seq - 1)?
-        .reshape((batch * (seq - 1), h))?;
-    let targets = labels
-        .to_dtype(candle_core::DType::I64)?
-        .narrow(1, 1, seq - 1)?
-        .flatten_all()?;
+    let (shifted, targets) = shift_for_next_token(hidden, labels)?;
     let settings = crate::nn::ops::CrossEntropy::default();
     let loss = crate::nn::ops::linear_cross_entropy(&shifted, weight, &targets, settings)?;
     crate::nn::ModuleOutput::report(loss, p, head)
