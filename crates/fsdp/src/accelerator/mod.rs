@@ -240,6 +240,8 @@ impl AcceleratorBuilder {
 
     /// Joins the job (or starts a job of one) and resolves the configuration.
     pub fn build(self) -> Result<Accelerator, AcceleratorError> {
+        // Before the communication threads start: they must share the training thread's heap.
+        crate::memory::retain_freed_memory();
         let resolved = self
             .plugin
             .unwrap_or_default()
