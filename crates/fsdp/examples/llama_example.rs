@@ -35,7 +35,7 @@ use fsdp::optim::{
 
 // Live heap bytes are counted, so the state each rank holds is measured, not estimated.
 #[global_allocator]
-static ALLOC: fsdp::memory::CountingAllocator = fsdp::memory::CountingAllocator;
+static ALLOC: fsdp::memory::TrainingAllocator = fsdp::memory::TrainingAllocator;
 
 /// Fine-tunes SmolLM2-135M-Instruct under FSDP.
 #[derive(Debug, Parser)]
@@ -213,7 +213,7 @@ fn texts(dir: &Path, tokenizer: &tokenizers::Tokenizer, eos: u32) -> Result<(Vec
 }
 
 fn main() -> Result<()> {
-    fsdp::memory::CountingAllocator::mark_installed();
+    fsdp::memory::TrainingAllocator::mark_installed();
     let args = Args::parse();
     let started = Instant::now();
     let mut plugin = FsdpPlugin::builder().activation_checkpointing(args.activation_checkpointing);

@@ -11,6 +11,8 @@
 //! static ALLOC: fsdp::memory::CountingAllocator = fsdp::memory::CountingAllocator;
 //! ```
 
+mod large_blocks;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
@@ -101,57 +103,188 @@ fn note_freed(address: *mut u8, size: usize) {
 /// The system allocator, counting live bytes and their peak (less the engine's released bytes).
 pub struct CountingAllocator;
 
+/// The allocator for training programs: counts as [`CountingAllocator`] does, and serves
+/// allocations of 1 MiB and more (activations, gradients, gathered parameters) from mappings
+/// of their own, keeping freed ones for the next request of the same size while the blocks in
+/// use and kept stay within the most ever in use at once. Nothing large fragments
+/// the heap and a step's repeated sizes cost no page faults, so peak RSS follows the live peak
+/// (measured on llama_example, 2 processes: 1,900-2,045 MiB per rank from glibc's heap,
+/// varying run to run, against 1,892-1,913 with this allocator, tokens/s unchanged).
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: fsdp::memory::TrainingAllocator = fsdp::memory::TrainingAllocator;
+/// ```
+pub struct TrainingAllocator;
+
 fn note_alloc(size: usize) {
     let live = LIVE.fetch_add(size, Ordering::Relaxed) + size;
     let resident = live as i64 - RELEASED.load(Ordering::Relaxed) as i64;
     PEAK.fetch_max(resident, Ordering::Relaxed);
 }
 
-// SAFETY: every call is forwarded to `System` unchanged; only counters are updated.
-unsafe impl GlobalAlloc for CountingAllocator {
+/// Large blocks from [`large_blocks`], the rest from the system: what [`TrainingAllocator`]
+/// counts.
+struct LargeBlocksOrSystem;
+
+fn large(layout: Layout) -> bool {
+    large_blocks::is_large(layout.size(), layout.align())
+}
+
+// SAFETY: large layouts get whole page-aligned mappings of at least their size (alignment at
+// most a page, checked by `large`) and go back to `large_blocks` with the same layout; the
+// rest is forwarded to `System` unchanged.
+unsafe impl GlobalAlloc for LargeBlocksOrSystem {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded with the caller's layout.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            note_alloc(layout.size());
+        if large(layout) {
+            return large_blocks::allocate(layout.size(), false);
         }
-        p
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded with the caller's layout.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            note_alloc(layout.size());
+        if large(layout) {
+            return large_blocks::allocate(layout.size(), true);
         }
-        p
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc_zeroed(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // Before the address can be handed out again.
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        note_freed(ptr, layout.size());
+        if large(layout) {
+            return large_blocks::free(ptr, layout.size());
+        }
         // SAFETY: forwarded with the caller's pointer and layout.
-        unsafe { System.dealloc(ptr, layout) };
+        unsafe { System.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded with the caller's pointer, layout and size.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-            note_freed(ptr, layout.size());
-            note_alloc(new_size);
+        // SAFETY: the caller guarantees `new_size`, rounded up to `layout.align()`, fits isize.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        match (large(layout), large(new_layout)) {
+            (true, true) => large_blocks::resize(ptr, layout.size(), new_size),
+            // SAFETY: forwarded with the caller's pointer, layout and size.
+            (false, false) => unsafe { System.realloc(ptr, layout, new_size) },
+            _ => {
+                // Between the heap and a mapping: a new block, the common bytes, the old freed.
+                // SAFETY: `new_layout` is the caller's valid layout for the new size.
+                let p = unsafe { self.alloc(new_layout) };
+                if !p.is_null() {
+                    // SAFETY: both blocks hold at least the smaller size and do not overlap;
+                    // the old one is the caller's, freed with its own layout.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+                        self.dealloc(ptr, layout);
+                    }
+                }
+                p
+            }
         }
-        p
     }
 }
+
+/// `inner.alloc`, counted.
+///
+/// # Safety
+/// As [`GlobalAlloc::alloc`].
+unsafe fn counted_alloc(inner: &impl GlobalAlloc, layout: Layout, zeroed: bool) -> *mut u8 {
+    // SAFETY: forwarded with the caller's layout.
+    let p = unsafe {
+        if zeroed {
+            inner.alloc_zeroed(layout)
+        } else {
+            inner.alloc(layout)
+        }
+    };
+    if !p.is_null() {
+        note_alloc(layout.size());
+    }
+    p
+}
+
+/// `inner.dealloc`, counted.
+///
+/// # Safety
+/// As [`GlobalAlloc::dealloc`].
+unsafe fn counted_dealloc(inner: &impl GlobalAlloc, ptr: *mut u8, layout: Layout) {
+    // Before the address can be handed out again.
+    LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    note_freed(ptr, layout.size());
+    // SAFETY: forwarded with the caller's pointer and layout.
+    unsafe { inner.dealloc(ptr, layout) };
+}
+
+/// `inner.realloc`, counted.
+///
+/// # Safety
+/// As [`GlobalAlloc::realloc`].
+unsafe fn counted_realloc(
+    inner: &impl GlobalAlloc,
+    ptr: *mut u8,
+    layout: Layout,
+    new_size: usize,
+) -> *mut u8 {
+    // SAFETY: forwarded with the caller's pointer, layout and size.
+    let p = unsafe { inner.realloc(ptr, layout, new_size) };
+    if !p.is_null() {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        note_freed(ptr, layout.size());
+        note_alloc(new_size);
+    }
+    p
+}
+
+/// A counting global allocator over `$inner`.
+macro_rules! counting_over {
+    ($allocator:ty, $inner:expr) => {
+        // SAFETY: every call is forwarded to the inner allocator unchanged; only counters
+        // are updated.
+        unsafe impl GlobalAlloc for $allocator {
+            unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+                // SAFETY: the caller's contract, forwarded.
+                unsafe { counted_alloc(&$inner, layout, false) }
+            }
+
+            unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+                // SAFETY: the caller's contract, forwarded.
+                unsafe { counted_alloc(&$inner, layout, true) }
+            }
+
+            unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+                // SAFETY: the caller's contract, forwarded.
+                unsafe { counted_dealloc(&$inner, ptr, layout) }
+            }
+
+            unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+                // SAFETY: the caller's contract, forwarded.
+                unsafe { counted_realloc(&$inner, ptr, layout, new_size) }
+            }
+        }
+    };
+}
+
+counting_over!(CountingAllocator, System);
+counting_over!(TrainingAllocator, LargeBlocksOrSystem);
 
 impl CountingAllocator {
     /// Marks the allocator as installed (call once from `main`), so [`counting`] can tell
     /// measured figures from zeros.
     pub fn mark_installed() {
         INSTALLED.store(true, Ordering::Relaxed);
+    }
+}
+
+impl TrainingAllocator {
+    /// Marks the allocator as installed (call once from `main`), as
+    /// [`CountingAllocator::mark_installed`].
+    pub fn mark_installed() {
+        CountingAllocator::mark_installed();
+    }
+
+    /// Bytes of freed large blocks kept for reuse now (resident, not live).
+    pub fn kept_bytes() -> usize {
+        large_blocks::kept_bytes()
     }
 }
 
@@ -208,7 +341,7 @@ pub(crate) fn note_refilled(allocation: *const u8) {
 /// gathered parameters and the reduced gradient shards, and on heaps of their own they could
 /// not reuse the activations that backward frees on the training thread's (measured on
 /// llama_example: peak RSS 2,145-2,163 -> 1,900-2,045 MiB per rank, tokens/s unchanged; the one
-/// heap's fragmentation varies run to run).
+/// heap's fragmentation varies run to run, which [`TrainingAllocator`] removes).
 /// glibc binds a thread to its heap at its first allocation, so call this before starting
 /// threads ([`crate::accelerator::Accelerator`] does, before it joins the job); threads that
 /// allocated earlier keep their heaps.

@@ -1,0 +1,193 @@
+//! Large allocations on mappings of their own, freed ones kept for reuse while they fit under
+//! the highest live total: the memory of [`super::TrainingAllocator`].
+//!
+//! Training frees and allocates the same multi-megabyte activations and gradients every
+//! step. From one heap they fragment it (a peak RSS some hundreds of MiB above the live
+//! peak, varying run to run); from mappings returned at every free each new one costs a
+//! page fault per 4 KiB (llama_example: 20% slower). Here each large block is a mapping of
+//! its own, so nothing fragments, and a freed block is kept for the next request of exactly
+//! its size (a training step asks for the same sizes again) as long as the blocks in use
+//! and kept together stay within the most ever in use at once: keeping freed memory never
+//! raises the peak.
+
+use std::sync::Mutex;
+
+/// Allocations of at least this many bytes (and an alignment of at most a page) get a
+/// mapping of their own.
+pub(super) const LARGE: usize = 1 << 20;
+
+/// A page: mappings are whole pages, and the largest alignment they serve.
+pub(super) const PAGE: usize = 4096;
+
+/// Freed blocks kept at most (a fixed table: the allocator cannot allocate).
+const SLOTS: usize = 2048;
+
+/// The blocks' bookkeeping. Every figure is in whole pages' bytes.
+struct Blocks {
+    /// Kept blocks (address, bytes), oldest first.
+    kept: [(usize, usize); SLOTS],
+    count: usize,
+    kept_bytes: usize,
+    /// Bytes of blocks handed out and not yet freed.
+    in_use: usize,
+    /// The most `in_use` has been.
+    high_water: usize,
+}
+
+static BLOCKS: Mutex<Blocks> = Mutex::new(Blocks {
+    kept: [(0, 0); SLOTS],
+    count: 0,
+    kept_bytes: 0,
+    in_use: 0,
+    high_water: 0,
+});
+
+fn blocks() -> std::sync::MutexGuard<'static, Blocks> {
+    BLOCKS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether an allocation of `size` bytes aligned to `align` is served here.
+pub(super) fn is_large(size: usize, align: usize) -> bool {
+    size >= LARGE && align <= PAGE
+}
+
+/// `size` rounded up to whole pages: a block's length.
+fn pages(size: usize) -> usize {
+    size.div_ceil(PAGE) * PAGE
+}
+
+impl Blocks {
+    /// Takes a kept block of exactly `bytes`, the newest first.
+    fn take(&mut self, bytes: usize) -> Option<usize> {
+        let i = self.kept[..self.count]
+            .iter()
+            .rposition(|&(_, b)| b == bytes)?;
+        let (address, _) = self.kept[i];
+        self.kept.copy_within(i + 1..self.count, i);
+        self.count -= 1;
+        self.kept_bytes -= bytes;
+        Some(address)
+    }
+
+    /// Unmaps the oldest kept block; false when none is kept.
+    fn evict_oldest(&mut self) -> bool {
+        if self.count == 0 {
+            return false;
+        }
+        let (address, bytes) = self.kept[0];
+        self.kept.copy_within(1..self.count, 0);
+        self.count -= 1;
+        self.kept_bytes -= bytes;
+        unmap(address, bytes);
+        true
+    }
+
+    /// Unmaps kept blocks, oldest first, until `extra` more bytes fit under the high-water
+    /// mark.
+    fn make_room(&mut self, extra: usize) {
+        while self.in_use + self.kept_bytes + extra > self.high_water && self.evict_oldest() {}
+    }
+}
+
+fn unmap(address: usize, bytes: usize) {
+    // SAFETY: (address, bytes) is a whole mapping made by `map` and no longer handed out.
+    unsafe { libc::munmap(address as *mut libc::c_void, bytes) };
+}
+
+/// A fresh mapping of `bytes` (zero-filled by the kernel), or null.
+fn map(bytes: usize) -> *mut u8 {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        std::ptr::null_mut()
+    } else {
+        p.cast()
+    }
+}
+
+/// A block of at least `size` bytes, page-aligned, zero-filled when `zeroed`; null when the
+/// system has no memory for it.
+pub(super) fn allocate(size: usize, zeroed: bool) -> *mut u8 {
+    let bytes = pages(size);
+    let reused = {
+        let mut b = blocks();
+        b.in_use += bytes;
+        b.high_water = b.high_water.max(b.in_use);
+        let reused = b.take(bytes);
+        if reused.is_none() {
+            b.make_room(0);
+        }
+        reused
+    };
+    if let Some(address) = reused {
+        let p = address as *mut u8;
+        if zeroed {
+            // SAFETY: the block is `bytes` long and now belongs to this caller alone.
+            unsafe { std::ptr::write_bytes(p, 0, size) };
+        }
+        return p;
+    }
+    let mut p = map(bytes);
+    if p.is_null() {
+        // Out of memory: kept blocks go back to the system before giving up.
+        while blocks().evict_oldest() {}
+        p = map(bytes);
+    }
+    if p.is_null() {
+        blocks().in_use -= bytes;
+    }
+    p
+}
+
+/// Takes back a block of `size` bytes from [`allocate`]: kept for reuse, or unmapped when
+/// keeping it would pass the limit.
+pub(super) fn free(p: *mut u8, size: usize) {
+    let bytes = pages(size);
+    let mut b = blocks();
+    b.in_use -= bytes;
+    if b.count == SLOTS {
+        b.evict_oldest();
+    }
+    b.make_room(bytes);
+    if b.in_use + b.kept_bytes + bytes > b.high_water {
+        drop(b);
+        unmap(p as usize, bytes);
+        return;
+    }
+    let slot = b.count;
+    b.kept[slot] = (p as usize, bytes);
+    b.count += 1;
+    b.kept_bytes += bytes;
+}
+
+/// Resizes a block from [`allocate`] of `old` bytes to `new` (both large): in place or moved
+/// by the kernel, without copying through user space; null when it cannot.
+pub(super) fn resize(p: *mut u8, old: usize, new: usize) -> *mut u8 {
+    let (old_bytes, new_bytes) = (pages(old), pages(new));
+    if old_bytes == new_bytes {
+        return p;
+    }
+    // SAFETY: (p, old_bytes) is a whole mapping of ours handed out to this caller.
+    let q = unsafe { libc::mremap(p.cast(), old_bytes, new_bytes, libc::MREMAP_MAYMOVE) };
+    if q == libc::MAP_FAILED {
+        return std::ptr::null_mut();
+    }
+    let mut b = blocks();
+    b.in_use = b.in_use - old_bytes + new_bytes;
+    b.high_water = b.high_water.max(b.in_use);
+    q.cast()
+}
+
+/// Bytes of freed blocks kept for reuse now.
+pub(super) fn kept_bytes() -> usize {
+    blocks().kept_bytes
+}
