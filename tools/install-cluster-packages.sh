@@ -9,8 +9,17 @@ need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] \
   || need+=(libopenmpi-dev)
-ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 \
-  || need+=(libclang-dev)
+# libclang itself (libclang.so*, libclang-14.so.1), not libclang-cpp, which other packages bring
+# and bindgen cannot use.
+have_libclang() {
+  local f
+  for f in /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang.so* \
+    /usr/lib/x86_64-linux-gnu/libclang-[0-9]*.so*; do
+    [ -e "$f" ] && return 0
+  done
+  return 1
+}
+have_libclang || need+=(libclang-dev)
 for b in slurmctld:slurmctld slurmd:slurmd srun:slurm-client munged:munge; do
   command -v "${b%%:*}" >/dev/null 2>&1 || need+=("${b#*:}")
 done
