@@ -1,7 +1,9 @@
 //! Sharded training equals single-process training on the global batch, over real processes
 //! and the real transport: every sharding strategy x wrap policy x prefetch mode (hybrid
 //! strategies on "machines" of 2 ranks, wrap policies in rotation), for a BERT
-//! classifier, a GPT-2 LM and a Llama LM (grouped-query attention, tied head), on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
+//! classifier, a GPT-2 LM (tied head computing logits) and a Llama LM (grouped-query attention,
+//! tied head fused into the loss, so backward reads no embedding table and the root releases
+//! it before backward), on 1, 2, 3 and 4 ranks (3 exercises padded shards), with AdamW,
 //! Adam and SGD-Nesterov in rotation and frozen, ignored (replicated), clipped and
 //! gradient-accumulation variants (reduced every micro-batch, or kept whole without sync and
 //! reduced once); a quarter of the cases with `fsdp_offload_params`, half with activation
@@ -316,7 +318,7 @@ impl Model {
                 CrossEntropy::default(),
             ),
             Model::Gpt2(m) => m.loss(&m.forward(p, ids)?, ids),
-            Model::Llama(m) => m.loss(&m.forward(p, ids, None)?, ids),
+            Model::Llama(m) => m.forward_loss(p, ids, None, ids),
         }
     }
 }

@@ -2108,7 +2108,9 @@ impl Tensor {
         self.is_variable
     }
 
-    pub(crate) fn op(&self) -> &Option<Op> {
+    /// fsdp-rs patch: the op that made this tensor, so the engine can see, before backward
+    /// runs, which tensors backward will read.
+    pub fn op(&self) -> &Option<Op> {
         &self.op
     }
 

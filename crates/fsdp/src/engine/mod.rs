@@ -6,6 +6,7 @@
 //! reduced gradients by name (`grads`); fp16 loss scaling agreed over ranks (`grad_scaler`); storage and compute devices (`placement`); the disk tier of offloaded state and the optimizer step streaming it (`offload`); the engine that owns shards (`sharded`); and its
 //! state by parameter name (`state`).
 
+mod backward_reads;
 mod collectives;
 mod cpu_floats;
 mod debug;

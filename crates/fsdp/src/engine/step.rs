@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use candle_core::{Device, Storage, Tensor, TensorId, Var};
 use fsdp_comm::{Buffer, Mesh};
 
+use super::backward_reads;
 use super::collectives::{CommDtypes, PendingReduce};
 use super::cpu_floats::float_copy;
 use super::debug;
@@ -261,8 +262,9 @@ impl StepShared {
     }
 
     /// Plans the backward from the graph of `loss` before any kernel runs: the units'
-    /// backward order (for prefetch) and the gradients each unit will receive; in debug mode
-    /// also checks that released units were hooked and parameters used inside their units.
+    /// backward order (for prefetch) and the gradients each unit will receive, and releases
+    /// the gathered parameters no backward formula reads; in debug mode also checks that
+    /// released units were hooked and parameters used inside their units.
     pub fn plan_backward(&self, loss: &Tensor) -> Result<(), EngineError> {
         let sorted = loss.sorted_nodes();
         let in_graph: std::collections::HashSet<TensorId> = sorted.iter().map(|t| t.id()).collect();
@@ -303,6 +305,12 @@ impl StepShared {
         }
         if self.opts.debug {
             debug::check_graph(&inner.runs, &in_graph)?;
+        }
+        let full: HashSet<TensorId> = inner.runs.iter().flat_map(UnitRun::full_ids).collect();
+        let read = backward_reads::read_in_backward(&sorted, &full);
+        let cx = self.cx();
+        for run in inner.runs.iter_mut() {
+            run.release_unread(&cx, &read)?;
         }
         self.report_unhooked(&inner.runs);
         inner.backward_order = order;

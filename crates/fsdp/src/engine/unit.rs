@@ -4,10 +4,11 @@
 //! `pre_backward` / `post_backward`, with prefetch decided in one place ([`Prefetch`]).
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use candle_core::{Device, Shape, Tensor, Var};
+use candle_core::{Device, Shape, Tensor, TensorId, Var};
 use fsdp_comm::{Buffer, Mesh, Work};
 
 use super::collectives::{self, CommDtypes, PendingReduce};
@@ -451,6 +452,41 @@ impl UnitRun {
             f.release(cx.poison)?;
         }
         Ok(())
+    }
+
+    /// Backward is planned and `read` holds the full parameters it will read: the unit's
+    /// others are released now instead of after its backward, when it holds them (gathered
+    /// since its forward: the root, units kept by SHARD_GRAD_OP or
+    /// `fsdp_no_reshard_after_forward`) and reshards after backward anyway. The root of a
+    /// model with a tied word embedding and its head fused into the loss holds the largest
+    /// tensor of all that way, which no backward formula reads. Units that recompute their
+    /// forward in backward, keep frozen parameters or never reshard keep everything. Returns
+    /// the elements released.
+    pub fn release_unread(
+        &mut self,
+        cx: &RunContext,
+        read: &HashSet<TensorId>,
+    ) -> Result<usize, EngineError> {
+        let releasing = self.sharded == ShardedState::Unsharded
+            && self.training != TrainingState::PostBackward
+            && self.checkpoint.is_none()
+            && self.unit.reshard_after_backward
+            && self.unit.params.iter().all(|p| p.layout.requires_grad);
+        let mut released = 0;
+        if releasing {
+            for (f, p) in self.full.iter().zip(&self.unit.params) {
+                if !read.contains(&f.tensor.id()) {
+                    f.release(cx.poison)?;
+                    released += p.layout.numel();
+                }
+            }
+        }
+        Ok(released)
+    }
+
+    /// The full parameters' tensor ids, for [`UnitRun::release_unread`]'s `read`.
+    pub fn full_ids(&self) -> impl Iterator<Item = TensorId> + '_ {
+        self.full.iter().map(|f| f.tensor.id())
     }
 
     /// Backward reached the unit's output: refills the parameters released after forward.
