@@ -1,7 +1,8 @@
 //! `TrainingAllocator`'s promises: large blocks are reused for requests of their size without
 //! new mappings, come back zeroed when asked, keep their contents through every kind of
 //! resize, and freed ones are kept only while the total stays within the most ever in use,
-//! so keeping them never raises the peak.
+//! so keeping them never raises the peak (that pages returned inside blocks in use do not
+//! count is `memory::large_blocks`'s own test).
 //!
 //! One test function: the allocator's figures are process-wide, and other tests' threads
 //! would move them.

@@ -6,9 +6,12 @@
 //! peak, varying run to run); from mappings returned at every free each new one costs a
 //! page fault per 4 KiB (llama_example: 20% slower). Here each large block is a mapping of
 //! its own, so nothing fragments, and a freed block is kept for the next request of exactly
-//! its size (a training step asks for the same sizes again) as long as the blocks in use
-//! and kept together stay within the most ever in use at once: keeping freed memory never
-//! raises the peak.
+//! its size (a training step asks for the same sizes again) as long as the resident bytes of
+//! the blocks in use and the kept ones together stay within the most ever resident in use at
+//! once: keeping freed memory never raises the peak. Resident: less the pages the engine
+//! returned inside live allocations (released full parameters, which stay allocated while
+//! the autograd graph holds them; see [`super::note_released`]) — kept blocks are wholly
+//! resident, so mapped bytes would be the wrong measure.
 
 use std::sync::Mutex;
 
@@ -30,7 +33,7 @@ struct Blocks {
     kept_bytes: usize,
     /// Bytes of blocks handed out and not yet freed.
     in_use: usize,
-    /// The most `in_use` has been.
+    /// The most [`Blocks::resident`] has been.
     high_water: usize,
 }
 
@@ -57,6 +60,19 @@ fn pages(size: usize) -> usize {
 }
 
 impl Blocks {
+    /// Bytes of blocks in use that are resident: `in_use` less the pages returned inside
+    /// live allocations (all of them counted here, also those inside heap allocations, so
+    /// the figure errs low and fewer blocks are kept, never more).
+    fn resident(&self) -> usize {
+        self.in_use
+            .saturating_sub(super::RELEASED.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Raises the high-water mark to what is resident now.
+    fn note_high_water(&mut self) {
+        self.high_water = self.high_water.max(self.resident());
+    }
+
     /// Takes a kept block of exactly `bytes`, the newest first.
     fn take(&mut self, bytes: usize) -> Option<usize> {
         let i = self.kept[..self.count]
@@ -85,7 +101,7 @@ impl Blocks {
     /// Unmaps kept blocks, oldest first, until `extra` more bytes fit under the high-water
     /// mark.
     fn make_room(&mut self, extra: usize) {
-        while self.in_use + self.kept_bytes + extra > self.high_water && self.evict_oldest() {}
+        while self.resident() + self.kept_bytes + extra > self.high_water && self.evict_oldest() {}
     }
 }
 
@@ -121,7 +137,7 @@ pub(super) fn allocate(size: usize, zeroed: bool) -> *mut u8 {
     let reused = {
         let mut b = blocks();
         b.in_use += bytes;
-        b.high_water = b.high_water.max(b.in_use);
+        b.note_high_water();
         let reused = b.take(bytes);
         if reused.is_none() {
             b.make_room(0);
@@ -154,11 +170,13 @@ pub(super) fn free(p: *mut u8, size: usize) {
     let bytes = pages(size);
     let mut b = blocks();
     b.in_use -= bytes;
+    // Refilled pages are resident again without an allocation to see them.
+    b.note_high_water();
     if b.count == SLOTS {
         b.evict_oldest();
     }
     b.make_room(bytes);
-    if b.in_use + b.kept_bytes + bytes > b.high_water {
+    if b.resident() + b.kept_bytes + bytes > b.high_water {
         drop(b);
         unmap(p as usize, bytes);
         return;
@@ -183,11 +201,52 @@ pub(super) fn resize(p: *mut u8, old: usize, new: usize) -> *mut u8 {
     }
     let mut b = blocks();
     b.in_use = b.in_use - old_bytes + new_bytes;
-    b.high_water = b.high_water.max(b.in_use);
+    b.note_high_water();
     q.cast()
 }
 
 /// Bytes of freed blocks kept for reuse now.
 pub(super) fn kept_bytes() -> usize {
     blocks().kept_bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    /// Blocks whose pages were returned (released full parameters) do not count toward the
+    /// limit: once they are refilled, what is kept must shrink to what was ever resident.
+    #[test]
+    fn the_limit_counts_resident_bytes_not_mapped_ones() {
+        super::super::CountingAllocator::mark_installed();
+        // 8 blocks of 4 MiB, resident: the high-water mark is 32 MiB.
+        let first: Vec<*mut u8> = (0..8).map(|_| allocate(4 * MIB, true)).collect();
+        // Their pages returned, as the engine releases full parameters after forward.
+        for &p in &first {
+            super::super::note_released(p, 4 * MIB);
+        }
+        // 8 more in use and freed: kept (resident in use 0, so all 32 MiB fit).
+        let second: Vec<*mut u8> = (0..8).map(|_| allocate(4 * MIB, true)).collect();
+        for p in second {
+            free(p, 4 * MIB);
+        }
+        assert_eq!(kept_bytes(), 32 * MIB);
+        // The first ones refilled: 32 MiB resident in use again, and with the kept 32 MiB
+        // the process would hold 64 where it never held more than 32 (mapped, it had 64).
+        for &p in &first {
+            super::super::note_refilled(p);
+        }
+        let other = allocate(5 * MIB, false);
+        assert!(
+            kept_bytes() <= 4 * MIB,
+            "{} MiB kept beside 37 resident in use, against a high-water mark of 37",
+            kept_bytes() / MIB
+        );
+        free(other, 5 * MIB);
+        for p in first {
+            free(p, 4 * MIB);
+        }
+    }
 }
