@@ -309,7 +309,7 @@ impl StepShared {
         let full: HashSet<TensorId> = inner.runs.iter().flat_map(UnitRun::full_ids).collect();
         let read = backward_reads::read_in_backward(&sorted, &full);
         let cx = self.cx();
-        for run in inner.runs.iter_mut() {
+        for run in &inner.runs {
             run.release_unread(&cx, &read)?;
         }
         self.report_unhooked(&inner.runs);

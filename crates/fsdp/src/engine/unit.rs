@@ -460,28 +460,23 @@ impl UnitRun {
     /// `fsdp_no_reshard_after_forward`) and reshards after backward anyway. The root of a
     /// model with a tied word embedding and its head fused into the loss holds the largest
     /// tensor of all that way, which no backward formula reads. Units that recompute their
-    /// forward in backward, keep frozen parameters or never reshard keep everything. Returns
-    /// the elements released.
+    /// forward in backward, keep frozen parameters or never reshard keep everything.
     pub fn release_unread(
-        &mut self,
+        &self,
         cx: &RunContext,
         read: &HashSet<TensorId>,
-    ) -> Result<usize, EngineError> {
+    ) -> Result<(), EngineError> {
         let releasing = self.sharded == ShardedState::Unsharded
             && self.training != TrainingState::PostBackward
             && self.checkpoint.is_none()
             && self.unit.reshard_after_backward
             && self.unit.params.iter().all(|p| p.layout.requires_grad);
-        let mut released = 0;
         if releasing {
-            for (f, p) in self.full.iter().zip(&self.unit.params) {
-                if !read.contains(&f.tensor.id()) {
-                    f.release(cx.poison)?;
-                    released += p.layout.numel();
-                }
+            for f in self.full.iter().filter(|f| !read.contains(&f.tensor.id())) {
+                f.release(cx.poison)?;
             }
         }
-        Ok(released)
+        Ok(())
     }
 
     /// The full parameters' tensor ids, for [`UnitRun::release_unread`]'s `read`.
