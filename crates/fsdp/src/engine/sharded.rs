@@ -17,6 +17,7 @@ use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Mesh, ReduceOp};
 
 use super::collectives::CommDtypes;
 use super::error::EngineError;
+use super::fsdp_unit::FsdpUnit;
 use super::grads::{GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
 use super::offload::step::{OffloadedStates, update_units};
@@ -25,7 +26,7 @@ use super::param::{FsdpParam, ShardBuffer};
 use super::placement::Placement;
 use super::plan::UnitPlan;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
-use super::unit::{FsdpUnit, Prefetch};
+use super::unit::Prefetch;
 use crate::config::{
     CheckpointFormat, FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType,
 };

@@ -15,10 +15,11 @@ use super::collectives::{CommDtypes, PendingReduce};
 use super::cpu_floats::float_copy;
 use super::debug;
 use super::error::EngineError;
+use super::fsdp_unit::FsdpUnit;
 use super::grads::GradBlock;
 use super::hooks::{Checkpoint, StepHooks};
 use super::offload::DiskTier;
-use super::unit::{FsdpUnit, Moment, Prefetch, RunContext, ShardedState, UnitRun};
+use super::unit::{Moment, Prefetch, RunContext, ShardedState, UnitRun};
 use crate::nn::{Params, Recompute};
 use crate::trace::Tracer;
 

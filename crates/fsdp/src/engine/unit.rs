@@ -3,7 +3,6 @@
 //! after forward), moved only by `unshard` / `wait_for_unshard` / `post_forward` /
 //! `pre_backward` / `post_backward`, with prefetch decided in one place ([`Prefetch`]).
 
-use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
@@ -12,103 +11,12 @@ use candle_core::{Device, Shape, Tensor, TensorId, Var};
 use fsdp_comm::{Buffer, Mesh, Work};
 
 use super::collectives::{self, CommDtypes, PendingReduce};
-use super::error::{EngineError, unit_name};
+use super::error::EngineError;
+use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
-use super::offload::{DiskTier, Region};
-use super::param::{FsdpParam, UnshardedParam, unpack_storage};
+use super::param::{UnshardedParam, unpack_storage};
 use crate::config::BackwardPrefetch;
 use crate::trace::Tracer;
-
-/// A unit as the engine keeps it between steps: its parameters' shards (in memory, or in
-/// the disk tier's files with `fsdp_offload_params`).
-#[derive(Debug, Clone)]
-pub(crate) struct FsdpUnit {
-    /// Path of the wrapped module (empty for the root unit).
-    pub path: String,
-    /// The unit's index in the plan (its files' name in the disk tier).
-    pub index: usize,
-    /// The disk tier holding the shards, when parameters are offloaded (the params'
-    /// own buffers are then empty).
-    pub tier: Option<Arc<DiskTier>>,
-    /// Parameters in packing order.
-    pub params: Vec<FsdpParam>,
-    /// Free the full parameters after the unit's forward (FULL_SHARD, non-root units).
-    pub reshard_after_forward: bool,
-    /// Free them once the unit's gradients are reduced (sharded strategies).
-    pub reshard_after_backward: bool,
-}
-
-impl FsdpUnit {
-    /// Elements of one rank's block of the unit (the all-gather's input size).
-    pub fn block(&self) -> usize {
-        self.params.iter().map(|p| p.layout.shard_numel()).sum()
-    }
-
-    /// Its name in the timeline: its path, `root` for the root.
-    pub fn trace_label(&self) -> &str {
-        if self.path.is_empty() {
-            "root"
-        } else {
-            &self.path
-        }
-    }
-
-    /// `the root unit` or ``unit `path` ``.
-    pub fn name(&self) -> String {
-        unit_name(&self.path)
-    }
-
-    /// This rank's block of the unit: every parameter's padded rows at its offset, as the
-    /// all-gather sends it (read from the disk tier, or packed from the shards).
-    pub fn master_block(&self) -> Result<Vec<f32>, EngineError> {
-        if let Some(tier) = &self.tier {
-            return Ok(tier.read(&(self.index, Region::Params), self.block())?);
-        }
-        let mut packed = Vec::with_capacity(self.block());
-        for p in &self.params {
-            packed.extend_from_slice(p.shard.values()?);
-        }
-        Ok(packed)
-    }
-
-    /// Starts reading the block from the disk tier ahead of its use (nothing in memory).
-    pub fn read_ahead(&self) -> Result<(), EngineError> {
-        if let Some(tier) = &self.tier {
-            tier.read_ahead(&(self.index, Region::Params), self.block())?;
-        }
-        Ok(())
-    }
-
-    /// This rank's owned values of parameter `i` (unpadded).
-    pub fn local_values(&self, i: usize) -> Result<Cow<'_, [f32]>, EngineError> {
-        let p = &self.params[i];
-        match &self.tier {
-            Some(tier) => {
-                let n = p.owned_rows().len() * p.layout.row_elems;
-                let key = (self.index, Region::Params);
-                Ok(Cow::Owned(tier.read_at(&key, p.layout.offset, n)?))
-            }
-            None => Ok(Cow::Borrowed(p.local_values()?)),
-        }
-    }
-
-    /// Replaces the owned values of parameter `i` (exactly its owned elements).
-    pub fn set_local_values(&mut self, i: usize, values: &[f32]) -> Result<(), EngineError> {
-        let Some(tier) = &self.tier else {
-            return self.params[i].set_local_values(values);
-        };
-        let p = &self.params[i];
-        let n = p.owned_rows().len() * p.layout.row_elems;
-        if values.len() != n {
-            return Err(EngineError::State {
-                name: p.layout.name.clone(),
-                problem: format!("{} values given for {n} owned elements", values.len()),
-            });
-        }
-        let key = (self.index, Region::Params);
-        Ok(tier.write_at(&key, p.layout.offset, values, self.block())?)
-    }
-}
 
 /// What the unit is doing in the step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

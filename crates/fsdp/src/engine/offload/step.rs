@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{DiskTier, Region};
 use crate::engine::error::EngineError;
+use crate::engine::fsdp_unit::FsdpUnit;
 use crate::engine::grads::Gradients;
-use crate::engine::unit::FsdpUnit;
 use crate::optim::{Optimizer, ParamState};
 
 /// Which optimizer state of a parameter lives in the tier: its step count and buffer names
