@@ -125,9 +125,11 @@ fn a_thousand_hostile_connections_cost_no_threads_and_hold_up_nobody() {
     eprintln!(
         "{n} hostile connections: threads {threads_before} -> {threads}, RSS {rss_before} -> {rss} KiB"
     );
+    // Other tests of this binary start and end threads meanwhile (a few); a thread per
+    // hostile connection would add n.
     assert!(
-        threads <= threads_before + 2,
-        "{threads_before} -> {threads}"
+        threads < threads_before + n / 10,
+        "{n} hostile connections: threads {threads_before} -> {threads}"
     );
     assert!(rss < rss_before + (8 << 10), "{rss_before} -> {rss} KiB");
 
