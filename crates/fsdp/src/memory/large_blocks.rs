@@ -15,12 +15,11 @@
 
 use std::sync::Mutex;
 
+use super::PAGE;
+
 /// Allocations of at least this many bytes (and an alignment of at most a page) get a
 /// mapping of their own.
 pub(super) const LARGE: usize = 1 << 20;
-
-/// A page: mappings are whole pages, and the largest alignment they serve.
-pub(super) const PAGE: usize = 4096;
 
 /// Freed blocks kept at most (a fixed table: the allocator cannot allocate).
 const SLOTS: usize = 2048;

@@ -71,7 +71,8 @@ static RELEASED_ALLOCATIONS: Mutex<ReleasedAllocations> = Mutex::new(ReleasedAll
 /// Entries in [`RELEASED_ALLOCATIONS`], read without its lock so frees skip it when empty.
 static RELEASED_COUNT: AtomicUsize = AtomicUsize::new(0);
 
-/// Smallest allocation that can hold a whole returned page.
+/// A page: the smallest allocation that can hold a whole returned one, and the unit and
+/// largest alignment of `large_blocks`' mappings.
 const PAGE: usize = 4096;
 
 fn released_allocations() -> std::sync::MutexGuard<'static, ReleasedAllocations> {
