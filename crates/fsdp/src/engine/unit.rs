@@ -362,6 +362,13 @@ impl UnitRun {
         Ok(())
     }
 
+    /// Whether the unit reshards once its gradients are reduced: sharded strategies do,
+    /// except for units with frozen parameters, whose backward nodes may read them to the end
+    /// of the step.
+    fn reshards_after_backward(&self) -> bool {
+        self.unit.reshard_after_backward && self.unit.params.iter().all(|p| p.layout.requires_grad)
+    }
+
     /// Backward is planned and `read` holds the full parameters it will read: the unit's
     /// others are released now instead of after its backward, when it holds them (gathered
     /// since its forward: the root, units kept by SHARD_GRAD_OP or
@@ -377,8 +384,7 @@ impl UnitRun {
         let releasing = self.sharded == ShardedState::Unsharded
             && self.training != TrainingState::PostBackward
             && self.checkpoint.is_none()
-            && self.unit.reshard_after_backward
-            && self.unit.params.iter().all(|p| p.layout.requires_grad);
+            && self.reshards_after_backward();
         if releasing {
             for f in self.full.iter().filter(|f| !read.contains(&f.tensor.id())) {
                 f.release(cx.poison)?;
@@ -450,8 +456,7 @@ impl UnitRun {
         let pack = self.grad_pack.take();
         let pending = self.complete(cx, pack)?;
         self.training = TrainingState::PostBackward;
-        let all_trainable = self.unit.params.iter().all(|p| p.layout.requires_grad);
-        if self.unit.reshard_after_backward && all_trainable {
+        if self.reshards_after_backward() {
             self.reshard(cx)?;
             self.sharded = ShardedState::Sharded;
         }
