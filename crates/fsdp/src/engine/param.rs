@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor};
-use fsdp_comm::{Buffer, DType};
+use fsdp_comm::Buffer;
 
 use super::cpu_floats::float_pair;
 use super::error::EngineError;
@@ -15,7 +15,7 @@ use super::plan::ShardLayout;
 
 /// A buffer of a parameter's elements together with the device it lives on.
 #[derive(Debug, Clone)]
-pub struct ShardBuffer {
+pub(crate) struct ShardBuffer {
     data: Buffer,
     device: Device,
 }
@@ -29,24 +29,9 @@ impl ShardBuffer {
         }
     }
 
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        self.data.dtype()
-    }
-
-    /// Where the elements live.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.data.len()
-    }
-
-    /// True when there is no element.
-    pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
     }
 
     /// Bytes held.
@@ -84,12 +69,12 @@ impl ShardBuffer {
 
 /// One parameter of a unit as this rank holds it between steps.
 #[derive(Debug, Clone)]
-pub struct FsdpParam {
+pub(crate) struct FsdpParam {
     /// Name, shape, rows per rank and place in the unit's packed block.
-    pub layout: ShardLayout,
+    pub(crate) layout: ShardLayout,
     /// This rank's rows, padded to `rows_per_rank` (the whole parameter when the shard
     /// group is one rank); padding rows hold zeros.
-    pub shard: ShardBuffer,
+    pub(crate) shard: ShardBuffer,
     /// This rank's index in the shard group.
     rank: usize,
 }
@@ -117,38 +102,6 @@ impl FsdpParam {
             shard: ShardBuffer::f32(rows, device),
             rank,
         })
-    }
-
-    /// Takes this rank's rows (`rank` of the layout's group) out of the full `values`.
-    pub fn new(
-        layout: ShardLayout,
-        values: &[f32],
-        rank: usize,
-        device: Device,
-    ) -> Result<FsdpParam, EngineError> {
-        if values.len() != layout.numel() {
-            return Err(EngineError::State {
-                name: layout.name.clone(),
-                problem: format!(
-                    "{} values given for a parameter of {} elements",
-                    values.len(),
-                    layout.numel()
-                ),
-            });
-        }
-        let (start, end) = layout.rows_of(rank);
-        let mut shard = values[start * layout.row_elems..end * layout.row_elems].to_vec();
-        shard.resize(layout.shard_numel(), 0.0);
-        Ok(FsdpParam {
-            layout,
-            shard: ShardBuffer::f32(shard, device),
-            rank,
-        })
-    }
-
-    /// The parameter's fully qualified name.
-    pub fn name(&self) -> &str {
-        &self.layout.name
     }
 
     /// The rows of the full parameter this rank owns (empty for a rank holding only padding).
