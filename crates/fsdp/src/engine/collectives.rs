@@ -11,6 +11,7 @@ use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 use super::cpu_floats::float_pair;
 use super::error::EngineError;
 use super::plan::ShardLayout;
+use super::sparse_rows::{RowSparsePlan, RowSparseReduce};
 use crate::trace::Tracer;
 
 /// The element types a unit communicates in.
@@ -55,6 +56,8 @@ pub(crate) fn all_gather(
 /// shard dimension of one rank (NO_SHARD), the replicas' mean itself in flight.
 pub(crate) struct PendingReduce {
     scatter: Work<Buffer>,
+    /// A unit with row-sparse parameters: the whole reduction (`scatter` is then empty).
+    sparse: Option<RowSparseReduce>,
     /// The collective in flight, for the trace.
     kind: &'static str,
     /// Replicas to average over once the reduce-scatter is done (taken when that mean is
@@ -104,6 +107,15 @@ impl PendingReduce {
     /// reduction is recorded in `trace` as `unit`'s.
     pub fn wait(mut self, trace: Option<&Tracer>, unit: &str) -> Result<Vec<f32>, CommError> {
         let waited = Instant::now();
+        if let Some(sparse) = self.sparse.take() {
+            let out = sparse.wait()?;
+            if let Some(t) = trace {
+                let args = serde_json::json!({ "bytes": self.bytes, "row_sparse": true });
+                let ran = (self.issued, Instant::now());
+                t.collective(self.kind, "reduce", unit, ran, waited, args);
+            }
+            return Ok(out);
+        }
         self.issue_replicate();
         let (out, ran) = self.scatter.wait_timed()?;
         let first = self.scattered.unwrap_or((self.issued, waited));
@@ -126,8 +138,39 @@ impl PendingReduce {
     }
 }
 
-/// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean.
-pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
+/// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean; with a
+/// `sparse` plan (the unit has row-sparse parameters, the mesh one dimension), only their
+/// touched rows are sent.
+pub(crate) fn reduce(
+    mesh: &Mesh,
+    packed: Buffer,
+    sparse: Option<RowSparsePlan>,
+) -> Result<PendingReduce, CommError> {
+    let group = match (mesh.shard_size(), &mesh.replicate) {
+        (1, None) => None,
+        (1, Some(r)) => Some(r.as_ref()),
+        (_, None) => Some(mesh.shard.as_ref()),
+        // Refused when the engine is made (`Fsdp::with_mesh`).
+        (_, Some(_)) => None,
+    };
+    if let (Some(plan), Some(group)) = (sparse, group) {
+        let issued = Instant::now();
+        let kind = if mesh.shard_size() > 1 {
+            "reduce-scatter"
+        } else {
+            "all-reduce"
+        };
+        let sparse = RowSparseReduce::start(plan, group, packed)?;
+        return Ok(PendingReduce {
+            bytes: sparse.bytes,
+            scatter: Work::ready(Ok(Buffer::F32(Vec::new()))),
+            sparse: Some(sparse),
+            kind,
+            replicate: None,
+            scattered: None,
+            issued,
+        });
+    }
     let packed_bytes = packed.len() * packed.dtype().size();
     let (scatter, kind, replicate, bytes) = match (mesh.shard_size(), &mesh.replicate) {
         // One rank: nothing leaves it.
@@ -149,14 +192,15 @@ pub(crate) fn reduce(mesh: &Mesh, packed: Buffer) -> PendingReduce {
             packed_bytes,
         ),
     };
-    PendingReduce {
+    Ok(PendingReduce {
         bytes,
         scatter,
+        sparse: None,
         kind,
         replicate,
         scattered: None,
         issued: Instant::now(),
-    }
+    })
 }
 
 /// Writes a parameter's full gradient into its rows of every rank's block of `packed`.

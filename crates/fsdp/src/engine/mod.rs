@@ -21,6 +21,7 @@ mod param;
 mod placement;
 mod plan;
 mod sharded;
+mod sparse_rows;
 mod state;
 mod step;
 mod unit;

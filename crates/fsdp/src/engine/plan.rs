@@ -65,6 +65,9 @@ pub struct ShardLayout {
     pub shape: Vec<usize>,
     /// Trainable.
     pub requires_grad: bool,
+    /// Its gradient is row-sparse: only the rows some rank's gradient touches are sent when
+    /// gradients are reduced.
+    pub sparse_grad: bool,
     /// Rows of dim 0 each rank owns (dim 0 padded up to a multiple of the group size).
     pub rows_per_rank: usize,
     /// Elements per row (product of the other dims).
@@ -80,6 +83,7 @@ impl ShardLayout {
             name: spec.name.clone(),
             shape: spec.shape.clone(),
             requires_grad: spec.requires_grad,
+            sparse_grad: spec.sparse_grad,
             rows_per_rank: rows.div_ceil(group),
             row_elems: spec.shape.iter().skip(1).product(),
             offset: 0,

@@ -200,6 +200,7 @@ impl Fsdp {
         let dtypes = comm_dtypes(plugin);
         crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
+        super::sparse_rows::refuse_hybrid(&plan, &mesh)?;
         let placement = Placement::new(initial.device(), plugin.offload_params);
         placement.warn_once();
         let specs: HashMap<&str, &ParamSpec> = model

@@ -15,6 +15,8 @@ use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
 use super::param::{UnshardedParam, unpack_storage};
+use super::plan::ShardLayout;
+use super::sparse_rows::RowSparsePlan;
 use crate::config::BackwardPrefetch;
 use crate::trace::Tracer;
 
@@ -172,7 +174,18 @@ impl UnitRun {
             self.unreduced = merged;
             return Ok(None);
         }
-        Ok(merged.map(|g| collectives::reduce(cx.mesh, g)))
+        let Some(g) = merged else {
+            return Ok(None);
+        };
+        let layouts: Vec<&ShardLayout> = self.unit.params.iter().map(|p| &p.layout).collect();
+        let sparse = RowSparsePlan::new(&layouts, self.unit.block(), cx.mesh.shard_size());
+        collectives::reduce(cx.mesh, g, sparse)
+            .map(Some)
+            .map_err(|source| EngineError::Collective {
+                op: "gradient reduction".into(),
+                unit: self.unit.name(),
+                source,
+            })
     }
 
     /// The state in words, for messages.

@@ -131,6 +131,7 @@ pub struct Embedding {
     dim: usize,
     std: f64,
     padding_idx: Option<usize>,
+    sparse: bool,
 }
 
 impl Embedding {
@@ -143,7 +144,17 @@ impl Embedding {
             dim,
             std,
             padding_idx: None,
+            sparse: false,
         }
+    }
+
+    /// The same table with a row-sparse gradient (`nn.Embedding(sparse=True)`): under FSDP
+    /// only the rows some rank's batch looked up are sent when gradients are reduced, not
+    /// the whole table. The reduced gradient, and so training, is exactly the dense one
+    /// (rows nobody looked up are zero): optimizers update as with a dense gradient —
+    /// PyTorch's `AdamW` on the densified gradient, not `SparseAdam`'s lazy update.
+    pub fn sparse(self, on: bool) -> Embedding {
+        Embedding { sparse: on, ..self }
     }
 
     /// The same table whose row `idx` gets no gradient (`nn.Embedding(padding_idx=idx)`).
@@ -166,11 +177,15 @@ impl Module for Embedding {
     }
 
     fn info(&self) -> ModuleInfo {
-        ModuleInfo::new(self.path.clone(), "Embedding").param(
+        let mut info = ModuleInfo::new(self.path.clone(), "Embedding").param(
             "weight",
             &[self.count, self.dim],
             Init::Normal { std: self.std },
-        )
+        );
+        for p in &mut info.params {
+            p.sparse_grad = self.sparse;
+        }
+        info
     }
 }
 

@@ -34,6 +34,10 @@ pub struct ParamSpec {
     pub init: Init,
     /// False for frozen parameters (no gradient, not updated).
     pub requires_grad: bool,
+    /// The gradient is row-sparse (an embedding table's: only the rows a batch looks up are
+    /// non-zero), so FSDP reduces the touched rows instead of the whole table
+    /// (`nn.Embedding(sparse=True)`'s meaning; see [`crate::nn::Embedding::sparse`]).
+    pub sparse_grad: bool,
 }
 
 impl ParamSpec {
@@ -108,6 +112,7 @@ impl ModuleInfo {
             shape: shape.to_vec(),
             init,
             requires_grad: true,
+            sparse_grad: false,
         });
         self
     }

@@ -359,6 +359,7 @@ mod tests {
             shape: shape.to_vec(),
             init: Init::Normal { std: 0.02 },
             requires_grad: true,
+            sparse_grad: false,
         }
     }
 
