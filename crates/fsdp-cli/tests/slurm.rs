@@ -175,8 +175,8 @@ fn assert_trained(run: &Run, n: usize) {
     );
 }
 
-#[test]
-fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
+/// Run by `scenarios_that_mostly_wait_run_side_by_side`.
+pub fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
     let Some(cluster) = Cluster::or_skip(&[]) else {
         return;
     };
@@ -270,8 +270,8 @@ fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
     common::assert_gone(&pids, Duration::from_secs(10), &run.out);
 }
 
-#[test]
-fn srun_across_two_nodes_on_a_real_network() {
+/// Run by `scenarios_that_mostly_wait_run_side_by_side`.
+pub fn srun_across_two_nodes_on_a_real_network() {
     let Some(machines) = Machines::or_skip() else {
         return;
     };
