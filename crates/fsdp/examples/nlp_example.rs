@@ -127,6 +127,10 @@ struct Args {
     /// `group_by_length`): less padding, batches no longer a uniform shuffle.
     #[arg(long)]
     group_by_length: bool,
+    /// Give the word embedding a row-sparse gradient (`nn.Embedding(sparse=True)`): only the
+    /// rows the step's batches looked up are reduced, with the same result as the whole table.
+    #[arg(long)]
+    sparse_embeddings: bool,
 }
 
 /// `relative` under the current folder, else under the repository this example was built
@@ -251,7 +255,11 @@ fn main() -> Result<()> {
         TextTokenizer::from_file(&model_dir.join("tokenizer.json"), Some(args.max_length))?;
 
     // The model, its pretrained encoder and a fresh head, sharded over the job.
-    let model = BertForSequenceClassification::new(config.clone())?;
+    let mut model = BertForSequenceClassification::new(config.clone())?;
+    if args.sparse_embeddings {
+        let words = &mut model.bert.embeddings.word_embeddings;
+        *words = words.clone().sparse(true);
+    }
     let weights = initial_weights(&model, &model_dir, args.seed)?;
     let fresh = weights.report().missing.clone();
     let names: Vec<String> = model
