@@ -516,3 +516,36 @@ fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
         h.join().unwrap();
     }
 }
+
+#[test]
+fn a_row_sparse_table_under_hybrid_sharding_is_refused_naming_it() {
+    let errors: Vec<String> = LocalGroup::create(4)
+        .into_iter()
+        .map(|group| {
+            std::thread::spawn(move || {
+                let mut m = model();
+                let words = &mut m.bert.embeddings.word_embeddings;
+                *words = words.clone().sparse(true);
+                let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+                let mesh = Mesh::hybrid(&group, 2).unwrap();
+                let plugin = FsdpPlugin::builder()
+                    .resolve(&Layer::new(), None)
+                    .unwrap()
+                    .fsdp;
+                let info = m.info();
+                let made =
+                    Fsdp::with_mesh(&info, &init.tensors(), &plugin, m.no_split_modules(), mesh);
+                made.err().map(|e| e.to_string()).unwrap_or_default()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    for e in errors {
+        assert!(
+            e.contains("bert.embeddings.word_embeddings.weight") && e.contains("hybrid"),
+            "{e}"
+        );
+    }
+}
