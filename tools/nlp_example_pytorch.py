@@ -15,6 +15,7 @@ Not run by CI: needs `pip install torch==2.15.0 transformers==5.24.0` and the as
 tools/fetch-test-assets.sh. From the repository root:
 
     python3 tools/nlp_example_pytorch.py --max_train_steps 100 --ours target/release/fsdp
+    python3 tools/nlp_example_pytorch.py --max_train_steps 100 --ours target/release/fsdp --ours_variant=--sparse_embeddings
     python3 tools/nlp_example_pytorch.py            # the full 2 epochs
 """
 import argparse
@@ -187,6 +188,9 @@ def main():
     p.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
     p.add_argument("--max_eval_samples", type=int, default=None)
     p.add_argument("--ours", help="path to the fsdp binary: run our example after, with the same arguments")
+    p.add_argument("--ours_variant", action="append", default=[],
+                   help="extra arguments of our example (one string, split on spaces) for one more "
+                        "run after the plain one, e.g. --ours_variant=--sparse_embeddings; repeatable")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result_file = f"{tmp}/result.json"
@@ -203,13 +207,16 @@ def main():
         if args.max_eval_samples is not None:
             cmd += ["--max_eval_samples", str(args.max_eval_samples)]
         cmd += ["--mixed_precision", args.mixed_precision]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if "accuracy" in line or ": trained " in line:
-                print("fsdp-rs:", line)
-        ours = [l for l in out.splitlines() if ": trained " in l][-1]
-        rate = float(ours.split("(")[1].split(" samples/s")[0])
-        print(f"fsdp-rs: {rate:.1f} samples/s; ratio fsdp-rs / PyTorch = {rate / torch_result['samples_per_s']:.2f}")
+        for variant in [""] + args.ours_variant:
+            extra = variant.split()
+            label = "fsdp-rs" + (f" {variant}" if extra else "")
+            out = subprocess.run(cmd + extra, capture_output=True, text=True, check=True).stdout
+            for line in out.splitlines():
+                if "accuracy" in line or ": trained " in line:
+                    print(f"{label}:", line)
+            ours = [l for l in out.splitlines() if ": trained " in l][-1]
+            rate = float(ours.split("(")[1].split(" samples/s")[0])
+            print(f"{label}: {rate:.1f} samples/s; ratio to PyTorch = {rate / torch_result['samples_per_s']:.2f}")
 
 
 if __name__ == "__main__":
