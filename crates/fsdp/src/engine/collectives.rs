@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{CpuStorage, Storage, Tensor};
-use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
+use fsdp_comm::{Buffer, BufferElement, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 
 use super::cpu_floats::float_pair;
 use super::error::EngineError;
 use super::plan::ShardLayout;
-use super::sparse_rows::{RowSparsePlan, RowSparseReduce};
+use super::sparse_rows::{CompactGrads, RowSparsePlan, RowSparseReduce};
 use crate::trace::Tracer;
 
 /// The element types a unit communicates in.
@@ -146,30 +146,9 @@ pub(crate) fn reduce(
     packed: Buffer,
     sparse: Option<RowSparsePlan>,
 ) -> Result<PendingReduce, CommError> {
-    let group = match (mesh.shard_size(), &mesh.replicate) {
-        (1, None) => None,
-        (1, Some(r)) => Some(r.as_ref()),
-        (_, None) => Some(mesh.shard.as_ref()),
-        // Refused when the engine is made (`Fsdp::with_mesh`).
-        (_, Some(_)) => None,
-    };
+    let group = row_sparse_group(mesh).filter(|_| mesh.world_size() > 1);
     if let (Some(plan), Some(group)) = (sparse, group) {
-        let issued = Instant::now();
-        let kind = if mesh.shard_size() > 1 {
-            "reduce-scatter"
-        } else {
-            "all-reduce"
-        };
-        let sparse = RowSparseReduce::start(plan, group, packed)?;
-        return Ok(PendingReduce {
-            bytes: sparse.bytes,
-            scatter: Work::ready(Ok(Buffer::F32(Vec::new()))),
-            sparse: Some(sparse),
-            kind,
-            replicate: None,
-            scattered: None,
-            issued,
-        });
+        return row_sparse(mesh, RowSparseReduce::start(plan, group, packed)?);
     }
     let packed_bytes = packed.len() * packed.dtype().size();
     let (scatter, kind, replicate, bytes) = match (mesh.shard_size(), &mesh.replicate) {
@@ -203,6 +182,82 @@ pub(crate) fn reduce(
     })
 }
 
+/// Starts reducing gradients collected for a row-sparse reduction as they arrived.
+pub(crate) fn reduce_compact(mesh: &Mesh, grads: CompactGrads) -> Result<PendingReduce, CommError> {
+    let group = row_sparse_group(mesh).ok_or_else(|| CommError::InvalidArgument {
+        rank: mesh.shard.rank(),
+        op: "row-sparse gradient reduction".into(),
+        reason: "hybrid sharding has two dimensions to reduce over".into(),
+    })?;
+    row_sparse(mesh, grads.start(group)?)
+}
+
+/// The one group a row-sparse reduction runs over: the shard group, or the replicas with a
+/// shard group of one rank (NO_SHARD); `None` for hybrid sharding (refused when the engine
+/// is made).
+fn row_sparse_group(mesh: &Mesh) -> Option<&dyn Communicator> {
+    match (mesh.shard_size(), &mesh.replicate) {
+        (1, Some(r)) => Some(r.as_ref()),
+        (_, None) => Some(mesh.shard.as_ref()),
+        (_, Some(_)) => None,
+    }
+}
+
+/// A row-sparse reduction as a step's pending reduction.
+fn row_sparse(mesh: &Mesh, sparse: RowSparseReduce) -> Result<PendingReduce, CommError> {
+    Ok(PendingReduce {
+        bytes: sparse.bytes,
+        scatter: Work::ready(Ok(Buffer::F32(Vec::new()))),
+        sparse: Some(sparse),
+        kind: if mesh.shard_size() > 1 {
+            "reduce-scatter"
+        } else {
+            "all-reduce"
+        },
+        replicate: None,
+        scattered: None,
+        issued: Instant::now(),
+    })
+}
+
+/// What is done with a parameter's full gradient once it is read as the elements of a
+/// buffer's type (see [`visit_gradient`]).
+pub(crate) trait GradientVisitor {
+    /// Handles the gradient's elements `grad`, in `buffer`'s element type.
+    fn visit<T: BufferElement>(self, grad: &[T], buffer: &mut Vec<T>);
+}
+
+/// Reads the full gradient of parameter `name` in `buffer`'s element type (cast if needed,
+/// in place when it already is) and hands it to `visitor` with the buffer.
+pub(crate) fn visit_gradient(
+    name: &str,
+    grad: &Tensor,
+    buffer: &mut Buffer,
+    visitor: impl GradientVisitor,
+) -> Result<(), EngineError> {
+    let grad = grad.to_dtype(candle_dtype(buffer.dtype()))?.contiguous()?;
+    let (storage, l) = grad.storage_and_layout();
+    let unsupported = || EngineError::UnsupportedTensor {
+        op: "gradient reduction",
+        what: format!("the gradient of `{name}`"),
+        found: format!("{:?} on {:?}", grad.dtype(), grad.device()),
+        expected: "float gradients on the CPU",
+    };
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(unsupported());
+    };
+    let (first, last) = l.contiguous_offsets().ok_or_else(unsupported)?;
+    float_pair!(
+        cpu,
+        buffer,
+        |g, b| {
+            visitor.visit(&g[first..last], b);
+            Ok(())
+        },
+        Err(unsupported())
+    )
+}
+
 /// Writes a parameter's full gradient into its rows of every rank's block of `packed`.
 pub(crate) fn pack_gradient(
     layout: &ShardLayout,
@@ -211,28 +266,22 @@ pub(crate) fn pack_gradient(
     block: usize,
     ranks: usize,
 ) -> Result<(), EngineError> {
-    let grad = grad.to_dtype(candle_dtype(packed.dtype()))?.contiguous()?;
-    let (storage, l) = grad.storage_and_layout();
-    let unsupported = || EngineError::UnsupportedTensor {
-        op: "gradient reduction",
-        what: format!("the gradient of `{}`", layout.name),
-        found: format!("{:?} on {:?}", grad.dtype(), grad.device()),
-        expected: "float gradients on the CPU",
+    struct Pack<'a> {
+        layout: &'a ShardLayout,
+        block: usize,
+        ranks: usize,
+    }
+    impl GradientVisitor for Pack<'_> {
+        fn visit<T: BufferElement>(self, grad: &[T], packed: &mut Vec<T>) {
+            self.layout.pack(grad, self.block, self.ranks, packed);
+        }
+    }
+    let pack = Pack {
+        layout,
+        block,
+        ranks,
     };
-    let Storage::Cpu(cpu) = &*storage else {
-        return Err(unsupported());
-    };
-    let (first, last) = l.contiguous_offsets().ok_or_else(unsupported)?;
-    // Read in place: no copy of the gradient when it is already contiguous in this dtype.
-    float_pair!(
-        cpu,
-        packed,
-        |g, p| {
-            layout.pack(&g[first..last], block, ranks, p);
-            Ok(())
-        },
-        Err(unsupported())
-    )
+    visit_gradient(&layout.name, grad, packed, pack)
 }
 
 /// candle's dtype for a communication dtype (f32 for non-float ones).

@@ -13,6 +13,9 @@
 use fsdp_comm::dtype::finish_avg;
 use fsdp_comm::{Buffer, BufferElement, CommError, Communicator, Mesh, ReduceOp, Work};
 
+use candle_core::Tensor;
+
+use super::collectives::{GradientVisitor, pack_gradient, visit_gradient};
 use super::error::EngineError;
 use super::plan::{ShardLayout, UnitPlan};
 
@@ -136,6 +139,81 @@ impl RowSparsePlan {
     }
 }
 
+/// A unit's gradients collected for a row-sparse reduction as they arrive, instead of
+/// packed whole: the other parameters packed into blocks without the row-sparse ones, and of
+/// those only the rows that are not all zero — the dense table gradient is read once and
+/// never copied (a backward without sync, or one adding carried gradients, packs whole).
+pub(crate) struct CompactGrads {
+    plan: RowSparsePlan,
+    dense: Buffer,
+    ids: Vec<i64>,
+    values: Buffer,
+}
+
+impl CompactGrads {
+    /// Empty, in `dtype` (the reduction's).
+    pub fn new(plan: RowSparsePlan, dtype: fsdp_comm::DType) -> CompactGrads {
+        CompactGrads {
+            dense: Buffer::zeros(dtype, plan.dense_block() * plan.ranks),
+            values: Buffer::empty(dtype),
+            ids: Vec::new(),
+            plan,
+        }
+    }
+
+    /// Takes the full gradient of the parameter laid out as `layout`.
+    pub fn add(&mut self, layout: &ShardLayout, grad: &Tensor) -> Result<(), EngineError> {
+        let plan = &self.plan;
+        let Some(s) = plan
+            .segments
+            .iter()
+            .find(|s| s.offset == layout.offset && layout.sparse_grad)
+        else {
+            // A dense parameter: packed at its place in blocks without the sparse ones.
+            let before: usize = plan
+                .segments
+                .iter()
+                .filter(|s| s.offset < layout.offset)
+                .map(|s| s.rows * s.row_elems)
+                .sum();
+            let moved = ShardLayout {
+                offset: layout.offset - before,
+                ..layout.clone()
+            };
+            let block = plan.dense_block();
+            return pack_gradient(&moved, grad, &mut self.dense, block, plan.ranks);
+        };
+        struct Touched<'a> {
+            base: usize,
+            row_elems: usize,
+            ids: &'a mut Vec<i64>,
+        }
+        impl GradientVisitor for Touched<'_> {
+            fn visit<T: BufferElement>(self, grad: &[T], values: &mut Vec<T>) {
+                let zero = T::default();
+                // Row g of the parameter is row g % rows of block g / rows: id base + g.
+                for (g, row) in grad.chunks_exact(self.row_elems.max(1)).enumerate() {
+                    if row.iter().any(|&x| x != zero) {
+                        self.ids.push((self.base + g) as i64);
+                        values.extend_from_slice(row);
+                    }
+                }
+            }
+        }
+        let touched = Touched {
+            base: s.base,
+            row_elems: s.row_elems,
+            ids: &mut self.ids,
+        };
+        visit_gradient(&layout.name, grad, &mut self.values, touched)
+    }
+
+    /// Starts the reduction over `group` (see [`RowSparseReduce::start`]).
+    pub fn start(self, group: &dyn Communicator) -> Result<RowSparseReduce, CommError> {
+        RowSparseReduce::start_parts(self.plan, group, self.dense, self.ids, self.values)
+    }
+}
+
 /// A row-sparse reduction in flight (see the module's documentation).
 pub(crate) struct RowSparseReduce {
     plan: RowSparsePlan,
@@ -171,6 +249,18 @@ impl RowSparseReduce {
             )
         })?;
         drop(packed);
+        Self::start_parts(plan, group, dense, ids, values)
+    }
+
+    /// [`RowSparseReduce::start`] of a gradient already split: the dense part (blocks
+    /// without the row-sparse parameters), and the touched rows' ids and values.
+    pub fn start_parts(
+        plan: RowSparsePlan,
+        group: &dyn Communicator,
+        dense: Buffer,
+        ids: Vec<i64>,
+        values: Buffer,
+    ) -> Result<RowSparseReduce, CommError> {
         let n = group.size();
         let mine = vec![ids.len() as i64, values.len() as i64];
         let counts: Vec<(usize, usize)> = group
@@ -343,6 +433,7 @@ fn pad(mut values: Buffer, len: usize) -> Buffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
     use fsdp_comm::local::LocalGroup;
 
     fn layout(
@@ -379,22 +470,26 @@ mod tests {
         (ls, at)
     }
 
-    /// Rank `r`'s packed gradient: integers (exact sums in any order), zero outside the
-    /// rows rank `r` touches.
+    /// Rank `r`'s full gradient of parameter `li`: integers (exact sums in any order), zero
+    /// outside the rows rank `r` touches.
+    fn param_gradient(l: &ShardLayout, li: usize, r: usize) -> Vec<f32> {
+        let mut g = vec![0f32; l.shape[0] * l.row_elems];
+        for (row, values) in g.chunks_exact_mut(l.row_elems).enumerate() {
+            if l.sparse_grad && !(row + r).is_multiple_of(3) {
+                continue;
+            }
+            for (e, v) in values.iter_mut().enumerate() {
+                *v = (1 + r * 7 + li * 5 + row * 3 + e) as f32 - 10.0;
+            }
+        }
+        g
+    }
+
+    /// Rank `r`'s gradients packed as the engine packs them.
     fn gradient(ls: &[ShardLayout], block: usize, ranks: usize, r: usize) -> Vec<f32> {
         let mut packed = vec![0f32; block * ranks];
         for (li, l) in ls.iter().enumerate() {
-            let rows = l.shape[0];
-            for row in 0..rows {
-                if l.sparse_grad && !(row + r).is_multiple_of(3) {
-                    continue;
-                }
-                let (b, j) = (row / l.rows_per_rank, row % l.rows_per_rank);
-                for e in 0..l.row_elems {
-                    packed[b * block + l.offset + j * l.row_elems + e] =
-                        (1 + r * 7 + li * 5 + row * 3 + e) as f32 - 10.0;
-                }
-            }
+            l.pack(&param_gradient(l, li, r), block, ranks, &mut packed);
         }
         packed
     }
@@ -418,10 +513,18 @@ mod tests {
                             g.all_reduce(Buffer::F32(packed.clone()), ReduceOp::Avg)
                         };
                         let dense = dense.wait().unwrap().into_vec::<f32>().unwrap();
-                        let sparse = RowSparseReduce::start(plan, &g, Buffer::F32(packed))
+                        let sparse = RowSparseReduce::start(plan.clone(), &g, Buffer::F32(packed))
                             .unwrap()
                             .wait()
                             .unwrap();
+                        // Collected parameter by parameter as backward delivers them.
+                        let mut compact = CompactGrads::new(plan, fsdp_comm::DType::F32);
+                        for (li, l) in ls.iter().enumerate() {
+                            let dims = (l.shape[0], l.row_elems);
+                            let t = Tensor::from_vec(param_gradient(l, li, r), dims, &Device::Cpu);
+                            compact.add(l, &t.unwrap()).unwrap();
+                        }
+                        assert_eq!(compact.start(&g).unwrap().wait().unwrap(), sparse);
                         (dense, sparse)
                     })
                 })

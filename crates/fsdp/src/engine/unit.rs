@@ -16,7 +16,7 @@ use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
 use super::param::{UnshardedParam, unpack_storage};
 use super::plan::ShardLayout;
-use super::sparse_rows::RowSparsePlan;
+use super::sparse_rows::{CompactGrads, RowSparsePlan};
 use crate::config::BackwardPrefetch;
 use crate::trace::Tracer;
 
@@ -76,6 +76,9 @@ pub(crate) struct UnitRun {
     /// Whether forward reported the unit's output at all.
     pub hooked: bool,
     grad_pack: Option<Buffer>,
+    /// Instead of `grad_pack`, for a unit with row-sparse parameters reducing this backward
+    /// with nothing carried: its gradients collected for the row-sparse reduction.
+    grad_rows: Option<CompactGrads>,
     /// Gradients this backward will deliver (known from the graph before it runs).
     pub expected: Option<usize>,
     received: usize,
@@ -108,6 +111,7 @@ impl UnitRun {
             outputs: Vec::new(),
             hooked: false,
             grad_pack: None,
+            grad_rows: None,
             expected: None,
             received: 0,
             has_grad: vec![false; n],
@@ -154,6 +158,17 @@ impl UnitRun {
         cx: &RunContext,
         pack: Option<Buffer>,
     ) -> Result<Option<PendingReduce>, EngineError> {
+        let collective_failed = |source| EngineError::Collective {
+            op: "gradient reduction".into(),
+            unit: self.unit.name(),
+            source,
+        };
+        if let Some(rows) = self.grad_rows.take() {
+            self.trace_span(cx, "backward", self.backward_began);
+            self.backward_began = None;
+            let pending = collectives::reduce_compact(cx.mesh, rows);
+            return pending.map(Some).map_err(collective_failed);
+        }
         let merged = match (pack, self.carried.take()) {
             (Some(mut pack), Some(carried)) => {
                 if !pack.add_assign(&carried) {
@@ -177,15 +192,16 @@ impl UnitRun {
         let Some(g) = merged else {
             return Ok(None);
         };
-        let layouts: Vec<&ShardLayout> = self.unit.params.iter().map(|p| &p.layout).collect();
-        let sparse = RowSparsePlan::new(&layouts, self.unit.block(), cx.mesh.shard_size());
+        let sparse = self.row_sparse_plan(cx);
         collectives::reduce(cx.mesh, g, sparse)
             .map(Some)
-            .map_err(|source| EngineError::Collective {
-                op: "gradient reduction".into(),
-                unit: self.unit.name(),
-                source,
-            })
+            .map_err(collective_failed)
+    }
+
+    /// Where the unit's row-sparse parameters lie in its packed gradient, if it has any.
+    fn row_sparse_plan(&self, cx: &RunContext) -> Option<RowSparsePlan> {
+        let layouts: Vec<&ShardLayout> = self.unit.params.iter().map(|p| &p.layout).collect();
+        RowSparsePlan::new(&layouts, self.unit.block(), cx.mesh.shard_size())
     }
 
     /// The state in words, for messages.
@@ -457,10 +473,21 @@ impl UnitRun {
             });
         }
         let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
-        let pack = self
-            .grad_pack
-            .get_or_insert_with(|| Buffer::zeros(cx.dtypes.reduce, block * ranks));
-        collectives::pack_gradient(&p.layout, grad, pack, block, ranks)?;
+        let first = self.grad_pack.is_none() && self.grad_rows.is_none();
+        if first && !self.keep_unreduced && self.carried.is_none() {
+            self.grad_rows = self
+                .row_sparse_plan(cx)
+                .filter(|_| cx.mesh.world_size() > 1)
+                .map(|plan| CompactGrads::new(plan, cx.dtypes.reduce));
+        }
+        if let Some(rows) = self.grad_rows.as_mut() {
+            rows.add(&p.layout, grad)?;
+        } else {
+            let pack = self
+                .grad_pack
+                .get_or_insert_with(|| Buffer::zeros(cx.dtypes.reduce, block * ranks));
+            collectives::pack_gradient(&p.layout, grad, pack, block, ranks)?;
+        }
         self.has_grad[i] = true;
         self.received += 1;
         if Some(self.received) != self.expected {
@@ -482,7 +509,7 @@ impl UnitRun {
     /// unit's tensors.
     pub fn finish(&mut self, cx: &RunContext) -> Result<Option<PendingReduce>, EngineError> {
         let pack = self.grad_pack.take();
-        let pending = if pack.is_some() || self.carried.is_some() {
+        let pending = if pack.is_some() || self.carried.is_some() || self.grad_rows.is_some() {
             self.complete(cx, pack)?
         } else {
             None
