@@ -279,15 +279,20 @@ impl RowSparseReduce {
         let padded = counts
             .iter()
             .fold((0, 0), |(a, b), &(i, v)| (a.max(i), b.max(v)));
-        let dense_bytes = dense.len() * dense.dtype().size();
+        // What the ring algorithms send: (n-1)/n of the buffer for a reduce-scatter, twice
+        // that for an all-reduce; n-1 times this rank's part for an all-gather.
+        let scatter = plan.ranks == n && n > 1;
+        let dense_bytes = dense.len() * dense.dtype().size() * (n - 1) / n;
+        let mut bytes = 16 * (n - 1);
         let dense = (plan.dense_block() > 0).then(|| {
-            if plan.ranks == n && n > 1 {
+            if scatter {
+                bytes += dense_bytes;
                 group.reduce_scatter(dense, ReduceOp::Avg)
             } else {
+                bytes += 2 * dense_bytes;
                 group.all_reduce(dense, ReduceOp::Avg)
             }
         });
-        let mut bytes = dense_bytes * (n - 1) / n + 16 * (n - 1);
         let rows = (padded.0 > 0).then(|| {
             let mut ids = ids;
             ids.resize(padded.0, -1);
