@@ -346,7 +346,18 @@ fn a_rank_waiting_in_a_collective_is_stopped_when_its_peer_dies() {
         ],
         Duration::from_secs(30),
     );
-    assert_eq!(run.code, Some(3), "{}", run.out);
+    // Which failure the launcher reaps first is the kernel's race: rank 1's own exit (code 3),
+    // or rank 0's, which fails as soon as rank 1's connections close during that exit (code
+    // 1, its error naming the lost peer). Seen once in a clean-clone CI run under load.
+    match run.code {
+        Some(3) => {}
+        Some(1) => assert!(
+            run.out.contains("rank 0: connection to rank 1 lost"),
+            "{}",
+            run.out
+        ),
+        other => panic!("exit code {other:?}:\n{}", run.out),
+    }
     assert!(
         run.elapsed < Duration::from_secs(15),
         "took {:?}",
