@@ -146,8 +146,7 @@ pub(crate) fn reduce(
     packed: Buffer,
     sparse: Option<RowSparsePlan>,
 ) -> Result<PendingReduce, CommError> {
-    let group = row_sparse_group(mesh).filter(|_| mesh.world_size() > 1);
-    if let (Some(plan), Some(group)) = (sparse, group) {
+    if let (Some(plan), Some(group)) = (sparse, row_sparse_group(mesh)) {
         return row_sparse(mesh, RowSparseReduce::start(plan, group, packed)?);
     }
     let packed_bytes = packed.len() * packed.dtype().size();

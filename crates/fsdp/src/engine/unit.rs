@@ -198,8 +198,12 @@ impl UnitRun {
             .map_err(collective_failed)
     }
 
-    /// Where the unit's row-sparse parameters lie in its packed gradient, if it has any.
+    /// Where the unit's row-sparse parameters lie in its packed gradient, if it has any and
+    /// its gradients leave this rank (alone, a rank has nothing to send).
     fn row_sparse_plan(&self, cx: &RunContext) -> Option<RowSparsePlan> {
+        if cx.mesh.world_size() == 1 {
+            return None;
+        }
         let layouts: Vec<&ShardLayout> = self.unit.params.iter().map(|p| &p.layout).collect();
         RowSparsePlan::new(&layouts, self.unit.block(), cx.mesh.shard_size())
     }
@@ -477,7 +481,6 @@ impl UnitRun {
         if first && !self.keep_unreduced && self.carried.is_none() {
             self.grad_rows = self
                 .row_sparse_plan(cx)
-                .filter(|_| cx.mesh.world_size() > 1)
                 .map(|plan| CompactGrads::new(plan, cx.dtypes.reduce));
         }
         if let Some(rows) = self.grad_rows.as_mut() {
