@@ -5,6 +5,7 @@
 mod attention;
 mod checkpoint;
 mod collectives;
+mod gemm;
 mod layer;
 mod loading;
 mod memory;
@@ -30,6 +31,10 @@ enum BenchWhat {
     /// Median time and bandwidth of all_reduce, all_gather, reduce_scatter and broadcast
     /// (f32) between local processes, sizes 4 KiB to 64 MiB; prints a table and JSON.
     Collectives(collectives::CollectiveArgs),
+    /// The engine's matrix products as layers call them (forward, both backward products) on
+    /// square and transformer shapes, f32 or bf16, one thread: GFLOP/s and % of the core's
+    /// instruction peak.
+    Gemm(gemm::GemmArgs),
     /// One BERT encoder layer, forward and forward+backward, with a per-part breakdown.
     Layer(layer::LayerArgs),
     /// FSDP training of a BERT classifier per sharding strategy: model-state bytes per rank
@@ -66,6 +71,7 @@ enum BenchWhat {
 pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         BenchWhat::Collectives(a) => collectives::run(a),
+        BenchWhat::Gemm(a) => gemm::run(a),
         BenchWhat::Layer(a) => layer::run(a),
         BenchWhat::Memory(a) => memory::run(a),
         BenchWhat::Checkpoint(a) => checkpoint::run(a),

@@ -1,13 +1,15 @@
 //! The bf16 GEMM for CPUs with AVX512_BF16, whose `vdpbf16ps` adds two bf16 products into
-//! each f32 lane: the operands are packed as bf16 pairs (half the bytes of the f32 copies
-//! the portable path makes), products are summed in f32 over all of k, and each result is
-//! rounded to bf16 once, as in the portable path. CPUs without the instruction take
-//! `half_float`'s path (the f32 GEMM on widened operands).
+//! each f32 lane: the operands are packed as bf16 pairs, products are summed in f32 over
+//! all of k in registers, and each result is scaled, added to the destination when
+//! accumulating and rounded to bf16 once, as in the portable path. CPUs without the
+//! instruction take `half_float`'s path (the f32 GEMM on widened operands).
 //!
-//! Packing, blocking and the write-back are one code for every kernel. The tests run them
-//! on every CPU with a scalar kernel of the instruction's arithmetic, and the instruction's
-//! kernel where the CPU has it (`tools/avx512bf16_emulated.sh` runs them in an emulator of
-//! such a CPU).
+//! The rhs is packed once per product into column strips (in parallel), each thread packs
+//! the lhs rows it computes, and a tile's sums go from registers to the destination with
+//! vector instructions (the rounding is `simd::round_to_bf16`'s, bit for bit). Packing and
+//! blocking are one code for every kernel: the tests run them on every CPU with a scalar
+//! kernel of the instruction's arithmetic, and the instruction's kernel where the CPU has
+//! it (`tools/avx512bf16_emulated.sh` runs them in an emulator of such a CPU).
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
@@ -15,28 +17,25 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::simd::{bf16_as_f32, round_to_bf16};
-
 /// Rows of the product one tile computes: one broadcast per row and pair of k.
 const MR: usize = 12;
-/// Columns of the product one tile computes: two vectors of 16 f32 lanes, so a tile keeps
-/// 24 accumulators of the 32 vector registers in flight.
-const NR: usize = 32;
+/// Columns of the product one tile computes: `NV` vectors of 16 f32 lanes, so a tile keeps
+/// `MR * NV` accumulators of the 32 vector registers in flight.
+const NR: usize = 16 * NV;
+/// Vectors of the rhs a tile multiplies per pair of k.
+const NV: usize = 2;
 /// Bytes of packed rhs strips one block holds (in L2) while every row strip passes over it.
 const RHS_BLOCK_BYTES: usize = 512 * 1024;
+/// Rhs elements below which one thread packs the whole rhs (a parallel pass costs more).
+const PARALLEL_PACK: usize = 1 << 16;
 
-/// One tile's f32 sums, row-major, `NR` per row.
-type Tile = [f32; MR * NR];
-
-/// A tile kernel: the sums of one packed lhs strip times one packed rhs strip.
-type Dot = unsafe fn(&[u32], &[u16], &mut Tile);
-
-/// Whether this CPU has the instruction the kernel needs.
+/// Whether this CPU has the instructions the kernel needs.
 pub(super) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -49,7 +48,7 @@ pub(super) fn available() -> bool {
 /// kernel; operands as in `matmul::gemm_raw`, which has checked them.
 ///
 /// # Safety
-/// As `matmul::gemm_raw`; and the CPU has the instruction ([`available`]).
+/// As `matmul::gemm_raw`; and the CPU has the instructions ([`available`]).
 #[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn gemm(
     mnk: (usize, usize, usize),
@@ -60,14 +59,28 @@ pub(super) unsafe fn gemm(
     rhs: (&[bf16], usize, usize),
     scale: f64,
 ) {
+    let threads = candle_core::utils::get_num_threads();
     // SAFETY: forwarded from the caller, who vouches for the CPU.
-    unsafe { gemm_with(avx512::tiles, mnk, dst, dst_rs, accumulate, lhs, rhs, scale) }
+    unsafe {
+        gemm_with(
+            avx512::tiles,
+            threads,
+            mnk,
+            dst,
+            dst_rs,
+            accumulate,
+            lhs,
+            rhs,
+            scale,
+        )
+    }
 }
 
-/// The packed operands and where their product goes, shared by the threads computing it.
+/// The packed rhs and where the product goes, shared by the threads computing it.
 struct Product<'a> {
-    lhs: &'a [u32],
-    rhs: &'a [u16],
+    /// The rhs in strips of `NR` columns: per pair of k, each column's (k, k+1) elements as
+    /// one u32 (k in the low half).
+    rhs: &'a [u32],
     /// Pairs of k (k rounded up to even: a zero pads an odd k).
     kp: usize,
     m: usize,
@@ -82,33 +95,37 @@ struct Product<'a> {
 // `gemm_with` vouches for the memory) and only read the rest.
 unsafe impl Sync for Product<'_> {}
 
-/// Computes and writes the tiles of row strips `strips` (a kernel's entry point, compiled
-/// with its instructions).
-type Tiles = unsafe fn(&Product<'_>, Range<usize>);
+/// Computes and writes the tiles of row strips `strips`, whose packed lhs is `lhs` (a
+/// kernel's entry point, compiled with its instructions).
+type Tiles = unsafe fn(&Product<'_>, &[u32], Range<usize>);
 
-/// Packs the operands and runs `tiles` over the row strips, split across the compute
-/// threads.
+/// An operand as `gemm` receives it: its elements and (row, column) strides.
+type Operand<'a> = (&'a [bf16], usize, usize);
+
+/// Packs the rhs, then on up to `threads` threads packs each range of row strips' lhs and
+/// runs `tiles` over it.
 ///
 /// # Safety
 /// As [`gemm`], for the instructions `tiles` uses.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_with(
     tiles: Tiles,
+    threads: usize,
     (m, n, k): (usize, usize, usize),
     dst: *mut bf16,
     dst_rs: usize,
     accumulate: bool,
-    (lhs, lhs_rs, lhs_cs): (&[bf16], usize, usize),
-    (rhs, rhs_rs, rhs_cs): (&[bf16], usize, usize),
+    lhs: Operand<'_>,
+    rhs: Operand<'_>,
     scale: f64,
 ) {
     if m == 0 || n == 0 {
         return;
     }
-    let lhs = pack_lhs(lhs, m, k, lhs_rs, lhs_cs);
-    let rhs = pack_rhs(rhs, k, n, rhs_rs, rhs_cs);
+    let strips = m.div_ceil(MR);
+    let threads = threads.clamp(1, strips);
+    let rhs = pack_rhs(rhs, k, n, if k * n >= PARALLEL_PACK { threads } else { 1 });
     let product = Product {
-        lhs: &lhs,
         rhs: &rhs,
         kp: k.div_ceil(2),
         m,
@@ -118,109 +135,239 @@ unsafe fn gemm_with(
         accumulate,
         scale: scale as f32,
     };
-    let strips = m.div_ceil(MR);
-    let threads = candle_core::utils::get_num_threads().clamp(1, strips);
+    let run = |range: Range<usize>| {
+        let lhs = pack_lhs(lhs, m, k, range.clone());
+        // SAFETY: forwarded from the caller; each range's rows are its own.
+        unsafe { tiles(&product, &lhs, range) }
+    };
     if threads == 1 {
-        // SAFETY: forwarded from the caller.
-        return unsafe { tiles(&product, 0..strips) };
+        return run(0..strips);
     }
     let per_thread = strips.div_ceil(threads);
     rayon::scope(|scope| {
         for first in (0..strips).step_by(per_thread) {
-            let product = &product;
-            // SAFETY: forwarded from the caller; each range's rows are its own.
-            scope
-                .spawn(move |_| unsafe { tiles(product, first..(first + per_thread).min(strips)) });
+            let run = &run;
+            scope.spawn(move |_| run(first..(first + per_thread).min(strips)));
         }
     });
 }
 
-/// The lhs (m×k, strides `rs`, `cs`) as strips of `MR` rows; in a strip, for each pair of
-/// k, each row's (k, k+1) elements as one u32 (k in the low half): what the kernel
-/// broadcasts. Rows past m and an odd k's last pair are padded with zeros.
-fn pack_lhs(v: &[bf16], m: usize, k: usize, rs: usize, cs: usize) -> Vec<u32> {
-    let kp = k.div_ceil(2);
-    let mut out = vec![0u32; m.div_ceil(MR) * kp * MR];
-    let mut put = |i: usize, kk: usize| {
-        let at = (i / MR) * kp * MR + (kk / 2) * MR + i % MR;
-        out[at] |= u32::from(v[i * rs + kk * cs].to_bits()) << (16 * (kk % 2));
-    };
-    // Read the operand in its contiguous direction.
-    if cs == 1 {
-        (0..m).for_each(|i| (0..k).for_each(|kk| put(i, kk)));
-    } else {
-        (0..k).for_each(|kk| (0..m).for_each(|i| put(i, kk)));
-    }
-    out
-}
-
-/// The rhs (k×n, strides `rs`, `cs`) as strips of `NR` columns; in a strip, for each pair
-/// of k, the columns' (k, k+1) elements interleaved: the two vectors the kernel multiplies.
-/// Columns past n and an odd k's last row are padded with zeros.
-fn pack_rhs(v: &[bf16], k: usize, n: usize, rs: usize, cs: usize) -> Vec<u16> {
-    let kp = k.div_ceil(2);
-    let mut out = vec![0u16; n.div_ceil(NR) * kp * NR * 2];
-    let mut put = |kk: usize, j: usize| {
-        let at = ((j / NR) * kp + kk / 2) * NR * 2 + 2 * (j % NR) + kk % 2;
-        out[at] = v[kk * rs + j * cs].to_bits();
-    };
-    if cs == 1 {
-        (0..k).for_each(|kk| (0..n).for_each(|j| put(kk, j)));
-    } else {
-        (0..n).for_each(|j| (0..k).for_each(|kk| put(kk, j)));
-    }
-    out
-}
-
-/// Computes the tiles of row strips `strips` with `dot` and writes them: rhs strips in
-/// blocks of about `RHS_BLOCK_BYTES`, each block passed over by every row strip in turn.
-/// Inlined into each kernel's entry point, so the write-back is compiled with its
-/// instructions too.
+/// Pair `p` of k at `at` (the element of k = 0) with stride `step` along k, the odd half
+/// zero past k.
 ///
 /// # Safety
-/// As [`gemm_with`], for the instructions `dot` uses.
+/// The elements `at + 2p * step` and, when `2p + 1 < k`, `at + (2p + 1) * step` are inside
+/// the operand.
 #[inline(always)]
-unsafe fn tiles_with(dot: Dot, p: &Product<'_>, strips: Range<usize>) {
-    let lhs_strip = p.kp * MR;
-    let rhs_strip = p.kp * NR * 2;
-    let rhs_strips = p.n.div_ceil(NR);
-    let block = (RHS_BLOCK_BYTES / (rhs_strip * 2).max(1)).max(1);
-    let mut tile = [0f32; MR * NR];
-    for first in (0..rhs_strips).step_by(block) {
-        for s in strips.clone() {
-            let a = &p.lhs[s * lhs_strip..(s + 1) * lhs_strip];
-            for t in first..(first + block).min(rhs_strips) {
-                let b = &p.rhs[t * rhs_strip..(t + 1) * rhs_strip];
-                // SAFETY: forwarded from the caller.
-                unsafe { dot(a, b, &mut tile) };
-                // SAFETY: the tile's rows and columns are inside the product.
-                unsafe { store_tile(p, &tile, s * MR, t * NR) };
+unsafe fn pair(v: *const u16, at: usize, step: usize, p: usize, k: usize) -> u32 {
+    // SAFETY: as the caller vouches.
+    unsafe {
+        let lo = u32::from(*v.add(at + 2 * p * step));
+        let hi = if 2 * p + 1 < k {
+            u32::from(*v.add(at + (2 * p + 1) * step))
+        } else {
+            0
+        };
+        lo | hi << 16
+    }
+}
+
+/// Writes `len` pairs of k of the line at `at` (stride `step` along k) to `out` at every
+/// `stride`-th element: contiguous pairs are read as one u32, the odd tail through [`pair`].
+///
+/// # Safety
+/// The line's k elements are inside the operand; `out` is valid for the writes.
+#[inline(always)]
+unsafe fn pack_line(v: *const u16, at: usize, step: usize, k: usize, out: *mut u32, stride: usize) {
+    let kp = k.div_ceil(2);
+    // SAFETY: as the caller vouches.
+    unsafe {
+        if step == 1 {
+            let line = v.add(at).cast::<u32>();
+            for p in 0..k / 2 {
+                *out.add(p * stride) = line.add(p).read_unaligned();
+            }
+            for p in k / 2..kp {
+                *out.add(p * stride) = pair(v, at, step, p, k);
+            }
+        } else {
+            for p in 0..kp {
+                *out.add(p * stride) = pair(v, at, step, p, k);
             }
         }
     }
 }
 
-/// Writes the part of `tile` inside the product at row `i0`, column `j0`: scaled, added to
-/// the destination when accumulating, rounded to bf16 by the rule every bf16 conversion
-/// here shares (`simd::round_to_bf16`).
+/// Pair `p` of k of `len` lines (the first at `at`, the next `line` elements on, stride
+/// `step` along k) into `out[..len]`: where lines are contiguous (`line` 1) the two rows
+/// of k are read as slices, which the compiler vectorises.
 ///
 /// # Safety
-/// `dst` is valid as [`gemm`] says.
+/// The lines' elements of pair `p` are inside the operand; `out` is valid for `len` writes.
 #[inline(always)]
-unsafe fn store_tile(p: &Product<'_>, tile: &Tile, i0: usize, j0: usize) {
-    let cols = NR.min(p.n - j0);
-    for r in 0..MR.min(p.m - i0) {
-        let sums = &tile[r * NR..r * NR + cols];
-        // SAFETY: row i0 + r < m, columns j0 .. j0 + cols <= n.
-        let out = unsafe { p.dst.add((i0 + r) * p.dst_rs + j0) };
-        for (j, &sum) in sums.iter().enumerate() {
-            let mut v = sum * p.scale;
-            // SAFETY: as above; read only when accumulating, when the caller vouches for it.
+unsafe fn interleave(
+    v: *const u16,
+    at: usize,
+    line: usize,
+    step: usize,
+    (p, k): (usize, usize),
+    len: usize,
+    out: *mut u32,
+) {
+    // SAFETY: as the caller vouches.
+    unsafe {
+        if line == 1 && 2 * p + 1 < k {
+            let lo = std::slice::from_raw_parts(v.add(at + 2 * p * step), len);
+            let hi = std::slice::from_raw_parts(v.add(at + (2 * p + 1) * step), len);
+            let out = std::slice::from_raw_parts_mut(out, len);
+            for ((o, &lo), &hi) in out.iter_mut().zip(lo).zip(hi) {
+                *o = u32::from(lo) | u32::from(hi) << 16;
+            }
+        } else {
+            for c in 0..len {
+                *out.add(c) = pair(v, at + c * line, step, p, k);
+            }
+        }
+    }
+}
+
+/// The lhs rows of row strips `strips` (the operand m×k, strides `rs`, `cs`), each strip
+/// of `MR` rows laid out per pair of k, each row's (k, k+1) elements as one u32: what the
+/// kernel broadcasts. Rows past m are zeros.
+fn pack_lhs((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usize>) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let len = strips.len() * kp * MR;
+    let mut out: Vec<u32> = Vec::with_capacity(len);
+    let (v, o) = (v.as_ptr().cast::<u16>(), out.as_mut_ptr());
+    for (s_at, s) in strips.enumerate() {
+        let strip = s_at * kp * MR;
+        for r in 0..MR {
+            let i = s * MR + r;
+            // SAFETY: `out` has room for every strip; row i < m is inside the operand (the
+            // caller checked its strides), and rows past m are zeros.
             unsafe {
-                if p.accumulate {
-                    v += bf16_as_f32(out.add(j).read());
+                if i < m {
+                    if cs == 1 || k < 2 {
+                        pack_line(v, i * rs, cs, k, o.add(strip + r), MR);
+                    } else {
+                        // Transposed: a strip's rows are contiguous for each k, so read them
+                        // in that direction below.
+                        continue;
+                    }
+                } else {
+                    (0..kp).for_each(|p| *o.add(strip + p * MR + r) = 0);
                 }
-                out.add(j).write(round_to_bf16(v));
+            }
+        }
+        if cs != 1 && k >= 2 {
+            let rows = MR.min(m - s * MR);
+            for p in 0..kp {
+                // SAFETY: as above.
+                unsafe {
+                    interleave(
+                        v,
+                        (s * MR) * rs,
+                        rs,
+                        cs,
+                        (p, k),
+                        rows,
+                        o.add(strip + p * MR),
+                    )
+                };
+            }
+        }
+    }
+    // SAFETY: every element was written above.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// The rhs (k×n, strides `rs`, `cs`) as strips of `NR` columns; in a strip, for each pair
+/// of k, each column's (k, k+1) elements as one u32: the vectors the kernel multiplies.
+/// Columns past n are zeros. Strips are packed on up to `threads` threads.
+fn pack_rhs((v, rs, cs): Operand<'_>, k: usize, n: usize, threads: usize) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let strip_len = kp * NR;
+    let strips = n.div_ceil(NR);
+    let mut out: Vec<u32> = Vec::with_capacity(strips * strip_len);
+    let pack_strip = |t: usize, o: *mut u32| {
+        let (v, j0) = (v.as_ptr().cast::<u16>(), t * NR);
+        let cols = NR.min(n - j0);
+        // SAFETY: `o` is strip t's `strip_len` elements; columns below n are inside the
+        // operand (the caller checked its strides), and columns past n are zeros.
+        unsafe {
+            if rs == 1 || k < 2 {
+                // Each column contiguous along k (a transposed weight): one line per column.
+                for c in 0..cols {
+                    pack_line(v, (j0 + c) * cs, rs, k, o.add(c), NR);
+                }
+            } else {
+                // Rows contiguous: two rows of k interleaved per pair.
+                for p in 0..kp {
+                    interleave(v, j0 * cs, cs, rs, (p, k), cols, o.add(p * NR));
+                }
+            }
+            for p in 0..kp {
+                (cols..NR).for_each(|c| *o.add(p * NR + c) = 0);
+            }
+        }
+    };
+    let base = SendPtr(out.as_mut_ptr());
+    if threads <= 1 {
+        (0..strips).for_each(|t| pack_strip(t, base.at(t * strip_len)));
+    } else {
+        let per_thread = strips.div_ceil(threads);
+        rayon::scope(|scope| {
+            for first in (0..strips).step_by(per_thread) {
+                let (pack_strip, base) = (&pack_strip, &base);
+                scope.spawn(move |_| {
+                    (first..(first + per_thread).min(strips))
+                        .for_each(|t| pack_strip(t, base.at(t * strip_len)))
+                });
+            }
+        });
+    }
+    // SAFETY: every strip was written in full above.
+    unsafe { out.set_len(strips * strip_len) };
+    out
+}
+
+/// The packed rhs's buffer, shared by the threads that each write their own strips.
+struct SendPtr(*mut u32);
+// SAFETY: the threads write disjoint strips of the buffer, which outlives them.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn at(&self, offset: usize) -> *mut u32 {
+        // SAFETY: offsets are strip starts inside the buffer's capacity.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// Calls `tile(a, b, i0, j0)` for every tile of row strips `strips` (packed lhs `lhs`):
+/// rhs strips in blocks of about `RHS_BLOCK_BYTES`, each block passed over by every row
+/// strip in turn. Inlined into each kernel's entry point.
+#[inline(always)]
+fn for_each_tile(
+    p: &Product<'_>,
+    lhs: &[u32],
+    strips: Range<usize>,
+    mut tile: impl FnMut(&[u32], &[u32], usize, usize),
+) {
+    let lhs_strip = p.kp * MR;
+    let rhs_strip = p.kp * NR;
+    let rhs_strips = p.n.div_ceil(NR);
+    let block = (RHS_BLOCK_BYTES / (rhs_strip * 4).max(1)).max(1);
+    for first in (0..rhs_strips).step_by(block) {
+        for (s_at, s) in strips.clone().enumerate() {
+            let a = &lhs[s_at * lhs_strip..(s_at + 1) * lhs_strip];
+            for t in first..(first + block).min(rhs_strips) {
+                tile(
+                    a,
+                    &p.rhs[t * rhs_strip..(t + 1) * rhs_strip],
+                    s * MR,
+                    t * NR,
+                );
             }
         }
     }
@@ -228,59 +375,120 @@ unsafe fn store_tile(p: &Product<'_>, tile: &Tile, i0: usize, j0: usize) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use std::arch::x86_64::{
-        __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32,
-        _mm512_setzero_ps, _mm512_storeu_ps,
-    };
+    use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{MR, NR, Product, Tile};
+    use super::{MR, NR, NV, Product};
 
-    /// The packing-shared tile loop compiled for AVX512_BF16.
+    /// The tiles of row strips `strips`, compiled for AVX512_BF16.
     ///
     /// # Safety
-    /// As `tiles_with`; the CPU has AVX512F, AVX512BW and AVX512_BF16.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn tiles(p: &Product<'_>, strips: Range<usize>) {
-        // SAFETY: forwarded; `dot` needs the features this function is compiled with.
-        unsafe { super::tiles_with(dot, p, strips) }
+    /// As `gemm_with`; the CPU has AVX512F, AVX512BW, AVX512VL and AVX512_BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn tiles(p: &Product<'_>, lhs: &[u32], strips: Range<usize>) {
+        super::for_each_tile(p, lhs, strips, |a, b, i0, j0| {
+            // SAFETY: the CPU has the features; the strips hold `kp` pairs; the tile is
+            // inside the product.
+            unsafe { tile(p, a, b, i0, j0) }
+        });
     }
 
-    /// Sums of an `MR`-row lhs strip times an `NR`-column rhs strip: per pair of k, each
-    /// row's pair broadcast and `vdpbf16ps` against the strip's two vectors.
+    /// One tile: per pair of k, each row's pair broadcast and `vdpbf16ps` against the
+    /// strip's `NV` vectors, the sums kept in registers; then written as [`store`] says.
     ///
     /// # Safety
-    /// The CPU has AVX512F, AVX512BW and AVX512_BF16; `a` holds `MR` u32 and `b` `2 NR` u16 per pair.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    /// As [`tiles`]; `a` holds `MR` and `b` `NR` u32 per pair.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     #[inline]
-    unsafe fn dot(a: &[u32], b: &[u16], tile: &mut Tile) {
-        let pairs = a.len() / MR;
-        debug_assert_eq!(b.len(), pairs * NR * 2);
-        let mut acc = [_mm512_setzero_ps(); 2 * MR];
-        for p in 0..pairs {
-            // SAFETY: the strips hold `pairs` pairs; each vector is 32 u16 of `b`.
-            let (b0, b1) = unsafe {
-                let at = b.as_ptr().add(p * NR * 2);
-                (
-                    bh(_mm512_loadu_si512(at.cast())),
-                    bh(_mm512_loadu_si512(at.add(NR).cast())),
-                )
-            };
-            for r in 0..MR {
-                // SAFETY: p * MR + r < a.len().
-                let pair = unsafe { *a.get_unchecked(p * MR + r) };
-                let a = bh(_mm512_set1_epi32(pair as i32));
-                acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], a, b0);
-                acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], a, b1);
-            }
-        }
-        for (r, row) in tile.chunks_exact_mut(NR).enumerate() {
-            // SAFETY: a row of the tile is two vectors of 16 f32.
+    unsafe fn tile(p: &Product<'_>, a: &[u32], b: &[u32], i0: usize, j0: usize) {
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        let (a, b) = (a.as_ptr(), b.as_ptr());
+        for q in 0..p.kp {
+            // SAFETY: the strips hold `kp` pairs of `MR` and `NR` u32.
             unsafe {
-                _mm512_storeu_ps(row.as_mut_ptr(), acc[2 * r]);
-                _mm512_storeu_ps(row.as_mut_ptr().add(16), acc[2 * r + 1]);
+                let mut bv = [_mm512_setzero_si512(); NV];
+                for (v, bv) in bv.iter_mut().enumerate() {
+                    *bv = _mm512_loadu_si512(b.add(q * NR + 16 * v).cast());
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = bh(_mm512_set1_epi32(*a.add(q * MR + r) as i32));
+                    for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                        *acc = _mm512_dpbf16_ps(*acc, x, bh(bv));
+                    }
+                }
             }
         }
+        let rows = MR.min(p.m - i0);
+        let cols = NR.min(p.n - j0);
+        for (r, acc) in acc.iter().enumerate() {
+            if r < rows {
+                // SAFETY: row i0 + r < m and columns j0 .. j0 + cols <= n are the caller's.
+                unsafe { store(p, acc, p.dst.add((i0 + r) * p.dst_rs + j0), cols) };
+            }
+        }
+    }
+
+    /// Writes one tile row's sums to `out` (its first `cols` columns): scaled, added to the
+    /// destination when accumulating (widened as `simd::bf16_as_f32`), rounded to bf16 as
+    /// `simd::round_to_bf16` (to nearest, ties to even, NaNs quiet).
+    ///
+    /// # Safety
+    /// As [`tile`]; `out` is valid for `cols` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    #[inline]
+    unsafe fn store(p: &Product<'_>, acc: &[__m512; NV], out: *mut half::bf16, cols: usize) {
+        let scale = _mm512_set1_ps(p.scale);
+        for (v, &sum) in acc.iter().enumerate() {
+            let first = 16 * v;
+            if first >= cols {
+                break;
+            }
+            let mask: __mmask16 = if cols - first >= 16 {
+                0xffff
+            } else {
+                (1u16 << (cols - first)) - 1
+            };
+            // SAFETY: the mask covers only the columns below `cols`.
+            unsafe {
+                let at = out.add(first).cast::<i16>();
+                let mut x = _mm512_mul_ps(sum, scale);
+                if p.accumulate {
+                    let old = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at));
+                    x = _mm512_add_ps(x, widen(old));
+                }
+                _mm256_mask_storeu_epi16(at, mask, round(x));
+            }
+        }
+    }
+
+    /// bf16 bits (in the low half of each lane) as f32, a signalling NaN made quiet.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) fn widen(b: __m512i) -> __m512 {
+        let nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(b, _mm512_set1_epi32(0x7fff)),
+            _mm512_set1_epi32(0x7f80),
+        );
+        let b = _mm512_mask_or_epi32(b, nan, b, _mm512_set1_epi32(0x40));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b))
+    }
+
+    /// f32 to bf16 bits: to nearest, ties to even; a NaN's top half made quiet.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    pub(super) fn round(x: __m512) -> __m256i {
+        let x = _mm512_castps_si512(x);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+            x,
+            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
+        ));
+        let nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff)),
+            _mm512_set1_epi32(0x7f80_0000),
+        );
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
+        _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
     }
 
     /// 32 packed bf16 as the instruction's operand type (the same 512 bits).
@@ -293,28 +501,39 @@ mod avx512 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::simd::{bf16_as_f32, round_to_bf16};
     use super::*;
 
     /// The instruction's arithmetic per Intel's definition of `vdpbf16ps`: per lane, the
     /// odd pair's product and then the even pair's added to the f32 sum (bf16 products are
-    /// exact in f32).
-    unsafe fn dot_scalar(a: &[u32], b: &[u16], tile: &mut Tile) {
-        tile.fill(0.0);
+    /// exact in f32); each tile written through the scalar rounding the portable path uses.
+    unsafe fn tiles_scalar(p: &Product<'_>, lhs: &[u32], strips: Range<usize>) {
         let f = |bits: u32| f32::from_bits(bits << 16);
-        for (pa, pb) in a.chunks_exact(MR).zip(b.chunks_exact(2 * NR)) {
-            for (r, &pair) in pa.iter().enumerate() {
-                for c in 0..NR {
-                    let t = &mut tile[r * NR + c];
-                    *t += f(pair >> 16) * f(u32::from(pb[2 * c + 1]));
-                    *t += f(pair & 0xffff) * f(u32::from(pb[2 * c]));
+        for_each_tile(p, lhs, strips, |a, b, i0, j0| {
+            let mut tile = [0f32; MR * NR];
+            for (pa, pb) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+                for (r, &x) in pa.iter().enumerate() {
+                    for (c, &y) in pb.iter().enumerate() {
+                        let t = &mut tile[r * NR + c];
+                        *t += f(x >> 16) * f(y >> 16);
+                        *t += f(x & 0xffff) * f(y & 0xffff);
+                    }
                 }
             }
-        }
-    }
-
-    unsafe fn tiles_scalar(p: &Product<'_>, strips: Range<usize>) {
-        // SAFETY: the scalar kernel needs no instructions.
-        unsafe { tiles_with(dot_scalar, p, strips) }
+            for r in 0..MR.min(p.m - i0) {
+                for c in 0..NR.min(p.n - j0) {
+                    // SAFETY: the tile's rows and columns are inside the product.
+                    unsafe {
+                        let out = p.dst.add((i0 + r) * p.dst_rs + j0 + c);
+                        let mut v = tile[r * NR + c] * p.scale;
+                        if p.accumulate {
+                            v += bf16_as_f32(out.read());
+                        }
+                        out.write(round_to_bf16(v));
+                    }
+                }
+            }
+        });
     }
 
     /// Deterministic values in [-1, 1) as bf16 (no denormals, which the instruction
@@ -343,6 +562,18 @@ mod tests {
     /// Runs `tiles` on one case and checks every element against the f64 product of the
     /// same bf16 inputs: within the f32 sums' rounding plus one bf16 rounding.
     fn check(tiles: Tiles, (m, n, k): (usize, usize, usize), t_lhs: bool, t_rhs: bool) {
+        for threads in [1, 3] {
+            check_on(tiles, threads, (m, n, k), t_lhs, t_rhs);
+        }
+    }
+
+    fn check_on(
+        tiles: Tiles,
+        threads: usize,
+        (m, n, k): (usize, usize, usize),
+        t_lhs: bool,
+        t_rhs: bool,
+    ) {
         let (a_rs, a_cs, a_len) = layout(m, k, t_lhs);
         let (b_rs, b_cs, b_len) = layout(k, n, t_rhs);
         let a = values(a_len, 1 + (m * 31 + k) as u64);
@@ -355,6 +586,7 @@ mod tests {
             unsafe {
                 gemm_with(
                     tiles,
+                    threads,
                     (m, n, k),
                     dst.as_mut_ptr(),
                     dst_rs,
@@ -428,6 +660,67 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         cases(avx512::tiles);
+    }
+
+    #[test]
+    fn the_vector_write_back_rounds_and_widens_as_the_scalar_conversions() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512_BF16");
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            // Ties both ways, carries into the exponent, infinities, signalling and quiet
+            // NaNs of both signs, denormals, then a sweep of bit patterns.
+            let mut bits: Vec<u32> = vec![
+                0x3f80_8000,
+                0x3f81_8000,
+                0x3f80_7fff,
+                0x3f80_8001,
+                0x7f7f_ffff,
+                0x7f80_0000,
+                0xff80_0000,
+                0x7f80_0001,
+                0xff80_0001,
+                0x7fc0_0000,
+                0x7fbf_ffff,
+                0x0000_8000,
+                0x0001_8000,
+                0x8000_0001,
+                0x0000_0000,
+                0x8000_0000,
+            ];
+            let mut x = 0x1234_5678u32;
+            bits.extend((0..16 * 4096).map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x
+            }));
+            for chunk in bits.chunks_exact(16) {
+                let mut got = [0u16; 16];
+                let mut wide = [0f32; 16];
+                // SAFETY: the CPU has the features; the arrays hold 16 elements.
+                unsafe {
+                    let v = _mm512_loadu_si512(chunk.as_ptr().cast());
+                    let r = avx512::round(_mm512_castsi512_ps(v));
+                    _mm256_storeu_si256(got.as_mut_ptr().cast(), r);
+                    let low = _mm512_and_si512(v, _mm512_set1_epi32(0xffff));
+                    _mm512_storeu_ps(wide.as_mut_ptr(), avx512::widen(low));
+                }
+                for (i, &b) in chunk.iter().enumerate() {
+                    let want = round_to_bf16(f32::from_bits(b)).to_bits();
+                    assert_eq!(got[i], want, "round {b:#010x}");
+                    let half = half::bf16::from_bits(b as u16);
+                    assert_eq!(
+                        wide[i].to_bits(),
+                        bf16_as_f32(half).to_bits(),
+                        "widen {b:#06x}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

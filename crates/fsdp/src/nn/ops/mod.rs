@@ -60,6 +60,12 @@ pub fn f32_matmul_kernel() -> &'static str {
     "baseline SIMD"
 }
 
+/// Whether this CPU has bf16 dot-product instructions (AVX512_BF16) that bf16 products run
+/// in; without them bf16 computes through f32.
+pub fn bf16_dot_products_available() -> bool {
+    bf16_gemm::available()
+}
+
 /// Which kernel runs bf16 matrix products on this CPU (what `fsdp env` reports): mixed
 /// precision's speed depends on it.
 pub fn bf16_matmul_kernel() -> &'static str {

@@ -14,6 +14,10 @@
 //! counted. Padded FLOPs count every position of the padded batch; real ones only the
 //! tokens of each sequence (its length `L`), which is the work the model needed.
 
+mod instructions;
+
+pub use instructions::{InstructionPeak, instruction_peak};
+
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
