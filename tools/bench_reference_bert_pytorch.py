@@ -9,6 +9,11 @@ With `--ours PATH_TO_FSDP` it runs `fsdp bench memory --strategies FULL_SHARD` b
 PyTorch's runs (`--repeat` times each, alternating), for a side-by-side figure from one
 sitting, and prints one JSON line per run and the ratio of the medians.
 
+With `--mixed_precision bf16` both train as Accelerate's `mixed_precision: bf16` does under
+FSDP: parameters gathered and computed in bf16, gradients reduced in bf16 (PyTorch:
+`MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)` all bf16; ours:
+`--mixed_precision on --reduce_dtype bf16`), f32 master weights and AdamW.
+
 Not run by CI: needs `pip install torch==2.15.0 transformers==5.24.0`. From the repository
 root:
 
@@ -33,12 +38,12 @@ SEQ = 128
 VOCAB = 8192
 
 
-def worker(rank, steps, port, result_file):
+def worker(rank, steps, port, result_file, mixed_precision):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
@@ -52,7 +57,9 @@ def worker(rank, steps, port, result_file):
         BertForSequenceClassification(config),
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         auto_wrap_policy=ModuleWrapPolicy({BertEmbeddings, BertLayer}),
-        device_id=torch.device("cpu"), use_orig_params=True)
+        device_id=torch.device("cpu"), use_orig_params=True,
+        mixed_precision=MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+        if mixed_precision == "bf16" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     timed = 0.0
@@ -78,20 +85,22 @@ def worker(rank, steps, port, result_file):
     dist.destroy_process_group()
 
 
-def pytorch(steps, port):
+def pytorch(steps, port, mixed_precision):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        mp.spawn(worker, args=(steps, port, out), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(steps, port, out, mixed_precision), nprocs=WORLD, join=True)
         with open(out) as f:
             return json.load(f)
 
 
-def ours(fsdp, steps):
+def ours(fsdp, steps, mixed_precision):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
         subprocess.run([fsdp, "bench", "memory", "--num_processes", str(WORLD),
                         "--strategies", "FULL_SHARD", "--steps", str(steps),
-                        "--batch", str(BATCH), "--seq", str(SEQ), "--json", out],
+                        "--batch", str(BATCH), "--seq", str(SEQ), "--json", out]
+                       + (["--mixed_precision", "on", "--reduce_dtype", "bf16"]
+                          if mixed_precision == "bf16" else []),
                        check=True, capture_output=True)
         with open(out) as f:
             r = json.load(f)["results"][0]
@@ -105,17 +114,20 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating")
     p.add_argument("--ours", help="path to the fsdp binary: run fsdp bench memory between")
     p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--mixed_precision", choices=["no", "bf16"], default="no",
+                   help="bf16: parameters and compute in bf16, gradients reduced in bf16")
     a = p.parse_args()
     torch_rates, our_rates = [], []
     for i in range(a.repeat):
-        t = pytorch(a.steps, a.port + i)
+        t = pytorch(a.steps, a.port + i, a.mixed_precision)
         torch_rates.append(t["samples_per_s"])
         print(json.dumps({"run": i, "pytorch_fsdp": t}), flush=True)
         if a.ours:
-            o = ours(a.ours, a.steps)
+            o = ours(a.ours, a.steps, a.mixed_precision)
             our_rates.append(o["samples_per_s"])
             print(json.dumps({"run": i, "fsdp_rs": o}), flush=True)
-    summary = {"pytorch_samples_per_s_median": statistics.median(torch_rates)}
+    summary = {"mixed_precision": a.mixed_precision,
+               "pytorch_samples_per_s_median": statistics.median(torch_rates)}
     if our_rates:
         summary["fsdp_rs_samples_per_s_median"] = statistics.median(our_rates)
         summary["ratio"] = summary["fsdp_rs_samples_per_s_median"] / summary[

@@ -140,6 +140,11 @@ fn print_text(
         peak.f32 / 1e9,
         peak.bf16 / 1e9
     );
+    println!(
+        "- Instruction peak (one core's widest multiply-add in registers, the hardware's limit): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s",
+        peak.f32_instruction / 1e9,
+        peak.bf16_instruction / 1e9
+    );
     let mem = |m: Option<u64>| m.map_or("unknown".into(), gib);
     println!(
         "- Memory: {} total, {} available",
@@ -225,6 +230,10 @@ fn print_json(
         "core_peak_flops": {
             "f32": fsdp::perf::core_peak().f32,
             "bf16": fsdp::perf::core_peak().bf16,
+        },
+        "instruction_peak_flops": {
+            "f32": fsdp::perf::core_peak().f32_instruction,
+            "bf16": fsdp::perf::core_peak().bf16_instruction,
         },
         "mem_total_bytes": s.mem_total,
         "mem_available_bytes": s.mem_available,

@@ -33,6 +33,12 @@ pub struct CorePeak {
     pub f32: f64,
     /// bf16 FLOP/s of one thread (bf16 inputs, f32 sums).
     pub bf16: f64,
+    /// The f32 multiply-add limit of the core ([`instruction_peak`]): what the silicon
+    /// allows, which `f32` reaches a share of.
+    pub f32_instruction: f64,
+    /// The bf16 dot-product limit of the core ([`instruction_peak`]; f32's where bf16
+    /// computes through f32).
+    pub bf16_instruction: f64,
 }
 
 impl CorePeak {
@@ -41,6 +47,14 @@ impl CorePeak {
         match dtype {
             DType::BF16 | DType::F16 => self.bf16,
             _ => self.f32,
+        }
+    }
+
+    /// The instruction limit for `dtype` (as [`CorePeak::for_dtype`]).
+    pub fn instruction_for_dtype(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::BF16 | DType::F16 => self.bf16_instruction,
+            _ => self.f32_instruction,
         }
     }
 }
@@ -77,7 +91,12 @@ fn core_peak_cached_in(dir: &std::path::Path) -> CorePeak {
     let cached = std::fs::read(&file)
         .ok()
         .and_then(|b| serde_json::from_slice::<CorePeak>(&b).ok())
-        .filter(|p| p.cpu == cpu && p.f32 > 0.0 && p.bf16 > 0.0);
+        .filter(|p| {
+            p.cpu == cpu
+                && [p.f32, p.bf16, p.f32_instruction, p.bf16_instruction]
+                    .iter()
+                    .all(|&v| v > 0.0)
+        });
     if let Some(peak) = cached {
         return peak;
     }
@@ -94,7 +113,7 @@ fn core_peak_cached_in(dir: &std::path::Path) -> CorePeak {
 }
 
 /// Measures the peak now, on one thread: the best of several runs of `ops::linear` on square
-/// matrices of 256, 512 and 1024.
+/// matrices of 256, 512 and 1024, and the instructions' limit.
 pub fn measure_core_peak() -> CorePeak {
     let rate = |dtype: DType| -> f64 {
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build();
@@ -130,10 +149,13 @@ pub fn measure_core_peak() -> CorePeak {
             Err(_) => run(),
         }
     };
+    let limit = instruction_peak();
     CorePeak {
         cpu: this_cpu(),
         f32: rate(DType::F32),
         bf16: rate(DType::BF16),
+        f32_instruction: limit.f32,
+        bf16_instruction: limit.bf16,
     }
 }
 
@@ -241,7 +263,10 @@ pub fn mfu_line(
     cores: usize,
     dtype: DType,
 ) -> String {
-    let per_core = core_peak().for_dtype(dtype);
+    let peak = core_peak();
+    let per_core = peak.for_dtype(dtype);
+    let limit = peak.instruction_for_dtype(dtype);
+    let of_limit = utilisation(real, seconds, cores, limit).mfu;
     let real = utilisation(real, seconds, cores, per_core);
     let padded = padded
         .map(|p| {
@@ -254,10 +279,12 @@ pub fn mfu_line(
         })
         .unwrap_or_default();
     format!(
-        "model FLOPs {:.1} GFLOP/s, MFU {:.1}% of {cores} core(s) at {:.1} GFLOP/s ({dtype:?} peak measured){padded}",
+        "model FLOPs {:.1} GFLOP/s, MFU {:.1}% of {cores} core(s) at {:.1} GFLOP/s ({dtype:?} peak measured; {:.1}% of the instructions' {:.1}){padded}",
         real.flops_per_second / 1e9,
         100.0 * real.mfu,
-        per_core / 1e9
+        per_core / 1e9,
+        100.0 * of_limit,
+        limit / 1e9
     )
 }
 
@@ -302,6 +329,10 @@ mod tests {
         let home = tempfile::tempdir().unwrap();
         let first = core_peak_cached_in(home.path());
         assert!(first.f32 > 1e8 && first.bf16 > 1e8, "{first:?}");
+        assert!(
+            first.f32_instruction > 1e8 && first.bf16_instruction > 1e8,
+            "{first:?}"
+        );
         let cached: CorePeak =
             serde_json::from_slice(&std::fs::read(home.path().join("core_peak.json")).unwrap())
                 .unwrap();
@@ -316,6 +347,8 @@ mod tests {
             cpu: "another CPU".into(),
             f32: 1.0,
             bf16: 1.0,
+            f32_instruction: 1.0,
+            bf16_instruction: 1.0,
         };
         std::fs::write(
             home.path().join("core_peak.json"),
