@@ -1,0 +1,231 @@
+//! The bf16 GEMM's tests: packing, blocking and write-back with a scalar kernel of the
+//! instruction's arithmetic on every CPU, the AVX512_BF16 kernel where the CPU has it.
+
+use super::super::simd::{bf16_as_f32, round_to_bf16};
+use super::*;
+
+/// The instruction's arithmetic per Intel's definition of `vdpbf16ps`: per lane, the
+/// odd pair's product and then the even pair's added to the f32 sum (bf16 products are
+/// exact in f32); each tile written through the scalar rounding the portable path uses.
+unsafe fn tiles_scalar(p: &Product<'_>, lhs: &[u32], strips: Range<usize>) {
+    let f = |bits: u32| f32::from_bits(bits << 16);
+    for_each_tile(p, lhs, strips, |a, b, i0, j0| {
+        let mut tile = [0f32; MR * NR];
+        for (pa, pb) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+            for (r, &x) in pa.iter().enumerate() {
+                for (c, &y) in pb.iter().enumerate() {
+                    let t = &mut tile[r * NR + c];
+                    *t += f(x >> 16) * f(y >> 16);
+                    *t += f(x & 0xffff) * f(y & 0xffff);
+                }
+            }
+        }
+        for r in 0..MR.min(p.m - i0) {
+            for c in 0..NR.min(p.n - j0) {
+                // SAFETY: the tile's rows and columns are inside the product.
+                unsafe {
+                    let out = p.dst.add((i0 + r) * p.dst_rs + j0 + c);
+                    let mut v = tile[r * NR + c] * p.scale;
+                    if p.accumulate {
+                        v += bf16_as_f32(out.read());
+                    }
+                    out.write(round_to_bf16(v));
+                }
+            }
+        }
+    });
+}
+
+/// Deterministic values in [-1, 1) as bf16 (no denormals, which the instruction
+/// flushes).
+fn values(len: usize, seed: u64) -> Vec<bf16> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            bf16::from_f32((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect()
+}
+
+/// (rows, cols, row stride, col stride, length) of a row-major or transposed operand.
+fn layout(rows: usize, cols: usize, transposed: bool) -> (usize, usize, usize) {
+    if transposed {
+        (1, rows, rows * cols)
+    } else {
+        (cols, 1, rows * cols)
+    }
+}
+
+/// Runs `tiles` on one case and checks every element against the f64 product of the
+/// same bf16 inputs: within the f32 sums' rounding plus one bf16 rounding.
+fn check(tiles: Tiles, (m, n, k): (usize, usize, usize), t_lhs: bool, t_rhs: bool) {
+    for threads in [1, 3] {
+        check_on(tiles, threads, (m, n, k), t_lhs, t_rhs);
+    }
+}
+
+fn check_on(
+    tiles: Tiles,
+    threads: usize,
+    (m, n, k): (usize, usize, usize),
+    t_lhs: bool,
+    t_rhs: bool,
+) {
+    let (a_rs, a_cs, a_len) = layout(m, k, t_lhs);
+    let (b_rs, b_cs, b_len) = layout(k, n, t_rhs);
+    let a = values(a_len, 1 + (m * 31 + k) as u64);
+    let b = values(b_len, 2 + (n * 17 + k) as u64);
+    let dst_rs = n + 3;
+    let before = values(m * dst_rs, 3);
+    for (accumulate, scale) in [(false, 1.0), (true, 0.5)] {
+        let mut dst = before.clone();
+        // SAFETY: `dst` has m rows of `dst_rs`; the operands are as laid out above.
+        unsafe {
+            gemm_with(
+                tiles,
+                threads,
+                (m, n, k),
+                dst.as_mut_ptr(),
+                dst_rs,
+                accumulate,
+                (&a, a_rs, a_cs),
+                (&b, b_rs, b_cs),
+                scale,
+            )
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let (mut exact, mut magnitude) = (0f64, 0f64);
+                for kk in 0..k {
+                    let x = a[i * a_rs + kk * a_cs].to_f64() * b[kk * b_rs + j * b_cs].to_f64();
+                    exact += x;
+                    magnitude += x.abs();
+                }
+                exact *= scale;
+                magnitude *= scale;
+                let old = before[i * dst_rs + j].to_f64();
+                if accumulate {
+                    exact += old;
+                    magnitude += old.abs();
+                }
+                let got = dst[i * dst_rs + j].to_f64();
+                let bound = exact.abs() / 256.0 + magnitude * (k as f64 + 2.0) * 6e-8;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "({m}, {n}, {k}) t_lhs {t_lhs} t_rhs {t_rhs} accumulate {accumulate}: \
+                     [{i}, {j}] = {got}, exact {exact}, bound {bound}"
+                );
+            }
+            for j in n..dst_rs {
+                assert_eq!(
+                    dst[i * dst_rs + j].to_bits(),
+                    before[i * dst_rs + j].to_bits(),
+                    "({m}, {n}, {k}): [{i}, {j}] is outside the product but was written"
+                );
+            }
+        }
+    }
+}
+
+/// Shapes at and around the tile and block edges, odd and even k, both layouts.
+fn cases(tiles: Tiles) {
+    for (m, n, k) in [
+        (1, 1, 1),
+        (12, 32, 2),
+        (13, 33, 3),
+        (11, 31, 64),
+        (25, 70, 129),
+        (40, 100, 300),
+        (3, 5, 0),
+    ] {
+        for (t_lhs, t_rhs) in [(false, false), (false, true), (true, false), (true, true)] {
+            check(tiles, (m, n, k), t_lhs, t_rhs);
+        }
+    }
+}
+
+#[test]
+fn packing_blocking_and_write_back_are_exact_with_the_instructions_arithmetic() {
+    cases(tiles_scalar);
+}
+
+#[test]
+fn the_avx512_bf16_kernel_computes_the_product() {
+    if !available() {
+        eprintln!("skipped: this CPU has no AVX512_BF16");
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    cases(avx512::tiles);
+}
+
+#[test]
+fn the_vector_write_back_rounds_and_widens_as_the_scalar_conversions() {
+    if !available() {
+        eprintln!("skipped: this CPU has no AVX512_BF16");
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        // Ties both ways, carries into the exponent, infinities, signalling and quiet
+        // NaNs of both signs, denormals, then a sweep of bit patterns.
+        let mut bits: Vec<u32> = vec![
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_7fff,
+            0x3f80_8001,
+            0x7f7f_ffff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f80_0001,
+            0xff80_0001,
+            0x7fc0_0000,
+            0x7fbf_ffff,
+            0x0000_8000,
+            0x0001_8000,
+            0x8000_0001,
+            0x0000_0000,
+            0x8000_0000,
+        ];
+        let mut x = 0x1234_5678u32;
+        bits.extend((0..16 * 4096).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        }));
+        for chunk in bits.chunks_exact(16) {
+            let mut got = [0u16; 16];
+            let mut wide = [0f32; 16];
+            // SAFETY: the CPU has the features; the arrays hold 16 elements.
+            unsafe {
+                let v = _mm512_loadu_si512(chunk.as_ptr().cast());
+                let r = avx512::round(_mm512_castsi512_ps(v));
+                _mm256_storeu_si256(got.as_mut_ptr().cast(), r);
+                let low = _mm512_and_si512(v, _mm512_set1_epi32(0xffff));
+                _mm512_storeu_ps(wide.as_mut_ptr(), avx512::widen(low));
+            }
+            for (i, &b) in chunk.iter().enumerate() {
+                let want = round_to_bf16(f32::from_bits(b)).to_bits();
+                assert_eq!(got[i], want, "round {b:#010x}");
+                let half = half::bf16::from_bits(b as u16);
+                assert_eq!(
+                    wide[i].to_bits(),
+                    bf16_as_f32(half).to_bits(),
+                    "widen {b:#06x}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_blocked_path_spans_several_rhs_blocks() {
+    // k = 4100 makes a 32-column strip 262 KB, so a block holds one strip and the
+    // 70 columns take three blocks.
+    check(tiles_scalar, (13, 70, 4100), false, true);
+}
