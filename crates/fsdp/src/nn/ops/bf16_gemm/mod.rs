@@ -95,9 +95,9 @@ struct Product<'a> {
 // `gemm_with` vouches for the memory) and only read the rest.
 unsafe impl Sync for Product<'_> {}
 
-/// Computes and writes the tiles of row strips `strips`, whose packed lhs is `lhs` (a
-/// kernel's entry point, compiled with its instructions).
-type Tiles = unsafe fn(&Product<'_>, &[u32], Range<usize>);
+/// Computes and writes the tiles of row strips `strips`, whose lhs is `lhs` (a kernel's
+/// entry point, compiled with its instructions).
+type Tiles = unsafe fn(&Product<'_>, &LhsStrips<'_>, Range<usize>);
 
 /// An operand as `gemm` receives it: its elements and (row, column) strides.
 type Operand<'a> = (&'a [bf16], usize, usize);
@@ -136,7 +136,7 @@ unsafe fn gemm_with(
         scale: scale as f32,
     };
     let run = |range: Range<usize>| {
-        let lhs = pack_lhs(lhs, m, k, range.clone());
+        let lhs = LhsStrips::new(lhs, m, k, range.clone());
         // SAFETY: forwarded from the caller; each range's rows are its own.
         unsafe { tiles(&product, &lhs, range) }
     };
@@ -227,6 +227,73 @@ unsafe fn interleave(
             for c in 0..len {
                 *out.add(c) = pair(v, at + c * line, step, p, k);
             }
+        }
+    }
+}
+
+/// Where a tile reads its lhs pairs: row `r`'s pair `q` is the u32 at byte
+/// `r * row + q * pair` from `at` (unaligned).
+#[derive(Clone, Copy)]
+struct LhsStrip {
+    at: *const u8,
+    row: usize,
+    pair: usize,
+}
+
+/// The lhs of one range of row strips as the tiles read it: a row-major operand of even k
+/// is read in place (its rows' pairs are already u32), except a last strip short of `MR`
+/// rows; everything else is packed ([`pack_lhs`]).
+struct LhsStrips<'a> {
+    /// The operand's first element and its row stride in bytes, when read in place.
+    direct: Option<(*const u8, usize)>,
+    /// Packed strips, the first of them `packed_first`.
+    packed: Vec<u32>,
+    packed_first: usize,
+    kp: usize,
+    _operand: std::marker::PhantomData<&'a [bf16]>,
+}
+
+impl<'a> LhsStrips<'a> {
+    fn new(lhs: Operand<'a>, m: usize, k: usize, strips: Range<usize>) -> LhsStrips<'a> {
+        let (v, rs, cs) = lhs;
+        let kp = k.div_ceil(2);
+        let full = m / MR;
+        if cs == 1 && k.is_multiple_of(2) && k > 0 {
+            // Strips from `full` on (at most one, short of `MR` rows) need zero rows.
+            let tail = full.clamp(strips.start, strips.end)..strips.end;
+            return LhsStrips {
+                direct: Some((v.as_ptr().cast::<u8>(), rs * 2)),
+                packed: pack_lhs(lhs, m, k, tail.clone()),
+                packed_first: tail.start,
+                kp,
+                _operand: std::marker::PhantomData,
+            };
+        }
+        LhsStrips {
+            direct: None,
+            packed: pack_lhs(lhs, m, k, strips.clone()),
+            packed_first: strips.start,
+            kp,
+            _operand: std::marker::PhantomData,
+        }
+    }
+
+    /// Row strip `s` (one of the range's).
+    fn strip(&self, s: usize) -> LhsStrip {
+        match self.direct {
+            Some((at, row)) if s < self.packed_first => LhsStrip {
+                // SAFETY: strip s's first row is inside the operand.
+                at: unsafe { at.add(s * MR * row) },
+                row,
+                pair: 4,
+            },
+            _ => LhsStrip {
+                at: self.packed[(s - self.packed_first) * self.kp * MR..]
+                    .as_ptr()
+                    .cast::<u8>(),
+                row: 4,
+                pair: 4 * MR,
+            },
         }
     }
 }
@@ -344,23 +411,22 @@ impl SendPtr {
     }
 }
 
-/// Calls `tile(a, b, i0, j0)` for every tile of row strips `strips` (packed lhs `lhs`):
+/// Calls `tile(a, b, i0, j0)` for every tile of row strips `strips` (lhs `lhs`):
 /// rhs strips in blocks of about `RHS_BLOCK_BYTES`, each block passed over by every row
 /// strip in turn. Inlined into each kernel's entry point.
 #[inline(always)]
 fn for_each_tile(
     p: &Product<'_>,
-    lhs: &[u32],
+    lhs: &LhsStrips<'_>,
     strips: Range<usize>,
-    mut tile: impl FnMut(&[u32], &[u32], usize, usize),
+    mut tile: impl FnMut(LhsStrip, &[u32], usize, usize),
 ) {
-    let lhs_strip = p.kp * MR;
     let rhs_strip = p.kp * NR;
     let rhs_strips = p.n.div_ceil(NR);
     let block = (RHS_BLOCK_BYTES / (rhs_strip * 4).max(1)).max(1);
     for first in (0..rhs_strips).step_by(block) {
-        for (s_at, s) in strips.clone().enumerate() {
-            let a = &lhs[s_at * lhs_strip..(s_at + 1) * lhs_strip];
+        for s in strips.clone() {
+            let a = lhs.strip(s);
             for t in first..(first + block).min(rhs_strips) {
                 tile(
                     a,
@@ -378,14 +444,14 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{MR, NR, NV, Product};
+    use super::{LhsStrip, LhsStrips, MR, NR, NV, Product};
 
     /// The tiles of row strips `strips`, compiled for AVX512_BF16.
     ///
     /// # Safety
     /// As `gemm_with`; the CPU has AVX512F, AVX512BW, AVX512VL and AVX512_BF16.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    pub(super) unsafe fn tiles(p: &Product<'_>, lhs: &[u32], strips: Range<usize>) {
+    pub(super) unsafe fn tiles(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize>) {
         super::for_each_tile(p, lhs, strips, |a, b, i0, j0| {
             // SAFETY: the CPU has the features; the strips hold `kp` pairs; the tile is
             // inside the product.
@@ -397,12 +463,14 @@ mod avx512 {
     /// strip's `NV` vectors, the sums kept in registers; then written as [`store`] says.
     ///
     /// # Safety
-    /// As [`tiles`]; `a` holds `MR` and `b` `NR` u32 per pair.
+    /// As [`tiles`]; `a` reads `MR` rows and `b` holds `NR` u32 per pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     #[inline]
-    unsafe fn tile(p: &Product<'_>, a: &[u32], b: &[u32], i0: usize, j0: usize) {
+    unsafe fn tile(p: &Product<'_>, a: LhsStrip, b: &[u32], i0: usize, j0: usize) {
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        let (a, b) = (a.as_ptr(), b.as_ptr());
+        let b = b.as_ptr();
+        // Each row's first pair; a row advances by `a.pair` bytes a pair.
+        let rows: [*const u8; MR] = std::array::from_fn(|r| a.at.wrapping_add(r * a.row));
         for q in 0..p.kp {
             // SAFETY: the strips hold `kp` pairs of `MR` and `NR` u32.
             unsafe {
@@ -411,7 +479,8 @@ mod avx512 {
                     *bv = _mm512_loadu_si512(b.add(q * NR + 16 * v).cast());
                 }
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let x = bh(_mm512_set1_epi32(*a.add(q * MR + r) as i32));
+                    let pair = rows[r].add(q * a.pair).cast::<i32>().read_unaligned();
+                    let x = bh(_mm512_set1_epi32(pair));
                     for (acc, &bv) in acc.iter_mut().zip(&bv) {
                         *acc = _mm512_dpbf16_ps(*acc, x, bh(bv));
                     }

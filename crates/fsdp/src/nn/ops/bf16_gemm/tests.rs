@@ -7,11 +7,17 @@ use super::*;
 /// The instruction's arithmetic per Intel's definition of `vdpbf16ps`: per lane, the
 /// odd pair's product and then the even pair's added to the f32 sum (bf16 products are
 /// exact in f32); each tile written through the scalar rounding the portable path uses.
-unsafe fn tiles_scalar(p: &Product<'_>, lhs: &[u32], strips: Range<usize>) {
+unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize>) {
     let f = |bits: u32| f32::from_bits(bits << 16);
     for_each_tile(p, lhs, strips, |a, b, i0, j0| {
         let mut tile = [0f32; MR * NR];
-        for (pa, pb) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+        for (q, pb) in b.chunks_exact(NR).enumerate() {
+            // SAFETY: the strip holds `kp` pairs of `MR` rows.
+            let pa: [u32; MR] = std::array::from_fn(|r| unsafe {
+                a.at.add(r * a.row + q * a.pair)
+                    .cast::<u32>()
+                    .read_unaligned()
+            });
             for (r, &x) in pa.iter().enumerate() {
                 for (c, &y) in pb.iter().enumerate() {
                     let t = &mut tile[r * NR + c];
