@@ -2,6 +2,8 @@
 //! stored in half precision, computed in f32 through the f32 kernels, and bf16 GEMMs in
 //! bf16 dot products with f32 sums where the CPU has them (`bf16_gemm`).
 
+use std::borrow::Cow;
+
 use candle_core::CpuStorage;
 
 use super::bf16_gemm;
@@ -16,6 +18,8 @@ trait F32Conversions: Sized + Copy + Default + Into<f32> {
     fn extend_f32(src: &[Self], out: &mut Vec<f32>);
     /// `src` rounded into `dst`, of the same length.
     fn narrow_into(src: &[f32], dst: &mut [Self]);
+    /// `a + b`, each sum of the widened values rounded once.
+    fn add(a: &[Self], b: &[Self]) -> Vec<Self>;
 }
 
 impl F32Conversions for half::bf16 {
@@ -29,6 +33,14 @@ impl F32Conversions for half::bf16 {
     fn narrow_into(src: &[f32], dst: &mut [Self]) {
         simd::f32_to_bf16(src, dst)
     }
+    fn add(a: &[Self], b: &[Self]) -> Vec<Self> {
+        let len = a.len().min(b.len());
+        let mut out = Vec::with_capacity(len);
+        simd::bf16_add(&a[..len], &b[..len], &mut out.spare_capacity_mut()[..len]);
+        // SAFETY: bf16_add wrote the `len` elements.
+        unsafe { out.set_len(len) };
+        out
+    }
 }
 
 impl F32Conversions for half::f16 {
@@ -41,6 +53,9 @@ impl F32Conversions for half::f16 {
     fn narrow_into(src: &[f32], dst: &mut [Self]) {
         use half::slice::HalfFloatSliceExt;
         dst.convert_from_f32_slice(src)
+    }
+    fn add(a: &[Self], b: &[Self]) -> Vec<Self> {
+        a.iter().zip(b).map(|(&x, &y)| x + y).collect()
     }
 }
 
@@ -131,6 +146,9 @@ macro_rules! half_float {
             fn of(v: f64) -> Self {
                 <$t>::from_f64(v)
             }
+            fn add(a: &[Self], b: &[Self]) -> Vec<Self> {
+                <Self as F32Conversions>::add(a, b)
+            }
             fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
                 via_f32(s, |w| simd::softmax_rows_in_place(w, lse, d))
             }
@@ -218,6 +236,7 @@ macro_rules! half_float {
                 $(
                     #[cfg(target_arch = "x86_64")]
                     if $dot::available() {
+                        let dst = $dot::Dst::Bf16(dst);
                         // SAFETY: forwarded from the caller; the CPU has the instructions.
                         return unsafe { $dot::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) };
                     }
@@ -253,6 +272,49 @@ macro_rules! half_float {
                     // SAFETY: as above.
                     let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
                     Self::narrow_into(&c[i * n..(i + 1) * n], row);
+                }
+            }
+            type Acc = f32;
+            fn from_acc(v: &[f32]) -> Cow<'_, [Self]> {
+                Cow::Owned(narrow(v))
+            }
+            fn from_acc_vec(v: Vec<f32>) -> Vec<Self> {
+                narrow(&v)
+            }
+            fn to_acc(v: &[Self]) -> Cow<'_, [f32]> {
+                Cow::Owned(widen(v))
+            }
+            unsafe fn gemm_acc(
+                mnk: (usize, usize, usize),
+                dst: *mut f32,
+                dst_rs: usize,
+                accumulate: bool,
+                lhs: (&[Self], usize, usize),
+                rhs: (&[Self], usize, usize),
+                scale: f64,
+            ) {
+                $(
+                    #[cfg(target_arch = "x86_64")]
+                    if $dot::available() {
+                        let dst = $dot::Dst::F32(dst);
+                        // SAFETY: forwarded from the caller; the CPU has the instructions.
+                        return unsafe { $dot::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) };
+                    }
+                )?
+                let ((m, n, k), (lhs, lhs_rs, lhs_cs), (rhs, rhs_rs, rhs_cs)) = (mnk, lhs, rhs);
+                let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
+                let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
+                // SAFETY: forwarded from the caller; `a` and `b` are of these strides.
+                unsafe {
+                    native_gemm(
+                        (m, n, k),
+                        dst,
+                        dst_rs,
+                        accumulate,
+                        (&a, a_rs, a_cs),
+                        (&b, b_rs, b_cs),
+                        scale,
+                    )
                 }
             }
         }

@@ -236,15 +236,16 @@ impl CustomOp2 for LinearNoBias {
     }
 }
 
-/// Column sums of `g` (rows of length `n`): blocks of rows summed in `T` (vectorised), the
-/// blocks accumulated in f64.
+/// Column sums of `g` (rows of length `n`): blocks of rows summed in `T::Acc` (vectorised;
+/// f32 for half precision), the blocks accumulated in f64.
 fn column_sums<T: Float>(g: &[T], n: usize) -> Vec<f64> {
     const BLOCK_ROWS: usize = 32;
     let n = n.max(1);
     let mut db = vec![0f64; n];
-    let mut block = vec![T::of(0.0); n];
+    let mut block = vec![T::Acc::of(0.0); n];
     for rows in g.chunks(n * BLOCK_ROWS) {
-        block.iter_mut().for_each(|b| *b = T::of(0.0));
+        let rows = T::to_acc(rows);
+        block.iter_mut().for_each(|b| *b = T::Acc::of(0.0));
         for row in rows.chunks(n) {
             block.iter_mut().zip(row).for_each(|(b, &v)| *b += v);
         }

@@ -50,6 +50,57 @@ pub(super) fn gemm_into<T: Float>(
     }
 }
 
+/// [`gemm_into`] with the results in `T::Acc` (f32 sums of half-precision operands).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_acc_into<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [T::Acc],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: (&[T], usize, usize),
+    rhs: (&[T], usize, usize),
+    scale: f64,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        dst.len() >= (m - 1) * dst_rs + n,
+        "gemm: destination too short"
+    );
+    check_operands((m, n, k), lhs, rhs);
+    // SAFETY: the checks above keep every index inside its slice.
+    unsafe {
+        T::gemm_acc(
+            (m, n, k),
+            dst.as_mut_ptr(),
+            dst_rs,
+            accumulate,
+            lhs,
+            rhs,
+            scale,
+        )
+    }
+}
+
+/// Checks that the operands' strides stay inside their slices.
+fn check_operands<T>(
+    (m, n, k): (usize, usize, usize),
+    (lhs, lhs_rs, lhs_cs): (&[T], usize, usize),
+    (rhs, rhs_rs, rhs_cs): (&[T], usize, usize),
+) {
+    if m > 0 && n > 0 && k > 0 {
+        assert!(
+            lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
+            "gemm: lhs too short"
+        );
+        assert!(
+            rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
+            "gemm: rhs too short"
+        );
+    }
+}
+
 /// `scale · lhs[m×k] · rhs[k×n]` into a new row-major vector, written by the GEMM directly
 /// (no zero-fill first: outputs here are activation- and weight-sized).
 #[allow(clippy::too_many_arguments)]
@@ -103,17 +154,8 @@ unsafe fn gemm_raw<T: Float>(
     if m == 0 || n == 0 {
         return;
     }
-    if k > 0 {
-        assert!(
-            lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs,
-            "gemm: lhs too short"
-        );
-        assert!(
-            rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs,
-            "gemm: rhs too short"
-        );
-    }
-    // SAFETY: the caller vouches for `dst`; the assertions above for the operands.
+    check_operands((m, n, k), (lhs, lhs_rs, lhs_cs), (rhs, rhs_rs, rhs_cs));
+    // SAFETY: the caller vouches for `dst`; the checks above for the operands.
     unsafe {
         T::gemm(
             (m, n, k),

@@ -76,10 +76,12 @@ pub fn bf16_matmul_kernel() -> &'static str {
     }
 }
 
+use std::borrow::Cow;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Result, Shape, Storage, Tensor};
 
-use matmul::{gemm_into, gemm_new, native_gemm};
+use matmul::{gemm_acc_into, gemm_into, gemm_new, native_gemm};
 
 /// The float types the kernels run in.
 pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
@@ -155,9 +157,69 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
         // SAFETY: forwarded from the caller.
         unsafe { native_gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) }
     }
+
+    /// `a + b` element-wise, each sum rounded once to this type.
+    fn add(a: &[Self], b: &[Self]) -> Vec<Self> {
+        a.iter().zip(b).map(|(&x, &y)| x + y).collect()
+    }
+
+    /// The type this one's sums are kept in where a kernel keeps them (attention's scores,
+    /// probabilities and gradients): itself for f32 and f64, f32 for the half-precision
+    /// types, as mixed precision accumulates.
+    type Acc: Float;
+    /// `v` as this type: borrowed where `Acc` is this type, else rounded into a new vector.
+    fn from_acc(v: &[Self::Acc]) -> Cow<'_, [Self]>;
+    /// An `Acc` vector as this type: moved where they are one type, else rounded.
+    fn from_acc_vec(v: Vec<Self::Acc>) -> Vec<Self>;
+    /// `v` widened to `Acc` (borrowed where they are one type).
+    fn to_acc(v: &[Self]) -> Cow<'_, [Self::Acc]>;
+    /// [`Float::gemm`] with its results written (or added) in `Acc`: half-precision
+    /// operands, f32 sums.
+    ///
+    /// # Safety
+    /// As `matmul::gemm_raw`, `dst` of `Acc`.
+    unsafe fn gemm_acc(
+        mnk: (usize, usize, usize),
+        dst: *mut Self::Acc,
+        dst_rs: usize,
+        accumulate: bool,
+        lhs: (&[Self], usize, usize),
+        rhs: (&[Self], usize, usize),
+        scale: f64,
+    );
+}
+
+/// [`Float`]'s accumulation items for a type that is its own `Acc` (f32, f64).
+macro_rules! own_accumulator {
+    () => {
+        type Acc = Self;
+        fn from_acc(v: &[Self]) -> Cow<'_, [Self]> {
+            Cow::Borrowed(v)
+        }
+        fn from_acc_vec(v: Vec<Self>) -> Vec<Self> {
+            v
+        }
+        fn to_acc(v: &[Self]) -> Cow<'_, [Self]> {
+            Cow::Borrowed(v)
+        }
+        unsafe fn gemm_acc(
+            mnk: (usize, usize, usize),
+            dst: *mut Self,
+            dst_rs: usize,
+            accumulate: bool,
+            lhs: (&[Self], usize, usize),
+            rhs: (&[Self], usize, usize),
+            scale: f64,
+        ) {
+            // SAFETY: forwarded from the caller.
+            unsafe { Self::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) }
+        }
+    };
 }
 
 impl Float for f32 {
+    own_accumulator!();
+
     fn slice(s: &CpuStorage) -> Option<&[Self]> {
         match s {
             CpuStorage::F32(v) => Some(v),
@@ -248,6 +310,7 @@ impl Float for f32 {
 }
 
 impl Float for f64 {
+    own_accumulator!();
     fn slice(s: &CpuStorage) -> Option<&[Self]> {
         match s {
             CpuStorage::F64(v) => Some(v),

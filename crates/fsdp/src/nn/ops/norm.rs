@@ -184,7 +184,7 @@ impl CustomOp3 for AddLayerNorm {
             let gb = contiguous::<T>(s3, l3, self.name())?;
             let (_, d) = rows(l1.shape());
             check_param(self.name(), gb.len(), 2 * d)?;
-            let sum: Vec<T> = x.iter().zip(r).map(|(&a, &b)| a + b).collect();
+            let sum = T::add(x, r);
             let y = T::norm_forward(&sum, &gb[..d], Some(&gb[d..]), d, self.eps, true);
             Ok((T::storage(y), l1.shape().clone()))
         })
@@ -206,7 +206,7 @@ impl CustomOp3 for AddLayerNorm {
                             let d = gb.len() / 2;
                             // Recomputed, not kept from forward: its inputs are alive in the
                             // graph anyway, and a saved sum would be one more activation.
-                            let sum: Vec<T> = x.iter().zip(r).map(|(&a, &b)| a + b).collect();
+                            let sum = T::add(x, r);
                             let (ds, dgamma, dbeta) = T::norm_backward(&sum, &gb[..d], g, d, self.eps, true);
                             let mut dgb = dgamma;
                             dgb.extend(dbeta);

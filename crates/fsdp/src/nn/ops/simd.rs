@@ -345,6 +345,16 @@ multiversion! {
 }
 
 multiversion! {
+    /// `a + b` into `out` (all of one length): the widened values' sum rounded once, as
+    /// `half::bf16`'s `+` does, bit for bit.
+    fn bf16_add(a: &[half::bf16], b: &[half::bf16], out: &mut [std::mem::MaybeUninit<half::bf16>]) {
+        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+            o.write(round_to_bf16(bf16_as_f32(x) + bf16_as_f32(y)));
+        }
+    }
+}
+
+multiversion! {
     /// `src` rounded to bf16 into `dst` (of the same length), as [`round_to_bf16`].
     fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
         for (d, &s) in dst.iter_mut().zip(src) {

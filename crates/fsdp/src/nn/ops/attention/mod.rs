@@ -23,7 +23,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, Layout, Result, Tensor};
 
 use super::dropout::keep;
-use super::{Float, gemm_into, with_slice};
+use super::{Float, gemm_acc_into, gemm_into, with_slice};
 
 /// Query rows per block of causal attention: each block computes keys up to its last row, so
 /// the work is about `seq² / 2 + seq · CAUSAL_BLOCK / 2` scores instead of `seq²`.
@@ -185,32 +185,27 @@ impl Sdpa {
         if self.causal { i + 1 } else { block.keys }
     }
 
-    /// Scores of (b, h) for `block` into `s` [rows × keys]: `scale · Q K^T + mask`.
+    /// Scores of (b, h) for `block` into `s` [rows × keys], in `T::Acc`:
+    /// `scale · Q K^T + mask`.
     #[allow(clippy::too_many_arguments)]
     fn scores<T: Float>(
         &self,
         q: &View<T>,
         k: &View<T>,
-        mask: Option<&[T]>,
+        mask: Option<&[T::Acc]>,
         (b, h): (usize, usize),
         dims: Dims,
         block: Block,
-        s: &mut [T],
+        s: &mut [T::Acc],
     ) {
         let d = dims.head_dim;
-        gemm_into(
-            block.rows(),
-            block.keys,
-            d,
+        gemm_acc_into(
+            (block.rows(), block.keys, d),
             s,
             block.keys,
             false,
-            q.head(b, h, block.r0, d),
-            q.row,
-            1,
-            k.head(b, self.kv_head(h), 0, d),
-            1,
-            k.row,
+            (q.head(b, h, block.r0, d), q.row, 1),
+            (k.head(b, self.kv_head(h), 0, d), 1, k.row),
             self.scale,
         );
         if let (Some(m), Some(spec)) = (mask, &self.mask) {
@@ -316,8 +311,8 @@ impl Sdpa {
         let width = self.heads * d;
         let mut out = vec![T::of(0.0); batch * seq * width];
         let mut lse = vec![0f64; batch * self.heads * seq];
-        let mut s = vec![T::of(0.0); seq * seq];
-        let run = |mask: Option<&[T]>| {
+        let mut s = vec![T::Acc::of(0.0); seq * seq];
+        let run = |mask: Option<&[T::Acc]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
                     for block in self.blocks(seq) {
@@ -326,6 +321,9 @@ impl Sdpa {
                         let at = (b * self.heads + h) * seq;
                         self.probabilities(s, &mut lse[at + block.r0..at + block.r1], block, true);
                         self.drop(b, h, seq, block, s);
+                        // The probabilities as the product's operand type (rounded once for
+                        // half precision; borrowed otherwise).
+                        let p = T::from_acc(s);
                         gemm_into(
                             block.rows(),
                             d,
@@ -333,7 +331,7 @@ impl Sdpa {
                             &mut out[(b * seq + block.r0) * width + h * d..],
                             width,
                             false,
-                            s,
+                            &p,
                             block.keys,
                             1,
                             v.head(b, self.kv_head(h), 0, d),
@@ -345,13 +343,13 @@ impl Sdpa {
                 }
             }
         };
-        self.with_mask(run)?;
+        self.with_mask::<T::Acc>(run)?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
         Ok(out)
     }
 
     /// Writes dQ, dK and dV into `out` (which starts zeroed: dK and dV accumulate over the
-    /// query heads of a group and the blocks of a head).
+    /// query heads of a group and the blocks of a head), in `T::Acc`.
     #[allow(clippy::too_many_arguments)]
     fn backward<T: Float>(
         &self,
@@ -361,7 +359,7 @@ impl Sdpa {
         o: &[T],
         g: &[T],
         dims: Dims,
-        out: &mut GradOut<'_, T>,
+        out: &mut GradOut<'_, T::Acc>,
     ) -> Result<()> {
         let Dims {
             batch,
@@ -375,10 +373,12 @@ impl Sdpa {
                 "sdpa: backward without a matching forward".into(),
             ));
         }
-        let mut p = vec![T::of(0.0); seq * seq];
-        let mut dp = vec![T::of(0.0); seq * seq];
-        let mut rowdot = vec![T::of(0.0); seq];
-        let run = |mask: Option<&[T]>| {
+        let mut p = vec![T::Acc::of(0.0); seq * seq];
+        let mut dp = vec![T::Acc::of(0.0); seq * seq];
+        let mut rowdot = vec![T::Acc::of(0.0); seq];
+        // The output and its gradient for the row dots, in `T::Acc` (borrowed for f32, f64).
+        let (o_acc, g_acc) = (T::to_acc(o), T::to_acc(g));
+        let run = |mask: Option<&[T::Acc]>| {
             for b in 0..batch {
                 for h in 0..self.heads {
                     let kvh = self.kv_head(h);
@@ -390,49 +390,38 @@ impl Sdpa {
                         let l = (b * self.heads + h) * seq;
                         self.probabilities(p, &mut lse[l + block.r0..l + block.r1], block, false);
                         // dV += P'^T dO, with P' the dropped-out probabilities.
-                        let dropped: &[T] = if self.dropout.is_some() {
+                        let dropped = if self.dropout.is_some() {
                             dp.copy_from_slice(p);
                             self.drop(b, h, seq, block, dp);
-                            dp
+                            T::from_acc(dp)
                         } else {
-                            p
+                            T::from_acc(p)
                         };
                         let (dv, dv_row) = out.at(2, b, kvh, 0, self, dims);
-                        gemm_into(
-                            n,
-                            d,
-                            block.rows(),
+                        gemm_acc_into(
+                            (n, d, block.rows()),
                             dv,
                             dv_row,
                             true,
-                            dropped,
-                            1,
-                            n,
-                            &g[at..],
-                            width,
-                            1,
+                            (&dropped, 1, n),
+                            (&g[at..], width, 1),
                             1.0,
                         );
+                        drop(dropped);
                         // dP' = dO V^T
-                        gemm_into(
-                            block.rows(),
-                            n,
-                            d,
+                        gemm_acc_into(
+                            (block.rows(), n, d),
                             dp,
                             n,
                             false,
-                            &g[at..],
-                            width,
-                            1,
-                            v.head(b, kvh, 0, d),
-                            1,
-                            v.row,
+                            (&g[at..], width, 1),
+                            (v.head(b, kvh, 0, d), 1, v.row),
                             1.0,
                         );
                         // D_i = sum_j P'_ij dP'_ij = dO_i . O_i
                         for (ri, r) in rowdot[..block.rows()].iter_mut().enumerate() {
                             let row = at + ri * width;
-                            *r = dot(&g[row..row + d], &o[row..row + d]);
+                            *r = dot(&g_acc[row..row + d], &o_acc[row..row + d]);
                         }
                         // dS = P (dP - D), dP = dP' * dropout mask / (1-p)
                         let mask = self.dropout_mask(b, h, seq);
@@ -440,11 +429,11 @@ impl Sdpa {
                             let (i, r) = (block.r0 + ri, rowdot[ri]);
                             let seen = self.visible(i, block);
                             if let Some((kept, scale)) = &mask {
-                                let s = T::of(*scale);
+                                let s = T::Acc::of(*scale);
                                 for (j, (&pv, dv)) in
                                     prow[..seen].iter().zip(dprow.iter_mut()).enumerate()
                                 {
-                                    let dpv = if kept(i, j) { *dv * s } else { T::of(0.0) };
+                                    let dpv = if kept(i, j) { *dv * s } else { T::Acc::of(0.0) };
                                     *dv = pv * (dpv - r);
                                 }
                             } else {
@@ -453,46 +442,35 @@ impl Sdpa {
                                     .zip(dprow.iter_mut())
                                     .for_each(|(&pv, dv)| *dv = pv * (*dv - r));
                             }
-                            dprow[seen..].fill(T::of(0.0));
+                            dprow[seen..].fill(T::Acc::of(0.0));
                         }
                         // dQ = scale dS K; dK += scale dS^T Q
+                        let ds = T::from_acc(dp);
                         let (dq, dq_row) = out.at(0, b, h, block.r0, self, dims);
-                        gemm_into(
-                            block.rows(),
-                            d,
-                            n,
+                        gemm_acc_into(
+                            (block.rows(), d, n),
                             dq,
                             dq_row,
                             false,
-                            dp,
-                            n,
-                            1,
-                            k.head(b, kvh, 0, d),
-                            k.row,
-                            1,
+                            (&ds, n, 1),
+                            (k.head(b, kvh, 0, d), k.row, 1),
                             self.scale,
                         );
                         let (dk, dk_row) = out.at(1, b, kvh, 0, self, dims);
-                        gemm_into(
-                            n,
-                            d,
-                            block.rows(),
+                        gemm_acc_into(
+                            (n, d, block.rows()),
                             dk,
                             dk_row,
                             true,
-                            dp,
-                            1,
-                            n,
-                            q.head(b, h, block.r0, d),
-                            q.row,
-                            1,
+                            (&ds, 1, n),
+                            (q.head(b, h, block.r0, d), q.row, 1),
                             self.scale,
                         );
                     }
                 }
             }
         };
-        self.with_mask(run)?;
+        self.with_mask::<T::Acc>(run)?;
         Ok(())
     }
 }

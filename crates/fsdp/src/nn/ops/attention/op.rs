@@ -1,5 +1,8 @@
 //! Attention as candle custom ops: [`Sdpa`] on three operands, `PackedSdpa` on one fused
-//! QKV projection, and the public functions (half-precision inputs attended in f32).
+//! QKV projection, and the public functions. Half-precision inputs are multiplied in their
+//! own type with f32 sums (the bf16 GEMM's dot products); scores, softmax, probabilities'
+//! gradients and the accumulated dQ/dK/dV stay in f32, and only the products' operands
+//! (probabilities, their gradients) are rounded to half precision, as flash attention does.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -51,10 +54,12 @@ impl CustomOp3 for Sdpa {
             self.kv_heads * dims.head_dim,
         );
         float_dispatch!(q_t.dtype(), self.name(), T => {
+            // In `T::Acc` (f32 for half precision: dK and dV sum over heads and blocks),
+            // rounded once at the end.
             let (mut dq, mut dk, mut dv) = (
-                vec![T::of(0.0); q_t.elem_count()],
-                vec![T::of(0.0); k_t.elem_count()],
-                vec![T::of(0.0); v_t.elem_count()],
+                vec![<T as Float>::Acc::of(0.0); q_t.elem_count()],
+                vec![<T as Float>::Acc::of(0.0); k_t.elem_count()],
+                vec![<T as Float>::Acc::of(0.0); v_t.elem_count()],
             );
             with_slice::<T, _>(q_t, self.name(), |q| {
                 with_slice::<T, _>(k_t, self.name(), |k| {
@@ -74,9 +79,9 @@ impl CustomOp3 for Sdpa {
                 })
             })?;
             Ok((
-                Some(tensor(dq, q_t.shape(), q_t)?),
-                Some(tensor(dk, k_t.shape(), k_t)?),
-                Some(tensor(dv, v_t.shape(), v_t)?),
+                Some(tensor(T::from_acc_vec(dq), q_t.shape(), q_t)?),
+                Some(tensor(T::from_acc_vec(dk), k_t.shape(), k_t)?),
+                Some(tensor(T::from_acc_vec(dv), v_t.shape(), v_t)?),
             ))
         })
     }
@@ -123,10 +128,10 @@ impl CustomOp1 for PackedSdpa {
             let dqkv = with_slice::<T, _>(qkv_t, self.name(), |qkv| {
                 self.0.with_output_grad::<T, _>(res, grad, |o, g| {
                     let part = |i: usize| View::dense(qkv, s, 3 * w, i * w);
-                    let mut dqkv = vec![T::of(0.0); 3 * b * s * w];
+                    let mut dqkv = vec![<T as Float>::Acc::of(0.0); 3 * b * s * w];
                     let mut out = GradOut::Packed(&mut dqkv);
                     self.0.backward::<T>(&part(0), &part(1), &part(2), o, g, dims, &mut out)?;
-                    Ok(dqkv)
+                    Ok(T::from_acc_vec(dqkv))
                 })
             })?;
             Ok(Some(tensor(dqkv, qkv_t.shape(), qkv_t)?))
@@ -229,8 +234,13 @@ fn sdpa_op(
                     "sdpa: mask {md:?} does not broadcast to {full:?}"
                 )));
             }
+            // Added to the scores, which half precision keeps in f32.
+            let acc = match dtype {
+                DType::BF16 | DType::F16 => DType::F32,
+                other => other,
+            };
             Some(Mask {
-                values: m.detach().to_dtype(dtype)?.contiguous()?,
+                values: m.detach().to_dtype(acc)?.contiguous()?,
                 dims,
             })
         }
@@ -267,7 +277,7 @@ pub fn scaled_dot_product_attention(
 /// (rows may be strided), `mask` additive and broadcastable to `[batch, heads, seq, seq]`
 /// (padding; causality is `heads.causal`, not a mask), optional dropout
 /// `(probability, seed)`. The K/V heads are read in place, never repeated. Returns
-/// `[batch, seq, heads * head_dim]`. Half-precision inputs are attended in f32.
+/// `[batch, seq, heads * head_dim]`. Half-precision inputs keep f32 scores and sums.
 pub fn grouped_query_attention(
     q: &Tensor,
     k: &Tensor,
@@ -276,22 +286,6 @@ pub fn grouped_query_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if matches!(q.dtype(), DType::BF16 | DType::F16) {
-        // Probabilities kept in half precision lose too much in softmax's backward (a
-        // difference of nearly equal products): half-precision inputs are attended in f32, as
-        // PyTorch's kernels accumulate and keep them, and the output is cast back.
-        let wide = |t: &Tensor| t.to_dtype(DType::F32);
-        let mask = mask.map(wide).transpose()?;
-        let out = grouped_query_attention(
-            &wide(q)?,
-            &wide(k)?,
-            &wide(v)?,
-            heads,
-            mask.as_ref(),
-            dropout,
-        )?;
-        return out.to_dtype(q.dtype());
-    }
     let op = sdpa_op(q.dims3()?, q.dtype(), heads, mask, dropout)?;
     q.apply_op3(k, v, op)
 }
@@ -306,18 +300,6 @@ pub fn packed_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if matches!(qkv.dtype(), DType::BF16 | DType::F16) {
-        // In f32, as in [`grouped_query_attention`].
-        let mask = mask.map(|m| m.to_dtype(DType::F32)).transpose()?;
-        let out = packed_attention(
-            &qkv.to_dtype(DType::F32)?,
-            heads,
-            causal,
-            mask.as_ref(),
-            dropout,
-        )?;
-        return out.to_dtype(qkv.dtype());
-    }
     let shape = PackedSdpa::width(qkv.layout())?;
     let heads = AttentionHeads {
         causal,

@@ -26,6 +26,8 @@ const NR: usize = 16 * NV;
 const NV: usize = 2;
 /// Bytes of packed rhs strips one block holds (in L2) while every row strip passes over it.
 const RHS_BLOCK_BYTES: usize = 512 * 1024;
+/// Pairs of k a rhs strip is packed in at a time, column by column (8 KiB of output).
+const PACK_PAIRS: usize = 64;
 /// Rhs elements below which one thread packs the whole rhs (a parallel pass costs more).
 const PARALLEL_PACK: usize = 1 << 16;
 
@@ -44,6 +46,14 @@ pub(super) fn available() -> bool {
     }
 }
 
+/// Where a product's results go, `dst_rs` elements between rows: bf16 (each rounded
+/// once), or f32 (sums kept wide: attention's scores and the gradients it accumulates).
+#[derive(Clone, Copy)]
+pub(super) enum Dst {
+    Bf16(*mut bf16),
+    F32(*mut f32),
+}
+
 /// `dst[m×n] = (dst if accumulate) + scale · lhs[m×k] · rhs[k×n]` with the AVX512_BF16
 /// kernel; operands as in `matmul::gemm_raw`, which has checked them.
 ///
@@ -52,7 +62,7 @@ pub(super) fn available() -> bool {
 #[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn gemm(
     mnk: (usize, usize, usize),
-    dst: *mut bf16,
+    dst: Dst,
     dst_rs: usize,
     accumulate: bool,
     lhs: (&[bf16], usize, usize),
@@ -85,7 +95,7 @@ struct Product<'a> {
     kp: usize,
     m: usize,
     n: usize,
-    dst: *mut bf16,
+    dst: Dst,
     dst_rs: usize,
     accumulate: bool,
     scale: f32,
@@ -112,7 +122,7 @@ unsafe fn gemm_with(
     tiles: Tiles,
     threads: usize,
     (m, n, k): (usize, usize, usize),
-    dst: *mut bf16,
+    dst: Dst,
     dst_rs: usize,
     accumulate: bool,
     lhs: Operand<'_>,
@@ -172,26 +182,33 @@ unsafe fn pair(v: *const u16, at: usize, step: usize, p: usize, k: usize) -> u32
     }
 }
 
-/// Writes `len` pairs of k of the line at `at` (stride `step` along k) to `out` at every
-/// `stride`-th element: contiguous pairs are read as one u32, the odd tail through [`pair`].
+/// Writes pairs `pairs` of k of the line at `at` (stride `step` along k) to `out` at every
+/// `stride`-th element (pair `p` at `p * stride`): contiguous pairs are read as one u32,
+/// the odd tail through [`pair`].
 ///
 /// # Safety
 /// The line's k elements are inside the operand; `out` is valid for the writes.
 #[inline(always)]
-unsafe fn pack_line(v: *const u16, at: usize, step: usize, k: usize, out: *mut u32, stride: usize) {
-    let kp = k.div_ceil(2);
+unsafe fn pack_line(
+    v: *const u16,
+    (at, step, k): (usize, usize, usize),
+    pairs: Range<usize>,
+    out: *mut u32,
+    stride: usize,
+) {
     // SAFETY: as the caller vouches.
     unsafe {
         if step == 1 {
             let line = v.add(at).cast::<u32>();
-            for p in 0..k / 2 {
+            let whole = pairs.start..pairs.end.min(k / 2);
+            for p in whole.clone() {
                 *out.add(p * stride) = line.add(p).read_unaligned();
             }
-            for p in k / 2..kp {
+            for p in whole.end.max(pairs.start)..pairs.end {
                 *out.add(p * stride) = pair(v, at, step, p, k);
             }
         } else {
-            for p in 0..kp {
+            for p in pairs {
                 *out.add(p * stride) = pair(v, at, step, p, k);
             }
         }
@@ -315,7 +332,7 @@ fn pack_lhs((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usize>) 
             unsafe {
                 if i < m {
                     if cs == 1 || k < 2 {
-                        pack_line(v, i * rs, cs, k, o.add(strip + r), MR);
+                        pack_line(v, (i * rs, cs, k), 0..kp, o.add(strip + r), MR);
                     } else {
                         // Transposed: a strip's rows are contiguous for each k, so read them
                         // in that direction below.
@@ -364,9 +381,13 @@ fn pack_rhs((v, rs, cs): Operand<'_>, k: usize, n: usize, threads: usize) -> Vec
         // operand (the caller checked its strides), and columns past n are zeros.
         unsafe {
             if rs == 1 || k < 2 {
-                // Each column contiguous along k (a transposed weight): one line per column.
-                for c in 0..cols {
-                    pack_line(v, (j0 + c) * cs, rs, k, o.add(c), NR);
+                // Each column contiguous along k (a transposed weight): one line per column,
+                // a block of pairs at a time so the block's output stays in L1.
+                for first in (0..kp).step_by(PACK_PAIRS) {
+                    let pairs = first..(first + PACK_PAIRS).min(kp);
+                    for c in 0..cols {
+                        pack_line(v, ((j0 + c) * cs, rs, k), pairs.clone(), o.add(c), NR);
+                    }
                 }
             } else {
                 // Rows contiguous: two rows of k interleaved per pair.
@@ -444,7 +465,7 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{LhsStrip, LhsStrips, MR, NR, NV, Product};
+    use super::{Dst, LhsStrip, LhsStrips, MR, NR, NV, Product};
 
     /// The tiles of row strips `strips`, compiled for AVX512_BF16.
     ///
@@ -489,11 +510,54 @@ mod avx512 {
         }
         let rows = MR.min(p.m - i0);
         let cols = NR.min(p.n - j0);
+        let at = (i0 * p.dst_rs) + j0;
         for (r, acc) in acc.iter().enumerate() {
             if r < rows {
                 // SAFETY: row i0 + r < m and columns j0 .. j0 + cols <= n are the caller's.
-                unsafe { store(p, acc, p.dst.add((i0 + r) * p.dst_rs + j0), cols) };
+                unsafe {
+                    match p.dst {
+                        Dst::Bf16(d) => store(p, acc, d.add(at + r * p.dst_rs), cols),
+                        Dst::F32(d) => store_f32(p, acc, d.add(at + r * p.dst_rs), cols),
+                    }
+                };
             }
+        }
+    }
+
+    /// Writes one tile row's sums to f32 `out` (its first `cols` columns): scaled, added
+    /// to the destination when accumulating.
+    ///
+    /// # Safety
+    /// As [`tile`]; `out` is valid for `cols` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    #[inline]
+    unsafe fn store_f32(p: &Product<'_>, acc: &[__m512; NV], out: *mut f32, cols: usize) {
+        let scale = _mm512_set1_ps(p.scale);
+        for (v, &sum) in acc.iter().enumerate() {
+            let first = 16 * v;
+            if first >= cols {
+                break;
+            }
+            let mask = column_mask(cols - first);
+            // SAFETY: the mask covers only the columns below `cols`.
+            unsafe {
+                let at = out.add(first);
+                let mut x = _mm512_mul_ps(sum, scale);
+                if p.accumulate {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, at));
+                }
+                _mm512_mask_storeu_ps(at, mask, x);
+            }
+        }
+    }
+
+    /// The lanes of a 16-column vector below `left` columns.
+    #[inline(always)]
+    fn column_mask(left: usize) -> __mmask16 {
+        if left >= 16 {
+            0xffff
+        } else {
+            (1u16 << left) - 1
         }
     }
 
@@ -512,11 +576,7 @@ mod avx512 {
             if first >= cols {
                 break;
             }
-            let mask: __mmask16 = if cols - first >= 16 {
-                0xffff
-            } else {
-                (1u16 << (cols - first)) - 1
-            };
+            let mask = column_mask(cols - first);
             // SAFETY: the mask covers only the columns below `cols`.
             unsafe {
                 let at = out.add(first).cast::<i16>();

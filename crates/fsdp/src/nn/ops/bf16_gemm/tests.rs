@@ -28,14 +28,24 @@ unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize
         }
         for r in 0..MR.min(p.m - i0) {
             for c in 0..NR.min(p.n - j0) {
+                let at = (i0 + r) * p.dst_rs + j0 + c;
+                let v = tile[r * NR + c] * p.scale;
                 // SAFETY: the tile's rows and columns are inside the product.
                 unsafe {
-                    let out = p.dst.add((i0 + r) * p.dst_rs + j0 + c);
-                    let mut v = tile[r * NR + c] * p.scale;
-                    if p.accumulate {
-                        v += bf16_as_f32(out.read());
+                    match p.dst {
+                        Dst::Bf16(d) => {
+                            let old = if p.accumulate {
+                                bf16_as_f32(d.add(at).read())
+                            } else {
+                                0.0
+                            };
+                            d.add(at).write(round_to_bf16(v + old));
+                        }
+                        Dst::F32(d) => {
+                            let old = if p.accumulate { d.add(at).read() } else { 0.0 };
+                            d.add(at).write(v + old);
+                        }
                     }
-                    out.write(round_to_bf16(v));
                 }
             }
         }
@@ -86,51 +96,69 @@ fn check_on(
     let b = values(b_len, 2 + (n * 17 + k) as u64);
     let dst_rs = n + 3;
     let before = values(m * dst_rs, 3);
-    for (accumulate, scale) in [(false, 1.0), (true, 0.5)] {
-        let mut dst = before.clone();
-        // SAFETY: `dst` has m rows of `dst_rs`; the operands are as laid out above.
-        unsafe {
-            gemm_with(
-                tiles,
-                threads,
-                (m, n, k),
-                dst.as_mut_ptr(),
-                dst_rs,
-                accumulate,
-                (&a, a_rs, a_cs),
-                (&b, b_rs, b_cs),
-                scale,
-            )
-        };
-        for i in 0..m {
-            for j in 0..n {
-                let (mut exact, mut magnitude) = (0f64, 0f64);
-                for kk in 0..k {
-                    let x = a[i * a_rs + kk * a_cs].to_f64() * b[kk * b_rs + j * b_cs].to_f64();
-                    exact += x;
-                    magnitude += x.abs();
+    let before_f32: Vec<f32> = before.iter().map(|v| v.to_f32()).collect();
+    for wide in [false, true] {
+        for (accumulate, scale) in [(false, 1.0), (true, 0.5)] {
+            let (mut dst, mut dst_f32) = (before.clone(), before_f32.clone());
+            let target = if wide {
+                Dst::F32(dst_f32.as_mut_ptr())
+            } else {
+                Dst::Bf16(dst.as_mut_ptr())
+            };
+            // SAFETY: `dst` has m rows of `dst_rs`; the operands are as laid out above.
+            unsafe {
+                gemm_with(
+                    tiles,
+                    threads,
+                    (m, n, k),
+                    target,
+                    dst_rs,
+                    accumulate,
+                    (&a, a_rs, a_cs),
+                    (&b, b_rs, b_cs),
+                    scale,
+                )
+            };
+            let got = |at: usize| {
+                if wide {
+                    f64::from(dst_f32[at])
+                } else {
+                    dst[at].to_f64()
                 }
-                exact *= scale;
-                magnitude *= scale;
-                let old = before[i * dst_rs + j].to_f64();
-                if accumulate {
-                    exact += old;
-                    magnitude += old.abs();
+            };
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut exact, mut magnitude) = (0f64, 0f64);
+                    for kk in 0..k {
+                        let x = a[i * a_rs + kk * a_cs].to_f64() * b[kk * b_rs + j * b_cs].to_f64();
+                        exact += x;
+                        magnitude += x.abs();
+                    }
+                    exact *= scale;
+                    magnitude *= scale;
+                    let old = before[i * dst_rs + j].to_f64();
+                    if accumulate {
+                        exact += old;
+                        magnitude += old.abs();
+                    }
+                    let got = got(i * dst_rs + j);
+                    // An f32 destination is not rounded to bf16 at the end.
+                    let rounding = if wide { 0.0 } else { exact.abs() / 256.0 };
+                    let bound = rounding + magnitude * (k as f64 + 2.0) * 6e-8;
+                    assert!(
+                        (got - exact).abs() <= bound,
+                        "({m}, {n}, {k}) t_lhs {t_lhs} t_rhs {t_rhs} accumulate {accumulate} \
+                         f32 {wide}: [{i}, {j}] = {got}, exact {exact}, bound {bound}"
+                    );
                 }
-                let got = dst[i * dst_rs + j].to_f64();
-                let bound = exact.abs() / 256.0 + magnitude * (k as f64 + 2.0) * 6e-8;
-                assert!(
-                    (got - exact).abs() <= bound,
-                    "({m}, {n}, {k}) t_lhs {t_lhs} t_rhs {t_rhs} accumulate {accumulate}: \
-                     [{i}, {j}] = {got}, exact {exact}, bound {bound}"
-                );
-            }
-            for j in n..dst_rs {
-                assert_eq!(
-                    dst[i * dst_rs + j].to_bits(),
-                    before[i * dst_rs + j].to_bits(),
-                    "({m}, {n}, {k}): [{i}, {j}] is outside the product but was written"
-                );
+                for j in n..dst_rs {
+                    let (got, was) = (got(i * dst_rs + j), before[i * dst_rs + j].to_f64());
+                    assert_eq!(
+                        got.to_bits(),
+                        was.to_bits(),
+                        "({m}, {n}, {k}): [{i}, {j}] is outside the product but was written"
+                    );
+                }
             }
         }
     }
