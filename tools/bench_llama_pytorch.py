@@ -5,7 +5,10 @@ each, as `fsdp launch` runs ours), on the same weights (transformers dequantizes
 file with the `gguf` package), the same batches in the same order on each rank (ours dumps
 them with --dump_batches), AdamW with no decay on the RMSNorm weights, the same cosine
 schedule, gradient clipping at 1.0, no dropout. It runs ours first, then PyTorch, and prints
-the losses side by side, tokens/s and peak RSS per rank, and one JSON line. Not run by CI:
+the losses side by side, tokens/s and peak RSS per rank, and one JSON line. With
+`--mixed_precision bf16` both compute in bf16 from f32 master weights, gradients reduced in
+f32 (ours: `--mixed_precision bf16`; PyTorch: FSDP `MixedPrecision(param_dtype=bf16,
+reduce_dtype=f32, buffer_dtype=bf16)`); the losses then agree to bf16's precision only. Not run by CI:
 needs `pip install torch==2.15.0 accelerate==1.15.0 transformers==5.24.0 gguf`.
 
     cargo build --release -p fsdp-cli -p fsdp --examples
@@ -31,6 +34,7 @@ def worker(rank, a, work, result_file):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
     from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecision
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
@@ -41,6 +45,9 @@ def worker(rank, a, work, result_file):
         use_orig_params=True,
         sync_module_states=False,
         cpu_ram_efficient_loading=False,
+        mixed_precision_policy=MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+        if a.mixed_precision == "bf16" else None,
     )
     from accelerate_cpu_fsdp import accelerator_with_fsdp
     acc = accelerator_with_fsdp(plugin)
@@ -94,13 +101,15 @@ def main():
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
     a = p.parse_args()
     example = Path(a.ours).resolve().parent / "examples" / "llama_example"
     with tempfile.TemporaryDirectory() as work:
         subprocess.run([a.ours, "launch", "--num_processes", "2", str(example), "--max_train_steps", str(a.steps),
                         "--seq_len", str(a.seq_len), "--batch_size", str(a.batch_size), "--lr", str(a.lr),
                         "--eval_samples", "0", "--gguf", a.gguf, "--dump_batches", work,
-                        "--output_dir", f"{work}/out"], check=True)
+                        "--output_dir", f"{work}/out", "--mixed_precision", a.mixed_precision],
+                       check=True)
         ours = json.load(open(f"{work}/fsdp-rs.json"))
         mp.spawn(worker, args=(a, work, f"{work}/pytorch.json"), nprocs=2)
         theirs = json.load(open(f"{work}/pytorch.json"))
@@ -118,7 +127,7 @@ def main():
     print(f"peak RSS per rank (MiB): fsdp-rs {', '.join(f'{m:.0f}' for m in ours['peak_rss_mib'])}; "
           f"pytorch {', '.join(f'{m:.0f}' for m in theirs['peak_rss_mib'])} "
           f"({max(ours['peak_rss_mib']) / max(theirs['peak_rss_mib']):.2f}x)")
-    print(json.dumps({"bench": "llama_vs_pytorch", "steps": a.steps, "seq_len": a.seq_len,
+    print(json.dumps({"bench": "llama_vs_pytorch", "mixed_precision": a.mixed_precision, "steps": a.steps, "seq_len": a.seq_len,
                       "batch_size_per_rank": a.batch_size, "max_rel_loss_diff": worst,
                       "fsdp_rs": ours, "pytorch": theirs}))
 

@@ -11,8 +11,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::cross_entropy::{CrossEntropy, Reduction};
-use super::matmul::{gemm_into, gemm_new};
-use super::{Float, contiguous, float_dispatch};
+use super::{Float, contiguous, float_dispatch, gemm_acc_into};
 
 /// Logit elements made at once (rows of the vocabulary's width): 32 MiB of f32.
 const CHUNK_ELEMS: usize = 8 << 20;
@@ -26,7 +25,9 @@ struct LinearCrossEntropyOp {
 }
 
 /// The loss of `x` [n, h] projected by `w` [v, h] against `t`, and its gradients with
-/// respect to `x` and `w` at an upstream gradient of one.
+/// respect to `x` and `w` at an upstream gradient of one. Logits, their gradient and the
+/// gradients' sums are kept in `T::Acc` (f32 for half precision, whose operands the
+/// products read in their own type), the gradients rounded to `T` once at the end.
 fn loss_and_grads<T: Float>(
     settings: &CrossEntropy,
     x: &[T],
@@ -46,44 +47,32 @@ fn loss_and_grads<T: Float>(
         Reduction::Mean => 1.0 / count as f64,
     };
     let rows = (CHUNK_ELEMS / v.max(1)).clamp(1, n.max(1));
-    let mut gx = vec![T::of(0.0); n * h];
-    let mut gw: Option<Vec<T>> = None;
+    let zero = T::Acc::of(0.0);
+    let mut gx = vec![zero; n * h];
+    let mut gw = vec![zero; v * h];
+    let mut logits = Vec::new();
     let mut total = 0.0;
     for r0 in (0..n).step_by(rows) {
         let m = rows.min(n - r0);
         let xc = &x[r0 * h..(r0 + m) * h];
         let tc = &t[r0..r0 + m];
-        let logits = gemm_new(m, v, h, xc, h, 1, w, 1, h, 1.0);
+        logits.resize(m * v, zero);
+        gemm_acc_into((m, v, h), &mut logits, v, false, (xc, h, 1), (w, 1, h), 1.0);
         let (part, lses) = summed.forward(&logits, tc, v)?;
         total += part;
         let dz = summed.backward(&logits, tc, v, scale, &lses);
-        drop(logits);
-        gemm_into(
-            m,
-            h,
-            v,
-            &mut gx[r0 * h..],
-            h,
-            false,
-            &dz,
-            v,
-            1,
-            w,
-            h,
-            1,
-            1.0,
-        );
-        match gw.as_mut() {
-            None => gw = Some(gemm_new(v, h, m, &dz, 1, v, xc, h, 1, 1.0)),
-            Some(gw) => gemm_into(v, h, m, gw, h, true, &dz, 1, v, xc, h, 1, 1.0),
-        }
+        // The logits' gradient as the products' operand type (rounded once for half
+        // precision; borrowed otherwise).
+        let dz = T::from_acc(&dz);
+        gemm_acc_into((m, h, v), &mut gx[r0 * h..], h, false, (&dz, v, 1), (w, h, 1), 1.0);
+        gemm_acc_into((v, h, m), &mut gw, h, r0 > 0, (&dz, 1, v), (xc, h, 1), 1.0);
     }
     let loss = match settings.reduction {
         Reduction::Sum => total,
         // PyTorch returns NaN for a mean over zero targets.
         Reduction::Mean => total / count as f64,
     };
-    Ok((loss, gx, gw.unwrap_or_else(|| vec![T::of(0.0); v * h])))
+    Ok((loss, T::from_acc_vec(gx), T::from_acc_vec(gw)))
 }
 
 impl CustomOp2 for LinearCrossEntropyOp {
@@ -123,7 +112,9 @@ impl CustomOp2 for LinearCrossEntropyOp {
                 Tensor::from_vec(gw, (*v, *h), &device)?,
             );
             *self.grads.lock().unwrap_or_else(|e| e.into_inner()) = Some(grads);
-            Ok((T::storage(vec![T::of(loss)]), Shape::from(())))
+            // The loss in `T::Acc`: f32 for half-precision inputs.
+            let loss = <T as Float>::Acc::of(loss);
+            Ok((<<T as Float>::Acc as Float>::storage(vec![loss]), Shape::from(())))
         })
     }
 
@@ -156,22 +147,19 @@ impl CustomOp2 for LinearCrossEntropyOp {
 /// integer `targets` [N], as a scalar, without keeping the [N, V] logits or their gradient:
 /// what `cross_entropy(&hidden.matmul(&weight.t()?)?, targets, settings)` gives, with memory
 /// for a few rows of logits at a time. Gradients flow to both `hidden` and `weight`;
-/// half-precision inputs are taken in f32 (the loss is an f32 scalar).
+/// half-precision inputs are multiplied in their own type with f32 logits, and the loss is
+/// an f32 scalar.
 pub fn linear_cross_entropy(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
     settings: CrossEntropy,
 ) -> Result<Tensor> {
-    let widen = |t: &Tensor| match t.dtype() {
-        DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
-        _ => t.contiguous(),
-    };
     let targets: Vec<i64> = targets.to_dtype(DType::I64)?.flatten_all()?.to_vec1()?;
     let op = LinearCrossEntropyOp {
         settings,
         targets,
         grads: Mutex::new(None),
     };
-    widen(hidden)?.apply_op2(&widen(weight)?, op)
+    hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)
 }
