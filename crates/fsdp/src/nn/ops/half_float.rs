@@ -76,6 +76,40 @@ fn write_via_f32<H: F32Conversions>(out: &mut [H], f: impl FnOnce(&mut [f32])) {
     H::narrow_into(&wide, out);
 }
 
+/// Elements of each operand the chunked kernels convert at a time (whole rows, at least one).
+const CHUNK_ELEMS: usize = 8192;
+
+/// Runs `f` over `out` in chunks of whole rows of `row` elements: each chunk's `inputs`
+/// widened into f32 buffers reused from chunk to chunk, `f` given the chunk's range and
+/// writing every element of its f32 output, which is rounded into `out`. The copies stay
+/// in cache and nothing activation-sized is allocated; a row kernel computes each row as on
+/// whole f32 copies, so results are the same bit for bit.
+fn chunked<H: F32Conversions, const N: usize>(
+    inputs: [&[H]; N],
+    out: &mut [H],
+    row: usize,
+    mut f: impl FnMut(std::ops::Range<usize>, [&[f32]; N], &mut [f32]),
+) {
+    let row = row.max(1);
+    let step = (CHUNK_ELEMS / row).max(1) * row;
+    let mut wide: [Vec<f32>; N] = std::array::from_fn(|_| Vec::with_capacity(step));
+    let mut wide_out: Vec<f32> = Vec::with_capacity(step);
+    for start in (0..out.len()).step_by(step) {
+        let end = (start + step).min(out.len());
+        for (w, x) in wide.iter_mut().zip(&inputs) {
+            w.clear();
+            H::extend_f32(&x[start..end], w);
+        }
+        wide_out.resize(end - start, 0.0);
+        f(
+            start..end,
+            std::array::from_fn(|i| wide[i].as_slice()),
+            &mut wide_out,
+        );
+        H::narrow_into(&wide_out, &mut out[start..end]);
+    }
+}
+
 fn widen<H: F32Conversions>(v: &[H]) -> Vec<f32> {
     let mut wide = Vec::with_capacity(v.len());
     H::extend_f32(v, &mut wide);
@@ -160,10 +194,10 @@ macro_rules! half_float {
                 write_via_f32(dx, |w| simd::softmax_rows_backward(&y, &g, w, d))
             }
             fn gelu_forward(x: &[Self], bias: &[Self], out: &mut [Self], approx: GeluApprox) {
-                let (x, bias) = (widen(x), widen(bias));
-                write_via_f32(out, |w| {
-                    simd::gelu_forward(&x, &bias, w, approx == GeluApprox::Tanh)
-                })
+                let (bias, tanh) = (widen(bias), approx == GeluApprox::Tanh);
+                // Rows of the bias's width (element-wise without one).
+                let row = bias.len().max(1);
+                chunked([x], out, row, |_, [x], w| simd::gelu_forward(x, &bias, w, tanh))
             }
             fn gelu_backward(
                 x: &[Self],
@@ -173,14 +207,14 @@ macro_rules! half_float {
                 dbias: &mut [f64],
                 approx: GeluApprox,
             ) {
-                let (x, bias, g) = (widen(x), widen(bias), widen(g));
-                write_via_f32(dx, |w| {
-                    simd::gelu_backward(&x, &bias, &g, w, dbias, approx == GeluApprox::Tanh)
+                let (bias, tanh) = (widen(bias), approx == GeluApprox::Tanh);
+                let row = bias.len().max(1);
+                chunked([x, g], dx, row, |_, [x, g], w| {
+                    simd::gelu_backward(x, &bias, g, w, dbias, tanh)
                 })
             }
             fn swiglu_forward(gate: &[Self], up: &[Self], out: &mut [Self]) {
-                let (gate, up) = (widen(gate), widen(up));
-                write_via_f32(out, |w| simd::swiglu_forward(&gate, &up, w))
+                chunked([gate, up], out, 1, |_, [gate, up], w| simd::swiglu_forward(gate, up, w))
             }
             fn swiglu_backward(
                 gate: &[Self],
@@ -189,10 +223,12 @@ macro_rules! half_float {
                 dgate: &mut [Self],
                 dup: &mut [Self],
             ) {
-                let (gate, up, dy) = (widen(gate), widen(up), widen(dy));
-                let mut wide_up = vec![0f32; dup.len()];
-                write_via_f32(dgate, |w| simd::swiglu_backward(&gate, &up, &dy, w, &mut wide_up));
-                <Self as F32Conversions>::narrow_into(&wide_up, dup);
+                let mut wide_up = Vec::new();
+                chunked([gate, up, dy], dgate, 1, |range, [gate, up, dy], w| {
+                    wide_up.resize(range.len(), 0.0);
+                    simd::swiglu_backward(gate, up, dy, w, &mut wide_up);
+                    <Self as F32Conversions>::narrow_into(&wide_up, &mut dup[range]);
+                })
             }
             fn norm_forward(
                 x: &[Self],
@@ -202,15 +238,12 @@ macro_rules! half_float {
                 eps: f64,
                 center: bool,
             ) -> Vec<Self> {
-                let beta = beta.map(widen);
-                narrow(&f32::norm_forward(
-                    &widen(x),
-                    &widen(gamma),
-                    beta.as_deref(),
-                    d,
-                    eps,
-                    center,
-                ))
+                let (gamma, beta) = (widen(gamma), beta.map(widen).unwrap_or_default());
+                let mut y = vec![Self::default(); x.len()];
+                chunked([x], &mut y, d, |_, [x], w| {
+                    simd::norm_rows(x, &gamma, &beta, w, d, eps as f32, center)
+                });
+                y
             }
             fn norm_backward(
                 x: &[Self],
@@ -220,9 +253,17 @@ macro_rules! half_float {
                 eps: f64,
                 center: bool,
             ) -> (Vec<Self>, Vec<Self>, Vec<Self>) {
-                let (dx, dgamma, dbeta) =
-                    f32::norm_backward(&widen(x), &widen(gamma), &widen(g), d, eps, center);
-                (narrow(&dx), narrow(&dgamma), narrow(&dbeta))
+                let gamma = widen(gamma);
+                let mut dx = vec![Self::default(); x.len()];
+                let (mut dgamma, mut dbeta) = (vec![0f64; d], vec![0f64; d]);
+                chunked([x, g], &mut dx, d, |_, [x, g], w| {
+                    simd::norm_rows_backward(
+                        x, &gamma, g, w, &mut dgamma, &mut dbeta, d, eps as f32, center,
+                    )
+                });
+                // Through f32, as f32's own backward rounds them.
+                let narrow = |v: Vec<f64>| narrow(&v.into_iter().map(|x| x as f32).collect::<Vec<_>>());
+                (dx, narrow(dgamma), narrow(dbeta))
             }
             unsafe fn gemm(
                 mnk: (usize, usize, usize),

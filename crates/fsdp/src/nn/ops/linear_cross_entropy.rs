@@ -64,7 +64,15 @@ fn loss_and_grads<T: Float>(
         // The logits' gradient as the products' operand type (rounded once for half
         // precision; borrowed otherwise).
         let dz = T::from_acc(&dz);
-        gemm_acc_into((m, h, v), &mut gx[r0 * h..], h, false, (&dz, v, 1), (w, h, 1), 1.0);
+        gemm_acc_into(
+            (m, h, v),
+            &mut gx[r0 * h..],
+            h,
+            false,
+            (&dz, v, 1),
+            (w, h, 1),
+            1.0,
+        );
         gemm_acc_into((v, h, m), &mut gw, h, r0 > 0, (&dz, 1, v), (xc, h, 1), 1.0);
     }
     let loss = match settings.reduction {
