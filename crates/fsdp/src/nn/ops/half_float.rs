@@ -155,6 +155,37 @@ fn widen_operand<H: F32Conversions>(
     }
 }
 
+/// The f32 GEMM on f32 copies of exactly the elements the product reads (in their layout),
+/// into the f32 `dst`: half-precision products where the CPU has no dot products of the
+/// type.
+///
+/// # Safety
+/// As `matmul::gemm_raw`, `dst` of f32.
+unsafe fn widened_gemm<H: F32Conversions>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): (&[H], usize, usize),
+    (rhs, rhs_rs, rhs_cs): (&[H], usize, usize),
+    scale: f64,
+) {
+    let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
+    let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
+    // SAFETY: forwarded from the caller; `a` and `b` are of these strides.
+    unsafe {
+        native_gemm(
+            (m, n, k),
+            dst,
+            dst_rs,
+            accumulate,
+            (&a, a_rs, a_cs),
+            (&b, b_rs, b_cs),
+            scale,
+        )
+    }
+}
+
 /// A half-precision type (mixed precision's compute dtypes): stored in half precision,
 /// computed in f32 — elementwise and row kernels through the f32 SIMD code, GEMMs on f32
 /// copies of the operands with f32 accumulation, rounded once at the end.
@@ -282,10 +313,7 @@ macro_rules! half_float {
                         return unsafe { $dot::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) };
                     }
                 )?
-                let ((m, n, k), (lhs, lhs_rs, lhs_cs), (rhs, rhs_rs, rhs_cs)) = (mnk, lhs, rhs);
-                // f32 copies of exactly the elements the product reads, in their layout.
-                let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
-                let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
+                let (m, n, _) = mnk;
                 let mut c = Vec::with_capacity(m * n);
                 if accumulate {
                     for i in 0..m {
@@ -297,18 +325,8 @@ macro_rules! half_float {
                 } else {
                     c.resize(m * n, 0.0);
                 }
-                // SAFETY: `c`, `a` and `b` are buffers of exactly these shapes and strides.
-                unsafe {
-                    native_gemm(
-                        (m, n, k),
-                        c.as_mut_ptr(),
-                        n,
-                        accumulate,
-                        (&a, a_rs, a_cs),
-                        (&b, b_rs, b_cs),
-                        scale,
-                    )
-                };
+                // SAFETY: `c` holds the m x n product; the operands are the caller's.
+                unsafe { widened_gemm(mnk, c.as_mut_ptr(), n, accumulate, lhs, rhs, scale) };
                 for i in 0..m {
                     // SAFETY: as above.
                     let row = unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) };
@@ -342,21 +360,8 @@ macro_rules! half_float {
                         return unsafe { $dot::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) };
                     }
                 )?
-                let ((m, n, k), (lhs, lhs_rs, lhs_cs), (rhs, rhs_rs, rhs_cs)) = (mnk, lhs, rhs);
-                let (a, a_rs, a_cs) = widen_operand(lhs, m, k, lhs_rs, lhs_cs);
-                let (b, b_rs, b_cs) = widen_operand(rhs, k, n, rhs_rs, rhs_cs);
-                // SAFETY: forwarded from the caller; `a` and `b` are of these strides.
-                unsafe {
-                    native_gemm(
-                        (m, n, k),
-                        dst,
-                        dst_rs,
-                        accumulate,
-                        (&a, a_rs, a_cs),
-                        (&b, b_rs, b_cs),
-                        scale,
-                    )
-                }
+                // SAFETY: forwarded from the caller.
+                unsafe { widened_gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) }
             }
         }
     };
