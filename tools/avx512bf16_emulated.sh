@@ -96,11 +96,12 @@ CFG
 # candle's bf16 element-wise kernels bit for bit, and bf16 FSDP training against f32
 # single-process training on 2 and 3 processes (the numerics matrix's bf16 cases).
 (cd "$repo" && RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$work/target" \
-    cargo test -p fsdp --release --no-run --lib --test kernels --test fsdp_matrix \
+    cargo test -p fsdp --release --no-run --lib --test integration \
     --target x86_64-unknown-linux-gnu --message-format=json 2>/dev/null) > build.json
 rm -rf root && mkdir -p root/bin root/proc root/sys root/dev root/tmp root/tests
 cp /bin/busybox root/bin/busybox
-tests="fsdp:bf16 kernels:bf16 fsdp_matrix:bf16"
+# The integration binary holds the kernels' and the matrix's tests (kernels::, fsdp_matrix::).
+tests="fsdp:bf16 integration:bf16"
 for test in $tests; do
     name=${test%%:*}
     exe=$(python3 -c '

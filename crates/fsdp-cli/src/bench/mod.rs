@@ -1,4 +1,4 @@
-//! `fsdp bench`: collectives between processes, one BERT layer, FSDP training memory,
+//! `fsdp bench`: collectives between processes, the GEMMs, one BERT layer, FSDP training memory,
 //! checkpoints and their resharding, loading pretrained weights, the optimizer step, training offloaded to disk, the
 //! rotary embedding, causal grouped-query attention and SwiGLU ops, each printing a table and machine-readable JSON.
 
