@@ -219,6 +219,7 @@ fn print_json(
         }),
         Err(e) => serde_json::json!({ "valid": false, "error": crate::error_text(e) }),
     };
+    let peak = fsdp::perf::core_peak();
     let doc = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "os": s.os,
@@ -227,14 +228,8 @@ fn print_json(
         "available_cores": s.available_cores,
         "f32_matmul_kernel": fsdp::nn::ops::f32_matmul_kernel(),
         "bf16_matmul_kernel": fsdp::nn::ops::bf16_matmul_kernel(),
-        "core_peak_flops": {
-            "f32": fsdp::perf::core_peak().f32,
-            "bf16": fsdp::perf::core_peak().bf16,
-        },
-        "instruction_peak_flops": {
-            "f32": fsdp::perf::core_peak().f32_instruction,
-            "bf16": fsdp::perf::core_peak().bf16_instruction,
-        },
+        "core_peak_flops": { "f32": peak.f32, "bf16": peak.bf16 },
+        "instruction_peak_flops": { "f32": peak.f32_instruction, "bf16": peak.bf16_instruction },
         "mem_total_bytes": s.mem_total,
         "mem_available_bytes": s.mem_available,
         "cuda": {

@@ -32,11 +32,8 @@ pub(super) fn gemm_into<T: Float>(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        dst.len() >= (m - 1) * dst_rs + n,
-        "gemm: destination too short"
-    );
-    // SAFETY: the assertion above keeps every destination index inside `dst`.
+    check_destination((m, n), dst.len(), dst_rs);
+    // SAFETY: the check above keeps every destination index inside `dst`.
     unsafe {
         gemm_raw(
             (m, n, k),
@@ -64,10 +61,7 @@ pub(super) fn gemm_acc_into<T: Float>(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        dst.len() >= (m - 1) * dst_rs + n,
-        "gemm: destination too short"
-    );
+    check_destination((m, n), dst.len(), dst_rs);
     check_operands((m, n, k), lhs, rhs);
     // SAFETY: the checks above keep every index inside its slice.
     unsafe {
@@ -81,6 +75,11 @@ pub(super) fn gemm_acc_into<T: Float>(
             scale,
         )
     }
+}
+
+/// Checks that an m x n destination of row stride `dst_rs` fits in `len` elements (m, n > 0).
+fn check_destination((m, n): (usize, usize), len: usize, dst_rs: usize) {
+    assert!(len >= (m - 1) * dst_rs + n, "gemm: destination too short");
 }
 
 /// Checks that the operands' strides stay inside their slices.

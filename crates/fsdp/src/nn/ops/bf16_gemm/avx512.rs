@@ -56,21 +56,69 @@ unsafe fn tile(p: &Product<'_>, a: LhsStrip, b: &[u32], i0: usize, j0: usize) {
             unsafe {
                 match p.dst {
                     Dst::Bf16(d) => store(p, acc, d.add(at + r * p.dst_rs), cols),
-                    Dst::F32(d) => store_f32(p, acc, d.add(at + r * p.dst_rs), cols),
+                    Dst::F32(d) => store(p, acc, d.add(at + r * p.dst_rs), cols),
                 }
             };
         }
     }
 }
 
-/// Writes one tile row's sums to f32 `out` (its first `cols` columns): scaled, added
-/// to the destination when accumulating.
+/// A destination element type the write-back reads and writes 16 lanes of.
+trait Lanes: Sized {
+    /// The lanes of `at` under `mask`, as f32.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features; `at` is valid for the masked lanes.
+    unsafe fn load(at: *mut Self, mask: __mmask16) -> __m512;
+    /// `x` into the lanes of `at` under `mask`.
+    ///
+    /// # Safety
+    /// As [`Lanes::load`].
+    unsafe fn store(at: *mut Self, mask: __mmask16, x: __m512);
+}
+
+impl Lanes for f32 {
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load(at: *mut f32, mask: __mmask16) -> __m512 {
+        // SAFETY: as the caller vouches.
+        unsafe { _mm512_maskz_loadu_ps(mask, at) }
+    }
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn store(at: *mut f32, mask: __mmask16, x: __m512) {
+        // SAFETY: as the caller vouches.
+        unsafe { _mm512_mask_storeu_ps(at, mask, x) }
+    }
+}
+
+/// bf16 lanes widened as `simd::bf16_as_f32` and rounded as `simd::round_to_bf16` (to
+/// nearest, ties to even, NaNs quiet).
+impl Lanes for half::bf16 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn load(at: *mut half::bf16, mask: __mmask16) -> __m512 {
+        // SAFETY: as the caller vouches.
+        widen(_mm512_cvtepu16_epi32(unsafe {
+            _mm256_maskz_loadu_epi16(mask, at.cast::<i16>())
+        }))
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn store(at: *mut half::bf16, mask: __mmask16, x: __m512) {
+        // SAFETY: as the caller vouches.
+        unsafe { _mm256_mask_storeu_epi16(at.cast::<i16>(), mask, round(x)) }
+    }
+}
+
+/// Writes one tile row's sums to `out` (its first `cols` columns): scaled, added to the
+/// destination when accumulating, in the destination's type.
 ///
 /// # Safety
 /// As [`tile`]; `out` is valid for `cols` elements.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-unsafe fn store_f32(p: &Product<'_>, acc: &[__m512; NV], out: *mut f32, cols: usize) {
+unsafe fn store<D: Lanes>(p: &Product<'_>, acc: &[__m512; NV], out: *mut D, cols: usize) {
     let scale = _mm512_set1_ps(p.scale);
     for (v, &sum) in acc.iter().enumerate() {
         let first = 16 * v;
@@ -83,9 +131,9 @@ unsafe fn store_f32(p: &Product<'_>, acc: &[__m512; NV], out: *mut f32, cols: us
             let at = out.add(first);
             let mut x = _mm512_mul_ps(sum, scale);
             if p.accumulate {
-                x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, at));
+                x = _mm512_add_ps(x, D::load(at, mask));
             }
-            _mm512_mask_storeu_ps(at, mask, x);
+            D::store(at, mask, x);
         }
     }
 }
@@ -97,35 +145,6 @@ fn column_mask(left: usize) -> __mmask16 {
         0xffff
     } else {
         (1u16 << left) - 1
-    }
-}
-
-/// Writes one tile row's sums to `out` (its first `cols` columns): scaled, added to the
-/// destination when accumulating (widened as `simd::bf16_as_f32`), rounded to bf16 as
-/// `simd::round_to_bf16` (to nearest, ties to even, NaNs quiet).
-///
-/// # Safety
-/// As [`tile`]; `out` is valid for `cols` elements.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-#[inline]
-unsafe fn store(p: &Product<'_>, acc: &[__m512; NV], out: *mut half::bf16, cols: usize) {
-    let scale = _mm512_set1_ps(p.scale);
-    for (v, &sum) in acc.iter().enumerate() {
-        let first = 16 * v;
-        if first >= cols {
-            break;
-        }
-        let mask = column_mask(cols - first);
-        // SAFETY: the mask covers only the columns below `cols`.
-        unsafe {
-            let at = out.add(first).cast::<i16>();
-            let mut x = _mm512_mul_ps(sum, scale);
-            if p.accumulate {
-                let old = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at));
-                x = _mm512_add_ps(x, widen(old));
-            }
-            _mm256_mask_storeu_epi16(at, mask, round(x));
-        }
     }
 }
 
