@@ -25,7 +25,10 @@ use clap::Parser;
 use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
 use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_lm_sentences};
-use fsdp::models::llama::{GgufFile, GgufWeights, gguf_config, gguf_tokenizer};
+use fsdp::models::llama::{
+    GgufFile, GgufWeights, TokenizerExtras, gguf_config, gguf_tokenizer, portable_config,
+    write_tokenizer_and_generation_files,
+};
 use fsdp::models::{LlamaConfig, LlamaForCausalLM, generate_greedy};
 use fsdp::nn::candle::Tensor;
 use fsdp::nn::{Module, SafetensorsWeights, WeightSource};
@@ -112,6 +115,8 @@ struct Pretrained {
     hf_config: serde_json::Value,
     config: LlamaConfig,
     tokenizer: tokenizers::Tokenizer,
+    /// The unknown token and chat template, for the saved folder's `tokenizer_config.json`.
+    extras: TokenizerExtras,
     weights: Box<dyn WeightSource>,
     from: PathBuf,
 }
@@ -130,11 +135,13 @@ fn from_gguf(path: Option<PathBuf>) -> Result<Pretrained> {
     let gguf = GgufFile::open(&path)?;
     let (hf_config, config) = gguf_config(&gguf)?;
     let tokenizer = gguf_tokenizer(&gguf)?;
+    let extras = TokenizerExtras::from_gguf(&gguf);
     let weights = Box::new(GgufWeights::new(gguf, &config)?);
     Ok(Pretrained {
         hf_config,
         config,
         tokenizer,
+        extras,
         weights,
         from: path,
     })
@@ -180,6 +187,10 @@ fn from_dir(dir: PathBuf) -> Result<Pretrained> {
     Ok(Pretrained {
         hf_config,
         config,
+        extras: TokenizerExtras::from_tokenizer_config(
+            &dir.join("tokenizer_config.json"),
+            &tokenizer,
+        )?,
         tokenizer,
         weights: Box::new(weights),
         from: dir,
@@ -234,6 +245,7 @@ fn main() -> Result<()> {
         hf_config,
         config,
         tokenizer,
+        extras,
         weights,
         from,
     } = match args.model_dir.clone() {
@@ -457,14 +469,13 @@ fn main() -> Result<()> {
         fsdp::perf::job_cores(acc.num_processes()),
         fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
     ));
+    // transformers 4.x and 5.x read the folder alike (RoPE settings both ways), with the
+    // tokenizer and its special tokens beside the weights: one `--model_dir` (and
+    // transformers' `from_pretrained`) can start from.
+    let hf_config = portable_config(&hf_config);
     let out = acc.save_model(&model, &args.output_dir.join("model"), &hf_config)?;
-    // Beside the weights, the tokenizer: the folder is one `--model_dir` (and transformers)
-    // can start from.
     if acc.is_main_process() {
-        let path = out.join("tokenizer.json");
-        tokenizer
-            .save(&path, false)
-            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        write_tokenizer_and_generation_files(&out, &hf_config, &tokenizer, &extras)?;
     }
     acc.print(format!(
         "model saved to {} (wall time {:.1} s)",

@@ -368,6 +368,26 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(file.len(), 272, "tied: no lm_head.weight of its own");
     assert!(file.names().iter().all(|n| n.starts_with("model.")));
+    // What transformers 4.x reads (top-level rope_theta, named special tokens) beside what
+    // 5.x reads.
+    assert_eq!(
+        config["rope_theta"],
+        config["rope_parameters"]["rope_theta"]
+    );
+    let json = |f: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(saved.join(f)).unwrap()).unwrap()
+    };
+    let tokenizer_config = json("tokenizer_config.json");
+    assert_eq!(tokenizer_config["eos_token"], "<|im_end|>");
+    assert_eq!(tokenizer_config["bos_token"], "<|im_start|>");
+    assert!(
+        tokenizer_config["chat_template"]
+            .as_str()
+            .unwrap()
+            .contains("<|im_start|>")
+    );
+    assert_eq!(json("special_tokens_map.json")["pad_token"], "<|im_end|>");
+    assert_eq!(json("generation_config.json")["eos_token_id"], 2);
 
     // The saved folder (weights, config.json, tokenizer.json) is a --model_dir: it starts
     // from the weights the first run ended with, tokenized alike — its held-out loss and
@@ -402,6 +422,13 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
     );
     assert!(out2.contains(saved.to_str().unwrap()), "{out2}");
     assert!(again.path().join("model/tokenizer.json").is_file());
+    // Fine-tuned again from the folder, the tokenizer's files carry over (the chat template
+    // read from tokenizer_config.json).
+    let carried =
+        std::fs::read_to_string(again.path().join("model/tokenizer_config.json")).unwrap();
+    let carried: serde_json::Value = serde_json::from_str(&carried).unwrap();
+    assert_eq!(carried, tokenizer_config);
+    transformers_load_it_alike(&saved, &ended.1);
 
     // A folder whose weights lack a parameter, or that has no tokenizer, is refused naming
     // what is missing.
@@ -431,4 +458,36 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
     std::fs::remove_file(broken.path().join("tokenizer.json")).unwrap();
     let e = refused(broken.path());
     assert!(e.contains("tokenizer.json"), "{e}");
+}
+
+/// With `FSDP_TORCH_PYTHON` (a python with torch), transformers 4.57 and 5.24 load the saved
+/// folder on their own and give the same logits and the continuation the example printed
+/// (`tools/check-llama-transformers-versions.sh`); without it, says so.
+fn transformers_load_it_alike(saved: &Path, printed: &str) {
+    if std::env::var_os("FSDP_TORCH_PYTHON").is_none() {
+        eprintln!(
+            "SKIPPED (part): loading by transformers 4.x and 5.x needs FSDP_TORCH_PYTHON, a python with torch"
+        );
+        return;
+    }
+    let expected: String = serde_json::from_str(printed).unwrap();
+    let out = Command::new(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tools/check-llama-transformers-versions.sh"),
+    )
+    .args([
+        saved.to_str().unwrap(),
+        "--max_new_tokens",
+        "1",
+        "--expect",
+        &expected,
+    ])
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("\"versions\": [\"4.57.3\", \"5.24.0\"]"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -29,3 +29,4 @@ mod offload;
 mod plan;
 mod reshard_after_forward;
 mod resume_data;
+mod transformers_files;

@@ -7,10 +7,15 @@
 mod config;
 mod gguf;
 mod gguf_tokenizer;
+mod transformers_files;
 
 pub use config::{LlamaConfig, LlamaFamily};
 pub use gguf::{GgufFile, GgufWeights, gguf_config};
 pub use gguf_tokenizer::gguf_tokenizer;
+pub use transformers_files::{
+    TokenizerExtras, generation_config, portable_config, tokenizer_files,
+    write_tokenizer_and_generation_files,
+};
 
 use std::sync::Arc;
 
