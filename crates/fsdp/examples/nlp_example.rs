@@ -19,7 +19,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 
-use fsdp::accelerator::{Accelerator, PreparedModel, ProjectConfiguration, ReduceOp};
+use fsdp::accelerator::{
+    Accelerator, PreparedModel, ProjectConfiguration, ReduceOp, Tracker, run_name_now,
+};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
 use fsdp::data::{
     ClassificationBatch, DataLoader, TextExample, TextTokenizer, collate, mrpc_tsv,
@@ -120,9 +122,15 @@ struct Args {
     /// Where checkpoints, metrics and the fine-tuned model go.
     #[arg(long, default_value = "target/nlp_example")]
     output_dir: PathBuf,
-    /// Write metrics as JSON lines to OUTPUT_DIR/metrics.jsonl.
+    /// Log every optimizer step's loss, learning rate per group, gradient norm, samples/s and
+    /// MFU, and each evaluation, to the trackers of --report_to in OUTPUT_DIR/runs/<start
+    /// time> (Accelerate's `log_with`; `tensorboard --logdir OUTPUT_DIR/runs` shows them).
     #[arg(long)]
     with_tracking: bool,
+    /// The trackers of --with_tracking: jsonl (metrics.jsonl), tensorboard (event files),
+    /// or all.
+    #[arg(long, default_value = "all")]
+    report_to: String,
     /// Batches of training examples of similar token counts (transformers'
     /// `group_by_length`): less padding, batches no longer a uniform shuffle.
     #[arg(long)]
@@ -226,6 +234,12 @@ fn main() -> Result<()> {
     if let Some(mp) = args.mixed_precision {
         plugin = plugin.mixed_precision(mp);
     }
+    let trackers = match args.with_tracking {
+        true => {
+            Tracker::parse_list(&args.report_to).map_err(|e| anyhow::anyhow!("--report_to: {e}"))?
+        }
+        false => Vec::new(),
+    };
     let mut acc = Accelerator::builder()
         .fsdp_plugin(plugin)
         .gradient_accumulation_steps(args.gradient_accumulation_steps)
@@ -233,7 +247,7 @@ fn main() -> Result<()> {
             project_dir: args.output_dir.clone(),
             ..Default::default()
         })
-        .log_metrics(args.with_tracking)
+        .log_with(&trackers)
         .seed(args.seed)
         .build()?;
 
@@ -381,7 +395,30 @@ fn main() -> Result<()> {
         ));
     }
 
+    if args.with_tracking {
+        let run = acc.init_trackers(
+            &format!("runs/{}", run_name_now()),
+            serde_json::json!({
+                "model_dir": model_dir, "task": format!("{:?}", args.task), "lr": args.lr,
+                "num_epochs": args.num_epochs, "batch_size": args.batch_size,
+                "processes": acc.num_processes(), "gradient_accumulation_steps": accumulation,
+                "mixed_precision": format!("{:?}", acc.plugin().mixed_precision),
+                "max_length": args.max_length, "seed": args.seed,
+            }),
+        )?;
+        acc.print(format!(
+            "tracking ({}) in {}",
+            args.report_to,
+            run.display()
+        ));
+    }
+    // This CPU's peak in the run's compute dtype, for every step's MFU.
+    let dtype = fsdp::perf::compute_dtype(acc.plugin().mixed_precision);
+    let peak = fsdp::perf::core_peak().for_dtype(dtype);
+    let cores = fsdp::perf::job_cores(acc.num_processes());
     let train_started = Instant::now();
+    let mut step_started = Instant::now();
+    let mut step_flops = 0f64;
     let mut eval_secs = 0.0;
     let mut trained_samples = 0u64;
     // Model FLOPs this rank trained, of real tokens and of padded batches (fsdp::perf).
@@ -406,8 +443,10 @@ fn main() -> Result<()> {
             let batch = batch?;
             let ClassificationBatch { inputs, labels } = batch.batch;
             let (real, padded) = fsdp::perf::sequence_lengths(&inputs.attention_mask)?;
-            flops[0] += shape.training_flops(real);
+            let real_flops = shape.training_flops(real);
+            flops[0] += real_flops;
             flops[1] += shape.training_flops(padded);
+            step_flops += real_flops;
             // Dropout masks from the seed, the batch and the rank: a resumed run draws the
             // same ones.
             let micro = epoch * train_loader.steps_per_epoch() as u64 + batch.step as u64;
@@ -430,17 +469,19 @@ fn main() -> Result<()> {
             }
             let norm = acc.clip_grad_norm(&mut model, 1.0)?;
             acc.optimizer_step(&mut model, &mut optimizer)?;
-            let mean_loss =
-                acc.reduce(vec![local_loss], ReduceOp::Sum)?[0] as f64 / acc.num_processes() as f64;
+            let summed = acc.reduce(vec![local_loss as f64, step_flops], ReduceOp::Sum)?;
+            let mean_loss = summed[0] / acc.num_processes() as f64;
             let samples = (train_loader.global_batch_size() as u64) * accumulation;
             trained_samples += samples;
             progress.step(samples, mean_loss);
             let step = acc.step();
-            if step % 10 == 0 {
-                acc.log(serde_json::json!({
-                    "loss": mean_loss, "grad_norm": norm, "lr": optimizer.lr(0), "epoch": epoch,
-                }))?;
-            }
+            let secs = step_started.elapsed().as_secs_f64();
+            acc.log(serde_json::json!({
+                "loss": mean_loss, "grad_norm": norm, "lr": optimizer.lrs(), "epoch": epoch,
+                "samples_per_second": samples as f64 / secs,
+                "mfu": fsdp::perf::utilisation(summed[1], secs, cores, peak).mfu,
+            }))?;
+            (step_started, step_flops) = (Instant::now(), 0.0);
             if let Some(Checkpointing::Steps(n)) = args.checkpointing_steps
                 && step % n == 0
             {
@@ -460,6 +501,7 @@ fn main() -> Result<()> {
         }
         progress.finish();
         eval_secs += evaluate(&acc, &mut model, &mut eval_loader, epoch)?;
+        step_started = Instant::now();
         if let Some(Checkpointing::Epoch) = args.checkpointing_steps {
             let dir = args.output_dir.join(format!("epoch_{epoch}"));
             let next = fsdp::data::LoaderPosition::start_of(epoch + 1);
@@ -474,6 +516,7 @@ fn main() -> Result<()> {
         &args.output_dir.join("model"),
         &config.to_hf_json("BertForSequenceClassification"),
     )?;
+    acc.end_training();
     let peaks = acc.gather(vec![peak_rss_mib()])?;
     let flops = acc.reduce(flops, ReduceOp::Sum)?;
     acc.print(format!(
@@ -489,8 +532,8 @@ fn main() -> Result<()> {
         flops[0],
         Some(flops[1]),
         train_secs,
-        fsdp::perf::job_cores(acc.num_processes()),
-        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
+        cores,
+        dtype,
     ));
     Ok(())
 }

@@ -104,10 +104,10 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
         "model/config.json",
         "step_2",
         "step_4",
-        "metrics.jsonl",
     ] {
         assert!(straight.join(f).exists(), "{f} missing:\n{out}");
     }
+    tracked_every_step(&straight.join("runs"), 4);
 
     // Resumed with a row-sparse word embedding gradient: on 2 processes its reduction sums
     // each row in the dense one's order, so the model comes out byte for byte the same.
@@ -129,6 +129,109 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
     assert!(
         read(&straight) == read(Path::new(&resumed)),
         "the resumed job's model differs from the uninterrupted one's"
+    );
+}
+
+/// `--with_tracking` wrote one run folder under `runs` with `steps` lines of per-step metrics
+/// in `metrics.jsonl` (and the evaluation), the run's config, and a TensorBoard event file
+/// that TensorBoard's own loader reads (`tools/read_tensorboard.py`, with the tensorboard
+/// package of tools/install-python-tools.sh) with the same curves.
+fn tracked_every_step(runs: &Path, steps: u64) {
+    let run: Vec<PathBuf> = std::fs::read_dir(runs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(run.len(), 1, "{run:?}");
+    let run = &run[0];
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let training: Vec<&serde_json::Value> =
+        lines.iter().filter(|l| l.get("loss").is_some()).collect();
+    assert_eq!(training.len() as u64, steps, "{lines:?}");
+    for (i, l) in training.iter().enumerate() {
+        assert_eq!(l["step"], i as u64 + 1);
+        assert_eq!(
+            l["lr"].as_array().unwrap().len(),
+            2,
+            "two parameter groups: {l}"
+        );
+        for key in ["loss", "grad_norm", "samples_per_second", "mfu"] {
+            let v = l[key].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v > 0.0, "{key}: {l}");
+        }
+    }
+    assert!(
+        lines.iter().any(|l| l.get("eval_accuracy").is_some()),
+        "{lines:?}"
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["processes"], 2);
+    let events = std::fs::read_dir(run)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("events.out.tfevents.")
+        })
+        .count();
+    assert_eq!(events, 1);
+    let python = std::env::var_os("FSDP_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/py-tools/bin/python")
+        });
+    if !python.exists() {
+        eprintln!(
+            "SKIPPED (part): reading the event file with TensorBoard needs tools/install-python-tools.sh"
+        );
+        return;
+    }
+    let out = Command::new(&python)
+        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/read_tensorboard.py"))
+        .arg(run)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let board: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in [
+        "loss",
+        "grad_norm",
+        "lr/0",
+        "lr/1",
+        "samples_per_second",
+        "mfu",
+    ] {
+        let curve = board["scalars"][key]
+            .as_array()
+            .unwrap_or_else(|| panic!("{key}: {board}"));
+        assert_eq!(curve.len() as u64, steps, "{key}: {board}");
+        for (point, line) in curve.iter().zip(&training) {
+            let tag_value = |l: &serde_json::Value| match key.split_once('/') {
+                Some((k, i)) => l[k][i.parse::<usize>().unwrap()].as_f64().unwrap(),
+                None => l[key].as_f64().unwrap(),
+            };
+            assert_eq!(point[0], line["step"]);
+            // f32 scalars (serde_json's float parsing is not exact to the last bit).
+            let (got, want) = (point[1].as_f64().unwrap(), tag_value(line));
+            assert!((got - want).abs() <= 1e-6 * want.abs(), "{key}: {got} vs {want}");
+        }
+    }
+    assert!(
+        board["text"]["config"]
+            .as_str()
+            .unwrap()
+            .contains("\"processes\": 2"),
+        "{board}"
     );
 }
 

@@ -52,6 +52,8 @@ mod gather;
 mod logging;
 mod prepared;
 mod state;
+mod tensorboard;
+mod tracking;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -65,6 +67,7 @@ use fsdp_comm::{CommError, Communicator, CommunicatorExt};
 pub use gather::Gatherable;
 pub use logging::{Progress, init_logging};
 pub use prepared::{ModelHandle, PreparedModel, PreparedOptimizer};
+pub use tracking::{Tracker, run_name_now};
 
 use crate::checkpoint::CheckpointError;
 use crate::config::{ConfigError, FsdpPlugin, FsdpPluginBuilder, Layer, MixedPrecision};
@@ -168,7 +171,7 @@ pub struct AcceleratorBuilder {
     grad_scaler: Option<GradScalerConfig>,
     project: Option<ProjectConfiguration>,
     full_state_dict: Option<FullStateDictConfig>,
-    metrics: bool,
+    trackers: Vec<Tracker>,
     seed: u64,
     group: Option<Arc<dyn Communicator>>,
 }
@@ -225,9 +228,16 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// Writes metrics given to [`Accelerator::log`] as JSON lines in the project folder.
-    pub fn log_metrics(mut self, on: bool) -> Self {
-        self.metrics = on;
+    /// Writes metrics given to [`Accelerator::log`] as JSON lines in the project folder
+    /// (`log_with(&[Tracker::JsonLines])`; `false` logs nowhere).
+    pub fn log_metrics(self, on: bool) -> Self {
+        self.log_with(if on { &[Tracker::JsonLines] } else { &[] })
+    }
+
+    /// The trackers [`Accelerator::log`] writes to (Accelerate's `log_with`), in the run
+    /// folder [`Accelerator::init_trackers`] names under the project folder.
+    pub fn log_with(mut self, trackers: &[Tracker]) -> Self {
+        self.trackers = trackers.to_vec();
         self
     }
 
@@ -302,7 +312,8 @@ impl AcceleratorBuilder {
             skipped: false,
             steps: 0,
             project: self.project.unwrap_or_default(),
-            metrics: self.metrics,
+            trackers: self.trackers,
+            active_trackers: std::sync::Mutex::new(None),
             seed: self.seed,
             pending_save: std::sync::Mutex::new(None),
         })
@@ -326,7 +337,9 @@ pub struct Accelerator {
     skipped: bool,
     steps: u64,
     project: ProjectConfiguration,
-    metrics: bool,
+    trackers: Vec<Tracker>,
+    /// The run's open trackers (main process, after `init_trackers` or the first `log`).
+    active_trackers: std::sync::Mutex<Option<tracking::ActiveTrackers>>,
     seed: u64,
     /// The asynchronous save being written, if any (waited for by the next save or load).
     pending_save: std::sync::Mutex<Option<crate::checkpoint::PendingSave>>,
@@ -543,14 +556,67 @@ impl Accelerator {
         Progress::new(self.is_main_process(), total, what)
     }
 
-    /// Appends `metrics` with the step as one JSON line to `project_dir/metrics.jsonl` on the
-    /// main process, when metrics logging is on.
+    /// Opens the trackers (`log_with`) in `project_dir/run_name` on the main process
+    /// (Accelerate's `init_trackers`), writing `config` (the run's settings; null for none)
+    /// as `config.json` and as TensorBoard text. Returns the run's folder. Without it the
+    /// first [`Accelerator::log`] opens them in the project folder itself.
+    pub fn init_trackers(
+        &self,
+        run_name: &str,
+        config: serde_json::Value,
+    ) -> Result<PathBuf, AcceleratorError> {
+        let dir = self.project.project_dir.join(run_name);
+        if self.trackers.is_empty() || !self.is_main_process() {
+            return Ok(dir);
+        }
+        let opened =
+            tracking::ActiveTrackers::open(&dir, &self.trackers, &config).map_err(|source| {
+                AcceleratorError::Io {
+                    path: dir.clone(),
+                    source,
+                }
+            })?;
+        *self
+            .active_trackers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(opened);
+        Ok(dir)
+    }
+
+    /// Writes `metrics` (a JSON object; nested numbers become `a/b` scalars in TensorBoard)
+    /// at the current optimizer step to every tracker, on the main process.
     pub fn log(&self, metrics: serde_json::Value) -> Result<(), AcceleratorError> {
-        if !(self.metrics && self.is_main_process()) {
+        if self.trackers.is_empty() || !self.is_main_process() {
             return Ok(());
         }
-        let path = self.project.project_dir.join("metrics.jsonl");
-        logging::append_json_line(&path, self.steps, metrics)
-            .map_err(|source| AcceleratorError::Io { path, source })
+        let mut active = self
+            .active_trackers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if active.is_none() {
+            let dir = &self.project.project_dir;
+            *active = Some(
+                tracking::ActiveTrackers::open(dir, &self.trackers, &serde_json::Value::Null)
+                    .map_err(|source| AcceleratorError::Io {
+                        path: dir.clone(),
+                        source,
+                    })?,
+            );
+        }
+        match active.as_mut() {
+            Some(t) => t
+                .log(self.steps, &metrics)
+                .map_err(|(path, source)| AcceleratorError::Io { path, source }),
+            None => Ok(()),
+        }
+    }
+
+    /// Closes the trackers (Accelerate's `end_training`); the run's folder, when open.
+    pub fn end_training(&self) -> Option<PathBuf> {
+        let mut active = self
+            .active_trackers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        active.take().map(|t| t.dir().to_path_buf())
     }
 }

@@ -261,6 +261,13 @@ impl PreparedOptimizer {
         self.optimizer.lr(group)
     }
 
+    /// Every group's learning rate for the next step, in group order (what a tracker logs).
+    pub fn lrs(&self) -> Vec<f64> {
+        (0..self.optimizer.num_groups())
+            .map(|g| self.optimizer.lr(g))
+            .collect()
+    }
+
     /// Attaches `schedule` (at step 0) and sets the first step's rates.
     pub(super) fn attach(&mut self, schedule: LrSchedule) -> Result<(), AcceleratorError> {
         let scheduler = LrScheduler::new(schedule);

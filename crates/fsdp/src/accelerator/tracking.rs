@@ -1,0 +1,212 @@
+//! Experiment tracking as Accelerate's `log_with`: the trackers a run writes its metrics to
+//! (JSON lines, TensorBoard event files), in a folder per run under the project folder, on the
+//! main process only.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde_json::Value;
+
+use super::logging::append_json_line;
+use super::tensorboard::EventWriter;
+
+/// The current UTC time as a run folder's name, `YYYY-MM-DD_HH-MM-SS` (sorted by start like
+/// transformers' `runs/<time>` logging folders).
+pub fn run_name_now() -> String {
+    run_name_at(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    )
+}
+
+fn run_name_at(secs: u64) -> String {
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}_{:02}-{:02}-{:02}",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
+}
+
+/// Where metrics go (Accelerate's `LoggerType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tracker {
+    /// `metrics.jsonl`: one JSON object per [`super::Accelerator::log`] call, with the step.
+    JsonLines,
+    /// TensorBoard event files (`events.out.tfevents.*`): numbers as scalars, the run's
+    /// configuration as text.
+    TensorBoard,
+}
+
+impl Tracker {
+    /// Every tracker (Accelerate's `log_with="all"`).
+    pub const ALL: [Tracker; 2] = [Tracker::JsonLines, Tracker::TensorBoard];
+
+    /// Trackers from a comma-separated list of names (`jsonl`, `tensorboard`, `all`), as
+    /// `--report_to` takes them. An unknown name is an error listing the known ones.
+    pub fn parse_list(list: &str) -> Result<Vec<Tracker>, String> {
+        let mut out = Vec::new();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let found: Vec<Tracker> = if name.eq_ignore_ascii_case("all") {
+                Tracker::ALL.to_vec()
+            } else {
+                vec![name.parse()?]
+            };
+            for t in found {
+                if !out.contains(&t) {
+                    out.push(t);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl FromStr for Tracker {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "jsonl" | "json" | "json_lines" => Ok(Tracker::JsonLines),
+            "tensorboard" => Ok(Tracker::TensorBoard),
+            other => Err(format!(
+                "unknown tracker {other:?} (known: jsonl, tensorboard, all; wandb, mlflow and comet_ml need their services, which fsdp-rs does not talk to)"
+            )),
+        }
+    }
+}
+
+/// The open trackers of a run (main process).
+pub(super) struct ActiveTrackers {
+    dir: PathBuf,
+    json_lines: bool,
+    tensorboard: Option<EventWriter>,
+}
+
+impl ActiveTrackers {
+    /// Opens `trackers` in `dir`, writing `config` (when it is not null) as `config.json`
+    /// and TensorBoard text.
+    pub(super) fn open(
+        dir: &Path,
+        trackers: &[Tracker],
+        config: &Value,
+    ) -> std::io::Result<ActiveTrackers> {
+        std::fs::create_dir_all(dir)?;
+        let mut tensorboard = match trackers.contains(&Tracker::TensorBoard) {
+            true => Some(EventWriter::create(dir)?),
+            false => None,
+        };
+        if !config.is_null() {
+            let text = format!("{config:#}");
+            std::fs::write(dir.join("config.json"), &text)?;
+            if let Some(tb) = tensorboard.as_mut() {
+                tb.text(0, "config", &format!("```json\n{text}\n```"))?;
+            }
+        }
+        Ok(ActiveTrackers {
+            dir: dir.to_path_buf(),
+            json_lines: trackers.contains(&Tracker::JsonLines),
+            tensorboard,
+        })
+    }
+
+    /// The run's folder.
+    pub(super) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes `metrics` at `step` to every tracker; returns the file that failed with the
+    /// error.
+    pub(super) fn log(
+        &mut self,
+        step: u64,
+        metrics: &Value,
+    ) -> Result<(), (PathBuf, std::io::Error)> {
+        if self.json_lines {
+            let path = self.dir.join("metrics.jsonl");
+            append_json_line(&path, step, metrics.clone()).map_err(|e| (path, e))?;
+        }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            let mut scalars = Vec::new();
+            flatten("", metrics, &mut scalars);
+            if !scalars.is_empty() {
+                tb.scalars(step, &scalars)
+                    .map_err(|e| (tb.path().to_path_buf(), e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The numbers in `v` as TensorBoard scalars: an object's keys and an array's indices joined
+/// with `/` (`{"lr": [1e-4, 2e-4]}` → `lr/0`, `lr/1`); strings, booleans and nulls skipped.
+fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, f32)>) {
+    let join = |k: &str| {
+        if prefix.is_empty() {
+            k.to_string()
+        } else {
+            format!("{prefix}/{k}")
+        }
+    };
+    match v {
+        Value::Number(n) => {
+            if let Some(x) = n.as_f64() {
+                out.push((prefix.to_string(), x as f32));
+            }
+        }
+        Value::Object(m) => m.iter().for_each(|(k, v)| flatten(&join(k), v, out)),
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .for_each(|(i, v)| flatten(&join(&i.to_string()), v, out)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_names_are_utc_dates_and_times() {
+        assert_eq!(run_name_at(0), "1970-01-01_00-00-00");
+        // 2026-12-03 09:21:27 UTC; 2024-02-29 (a leap day) 23:59:59.
+        assert_eq!(run_name_at(1_796_289_687), "2026-12-03_09-21-27");
+        assert_eq!(run_name_at(1_709_251_199), "2024-02-29_23-59-59");
+    }
+
+    #[test]
+    fn tracker_lists_parse_like_report_to() {
+        assert_eq!(Tracker::parse_list("all").unwrap(), Tracker::ALL);
+        assert_eq!(
+            Tracker::parse_list("tensorboard, jsonl,tensorboard").unwrap(),
+            [Tracker::TensorBoard, Tracker::JsonLines]
+        );
+        assert!(Tracker::parse_list("").unwrap().is_empty());
+        let e = Tracker::parse_list("jsonl,wandb").unwrap_err();
+        assert!(
+            e.contains("\"wandb\"") && e.contains("known: jsonl, tensorboard"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn nested_numbers_become_slash_joined_scalars() {
+        let mut out = Vec::new();
+        let v = serde_json::json!({"loss": 0.5, "lr": [1.0, 2.0], "eval": {"acc": 3}, "note": "x"});
+        flatten("", &v, &mut out);
+        let tags: Vec<&str> = out.iter().map(|(t, _)| t.as_str()).collect();
+        assert_eq!(tags, ["eval/acc", "loss", "lr/0", "lr/1"]);
+    }
+}
