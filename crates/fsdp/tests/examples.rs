@@ -223,7 +223,10 @@ fn tracked_every_step(runs: &Path, steps: u64) {
             assert_eq!(point[0], line["step"]);
             // f32 scalars (serde_json's float parsing is not exact to the last bit).
             let (got, want) = (point[1].as_f64().unwrap(), tag_value(line));
-            assert!((got - want).abs() <= 1e-6 * want.abs(), "{key}: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= 1e-6 * want.abs(),
+                "{key}: {got} vs {want}"
+            );
         }
     }
     assert!(

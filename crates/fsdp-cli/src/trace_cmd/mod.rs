@@ -221,7 +221,8 @@ fn plot(a: &PlotArgs) -> Result<()> {
     let ext = a.output.extension().and_then(|e| e.to_str()).unwrap_or("");
     let bytes = match ext {
         "svg" => draw::svg(&ranks, window, &title).into_bytes(),
-        "png" => draw::png(&ranks, window),
+        "png" => draw::png(&ranks, window, &title)
+            .with_context(|| format!("encoding {}", a.output.display()))?,
         other => bail!(
             "{}: write a .svg (labelled) or a .png picture, not `.{other}`",
             a.output.display()
