@@ -107,6 +107,8 @@ fn workers_train_with_state_offloaded_to_disk_from_the_config_file() {
             "{}",
             run.out
         );
+        // To disk offloading moves everything: no rank says it moves nothing.
+        assert!(!run.out.contains("moves nothing"), "{}", run.out);
         let left: Vec<_> = std::fs::read_dir(&scratch).unwrap().flatten().collect();
         assert!(
             left.is_empty(),

@@ -196,7 +196,7 @@ key_table! {
         Some("FSDP_RESHARD_AFTER_FORWARD"), &[], Used,
         "FSDP2: true = FULL_SHARD, false = SHARD_GRAD_OP; FSDP1: a strategy name";
     FsdpOffloadParams: "fsdp_offload_params", Fsdp, Kind::Bool, D::Bool(false),
-        Some("FSDP_OFFLOAD_PARAMS"), &[], Used, "keep parameters and gradients in host memory";
+        Some("FSDP_OFFLOAD_PARAMS"), &[], Used, "offload parameter shards, gradients and optimizer state between uses: to fsdp_offload_dir when it is set (disk), else to host memory (on a CPU job already there: moves nothing)";
     FsdpAutoWrapPolicy: "fsdp_auto_wrap_policy", Fsdp, Kind::Choice(AutoWrapPolicy::NAMES),
         D::Text("TRANSFORMER_BASED_WRAP"), Some("FSDP_AUTO_WRAP_POLICY"), &[], Used,
         "how the model is split into units";

@@ -202,7 +202,10 @@ impl Fsdp {
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
         super::sparse_rows::refuse_hybrid(&plan, &mesh)?;
         let placement = Placement::new(initial.device(), plugin.offload_params);
-        placement.warn_once();
+        // With fsdp_offload_dir the state goes to disk: that moves everything.
+        if plugin.offload_dir.is_none() {
+            placement.warn_once();
+        }
         let specs: HashMap<&str, &ParamSpec> = model
             .all_params()
             .into_iter()
