@@ -32,8 +32,11 @@ impl Prompter for TerminalPrompter {
 
     fn input(&mut self, question: &str, default: Option<&str>) -> Result<String> {
         let mut input = dialoguer::Input::<String>::new().with_prompt(question);
-        if let Some(d) = default {
-            input = input.default(d.to_string());
+        match default {
+            // An empty default: Enter answers nothing (an optional setting left unset).
+            Some("") => input = input.allow_empty(true),
+            Some(d) => input = input.default(d.to_string()),
+            None => {}
         }
         input
             .interact_text()
@@ -111,8 +114,8 @@ impl<R: BufRead, W: Write> Prompter for LinePrompter<R, W> {
     fn input(&mut self, question: &str, default: Option<&str>) -> Result<String> {
         loop {
             match default {
-                Some(d) => write!(self.output, "{question} [{d}]: ")?,
-                None => write!(self.output, "{question}: ")?,
+                Some(d) if !d.is_empty() => write!(self.output, "{question} [{d}]: ")?,
+                _ => write!(self.output, "{question}: ")?,
             }
             let answer = self.answer(question)?;
             match (answer.is_empty(), default) {

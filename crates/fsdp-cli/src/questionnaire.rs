@@ -1,11 +1,13 @@
 //! The `fsdp config` questionnaire, in the order Accelerate asks: machine type, machines and
 //! multi-node details, debug checks, CPU use, FSDP settings, number of processes, GPUs, mixed
-//! precision. Defaults shown come from the schema.
+//! precision. Defaults shown come from the schema (the number of processes from the cores, as
+//! `fsdp config default` picks it), so pressing Enter through every question writes a valid
+//! file.
 
 use anyhow::Result;
 use fsdp::config::{
-    AutoWrapPolicy, BackwardPrefetch, Choice, DefaultValue, Key, Layer, MixedPrecision,
-    ShardingStrategy, Source, StateDictType, Value, parse_text,
+    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, DefaultValue, Key, Layer,
+    MixedPrecision, ShardingStrategy, Source, StateDictType, Value, parse_text,
 };
 
 use crate::prompt::Prompter;
@@ -90,15 +92,21 @@ pub fn ask(p: &mut dyn Prompter) -> Result<Layer> {
     };
     answers.set(Key::DistributedType, text(distributed_type));
     if use_fsdp {
-        ask_fsdp(p, &mut answers)?;
+        ask_fsdp(p, &mut answers, on_cpu)?;
     }
 
     if distributed {
         let what = if on_cpu { "processes" } else { "GPU(s)" };
-        answers.ask_uint(
+        // On a CPU, one process per core (what `fsdp config default` writes).
+        let default = match on_cpu {
+            true => (crate::system::available_cores() as u64).clamp(1, 2),
+            false => 1,
+        };
+        answers.ask_uint_or(
             p,
             Key::NumProcesses,
             &format!("How many {what} should be used for distributed training?"),
+            default,
         )?;
     } else {
         answers.set(Key::NumProcesses, Value::UInt(1));
@@ -128,17 +136,36 @@ pub fn ask(p: &mut dyn Prompter) -> Result<Layer> {
     Ok(answers.0)
 }
 
-fn ask_fsdp(p: &mut dyn Prompter, answers: &mut Answers) -> Result<()> {
+fn ask_fsdp(p: &mut dyn Prompter, answers: &mut Answers, on_cpu: bool) -> Result<()> {
     answers.ask_choice::<ShardingStrategy>(
         p,
         Key::FsdpShardingStrategy,
         "What should be your sharding strategy?",
     )?;
-    answers.ask_bool(
+    // On a CPU the state already lives in host memory: the offload worth asking about is to
+    // disk.
+    let to_host = !on_cpu
+        && answers.ask_bool(
+            p,
+            Key::FsdpOffloadParams,
+            "Do you want to offload parameters and gradients to CPU?",
+        )?;
+    let folder = answers.ask_optional_text(
         p,
-        Key::FsdpOffloadParams,
-        "Do you want to offload parameters and gradients to CPU?",
+        Key::FsdpOffloadDir,
+        "Offload state to files in a local folder, for models larger than memory (fsdp_offload_dir)? Its path, or Enter for none",
     )?;
+    if folder {
+        let everything = to_host
+            || p.confirm(
+                "Offload parameter shards and gradients there too (yes), or only the optimizer state (no)?",
+                true,
+            )?;
+        answers.set(Key::FsdpOffloadParams, Value::Bool(everything));
+        answers.set(Key::FsdpOffloadOptimizer, Value::Bool(!everything));
+    } else if on_cpu {
+        answers.set(Key::FsdpOffloadParams, Value::Bool(false));
+    }
     let policy = answers.ask_choice::<AutoWrapPolicy>(
         p,
         Key::FsdpAutoWrapPolicy,
@@ -148,7 +175,7 @@ fn ask_fsdp(p: &mut dyn Prompter, answers: &mut Answers) -> Result<()> {
         AutoWrapPolicy::TransformerBasedWrap => {
             let model_default = p.confirm(
                 "Do you want to use the model's default list of layer classes to wrap (its `_no_split_modules`)?",
-                false,
+                true,
             )?;
             if !model_default {
                 answers.ask_parsed(
@@ -173,11 +200,18 @@ fn ask_fsdp(p: &mut dyn Prompter, answers: &mut Answers) -> Result<()> {
         Key::FsdpBackwardPrefetch,
         "What should be your FSDP's backward prefetch policy?",
     )?;
-    answers.ask_choice::<StateDictType>(
+    let state_dict = answers.ask_choice::<StateDictType>(
         p,
         Key::FsdpStateDictType,
         "What should be your FSDP's state dict type?",
     )?;
+    if state_dict == StateDictType::ShardedStateDict {
+        answers.ask_choice::<CheckpointFormat>(
+            p,
+            Key::FsdpCheckpointFormat,
+            "In which files should sharded checkpoints be written (fsdp-rs: checksummed safetensors; torch-dcp: PyTorch's distributed checkpoint, resumable by Accelerate)?",
+        )?;
+    }
     answers.ask_bool(
         p,
         Key::FsdpForwardPrefetch,
@@ -203,6 +237,11 @@ fn ask_fsdp(p: &mut dyn Prompter, answers: &mut Answers) -> Result<()> {
         p,
         Key::FsdpActivationCheckpointing,
         "Do you want to enable FSDP activation checkpointing?",
+    )?;
+    answers.ask_optional_text(
+        p,
+        Key::FsdpTraceDir,
+        "Write each rank's timeline of every step to a folder (fsdp_trace_dir; for Perfetto or `fsdp trace plot`)? Its path, or Enter for none",
     )?;
     Ok(())
 }
@@ -246,10 +285,46 @@ impl Answers {
             DefaultValue::UInt(n) => Some(n.to_string()),
             _ => None,
         };
-        match self.ask_parsed(p, key, question, default.as_deref())? {
+        self.ask_uint_default(p, key, question, default.as_deref())
+    }
+
+    /// [`Answers::ask_uint`] with `default` instead of the schema's.
+    fn ask_uint_or(
+        &mut self,
+        p: &mut dyn Prompter,
+        key: Key,
+        question: &str,
+        default: u64,
+    ) -> Result<u64> {
+        self.ask_uint_default(p, key, question, Some(&default.to_string()))
+    }
+
+    fn ask_uint_default(
+        &mut self,
+        p: &mut dyn Prompter,
+        key: Key,
+        question: &str,
+        default: Option<&str>,
+    ) -> Result<u64> {
+        match self.ask_parsed(p, key, question, default)? {
             Value::UInt(n) => Ok(n),
             other => anyhow::bail!("schema bug: {} parsed as {other:?}", key.name()),
         }
+    }
+
+    /// A text key that may stay unset: an empty answer sets nothing. Whether it was set.
+    fn ask_optional_text(
+        &mut self,
+        p: &mut dyn Prompter,
+        key: Key,
+        question: &str,
+    ) -> Result<bool> {
+        let answer = p.input(question, Some(""))?;
+        if answer.trim().is_empty() {
+            return Ok(false);
+        }
+        self.set(key, text(answer.trim()));
+        Ok(true)
     }
 
     /// Asks until the answer parses for `key`.

@@ -71,14 +71,17 @@ const GUIDE_ANSWERS: &[&str] = &[
     "",   // use FSDP (default yes)
     "1",  // FULL_SHARD
     "",   // no offload (default)
+    "",   // no offload folder (default)
     "TRANSFORMER_BASED_WRAP",
     "no",        // not the model's default list
     "BertLayer", // class to wrap
     "1",         // BACKWARD_PRE
     "",          // SHARDED_STATE_DICT (default)
+    "",          // fsdp-rs's checkpoint files (default)
     "",          // no forward prefetch (default)
     "yes",       // CPU RAM efficient loading
     "",          // no activation checkpointing (default)
+    "",          // no trace folder (default)
     "2",         // two processes
     "",          // all GPUs
     "bf16",
@@ -117,8 +120,81 @@ fn questionnaire_produces_the_guides_configuration() {
         .collect();
     assert_eq!(
         extra,
-        ["  fsdp_activation_checkpointing: false", "gpu_ids: all"]
+        [
+            "  fsdp_activation_checkpointing: false",
+            "  fsdp_checkpoint_format: fsdp-rs",
+            "gpu_ids: all"
+        ]
     );
+}
+
+#[test]
+fn questionnaire_entered_through_writes_what_config_default_writes() {
+    // Enter on every question: the defaults make a valid file (the model's own layer classes,
+    // one process per core up to 2) with the values `fsdp config default` writes.
+    let dir = tempfile::tempdir().unwrap();
+    let (asked, default) = (
+        dir.path().join("asked.yaml"),
+        dir.path().join("default.yaml"),
+    );
+    let mut cmd = fsdp(dir.path());
+    cmd.args(["config", "--config_file"]).arg(&asked);
+    let out = run_with_input(cmd, &"\n".repeat(40));
+    assert!(out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        !t.contains("offload parameters and gradients to CPU"),
+        "a CPU job is not asked about host memory:\n{t}"
+    );
+    assert!(t.contains("(fsdp_offload_dir)"), "{t}");
+    let out = fsdp(dir.path())
+        .args(["config", "default", "--config_file"])
+        .arg(&default)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(values(&resolved(&asked)), values(&resolved(&default)));
+
+    // A folder for offloading on a CPU job: everything there, or the optimizer state only;
+    // a trace folder.
+    for (everything, params, optimizer) in [("", true, false), ("no", false, true)] {
+        let path = dir.path().join(format!("offload{everything}.yaml"));
+        let answers = [
+            "",
+            "",
+            "",
+            "",
+            "",
+            "/scratch/fsdp",
+            everything,
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "target/trace",
+            "",
+            "",
+        ];
+        let mut cmd = fsdp(dir.path());
+        cmd.args(["config", "--config_file"]).arg(&path);
+        let out = run_with_input(cmd, &(answers.join("\n") + "\n"));
+        assert!(out.status.success(), "{}", text(&out));
+        let c = resolved(&path);
+        assert_eq!(
+            c.fsdp.offload_dir.as_deref(),
+            Some(Path::new("/scratch/fsdp"))
+        );
+        assert_eq!(
+            (c.fsdp.offload_params, c.fsdp.offload_optimizer),
+            (params, optimizer)
+        );
+        assert_eq!(c.fsdp.trace_dir.as_deref(), Some(Path::new("target/trace")));
+    }
 }
 
 #[test]
@@ -126,7 +202,7 @@ fn questionnaire_rejects_bad_answers_and_never_hangs_on_short_input() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.yaml");
     let mut answers: Vec<&str> = GUIDE_ANSWERS.to_vec();
-    answers.insert(14, "zero"); // not a number: asked again
+    answers.insert(17, "zero"); // not a number: asked again
     let mut cmd = fsdp(dir.path());
     cmd.args(["config", "--config_file"]).arg(&path);
     let out = run_with_input(cmd, &(answers.join("\n") + "\n"));
@@ -381,6 +457,16 @@ fn help_texts() {
     let t = text(&out);
     assert!(
         t.contains("default") && t.contains("update") && t.contains("--config_file"),
+        "{t}"
+    );
+    // Offloading's help says where the state goes (disk with a folder, else host memory).
+    let out = fsdp(dir.path())
+        .args(["launch", "--help"])
+        .output()
+        .unwrap();
+    let t = text(&out).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        t.contains("--fsdp_offload_params <VALUE> offload parameter shards, gradients and optimizer state between uses: to fsdp_offload_dir when it is set (disk), else to host memory"),
         "{t}"
     );
 }
