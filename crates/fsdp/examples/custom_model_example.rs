@@ -184,6 +184,10 @@ struct Args {
     seed: u64,
     #[arg(long, default_value = "target/custom_model_example")]
     output_dir: PathBuf,
+    /// Replace an earlier run's saved model and checkpoints in OUTPUT_DIR (without it a run
+    /// into a folder holding them is refused, as transformers' Trainer refuses).
+    #[arg(long)]
+    overwrite_output_dir: bool,
     /// Also save a checkpoint every this many steps (OUTPUT_DIR/step_N).
     #[arg(long)]
     checkpoint_every: Option<u64>,
@@ -251,6 +255,11 @@ fn main() -> Result<()> {
         }
         other => other.clone(),
     };
+    // A new run (not a resumed one) does not go over an earlier run's model or checkpoints
+    // unless asked to.
+    if resume.is_none() {
+        acc.claim_output_dir(&args.output_dir, args.overwrite_output_dir)?;
+    }
     if let Some(dir) = &resume {
         let position = acc.load_state(dir, &mut [&mut model], &mut [&mut optimizer])?;
         train_loader.set_position(position);

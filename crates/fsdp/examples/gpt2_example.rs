@@ -71,6 +71,10 @@ struct Args {
     /// Where the model and metrics go.
     #[arg(long, default_value = "target/gpt2_example")]
     output_dir: PathBuf,
+    /// Replace an earlier run's saved model and checkpoints in OUTPUT_DIR (without it a run
+    /// into a folder holding them is refused, as transformers' Trainer refuses).
+    #[arg(long)]
+    overwrite_output_dir: bool,
     /// Write metrics as JSON lines to OUTPUT_DIR/metrics.jsonl.
     #[arg(long)]
     with_tracking: bool,
@@ -111,6 +115,8 @@ fn main() -> Result<()> {
         .log_metrics(args.with_tracking)
         .seed(args.seed)
         .build()?;
+    // Not over an earlier run's model or checkpoints unless asked to.
+    acc.claim_output_dir(&args.output_dir, args.overwrite_output_dir)?;
 
     let dir = args.data.clone().unwrap_or_else(|| {
         let here = PathBuf::from("target/assets/vader");

@@ -89,6 +89,10 @@ struct Args {
     /// tokenizer.json).
     #[arg(long, default_value = "target/llama_example")]
     output_dir: PathBuf,
+    /// Replace an earlier run's saved model and checkpoints in OUTPUT_DIR (without it a run
+    /// into a folder holding them is refused, as transformers' Trainer refuses).
+    #[arg(long)]
+    overwrite_output_dir: bool,
     /// Write every step's batch of each rank (`batches.rank{r}.safetensors`, ids [steps,
     /// batch, seq]) and the run's losses, step times and peak RSS (`fsdp-rs.json`) here, for
     /// `tools/bench_llama_pytorch.py` to train PyTorch on the same batches.
@@ -239,6 +243,8 @@ fn main() -> Result<()> {
         })
         .seed(args.seed)
         .build()?;
+    // Not over an earlier run's model or checkpoints unless asked to.
+    acc.claim_output_dir(&args.output_dir, args.overwrite_output_dir)?;
 
     let loading = Instant::now();
     let Pretrained {

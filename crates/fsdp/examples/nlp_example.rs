@@ -122,6 +122,10 @@ struct Args {
     /// Where checkpoints, metrics and the fine-tuned model go.
     #[arg(long, default_value = "target/nlp_example")]
     output_dir: PathBuf,
+    /// Replace an earlier run's saved model and checkpoints in OUTPUT_DIR (without it a run
+    /// into a folder holding them is refused, as transformers' Trainer refuses).
+    #[arg(long)]
+    overwrite_output_dir: bool,
     /// Log every optimizer step's loss, learning rate per group, gradient norm, samples/s and
     /// MFU, and each evaluation, to the trackers of --report_to in OUTPUT_DIR/runs/<start
     /// time> (Accelerate's `log_with`; `tensorboard --logdir OUTPUT_DIR/runs` shows them).
@@ -372,6 +376,11 @@ fn main() -> Result<()> {
         }
         other => other.clone(),
     };
+    // A new run (not a resumed one) does not go over an earlier run's model or checkpoints
+    // unless asked to.
+    if resume.is_none() {
+        acc.claim_output_dir(&args.output_dir, args.overwrite_output_dir)?;
+    }
     if let Some(dir) = &resume {
         let position = acc.load_state(dir, &mut [&mut model], &mut [&mut optimizer])?;
         train_loader.set_position(position);

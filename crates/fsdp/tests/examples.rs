@@ -130,6 +130,34 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
         read(&straight) == read(Path::new(&resumed)),
         "the resumed job's model differs from the uninterrupted one's"
     );
+
+    // A new run into the trained run's folder is refused before it trains, naming what is
+    // there; nothing changes. With --overwrite_output_dir the earlier checkpoints go (so
+    // `latest` cannot resume them) and the model is replaced.
+    let before = read(&straight);
+    let mut args = common.to_vec();
+    args.extend(["--output_dir", straight.to_str().unwrap()]);
+    let refused = Command::new(example("nlp_example"))
+        .args(&args)
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{e}");
+    assert!(
+        e.contains("holds an earlier run's outputs")
+            && e.contains("--overwrite_output_dir")
+            && e.contains("step_2")
+            && e.contains("model"),
+        "{e}"
+    );
+    assert!(read(&straight) == before && straight.join("step_4").exists());
+    args.push("--overwrite_output_dir");
+    run_on(1, "nlp_example", &args, &[]);
+    assert!(!straight.join("step_2").exists() && !straight.join("step_4").exists());
+    assert!(
+        read(&straight) != before,
+        "trained on 1 process: another model"
+    );
 }
 
 /// `--with_tracking` wrote one run folder under `runs` with `steps` lines of per-step metrics

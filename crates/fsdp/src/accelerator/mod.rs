@@ -100,6 +100,19 @@ pub enum AcceleratorError {
     /// The API was used out of order (backward without a forward, ...).
     #[error("{0}")]
     Usage(String),
+    /// A new run's output folder holds an earlier run's model or checkpoints
+    /// ([`Accelerator::claim_output_dir`]).
+    #[error(
+        "{}: holds an earlier run's outputs ({}); a new run would replace its model, and resuming `latest` could pick its checkpoints: overwrite them (an example's --overwrite_output_dir), resume that run, or choose another output folder",
+        dir.display(),
+        found.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    OutputDirInUse {
+        /// The output folder.
+        dir: PathBuf,
+        /// What is in it.
+        found: Vec<PathBuf>,
+    },
     /// Writing logs or metrics failed.
     #[error("{}: {source}", path.display())]
     Io {

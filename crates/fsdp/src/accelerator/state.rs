@@ -228,12 +228,69 @@ impl Accelerator {
         self.wait_for_checkpoint()?;
         let folder = folder.unwrap_or(&self.project.project_dir);
         let found = (self.process_index() == 0).then(|| checkpoint::latest_checkpoint(folder));
-        let answer = match &found {
-            Some(Ok(latest)) => serde_json::json!({ "ok": latest.as_ref().map(|(p, _)| p) }),
+        let answer = self.answer_of_rank0(found.map(|f| f.map(|l| l.map(|(p, _)| p))))?;
+        match answer {
+            Ok(path) => Ok(path),
+            Err(e) => Err(AcceleratorError::Usage(format!(
+                "finding the latest checkpoint (rank 0): {e}"
+            ))),
+        }
+    }
+
+    /// Refuses to train into `dir` while an earlier run's saved model or checkpoints are
+    /// there (transformers' `overwrite_output_dir` check): a new run would replace the model
+    /// and `latest` could resume an unrelated run's checkpoint. With `overwrite`, rank 0
+    /// removes those checkpoints instead (the model is replaced when the run saves its own).
+    /// Collective: rank 0 looks, every rank gets its answer. Call it when a run starts
+    /// anew, not when it resumes.
+    pub fn claim_output_dir(&self, dir: &Path, overwrite: bool) -> Result<(), AcceleratorError> {
+        self.wait_for_checkpoint()?;
+        let looked = (self.process_index() == 0).then(|| {
+            let found = checkpoint::earlier_run_outputs(dir).map_err(|e| e.to_string())?;
+            if !overwrite {
+                return Ok::<_, String>(found);
+            }
+            for path in found.iter().filter(|p| !p.ends_with("model")) {
+                std::fs::remove_dir_all(path)
+                    .map_err(|e| format!("removing {}: {e}", path.display()))?;
+            }
+            Ok(Vec::new())
+        });
+        let found: Vec<PathBuf> = match self.answer_of_rank0(looked)? {
+            Ok(found) => found,
+            Err(e) => {
+                return Err(AcceleratorError::Usage(format!(
+                    "{} (rank 0): {e}",
+                    dir.display()
+                )));
+            }
+        };
+        if found.is_empty() {
+            Ok(())
+        } else {
+            Err(AcceleratorError::OutputDirInUse {
+                dir: dir.to_path_buf(),
+                found,
+            })
+        }
+    }
+
+    /// Rank 0's `answer` (a result it computed; `None` on the other ranks) on every rank.
+    fn answer_of_rank0<T, E>(
+        &self,
+        answer: Option<Result<T, E>>,
+    ) -> Result<Result<T, String>, AcceleratorError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        E: std::fmt::Display,
+    {
+        let value = match &answer {
+            Some(Ok(v)) => serde_json::json!({ "ok": v }),
             Some(Err(e)) => serde_json::json!({ "error": e.to_string() }),
             None => serde_json::Value::Null,
         };
-        let mine = serde_json::to_vec(&answer).unwrap_or_default();
+        let mine =
+            serde_json::to_vec(&value).map_err(|e| AcceleratorError::Usage(e.to_string()))?;
         let len = self
             .group
             .broadcast_vec(vec![mine.len() as i64], 0)
@@ -241,13 +298,14 @@ impl Accelerator {
         let mut bytes = mine;
         bytes.resize(len.first().copied().unwrap_or(0).max(0) as usize, 0);
         let bytes = self.group.broadcast_vec(bytes, 0).wait()?;
-        let answer: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
-        if let Some(e) = answer.get("error").and_then(|e| e.as_str()) {
-            return Err(AcceleratorError::Usage(format!(
-                "finding the latest checkpoint (rank 0): {e}"
-            )));
+        let value: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| AcceleratorError::Usage(format!("rank 0's answer: {e}")))?;
+        if let Some(e) = value.get("error").and_then(|e| e.as_str()) {
+            return Ok(Err(e.to_string()));
         }
-        Ok(answer["ok"].as_str().map(PathBuf::from))
+        serde_json::from_value(value["ok"].clone())
+            .map(Ok)
+            .map_err(|e| AcceleratorError::Usage(format!("rank 0's answer: {e}")))
     }
 
     /// Loads what [`Accelerator::save_state`] wrote into the same kinds of objects, at any

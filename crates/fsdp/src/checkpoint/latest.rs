@@ -15,6 +15,26 @@ use super::format::{self, CheckpointDoc};
 /// listed is an error.
 pub fn latest_checkpoint(folder: &Path) -> Result<Option<(PathBuf, u64)>, CheckpointError> {
     let mut best: Option<(PathBuf, u64)> = None;
+    for (path, doc) in checkpoints_in(folder)? {
+        match format::read_document::<CheckpointDoc>(&doc) {
+            Ok(d) => {
+                let newer = best
+                    .as_ref()
+                    .is_none_or(|(p, step)| (d.step, modified(&path)) > (*step, modified(p)));
+                if newer {
+                    best = Some((path, d.step));
+                }
+            }
+            Err(e) => tracing::warn!("not resuming from {}: {e}", path.display()),
+        }
+    }
+    Ok(best)
+}
+
+/// The subfolders of `folder` and of its `checkpoints/` that hold a checkpoint document
+/// (staging folders, `.name.partial-...`, left out), with the document's path.
+fn checkpoints_in(folder: &Path) -> Result<Vec<(PathBuf, PathBuf)>, CheckpointError> {
+    let mut out = Vec::new();
     for parent in [folder.to_path_buf(), folder.join("checkpoints")] {
         let entries = match std::fs::read_dir(&parent) {
             Ok(entries) => entries,
@@ -23,28 +43,29 @@ pub fn latest_checkpoint(folder: &Path) -> Result<Option<(PathBuf, u64)>, Checkp
         };
         for entry in entries.flatten() {
             let path = entry.path();
-            // Staging folders (`.name.partial-...`) and anything without our document are not
-            // checkpoints.
-            let Some(doc) = format::run_document(&path) else {
-                continue;
-            };
             if entry.file_name().to_string_lossy().starts_with('.') {
                 continue;
             }
-            match format::read_document::<CheckpointDoc>(&doc) {
-                Ok(d) => {
-                    let newer = best
-                        .as_ref()
-                        .is_none_or(|(p, step)| (d.step, modified(&path)) > (*step, modified(p)));
-                    if newer {
-                        best = Some((path, d.step));
-                    }
-                }
-                Err(e) => tracing::warn!("not resuming from {}: {e}", path.display()),
+            if let Some(doc) = format::run_document(&path) {
+                out.push((path, doc));
             }
         }
     }
-    Ok(best)
+    out.sort();
+    Ok(out)
+}
+
+/// What an earlier training run left in `folder` that a new one would replace or resume by
+/// mistake: a saved model (`model/` with `model.safetensors` or its index) and every
+/// checkpoint [`latest_checkpoint`] could pick. Empty for a new or unrelated folder.
+pub fn earlier_run_outputs(folder: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let model = folder.join("model");
+    let saved = ["model.safetensors", "model.safetensors.index.json"]
+        .iter()
+        .any(|f| model.join(f).is_file());
+    let mut out: Vec<PathBuf> = saved.then_some(model).into_iter().collect();
+    out.extend(checkpoints_in(folder)?.into_iter().map(|(p, _)| p));
+    Ok(out)
 }
 
 /// When the checkpoint's document was written (ties of step go to the newer save).

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 pub use error::CheckpointError;
 pub(crate) use from_accelerate::PYTORCH_SCHEDULER;
-pub use latest::latest_checkpoint;
+pub use latest::{earlier_run_outputs, latest_checkpoint};
 pub use merge::{MergeReport, merge_weights};
 pub use pretrained::save_pretrained;
 pub use save_async::PendingSave;
