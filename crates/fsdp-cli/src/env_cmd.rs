@@ -19,6 +19,10 @@ pub struct EnvArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Measure the core peak again instead of reading the cached one (and cache the new one
+    /// when the machine is idle enough): a peak measured under load overstates MFU.
+    #[arg(long = "remeasure_peak", visible_alias = "remeasure-peak")]
+    remeasure_peak: bool,
 }
 
 /// Runs `fsdp env`.
@@ -27,10 +31,15 @@ pub fn run(args: EnvArgs) -> Result<()> {
     let world = WorldInfo::from_env();
     let file = args.file.path();
     let resolved = args.file.resolve(&[]);
-    if args.json {
-        print_json(&system, &world, file.as_ref(), &resolved);
+    let peak = if args.remeasure_peak {
+        fsdp::perf::remeasure_core_peak()
     } else {
-        print_text(&system, &world, file.as_ref(), &resolved);
+        fsdp::perf::core_peak()
+    };
+    if args.json {
+        print_json(&system, &world, file.as_ref(), &resolved, &peak);
+    } else {
+        print_text(&system, &world, file.as_ref(), &resolved, &peak);
     }
     resolved.map(|_| ())
 }
@@ -124,6 +133,7 @@ fn print_text(
     world: &Result<WorldInfo, fsdp_comm::WorldError>,
     file: Option<&PathBuf>,
     resolved: &Result<ResolvedConfig>,
+    peak: &fsdp::perf::CorePeak,
 ) {
     println!("Copy-and-paste the text below in your issue.\n");
     println!("- `fsdp` version: {}", env!("CARGO_PKG_VERSION"));
@@ -134,11 +144,16 @@ fn print_text(
     );
     println!("- f32 matmul: {}", fsdp::nn::ops::f32_matmul_kernel());
     println!("- bf16 matmul: {}", fsdp::nn::ops::bf16_matmul_kernel());
-    let peak = fsdp::perf::core_peak();
     println!(
-        "- Core peak (the engine's GEMM on one thread, measured once, what MFU is against): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s",
+        "- Core peak (the engine's GEMM on one thread, measured once, what MFU is against): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s; other work took {:.0}% of the machine while it was measured{}",
         peak.f32 / 1e9,
-        peak.bf16 / 1e9
+        peak.bf16 / 1e9,
+        100.0 * peak.others_busy,
+        if peak.others_busy > fsdp::perf::BUSY_LIMIT {
+            " (not cached: --remeasure_peak on an idle machine)"
+        } else {
+            ""
+        }
     );
     println!(
         "- Instruction peak (one core's widest multiply-add in registers, the hardware's limit): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s",
@@ -205,6 +220,7 @@ fn print_json(
     world: &Result<WorldInfo, fsdp_comm::WorldError>,
     file: Option<&PathBuf>,
     resolved: &Result<ResolvedConfig>,
+    peak: &fsdp::perf::CorePeak,
 ) {
     let config = match resolved {
         Ok(config) => serde_json::json!({
@@ -219,7 +235,6 @@ fn print_json(
         }),
         Err(e) => serde_json::json!({ "valid": false, "error": crate::error_text(e) }),
     };
-    let peak = fsdp::perf::core_peak();
     let doc = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "os": s.os,
@@ -229,6 +244,7 @@ fn print_json(
         "f32_matmul_kernel": fsdp::nn::ops::f32_matmul_kernel(),
         "bf16_matmul_kernel": fsdp::nn::ops::bf16_matmul_kernel(),
         "core_peak_flops": { "f32": peak.f32, "bf16": peak.bf16 },
+        "core_peak_others_busy": peak.others_busy,
         "instruction_peak_flops": { "f32": peak.f32_instruction, "bf16": peak.bf16_instruction },
         "mem_total_bytes": s.mem_total,
         "mem_available_bytes": s.mem_available,

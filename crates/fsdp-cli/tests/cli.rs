@@ -690,3 +690,52 @@ fn bench_reshard_saves_at_one_world_size_and_loads_at_others() {
         );
     }
 }
+
+#[test]
+fn env_remeasures_the_core_peak_on_request() {
+    // A cached peak (here made absurdly low, as one measured under heavy load would be) is
+    // what `env` and MFU use; `--remeasure_peak` measures again and replaces it when the
+    // machine was idle enough, saying how busy it was.
+    let dir = tempfile::tempdir().unwrap();
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = fsdp(dir.path())
+            .arg("env")
+            .args(args)
+            .arg("--json")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let first = json(&[]);
+    let cache = dir.path().join(".cache/fsdp-rs/core_peak.json");
+    let mut cached: serde_json::Value = match std::fs::read(&cache) {
+        Ok(bytes) => serde_json::from_slice(&bytes).unwrap(),
+        // Measured under load: not cached. Nothing more to check of the cache here.
+        Err(_) => {
+            assert!(
+                first["core_peak_others_busy"].as_f64().unwrap() > 0.25,
+                "{first}"
+            );
+            return;
+        }
+    };
+    cached["f32"] = serde_json::json!(1.0);
+    std::fs::write(&cache, cached.to_string()).unwrap();
+    assert_eq!(
+        json(&[])["core_peak_flops"]["f32"],
+        1.0,
+        "the cache is read"
+    );
+    let again = json(&["--remeasure_peak"]);
+    let f32 = again["core_peak_flops"]["f32"].as_f64().unwrap();
+    assert!(f32 > 1e8, "{again}");
+    let rewritten: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cache).unwrap()).unwrap();
+    let busy = again["core_peak_others_busy"].as_f64().unwrap();
+    if busy <= 0.25 {
+        assert_eq!(rewritten["f32"].as_f64().unwrap(), f32, "cached when idle");
+    } else {
+        assert_eq!(rewritten["f32"], 1.0, "not cached under load ({busy})");
+    }
+}

@@ -421,9 +421,13 @@ fn main() -> Result<()> {
             run.display()
         ));
     }
-    // This CPU's peak in the run's compute dtype, for every step's MFU.
+    // This CPU's peak in the run's compute dtype, for every step's MFU (on the process that
+    // logs it).
     let dtype = fsdp::perf::compute_dtype(acc.plugin().mixed_precision);
-    let peak = fsdp::perf::core_peak().for_dtype(dtype);
+    let peak = match args.with_tracking && acc.is_main_process() {
+        true => fsdp::perf::core_peak().for_dtype(dtype),
+        false => f64::NAN,
+    };
     let cores = fsdp::perf::job_cores(acc.num_processes());
     let train_started = Instant::now();
     let mut step_started = Instant::now();

@@ -39,6 +39,41 @@ pub struct CorePeak {
     /// The bf16 dot-product limit of the core ([`instruction_peak`]; f32's where bf16
     /// computes through f32).
     pub bf16_instruction: f64,
+    /// The share of the machine's CPU time other work took while this was measured (0: an
+    /// idle machine). A peak measured under load reads low and overstates MFU: it is used
+    /// for the run that measured it but not cached.
+    #[serde(default)]
+    pub others_busy: f64,
+}
+
+/// Above this share of the machine busy with other work, a measured peak is not cached.
+pub const BUSY_LIMIT: f64 = 0.25;
+
+/// The machine's CPU time so far from `/proc/stat`: (busy, total) in clock ticks.
+fn cpu_times() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    let total: u64 = fields.iter().take(8).sum();
+    // idle and iowait.
+    let idle = fields.get(3)? + fields.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// The share of `cpus` CPUs' time between two [`cpu_times`] samples that was busy beyond
+/// one thread of ours.
+fn others_busy(before: (u64, u64), after: (u64, u64), cpus: usize) -> f64 {
+    let total = after.1.saturating_sub(before.1);
+    if total == 0 {
+        return 0.0;
+    }
+    let busy = after.0.saturating_sub(before.0) as f64 / total as f64;
+    (busy - 1.0 / cpus.max(1) as f64).max(0.0)
 }
 
 impl CorePeak {
@@ -59,7 +94,11 @@ impl CorePeak {
     }
 }
 
-/// This CPU as the cache keys it.
+/// The GEMM kernels' revision in the cache's key: bumped when a kernel changes, so a peak
+/// measured with an older, slower kernel on the same CPU is measured again.
+const KERNELS_REVISION: u32 = 2;
+
+/// This CPU (and the kernels' revision) as the cache keys it.
 fn this_cpu() -> String {
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -72,16 +111,50 @@ fn this_cpu() -> String {
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     format!(
-        "{model}; f32: {}; bf16: {}",
+        "{model}; f32: {}; bf16: {}; kernels revision {KERNELS_REVISION}",
         crate::nn::ops::f32_matmul_kernel(),
         crate::nn::ops::bf16_matmul_kernel()
     )
 }
 
 /// The peak of one core: from the cache when it was measured on this CPU, else measured now
-/// (about a second) and cached (a cache that cannot be written is only a lost shortcut).
+/// (a few seconds) and cached if the machine was idle enough ([`BUSY_LIMIT`]; a cache that
+/// cannot be written is only a lost shortcut).
 pub fn core_peak() -> CorePeak {
-    core_peak_cached_in(&crate::config::fsdp_home())
+    // Once per process: a peak measured under load (not cached) is not measured again.
+    static PEAK: std::sync::OnceLock<CorePeak> = std::sync::OnceLock::new();
+    PEAK.get_or_init(|| core_peak_cached_in(&crate::config::fsdp_home()))
+        .clone()
+}
+
+/// Measures the peak again, whatever is cached (`fsdp env --remeasure_peak`), and caches it
+/// when the machine was idle enough; returns it.
+pub fn remeasure_core_peak() -> CorePeak {
+    let peak = measure_core_peak();
+    cache_if_idle(&crate::config::fsdp_home(), &peak);
+    peak
+}
+
+/// Writes `peak` to `dir`'s cache unless other work took more than [`BUSY_LIMIT`] of the
+/// machine while it was measured. Whether it was cached.
+fn cache_if_idle(dir: &std::path::Path, peak: &CorePeak) -> bool {
+    if peak.others_busy > BUSY_LIMIT {
+        tracing::info!(
+            "the core peak was measured while other work took {:.0}% of the machine: used for this run, not cached (`fsdp env --remeasure_peak` on an idle machine caches one)",
+            100.0 * peak.others_busy
+        );
+        return false;
+    }
+    let file = dir.join("core_peak.json");
+    if std::fs::create_dir_all(dir).is_ok()
+        && let Ok(bytes) = serde_json::to_vec_pretty(peak)
+    {
+        let partial = file.with_extension("json.partial");
+        if std::fs::write(&partial, bytes).is_ok() {
+            return std::fs::rename(&partial, &file).is_ok();
+        }
+    }
+    false
 }
 
 /// [`core_peak`] with its cache in `dir`.
@@ -101,20 +174,14 @@ fn core_peak_cached_in(dir: &std::path::Path) -> CorePeak {
         return peak;
     }
     let peak = measure_core_peak();
-    if std::fs::create_dir_all(dir).is_ok()
-        && let Ok(bytes) = serde_json::to_vec_pretty(&peak)
-    {
-        let partial = file.with_extension("json.partial");
-        if std::fs::write(&partial, bytes).is_ok() {
-            let _ = std::fs::rename(&partial, &file);
-        }
-    }
+    cache_if_idle(dir, &peak);
     peak
 }
 
 /// Measures the peak now, on one thread: the best of several runs of `ops::linear` on square
 /// matrices of 256, 512 and 1024, and the instructions' limit.
 pub fn measure_core_peak() -> CorePeak {
+    let before = cpu_times();
     let rate = |dtype: DType| -> f64 {
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build();
         let run = || {
@@ -150,12 +217,19 @@ pub fn measure_core_peak() -> CorePeak {
         }
     };
     let limit = instruction_peak();
+    let (f32, bf16) = (rate(DType::F32), rate(DType::BF16));
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let others_busy = match (before, cpu_times()) {
+        (Some(b), Some(a)) => others_busy(b, a, cpus),
+        _ => 0.0,
+    };
     CorePeak {
         cpu: this_cpu(),
-        f32: rate(DType::F32),
-        bf16: rate(DType::BF16),
+        f32,
+        bf16,
         f32_instruction: limit.f32,
         bf16_instruction: limit.bf16,
+        others_busy,
     }
 }
 
@@ -325,36 +399,47 @@ mod tests {
     }
 
     #[test]
-    fn the_peak_is_measured_once_per_cpu_and_cached() {
+    fn the_peak_is_measured_once_per_cpu_and_cached_when_idle() {
         let home = tempfile::tempdir().unwrap();
-        let first = core_peak_cached_in(home.path());
-        assert!(first.f32 > 1e8 && first.bf16 > 1e8, "{first:?}");
-        assert!(
-            first.f32_instruction > 1e8 && first.bf16_instruction > 1e8,
-            "{first:?}"
-        );
-        let cached: CorePeak =
-            serde_json::from_slice(&std::fs::read(home.path().join("core_peak.json")).unwrap())
-                .unwrap();
-        assert_eq!(cached, first);
-        assert_eq!(
-            core_peak_cached_in(home.path()),
-            first,
-            "the second call reads the cache"
-        );
-        // Another CPU's cache is measured over.
-        let other = CorePeak {
-            cpu: "another CPU".into(),
-            f32: 1.0,
-            bf16: 1.0,
-            f32_instruction: 1.0,
-            bf16_instruction: 1.0,
+        let file = home.path().join("core_peak.json");
+        let peak = |cpu: &str, others_busy: f64| CorePeak {
+            cpu: cpu.into(),
+            f32: 1.5e9,
+            bf16: 3e9,
+            f32_instruction: 2e9,
+            bf16_instruction: 4e9,
+            others_busy,
         };
-        std::fs::write(
-            home.path().join("core_peak.json"),
-            serde_json::to_vec(&other).unwrap(),
-        )
-        .unwrap();
-        assert_ne!(core_peak_cached_in(home.path()).cpu, "another CPU");
+        // Measured under load: not cached; idle: cached, and read back instead of measured.
+        assert!(!cache_if_idle(home.path(), &peak(&this_cpu(), 0.6)));
+        assert!(!file.exists());
+        assert!(cache_if_idle(home.path(), &peak(&this_cpu(), 0.1)));
+        assert_eq!(core_peak_cached_in(home.path()), peak(&this_cpu(), 0.1));
+        // Another CPU's cache (or one without the instruction peaks) is measured over.
+        for stale in [
+            peak("another CPU", 0.0),
+            CorePeak {
+                f32_instruction: 0.0,
+                ..peak(&this_cpu(), 0.0)
+            },
+        ] {
+            std::fs::write(&file, serde_json::to_vec(&stale).unwrap()).unwrap();
+            let measured = core_peak_cached_in(home.path());
+            assert_eq!(measured.cpu, this_cpu());
+            assert!(measured.f32 > 1e8 && measured.bf16 > 1e8, "{measured:?}");
+            assert!(measured.f32_instruction > 1e8 && measured.bf16_instruction > 1e8);
+            assert!((0.0..=1.0).contains(&measured.others_busy), "{measured:?}");
+        }
+    }
+
+    #[test]
+    fn other_work_is_the_busy_share_beyond_one_thread() {
+        // 4 CPUs, 100 ticks: 25 busy is our one thread alone; 75 busy is half the machine
+        // taken by others.
+        assert_eq!(others_busy((0, 0), (25, 100), 4), 0.0);
+        assert_eq!(others_busy((10, 100), (85, 200), 4), 0.5);
+        assert_eq!(others_busy((0, 0), (0, 0), 4), 0.0);
+        let (busy, total) = cpu_times().expect("/proc/stat");
+        assert!(busy <= total && total > 0);
     }
 }
