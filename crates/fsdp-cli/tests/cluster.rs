@@ -60,7 +60,7 @@ fn run(mut cmd: Command, limit: Duration) -> (Option<i32>, String, Duration) {
 #[test]
 fn mpirun_starts_a_job_that_trains_like_one_process() {
     let Some(cmd) = mpirun(2, &common::port(), &["test", "--worker"]) else {
-        eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+        skipped!("no mpirun (install Debian's openmpi-bin)");
         return;
     };
     let (code, out, _) = run(cmd, Duration::from_secs(60));
@@ -103,7 +103,7 @@ fn mpirun_trains_over_mpi_when_asked_and_on_shared_memory_by_default() {
         (&[][..], 2, "transport shm"),
     ] {
         let Some(cmd) = mpirun_with(n, &common::port(), env, &["test", "--worker"]) else {
-            eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+            skipped!("no mpirun (install Debian's openmpi-bin)");
             return;
         };
         let (code, out, _) = run(cmd, Duration::from_secs(90));
@@ -137,7 +137,7 @@ fn ranks_on_different_backends_fail_saying_why() {
         &[("FSDP_COMM_BACKEND", "mpi")],
         &["test", "--worker"],
     ) else {
-        eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+        skipped!("no mpirun (install Debian's openmpi-bin)");
         return;
     };
     let port = cmd

@@ -5,6 +5,7 @@
 //! makes its own folders, ports and namespaces. Workers that re-run this binary name their
 //! test with its module (`machines::vanish_worker`).
 
+#[macro_use]
 mod common;
 
 mod bench_loading;

@@ -240,7 +240,7 @@ fn mpirun_across_two_machines_trains_over_mpi_and_over_tcp() {
         return;
     };
     if !common::has_mpirun() {
-        eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+        skipped!("no mpirun (install Debian's openmpi-bin)");
         return;
     }
     let agent = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/netns-rsh.sh");

@@ -90,7 +90,7 @@ impl Cluster {
     /// The cluster, or `None` after a one-line reason.
     fn or_skip(nodes: &[String]) -> Option<Cluster> {
         Cluster::start(nodes)
-            .inspect_err(|why| eprintln!("SKIPPED: {why}"))
+            .inspect_err(|why| skipped!("{why}"))
             .ok()
     }
 

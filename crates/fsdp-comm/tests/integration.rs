@@ -3,6 +3,7 @@
 //! threads), so every test makes its own folders and ports. Workers that re-run this binary
 //! name their test with its module (`checkpoint_processes::checkpoint_worker`).
 
+#[macro_use]
 mod common;
 
 mod local_group;

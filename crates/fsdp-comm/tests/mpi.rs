@@ -250,7 +250,7 @@ fn mpirun(n: usize, scenario: &str, extra: &[(&str, &str)]) -> Option<Command> {
         .status()
         .is_ok_and(|s| s.success());
     if !found {
-        eprintln!("SKIPPED: no mpirun (install Debian's openmpi-bin)");
+        skipped!("no mpirun (install Debian's openmpi-bin)");
         return None;
     }
     let mut cmd = Command::new("mpirun");

