@@ -288,8 +288,9 @@ fn main() -> Result<()> {
         .collect();
     let mut model = acc.prepare_model(model, &weights)?;
     drop(weights);
-    acc.print(format!(
-        "all-MiniLM-L6-v2 ({} parameters) from {}; newly initialised: {}",
+    // Said once it is known whether a checkpoint restores every weight.
+    let loaded = format!(
+        "all-MiniLM-L6-v2 ({} parameters) from {}",
         model
             .engine()
             .parameters()
@@ -297,8 +298,7 @@ fn main() -> Result<()> {
             .map(|(_, s)| s.iter().product::<usize>())
             .sum::<usize>(),
         model_dir.display(),
-        fresh.join(", ")
-    ));
+    );
 
     // AdamW without weight decay on biases and LayerNorm weights, as the recipes do.
     let adamw = AdamW::with_groups(split_no_decay(
@@ -380,8 +380,10 @@ fn main() -> Result<()> {
     // unless asked to.
     if resume.is_none() {
         acc.claim_output_dir(&args.output_dir, args.overwrite_output_dir)?;
+        acc.print(format!("{loaded}; newly initialised: {}", fresh.join(", ")));
     }
     if let Some(dir) = &resume {
+        acc.print(format!("{loaded}; every weight restored from the checkpoint"));
         let position = acc.load_state(dir, &mut [&mut model], &mut [&mut optimizer])?;
         train_loader.set_position(position);
         // The steps left, counted in this job's global batch (a checkpoint saved with
@@ -448,10 +450,14 @@ fn main() -> Result<()> {
             train_loader.set_epoch(epoch);
         }
         let left_in_epoch = train_loader.steps_left_in_epoch() as u64 / accumulation;
-        let mut progress = acc.progress(
-            left_in_epoch.min(total_steps.saturating_sub(acc.step())),
-            &format!("epoch {epoch}"),
-        );
+        // Counted within the epoch: a resumed run goes on from the step it resumed at.
+        let done_in_epoch = steps_per_epoch.saturating_sub(left_in_epoch);
+        let mut progress = acc
+            .progress(
+                done_in_epoch + left_in_epoch.min(total_steps.saturating_sub(acc.step())),
+                &format!("epoch {epoch}"),
+            )
+            .starting_at(done_in_epoch);
         while let Some(batch) = train_loader.next_batch() {
             let batch = batch?;
             let ClassificationBatch { inputs, labels } = batch.batch;

@@ -75,6 +75,8 @@ pub struct Progress {
     plain: Option<(String, u64)>,
     started: Instant,
     samples: u64,
+    /// Steps already done when it started (a resumed run's).
+    first: u64,
 }
 
 impl Progress {
@@ -97,7 +99,17 @@ impl Progress {
             plain,
             started: Instant::now(),
             samples: 0,
+            first: 0,
         }
+    }
+
+    /// Counts from `done` of the total (a resumed run's steps so far), so lines read
+    /// `epoch 0 3/265` rather than starting again from 1; rate and ETA from this run's steps.
+    pub fn starting_at(mut self, done: u64) -> Progress {
+        self.first = done.min(self.bar.length().unwrap_or(done));
+        self.bar.set_position(self.first);
+        self.bar.reset_eta();
+        self
     }
 
     /// One more step of `samples` examples (over all ranks), with its loss.
@@ -112,7 +124,8 @@ impl Progress {
             let done = self.bar.position();
             let tenth = |n: u64| n * 10 / (*total).max(1);
             if done == *total || tenth(done) != tenth(done - 1) {
-                let eta = elapsed / done as f64 * total.saturating_sub(done) as f64;
+                let ran = done.saturating_sub(self.first).max(1);
+                let eta = elapsed / ran as f64 * total.saturating_sub(done) as f64;
                 eprintln!(
                     "{what} {done}/{total}: loss {loss:.4}, {rate:.1} samples/s, elapsed {elapsed:.0} s, ETA {eta:.0} s"
                 );
