@@ -1,6 +1,7 @@
-//! `fsdp estimate-memory`: the unit plan and per-rank memory of a model under a
-//! configuration, before any process starts (like `accelerate estimate-memory`, but for the
-//! sharded layout fsdp-rs will use).
+//! `fsdp estimate-memory`: the per-rank memory of a model under a configuration, before any
+//! process starts (like `accelerate estimate-memory`, but for the sharded layout fsdp-rs will
+//! use): a summary first (the model's state per rank, an estimate of a batch's activations),
+//! then the units, with every parameter's rows under `--params`.
 
 use std::path::PathBuf;
 
@@ -31,6 +32,16 @@ pub struct EstimateArgs {
     /// Number of processes (overrides the config file).
     #[arg(long = "num_processes", visible_alias = "num-processes")]
     num_processes: Option<usize>,
+    /// Sequences per rank per micro-batch, for the activations' estimate.
+    #[arg(long = "batch_size", visible_alias = "batch-size", default_value_t = 1)]
+    batch_size: usize,
+    /// Tokens per sequence, for the activations' estimate [default: the model's position
+    /// limit, at most 2048].
+    #[arg(long = "seq_len", visible_alias = "seq-len")]
+    seq_len: Option<usize>,
+    /// List every parameter's rows per rank under its unit.
+    #[arg(long)]
+    params: bool,
 }
 
 /// Runs `fsdp estimate-memory`.
@@ -64,7 +75,81 @@ pub fn run(args: EstimateArgs) -> Result<()> {
         other => bail!("model_type {other:?} is not supported (bert, gpt2, llama, mistral, qwen2)"),
     };
     let plan = UnitPlan::build(&info, &config.fsdp, default_wrap, n)?;
-    println!("{name}: {} parameters", info.num_params());
-    print!("{}", plan.render());
+    println!(
+        "{name}: {} parameters; {}",
+        info.num_params(),
+        plan.headline()
+    );
+    println!("{}", plan.memory_summary());
+    let shape = activation_shape(&model_type, &args, &config.fsdp)?;
+    let checkpointing = config.fsdp.activation_checkpointing;
+    let activations = shape.total_bytes(checkpointing);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "activations: about {:.1} MiB per rank for {} sequence(s) of {} tokens at {} bytes a value{} (Korthikanti et al.'s count for the layers, an upper estimate: the fused attention and LM head keep less; embeddings, head and allocator slack not counted; --batch_size, --seq_len); with them about {:.1} MiB",
+        mib(activations),
+        shape.batch,
+        shape.seq,
+        shape.value_bytes,
+        if checkpointing {
+            ", checkpointed per layer"
+        } else {
+            ""
+        },
+        mib(plan.memory_estimate().total() as u64 + activations)
+    );
+    println!(
+        "units{}:",
+        if args.params {
+            ""
+        } else {
+            " (--params lists every parameter's rows)"
+        }
+    );
+    print!("{}", plan.render_units(args.params));
     Ok(())
+}
+
+/// The sizes the activations' estimate needs, from a transformers `config.json` (BERT's and
+/// Llama's names, or GPT-2's `n_*`).
+fn activation_shape(
+    v: &serde_json::Value,
+    args: &EstimateArgs,
+    fsdp: &fsdp::config::FsdpPlugin,
+) -> Result<fsdp::memory::ActivationShape> {
+    let num = |keys: &[&str]| -> Option<usize> {
+        keys.iter().find_map(|k| v[*k].as_u64()).map(|x| x as usize)
+    };
+    let need = |keys: &[&str]| {
+        num(keys).with_context(|| {
+            format!(
+                "{}: no {} (needed for the activations' estimate)",
+                args.model_config.display(),
+                keys.join(" or ")
+            )
+        })
+    };
+    let hidden = need(&["hidden_size", "n_embd"])?;
+    let gated = matches!(
+        v["model_type"].as_str(),
+        Some("llama" | "mistral" | "qwen2")
+    );
+    let positions = num(&["max_position_embeddings", "n_positions"]).unwrap_or(2048);
+    let dropout = ["hidden_dropout_prob", "resid_pdrop", "attention_dropout"]
+        .iter()
+        .any(|k| v[*k].as_f64().is_some_and(|p| p > 0.0));
+    Ok(fsdp::memory::ActivationShape {
+        layers: need(&["num_hidden_layers", "n_layer"])?,
+        hidden,
+        heads: need(&["num_attention_heads", "n_head"])?,
+        intermediate: num(&["intermediate_size", "n_inner"]).unwrap_or(4 * hidden),
+        gated_mlp: gated,
+        dropout,
+        batch: args.batch_size.max(1),
+        seq: args.seq_len.unwrap_or(positions.min(2048)).max(1),
+        value_bytes: match fsdp.mixed_precision {
+            fsdp::config::MixedPrecision::No => 4,
+            _ => 2,
+        },
+    })
 }

@@ -573,6 +573,21 @@ fn estimate_memory_covers_llama_configs() {
             "{t}"
         );
         assert!(t.contains("(LlamaDecoderLayer)"), "{t}");
+        // The summary first: the model and its units, the state per rank, the activations
+        // (estimated, saying how); one line per unit after it, no parameter rows.
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[0].starts_with("LlamaForCausalLM: 8030261248 parameters; 33 unit(s)"),
+            "{t}"
+        );
+        assert!(lines[1].starts_with("per rank: params"), "{t}");
+        assert!(
+            lines[2].starts_with("activations: about ")
+                && lines[2].contains("for 1 sequence(s) of 2048 tokens at 4 bytes a value")
+                && lines[2].contains("upper estimate"),
+            "{t}"
+        );
+        assert_eq!(lines.len(), 4 + 33, "{t}");
         per_rank.push(
             t.lines()
                 .find(|l| l.contains("per rank: params"))
@@ -581,6 +596,25 @@ fn estimate_memory_covers_llama_configs() {
         );
     }
     assert_ne!(per_rank[0], per_rank[1], "{per_rank:?}");
+    // --params lists every parameter's rows; a longer batch estimates more activations.
+    let out = fsdp(dir.path())
+        .args([
+            "estimate-memory",
+            "--params",
+            "--batch_size",
+            "2",
+            "--model_config",
+        ])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(
+        t.contains("model.layers.0.mlp.gate_proj.weight [14336, 4096]"),
+        "{t}"
+    );
+    assert!(t.lines().count() > 4 + 33 + 32 * 9, "{t}");
+    assert!(t.contains("for 2 sequence(s) of 2048 tokens"), "{t}");
 }
 
 #[test]

@@ -383,7 +383,9 @@ fn main() -> Result<()> {
         acc.print(format!("{loaded}; newly initialised: {}", fresh.join(", ")));
     }
     if let Some(dir) = &resume {
-        acc.print(format!("{loaded}; every weight restored from the checkpoint"));
+        acc.print(format!(
+            "{loaded}; every weight restored from the checkpoint"
+        ));
         let position = acc.load_state(dir, &mut [&mut model], &mut [&mut optimizer])?;
         train_loader.set_position(position);
         // The steps left, counted in this job's global batch (a checkpoint saved with

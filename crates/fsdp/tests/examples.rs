@@ -126,9 +126,15 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
         "{out}"
     );
     // The resumed run counts on from step 2 and does not call restored weights new.
-    assert!(out.contains("every weight restored from the checkpoint"), "{out}");
+    assert!(
+        out.contains("every weight restored from the checkpoint"),
+        "{out}"
+    );
     assert!(!out.contains("newly initialised"), "{out}");
-    assert!(out.contains("epoch 0 3/4: loss") && out.contains("epoch 0 4/4: loss"), "{out}");
+    assert!(
+        out.contains("epoch 0 3/4: loss") && out.contains("epoch 0 4/4: loss"),
+        "{out}"
+    );
     assert!(!out.contains("epoch 0 1/"), "{out}");
     let read = |d: &Path| std::fs::read(d.join("model/model.safetensors")).unwrap();
     assert!(

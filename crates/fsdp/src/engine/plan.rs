@@ -506,14 +506,27 @@ impl UnitPlan {
 
     /// A table of units, their parameters and sizes per rank, and the memory estimate.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
+        let mut out = self.headline();
+        out.push('\n');
+        out.push_str(&self.render_units(true));
+        let _ = writeln!(out, "{}", self.memory_summary());
+        out
+    }
+
+    /// `N unit(s), sharded over R rank(s), Strategy`.
+    pub fn headline(&self) -> String {
+        format!(
             "{} unit(s), sharded over {} rank(s), {:?}",
             self.units.len(),
             self.group_size,
             self.strategy
-        );
+        )
+    }
+
+    /// One line per unit (path, type, parameters, per rank), with each parameter's rows per
+    /// rank under it when `params`, then the ignored (replicated) parameters.
+    pub fn render_units(&self, params: bool) -> String {
+        let mut out = String::new();
         for (i, u) in self.units.iter().enumerate() {
             let path = if u.path.is_empty() { "<root>" } else { &u.path };
             let _ = writeln!(
@@ -523,7 +536,7 @@ impl UnitPlan {
                 u.numel(),
                 u.shard_numel()
             );
-            for p in &u.params {
+            for p in u.params.iter().filter(|_| params) {
                 let _ = writeln!(
                     out,
                     "    {} {:?}: {} rows per rank",
@@ -534,7 +547,6 @@ impl UnitPlan {
         for p in &self.ignored {
             let _ = writeln!(out, "ignored (replicated): {} {:?}", p.name, p.shape);
         }
-        let _ = writeln!(out, "{}", self.memory_summary());
         out
     }
 }

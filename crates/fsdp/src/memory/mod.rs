@@ -11,7 +11,10 @@
 //! static ALLOC: fsdp::memory::CountingAllocator = fsdp::memory::CountingAllocator;
 //! ```
 
+mod activations;
 mod large_blocks;
+
+pub use activations::ActivationShape;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
