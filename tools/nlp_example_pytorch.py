@@ -208,8 +208,9 @@ def main():
             cmd += ["--max_eval_samples", str(args.max_eval_samples)]
         cmd += ["--mixed_precision", args.mixed_precision]
         for variant in [""] + args.ours_variant:
-            extra = variant.split()
-            label = "fsdp-rs" + (f" {variant}" if extra else "")
+            # A folder of its own per run (a run into an earlier run's folder is refused).
+            extra = variant.split() + ["--output_dir", tempfile.mkdtemp(prefix="fsdp-rs-nlp-")]
+            label = "fsdp-rs" + (f" {variant}" if variant else "")
             out = subprocess.run(cmd + extra, capture_output=True, text=True, check=True).stdout
             for line in out.splitlines():
                 if "accuracy" in line or ": trained " in line:

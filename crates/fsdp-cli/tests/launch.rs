@@ -428,27 +428,10 @@ fn max_restarts_recovers_from_a_one_time_failure() {
     assert_eq!(run.code, Some(5));
 }
 
-/// An example of the fsdp crate, built by `cargo test --workspace` beside this test binary.
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let built = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        built.is_file(),
-        "{} is missing: run `cargo test --workspace` (it builds the examples)",
-        built.display()
-    );
-    built
-}
-
 #[test]
 fn a_restarted_job_resumes_from_its_latest_checkpoint_and_ends_as_if_it_never_failed() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = example("custom_model_example");
+    let exe = common::example("custom_model_example");
     let train = |out: &Path, extra: &[&str]| {
         let out = out.to_str().unwrap();
         let args = [

@@ -145,12 +145,35 @@ impl Cluster {
     }
 }
 
-/// The README's batch script for `nodes` nodes and `processes` processes, training with
-/// `fsdp test --worker` instead of nlp_example (its check against one process).
+/// The README's batch script, as written there, for `nodes` nodes and `processes` processes,
+/// training with `fsdp test --worker` instead of nlp_example (its check against one
+/// process).
 fn readme_sbatch(nodes: usize, processes: usize) -> String {
-    format!(
-        "#!/bin/sh\n#SBATCH --nodes={nodes} --ntasks-per-node=1 --exclusive\nexport FSDP_JOB_SECRET=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')\nsrun {EXE} launch --num_processes {processes} {EXE} test --worker\n"
-    )
+    let readme = include_str!("../../../README.md");
+    let start = readme
+        .find("#!/bin/sh\n  #SBATCH")
+        .expect("the README's batch script");
+    let script: String = readme[start..]
+        .lines()
+        .take_while(|l| !l.trim_start().starts_with("```"))
+        .map(|l| format!("{}\n", l.trim_start()))
+        .collect();
+    let swaps = [
+        ("--nodes=1", format!("--nodes={nodes}")),
+        ("--num_processes 2", format!("--num_processes {processes}")),
+        (
+            "target/release/examples/nlp_example --max_train_steps 4 --output_dir target/nlp_example_slurm",
+            format!("{EXE} test --worker"),
+        ),
+        ("srun target/release/fsdp", format!("srun {EXE}")),
+    ];
+    swaps.iter().fold(script, |script, (from, to)| {
+        assert!(
+            script.contains(from),
+            "the README's script lacks {from:?}:\n{script}"
+        );
+        script.replacen(from, to, 1)
+    })
 }
 
 impl Drop for Cluster {

@@ -232,3 +232,20 @@ pub fn mesh_of(strategy: &str) -> &'static str {
         "shard groups of 4 x 1 replicas"
     }
 }
+
+/// An example of the fsdp crate, built by `cargo test --workspace` beside this test binary.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let built = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        built.is_file(),
+        "{} is missing: run `cargo test --workspace` (it builds the examples)",
+        built.display()
+    );
+    built
+}
