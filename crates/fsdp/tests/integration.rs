@@ -30,4 +30,5 @@ mod offload;
 mod plan;
 mod reshard_after_forward;
 mod resume_data;
+mod token_loss;
 mod transformers_files;

@@ -506,6 +506,42 @@ impl Accelerator {
         Ok(())
     }
 
+    /// transformers' `num_items_in_batch`: `local`, this rank's label tokens in every
+    /// micro-batch of the coming optimizer step ([`crate::models::causal_lm_label_count`]
+    /// summed), summed over the ranks (collective).
+    pub fn num_items_in_batch(&self, local: u64) -> Result<u64, AcceleratorError> {
+        let sum = self
+            .group
+            .all_reduce_vec(vec![local as i64], ReduceOp::Sum)
+            .wait()?;
+        Ok(sum.first().copied().unwrap_or(0).max(0) as u64)
+    }
+
+    /// Backward of a micro-batch's loss summed over its label tokens
+    /// (`LlamaForCausalLM::forward_loss_sum`), normalised as transformers does with
+    /// `num_items_in_batch` and `average_tokens_across_devices`: the step's gradient is the
+    /// sum of every token's over all micro-batches and ranks divided by `num_items_in_batch`
+    /// ([`Accelerator::num_items_in_batch`]), the single-process mean over the global batch
+    /// whatever the padding of each rank and micro-batch. (A mean per micro-batch averaged
+    /// over micro-batches and ranks, what [`Accelerator::backward`] of a mean gives, weighs
+    /// a token of a short batch more.) A count of 0 is an error: nothing to normalise by.
+    pub fn backward_sum<M>(
+        &mut self,
+        model: &mut PreparedModel<M>,
+        loss_sum: Tensor,
+        num_items_in_batch: u64,
+    ) -> Result<(), AcceleratorError> {
+        if num_items_in_batch == 0 {
+            return Err(AcceleratorError::Usage(
+                "backward_sum: num_items_in_batch is 0 (no label token in the whole step)".into(),
+            ));
+        }
+        // Gradients are averaged over the ranks and `backward` divides by the accumulation
+        // steps: undo both, leaving one division by the step's token count.
+        let scale = (self.num_processes() * self.accumulation) as f64 / num_items_in_batch as f64;
+        self.backward(model, (loss_sum * scale)?)
+    }
+
     /// Whether the last optimizer step was skipped because fp16 loss scaling found an
     /// overflow (as Accelerate's `optimizer_step_was_skipped`).
     pub fn optimizer_step_was_skipped(&self) -> bool {

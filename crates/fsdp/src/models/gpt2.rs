@@ -316,7 +316,7 @@ impl Gpt2LmHeadModel {
     /// Next-token cross-entropy: position t predicts token t+1; targets equal to -100 are
     /// ignored (as `GPT2LMHeadModel` with `labels`).
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        super::causal_lm_loss(logits, labels)
+        super::causal_lm_loss(logits, labels, crate::nn::ops::Reduction::Mean)
     }
 
     /// [`Gpt2LmHeadModel::loss`] of the model's logits for `input_ids`, with the tied head
@@ -332,7 +332,14 @@ impl Gpt2LmHeadModel {
         input_ids.dims2()?;
         let x = self.transformer.call(p, (input_ids, self.dropout_seed))?;
         let weight = p.get(self.lm_head.weight_name())?;
-        super::fused_causal_lm_loss(p, &x, &weight, labels, self.lm_head.path())
+        super::fused_causal_lm_loss(
+            p,
+            &x,
+            &weight,
+            labels,
+            self.lm_head.path(),
+            crate::nn::ops::Reduction::Mean,
+        )
     }
 }
 

@@ -26,9 +26,32 @@ pub(crate) fn mask_lowest(dtype: candle_core::DType) -> f64 {
 pub(crate) fn causal_lm_loss(
     logits: &candle_core::Tensor,
     labels: &candle_core::Tensor,
+    reduction: crate::nn::ops::Reduction,
 ) -> candle_core::Result<candle_core::Tensor> {
     let (shifted, targets) = shift_for_next_token(logits, labels)?;
-    crate::nn::ops::cross_entropy(&shifted, &targets, crate::nn::ops::CrossEntropy::default())
+    let settings = crate::nn::ops::CrossEntropy {
+        reduction,
+        ..Default::default()
+    };
+    crate::nn::ops::cross_entropy(&shifted, &targets, settings)
+}
+
+/// The label tokens a causal-LM loss counts in `labels` [batch, seq]: positions 1.. (what
+/// positions 0..seq-1 predict) not equal to -100 — transformers' `num_items_in_batch` for one
+/// micro-batch. Summed over a step's micro-batches and ranks
+/// ([`crate::accelerator::Accelerator::num_items_in_batch`]) it is what
+/// [`crate::accelerator::Accelerator::backward_sum`] divides a summed loss by.
+pub fn causal_lm_label_count(labels: &candle_core::Tensor) -> candle_core::Result<u64> {
+    let (_, seq) = labels.dims2()?;
+    if seq < 2 {
+        return Ok(0);
+    }
+    let targets: Vec<i64> = labels
+        .to_dtype(candle_core::DType::I64)?
+        .narrow(1, 1, seq - 1)?
+        .flatten_all()?
+        .to_vec1()?;
+    Ok(targets.iter().filter(|&&t| t != -100).count() as u64)
 }
 
 /// Positions 0..seq-1 of `x` [batch, seq, d] as rows [batch·(seq-1), d], and the labels
@@ -56,9 +79,13 @@ pub(crate) fn fused_causal_lm_loss(
     weight: &candle_core::Tensor,
     labels: &candle_core::Tensor,
     head: &str,
+    reduction: crate::nn::ops::Reduction,
 ) -> candle_core::Result<candle_core::Tensor> {
     let (shifted, targets) = shift_for_next_token(hidden, labels)?;
-    let settings = crate::nn::ops::CrossEntropy::default();
+    let settings = crate::nn::ops::CrossEntropy {
+        reduction,
+        ..Default::default()
+    };
     let loss = crate::nn::ops::linear_cross_entropy(&shifted, weight, &targets, settings)?;
     crate::nn::ModuleOutput::report(loss, p, head)
 }

@@ -441,7 +441,7 @@ impl LlamaForCausalLM {
     /// transformers' causal-LM loss: position t predicts token t+1, labels equal to -100
     /// ignored, the mean over the rest.
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        super::causal_lm_loss(logits, labels)
+        super::causal_lm_loss(logits, labels, ops::Reduction::Mean)
     }
 
     /// [`LlamaForCausalLM::loss`] of the model's logits for `input_ids`, with the output
@@ -455,13 +455,40 @@ impl LlamaForCausalLM {
         attention_mask: Option<&Tensor>,
         labels: &Tensor,
     ) -> Result<Tensor> {
+        self.forward_loss_reduced(p, input_ids, attention_mask, labels, ops::Reduction::Mean)
+    }
+
+    /// [`LlamaForCausalLM::forward_loss`] summed over the label tokens instead of averaged:
+    /// what transformers divides by `num_items_in_batch`, the label tokens of a whole step
+    /// (every micro-batch, every rank). Give it to
+    /// [`crate::accelerator::Accelerator::backward_sum`] with that count, so padding that
+    /// differs between ranks and micro-batches weighs every token alike.
+    pub fn forward_loss_sum(
+        &self,
+        p: &dyn Params,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> Result<Tensor> {
+        self.forward_loss_reduced(p, input_ids, attention_mask, labels, ops::Reduction::Sum)
+    }
+
+    fn forward_loss_reduced(
+        &self,
+        p: &dyn Params,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+        reduction: ops::Reduction,
+    ) -> Result<Tensor> {
         let x = self
             .model
             .call(p, (input_ids, attention_mask, self.dropout_seed))?;
         let Some(weight) = self.lm_head.plain_weight() else {
-            return self.loss(&self.lm_head.call(p, &x)?, labels);
+            return super::causal_lm_loss(&self.lm_head.call(p, &x)?, labels, reduction);
         };
-        super::fused_causal_lm_loss(p, &x, &p.get(weight)?, labels, self.lm_head.path())
+        let head = self.lm_head.path();
+        super::fused_causal_lm_loss(p, &x, &p.get(weight)?, labels, head, reduction)
     }
 }
 

@@ -1,0 +1,195 @@
+//! transformers' `num_items_in_batch` under FSDP: a causal LM's loss summed over its label
+//! tokens (`LlamaForCausalLM::forward_loss_sum`), the step's count summed over micro-batches
+//! and ranks (`Accelerator::num_items_in_batch`) and `Accelerator::backward_sum` give the
+//! weights of one process training on the whole global batch with the mean over its tokens —
+//! on 2 processes, with 2 micro-batches, and both, when every sequence has its own padding —
+//! while the per-micro-batch mean (`forward_loss` + `backward`) drifts away from it. Real
+//! processes; SGD, whose step is proportional to the gradient.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use fsdp::accelerator::Accelerator;
+use fsdp::models::{LlamaConfig, LlamaForCausalLM, causal_lm_label_count};
+use fsdp::nn::{LocalParams, Module};
+use fsdp::optim::{Sgd, SgdConfig};
+use serde_json::json;
+
+use crate::common;
+
+const ROLE: &str = "FSDP_TOKEN_LOSS_WORKER";
+const SEQUENCES: usize = 8;
+const SEQ: usize = 12;
+const VOCAB: u32 = 50;
+
+fn config() -> LlamaConfig {
+    LlamaConfig::from_value(&json!({
+        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
+    }))
+    .unwrap()
+}
+
+/// Sequence `i` of step `step`: its ids, attention mask and labels (right padding with id 0,
+/// labels -100 there); sequence `i` has 2 + (5 i + 3 step) mod 11 real tokens.
+fn sequence(step: usize, i: usize) -> (Vec<u32>, Vec<u32>, Vec<i64>) {
+    let real = 2 + (5 * i + 3 * step) % 11;
+    let ids: Vec<u32> = (0..SEQ)
+        .map(|t| match t < real {
+            true => 1 + ((7 * i + 13 * t + 31 * step) as u32 % (VOCAB - 1)),
+            false => 0,
+        })
+        .collect();
+    let mask = (0..SEQ).map(|t| u32::from(t < real)).collect();
+    let labels = (0..SEQ)
+        .map(|t| if t < real { ids[t] as i64 } else { -100 })
+        .collect();
+    (ids, mask, labels)
+}
+
+/// Sequences `range` of step `step` as a batch: (ids, mask, labels).
+fn batch(step: usize, range: std::ops::Range<usize>) -> (Tensor, Tensor, Tensor) {
+    let n = range.len();
+    let (mut ids, mut mask, mut labels) = (vec![], vec![], vec![]);
+    for i in range {
+        let (a, b, c) = sequence(step, i);
+        ids.extend(a);
+        mask.extend(b);
+        labels.extend(c);
+    }
+    let t = |v: Vec<u32>| Tensor::from_vec(v, (n, SEQ), &Device::Cpu).unwrap();
+    (
+        t(ids),
+        t(mask),
+        Tensor::from_vec(labels, (n, SEQ), &Device::Cpu).unwrap(),
+    )
+}
+
+#[test]
+fn token_loss_worker() {
+    if std::env::var(ROLE).is_err() {
+        return;
+    }
+    let accumulation: usize = std::env::var("TEST_ACCUMULATION").unwrap().parse().unwrap();
+    let summed = std::env::var("TEST_LOSS").unwrap() == "sum";
+    let mut acc = Accelerator::builder()
+        .gradient_accumulation_steps(accumulation)
+        .build()
+        .unwrap();
+    let (world, rank) = (acc.num_processes(), acc.process_index());
+    let model = LlamaForCausalLM::new(config()).unwrap();
+    let init = LocalParams::init(&model.info(), 7, DType::F32, &Device::Cpu)
+        .unwrap()
+        .tensors();
+    let mut model = acc.prepare_model(model, &init).unwrap();
+    let sgd = Sgd::new(SgdConfig {
+        lr: 0.5,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut optimizer = acc.prepare_optimizer(sgd).unwrap();
+    let micro = SEQUENCES / world / accumulation;
+    for step in 0..3 {
+        // Micro-batch m of rank r: sequences [(m world + r) micro, +micro).
+        let batches: Vec<_> = (0..accumulation)
+            .map(|m| {
+                let first = (m * world + rank) * micro;
+                batch(step, first..first + micro)
+            })
+            .collect();
+        let local: u64 = batches
+            .iter()
+            .map(|(_, _, labels)| causal_lm_label_count(labels).unwrap())
+            .sum();
+        let items = acc.num_items_in_batch(local).unwrap();
+        for (ids, mask, labels) in &batches {
+            if summed {
+                let loss = model
+                    .forward(|m, p| m.forward_loss_sum(p, ids, Some(mask), labels))
+                    .unwrap();
+                acc.backward_sum(&mut model, loss, items).unwrap();
+            } else {
+                let loss = model
+                    .forward(|m, p| m.forward_loss(p, ids, Some(mask), labels))
+                    .unwrap();
+                acc.backward(&mut model, loss).unwrap();
+            }
+        }
+        assert!(acc.optimizer_step(&mut model, &mut optimizer).unwrap());
+    }
+    let weights: Option<BTreeMap<String, Vec<f32>>> =
+        acc.get_state_dict(&model).unwrap().map(|w| {
+            w.into_iter()
+                .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap()))
+                .collect()
+        });
+    acc.wait_for_everyone().unwrap();
+    if acc.is_main_process() {
+        println!("RESULT {}", json!({ "weights": weights }));
+    }
+}
+
+fn run(world: usize, accumulation: usize, loss: &str) -> BTreeMap<String, Vec<f32>> {
+    let acc = accumulation.to_string();
+    let outputs = common::run_workers(
+        "token_loss_worker",
+        ROLE,
+        world,
+        &[("TEST_ACCUMULATION", acc.as_str()), ("TEST_LOSS", loss)],
+        Duration::from_secs(120),
+    );
+    serde_json::from_value(common::result_of(&outputs[0])["weights"].clone()).unwrap()
+}
+
+/// Largest |a - b| over the largest |b| of each tensor, over all tensors.
+fn worst(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(name, x)| {
+            let y = &b[name];
+            let scale = y.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+            x.iter()
+                .zip(y)
+                .map(|(p, q)| (*p as f64 - *q as f64).abs())
+                .fold(0.0, f64::max)
+                / scale
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn the_token_count_of_the_whole_step_normalises_like_one_process() {
+    // One process, the whole global batch at once: its mean is the mean over every token.
+    let reference = run(1, 1, "mean");
+    let initial = {
+        let model = LlamaForCausalLM::new(config()).unwrap();
+        LocalParams::init(&model.info(), 7, DType::F32, &Device::Cpu)
+            .unwrap()
+            .tensors()
+            .into_iter()
+            .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap()))
+            .collect::<BTreeMap<String, Vec<f32>>>()
+    };
+    let moved = worst(&reference, &initial);
+    assert!(moved > 1e-2, "training moved the weights by only {moved}");
+    for (world, accumulation) in [(2, 1), (1, 2), (2, 2)] {
+        let got = run(world, accumulation, "sum");
+        let d = worst(&got, &reference);
+        eprintln!("{world} process(es) x {accumulation} micro-batch(es): max rel diff {d:.2e}");
+        assert!(
+            d < 1e-5,
+            "{world} process(es) x {accumulation} micro-batch(es): {d}"
+        );
+    }
+    // The mean per micro-batch weighs a short sequence's tokens more: another model.
+    let per_batch = worst(&run(2, 2, "mean"), &reference);
+    eprintln!(
+        "per-micro-batch means: max rel diff {per_batch:.2e}; training moved the weights by {moved:.2e}"
+    );
+    assert!(
+        per_batch > 1e-3,
+        "per-micro-batch means differ by only {per_batch}"
+    );
+}
