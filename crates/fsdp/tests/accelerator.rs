@@ -16,7 +16,7 @@ use fsdp::models::BertForSequenceClassification;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{LocalParams, Module};
 use fsdp::optim::{
-    AdamW, AdamWConfig, LrSchedule, Sgd, SgdConfig, is_bias_or_norm, split_no_decay,
+    AdamW, AdamWConfig, LambdaSchedule, LrSchedule, Sgd, SgdConfig, is_bias_or_norm, split_no_decay,
 };
 use serde_json::{Value, json};
 
@@ -556,4 +556,73 @@ fn an_async_save_state_is_waited_for_by_the_next_load_and_holds_the_state_it_was
     .to_string();
     assert!(full.contains("FULL_STATE_DICT"), "{full}");
     assert!(!tmp.path().join("full").exists());
+}
+
+#[test]
+fn a_lambda_schedule_resumes_from_a_checkpoint_under_its_name() {
+    // PyTorch's LambdaLR: base * f(steps done). A checkpoint keeps the name and the step;
+    // the resumed run attaches the same function and goes on at the saved step.
+    let halving = || {
+        LrSchedule::Lambda(LambdaSchedule::new("halve every 2", |done| {
+            0.5f64.powi((done / 2) as i32)
+        }))
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let setup = |schedule: LrSchedule| {
+        let mut acc = Accelerator::new().unwrap();
+        let m = common::tiny::model(0.0);
+        let w = LocalParams::init(&m.info(), 1, DType::F32, &Device::Cpu)
+            .unwrap()
+            .tensors();
+        let model = acc.prepare_model(m, &w).unwrap();
+        let sgd = Sgd::new(SgdConfig {
+            lr: 0.8,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut opt = acc.prepare_optimizer(sgd).unwrap();
+        acc.prepare_scheduler(&mut opt, schedule).unwrap();
+        (acc, model, opt)
+    };
+    let (mut acc, mut model, mut opt) = setup(halving());
+    let mut rates = vec![opt.lr(0)];
+    for step in 0..5 {
+        let (ids, labels) = common::tiny::batch(step);
+        let logits = model
+            .forward(|m, p| m.forward(p, &ids, None, None))
+            .unwrap();
+        let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+        acc.backward(&mut model, loss).unwrap();
+        acc.optimizer_step(&mut model, &mut opt).unwrap();
+        rates.push(opt.lr(0));
+    }
+    assert_eq!(rates, [0.8, 0.8, 0.4, 0.4, 0.2, 0.2]);
+    let saved = acc
+        .save_state(
+            Some(&dir.path().join("ckpt")),
+            &[&model],
+            &[&opt],
+            fsdp::data::LoaderPosition::start_of(0),
+        )
+        .unwrap();
+    drop((acc, model, opt));
+
+    let (mut acc, mut model, mut opt) = setup(halving());
+    acc.load_state(&saved, &mut [&mut model], &mut [&mut opt])
+        .unwrap();
+    assert_eq!(opt.scheduler().unwrap().steps, 5);
+    assert_eq!(opt.lr(0), 0.2, "the sixth step's rate: f(5) = 1/4");
+
+    // Another schedule attached, or a lambda of another name: refused, naming the saved one.
+    for other in [
+        LrSchedule::Constant,
+        LrSchedule::Lambda(LambdaSchedule::new("other", |_| 1.0)),
+    ] {
+        let (mut acc, mut model, mut opt) = setup(other);
+        let e = acc
+            .load_state(&saved, &mut [&mut model], &mut [&mut opt])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the lambda \"halve every 2\""), "{e}");
+    }
 }

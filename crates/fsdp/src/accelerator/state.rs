@@ -341,9 +341,14 @@ impl Accelerator {
             }
             let saved: Option<LrScheduler> =
                 serde_json::from_value(v.clone()).map_err(|e| bad("scheduler state", e))?;
-            match (saved, o.scheduler().is_some()) {
-                (Some(s), true) => o.restore_scheduler(s)?,
-                (None, false) => {}
+            match (saved, o.scheduler().cloned()) {
+                (Some(s), Some(ours)) => {
+                    let s = ours
+                        .resume_from(s)
+                        .map_err(|e| AcceleratorError::Usage(format!("{}: {e}", dir.display())))?;
+                    o.restore_scheduler(s)?
+                }
+                (None, None) => {}
                 (saved, _) => {
                     return Err(AcceleratorError::Usage(format!(
                         "optimizer {} {} a scheduler but the checkpoint {} one for it",

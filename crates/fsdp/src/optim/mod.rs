@@ -20,7 +20,7 @@ pub use groups::{
     Grouped, NORM_AND_EMBEDDING_MODULES, NORM_MODULES, ParamGroup, is_bias_or_norm,
     no_decay_by_module, split_no_decay,
 };
-pub use schedule::{LrSchedule, LrScheduler};
+pub use schedule::{LambdaSchedule, LrSchedule, LrScheduler};
 pub use sgd::SgdConfig;
 
 /// `torch.optim.AdamW` with parameter groups.

@@ -1,13 +1,77 @@
-//! Learning-rate schedules (transformers' `get_*_schedule_with_warmup` shapes): the learning
-//! rate for a 1-based step, given the base rate; and [`LrScheduler`], which applies one to an
-//! optimizer once per optimizer step and can be checkpointed.
+//! Learning-rate schedules (transformers' `get_*_schedule_with_warmup` shapes, and any
+//! function of the step as PyTorch's `LambdaLR`): the learning rate for a 1-based step, given
+//! the base rate; and [`LrScheduler`], which applies one to an optimizer once per optimizer
+//! step and can be checkpointed.
+
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+
+/// A schedule given as code (PyTorch's `LambdaLR`): the multiplier of the base rate after
+/// `done` optimizer steps, under a name. A checkpoint keeps the name and the step, not the
+/// function (PyTorch keeps none of it either): the run that resumes attaches the same
+/// schedule, and loading checks the name.
+#[derive(Clone)]
+pub struct LambdaSchedule {
+    /// What the function is called (checked when a checkpoint is loaded).
+    pub name: String,
+    /// The function; `None` only in a schedule read back from a checkpoint.
+    f: Option<Arc<dyn Fn(u64) -> f64 + Send + Sync>>,
+}
+
+impl LambdaSchedule {
+    /// `f(done)`, the multiplier after `done` steps, called `name`.
+    pub fn new(name: &str, f: impl Fn(u64) -> f64 + Send + Sync + 'static) -> LambdaSchedule {
+        LambdaSchedule {
+            name: name.to_string(),
+            f: Some(Arc::new(f)),
+        }
+    }
+
+    /// Whether it has its function (not only a checkpoint's name of it).
+    pub fn is_attached(&self) -> bool {
+        self.f.is_some()
+    }
+
+    fn multiplier(&self, done: u64) -> f64 {
+        // A schedule read from a checkpoint is replaced by the attached one before use
+        // (`LrScheduler::resume_from`); without a function the rate stays the base.
+        self.f.as_ref().map_or(1.0, |f| f(done))
+    }
+}
+
+impl std::fmt::Debug for LambdaSchedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LambdaSchedule({:?})", self.name)
+    }
+}
+
+/// Two lambda schedules are the same schedule when their names are.
+impl PartialEq for LambdaSchedule {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Serialize for LambdaSchedule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.name.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for LambdaSchedule {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(LambdaSchedule {
+            name: String::deserialize(d)?,
+            f: None,
+        })
+    }
+}
 
 use super::{OptimError, Optimizer};
 
 /// A schedule of learning-rate multipliers.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum LrSchedule {
     /// The base rate at every step.
     Constant,
@@ -37,6 +101,8 @@ pub enum LrSchedule {
         /// The rate at and after `total`.
         lr_end: f64,
     },
+    /// `base · f(done)`, `done` the optimizer steps already taken (PyTorch's `LambdaLR`).
+    Lambda(LambdaSchedule),
 }
 
 impl LrSchedule {
@@ -50,6 +116,7 @@ impl LrSchedule {
             (done - warmup) as f64 / (total.saturating_sub(warmup)).max(1) as f64
         };
         match *self {
+            LrSchedule::Lambda(ref l) => base * l.multiplier(done),
             LrSchedule::Constant => base,
             LrSchedule::Linear { warmup, total } => {
                 // (total - done) / (total - warmup), as transformers computes it.
@@ -103,6 +170,26 @@ impl LrScheduler {
         LrScheduler { schedule, steps: 0 }
     }
 
+    /// This scheduler continued from `saved` (a checkpoint's): its step, and the schedule
+    /// it says — except a [`LrSchedule::Lambda`], whose function the checkpoint cannot hold:
+    /// this scheduler's own is kept, if it has the saved name (an error naming both if not,
+    /// or if this scheduler is not that lambda).
+    pub fn resume_from(&self, saved: LrScheduler) -> Result<LrScheduler, String> {
+        match (&saved.schedule, &self.schedule) {
+            (LrSchedule::Lambda(s), LrSchedule::Lambda(ours)) if s.name == ours.name => {
+                Ok(LrScheduler {
+                    schedule: self.schedule.clone(),
+                    steps: saved.steps,
+                })
+            }
+            (LrSchedule::Lambda(s), ours) => Err(format!(
+                "the checkpoint's schedule is the lambda {:?}, whose function it cannot hold: attach the same with `LrSchedule::Lambda(LambdaSchedule::new({:?}, ..))` before loading (this run's is {ours:?})",
+                s.name, s.name
+            )),
+            _ => Ok(saved),
+        }
+    }
+
     /// Sets each parameter group's rate for the next optimizer step (the first one when
     /// no step has been taken): call it once before training and after loading.
     pub fn start(&self, optimizer: &mut dyn Optimizer) -> Result<(), OptimError> {
@@ -125,6 +212,32 @@ impl LrScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lambda_is_a_function_of_the_steps_done_kept_by_name() {
+        let l = LrSchedule::Lambda(LambdaSchedule::new("tenth", |done| 1.0 / (1 + done) as f64));
+        assert_eq!(l.lr(2.0, 1), 2.0);
+        assert_eq!(l.lr(2.0, 4), 0.5);
+        let text = serde_json::to_string(&LrScheduler {
+            schedule: l.clone(),
+            steps: 3,
+        })
+        .unwrap();
+        assert_eq!(text, r#"{"schedule":{"Lambda":"tenth"},"steps":3}"#);
+        let back: LrScheduler = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.schedule, l, "the same name");
+        let LrSchedule::Lambda(read) = &back.schedule else {
+            panic!()
+        };
+        assert!(!read.is_attached());
+        let ours = LrScheduler::new(l.clone());
+        let resumed = ours.resume_from(back).unwrap();
+        assert_eq!(
+            (resumed.steps, resumed.schedule.lr(2.0, resumed.steps + 1)),
+            (3, 0.5)
+        );
+        assert!(matches!(&resumed.schedule, LrSchedule::Lambda(l) if l.is_attached()));
+    }
 
     #[test]
     fn shapes() {
