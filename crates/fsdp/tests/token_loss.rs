@@ -3,8 +3,9 @@
 //! and ranks (`Accelerator::num_items_in_batch`) and `Accelerator::backward_sum` give the
 //! weights of one process training on the whole global batch with the mean over its tokens —
 //! on 2 processes, with 2 micro-batches, and both, when every sequence has its own padding —
-//! while the per-micro-batch mean (`forward_loss` + `backward`) drifts away from it. Real
-//! processes; SGD, whose step is proportional to the gradient.
+//! while the per-micro-batch mean (`forward_loss` + `backward`) drifts away from it; and on 3
+//! processes sharing each global batch of 8 unevenly (`DataLoader::split_batches`: 3, 3, 2).
+//! Real processes; SGD, whose step is proportional to the gradient.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -51,9 +52,14 @@ fn sequence(step: usize, i: usize) -> (Vec<u32>, Vec<u32>, Vec<i64>) {
 
 /// Sequences `range` of step `step` as a batch: (ids, mask, labels).
 fn batch(step: usize, range: std::ops::Range<usize>) -> (Tensor, Tensor, Tensor) {
-    let n = range.len();
+    collate(&range.map(|i| (step, i)).collect::<Vec<_>>())
+}
+
+/// Sequences (step, index) as a batch: (ids, mask, labels).
+fn collate(which: &[(usize, usize)]) -> (Tensor, Tensor, Tensor) {
+    let n = which.len();
     let (mut ids, mut mask, mut labels) = (vec![], vec![], vec![]);
-    for i in range {
+    for &(step, i) in which {
         let (a, b, c) = sequence(step, i);
         ids.extend(a);
         mask.extend(b);
@@ -91,14 +97,27 @@ fn token_loss_worker() {
     .unwrap();
     let mut optimizer = acc.prepare_optimizer(sgd).unwrap();
     let micro = SEQUENCES / world / accumulation;
+    // With TEST_SPLIT, every step's 8 sequences from a data loader splitting the global
+    // batch over the ranks (in shares that may differ).
+    let split = std::env::var("TEST_SPLIT").is_ok();
+    let all: Vec<(usize, usize)> = (0..3)
+        .flat_map(|step| (0..SEQUENCES).map(move |i| (step, i)))
+        .collect();
+    let mut loader = acc.prepare_data_loader(
+        fsdp::data::DataLoader::new(all, SEQUENCES, |x: &[(usize, usize)]| Ok(collate(x)))
+            .split_batches(true),
+    );
     for step in 0..3 {
         // Micro-batch m of rank r: sequences [(m world + r) micro, +micro).
-        let batches: Vec<_> = (0..accumulation)
-            .map(|m| {
-                let first = (m * world + rank) * micro;
-                batch(step, first..first + micro)
-            })
-            .collect();
+        let batches: Vec<_> = match split {
+            true => vec![loader.next_batch().unwrap().unwrap().batch],
+            false => (0..accumulation)
+                .map(|m| {
+                    let first = (m * world + rank) * micro;
+                    batch(step, first..first + micro)
+                })
+                .collect(),
+        };
         let local: u64 = batches
             .iter()
             .map(|(_, _, labels)| causal_lm_label_count(labels).unwrap())
@@ -132,12 +151,23 @@ fn token_loss_worker() {
 }
 
 fn run(world: usize, accumulation: usize, loss: &str) -> BTreeMap<String, Vec<f32>> {
+    run_with(world, accumulation, loss, &[])
+}
+
+fn run_with(
+    world: usize,
+    accumulation: usize,
+    loss: &str,
+    env: &[(&str, &str)],
+) -> BTreeMap<String, Vec<f32>> {
     let acc = accumulation.to_string();
+    let mut env = env.to_vec();
+    env.extend([("TEST_ACCUMULATION", acc.as_str()), ("TEST_LOSS", loss)]);
     let outputs = common::run_workers(
         "token_loss_worker",
         ROLE,
         world,
-        &[("TEST_ACCUMULATION", acc.as_str()), ("TEST_LOSS", loss)],
+        &env,
         Duration::from_secs(120),
     );
     serde_json::from_value(common::result_of(&outputs[0])["weights"].clone()).unwrap()
@@ -183,6 +213,10 @@ fn the_token_count_of_the_whole_step_normalises_like_one_process() {
             "{world} process(es) x {accumulation} micro-batch(es): {d}"
         );
     }
+    // 3 processes, each global batch of 8 split 3, 3, 2 by the data loader.
+    let d = worst(&run_with(3, 1, "sum", &[("TEST_SPLIT", "1")]), &reference);
+    eprintln!("3 processes, split batches 3/3/2: max rel diff {d:.2e}");
+    assert!(d < 1e-5, "3 processes with split batches: {d}");
     // The mean per micro-batch weighs a short sequence's tokens more: another model.
     let per_batch = worst(&run(2, 2, "mean"), &reference);
     eprintln!(

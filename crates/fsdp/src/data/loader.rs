@@ -111,6 +111,9 @@ pub struct DataLoader<D: Dataset, B> {
     /// Each example's length, for batches of similar lengths (`group_by_length`).
     lengths: Option<Vec<usize>>,
     drop_last: bool,
+    /// `batch_size` is the global batch, split over the ranks (Accelerate's
+    /// `split_batches`), in shares that may differ by one.
+    split: bool,
     collate: CollateFn<D::Item, B>,
     rank: usize,
     ranks: usize,
@@ -158,6 +161,7 @@ impl<D: Dataset, B> DataLoader<D, B> {
             shuffle: None,
             lengths: None,
             drop_last: false,
+            split: false,
             collate: Box::new(collate),
             rank: 0,
             ranks: 1,
@@ -190,6 +194,17 @@ impl<D: Dataset, B> DataLoader<D, B> {
         Ok(self)
     }
 
+    /// `batch_size` is the global batch, split over the ranks (Accelerate's
+    /// `split_batches`): a global batch the ranks do not divide gives shares that differ by
+    /// one (8 over 3 ranks: 3, 3, 2), the first ranks taking the larger — to weigh every
+    /// example alike, normalise the loss by the step's count
+    /// ([`crate::accelerator::Accelerator::backward_sum`]). A global batch smaller than the
+    /// ranks leaves some none: their `next_batch` is an error saying so.
+    pub fn split_batches(mut self, split: bool) -> Self {
+        self.split = split;
+        self
+    }
+
     /// Drops the last, partial step of each epoch instead of filling it up.
     pub fn drop_last(mut self, drop: bool) -> Self {
         self.drop_last = drop;
@@ -210,7 +225,23 @@ impl<D: Dataset, B> DataLoader<D, B> {
 
     /// Examples per step over all ranks.
     pub fn global_batch_size(&self) -> usize {
-        self.batch_size * self.ranks
+        if self.split {
+            self.batch_size
+        } else {
+            self.batch_size * self.ranks
+        }
+    }
+
+    /// This rank's share of each step: (offset in the step, examples).
+    fn share(&self) -> (usize, usize) {
+        if !self.split {
+            return (self.rank * self.batch_size, self.batch_size);
+        }
+        let (q, extra) = (self.batch_size / self.ranks, self.batch_size % self.ranks);
+        (
+            self.rank * q + self.rank.min(extra),
+            q + usize::from(self.rank < extra),
+        )
     }
 
     /// Steps per epoch.
@@ -284,11 +315,21 @@ impl<D: Dataset, B> DataLoader<D, B> {
         let start = self.next_sample();
         let step = start.div_ceil(g);
         let real = n.saturating_sub(start).min(g);
-        let indices: Vec<usize> = (0..self.batch_size)
-            .map(|i| order[(start + self.rank * self.batch_size + i) % n])
-            .collect();
-        let items: Vec<D::Item> = indices.iter().map(|&i| self.dataset.get(i)).collect();
+        let (offset, len) = self.share();
         self.taken += 1;
+        if len == 0 {
+            return Some(Err(BatchError {
+                epoch,
+                step,
+                source: format!(
+                    "a global batch of {g} split over {} ranks leaves rank {} no example",
+                    self.ranks, self.rank
+                )
+                .into(),
+            }));
+        }
+        let indices: Vec<usize> = (0..len).map(|i| order[(start + offset + i) % n]).collect();
+        let items: Vec<D::Item> = indices.iter().map(|&i| self.dataset.get(i)).collect();
         Some(
             (self.collate)(&items)
                 .map(|batch| LoadedBatch {
@@ -309,6 +350,50 @@ impl<D: Dataset, B> DataLoader<D, B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_batches_share_a_global_batch_the_ranks_do_not_divide() {
+        // 20 examples, global batches of 8 over 3 ranks: shares 3, 3, 2, disjoint, every
+        // example of a step once; the last step (4 left) filled up from the epoch's start.
+        let shares = |ranks: usize| -> Vec<Vec<Vec<usize>>> {
+            (0..ranks)
+                .map(|r| {
+                    let mut l =
+                        DataLoader::new((0..20usize).collect::<Vec<_>>(), 8, |x: &[usize]| {
+                            Ok(x.to_vec())
+                        })
+                        .split_batches(true)
+                        .shard(r, ranks);
+                    assert_eq!((l.global_batch_size(), l.steps_per_epoch()), (8, 3));
+                    std::iter::from_fn(|| l.next_batch().map(|b| b.unwrap().indices)).collect()
+                })
+                .collect()
+        };
+        let three = shares(3);
+        for (step, want) in [(0usize, 0..8usize), (1, 8..16)] {
+            assert_eq!(
+                three.iter().map(|r| r[step].len()).collect::<Vec<_>>(),
+                [3, 3, 2]
+            );
+            let mut all: Vec<usize> = three.iter().flat_map(|r| r[step].clone()).collect();
+            all.sort();
+            assert_eq!(all, want.collect::<Vec<_>>());
+        }
+        assert_eq!(three[2][2], [2, 3], "filled up from the start: samples 22, 23 of 20");
+        // The same order as one process reading whole global batches.
+        let one = shares(1);
+        let joined: Vec<usize> = (0..3).flat_map(|r| three[r][0].clone()).collect();
+        assert_eq!(joined, one[0][0]);
+        // Fewer examples per step than ranks: the rank without one is told so.
+        let mut l = DataLoader::new(vec![1u32, 2], 2, |x: &[u32]| Ok(x.to_vec()))
+            .split_batches(true)
+            .shard(2, 3);
+        let e = l.next_batch().unwrap().unwrap_err().to_string();
+        assert!(
+            e.contains("a global batch of 2 split over 3 ranks leaves rank 2 no example"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn a_collate_error_names_its_batch_and_takes_question_marks() {
