@@ -4,7 +4,6 @@
 //! nothing left running. Needs `mpirun` (Debian's openmpi-bin, which `.ci/run` installs);
 //! skips with a reason without it. Bounded in time.
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -131,7 +130,7 @@ fn mpirun_trains_over_mpi_when_asked_and_on_shared_memory_by_default() {
 #[cfg(feature = "mpi")]
 #[test]
 fn the_readmes_mpirun_line_trains_nlp_example_over_mpi() {
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/assets");
+    let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/assets");
     if !common::has_mpirun() {
         skipped!("no mpirun (install Debian's openmpi-bin)");
         return;
@@ -168,7 +167,7 @@ fn the_readmes_mpirun_line_trains_nlp_example_over_mpi() {
         .arg(format!(
             "{line} --max_eval_samples 16 --batch_size 4 --max_length 32"
         ))
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .current_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

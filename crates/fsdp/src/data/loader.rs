@@ -379,7 +379,11 @@ mod tests {
             all.sort();
             assert_eq!(all, want.collect::<Vec<_>>());
         }
-        assert_eq!(three[2][2], [2, 3], "filled up from the start: samples 22, 23 of 20");
+        assert_eq!(
+            three[2][2],
+            [2, 3],
+            "filled up from the start: samples 22, 23 of 20"
+        );
         // The same order as one process reading whole global batches.
         let one = shares(1);
         let joined: Vec<usize> = (0..3).flat_map(|r| three[r][0].clone()).collect();

@@ -20,6 +20,7 @@ mod offload;
 mod param;
 mod placement;
 mod plan;
+mod plan_text;
 mod sharded;
 mod sparse_rows;
 mod state;

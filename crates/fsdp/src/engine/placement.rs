@@ -43,10 +43,11 @@ impl Placement {
         self.offload && self.storage.same_device(&self.compute)
     }
 
-    /// Logs [`OFFLOAD_ON_CPU`] once per process when offloading moves nothing.
-    pub(crate) fn warn_once(&self) {
+    /// Logs [`OFFLOAD_ON_CPU`] once per process when offloading moves nothing (not when
+    /// the state goes `to_disk`, `fsdp_offload_dir`: that moves everything).
+    pub(crate) fn warn_once(&self, to_disk: bool) {
         static WARNED: Once = Once::new();
-        if self.offload_moves_nothing() {
+        if self.offload_moves_nothing() && !to_disk {
             WARNED.call_once(|| tracing::warn!("fsdp_offload_params: true: {OFFLOAD_ON_CPU}"));
         }
     }

@@ -202,10 +202,7 @@ impl Fsdp {
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
         super::sparse_rows::refuse_hybrid(&plan, &mesh)?;
         let placement = Placement::new(initial.device(), plugin.offload_params);
-        // With fsdp_offload_dir the state goes to disk: that moves everything.
-        if plugin.offload_dir.is_none() {
-            placement.warn_once();
-        }
+        placement.warn_once(plugin.offload_dir.is_some());
         let specs: HashMap<&str, &ParamSpec> = model
             .all_params()
             .into_iter()
