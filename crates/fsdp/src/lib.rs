@@ -3,9 +3,11 @@
 //!
 //! A training program uses the [`accelerator::Accelerator`] (what Accelerate's `Accelerator`
 //! is to a Python program) over a model written with [`nn`]'s module system: the shipped
-//! [`models`] (BERT, GPT-2) or one of your own ([`guide`]: train your own model). The
+//! [`models`] (BERT, GPT-2, and the Llama family — Llama, Mistral, Qwen2 — from transformers
+//! folders or GGUF files) or one of your own ([`guide`]: train your own model). The
 //! [`engine`] shards parameters, gradients and optimizer state ([`optim`]) by the
-//! configuration ([`config`]), and [`checkpoint`] saves and loads them at any world size.
+//! configuration ([`config`]), and [`checkpoint`] saves and loads them at any world size;
+//! the accelerator logs to JSON lines and TensorBoard ([`accelerator::Tracker`]).
 
 // First: its macro serves the modules below.
 #[macro_use]
