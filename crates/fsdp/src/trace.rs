@@ -162,7 +162,7 @@ impl Tracer {
     }
 
     /// The step under way ended with its optimizer update: recorded as `step` (numbered
-    /// from 0), and every [`WRITE_EVERY`] steps the file is rewritten.
+    /// from 0), and every `WRITE_EVERY` (10) steps the file is rewritten.
     pub fn end_step(&self) {
         let (n, began) = {
             let mut mark = self.step.lock().unwrap_or_else(|e| e.into_inner());

@@ -36,7 +36,7 @@ pub struct ParamSpec {
     pub requires_grad: bool,
     /// The gradient is row-sparse (an embedding table's: only the rows a batch looks up are
     /// non-zero), so FSDP reduces the touched rows instead of the whole table
-    /// (`nn.Embedding(sparse=True)`'s meaning; see [`crate::nn::Embedding::sparse`]).
+    /// (`nn.Embedding(sparse=True)`'s meaning; see [`crate::nn::layers::Embedding::sparse`]).
     pub sparse_grad: bool,
 }
 

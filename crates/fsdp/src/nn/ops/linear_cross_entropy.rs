@@ -152,7 +152,7 @@ impl CustomOp2 for LinearCrossEntropyOp {
 }
 
 /// Cross-entropy of the logits `hidden · weightᵀ` (`hidden` [N, H], `weight` [V, H]) against
-/// integer `targets` [N], as a scalar, without keeping the [N, V] logits or their gradient:
+/// integer `targets` `[N]`, as a scalar, without keeping the `[N, V]` logits or their gradient:
 /// what `cross_entropy(&hidden.matmul(&weight.t()?)?, targets, settings)` gives, with memory
 /// for a few rows of logits at a time. Gradients flow to both `hidden` and `weight`;
 /// half-precision inputs are multiplied in their own type with f32 logits, and the loss is
