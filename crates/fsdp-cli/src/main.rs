@@ -107,6 +107,19 @@ fn main() -> std::process::ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    // Commands that only print (and write their file first, for `config`) end quietly when
+    // their output's reader goes away (`fsdp env | head -1`), as Unix tools do, instead of
+    // panicking in `println!`. The launcher, the test job, the benchmarks and the merge
+    // keep Rust's ignored SIGPIPE: they have processes or files to finish.
+    if matches!(
+        cli.command,
+        Command::Config(_) | Command::Env(_) | Command::EstimateMemory(_) | Command::Trace(_)
+    ) {
+        // SAFETY: restores the default disposition of one signal before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Config(args) => config_cmd::run(args).map(|()| 0),
         Command::Env(args) => env_cmd::run(args).map(|()| 0),

@@ -773,3 +773,26 @@ fn env_remeasures_the_core_peak_on_request() {
         assert_eq!(rewritten["f32"], 1.0, "not cached under load ({busy})");
     }
 }
+
+#[test]
+fn a_printing_command_whose_reader_is_gone_ends_quietly() {
+    // `fsdp env | head -1` with the reader already gone: the first write meets a closed pipe.
+    // It ends by SIGPIPE, as Unix tools do, not with a panic in println!.
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    for args in [&["env"][..], &["config", "--help"]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = fsdp(dir.path())
+            .args(args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        if args[0] == "env" {
+            assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{args:?}: {err}");
+        }
+    }
+}

@@ -45,7 +45,11 @@ fn scenarios_that_mostly_wait_run_side_by_side() {
     let failed: Vec<&str> = std::thread::scope(|s| {
         let running: Vec<_> = scenarios
             .iter()
-            .map(|&(name, scenario)| (name, s.spawn(scenario)))
+            .map(|&(name, scenario)| {
+                // Named, so a skip inside says which scenario it was.
+                let thread = std::thread::Builder::new().name(name.to_string());
+                (name, thread.spawn_scoped(s, scenario).unwrap())
+            })
             .collect();
         running
             .into_iter()
