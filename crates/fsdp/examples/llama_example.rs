@@ -26,8 +26,8 @@ use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
 use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_lm_sentences};
 use fsdp::models::llama::{
-    GgufFile, GgufWeights, TokenizerExtras, gguf_config, gguf_tokenizer, portable_config,
-    write_tokenizer_and_generation_files,
+    GgufFile, GgufWeights, TokenizerExtras, config_token_id, gguf_config, gguf_tokenizer,
+    portable_config, write_tokenizer_and_generation_files,
 };
 use fsdp::models::{LlamaConfig, LlamaForCausalLM, generate_greedy};
 use fsdp::nn::candle::Tensor;
@@ -204,10 +204,7 @@ fn from_dir(dir: PathBuf) -> Result<Pretrained> {
 /// The end-of-text token transformers' config names (`eos_token_id`: one id, or a list whose
 /// first is taken).
 fn eos_token(hf_config: &serde_json::Value) -> Result<u32> {
-    let eos = &hf_config["eos_token_id"];
-    eos.as_u64()
-        .or_else(|| eos.as_array()?.first()?.as_u64())
-        .and_then(|id| u32::try_from(id).ok())
+    config_token_id(hf_config, "eos_token_id")
         .context("the model's config.json names no end-of-text token (eos_token_id)")
 }
 

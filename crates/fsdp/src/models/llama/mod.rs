@@ -13,7 +13,7 @@ pub use config::{LlamaConfig, LlamaFamily};
 pub use gguf::{GgufFile, GgufWeights, gguf_config};
 pub use gguf_tokenizer::gguf_tokenizer;
 pub use transformers_files::{
-    TokenizerExtras, generation_config, portable_config, tokenizer_files,
+    TokenizerExtras, config_token_id, generation_config, portable_config, tokenizer_files,
     write_tokenizer_and_generation_files,
 };
 

@@ -109,8 +109,9 @@ pub fn portable_config(config: &Value) -> Value {
     out
 }
 
-/// The first id of a `config.json` field holding one id or a list of them.
-fn first_id(config: &Value, key: &str) -> Option<u32> {
+/// The first id of a `config.json` field holding one id or a list of them
+/// (`eos_token_id: [2, 3]`), as transformers reads the special tokens' ids.
+pub fn config_token_id(config: &Value, key: &str) -> Option<u32> {
     let v = &config[key];
     v.as_u64()
         .or_else(|| v.as_array()?.first()?.as_u64())
@@ -143,17 +144,17 @@ pub fn tokenizer_files(
         (
             "bos_token",
             "bos_token_id",
-            first_id(config, "bos_token_id"),
+            config_token_id(config, "bos_token_id"),
         ),
         (
             "eos_token",
             "eos_token_id",
-            first_id(config, "eos_token_id"),
+            config_token_id(config, "eos_token_id"),
         ),
         (
             "pad_token",
             "pad_token_id",
-            first_id(config, "pad_token_id"),
+            config_token_id(config, "pad_token_id"),
         ),
         ("unk_token", "unk_token_id", extras.unk_token_id),
     ] {
