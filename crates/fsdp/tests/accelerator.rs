@@ -58,17 +58,6 @@ fn collate(examples: &[Example]) -> Result<Batch, CollateError> {
     ))
 }
 
-fn full_weights<M>(
-    acc: &Accelerator,
-    model: &PreparedModel<M>,
-) -> Option<BTreeMap<String, Vec<f32>>> {
-    acc.get_state_dict(model).unwrap().map(|w| {
-        w.into_iter()
-            .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap()))
-            .collect()
-    })
-}
-
 /// The recipe: model 0 from the fixture's initial weights with AdamW in two groups (no
 /// decay on biases and LayerNorm weights) and a linear warmup schedule; model 1 from a seed
 /// with Nesterov SGD and a cosine schedule; both on the same micro-batches, 2 per optimizer
@@ -169,8 +158,8 @@ fn recipe(acc: &mut Accelerator) -> Value {
             first_opt.scheduler().unwrap().steps,
             second_opt.scheduler().unwrap().steps,
         ],
-        "weights": full_weights(acc, &first),
-        "second_weights": full_weights(acc, &second),
+        "weights": common::full_weights(acc, &first),
+        "second_weights": common::full_weights(acc, &second),
     })
 }
 

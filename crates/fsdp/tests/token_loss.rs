@@ -138,12 +138,7 @@ fn token_loss_worker() {
         }
         assert!(acc.optimizer_step(&mut model, &mut optimizer).unwrap());
     }
-    let weights: Option<BTreeMap<String, Vec<f32>>> =
-        acc.get_state_dict(&model).unwrap().map(|w| {
-            w.into_iter()
-                .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap()))
-                .collect()
-        });
+    let weights = common::full_weights(&acc, &model);
     acc.wait_for_everyone().unwrap();
     if acc.is_main_process() {
         println!("RESULT {}", json!({ "weights": weights }));

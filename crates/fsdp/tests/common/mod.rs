@@ -96,3 +96,15 @@ pub fn mkfifo(path: &std::path::Path) {
         path.display()
     );
 }
+
+/// `model`'s full weights on rank 0 (`None` on the others) as flat vectors by name.
+pub fn full_weights<M>(
+    acc: &fsdp::accelerator::Accelerator,
+    model: &fsdp::accelerator::PreparedModel<M>,
+) -> Option<std::collections::BTreeMap<String, Vec<f32>>> {
+    acc.get_state_dict(model).unwrap().map(|w| {
+        w.into_iter()
+            .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap()))
+            .collect()
+    })
+}
