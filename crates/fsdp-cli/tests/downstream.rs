@@ -4,6 +4,10 @@
 //! own model") taken verbatim, builds against the patched candle-core (`fsdp-candle-core`),
 //! never the registry's `candle-core`, trains under `fsdp launch` on 2 processes, and
 //! `fsdp merge-weights` turns its checkpoint into a model with the names its modules declared.
+//! It builds into this checkout's `target/` as the README suggests for a crate of one's own,
+//! with this workspace's profiles (optimisation settings only), so the dependencies the
+//! workspace's tests were built with are reused and only fsdp, fsdp-comm (unoptimised: this
+//! crate's features differ from the tests' `--all-features`) and the program compile.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -51,6 +55,21 @@ fn run(cmd: &mut Command, limit: Duration) -> (bool, String) {
     }
 }
 
+/// The workspace manifest's profile sections (from `[profile.dev.package]` on: how
+/// dependencies are optimised), so a build with them reuses what the tests were built with.
+fn workspace_profiles(root: &Path) -> String {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let start = manifest
+        .find("[profile.")
+        .expect("the workspace manifest has profiles");
+    let profiles = &manifest[start..];
+    assert!(
+        !profiles.contains("[patch") && !profiles.contains("[workspace"),
+        "the workspace manifest's profiles are its last sections"
+    );
+    profiles.to_string()
+}
+
 /// The first ```rust block of the guide.
 fn guide_program() -> String {
     let guide = std::fs::read_to_string(workspace_root().join("crates/fsdp/src/guide.md")).unwrap();
@@ -66,8 +85,10 @@ fn a_fresh_crate_with_the_guides_program_builds_without_a_patch_trains_and_merge
     let manifest = format!(
         "[package]\nname = \"my-model\"\nversion = \"0.0.0\"\nedition = \"2024\"\npublish = false\n\n\
          [dependencies]\nfsdp = {{ path = \"{}\" }}\nanyhow = \"1\"\n\n\
-         # Its own workspace: nothing of fsdp-rs's (profiles, patches) applies.\n[workspace]\n",
-        root.join("crates/fsdp").display()
+         # Its own workspace: no patch of fsdp-rs's applies.\n[workspace]\n\n{}\n\
+         [profile.test.package.fsdp]\nopt-level = 0\n[profile.test.package.fsdp-comm]\nopt-level = 0\n",
+        root.join("crates/fsdp").display(),
+        workspace_profiles(&root)
     );
     assert!(!manifest.contains("[patch"));
     std::fs::write(scratch.path().join("Cargo.toml"), &manifest).unwrap();
@@ -75,16 +96,16 @@ fn a_fresh_crate_with_the_guides_program_builds_without_a_patch_trains_and_merge
     std::fs::write(scratch.path().join("src/main.rs"), guide_program()).unwrap();
     // The versions this workspace resolved (all in cargo's cache: the build needs no network).
     std::fs::copy(root.join("Cargo.lock"), scratch.path().join("Cargo.lock")).unwrap();
-    let target = root.join("target/downstream-check");
+    // The workspace's target folder (tests do not hold its lock while they run).
+    let target = root.join("target");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let cargo_in_scratch = |args: &[&str]| {
         let mut cmd = Command::new(&cargo);
         cmd.args(args)
             .current_dir(scratch.path())
-            .env("CARGO_TARGET_DIR", &target)
-            // Unoptimised and without debug info: the quickest build of the whole tree.
-            .env("CARGO_PROFILE_DEV_DEBUG", "false")
-            .env_remove("RUSTFLAGS");
+            // The environment this test runs in (CI's CARGO_INCREMENTAL and
+            // CARGO_PROFILE_TEST_DEBUG included) stays, so the dependencies match.
+            .env("CARGO_TARGET_DIR", &target);
         cmd
     };
 
@@ -104,7 +125,7 @@ fn a_fresh_crate_with_the_guides_program_builds_without_a_patch_trains_and_merge
     );
 
     let (ok, build) = run(
-        &mut cargo_in_scratch(&["build", "--offline", "--quiet"]),
+        &mut cargo_in_scratch(&["build", "--offline", "--quiet", "--profile", "test"]),
         Duration::from_secs(900),
     );
     assert!(ok, "the downstream crate does not build:\n{build}");
