@@ -28,6 +28,10 @@ struct Linear {
     layout: WeightLayout,
     gelu: Option<GeluApprox>,
     pre: Mutex<Option<CpuStorage>>,
+    /// Which gradients backward forms: (input, weight). A frozen weight (LoRA's base, a
+    /// plain tensor outside the graph) gets none, which saves backward's dW product; an
+    /// input outside the graph none either.
+    wanted: (bool, bool),
 }
 
 impl Linear {
@@ -84,31 +88,35 @@ impl Linear {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw) = self.input_and_weight_grads((x_t, w_t), b_t.elem_count(), g)?;
         let db: Vec<T> = db.into_iter().map(T::of).collect();
-        Ok((Some(dx), Some(dw), Some(tensor(db, b_t.shape(), b_t)?)))
+        Ok((dx, dw, Some(tensor(db, b_t.shape(), b_t)?)))
     }
 
     /// dx = g M^T and the weight's gradient in its own layout (`n` outputs), with two direct
-    /// GEMMs.
+    /// GEMMs, each only when [`Linear::wanted`].
     fn input_and_weight_grads<T: Float>(
         &self,
         (x_t, w_t): (&Tensor, &Tensor),
         n: usize,
         g: &[T],
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (m, k) = x_t.dims2()?;
         let (rs, cs) = self.operand_strides(k, n);
         let name = self.name();
+        let (want_dx, want_dw) = self.wanted;
         with_slice::<T, _>(x_t, name, |x| {
             with_slice::<T, _>(w_t, name, |w| {
                 // dx[m×k] = g[m×n] · M^T[n×k]
-                let dx = gemm_new(m, k, n, g, n, 1, w, cs, rs, 1.0);
-                let dw = match self.layout {
+                let dx = want_dx.then(|| gemm_new(m, k, n, g, n, 1, w, cs, rs, 1.0));
+                let dw = want_dw.then(|| match self.layout {
                     // dW[n×k] = g^T[n×m] · x[m×k]
                     WeightLayout::OutIn => gemm_new(n, k, m, g, 1, n, x, k, 1, 1.0),
                     // dW[k×n] = x^T[k×m] · g[m×n]
                     WeightLayout::InOut => gemm_new(k, n, m, x, 1, k, g, n, 1, 1.0),
-                };
-                Ok((tensor(dx, x_t.shape(), x_t)?, tensor(dw, w_t.shape(), w_t)?))
+                });
+                Ok((
+                    dx.map(|dx| tensor(dx, x_t.shape(), x_t)).transpose()?,
+                    dw.map(|dw| tensor(dw, w_t.shape(), w_t)).transpose()?,
+                ))
             })
         })
     }
@@ -229,8 +237,7 @@ impl CustomOp2 for LinearNoBias {
         let n = w_t.dim(0)?;
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| {
-                let (dx, dw) = self.0.input_and_weight_grads::<T>((x_t, w_t), n, g)?;
-                Ok((Some(dx), Some(dw)))
+                self.0.input_and_weight_grads::<T>((x_t, w_t), n, g)
             })
         })
     }
@@ -266,6 +273,7 @@ fn over_last_dim(
         layout,
         gelu,
         pre: Mutex::new(None),
+        wanted: (x.track_op(), w.track_op()),
     };
     on_rows(x, b.elem_count(), |x2| {
         x2.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
@@ -299,6 +307,7 @@ pub fn linear_no_bias(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         layout: WeightLayout::OutIn,
         gelu: None,
         pre: Mutex::new(None),
+        wanted: (x.track_op(), w.track_op()),
     });
     on_rows(x, w.dim(0)?, |x2| x2.apply_op2(&w.contiguous()?, op))
 }
