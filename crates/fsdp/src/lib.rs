@@ -24,6 +24,7 @@ pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod optim;
+pub mod peft;
 pub mod perf;
 pub mod trace;
 

@@ -24,6 +24,7 @@ mod grad_scaler;
 mod kernels;
 mod llama;
 mod loading;
+mod lora;
 mod minilm;
 mod models;
 mod offload;

@@ -53,6 +53,28 @@ impl Accelerator {
         )?)
     }
 
+    /// Saves `model`'s LoRA adapters in `dir` as PEFT's `save_pretrained` does
+    /// (`adapter_config.json` with `task_type` such as `CAUSAL_LM` and the base model's name
+    /// or folder, `adapter_model.safetensors` with PEFT's names), which Python `peft` loads
+    /// onto transformers' model. Collective: only the adapters are gathered, one unit at a
+    /// time, onto rank 0, which writes; atomic as [`Accelerator::save_model`].
+    pub fn save_adapter<M: crate::nn::Module>(
+        &self,
+        model: &PreparedModel<crate::peft::LoraModel<M>>,
+        dir: &Path,
+        task_type: &str,
+        base_model: Option<&str>,
+    ) -> Result<PathBuf, AcceleratorError> {
+        let config = model.module().adapter_config(task_type, base_model);
+        Ok(checkpoint::save_adapter(
+            model.engine(),
+            dir,
+            &config,
+            &crate::peft::is_adapter_param,
+            &|name| format!("{}{name}", crate::peft::PEFT_PREFIX),
+        )?)
+    }
+
     /// `model`'s full weights by name on rank 0 (`None` on the others), gathered one unit
     /// at a time (collective).
     pub fn get_state_dict<M>(

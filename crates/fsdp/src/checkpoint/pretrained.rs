@@ -46,7 +46,6 @@ pub fn save_pretrained(
     config: &serde_json::Value,
     max_shard_bytes: u64,
 ) -> Result<PathBuf, CheckpointError> {
-    let first = model.mesh().rank() == 0;
     let names: Vec<(String, Vec<usize>)> = model
         .parameters()
         .into_iter()
@@ -61,6 +60,51 @@ pub fn save_pretrained(
             format!("model-{:05}-of-{n:05}.safetensors", i + 1)
         }
     };
+    let documents = |staging: &Path| write_documents(staging, config, &files, &file_name);
+    save_selected(model, dir, &files, &file_name, &|_| true, &documents)
+}
+
+/// Saves the parameters `keep` selects as PEFT saves an adapter: one
+/// `adapter_model.safetensors` whose tensors are named by `saved_name`, and
+/// `adapter_config.json`, put in place atomically in `dir` as [`save_pretrained`] does
+/// (collective; rank 0 writes).
+pub fn save_adapter(
+    model: &Fsdp,
+    dir: &Path,
+    adapter_config: &serde_json::Value,
+    keep: &dyn Fn(&str) -> bool,
+    saved_name: &dyn Fn(&str) -> String,
+) -> Result<PathBuf, CheckpointError> {
+    let plan: Vec<PlannedTensor> = model
+        .parameters()
+        .into_iter()
+        .filter(|(n, _)| keep(n))
+        .map(|(n, s)| PlannedTensor {
+            name: saved_name(n),
+            shape: s.to_vec(),
+        })
+        .collect();
+    let files = [plan];
+    let file_name = |_| "adapter_model.safetensors".to_string();
+    let documents = |staging: &Path| {
+        let text = serde_json::to_string_pretty(adapter_config)
+            .map_err(|e| CheckpointError::Usage(format!("adapter_config.json: {e}")))?;
+        atomic::write_synced(&staging.join("adapter_config.json"), text.as_bytes())
+    };
+    save_selected(model, dir, &files, &file_name, keep, &documents)
+}
+
+/// Streams the parameters `keep` selects, in gathering order, into `files` (named by
+/// `file_name`) in a staging folder beside `dir`, adds `documents`, and moves it into `dir`.
+fn save_selected(
+    model: &Fsdp,
+    dir: &Path,
+    files: &[Vec<PlannedTensor>],
+    file_name: &dyn Fn(usize) -> String,
+    keep: &dyn Fn(&str) -> bool,
+    documents: &dyn Fn(&Path) -> Result<(), CheckpointError>,
+) -> Result<PathBuf, CheckpointError> {
+    let first = model.mesh().rank() == 0;
     // Rank 0 stages the files beside `dir` (the others only send it their rows).
     let prepared = if first {
         let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
@@ -103,7 +147,10 @@ pub fn save_pretrained(
         }
     };
     model.gather_rows_to_first(
-        &|name, _| model.local_values_of(name).map(Some),
+        &|name, _| match keep(name) {
+            true => model.local_values_of(name).map(Some),
+            false => Ok(None),
+        },
         &mut |_, chunks| {
             if first
                 && failed.is_none()
@@ -122,7 +169,7 @@ pub fn save_pretrained(
     // On rank 0 the staging folder goes when `held` is dropped, published or not.
     let published = match held.as_mut() {
         Some(held) => finished
-            .and_then(|()| write_documents(&staging, config, &files, &file_name))
+            .and_then(|()| documents(&staging))
             .and_then(|()| atomic::sync_dir(&staging))
             .and_then(|()| atomic::publish_into(held, dir)),
         None => Ok(()),

@@ -220,6 +220,13 @@ impl Module for Gpt2Model {
             .fold(m, |m, b| m.child(b.info()))
             .child(self.ln_f.info())
     }
+
+    fn children_mut(&mut self) -> Vec<&mut dyn Module> {
+        let mut out: Vec<&mut dyn Module> = vec![&mut self.wte, &mut self.wpe];
+        out.extend(self.h.iter_mut().map(|b| b as &mut dyn Module));
+        out.push(&mut self.ln_f);
+        out
+    }
 }
 
 impl Forward<(&Tensor, Option<u64>)> for Gpt2Model {
@@ -353,6 +360,10 @@ impl Module for Gpt2LmHeadModel {
         ModuleInfo::new("", "GPT2LMHeadModel")
             .child(self.transformer.info())
             .child(self.lm_head.info())
+    }
+
+    fn children_mut(&mut self) -> Vec<&mut dyn Module> {
+        vec![&mut self.transformer, &mut self.lm_head]
     }
 }
 

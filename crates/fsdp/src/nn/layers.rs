@@ -4,6 +4,7 @@
 
 use candle_core::{Result, Tensor};
 
+use super::lora::LoraAdapter;
 use super::module::{Forward, Init, Module, ModuleInfo, Params, join};
 use super::ops::{self, GeluApprox};
 
@@ -29,6 +30,8 @@ pub struct Linear {
     std: f64,
     layout: WeightLayout,
     gelu: Option<GeluApprox>,
+    /// A LoRA adapter beside the weight ([`Linear::set_lora`]).
+    lora: Option<LoraAdapter>,
 }
 
 impl Linear {
@@ -43,6 +46,7 @@ impl Linear {
             std,
             layout: WeightLayout::OutIn,
             gelu: None,
+            lora: None,
         }
     }
 
@@ -57,14 +61,43 @@ impl Linear {
     /// The weight's name when this projection is `x · weightᵀ` alone (`nn.Linear`'s layout,
     /// no bias, no activation): what an op fusing the projection with what follows takes.
     pub fn plain_weight(&self) -> Option<&str> {
-        (self.bias.is_none() && self.gelu.is_none() && self.layout == WeightLayout::OutIn)
-            .then_some(self.weight.as_str())
+        (self.bias.is_none()
+            && self.gelu.is_none()
+            && self.layout == WeightLayout::OutIn
+            && self.lora.is_none())
+        .then_some(self.weight.as_str())
     }
 
     /// The same `nn.Linear` without its bias (`bias=False`: Llama's, Mistral's projections);
     /// the module then has the parameter `weight` only.
     pub fn without_bias(self) -> Linear {
         Linear { bias: None, ..self }
+    }
+
+    /// Adds `adapter` beside the weight: forward adds its low-rank update (before a fused
+    /// GELU), and the module gains `lora_A.weight` [r, in] and `lora_B.weight` [out, r].
+    pub fn set_lora(&mut self, adapter: LoraAdapter) {
+        self.lora = Some(adapter);
+    }
+
+    /// The adapter [`Linear::set_lora`] added.
+    pub fn lora(&self) -> Option<&LoraAdapter> {
+        self.lora.as_ref()
+    }
+
+    /// (in, out) features.
+    pub fn features(&self) -> (usize, usize) {
+        (self.d_in, self.d_out)
+    }
+
+    /// How the weight is stored.
+    pub fn layout(&self) -> WeightLayout {
+        self.layout
+    }
+
+    /// The weight's name.
+    pub fn weight_name(&self) -> &str {
+        &self.weight
     }
 
     /// The same layer with GELU fused after it.
@@ -91,10 +124,18 @@ impl Module for Linear {
             &shape,
             Init::Normal { std: self.std },
         );
-        match self.bias {
+        let info = match self.bias {
             Some(_) => info.param("bias", &[self.d_out], Init::Zeros),
             None => info,
+        };
+        match &self.lora {
+            Some(lora) => lora.add_params(info, self.d_in, self.d_out),
+            None => info,
         }
+    }
+
+    fn as_linear_mut(&mut self) -> Option<&mut Linear> {
+        Some(self)
     }
 }
 
@@ -102,19 +143,33 @@ impl Forward<&Tensor> for Linear {
     type Output = Tensor;
 
     fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
+        let Some(lora) = &self.lora else {
+            return self.base_forward(p, x, self.gelu);
+        };
+        let y = (self.base_forward(p, x, None)? + lora.update(p, &self.path, x)?)?;
+        match self.gelu {
+            Some(approx) => ops::gelu(&y, approx),
+            None => Ok(y),
+        }
+    }
+}
+
+impl Linear {
+    /// The layer without its adapter, followed by `gelu`.
+    fn base_forward(&self, p: &dyn Params, x: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
         let w = p.get(&self.weight)?;
         let Some(bias) = &self.bias else {
             let y = match self.layout {
                 WeightLayout::OutIn => ops::linear_no_bias(x, &w)?,
                 WeightLayout::InOut => x.broadcast_matmul(&w)?,
             };
-            return match self.gelu {
+            return match gelu {
                 Some(approx) => ops::gelu(&y, approx),
                 None => Ok(y),
             };
         };
         let b = p.get(bias)?;
-        match (self.layout, self.gelu) {
+        match (self.layout, gelu) {
             (WeightLayout::OutIn, None) => ops::linear(x, &w, &b),
             (WeightLayout::OutIn, Some(approx)) => ops::linear_gelu(x, &w, &b, approx),
             (WeightLayout::InOut, gelu) => ops::conv1d(x, &w, &b, gelu),

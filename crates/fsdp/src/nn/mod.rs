@@ -4,6 +4,7 @@
 pub use candle_core as candle;
 
 pub mod layers;
+pub mod lora;
 pub mod module;
 pub mod ops;
 mod weights;

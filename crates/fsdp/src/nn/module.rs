@@ -21,6 +21,11 @@ pub enum Init {
     Zeros,
     /// All ones (LayerNorm weight).
     Ones,
+    /// Uniform on `[-bound, bound]` (`kaiming_uniform_(a=√5)` gives `1/√fan_in`: LoRA's A).
+    Uniform {
+        /// Half the interval's width.
+        bound: f64,
+    },
 }
 
 /// A parameter a module owns.
@@ -51,6 +56,12 @@ impl ParamSpec {
             Init::Normal { std } => {
                 let mut rng = NormalRng::new(seed ^ fnv1a(&self.name));
                 (0..n).map(|_| rng.normal() * std).collect()
+            }
+            Init::Uniform { bound } => {
+                let mut rng = NormalRng::new(seed ^ fnv1a(&self.name));
+                (0..n)
+                    .map(|_| (2.0 * rng.uniform() - 1.0) * bound)
+                    .collect()
             }
         }
     }
@@ -225,6 +236,17 @@ pub trait Module {
 
     /// This module's node of the module tree: type name, own parameters, children.
     fn info(&self) -> ModuleInfo;
+
+    /// Its child modules, mutably, in the order [`Module::info`] lists them: what a change to
+    /// a whole model (LoRA adapters on its linear layers) walks. Leaves have none.
+    fn children_mut(&mut self) -> Vec<&mut dyn Module> {
+        Vec::new()
+    }
+
+    /// This module as a linear layer, when it is one (where adapters attach).
+    fn as_linear_mut(&mut self) -> Option<&mut crate::nn::layers::Linear> {
+        None
+    }
 }
 
 /// What a module's forward returns: tensors reported to [`Params::module_output`].
@@ -281,17 +303,28 @@ pub trait Model: Module {
 pub trait ModuleChildren {
     /// `node` with this field's modules appended as children, in order.
     fn add_to(&self, node: ModuleInfo) -> ModuleInfo;
+
+    /// This field's modules appended to `out`, mutably, in the same order.
+    fn push_mut<'a>(&'a mut self, out: &mut Vec<&'a mut dyn Module>);
 }
 
 impl<T: Module> ModuleChildren for T {
     fn add_to(&self, node: ModuleInfo) -> ModuleInfo {
         node.child(self.info())
     }
+
+    fn push_mut<'a>(&'a mut self, out: &mut Vec<&'a mut dyn Module>) {
+        out.push(self);
+    }
 }
 
 impl<T: Module> ModuleChildren for Vec<T> {
     fn add_to(&self, node: ModuleInfo) -> ModuleInfo {
         self.iter().fold(node, |node, m| node.child(m.info()))
+    }
+
+    fn push_mut<'a>(&'a mut self, out: &mut Vec<&'a mut dyn Module>) {
+        out.extend(self.iter_mut().map(|m| m as &mut dyn Module));
     }
 }
 
@@ -300,6 +333,12 @@ impl<T: Module> ModuleChildren for Option<T> {
         match self {
             Some(m) => node.child(m.info()),
             None => node,
+        }
+    }
+
+    fn push_mut<'a>(&'a mut self, out: &mut Vec<&'a mut dyn Module>) {
+        if let Some(m) = self {
+            out.push(m);
         }
     }
 }
@@ -345,6 +384,13 @@ macro_rules! composite_module {
                 $(let node = $crate::nn::ModuleChildren::add_to(&self.$child, node);)*
                 node
             }
+
+            fn children_mut(&mut self) -> Vec<&mut dyn $crate::nn::Module> {
+                #[allow(unused_mut)]
+                let mut out: Vec<&mut dyn $crate::nn::Module> = Vec::new();
+                $($crate::nn::ModuleChildren::push_mut(&mut self.$child, &mut out);)*
+                out
+            }
         }
     };
     ($ty:ty, fn $name:ident, [$($child:ident),* $(,)?]) => {
@@ -357,6 +403,13 @@ macro_rules! composite_module {
                 let node = $crate::nn::ModuleInfo::new(self.path.clone(), self.$name());
                 $(let node = $crate::nn::ModuleChildren::add_to(&self.$child, node);)*
                 node
+            }
+
+            fn children_mut(&mut self) -> Vec<&mut dyn $crate::nn::Module> {
+                #[allow(unused_mut)]
+                let mut out: Vec<&mut dyn $crate::nn::Module> = Vec::new();
+                $($crate::nn::ModuleChildren::push_mut(&mut self.$child, &mut out);)*
+                out
             }
         }
     };
@@ -387,7 +440,8 @@ impl NormalRng {
         }
     }
 
-    fn uniform(&mut self) -> f64 {
+    /// A uniform sample in (0, 1).
+    pub fn uniform(&mut self) -> f64 {
         self.state ^= self.state >> 12;
         self.state ^= self.state << 25;
         self.state ^= self.state >> 27;

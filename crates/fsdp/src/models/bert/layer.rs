@@ -174,6 +174,10 @@ impl Module for BertResidualOutput {
             .child(self.dense.info())
             .child(self.layer_norm.info())
     }
+
+    fn children_mut(&mut self) -> Vec<&mut dyn Module> {
+        vec![&mut self.dense, &mut self.layer_norm]
+    }
 }
 
 impl<'a> Forward<(&'a Tensor, &'a Tensor, Option<u64>)> for BertResidualOutput {

@@ -53,6 +53,13 @@ impl Module for BertEncoder {
                 m.child(l.info())
             })
     }
+
+    fn children_mut(&mut self) -> Vec<&mut dyn Module> {
+        self.layer
+            .iter_mut()
+            .map(|l| l as &mut dyn Module)
+            .collect()
+    }
 }
 
 impl<'a> Forward<LayerInput<'a>> for BertEncoder {
@@ -250,6 +257,10 @@ impl Module for BertForSequenceClassification {
         ModuleInfo::new("", "BertForSequenceClassification")
             .child(self.bert.info())
             .child(self.classifier.info())
+    }
+
+    fn children_mut(&mut self) -> Vec<&mut dyn Module> {
+        vec![&mut self.bert, &mut self.classifier]
     }
 }
 

@@ -357,6 +357,13 @@ impl Module for LmHead {
             LmHead::Tied(t) => t.info(),
         }
     }
+
+    fn as_linear_mut(&mut self) -> Option<&mut Linear> {
+        match self {
+            LmHead::Own(l) => Some(l),
+            LmHead::Tied(_) => None,
+        }
+    }
 }
 
 impl LmHead {
@@ -501,6 +508,10 @@ impl Module for LlamaForCausalLM {
         ModuleInfo::new("", self.config.family.class(Part::CausalLm))
             .child(self.model.info())
             .child(self.lm_head.info())
+    }
+
+    fn children_mut(&mut self) -> Vec<&mut dyn Module> {
+        vec![&mut self.model, &mut self.lm_head]
     }
 }
 

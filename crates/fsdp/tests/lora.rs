@@ -1,0 +1,459 @@
+//! LoRA under FSDP (`fsdp::peft`): a tiny Llama with adapters on chosen projections trains
+//! the same adapters on 1-4 real processes and under each sharding strategy as in one
+//! process (SGD with momentum, 4 steps, f32), the frozen base never moves and gets no optimizer state,
+//! the adapters save in PEFT's folder layout and read back, merging them into the base gives
+//! the adapted model's logits, the frozen weight's gradient is never formed while the
+//! adapter's and the input's equal those of composed candle ops, and bad settings or an
+//! adapter for another base are errors naming what is wrong.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor, Var};
+use fsdp::accelerator::Accelerator;
+use fsdp::models::{LlamaConfig, LlamaForCausalLM};
+use fsdp::nn::layers::Linear;
+use fsdp::nn::{Forward, LocalParams, Module, Params, WeightSource};
+use fsdp::optim::{Sgd, SgdConfig};
+use fsdp::peft::{AdapterFile, LoraConfig, LoraModel, PeftError, TargetModules, merge_adapter};
+use fsdp_comm::ReduceOp;
+use serde_json::json;
+
+use crate::common;
+
+const ROLE: &str = "FSDP_LORA_WORKER";
+const STEPS: usize = 4;
+
+/// transformers' `config.json` of the tiny Llama.
+fn hf_config() -> serde_json::Value {
+    json!({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 40,
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": false, "hidden_act": "silu",
+        "rope_theta": 10000.0, "torch_dtype": "float32",
+    })
+}
+
+fn config() -> LlamaConfig {
+    LlamaConfig::from_value(&hf_config()).unwrap()
+}
+
+fn lora_config() -> LoraConfig {
+    LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.0,
+        target_modules: TargetModules::parse("q_proj,v_proj,down_proj"),
+        use_rslora: false,
+    }
+}
+
+/// The base model's seeded weights (what a pretrained file would give).
+fn base_weights() -> BTreeMap<String, Tensor> {
+    let model = LlamaForCausalLM::new(config()).unwrap();
+    LocalParams::init(&model.info(), 11, DType::F32, &Device::Cpu)
+        .unwrap()
+        .tensors()
+}
+
+/// Step `step`'s 12 sequences of 10 tokens (12: every world size 1-4 divides it).
+fn batch(step: usize) -> Tensor {
+    let ids: Vec<u32> = (0..120)
+        .map(|i| ((7 * i + 5 * step + i * i / 3) % 39 + 1) as u32)
+        .collect();
+    Tensor::from_vec(ids, (12, 10), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn lora_worker() {
+    if std::env::var(ROLE).is_err() {
+        return;
+    }
+    let mut acc = Accelerator::builder().build().unwrap();
+    let (world, rank) = (acc.num_processes(), acc.process_index());
+    let model = LoraModel::new(LlamaForCausalLM::new(config()).unwrap(), lora_config()).unwrap();
+    let base = base_weights();
+    let weights = model.weights(&base, None, 3).unwrap();
+    let mut model = acc.prepare_model(model, &weights).unwrap();
+    // SGD with momentum: its step is proportional to the gradients (AdamW's normalised step
+    // would turn the sums' rounding in near-zero gradients into visible differences), and it
+    // keeps one buffer per trained parameter.
+    let sgd = Sgd::new(SgdConfig {
+        lr: 0.5,
+        momentum: 0.9,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut optimizer = acc.prepare_optimizer(sgd).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let ids = batch(step);
+        let per = 12 / world;
+        let mine = ids.narrow(0, rank * per, per).unwrap();
+        let loss = model
+            .forward(|m, p| m.forward_loss(p, &mine, None, &mine))
+            .unwrap();
+        let sum = acc
+            .reduce(vec![loss.to_scalar::<f32>().unwrap() as f64], ReduceOp::Sum)
+            .unwrap();
+        losses.push(sum[0] / world as f64);
+        acc.backward(&mut model, loss).unwrap();
+        assert!(acc.optimizer_step(&mut model, &mut optimizer).unwrap());
+    }
+    let opt = optimizer.optimizer();
+    let names = opt.state_names();
+    assert!(
+        names.iter().all(|n| fsdp::peft::is_adapter_param(n)),
+        "{names:?}"
+    );
+    let state_elems: usize = names
+        .iter()
+        .map(|n| opt.state(n).unwrap().bytes() / 4)
+        .sum();
+    let dir = std::env::var("TEST_ADAPTER_DIR").ok();
+    if let Some(dir) = &dir {
+        acc.save_adapter(&model, Path::new(dir), "CAUSAL_LM", Some("tiny-llama"))
+            .unwrap();
+    }
+    let weights = common::full_weights(&acc, &model);
+    acc.wait_for_everyone().unwrap();
+    if acc.is_main_process() {
+        println!(
+            "RESULT {}",
+            json!({ "weights": weights, "losses": losses, "state_elems": state_elems })
+        );
+    }
+}
+
+struct Run {
+    weights: BTreeMap<String, Vec<f32>>,
+    losses: Vec<f64>,
+    state_elems: usize,
+}
+
+fn run(world: usize, env: &[(&str, &str)]) -> Run {
+    let outputs = common::run_workers("lora_worker", ROLE, world, env, Duration::from_secs(120));
+    let r = common::result_of(&outputs[0]);
+    Run {
+        weights: serde_json::from_value(r["weights"].clone()).unwrap(),
+        losses: serde_json::from_value(r["losses"].clone()).unwrap(),
+        state_elems: serde_json::from_value(r["state_elems"].clone()).unwrap(),
+    }
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+#[test]
+fn lora_trains_the_same_adapters_on_one_to_four_processes_and_every_strategy() {
+    let reference = run(1, &[]);
+    let base = base_weights();
+    let adapters: Vec<&String> = reference
+        .weights
+        .keys()
+        .filter(|k| fsdp::peft::is_adapter_param(k))
+        .collect();
+    // 3 layers × 3 projections × (A, B).
+    assert_eq!(adapters.len(), 18, "{adapters:?}");
+    for (name, values) in &reference.weights {
+        if fsdp::peft::is_adapter_param(name) {
+            continue;
+        }
+        let before: Vec<f32> = base[name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(values, &before, "frozen `{name}` moved");
+    }
+    let b = &reference.weights["model.layers.1.self_attn.q_proj.lora_B.weight"];
+    assert!(b.iter().any(|v| *v != 0.0), "lora_B never trained");
+    assert!(
+        reference.losses[STEPS - 1] < reference.losses[0],
+        "{:?}",
+        reference.losses
+    );
+    // One momentum buffer per adapter weight, none for the frozen base.
+    let adapter_elems: usize = adapters.iter().map(|k| reference.weights[*k].len()).sum();
+    assert_eq!(reference.state_elems, adapter_elems);
+    for (world, strategy) in [
+        (2, "FULL_SHARD"),
+        (3, "FULL_SHARD"),
+        (4, "FULL_SHARD"),
+        (2, "SHARD_GRAD_OP"),
+        (2, "NO_SHARD"),
+    ] {
+        let run = run(world, &[("FSDP_SHARDING_STRATEGY", strategy)]);
+        for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
+            assert!(
+                ((a - b) / b).abs() < 1e-5,
+                "{world} ranks {strategy}, step {i}: loss {a} vs {b}"
+            );
+        }
+        for (name, values) in &reference.weights {
+            let d = rel(&run.weights[name], values);
+            assert!(d < 1e-5, "{world} ranks {strategy}: `{name}` off by {d:e}");
+        }
+        // Every rank keeps state for its shard of the adapters only (rank 0's here).
+        assert!(run.state_elems <= reference.state_elems, "{strategy}");
+    }
+}
+
+#[test]
+fn adapters_save_as_peft_read_back_and_merge_into_the_adapted_models_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let adapter_dir = dir.path().join("adapter");
+    let trained = run(2, &[("TEST_ADAPTER_DIR", adapter_dir.to_str().unwrap())]);
+    let file = AdapterFile::read(&adapter_dir).unwrap();
+    assert_eq!(
+        file.config,
+        LoraConfig {
+            target_modules: TargetModules::Names(vec![
+                "down_proj".into(),
+                "q_proj".into(),
+                "v_proj".into()
+            ]),
+            ..lora_config()
+        }
+    );
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(adapter_dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["peft_type"], "LORA");
+    assert_eq!(saved["task_type"], "CAUSAL_LM");
+    assert_eq!(saved["base_model_name_or_path"], "tiny-llama");
+    // PEFT's names, and only the adapters.
+    let bytes = std::fs::read(adapter_dir.join("adapter_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names = st.names();
+    names.sort();
+    assert_eq!(names.len(), 18);
+    assert_eq!(
+        names[0],
+        "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+    );
+    for (name, (_, values)) in &file.tensors {
+        assert_eq!(values, &trained.weights[name], "{name}");
+    }
+
+    // The adapted model (base + adapters read back) and the merged plain model agree.
+    let model = LoraModel::new(LlamaForCausalLM::new(config()).unwrap(), lora_config()).unwrap();
+    let base = base_weights();
+    let source = model.weights(&base, Some(&file), 0).unwrap();
+    let info = model.info();
+    let tensors = info
+        .all_params()
+        .into_iter()
+        .map(|spec| {
+            let v = source.values(spec).unwrap();
+            let t = Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu).unwrap();
+            (spec.name.clone(), t)
+        })
+        .collect();
+    let adapted = LocalParams::from_tensors(&info, tensors).unwrap();
+    let ids = batch(9);
+    let want = model.forward(&adapted, &ids).unwrap();
+    let mut state = base.clone();
+    for (name, (shape, values)) in &file.tensors {
+        state.insert(
+            name.clone(),
+            Tensor::from_vec(values.clone(), shape.as_slice(), &Device::Cpu).unwrap(),
+        );
+    }
+    let merged = merge_adapter(&mut state, &file.config, file.fan_in_fan_out).unwrap();
+    assert_eq!(merged.len(), 9);
+    assert!(state.keys().all(|k| !fsdp::peft::is_adapter_param(k)));
+    let plain = LlamaForCausalLM::new(config()).unwrap();
+    let got = plain.forward(&state_params(&state), &ids, None).unwrap();
+    let (w, g): (Vec<f32>, Vec<f32>) = (
+        want.flatten_all().unwrap().to_vec1().unwrap(),
+        got.flatten_all().unwrap().to_vec1().unwrap(),
+    );
+    let d = rel(&g, &w);
+    assert!(d < 1e-5, "merged logits off by {d:e}");
+    let unadapted = plain.forward(&state_params(&base), &ids, None).unwrap();
+    let u: Vec<f32> = unadapted.flatten_all().unwrap().to_vec1().unwrap();
+    assert!(rel(&u, &w) > 1e-4, "the adapters changed nothing");
+    peft_loads_it_alike(dir.path(), &adapter_dir, &base, &ids, &w);
+
+    // An adapter for another base: a tensor whose shape does not fit.
+    let other = LoraConfig {
+        r: 2,
+        ..lora_config()
+    };
+    let model = LoraModel::new(LlamaForCausalLM::new(config()).unwrap(), other).unwrap();
+    let e = model.weights(&base, Some(&file), 0).err().unwrap();
+    assert!(matches!(e, PeftError::OtherBase { .. }), "{e}");
+    assert!(e.to_string().contains("another base model"), "{e}");
+    assert!(e.to_string().contains("lora_A.weight"), "{e}");
+
+    // Not a LoRA adapter.
+    std::fs::write(
+        adapter_dir.join("adapter_config.json"),
+        r#"{"peft_type": "IA3"}"#,
+    )
+    .unwrap();
+    let e = AdapterFile::read(&adapter_dir).unwrap_err();
+    assert!(e.to_string().contains("adapter_config.json"), "{e}");
+    assert!(e.to_string().contains("IA3"), "{e}");
+}
+
+/// With `FSDP_TORCH_PYTHON` (a python with torch and transformers), Python peft loads the
+/// adapter onto transformers' model of the base weights and gives our logits, before and
+/// after its `merge_and_unload` (`tools/check-peft-adapter.sh`); without it, says so.
+fn peft_loads_it_alike(
+    scratch: &Path,
+    adapter: &Path,
+    base: &BTreeMap<String, Tensor>,
+    ids: &Tensor,
+    logits: &[f32],
+) {
+    if std::env::var_os("FSDP_TORCH_PYTHON").is_none() {
+        skipped!(
+            "(part) loading the adapter with Python peft needs FSDP_TORCH_PYTHON, a python with torch and transformers"
+        );
+        return;
+    }
+    let base_dir = scratch.join("base");
+    std::fs::create_dir_all(&base_dir).unwrap();
+    let base: std::collections::HashMap<_, _> = base.clone().into_iter().collect();
+    candle_core::safetensors::save(&base, base_dir.join("model.safetensors")).unwrap();
+    std::fs::write(base_dir.join("config.json"), hf_config().to_string()).unwrap();
+    let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
+    let expected = scratch.join("expected.json");
+    std::fs::write(
+        &expected,
+        json!({ "ids": ids, "logits": logits }).to_string(),
+    )
+    .unwrap();
+    let out = std::process::Command::new(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/check-peft-adapter.sh"),
+    )
+    .args([&base_dir, adapter, &expected])
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("\"adapted_layers\": 9"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("peft: {text}");
+}
+
+/// Plain parameters holding `state`.
+fn state_params(state: &BTreeMap<String, Tensor>) -> impl Params + use<> {
+    struct Plain(BTreeMap<String, Tensor>);
+    impl Params for Plain {
+        fn get(&self, name: &str) -> candle_core::Result<Tensor> {
+            self.0
+                .get(name)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg(format!("no {name}")))
+        }
+    }
+    Plain(state.clone())
+}
+
+#[test]
+fn bad_lora_settings_are_errors_naming_them() {
+    let base = || LlamaForCausalLM::new(config()).unwrap();
+    let e = LoraModel::new(
+        base(),
+        LoraConfig {
+            r: 0,
+            ..lora_config()
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("`r`"), "{e}");
+    let e = LoraModel::new(
+        base(),
+        LoraConfig {
+            lora_dropout: 1.0,
+            ..lora_config()
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("lora_dropout"), "{e}");
+    let e = LoraModel::new(base(), LoraConfig::new(TargetModules::parse("query,value")))
+        .err()
+        .unwrap();
+    let text = e.to_string();
+    assert!(text.contains("query"), "{text}");
+    assert!(text.contains("model.layers.0.self_attn.q_proj"), "{text}");
+    let e = LoraModel::new(base(), LoraConfig::new(TargetModules::Regex("(".into())))
+        .err()
+        .unwrap();
+    assert!(matches!(e, PeftError::BadRegex { .. }), "{e}");
+    // all-linear: every projection but the output layer.
+    let m = LoraModel::new(base(), LoraConfig::new(TargetModules::AllLinear)).unwrap();
+    assert_eq!(m.adapted().len(), 3 * 7);
+    assert!(!m.adapted().iter().any(|p| p == "lm_head"));
+    // Only adapters train.
+    let info = m.info();
+    let trainable: Vec<&str> = info
+        .all_params()
+        .into_iter()
+        .filter(|p| p.requires_grad)
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(trainable.len(), 2 * 21);
+    assert!(trainable.iter().all(|n| fsdp::peft::is_adapter_param(n)));
+}
+
+#[test]
+fn a_lora_layer_has_the_gradients_of_composed_ops_and_none_for_its_frozen_weight() {
+    let dev = Device::Cpu;
+    let (d_in, d_out, r) = (12, 10, 3);
+    let mut layer = Linear::new("proj".into(), d_in, d_out, 0.2).without_bias();
+    let seed = std::sync::Arc::new(std::sync::Mutex::new(None));
+    layer.set_lora(fsdp::nn::lora::LoraAdapter::new(r, 2.5, 0.0, seed));
+    let rand = |shape: (usize, usize), s: f64| Tensor::randn(0f32, s as f32, shape, &dev).unwrap();
+    let w = rand((d_out, d_in), 0.3);
+    let a = Var::from_tensor(&rand((r, d_in), 0.3)).unwrap();
+    let b = Var::from_tensor(&rand((d_out, r), 0.3)).unwrap();
+    let x = Var::from_tensor(&rand((5, d_in), 1.0)).unwrap();
+    struct P(BTreeMap<String, Tensor>);
+    impl Params for P {
+        fn get(&self, name: &str) -> candle_core::Result<Tensor> {
+            Ok(self.0[name].clone())
+        }
+    }
+    let p = P(BTreeMap::from([
+        ("proj.weight".to_string(), w.clone()),
+        ("proj.lora_A.weight".to_string(), a.as_tensor().clone()),
+        ("proj.lora_B.weight".to_string(), b.as_tensor().clone()),
+    ]));
+    let target = rand((5, d_out), 1.0);
+    let loss = |y: &Tensor| (y * &target).unwrap().sum_all().unwrap();
+    let y = layer.forward(&p, x.as_tensor()).unwrap();
+    let grads = loss(&y).backward().unwrap();
+    let composed = (x.as_tensor().matmul(&w.t().unwrap()).unwrap()
+        + (x.as_tensor()
+            .matmul(&a.as_tensor().t().unwrap())
+            .unwrap()
+            .matmul(&b.as_tensor().t().unwrap())
+            .unwrap()
+            * 2.5)
+            .unwrap())
+    .unwrap();
+    let want = loss(&composed).backward().unwrap();
+    let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    assert!(rel(&flat(&y), &flat(&composed)) < 1e-6);
+    for (what, t) in [
+        ("x", x.as_tensor()),
+        ("A", a.as_tensor()),
+        ("B", b.as_tensor()),
+    ] {
+        let d = rel(&flat(grads.get(t).unwrap()), &flat(want.get(t).unwrap()));
+        assert!(d < 1e-5, "gradient of {what} off by {d:e}");
+    }
+    assert!(grads.get(&w).is_none(), "the frozen weight got a gradient");
+}
