@@ -8,8 +8,12 @@ schedule, gradient clipping at 1.0, no dropout. It runs ours first, then PyTorch
 the losses side by side, tokens/s and peak RSS per rank, and one JSON line. With
 `--mixed_precision bf16` both compute in bf16 from f32 master weights, gradients reduced in
 f32 (ours: `--mixed_precision bf16`; PyTorch: FSDP `MixedPrecision(param_dtype=bf16,
-reduce_dtype=f32, buffer_dtype=bf16)`); the losses then agree to bf16's precision only. Not run by CI:
-needs `pip install torch==2.15.0 accelerate==1.15.0 transformers==5.24.0 gguf`.
+reduce_dtype=f32, buffer_dtype=bf16)`); the losses then agree to bf16's precision only. With
+`--lora_r R` both train LoRA adapters (r R, alpha 2R, no dropout, `--lora_target_modules`) on
+the frozen base: PyTorch through PEFT, starting from the initial adapters ours saved in PEFT's
+format (`PeftModel.from_pretrained(..., is_trainable=True)`). Not run by CI: needs
+`pip install torch==2.15.0 accelerate==1.15.0 transformers==5.24.0 gguf` (and peft==0.21.2
+for LoRA).
 
     cargo build --release -p fsdp-cli -p fsdp --examples
     python3 tools/bench_llama_pytorch.py --ours target/release/fsdp --steps 10
@@ -54,6 +58,9 @@ def worker(rank, a, work, result_file):
     gguf = Path(a.gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.config.use_cache = False
+    if a.lora_r:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, f"{work}/initial_adapter", is_trainable=True)
     norms = {n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
     decay, no_decay = [], []
     for n, p in model.named_parameters():
@@ -102,13 +109,17 @@ def main():
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
+    p.add_argument("--lora_r", type=int, default=None)
+    p.add_argument("--lora_target_modules", default="q_proj,v_proj")
     a = p.parse_args()
     example = Path(a.ours).resolve().parent / "examples" / "llama_example"
     with tempfile.TemporaryDirectory() as work:
         subprocess.run([a.ours, "launch", "--num_processes", "2", str(example), "--max_train_steps", str(a.steps),
                         "--seq_len", str(a.seq_len), "--batch_size", str(a.batch_size), "--lr", str(a.lr),
                         "--eval_samples", "0", "--gguf", a.gguf, "--dump_batches", work,
-                        "--output_dir", f"{work}/out", "--mixed_precision", a.mixed_precision],
+                        "--output_dir", f"{work}/out", "--mixed_precision", a.mixed_precision]
+                       + (["--lora_r", str(a.lora_r), "--lora_alpha", str(2 * a.lora_r), "--lora_dropout", "0",
+                           "--lora_target_modules", a.lora_target_modules] if a.lora_r else []),
                        check=True)
         ours = json.load(open(f"{work}/fsdp-rs.json"))
         mp.spawn(worker, args=(a, work, f"{work}/pytorch.json"), nprocs=2)
@@ -127,7 +138,8 @@ def main():
     print(f"peak RSS per rank (MiB): fsdp-rs {', '.join(f'{m:.0f}' for m in ours['peak_rss_mib'])}; "
           f"pytorch {', '.join(f'{m:.0f}' for m in theirs['peak_rss_mib'])} "
           f"({max(ours['peak_rss_mib']) / max(theirs['peak_rss_mib']):.2f}x)")
-    print(json.dumps({"bench": "llama_vs_pytorch", "mixed_precision": a.mixed_precision, "steps": a.steps, "seq_len": a.seq_len,
+    print(json.dumps({"bench": "llama_vs_pytorch", "mixed_precision": a.mixed_precision, "lora_r": a.lora_r,
+                      "lora_target_modules": a.lora_target_modules if a.lora_r else None, "steps": a.steps, "seq_len": a.seq_len,
                       "batch_size_per_rank": a.batch_size, "max_rel_loss_diff": worst,
                       "fsdp_rs": ours, "pytorch": theirs}))
 

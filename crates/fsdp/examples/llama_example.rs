@@ -473,6 +473,9 @@ fn fine_tune<M: Tuned>(
         Ok(loss)
     };
     // --eval_samples 0: no evaluation (benchmark runs).
+    if let Some(dir) = &args.dump_batches {
+        M::save_initial(&acc, &model, dir)?;
+    }
     let before = if args.eval_samples > 0 {
         report(&acc, &mut model, "before fine-tuning")?
     } else {

@@ -19,6 +19,13 @@ pub trait Tuned: fsdp::nn::Model + Sized {
 
     /// Saves what was trained into `out`; returns the folder a transformers user loads.
     fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<PathBuf>;
+
+    /// For `--dump_batches`: what the trained weights start from that the pretrained file
+    /// lacks (LoRA's initial adapters, in `dir/initial_adapter`), so the PyTorch anchor
+    /// starts from the same.
+    fn save_initial(_acc: &Accelerator, _model: &PreparedModel<Self>, _dir: &Path) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What a saved folder carries besides the weights.
@@ -60,6 +67,11 @@ impl Tuned for LoraModel<LlamaForCausalLM> {
 
     fn set_step_seed(&self, seed: Option<u64>) {
         self.set_dropout_seed(seed);
+    }
+
+    fn save_initial(acc: &Accelerator, model: &PreparedModel<Self>, dir: &Path) -> Result<()> {
+        acc.save_adapter(model, &dir.join("initial_adapter"), "CAUSAL_LM", None)?;
+        Ok(())
     }
 
     /// The adapters in PEFT's format (and with `--merge_lora` the merged model).
