@@ -2,11 +2,13 @@
 //! workspace that names only `fsdp` (and anyhow) in its manifest, with no `[patch]`, whose
 //! `src/main.rs` is the guide's program (`crates/fsdp/src/guide.md`, the README's "Train your
 //! own model") taken verbatim, resolves to the patched candle-core (`fsdp-candle-core`),
-//! never the registry's `candle-core`, and compiles (`cargo check`: the whole tree type-checked
-//! without a second optimised build of it, which cost a clean CI run a minute); the same
-//! program, built by the workspace as the example `guide` (`examples/guide/program.rs`,
-//! checked to be the guide's text), trains under `fsdp launch` on 2 processes, and
+//! never the registry's `candle-core` (`cargo tree`); the same program, compiled by the
+//! workspace as the example `guide` (`examples/guide/program.rs`, checked to be the guide's
+//! text) against the same crates, trains under `fsdp launch` on 2 processes, and
 //! `fsdp merge-weights` turns its checkpoint into a model with the names its modules declared.
+//! (Compiling the fresh crate's whole tree a second time, even only `cargo check`, cost a
+//! clean CI run 50 s to a minute; `tools/check-package.sh` builds each package from its
+//! tarball, as a user gets it.)
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -102,25 +104,13 @@ fn a_fresh_crate_with_the_guides_program_builds_without_a_patch_trains_and_merge
     std::fs::write(scratch.path().join("Cargo.toml"), &manifest).unwrap();
     std::fs::create_dir(scratch.path().join("src")).unwrap();
     std::fs::write(scratch.path().join("src/main.rs"), guide_program()).unwrap();
-    // The versions this workspace resolved (all in cargo's cache: the build needs no network).
+    // The versions this workspace resolved (all in cargo's cache: no network needed).
     std::fs::copy(root.join("Cargo.lock"), scratch.path().join("Cargo.lock")).unwrap();
-    let target = root.join("target/downstream-check");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let cargo_in_scratch = |args: &[&str]| {
-        let mut cmd = Command::new(&cargo);
-        cmd.args(args)
-            .current_dir(scratch.path())
-            .env("CARGO_TARGET_DIR", &target)
-            // Without debug info (check builds no code, but build scripts run).
-            .env("CARGO_PROFILE_DEV_DEBUG", "false")
-            .env_remove("RUSTFLAGS");
-        cmd
-    };
-
-    let (ok, tree) = run(
-        &mut cargo_in_scratch(&["tree", "--offline", "-e", "normal", "--prefix", "none"]),
-        Duration::from_secs(120),
-    );
+    let mut tree = Command::new(&cargo);
+    tree.args(["tree", "--offline", "-e", "normal", "--prefix", "none"])
+        .current_dir(scratch.path());
+    let (ok, tree) = run(&mut tree, Duration::from_secs(120));
     assert!(ok, "cargo tree failed:\n{tree}");
     let vendored = format!(
         "fsdp-candle-core v0.11.1 ({})",
@@ -131,12 +121,6 @@ fn a_fresh_crate_with_the_guides_program_builds_without_a_patch_trains_and_merge
         !tree.lines().any(|l| l.starts_with("candle-core ")),
         "the registry's candle-core is in the tree:\n{tree}"
     );
-
-    let (ok, build) = run(
-        &mut cargo_in_scratch(&["check", "--offline", "--quiet"]),
-        Duration::from_secs(900),
-    );
-    assert!(ok, "the downstream crate does not compile:\n{build}");
 
     // As the guide says: fsdp launch on 2 processes, then fsdp merge-weights.
     let out = scratch.path().join("out");
