@@ -4,6 +4,7 @@
 //! is traced back to the released parameter read outside its unit.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{CpuStorage, Tensor, TensorId};
 
@@ -97,4 +98,18 @@ pub(crate) fn diagnose_non_finite(runs: &[UnitRun], loss: &Tensor) -> Option<Eng
     (!culprits.is_empty()).then(|| EngineError::ReleasedParameterRead {
         params: culprits.join(" or "),
     })
+}
+
+/// Warns (rank 0, once per unit and engine: `reported`) about units that stayed gathered
+/// through forward because their output never passed through `module_output`: training is
+/// correct, but FSDP's memory saving for them is gone, which nothing else would show.
+pub(crate) fn report_unhooked(runs: &[UnitRun], reported: &[AtomicBool], rank: usize) {
+    for (run, reported) in runs.iter().zip(reported) {
+        if run.unhooked() && !reported.swap(true, Ordering::Relaxed) && rank == 0 {
+            tracing::warn!(
+                "{} was gathered in forward, but its output never passed through Params::module_output, so it stays gathered until its backward and FSDP saves no memory on it: run the module with `Forward::call` (`module.call(p, input)`), not `forward` (reported once per unit)",
+                run.unit.name()
+            );
+        }
+    }
 }

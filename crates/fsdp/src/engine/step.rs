@@ -313,23 +313,9 @@ impl StepShared {
         for run in &inner.runs {
             run.release_unread(&cx, &read)?;
         }
-        self.report_unhooked(&inner.runs);
+        debug::report_unhooked(&inner.runs, &self.opts.unhooked_reported, self.mesh.rank());
         inner.backward_order = order;
         Ok(())
-    }
-
-    /// Warns (rank 0, once per unit and engine) about units that stayed gathered through
-    /// forward because their output never passed through `module_output`: training is
-    /// correct, but FSDP's memory saving for them is gone, which nothing else would show.
-    fn report_unhooked(&self, runs: &[UnitRun]) {
-        for (run, reported) in runs.iter().zip(self.opts.unhooked_reported.iter()) {
-            if run.unhooked() && !reported.swap(true, Ordering::Relaxed) && self.mesh.rank() == 0 {
-                tracing::warn!(
-                    "{} was gathered in forward, but its output never passed through Params::module_output, so it stays gathered until its backward and FSDP saves no memory on it: run the module with `Forward::call` (`module.call(p, input)`), not `forward` (reported once per unit)",
-                    run.unit.name()
-                );
-            }
-        }
     }
 
     /// Sets how the coming backward treats gradients: reduced (`sync`, with `carried`, what
