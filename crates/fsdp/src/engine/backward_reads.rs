@@ -21,7 +21,7 @@ const BACKWARD_READS_NO_INPUT: &[&str] = &["embedding", "fused-linear-cross-entr
 
 /// The op's inputs, each with whether its backward reads that input's values, and whether
 /// the op's output is a view of its (single) input's storage.
-fn inputs(op: &Op) -> (Vec<(&Tensor, bool)>, bool) {
+pub(crate) fn inputs(op: &Op) -> (Vec<(&Tensor, bool)>, bool) {
     fn read(ts: Vec<&Tensor>) -> Vec<(&Tensor, bool)> {
         ts.into_iter().map(|t| (t, true)).collect()
     }

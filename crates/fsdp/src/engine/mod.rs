@@ -11,6 +11,7 @@ mod collectives;
 mod cpu_floats;
 mod debug;
 mod error;
+mod frozen_release;
 mod fsdp_unit;
 mod grad_scaler;
 mod grads;

@@ -15,6 +15,7 @@ use super::collectives::{CommDtypes, PendingReduce};
 use super::cpu_floats::float_copy;
 use super::debug;
 use super::error::EngineError;
+use super::frozen_release::FrozenReleases;
 use super::fsdp_unit::FsdpUnit;
 use super::grads::GradBlock;
 use super::hooks::{Checkpoint, StepHooks};
@@ -63,6 +64,8 @@ struct Inner {
     /// Gradients of replicated parameters read inside checkpointed units, from their
     /// recomputations (the outer backward's gradient store never sees them).
     recomputed_replicated: Vec<(String, Tensor)>,
+    /// When backward is done reading each unit's frozen parameters.
+    frozen: FrozenReleases,
 }
 
 /// Each unit's reduced gradient block (None: no gradient this step) and which of its
@@ -153,6 +156,7 @@ impl StepShared {
                 reduced: (0..n_units).map(|_| None).collect(),
                 error: None,
                 recomputed_replicated: Vec::new(),
+                frozen: FrozenReleases::default(),
             }),
         })
     }
@@ -315,6 +319,7 @@ impl StepShared {
         }
         debug::report_unhooked(&inner.runs, &self.opts.unhooked_reported, self.mesh.rank());
         inner.backward_order = order;
+        inner.frozen = FrozenReleases::plan(&sorted, &inner.runs);
         Ok(())
     }
 
@@ -496,6 +501,10 @@ impl StepHooks for StepShared {
                 Ok(())
             }
         });
+        let result = result.and_then(|()| {
+            let Inner { frozen, runs, .. } = &mut *inner;
+            frozen.at_outputs(runs, u, &self.cx())
+        });
         result.map_err(|e| self.fail(&mut inner, e))
     }
 
@@ -517,6 +526,10 @@ impl StepHooks for StepShared {
                 }
                 None => Ok(()),
             });
+        let result = result.and_then(|()| {
+            let Inner { frozen, runs, .. } = &mut *inner;
+            frozen.at_param(runs, (u, i), &self.cx())
+        });
         result.map_err(|e| self.fail(&mut inner, e))
     }
 }

@@ -460,7 +460,7 @@ impl UnitRun {
 
     /// The complete gradient of parameter `i` arrived. Once the unit's last one is in, its
     /// reduction is issued and returned, and the unit reshards (units with frozen parameters
-    /// keep theirs to the end of the step: backward nodes of the unit may still read them).
+    /// when backward no longer reads them: [`UnitRun::reshard_frozen`]).
     pub fn post_backward(
         &mut self,
         cx: &RunContext,
@@ -504,6 +504,17 @@ impl UnitRun {
             self.sharded = ShardedState::Sharded;
         }
         Ok(pending)
+    }
+
+    /// Backward reads none of this unit's frozen parameters any more: once its gradients
+    /// are all in, it reshards (not when it recomputes its forward in backward).
+    pub fn reshard_frozen(&mut self, cx: &RunContext) -> Result<(), EngineError> {
+        let done = self.training == TrainingState::PostBackward && self.checkpoint.is_none();
+        if done && self.sharded == ShardedState::Unsharded && self.unit.reshard_after_backward {
+            self.reshard(cx)?;
+            self.sharded = ShardedState::Sharded;
+        }
+        Ok(())
     }
 
     /// The step is over: reduces (or, without sync, keeps) gradients that did not all
