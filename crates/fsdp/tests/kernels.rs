@@ -1287,3 +1287,35 @@ fn bf16_add_and_mul_round_like_one_f32_rounding() {
     assert_eq!(sums[0x3f80].to_bits(), 0x3f80);
     assert_eq!(sums[0x3f81].to_bits(), 0x3f82);
 }
+
+#[test]
+fn lora_update_and_linear_no_bias_add_match_composed_ops_and_finite_differences() {
+    let s = 1.75;
+    let update = |t: &[Tensor]| ops::lora_update(&t[0], &t[1], &t[2], s);
+    let update_ref = |t: &[Tensor]| {
+        t[0].broadcast_matmul(&t[1].t()?)?
+            .broadcast_matmul(&t[2].t()?)?
+            * s
+    };
+    let add = |t: &[Tensor]| ops::linear_no_bias_add(&t[0], &t[1], &t[2]);
+    let add_ref = |t: &[Tensor]| t[0].broadcast_matmul(&t[1].t()?)? + &t[2];
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+        // x [2, 5, 12], A [3, 12], B [7, 3]; W [7, 12], u [2, 5, 7].
+        let lora = [
+            rand(&[2, 5, 12], 1, 1.0, dtype),
+            rand(&[3, 12], 2, 0.5, dtype),
+            rand(&[7, 3], 3, 0.5, dtype),
+        ];
+        against_composed("lora_update", &update, &update_ref, &lora, tol);
+        let plus = [
+            rand(&[2, 5, 12], 4, 1.0, dtype),
+            rand(&[7, 12], 5, 0.5, dtype),
+            rand(&[2, 5, 7], 6, 1.0, dtype),
+        ];
+        against_composed("linear_no_bias_add", &add, &add_ref, &plus, tol);
+        if dtype == DType::F64 {
+            against_finite_differences("lora_update", &update, &lora);
+            against_finite_differences("linear_no_bias_add", &add, &plus);
+        }
+    }
+}

@@ -146,7 +146,12 @@ impl Forward<&Tensor> for Linear {
         let Some(lora) = &self.lora else {
             return self.base_forward(p, x, self.gelu);
         };
-        let y = (self.base_forward(p, x, None)? + lora.update(p, &self.path, x)?)?;
+        let update = lora.update(p, &self.path, x)?;
+        if self.bias.is_none() && self.gelu.is_none() && self.layout == WeightLayout::OutIn {
+            // Llama's projections: the update added inside the base op.
+            return ops::linear_no_bias_add(x, &p.get(&self.weight)?, &update);
+        }
+        let y = (self.base_forward(p, x, None)? + update)?;
         match self.gelu {
             Some(approx) => ops::gelu(&y, approx),
             None => Ok(y),

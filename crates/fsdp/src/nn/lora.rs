@@ -64,7 +64,6 @@ impl LoraAdapter {
             )?,
             _ => x.clone(),
         };
-        let h = ops::linear_no_bias(&x, &a)?;
-        ops::linear_no_bias(&h, &b)?.affine(self.scaling, 0.0)
+        ops::lora_update(&x, &a, &b, self.scaling)
     }
 }

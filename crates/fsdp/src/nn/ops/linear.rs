@@ -282,7 +282,11 @@ fn over_last_dim(
 
 /// `op` on `x` seen as the rows `[elements / d_in, d_in]` of its last dimension, its
 /// `[rows, d_out]` result given `x`'s leading shape back.
-fn on_rows(x: &Tensor, d_out: usize, op: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+pub(super) fn on_rows(
+    x: &Tensor,
+    d_out: usize,
+    op: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
     let mut dims = x.dims().to_vec();
     let d_in = *dims.last().unwrap_or(&1);
     let x2 = x
@@ -310,6 +314,76 @@ pub fn linear_no_bias(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         wanted: (x.track_op(), w.track_op()),
     });
     on_rows(x, w.dim(0)?, |x2| x2.apply_op2(&w.contiguous()?, op))
+}
+
+/// `x W^T + u` over the last dimension of `x` (any leading shape), `W` `[out, in]`, `u` of
+/// the output's shape: a projection without bias plus an update made beside it (LoRA's), as
+/// one op, so the projection's own output is no graph node kept to backward.
+pub fn linear_no_bias_add(x: &Tensor, w: &Tensor, u: &Tensor) -> Result<Tensor> {
+    let op = LinearNoBiasAdd(Linear {
+        layout: WeightLayout::OutIn,
+        gelu: None,
+        pre: Mutex::new(None),
+        wanted: (x.track_op(), w.track_op()),
+    });
+    let n = w.dim(0)?;
+    let u2 = u.reshape((u.elem_count() / n.max(1), n))?.contiguous()?;
+    on_rows(x, n, |x2| x2.apply_op3(&w.contiguous()?, &u2, op))
+}
+
+/// [`linear_no_bias_add`]'s op: [`LinearNoBias`]'s GEMMs, the product accumulated onto `u`.
+struct LinearNoBiasAdd(Linear);
+
+impl CustomOp3 for LinearNoBiasAdd {
+    fn name(&self) -> &'static str {
+        "fused-linear-no-bias-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (n, c) = l2.shape().dims2()?;
+        if c != k || l3.shape().dims() != [m, n] {
+            candle_core::bail!(
+                "linear (no bias) + update: input {:?}, weight {:?} and update {:?} do not fit",
+                l1.shape().dims(),
+                l2.shape().dims(),
+                l3.shape().dims()
+            );
+        }
+        float_dispatch!(s1.dtype(), self.name(), T => {
+            let x = contiguous::<T>(s1, l1, self.name())?;
+            let w = contiguous::<T>(s2, l2, self.name())?;
+            let mut y = contiguous::<T>(s3, l3, self.name())?.to_vec();
+            let (rs, cs) = self.0.operand_strides(k, n);
+            gemm_into(m, n, k, &mut y, n, true, x, k, 1, w, rs, cs, 1.0);
+            Ok((T::storage(y), Shape::from((m, n))))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        w_t: &Tensor,
+        _u_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let n = w_t.dim(0)?;
+        float_dispatch!(x_t.dtype(), self.name(), T => {
+            with_slice::<T, _>(grad, self.name(), |g| {
+                let (dx, dw) = self.0.input_and_weight_grads::<T>((x_t, w_t), n, g)?;
+                Ok((dx, dw, Some(grad.clone())))
+            })
+        })
+    }
 }
 
 /// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
