@@ -319,7 +319,6 @@ fn main() -> Result<()> {
     acc.print(tuned::describe(&lora));
     let source = lora.weights(weights.as_ref(), adapter.as_ref(), args.seed)?;
     let model = acc.prepare_model(lora, &source)?;
-    drop(source);
     drop(weights);
     fine_tune(&args, acc, model, info, job)
 }
