@@ -66,20 +66,7 @@ fn guide_example() -> PathBuf {
         "{} differs from the guide's program: copy it from crates/fsdp/src/guide.md",
         source.display()
     );
-    let exe = std::env::current_exe().unwrap();
-    let built = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/guide");
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    assert!(
-        modified(&built) >= modified(&source),
-        "{} is missing or older than {}: run `cargo test --workspace`, or `cargo build --profile test -p fsdp --examples` first",
-        built.display(),
-        source.display()
-    );
-    built
+    crate::common::built::built_example("guide", &source)
 }
 
 /// The first ```rust block of the guide.

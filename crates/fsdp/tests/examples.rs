@@ -23,18 +23,8 @@ fn assets() -> PathBuf {
 /// `--workspace` or `-p fsdp` without a target filter); an error when it is
 /// missing or older than its source.
 fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let built = profile_dir.join("examples").join(name);
     let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{name}.rs"));
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    assert!(
-        modified(&built) >= modified(&source),
-        "{} is missing or older than {}: run `cargo test --workspace`, or `cargo build --profile test -p fsdp --examples` first",
-        built.display(),
-        source.display()
-    );
-    built
+    crate::common::built::built_example(name, &source)
 }
 
 /// Runs `name` with `args` on 2 processes; returns rank 0's output.

@@ -143,14 +143,7 @@ fn run(world: usize, env: &[(&str, &str)]) -> Run {
     }
 }
 
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).abs())
-        .fold(0.0, f64::max)
-        / scale
-}
+use common::max_rel_diff as rel;
 
 #[test]
 fn lora_trains_the_same_adapters_on_one_to_four_processes_and_every_strategy() {

@@ -172,15 +172,7 @@ fn run_with(
 fn worst(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
-        .map(|(name, x)| {
-            let y = &b[name];
-            let scale = y.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
-            x.iter()
-                .zip(y)
-                .map(|(p, q)| (*p as f64 - *q as f64).abs())
-                .fold(0.0, f64::max)
-                / scale
-        })
+        .map(|(name, x)| common::max_rel_diff(x, &b[name]))
         .fold(0.0, f64::max)
 }
 

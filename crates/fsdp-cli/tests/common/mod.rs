@@ -7,6 +7,9 @@
 #[path = "../../../fsdp/tests/common/skip.rs"]
 pub mod skip;
 
+#[path = "../../../fsdp/tests/common/built.rs"]
+pub mod built;
+
 pub mod machines;
 
 use std::io::Read;

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod built;
 #[macro_use]
 pub mod skip;
 pub mod tiny;
@@ -107,4 +108,14 @@ pub fn full_weights<M>(
             .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap()))
             .collect()
     })
+}
+
+/// The largest |a - b| over the largest |b| (how far `a` is from the reference `b`).
+pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max)
+        / scale
 }
