@@ -27,11 +27,12 @@ use clap::Parser;
 use fsdp::accelerator::{Accelerator, PreparedModel, ProjectConfiguration, ReduceOp};
 use fsdp::config::{FsdpPlugin, MixedPrecision};
 use fsdp::data::{DataLoader, Dataset, TokenWindows, vader_lm_sentences};
+use fsdp::models::llama::KvCache;
 use fsdp::models::llama::{
     GgufFile, GgufWeights, TokenizerExtras, config_token_id, gguf_config, gguf_tokenizer,
     portable_config,
 };
-use fsdp::models::{LlamaConfig, LlamaForCausalLM, generate_greedy};
+use fsdp::models::{GenerationConfig, LlamaConfig, LlamaForCausalLM, generate};
 use fsdp::nn::candle::Tensor;
 use fsdp::nn::{Module, SafetensorsWeights, WeightSource};
 use fsdp::optim::{
@@ -453,19 +454,27 @@ fn fine_tune<M: Tuned>(
             count += losses.len() as f64;
         }
         let loss = sum / count.max(1.0);
-        let generated = generate_greedy(&prompt, args.max_new_tokens, Some(eos), |ids| {
-            model
-                .evaluate(|m, p| m.llama().forward(p, ids, None))
-                .map_err(|e| fsdp::nn::candle::Error::Msg(e.to_string()))
+        // Greedy, with a key/value cache (the prompt once, then one token per step), the
+        // units gathered once for the whole generation.
+        let generation = GenerationConfig::greedy(args.max_new_tokens, vec![eos]);
+        let g = Instant::now();
+        let generated = model.evaluate_gathered(|m, p| {
+            let cache = std::sync::Arc::new(KvCache::new());
+            generate(&prompt, &generation, |ids| {
+                m.llama().next_token_logits(p, ids, &cache)
+            })
         })?;
+        let g = g.elapsed().as_secs_f64();
         let text = tokenizer
             .decode(&generated, true)
             .map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
         acc.print(format!(
-            "{when}: held-out loss {loss:.4}, perplexity {:.2} ({} sequences, {:.1} s); {:?} -> {:?}",
+            "{when}: held-out loss {loss:.4}, perplexity {:.2} ({} sequences, {:.1} s; {} tokens generated at {:.1} tokens/s); {:?} -> {:?}",
             loss.exp(),
             count,
-            t.elapsed().as_secs_f64(),
+            t.elapsed().as_secs_f64() - g,
+            generated.len(),
+            generated.len() as f64 / g,
             args.prompt,
             text
         ));

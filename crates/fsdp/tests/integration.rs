@@ -19,6 +19,7 @@ mod examples;
 mod fsdp_matrix;
 mod fsdp_reference;
 mod fsdp_usage;
+mod generation;
 mod gguf;
 mod grad_scaler;
 mod kernels;

@@ -96,7 +96,18 @@ impl<M> PreparedModel<M> {
         &self,
         f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,
     ) -> Result<T, AcceleratorError> {
-        let params = self.engine.begin_eval()?;
+        let params = self.engine.begin_eval(false)?;
+        Ok(f(&self.module, &params)?)
+    }
+
+    /// [`PreparedModel::evaluate`] for many forward passes in one call (generation: one per
+    /// token): each unit is gathered once, at its first forward, and held until `f` returns
+    /// (the whole model on every rank meanwhile), instead of gathered again every pass.
+    pub fn evaluate_gathered<T>(
+        &self,
+        f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,
+    ) -> Result<T, AcceleratorError> {
+        let params = self.engine.begin_eval(true)?;
         Ok(f(&self.module, &params)?)
     }
 

@@ -350,21 +350,23 @@ impl Fsdp {
     /// Starts a training step: the returned parameters gather each unit when forward first
     /// reads it.
     pub fn begin_step(&self) -> Result<StepParams, EngineError> {
-        self.begin(true)
+        self.begin(true, false)
     }
 
-    /// Starts an evaluation forward: units are gathered and released as in training, but no
-    /// graph is recorded (outputs carry no gradient), so nothing waits for a backward.
-    pub fn begin_eval(&self) -> Result<StepParams, EngineError> {
-        self.begin(false)
+    /// Starts an evaluation forward: no graph is recorded (outputs carry no gradient), so
+    /// nothing waits for a backward; units are gathered and released as in training, or with
+    /// `hold` kept gathered until the parameters drop (many passes in a row: generation).
+    pub fn begin_eval(&self, hold: bool) -> Result<StepParams, EngineError> {
+        self.begin(false, hold)
     }
 
-    fn begin(&self, train: bool) -> Result<StepParams, EngineError> {
+    fn begin(&self, train: bool, hold: bool) -> Result<StepParams, EngineError> {
         let opts = StepOptions {
             debug: self.debug,
             dtypes: self.dtypes,
             device: self.placement.compute.clone(),
             train,
+            hold,
             checkpointing: self.checkpointing,
             recomputed: self.recomputed.clone(),
             unhooked_reported: self.unhooked_reported.clone(),

@@ -34,6 +34,8 @@ pub(crate) struct StepOptions {
     pub device: Device,
     /// Training (see [`RunContext::train`]).
     pub train: bool,
+    /// Evaluation holding units gathered (see [`RunContext::hold`]).
+    pub hold: bool,
     /// `fsdp_activation_checkpointing`: units that models run through
     /// [`crate::nn::call_checkpointable`] free their activations after forward and recompute
     /// them in backward.
@@ -172,6 +174,7 @@ impl StepShared {
             device: &self.opts.device,
             poison: self.opts.debug,
             train: self.opts.train,
+            hold: self.opts.hold,
             trace: self.opts.trace.as_deref(),
         }
     }

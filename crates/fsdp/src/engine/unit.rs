@@ -54,6 +54,8 @@ pub(crate) struct RunContext<'a> {
     /// Training (parameters are graph nodes, outputs hooked); false for evaluation, where
     /// no graph is recorded and nothing is refilled.
     pub train: bool,
+    /// Evaluation keeps each unit gathered from its first forward to the step's end.
+    pub hold: bool,
     /// Where the step's timeline is recorded.
     pub trace: Option<&'a Tracer>,
 }
@@ -357,7 +359,8 @@ impl UnitRun {
         self.trace_span(cx, "forward", began);
         if !cx.train {
             // Evaluation: no backward will need the parameters again.
-            if self.unit.reshard_after_forward && self.sharded == ShardedState::Unsharded {
+            let release = self.unit.reshard_after_forward && !cx.hold;
+            if release && self.sharded == ShardedState::Unsharded {
                 self.reshard(cx)?;
                 self.sharded = ShardedState::ReleasedAfterForward;
             }

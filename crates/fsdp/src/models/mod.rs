@@ -1,10 +1,12 @@
 //! Models with Hugging Face tensor names, built from [`crate::nn::Module`]s.
 
 pub mod bert;
+mod generate;
 pub mod gpt2;
 pub mod llama;
 
 pub use bert::{BertConfig, BertForSequenceClassification, BertInput, BertLayer, BertModel};
+pub use generate::{GenerationConfig, generate};
 pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
 pub use llama::{LlamaConfig, LlamaFamily, LlamaForCausalLM};
 

@@ -7,11 +7,13 @@
 mod config;
 mod gguf;
 mod gguf_tokenizer;
+mod kv_cache;
 mod transformers_files;
 
 pub use config::{LlamaConfig, LlamaFamily};
 pub use gguf::{GgufFile, GgufWeights, gguf_config};
 pub use gguf_tokenizer::gguf_tokenizer;
+pub use kv_cache::KvCache;
 pub use transformers_files::{
     TokenizerExtras, config_token_id, generation_config, portable_config, tokenizer_files,
     write_tokenizer_and_generation_files,
@@ -82,6 +84,8 @@ struct LayerInput {
     /// Additive `[batch, 1, 1, seq]` mask of padded keys (`None`: no padding).
     mask: Option<Tensor>,
     seed: Option<u64>,
+    /// Generation: the keys and values of the positions before these ones.
+    cache: Option<Arc<KvCache>>,
 }
 
 /// Grouped-query self-attention with rotary positions (`LlamaAttention`).
@@ -129,6 +133,16 @@ impl Forward<(&Tensor, &LayerInput)> for LlamaAttention {
         let q = self.rotate(&self.q_proj.call(p, x)?, self.heads, &input.angles)?;
         let k = self.rotate(&self.k_proj.call(p, x)?, self.kv_heads, &input.angles)?;
         let v = self.v_proj.call(p, x)?;
+        // With a cache, the new positions attend to every earlier one and themselves: one
+        // new position needs no mask; a prompt (nothing cached yet) is causal.
+        let (k, v, prompt) = match &input.cache {
+            Some(cache) => cache.extend(&self.path, k, v)?,
+            None => (k, v, true),
+        };
+        if !prompt {
+            let ctx = kv_cache::attend_cached(&q, &k, &v, self.heads, self.kv_heads)?;
+            return self.o_proj.call(p, &ctx);
+        }
         let heads = AttentionHeads {
             heads: self.heads,
             kv_heads: self.kv_heads,
@@ -304,7 +318,26 @@ impl Forward<(&Tensor, Option<&Tensor>, Option<u64>)> for LlamaModel {
         p: &dyn Params,
         (ids, attention_mask, seed): (&Tensor, Option<&Tensor>, Option<u64>),
     ) -> Result<Tensor> {
+        self.run(p, ids, attention_mask, seed, None)
+    }
+}
+
+impl LlamaModel {
+    /// [`Forward::forward`], continuing the positions `cache` holds when given (and adding
+    /// these positions' keys and values to it).
+    fn run(
+        &self,
+        p: &dyn Params,
+        ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        seed: Option<u64>,
+        cache: Option<Arc<KvCache>>,
+    ) -> Result<Tensor> {
         let seq = ids.dim(1)?;
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        if cache.is_some() && attention_mask.is_some() {
+            candle_core::bail!("generation with a key/value cache takes prompts without padding");
+        }
         if let Some(window) = self.sliding_window
             && seq > window
         {
@@ -313,7 +346,7 @@ impl Forward<(&Tensor, Option<&Tensor>, Option<u64>)> for LlamaModel {
             )));
         }
         let mut x = self.embed_tokens.call(p, ids)?;
-        let positions: Vec<u32> = (0..seq as u32).collect();
+        let positions: Vec<u32> = (past as u32..(past + seq) as u32).collect();
         let input = LayerInput {
             angles: self.rope.angles_at(&positions),
             mask: attention_mask
@@ -321,6 +354,7 @@ impl Forward<(&Tensor, Option<&Tensor>, Option<u64>)> for LlamaModel {
                 .transpose()?
                 .flatten(),
             seed,
+            cache: cache.clone(),
         };
         for layer in &self.layers {
             let recompute = || -> Recompute {
@@ -329,6 +363,9 @@ impl Forward<(&Tensor, Option<&Tensor>, Option<u64>)> for LlamaModel {
             };
             let plain = || layer.call(p, (&x, &input));
             x = call_checkpointable(p, layer.path(), &x, recompute, plain)?;
+        }
+        if let Some(cache) = &cache {
+            cache.advance(seq);
         }
         self.norm.call(p, &x)
     }
@@ -478,6 +515,21 @@ impl LlamaForCausalLM {
         labels: &Tensor,
     ) -> Result<Tensor> {
         self.forward_loss_reduced(p, input_ids, attention_mask, labels, ops::Reduction::Sum)
+    }
+
+    /// The next-token logits `[batch, vocab]` after `ids` `[batch, seq]`, which continue the
+    /// positions `cache` holds (and are added to it): generation's step, the prompt first
+    /// and then one token at a time, each attending to the cached keys and values instead of
+    /// running the sequence again. The head runs on the last position only.
+    pub fn next_token_logits(
+        &self,
+        p: &dyn Params,
+        ids: &Tensor,
+        cache: &Arc<KvCache>,
+    ) -> Result<Tensor> {
+        let x = self.model.run(p, ids, None, None, Some(cache.clone()))?;
+        let last = x.narrow(1, x.dim(1)? - 1, 1)?;
+        self.lm_head.call(p, &last)?.squeeze(1)
     }
 
     fn forward_loss_reduced(
