@@ -3,15 +3,16 @@
 /// The tensor library, re-exported so users build on the same version.
 pub use candle_core as candle;
 
+mod composite;
 pub mod layers;
 pub mod lora;
 pub mod module;
 pub mod ops;
 mod weights;
 
+pub use composite::ModuleChildren;
 pub use module::{
-    Forward, Init, LoadReport, LocalParams, Model, Module, ModuleChildren, ModuleInfo,
-    ModuleOutput, NormalRng, ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name,
-    match_names,
+    Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
+    ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name, match_names,
 };
 pub use weights::{SafetensorsWeights, SeededWeights, WeightSource};
