@@ -296,3 +296,45 @@ fn crafted_gguf_files_are_errors_naming_the_file_and_the_tensor() {
     assert!(e.contains("cut.gguf"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// QLoRA's base from the file: a projection kept in the file's own block type is its stored
+/// blocks (q and k rows unpermuted as whole rows), which dequantize to exactly the values the
+/// f32 path reads; kept in another format, the dequantized weight quantized again.
+#[test]
+fn smollm2_projections_keep_their_q4_1_blocks() {
+    use fsdp::nn::quant::{QuantFormat, quantize_linears};
+    let Some(path) = asset() else { return };
+    let gguf = GgufFile::open(&path).unwrap();
+    let (_, config) = gguf_config(&gguf).unwrap();
+    let weights = GgufWeights::new(gguf, &config).unwrap();
+    for format in [QuantFormat::parse("q4_1").unwrap(), QuantFormat::Nf4] {
+        let mut model = LlamaForCausalLM::new(config.clone()).unwrap();
+        let layers = quantize_linears(&mut model, format).unwrap();
+        assert_eq!(layers.len(), 30 * 7, "{format}");
+        let info = model.info();
+        for name in [
+            "model.layers.3.self_attn.q_proj.weight",
+            "model.layers.3.self_attn.k_proj.weight",
+            "model.layers.3.mlp.down_proj.weight",
+        ] {
+            let spec = info
+                .all_params()
+                .into_iter()
+                .find(|p| p.name == name)
+                .unwrap();
+            let packing = spec.packing.unwrap();
+            let words = fsdp::nn::read_param(&weights, spec).unwrap();
+            assert_eq!(words.len(), spec.shape.iter().product::<usize>());
+            let values = weights.values(&spec.unpacked()).unwrap();
+            let back = packing.dequantize(&words).unwrap();
+            if format == QuantFormat::Nf4 {
+                assert_eq!(
+                    back,
+                    packing.dequantize(&packing.quantize(&values)).unwrap()
+                );
+            } else {
+                assert_eq!(back, values, "{name}: not the file's blocks");
+            }
+        }
+    }
+}

@@ -30,6 +30,7 @@ mod minilm;
 mod models;
 mod offload;
 mod plan;
+mod qlora;
 mod reshard_after_forward;
 mod resume_data;
 mod token_loss;

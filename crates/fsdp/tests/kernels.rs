@@ -1319,3 +1319,88 @@ fn lora_update_and_linear_no_bias_add_match_composed_ops_and_finite_differences(
         }
     }
 }
+
+#[test]
+fn quantized_linear_is_the_dequantized_projection_with_no_weight_gradient() {
+    use fsdp::nn::quant::{Packing, QuantFormat};
+    // x [2, 3, 64], W [5, 64] kept quantized, u [2, 3, 5].
+    let w = rand(&[5, 64], 7, 0.5, DType::F32);
+    let x = rand(&[2, 3, 64], 8, 1.0, DType::F32);
+    let u = rand(&[2, 3, 5], 9, 1.0, DType::F32);
+    for format in [QuantFormat::Nf4, QuantFormat::parse("q4_0").unwrap()] {
+        let packing = Packing::new("w", format, 64).unwrap();
+        let values: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let words = Tensor::from_vec(
+            packing.quantize(&values),
+            (5, packing.row_words()),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let deq = Tensor::from_vec(
+            packing.dequantize(&packing.quantize(&values)).unwrap(),
+            (5, 64),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let plain = |t: &[Tensor]| ops::quantized_linear(&t[0], &words, packing, None);
+        let plain_ref = |t: &[Tensor]| t[0].broadcast_matmul(&deq.t()?);
+        against_composed(
+            "quantized_linear",
+            &plain,
+            &plain_ref,
+            std::slice::from_ref(&x),
+            1e-5,
+        );
+        let add = |t: &[Tensor]| ops::quantized_linear(&t[0], &words, packing, Some(&t[1]));
+        let add_ref = |t: &[Tensor]| t[0].broadcast_matmul(&deq.t()?)? + &t[1];
+        against_composed(
+            "quantized_linear + update",
+            &add,
+            &add_ref,
+            &[x.clone(), u.clone()],
+            1e-5,
+        );
+        // Central differences on x (the op is linear in x: a large step is exact up to f32
+        // rounding).
+        let (_, grads) = eval(&add, &[x.clone(), u.clone()]);
+        let base: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let analytic: Vec<f32> = grads[0].flatten_all().unwrap().to_vec1().unwrap();
+        for k in (0..base.len()).step_by(17) {
+            let at = |delta: f32| {
+                let mut v = base.clone();
+                v[k] += delta;
+                let xs = Tensor::from_vec(v, x.dims(), &Device::Cpu).unwrap();
+                weighted(&add, &[xs, u.clone()], 99)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+            };
+            let numeric = (at(0.25) - at(-0.25)) / 0.5;
+            let err = (numeric - analytic[k]).abs() / analytic[k].abs().max(1e-2);
+            assert!(
+                err < 1e-3,
+                "{format}: element {k}: {} vs {numeric}",
+                analytic[k]
+            );
+        }
+        // The words are no variable: backward gives them nothing, and refuses nothing.
+        let wv = Var::from_tensor(&words).unwrap();
+        let xv = Var::from_tensor(&x).unwrap();
+        let loss = ops::quantized_linear(xv.as_tensor(), wv.as_tensor(), packing, None)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let g = loss.backward().unwrap();
+        assert!(g.get(&wv).is_none() && g.get(&xv).is_some(), "{format}");
+    }
+    let packing = Packing::new("w", QuantFormat::Nf4, 64).unwrap();
+    let words = Tensor::zeros((5, packing.row_words()), DType::F32, &Device::Cpu).unwrap();
+    let e = ops::quantized_linear(&x.to_dtype(DType::BF16).unwrap(), &words, packing, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("f32"), "{e}");
+    let e = ops::quantized_linear(&x, &words.narrow(1, 0, 4).unwrap(), packing, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("words"), "{e}");
+}

@@ -46,10 +46,11 @@ pub fn save_pretrained(
     config: &serde_json::Value,
     max_shard_bytes: u64,
 ) -> Result<PathBuf, CheckpointError> {
+    // A quantized weight is written as the f32 weight it stands for.
     let names: Vec<(String, Vec<usize>)> = model
-        .parameters()
+        .exported_parameters()
         .into_iter()
-        .map(|(n, s)| (n.to_string(), s.to_vec()))
+        .map(|(n, s)| (n.to_string(), s))
         .collect();
     let files = assign(&names, max_shard_bytes.max(1));
     let n = files.len();
@@ -151,12 +152,16 @@ fn save_selected(
             true => model.local_values_of(name).map(Some),
             false => Ok(None),
         },
-        &mut |_, chunks| {
-            if first
-                && failed.is_none()
-                && let Err(e) = write(chunks)
-            {
-                failed = Some(e);
+        &mut |name, chunks| {
+            if first && failed.is_none() {
+                let written = match model.packing(name) {
+                    None => write(chunks),
+                    Some(_) => match model.exported_values(name, chunks) {
+                        Ok(values) => write(&[&values]),
+                        Err(e) => Err(CheckpointError::Engine(Box::new(e))),
+                    },
+                };
+                failed = written.err();
             }
             Ok(())
         },

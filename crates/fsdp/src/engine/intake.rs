@@ -43,10 +43,8 @@ impl WeightIntake<'_> {
     fn read(&self, layout: &ShardLayout) -> Result<Vec<f32>, EngineError> {
         let problem = |p: String| problem(layout, p);
         let spec = self.spec(layout)?;
-        let values = self
-            .source
-            .values(spec)
-            .map_err(|e| problem(e.to_string()))?;
+        let values =
+            crate::nn::read_param(self.source, spec).map_err(|e| problem(e.to_string()))?;
         if values.len() != layout.numel() {
             return Err(problem(format!(
                 "{} values for {} elements",
@@ -69,21 +67,20 @@ impl WeightIntake<'_> {
         let problem = |p: String| problem(layout, p);
         let spec = self.spec(layout)?;
         let mut elements = 0;
-        self.source
-            .read_rows(spec, &mut |first, piece| {
-                let end = first * layout.row_elems + piece.len();
-                if piece.len() % layout.row_elems.max(1) != 0 || end > layout.numel() {
-                    return Err(candle_core::Error::Msg(format!(
-                        "rows from {first} ({} values) do not fit a {:?} tensor",
-                        piece.len(),
-                        layout.shape
-                    )));
-                }
-                layout.pack_rows(first, piece, block, shards, packed);
-                elements += piece.len();
-                Ok(())
-            })
-            .map_err(|e| problem(e.to_string()))?;
+        crate::nn::read_param_rows(self.source, spec, &mut |first, piece| {
+            let end = first * layout.row_elems + piece.len();
+            if piece.len() % layout.row_elems.max(1) != 0 || end > layout.numel() {
+                return Err(candle_core::Error::Msg(format!(
+                    "rows from {first} ({} values) do not fit a {:?} tensor",
+                    piece.len(),
+                    layout.shape
+                )));
+            }
+            layout.pack_rows(first, piece, block, shards, packed);
+            elements += piece.len();
+            Ok(())
+        })
+        .map_err(|e| problem(e.to_string()))?;
         if elements != layout.numel() {
             return Err(problem(format!(
                 "{elements} values for {} elements",

@@ -9,6 +9,16 @@ use crate::nn::{ModuleInfo, ParamSpec};
 /// Why a plan cannot be built.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanError {
+    /// Mixed precision asked for with quantized weights, which compute in f32.
+    #[error(
+        "mixed_precision: {setting} with a quantized base (`{param}`) is not supported: its words are gathered as they are and it computes in f32; set mixed_precision: no"
+    )]
+    CastQuantized {
+        /// The mixed precision setting.
+        setting: String,
+        /// A quantized parameter.
+        param: String,
+    },
     /// TRANSFORMER_BASED_WRAP named module types the model does not have.
     #[error(
         "fsdp_transformer_layer_cls_to_wrap names {missing:?}, which match no module of this model; its module types are: {available}{}",
@@ -72,6 +82,9 @@ pub struct ShardLayout {
     pub row_elems: usize,
     /// Where this parameter's shard starts inside its unit's packed shard block.
     pub offset: usize,
+    /// A quantized weight's packing: its elements are the words of its blocks, moved bit
+    /// for bit and dequantized where it is exported ([`crate::nn::quant`]).
+    pub packing: Option<crate::nn::quant::Packing>,
 }
 
 impl ShardLayout {
@@ -85,6 +98,7 @@ impl ShardLayout {
             rows_per_rank: rows.div_ceil(group),
             row_elems: spec.shape.iter().skip(1).product(),
             offset: 0,
+            packing: spec.packing,
         }
     }
 
@@ -371,6 +385,16 @@ impl UnitPlan {
                 p.offset = offset;
                 offset += p.shard_numel();
             }
+        }
+        let packed = model.all_params().into_iter().find(|p| p.packing.is_some());
+        if let Some(p) = packed
+            && plugin.mixed_precision != crate::config::MixedPrecision::No
+        {
+            // A quantized weight's words must travel as they are: a cast would corrupt them.
+            return Err(PlanError::CastQuantized {
+                setting: format!("{:?}", plugin.mixed_precision).to_lowercase(),
+                param: p.name.clone(),
+            });
         }
         Ok(UnitPlan {
             units,

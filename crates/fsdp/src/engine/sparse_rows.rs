@@ -456,6 +456,7 @@ mod tests {
             rows_per_rank: rows.div_ceil(ranks),
             row_elems,
             offset: 0,
+            packing: None,
         }
     }
 

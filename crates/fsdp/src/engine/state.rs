@@ -142,22 +142,71 @@ impl Fsdp {
     /// Calls `f(name, full parameter)` on rank 0 of the mesh for every parameter, gathering one
     /// unit at a time onto that rank (collective: every rank must call it; other ranks only
     /// send). No rank ever holds more than its shards and one unit.
+    /// A quantized weight is given as the f32 weight it stands for, dequantized.
     pub fn for_each_full_param(
         &self,
         mut f: impl FnMut(&str, Tensor) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
-        let shapes: std::collections::HashMap<&str, &[usize]> =
-            self.parameters().into_iter().collect();
+        let shapes: std::collections::HashMap<&str, Vec<usize>> =
+            self.exported_parameters().into_iter().collect();
         self.gather_rows_to_first(
             &|name, _| Ok(Some(self.local_values_of(name)?)),
             &mut |name, chunks| {
-                let shape = shapes.get(name).copied().unwrap_or(&[]);
+                let shape = shapes.get(name).map_or(&[][..], Vec::as_slice);
+                let values = self.exported_values(name, chunks)?;
                 f(
                     name,
-                    Tensor::from_vec(chunks.concat(), shape, &self.placement.compute)?,
+                    Tensor::from_vec(values.into_owned(), shape, &self.placement.compute)?,
                 )
             },
         )
+    }
+
+    /// How parameter `name` is kept quantized, if it is.
+    pub fn packing(&self, name: &str) -> Option<crate::nn::quant::Packing> {
+        self.units
+            .iter()
+            .flat_map(|u| &u.params)
+            .map(|p| &p.layout)
+            .chain(&self.plan.ignored)
+            .find(|l| l.name == name)
+            .and_then(|l| l.packing)
+    }
+
+    /// [`Fsdp::parameters`] as exported weights: a quantized weight with the shape of the
+    /// f32 weight it stands for.
+    pub fn exported_parameters(&self) -> Vec<(&str, Vec<usize>)> {
+        self.parameters()
+            .into_iter()
+            .map(|(name, shape)| {
+                let shape = match self.packing(name) {
+                    Some(p) => vec![shape.first().copied().unwrap_or(0), p.cols],
+                    None => shape.to_vec(),
+                };
+                (name, shape)
+            })
+            .collect()
+    }
+
+    /// A gathered parameter's values as exported: a quantized weight's words dequantized.
+    pub(crate) fn exported_values<'c>(
+        &self,
+        name: &str,
+        chunks: &[&'c [f32]],
+    ) -> Result<Cow<'c, [f32]>, EngineError> {
+        let Some(packing) = self.packing(name) else {
+            return Ok(match chunks {
+                [one] => Cow::Borrowed(*one),
+                _ => Cow::Owned(chunks.concat()),
+            });
+        };
+        let values = packing
+            .dequantize(&chunks.concat())
+            .map_err(|e| EngineError::State {
+                name: name.to_string(),
+                problem: e.to_string(),
+            })?;
+        Ok(Cow::Owned(values))
     }
 
     /// Every parameter's name and full shape, in plan order (units, then ignored modules).

@@ -7,6 +7,7 @@ use candle_core::{Result, Tensor};
 use super::lora::LoraAdapter;
 use super::module::{Forward, Init, Module, ModuleInfo, Params, join};
 use super::ops::{self, GeluApprox};
+use super::quant::{Packing, QuantError, QuantFormat};
 
 /// How a linear layer stores its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +33,8 @@ pub struct Linear {
     gelu: Option<GeluApprox>,
     /// A LoRA adapter beside the weight ([`Linear::set_lora`]).
     lora: Option<LoraAdapter>,
+    /// The weight kept quantized ([`Linear::set_quantized`]).
+    quantized: Option<Packing>,
 }
 
 impl Linear {
@@ -47,6 +50,7 @@ impl Linear {
             layout: WeightLayout::OutIn,
             gelu: None,
             lora: None,
+            quantized: None,
         }
     }
 
@@ -64,7 +68,8 @@ impl Linear {
         (self.bias.is_none()
             && self.gelu.is_none()
             && self.layout == WeightLayout::OutIn
-            && self.lora.is_none())
+            && self.lora.is_none()
+            && self.quantized.is_none())
         .then_some(self.weight.as_str())
     }
 
@@ -78,6 +83,24 @@ impl Linear {
     /// GELU), and the module gains `lora_A.weight` [r, in] and `lora_B.weight` [out, r].
     pub fn set_lora(&mut self, adapter: LoraAdapter) {
         self.lora = Some(adapter);
+    }
+
+    /// Keeps the weight frozen and quantized in `format` (QLoRA's base layer): the module's
+    /// `weight` becomes the blocks' words ([`crate::nn::quant`]), dequantized per product. An
+    /// error for GPT-2's Conv1D layout or an input size that is not whole blocks.
+    pub fn set_quantized(&mut self, format: QuantFormat) -> std::result::Result<(), QuantError> {
+        if self.layout != WeightLayout::OutIn {
+            return Err(QuantError::Layout {
+                path: self.path.clone(),
+            });
+        }
+        self.quantized = Some(Packing::new(&self.weight, format, self.d_in)?);
+        Ok(())
+    }
+
+    /// How the weight is kept quantized, if it is.
+    pub fn quantized(&self) -> Option<Packing> {
+        self.quantized
     }
 
     /// The adapter [`Linear::set_lora`] added.
@@ -119,11 +142,12 @@ impl Module for Linear {
             WeightLayout::OutIn => ("Linear", [self.d_out, self.d_in]),
             WeightLayout::InOut => ("Conv1D", [self.d_in, self.d_out]),
         };
-        let info = ModuleInfo::new(self.path.clone(), name).param(
-            "weight",
-            &shape,
-            Init::Normal { std: self.std },
-        );
+        let init = Init::Normal { std: self.std };
+        let info = ModuleInfo::new(self.path.clone(), name);
+        let info = match self.quantized {
+            Some(packing) => info.packed_param("weight", self.d_out, packing, init),
+            None => info.param("weight", &shape, init),
+        };
         let info = match self.bias {
             Some(_) => info.param("bias", &[self.d_out], Init::Zeros),
             None => info,
@@ -143,6 +167,9 @@ impl Forward<&Tensor> for Linear {
     type Output = Tensor;
 
     fn forward(&self, p: &dyn Params, x: &Tensor) -> Result<Tensor> {
+        if let Some(packing) = self.quantized {
+            return self.quantized_forward(p, x, packing);
+        }
         let Some(lora) = &self.lora else {
             return self.base_forward(p, x, self.gelu);
         };
@@ -160,6 +187,24 @@ impl Forward<&Tensor> for Linear {
 }
 
 impl Linear {
+    /// The layer on its quantized weight: the adapter's update added inside the op.
+    fn quantized_forward(&self, p: &dyn Params, x: &Tensor, packing: Packing) -> Result<Tensor> {
+        let update = match &self.lora {
+            Some(lora) => Some(lora.update(p, &self.path, x)?),
+            None => None,
+        };
+        let words = p.get(&self.weight)?;
+        let y = ops::quantized_linear(x, &words, packing, update.as_ref())?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(&p.get(b)?)?,
+            None => y,
+        };
+        match self.gelu {
+            Some(approx) => ops::gelu(&y, approx),
+            None => Ok(y),
+        }
+    }
+
     /// The layer without its adapter, followed by `gelu`.
     fn base_forward(&self, p: &dyn Params, x: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
         let w = p.get(&self.weight)?;
@@ -434,6 +479,17 @@ pub(crate) fn site_seed(seed: u64, site: &str) -> u64 {
     site.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// Calls `f` on every linear layer under `m`.
+pub(crate) fn visit_linears(m: &mut dyn Module, f: &mut dyn FnMut(&mut Linear)) {
+    if let Some(linear) = m.as_linear_mut() {
+        f(linear);
+        return;
+    }
+    for child in m.children_mut() {
+        visit_linears(child, f);
+    }
 }
 
 #[cfg(test)]

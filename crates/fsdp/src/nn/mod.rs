@@ -8,6 +8,7 @@ pub mod layers;
 pub mod lora;
 pub mod module;
 pub mod ops;
+pub mod quant;
 mod weights;
 
 pub use composite::ModuleChildren;
@@ -15,4 +16,4 @@ pub use module::{
     Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
     ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name, match_names,
 };
-pub use weights::{SafetensorsWeights, SeededWeights, WeightSource};
+pub use weights::{SafetensorsWeights, SeededWeights, WeightSource, read_param, read_param_rows};

@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
+use super::quant::Packing;
+
 /// How a parameter is initialised (Hugging Face's `_init_weights`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {
@@ -43,9 +45,36 @@ pub struct ParamSpec {
     /// non-zero), so FSDP reduces the touched rows instead of the whole table
     /// (`nn.Embedding(sparse=True)`'s meaning; see [`crate::nn::layers::Embedding::sparse`]).
     pub sparse_grad: bool,
+    /// Kept quantized: `shape` is `[rows, words]`, the 32-bit words of each row's blocks,
+    /// standing for a `[rows, packing.cols]` weight (frozen; see [`crate::nn::quant`]).
+    pub packing: Option<Packing>,
 }
 
 impl ParamSpec {
+    /// The weight a quantized parameter stands for, as a plain f32 parameter (`[rows, cols]`,
+    /// the same name and initialisation); a plain parameter itself.
+    pub fn unpacked(&self) -> ParamSpec {
+        let Some(p) = self.packing else {
+            return self.clone();
+        };
+        ParamSpec {
+            shape: vec![self.shape.first().copied().unwrap_or(0), p.cols],
+            packing: None,
+            ..self.clone()
+        }
+    }
+
+    /// The parameter's seeded initial values as f32 elements: for a quantized one, its
+    /// words (the seeded weight it stands for, quantized).
+    pub fn initial_f32(&self, seed: u64) -> Vec<f32> {
+        let values = self.unpacked().initial_values(seed);
+        let values: Vec<f32> = values.into_iter().map(|v| v as f32).collect();
+        match self.packing {
+            Some(p) => p.quantize(&values),
+            None => values,
+        }
+    }
+
     /// The parameter's seeded initial values (a stream per parameter, keyed by its name, so
     /// one parameter is initialised without the others).
     pub fn initial_values(&self, seed: u64) -> Vec<f64> {
@@ -124,6 +153,28 @@ impl ModuleInfo {
             init,
             requires_grad: true,
             sparse_grad: false,
+            packing: None,
+        });
+        self
+    }
+
+    /// Adds a frozen parameter named `path.leaf` standing for a `[rows, packing.cols]` weight
+    /// kept quantized as `packing` says (initialised as `init`, then quantized).
+    pub fn packed_param(
+        mut self,
+        leaf: &str,
+        rows: usize,
+        packing: Packing,
+        init: Init,
+    ) -> ModuleInfo {
+        let name = self.join(leaf);
+        self.params.push(ParamSpec {
+            name,
+            shape: vec![rows, packing.row_words()],
+            init,
+            requires_grad: false,
+            sparse_grad: false,
+            packing: Some(packing),
         });
         self
     }
@@ -361,6 +412,13 @@ impl LocalParams {
     ) -> Result<LocalParams> {
         let mut tensors = BTreeMap::new();
         for spec in model.all_params() {
+            if spec.packing.is_some() {
+                // Words, not values: never cast.
+                let words = spec.initial_f32(seed);
+                let t = Tensor::from_vec(words, spec.shape.as_slice(), device)?;
+                tensors.insert(spec.name.clone(), t);
+                continue;
+            }
             let data = spec.initial_values(seed);
             tensors.insert(
                 spec.name.clone(),

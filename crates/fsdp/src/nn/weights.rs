@@ -33,10 +33,52 @@ pub trait WeightSource {
         take(0, &self.values(spec)?)
     }
 
+    /// Quantized parameter `spec`'s words ([`ParamSpec::packing`]) in pieces of whole rows.
+    /// The default quantizes the weight it stands for ([`ParamSpec::unpacked`]) a piece of
+    /// rows at a time; a source that holds the blocks already (a GGUF file) gives them.
+    fn packed_rows(
+        &self,
+        spec: &ParamSpec,
+        take: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Some(packing) = spec.packing else {
+            return self.read_rows(spec, take);
+        };
+        self.read_rows(&spec.unpacked(), &mut |first, piece| {
+            take(first, &packing.quantize(piece))
+        })
+    }
+
     /// The device training computes on for these weights.
     fn device(&self) -> Device {
         Device::Cpu
     }
+}
+
+/// Parameter `spec`'s elements from `source` in pieces of whole rows: a quantized
+/// parameter's words ([`WeightSource::packed_rows`]), any other's values.
+pub fn read_param_rows(
+    source: &(impl WeightSource + ?Sized),
+    spec: &ParamSpec,
+    take: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
+    match spec.packing {
+        Some(_) => source.packed_rows(spec, take),
+        None => source.read_rows(spec, take),
+    }
+}
+
+/// [`read_param_rows`] in one vector.
+pub fn read_param(source: &(impl WeightSource + ?Sized), spec: &ParamSpec) -> Result<Vec<f32>> {
+    if spec.packing.is_none() {
+        return source.values(spec);
+    }
+    let mut all = Vec::new();
+    source.packed_rows(spec, &mut |_, piece| {
+        all.extend_from_slice(piece);
+        Ok(())
+    })?;
+    Ok(all)
 }
 
 /// A model's seeded initialisation (what [`super::LocalParams::init`] gives, in f32), made
@@ -82,6 +124,29 @@ impl WeightSource for BTreeMap<String, Tensor> {
         t.flatten_all()?
             .to_dtype(candle_core::DType::F32)?
             .to_vec1()
+    }
+
+    /// A quantized parameter's words when the map holds them (a quantized model's own
+    /// tensors), else the weight it stands for, quantized.
+    fn packed_rows(
+        &self,
+        spec: &ParamSpec,
+        take: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Some(packing) = spec.packing else {
+            return self.read_rows(spec, take);
+        };
+        match self.get(&spec.name) {
+            Some(t)
+                if t.dims() == spec.shape.as_slice() && t.dtype() == candle_core::DType::F32 =>
+            {
+                take(0, &t.flatten_all()?.to_vec1()?)
+            }
+            _ => take(
+                0,
+                &packing.quantize(&WeightSource::values(self, &spec.unpacked())?),
+            ),
+        }
     }
 
     fn device(&self) -> Device {
@@ -360,6 +425,7 @@ mod tests {
             init: Init::Normal { std: 0.02 },
             requires_grad: true,
             sparse_grad: false,
+            packing: None,
         }
     }
 

@@ -254,6 +254,14 @@ impl WeightSource for AdapterWeights<'_> {
         }
     }
 
+    fn packed_rows(
+        &self,
+        spec: &ParamSpec,
+        take: &mut dyn FnMut(usize, &[f32]) -> CandleResult<()>,
+    ) -> CandleResult<()> {
+        self.base.packed_rows(spec, take)
+    }
+
     fn device(&self) -> candle_core::Device {
         self.base.device()
     }

@@ -202,7 +202,7 @@ impl<M: Model> LoraModel<M> {
             seed.clone(),
         );
         let mut reached = Vec::new();
-        visit_linears(&mut base, &mut |linear| {
+        crate::nn::layers::visit_linears(&mut base, &mut |linear| {
             let path = crate::nn::Module::path(linear).to_string();
             if wanted.contains(&path) {
                 linear.set_lora(adapter.clone());
@@ -314,15 +314,4 @@ fn freeze_all_but_adapters(mut info: ModuleInfo) -> ModuleInfo {
         .map(freeze_all_but_adapters)
         .collect();
     info
-}
-
-/// Calls `f` on every linear layer under `m`.
-fn visit_linears(m: &mut dyn Module, f: &mut dyn FnMut(&mut crate::nn::layers::Linear)) {
-    if let Some(linear) = m.as_linear_mut() {
-        f(linear);
-        return;
-    }
-    for child in m.children_mut() {
-        visit_linears(child, f);
-    }
 }

@@ -10,6 +10,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Result};
 use serde_json::json;
@@ -17,6 +18,7 @@ use serde_json::json;
 use super::LlamaConfig;
 use crate::nn::WeightSource;
 use crate::nn::module::ParamSpec;
+use crate::nn::quant::QuantFormat;
 
 /// A GGUF file opened for its metadata and tensor directory (no tensor data read yet).
 pub struct GgufFile {
@@ -82,6 +84,18 @@ impl GgufFile {
             t.flatten_all().and_then(|t| t.to_vec1()).map_err(bad)?,
             shape,
         ))
+    }
+
+    /// `name`'s stored block type, its blocks' bytes (row after row) and its shape.
+    fn blocks(&self, name: &str) -> Result<(GgmlDType, Vec<u8>, Vec<usize>)> {
+        let bad = |e: candle_core::Error| err(&self.path, format!("tensor `{name}`: {e}"));
+        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        let q = self
+            .content
+            .tensor(&mut *file, name, &Device::Cpu)
+            .map_err(bad)?;
+        let bytes = q.data().map_err(bad)?.into_owned();
+        Ok((q.dtype(), bytes, q.shape().dims().to_vec()))
     }
 }
 
@@ -262,15 +276,69 @@ impl GgufWeights {
     }
 }
 
+impl GgufWeights {
+    /// The file's name of parameter `spec`.
+    fn theirs(&self, spec: &ParamSpec) -> Result<&str> {
+        self.names
+            .get(&spec.name)
+            .map(String::as_str)
+            .ok_or_else(|| {
+                err(
+                    self.gguf.path(),
+                    format!("no tensor for parameter `{}`", spec.name),
+                )
+            })
+    }
+
+    /// The heads whose rows llama.cpp permuted in parameter `name` (q and k projections).
+    fn permuted_heads(&self, name: &str) -> Option<usize> {
+        match self.permuted {
+            Some((q, _)) if name.contains(".self_attn.q_proj.") => Some(q),
+            Some((_, kv)) if name.contains(".self_attn.k_proj.") => Some(kv),
+            _ => None,
+        }
+    }
+}
+
 impl WeightSource for GgufWeights {
+    /// A quantized parameter in the file's own block type is its blocks as stored (never
+    /// dequantized); in another format, the dequantized weight quantized again.
+    fn packed_rows(
+        &self,
+        spec: &ParamSpec,
+        take: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Some(packing) = spec.packing else {
+            return self.read_rows(spec, take);
+        };
+        let theirs = self.theirs(spec)?;
+        let (dtype, bytes, shape) = self.gguf.blocks(theirs)?;
+        if packing.format != QuantFormat::Ggml(dtype) {
+            let words = packing.quantize(&self.values(&spec.unpacked())?);
+            return take(0, &words);
+        }
+        let want = spec.unpacked().shape;
+        if shape != want {
+            return Err(err(
+                self.gguf.path(),
+                format!(
+                    "tensor `{theirs}` ({}) has shape {shape:?}, the config implies {want:?}",
+                    spec.name
+                ),
+            ));
+        }
+        let words = packing
+            .words_from_row_bytes(&bytes)
+            .map_err(|e| err(self.gguf.path(), format!("tensor `{theirs}`: {e}")))?;
+        match self.permuted_heads(&spec.name) {
+            Some(heads) => take(0, &unpermute_rows(&words, heads, packing.row_words())),
+            None => take(0, &words),
+        }
+    }
+
     fn values(&self, spec: &ParamSpec) -> Result<Vec<f32>> {
         let path = self.gguf.path();
-        let Some(theirs) = self.names.get(&spec.name) else {
-            return Err(err(
-                path,
-                format!("no tensor for parameter `{}`", spec.name),
-            ));
-        };
+        let theirs = self.theirs(spec)?;
         let (values, shape) = self.gguf.dequantized(theirs)?;
         if shape != spec.shape {
             return Err(err(
@@ -281,10 +349,8 @@ impl WeightSource for GgufWeights {
                 ),
             ));
         }
-        let heads = match self.permuted {
-            Some((q, _)) if spec.name.contains(".self_attn.q_proj.") => q,
-            Some((_, kv)) if spec.name.contains(".self_attn.k_proj.") => kv,
-            _ => return Ok(values),
+        let Some(heads) = self.permuted_heads(&spec.name) else {
+            return Ok(values);
         };
         let row = shape.iter().skip(1).product::<usize>().max(1);
         Ok(unpermute_rows(&values, heads, row))

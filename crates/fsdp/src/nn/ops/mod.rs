@@ -14,6 +14,7 @@ mod linear_cross_entropy;
 mod lora;
 mod matmul;
 mod norm;
+mod quantized_linear;
 mod rope;
 mod simd;
 mod softmax;
@@ -30,6 +31,7 @@ pub use linear::{conv1d, linear, linear_gelu, linear_no_bias, linear_no_bias_add
 pub use linear_cross_entropy::linear_cross_entropy;
 pub use lora::lora_update;
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
+pub use quantized_linear::quantized_linear;
 pub use rope::{RopeAngles, RopeLayout, RopeScaling, RopeTable, rope, rope_with};
 pub use softmax::softmax_last_dim;
 pub use swiglu::swiglu;

@@ -1,0 +1,183 @@
+//! A projection by a frozen quantized weight (QLoRA's base layer): `x Wᵀ`, optionally plus an
+//! update made beside it (the LoRA adapter's), with `W` dequantized from its blocks into a
+//! scratch buffer for the product and dropped after it — in forward, and again in backward for
+//! `dx = g · W`. No gradient for the weight (it is frozen), and no full-precision copy of it
+//! lives between the two.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::linear::on_rows;
+use super::{contiguous, gemm_into, gemm_new, with_slice};
+use crate::nn::quant::Packing;
+
+/// `x Wᵀ` (+ `u`) over the last dimension of `x` (any leading shape), `W` the quantized
+/// `[out, packing.cols]` weight held as `words` `[out, packing.row_words()]`
+/// ([`crate::nn::quant`]), `u` of the output's shape. f32 only.
+pub fn quantized_linear(
+    x: &Tensor,
+    words: &Tensor,
+    packing: Packing,
+    update: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (n, w) = words.dims2()?;
+    if w != packing.row_words() || words.dtype() != DType::F32 {
+        candle_core::bail!(
+            "quantized linear: the weight's words are {:?} {:?}, {} rows of {} words expected for {} rows of {} {} elements",
+            words.dtype(),
+            words.dims(),
+            n,
+            packing.row_words(),
+            n,
+            packing.cols,
+            packing.format
+        );
+    }
+    if x.dtype() != DType::F32 {
+        candle_core::bail!(
+            "quantized linear: the input is {:?}; a quantized base computes in f32 (mixed precision with one is not supported)",
+            x.dtype()
+        );
+    }
+    let op = QuantizedLinear {
+        packing,
+        want_dx: x.track_op(),
+    };
+    let words = words.contiguous()?;
+    on_rows(x, n, |x2| match update {
+        None => x2.apply_op2(&words, op),
+        Some(u) => {
+            let u2 = u.reshape((u.elem_count() / n.max(1), n))?.contiguous()?;
+            x2.apply_op3(&words, &u2, op)
+        }
+    })
+}
+
+/// The op's name in errors.
+const OP: &str = "quantized-linear";
+
+struct QuantizedLinear {
+    packing: Packing,
+    /// Whether backward forms dx (an input outside the graph gets none).
+    want_dx: bool,
+}
+
+impl QuantizedLinear {
+    /// The weight `[n, k]` dequantized from its words.
+    fn weight(&self, words: &[f32]) -> Result<Vec<f32>> {
+        self.packing
+            .dequantize(words)
+            .map_err(|e| candle_core::Error::Msg(format!("quantized linear: {e}")))
+    }
+
+    /// (m, k, n) after checking the operands.
+    fn dims(&self, l1: &Layout, l2: &Layout) -> Result<(usize, usize, usize)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (n, _) = l2.shape().dims2()?;
+        if k != self.packing.cols {
+            candle_core::bail!(
+                "quantized linear: input {:?} for a weight of {} inputs",
+                l1.shape().dims(),
+                self.packing.cols
+            );
+        }
+        Ok((m, k, n))
+    }
+
+    /// `dst (+)= x Wᵀ` for the forward's operands.
+    fn product(
+        &self,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+        update: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k, n) = self.dims(l1, l2)?;
+        let x = contiguous::<f32>(s1, l1, OP)?;
+        let w = self.weight(contiguous::<f32>(s2, l2, OP)?)?;
+        let y = match update {
+            None => gemm_new(m, n, k, x, k, 1, &w, 1, k, 1.0),
+            Some((s3, l3)) => {
+                if l3.shape().dims() != [m, n] {
+                    candle_core::bail!(
+                        "quantized linear + update: update {:?} for an output [{m}, {n}]",
+                        l3.shape().dims()
+                    );
+                }
+                let mut y = contiguous::<f32>(s3, l3, OP)?.to_vec();
+                gemm_into(m, n, k, &mut y, n, true, x, k, 1, &w, 1, k, 1.0);
+                y
+            }
+        };
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+
+    /// `dx = g · W`, when wanted.
+    fn input_grad(&self, x_t: &Tensor, w_t: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !self.want_dx {
+            return Ok(None);
+        }
+        let (m, k) = x_t.dims2()?;
+        let n = w_t.dim(0)?;
+        let w = with_slice::<f32, _>(w_t, OP, |w| self.weight(w))?;
+        let dx = with_slice::<f32, _>(grad, OP, |g| Ok(gemm_new(m, k, n, g, n, 1, &w, k, 1, 1.0)))?;
+        Ok(Some(Tensor::from_vec(dx, (m, k), x_t.device())?))
+    }
+}
+
+impl CustomOp2 for QuantizedLinear {
+    fn name(&self) -> &'static str {
+        "quantized-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.product((s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        w_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((self.input_grad(x_t, w_t, grad)?, None))
+    }
+}
+
+impl CustomOp3 for QuantizedLinear {
+    fn name(&self) -> &'static str {
+        "quantized-linear-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if s3.dtype() != DType::F32 {
+            candle_core::bail!("quantized linear + update: the update is {:?}", s3.dtype());
+        }
+        self.product((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        x_t: &Tensor,
+        w_t: &Tensor,
+        _u_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        Ok((self.input_grad(x_t, w_t, grad)?, None, Some(grad.clone())))
+    }
+}

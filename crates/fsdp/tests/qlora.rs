@@ -1,0 +1,308 @@
+//! QLoRA under FSDP (`fsdp::nn::quant` + `fsdp::peft`): a tiny Llama whose linear layers are
+//! kept quantized (NF4, GGML Q4_0) with LoRA adapters trains the same adapters on 1-3 real
+//! processes and under each sharding strategy as in one process, and as LoRA on the f32 base
+//! those blocks dequantize to (SGD with momentum, 4 steps); each rank stores (and all-gathers)
+//! the blocks' bytes, not f32; the base exports as its dequantized weights; a format the
+//! layers cannot be kept in, a Conv1D layer and mixed precision are errors naming them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use fsdp::accelerator::Accelerator;
+use fsdp::config::{FsdpPlugin, Layer, MixedPrecision};
+use fsdp::engine::{PlanError, UnitPlan};
+use fsdp::models::{Gpt2Config, Gpt2LmHeadModel, LlamaConfig, LlamaForCausalLM};
+use fsdp::nn::quant::{Packing, QuantError, QuantFormat, quantize_linears};
+use fsdp::nn::{LocalParams, Model, Module};
+use fsdp::optim::{Sgd, SgdConfig};
+use fsdp::peft::{LoraConfig, LoraModel, TargetModules};
+use fsdp_comm::ReduceOp;
+use serde_json::json;
+
+use crate::common;
+use common::max_rel_diff as rel;
+
+const ROLE: &str = "FSDP_QLORA_WORKER";
+const STEPS: usize = 4;
+
+/// A tiny Llama whose projections' inputs (64, 128) are whole NF4 and Q4_0 blocks.
+fn config() -> LlamaConfig {
+    LlamaConfig::from_value(&json!({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 40,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": false, "hidden_act": "silu",
+        "rope_theta": 10000.0, "torch_dtype": "float32",
+    }))
+    .unwrap()
+}
+
+fn lora_config() -> LoraConfig {
+    LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.0,
+        target_modules: TargetModules::AllLinear,
+        use_rslora: false,
+    }
+}
+
+/// The f32 base's seeded weights (what a pretrained file would give).
+fn base_weights() -> BTreeMap<String, Tensor> {
+    let model = LlamaForCausalLM::new(config()).unwrap();
+    LocalParams::init(&model.info(), 11, DType::F32, &Device::Cpu)
+        .unwrap()
+        .tensors()
+}
+
+/// The quantizable projections' names and packings in `format` (every linear but lm_head).
+fn packings(format: QuantFormat) -> BTreeMap<String, Packing> {
+    let mut model = LlamaForCausalLM::new(config()).unwrap();
+    quantize_linears(&mut model, format).unwrap();
+    model
+        .info()
+        .all_params()
+        .into_iter()
+        .filter_map(|p| Some((p.name.clone(), p.packing?)))
+        .collect()
+}
+
+/// `base` with each quantized weight replaced by what its blocks dequantize to.
+fn dequantized_base(format: QuantFormat) -> BTreeMap<String, Tensor> {
+    let mut base = base_weights();
+    for (name, packing) in packings(format) {
+        let t = &base[&name];
+        let values: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let back = packing.dequantize(&packing.quantize(&values)).unwrap();
+        base.insert(
+            name,
+            Tensor::from_vec(back, t.dims(), &Device::Cpu).unwrap(),
+        );
+    }
+    base
+}
+
+/// Step `step`'s 12 sequences of 10 tokens (12: world sizes 1-4 divide it).
+fn batch(step: usize) -> Tensor {
+    let ids: Vec<u32> = (0..120)
+        .map(|i| ((7 * i + 5 * step + i * i / 3) % 39 + 1) as u32)
+        .collect();
+    Tensor::from_vec(ids, (12, 10), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn qlora_worker() {
+    if std::env::var(ROLE).is_err() {
+        return;
+    }
+    let format = QuantFormat::parse(&std::env::var("QLORA_FORMAT").unwrap()).unwrap();
+    let on_dequantized = std::env::var("QLORA_BASE").is_ok_and(|b| b == "dequantized");
+    let mut acc = Accelerator::builder().build().unwrap();
+    let (world, rank) = (acc.num_processes(), acc.process_index());
+    let mut base_model = LlamaForCausalLM::new(config()).unwrap();
+    let base = if on_dequantized {
+        dequantized_base(format)
+    } else {
+        let q = quantize_linears(&mut base_model, format).unwrap();
+        assert_eq!(q.len(), 14, "{q:?}");
+        base_weights()
+    };
+    let model = LoraModel::new(base_model, lora_config()).unwrap();
+    let weights = model.weights(&base, None, 3).unwrap();
+    let mut model = acc.prepare_model(model, &weights).unwrap();
+    let stored: usize = model
+        .engine()
+        .plan()
+        .units
+        .iter()
+        .map(|u| u.shard_numel())
+        .sum();
+    let sgd = Sgd::new(SgdConfig {
+        lr: 0.5,
+        momentum: 0.9,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut optimizer = acc.prepare_optimizer(sgd).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let ids = batch(step);
+        let per = 12 / world;
+        let mine = ids.narrow(0, rank * per, per).unwrap();
+        let loss = model
+            .forward(|m, p| m.forward_loss(p, &mine, None, &mine))
+            .unwrap();
+        let sum = acc
+            .reduce(vec![loss.to_scalar::<f32>().unwrap() as f64], ReduceOp::Sum)
+            .unwrap();
+        losses.push(sum[0] / world as f64);
+        acc.backward(&mut model, loss).unwrap();
+        assert!(acc.optimizer_step(&mut model, &mut optimizer).unwrap());
+    }
+    let opt = optimizer.optimizer();
+    let state_names = opt.state_names();
+    let weights = common::full_weights(&acc, &model);
+    acc.wait_for_everyone().unwrap();
+    if acc.is_main_process() {
+        println!(
+            "RESULT {}",
+            json!({ "weights": weights, "losses": losses, "stored": stored,
+                    "state_names": state_names })
+        );
+    }
+}
+
+struct Run {
+    weights: BTreeMap<String, Vec<f32>>,
+    losses: Vec<f64>,
+    stored: usize,
+    state_names: Vec<String>,
+}
+
+fn run(world: usize, env: &[(&str, &str)]) -> Run {
+    let outputs = common::run_workers("qlora_worker", ROLE, world, env, Duration::from_secs(120));
+    let r = common::result_of(&outputs[0]);
+    Run {
+        weights: serde_json::from_value(r["weights"].clone()).unwrap(),
+        losses: serde_json::from_value(r["losses"].clone()).unwrap(),
+        stored: serde_json::from_value(r["stored"].clone()).unwrap(),
+        state_names: serde_json::from_value(r["state_names"].clone()).unwrap(),
+    }
+}
+
+fn assert_same(run: &Run, reference: &Run, what: &str) {
+    for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
+        assert!(
+            ((a - b) / b).abs() < 1e-5,
+            "{what}, step {i}: loss {a} vs {b}"
+        );
+    }
+    assert_eq!(
+        run.weights.keys().collect::<Vec<_>>(),
+        reference.weights.keys().collect::<Vec<_>>()
+    );
+    for (name, values) in &reference.weights {
+        let d = rel(&run.weights[name], values);
+        assert!(d < 1e-5, "{what}: `{name}` off by {d:e}");
+    }
+}
+
+#[test]
+fn qlora_trains_as_lora_on_the_dequantized_base_on_one_to_three_processes() {
+    let nf4 = [("QLORA_FORMAT", "nf4")];
+    let reference = run(1, &nf4);
+    let packings = packings(QuantFormat::Nf4);
+    // The exported base is what its blocks dequantize to, unmoved by training.
+    let dequantized = dequantized_base(QuantFormat::Nf4);
+    for name in packings.keys() {
+        let want: Vec<f32> = dequantized[name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(reference.weights[name], want, "`{name}` exported or moved");
+    }
+    assert!(
+        reference.losses[STEPS - 1] < reference.losses[0],
+        "{:?}",
+        reference.losses
+    );
+    assert!(
+        reference
+            .state_names
+            .iter()
+            .all(|n| fsdp::peft::is_adapter_param(n)),
+        "{:?}",
+        reference.state_names
+    );
+    // LoRA on the f32 weights the blocks stand for: the same training.
+    let plain = run(1, &[("QLORA_FORMAT", "nf4"), ("QLORA_BASE", "dequantized")]);
+    assert_same(&reference, &plain, "NF4 base vs its dequantized f32 base");
+    // Stored (and all-gathered) elements: each projection's f32 weight [rows, cols] becomes
+    // rows x 9 words per 64 columns (36 bytes), the rest unchanged.
+    let f32_elems: usize = packings
+        .values()
+        .map(|p| p.cols)
+        .zip(rows(&packings))
+        .map(|(c, r)| c * r)
+        .sum();
+    let words: usize = packings
+        .values()
+        .zip(rows(&packings))
+        .map(|(p, r)| p.row_words() * r)
+        .sum();
+    assert_eq!(words * 64, f32_elems * 9);
+    assert_eq!(reference.stored, plain.stored - f32_elems + words);
+    for (world, strategy) in [
+        (2, "FULL_SHARD"),
+        (3, "FULL_SHARD"),
+        (2, "SHARD_GRAD_OP"),
+        (2, "NO_SHARD"),
+        // Debug mode poisons released memory: a quantized weight released while backward
+        // still reads it would show.
+        (2, "DEBUG"),
+    ] {
+        let setting = match strategy {
+            "DEBUG" => ("ACCELERATE_DEBUG_MODE", "true"),
+            s => ("FSDP_SHARDING_STRATEGY", s),
+        };
+        let run = run(world, &[nf4[0], setting]);
+        assert_same(&run, &reference, &format!("{world} ranks {strategy}"));
+    }
+    // GGML's Q4_0 blocks, on 2 ranks, against their own dequantized base in one process.
+    let q4 = run(2, &[("QLORA_FORMAT", "q4_0")]);
+    let q4_plain = run(
+        1,
+        &[("QLORA_FORMAT", "q4_0"), ("QLORA_BASE", "dequantized")],
+    );
+    assert_same(&q4, &q4_plain, "Q4_0 on 2 ranks vs its dequantized base");
+}
+
+/// Each packed weight's rows, in `packings`' order.
+fn rows(packings: &BTreeMap<String, Packing>) -> Vec<usize> {
+    let base = base_weights();
+    packings.keys().map(|n| base[n].dims()[0]).collect()
+}
+
+#[test]
+fn formats_layers_and_settings_a_quantized_base_cannot_take_are_named() {
+    // Q4_K's blocks are 256 wide; the projections take 64 and 128 inputs.
+    let mut model = LlamaForCausalLM::new(config()).unwrap();
+    let e = quantize_linears(&mut model, QuantFormat::parse("Q4_K").unwrap()).unwrap_err();
+    assert!(matches!(e, QuantError::PartialBlock { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("model.layers.0.self_attn.q_proj.weight"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("256"), "{e}");
+    let e = QuantFormat::parse("fp4").unwrap_err().to_string();
+    assert!(e.contains("`fp4`") && e.contains("nf4"), "{e}");
+    // GPT-2's Conv1D weights are [in, out].
+    let mut gpt = Gpt2LmHeadModel::new(Gpt2Config {
+        vocab_size: 50,
+        n_positions: 16,
+        n_embd: 64,
+        n_layer: 1,
+        n_head: 2,
+        n_inner: None,
+        layer_norm_epsilon: 1e-5,
+        initializer_range: 0.02,
+        embd_pdrop: 0.0,
+        attn_pdrop: 0.0,
+        resid_pdrop: 0.0,
+    })
+    .unwrap();
+    let e = quantize_linears(&mut gpt, QuantFormat::Nf4).unwrap_err();
+    assert!(matches!(e, QuantError::Layout { .. }), "{e}");
+    assert!(e.to_string().contains("transformer.h.0"), "{e}");
+    // Mixed precision would cast the blocks' words.
+    let mut model = LlamaForCausalLM::new(config()).unwrap();
+    quantize_linears(&mut model, QuantFormat::Nf4).unwrap();
+    let plugin: FsdpPlugin = FsdpPlugin::builder()
+        .mixed_precision(MixedPrecision::Bf16)
+        .resolve(&Layer::new(), None)
+        .unwrap()
+        .fsdp;
+    let e = UnitPlan::build(&model.info(), &plugin, model.no_split_modules(), 2).unwrap_err();
+    assert!(matches!(e, PlanError::CastQuantized { .. }), "{e}");
+    assert!(e.to_string().contains("mixed_precision: bf16"), "{e}");
+    assert!(e.to_string().contains("q_proj"), "{e}");
+}
