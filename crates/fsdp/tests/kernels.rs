@@ -432,6 +432,26 @@ fn linear_cross_entropy_is_projection_then_cross_entropy() {
             .contains("linear_cross_entropy"),
         "a [5, 3] weight for [6, 4] hidden states"
     );
+    // A frozen head (a plain tensor outside the graph, LoRA's): the same loss and hidden
+    // gradient, and no weight gradient formed.
+    let (x, w) = (
+        rand(&[6, 4], 29, 1.0, DType::F64),
+        rand(&[5, 4], 30, 1.0, DType::F64),
+    );
+    let xv = Var::from_tensor(&x).unwrap();
+    let frozen = ops::linear_cross_entropy(xv.as_tensor(), &w, &small, s).unwrap();
+    let g_frozen = frozen.backward().unwrap();
+    let wv = Var::from_tensor(&w).unwrap();
+    let xv2 = Var::from_tensor(&x).unwrap();
+    let both = ops::linear_cross_entropy(xv2.as_tensor(), wv.as_tensor(), &small, s).unwrap();
+    let g_both = both.backward().unwrap();
+    assert_eq!(
+        frozen.to_scalar::<f64>().unwrap(),
+        both.to_scalar::<f64>().unwrap()
+    );
+    let d = max_rel_diff(g_frozen.get(&xv).unwrap(), g_both.get(&xv2).unwrap());
+    assert_eq!(d, 0.0, "hidden gradient with a frozen head");
+    assert!(g_both.get(&wv).is_some());
 }
 
 #[test]

@@ -21,11 +21,15 @@ const CHUNK_ELEMS: usize = 8 << 20;
 struct LinearCrossEntropyOp {
     settings: CrossEntropy,
     targets: Vec<i64>,
-    grads: Mutex<Option<(Tensor, Tensor)>>,
+    /// Which gradients forward forms: (hidden states, weight). A frozen head (LoRA's) or an
+    /// evaluation forms neither the [V, H] weight gradient nor its product.
+    wanted: (bool, bool),
+    grads: Mutex<Option<(Option<Tensor>, Option<Tensor>)>>,
 }
 
 /// The loss of `x` [n, h] projected by `w` [v, h] against `t`, and its gradients with
-/// respect to `x` and `w` at an upstream gradient of one. Logits, their gradient and the
+/// respect to `x` and `w` at an upstream gradient of one (each only if `wanted`; empty
+/// otherwise). Logits, their gradient and the
 /// gradients' sums are kept in `T::Acc` (f32 for half precision, whose operands the
 /// products read in their own type), the gradients rounded to `T` once at the end.
 fn loss_and_grads<T: Float>(
@@ -34,6 +38,7 @@ fn loss_and_grads<T: Float>(
     w: &[T],
     t: &[i64],
     (n, h, v): (usize, usize, usize),
+    (want_x, want_w): (bool, bool),
 ) -> Result<(f64, Vec<T>, Vec<T>)> {
     let count = t.iter().filter(|&&t| t != settings.ignore_index).count();
     // Chunks are summed, then scaled as the reduction asks: the per-row terms are the
@@ -48,8 +53,8 @@ fn loss_and_grads<T: Float>(
     };
     let rows = (CHUNK_ELEMS / v.max(1)).clamp(1, n.max(1));
     let zero = T::Acc::of(0.0);
-    let mut gx = vec![zero; n * h];
-    let mut gw = vec![zero; v * h];
+    let mut gx = vec![zero; if want_x { n * h } else { 0 }];
+    let mut gw = vec![zero; if want_w { v * h } else { 0 }];
     let mut logits = Vec::new();
     let mut total = 0.0;
     for r0 in (0..n).step_by(rows) {
@@ -60,20 +65,20 @@ fn loss_and_grads<T: Float>(
         gemm_acc_into((m, v, h), &mut logits, v, false, (xc, h, 1), (w, 1, h), 1.0);
         let (part, lses) = summed.forward(&logits, tc, v)?;
         total += part;
+        if !(want_x || want_w) {
+            continue;
+        }
         let dz = summed.backward(&logits, tc, v, scale, &lses);
         // The logits' gradient as the products' operand type (rounded once for half
         // precision; borrowed otherwise).
         let dz = T::from_acc(&dz);
-        gemm_acc_into(
-            (m, h, v),
-            &mut gx[r0 * h..],
-            h,
-            false,
-            (&dz, v, 1),
-            (w, h, 1),
-            1.0,
-        );
-        gemm_acc_into((v, h, m), &mut gw, h, r0 > 0, (&dz, 1, v), (xc, h, 1), 1.0);
+        if want_x {
+            let gx = &mut gx[r0 * h..];
+            gemm_acc_into((m, h, v), gx, h, false, (&dz, v, 1), (w, h, 1), 1.0);
+        }
+        if want_w {
+            gemm_acc_into((v, h, m), &mut gw, h, r0 > 0, (&dz, 1, v), (xc, h, 1), 1.0);
+        }
     }
     let loss = match settings.reduction {
         Reduction::Sum => total,
@@ -112,12 +117,14 @@ impl CustomOp2 for LinearCrossEntropyOp {
         float_dispatch!(s1.dtype(), self.name(), T => {
             let x = contiguous::<T>(s1, l1, self.name())?;
             let w = contiguous::<T>(s2, l2, self.name())?;
+            let dims = (*n, *h, *v);
             let (loss, gx, gw) =
-                loss_and_grads(&self.settings, x, w, &self.targets, (*n, *h, *v))?;
+                loss_and_grads(&self.settings, x, w, &self.targets, dims, self.wanted)?;
             let device = candle_core::Device::Cpu;
+            let (want_x, want_w) = self.wanted;
             let grads = (
-                Tensor::from_vec(gx, (*n, *h), &device)?,
-                Tensor::from_vec(gw, (*v, *h), &device)?,
+                want_x.then(|| Tensor::from_vec(gx, (*n, *h), &device)).transpose()?,
+                want_w.then(|| Tensor::from_vec(gw, (*v, *h), &device)).transpose()?,
             );
             *self.grads.lock().unwrap_or_else(|e| e.into_inner()) = Some(grads);
             // The loss in `T::Acc`: f32 for half-precision inputs.
@@ -145,9 +152,10 @@ impl CustomOp2 for LinearCrossEntropyOp {
                 )
             })?;
         if g == 1.0 {
-            return Ok((Some(gx), Some(gw)));
+            return Ok((gx, gw));
         }
-        Ok((Some(gx.affine(g, 0.0)?), Some(gw.affine(g, 0.0)?)))
+        let scaled = |t: Option<Tensor>| t.map(|t| t.affine(g, 0.0)).transpose();
+        Ok((scaled(gx)?, scaled(gw)?))
     }
 }
 
@@ -167,6 +175,7 @@ pub fn linear_cross_entropy(
     let op = LinearCrossEntropyOp {
         settings,
         targets,
+        wanted: (hidden.track_op(), weight.track_op()),
         grads: Mutex::new(None),
     };
     hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)
