@@ -144,6 +144,17 @@ const NF4_LEVELS: [f32; 16] = [
     1.0,
 ];
 
+/// The midpoints between consecutive NF4 levels, where rounding to the nearest changes.
+const NF4_MIDPOINTS: [f32; 15] = {
+    let mut m = [0f32; 15];
+    let mut i = 0;
+    while i < 15 {
+        m[i] = (NF4_LEVELS[i] + NF4_LEVELS[i + 1]) / 2.0;
+        i += 1;
+    }
+    m
+};
+
 /// NF4's elements per block.
 const NF4_BLOCK: usize = 64;
 /// NF4's bytes per block: the absmax (f32) and two indices per byte.
@@ -433,16 +444,9 @@ fn nf4_quantize(row: &[f32], bytes: &mut [u8]) {
         let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         out[..4].copy_from_slice(&absmax.to_le_bytes());
         let scale = if absmax > 0.0 { 1.0 / absmax } else { 0.0 };
-        let nearest = |v: f32| {
-            let x = v * scale;
-            (0..16)
-                .min_by(|&a, &b| {
-                    (NF4_LEVELS[a] - x)
-                        .abs()
-                        .total_cmp(&(NF4_LEVELS[b] - x).abs())
-                })
-                .unwrap_or(7) as u8
-        };
+        // The nearest level: how many midpoints between levels lie below (a tie goes to the
+        // lower level).
+        let nearest = |v: f32| NF4_MIDPOINTS.partition_point(|&m| m < v * scale) as u8;
         for (pair, byte) in block.chunks_exact(2).zip(&mut out[4..]) {
             // bitsandbytes' order: the first element in the high half.
             *byte = (nearest(pair[0]) << 4) | nearest(pair[1]);
@@ -523,6 +527,30 @@ mod tests {
         );
         assert_eq!(p.row_bytes(), 36);
         assert_eq!(p.row_words(), 9);
+    }
+
+    #[test]
+    fn nf4_rounds_to_the_nearest_level() {
+        let p = Packing::new("w", QuantFormat::Nf4, 64).unwrap();
+        let mut v = values(64 * 50);
+        for (i, x) in v.iter_mut().enumerate().step_by(64) {
+            *x = if i % 128 == 0 { 0.1 } else { -0.1 };
+        }
+        let back = p.dequantize(&p.quantize(&v)).unwrap();
+        for (block, got) in v.chunks(64).zip(back.chunks(64)) {
+            let absmax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+            for (x, y) in block.iter().zip(got) {
+                let best = NF4_LEVELS
+                    .iter()
+                    .map(|l| l * absmax)
+                    .min_by(|a, b| (a - x).abs().total_cmp(&(b - x).abs()))
+                    .unwrap();
+                assert!(
+                    (y - x).abs() <= (best - x).abs() + 1e-9,
+                    "{x}: {y} vs {best}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! `dx = g · W`. No gradient for the weight (it is frozen), and no full-precision copy of it
 //! lives between the two.
 
+use std::cell::RefCell;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -62,12 +64,38 @@ struct QuantizedLinear {
     want_dx: bool,
 }
 
+thread_local! {
+    /// The dequantized weight of the product running on this thread: kept between products
+    /// (the largest layer's f32 weight), so each use writes into pages already mapped instead
+    /// of faulting in a fresh allocation of that size.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 impl QuantizedLinear {
-    /// The weight `[n, k]` dequantized from its words.
-    fn weight(&self, words: &[f32]) -> Result<Vec<f32>> {
-        self.packing
-            .dequantize(words)
-            .map_err(|e| candle_core::Error::Msg(format!("quantized linear: {e}")))
+    /// Runs `f` on the weight `[n, k]` dequantized from its words.
+    fn with_weight<R>(&self, words: &[f32], f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+        let len = words.len() / self.packing.row_words().max(1) * self.packing.cols;
+        let fill = |w: &mut [f32]| {
+            self.packing
+                .dequantize_into(words, w)
+                .map_err(|e| candle_core::Error::Msg(format!("{OP}: {e}")))
+        };
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut buf) => {
+                if buf.len() < len {
+                    buf.resize(len, 0.0);
+                }
+                let w = &mut buf[..len];
+                fill(w)?;
+                f(w)
+            }
+            // A product inside a product (never in practice): a buffer of its own.
+            Err(_) => {
+                let mut w = vec![0f32; len];
+                fill(&mut w)?;
+                f(&w)
+            }
+        })
     }
 
     /// (m, k, n) after checking the operands.
@@ -93,9 +121,8 @@ impl QuantizedLinear {
     ) -> Result<(CpuStorage, Shape)> {
         let (m, k, n) = self.dims(l1, l2)?;
         let x = contiguous::<f32>(s1, l1, OP)?;
-        let w = self.weight(contiguous::<f32>(s2, l2, OP)?)?;
         let y = match update {
-            None => gemm_new(m, n, k, x, k, 1, &w, 1, k, 1.0),
+            None => None,
             Some((s3, l3)) => {
                 if l3.shape().dims() != [m, n] {
                     candle_core::bail!(
@@ -103,11 +130,18 @@ impl QuantizedLinear {
                         l3.shape().dims()
                     );
                 }
-                let mut y = contiguous::<f32>(s3, l3, OP)?.to_vec();
-                gemm_into(m, n, k, &mut y, n, true, x, k, 1, &w, 1, k, 1.0);
-                y
+                Some(contiguous::<f32>(s3, l3, OP)?.to_vec())
             }
         };
+        let y = self.with_weight(contiguous::<f32>(s2, l2, OP)?, |w| {
+            Ok(match y {
+                None => gemm_new(m, n, k, x, k, 1, w, 1, k, 1.0),
+                Some(mut y) => {
+                    gemm_into(m, n, k, &mut y, n, true, x, k, 1, w, 1, k, 1.0);
+                    y
+                }
+            })
+        })?;
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 
@@ -118,8 +152,11 @@ impl QuantizedLinear {
         }
         let (m, k) = x_t.dims2()?;
         let n = w_t.dim(0)?;
-        let w = with_slice::<f32, _>(w_t, OP, |w| self.weight(w))?;
-        let dx = with_slice::<f32, _>(grad, OP, |g| Ok(gemm_new(m, k, n, g, n, 1, &w, k, 1, 1.0)))?;
+        let dx = with_slice::<f32, _>(w_t, OP, |words| {
+            self.with_weight(words, |w| {
+                with_slice::<f32, _>(grad, OP, |g| Ok(gemm_new(m, k, n, g, n, 1, w, k, 1, 1.0)))
+            })
+        })?;
         Ok(Some(Tensor::from_vec(dx, (m, k), x_t.device())?))
     }
 }
