@@ -34,6 +34,7 @@ use fsdp::models::llama::{
 };
 use fsdp::models::{GenerationConfig, LlamaConfig, LlamaForCausalLM, generate};
 use fsdp::nn::candle::Tensor;
+use fsdp::nn::quant::{QuantFormat, quantize_linears};
 use fsdp::nn::{Module, SafetensorsWeights, WeightSource};
 use fsdp::optim::{
     AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,
@@ -128,6 +129,15 @@ struct Args {
     /// Also save the base with the adapters merged into it to OUTPUT_DIR/model.
     #[arg(long, requires = "lora_r")]
     merge_lora: bool,
+    /// QLoRA: keep the base's linear layers frozen in this quantized format (nf4, q4_0,
+    /// q4_1, q8_0, q4_k, ...) instead of f32; a GGUF file's own type keeps its blocks as
+    /// stored (q4_1 for the fetched SmolLM2).
+    #[arg(long, requires = "lora_r", value_parser = parse_format)]
+    quantize: Option<QuantFormat>,
+}
+
+fn parse_format(name: &str) -> Result<QuantFormat, String> {
+    QuantFormat::parse(name).map_err(|e| e.to_string())
 }
 
 /// An asset fetched by tools/fetch-test-assets.sh, found from the working directory or the
@@ -285,7 +295,14 @@ fn main() -> Result<()> {
         Some(dir) => from_dir(dir)?,
         None => from_gguf(args.gguf.clone())?,
     };
-    let model = LlamaForCausalLM::new(config.clone())?;
+    let mut model = LlamaForCausalLM::new(config.clone())?;
+    if let Some(format) = args.quantize {
+        let layers = quantize_linears(&mut model, format)?;
+        acc.print(format!(
+            "QLoRA: {} linear layers kept frozen in {format} (lm_head and embeddings in f32)",
+            layers.len()
+        ));
+    }
     let job = Job {
         hf_config,
         config,
@@ -322,6 +339,22 @@ fn main() -> Result<()> {
     let model = acc.prepare_model(lora, &source)?;
     drop(weights);
     fine_tune(&args, acc, model, info, job)
+}
+
+/// Bytes of parameters one rank receives by all-gathers in a training step: each unit's
+/// block from every other rank, once before forward and again before backward when it
+/// reshards after forward (quantized weights travel as their blocks).
+fn gathered_bytes(plan: &fsdp::engine::UnitPlan) -> usize {
+    if plan.group_size < 2 {
+        return 0;
+    }
+    plan.units
+        .iter()
+        .map(|u| {
+            let gathers = if u.reshard_after_forward { 2 } else { 1 };
+            gathers * u.shard_numel() * (plan.group_size - 1) * plan.gathered_bytes
+        })
+        .sum()
 }
 
 /// The pretrained model's description and the run's clocks, for [`fine_tune`].
@@ -537,13 +570,14 @@ fn fine_tune<M: Tuned>(
     let state = (estimate.params + estimate.optimizer) as f64;
     let resident = acc.gather(vec![fsdp::memory::resident_bytes() as f64])?;
     acc.print(format!(
-        "heap between steps per rank (MiB): {} against the plan's {:.0} of parameter shards and AdamW state",
+        "heap between steps per rank (MiB): {} against the plan's {:.0} of parameter shards and AdamW state; parameters all-gathered per step and rank: {:.1} MiB",
         resident
             .iter()
             .map(|b| format!("{:.0}", b / (1 << 20) as f64))
             .collect::<Vec<_>>()
             .join(", "),
-        state / (1 << 20) as f64
+        state / (1 << 20) as f64,
+        gathered_bytes(model.engine().plan()) as f64 / (1 << 20) as f64
     ));
     let sequences = acc.step() as usize * train_loader.global_batch_size();
     let peaks = acc.gather(vec![

@@ -681,6 +681,75 @@ fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
         "{out}\n---\n{out2}"
     );
 
+    // QLoRA: the projections kept as the file's own Q4_1 blocks (never dequantized whole)
+    // train the same adapters and merge into the same model, bit for bit: the blocks
+    // dequantize per product to the weights the f32 run read. Each rank all-gathers the
+    // blocks' bytes instead of f32.
+    let q = tempfile::tempdir().unwrap();
+    let q_args: Vec<&str> = args[..args.len() - 1]
+        .iter()
+        .copied()
+        .chain([q.path().to_str().unwrap(), "--quantize", "q4_1"])
+        .collect();
+    let q_out = run("llama_example", &q_args);
+    assert!(
+        q_out.contains("QLoRA: 210 linear layers kept frozen in Q4_1"),
+        "{q_out}"
+    );
+    for file in [
+        "adapter/adapter_model.safetensors",
+        "model/model.safetensors",
+    ] {
+        let (a, b) = (tmp.path().join(file), q.path().join(file));
+        assert!(
+            std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+            "{file}: QLoRA's differs from LoRA's on the dequantized base"
+        );
+    }
+    let gathered = |out: &str| -> f64 {
+        let line = out
+            .lines()
+            .find(|l| l.contains("all-gathered per step"))
+            .unwrap();
+        line.split("rank: ")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        gathered(&q_out) < 0.4 * gathered(&out),
+        "{q_out}\n---\n{out}"
+    );
+    // A quantized base computes in f32: mixed precision is refused by name.
+    let out = Command::new(example("llama_example"))
+        .args([
+            "--lora_r",
+            "4",
+            "--quantize",
+            "q4_1",
+            "--mixed_precision",
+            "bf16",
+        ])
+        .args([
+            "--eval_samples",
+            "0",
+            "--output_dir",
+            out_dir,
+            "--overwrite_output_dir",
+        ])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        e.contains("mixed_precision: bf16 with a quantized base"),
+        "{e}"
+    );
+
     // A pattern that matches no projection is refused naming it and the model's layers.
     let out = Command::new(example("llama_example"))
         .args(["--lora_r", "4", "--lora_target_modules", "query,value"])

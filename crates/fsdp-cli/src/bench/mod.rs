@@ -1,5 +1,5 @@
 //! `fsdp bench`: collectives between processes, the GEMMs, one BERT layer, FSDP training memory,
-//! checkpoints and their resharding, loading pretrained weights, the optimizer step, training offloaded to disk, the
+//! checkpoints and their resharding, loading pretrained weights, the optimizer step, training offloaded to disk, QLoRA, the
 //! rotary embedding, causal grouped-query attention and SwiGLU ops, each printing a table and machine-readable JSON.
 
 mod attention;
@@ -11,6 +11,7 @@ mod loading;
 mod memory;
 mod offload;
 mod optimizer;
+mod qlora;
 mod reshard;
 mod rope;
 mod swiglu;
@@ -57,6 +58,10 @@ enum BenchWhat {
     /// state offloaded to disk and/or in memory: seconds and bytes per step, disk bandwidth
     /// against the disk's own, peak RSS per rank, losses compared.
     Offload(offload::OffloadArgs),
+    /// LoRA on a Llama-shaped model (Llama-2-7B's by default) whose linear layers are kept
+    /// quantized (NF4 by default) and sharded: seconds and tokens per step, peak RSS per
+    /// rank, bytes stored and all-gathered per rank against f32 and bf16.
+    Qlora(qlora::QloraArgs),
     /// The fused rotary position embedding against transformers' formula composed from
     /// candle ops, forward and forward+backward, one thread.
     Rope(rope::RopeArgs),
@@ -79,6 +84,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchWhat::Loading(a) => loading::run(a),
         BenchWhat::Optimizer(a) => optimizer::run(a),
         BenchWhat::Offload(a) => offload::run(a),
+        BenchWhat::Qlora(a) => qlora::run(a),
         BenchWhat::Rope(a) => rope::run(a),
         BenchWhat::Attention(a) => attention::run(a),
         BenchWhat::Swiglu(a) => swiglu::run(a),

@@ -64,6 +64,14 @@ impl ParamSpec {
         }
     }
 
+    /// Elements of the weight it is (a quantized one's unquantized count, not its words).
+    pub fn numel(&self) -> usize {
+        match self.packing {
+            Some(p) => self.shape.first().copied().unwrap_or(0) * p.cols,
+            None => self.shape.iter().product(),
+        }
+    }
+
     /// The parameter's seeded initial values as f32 elements: for a quantized one, its
     /// words (the seeded weight it stands for, quantized).
     pub fn initial_f32(&self, seed: u64) -> Vec<f32> {
@@ -219,10 +227,7 @@ impl ModuleInfo {
 
     /// Total number of parameter elements.
     pub fn num_params(&self) -> usize {
-        self.all_params()
-            .iter()
-            .map(|p| p.shape.iter().product::<usize>())
-            .sum()
+        self.all_params().iter().map(|p| p.numel()).sum()
     }
 }
 
