@@ -41,8 +41,11 @@ use fsdp::optim::{
 };
 use fsdp::peft::{AdapterFile, LoraConfig, LoraModel, TargetModules};
 
+#[path = "llama_example_parts/generated.rs"]
+mod generated;
 #[path = "llama_example_parts/tuned.rs"]
 mod tuned;
+use generated::GenerationTasks;
 use tuned::{Saved, Tuned};
 
 // Live heap bytes are counted, so the state each rank holds is measured, not estimated.
@@ -82,9 +85,17 @@ struct Args {
     /// The prompt continued greedily before and after training.
     #[arg(long, default_value = "The movie was")]
     prompt: String,
-    /// Tokens generated from the prompt.
+    /// Tokens generated from the prompt (and from each held-out prompt).
     #[arg(long, default_value_t = 20)]
     max_new_tokens: usize,
+    /// Held-out sentences continued from their first 4 tokens at each evaluation, scored
+    /// against their own continuations (ROUGE-L, exact match).
+    #[arg(long, default_value_t = 8)]
+    eval_prompts: usize,
+    /// Also evaluate (loss, generations and their scores) every this many steps while
+    /// training (0: before and after only).
+    #[arg(long, default_value_t = 0)]
+    eval_every: u64,
     /// Overrides the configuration's mixed_precision (no, fp16, bf16).
     #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
@@ -249,9 +260,14 @@ fn eos_token(hf_config: &serde_json::Value) -> Result<u32> {
 }
 
 /// The training and held-out text (every 20th sentence held out) as tokens, each sentence
-/// followed by the end-of-text token.
-fn texts(dir: &Path, tokenizer: &tokenizers::Tokenizer, eos: u32) -> Result<(Vec<u32>, Vec<u32>)> {
+/// followed by the end-of-text token, and the held-out sentences.
+fn texts(
+    dir: &Path,
+    tokenizer: &tokenizers::Tokenizer,
+    eos: u32,
+) -> Result<(Vec<u32>, Vec<u32>, Vec<String>)> {
     let (train, held_out) = vader_lm_sentences(dir).context("run tools/fetch-test-assets.sh")?;
+    let sentences = held_out.clone();
     let tokens = |sentences: Vec<String>| -> Result<Vec<u32>> {
         let encoded = tokenizer
             .encode_batch(sentences, false)
@@ -261,7 +277,7 @@ fn texts(dir: &Path, tokenizer: &tokenizers::Tokenizer, eos: u32) -> Result<(Vec
             .flat_map(|e| e.get_ids().iter().copied().chain([eos]))
             .collect())
     };
-    Ok((tokens(train)?, tokens(held_out)?))
+    Ok((tokens(train)?, tokens(held_out)?, sentences))
 }
 
 fn main() -> Result<()> {
@@ -430,7 +446,13 @@ fn fine_tune<M: Tuned>(
         .data
         .clone()
         .unwrap_or_else(|| asset("target/assets/vader"));
-    let (train, held_out) = texts(&dir, &tokenizer, eos)?;
+    let (train, held_out, sentences) = texts(&dir, &tokenizer, eos)?;
+    let tasks = GenerationTasks::new(
+        &sentences,
+        &tokenizer,
+        args.eval_prompts,
+        args.max_new_tokens,
+    )?;
     let len = args.seq_len;
     let mut train_loader = acc.prepare_data_loader(
         DataLoader::new(
@@ -489,27 +511,39 @@ fn fine_tune<M: Tuned>(
         let loss = sum / count.max(1.0);
         // Greedy, with a key/value cache (the prompt once, then one token per step), the
         // units gathered once for the whole generation.
+        // The prompt and the held-out prompts, one after another.
         let generation = GenerationConfig::greedy(args.max_new_tokens, vec![eos]);
         let g = Instant::now();
-        let generated = model.evaluate_gathered(|m, p| {
-            let cache = std::sync::Arc::new(KvCache::new());
-            generate(&prompt, &generation, |ids| {
-                m.llama().next_token_logits(p, ids, &cache)
-            })
+        let mut outputs = model.evaluate_gathered(|m, p| {
+            std::iter::once(&prompt)
+                .chain(&tasks.prompts)
+                .map(|ids| {
+                    let cache = std::sync::Arc::new(KvCache::new());
+                    generate(ids, &generation, |x| {
+                        m.llama().next_token_logits(p, x, &cache)
+                    })
+                })
+                .collect::<fsdp::nn::candle::Result<Vec<Vec<u32>>>>()
         })?;
         let g = g.elapsed().as_secs_f64();
+        let tokens: usize = outputs.iter().map(Vec::len).sum();
+        let generated = outputs.remove(0);
+        let scores = tasks.score(&outputs, &tokenizer)?;
         let text = tokenizer
             .decode(&generated, true)
             .map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
         acc.print(format!(
-            "{when}: held-out loss {loss:.4}, perplexity {:.2} ({} sequences, {:.1} s; {} tokens generated at {:.1} tokens/s); {:?} -> {:?}",
+            "{when}: held-out loss {loss:.4}, perplexity {:.2} ({} sequences, {:.1} s; {tokens} tokens generated at {:.1} tokens/s); {:?} -> {:?}; {} held-out sentences continued from their first {} tokens: ROUGE-L {:.4}, exact match {}",
             loss.exp(),
             count,
             t.elapsed().as_secs_f64() - g,
-            generated.len(),
-            generated.len() as f64 / g,
+            tokens as f64 / g,
             args.prompt,
-            text
+            text,
+            scores.count,
+            generated::PROMPT_TOKENS,
+            scores.rouge_l,
+            scores.exact
         ));
         Ok(loss)
     };
@@ -554,6 +588,15 @@ fn fine_tune<M: Tuned>(
         step_seconds.push(step_started.elapsed().as_secs_f64());
         losses.push(loss);
         progress.step(train_loader.global_batch_size() as u64, loss);
+        // Generating from the sharded model mid-training: every rank in step.
+        let step = acc.step();
+        if args.eval_every > 0
+            && step.is_multiple_of(args.eval_every)
+            && step < args.max_train_steps
+        {
+            model.module().set_step_seed(None);
+            report(&acc, &mut model, &format!("step {step}"))?;
+        }
     }
     progress.finish();
     model.module().set_step_seed(None);

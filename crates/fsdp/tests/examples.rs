@@ -638,9 +638,21 @@ fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
     let args = [
         "--max_train_steps", "2", "--seq_len", "32", "--batch_size", "2", "--eval_samples", "2",
         "--max_new_tokens", "1", "--lr", "2e-3", "--lora_r", "4", "--lora_target_modules",
-        "all-linear", "--merge_lora", "--output_dir", out_dir,
+        "all-linear", "--merge_lora", "--eval_every", "1", "--eval_prompts", "2",
+        "--output_dir", out_dir,
     ];
     let out = run("llama_example", &args);
+    // Generation from the sharded model mid-training, scored against held-out sentences.
+    let mid = out
+        .lines()
+        .find(|l| l.contains("step 1: held-out loss"))
+        .expect(&out);
+    let rouge: f64 = mid
+        .split("2 held-out sentences continued from their first 4 tokens: ROUGE-L ")
+        .nth(1)
+        .and_then(|r| r[..6].parse().ok())
+        .expect(mid);
+    assert!((0.0..=1.0).contains(&rouge), "{mid}");
     // 30 layers × 7 projections, r (in + out) each: 30 × 4 × (2·1152 + 2·768 + 3·2112).
     assert!(
         out.contains("LoRA r 4 on 210 projections (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj): 1221120 trainable of 135736128 parameters (0.90%)"),
