@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
-use fsdp::accelerator::Accelerator;
+use fsdp::accelerator::{Accelerator, PreparedModel, PreparedOptimizer};
 use fsdp::models::{LlamaConfig, LlamaForCausalLM};
 use fsdp::nn::layers::Linear;
 use fsdp::nn::{Forward, LocalParams, Module, Params, WeightSource};
@@ -58,8 +58,9 @@ fn base_weights() -> BTreeMap<String, Tensor> {
         .tensors()
 }
 
-/// Step `step`'s 12 sequences of 10 tokens (12: every world size 1-4 divides it).
-fn batch(step: usize) -> Tensor {
+/// Step `step`'s 12 sequences of 10 tokens (12: every world size 1-4 divides it) of a
+/// 40-token vocabulary.
+pub(crate) fn batch(step: usize) -> Tensor {
     let ids: Vec<u32> = (0..120)
         .map(|i| ((7 * i + 5 * step + i * i / 3) % 39 + 1) as u32)
         .collect();
@@ -72,36 +73,11 @@ fn lora_worker() {
         return;
     }
     let mut acc = Accelerator::builder().build().unwrap();
-    let (world, rank) = (acc.num_processes(), acc.process_index());
     let model = LoraModel::new(LlamaForCausalLM::new(config()).unwrap(), lora_config()).unwrap();
     let base = base_weights();
     let weights = model.weights(&base, None, 3).unwrap();
     let mut model = acc.prepare_model(model, &weights).unwrap();
-    // SGD with momentum: its step is proportional to the gradients (AdamW's normalised step
-    // would turn the sums' rounding in near-zero gradients into visible differences), and it
-    // keeps one buffer per trained parameter.
-    let sgd = Sgd::new(SgdConfig {
-        lr: 0.5,
-        momentum: 0.9,
-        ..Default::default()
-    })
-    .unwrap();
-    let mut optimizer = acc.prepare_optimizer(sgd).unwrap();
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let ids = batch(step);
-        let per = 12 / world;
-        let mine = ids.narrow(0, rank * per, per).unwrap();
-        let loss = model
-            .forward(|m, p| m.forward_loss(p, &mine, None, &mine))
-            .unwrap();
-        let sum = acc
-            .reduce(vec![loss.to_scalar::<f32>().unwrap() as f64], ReduceOp::Sum)
-            .unwrap();
-        losses.push(sum[0] / world as f64);
-        acc.backward(&mut model, loss).unwrap();
-        assert!(acc.optimizer_step(&mut model, &mut optimizer).unwrap());
-    }
+    let (losses, optimizer) = train_adapters(&mut acc, &mut model, STEPS);
     let opt = optimizer.optimizer();
     let names = opt.state_names();
     assert!(
@@ -125,6 +101,42 @@ fn lora_worker() {
             json!({ "weights": weights, "losses": losses, "state_elems": state_elems })
         );
     }
+}
+
+/// Trains `model`'s adapters `steps` steps on [`batch`], each rank its share: SGD with
+/// momentum, whose step is proportional to the gradients (AdamW's normalised step would turn
+/// the sums' rounding in near-zero gradients into visible differences) and which keeps one
+/// buffer per trained parameter. Returns the losses averaged over the ranks, and the
+/// optimizer.
+pub(crate) fn train_adapters(
+    acc: &mut Accelerator,
+    model: &mut PreparedModel<LoraModel<LlamaForCausalLM>>,
+    steps: usize,
+) -> (Vec<f64>, PreparedOptimizer) {
+    let (world, rank) = (acc.num_processes(), acc.process_index());
+    let sgd = Sgd::new(SgdConfig {
+        lr: 0.5,
+        momentum: 0.9,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut optimizer = acc.prepare_optimizer(sgd).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let ids = batch(step);
+        let per = 12 / world;
+        let mine = ids.narrow(0, rank * per, per).unwrap();
+        let loss = model
+            .forward(|m, p| m.forward_loss(p, &mine, None, &mine))
+            .unwrap();
+        let sum = acc
+            .reduce(vec![loss.to_scalar::<f32>().unwrap() as f64], ReduceOp::Sum)
+            .unwrap();
+        losses.push(sum[0] / world as f64);
+        acc.backward(model, loss).unwrap();
+        assert!(acc.optimizer_step(model, &mut optimizer).unwrap());
+    }
+    (losses, optimizer)
 }
 
 struct Run {
