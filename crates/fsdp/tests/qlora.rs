@@ -15,9 +15,7 @@ use fsdp::engine::{PlanError, UnitPlan};
 use fsdp::models::{Gpt2Config, Gpt2LmHeadModel, LlamaConfig, LlamaForCausalLM};
 use fsdp::nn::quant::{Packing, QuantError, QuantFormat, quantize_linears};
 use fsdp::nn::{LocalParams, Model, Module};
-use fsdp::optim::{Sgd, SgdConfig};
 use fsdp::peft::{LoraConfig, LoraModel, TargetModules};
-use fsdp_comm::ReduceOp;
 use serde_json::json;
 
 use crate::common;
@@ -83,14 +81,6 @@ fn dequantized_base(format: QuantFormat) -> BTreeMap<String, Tensor> {
     base
 }
 
-/// Step `step`'s 12 sequences of 10 tokens (12: world sizes 1-4 divide it).
-fn batch(step: usize) -> Tensor {
-    let ids: Vec<u32> = (0..120)
-        .map(|i| ((7 * i + 5 * step + i * i / 3) % 39 + 1) as u32)
-        .collect();
-    Tensor::from_vec(ids, (12, 10), &Device::Cpu).unwrap()
-}
-
 #[test]
 fn qlora_worker() {
     if std::env::var(ROLE).is_err() {
@@ -99,7 +89,6 @@ fn qlora_worker() {
     let format = QuantFormat::parse(&std::env::var("QLORA_FORMAT").unwrap()).unwrap();
     let on_dequantized = std::env::var("QLORA_BASE").is_ok_and(|b| b == "dequantized");
     let mut acc = Accelerator::builder().build().unwrap();
-    let (world, rank) = (acc.num_processes(), acc.process_index());
     let mut base_model = LlamaForCausalLM::new(config()).unwrap();
     let base = if on_dequantized {
         dequantized_base(format)
@@ -118,28 +107,8 @@ fn qlora_worker() {
         .iter()
         .map(|u| u.shard_numel())
         .sum();
-    let sgd = Sgd::new(SgdConfig {
-        lr: 0.5,
-        momentum: 0.9,
-        ..Default::default()
-    })
-    .unwrap();
-    let mut optimizer = acc.prepare_optimizer(sgd).unwrap();
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let ids = batch(step);
-        let per = 12 / world;
-        let mine = ids.narrow(0, rank * per, per).unwrap();
-        let loss = model
-            .forward(|m, p| m.forward_loss(p, &mine, None, &mine))
-            .unwrap();
-        let sum = acc
-            .reduce(vec![loss.to_scalar::<f32>().unwrap() as f64], ReduceOp::Sum)
-            .unwrap();
-        losses.push(sum[0] / world as f64);
-        acc.backward(&mut model, loss).unwrap();
-        assert!(acc.optimizer_step(&mut model, &mut optimizer).unwrap());
-    }
+    // The LoRA test's batches and training (the same vocabulary of 40).
+    let (losses, optimizer) = crate::lora::train_adapters(&mut acc, &mut model, STEPS);
     let opt = optimizer.optimizer();
     let state_names = opt.state_names();
     let weights = common::full_weights(&acc, &model);
@@ -305,4 +274,99 @@ fn formats_layers_and_settings_a_quantized_base_cannot_take_are_named() {
     assert!(matches!(e, PlanError::CastQuantized { .. }), "{e}");
     assert!(e.to_string().contains("mixed_precision: bf16"), "{e}");
     assert!(e.to_string().contains("q_proj"), "{e}");
+}
+
+/// The Fsdp of the QLoRA model in `format` (`None`: LoRA on the f32 base) on `group`.
+fn engine(
+    format: Option<QuantFormat>,
+    group: std::sync::Arc<dyn fsdp_comm::Communicator>,
+) -> fsdp::engine::Fsdp {
+    let mut base = LlamaForCausalLM::new(config()).unwrap();
+    if let Some(f) = format {
+        quantize_linears(&mut base, f).unwrap();
+    }
+    let model = LoraModel::new(base, lora_config()).unwrap();
+    let base = base_weights();
+    let weights = model.weights(&base, None, 3).unwrap();
+    let plugin = FsdpPlugin::builder()
+        .resolve(&Layer::new(), None)
+        .unwrap()
+        .fsdp;
+    fsdp::engine::Fsdp::wrap(&model, &weights, &plugin, group).unwrap()
+}
+
+/// A sharded checkpoint of a QLoRA model keeps its blocks (and says their format): it loads
+/// at another world size with the same weights, `merge-weights` writes the weights they
+/// dequantize to, and a model keeping them in another format, or not quantized, is refused
+/// naming the tensor and both formats.
+#[test]
+fn qlora_checkpoints_keep_the_blocks_reshard_merge_dequantized_and_refuse_another_format() {
+    use crate::common::tiny::on_threads;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let nf4 = Some(QuantFormat::Nf4);
+    let d = dir.clone();
+    let saved = on_threads(2, move |g| {
+        let e = engine(nf4, g);
+        let sgd = fsdp::optim::Sgd::new(Default::default()).unwrap();
+        e.save_state(&d, &sgd, &Default::default()).unwrap();
+        e.full_state_dict().unwrap()
+    });
+    let saved = saved.into_iter().flatten().next().unwrap();
+    let name = "model.layers.1.mlp.down_proj.weight";
+    let want: Vec<f32> = dequantized_base(QuantFormat::Nf4)[name]
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(saved[name].dims(), [64, 128]);
+    assert_eq!(
+        saved[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        want
+    );
+    // Three ranks read the two ranks' blocks: the same model.
+    let d = dir.clone();
+    let loaded = on_threads(3, move |g| {
+        let mut e = engine(nf4, g);
+        let mut sgd = fsdp::optim::Sgd::new(Default::default()).unwrap();
+        e.load_state(&d, &mut sgd).unwrap();
+        e.full_state_dict().unwrap()
+    });
+    let loaded = loaded.into_iter().flatten().next().unwrap();
+    for (n, t) in &saved {
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            t.flatten_all().unwrap().to_vec1().unwrap(),
+            loaded[n].flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert_eq!(a, b, "`{n}` after resharding 2 -> 3");
+    }
+    // merge-weights: the dequantized weights, as save_pretrained writes them.
+    let merged = tmp.path().join("merged");
+    fsdp::checkpoint::merge_weights(&dir.join("pytorch_model_fsdp_0"), &merged).unwrap();
+    let file =
+        candle_core::safetensors::load(merged.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(file[name].dims(), [64, 128]);
+    assert_eq!(
+        file[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        want
+    );
+    // Q4_0's words of a row have the same shape as NF4's: refused by format.
+    for (format, said) in [
+        (
+            Some(QuantFormat::parse("q4_0").unwrap()),
+            "checkpoint and kept in Q4_0 (rows of ",
+        ),
+        (None, "checkpoint and not quantized in the model"),
+    ] {
+        let d = dir.clone();
+        let errors = on_threads(2, move |g| {
+            let mut e = engine(format, g);
+            let mut sgd = fsdp::optim::Sgd::new(Default::default()).unwrap();
+            e.load_state(&d, &mut sgd).unwrap_err().to_string()
+        });
+        for e in errors {
+            assert!(e.contains("weight` is kept in NF4 (rows of "), "{e}");
+            assert!(e.contains(said) && e.contains("model.layers.0."), "{e}");
+        }
+    }
 }

@@ -129,6 +129,43 @@ pub struct TensorDoc {
     pub dtype: String,
     /// Row ranges of dim 0 and where they are, covering every row once.
     pub pieces: Vec<PieceDoc>,
+    /// A quantized weight (QLoRA's base): its rows are the 32-bit words of blocks in this
+    /// format, standing for rows of `columns` values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packing: Option<PackingDoc>,
+}
+
+/// How a quantized weight's words stand for its values ([`crate::nn::quant::Packing`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PackingDoc {
+    /// The block format (`NF4`, `Q4_1`, ...).
+    pub format: String,
+    /// Values per row.
+    pub columns: usize,
+}
+
+impl PackingDoc {
+    /// The document of `p`.
+    pub fn of(p: crate::nn::quant::Packing) -> PackingDoc {
+        PackingDoc {
+            format: p.format.to_string(),
+            columns: p.cols,
+        }
+    }
+
+    /// The packing it describes; an error naming `path` and `name` for a format this build
+    /// does not know or rows that are not whole blocks.
+    pub fn packing(
+        &self,
+        path: &Path,
+        name: &str,
+    ) -> Result<crate::nn::quant::Packing, CheckpointError> {
+        let bad = |e: crate::nn::quant::QuantError| {
+            CheckpointError::corrupt(path, format!("`{name}`: {e}"))
+        };
+        let format = crate::nn::quant::QuantFormat::parse(&self.format).map_err(bad)?;
+        crate::nn::quant::Packing::new(name, format, self.columns).map_err(bad)
+    }
 }
 
 /// Some rows of a tensor, stored contiguously in one file.

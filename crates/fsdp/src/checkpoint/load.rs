@@ -62,6 +62,24 @@ fn local_only(dir: &Path, doc: &mut FolderDoc, model: &Fsdp) -> Result<(), Check
 
 /// Model `m` from folder `dir`: every parameter's owned rows.
 fn load_model(dir: &Path, doc: &FolderDoc, m: &mut Fsdp) -> Result<(), CheckpointError> {
+    // A quantized weight's words read as another format's would be garbage of the same shape.
+    for (name, t) in &doc.tensors {
+        let ours = m.packing(name).map(super::format::PackingDoc::of);
+        if t.packing != ours {
+            let describe = |p: &Option<super::format::PackingDoc>| match p {
+                Some(p) => format!("kept in {} (rows of {})", p.format, p.columns),
+                None => "not quantized".to_string(),
+            };
+            return Err(CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "`{name}` is {} in the checkpoint and {} in the model",
+                    describe(&t.packing),
+                    describe(&ours)
+                ),
+            });
+        }
+    }
     let saved: BTreeMap<&str, (&str, &[usize])> = doc
         .tensors
         .iter()

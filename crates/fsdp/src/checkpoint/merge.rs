@@ -135,17 +135,33 @@ pub fn merge_weights(src: &Path, out_dir: &Path) -> Result<MergeReport, Checkpoi
             for (name, t) in &ours_doc.tensors {
                 let rows = t.shape.first().copied().unwrap_or(1);
                 let row_elems: usize = t.shape.iter().skip(1).product();
+                // A quantized weight is written as the f32 weight it stands for.
+                let packing = match &t.packing {
+                    Some(p) => Some(p.packing(&meta_path, name)?),
+                    None => None,
+                };
+                let shape = match packing {
+                    Some(p) => vec![rows, p.cols],
+                    None => t.shape.clone(),
+                };
                 let reader = &reader;
+                let path = meta_path.clone();
                 let load = move || {
                     let values = reader.borrow_mut().read_rows(name, t, 0..rows, row_elems)?;
+                    let values = match packing {
+                        Some(p) => p.dequantize(&values).map_err(|e| {
+                            CheckpointError::corrupt(&path, format!("`{name}`: {e}"))
+                        })?,
+                        None => values,
+                    };
                     Ok(f32_bytes(&values).to_vec())
                 };
                 tensors.push((
                     name.clone(),
                     Lazy {
                         dtype: Dtype::F32,
-                        shape: t.shape.clone(),
-                        len: t.shape.iter().product::<usize>() * 4,
+                        len: shape.iter().product::<usize>() * 4,
+                        shape,
                         load: Box::new(load),
                         failed: &failed,
                     },

@@ -12,7 +12,8 @@ use super::atomic;
 use super::collect::{agree, all_gather_bytes, broadcast_bytes, join};
 use super::error::CheckpointError;
 use super::format::{
-    self, CheckpointDoc, FileDoc, FolderDoc, LayoutDoc, OptimizerDoc, PieceDoc, TensorDoc,
+    self, CheckpointDoc, FileDoc, FolderDoc, LayoutDoc, OptimizerDoc, PackingDoc, PieceDoc,
+    TensorDoc,
 };
 use super::save_full::{state_keys, write_full, write_full_state};
 use super::save_parts::{Part, PartSource, RankParts, random_bytes, rank_parts};
@@ -250,6 +251,8 @@ pub(super) struct DocInputs {
     pub(super) layout: LayoutDoc,
     /// Each optimizer's name, rates and groups (steps come from the ranks' reports).
     pub(super) optimizers: Vec<OptimizerDoc>,
+    /// Each model's quantized weights, by name.
+    pub(super) packings: Vec<BTreeMap<String, PackingDoc>>,
 }
 
 impl DocInputs {
@@ -266,6 +269,15 @@ impl DocInputs {
                     lrs: (0..o.num_groups()).map(|g| o.lr(g)).collect(),
                     steps: BTreeMap::new(),
                     groups: super::groups::recorded(m, *o),
+                })
+                .collect(),
+            packings: models
+                .iter()
+                .map(|m| {
+                    m.parameters()
+                        .into_iter()
+                        .filter_map(|(n, _)| Some((n.to_string(), PackingDoc::of(m.packing(n)?))))
+                        .collect()
                 })
                 .collect(),
         }
@@ -321,6 +333,9 @@ fn write_documents(
                         shape: shape.clone(),
                         dtype: "F32".into(),
                         pieces: Vec::new(),
+                        packing: is_model
+                            .then(|| inputs.packings[f].get(name).cloned())
+                            .flatten(),
                     });
                 entry.pieces.push(PieceDoc {
                     file: file.clone(),
