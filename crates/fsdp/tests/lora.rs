@@ -92,6 +92,9 @@ fn lora_worker() {
     if let Some(dir) = &dir {
         acc.save_adapter(&model, Path::new(dir), "CAUSAL_LM", Some("tiny-llama"))
             .unwrap();
+        // The merged model streamed (what --merge_lora writes).
+        let merged = Path::new(dir).with_file_name("merged");
+        acc.save_merged(&model, &merged, &hf_config()).unwrap();
     }
     let weights = common::full_weights(&acc, &model);
     acc.wait_for_everyone().unwrap();
@@ -279,6 +282,22 @@ fn adapters_save_as_peft_read_back_and_merge_into_the_adapted_models_logits() {
     let merged = merge_adapter(&mut state, &file.config, file.fan_in_fan_out).unwrap();
     assert_eq!(merged.len(), 9);
     assert!(state.keys().all(|k| !fsdp::peft::is_adapter_param(k)));
+    // Accelerator::save_merged streamed the same merged weights (its sums in another
+    // order), in a plain folder.
+    let streamed = dir.path().join("merged");
+    let file_tensors =
+        candle_core::safetensors::load(streamed.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = file_tensors.keys().collect();
+    names.sort();
+    assert_eq!(names, state.keys().collect::<Vec<_>>());
+    for (name, t) in &state {
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            file_tensors[name].flatten_all().unwrap().to_vec1().unwrap(),
+            t.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert!(rel(&a, &b) < 1e-6, "streamed merge of `{name}`");
+    }
+    assert!(streamed.join("config.json").is_file());
     let plain = LlamaForCausalLM::new(config()).unwrap();
     let got = plain.forward(&state_params(&state), &ids, None).unwrap();
     let (w, g): (Vec<f32>, Vec<f32>) = (

@@ -7,7 +7,7 @@ use anyhow::Result;
 use fsdp::accelerator::{Accelerator, PreparedModel};
 use fsdp::models::LlamaForCausalLM;
 use fsdp::models::llama::{TokenizerExtras, write_tokenizer_and_generation_files};
-use fsdp::peft::{LoraModel, merge_adapter};
+use fsdp::peft::LoraModel;
 
 /// The model fine-tuned: the Llama itself, or LoRA adapters on it.
 pub trait Tuned: fsdp::nn::Model + Sized {
@@ -81,17 +81,7 @@ impl Tuned for LoraModel<LlamaForCausalLM> {
         acc.save_adapter(model, &dir, "CAUSAL_LM", Some(&base))?;
         out.add_tokenizer(acc, &dir)?;
         if out.merge {
-            let merged = out.dir.join("model");
-            if let Some(mut state) = acc.get_state_dict(model)? {
-                merge_adapter(&mut state, model.module().config(), false)?;
-                std::fs::create_dir_all(&merged)?;
-                let state: std::collections::HashMap<_, _> = state.into_iter().collect();
-                fsdp::nn::candle::safetensors::save(&state, merged.join("model.safetensors"))?;
-                std::fs::write(
-                    merged.join("config.json"),
-                    serde_json::to_string_pretty(out.hf_config)?,
-                )?;
-            }
+            let merged = acc.save_merged(model, &out.dir.join("model"), out.hf_config)?;
             out.add_tokenizer(acc, &merged)?;
             acc.print(format!("adapters merged into {}", merged.display()));
         }

@@ -75,6 +75,34 @@ impl Accelerator {
         )?)
     }
 
+    /// Saves `model`'s base with its LoRA adapters merged in (PEFT's `merge_and_unload`,
+    /// then `save_pretrained`): a plain transformers folder in `dir` with `config`'s
+    /// `config.json`, streamed as [`Accelerator::save_model`] streams (gathered onto rank 0
+    /// one unit at a time, each adapted weight merged as its adapters arrive; the merged
+    /// model is never whole in memory) and put in place atomically. A quantized base is
+    /// written dequantized. Collective.
+    pub fn save_merged<M: crate::nn::Module>(
+        &self,
+        model: &PreparedModel<crate::peft::LoraModel<M>>,
+        dir: &Path,
+        config: &serde_json::Value,
+    ) -> Result<PathBuf, AcceleratorError> {
+        let lora = model.module();
+        let fan_in_fan_out = lora
+            .info()
+            .modules()
+            .iter()
+            .any(|m| m.type_name == "Conv1D" && lora.adapted().contains(&m.path));
+        let mut emit = crate::peft::MergingEmit::new(lora.config(), fan_in_fan_out);
+        Ok(checkpoint::save_pretrained_as(
+            model.engine(),
+            dir,
+            config,
+            10 << 30,
+            &mut emit,
+        )?)
+    }
+
     /// `model`'s full weights by name on rank 0 (`None` on the others), gathered one unit
     /// at a time (collective).
     pub fn get_state_dict<M>(

@@ -40,7 +40,7 @@ pub use error::CheckpointError;
 pub(crate) use from_accelerate::PYTORCH_SCHEDULER;
 pub use latest::{earlier_run_outputs, latest_checkpoint};
 pub use merge::{MergeReport, merge_weights};
-pub use pretrained::{save_adapter, save_pretrained};
+pub use pretrained::{Emit, WriteTensor, save_adapter, save_pretrained, save_pretrained_as};
 pub use save_async::PendingSave;
 
 use crate::config::{CheckpointFormat, StateDictType};

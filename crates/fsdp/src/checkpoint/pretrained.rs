@@ -46,12 +46,61 @@ pub fn save_pretrained(
     config: &serde_json::Value,
     max_shard_bytes: u64,
 ) -> Result<PathBuf, CheckpointError> {
+    save_pretrained_as(model, dir, config, max_shard_bytes, &mut WriteAsGathered)
+}
+
+/// Writes the next planned tensor, given as consecutive chunks of its values.
+pub type WriteTensor<'a> = dyn FnMut(&[&[f32]]) -> Result<(), CheckpointError> + 'a;
+
+/// What a save writes for each gathered parameter: zero or more of the planned tensors, in
+/// the plan's order, through `write` (rank 0 only).
+pub trait Emit {
+    /// The names and shapes written, in order, for parameters `names` in gathering order.
+    fn plan(&mut self, names: Vec<(String, Vec<usize>)>) -> Vec<(String, Vec<usize>)>;
+    /// Parameter `name` arrived as `values` (its exported values).
+    fn emit(
+        &mut self,
+        name: &str,
+        values: &[&[f32]],
+        write: &mut WriteTensor,
+    ) -> Result<(), CheckpointError>;
+}
+
+/// Every parameter written as it is gathered.
+struct WriteAsGathered;
+
+impl Emit for WriteAsGathered {
+    fn plan(&mut self, names: Vec<(String, Vec<usize>)>) -> Vec<(String, Vec<usize>)> {
+        names
+    }
+
+    fn emit(
+        &mut self,
+        _: &str,
+        values: &[&[f32]],
+        write: &mut WriteTensor,
+    ) -> Result<(), CheckpointError> {
+        write(values)
+    }
+}
+
+/// [`save_pretrained`] of the tensors `emit` makes of the gathered parameters (a LoRA
+/// model's weights with its adapters merged in: [`crate::peft::MergingEmit`]).
+pub fn save_pretrained_as(
+    model: &Fsdp,
+    dir: &Path,
+    config: &serde_json::Value,
+    max_shard_bytes: u64,
+    emit: &mut dyn Emit,
+) -> Result<PathBuf, CheckpointError> {
     // A quantized weight is written as the f32 weight it stands for.
-    let names: Vec<(String, Vec<usize>)> = model
-        .exported_parameters()
-        .into_iter()
-        .map(|(n, s)| (n.to_string(), s))
-        .collect();
+    let names: Vec<(String, Vec<usize>)> = emit.plan(
+        model
+            .exported_parameters()
+            .into_iter()
+            .map(|(n, s)| (n.to_string(), s))
+            .collect(),
+    );
     let files = assign(&names, max_shard_bytes.max(1));
     let n = files.len();
     let file_name = |i: usize| {
@@ -62,7 +111,7 @@ pub fn save_pretrained(
         }
     };
     let documents = |staging: &Path| write_documents(staging, config, &files, &file_name);
-    save_selected(model, dir, &files, &file_name, &|_| true, &documents)
+    save_selected(model, dir, &files, &file_name, &|_| true, &documents, emit)
 }
 
 /// Saves the parameters `keep` selects as PEFT saves an adapter: one
@@ -92,11 +141,13 @@ pub fn save_adapter(
             .map_err(|e| CheckpointError::Usage(format!("adapter_config.json: {e}")))?;
         atomic::write_synced(&staging.join("adapter_config.json"), text.as_bytes())
     };
-    save_selected(model, dir, &files, &file_name, keep, &documents)
+    let emit = &mut WriteAsGathered;
+    save_selected(model, dir, &files, &file_name, keep, &documents, emit)
 }
 
-/// Streams the parameters `keep` selects, in gathering order, into `files` (named by
-/// `file_name`) in a staging folder beside `dir`, adds `documents`, and moves it into `dir`.
+/// Streams the parameters `keep` selects, in gathering order, through `emit` into `files`
+/// (named by `file_name`) in a staging folder beside `dir`, adds `documents`, and moves it
+/// into `dir`.
 fn save_selected(
     model: &Fsdp,
     dir: &Path,
@@ -104,6 +155,7 @@ fn save_selected(
     file_name: &dyn Fn(usize) -> String,
     keep: &dyn Fn(&str) -> bool,
     documents: &dyn Fn(&Path) -> Result<(), CheckpointError>,
+    emit: &mut dyn Emit,
 ) -> Result<PathBuf, CheckpointError> {
     let first = model.mesh().rank() == 0;
     // Rank 0 stages the files beside `dir` (the others only send it their rows).
@@ -155,9 +207,9 @@ fn save_selected(
         &mut |name, chunks| {
             if first && failed.is_none() {
                 let written = match model.packing(name) {
-                    None => write(chunks),
+                    None => emit.emit(name, chunks, &mut write),
                     Some(_) => match model.exported_values(name, chunks) {
-                        Ok(values) => write(&[&values]),
+                        Ok(values) => emit.emit(name, &[&values], &mut write),
                         Err(e) => Err(CheckpointError::Engine(Box::new(e))),
                     },
                 };

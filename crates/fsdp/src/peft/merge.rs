@@ -78,3 +78,147 @@ pub(super) fn f32_values(view: &safetensors::tensor::TensorView<'_>) -> Result<V
         }
     })
 }
+
+/// Merges adapters while a save streams the weights ([`crate::checkpoint::save_pretrained_as`]):
+/// each adapted layer's weight is held until its `lora_A` and `lora_B` arrive (in the same
+/// unit), then written as `W + scaling · B·A`; the adapters themselves are not written, and
+/// every other tensor goes out in the plan's order (held while an earlier one waits). At most
+/// one unit's tensors are held: the merged model is never whole in memory.
+pub struct MergingEmit {
+    scaling: f32,
+    /// Weights stored [in, out] (GPT-2's Conv1D).
+    fan_in_fan_out: bool,
+    /// Weights with an adapter, by layer path.
+    adapted: std::collections::HashSet<String>,
+    /// The tensors to write, in order, and the next one's index.
+    order: Vec<String>,
+    next: usize,
+    /// Arrived tensors waiting for their turn, and adapters waiting for their weight.
+    held: std::collections::HashMap<String, Vec<f32>>,
+    /// (rows, columns) of each adapted weight as stored.
+    dims: std::collections::HashMap<String, (usize, usize)>,
+}
+
+impl MergingEmit {
+    /// A merge of the adapters of `config`; `fan_in_fan_out`: the weights are stored
+    /// [in, out] (GPT-2's `Conv1D`), as [`merge_adapter`] takes it.
+    pub fn new(config: &LoraConfig, fan_in_fan_out: bool) -> MergingEmit {
+        MergingEmit {
+            scaling: config.scaling() as f32,
+            fan_in_fan_out,
+            adapted: Default::default(),
+            order: Vec::new(),
+            next: 0,
+            held: Default::default(),
+            dims: Default::default(),
+        }
+    }
+
+    /// The merged weight of `layer` once its weight and both adapters are held.
+    fn try_merge(&mut self, layer: &str) -> Option<Vec<f32>> {
+        let (a_name, b_name) = (
+            format!("{layer}.lora_A.weight"),
+            format!("{layer}.lora_B.weight"),
+        );
+        let weight = format!("{layer}.weight");
+        if !(self.held.contains_key(&a_name)
+            && self.held.contains_key(&b_name)
+            && self.held.contains_key(&weight))
+        {
+            return None;
+        }
+        let (a, b) = (self.held.remove(&a_name)?, self.held.remove(&b_name)?);
+        let mut w = self.held.remove(&weight)?;
+        let (rows, cols) = self.dims[layer];
+        let (out, inp) = if self.fan_in_fan_out {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        let r = a.len() / inp.max(1);
+        // W[o, i] (or W[i, o]) += scaling · Σ_k B[o, k] A[k, i]: rank r is small, plain loops.
+        for o in 0..out {
+            for k in 0..r {
+                let s = self.scaling * b[o * r + k];
+                let a = &a[k * inp..(k + 1) * inp];
+                if self.fan_in_fan_out {
+                    for (i, a) in a.iter().enumerate() {
+                        w[i * out + o] += s * a;
+                    }
+                } else {
+                    for (x, a) in w[o * inp..(o + 1) * inp].iter_mut().zip(a) {
+                        *x += s * a;
+                    }
+                }
+            }
+        }
+        Some(w)
+    }
+}
+
+impl crate::checkpoint::Emit for MergingEmit {
+    fn plan(&mut self, names: Vec<(String, Vec<usize>)>) -> Vec<(String, Vec<usize>)> {
+        let shapes: std::collections::HashMap<&str, &[usize]> = names
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_slice()))
+            .collect();
+        for (name, _) in &names {
+            let Some(layer) = name.strip_suffix(".lora_A.weight") else {
+                continue;
+            };
+            if let Some(&[out, inp]) = shapes.get(format!("{layer}.weight").as_str()) {
+                self.adapted.insert(layer.to_string());
+                self.dims.insert(layer.to_string(), (*out, *inp));
+            }
+        }
+        let kept: Vec<(String, Vec<usize>)> = names
+            .into_iter()
+            .filter(|(n, _)| !super::is_adapter_param(n))
+            .collect();
+        self.order = kept.iter().map(|(n, _)| n.clone()).collect();
+        kept
+    }
+
+    fn emit(
+        &mut self,
+        name: &str,
+        values: &[&[f32]],
+        write: &mut crate::checkpoint::WriteTensor,
+    ) -> Result<(), crate::checkpoint::CheckpointError> {
+        if let Some(layer) = name
+            .strip_suffix(".lora_A.weight")
+            .or_else(|| name.strip_suffix(".lora_B.weight"))
+            && !self.dims.contains_key(layer)
+        {
+            return Err(crate::checkpoint::CheckpointError::Usage(format!(
+                "merging adapters: `{name}` has no [rows, columns] weight `{layer}.weight` to merge into"
+            )));
+        }
+        self.held.insert(name.to_string(), values.concat());
+        let layer = name
+            .strip_suffix(".lora_A.weight")
+            .or_else(|| name.strip_suffix(".lora_B.weight"))
+            .or_else(|| {
+                name.strip_suffix(".weight")
+                    .filter(|l| self.adapted.contains(*l))
+            })
+            .map(str::to_string);
+        if let Some(layer) = layer
+            && let Some(merged) = self.try_merge(&layer)
+        {
+            self.held.insert(format!("{layer}.weight"), merged);
+            self.adapted.remove(&layer);
+        }
+        while let Some(next) = self.order.get(self.next) {
+            let waiting = next
+                .strip_suffix(".weight")
+                .is_some_and(|l| self.adapted.contains(l));
+            let Some(values) = (!waiting).then(|| self.held.remove(next)).flatten() else {
+                break;
+            };
+            write(&[&values])?;
+            self.next += 1;
+        }
+        Ok(())
+    }
+}

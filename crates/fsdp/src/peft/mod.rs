@@ -10,7 +10,7 @@ mod merge;
 mod targets;
 
 pub use files::{AdapterFile, AdapterWeights, PEFT_PREFIX};
-pub use merge::merge_adapter;
+pub use merge::{MergingEmit, merge_adapter};
 pub use targets::TargetModules;
 
 use std::ops::Deref;
