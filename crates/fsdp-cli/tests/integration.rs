@@ -10,6 +10,7 @@ mod common;
 
 mod bench_loading;
 mod bench_memory;
+mod bench_qlora;
 mod cli;
 mod cluster;
 mod downstream;

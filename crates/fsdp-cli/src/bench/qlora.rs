@@ -53,6 +53,9 @@ pub struct QloraArgs {
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Also write the JSON result to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
     /// Internal: run as one of the benchmark's workers.
     #[arg(long, hide = true)]
     worker: bool,
@@ -179,6 +182,9 @@ pub fn run(a: QloraArgs) -> Result<()> {
         "result": r,
     });
     println!("{json}");
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
     Ok(())
 }
 
