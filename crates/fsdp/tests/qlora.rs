@@ -305,11 +305,25 @@ fn qlora_checkpoints_keep_the_blocks_reshard_merge_dequantized_and_refuse_anothe
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     let nf4 = Some(QuantFormat::Nf4);
-    let d = dir.clone();
+    let (d, dcp) = (dir.clone(), tmp.path().join("dcp"));
     let saved = on_threads(2, move |g| {
         let e = engine(nf4, g);
         let sgd = fsdp::optim::Sgd::new(Default::default()).unwrap();
         e.save_state(&d, &sgd, &Default::default()).unwrap();
+        // PyTorch's format would hand the words to PyTorch as floats: refused, nothing written.
+        let options = fsdp::checkpoint::CheckpointOptions {
+            format: Some(fsdp::config::CheckpointFormat::TorchDcp),
+            ..Default::default()
+        };
+        let run = Default::default();
+        let e2 = fsdp::checkpoint::save_state(&dcp, &[&e], &[&sgd], &run, &options).unwrap_err();
+        assert!(
+            e2.to_string()
+                .contains("torch-dcp checkpoint format cannot hold")
+                && e2.to_string().contains("kept quantized in NF4"),
+            "{e2}"
+        );
+        assert!(!dcp.exists());
         e.full_state_dict().unwrap()
     });
     let saved = saved.into_iter().flatten().next().unwrap();
