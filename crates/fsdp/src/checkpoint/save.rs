@@ -535,12 +535,13 @@ pub(crate) fn save(
         begun.kind,
         begun.files,
     );
-    let report_text = match &written {
-        Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
-        Err(_) => Vec::new(),
-    };
+    // A report that cannot be serialised fails the save on every rank (never an empty one).
+    let written = written.and_then(|r| {
+        serde_json::to_vec(&r)
+            .map_err(|e| CheckpointError::Usage(format!("this rank's save report: {e}")))
+    });
     // On failure rank 0's staging folder goes with `held`.
-    agree(mesh, written)?;
+    let report_text = agree(mesh, written)?;
     let reports = all_gather_bytes(mesh, &report_text)?;
     let published = match begun.held.as_mut() {
         Some(held) => {

@@ -309,3 +309,16 @@ pub(crate) fn whole_storage(values: &[f32], dtype: DType) -> Result<CpuStorage, 
         }
     })
 }
+
+/// A collective's result as f32 values; another element type (a peer that sent another
+/// dtype) is an error naming the op, never an empty vector.
+pub(crate) fn f32_values(buffer: Buffer, op: &'static str) -> Result<Vec<f32>, EngineError> {
+    buffer
+        .into_vec::<f32>()
+        .map_err(|b| EngineError::UnsupportedTensor {
+            op,
+            what: "the collective's result".into(),
+            found: format!("{:?}", b.dtype()),
+            expected: "f32 values",
+        })
+}

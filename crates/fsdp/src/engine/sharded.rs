@@ -238,10 +238,10 @@ impl Fsdp {
                 params.push(p);
             }
             if let Some(tier) = shards_offloaded {
-                let block: Vec<f32> = params
-                    .iter()
-                    .flat_map(|p| p.shard.values().unwrap_or_default().iter().copied())
-                    .collect();
+                let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
+                for p in &params {
+                    block.extend_from_slice(p.shard.values()?);
+                }
                 tier.write(&(u, Region::Params), block)?;
                 for p in &mut params {
                     p.shard = ShardBuffer::f32(Vec::new(), placement.storage.clone());
@@ -419,7 +419,7 @@ impl Fsdp {
             Vec::new()
         } else {
             let mean = self.mesh.all_reduce(Buffer::F32(flat), ReduceOp::Avg)?;
-            mean.into_vec::<f32>().unwrap_or_default()
+            super::collectives::f32_values(mean, "all-reduce of replicated gradients")?
         };
         let mut replicated = BTreeMap::new();
         for (name, g) in local.into_iter().rev() {
