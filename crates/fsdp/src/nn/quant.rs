@@ -61,8 +61,7 @@ macro_rules! ggml_dispatch {
                 type $B = k_quants::BlockQ6K;
                 $body
             }
-            // `Packing::new` takes only `QuantFormat::ALL`'s types, so no other reaches here;
-            // were one to, its row would read as zeros rather than as foreign memory.
+            // `Packing::new` refuses every other type, so none reaches here.
             _ => {}
         }
     };
@@ -303,7 +302,11 @@ pub struct Packing {
 
 impl Packing {
     /// `cols`-element rows in `format`; an error naming `name` unless they are whole blocks.
+    /// An error too for a GGML type that is not a weight format (`F16`, `Q8_K`, ...).
     pub fn new(name: &str, format: QuantFormat, cols: usize) -> Result<Packing, QuantError> {
+        if let QuantFormat::Ggml(t) = format {
+            QuantFormat::from_ggml(t)?;
+        }
         let block = format.block_size();
         if cols == 0 || !cols.is_multiple_of(block) {
             return Err(QuantError::PartialBlock {
@@ -565,6 +568,10 @@ mod tests {
             Err(QuantError::UnknownFormat(_))
         ));
         assert!(QuantFormat::from_ggml(GgmlDType::F16).is_err());
+        assert_eq!(
+            Packing::new("w", QuantFormat::Ggml(GgmlDType::Q8K), 256),
+            Err(QuantError::NotWeightFormat(GgmlDType::Q8K))
+        );
         let e = Packing::new("model.layers.0.mlp.up_proj.weight", QuantFormat::Nf4, 96)
             .unwrap_err()
             .to_string();
