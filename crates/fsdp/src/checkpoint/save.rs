@@ -454,19 +454,8 @@ pub(super) fn begin(
             state_dict_name(kind)
         )));
     }
-    // PyTorch would read a quantized weight's words as f32 values: refused before anything
-    // is written (every rank sees the same models).
-    if files == CheckpointFormat::TorchDcp
-        && let Some((name, p)) = models.iter().find_map(|m| {
-            m.parameters()
-                .into_iter()
-                .find_map(|(n, _)| Some((n.to_string(), m.packing(n)?)))
-        })
-    {
-        return Err(CheckpointError::Usage(format!(
-            "the torch-dcp checkpoint format cannot hold `{name}`, kept quantized in {}: PyTorch would read its blocks as float values; save QLoRA models in the fsdp-rs format (fsdp_checkpoint_format: fsdp-rs), or save the adapters with save_adapter",
-            p.format
-        )));
+    if files == CheckpointFormat::TorchDcp {
+        super::save_dcp::refuse_quantized(models)?;
     }
     // Rank 0 chooses the destination and makes (and holds) the staging folder; the others
     // learn where.

@@ -347,3 +347,20 @@ pub(super) fn write_documents(
         format::RUN_STATE_FILE,
     )
 }
+
+/// PyTorch would read a quantized weight's words as f32 values: a model with one is refused
+/// before anything is written (every rank sees the same models), naming it.
+pub(super) fn refuse_quantized(models: &[&crate::engine::Fsdp]) -> Result<(), CheckpointError> {
+    let quantized = models.iter().find_map(|m| {
+        m.parameters()
+            .into_iter()
+            .find_map(|(n, _)| Some((n.to_string(), m.packing(n)?)))
+    });
+    match quantized {
+        Some((name, p)) => Err(CheckpointError::Usage(format!(
+            "the torch-dcp checkpoint format cannot hold `{name}`, kept quantized in {}: PyTorch would read its blocks as float values; save QLoRA models in the fsdp-rs format (fsdp_checkpoint_format: fsdp-rs), or save the adapters with save_adapter",
+            p.format
+        ))),
+        None => Ok(()),
+    }
+}
