@@ -357,22 +357,6 @@ fn main() -> Result<()> {
     fine_tune(&args, acc, model, info, job)
 }
 
-/// Bytes of parameters one rank receives by all-gathers in a training step: each unit's
-/// block from every other rank, once before forward and again before backward when it
-/// reshards after forward (quantized weights travel as their blocks).
-fn gathered_bytes(plan: &fsdp::engine::UnitPlan) -> usize {
-    if plan.group_size < 2 {
-        return 0;
-    }
-    plan.units
-        .iter()
-        .map(|u| {
-            let gathers = if u.reshard_after_forward { 2 } else { 1 };
-            gathers * u.shard_numel() * (plan.group_size - 1) * plan.gathered_bytes
-        })
-        .sum()
-}
-
 /// The pretrained model's description and the run's clocks, for [`fine_tune`].
 struct Job {
     hf_config: serde_json::Value,
@@ -609,7 +593,10 @@ fn fine_tune<M: Tuned>(
 
     // What each rank holds between steps (its parameter shards and AdamW's moments; the
     // gradients are gone after the step; and the tokenized text) against the plan's estimate.
-    let estimate = model.engine().plan().memory_estimate();
+    let plan = model.engine().plan();
+    let estimate = plan.memory_estimate();
+    // Quantized weights travel as their blocks.
+    let gathered = plan.gathered_per_step(fsdp::engine::Unit::shard_numel) * plan.gathered_bytes;
     let state = (estimate.params + estimate.optimizer) as f64;
     let resident = acc.gather(vec![fsdp::memory::resident_bytes() as f64])?;
     acc.print(format!(
@@ -620,7 +607,7 @@ fn fine_tune<M: Tuned>(
             .collect::<Vec<_>>()
             .join(", "),
         state / (1 << 20) as f64,
-        gathered_bytes(model.engine().plan()) as f64 / (1 << 20) as f64
+        gathered as f64 / (1 << 20) as f64
     ));
     let sequences = acc.step() as usize * train_loader.global_batch_size();
     let peaks = acc.gather(vec![

@@ -625,6 +625,24 @@ fn transformers_load_it_alike(saved: &Path, printed: &str) {
     );
 }
 
+/// llama_example's standard error for `args` (no evaluation, into `out_dir`), which it must
+/// refuse.
+fn llama_example_refuses(args: &[&str], out_dir: &str) -> String {
+    let out = Command::new(example("llama_example"))
+        .args(args)
+        .args([
+            "--eval_samples",
+            "0",
+            "--output_dir",
+            out_dir,
+            "--overwrite_output_dir",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{args:?} was not refused");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
     let gguf = assets().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -737,45 +755,27 @@ fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
         "{q_out}\n---\n{out}"
     );
     // A quantized base computes in f32: mixed precision is refused by name.
-    let out = Command::new(example("llama_example"))
-        .args([
+    let e = llama_example_refuses(
+        &[
             "--lora_r",
             "4",
             "--quantize",
             "q4_1",
             "--mixed_precision",
             "bf16",
-        ])
-        .args([
-            "--eval_samples",
-            "0",
-            "--output_dir",
-            out_dir,
-            "--overwrite_output_dir",
-        ])
-        .output()
-        .unwrap();
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+        ],
+        out_dir,
+    );
     assert!(
         e.contains("mixed_precision: bf16 with a quantized base"),
         "{e}"
     );
 
     // A pattern that matches no projection is refused naming it and the model's layers.
-    let out = Command::new(example("llama_example"))
-        .args(["--lora_r", "4", "--lora_target_modules", "query,value"])
-        .args([
-            "--eval_samples",
-            "0",
-            "--output_dir",
-            out_dir,
-            "--overwrite_output_dir",
-        ])
-        .output()
-        .unwrap();
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let e = llama_example_refuses(
+        &["--lora_r", "4", "--lora_target_modules", "query,value"],
+        out_dir,
+    );
     assert!(
         e.contains("[\"query\", \"value\"] matches no linear layer"),
         "{e}"

@@ -161,3 +161,28 @@ impl std::fmt::Display for BertShape {
         )
     }
 }
+
+/// Rank `rank`'s token ids `[batch, seq]` of step `step` below `vocab`, drawn from a xorshift
+/// stream keyed by both (the training benchmarks' batches: every rank its own, every run
+/// the same).
+fn random_ids(
+    rank: usize,
+    step: usize,
+    (batch, seq): (usize, usize),
+    vocab: u64,
+) -> Result<fsdp::nn::candle::Tensor> {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ ((rank as u64) << 32 | step as u64);
+    let ids: Vec<u32> = (0..batch * seq)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab) as u32
+        })
+        .collect();
+    Ok(fsdp::nn::candle::Tensor::from_vec(
+        ids,
+        (batch, seq),
+        &fsdp::nn::candle::Device::Cpu,
+    )?)
+}

@@ -17,7 +17,6 @@ use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
 use fsdp::engine::Fsdp;
 use fsdp::memory;
 use fsdp::models::{Gpt2Config, Gpt2LmHeadModel};
-use fsdp::nn::candle::{Device, Tensor};
 use fsdp::nn::{Module, SeededWeights};
 use fsdp::optim::{AdamW, AdamWConfig};
 use fsdp_comm::{CommunicatorExt, ProcessGroup};
@@ -369,16 +368,7 @@ fn worker(a: &OffloadArgs, mode: &str) -> Result<()> {
     let mut steps = Vec::new();
     let mut losses = Vec::new();
     for step in 0..a.steps {
-        let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ ((rank as u64) << 32 | step as u64);
-        let ids: Vec<u32> = (0..a.batch * a.seq)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s % vocab) as u32
-            })
-            .collect();
-        let ids = Tensor::from_vec(ids, (a.batch, a.seq), &Device::Cpu)?;
+        let ids = super::random_ids(rank, step, (a.batch, a.seq), vocab)?;
         let before = stats(&fsdp);
         let t = Instant::now();
         let params = fsdp.begin_step()?;

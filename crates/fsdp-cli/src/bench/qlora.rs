@@ -12,10 +12,9 @@ use std::time::Instant;
 use anyhow::{Result, bail};
 use clap::Args;
 use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
-use fsdp::engine::{Fsdp, UnitPlan};
+use fsdp::engine::Fsdp;
 use fsdp::memory;
 use fsdp::models::{LlamaConfig, LlamaForCausalLM};
-use fsdp::nn::candle::{Device, Tensor};
 use fsdp::nn::quant::{QuantFormat, quantize_linears};
 use fsdp::nn::{Model, Module, SeededWeights};
 use fsdp::optim::{AdamW, AdamWConfig};
@@ -95,19 +94,6 @@ fn model(a: &QloraArgs) -> Result<(LoraModel<LlamaForCausalLM>, usize)> {
         },
     )?;
     Ok((lora, quantized))
-}
-
-/// Bytes one rank receives by all-gathers in a training step with `bytes_per` bytes per
-/// stored element: every unit's block from each other rank, before forward and again
-/// before backward for a unit resharded after forward.
-fn gathered(plan: &UnitPlan, elements: impl Fn(&fsdp::engine::Unit) -> usize) -> usize {
-    if plan.group_size < 2 {
-        return 0;
-    }
-    plan.units
-        .iter()
-        .map(|u| (1 + usize::from(u.reshard_after_forward)) * elements(u) * (plan.group_size - 1))
-        .sum()
 }
 
 /// Runs `fsdp bench qlora`.
@@ -225,24 +211,15 @@ fn worker(a: &QloraArgs) -> Result<()> {
     };
     let stored: usize = plan.units.iter().map(|u| u.shard_numel() * 4).sum();
     let stored_f32: usize = plan.units.iter().map(|u| logical(u) * 4).sum();
-    let gathered_bytes = gathered(plan, |u| u.shard_numel() * 4);
-    let gathered_f32 = gathered(plan, |u| logical(u) * 4);
+    let gathered_bytes = plan.gathered_per_step(fsdp::engine::Unit::shard_numel) * 4;
+    let gathered_f32 = plan.gathered_per_step(logical) * 4;
     let mut opt = AdamW::new(AdamWConfig {
         lr: 1e-4,
         ..Default::default()
     })?;
     let mut steps = Vec::new();
     for step in 0..a.steps {
-        let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ ((rank as u64) << 32 | step as u64);
-        let ids: Vec<u32> = (0..a.batch * a.seq)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s % vocab) as u32
-            })
-            .collect();
-        let ids = Tensor::from_vec(ids, (a.batch, a.seq), &Device::Cpu)?;
+        let ids = super::random_ids(rank, step, (a.batch, a.seq), vocab)?;
         let t = Instant::now();
         let params = fsdp.begin_step()?;
         let loss = model.forward_loss(&params, &ids, None, &ids)?;

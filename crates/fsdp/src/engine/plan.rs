@@ -215,6 +215,20 @@ impl MemoryEstimate {
 }
 
 impl UnitPlan {
+    /// Elements one rank receives by all-gathers in a training step, `elements(unit)` being
+    /// a rank's block of each unit: every other rank's block, before forward and again
+    /// before backward for a unit resharded after forward (none when one rank holds all).
+    pub fn gathered_per_step(&self, elements: impl Fn(&Unit) -> usize) -> usize {
+        if self.group_size < 2 {
+            return 0;
+        }
+        self.units
+            .iter()
+            .map(|u| (1 + usize::from(u.reshard_after_forward)) * elements(u))
+            .sum::<usize>()
+            * (self.group_size - 1)
+    }
+
     /// Splits `model` into units per `plugin`'s wrap policy; `default_wrap` is the model's own
     /// list for TRANSFORMER_BASED_WRAP without class names. `group_size` is the number of
     /// ranks parameters are sharded over (1 for NO_SHARD).

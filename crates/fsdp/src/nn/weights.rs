@@ -89,10 +89,7 @@ pub struct SeededWeights(pub u64);
 
 impl SeededWeights {
     fn fresh(&self, spec: &ParamSpec) -> Vec<f32> {
-        spec.initial_values(self.0)
-            .into_iter()
-            .map(|x| x as f32)
-            .collect()
+        spec.initial_f32(self.0)
     }
 }
 
