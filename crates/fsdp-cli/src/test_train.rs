@@ -37,13 +37,8 @@ fn model() -> Result<BertForSequenceClassification> {
 /// A learnable task: the class shows in the first token and in which half of the
 /// vocabulary the others come from.
 fn examples(n: usize) -> Vec<(Vec<u32>, u32)> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut s = fsdp::rng::XorShift64::new(fsdp::rng::GOLDEN_GAMMA);
+    let mut next = move || s.next_u64();
     let half = (VOCAB as u64 - 4) / 2;
     (0..n)
         .map(|_| {

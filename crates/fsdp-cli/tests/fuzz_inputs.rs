@@ -10,15 +10,11 @@ use crate::common;
 use crate::common::{finish, fsdp};
 
 /// splitmix64: the same cases on every run.
-struct Rng(u64);
+struct Rng(fsdp::rng::SplitMix64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
@@ -159,7 +155,7 @@ fn no_config_file_or_environment_value_panics_a_command() {
         r#"{"model_type":"bert","vocab_size":100,"hidden_size":16,"num_hidden_layers":2,"num_attention_heads":2,"intermediate_size":32,"max_position_embeddings":16}"#,
     )
     .unwrap();
-    let mut r = Rng(0x5EED);
+    let mut r = Rng(fsdp::rng::SplitMix64::new(0x5EED));
     let limit = Duration::from_secs(30);
     for case in 0..60 {
         let file = dir.path().join(format!("case{case}.yaml"));

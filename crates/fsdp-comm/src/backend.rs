@@ -11,96 +11,12 @@ use std::sync::Arc;
 use crate::communicator::Communicator;
 use crate::error::{CommError, Result};
 use crate::group::ProcessGroup;
-use crate::options::{GroupOptions, TRANSPORT_ENV, TransportChoice, env_text};
+use crate::options::GroupOptions;
+pub use crate::options::{BACKEND_ENV, BackendChoice};
 use crate::world::WorldInfo;
-
-/// Environment variable: the engine that carries collectives (`auto`, `shm`, `tcp`, `mpi`).
-pub const BACKEND_ENV: &str = "FSDP_COMM_BACKEND";
 
 /// Whether this build has the MPI communicator (feature `mpi`).
 pub const MPI_BUILT: bool = cfg!(feature = "mpi");
-
-/// The engine asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendChoice {
-    /// Shared memory on one host, MPI across hosts when possible, else the TCP ring.
-    Auto,
-    /// Shared memory; an error when ranks are on different hosts.
-    Shm,
-    /// fsdp-rs's TCP ring, also between ranks of one host.
-    Tcp,
-    /// MPI (feature `mpi`, and started by `mpirun` or `srun --mpi=pmix`).
-    Mpi,
-}
-
-impl BackendChoice {
-    /// The names, in the order of [`BackendChoice::ALL`].
-    pub const NAMES: &'static [&'static str] = &["auto", "shm", "tcp", "mpi"];
-    /// Every choice.
-    pub const ALL: &'static [BackendChoice] = &[
-        BackendChoice::Auto,
-        BackendChoice::Shm,
-        BackendChoice::Tcp,
-        BackendChoice::Mpi,
-    ];
-
-    /// Its name.
-    pub fn name(self) -> &'static str {
-        Self::NAMES[self as usize]
-    }
-
-    /// A name in any case, or its 1-based number (as the configuration accepts it).
-    pub fn parse(text: &str) -> Option<BackendChoice> {
-        let text = text.trim();
-        let i = match text.parse::<usize>() {
-            Ok(n) => n.checked_sub(1).filter(|&i| i < Self::ALL.len())?,
-            Err(_) => Self::NAMES
-                .iter()
-                .position(|n| n.eq_ignore_ascii_case(text))?,
-        };
-        Some(Self::ALL[i])
-    }
-
-    /// `FSDP_COMM_BACKEND`, or its older spelling `FSDP_COMM_TRANSPORT` (auto, tcp, shm);
-    /// `auto` when neither is set. A value that is not a choice, or the two variables
-    /// disagreeing, is an error naming them.
-    pub fn from_env() -> std::result::Result<BackendChoice, String> {
-        let read = |var: &str| -> std::result::Result<Option<BackendChoice>, String> {
-            match env_text(var)? {
-                None => Ok(None),
-                Some(t) if t.trim().is_empty() => Ok(None),
-                Some(t) => match BackendChoice::parse(&t) {
-                    Some(BackendChoice::Mpi) if var == TRANSPORT_ENV => Err(format!(
-                        "{var}=`{t}`: MPI is a backend: set {BACKEND_ENV}=mpi"
-                    )),
-                    Some(c) => Ok(Some(c)),
-                    None => Err(format!(
-                        "{var}: `{}` is not one of {}",
-                        t.trim(),
-                        Self::NAMES.join(", ")
-                    )),
-                },
-            }
-        };
-        match (read(BACKEND_ENV)?, read(TRANSPORT_ENV)?) {
-            (Some(a), Some(b)) if a != b => Err(format!(
-                "{BACKEND_ENV}={} and {TRANSPORT_ENV}={} disagree (set one)",
-                a.name(),
-                b.name()
-            )),
-            (a, b) => Ok(a.or(b).unwrap_or(BackendChoice::Auto)),
-        }
-    }
-
-    /// The transport a [`ProcessGroup`] uses for this choice (MPI groups have none).
-    pub fn transport(self) -> TransportChoice {
-        match self {
-            BackendChoice::Shm => TransportChoice::Shm,
-            BackendChoice::Tcp => TransportChoice::Tcp,
-            BackendChoice::Auto | BackendChoice::Mpi => TransportChoice::Auto,
-        }
-    }
-}
 
 /// The engine a job's ranks will use, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -38,7 +38,7 @@ pub mod work;
 pub mod world;
 
 pub use address::{ListenAddress, SOCKET_IFNAME_ENVS, listen_address};
-pub use backend::{BACKEND_ENV, BackendChoice, Joined, Selection, join_job};
+pub use backend::{Joined, Selection, join_job};
 pub use buffer::{Buffer, BufferElement};
 pub use communicator::{Communicator, CommunicatorExt, SingleRank};
 pub use dtype::{DType, Element, ReduceOp};
@@ -48,9 +48,9 @@ pub use local::LocalGroup;
 pub use local_job::{LocalJob, WorkerEnv, WorkerOutput};
 pub use mesh::Mesh;
 pub use options::{
-    ABORT_KEY, GroupOptions, OUTPUT_PREFIXED_ENV, PREFIX_ENV, RENDEZVOUS_TIMEOUT_ENV,
-    RESTART_COUNT_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV, TRANSPORT_ENV, TransportChoice,
-    parse_seconds,
+    ABORT_KEY, BACKEND_ENV, BackendChoice, GroupOptions, OUTPUT_PREFIXED_ENV, PREFIX_ENV,
+    RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV,
+    TRANSPORT_ENV, TransportChoice, parse_seconds,
 };
 pub use shm::remove_segments_of as remove_shm_segments_of;
 pub use work::Work;

@@ -27,6 +27,7 @@ pub mod nn;
 pub mod optim;
 pub mod peft;
 pub mod perf;
+pub mod rng;
 pub mod trace;
 
 /// The README's Rust code, compiled (and run, where it is not marked `no_run`) as doc-tests,

@@ -325,13 +325,10 @@ impl Model {
 
 /// Global batch `step`: ids [GLOBAL_BATCH, SEQ] and labels [GLOBAL_BATCH].
 fn batch(step: usize) -> (Tensor, Tensor) {
-    let mut state = 0x2545_F491_4F6C_DD1D ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9);
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut state = fsdp::rng::XorShift64::new(
+        0x2545_F491_4F6C_DD1D ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9),
+    );
+    let mut next = || state.next_u64();
     let ids: Vec<u32> = (0..GLOBAL_BATCH * SEQ)
         .map(|_| (next() % VOCAB as u64) as u32)
         .collect();

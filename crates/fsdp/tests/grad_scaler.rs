@@ -37,13 +37,10 @@ fn model() -> BertForSequenceClassification {
 }
 
 fn batch(step: usize, rank: usize) -> (Tensor, Tensor) {
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ ((step * 2 + rank) as u64 + 1).wrapping_mul(0x9E37_79B9);
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut s = fsdp::rng::XorShift64::new(
+        0x2545_F491_4F6C_DD1Du64 ^ ((step * 2 + rank) as u64 + 1).wrapping_mul(0x9E37_79B9),
+    );
+    let mut next = || s.next_u64();
     let ids: Vec<u32> = (0..4 * 6).map(|_| (next() % 37) as u32).collect();
     let labels: Vec<u32> = (0..4).map(|_| (next() % 3) as u32).collect();
     (

@@ -7,14 +7,9 @@ use fsdp::nn::ops::{self, CrossEntropy, GeluApprox, Reduction};
 /// A deterministic pseudo-random tensor (xorshift), values in [-scale, scale).
 fn rand(shape: &[usize], seed: u64, scale: f64, dtype: DType) -> Tensor {
     let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = fsdp::rng::XorShift64::seeded(seed);
     let v: Vec<f64> = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
-        })
+        .map(|_| (rng.next_unit() * 2.0 - 1.0) * scale)
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu)
         .unwrap()
@@ -1257,13 +1252,8 @@ fn bf16_add_and_mul_round_like_one_f32_rounding() {
     use half::bf16;
     // Every pattern, then 5 more so the scalar tail runs too.
     let n = (1 << 16) + 5;
-    let mut s = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut s = fsdp::rng::XorShift64::new(0x2545_f491_4f6c_dd1d);
+    let mut next = || s.next_u64();
     let a: Vec<bf16> = (0..n).map(|i| bf16::from_bits(i as u16)).collect();
     let mut b: Vec<bf16> = (0..n).map(|_| bf16::from_bits(next() as u16)).collect();
     // 1 + 2^-8 lies halfway between two bf16 values (ties to 1), 1 + 3 * 2^-8 too (ties up).

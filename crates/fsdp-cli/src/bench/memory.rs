@@ -374,13 +374,8 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         ..Default::default()
     })?;
     let bytes_sent = |f: &Fsdp| f.mesh().bytes_sent();
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ rank as u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = fsdp::rng::XorShift64::new(fsdp::rng::GOLDEN_GAMMA ^ rank as u64);
+    let mut next = move || rng.next_u64();
     let (mut state, mut peak_above, mut sent, mut sent_across) = (0usize, 0usize, 0u64, 0u64);
     let micro = a.accumulation.max(1);
     // Bytes of whole gradients held between micro-batches without sync.

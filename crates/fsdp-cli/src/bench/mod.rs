@@ -171,14 +171,10 @@ fn random_ids(
     (batch, seq): (usize, usize),
     vocab: u64,
 ) -> Result<fsdp::nn::candle::Tensor> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ ((rank as u64) << 32 | step as u64);
+    let mut rng =
+        fsdp::rng::XorShift64::new(fsdp::rng::GOLDEN_GAMMA ^ ((rank as u64) << 32 | step as u64));
     let ids: Vec<u32> = (0..batch * seq)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab) as u32
-        })
+        .map(|_| (rng.next_u64() % vocab) as u32)
         .collect();
     Ok(fsdp::nn::candle::Tensor::from_vec(
         ids,

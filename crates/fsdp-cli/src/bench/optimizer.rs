@@ -62,12 +62,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Deterministic values in [-scale/2, scale/2).
 fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut rng = fsdp::rng::XorShift64::seeded(seed);
     (0..n)
         .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
         })
         .collect()

@@ -7,12 +7,11 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use super::collect::{agree, join};
+use super::RunState;
 use super::error::CheckpointError;
 use super::format::{self, CheckpointDoc, FolderDoc, OptimizerDoc, read_document, read_listed};
-use super::save::layout_of;
+use super::report::layout_of;
 use super::tensor_file::TensorReader;
-use super::{CheckpointOptions, RunState};
 use crate::engine::Fsdp;
 use crate::optim::{Optimizer, ParamState};
 
@@ -279,32 +278,12 @@ pub(super) fn check_groups(
     super::groups::check(dir, meta, m, o)
 }
 
-/// See [`super::load_state`].
-pub(crate) fn load(
-    path: &Path,
-    models: &mut [&mut Fsdp],
-    optimizers: &mut [&mut dyn Optimizer],
-    options: &CheckpointOptions,
-) -> Result<RunState, CheckpointError> {
-    let Some(first) = models.first() else {
-        return Err(CheckpointError::Usage(
-            "load_state needs at least one model".into(),
-        ));
-    };
-    let mesh = first.mesh().clone();
-    join(&mesh, "load_state", options.join_timeout)?;
-    let result = read_all(path, models, optimizers);
-    agree(&mesh, result)
-}
-
-fn read_all(
+/// Reads the checkpoint of ours at `path` into `models` and `optimizers` (this rank's part).
+pub(super) fn read_all(
     path: &Path,
     models: &mut [&mut Fsdp],
     optimizers: &mut [&mut dyn Optimizer],
 ) -> Result<RunState, CheckpointError> {
-    if super::from_accelerate::is_accelerate_checkpoint(path) {
-        return super::from_accelerate::read_all(path, models, optimizers);
-    }
     let root: PathBuf = format::checkpoint_root(path).ok_or_else(|| CheckpointError::Missing {
         path: path.join(format::CHECKPOINT_FILE),
         what: "the document of a complete checkpoint (a folder written by save_state)".into(),

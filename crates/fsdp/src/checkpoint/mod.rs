@@ -24,6 +24,7 @@ mod latest;
 mod load;
 mod merge;
 mod pretrained;
+mod report;
 mod save;
 mod save_async;
 mod save_dcp;
@@ -156,7 +157,19 @@ pub fn load_state(
     optimizers: &mut [&mut dyn Optimizer],
     options: &CheckpointOptions,
 ) -> Result<RunState, CheckpointError> {
-    load::load(dir, models, optimizers, options)
+    let Some(first) = models.first() else {
+        return Err(CheckpointError::Usage(
+            "load_state needs at least one model".into(),
+        ));
+    };
+    let mesh = first.mesh().clone();
+    collect::join(&mesh, "load_state", options.join_timeout)?;
+    let result = if from_accelerate::is_accelerate_checkpoint(dir) {
+        from_accelerate::read_all(dir, models, optimizers)
+    } else {
+        load::read_all(dir, models, optimizers)
+    };
+    collect::agree(&mesh, result)
 }
 
 impl Fsdp {

@@ -6,69 +6,21 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
 use super::atomic;
 use super::collect::{agree, all_gather_bytes, broadcast_bytes, join};
 use super::error::CheckpointError;
-use super::format::{
-    self, CheckpointDoc, FileDoc, FolderDoc, LayoutDoc, OptimizerDoc, PackingDoc, PieceDoc,
-    TensorDoc,
+use super::format::{self, FolderDoc, OptimizerDoc, PieceDoc, TensorDoc};
+use super::report::{
+    DocInputs, RankFolder, RankReport, describe, state_dict_name, write_random, write_run_document,
 };
 use super::save_full::{state_keys, write_full, write_full_state};
 use super::save_parts::{Part, PartSource, RankParts, random_bytes, rank_parts};
-use super::tensor_file::{PlannedTensor, TensorFileWriter, WrittenFile};
+use super::tensor_file::{PlannedTensor, TensorFileWriter};
 use super::{CheckpointOptions, RunState};
 use crate::config::{CheckpointFormat, StateDictType};
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
 use fsdp_comm::Mesh;
-
-/// A piece as a rank reports it: (tensor, full shape, rows, offset, bytes, crc32).
-pub(super) type RankPiece = (String, Vec<usize>, [usize; 2], u64, u64, u32);
-
-/// What one rank wrote into one folder: its file and the pieces in it.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub(super) struct RankFolder {
-    pub(super) file: Option<(String, FileDoc)>,
-    pub(super) pieces: Vec<RankPiece>,
-    pub(super) steps: BTreeMap<String, u64>,
-}
-
-/// What one rank reports after writing: one entry per model folder, then per optimizer.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub(super) struct RankReport {
-    pub(super) folders: Vec<RankFolder>,
-    /// The CRC-32 of this rank's `random_states_{rank}.json`.
-    pub(super) random_crc32: u32,
-}
-
-pub(super) fn state_dict_name(t: StateDictType) -> &'static str {
-    match t {
-        StateDictType::FullStateDict => "FULL_STATE_DICT",
-        StateDictType::LocalStateDict => "LOCAL_STATE_DICT",
-        StateDictType::ShardedStateDict => "SHARDED_STATE_DICT",
-    }
-}
-
-/// The layout of `model`'s shards (what a LOCAL_STATE_DICT checkpoint must be loaded into).
-pub(crate) fn layout_of(model: &Fsdp) -> LayoutDoc {
-    LayoutDoc {
-        world_size: model.mesh().world_size(),
-        shard_size: model.mesh().shard_size(),
-        units: model
-            .plan()
-            .units
-            .iter()
-            .map(|u| {
-                (
-                    u.path.clone(),
-                    u.params.iter().map(|p| p.name.clone()).collect(),
-                )
-            })
-            .collect(),
-    }
-}
 
 /// Writes `parts` as one tensor file and describes it.
 fn write_parts<V: PartSource>(
@@ -104,33 +56,6 @@ fn write_parts<V: PartSource>(
         &written,
         parts.iter().map(|p| (p.shape.clone(), p.rows)),
     ))
-}
-
-pub(super) fn describe(
-    file: &str,
-    rank: usize,
-    written: &WrittenFile,
-    shapes: impl Iterator<Item = (Vec<usize>, [usize; 2])>,
-) -> RankFolder {
-    RankFolder {
-        file: Some((
-            file.to_string(),
-            FileDoc {
-                bytes: written.bytes,
-                header_crc32: written.header_crc32,
-                rank,
-            },
-        )),
-        pieces: written
-            .tensors
-            .iter()
-            .zip(shapes)
-            .map(|((name, offset, bytes, crc), (shape, rows))| {
-                (name.clone(), shape, rows, *offset, *bytes, *crc)
-            })
-            .collect(),
-        steps: BTreeMap::new(),
-    }
 }
 
 /// Writes this rank's files for every model and optimizer into `staging`.
@@ -199,16 +124,6 @@ fn write_rank(
     Ok(report)
 }
 
-/// Writes `random_states_{rank}.json` into `staging`; returns its CRC-32.
-pub(super) fn write_random(
-    staging: &Path,
-    rank: usize,
-    random: &[u8],
-) -> Result<u32, CheckpointError> {
-    atomic::write_synced(&staging.join(format::random_states_file(rank)), random)?;
-    Ok(crc32fast::hash(random))
-}
-
 /// Writes a sharded or local save's files of this rank into `staging`: one file per model
 /// folder, then one per optimizer folder (PyTorch DCP files with `TorchDcp`).
 pub(super) fn write_rank_parts<V: PartSource>(
@@ -240,48 +155,6 @@ pub(super) fn write_rank_parts<V: PartSource>(
     }
     report.folders.extend(optimizer_folders);
     Ok(report)
-}
-
-/// What rank 0 takes from the models and optimizers for the documents, captured when the
-/// save begins (an asynchronous save writes them after training has moved on).
-pub(super) struct DocInputs {
-    /// The number of models.
-    pub(super) models: usize,
-    /// The first model's layout (its world size; recorded by LOCAL_STATE_DICT).
-    pub(super) layout: LayoutDoc,
-    /// Each optimizer's name, rates and groups (steps come from the ranks' reports).
-    pub(super) optimizers: Vec<OptimizerDoc>,
-    /// Each model's quantized weights, by name.
-    pub(super) packings: Vec<BTreeMap<String, PackingDoc>>,
-}
-
-impl DocInputs {
-    /// Captures them from `models` and `optimizers` (optimizer i of model i).
-    pub(super) fn of(models: &[&Fsdp], optimizers: &[&dyn Optimizer]) -> DocInputs {
-        DocInputs {
-            models: models.len(),
-            layout: layout_of(models[0]),
-            optimizers: optimizers
-                .iter()
-                .zip(models)
-                .map(|(o, m)| OptimizerDoc {
-                    name: o.name().into(),
-                    lrs: (0..o.num_groups()).map(|g| o.lr(g)).collect(),
-                    steps: BTreeMap::new(),
-                    groups: super::groups::recorded(m, *o),
-                })
-                .collect(),
-            packings: models
-                .iter()
-                .map(|m| {
-                    m.parameters()
-                        .into_iter()
-                        .filter_map(|(n, _)| Some((n.to_string(), PackingDoc::of(m.packing(n)?))))
-                        .collect()
-                })
-                .collect(),
-        }
-    }
 }
 
 /// Rank 0: the folders' metadata from every rank's report, the schedulers, and last the
@@ -371,44 +244,6 @@ fn write_documents(
         type_name,
         format::CHECKPOINT_FILE,
     )
-}
-
-/// Rank 0: the schedulers' documents and the checkpoint document `file` (the run state,
-/// every other document listed with its checksum), written last.
-pub(super) fn write_run_document(
-    staging: &Path,
-    reports: &[RankReport],
-    inputs: &DocInputs,
-    run: &RunState,
-    type_name: &str,
-    file: &str,
-) -> Result<(), CheckpointError> {
-    let mut documents: BTreeMap<String, u32> = reports
-        .iter()
-        .enumerate()
-        .map(|(rank, r)| (format::random_states_file(rank), r.random_crc32))
-        .collect();
-    for (i, s) in run.schedulers.iter().enumerate() {
-        let bytes = serde_json::to_vec_pretty(s)
-            .map_err(|e| CheckpointError::Usage(format!("scheduler {i}: {e}")))?;
-        atomic::write_synced(&staging.join(format::scheduler_file(i)), &bytes)?;
-        documents.insert(format::scheduler_file(i), crc32fast::hash(&bytes));
-    }
-    let doc = CheckpointDoc {
-        format: format::FORMAT.into(),
-        version: format::VERSION,
-        state_dict_type: type_name.into(),
-        world_size: inputs.layout.world_size,
-        models: inputs.models,
-        optimizers: inputs.optimizers.len(),
-        schedulers: run.schedulers.len(),
-        step: run.step,
-        data: run.data.clone(),
-        grad_scalers: run.grad_scalers.clone(),
-        documents,
-    };
-    atomic::write_synced(&staging.join(file), &format::document_bytes(&doc)?)?;
-    atomic::sync_dir(staging)
 }
 
 /// A save under way, after its first phase: every rank joined and knows the destination

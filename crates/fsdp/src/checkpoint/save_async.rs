@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use super::collect::{agree, agree_on_first};
 use super::error::CheckpointError;
-use super::save::{self, DocInputs, RankReport};
+use super::report::{DocInputs, RankReport};
+use super::save;
 use super::save_parts::{self, RankParts};
 use super::{CheckpointOptions, RunState, atomic};
 use crate::config::{CheckpointFormat, StateDictType};

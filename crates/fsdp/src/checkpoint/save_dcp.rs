@@ -18,6 +18,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use super::RunState;
 use super::atomic;
 use super::dcp::{
     self, Entry, PathPart, Py, Stored, StoredChunk, metadata, tensor_record, value_record,
@@ -25,9 +26,8 @@ use super::dcp::{
 };
 use super::error::CheckpointError;
 use super::format::{self, FileDoc, GroupDoc, OptimizerDoc};
-use super::save::{DocInputs, RankFolder, RankReport, write_run_document};
+use super::report::{self, DocInputs, RankFolder, RankReport, write_run_document};
 use super::save_parts::{Part, PartSource, RankParts};
-use super::{RunState, save};
 
 /// Rank 0's file of each optimizer folder: step counts and group settings.
 const VALUES_FILE: &str = "__0_1.distcp";
@@ -91,7 +91,7 @@ pub(super) fn write_rank<V: PartSource>(
 ) -> Result<RankReport, CheckpointError> {
     let rank = parts.rank;
     let mut report = RankReport {
-        random_crc32: save::write_random(staging, rank, &parts.random)?,
+        random_crc32: report::write_random(staging, rank, &parts.random)?,
         ..Default::default()
     };
     let mut optimizer_folders = Vec::new();

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use super::error::CheckpointError;
 use super::format;
-use super::save::{RankFolder, describe};
+use super::report::{RankFolder, describe};
 use super::tensor_file::{PlannedTensor, TensorFileWriter};
 use crate::engine::{Fsdp, LocalRows};
 use crate::optim::Optimizer;

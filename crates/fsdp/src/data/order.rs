@@ -1,17 +1,14 @@
 //! The order an epoch's samples are taken in: a seeded permutation, the same on every rank,
 //! and transformers' length grouping of it.
 
+use crate::rng::{GOLDEN_GAMMA, SplitMix64};
+
 /// `seed`+`epoch`'s permutation of `0..n` (the same on every rank): a splitmix64 stream
 /// drives a Fisher-Yates shuffle.
 pub fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
-    let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut stream =
+        SplitMix64::new(seed ^ epoch.wrapping_mul(GOLDEN_GAMMA) ^ 0xD1B5_4A32_D192_ED03);
+    let mut next = move || stream.next_u64();
     let mut out: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
         let j = (next() % (i as u64 + 1)) as usize;

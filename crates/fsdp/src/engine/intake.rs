@@ -118,7 +118,7 @@ impl WeightIntake<'_> {
         };
         let mine = self.agree(&layout.name, mine)?;
         let synced = self.mesh.broadcast_from_first(Buffer::F32(mine))?;
-        super::collectives::f32_values(synced, "broadcast of initial weights")
+        super::buffers::f32_values(synced, "broadcast of initial weights")
     }
 
     /// This rank's rows of each parameter of `unit`, padded to its shard size.
@@ -166,7 +166,7 @@ impl WeightIntake<'_> {
         if let Some(r) = &self.mesh.replicate {
             mine = r.broadcast(mine, 0).wait()?;
         }
-        let mine = super::collectives::f32_values(mine, "broadcast of initial rows")?;
+        let mine = super::buffers::f32_values(mine, "broadcast of initial rows")?;
         Ok(unit
             .params
             .iter()

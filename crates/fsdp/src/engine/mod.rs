@@ -7,6 +7,7 @@
 //! state by parameter name (`state`).
 
 mod backward_reads;
+mod buffers;
 mod collectives;
 mod cpu_floats;
 mod debug;
@@ -18,6 +19,7 @@ mod grads;
 mod hooks;
 mod intake;
 mod offload;
+mod offloaded_state;
 mod param;
 mod placement;
 mod plan;

@@ -217,7 +217,7 @@ impl Fsdp {
         };
         let rank = mesh.shard.rank();
         let reshard = mesh.shard_size() > 1;
-        let tier = super::offload::state::offload_tier(plugin, &plan, &mesh)?;
+        let tier = super::offload::from_plan::offload_tier(plugin, &plan, &mesh)?;
         let shards_offloaded = tier.as_ref().filter(|t| t.params);
         let mut units = Vec::with_capacity(plan.units.len());
         let mut grad_index = HashMap::new();
@@ -388,7 +388,7 @@ impl Fsdp {
         );
         // Replicated (ignored) parameters compute in the parameter dtype too (the cast is a
         // graph op: their gradients come back in f32).
-        let compute = super::collectives::candle_dtype(self.dtypes.param);
+        let compute = super::buffers::candle_dtype(self.dtypes.param);
         let replicated = self
             .replicated
             .iter()
@@ -419,7 +419,7 @@ impl Fsdp {
             Vec::new()
         } else {
             let mean = self.mesh.all_reduce(Buffer::F32(flat), ReduceOp::Avg)?;
-            super::collectives::f32_values(mean, "all-reduce of replicated gradients")?
+            super::buffers::f32_values(mean, "all-reduce of replicated gradients")?
         };
         let mut replicated = BTreeMap::new();
         for (name, g) in local.into_iter().rev() {

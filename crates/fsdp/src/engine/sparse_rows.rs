@@ -15,7 +15,7 @@ use fsdp_comm::{Buffer, BufferElement, CommError, Communicator, Mesh, ReduceOp, 
 
 use candle_core::Tensor;
 
-use super::collectives::{GradientVisitor, pack_gradient, visit_gradient};
+use super::buffers::{GradientVisitor, pack_gradient, visit_gradient};
 use super::error::EngineError;
 use super::plan::{ShardLayout, UnitPlan};
 

@@ -319,7 +319,7 @@ impl UnitRun {
                 Some(g) => unpack_storage(g, &p.layout, block, ranks)?,
                 None => {
                     let values = &whole[p.layout.offset..p.layout.offset + p.layout.numel()];
-                    collectives::whole_storage(values, cx.dtypes.param)?
+                    super::buffers::whole_storage(values, cx.dtypes.param)?
                 }
             };
             let op = Unshard {
@@ -492,7 +492,7 @@ impl UnitRun {
             let pack = self
                 .grad_pack
                 .get_or_insert_with(|| Buffer::zeros(cx.dtypes.reduce, block * ranks));
-            collectives::pack_gradient(&p.layout, grad, pack, block, ranks)?;
+            super::buffers::pack_gradient(&p.layout, grad, pack, block, ranks)?;
         }
         self.has_grad[i] = true;
         self.received += 1;

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::nn::NormalRng;
+use crate::rng::NormalRng;
 
 /// How tokens are chosen (transformers' `GenerationConfig` fields of the same names).
 #[derive(Debug, Clone, PartialEq)]

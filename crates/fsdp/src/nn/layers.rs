@@ -7,7 +7,8 @@ use candle_core::{Result, Tensor};
 use super::lora::LoraAdapter;
 use super::module::{Forward, Init, Module, ModuleInfo, Params, join};
 use super::ops::{self, GeluApprox};
-use super::quant::{Packing, QuantError, QuantFormat};
+use super::quant::format::{Packing, QuantError, QuantFormat};
+use crate::rng::site_seed;
 
 /// How a linear layer stores its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,7 +159,7 @@ impl Module for Linear {
         }
     }
 
-    fn as_linear_mut(&mut self) -> Option<&mut Linear> {
+    fn as_layer_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
 }
@@ -474,16 +475,9 @@ impl Dropout {
     }
 }
 
-/// A seed per (step seed, call site), so every dropout site draws its own mask.
-pub(crate) fn site_seed(seed: u64, site: &str) -> u64 {
-    site.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// Calls `f` on every linear layer under `m`.
 pub(crate) fn visit_linears(m: &mut dyn Module, f: &mut dyn FnMut(&mut Linear)) {
-    if let Some(linear) = m.as_linear_mut() {
+    if let Some(linear) = m.as_layer_mut().and_then(|l| l.downcast_mut::<Linear>()) {
         f(linear);
         return;
     }

@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Result, Tensor};
 
-use super::layers::site_seed;
 use super::module::{Init, ModuleInfo, Params, join};
 use super::ops;
+use crate::rng::site_seed;
 
 /// One linear layer's adapter: its rank, scaling and dropout; the weights are the layer's
 /// parameters `lora_A.weight` and `lora_B.weight`.

@@ -11,9 +11,11 @@ pub mod ops;
 pub mod quant;
 mod weights;
 
+/// Moved to [`crate::rng`]; re-exported where it was.
+pub use crate::rng::NormalRng;
 pub use composite::ModuleChildren;
 pub use module::{
-    Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, NormalRng,
-    ParamSpec, Params, Recompute, call_checkpointable, join, load_by_name, match_names,
+    Forward, Init, LoadReport, LocalParams, Model, Module, ModuleInfo, ModuleOutput, ParamSpec,
+    Params, Recompute, call_checkpointable, join, load_by_name, match_names,
 };
 pub use weights::{SafetensorsWeights, SeededWeights, WeightSource, read_param, read_param_rows};

@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use super::quant::Packing;
+use super::quant::format::Packing;
+use crate::rng::{NormalRng, fnv1a};
 
 /// How a parameter is initialised (Hugging Face's `_init_weights`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -299,8 +300,10 @@ pub trait Module {
         Vec::new()
     }
 
-    /// This module as a linear layer, when it is one (where adapters attach).
-    fn as_linear_mut(&mut self) -> Option<&mut crate::nn::layers::Linear> {
+    /// This module as the layer it is, when it is a leaf layer that a change to a whole model
+    /// looks for by type (LoRA adapters and quantization find each [`crate::nn::Linear`] by
+    /// downcasting); a wrapper returns the layer it holds. `None` by default.
+    fn as_layer_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
 }
@@ -359,44 +362,6 @@ pub fn join(prefix: &str, leaf: &str) -> String {
         leaf.to_string()
     } else {
         format!("{prefix}.{leaf}")
-    }
-}
-
-/// A seeded normal generator (xorshift64* + Box-Muller) so initial weights are the same on
-/// every rank and every run.
-pub struct NormalRng {
-    state: u64,
-    spare: Option<f64>,
-}
-
-impl NormalRng {
-    /// A generator for `seed`.
-    pub fn new(seed: u64) -> NormalRng {
-        NormalRng {
-            state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03 | 1,
-            spare: None,
-        }
-    }
-
-    /// A uniform sample in (0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        self.state ^= self.state >> 12;
-        self.state ^= self.state << 25;
-        self.state ^= self.state >> 27;
-        let x = self.state.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-
-    /// A standard normal sample.
-    pub fn normal(&mut self) -> f64 {
-        if let Some(s) = self.spare.take() {
-            return s;
-        }
-        let (u1, u2) = (self.uniform(), self.uniform());
-        let r = (-2.0 * u1.ln()).sqrt();
-        let theta = 2.0 * std::f64::consts::PI * u2;
-        self.spare = Some(r * theta.sin());
-        r * theta.cos()
     }
 }
 
@@ -563,10 +528,4 @@ pub fn match_names(
     report.unexpected = available.into_iter().collect();
     report.unexpected.sort();
     (matched, report)
-}
-
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
 }

@@ -38,13 +38,10 @@ pub fn model(dropout: f64) -> BertForSequenceClassification {
 
 /// The global batch of `step`: ids [GLOBAL_BATCH, SEQ] and labels.
 pub fn batch(step: usize) -> (Tensor, Tensor) {
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9);
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut s = fsdp::rng::XorShift64::new(
+        0x2545_F491_4F6C_DD1Du64 ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9),
+    );
+    let mut next = || s.next_u64();
     let ids: Vec<u32> = (0..GLOBAL_BATCH * SEQ)
         .map(|_| (next() % VOCAB as u64) as u32)
         .collect();

@@ -11,8 +11,8 @@
 //! delaying the reads queued behind them.) Writes waiting for the disk are capped, so a slow
 //! disk slows the step instead of growing memory.
 
+pub(crate) mod from_plan;
 mod scratch;
-pub(crate) mod state;
 pub(crate) mod step;
 
 use std::collections::HashMap;

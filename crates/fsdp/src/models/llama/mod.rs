@@ -395,7 +395,7 @@ impl Module for LmHead {
         }
     }
 
-    fn as_linear_mut(&mut self) -> Option<&mut Linear> {
+    fn as_layer_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         match self {
             LmHead::Own(l) => Some(l),
             LmHead::Tied(_) => None,

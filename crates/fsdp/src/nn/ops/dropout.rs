@@ -10,10 +10,7 @@ use super::{Float, contiguous, float_dispatch, tensor, with_slice};
 /// without drawing the others.
 #[inline]
 pub(super) fn keep(seed: u64, index: u64, p: f64) -> bool {
-    let mut z = seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
+    let z = crate::rng::mix64(seed ^ index.wrapping_mul(crate::rng::GOLDEN_GAMMA));
     ((z >> 11) as f64 / (1u64 << 53) as f64) >= p
 }
 

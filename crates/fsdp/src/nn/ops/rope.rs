@@ -342,13 +342,11 @@ mod tests {
     use super::*;
 
     fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut rng = crate::rng::XorShift64::seeded(seed);
         let n: usize = shape.iter().product();
         let v: Vec<f64> = (0..n)
             .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
+                let s = rng.next_u64();
                 (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
             })
             .collect();

@@ -55,12 +55,10 @@ unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize
 /// Deterministic values in [-1, 1) as bf16 (no denormals, which the instruction
 /// flushes).
 fn values(len: usize, seed: u64) -> Vec<bf16> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut rng = crate::rng::XorShift64::seeded(seed);
     (0..len)
         .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
+            let s = rng.next_u64();
             bf16::from_f32((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         })
         .collect()

@@ -1,54 +1,10 @@
-//! The engine's side of the disk tier: making it for a plan (free space checked), and the
-//! engine's offloaded optimizer state as checkpoints read and write it, by parameter name.
+//! The engine's optimizer state offloaded to the disk tier, as checkpoints read and write
+//! it: by parameter name, one buffer at a time.
 
-use std::sync::Arc;
-
-use fsdp_comm::Mesh;
-
-use super::{DiskTier, OffloadStats, Region};
-use crate::config::FsdpPlugin;
+use super::offload::{OffloadStats, Region};
+use super::sharded::Fsdp;
 use crate::engine::error::EngineError;
-use crate::engine::plan::UnitPlan;
-use crate::engine::sharded::Fsdp;
 use crate::optim::Optimizer;
-
-/// The disk tier `plugin` asks for (`fsdp_offload_dir` with `fsdp_offload_params` or
-/// `fsdp_offload_optimizer`), after checking the disk has room for this rank's share of the
-/// plan (its estimate counts Adam's two buffers per element).
-pub(crate) fn offload_tier(
-    plugin: &FsdpPlugin,
-    plan: &UnitPlan,
-    mesh: &Mesh,
-) -> Result<Option<Arc<DiskTier>>, EngineError> {
-    let Some(dir) = &plugin.offload_dir else {
-        return Ok(None);
-    };
-    if !plan.disk.optimizer {
-        return Ok(None);
-    }
-    let what = if plan.disk.params {
-        "parameter shards, gradients and optimizer state"
-    } else {
-        "optimizer state"
-    };
-    let needed = plan.memory_estimate().disk as u64;
-    let tier = DiskTier::create(dir, mesh.rank(), plan.disk.params, needed, what)?;
-    // Writes waiting for the disk: at most one unit's blocks of every offloaded kind.
-    let largest = plan
-        .units
-        .iter()
-        .map(|u| u.shard_numel())
-        .max()
-        .unwrap_or(0) as u64;
-    let kinds = if plan.disk.params { 4 } else { 2 };
-    tier.set_write_cap(kinds * largest * 4);
-    tracing::info!(
-        "offloading {what} to {}; {}",
-        tier.path().display(),
-        plan.memory_summary()
-    );
-    Ok(Some(Arc::new(tier)))
-}
 
 impl Fsdp {
     /// The disk tier's folder and what it has moved, when state is offloaded to disk.
