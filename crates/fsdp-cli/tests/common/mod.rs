@@ -66,13 +66,24 @@ pub fn has_mpirun() -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// A loopback port free now, for a job that its own rank 0 binds later (mpirun, srun): taken
+/// from below Linux's ephemeral range (32768-60999), so no connection another test opens
+/// meanwhile can be given it — a port from binding port 0 can, and a CI run once failed with
+/// `Address already in use` that way. Each call of a test binary takes the next port of a
+/// run of its own (the start depends on the process id).
 pub fn port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(997) % COUNT;
+    for _ in 0..COUNT {
+        let p = (FIRST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % COUNT) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            return p.to_string();
+        }
+    }
+    panic!("no free loopback port in {FIRST}..{}", FIRST + COUNT)
 }
 
 pub struct Run {
