@@ -1,42 +1,20 @@
-//! Our BERT, fused kernels and AdamW on one process reproduce the PyTorch reference run in
-//! `../shared/reference` (30 steps of BertForSequenceClassification on a 16-sample batch).
-
-use std::path::PathBuf;
+//! Our BERT, fused kernels and AdamW on one process reproduce the PyTorch reference run
+//! (`common::reference`: 30 steps of BertForSequenceClassification on a 16-sample batch).
 
 use candle_core::{Device, Tensor};
-use fsdp::models::{BertConfig, BertForSequenceClassification};
+use fsdp::models::BertForSequenceClassification;
 use fsdp::nn::LocalParams;
 use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::{AdamW, AdamWConfig, Optimizer};
+use fsdp::optim::Optimizer;
 
-use crate::common;
-
-fn reference_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference");
-    dir.join("init.safetensors").is_file().then_some(dir)
-}
-
-fn config_of(path: &std::path::Path) -> BertConfig {
-    let bytes = std::fs::read(path).unwrap();
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let json = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("config"))
-        .expect("config in metadata")
-        .clone();
-    BertConfig::from_json(&json).unwrap()
-}
+use crate::common::{self, reference};
 
 #[test]
 fn thirty_steps_match_pytorch_single_process() {
-    let Some(dir) = reference_dir() else {
-        skipped!("../shared/reference is not present next to the repository");
-        return;
-    };
+    let dir = reference::dir();
     let device = Device::Cpu;
-    let config = config_of(&dir.join("init.safetensors"));
+    let config = reference::config();
     let model = BertForSequenceClassification::new(config).unwrap();
     let info = model.info();
     let (params, report) =
@@ -47,22 +25,8 @@ fn thirty_steps_match_pytorch_single_process() {
     );
     let data = candle_core::safetensors::load(dir.join("data.safetensors"), &device).unwrap();
     let (ids, labels) = (&data["input_ids"], &data["labels"]);
-    let losses: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("losses.json")).unwrap()).unwrap();
-    let expected: Vec<f64> = losses["single_process_batch_16"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
-
-    let mut adamw = AdamW::new(AdamWConfig {
-        lr: 1e-4,
-        betas: (0.9, 0.999),
-        eps: 1e-8,
-        weight_decay: 0.01,
-    })
-    .unwrap();
+    let expected = reference::losses_of("single_process_batch_16");
+    let mut adamw = reference::adamw();
     let mut worst = 0f64;
     for (step, &want) in expected.iter().enumerate() {
         let logits = model

@@ -1,12 +1,12 @@
-//! Sharded training over real processes reproduces the PyTorch FSDP reference run: the
-//! reference BERT on 2 and 4 ranks (the 16-sample global batch split across them), losses
-//! per step and final weights. The test binary re-runs itself as the workers.
+//! Sharded training over real processes reproduces the PyTorch FSDP reference run
+//! (`common::reference`: `tests/data/reference`): the reference BERT on 2 and 4 ranks (the
+//! 16-sample global batch split across them), losses per step and final weights. The test
+//! binary re-runs itself as the workers.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::common;
+use crate::common::{self, reference};
 
 use candle_core::Device;
 use fsdp::config::{FsdpPlugin, Layer};
@@ -15,21 +15,10 @@ use fsdp::models::{BertConfig, BertForSequenceClassification, BertModel};
 use fsdp::nn::LocalParams;
 use fsdp::nn::Module;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::optim::{AdamW, AdamWConfig};
+
 use fsdp_comm::{ProcessGroup, ReduceOp};
 
 const ROLE: &str = "FSDP_REFERENCE_WORKER";
-
-fn reference_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference");
-    dir.join("init.safetensors").is_file().then_some(dir)
-}
-
-fn config_of(path: &std::path::Path) -> BertConfig {
-    let bytes = std::fs::read(path).unwrap();
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    BertConfig::from_json(meta.metadata().as_ref().unwrap().get("config").unwrap()).unwrap()
-}
 
 /// The worker: trains `steps` steps on its share of each global batch and reports.
 #[test]
@@ -41,10 +30,9 @@ fn worker_entry() {
         .unwrap()
         .parse()
         .unwrap();
-    let dir = reference_dir().unwrap();
+    let dir = reference::dir();
     let device = Device::Cpu;
-    let mut model =
-        BertForSequenceClassification::new(config_of(&dir.join("init.safetensors"))).unwrap();
+    let mut model = BertForSequenceClassification::new(reference::config()).unwrap();
     if std::env::var("FSDP_TEST_SPARSE_EMBEDDINGS").is_ok() {
         let words = &mut model.bert.embeddings.word_embeddings;
         *words = words.clone().sparse(true);
@@ -68,13 +56,7 @@ fn worker_entry() {
     drop(init);
     let data = candle_core::safetensors::load(dir.join("data.safetensors"), &device).unwrap();
     let per_rank = 16 / n;
-    let mut adamw = AdamW::new(AdamWConfig {
-        lr: 1e-4,
-        betas: (0.9, 0.999),
-        eps: 1e-8,
-        weight_decay: 0.01,
-    })
-    .unwrap();
+    let mut adamw = reference::adamw();
     let mut losses = Vec::new();
     let mut norms = Vec::new();
     for step in 0..steps {
@@ -145,15 +127,7 @@ fn run(world: usize, steps: usize, env: &[(&str, &str)]) -> serde_json::Value {
 }
 
 fn expected() -> Vec<f64> {
-    let dir = reference_dir().unwrap();
-    let losses: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("losses.json")).unwrap()).unwrap();
-    losses["fsdp_full_shard_2_ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect()
+    reference::losses_of("fsdp_full_shard_2_ranks")
 }
 
 fn check_losses(result: &serde_json::Value, steps: usize) -> f64 {
@@ -185,10 +159,6 @@ const WEIGHT_TOLERANCE: f64 = 3e-6;
 
 #[test]
 fn full_shard_on_two_ranks_matches_pytorch_fsdp() {
-    if reference_dir().is_none() {
-        skipped!("../shared/reference is not present next to the repository");
-        return;
-    }
     // Debug mode poisons released parameters with NaN: any read of a unit's parameters
     // between its forward and its refill before backward would show in the losses.
     let result = run(
@@ -210,20 +180,12 @@ fn full_shard_on_two_ranks_matches_pytorch_fsdp() {
 
 #[test]
 fn four_ranks_match_too() {
-    if reference_dir().is_none() {
-        skipped!("../shared/reference is not present next to the repository");
-        return;
-    }
     let worst = check_losses(&run(4, 8, &[("ACCELERATE_DEBUG_MODE", "true")]), 8);
     eprintln!("4 ranks: worst absolute loss difference {worst:e}");
 }
 
 #[test]
 fn shard_grad_op_no_shard_and_released_full_shard_match_too() {
-    if reference_dir().is_none() {
-        skipped!("../shared/reference is not present next to the repository");
-        return;
-    }
     let worst = check_losses(
         &run(2, 8, &[("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")]),
         8,
@@ -238,10 +200,6 @@ fn shard_grad_op_no_shard_and_released_full_shard_match_too() {
 
 #[test]
 fn sparse_word_embeddings_send_touched_rows_and_train_exactly_alike() {
-    if reference_dir().is_none() {
-        skipped!("../shared/reference is not present next to the repository");
-        return;
-    }
     // The word embedding's gradient reduced by its touched rows: the same mean as the dense
     // reduction, so the run still matches PyTorch FSDP (dense AdamW) step by step.
     let sparse = [("FSDP_TEST_SPARSE_EMBEDDINGS", "1")];
@@ -257,9 +215,11 @@ fn sparse_word_embeddings_send_touched_rows_and_train_exactly_alike() {
         eprintln!(
             "{strategy}, {world} ranks, sparse word embeddings: worst loss difference {worst:e}, {sent} bytes sent against {whole} dense"
         );
-        // Gathers are the same; the dense reduction sends (n-1)/n of the 8192 x 256 table
-        // each step; a step's 1024 tokens a rank touch well under half of its rows.
-        let table = (8192 * 256 * 4) as f64 * (world - 1) as f64 / world as f64;
+        // Gathers are the same; the dense reduction sends (n-1)/n of the word-embedding table
+        // each step; the tokens of a step's batch touch well under half of its rows.
+        let config = reference::config();
+        let table =
+            (config.vocab_size * config.hidden_size * 4) as f64 * (world - 1) as f64 / world as f64;
         assert!(
             whole - sent > 0.5 * 4.0 * table,
             "{sent} bytes sent, {whole} dense: less than half the table's reduction saved"
@@ -273,12 +233,10 @@ fn sparse_word_embeddings_send_touched_rows_and_train_exactly_alike() {
 
 #[test]
 fn global_grad_norm_clipping_matches_one_process() {
-    if reference_dir().is_none() {
-        skipped!("../shared/reference is not present next to the repository");
-        return;
-    }
     // A small limit so every step clips; the norm must be the global one, not a shard's.
-    let env = [("FSDP_TEST_MAX_GRAD_NORM", "0.5")];
+    const LIMIT: f64 = 0.05;
+    let limit = LIMIT.to_string();
+    let env = [("FSDP_TEST_MAX_GRAD_NORM", limit.as_str())];
     let one = run(1, 6, &env);
     let two = run(2, 6, &env);
     let values = |r: &serde_json::Value, k: &str| -> Vec<f64> {
@@ -296,7 +254,7 @@ fn global_grad_norm_clipping_matches_one_process() {
             (a - b).abs() / a < 1e-4,
             "grad norm {a} on 1 rank vs {b} on 2"
         );
-        assert!(*a > 0.5, "the limit should clip");
+        assert!(*a > LIMIT, "the limit should clip: norm {a}");
     }
     for (a, b) in values(&one, "losses").iter().zip(values(&two, "losses")) {
         assert!((a - b).abs() / a < 2e-5, "loss {a} on 1 rank vs {b} on 2");
@@ -305,10 +263,6 @@ fn global_grad_norm_clipping_matches_one_process() {
 
 #[test]
 fn sync_module_states_starts_every_rank_from_rank_zero() {
-    if reference_dir().is_none() {
-        skipped!("../shared/reference is not present next to the repository");
-        return;
-    }
     let worst = check_losses(&run(2, 3, &[("FSDP_TEST_PERTURB", "1")]), 3);
     eprintln!("rank 1 perturbed, synced: worst absolute loss difference {worst:e}");
     let unsynced = run(

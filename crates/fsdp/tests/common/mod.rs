@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod built;
+pub mod reference;
 #[macro_use]
 pub mod skip;
 pub mod tiny;
