@@ -598,7 +598,7 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
 /// (`tools/check-llama-transformers-versions.sh`); without it, says so.
 fn transformers_load_it_alike(saved: &Path, printed: &str) {
     if std::env::var_os("FSDP_TORCH_PYTHON").is_none() {
-        skipped!(
+        skipped_optional!(
             "(part) loading by transformers 4.x and 5.x needs FSDP_TORCH_PYTHON, a python with torch"
         );
         return;

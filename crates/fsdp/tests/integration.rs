@@ -33,5 +33,6 @@ mod plan;
 mod qlora;
 mod reshard_after_forward;
 mod resume_data;
+mod skips;
 mod token_loss;
 mod transformers_files;

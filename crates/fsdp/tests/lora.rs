@@ -344,7 +344,7 @@ fn peft_loads_it_alike(
     logits: &[f32],
 ) {
     if std::env::var_os("FSDP_TORCH_PYTHON").is_none() {
-        skipped!(
+        skipped_optional!(
             "(part) loading the adapter with Python peft needs FSDP_TORCH_PYTHON, a python with torch and transformers"
         );
         return;
