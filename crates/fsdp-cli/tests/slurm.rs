@@ -145,15 +145,15 @@ impl Cluster {
     }
 }
 
-/// The README's batch script, as written there, for `nodes` nodes and `processes` processes,
+/// The launch guide's (docs/LAUNCH.md) batch script, as written there, for `nodes` nodes and `processes` processes,
 /// training with `fsdp test --worker` instead of nlp_example (its check against one
 /// process).
-fn readme_sbatch(nodes: usize, processes: usize) -> String {
-    let readme = include_str!("../../../README.md");
-    let start = readme
+fn guide_sbatch(nodes: usize, processes: usize) -> String {
+    let guide = include_str!("../../../docs/LAUNCH.md");
+    let start = guide
         .find("#!/bin/sh\n  #SBATCH")
-        .expect("the README's batch script");
-    let script: String = readme[start..]
+        .expect("the launch guide's batch script");
+    let script: String = guide[start..]
         .lines()
         .take_while(|l| !l.trim_start().starts_with("```"))
         .map(|l| format!("{}\n", l.trim_start()))
@@ -170,7 +170,7 @@ fn readme_sbatch(nodes: usize, processes: usize) -> String {
     swaps.iter().fold(script, |script, (from, to)| {
         assert!(
             script.contains(from),
-            "the README's script lacks {from:?}:\n{script}"
+            "the launch guide's script lacks {from:?}:\n{script}"
         );
         script.replacen(from, to, 1)
     })
@@ -260,7 +260,7 @@ pub fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
     assert_ne!(run.code, Some(0), "{}", run.out);
     assert!(run.out.contains("--ntasks-per-node=1"), "{}", run.out);
 
-    // A batch script that starts the processes with srun, and the README's, whose srun
+    // A batch script that starts the processes with srun, and the launch guide's, whose srun
     // starts one launcher per node.
     let script = format!(
         "#!/bin/sh\n#SBATCH --ntasks=2\nexport MASTER_PORT={port}\nsrun {EXE} test --worker\n"
@@ -270,7 +270,7 @@ pub fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
         text.contains("training ok: 8 steps on 2 processes"),
         "{text}"
     );
-    let text = cluster.sbatch(&readme_sbatch(1, 2));
+    let text = cluster.sbatch(&guide_sbatch(1, 2));
     assert!(
         text.contains("training ok: 8 steps on 2 processes"),
         "{text}"
@@ -362,8 +362,8 @@ pub fn srun_across_two_nodes_on_a_real_network() {
     ];
     let run = cluster.run("srun", &per_node, &[("FSDP_JOB_SECRET", "slurm-two-nodes")]);
     assert_trained(&run, 4);
-    // The README's batch script on two nodes.
-    let text = cluster.sbatch(&readme_sbatch(2, 4));
+    // The launch guide's batch script on two nodes.
+    let text = cluster.sbatch(&guide_sbatch(2, 4));
     assert!(
         text.contains("training ok: 8 steps on 4 processes"),
         "{text}"

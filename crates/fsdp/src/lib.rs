@@ -31,32 +31,15 @@ pub mod rng;
 pub mod trace;
 
 /// The README's Rust code, compiled (and run, where it is not marked `no_run`) as doc-tests,
-/// so the README cannot drift from the API.
+/// so the README cannot drift from the API; likewise the guides in docs/ that hold Rust code.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 struct ReadmeExamples;
 
-#[cfg(test)]
-mod tests {
-    /// The README's "Train your own model" section is [`crate::guide`] verbatim (the README
-    /// cannot include a file), so the guide users read on either side is the tested one.
-    #[test]
-    fn the_readme_carries_the_guide_verbatim() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let readme = std::fs::read_to_string(root.join("../../README.md")).unwrap();
-        let guide = std::fs::read_to_string(root.join("src/guide.md")).unwrap();
-        let heading = "## Train your own model\n\n";
-        let start = readme
-            .find(heading)
-            .expect("the README has the guide's section")
-            + heading.len();
-        // The section ends with a blank line before the next heading.
-        let len = readme[start..]
-            .find("\n## ")
-            .unwrap_or(readme.len() - start);
-        assert!(
-            readme[start..start + len] == guide,
-            "README.md's section `Train your own model` differs from crates/fsdp/src/guide.md: copy the file into it"
-        );
-    }
-}
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/CHECKPOINTS.md")]
+struct CheckpointsGuideExamples;
+
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/LLAMA.md")]
+struct LlamaGuideExamples;

@@ -14,6 +14,7 @@ mod checkpoint_processes;
 mod checkpoint_torch_dcp;
 mod config;
 mod dcp;
+mod docs;
 mod engine_in_process;
 mod examples;
 mod fsdp_matrix;
