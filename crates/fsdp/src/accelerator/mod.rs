@@ -52,7 +52,7 @@ mod builder;
 mod gather;
 mod logging;
 mod prepared;
-mod state;
+mod checkpoints;
 mod tensorboard;
 mod tracking;
 

@@ -26,7 +26,7 @@ mod plan;
 mod plan_text;
 mod sharded;
 mod sparse_rows;
-mod state;
+mod state_by_name;
 mod step;
 mod unit;
 
@@ -38,5 +38,5 @@ pub use offload::{OffloadError, OffloadStats, free_bytes};
 pub use placement::{OFFLOAD_ON_CPU, Placement};
 pub use plan::{DiskOffload, MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};
 pub use sharded::{Fsdp, StepReport};
-pub use state::{LocalRows, LocalShard, RowsSink};
+pub use state_by_name::{LocalRows, LocalShard, RowsSink};
 pub use step::StepParams;

@@ -20,7 +20,7 @@ use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::grads::{GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
-use super::offload::step::{OffloadedStates, update_units};
+use super::offload::streamed_step::{OffloadedStates, update_units};
 use super::offload::{DiskTier, Region};
 use super::param::{FsdpParam, ShardBuffer};
 use super::placement::Placement;

@@ -13,7 +13,7 @@
 
 pub(crate) mod from_plan;
 mod scratch;
-pub(crate) mod step;
+pub(crate) mod streamed_step;
 
 use std::collections::HashMap;
 use std::fs::File;
