@@ -454,6 +454,15 @@ fn models_and_optimizers_pair_by_preparation_order() {
         .unwrap()
         .to_string();
     assert!(err.contains("a second forward before backward"), "{err}");
+    // A typed error a program can match on.
+    let err = b.forward(|m, p| m.forward(p, &ids, None, None)).err();
+    assert!(
+        matches!(
+            err,
+            Some(fsdp::accelerator::AcceleratorError::CallOrder { model: 1, .. })
+        ),
+        "{err:?}"
+    );
     acc.backward(
         &mut b,
         cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap(),

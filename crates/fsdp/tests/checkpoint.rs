@@ -651,3 +651,26 @@ fn save_pretrained_writes_what_transformers_loads() {
     }
     std::fs::write(split.join("model.safetensors.index.json"), text).unwrap();
 }
+
+/// Misuse is a typed error a program can match on, not a string: no model to save or load,
+/// an optimizer without its model; nothing is written.
+#[test]
+fn misuse_is_a_typed_error_and_writes_nothing() {
+    use fsdp::checkpoint::CheckpointError;
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("ckpt");
+    let options = CheckpointOptions::default();
+    let err =
+        checkpoint::save_state(&target, &[], &[], &RunState::default(), &options).unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::NoModel { op: "save_state" }),
+        "{err:?}"
+    );
+    assert_eq!(err.to_string(), "save_state needs at least one model");
+    let err = checkpoint::load_state(&target, &mut [], &mut [], &options).unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::NoModel { op: "load_state" }),
+        "{err:?}"
+    );
+    assert!(!target.exists());
+}

@@ -150,9 +150,7 @@ impl AcceleratorBuilder {
         if let Some(c) = self.full_state_dict
             && !c.rank0_only
         {
-            return Err(AcceleratorError::Usage(
-                "FullStateDictConfig { rank0_only: false }: fsdp-rs gathers full state dicts onto rank 0 only (every rank holding the whole model is what it avoids)".into(),
-            ));
+            return Err(AcceleratorError::FullStateDictOnEveryRank);
         }
         let (group, notice) = match self.group {
             Some(g) => (g, None),
@@ -164,8 +162,8 @@ impl AcceleratorBuilder {
         // This process's place on its machine, as the launch environment gives it
         // (`fsdp launch`, srun, mpirun or mpiexec; LOCAL_RANK alone missed the cluster
         // launchers, where every process took itself for its machine's first).
-        let world = fsdp_comm::WorldInfo::from_env()
-            .map_err(|e| AcceleratorError::Usage(format!("the launch environment: {e}")))?;
+        let world =
+            fsdp_comm::WorldInfo::from_env().map_err(AcceleratorError::LaunchEnvironment)?;
         let (local_rank, restart_count) = (world.local_rank, world.restart_count);
         let accumulation = self.accumulation.unwrap_or(1).max(1);
         let rank = group.rank();

@@ -21,17 +21,18 @@ use crate::optim::{LrScheduler, Optimizer};
 fn check_order(models: &[usize], optimizers: &[usize]) -> Result<(), AcceleratorError> {
     for (what, indices) in [("model", models), ("optimizer", optimizers)] {
         if let Some((pos, index)) = indices.iter().enumerate().find(|(p, i)| p != *i) {
-            return Err(AcceleratorError::Usage(format!(
-                "{what} {index} given in position {pos}: pass every prepared {what} in the order they were prepared"
-            )));
+            return Err(AcceleratorError::OutOfOrder {
+                what,
+                index: *index,
+                position: pos,
+            });
         }
     }
     if optimizers.len() > models.len() {
-        return Err(AcceleratorError::Usage(format!(
-            "{} optimizers for {} models: optimizer i updates model i",
-            optimizers.len(),
-            models.len()
-        )));
+        return Err(AcceleratorError::OptimizersWithoutModels {
+            optimizers: optimizers.len(),
+            models: models.len(),
+        });
     }
     Ok(())
 }
@@ -224,16 +225,14 @@ impl Accelerator {
             Some(d) => d.to_path_buf(),
             None if automatic => self.project.project_dir.clone(),
             None => {
-                return Err(AcceleratorError::Usage(
-                    "save_state(None, ..) needs ProjectConfiguration { automatic_checkpoint_naming: true, .. }".into(),
-                ));
+                return Err(AcceleratorError::NoCheckpointDir);
             }
         };
         let schedulers = optimizers
             .iter()
             .map(|o| serde_json::to_value(o.scheduler()))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| AcceleratorError::Usage(format!("scheduler state: {e}")))?;
+            .map_err(|e| AcceleratorError::json("scheduler state", e))?;
         let scalers: Vec<serde_json::Value> = models
             .iter()
             .map(|m| {
@@ -281,9 +280,10 @@ impl Accelerator {
         let answer = self.answer_of_rank0(found.map(|f| f.map(|l| l.map(|(p, _)| p))))?;
         match answer {
             Ok(path) => Ok(path),
-            Err(e) => Err(AcceleratorError::Usage(format!(
-                "finding the latest checkpoint (rank 0): {e}"
-            ))),
+            Err(message) => Err(AcceleratorError::OnRank0 {
+                what: "finding the latest checkpoint".into(),
+                message,
+            }),
         }
     }
 
@@ -308,11 +308,11 @@ impl Accelerator {
         });
         let found: Vec<PathBuf> = match self.answer_of_rank0(looked)? {
             Ok(found) => found,
-            Err(e) => {
-                return Err(AcceleratorError::Usage(format!(
-                    "{} (rank 0): {e}",
-                    dir.display()
-                )));
+            Err(message) => {
+                return Err(AcceleratorError::OnRank0 {
+                    what: dir.display().to_string(),
+                    message,
+                });
             }
         };
         if found.is_empty() {
@@ -340,7 +340,7 @@ impl Accelerator {
             None => serde_json::Value::Null,
         };
         let mine =
-            serde_json::to_vec(&value).map_err(|e| AcceleratorError::Usage(e.to_string()))?;
+            serde_json::to_vec(&value).map_err(|e| AcceleratorError::json("rank 0's answer", e))?;
         let len = self
             .group
             .broadcast_vec(vec![mine.len() as i64], 0)
@@ -349,13 +349,13 @@ impl Accelerator {
         bytes.resize(len.first().copied().unwrap_or(0).max(0) as usize, 0);
         let bytes = self.group.broadcast_vec(bytes, 0).wait()?;
         let value: serde_json::Value = serde_json::from_slice(&bytes)
-            .map_err(|e| AcceleratorError::Usage(format!("rank 0's answer: {e}")))?;
+            .map_err(|e| AcceleratorError::json("rank 0's answer", e))?;
         if let Some(e) = value.get("error").and_then(|e| e.as_str()) {
             return Ok(Err(e.to_string()));
         }
         serde_json::from_value(value["ok"].clone())
             .map(Ok)
-            .map_err(|e| AcceleratorError::Usage(format!("rank 0's answer: {e}")))
+            .map_err(|e| AcceleratorError::json("rank 0's answer", e))
     }
 
     /// Loads what [`Accelerator::save_state`] wrote into the same kinds of objects, at any
@@ -382,7 +382,7 @@ impl Accelerator {
             checkpoint::load_state(dir, &mut engines, &mut opts, &CheckpointOptions::default())?
         };
         let bad = |what: &str, e: serde_json::Error| {
-            AcceleratorError::Usage(format!("{what} in {}: {e}", dir.display()))
+            AcceleratorError::json(format!("{what} in {}", dir.display()), e)
         };
         for (o, v) in optimizers.iter_mut().zip(&run.schedulers) {
             if let Some(pytorch) = v.get(checkpoint::PYTORCH_SCHEDULER) {
@@ -393,27 +393,21 @@ impl Accelerator {
                 serde_json::from_value(v.clone()).map_err(|e| bad("scheduler state", e))?;
             match (saved, o.scheduler().cloned()) {
                 (Some(s), Some(ours)) => {
-                    let s = ours
-                        .resume_from(s)
-                        .map_err(|e| AcceleratorError::Usage(format!("{}: {e}", dir.display())))?;
+                    let s = ours.resume_from(s).map_err(|reason| {
+                        AcceleratorError::SchedulerResume {
+                            dir: dir.to_path_buf(),
+                            reason,
+                        }
+                    })?;
                     o.restore_scheduler(s)?
                 }
                 (None, None) => {}
                 (saved, _) => {
-                    return Err(AcceleratorError::Usage(format!(
-                        "optimizer {} {} a scheduler but the checkpoint {} one for it",
-                        o.index(),
-                        if o.scheduler().is_some() {
-                            "has"
-                        } else {
-                            "has no"
-                        },
-                        if saved.is_some() {
-                            "holds"
-                        } else {
-                            "holds none"
-                        },
-                    )));
+                    return Err(AcceleratorError::SchedulerPresence {
+                        optimizer: o.index(),
+                        ours: o.scheduler().is_some(),
+                        saved: saved.is_some(),
+                    });
                 }
             }
         }

@@ -83,9 +83,7 @@ impl Accelerator {
     pub fn gather_tensor(&self, tensor: &Tensor) -> Result<Tensor, AcceleratorError> {
         let dims = tensor.dims().to_vec();
         if dims.is_empty() {
-            return Err(AcceleratorError::Usage(
-                "gather_tensor: a scalar has no dimension 0 to concatenate along; reshape it to [1]".into(),
-            ));
+            return Err(AcceleratorError::GatherScalar);
         }
         // The shapes first (rank, then dims), so a mismatch is an error, not a scrambled tensor.
         let mut shape: Vec<i64> = vec![dims.len() as i64];
@@ -97,10 +95,11 @@ impl Accelerator {
             .filter(|r| &shapes[r * width..][..width] != ours)
             .collect();
         if !differing.is_empty() {
-            return Err(AcceleratorError::Usage(format!(
-                "gather_tensor: rank {} has a tensor of shape {dims:?}, rank(s) {differing:?} of another shape; every rank must pass the same shape",
-                self.process_index()
-            )));
+            return Err(AcceleratorError::GatherShapes {
+                rank: self.process_index(),
+                dims,
+                differing,
+            });
         }
         let mut out_dims = dims.clone();
         out_dims[0] *= self.num_processes();
@@ -122,9 +121,7 @@ impl Accelerator {
             DType::F32 => gathered!(f32),
             DType::F64 => gathered!(f64),
             other => {
-                return Err(AcceleratorError::Usage(format!(
-                    "gather_tensor: {other:?} tensors are not gathered; convert to a dtype the engine computes in (to_dtype)"
-                )));
+                return Err(AcceleratorError::GatherDtype { dtype: other });
             }
         })
     }

@@ -80,10 +80,10 @@ impl<M> PreparedModel<M> {
         f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,
     ) -> Result<T, AcceleratorError> {
         if self.open.is_some() {
-            return Err(AcceleratorError::Usage(format!(
-                "model {}: a second forward before backward: call Accelerator::backward on the first loss, or evaluate()",
-                self.index
-            )));
+            return Err(AcceleratorError::CallOrder {
+                model: self.index,
+                problem: "a second forward before backward: call Accelerator::backward on the first loss, or evaluate()",
+            });
         }
         let params = self.engine.begin_step()?;
         let out = f(&self.module, &params)?;
@@ -119,12 +119,13 @@ impl<M> PreparedModel<M> {
             Some(s) => s.scale_loss(&loss)?,
             None => loss,
         };
-        let params = self.open.take().ok_or_else(|| {
-            AcceleratorError::Usage(format!(
-                "model {}: backward without a forward: run PreparedModel::forward first",
-                self.index
-            ))
-        })?;
+        let params = self
+            .open
+            .take()
+            .ok_or_else(|| AcceleratorError::CallOrder {
+                model: self.index,
+                problem: "backward without a forward: run PreparedModel::forward first",
+            })?;
         if sync {
             let grads = self.engine.backward(params, loss)?;
             match self.grads.as_mut() {
@@ -148,12 +149,13 @@ impl<M> PreparedModel<M> {
         if self.unscale()? {
             return Ok(f64::INFINITY);
         }
-        let grads = self.grads.as_mut().ok_or_else(|| {
-            AcceleratorError::Usage(format!(
-                "model {}: clip_grad_norm without gradients: call backward first",
-                self.index
-            ))
-        })?;
+        let grads = self
+            .grads
+            .as_mut()
+            .ok_or_else(|| AcceleratorError::CallOrder {
+                model: self.index,
+                problem: "clip_grad_norm without gradients: call backward first",
+            })?;
         Ok(self.engine.clip_grad_norm(grads, Some(max_norm))?.0)
     }
 
@@ -161,10 +163,10 @@ impl<M> PreparedModel<M> {
     /// an overflow on some rank and every rank skipped it (the scale backs off).
     pub(super) fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<bool, AcceleratorError> {
         if self.grads.is_none() {
-            return Err(AcceleratorError::Usage(format!(
-                "model {}: an optimizer step without gradients: call backward first",
-                self.index
-            )));
+            return Err(AcceleratorError::CallOrder {
+                model: self.index,
+                problem: "an optimizer step without gradients: call backward first",
+            });
         }
         let found_inf = self.unscale()?;
         self.found_inf = None;
@@ -304,10 +306,10 @@ impl PreparedOptimizer {
     ) -> Result<(), AcceleratorError> {
         let file = saved["file"].as_str().unwrap_or("scheduler.bin");
         let Some(mut s) = self.scheduler.clone() else {
-            return Err(AcceleratorError::Usage(format!(
-                "{file} holds a learning-rate scheduler for optimizer {}, which has none: attach the run's schedule with `Accelerator::prepare_scheduler` before loading",
-                self.index
-            )));
+            return Err(AcceleratorError::PytorchSchedulerWithoutOurs {
+                file: file.to_string(),
+                optimizer: self.index,
+            });
         };
         let base: Vec<f64> = saved["base_lrs"]
             .as_array()
@@ -322,10 +324,12 @@ impl PreparedOptimizer {
                 .zip(&ours)
                 .all(|(a, b)| (a - b).abs() <= 1e-12 * a.abs().max(b.abs()));
         if !same {
-            return Err(AcceleratorError::Usage(format!(
-                "{file}: the scheduler's base_lrs {base:?} are not optimizer {}'s initial rates {ours:?}",
-                self.index
-            )));
+            return Err(AcceleratorError::PytorchSchedulerRates {
+                file: file.to_string(),
+                optimizer: self.index,
+                base,
+                ours,
+            });
         }
         s.steps = saved["last_epoch"].as_u64().unwrap_or(0);
         self.restore_scheduler(s)
@@ -338,10 +342,10 @@ impl PreparedOptimizer {
         model: &mut PreparedModel<M>,
     ) -> Result<bool, AcceleratorError> {
         if model.index != self.index {
-            return Err(AcceleratorError::Usage(format!(
-                "optimizer {} was prepared for model {} (models and optimizers pair by the order of prepare, as in Accelerate) but is stepping model {}",
-                self.index, self.index, model.index
-            )));
+            return Err(AcceleratorError::OptimizerOfAnotherModel {
+                optimizer: self.index,
+                model: model.index,
+            });
         }
         if !model.step(self.optimizer.as_mut())? {
             return Ok(false);

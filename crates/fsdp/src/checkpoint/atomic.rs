@@ -248,7 +248,7 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointEr
 
 fn c_path(path: &Path) -> Result<CString, CheckpointError> {
     CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| CheckpointError::Usage(format!("{}: a path with a NUL byte", path.display())))
+        .map_err(|_| CheckpointError::InvalidPath { path: path.into() })
 }
 
 /// Moves the complete `staging` folder to `dest`: a rename when `dest` does not exist, an

@@ -254,17 +254,17 @@ fn canonical_crc(doc: &serde_json::Map<String, serde_json::Value>) -> u32 {
 
 /// A metadata document as written: its JSON with a checksum field over the rest.
 pub fn document_bytes<T: Serialize>(doc: &T) -> Result<Vec<u8>, CheckpointError> {
-    let value = serde_json::to_value(doc)
-        .map_err(|e| CheckpointError::Usage(format!("a checkpoint document: {e}")))?;
+    let value =
+        serde_json::to_value(doc).map_err(|e| CheckpointError::json("a checkpoint document", e))?;
     let serde_json::Value::Object(mut map) = value else {
-        return Err(CheckpointError::Usage(
-            "a checkpoint document that is not a JSON object".into(),
-        ));
+        return Err(CheckpointError::Internal {
+            what: "a checkpoint document that is not a JSON object".into(),
+        });
     };
     let crc = canonical_crc(&map);
     map.insert(CHECKSUM_FIELD.into(), crc.into());
     serde_json::to_vec_pretty(&serde_json::Value::Object(map))
-        .map_err(|e| CheckpointError::Usage(format!("a checkpoint document: {e}")))
+        .map_err(|e| CheckpointError::json("a checkpoint document", e))
 }
 
 /// Reads a metadata document (`fsdp_checkpoint.json`, `metadata.json`), bounded in size,

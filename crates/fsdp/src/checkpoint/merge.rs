@@ -51,7 +51,9 @@ impl View for &Lazy<'_> {
             Ok(bytes) if bytes.len() == self.len => Cow::Owned(bytes),
             // The merge fails and its partial file is removed: nothing needs writing.
             Ok(_) => {
-                self.fail(CheckpointError::Usage("a tensor of the wrong size".into()));
+                self.fail(CheckpointError::Internal {
+                    what: "a tensor of the wrong size".into(),
+                });
                 Cow::Borrowed(&[])
             }
             Err(e) => {

@@ -158,9 +158,7 @@ pub fn load_state(
     options: &CheckpointOptions,
 ) -> Result<RunState, CheckpointError> {
     let Some(first) = models.first() else {
-        return Err(CheckpointError::Usage(
-            "load_state needs at least one model".into(),
-        ));
+        return Err(CheckpointError::NoModel { op: "load_state" });
     };
     let mesh = first.mesh().clone();
     collect::join(&mesh, "load_state", options.join_timeout)?;

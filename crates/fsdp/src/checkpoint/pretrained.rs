@@ -138,7 +138,7 @@ pub fn save_adapter(
     let file_name = |_| "adapter_model.safetensors".to_string();
     let documents = |staging: &Path| {
         let text = serde_json::to_string_pretty(adapter_config)
-            .map_err(|e| CheckpointError::Usage(format!("adapter_config.json: {e}")))?;
+            .map_err(|e| CheckpointError::json("adapter_config.json", e))?;
         atomic::write_synced(&staging.join("adapter_config.json"), text.as_bytes())
     };
     let emit = &mut WriteAsGathered;
@@ -242,8 +242,8 @@ fn write_documents(
     files: &[Vec<PlannedTensor>],
     file_name: &dyn Fn(usize) -> String,
 ) -> Result<(), CheckpointError> {
-    let text = serde_json::to_vec_pretty(config)
-        .map_err(|e| CheckpointError::Usage(format!("config.json: {e}")))?;
+    let text =
+        serde_json::to_vec_pretty(config).map_err(|e| CheckpointError::json("config.json", e))?;
     atomic::write_synced(&staging.join("config.json"), &text)?;
     if files.len() > 1 {
         let mut weight_map = BTreeMap::new();
@@ -258,8 +258,8 @@ fn write_documents(
             "metadata": { "total_size": total },
             "weight_map": weight_map,
         });
-        let text = serde_json::to_vec_pretty(&index)
-            .map_err(|e| CheckpointError::Usage(format!("index: {e}")))?;
+        let text =
+            serde_json::to_vec_pretty(&index).map_err(|e| CheckpointError::json("index", e))?;
         atomic::write_synced(&staging.join("model.safetensors.index.json"), &text)?;
     }
     Ok(())

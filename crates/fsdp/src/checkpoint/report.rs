@@ -17,8 +17,23 @@ use crate::config::StateDictType;
 use crate::engine::Fsdp;
 use crate::optim::Optimizer;
 
-/// A piece as a rank reports it: (tensor, full shape, rows, offset, bytes, crc32).
-pub(super) type RankPiece = (String, Vec<usize>, [usize; 2], u64, u64, u32);
+/// One piece of a tensor as a rank reports it: rows of the full tensor, and where they lie in
+/// the rank's file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct RankPiece {
+    /// The tensor's name.
+    pub(super) tensor: String,
+    /// The full tensor's shape.
+    pub(super) shape: Vec<usize>,
+    /// The rows `[start, end)` of dimension 0 this piece holds.
+    pub(super) rows: [usize; 2],
+    /// Its first byte in the file.
+    pub(super) offset: u64,
+    /// Its length in bytes.
+    pub(super) bytes: u64,
+    /// The CRC-32 of its bytes (0 in a DCP file, whose records carry none).
+    pub(super) crc32: u32,
+}
 
 /// What one rank wrote into one folder: its file and the pieces in it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -85,8 +100,13 @@ pub(super) fn describe(
             .tensors
             .iter()
             .zip(shapes)
-            .map(|((name, offset, bytes, crc), (shape, rows))| {
-                (name.clone(), shape, rows, *offset, *bytes, *crc)
+            .map(|((name, offset, bytes, crc), (shape, rows))| RankPiece {
+                tensor: name.clone(),
+                shape,
+                rows,
+                offset: *offset,
+                bytes: *bytes,
+                crc32: *crc,
             })
             .collect(),
         steps: BTreeMap::new(),
@@ -162,7 +182,7 @@ pub(super) fn write_run_document(
         .collect();
     for (i, s) in run.schedulers.iter().enumerate() {
         let bytes = serde_json::to_vec_pretty(s)
-            .map_err(|e| CheckpointError::Usage(format!("scheduler {i}: {e}")))?;
+            .map_err(|e| CheckpointError::json(format!("scheduler {i}"), e))?;
         atomic::write_synced(&staging.join(format::scheduler_file(i)), &bytes)?;
         documents.insert(format::scheduler_file(i), crc32fast::hash(&bytes));
     }

@@ -198,12 +198,13 @@ fn write_documents(
                 continue;
             };
             doc.files.insert(file.clone(), file_doc.clone());
-            for (name, shape, rows, offset, bytes, crc32) in &folder.pieces {
+            for piece in &folder.pieces {
+                let name = &piece.tensor;
                 let entry = doc
                     .tensors
                     .entry(name.clone())
                     .or_insert_with(|| TensorDoc {
-                        shape: shape.clone(),
+                        shape: piece.shape.clone(),
                         dtype: "F32".into(),
                         pieces: Vec::new(),
                         packing: is_model
@@ -212,10 +213,10 @@ fn write_documents(
                     });
                 entry.pieces.push(PieceDoc {
                     file: file.clone(),
-                    rows: *rows,
-                    offset: *offset,
-                    bytes: *bytes,
-                    crc32: *crc32,
+                    rows: piece.rows,
+                    offset: piece.offset,
+                    bytes: piece.bytes,
+                    crc32: piece.crc32,
                 });
             }
             steps.extend(folder.steps.iter().map(|(k, v)| (k.clone(), *v)));
@@ -268,26 +269,22 @@ pub(super) fn begin(
     options: &CheckpointOptions,
 ) -> Result<Begun, CheckpointError> {
     let Some(first) = models.first() else {
-        return Err(CheckpointError::Usage(
-            "save_state needs at least one model".into(),
-        ));
+        return Err(CheckpointError::NoModel { op: "save_state" });
     };
     if optimizers.len() > models.len() {
-        return Err(CheckpointError::Usage(format!(
-            "{} optimizers for {} models: optimizer i belongs to model i",
-            optimizers.len(),
-            models.len()
-        )));
+        return Err(CheckpointError::OptimizersWithoutModels {
+            optimizers: optimizers.len(),
+            models: models.len(),
+        });
     }
     let mesh = first.mesh().clone();
     join(&mesh, "save_state", options.join_timeout)?;
     let kind = options.state_dict_type.unwrap_or(first.state_dict_type());
     let files = options.format.unwrap_or(first.checkpoint_format());
     if files == CheckpointFormat::TorchDcp && kind != StateDictType::ShardedStateDict {
-        return Err(CheckpointError::Usage(format!(
-            "the torch-dcp checkpoint format writes SHARDED_STATE_DICT checkpoints only (as Accelerate's are), not {}",
-            state_dict_name(kind)
-        )));
+        return Err(CheckpointError::TorchDcpNeedsSharded {
+            state_dict_type: state_dict_name(kind),
+        });
     }
     if files == CheckpointFormat::TorchDcp {
         super::save_dcp::refuse_quantized(models)?;
@@ -305,8 +302,8 @@ pub(super) fn begin(
     };
     let held = agree(&mesh, prepared)?;
     let shared = broadcast_bytes(&mesh, text.as_bytes())?;
-    let (dest, staging): (PathBuf, PathBuf) = serde_json::from_slice(&shared)
-        .map_err(|e| CheckpointError::Usage(format!("staging folder: {e}")))?;
+    let (dest, staging): (PathBuf, PathBuf) =
+        serde_json::from_slice(&shared).map_err(|e| CheckpointError::json("staging folder", e))?;
     Ok(Begun {
         mesh,
         dest,
@@ -361,8 +358,7 @@ pub(crate) fn save(
     );
     // A report that cannot be serialised fails the save on every rank (never an empty one).
     let written = written.and_then(|r| {
-        serde_json::to_vec(&r)
-            .map_err(|e| CheckpointError::Usage(format!("this rank's save report: {e}")))
+        serde_json::to_vec(&r).map_err(|e| CheckpointError::json("this rank's save report", e))
     });
     // On failure rank 0's staging folder goes with `held`.
     let report_text = agree(mesh, written)?;
@@ -372,7 +368,7 @@ pub(crate) fn save(
             let reports: Result<Vec<RankReport>, _> =
                 reports.iter().map(|r| serde_json::from_slice(r)).collect();
             reports
-                .map_err(|e| CheckpointError::Usage(format!("rank report: {e}")))
+                .map_err(|e| CheckpointError::json("rank report", e))
                 .and_then(|reports| {
                     let inputs = DocInputs::of(models, optimizers);
                     publish(

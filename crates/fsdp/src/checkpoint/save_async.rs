@@ -88,10 +88,9 @@ impl PendingSave {
         match self.writer.take() {
             None => Ok(()),
             Some(handle) => handle.join().unwrap_or_else(|_| {
-                Err(CheckpointError::Usage(format!(
-                    "the writer of {} panicked",
-                    self.dest.display()
-                )))
+                Err(CheckpointError::WriterPanicked {
+                    dest: self.dest.clone(),
+                })
             }),
         }
     }
@@ -120,9 +119,7 @@ pub(crate) fn save_async(
         .state_dict_type
         .or(models.first().map(|m| m.state_dict_type()));
     if kind == Some(StateDictType::FullStateDict) {
-        return Err(CheckpointError::Usage(
-            "an asynchronous save writes SHARDED_STATE_DICT or LOCAL_STATE_DICT: FULL_STATE_DICT gathers every unit onto rank 0 through the training's collectives, so save it with save_state".into(),
-        ));
+        return Err(CheckpointError::AsyncFullStateDict);
     }
     let mut begun = save::begin(dest, models, optimizers, options)?;
     let local = begun.kind == StateDictType::LocalStateDict;
@@ -207,7 +204,7 @@ impl Writer {
 fn write_report(staging: &Path, rank: usize, outcome: &Outcome) -> Result<(), CheckpointError> {
     let path = report_file(staging, rank);
     let bytes = serde_json::to_vec(outcome)
-        .map_err(|e| CheckpointError::Usage(format!("rank {rank}'s report: {e}")))?;
+        .map_err(|e| CheckpointError::json(format!("rank {rank}'s report"), e))?;
     let mut partial = path.clone().into_os_string();
     partial.push(".partial");
     let partial = PathBuf::from(partial);

@@ -26,7 +26,7 @@ use super::dcp::{
 };
 use super::error::CheckpointError;
 use super::format::{self, FileDoc, GroupDoc, OptimizerDoc};
-use super::report::{self, DocInputs, RankFolder, RankReport, write_run_document};
+use super::report::{self, DocInputs, RankFolder, RankPiece, RankReport, write_run_document};
 use super::save_parts::{Part, PartSource, RankParts};
 
 /// Rank 0's file of each optimizer folder: step counts and group settings.
@@ -77,7 +77,14 @@ fn write_parts<V: PartSource>(
         pieces: parts
             .iter()
             .zip(placed)
-            .map(|(p, s)| (p.name.clone(), p.shape.clone(), p.rows, s.at, s.length, 0))
+            .map(|(p, s)| RankPiece {
+                tensor: p.name.clone(),
+                shape: p.shape.clone(),
+                rows: p.rows,
+                offset: s.at,
+                bytes: s.length,
+                crc32: 0,
+            })
             .collect(),
         steps: BTreeMap::new(),
     })
@@ -132,7 +139,15 @@ fn tensor_entries(
         else {
             continue;
         };
-        for (name, shape, rows, at, length, _) in pieces {
+        for RankPiece {
+            tensor: name,
+            shape,
+            rows,
+            offset: at,
+            bytes: length,
+            ..
+        } in pieces
+        {
             let (offsets, sizes) = chunk_of(shape, *rows);
             let entry = tensors
                 .entry(name.as_str())
@@ -357,10 +372,10 @@ pub(super) fn refuse_quantized(models: &[&crate::engine::Fsdp]) -> Result<(), Ch
             .find_map(|(n, _)| Some((n.to_string(), m.packing(n)?)))
     });
     match quantized {
-        Some((name, p)) => Err(CheckpointError::Usage(format!(
-            "the torch-dcp checkpoint format cannot hold `{name}`, kept quantized in {}: PyTorch would read its blocks as float values; save QLoRA models in the fsdp-rs format (fsdp_checkpoint_format: fsdp-rs), or save the adapters with save_adapter",
-            p.format
-        ))),
+        Some((name, p)) => Err(CheckpointError::QuantizedInTorchDcp {
+            name: name.to_string(),
+            format: p.format.to_string(),
+        }),
         None => Ok(()),
     }
 }

@@ -220,6 +220,5 @@ pub(super) fn rank_parts<'a>(
 
 /// `random_states_{rank}.json`'s bytes.
 pub(super) fn random_bytes(run: &RunState) -> Result<Vec<u8>, CheckpointError> {
-    serde_json::to_vec_pretty(&run.random)
-        .map_err(|e| CheckpointError::Usage(format!("random state: {e}")))
+    serde_json::to_vec_pretty(&run.random).map_err(|e| CheckpointError::json("random state", e))
 }

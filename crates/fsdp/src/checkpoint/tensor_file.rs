@@ -105,14 +105,14 @@ impl TensorFileWriter {
     /// Appends the next planned tensor's values, given as consecutive chunks.
     pub fn write_chunks(&mut self, chunks: &[&[f32]]) -> Result<(), CheckpointError> {
         let t = self.plan.get(self.next).ok_or_else(|| {
-            CheckpointError::Usage(format!(
+            CheckpointError::internal(format!(
                 "{}: more tensors written than planned",
                 self.path.display()
             ))
         })?;
         let len: usize = chunks.iter().map(|c| c.len()).sum();
         if len as u64 * 4 != t.bytes() {
-            return Err(CheckpointError::Usage(format!(
+            return Err(CheckpointError::internal(format!(
                 "{}: `{}` has {len} values, its shape {:?} needs {}",
                 self.path.display(),
                 t.name,
@@ -138,7 +138,7 @@ impl TensorFileWriter {
     /// Flushes and syncs the file to disk; every planned tensor must have been written.
     pub fn finish(self) -> Result<WrittenFile, CheckpointError> {
         if self.next != self.plan.len() {
-            return Err(CheckpointError::Usage(format!(
+            return Err(CheckpointError::internal(format!(
                 "{}: {} of {} planned tensors written",
                 self.path.display(),
                 self.next,

@@ -190,9 +190,10 @@ impl crate::checkpoint::Emit for MergingEmit {
             .or_else(|| name.strip_suffix(".lora_B.weight"))
             && !self.dims.contains_key(layer)
         {
-            return Err(crate::checkpoint::CheckpointError::Usage(format!(
-                "merging adapters: `{name}` has no [rows, columns] weight `{layer}.weight` to merge into"
-            )));
+            return Err(crate::checkpoint::CheckpointError::AdapterWithoutBase {
+                name: name.to_string(),
+                layer: layer.to_string(),
+            });
         }
         self.held.insert(name.to_string(), values.concat());
         let layer = name

@@ -70,10 +70,9 @@ impl DcpCheckpoint {
             return self.read(name, t);
         }
         if t.shape.first().is_none_or(|&n| rows.end > n) || rows.start > rows.end {
-            return Err(CheckpointError::Usage(format!(
-                "`{name}`: rows {rows:?} outside {:?}",
-                t.shape
-            )));
+            return Err(CheckpointError::Internal {
+                what: format!("`{name}`: rows {rows:?} outside {:?}", t.shape),
+            });
         }
         let row_bytes: usize = t.shape[1..].iter().product::<usize>() * t.size;
         let mut shape = t.shape.clone();

@@ -78,10 +78,9 @@ impl Entry {
 pub(crate) fn tensor_record(values: &[f32], sizes: &[usize]) -> Result<Vec<u8>, CheckpointError> {
     let numel: usize = sizes.iter().product();
     if numel != values.len() {
-        return Err(CheckpointError::Usage(format!(
-            "a tensor of shape {sizes:?} given {} values",
-            values.len()
-        )));
+        return Err(CheckpointError::Internal {
+            what: format!("a tensor of shape {sizes:?} given {} values", values.len()),
+        });
     }
     let mut strides = vec![1usize; sizes.len()];
     for d in (0..sizes.len().saturating_sub(1)).rev() {
@@ -145,14 +144,11 @@ fn record(pickle: &[u8], storage: Option<&[u8]>) -> Result<Vec<u8>, CheckpointEr
     entries.push(("archive/.data/serialization_id", id.as_bytes()));
     let size: usize = entries.iter().map(|(_, b)| b.len() + 200).sum();
     let mut zip = zip::ZipWriter::new(Cursor::new(Vec::with_capacity(size)));
-    let failed =
-        |e: zip::result::ZipError| CheckpointError::Usage(format!("a torch.save record: {e}"));
     for (name, bytes) in entries {
-        zip.start_file(name, options).map_err(failed)?;
-        zip.write_all(bytes)
-            .map_err(|e| CheckpointError::Usage(format!("a torch.save record: {e}")))?;
+        zip.start_file(name, options)?;
+        zip.write_all(bytes).map_err(zip::result::ZipError::from)?;
     }
-    Ok(zip.finish().map_err(failed)?.into_inner())
+    Ok(zip.finish()?.into_inner())
 }
 
 fn size(dims: &[usize]) -> Py {
