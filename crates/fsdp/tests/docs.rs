@@ -20,32 +20,30 @@ fn anchor(heading: &str) -> String {
         .collect()
 }
 
-/// The anchors of `text`'s headings (outside code blocks).
-fn anchors(text: &str) -> Vec<String> {
+/// `text`'s lines outside fenced code blocks.
+fn prose_lines(text: &str) -> impl Iterator<Item = &str> {
     let mut fenced = false;
-    let mut out = Vec::new();
-    for line in text.lines() {
+    text.lines().filter(move |line| {
         if line.starts_with("```") {
             fenced = !fenced;
-        } else if !fenced && line.starts_with('#') {
-            out.push(anchor(line.trim_start_matches('#')));
+            return false;
         }
-    }
-    out
+        !fenced
+    })
+}
+
+/// The anchors of `text`'s headings (outside code blocks).
+fn anchors(text: &str) -> Vec<String> {
+    prose_lines(text)
+        .filter(|line| line.starts_with('#'))
+        .map(|line| anchor(line.trim_start_matches('#')))
+        .collect()
 }
 
 /// The targets of `text`'s inline links `[..](target)`, outside code blocks and code spans.
 fn links(text: &str) -> Vec<String> {
-    let mut fenced = false;
     let mut out = Vec::new();
-    for line in text.lines() {
-        if line.starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
+    for line in prose_lines(text) {
         // Code spans can hold `](` (Rust, shell); drop them first.
         let plain: String = line.split('`').step_by(2).collect();
         let mut rest = plain.as_str();

@@ -36,12 +36,18 @@ fn require_all_fails_a_skip_for_something_missing_and_only_that() {
         (out.status.success(), text)
     };
     let (ok, text) = run("required", "1");
-    assert!(!ok, "a required skip under {REQUIRE_ALL_ENV}=1 must fail:\n{text}");
+    assert!(
+        !ok,
+        "a required skip under {REQUIRE_ALL_ENV}=1 must fail:\n{text}"
+    );
     assert!(text.contains("FSDP_REQUIRE_ALL=1"), "{text}");
     let (ok, text) = run("required", "0");
     assert!(ok, "without {REQUIRE_ALL_ENV} a skip passes:\n{text}");
     let (ok, text) = run("optional", "1");
-    assert!(ok, "an optional skip passes even under {REQUIRE_ALL_ENV}=1:\n{text}");
+    assert!(
+        ok,
+        "an optional skip passes even under {REQUIRE_ALL_ENV}=1:\n{text}"
+    );
     // Every skip was logged, failing or not.
     let logged = std::fs::read_to_string(&log).unwrap();
     assert_eq!(logged.lines().count(), 3, "{logged}");
