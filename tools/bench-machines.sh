@@ -26,7 +26,7 @@ iters=${3:-5}
 steps=${2:-3}
 here=$(cd "$(dirname "$0")" && pwd)
 fsdp=${FSDP:-$here/../target/release/fsdp}
-[ -x "$fsdp" ] || { echo "no $fsdp: cargo build --release -p fsdp-cli --features mpi" >&2; exit 2; }
+[ -x "$fsdp" ] || { echo "no $fsdp: cargo build --release -p fsdp-cli --features mpi,bench" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
 
 tag=$$

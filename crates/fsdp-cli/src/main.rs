@@ -1,6 +1,7 @@
 //! `fsdp`: configure, inspect and (as the engine lands) launch fully sharded data-parallel
 //! training, the way `accelerate` does.
 
+#[cfg(feature = "bench")]
 mod bench;
 mod config_cmd;
 mod env_cmd;
@@ -51,9 +52,28 @@ enum Command {
     #[command(name = "merge-weights")]
     MergeWeights(merge_cmd::MergeArgs),
     /// Measure collectives, one layer, training memory and checkpoints.
+    #[cfg(feature = "bench")]
     Bench(bench::BenchArgs),
+    /// Benchmarks (collectives, kernels, memory, checkpoints): in a build with `--features
+    /// bench`.
+    #[cfg(not(feature = "bench"))]
+    Bench(NoBench),
     /// Draw the timelines a job wrote with `fsdp_trace_dir` (`FSDP_TRACE`).
     Trace(trace_cmd::TraceArgs),
+}
+
+/// `fsdp bench ...` in a build without the benchmarks: whatever follows is taken, and the
+/// command says how to build them.
+#[cfg(not(feature = "bench"))]
+#[derive(Args)]
+struct NoBench {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    _args: Vec<String>,
+}
+
+#[cfg(not(feature = "bench"))]
+impl NoBench {
+    const MESSAGE: &'static str = "this fsdp was built without its benchmarks (3,600 lines kept out of the command users install): build it with `cargo build --release -p fsdp-cli --features bench`, or run `cargo run --release -p fsdp-cli --features bench -- bench ...`";
 }
 
 /// The `--config_file` option every command that reads or writes a config file takes.
@@ -130,7 +150,10 @@ fn main() -> std::process::ExitCode {
         Command::Test(args) => test_cmd::run(args),
         Command::EstimateMemory(args) => estimate_cmd::run(args).map(|()| 0),
         Command::MergeWeights(args) => merge_cmd::run(args).map(|()| 0),
+        #[cfg(feature = "bench")]
         Command::Bench(args) => bench::run(args).map(|()| 0),
+        #[cfg(not(feature = "bench"))]
+        Command::Bench(_) => Err(anyhow::anyhow!(NoBench::MESSAGE)),
         Command::Trace(args) => trace_cmd::run(args).map(|()| 0),
     };
     match result {

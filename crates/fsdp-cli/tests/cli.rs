@@ -7,8 +7,6 @@ use std::process::{Command, Output, Stdio};
 
 use fsdp::config::{Layer, ResolvedConfig};
 
-use crate::common;
-
 const GUIDE: &str = include_str!("../../fsdp/tests/data/accelerate_guide_fsdp.yaml");
 
 /// `fsdp` with a private HOME, so no real config file is read or written.
@@ -471,12 +469,13 @@ fn help_texts() {
     );
 }
 
+#[cfg(feature = "bench")]
 #[test]
 fn bench_collectives_prints_a_table_and_json() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     // MPI beside ours where this build has it and mpirun is installed.
-    let want: &[&str] = if cfg!(feature = "mpi") && common::has_mpirun() {
+    let want: &[&str] = if cfg!(feature = "mpi") && crate::common::has_mpirun() {
         &["shm", "tcp", "mpi"]
     } else {
         &["shm", "tcp"]
@@ -688,6 +687,7 @@ fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
     assert!(String::from_utf8_lossy(&missing.stderr).contains("nowhere"));
 }
 
+#[cfg(feature = "bench")]
 #[test]
 fn bench_reshard_saves_at_one_world_size_and_loads_at_others() {
     let dir = tempfile::tempdir().unwrap();
@@ -795,4 +795,22 @@ fn a_printing_command_whose_reader_is_gone_ends_quietly() {
             assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{args:?}: {err}");
         }
     }
+}
+
+/// A build without the `bench` feature (what users install) keeps the benchmarks out, and
+/// `fsdp bench ...` says how to build them instead of failing as an unknown command.
+#[cfg(not(feature = "bench"))]
+#[test]
+fn bench_without_the_feature_says_how_to_build_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = fsdp(dir.path())
+        .args(["bench", "memory", "--num_processes", "2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("cargo build --release -p fsdp-cli --features bench"),
+        "{}",
+        text(&out)
+    );
 }

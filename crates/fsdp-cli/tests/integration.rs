@@ -8,8 +8,11 @@
 #[macro_use]
 mod common;
 
+#[cfg(feature = "bench")]
 mod bench_loading;
+#[cfg(feature = "bench")]
 mod bench_memory;
+#[cfg(feature = "bench")]
 mod bench_qlora;
 mod cli;
 mod cluster;
