@@ -41,6 +41,11 @@ fn frame(len: u32, body: &[u8]) -> Vec<u8> {
     v
 }
 
+/// What a hostile client could make an honest one wait is the 5 s greeting deadline; a
+/// bound well under it shows they did not, and leaves a loaded 2-core machine room (the
+/// honest case takes milliseconds).
+const PROMPTLY: Duration = Duration::from_secs(4);
+
 /// Whether the server closes `s` within `limit`.
 fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
     s.set_read_timeout(Some(limit)).unwrap();
@@ -65,10 +70,12 @@ fn oversized_greetings_are_refused_without_allocating() {
         s.write_all(&frame(64 << 20, &[1u8; 10])).unwrap();
         conns.push(s);
     }
+    // Refused at once: well inside the 5 s a greeting may take (the wait an oversized frame
+    // must not get), with room for a loaded machine.
     for s in &mut conns {
         let started = Instant::now();
-        assert!(closed_within(s, Duration::from_secs(2)));
-        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(closed_within(s, PROMPTLY));
+        assert!(started.elapsed() < PROMPTLY);
     }
     let (_, rss_after) = threads_and_rss();
     assert!(
@@ -146,7 +153,7 @@ fn a_thousand_hostile_connections_cost_no_threads_and_hold_up_nobody() {
     c.set("k", b"v").unwrap();
     assert_eq!(c.get("k").unwrap(), Some(b"v".to_vec()));
     eprintln!("a peer authenticated in {:?}", started.elapsed());
-    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(started.elapsed() < PROMPTLY);
 
     // The trickler is cut off by the greeting deadline.
     assert!(
