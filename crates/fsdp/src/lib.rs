@@ -7,7 +7,9 @@
 //! folders or GGUF files) or one of your own ([`guide`]: train your own model). The
 //! [`engine`] shards parameters, gradients and optimizer state ([`optim`]) by the
 //! configuration ([`config`]), and [`checkpoint`] saves and loads them at any world size;
-//! the accelerator logs to JSON lines and TensorBoard ([`accelerator::Tracker`]).
+//! the accelerator logs to JSON lines and TensorBoard ([`accelerator::Tracker`]). LoRA and
+//! QLoRA are [`peft`]; every seeded draw (initial weights, dropout, the epoch's order) comes
+//! from [`rng`].
 
 // First: its macro serves the modules below.
 #[macro_use]

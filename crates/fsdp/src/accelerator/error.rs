@@ -183,7 +183,7 @@ pub enum AcceleratorError {
         ours: Vec<f64>,
     },
     /// A new run's output folder holds an earlier run's model or checkpoints
-    /// ([`Accelerator::claim_output_dir`]).
+    /// ([`Accelerator::claim_output_dir`](super::Accelerator::claim_output_dir)).
     #[error(
         "{}: holds an earlier run's outputs ({}); a new run would replace its model, and resuming `latest` could pick its checkpoints: overwrite them (an example's --overwrite_output_dir), resume that run, or choose another output folder",
         dir.display(),

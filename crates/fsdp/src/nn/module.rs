@@ -301,7 +301,7 @@ pub trait Module {
     }
 
     /// This module as the layer it is, when it is a leaf layer that a change to a whole model
-    /// looks for by type (LoRA adapters and quantization find each [`crate::nn::Linear`] by
+    /// looks for by type (LoRA adapters and quantization find each [`crate::nn::layers::Linear`] by
     /// downcasting); a wrapper returns the layer it holds. `None` by default.
     fn as_layer_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
