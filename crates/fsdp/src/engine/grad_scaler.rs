@@ -9,8 +9,8 @@ use candle_core::Tensor;
 use fsdp_comm::{Buffer, ReduceOp};
 
 use super::error::EngineError;
+use super::fsdp::Fsdp;
 use super::grads::Gradients;
-use super::sharded::Fsdp;
 
 /// Loss-scaling settings (PyTorch's defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]

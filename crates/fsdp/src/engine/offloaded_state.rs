@@ -1,8 +1,8 @@
 //! The engine's optimizer state offloaded to the disk tier, as checkpoints read and write
 //! it: by parameter name, one buffer at a time.
 
+use super::fsdp::Fsdp;
 use super::offload::{OffloadStats, Region};
-use super::sharded::Fsdp;
 use crate::engine::error::EngineError;
 use crate::optim::Optimizer;
 

@@ -11,7 +11,7 @@ use candle_core::Tensor;
 use fsdp_comm::{Buffer, DType};
 
 use super::error::{EngineError, unit_name};
-use super::sharded::Fsdp;
+use super::fsdp::Fsdp;
 use crate::optim::Optimizer;
 
 /// This rank's rows of a parameter, given its name and its number of owned elements; `None`
