@@ -16,6 +16,12 @@ pub fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// `x`'s top 53 bits as a float in [0, 1): every value of the grid equally likely.
+#[inline]
+pub fn unit_f64(x: u64) -> f64 {
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// The SplitMix64 stream: a counter advanced by [`GOLDEN_GAMMA`] and mixed by [`mix64`].
 #[derive(Debug, Clone)]
 pub struct SplitMix64 {
@@ -63,7 +69,7 @@ impl XorShift64 {
 
     /// The next value's top 53 bits as a float in [0, 1).
     pub fn next_unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+        unit_f64(self.next_u64())
     }
 }
 

@@ -11,7 +11,7 @@ use super::{Float, contiguous, float_dispatch, tensor, with_slice};
 #[inline]
 pub(super) fn keep(seed: u64, index: u64, p: f64) -> bool {
     let z = crate::rng::mix64(seed ^ index.wrapping_mul(crate::rng::GOLDEN_GAMMA));
-    ((z >> 11) as f64 / (1u64 << 53) as f64) >= p
+    crate::rng::unit_f64(z) >= p
 }
 
 struct Dropout {

@@ -344,12 +344,7 @@ mod tests {
     fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
         let mut rng = crate::rng::XorShift64::seeded(seed);
         let n: usize = shape.iter().product();
-        let v: Vec<f64> = (0..n)
-            .map(|_| {
-                let s = rng.next_u64();
-                (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect();
+        let v: Vec<f64> = (0..n).map(|_| rng.next_unit() * 2.0 - 1.0).collect();
         Tensor::from_vec(v, shape, &Device::Cpu)
             .unwrap()
             .to_dtype(dtype)
