@@ -144,6 +144,7 @@ fn print_text(
     );
     println!("- f32 matmul: {}", fsdp::nn::ops::f32_matmul_kernel());
     println!("- bf16 matmul: {}", fsdp::nn::ops::bf16_matmul_kernel());
+    println!("- AMX: {}", fsdp::nn::ops::amx_support());
     println!(
         "- Core peak (the engine's GEMM on one thread, measured once, what MFU is against): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s; other work took {:.0}% of the machine while it was measured{}",
         peak.f32 / 1e9,
@@ -243,6 +244,7 @@ fn print_json(
         "available_cores": s.available_cores,
         "f32_matmul_kernel": fsdp::nn::ops::f32_matmul_kernel(),
         "bf16_matmul_kernel": fsdp::nn::ops::bf16_matmul_kernel(),
+        "amx": fsdp::nn::ops::amx_support().to_string(),
         "core_peak_flops": { "f32": peak.f32, "bf16": peak.bf16 },
         "core_peak_others_busy": peak.others_busy,
         "instruction_peak_flops": { "f32": peak.f32_instruction, "bf16": peak.bf16_instruction },

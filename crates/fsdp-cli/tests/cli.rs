@@ -410,6 +410,15 @@ fn env_reports_machine_and_sources() {
     assert!(doc["available_cores"].as_u64().unwrap() >= 1);
     assert!(doc["bf16_matmul_kernel"].is_string());
     assert!(doc["f32_matmul_kernel"].is_string());
+    // AMX as the kernel reports it agrees with the CPU flags Linux shows.
+    let amx = doc["amx"].as_str().unwrap();
+    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    if flags.contains("amx_bf16") {
+        assert!(!amx.contains("no AMX-BF16"), "{amx}");
+    } else {
+        assert_eq!(amx, "this CPU has no AMX-BF16 tiles");
+        assert!(!doc["bf16_matmul_kernel"].as_str().unwrap().contains("AMX"));
+    }
 
     let out = fsdp(dir.path())
         .args(["env"])

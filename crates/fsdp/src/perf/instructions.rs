@@ -85,6 +85,19 @@ fn f32_peak(best: &Timer) -> (f64, &'static str) {
 }
 
 fn bf16_peak(best: &Timer) -> Option<(f64, &'static str)> {
+    // 16 tdpbf16ps of 16,384 FLOP each per trip: TRIPS / 16 trips is TRIPS instructions.
+    if crate::nn::ops::amx_peak_loop(0).is_some() {
+        return Some((
+            best(
+                &|| {
+                    crate::nn::ops::amx_peak_loop(TRIPS / 16);
+                    0.0
+                },
+                16_384.0 / CHAINS as f64,
+            ),
+            "tdpbf16ps (AMX-BF16, 16x16x32 tiles)",
+        ));
+    }
     #[cfg(target_arch = "x86_64")]
     {
         if crate::nn::ops::bf16_dot_products_available() {

@@ -70,10 +70,33 @@ pub fn bf16_dot_products_available() -> bool {
     bf16_gemm::available()
 }
 
+pub use bf16_gemm::amx::AmxSupport;
+
+/// Whether bf16 products run on AMX tiles in this process, and if not, why (the CPU has
+/// none, or Linux refused their state): asked of the operating system on first use.
+pub fn amx_support() -> &'static AmxSupport {
+    bf16_gemm::amx::support()
+}
+
+/// Runs `trips` trips of 16 independent `tdpbf16ps` on full tiles (16,384 FLOP each),
+/// nothing loaded: the AMX limit `perf` measures. `None` where the tiles are not ready.
+pub(crate) fn amx_peak_loop(trips: usize) -> Option<()> {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_gemm::amx::ready() {
+        // SAFETY: the tiles are ready.
+        unsafe { bf16_gemm::amx::peak_loop(trips) };
+        return Some(());
+    }
+    let _ = trips;
+    None
+}
+
 /// Which kernel runs bf16 matrix products on this CPU (what `fsdp env` reports): mixed
 /// precision's speed depends on it.
 pub fn bf16_matmul_kernel() -> &'static str {
-    if bf16_gemm::available() {
+    if bf16_gemm::amx::ready() {
+        "AMX tiles (tdpbf16ps), f32 sums"
+    } else if bf16_gemm::available() {
         "AVX512_BF16 dot products, f32 sums"
     } else {
         "f32 GEMM on widened operands (this CPU has no AVX512_BF16)"

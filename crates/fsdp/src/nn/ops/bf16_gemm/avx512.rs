@@ -4,6 +4,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::amx::TileSums;
 use super::{Dst, LhsStrip, LhsStrips, MR, NR, NV, Product};
 
 /// The tiles of row strips `strips`, compiled for AVX512_BF16.
@@ -47,19 +48,42 @@ unsafe fn tile(p: &Product<'_>, a: LhsStrip, b: &[u32], i0: usize, j0: usize) {
             }
         }
     }
+    // SAFETY: forwarded; the tile's rows and columns are the caller's.
+    unsafe { write_rows(p, &acc, i0, j0) }
+}
+
+/// Writes a tile's sums, kept in memory by the AMX kernel, as [`tile`] writes its registers.
+///
+/// # Safety
+/// As [`tiles`]; rows `i0..` and columns `j0..` are a tile of the product.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn write_tile(p: &Product<'_>, sums: &TileSums, i0: usize, j0: usize) {
+    let acc: [[__m512; NV]; MR] = std::array::from_fn(|r| {
+        // SAFETY: row r's `NR` = 16 `NV` sums are inside the array.
+        std::array::from_fn(|v| unsafe { _mm512_loadu_ps(sums.as_ptr().add(r * NR + 16 * v)) })
+    });
+    // SAFETY: forwarded.
+    unsafe { write_rows(p, &acc, i0, j0) }
+}
+
+/// The tile's rows inside the product to the destination, as [`store`] says.
+///
+/// # Safety
+/// As [`write_tile`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn write_rows(p: &Product<'_>, acc: &[[__m512; NV]; MR], i0: usize, j0: usize) {
     let rows = MR.min(p.m - i0);
     let cols = NR.min(p.n - j0);
     let at = (i0 * p.dst_rs) + j0;
-    for (r, acc) in acc.iter().enumerate() {
-        if r < rows {
-            // SAFETY: row i0 + r < m and columns j0 .. j0 + cols <= n are the caller's.
-            unsafe {
-                match p.dst {
-                    Dst::Bf16(d) => store(p, acc, d.add(at + r * p.dst_rs), cols),
-                    Dst::F32(d) => store(p, acc, d.add(at + r * p.dst_rs), cols),
-                }
-            };
-        }
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        // SAFETY: row i0 + r < m and columns j0 .. j0 + cols <= n are the caller's.
+        unsafe {
+            match p.dst {
+                Dst::Bf16(d) => store(p, acc, d.add(at + r * p.dst_rs), cols),
+                Dst::F32(d) => store(p, acc, d.add(at + r * p.dst_rs), cols),
+            }
+        };
     }
 }
 

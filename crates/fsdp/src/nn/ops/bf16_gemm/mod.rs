@@ -1,15 +1,18 @@
-//! The bf16 GEMM for CPUs with AVX512_BF16, whose `vdpbf16ps` adds two bf16 products into
-//! each f32 lane: the operands are packed as bf16 pairs, products are summed in f32 over
-//! all of k in registers, and each result is scaled, added to the destination when
-//! accumulating and rounded to bf16 once, as in the portable path. CPUs without the
-//! instruction take `half_float`'s path (the f32 GEMM on widened operands).
+//! The bf16 GEMM for CPUs with bf16 dot products: AMX tiles (`tdpbf16ps`, a 12×16 block
+//! of f32 sums per instruction over 32 of k) where the CPU has them and Linux grants their
+//! state, AVX512_BF16 (`vdpbf16ps`, two bf16 products into each f32 lane) next. The operands
+//! are packed as bf16 pairs, products are summed in f32 over all of k, and each result is
+//! scaled, added to the destination when accumulating and rounded to bf16 once, as in the
+//! portable path. CPUs without either take `half_float`'s path (the f32 GEMM on widened
+//! operands).
 //!
 //! The rhs is packed once per product into column strips (in parallel), each thread packs
-//! the lhs rows it computes, and a tile's sums go from registers to the destination with
-//! vector instructions (the rounding is `simd::round_to_bf16`'s, bit for bit). Packing and
+//! the lhs rows it computes, and a tile's sums go to the destination with vector
+//! instructions (the rounding is `simd::round_to_bf16`'s, bit for bit). Packing and
 //! blocking are one code for every kernel: the tests run them on every CPU with a scalar
-//! kernel of the instruction's arithmetic, and the instruction's kernel where the CPU has
-//! it (`tools/avx512bf16_emulated.sh` runs them in an emulator of such a CPU).
+//! kernel of the instruction's arithmetic, the AMX kernel on an emulation of the tile
+//! registers, and each instruction's kernel where the CPU has it
+//! (`tools/avx512bf16_emulated.sh` runs the AVX512_BF16 one in an emulator of such a CPU).
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
@@ -31,7 +34,8 @@ const PACK_PAIRS: usize = 64;
 /// Rhs elements below which one thread packs the whole rhs (a parallel pass costs more).
 const PARALLEL_PACK: usize = 1 << 16;
 
-/// Whether this CPU has the instructions the kernel needs.
+/// Whether this CPU has the instructions the AVX512_BF16 kernel needs (and the AMX kernel's
+/// write-back).
 pub(super) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -54,8 +58,9 @@ pub(super) enum Dst {
     F32(*mut f32),
 }
 
-/// `dst[m×n] = (dst if accumulate) + scale · lhs[m×k] · rhs[k×n]` with the AVX512_BF16
-/// kernel; operands as in `matmul::gemm_raw`, which has checked them.
+/// `dst[m×n] = (dst if accumulate) + scale · lhs[m×k] · rhs[k×n]` with the AMX kernel when
+/// the tiles are ready ([`amx::support`]), the AVX512_BF16 kernel otherwise; operands as in
+/// `matmul::gemm_raw`, which has checked them.
 ///
 /// # Safety
 /// As `matmul::gemm_raw`; and the CPU has the instructions ([`available`]).
@@ -70,18 +75,22 @@ pub(super) unsafe fn gemm(
     scale: f64,
 ) {
     let threads = candle_core::utils::get_num_threads();
-    // SAFETY: forwarded from the caller, who vouches for the CPU.
+    let kernel = if amx::ready() {
+        Kernel {
+            tiles: amx::tiles,
+            lhs: LhsLayout::Rows,
+        }
+    } else {
+        Kernel {
+            tiles: avx512::tiles,
+            lhs: LhsLayout::Broadcast,
+        }
+    };
+    // SAFETY: forwarded from the caller, who vouches for the CPU (and `amx::ready` for the
+    // tiles).
     unsafe {
         gemm_with(
-            avx512::tiles,
-            threads,
-            mnk,
-            dst,
-            dst_rs,
-            accumulate,
-            lhs,
-            rhs,
-            scale,
+            kernel, threads, mnk, dst, dst_rs, accumulate, lhs, rhs, scale,
         )
     }
 }
@@ -109,6 +118,23 @@ unsafe impl Sync for Product<'_> {}
 /// entry point, compiled with its instructions).
 type Tiles = unsafe fn(&Product<'_>, &LhsStrips<'_>, Range<usize>);
 
+/// How a kernel reads a strip's lhs pairs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum LhsLayout {
+    /// Per pair of k, the strip's `MR` rows side by side (the vector kernel broadcasts one
+    /// row's pair at a time).
+    Broadcast,
+    /// Each row's pairs contiguous (a tile load reads 16 pairs of each row).
+    Rows,
+}
+
+/// A tile kernel and the lhs layout it reads.
+#[derive(Clone, Copy)]
+struct Kernel {
+    tiles: Tiles,
+    lhs: LhsLayout,
+}
+
 /// An operand as `gemm` receives it: its elements and (row, column) strides.
 type Operand<'a> = (&'a [bf16], usize, usize);
 
@@ -119,7 +145,7 @@ type Operand<'a> = (&'a [bf16], usize, usize);
 /// As [`gemm`], for the instructions `tiles` uses.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_with(
-    tiles: Tiles,
+    kernel: Kernel,
     threads: usize,
     (m, n, k): (usize, usize, usize),
     dst: Dst,
@@ -146,9 +172,9 @@ unsafe fn gemm_with(
         scale: scale as f32,
     };
     let run = |range: Range<usize>| {
-        let lhs = LhsStrips::new(lhs, m, k, range.clone());
+        let lhs = LhsStrips::new(lhs, m, k, range.clone(), kernel.lhs);
         // SAFETY: forwarded from the caller; each range's rows are its own.
-        unsafe { tiles(&product, &lhs, range) }
+        unsafe { (kernel.tiles)(&product, &lhs, range) }
     };
     if threads == 1 {
         return run(0..strips);
@@ -258,8 +284,8 @@ struct LhsStrip {
 }
 
 /// The lhs of one range of row strips as the tiles read it: a row-major operand of even k
-/// is read in place (its rows' pairs are already u32), except a last strip short of `MR`
-/// rows; everything else is packed ([`pack_lhs`]).
+/// is read in place (its rows' pairs are already u32, contiguous), except a last strip
+/// short of `MR` rows; everything else is packed in the kernel's layout ([`pack_lhs`]).
 struct LhsStrips<'a> {
     /// The operand's first element and its row stride in bytes, when read in place.
     direct: Option<(*const u8, usize)>,
@@ -267,11 +293,18 @@ struct LhsStrips<'a> {
     packed: Vec<u32>,
     packed_first: usize,
     kp: usize,
+    layout: LhsLayout,
     _operand: std::marker::PhantomData<&'a [bf16]>,
 }
 
 impl<'a> LhsStrips<'a> {
-    fn new(lhs: Operand<'a>, m: usize, k: usize, strips: Range<usize>) -> LhsStrips<'a> {
+    fn new(
+        lhs: Operand<'a>,
+        m: usize,
+        k: usize,
+        strips: Range<usize>,
+        layout: LhsLayout,
+    ) -> LhsStrips<'a> {
         let (v, rs, cs) = lhs;
         let kp = k.div_ceil(2);
         let full = m / MR;
@@ -280,17 +313,19 @@ impl<'a> LhsStrips<'a> {
             let tail = full.clamp(strips.start, strips.end)..strips.end;
             return LhsStrips {
                 direct: Some((v.as_ptr().cast::<u8>(), rs * 2)),
-                packed: pack_lhs(lhs, m, k, tail.clone()),
+                packed: pack_lhs(lhs, m, k, tail.clone(), layout),
                 packed_first: tail.start,
                 kp,
+                layout,
                 _operand: std::marker::PhantomData,
             };
         }
         LhsStrips {
             direct: None,
-            packed: pack_lhs(lhs, m, k, strips.clone()),
+            packed: pack_lhs(lhs, m, k, strips.clone(), layout),
             packed_first: strips.start,
             kp,
+            layout,
             _operand: std::marker::PhantomData,
         }
     }
@@ -304,21 +339,41 @@ impl<'a> LhsStrips<'a> {
                 row,
                 pair: 4,
             },
-            _ => LhsStrip {
-                at: self.packed[(s - self.packed_first) * self.kp * MR..]
+            _ => {
+                let at = self.packed[(s - self.packed_first) * self.kp * MR..]
                     .as_ptr()
-                    .cast::<u8>(),
-                row: 4,
-                pair: 4 * MR,
-            },
+                    .cast::<u8>();
+                match self.layout {
+                    LhsLayout::Broadcast => LhsStrip {
+                        at,
+                        row: 4,
+                        pair: 4 * MR,
+                    },
+                    LhsLayout::Rows => LhsStrip {
+                        at,
+                        row: 4 * self.kp,
+                        pair: 4,
+                    },
+                }
+            }
         }
     }
 }
 
-/// The lhs rows of row strips `strips` (the operand m×k, strides `rs`, `cs`), each strip
-/// of `MR` rows laid out per pair of k, each row's (k, k+1) elements as one u32: what the
-/// kernel broadcasts. Rows past m are zeros.
-fn pack_lhs((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usize>) -> Vec<u32> {
+/// The lhs rows of row strips `strips` (the operand m×k, strides `rs`, `cs`) in `layout`,
+/// each row's (k, k+1) elements as one u32; for `Broadcast` each strip of `MR` rows laid
+/// out per pair of k (what the vector kernel broadcasts). Rows past m are zeros.
+fn pack_lhs(
+    lhs: Operand<'_>,
+    m: usize,
+    k: usize,
+    strips: Range<usize>,
+    layout: LhsLayout,
+) -> Vec<u32> {
+    if layout == LhsLayout::Rows {
+        return pack_lhs_rows(lhs, m, k, strips);
+    }
+    let (v, rs, cs) = lhs;
     let kp = k.div_ceil(2);
     let len = strips.len() * kp * MR;
     let mut out: Vec<u32> = Vec::with_capacity(len);
@@ -363,6 +418,26 @@ fn pack_lhs((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usize>) 
     }
     // SAFETY: every element was written above.
     unsafe { out.set_len(len) };
+    out
+}
+
+/// [`pack_lhs`] in the `Rows` layout: each strip's `MR` rows one after another, each row's
+/// pairs contiguous (the odd tail's high half zero).
+fn pack_lhs_rows((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usize>) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let mut out = vec![0u32; strips.len() * MR * kp];
+    let v = v.as_ptr().cast::<u16>();
+    for (s_at, s) in strips.enumerate() {
+        for r in 0..MR.min(m.saturating_sub(s * MR)) {
+            let i = s * MR + r;
+            // SAFETY: row i < m is inside the operand (the caller checked its strides);
+            // `out` holds `kp` pairs for every row of every strip.
+            unsafe {
+                let row = out.as_mut_ptr().add((s_at * MR + r) * kp);
+                pack_line(v, (i * rs, cs, k), 0..kp, row, 1);
+            }
+        }
+    }
     out
 }
 
@@ -463,5 +538,9 @@ fn for_each_tile(
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
+pub(super) mod amx;
+
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tile_emulator;

@@ -1,7 +1,9 @@
 //! The bf16 GEMM's tests: packing, blocking and write-back with a scalar kernel of the
-//! instruction's arithmetic on every CPU, the AVX512_BF16 kernel where the CPU has it.
+//! instruction's arithmetic on every CPU, the AMX kernel on emulated tiles on every CPU,
+//! and the AVX512_BF16 and AMX kernels where the CPU has them.
 
 use super::super::simd::{bf16_as_f32, round_to_bf16};
+use super::tile_emulator::EmulatedTiles;
 use super::*;
 
 /// The instruction's arithmetic per Intel's definition of `vdpbf16ps`: per lane, the
@@ -26,31 +28,80 @@ unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize
                 }
             }
         }
-        for r in 0..MR.min(p.m - i0) {
-            for c in 0..NR.min(p.n - j0) {
-                let at = (i0 + r) * p.dst_rs + j0 + c;
-                let v = tile[r * NR + c] * p.scale;
-                // SAFETY: the tile's rows and columns are inside the product.
-                unsafe {
-                    match p.dst {
-                        Dst::Bf16(d) => {
-                            let old = if p.accumulate {
-                                bf16_as_f32(d.add(at).read())
-                            } else {
-                                0.0
-                            };
-                            d.add(at).write(round_to_bf16(v + old));
-                        }
-                        Dst::F32(d) => {
-                            let old = if p.accumulate { d.add(at).read() } else { 0.0 };
-                            d.add(at).write(v + old);
-                        }
+        // SAFETY: the tile is inside the product.
+        unsafe { write_scalar(p, &tile, i0, j0) }
+    });
+}
+
+/// A tile's sums to the destination through the scalar conversions the portable path uses.
+///
+/// # Safety
+/// Rows `i0..` and columns `j0..` are a tile of the product.
+unsafe fn write_scalar(p: &Product<'_>, tile: &amx::TileSums, i0: usize, j0: usize) {
+    for r in 0..MR.min(p.m - i0) {
+        for c in 0..NR.min(p.n - j0) {
+            let at = (i0 + r) * p.dst_rs + j0 + c;
+            let v = tile[r * NR + c] * p.scale;
+            // SAFETY: the tile's rows and columns are inside the product.
+            unsafe {
+                match p.dst {
+                    Dst::Bf16(d) => {
+                        let old = if p.accumulate {
+                            bf16_as_f32(d.add(at).read())
+                        } else {
+                            0.0
+                        };
+                        d.add(at).write(round_to_bf16(v + old));
+                    }
+                    Dst::F32(d) => {
+                        let old = if p.accumulate { d.add(at).read() } else { 0.0 };
+                        d.add(at).write(v + old);
                     }
                 }
             }
         }
-    });
+    }
 }
+
+/// The AMX kernel on emulated tiles, written back by `write`: every configuration it
+/// loads is released, and a product with any k and any tile runs `tdpbf16ps`.
+///
+/// # Safety
+/// As `gemm_with`; `write` can run on this CPU.
+unsafe fn tiles_emulated(
+    write: amx::WriteBack,
+    p: &Product<'_>,
+    lhs: &LhsStrips<'_>,
+    strips: Range<usize>,
+) {
+    let mut unit = EmulatedTiles::new();
+    let any = p.kp > 0 && p.n > 0 && !strips.is_empty();
+    // SAFETY: forwarded; the emulation runs anywhere.
+    unsafe { amx::tiles_on(&mut unit, write, p, lhs, strips) };
+    assert_eq!(
+        (unit.configured, unit.released),
+        (1, 1),
+        "tiles configured and released once"
+    );
+    assert_eq!(unit.dots > 0, any, "tdpbf16ps ran {} times", unit.dots);
+}
+
+unsafe fn tiles_emulated_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize>) {
+    // SAFETY: forwarded; the scalar write-back runs anywhere.
+    unsafe { tiles_emulated(write_scalar, p, lhs, strips) }
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn tiles_emulated_avx512(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize>) {
+    // SAFETY: forwarded; the callers check the CPU has AVX512_BF16.
+    unsafe { tiles_emulated(avx512::write_tile, p, lhs, strips) }
+}
+
+/// The scalar kernel reading the lhs as the vector kernel does.
+const SCALAR: Kernel = Kernel {
+    tiles: tiles_scalar,
+    lhs: LhsLayout::Broadcast,
+};
 
 /// Deterministic values in [-1, 1) as bf16 (no denormals, which the instruction
 /// flushes).
@@ -75,14 +126,14 @@ fn layout(rows: usize, cols: usize, transposed: bool) -> (usize, usize, usize) {
 
 /// Runs `tiles` on one case and checks every element against the f64 product of the
 /// same bf16 inputs: within the f32 sums' rounding plus one bf16 rounding.
-fn check(tiles: Tiles, (m, n, k): (usize, usize, usize), t_lhs: bool, t_rhs: bool) {
+fn check(kernel: Kernel, (m, n, k): (usize, usize, usize), t_lhs: bool, t_rhs: bool) {
     for threads in [1, 3] {
-        check_on(tiles, threads, (m, n, k), t_lhs, t_rhs);
+        check_on(kernel, threads, (m, n, k), t_lhs, t_rhs);
     }
 }
 
 fn check_on(
-    tiles: Tiles,
+    kernel: Kernel,
     threads: usize,
     (m, n, k): (usize, usize, usize),
     t_lhs: bool,
@@ -106,7 +157,7 @@ fn check_on(
             // SAFETY: `dst` has m rows of `dst_rs`; the operands are as laid out above.
             unsafe {
                 gemm_with(
-                    tiles,
+                    kernel,
                     threads,
                     (m, n, k),
                     target,
@@ -163,7 +214,7 @@ fn check_on(
 }
 
 /// Shapes at and around the tile and block edges, odd and even k, both layouts.
-fn cases(tiles: Tiles) {
+fn cases(kernel: Kernel) {
     for (m, n, k) in [
         (1, 1, 1),
         (12, 32, 2),
@@ -174,14 +225,84 @@ fn cases(tiles: Tiles) {
         (3, 5, 0),
     ] {
         for (t_lhs, t_rhs) in [(false, false), (false, true), (true, false), (true, true)] {
-            check(tiles, (m, n, k), t_lhs, t_rhs);
+            check(kernel, (m, n, k), t_lhs, t_rhs);
         }
     }
 }
 
 #[test]
 fn packing_blocking_and_write_back_are_exact_with_the_instructions_arithmetic() {
-    cases(tiles_scalar);
+    cases(SCALAR);
+}
+
+#[test]
+fn the_row_layout_the_tiles_load_packs_every_lhs_shape() {
+    cases(Kernel {
+        tiles: tiles_scalar,
+        lhs: LhsLayout::Rows,
+    });
+}
+
+#[test]
+fn the_amx_kernel_computes_the_product_on_emulated_tiles() {
+    cases(Kernel {
+        tiles: tiles_emulated_scalar,
+        lhs: LhsLayout::Rows,
+    });
+    // k past several 16-pair blocks with a tail, and a whole number of blocks.
+    for k in [67, 96] {
+        check(
+            Kernel {
+                tiles: tiles_emulated_scalar,
+                lhs: LhsLayout::Rows,
+            },
+            (14, 40, k),
+            false,
+            true,
+        );
+    }
+}
+
+#[test]
+fn the_amx_kernel_writes_back_with_the_vector_code() {
+    if !available() {
+        eprintln!("skipped: this CPU has no AVX512_BF16 for the write-back");
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    cases(Kernel {
+        tiles: tiles_emulated_avx512,
+        lhs: LhsLayout::Rows,
+    });
+}
+
+#[test]
+fn the_amx_kernel_computes_the_product_on_this_cpus_tiles() {
+    if !amx::ready() {
+        eprintln!("skipped: no AMX here ({:?})", amx::support());
+        return;
+    }
+    cases(Kernel {
+        tiles: amx::tiles,
+        lhs: LhsLayout::Rows,
+    });
+}
+
+#[test]
+fn the_tile_configuration_is_what_ldtilecfg_reads() {
+    // Palette 1; tile t's bytes per row at 16 + 2t (little-endian u16), its rows at 48 + t.
+    let cfg = amx::kernel_config(20);
+    assert_eq!(cfg.0[0], 1);
+    assert_eq!(cfg.shape(0), (MR, 64));
+    assert_eq!(cfg.shape(2), (MR, 64));
+    assert_eq!(cfg.shape(5), (MR, 16), "the tail's lhs: 4 pairs of 4 bytes");
+    assert_eq!(cfg.shape(6), (4, 64), "the tail's rhs: 4 pairs");
+    assert_eq!((cfg.0[16], cfg.0[17], cfg.0[48]), (64, 0, MR as u8));
+    assert_eq!(
+        amx::kernel_config(32).shape(5),
+        (0, 0),
+        "no tail tiles for whole blocks"
+    );
 }
 
 #[test]
@@ -191,7 +312,10 @@ fn the_avx512_bf16_kernel_computes_the_product() {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    cases(avx512::tiles);
+    cases(Kernel {
+        tiles: avx512::tiles,
+        lhs: LhsLayout::Broadcast,
+    });
 }
 
 #[test]
@@ -259,5 +383,5 @@ fn the_vector_write_back_rounds_and_widens_as_the_scalar_conversions() {
 fn the_blocked_path_spans_several_rhs_blocks() {
     // k = 4100 makes a 32-column strip 262 KB, so a block holds one strip and the
     // 70 columns take three blocks.
-    check(tiles_scalar, (13, 70, 4100), false, true);
+    check(SCALAR, (13, 70, 4100), false, true);
 }
