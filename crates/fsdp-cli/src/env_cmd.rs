@@ -53,7 +53,7 @@ fn cuda_line(s: &SystemInfo) -> String {
         "driver {}, libcuda {}, libnccl {}, built with NCCL support: {}",
         s.nvidia_driver.as_deref().unwrap_or("not loaded"),
         lib(&s.libcuda),
-        lib(&s.libnccl),
+        s.libnccl,
         if cfg!(feature = "nccl") { "yes" } else { "no" }
     )
 }
@@ -253,7 +253,8 @@ fn print_json(
         "cuda": {
             "nvidia_driver": s.nvidia_driver,
             "libcuda": s.libcuda,
-            "libnccl": s.libnccl,
+            "libnccl": s.libnccl.path(),
+            "libnccl_loadable": matches!(s.libnccl, crate::system::NcclLibrary::Loadable(_)),
             "nccl_support_built": cfg!(feature = "nccl"),
         },
         "launch_environment": world_line(world),

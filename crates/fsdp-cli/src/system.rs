@@ -21,8 +21,58 @@ pub struct SystemInfo {
     pub nvidia_driver: Option<String>,
     /// Path of the CUDA driver library, if found.
     pub libcuda: Option<PathBuf>,
-    /// Path of the NCCL library, if found.
-    pub libnccl: Option<PathBuf>,
+    /// Where NCCL's library is, and whether the `nccl` feature can load it.
+    pub libnccl: NcclLibrary,
+}
+
+/// NCCL's shared library as the `nccl` feature (cudarc) loads it: by the name `libnccl.so`,
+/// which NCCL's development package provides; a runtime-only install (pip's
+/// `nvidia-nccl-cu*`, Debian's `libnccl2`) has only `libnccl.so.2`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NcclLibrary {
+    /// `libnccl.so` is on the search path.
+    Loadable(PathBuf),
+    /// Only `libnccl.so.2` was found: NCCL loads once it is linked as `libnccl.so`.
+    RuntimeOnly(PathBuf),
+    /// Neither name was found.
+    Missing,
+}
+
+impl NcclLibrary {
+    /// The library's path, loadable or not.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            NcclLibrary::Loadable(p) | NcclLibrary::RuntimeOnly(p) => Some(p),
+            NcclLibrary::Missing => None,
+        }
+    }
+
+    /// Looks for NCCL in `dirs`, in order.
+    pub fn find_in<'a>(dirs: impl IntoIterator<Item = &'a Path> + Clone) -> NcclLibrary {
+        if let Some(p) = find_in(dirs.clone(), "libnccl.so") {
+            NcclLibrary::Loadable(p)
+        } else if let Some(p) = find_in(dirs, "libnccl.so.2") {
+            NcclLibrary::RuntimeOnly(p)
+        } else {
+            NcclLibrary::Missing
+        }
+    }
+}
+
+impl std::fmt::Display for NcclLibrary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NcclLibrary::Loadable(p) => write!(f, "{}", p.display()),
+            NcclLibrary::RuntimeOnly(p) => write!(
+                f,
+                "{} only, which the nccl feature cannot load by that name (it loads \
+                 libnccl.so): `ln -s {} DIR/libnccl.so` and put DIR on LD_LIBRARY_PATH",
+                p.display(),
+                p.display()
+            ),
+            NcclLibrary::Missing => write!(f, "not found"),
+        }
+    }
 }
 
 impl SystemInfo {
@@ -40,7 +90,7 @@ impl SystemInfo {
                 .ok()
                 .and_then(|t| t.lines().next().map(|l| l.trim().to_string())),
             libcuda: find_library("libcuda.so.1"),
-            libnccl: find_library("libnccl.so.2"),
+            libnccl: NcclLibrary::find_in(search_path().iter().map(PathBuf::as_path)),
         }
     }
 
@@ -91,8 +141,9 @@ fn meminfo_bytes(meminfo: &str, field: &str) -> Option<u64> {
         .map(|kb| kb * 1024)
 }
 
-/// Looks for a shared library in `LD_LIBRARY_PATH` and the usual system directories.
-fn find_library(name: &str) -> Option<PathBuf> {
+/// The directories libraries are looked for in: `LD_LIBRARY_PATH`, then the usual system
+/// ones.
+fn search_path() -> Vec<PathBuf> {
     let from_env = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     let standard = [
         "/usr/lib/x86_64-linux-gnu",
@@ -107,11 +158,45 @@ fn find_library(name: &str) -> Option<PathBuf> {
         .split(':')
         .filter(|d| !d.is_empty())
         .chain(standard)
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.exists())
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// Looks for a shared library in the search path.
+fn find_library(name: &str) -> Option<PathBuf> {
+    find_in(search_path().iter().map(PathBuf::as_path), name)
+}
+
+/// The first of `dirs` holding `name`.
+fn find_in<'a>(dirs: impl IntoIterator<Item = &'a Path>, name: &str) -> Option<PathBuf> {
+    dirs.into_iter().map(|d| d.join(name)).find(|p| p.exists())
 }
 
 /// Bytes as GiB with one decimal.
 pub fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nccl_is_loadable_only_as_libnccl_so() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let dirs = [a.path(), b.path()];
+        assert_eq!(NcclLibrary::find_in(dirs), NcclLibrary::Missing);
+        let runtime = b.path().join("libnccl.so.2");
+        std::fs::write(&runtime, b"").unwrap();
+        let found = NcclLibrary::find_in(dirs);
+        assert_eq!(found, NcclLibrary::RuntimeOnly(runtime.clone()));
+        let said = found.to_string();
+        assert!(
+            said.contains("cannot load") && said.contains("ln -s"),
+            "{said}"
+        );
+        let dev = a.path().join("libnccl.so");
+        std::fs::write(&dev, b"").unwrap();
+        assert_eq!(NcclLibrary::find_in(dirs), NcclLibrary::Loadable(dev));
+    }
 }

@@ -64,7 +64,12 @@ impl NcclGroup {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
                 Err(err(
                     what,
-                    "the CUDA driver or NCCL library could not be loaded".into(),
+                    "the CUDA driver (libcuda.so.1) or NCCL (libnccl.so) could not be loaded: \
+                     NCCL is loaded by the name libnccl.so, which its development package \
+                     provides; where only libnccl.so.2 is installed (pip's nvidia-nccl-cu*, \
+                     Debian's libnccl2), link it as libnccl.so in a directory on \
+                     LD_LIBRARY_PATH (`fsdp env` shows what it finds)"
+                        .into(),
                 ))
             })
         };
