@@ -106,3 +106,58 @@ fn backward_frees_activations_as_it_goes_but_never_what_the_caller_holds() {
     assert!(grads.get(x.as_tensor()).is_some());
     drop(loss);
 }
+
+/// The engine's pre-backward hook is a view (vendor/candle-core's `Tensor::hooked_view`):
+/// hooking a 4 MiB activation allocates nothing, the view reads the activation's values, and
+/// backward runs the hook's backward (once) before passing its gradient on.
+#[test]
+fn a_hooked_view_copies_nothing_and_runs_its_hook_in_backward() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct CountingHook(Arc<AtomicUsize>);
+    impl candle_core::CustomOp1 for CountingHook {
+        fn name(&self) -> &'static str {
+            "counting-hook"
+        }
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            Err(candle_core::Error::Msg("a view is never computed".into()))
+        }
+        fn bwd(
+            &self,
+            _arg: &Tensor,
+            _res: &Tensor,
+            grad: &Tensor,
+        ) -> candle_core::Result<Option<Tensor>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(Some(grad.clone()))
+        }
+    }
+
+    CountingAllocator::mark_installed();
+    let n = 1 << 20;
+    let x = candle_core::Var::from_tensor(&Tensor::arange(0f32, n as f32, &Device::Cpu).unwrap())
+        .unwrap();
+    let y = x.as_tensor().affine(2.0, 1.0).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let before = memory::resident_bytes();
+    let hooked = y.hooked_view(CountingHook(calls.clone()));
+    let grown = memory::resident_bytes().saturating_sub(before);
+    assert!(
+        grown < 4096,
+        "hooking a 4 MiB tensor allocated {grown} bytes"
+    );
+    assert_eq!(
+        hooked.to_vec1::<f32>().unwrap(),
+        y.to_vec1::<f32>().unwrap()
+    );
+    let loss = (hooked * 3.0).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let g: Vec<f32> = grads.get(x.as_tensor()).unwrap().to_vec1().unwrap();
+    assert!(g.iter().all(|&v| v == 6.0), "d(3 * (2x + 1))/dx is 6");
+}

@@ -2114,6 +2114,24 @@ impl Tensor {
         &self.op
     }
 
+    /// fsdp-rs patch: a view of this tensor (its storage and layout: nothing computed or
+    /// copied) recorded in the graph as the output of `c`, so that backward calls `c.bwd` for
+    /// it as for [`Tensor::apply_op1`]'s output; `c`'s forward is never called. The engine's
+    /// pre-backward hook on a unit's output, as FSDP2 registers one on the autograd graph.
+    pub fn hooked_view<C: 'static + crate::CustomOp1 + Send + Sync>(&self, c: C) -> Tensor {
+        let c: Arc<Box<dyn crate::CustomOp1 + Send + Sync>> = Arc::new(Box::new(c));
+        let op = BackpropOp::new1(self, |s| Op::CustomOp1(s, c.clone()));
+        Tensor(Arc::new(Tensor_ {
+            id: TensorId::new(),
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op,
+            is_variable: false,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        }))
+    }
+
     /// fsdp-rs patch, called by backward once this node's backward has run (no formula reads
     /// its values after that): when the graph's `graph_refs` references are its only ones,
     /// counts it in `dead` for its storage, and frees the storage's values (float CPU data)

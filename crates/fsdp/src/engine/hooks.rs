@@ -10,7 +10,6 @@ use std::sync::{Mutex, Weak};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 
-use super::cpu_floats::float_copy;
 use crate::nn::Recompute;
 
 /// What the graph ops call back into: the step they belong to.
@@ -70,8 +69,9 @@ impl CustomOp1 for Unshard {
     }
 }
 
-/// Identity on a unit's output; its backward runs before any backward node of the unit and
-/// refills the unit's parameters.
+/// The pre-backward hook on a unit's output: the output's view in the graph
+/// (`Tensor::hooked_view`, nothing copied), whose backward runs before any backward node of
+/// the unit and refills the unit's parameters.
 pub(crate) struct PreBackward {
     pub step: Weak<dyn StepHooks>,
     pub unit: usize,
@@ -82,8 +82,12 @@ impl CustomOp1 for PreBackward {
         "fsdp-pre-backward"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((float_copy(s, l, "fsdp-pre-backward")?, l.shape().clone()))
+    /// Never called: the hook is a view of the output, not a computed tensor.
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg(
+            "fsdp-pre-backward is a view of a unit's output (Tensor::hooked_view), never computed"
+                .into(),
+        ))
     }
 
     fn bwd(

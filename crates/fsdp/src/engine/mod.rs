@@ -2,9 +2,12 @@
 //! tied-parameter checks, dim-0 shard layout, memory estimate); one sharded parameter
 //! (`param`); a unit's lifecycle as a state machine with prefetch decided in one place
 //! (`unit`); the unit's collectives in the dtypes given (`collectives`); the graph ops that
-//! hook autograd (`hooks`); float element access both share (`cpu_floats`); initial weights into shards (`intake`); one step driving the units (`step`); debug checks (`debug`);
-//! reduced gradients by name (`grads`); fp16 loss scaling agreed over ranks (`grad_scaler`); storage and compute devices (`placement`); the disk tier of offloaded state and the optimizer step streaming it (`offload`); the engine that owns shards (`sharded`); and its
-//! state by parameter name (`state`).
+//! hook autograd (`hooks`); float element access both share (`cpu_floats`); initial weights
+//! into shards (`intake`); one step driving the units (`step`); debug checks (`debug`);
+//! reduced gradients by name (`grads`); fp16 loss scaling agreed over ranks (`grad_scaler`);
+//! storage and compute devices (`placement`); the disk tier of offloaded state and the
+//! optimizer step streaming it (`offload`); the engine that owns shards (`fsdp`); and its
+//! state by parameter name (`state_by_name`).
 
 mod backward_reads;
 mod buffers;

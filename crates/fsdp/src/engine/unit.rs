@@ -378,9 +378,7 @@ impl UnitRun {
             }
             return Ok(output);
         }
-        let hooked = output
-            .contiguous()?
-            .apply_op1(PreBackward { step, unit: index })?;
+        let hooked = output.hooked_view(PreBackward { step, unit: index });
         self.outputs.push(hooked.clone());
         if self.sharded == ShardedState::Unsharded {
             self.reshard(cx)?;
