@@ -23,6 +23,7 @@ mod fsdp_usage;
 mod generation;
 mod gguf;
 mod grad_scaler;
+mod ignored_modules;
 mod kernels;
 mod llama;
 mod loading;

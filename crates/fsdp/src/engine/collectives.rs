@@ -178,6 +178,31 @@ pub(crate) fn reduce(
     })
 }
 
+/// Starts averaging a unit's whole gradients over every rank of the mesh (a unit whole on
+/// every rank: ignored modules): an all-reduce over the shard dimension, then over replicas
+/// when the mesh has them.
+pub(crate) fn reduce_whole(mesh: &Mesh, packed: Buffer) -> Result<PendingReduce, CommError> {
+    let bytes = packed.len() * packed.dtype().size();
+    let (scatter, replicate, bytes) = match (mesh.shard_size(), &mesh.replicate) {
+        (1, None) => (Work::ready(Ok(packed)), None, 0),
+        (1, Some(r)) => (r.all_reduce(packed, ReduceOp::Avg), None, bytes),
+        (_, r) => (
+            mesh.shard.all_reduce(packed, ReduceOp::Avg),
+            r.clone(),
+            bytes,
+        ),
+    };
+    Ok(PendingReduce {
+        bytes,
+        scatter,
+        sparse: None,
+        kind: "all-reduce",
+        replicate,
+        scattered: None,
+        issued: Instant::now(),
+    })
+}
+
 /// Starts reducing gradients collected for a row-sparse reduction as they arrived.
 pub(crate) fn reduce_compact(mesh: &Mesh, grads: CompactGrads) -> Result<PendingReduce, CommError> {
     let group = row_sparse_group(mesh).ok_or_else(|| CommError::InvalidArgument {

@@ -8,23 +8,23 @@
 //! SHARD_GRAD_OP keeps them from forward through backward and frees them after; NO_SHARD keeps
 //! whole parameters on every rank and all-reduces gradients (DDP).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use candle_core::{Tensor, Var};
-use fsdp_comm::{Buffer, Communicator, CommunicatorExt, Mesh, ReduceOp};
+use candle_core::Tensor;
+use fsdp_comm::{Communicator, CommunicatorExt, Mesh, ReduceOp};
 
 use super::collectives::CommDtypes;
 use super::error::EngineError;
-use super::fsdp_unit::FsdpUnit;
+use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES};
 use super::grads::{GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
 use super::offload::streamed_step::{OffloadedStates, update_units};
 use super::offload::{DiskTier, Region};
 use super::param::{FsdpParam, ShardBuffer};
 use super::placement::Placement;
-use super::plan::UnitPlan;
+use super::plan::{ShardLayout, UnitPlan};
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
 use super::unit::Prefetch;
 use crate::config::{
@@ -101,9 +101,9 @@ pub struct Fsdp {
     debug: bool,
     prefetch: Prefetch,
     dtypes: CommDtypes,
+    /// The plan's units, then (when the plan ignores modules) the unit of the ignored
+    /// modules' parameters, whole on every rank ([`FsdpUnit::replicated`]).
     pub(crate) units: Vec<Arc<FsdpUnit>>,
-    /// Parameters of ignored modules: whole on every rank, gradients all-reduced.
-    pub(crate) replicated: BTreeMap<String, Var>,
     /// Where state is stored and where steps compute (`fsdp_offload_params`).
     pub(crate) placement: Placement,
     pub(crate) grad_index: Arc<GradIndex>,
@@ -126,23 +126,19 @@ pub struct Fsdp {
     pub(crate) offloaded: OffloadedStates,
 }
 
-/// What backwards without sync kept: per unit the packed whole gradients, and the
-/// replicated parameters' local gradients.
+/// What backwards without sync kept: per unit the packed whole gradients.
 struct Unreduced {
     units: UnreducedUnits,
-    replicated: BTreeMap<String, Vec<f32>>,
 }
 
 impl Unreduced {
     /// Bytes held.
     fn bytes(&self) -> usize {
-        let units: usize = self
-            .units
+        self.units
             .iter()
             .flatten()
             .map(|(b, _)| b.len() * b.dtype().size())
-            .sum();
-        units + self.replicated.values().map(|v| v.len() * 4).sum::<usize>()
+            .sum()
     }
 }
 
@@ -254,13 +250,45 @@ impl Fsdp {
                 params,
                 reshard_after_forward: reshard && unit.reshard_after_forward,
                 reshard_after_backward: reshard,
+                replicated: false,
             }));
         }
-        let mut replicated = BTreeMap::new();
-        for layout in &plan.ignored {
-            let v = intake.whole(layout)?;
-            let t = Tensor::from_vec(v, layout.shape.as_slice(), &placement.compute)?;
-            replicated.insert(layout.name.clone(), Var::from_tensor(&t)?);
+        if !plan.ignored.is_empty() {
+            // The ignored modules' parameters: one unit, whole on every rank.
+            let u = units.len();
+            let mut params = Vec::with_capacity(plan.ignored.len());
+            let mut offset = 0;
+            for (i, layout) in plan.ignored.iter().enumerate() {
+                let layout = ShardLayout {
+                    offset,
+                    ..layout.clone()
+                };
+                offset += layout.numel();
+                grad_index.insert(
+                    layout.name.clone(),
+                    GradPlace {
+                        unit: u,
+                        param: i,
+                        elements: layout.offset..offset,
+                    },
+                );
+                let values = intake.whole(&layout)?;
+                params.push(FsdpParam::from_rows(
+                    layout,
+                    values,
+                    0,
+                    placement.storage.clone(),
+                )?);
+            }
+            units.push(Arc::new(FsdpUnit {
+                path: IGNORED_MODULES.to_string(),
+                index: u,
+                tier: None,
+                params,
+                reshard_after_forward: false,
+                reshard_after_backward: false,
+                replicated: true,
+            }));
         }
         let unhooked_reported = units.iter().map(|_| AtomicBool::new(false)).collect();
         let tracer = match &plugin.trace_dir {
@@ -283,7 +311,6 @@ impl Fsdp {
             },
             dtypes,
             units,
-            replicated,
             placement,
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
@@ -370,11 +397,6 @@ impl Fsdp {
             checkpointing: self.checkpointing,
             recomputed: self.recomputed.clone(),
             unhooked_reported: self.unhooked_reported.clone(),
-            replicated_vars: self
-                .replicated
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-                .collect(),
             trace: self.tracer.clone(),
         };
         if let (true, Some(t)) = (train, &self.tracer) {
@@ -386,22 +408,7 @@ impl Fsdp {
             self.prefetch.clone(),
             opts,
         );
-        // Replicated (ignored) parameters compute in the parameter dtype too (the cast is a
-        // graph op: their gradients come back in f32).
-        let compute = super::buffers::candle_dtype(self.dtypes.param);
-        let replicated = self
-            .replicated
-            .iter()
-            .map(|(k, v)| {
-                let t = if train {
-                    v.as_tensor().clone()
-                } else {
-                    v.as_tensor().detach()
-                };
-                Ok((k.clone(), t.to_dtype(compute)?))
-            })
-            .collect::<Result<_, EngineError>>()?;
-        Ok(StepParams { shared, replicated })
+        Ok(StepParams { shared })
     }
 
     /// Back-propagates `loss` (consumed, so the graph is freed when this returns): plans the
@@ -410,26 +417,12 @@ impl Fsdp {
     /// returns this rank's reduced gradients — including those that backwards without sync
     /// kept, reduced in the same collective.
     pub fn backward(&mut self, params: StepParams, loss: Tensor) -> Result<Gradients, EngineError> {
-        let ((units, has_grad), local) = self.run_backward(&params, loss, true)?;
+        let (units, has_grad) = self.run_backward(&params, loss, true)?;
         drop(params);
-        // Every replicated parameter's gradient in one collective, not one each.
-        let mut flat = Vec::with_capacity(local.values().map(Vec::len).sum());
-        local.values().for_each(|g| flat.extend_from_slice(g));
-        let mut flat = if flat.is_empty() {
-            Vec::new()
-        } else {
-            let mean = self.mesh.all_reduce(Buffer::F32(flat), ReduceOp::Avg)?;
-            super::buffers::f32_values(mean, "all-reduce of replicated gradients")?
-        };
-        let mut replicated = BTreeMap::new();
-        for (name, g) in local.into_iter().rev() {
-            let rest = flat.len() - g.len();
-            replicated.insert(name, flat.split_off(rest));
-        }
         Ok(Gradients {
             units,
             has_grad,
-            replicated,
+            replicated: self.units.iter().map(|u| u.replicated).collect(),
             index: self.grad_index.clone(),
         })
     }
@@ -444,10 +437,9 @@ impl Fsdp {
         params: StepParams,
         loss: Tensor,
     ) -> Result<(), EngineError> {
-        let (_, replicated) = self.run_backward(&params, loss, false)?;
+        self.run_backward(&params, loss, false)?;
         self.unreduced = Some(Unreduced {
             units: params.shared.take_unreduced(),
-            replicated,
         });
         Ok(())
     }
@@ -458,20 +450,20 @@ impl Fsdp {
     }
 
     /// Runs backward (see [`Fsdp::backward`]): returns the units' reductions (none without
-    /// `sync`) and the replicated parameters' local gradients, carried ones added.
+    /// `sync`).
     fn run_backward(
         &mut self,
         params: &StepParams,
         loss: Tensor,
         sync: bool,
-    ) -> Result<(ReducedGrads, BTreeMap<String, Vec<f32>>), EngineError> {
+    ) -> Result<ReducedGrads, EngineError> {
         let shared = params.shared.clone();
         shared.plan_backward(&loss)?;
-        let carried = self.unreduced.take().unwrap_or_else(|| Unreduced {
-            units: Vec::new(),
-            replicated: BTreeMap::new(),
-        });
-        shared.begin_backward(sync, carried.units);
+        let carried = self
+            .unreduced
+            .take()
+            .map_or_else(Vec::new, |carried| carried.units);
+        shared.begin_backward(sync, carried);
         if self.debug
             && let Some(problem) = shared.diagnose_non_finite(&loss)
         {
@@ -481,26 +473,11 @@ impl Fsdp {
             Ok(store) => store,
             Err(e) => return Err(shared.take_error().unwrap_or(EngineError::Tensor(e))),
         };
-        let mut local = carried.replicated;
-        let own = self
-            .replicated
-            .iter()
-            .filter_map(|(name, var)| store.get(var).map(|g| (name.clone(), g.clone())));
-        // Read inside checkpointed units, their gradients come from the recomputations.
-        for (name, g) in own.chain(shared.take_recomputed_replicated()) {
-            let g = g.flatten_all()?.to_vec1::<f32>()?;
-            match local.get_mut(&name) {
-                Some(sum) => sum.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
-                None => {
-                    local.insert(name, g);
-                }
-            }
-        }
         drop(store);
         drop(loss);
         let reduced = shared.finish()?;
         self.prefetch.forward_order = shared.forward_order();
-        Ok((reduced, local))
+        Ok(reduced)
     }
 
     /// The global gradient norm (over every parameter on every rank: shards' squares summed
@@ -575,14 +552,6 @@ impl Fsdp {
                 let name = p.layout.name.clone();
                 optimizer.update(&name, &mut p.shard.values_mut()?[..n], grad)?;
             }
-        }
-        for (name, g) in &grads.replicated {
-            let Some(var) = self.replicated.get(name) else {
-                continue;
-            };
-            let mut p: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
-            optimizer.update(name, &mut p, g)?;
-            var.set(&Tensor::from_vec(p, var.dims(), &self.placement.compute)?)?;
         }
         if let Some(t) = &self.tracer {
             let args = serde_json::json!({ "optimizer": optimizer.name() });

@@ -26,9 +26,22 @@ pub(crate) struct FsdpUnit {
     pub reshard_after_forward: bool,
     /// Free them once the unit's gradients are reduced (sharded strategies).
     pub reshard_after_backward: bool,
+    /// Whole on every rank of the mesh (the parameters of ignored modules): nothing is
+    /// gathered, and the gradients are averaged over every rank (both mesh dimensions)
+    /// once backward is over.
+    pub replicated: bool,
 }
 
+/// The path the unit of ignored modules' parameters goes by (no module has it).
+pub(crate) const IGNORED_MODULES: &str = "(ignored modules)";
+
 impl FsdpUnit {
+    /// Ranks the unit's parameters are split over: the shard group's, or one when the unit
+    /// is whole on every rank.
+    pub fn ranks(&self, shard_size: usize) -> usize {
+        if self.replicated { 1 } else { shard_size }
+    }
+
     /// Elements of one rank's block of the unit (the all-gather's input size).
     pub fn block(&self) -> usize {
         self.params.iter().map(|p| p.layout.shard_numel()).sum()

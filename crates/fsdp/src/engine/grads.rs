@@ -2,7 +2,7 @@
 //! rows of each sharded parameter (whole parameters when replicated) — readable and writable
 //! by parameter name, and summable over micro-batches.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
@@ -209,7 +209,8 @@ impl GradBlock {
 pub struct Gradients {
     pub(crate) units: Vec<Option<GradBlock>>,
     pub(crate) has_grad: Vec<Vec<bool>>,
-    pub(crate) replicated: BTreeMap<String, Vec<f32>>,
+    /// Per unit: whole on every rank of the shard group (ignored modules' unit).
+    pub(crate) replicated: Vec<bool>,
     pub(crate) index: Arc<GradIndex>,
 }
 
@@ -230,14 +231,6 @@ impl Gradients {
         for (mine, theirs) in self.has_grad.iter_mut().zip(other.has_grad) {
             mine.iter_mut().zip(theirs).for_each(|(a, b)| *a |= b);
         }
-        for (name, g) in other.replicated {
-            match self.replicated.get_mut(&name) {
-                Some(a) => a.iter_mut().zip(&g).for_each(|(x, y)| *x += y),
-                None => {
-                    self.replicated.insert(name, g);
-                }
-            }
-        }
         Ok(())
     }
 
@@ -246,18 +239,12 @@ impl Gradients {
         for g in self.units.iter_mut().flatten() {
             g.scale(factor);
         }
-        self.replicated
-            .values_mut()
-            .for_each(|g| g.iter_mut().for_each(|x| *x *= factor));
         Ok(())
     }
 
     /// This rank's gradient rows of parameter `name` (row-major, the rows the engine's
     /// `owned_rows` gives); `None` when it received no gradient.
     pub fn get(&self, name: &str) -> Option<&[f32]> {
-        if let Some(g) = self.replicated.get(name) {
-            return Some(g);
-        }
         let place = self.index.get(name)?;
         if !self.has_grad[place.unit][place.param] {
             return None;
@@ -267,9 +254,6 @@ impl Gradients {
 
     /// [`Gradients::get`], writable.
     pub fn get_mut(&mut self, name: &str) -> Option<&mut [f32]> {
-        if let Some(g) = self.replicated.get_mut(name) {
-            return Some(g);
-        }
         let place = self.index.get(name)?;
         if !self.has_grad[place.unit][place.param] {
             return None;
@@ -290,7 +274,6 @@ impl Gradients {
             .iter()
             .filter(|(_, p)| self.has_grad[p.unit][p.param] && self.units[p.unit].is_some())
             .map(|(n, _)| n.as_str())
-            .chain(self.replicated.keys().map(String::as_str))
             .collect();
         names.sort_unstable();
         names
@@ -304,20 +287,21 @@ impl Gradients {
                 return Ok(false);
             }
         }
-        Ok(self
-            .replicated
-            .values()
-            .all(|g| g.iter().all(|x| x.is_finite())))
+        Ok(true)
     }
 
     /// Sums of squares: of the sharded rows (disjoint across the shard group, padding zero)
-    /// and of the whole replicated gradients.
+    /// and of the units whole on every rank.
     pub(crate) fn squares(&self) -> Result<(f64, f64), EngineError> {
-        let mut sharded = 0.0;
-        for g in self.units.iter().flatten() {
-            sharded += g.squares()?;
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for (g, &whole) in self.units.iter().zip(&self.replicated) {
+            let Some(g) = g else { continue };
+            if whole {
+                replicated += g.squares()?;
+            } else {
+                sharded += g.squares()?;
+            }
         }
-        let replicated = self.replicated.values().map(|g| square_sum(g)).sum();
         Ok((sharded, replicated))
     }
 }

@@ -5,7 +5,6 @@
 //! unit's forward under activation checkpointing, recomputing it in its backward. They reach
 //! their step through a `Weak` reference, so no reference cycle keeps a step alive.
 
-use std::collections::HashMap;
 use std::sync::{Mutex, Weak};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
@@ -19,14 +18,12 @@ pub(crate) trait StepHooks: Send + Sync {
     /// The complete gradient of parameter `param` of unit `unit` is `grad`.
     fn post_backward(&self, unit: usize, param: usize, grad: &Tensor) -> candle_core::Result<()>;
     /// Activation checkpointing: runs a unit's `forward` again on `x` (reading the unit's
-    /// refilled parameters and the `replicated` ones), back-propagates `grad` through it (the
-    /// parameters' gradients reach [`StepHooks::post_backward`]) and returns the gradient of
-    /// `x` when `x` needs one.
+    /// refilled parameters), back-propagates `grad` through it (the parameters' gradients
+    /// reach [`StepHooks::post_backward`]) and returns the gradient of `x` when `x` needs one.
     fn recompute(
         &self,
         x: &Tensor,
         forward: &Recompute,
-        replicated: &HashMap<String, Tensor>,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>>;
 }
@@ -120,8 +117,6 @@ pub(crate) struct Checkpoint {
     pub shape: Shape,
     pub step: Weak<dyn StepHooks>,
     pub forward: Recompute,
-    /// The replicated (ignored) parameters, which the forward may read.
-    pub replicated: HashMap<String, Tensor>,
 }
 
 impl CustomOp2 for Checkpoint {
@@ -149,7 +144,7 @@ impl CustomOp2 for Checkpoint {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let gx = live(&self.step)?.recompute(x, &self.forward, &self.replicated, grad)?;
+        let gx = live(&self.step)?.recompute(x, &self.forward, grad)?;
         Ok((gx, None))
     }
 }

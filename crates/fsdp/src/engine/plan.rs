@@ -478,9 +478,11 @@ impl UnitPlan {
         let kinds = 2 * usize::from(on_disk_params) + 2 * usize::from(on_disk_state);
         let in_memory = |offloaded: bool, units: usize| if offloaded { 0 } else { units };
         MemoryEstimate {
+            // Ignored modules' parameters stay in memory; their gradients and optimizer state
+            // go where every unit's go.
             params: (in_memory(on_disk_params, shard) + ignored) * f,
-            grads: (in_memory(on_disk_params, trainable_shard) + ignored_trainable) * f,
-            optimizer: 2 * (in_memory(on_disk_state, trainable_shard) + ignored_trainable) * f,
+            grads: in_memory(on_disk_params, trainable_shard + ignored_trainable) * f,
+            optimizer: 2 * in_memory(on_disk_state, trainable_shard + ignored_trainable) * f,
             // With one rank per group the stored parameters are already whole.
             gathered_peak: if self.group_size == 1 {
                 0
@@ -489,8 +491,8 @@ impl UnitPlan {
             },
             reducing: largest_unit * (f + self.reduce_bytes) + offloaded_grads,
             streaming: kinds * two_blocks * f,
-            disk: (usize::from(on_disk_params) * (shard + trainable_shard)
-                + usize::from(on_disk_state) * 2 * trainable_shard)
+            disk: (usize::from(on_disk_params) * (shard + trainable_shard + ignored_trainable)
+                + usize::from(on_disk_state) * 2 * (trainable_shard + ignored_trainable))
                 * f,
         }
     }

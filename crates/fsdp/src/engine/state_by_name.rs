@@ -48,17 +48,11 @@ impl Fsdp {
             .iter()
             .flat_map(|u| &u.params)
             .map(|p| p.shard.bytes())
-            .sum::<usize>()
-            + self
-                .replicated
-                .values()
-                .map(|v| v.elem_count() * 4)
-                .sum::<usize>();
+            .sum::<usize>();
         let names = self
             .units
             .iter()
-            .flat_map(|u| u.params.iter().map(|p| p.layout.name.as_str()))
-            .chain(self.replicated.keys().map(String::as_str));
+            .flat_map(|u| u.params.iter().map(|p| p.layout.name.as_str()));
         let state: usize = names
             .filter_map(|n| optimizer.state(n))
             .map(|s| s.bytes())
@@ -78,33 +72,15 @@ impl Fsdp {
                     rows: p.owned_rows(),
                     values: unit.local_values(i)?,
                     requires_grad: p.layout.requires_grad,
-                    replicated: whole || self.mesh.replicas() > 1,
+                    replicated: whole || unit.replicated || self.mesh.replicas() > 1,
                 });
             }
-        }
-        for layout in &self.plan.ignored {
-            let Some(var) = self.replicated.get(&layout.name) else {
-                continue;
-            };
-            // Ignored modules are small and whole: a copy of their values.
-            let values: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
-            out.push(LocalShard {
-                name: &layout.name,
-                shape: &layout.shape,
-                rows: 0..layout.shape.first().copied().unwrap_or(1),
-                values: Cow::Owned(values),
-                requires_grad: layout.requires_grad,
-                replicated: true,
-            });
         }
         Ok(out)
     }
 
     /// The rows of parameter `name` this rank holds.
     pub fn owned_rows(&self, name: &str) -> Result<Range<usize>, EngineError> {
-        if let Some(l) = self.plan.ignored.iter().find(|l| l.name == name) {
-            return Ok(0..l.shape.first().copied().unwrap_or(1));
-        }
         self.units
             .iter()
             .flat_map(|u| &u.params)
@@ -115,21 +91,6 @@ impl Fsdp {
 
     /// Replaces this rank's rows of parameter `name` (exactly [`Fsdp::owned_rows`], row-major).
     pub fn load_local_shard(&mut self, name: &str, values: &[f32]) -> Result<(), EngineError> {
-        if let Some(var) = self.replicated.get(name) {
-            if values.len() != var.elem_count() {
-                return Err(EngineError::State {
-                    name: name.into(),
-                    problem: format!(
-                        "{} values given for a replicated parameter of {}",
-                        values.len(),
-                        var.elem_count()
-                    ),
-                });
-            }
-            let t = Tensor::from_vec(values.to_vec(), var.dims(), &self.placement.compute)?;
-            var.set(&t)?;
-            return Ok(());
-        }
         for unit in &mut self.units {
             let Some(i) = unit.params.iter().position(|p| p.layout.name == name) else {
                 continue;
@@ -168,7 +129,6 @@ impl Fsdp {
             .iter()
             .flat_map(|u| &u.params)
             .map(|p| &p.layout)
-            .chain(&self.plan.ignored)
             .find(|l| l.name == name)
             .and_then(|l| l.packing)
     }
@@ -215,12 +175,6 @@ impl Fsdp {
             .iter()
             .flat_map(|u| &u.params)
             .map(|p| (p.layout.name.as_str(), p.layout.shape.as_slice()))
-            .chain(
-                self.plan
-                    .ignored
-                    .iter()
-                    .map(|l| (l.name.as_str(), l.shape.as_slice())),
-            )
             .collect()
     }
 
@@ -236,9 +190,6 @@ impl Fsdp {
 
     /// This rank's rows of parameter `name` (copied).
     pub(crate) fn local_values_of(&self, name: &str) -> Result<Vec<f32>, EngineError> {
-        if let Some(var) = self.replicated.get(name) {
-            return Ok(var.as_tensor().flatten_all()?.to_vec1()?);
-        }
         for unit in &self.units {
             if let Some(i) = unit.params.iter().position(|p| p.layout.name == name) {
                 return Ok(unit.local_values(i)?.into_owned());
@@ -258,8 +209,8 @@ impl Fsdp {
         f: &mut RowsSink<'_>,
     ) -> Result<(), EngineError> {
         let first = self.mesh.rank() == 0;
-        let ranks = self.mesh.shard_size();
         for unit in &self.units {
+            let ranks = unit.ranks(self.mesh.shard_size());
             let block = unit.block();
             let mut packed = Vec::with_capacity(block);
             let mut present = Vec::with_capacity(unit.params.len());
@@ -310,14 +261,6 @@ impl Fsdp {
                     })
                     .collect();
                 f(&p.layout.name, &chunks)?;
-            }
-        }
-        if first {
-            for layout in &self.plan.ignored {
-                let n = layout.numel();
-                if let Some(values) = local(&layout.name, n)? {
-                    f(&layout.name, &[&values])?;
-                }
             }
         }
         Ok(())

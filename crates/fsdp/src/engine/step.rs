@@ -44,9 +44,6 @@ pub(crate) struct StepOptions {
     pub recomputed: Arc<AtomicU64>,
     /// Per unit: whether running it unhooked was reported already (once per engine).
     pub unhooked_reported: Arc<[AtomicBool]>,
-    /// The replicated parameters' variables (forward may read them cast to the compute
-    /// dtype), whose gradients recomputations report.
-    pub replicated_vars: HashMap<String, Tensor>,
     /// Where the step's timeline is recorded (`fsdp_trace_dir`).
     pub trace: Option<Arc<Tracer>>,
 }
@@ -63,9 +60,6 @@ struct Inner {
     reduced: Vec<Option<GradBlock>>,
     /// The first error a graph op hit (graph ops can only return candle's error).
     error: Option<EngineError>,
-    /// Gradients of replicated parameters read inside checkpointed units, from their
-    /// recomputations (the outer backward's gradient store never sees them).
-    recomputed_replicated: Vec<(String, Tensor)>,
     /// When backward is done reading each unit's frozen parameters.
     frozen: FrozenReleases,
 }
@@ -157,7 +151,6 @@ impl StepShared {
                 pending: Vec::new(),
                 reduced: (0..n_units).map(|_| None).collect(),
                 error: None,
-                recomputed_replicated: Vec::new(),
                 frozen: FrozenReleases::default(),
             }),
         })
@@ -381,12 +374,6 @@ impl StepShared {
         Ok((reduced, has_grad))
     }
 
-    /// Gradients of replicated parameters that recomputations produced (see
-    /// [`StepHooks::recompute`]), to add to the backward's own.
-    pub fn take_recomputed_replicated(&self) -> Vec<(String, Tensor)> {
-        std::mem::take(&mut self.lock().recomputed_replicated)
-    }
-
     /// Units in the order this step's forward first used them.
     pub fn forward_order(&self) -> Vec<usize> {
         self.lock().forward_order.clone()
@@ -445,7 +432,6 @@ impl StepShared {
             shape,
             step: self.hooks(),
             forward,
-            replicated: params.replicated.clone(),
         };
         let y = x.apply_op2(anchor.as_tensor(), op)?;
         self.lock().runs[u].checkpoint = Some((y.id(), used));
@@ -463,14 +449,10 @@ impl StepHooks for StepShared {
         &self,
         x: &Tensor,
         forward: &Recompute,
-        replicated: &HashMap<String, Tensor>,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
         let shared = super::hooks::live(&self.me)?;
-        let params = StepParams {
-            shared,
-            replicated: replicated.clone(),
-        };
+        let params = StepParams { shared };
         let input = if x.track_op() {
             Some(Var::from_tensor(&x.detach())?)
         } else {
@@ -480,16 +462,11 @@ impl StepHooks for StepShared {
             .as_ref()
             .map_or_else(|| x.detach(), |v| v.as_tensor().clone());
         let out = forward(&params, &x)?;
-        // d(sum(out * grad))/d(out) = grad: back-propagates `grad` through the recomputation.
+        // d(sum(out * grad))/d(out) = grad: back-propagates `grad` through the recomputation
+        // (the parameters' gradients, also those of ignored modules read inside the unit,
+        // reach their units through their own graph ops).
         let grads = out.mul(grad)?.sum_all()?.backward()?;
         self.opts.recomputed.fetch_add(1, Ordering::Relaxed);
-        let replicated_grads: Vec<(String, Tensor)> = self
-            .opts
-            .replicated_vars
-            .iter()
-            .filter_map(|(name, t)| grads.get(t).map(|g| (name.clone(), g.clone())))
-            .collect();
-        self.lock().recomputed_replicated.extend(replicated_grads);
         Ok(input.and_then(|v| grads.get(v.as_tensor()).cloned()))
     }
 
@@ -538,20 +515,17 @@ impl StepHooks for StepShared {
 }
 
 /// The parameters of one step: full tensors (graph nodes) gathered unit by unit as forward
-/// reaches them, and the replicated (ignored) variables.
+/// reaches them.
 pub struct StepParams {
     pub(crate) shared: Arc<StepShared>,
-    pub(crate) replicated: HashMap<String, Tensor>,
 }
 
 impl Params for StepParams {
     fn get(&self, name: &str) -> candle_core::Result<Tensor> {
         let Some(&(u, i)) = self.shared.index.get(name) else {
-            return self.replicated.get(name).cloned().ok_or_else(|| {
-                candle_core::Error::Msg(
-                    EngineError::UnknownParameter { name: name.into() }.to_string(),
-                )
-            });
+            return Err(candle_core::Error::Msg(
+                EngineError::UnknownParameter { name: name.into() }.to_string(),
+            ));
         };
         let mut inner = self.shared.lock();
         let result = self.shared.read(&mut inner, u, i);

@@ -194,6 +194,11 @@ impl UnitRun {
         let Some(g) = merged else {
             return Ok(None);
         };
+        if self.unit.replicated {
+            return collectives::reduce_whole(cx.mesh, g)
+                .map(Some)
+                .map_err(collective_failed);
+        }
         let sparse = self.row_sparse_plan(cx);
         collectives::reduce(cx.mesh, g, sparse)
             .map(Some)
@@ -203,7 +208,7 @@ impl UnitRun {
     /// Where the unit's row-sparse parameters lie in its packed gradient, if it has any and
     /// its gradients leave this rank (alone, a rank has nothing to send).
     fn row_sparse_plan(&self, cx: &RunContext) -> Option<RowSparsePlan> {
-        if cx.mesh.world_size() == 1 {
+        if cx.mesh.world_size() == 1 || self.unit.replicated {
             return None;
         }
         let layouts: Vec<&ShardLayout> = self.unit.params.iter().map(|p| &p.layout).collect();
@@ -243,7 +248,7 @@ impl UnitRun {
 
     /// Issues the unit's all-gather unless one is in flight (also the prefetch entry).
     pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
-        if self.gather.is_none() && cx.mesh.shard_size() > 1 {
+        if self.gather.is_none() && self.unit.ranks(cx.mesh.shard_size()) > 1 {
             let block = self.unit.master_block()?;
             let work = collectives::all_gather(cx.mesh, block, cx.dtypes.param)?;
             self.gather = Some((work, Instant::now()));
@@ -307,7 +312,7 @@ impl UnitRun {
         index: usize,
     ) -> Result<(), EngineError> {
         let gathered = self.gathered(cx, "before its forward")?;
-        let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
+        let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
         let anchor = Var::zeros(1, candle_core::DType::F32, cx.device)?;
         let whole = match gathered {
             Some(_) => Vec::new(),
@@ -450,7 +455,7 @@ impl UnitRun {
                 state: "released while whole on this rank",
             }
         })?;
-        let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
+        let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
         for (f, p) in self.full.iter().zip(&self.unit.params) {
             f.refill(&p.layout, &gathered, block, ranks)?;
         }
@@ -477,7 +482,7 @@ impl UnitRun {
                 state: self.describe(),
             });
         }
-        let (ranks, block) = (cx.mesh.shard_size(), self.unit.block());
+        let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
         let first = self.grad_pack.is_none() && self.grad_rows.is_none();
         if first && !self.keep_unreduced && self.carried.is_none() {
             self.grad_rows = self
@@ -486,6 +491,26 @@ impl UnitRun {
         }
         if let Some(rows) = self.grad_rows.as_mut() {
             rows.add(&p.layout, grad)?;
+        } else if self.unit.replicated && self.has_grad[i] {
+            // Read in several places (inside and outside checkpointed units): the parts add.
+            let mut part = Buffer::zeros(cx.dtypes.reduce, block);
+            super::buffers::pack_gradient(&p.layout, grad, &mut part, block, 1)?;
+            let pack = self
+                .grad_pack
+                .as_mut()
+                .ok_or_else(|| EngineError::GradientOutsideUnit {
+                    param: p.layout.name.clone(),
+                    unit: self.unit.name(),
+                    state: "holding no gradient pack",
+                })?;
+            if !pack.add_assign(&part) {
+                return Err(EngineError::UnsupportedTensor {
+                    op: "summing a parameter's gradients read in several places",
+                    what: format!("the gradients of {}", self.unit.name()),
+                    found: format!("{:?} x {}", part.dtype(), part.len()),
+                    expected: "the unit's gradient pack's dtype and size",
+                });
+            }
         } else {
             let pack = self
                 .grad_pack
@@ -494,6 +519,10 @@ impl UnitRun {
         }
         self.has_grad[i] = true;
         self.received += 1;
+        if self.unit.replicated {
+            // Its parameters may be read anywhere: reduced when the step finishes.
+            return Ok(None);
+        }
         if Some(self.received) != self.expected {
             return Ok(None);
         }
