@@ -13,7 +13,7 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use super::{LhsStrip, LhsStrips, MR, NR, Product};
+use super::{LhsStrip, LhsStrips, MR, NR, Product, TileSums};
 
 /// Pairs of k one full tile product takes (64 bytes of a row of bf16 pairs).
 pub(super) const TILE_PAIRS: usize = 16;
@@ -282,9 +282,6 @@ impl TileUnit for Hardware {
         unsafe { std::arch::asm!("tilerelease", options(nomem, nostack)) }
     }
 }
-
-/// A tile's f32 sums, row-major `MR`×`NR`, as a write-back takes them.
-pub(super) type TileSums = [f32; MR * NR];
 
 /// Writes a tile's sums to rows `i0..` and columns `j0..` of the product's destination.
 pub(super) type WriteBack = unsafe fn(&Product<'_>, &TileSums, usize, usize);

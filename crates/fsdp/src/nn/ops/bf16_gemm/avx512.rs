@@ -4,8 +4,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::amx::TileSums;
-use super::{Dst, LhsStrip, LhsStrips, MR, NR, NV, Product};
+use super::{Dst, LhsStrip, LhsStrips, MR, NR, NV, Product, TileSums};
 
 /// The tiles of row strips `strips`, compiled for AVX512_BF16.
 ///

@@ -135,6 +135,10 @@ struct Kernel {
     lhs: LhsLayout,
 }
 
+/// A tile's f32 sums, row-major `MR`×`NR`, as a write-back takes them (the AMX kernel
+/// stores its accumulators so).
+type TileSums = [f32; MR * NR];
+
 /// An operand as `gemm` receives it: its elements and (row, column) strides.
 type Operand<'a> = (&'a [bf16], usize, usize);
 

@@ -37,7 +37,7 @@ unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize
 ///
 /// # Safety
 /// Rows `i0..` and columns `j0..` are a tile of the product.
-unsafe fn write_scalar(p: &Product<'_>, tile: &amx::TileSums, i0: usize, j0: usize) {
+unsafe fn write_scalar(p: &Product<'_>, tile: &TileSums, i0: usize, j0: usize) {
     for r in 0..MR.min(p.m - i0) {
         for c in 0..NR.min(p.n - j0) {
             let at = (i0 + r) * p.dst_rs + j0 + c;
