@@ -1,6 +1,6 @@
 //! What `prepare` returns: [`PreparedModel`] (a model and its FSDP engine, holding the forward
-//! pass in flight, the gradients accumulated until the optimizer steps, and with fp16 its
-//! loss scaler) and
+//! pass in flight and with fp16 its loss scaler; the engine accumulates the gradients until
+//! the optimizer steps) and
 //! [`PreparedOptimizer`] (an optimizer paired with the model of the same preparation order,
 //! and its learning-rate scheduler).
 
@@ -17,7 +17,6 @@ pub struct PreparedModel<M> {
     module: M,
     engine: Fsdp,
     open: Option<StepParams>,
-    grads: Option<Gradients>,
     backward_passes: u64,
     /// fp16's loss scaler.
     scaler: Option<GradScaler>,
@@ -33,7 +32,6 @@ impl<M> PreparedModel<M> {
             module,
             engine,
             open: None,
-            grads: None,
             backward_passes: 0,
             scaler,
             found_inf: None,
@@ -50,10 +48,12 @@ impl<M> PreparedModel<M> {
         if let Some(found) = self.found_inf {
             return Ok(found);
         }
-        let (Some(scaler), Some(grads)) = (self.scaler.as_ref(), self.grads.as_mut()) else {
+        let Some(scaler) = self.scaler.as_ref() else {
             return Ok(false);
         };
-        let found = scaler.unscale(&self.engine, grads)?;
+        let Some(found) = self.engine.unscale_gradients(scaler)? else {
+            return Ok(false);
+        };
         self.found_inf = Some(found);
         Ok(found)
     }
@@ -111,9 +111,9 @@ impl<M> PreparedModel<M> {
         Ok(f(&self.module, &params)?)
     }
 
-    /// Backward of the open forward, its gradients reduced and accumulated (`sync`) or kept
-    /// whole until the next backward with sync (`no_sync`); returns how many backward
-    /// passes this model has had.
+    /// Backward of the open forward, its gradients accumulated by the engine: reduced
+    /// (`sync`) or kept whole until the next backward with sync (`no_sync`); returns how many
+    /// backward passes this model has had.
     pub(super) fn backward(&mut self, loss: Tensor, sync: bool) -> Result<u64, AcceleratorError> {
         let loss = match &self.scaler {
             Some(s) => s.scale_loss(&loss)?,
@@ -126,15 +126,7 @@ impl<M> PreparedModel<M> {
                 model: self.index,
                 problem: "backward without a forward: run PreparedModel::forward first",
             })?;
-        if sync {
-            let grads = self.engine.backward(params, loss)?;
-            match self.grads.as_mut() {
-                Some(acc) => acc.accumulate(grads)?,
-                None => self.grads = Some(grads),
-            }
-        } else {
-            self.engine.backward_no_sync(params, loss)?;
-        }
+        self.engine.accumulate_backward(params, loss, sync)?;
         self.backward_passes += 1;
         Ok(self.backward_passes)
     }
@@ -149,20 +141,18 @@ impl<M> PreparedModel<M> {
         if self.unscale()? {
             return Ok(f64::INFINITY);
         }
-        let grads = self
-            .grads
-            .as_mut()
-            .ok_or_else(|| AcceleratorError::CallOrder {
-                model: self.index,
-                problem: "clip_grad_norm without gradients: call backward first",
-            })?;
-        Ok(self.engine.clip_grad_norm(grads, Some(max_norm))?.0)
+        let clipped = self.engine.clip_gradients(max_norm)?;
+        let (norm, _) = clipped.ok_or_else(|| AcceleratorError::CallOrder {
+            model: self.index,
+            problem: "clip_grad_norm without gradients: call backward first",
+        })?;
+        Ok(norm)
     }
 
     /// The optimizer step on the accumulated gradients; false when fp16 loss scaling found
     /// an overflow on some rank and every rank skipped it (the scale backs off).
     pub(super) fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<bool, AcceleratorError> {
-        if self.grads.is_none() {
+        if self.engine.gradients().is_none() {
             return Err(AcceleratorError::CallOrder {
                 model: self.index,
                 problem: "an optimizer step without gradients: call backward first",
@@ -170,7 +160,7 @@ impl<M> PreparedModel<M> {
         }
         let found_inf = self.unscale()?;
         self.found_inf = None;
-        let grads = self.grads.take();
+        let grads = self.engine.take_gradients();
         if let Some(s) = self.scaler.as_mut() {
             s.update(found_inf);
         }
@@ -185,13 +175,13 @@ impl<M> PreparedModel<M> {
 
     /// Drops accumulated gradients (`optimizer.zero_grad()`).
     pub fn zero_grad(&mut self) {
-        self.grads = None;
+        self.engine.zero_grad();
         self.found_inf = None;
     }
 
     /// This rank's accumulated gradients, by parameter name.
     pub fn gradients(&self) -> Option<&Gradients> {
-        self.grads.as_ref()
+        self.engine.gradients()
     }
 }
 

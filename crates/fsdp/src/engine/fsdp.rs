@@ -18,14 +18,14 @@ use fsdp_comm::{Communicator, CommunicatorExt, Mesh, ReduceOp};
 use super::collectives::CommDtypes;
 use super::error::EngineError;
 use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES};
-use super::grads::{GradIndex, GradPlace, Gradients};
+use super::grads::{Accumulated, GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
 use super::offload::streamed_step::{OffloadedStates, update_units};
 use super::offload::{DiskTier, Region};
 use super::param::{FsdpParam, ShardBuffer};
 use super::placement::Placement;
 use super::plan::{ShardLayout, UnitPlan};
-use super::step::{ReducedGrads, StepOptions, StepParams, StepShared, UnreducedUnits};
+use super::step::{ReducedGrads, StepOptions, StepParams, StepShared};
 use super::unit::Prefetch;
 use crate::config::{
     CheckpointFormat, FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType,
@@ -111,8 +111,10 @@ pub struct Fsdp {
     checkpoint_format: CheckpointFormat,
     /// Where this rank's timeline is recorded (`fsdp_trace_dir`).
     tracer: Option<Arc<Tracer>>,
-    /// Whole local gradients kept by [`Fsdp::backward_no_sync`] for the next `backward`.
-    unreduced: Option<Unreduced>,
+    /// Gradients accumulated over micro-batches (`accumulation.rs`): each unit's whole local
+    /// gradients kept by backwards without sync for the next reduction, and the reduced
+    /// rows of backwards with sync that no step has taken yet.
+    pub(crate) accumulated: Accumulated,
     /// `fsdp_activation_checkpointing`.
     checkpointing: bool,
     /// Units recomputed in backward so far (activation checkpointing).
@@ -124,22 +126,6 @@ pub struct Fsdp {
     pub(crate) tier: Option<Arc<DiskTier>>,
     /// Which parameters' optimizer state is in the tier.
     pub(crate) offloaded: OffloadedStates,
-}
-
-/// What backwards without sync kept: per unit the packed whole gradients.
-struct Unreduced {
-    units: UnreducedUnits,
-}
-
-impl Unreduced {
-    /// Bytes held.
-    fn bytes(&self) -> usize {
-        self.units
-            .iter()
-            .flatten()
-            .map(|(b, _)| b.len() * b.dtype().size())
-            .sum()
-    }
 }
 
 impl Fsdp {
@@ -316,7 +302,7 @@ impl Fsdp {
             state_dict_type: plugin.state_dict_type,
             checkpoint_format: plugin.checkpoint_format,
             tracer,
-            unreduced: None,
+            accumulated: Accumulated::default(),
             checkpointing: plugin.activation_checkpointing,
             recomputed: Arc::default(),
             unhooked_reported,
@@ -427,31 +413,9 @@ impl Fsdp {
         })
     }
 
-    /// Back-propagates `loss` without reducing: each unit's whole local gradients are added
-    /// to those kept by earlier calls, and the next [`Fsdp::backward`] reduces the sum once
-    /// (`no_sync`: fewer bytes on the wire for gradient accumulation, at the cost of holding
-    /// whole gradients of the model on every rank until then). Scale each micro-batch's loss
-    /// as the accumulation needs: nothing is scaled here.
-    pub fn backward_no_sync(
-        &mut self,
-        params: StepParams,
-        loss: Tensor,
-    ) -> Result<(), EngineError> {
-        self.run_backward(&params, loss, false)?;
-        self.unreduced = Some(Unreduced {
-            units: params.shared.take_unreduced(),
-        });
-        Ok(())
-    }
-
-    /// Bytes of gradients kept by [`Fsdp::backward_no_sync`], waiting for a backward with sync.
-    pub fn unreduced_bytes(&self) -> usize {
-        self.unreduced.as_ref().map_or(0, Unreduced::bytes)
-    }
-
     /// Runs backward (see [`Fsdp::backward`]): returns the units' reductions (none without
     /// `sync`).
-    fn run_backward(
+    pub(crate) fn run_backward(
         &mut self,
         params: &StepParams,
         loss: Tensor,
@@ -459,10 +423,7 @@ impl Fsdp {
     ) -> Result<ReducedGrads, EngineError> {
         let shared = params.shared.clone();
         shared.plan_backward(&loss)?;
-        let carried = self
-            .unreduced
-            .take()
-            .map_or_else(Vec::new, |carried| carried.units);
+        let carried = std::mem::take(&mut self.accumulated.unreduced);
         shared.begin_backward(sync, carried);
         if self.debug
             && let Some(problem) = shared.diagnose_non_finite(&loss)

@@ -204,6 +204,20 @@ impl GradBlock {
     }
 }
 
+/// Per unit, the whole local gradients a backward without sync kept (packed as the
+/// reduction takes them) and which parameters had one.
+pub(crate) type UnreducedUnits = Vec<Option<(fsdp_comm::Buffer, Vec<bool>)>>;
+
+/// What backwards have accumulated and no step has taken.
+#[derive(Default)]
+pub(crate) struct Accumulated {
+    /// Per unit, the packed whole local gradients of backwards without sync (added to the
+    /// next reduction), and which parameters had one.
+    pub unreduced: UnreducedUnits,
+    /// The reduced rows of backwards with sync, summed.
+    pub reduced: Option<Gradients>,
+}
+
 /// One backward's gradients, reduced: each rank holds the rows of the parameters it owns
 /// (whole parameters with NO_SHARD and for ignored modules). Dropping them is `zero_grad`.
 pub struct Gradients {

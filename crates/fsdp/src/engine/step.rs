@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use candle_core::{Device, Storage, Tensor, TensorId, Var};
-use fsdp_comm::{Buffer, Mesh};
+use fsdp_comm::Mesh;
 
 use super::backward_reads;
 use super::collectives::{CommDtypes, PendingReduce};
@@ -17,7 +17,7 @@ use super::debug;
 use super::error::EngineError;
 use super::frozen_release::FrozenReleases;
 use super::fsdp_unit::FsdpUnit;
-use super::grads::GradBlock;
+use super::grads::{GradBlock, UnreducedUnits};
 use super::hooks::{Checkpoint, StepHooks};
 use super::offload::DiskTier;
 use super::unit::{Moment, Prefetch, RunContext, ShardedState, UnitRun};
@@ -67,10 +67,6 @@ struct Inner {
 /// Each unit's reduced gradient block (None: no gradient this step) and which of its
 /// parameters received one.
 pub(crate) type ReducedGrads = (Vec<Option<GradBlock>>, Vec<Vec<bool>>);
-
-/// Per unit, the whole local gradients a backward without sync kept (packed as the
-/// reduction takes them) and which parameters had one.
-pub(crate) type UnreducedUnits = Vec<Option<(Buffer, Vec<bool>)>>;
 
 /// Unit `u`'s reduced gradients once `work` is done: kept in memory, or written to `tier`.
 fn reduced_block(
