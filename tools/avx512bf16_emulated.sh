@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the bf16 GEMM's tests, the bf16 ops' and bf16 FSDP training's (the numerics matrix's
 # bf16 cases, 2 and 3 processes) on an emulated CPU with AVX512_BF16, for machines without
-# one (the AVX512_BF16 kernel in crates/fsdp/src/nn/ops/bf16_gemm/ only runs where the
+# one (the AVX512_BF16 kernel in crates/fsdp-nn/src/ops/bf16_gemm/ only runs where the
 # CPU has the instruction). Everything comes from Debian's packages and crates.io:
 #
 # * Bochs 3.0, built from the next Debian release's source package (Debian 12 ships 2.7,

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Rotary position embedding as transformers computes it (LlamaRotaryEmbedding and
-apply_rotary_pos_emb), for crates/fsdp/src/nn/ops/rope.rs's tests: for each rope_scaling
+apply_rotary_pos_emb), for crates/fsdp-nn/src/ops/rope.rs's tests: for each rope_scaling
 (default, linear, llama3) the f32 inv_freq and the embedding of a fixed random q
 [2, 2, 5, head_dim] at per-sequence positions. Needs torch and transformers (pip):
 
-    python3 tools/make_rope_fixture.py crates/fsdp/tests/data/rope
+    python3 tools/make_rope_fixture.py crates/fsdp-nn/tests/data/rope
 """
 import json
 import sys

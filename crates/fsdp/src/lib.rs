@@ -11,10 +11,6 @@
 //! QLoRA are [`peft`]; every seeded draw (initial weights, dropout, the epoch's order) comes
 //! from [`rng`].
 
-// First: its macro serves the modules below.
-#[macro_use]
-mod multiversion;
-
 pub mod accelerator;
 pub mod checkpoint;
 pub mod config;
@@ -25,11 +21,15 @@ pub mod metrics;
 pub mod guide {}
 pub mod memory;
 pub mod models;
-pub mod nn;
+/// The module system, layers and fused kernels (the `fsdp-nn` crate).
+pub use fsdp_nn as nn;
+/// Implements `Module` for a struct of child modules (`fsdp-nn`'s macro, where it was).
+pub use fsdp_nn::composite_module;
 pub mod optim;
 pub mod peft;
 pub mod perf;
-pub mod rng;
+/// Seeded random streams (`fsdp-nn`'s).
+pub use fsdp_nn::rng;
 pub mod trace;
 
 /// The README's Rust code, compiled (and run, where it is not marked `no_run`) as doc-tests,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::{Result, Tensor};
 use serde::Deserialize;
 
-use crate::composite_module;
+use crate::nn::composite_module;
 use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear, TiedLmHead};
 use crate::nn::module::{
     Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,

@@ -6,6 +6,7 @@
 //! never fused (`a * b + c` stays two roundings; vector `sqrt` and division are correctly
 //! rounded like the scalar ones), so the lanes and threads change the speed, not the bits.
 
+use fsdp_nn::multiversion;
 use std::ops::Range;
 
 /// Shards below this many elements are updated on the calling thread (a thread costs more

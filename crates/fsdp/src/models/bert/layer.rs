@@ -5,7 +5,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::config::BertConfig;
-use crate::composite_module;
+use crate::nn::composite_module;
 use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear};
 use crate::nn::module::{Forward, Module, ModuleInfo, Params, join};
 use crate::nn::ops;

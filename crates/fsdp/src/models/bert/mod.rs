@@ -15,7 +15,7 @@ pub use layer::{
     BertSelfAttention, LayerInput,
 };
 
-use crate::composite_module;
+use crate::nn::composite_module;
 use crate::nn::layers::Linear;
 use crate::nn::module::{
     Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::composite_module;
+use crate::nn::composite_module;
 use crate::nn::layers::{Dropout, Embedding, Linear, RmsNorm, TiedLmHead};
 use crate::nn::module::{
     Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,

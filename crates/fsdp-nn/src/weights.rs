@@ -413,7 +413,7 @@ fn read_header(path: &Path, file: &File, index: usize) -> Result<Vec<Located>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::Init;
+    use crate::Init;
 
     fn spec(name: &str, shape: &[usize]) -> ParamSpec {
         ParamSpec {

@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape
 use std::sync::Mutex;
 
 use super::{Dims, GradOut, Mask, Sdpa, View, dims3, view};
-use crate::nn::ops::{Float, float_dispatch, tensor, with_slice};
+use crate::ops::{Float, float_dispatch, tensor, with_slice};
 
 /// Attention on three operands q, k, v.
 impl CustomOp3 for Sdpa {

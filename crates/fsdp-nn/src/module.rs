@@ -44,10 +44,10 @@ pub struct ParamSpec {
     pub requires_grad: bool,
     /// The gradient is row-sparse (an embedding table's: only the rows a batch looks up are
     /// non-zero), so FSDP reduces the touched rows instead of the whole table
-    /// (`nn.Embedding(sparse=True)`'s meaning; see [`crate::nn::layers::Embedding::sparse`]).
+    /// (`nn.Embedding(sparse=True)`'s meaning; see [`crate::layers::Embedding::sparse`]).
     pub sparse_grad: bool,
     /// Kept quantized: `shape` is `[rows, words]`, the 32-bit words of each row's blocks,
-    /// standing for a `[rows, packing.cols]` weight (frozen; see [`crate::nn::quant`]).
+    /// standing for a `[rows, packing.cols]` weight (frozen; see [`crate::quant`]).
     pub packing: Option<Packing>,
 }
 
@@ -301,7 +301,7 @@ pub trait Module {
     }
 
     /// This module as the layer it is, when it is a leaf layer that a change to a whole model
-    /// looks for by type (LoRA adapters and quantization find each [`crate::nn::layers::Linear`] by
+    /// looks for by type (LoRA adapters and quantization find each [`crate::layers::Linear`] by
     /// downcasting); a wrapper returns the layer it holds. `None` by default.
     fn as_layer_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None

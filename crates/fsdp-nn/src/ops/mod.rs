@@ -80,7 +80,7 @@ pub fn amx_support() -> &'static AmxSupport {
 
 /// Runs `trips` trips of 16 independent `tdpbf16ps` on full tiles (16,384 FLOP each),
 /// nothing loaded: the AMX limit `perf` measures. `None` where the tiles are not ready.
-pub(crate) fn amx_peak_loop(trips: usize) -> Option<()> {
+pub fn amx_peak_loop(trips: usize) -> Option<()> {
     #[cfg(target_arch = "x86_64")]
     if bf16_gemm::amx::ready() {
         // SAFETY: the tiles are ready.

@@ -58,9 +58,9 @@ impl<T: Module> ModuleChildren for Option<T> {
 /// `fn type_name(&self) -> &'static str`.
 ///
 /// ```
-/// use fsdp::composite_module;
-/// use fsdp::nn::layers::{LayerNorm, Linear};
-/// use fsdp::nn::{Module, join};
+/// use fsdp_nn::composite_module;
+/// use fsdp_nn::layers::{LayerNorm, Linear};
+/// use fsdp_nn::{Module, join};
 ///
 /// struct Block { path: String, ln: LayerNorm, fc: Linear }
 /// composite_module!(Block, "Block", [ln, fc]);
@@ -80,41 +80,41 @@ impl<T: Module> ModuleChildren for Option<T> {
 #[macro_export]
 macro_rules! composite_module {
     ($ty:ty, $name:literal, [$($child:ident),* $(,)?]) => {
-        impl $crate::nn::Module for $ty {
+        impl $crate::Module for $ty {
             fn path(&self) -> &str {
                 &self.path
             }
 
-            fn info(&self) -> $crate::nn::ModuleInfo {
-                let node = $crate::nn::ModuleInfo::new(self.path.clone(), $name);
-                $(let node = $crate::nn::ModuleChildren::add_to(&self.$child, node);)*
+            fn info(&self) -> $crate::ModuleInfo {
+                let node = $crate::ModuleInfo::new(self.path.clone(), $name);
+                $(let node = $crate::ModuleChildren::add_to(&self.$child, node);)*
                 node
             }
 
-            fn children_mut(&mut self) -> Vec<&mut dyn $crate::nn::Module> {
+            fn children_mut(&mut self) -> Vec<&mut dyn $crate::Module> {
                 #[allow(unused_mut)]
-                let mut out: Vec<&mut dyn $crate::nn::Module> = Vec::new();
-                $($crate::nn::ModuleChildren::push_mut(&mut self.$child, &mut out);)*
+                let mut out: Vec<&mut dyn $crate::Module> = Vec::new();
+                $($crate::ModuleChildren::push_mut(&mut self.$child, &mut out);)*
                 out
             }
         }
     };
     ($ty:ty, fn $name:ident, [$($child:ident),* $(,)?]) => {
-        impl $crate::nn::Module for $ty {
+        impl $crate::Module for $ty {
             fn path(&self) -> &str {
                 &self.path
             }
 
-            fn info(&self) -> $crate::nn::ModuleInfo {
-                let node = $crate::nn::ModuleInfo::new(self.path.clone(), self.$name());
-                $(let node = $crate::nn::ModuleChildren::add_to(&self.$child, node);)*
+            fn info(&self) -> $crate::ModuleInfo {
+                let node = $crate::ModuleInfo::new(self.path.clone(), self.$name());
+                $(let node = $crate::ModuleChildren::add_to(&self.$child, node);)*
                 node
             }
 
-            fn children_mut(&mut self) -> Vec<&mut dyn $crate::nn::Module> {
+            fn children_mut(&mut self) -> Vec<&mut dyn $crate::Module> {
                 #[allow(unused_mut)]
-                let mut out: Vec<&mut dyn $crate::nn::Module> = Vec::new();
-                $($crate::nn::ModuleChildren::push_mut(&mut self.$child, &mut out);)*
+                let mut out: Vec<&mut dyn $crate::Module> = Vec::new();
+                $($crate::ModuleChildren::push_mut(&mut self.$child, &mut out);)*
                 out
             }
         }

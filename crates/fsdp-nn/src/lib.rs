@@ -1,4 +1,12 @@
-//! Layers, the module system and fused training kernels on candle.
+//! fsdp-rs's models' building blocks, as `fsdp::nn`: the module system (modules that name
+//! their parameters once, `Params` that give them to a forward), layers, fused training
+//! kernels with hand-written backwards (CustomOps on candle), quantized weight formats,
+//! weight sources, and the seeded random streams every draw comes from ([`rng`]). It knows
+//! nothing of sharding: the `fsdp` crate's engine gives a model's forward its parameters.
+
+// First: its macro serves the modules below.
+#[macro_use]
+mod multiversion;
 
 /// The tensor library, re-exported so users build on the same version.
 pub use candle_core as candle;
@@ -9,6 +17,7 @@ pub mod lora;
 pub mod module;
 pub mod ops;
 pub mod quant;
+pub mod rng;
 mod weights;
 
 /// Moved to [`crate::rng`]; re-exported where it was.

@@ -9,7 +9,7 @@
 //! quantized ops read them, as bytes. They are never values: no optimizer, cast or gradient
 //! touches them (a quantized weight is frozen, and mixed precision is refused with one).
 
-pub(in crate::nn) mod format;
+pub(crate) mod format;
 
 pub use format::{Packing, QuantError, QuantFormat};
 
@@ -18,7 +18,7 @@ use super::layers::visit_linears;
 
 /// Keeps every linear layer of `model` but the output head (`lm_head`, as bitsandbytes and
 /// transformers keep it) frozen and quantized in `format`: QLoRA's base, to which
-/// [`crate::peft::LoraModel`] then adds adapters. Returns the layers' paths; an error names a
+/// `fsdp::peft::LoraModel` then adds adapters. Returns the layers' paths; an error names a
 /// layer whose input size is not whole blocks of `format`.
 pub fn quantize_linears(
     model: &mut dyn Module,

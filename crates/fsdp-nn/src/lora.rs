@@ -1,7 +1,7 @@
 //! LoRA's low-rank update on a linear layer (Hu et al. 2021, PEFT's `lora.Linear`):
 //! `y = base(x) + scaling · dropout(x) · Aᵀ · Bᵀ`, with `A` [r, in] uniform in `±1/√in`
 //! (PEFT's `kaiming_uniform_(a=√5)`) and `B` [out, r] zero, so training starts from the base
-//! model exactly. Which layers get one, and the adapters' files, are [`crate::peft`]'s.
+//! model exactly. Which layers get one, and the adapters' files, are `fsdp::peft`'s.
 
 use std::sync::{Arc, Mutex};
 

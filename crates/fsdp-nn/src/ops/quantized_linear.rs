@@ -11,11 +11,11 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 
 use super::linear::on_rows;
 use super::{contiguous, gemm_into, gemm_new, with_slice};
-use crate::nn::quant::Packing;
+use crate::quant::Packing;
 
 /// `x Wᵀ` (+ `u`) over the last dimension of `x` (any leading shape), `W` the quantized
 /// `[out, packing.cols]` weight held as `words` `[out, packing.row_words()]`
-/// ([`crate::nn::quant`]), `u` of the output's shape. f32 only.
+/// ([`crate::quant`]), `u` of the output's shape. f32 only.
 pub fn quantized_linear(
     x: &Tensor,
     words: &Tensor,

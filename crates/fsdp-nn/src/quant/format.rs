@@ -133,7 +133,7 @@ pub enum QuantError {
         /// The layer.
         path: String,
     },
-    /// A linear layer the model's tree lists but [`crate::nn::Module::children_mut`] does
+    /// A linear layer the model's tree lists but [`crate::Module::children_mut`] does
     /// not reach.
     #[error(
         "`{path}`: cannot reach the layer to quantize it (a module above it does not implement Module::children_mut)"
@@ -419,7 +419,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     fn values(n: usize) -> Vec<f32> {
-        let mut rng = crate::nn::NormalRng::new(5);
+        let mut rng = crate::NormalRng::new(5);
         (0..n).map(|_| (rng.normal() * 0.02) as f32).collect()
     }
 

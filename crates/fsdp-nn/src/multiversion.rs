@@ -1,8 +1,10 @@
 //! Kernels compiled for several instruction sets and chosen at run time: the element-wise
-//! kernels of `nn::ops` and the optimizer updates of `optim` share one dispatch.
+//! kernels of `ops` and the optimizer updates of `fsdp::optim` share one dispatch.
 
 /// Defines `pub(crate) fn $name(args)` that runs `$body` compiled for the best instruction
-/// set this CPU has.
+/// set this CPU has (exported for `fsdp`'s optimizer kernels, not an API of its own).
+#[doc(hidden)]
+#[macro_export]
 macro_rules! multiversion {
     ($(#[$meta:meta])* fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
         $(#[$meta])*

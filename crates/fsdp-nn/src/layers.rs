@@ -87,7 +87,7 @@ impl Linear {
     }
 
     /// Keeps the weight frozen and quantized in `format` (QLoRA's base layer): the module's
-    /// `weight` becomes the blocks' words ([`crate::nn::quant`]), dequantized per product. An
+    /// `weight` becomes the blocks' words ([`crate::quant`]), dequantized per product. An
     /// error for GPT-2's Conv1D layout or an input size that is not whole blocks.
     pub fn set_quantized(&mut self, format: QuantFormat) -> std::result::Result<(), QuantError> {
         if self.layout != WeightLayout::OutIn {
@@ -476,7 +476,7 @@ impl Dropout {
 }
 
 /// Calls `f` on every linear layer under `m`.
-pub(crate) fn visit_linears(m: &mut dyn Module, f: &mut dyn FnMut(&mut Linear)) {
+pub fn visit_linears(m: &mut dyn Module, f: &mut dyn FnMut(&mut Linear)) {
     if let Some(linear) = m.as_layer_mut().and_then(|l| l.downcast_mut::<Linear>()) {
         f(linear);
         return;
@@ -491,7 +491,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::*;
-    use crate::nn::LocalParams;
+    use crate::LocalParams;
 
     #[test]
     fn a_linear_without_bias_has_a_weight_only_and_computes_x_w_t() {
