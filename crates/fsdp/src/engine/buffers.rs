@@ -1,6 +1,6 @@
 //! Between tensors and communication buffers: a parameter's gradient read in a buffer's
-//! element type and packed into the ranks' blocks, a whole parameter as candle storage of the
-//! compute dtype, a collective's result read back as f32.
+//! element type and packed into the ranks' blocks (the CPU data plane's and the row-sparse
+//! reduction's), a collective's result read back as f32.
 
 use candle_core::{CpuStorage, Storage, Tensor};
 use fsdp_comm::{Buffer, BufferElement, DType};
@@ -81,23 +81,6 @@ pub(crate) fn candle_dtype(d: DType) -> candle_core::DType {
         DType::BF16 => candle_core::DType::BF16,
         _ => candle_core::DType::F32,
     }
-}
-
-/// The CPU storage of a whole parameter's `values` cast to `dtype` (the shard group is this
-/// rank alone, so nothing is gathered).
-pub(crate) fn whole_storage(values: &[f32], dtype: DType) -> Result<CpuStorage, EngineError> {
-    Ok(match Buffer::from_f32(values, dtype) {
-        Some(Buffer::F32(v)) => CpuStorage::F32(v),
-        Some(Buffer::F64(v)) => CpuStorage::F64(v),
-        Some(Buffer::BF16(v)) => CpuStorage::BF16(v),
-        Some(Buffer::F16(v)) => CpuStorage::F16(v),
-        _ => {
-            return Err(EngineError::Unsupported {
-                setting: format!("computing in {dtype:?}"),
-                hint: "parameters are computed in a float type",
-            });
-        }
-    })
 }
 
 /// A collective's result as f32 values; another element type (a peer that sent another

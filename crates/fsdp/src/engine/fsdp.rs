@@ -16,6 +16,7 @@ use candle_core::Tensor;
 use fsdp_comm::{Communicator, CommunicatorExt, Mesh, ReduceOp};
 
 use super::collectives::CommDtypes;
+use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES};
 use super::grads::{Accumulated, GradIndex, GradPlace, Gradients};
@@ -106,6 +107,8 @@ pub struct Fsdp {
     pub(crate) units: Vec<Arc<FsdpUnit>>,
     /// Where state is stored and where steps compute (`fsdp_offload_params`).
     pub(crate) placement: Placement,
+    /// What moves parameters and gradients in the compute device's memory.
+    plane: Arc<dyn DataPlane>,
     pub(crate) grad_index: Arc<GradIndex>,
     state_dict_type: StateDictType,
     checkpoint_format: CheckpointFormat,
@@ -184,6 +187,7 @@ impl Fsdp {
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
         super::sparse_rows::refuse_hybrid(&plan, &mesh)?;
         let placement = Placement::new(initial.device(), plugin.offload_params);
+        let plane = placement.data_plane()?;
         placement.warn_once(plugin.offload_dir.is_some());
         let specs: HashMap<&str, &ParamSpec> = model
             .all_params()
@@ -298,6 +302,7 @@ impl Fsdp {
             dtypes,
             units,
             placement,
+            plane,
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
             checkpoint_format: plugin.checkpoint_format,
@@ -390,6 +395,7 @@ impl Fsdp {
         }
         let shared = StepShared::new(
             self.mesh.clone(),
+            self.plane.clone(),
             self.units.clone(),
             self.prefetch.clone(),
             opts,

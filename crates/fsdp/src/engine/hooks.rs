@@ -7,7 +7,7 @@
 
 use std::sync::{Mutex, Weak};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor};
 
 use crate::nn::Recompute;
 
@@ -38,8 +38,9 @@ pub(crate) fn live<S: ?Sized>(step: &Weak<S>) -> candle_core::Result<std::sync::
 /// parameter is a node of the graph; its backward receives the full gradient after every
 /// consumer ran.
 pub(crate) struct Unshard {
-    /// The parameter's values, moved into the graph at the first (only) forward.
-    pub data: Mutex<Option<CpuStorage>>,
+    /// The parameter's values (as the step's data plane made them), moved into the graph at
+    /// the first (only) forward.
+    pub data: Mutex<Option<Storage>>,
     pub shape: Shape,
     pub step: Weak<dyn StepHooks>,
     pub unit: usize,
@@ -52,7 +53,11 @@ impl CustomOp1 for Unshard {
     }
 
     fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((take_once(&self.data, "fsdp-unshard")?, self.shape.clone()))
+        Ok((take_cpu(&self.data, "fsdp-unshard")?, self.shape.clone()))
+    }
+
+    fn cuda_fwd(&self, _s: &CudaStorage, _l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        Ok((take_cuda(&self.data, "fsdp-unshard")?, self.shape.clone()))
     }
 
     fn bwd(
@@ -99,7 +104,7 @@ impl CustomOp1 for PreBackward {
 }
 
 /// The values an op moves into the graph at its first (only) forward, without a copy.
-fn take_once(slot: &Mutex<Option<CpuStorage>>, op: &str) -> candle_core::Result<CpuStorage> {
+fn take_once(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<Storage> {
     slot.lock()
         .unwrap_or_else(|e| e.into_inner())
         .take()
@@ -108,12 +113,34 @@ fn take_once(slot: &Mutex<Option<CpuStorage>>, op: &str) -> candle_core::Result<
         })
 }
 
+/// [`take_once`] for a CPU forward.
+fn take_cpu(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<CpuStorage> {
+    match take_once(slot, op)? {
+        Storage::Cpu(s) => Ok(s),
+        other => Err(candle_core::Error::Msg(format!(
+            "{op}: values on {:?} for a CPU forward",
+            other.device().location()
+        ))),
+    }
+}
+
+/// [`take_once`] for a CUDA forward.
+fn take_cuda(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<CudaStorage> {
+    match take_once(slot, op)? {
+        Storage::Cuda(s) => Ok(s),
+        other => Err(candle_core::Error::Msg(format!(
+            "{op}: values on {:?} for a CUDA forward",
+            other.device().location()
+        ))),
+    }
+}
+
 /// A unit's forward under activation checkpointing as one graph node on (the unit's input,
 /// the unit's anchor variable): its output is the forward's result, computed while no graph
 /// was kept; its backward recomputes the forward with a graph and back-propagates through it.
 pub(crate) struct Checkpoint {
     /// The forward's output, moved into the graph at the first (only) forward.
-    pub data: Mutex<Option<CpuStorage>>,
+    pub data: Mutex<Option<Storage>>,
     pub shape: Shape,
     pub step: Weak<dyn StepHooks>,
     pub forward: Recompute,
@@ -131,8 +158,18 @@ impl CustomOp2 for Checkpoint {
         _anchor: &CpuStorage,
         _al: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((take_cpu(&self.data, "fsdp-checkpoint")?, self.shape.clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        _x: &CudaStorage,
+        _xl: &Layout,
+        _anchor: &CudaStorage,
+        _al: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
         Ok((
-            take_once(&self.data, "fsdp-checkpoint")?,
+            take_cuda(&self.data, "fsdp-checkpoint")?,
             self.shape.clone(),
         ))
     }

@@ -14,6 +14,8 @@ mod backward_reads;
 mod buffers;
 mod collectives;
 mod cpu_floats;
+mod cpu_plane;
+mod data_plane;
 mod debug;
 mod error;
 mod frozen_release;

@@ -5,11 +5,10 @@
 
 use std::ops::Range;
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor};
+use candle_core::{Device, Tensor};
 use fsdp_comm::Buffer;
 
-use super::cpu_floats::float_pair;
+use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::plan::ShardLayout;
 
@@ -192,38 +191,9 @@ impl ShardLayout {
     }
 }
 
-/// The full parameter `layout` out of a gathered block, as a CPU storage of its dtype.
-pub(crate) fn unpack_storage(
-    gathered: &Buffer,
-    layout: &ShardLayout,
-    block: usize,
-    ranks: usize,
-) -> Result<CpuStorage, EngineError> {
-    macro_rules! unpack {
-        ($v:expr, $variant:ident, $zero:expr) => {{
-            let mut out = vec![$zero; layout.numel()];
-            layout.unpack($v, block, ranks, &mut out);
-            CpuStorage::$variant(out)
-        }};
-    }
-    Ok(match gathered {
-        Buffer::F32(v) => unpack!(v, F32, 0.0),
-        Buffer::F64(v) => unpack!(v, F64, 0.0),
-        Buffer::BF16(v) => unpack!(v, BF16, half::bf16::ZERO),
-        Buffer::F16(v) => unpack!(v, F16, half::f16::ZERO),
-        other => {
-            return Err(EngineError::UnsupportedTensor {
-                op: "unshard",
-                what: format!("the gathered block of `{}`", layout.name),
-                found: format!("{:?}", other.dtype()),
-                expected: "float parameters",
-            });
-        }
-    })
-}
-
 /// A parameter gathered for one step: a graph node whose storage is released after its
-/// unit's forward (FULL_SHARD) and refilled before the unit's backward.
+/// unit's forward (FULL_SHARD) and refilled before the unit's backward, by the step's
+/// [`DataPlane`].
 pub(crate) struct UnshardedParam {
     /// The full parameter (the output of the unit's unshard op).
     pub tensor: Tensor,
@@ -234,116 +204,21 @@ impl UnshardedParam {
         UnshardedParam { tensor }
     }
 
-    /// Frees the memory while the graph still references the tensor: NaN-poisoned with
-    /// `poison` (debug mode), else the whole pages inside the buffer are returned.
-    pub fn release(&self, poison: bool) -> Result<(), EngineError> {
-        Ok(self.tensor.inplace_op1(&Release { poison })?)
+    /// Frees the memory while the graph still references the tensor (NaN-poisoned with
+    /// `poison`, debug mode).
+    pub fn release(&self, plane: &dyn DataPlane, poison: bool) -> Result<(), EngineError> {
+        plane.release(&self.tensor, poison)
     }
 
     /// Writes the parameter's rows back from a gathered block.
     pub fn refill(
         &self,
+        plane: &dyn DataPlane,
         layout: &ShardLayout,
         gathered: &Buffer,
         block: usize,
         ranks: usize,
     ) -> Result<(), EngineError> {
-        self.tensor.inplace_op1(&Refill {
-            layout,
-            gathered,
-            block,
-            ranks,
-        })?;
-        Ok(())
-    }
-}
-
-/// Releases a full parameter's memory in place, keeping the storage's length (candle's
-/// kernels index without bounds checks, so a shorter storage would be unsound).
-struct Release {
-    poison: bool,
-}
-
-impl Release {
-    fn release<T: Copy>(&self, v: &mut [T], nan: T) {
-        if self.poison {
-            v.fill(nan);
-            return;
-        }
-        // Return the whole pages inside the buffer; they read as zeros until refilled.
-        let page = 4096usize;
-        let start = v.as_mut_ptr() as usize;
-        let end = start + std::mem::size_of_val(v);
-        let (first, last) = (start.div_ceil(page) * page, end / page * page);
-        if last > first {
-            // SAFETY: [first, last) lies inside the slice's allocation; MADV_DONTNEED on
-            // private anonymous memory keeps the mapping valid (pages read back as zeros).
-            let rc = unsafe {
-                libc::madvise(
-                    first as *mut libc::c_void,
-                    last - first,
-                    libc::MADV_DONTNEED,
-                )
-            };
-            if rc == 0 {
-                crate::memory::note_released(v.as_ptr().cast(), last - first);
-            }
-        }
-    }
-}
-
-impl InplaceOp1 for Release {
-    fn name(&self) -> &'static str {
-        "fsdp-release"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, _l: &Layout) -> candle_core::Result<()> {
-        match s {
-            CpuStorage::F32(v) => self.release(v, f32::NAN),
-            CpuStorage::F64(v) => self.release(v, f64::NAN),
-            CpuStorage::BF16(v) => self.release(v, half::bf16::NAN),
-            CpuStorage::F16(v) => self.release(v, half::f16::NAN),
-            other => {
-                return Err(candle_core::Error::Msg(format!(
-                    "fsdp-release: parameters are floats, not {:?}",
-                    other.dtype()
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Writes a parameter's rows from an all-gathered block back into its released storage.
-struct Refill<'a> {
-    layout: &'a ShardLayout,
-    gathered: &'a Buffer,
-    block: usize,
-    ranks: usize,
-}
-
-impl InplaceOp1 for Refill<'_> {
-    fn name(&self) -> &'static str {
-        "fsdp-refill"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        let (start, n) = (l.start_offset(), self.layout.numel());
-        let dtype = s.dtype();
-        float_pair!(
-            s,
-            self.gathered,
-            |v, g| {
-                self.layout
-                    .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
-                crate::memory::note_refilled(v.as_ptr().cast());
-                Ok(())
-            },
-            Err(candle_core::Error::Msg(format!(
-                "fsdp-refill: `{}` is {dtype:?} but was gathered as {:?}",
-                self.layout.name,
-                self.gathered.dtype()
-            )))
-        )
+        plane.refill(&self.tensor, layout, gathered, block, ranks)
     }
 }

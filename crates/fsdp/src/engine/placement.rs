@@ -5,9 +5,13 @@
 //! memory, so offloading moves nothing; the engine says so once instead of refusing or
 //! ignoring the setting silently.
 
-use std::sync::Once;
+use std::sync::{Arc, Once};
 
 use candle_core::Device;
+
+use super::cpu_plane::CpuPlane;
+use super::data_plane::DataPlane;
+use super::error::EngineError;
 
 /// What `fsdp_offload_params: true` does when training computes on the CPU.
 pub const OFFLOAD_ON_CPU: &str = "training computes on the CPU, whose memory is the host memory: parameter shards, gradients and optimizer state already live there, so offloading moves nothing";
@@ -35,6 +39,17 @@ impl Placement {
             storage,
             compute,
             offload,
+        }
+    }
+
+    /// The data plane of the compute device.
+    pub(crate) fn data_plane(&self) -> Result<Arc<dyn DataPlane>, EngineError> {
+        match &self.compute {
+            Device::Cpu => Ok(Arc::new(CpuPlane)),
+            other => Err(EngineError::Unsupported {
+                setting: format!("computing on {other:?}"),
+                hint: "the engine's data plane is the CPU's (a CUDA one would implement engine::data_plane::DataPlane)",
+            }),
         }
     }
 

@@ -7,12 +7,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use candle_core::{Device, Storage, Tensor, TensorId, Var};
+use candle_core::{Device, Tensor, TensorId, Var};
 use fsdp_comm::Mesh;
 
 use super::backward_reads;
 use super::collectives::{CommDtypes, PendingReduce};
-use super::cpu_floats::float_copy;
+use super::data_plane::DataPlane;
 use super::debug;
 use super::error::EngineError;
 use super::frozen_release::FrozenReleases;
@@ -89,6 +89,7 @@ fn reduced_block(
 pub(crate) struct StepShared {
     me: Weak<StepShared>,
     mesh: Mesh,
+    plane: Arc<dyn DataPlane>,
     index: HashMap<String, (usize, usize)>,
     by_path: HashMap<String, usize>,
     /// Units activation checkpointing applies to: non-root units with no unit inside.
@@ -103,6 +104,7 @@ pub(crate) struct StepShared {
 impl StepShared {
     pub fn new(
         mesh: Mesh,
+        plane: Arc<dyn DataPlane>,
         units: Vec<Arc<FsdpUnit>>,
         prefetch: Prefetch,
         opts: StepOptions,
@@ -134,6 +136,7 @@ impl StepShared {
         Arc::new_cyclic(|me| StepShared {
             me: me.clone(),
             mesh,
+            plane,
             index,
             by_path,
             checkpointable,
@@ -159,6 +162,7 @@ impl StepShared {
     fn cx(&self) -> RunContext<'_> {
         RunContext {
             mesh: &self.mesh,
+            plane: self.plane.as_ref(),
             dtypes: self.opts.dtypes,
             device: &self.opts.device,
             poison: self.opts.debug,
@@ -405,21 +409,9 @@ impl StepShared {
                 unit: self.unit_label(u),
             });
         };
-        let out = out.contiguous()?;
-        let data = {
-            let (storage, layout) = out.storage_and_layout();
-            match &*storage {
-                Storage::Cpu(cpu) => float_copy(cpu, layout, "fsdp-checkpoint")?,
-                _ => {
-                    return Err(EngineError::UnsupportedTensor {
-                        op: "activation checkpointing",
-                        what: format!("the output of {}", self.unit_label(u)),
-                        found: format!("{:?}", out.device()),
-                        expected: "unit outputs on the CPU",
-                    });
-                }
-            }
-        };
+        let data = self
+            .plane
+            .copy(&out, &format!("the output of {}", self.unit_label(u)))?;
         let shape = out.shape().clone();
         // The forward's graph (its activations) goes here; only the output's values remain.
         drop(out);

@@ -11,10 +11,11 @@ use candle_core::{Device, Shape, Tensor, TensorId, Var};
 use fsdp_comm::{Buffer, Mesh, Work};
 
 use super::collectives::{self, CommDtypes, PendingReduce};
+use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
-use super::param::{UnshardedParam, unpack_storage};
+use super::param::UnshardedParam;
 use super::plan::ShardLayout;
 use super::sparse_rows::{CompactGrads, RowSparsePlan};
 use crate::config::BackwardPrefetch;
@@ -47,6 +48,8 @@ pub(crate) enum ShardedState {
 /// Settings every unit of a step shares.
 pub(crate) struct RunContext<'a> {
     pub mesh: &'a Mesh,
+    /// What moves parameters and gradients in the compute device's memory.
+    pub plane: &'a dyn DataPlane,
     pub dtypes: CommDtypes,
     pub device: &'a Device,
     /// Poison released parameters with NaN instead of returning their pages.
@@ -321,10 +324,10 @@ impl UnitRun {
         let mut full = Vec::with_capacity(self.unit.params.len());
         for (i, p) in self.unit.params.iter().enumerate() {
             let data = match &gathered {
-                Some(g) => unpack_storage(g, &p.layout, block, ranks)?,
+                Some(g) => cx.plane.unpack(g, &p.layout, block, ranks)?,
                 None => {
                     let values = &whole[p.layout.offset..p.layout.offset + p.layout.numel()];
-                    super::buffers::whole_storage(values, cx.dtypes.param)?
+                    cx.plane.whole(values, cx.dtypes.param)?
                 }
             };
             let op = Unshard {
@@ -396,7 +399,7 @@ impl UnitRun {
     /// Releases the full parameters' memory (their graph nodes stay).
     fn reshard(&self, cx: &RunContext) -> Result<(), EngineError> {
         for f in &self.full {
-            f.release(cx.poison)?;
+            f.release(cx.plane, cx.poison)?;
         }
         Ok(())
     }
@@ -426,7 +429,7 @@ impl UnitRun {
             && self.reshards_after_backward();
         if releasing {
             for f in self.full.iter().filter(|f| !read.contains(&f.tensor.id())) {
-                f.release(cx.poison)?;
+                f.release(cx.plane, cx.poison)?;
             }
         }
         Ok(())
@@ -457,7 +460,7 @@ impl UnitRun {
         })?;
         let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
         for (f, p) in self.full.iter().zip(&self.unit.params) {
-            f.refill(&p.layout, &gathered, block, ranks)?;
+            f.refill(cx.plane, &p.layout, &gathered, block, ranks)?;
         }
         self.training = TrainingState::PreBackward;
         self.sharded = ShardedState::Unsharded;
@@ -494,7 +497,8 @@ impl UnitRun {
         } else if self.unit.replicated && self.has_grad[i] {
             // Read in several places (inside and outside checkpointed units): the parts add.
             let mut part = Buffer::zeros(cx.dtypes.reduce, block);
-            super::buffers::pack_gradient(&p.layout, grad, &mut part, block, 1)?;
+            cx.plane
+                .pack_gradient(&p.layout, grad, &mut part, block, 1)?;
             let pack = self
                 .grad_pack
                 .as_mut()
@@ -515,7 +519,8 @@ impl UnitRun {
             let pack = self
                 .grad_pack
                 .get_or_insert_with(|| Buffer::zeros(cx.dtypes.reduce, block * ranks));
-            super::buffers::pack_gradient(&p.layout, grad, pack, block, ranks)?;
+            cx.plane
+                .pack_gradient(&p.layout, grad, pack, block, ranks)?;
         }
         self.has_grad[i] = true;
         self.received += 1;

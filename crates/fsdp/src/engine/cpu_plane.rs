@@ -1,0 +1,218 @@
+//! The CPU's data plane ([`CpuPlane`]): parameters unpacked from gathered host blocks into
+//! candle CPU storage, released in place by returning their pages (`madvise`) or poisoned
+//! with NaN, refilled from a gathered block, gradients read as host slices and packed, a
+//! checkpointed output copied.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
+use fsdp_comm::{Buffer, DType};
+
+use super::cpu_floats::float_pair;
+use super::data_plane::DataPlane;
+use super::error::EngineError;
+use super::plan::ShardLayout;
+
+/// The data plane of tensors in host memory.
+pub(crate) struct CpuPlane;
+
+impl DataPlane for CpuPlane {
+    fn unpack(
+        &self,
+        gathered: &Buffer,
+        layout: &ShardLayout,
+        block: usize,
+        ranks: usize,
+    ) -> Result<Storage, EngineError> {
+        unpack_storage(gathered, layout, block, ranks).map(Storage::Cpu)
+    }
+
+    fn whole(&self, values: &[f32], dtype: DType) -> Result<Storage, EngineError> {
+        Ok(Storage::Cpu(match Buffer::from_f32(values, dtype) {
+            Some(Buffer::F32(v)) => CpuStorage::F32(v),
+            Some(Buffer::F64(v)) => CpuStorage::F64(v),
+            Some(Buffer::BF16(v)) => CpuStorage::BF16(v),
+            Some(Buffer::F16(v)) => CpuStorage::F16(v),
+            _ => {
+                return Err(EngineError::Unsupported {
+                    setting: format!("computing in {dtype:?}"),
+                    hint: "parameters are computed in a float type",
+                });
+            }
+        }))
+    }
+
+    fn release(&self, param: &Tensor, poison: bool) -> Result<(), EngineError> {
+        Ok(param.inplace_op1(&Release { poison })?)
+    }
+
+    fn refill(
+        &self,
+        param: &Tensor,
+        layout: &ShardLayout,
+        gathered: &Buffer,
+        block: usize,
+        ranks: usize,
+    ) -> Result<(), EngineError> {
+        Ok(param.inplace_op1(&Refill {
+            layout,
+            gathered,
+            block,
+            ranks,
+        })?)
+    }
+
+    fn pack_gradient(
+        &self,
+        layout: &ShardLayout,
+        grad: &Tensor,
+        packed: &mut Buffer,
+        block: usize,
+        ranks: usize,
+    ) -> Result<(), EngineError> {
+        super::buffers::pack_gradient(layout, grad, packed, block, ranks)
+    }
+
+    fn copy(&self, t: &Tensor, what: &str) -> Result<Storage, EngineError> {
+        let t = t.contiguous()?;
+        let (storage, layout) = t.storage_and_layout();
+        let unsupported = |found: String| EngineError::UnsupportedTensor {
+            op: "activation checkpointing",
+            what: what.to_string(),
+            found,
+            expected: "float tensors on the CPU",
+        };
+        let Storage::Cpu(cpu) = &*storage else {
+            return Err(unsupported(format!("{:?}", t.device())));
+        };
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| unsupported("a strided tensor".into()))?;
+        Ok(Storage::Cpu(match cpu {
+            CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
+            CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
+            CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
+            CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
+            other => return Err(unsupported(format!("{:?}", other.dtype()))),
+        }))
+    }
+}
+
+/// The full parameter `layout` out of a gathered block, as a CPU storage of its dtype.
+fn unpack_storage(
+    gathered: &Buffer,
+    layout: &ShardLayout,
+    block: usize,
+    ranks: usize,
+) -> Result<CpuStorage, EngineError> {
+    macro_rules! unpack {
+        ($v:expr, $variant:ident, $zero:expr) => {{
+            let mut out = vec![$zero; layout.numel()];
+            layout.unpack($v, block, ranks, &mut out);
+            CpuStorage::$variant(out)
+        }};
+    }
+    Ok(match gathered {
+        Buffer::F32(v) => unpack!(v, F32, 0.0),
+        Buffer::F64(v) => unpack!(v, F64, 0.0),
+        Buffer::BF16(v) => unpack!(v, BF16, half::bf16::ZERO),
+        Buffer::F16(v) => unpack!(v, F16, half::f16::ZERO),
+        other => {
+            return Err(EngineError::UnsupportedTensor {
+                op: "unshard",
+                what: format!("the gathered block of `{}`", layout.name),
+                found: format!("{:?}", other.dtype()),
+                expected: "float parameters",
+            });
+        }
+    })
+}
+
+/// Releases a full parameter's memory in place, keeping the storage's length (candle's
+/// kernels index without bounds checks, so a shorter storage would be unsound).
+struct Release {
+    poison: bool,
+}
+
+impl Release {
+    fn release<T: Copy>(&self, v: &mut [T], nan: T) {
+        if self.poison {
+            v.fill(nan);
+            return;
+        }
+        // Return the whole pages inside the buffer; they read as zeros until refilled.
+        let page = 4096usize;
+        let start = v.as_mut_ptr() as usize;
+        let end = start + std::mem::size_of_val(v);
+        let (first, last) = (start.div_ceil(page) * page, end / page * page);
+        if last > first {
+            // SAFETY: [first, last) lies inside the slice's allocation; MADV_DONTNEED on
+            // private anonymous memory keeps the mapping valid (pages read back as zeros).
+            let rc = unsafe {
+                libc::madvise(
+                    first as *mut libc::c_void,
+                    last - first,
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if rc == 0 {
+                crate::memory::note_released(v.as_ptr().cast(), last - first);
+            }
+        }
+    }
+}
+
+impl InplaceOp1 for Release {
+    fn name(&self) -> &'static str {
+        "fsdp-release"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, _l: &Layout) -> candle_core::Result<()> {
+        match s {
+            CpuStorage::F32(v) => self.release(v, f32::NAN),
+            CpuStorage::F64(v) => self.release(v, f64::NAN),
+            CpuStorage::BF16(v) => self.release(v, half::bf16::NAN),
+            CpuStorage::F16(v) => self.release(v, half::f16::NAN),
+            other => {
+                return Err(candle_core::Error::Msg(format!(
+                    "fsdp-release: parameters are floats, not {:?}",
+                    other.dtype()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes a parameter's rows from an all-gathered block back into its released storage.
+struct Refill<'a> {
+    layout: &'a ShardLayout,
+    gathered: &'a Buffer,
+    block: usize,
+    ranks: usize,
+}
+
+impl InplaceOp1 for Refill<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-refill"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (start, n) = (l.start_offset(), self.layout.numel());
+        let dtype = s.dtype();
+        float_pair!(
+            s,
+            self.gathered,
+            |v, g| {
+                self.layout
+                    .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
+                crate::memory::note_refilled(v.as_ptr().cast());
+                Ok(())
+            },
+            Err(candle_core::Error::Msg(format!(
+                "fsdp-refill: `{}` is {dtype:?} but was gathered as {:?}",
+                self.layout.name,
+                self.gathered.dtype()
+            )))
+        )
+    }
+}

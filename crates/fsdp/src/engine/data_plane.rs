@@ -1,0 +1,59 @@
+//! The engine's data plane: what touches a unit's full parameters and gradients in the
+//! compute device's memory — unpacking a gathered block into parameters (cast on the way when
+//! the shard group is one rank), releasing and refilling them in place, packing gradients for
+//! the reduction, copying a checkpointed unit's output. The control plane (units' states,
+//! prefetch, the collectives' order, state by name) calls it through [`DataPlane`] and knows
+//! no device; the graph ops move whichever `Storage` the plane made. The CPU's is
+//! [`super::cpu_plane::CpuPlane`]; a CUDA plane over NCCL buffers is another implementation.
+
+use candle_core::{Storage, Tensor};
+use fsdp_comm::{Buffer, DType};
+
+use super::error::EngineError;
+use super::plan::ShardLayout;
+
+/// The device-specific moves of a step (see the module doc).
+pub(crate) trait DataPlane: Send + Sync {
+    /// Parameter `layout` out of a gathered block (every rank's `block` elements in rank
+    /// order), as storage of the block's element type.
+    fn unpack(
+        &self,
+        gathered: &Buffer,
+        layout: &ShardLayout,
+        block: usize,
+        ranks: usize,
+    ) -> Result<Storage, EngineError>;
+
+    /// A whole parameter's f32 `values` (the shard group is this rank alone) as storage of
+    /// `dtype`.
+    fn whole(&self, values: &[f32], dtype: DType) -> Result<Storage, EngineError>;
+
+    /// Frees a full parameter's memory while the graph still references it; with `poison`
+    /// (debug mode) its values become NaN instead. Reads stay memory-safe.
+    fn release(&self, param: &Tensor, poison: bool) -> Result<(), EngineError>;
+
+    /// Writes a released parameter's values back from a gathered block.
+    fn refill(
+        &self,
+        param: &Tensor,
+        layout: &ShardLayout,
+        gathered: &Buffer,
+        block: usize,
+        ranks: usize,
+    ) -> Result<(), EngineError>;
+
+    /// Writes parameter `layout`'s full gradient into its rows of every rank's block of
+    /// `packed` (cast to the buffer's element type).
+    fn pack_gradient(
+        &self,
+        layout: &ShardLayout,
+        grad: &Tensor,
+        packed: &mut Buffer,
+        block: usize,
+        ranks: usize,
+    ) -> Result<(), EngineError>;
+
+    /// A contiguous copy of `t`'s values (a checkpointed unit's output, kept while its
+    /// forward's graph is dropped); `what` names it in errors.
+    fn copy(&self, t: &Tensor, what: &str) -> Result<Storage, EngineError>;
+}
