@@ -113,26 +113,36 @@ fn take_once(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<Sto
         })
 }
 
+/// [`take_once`] for a forward on `backend`, whose storage `pick` takes (handing back any
+/// other).
+fn take_as<S>(
+    slot: &Mutex<Option<Storage>>,
+    op: &str,
+    backend: &str,
+    pick: fn(Storage) -> Result<S, Storage>,
+) -> candle_core::Result<S> {
+    pick(take_once(slot, op)?).map_err(|other| {
+        candle_core::Error::Msg(format!(
+            "{op}: values on {:?} for a {backend} forward",
+            other.device().location()
+        ))
+    })
+}
+
 /// [`take_once`] for a CPU forward.
 fn take_cpu(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<CpuStorage> {
-    match take_once(slot, op)? {
+    take_as(slot, op, "CPU", |s| match s {
         Storage::Cpu(s) => Ok(s),
-        other => Err(candle_core::Error::Msg(format!(
-            "{op}: values on {:?} for a CPU forward",
-            other.device().location()
-        ))),
-    }
+        other => Err(other),
+    })
 }
 
 /// [`take_once`] for a CUDA forward.
 fn take_cuda(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<CudaStorage> {
-    match take_once(slot, op)? {
+    take_as(slot, op, "CUDA", |s| match s {
         Storage::Cuda(s) => Ok(s),
-        other => Err(candle_core::Error::Msg(format!(
-            "{op}: values on {:?} for a CUDA forward",
-            other.device().location()
-        ))),
-    }
+        other => Err(other),
+    })
 }
 
 /// A unit's forward under activation checkpointing as one graph node on (the unit's input,
