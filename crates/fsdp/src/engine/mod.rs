@@ -35,6 +35,7 @@ mod sparse_rows;
 mod state_by_name;
 mod step;
 mod unit;
+mod unit_grads;
 
 pub use collectives::CommDtypes;
 pub use error::EngineError;

@@ -302,7 +302,7 @@ impl StepShared {
                     p.layout.requires_grad && (in_graph.contains(&f.tensor.id()) || recomputed(*i))
                 })
                 .count();
-            run.expected = Some(expected);
+            run.grads.expected = Some(expected);
         }
         if self.opts.debug {
             debug::check_graph(&inner.runs, &in_graph)?;
@@ -334,7 +334,12 @@ impl StepShared {
         self.lock()
             .runs
             .iter_mut()
-            .map(|r| r.unreduced.take().map(|g| (g, r.has_grad.clone())))
+            .map(|r| {
+                r.grads
+                    .unreduced
+                    .take()
+                    .map(|g| (g, r.grads.has_grad.clone()))
+            })
             .collect()
     }
 
@@ -370,7 +375,11 @@ impl StepShared {
                 work,
             )?);
         }
-        let has_grad = inner.runs.iter().map(|r| r.has_grad.clone()).collect();
+        let has_grad = inner
+            .runs
+            .iter()
+            .map(|r| r.grads.has_grad.clone())
+            .collect();
         Ok((reduced, has_grad))
     }
 

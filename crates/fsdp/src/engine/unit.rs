@@ -17,7 +17,8 @@ use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
 use super::param::UnshardedParam;
 use super::plan::ShardLayout;
-use super::sparse_rows::{CompactGrads, RowSparsePlan};
+use super::sparse_rows::RowSparsePlan;
+use super::unit_grads::{Completed, GradTarget, UnitGrads};
 use crate::config::BackwardPrefetch;
 use crate::trace::Tracer;
 
@@ -80,22 +81,8 @@ pub(crate) struct UnitRun {
     pub outputs: Vec<Tensor>,
     /// Whether forward reported the unit's output at all.
     pub hooked: bool,
-    grad_pack: Option<Buffer>,
-    /// Instead of `grad_pack`, for a unit with row-sparse parameters reducing this backward
-    /// with nothing carried: its gradients collected for the row-sparse reduction.
-    grad_rows: Option<CompactGrads>,
-    /// Gradients this backward will deliver (known from the graph before it runs).
-    pub expected: Option<usize>,
-    received: usize,
-    /// Which parameters received a gradient.
-    pub has_grad: Vec<bool>,
-    /// Full local gradients of earlier micro-batches run without sync, packed as the
-    /// reduction takes them: added to this backward's before its reduction.
-    carried: Option<Buffer>,
-    /// This backward runs without sync: the unit's gradients are kept whole, not reduced.
-    keep_unreduced: bool,
-    /// What a backward without sync kept (collected by the step at its end).
-    pub unreduced: Option<Buffer>,
+    /// The unit's gradients of this step (and those carried in without sync).
+    pub grads: UnitGrads,
     /// Under activation checkpointing: the unit's checkpoint node and which parameters its
     /// forward read (their gradients come from the recomputation).
     pub checkpoint: Option<(candle_core::TensorId, Vec<bool>)>,
@@ -115,14 +102,7 @@ impl UnitRun {
             full: Vec::new(),
             outputs: Vec::new(),
             hooked: false,
-            grad_pack: None,
-            grad_rows: None,
-            expected: None,
-            received: 0,
-            has_grad: vec![false; n],
-            carried: None,
-            keep_unreduced: false,
-            unreduced: None,
+            grads: UnitGrads::new(n),
             checkpoint: None,
         }
     }
@@ -149,73 +129,29 @@ impl UnitRun {
     /// with `carried`, kept by earlier backwards without sync, whose parameters that had a
     /// gradient are `carried_has_grad`); without, they are kept whole for the next one.
     pub fn begin_backward(&mut self, sync: bool, carried: Option<(Buffer, Vec<bool>)>) {
-        self.keep_unreduced = !sync;
-        if let Some((pack, had)) = carried {
-            self.has_grad.iter_mut().zip(had).for_each(|(a, b)| *a |= b);
-            self.carried = Some(pack);
-        }
+        self.grads.begin_backward(sync, carried);
     }
 
-    /// The unit's gradients of this backward are all in (`pack`, if any arrived): adds the
-    /// carried ones, then issues the reduction, or keeps the sum whole without sync.
-    fn complete(
-        &mut self,
-        cx: &RunContext,
-        pack: Option<Buffer>,
-    ) -> Result<Option<PendingReduce>, EngineError> {
+    /// The unit's gradients of this backward are all in: adds the carried ones, then issues
+    /// the reduction, or keeps the sum whole without sync.
+    fn complete(&mut self, cx: &RunContext) -> Result<Option<PendingReduce>, EngineError> {
         let collective_failed = |source| EngineError::Collective {
             op: "gradient reduction".into(),
             unit: self.unit.name(),
             source,
         };
-        if let Some(rows) = self.grad_rows.take() {
-            self.trace_span(cx, "backward", self.backward_began);
-            self.backward_began = None;
-            let pending = collectives::reduce_compact(cx.mesh, rows);
-            return pending.map(Some).map_err(collective_failed);
-        }
-        let merged = match (pack, self.carried.take()) {
-            (Some(mut pack), Some(carried)) => {
-                if !pack.add_assign(&carried) {
-                    return Err(EngineError::UnsupportedTensor {
-                        op: "gradient accumulation without sync",
-                        what: format!("the gradients of {}", self.unit.name()),
-                        found: format!("{:?} x {}", pack.dtype(), pack.len()),
-                        expected: "the carried gradients' dtype and size",
-                    });
-                }
-                Some(pack)
-            }
-            (pack, carried) => pack.or(carried),
-        };
         let began = self.backward_began.take();
         self.trace_span(cx, "backward", began);
-        if self.keep_unreduced {
-            self.unreduced = merged;
-            return Ok(None);
-        }
-        let Some(g) = merged else {
-            return Ok(None);
+        let pending = match self.grads.complete(&self.unit.name())? {
+            Completed::Nothing => return Ok(None),
+            Completed::Rows(rows) => collectives::reduce_compact(cx.mesh, rows),
+            Completed::Packed(g) if self.unit.replicated => collectives::reduce_whole(cx.mesh, g),
+            Completed::Packed(g) => {
+                let sparse = row_sparse_plan(&self.unit, cx);
+                collectives::reduce(cx.mesh, g, sparse)
+            }
         };
-        if self.unit.replicated {
-            return collectives::reduce_whole(cx.mesh, g)
-                .map(Some)
-                .map_err(collective_failed);
-        }
-        let sparse = self.row_sparse_plan(cx);
-        collectives::reduce(cx.mesh, g, sparse)
-            .map(Some)
-            .map_err(collective_failed)
-    }
-
-    /// Where the unit's row-sparse parameters lie in its packed gradient, if it has any and
-    /// its gradients leave this rank (alone, a rank has nothing to send).
-    fn row_sparse_plan(&self, cx: &RunContext) -> Option<RowSparsePlan> {
-        if cx.mesh.world_size() == 1 || self.unit.replicated {
-            return None;
-        }
-        let layouts: Vec<&ShardLayout> = self.unit.params.iter().map(|p| &p.layout).collect();
-        RowSparsePlan::new(&layouts, self.unit.block(), cx.mesh.shard_size())
+        pending.map(Some).map_err(collective_failed)
     }
 
     /// The state in words, for messages.
@@ -485,54 +421,22 @@ impl UnitRun {
                 state: self.describe(),
             });
         }
-        let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
-        let first = self.grad_pack.is_none() && self.grad_rows.is_none();
-        if first && !self.keep_unreduced && self.carried.is_none() {
-            self.grad_rows = self
-                .row_sparse_plan(cx)
-                .map(|plan| CompactGrads::new(plan, cx.dtypes.reduce));
-        }
-        if let Some(rows) = self.grad_rows.as_mut() {
-            rows.add(&p.layout, grad)?;
-        } else if self.unit.replicated && self.has_grad[i] {
-            // Read in several places (inside and outside checkpointed units): the parts add.
-            let mut part = Buffer::zeros(cx.dtypes.reduce, block);
-            cx.plane
-                .pack_gradient(&p.layout, grad, &mut part, block, 1)?;
-            let pack = self
-                .grad_pack
-                .as_mut()
-                .ok_or_else(|| EngineError::GradientOutsideUnit {
-                    param: p.layout.name.clone(),
-                    unit: self.unit.name(),
-                    state: "holding no gradient pack",
-                })?;
-            if !pack.add_assign(&part) {
-                return Err(EngineError::UnsupportedTensor {
-                    op: "summing a parameter's gradients read in several places",
-                    what: format!("the gradients of {}", self.unit.name()),
-                    found: format!("{:?} x {}", part.dtype(), part.len()),
-                    expected: "the unit's gradient pack's dtype and size",
-                });
-            }
-        } else {
-            let pack = self
-                .grad_pack
-                .get_or_insert_with(|| Buffer::zeros(cx.dtypes.reduce, block * ranks));
-            cx.plane
-                .pack_gradient(&p.layout, grad, pack, block, ranks)?;
-        }
-        self.has_grad[i] = true;
-        self.received += 1;
-        if self.unit.replicated {
-            // Its parameters may be read anywhere: reduced when the step finishes.
+        let name = self.unit.name();
+        let to = GradTarget {
+            layout: &p.layout,
+            param: i,
+            block: self.unit.block(),
+            ranks: self.unit.ranks(cx.mesh.shard_size()),
+            dtype: cx.dtypes.reduce,
+            replicated: self.unit.replicated,
+            unit: &name,
+        };
+        let sparse = || row_sparse_plan(&self.unit, cx);
+        let all_in = self.grads.add(cx.plane, to, grad, sparse)?;
+        if !all_in {
             return Ok(None);
         }
-        if Some(self.received) != self.expected {
-            return Ok(None);
-        }
-        let pack = self.grad_pack.take();
-        let pending = self.complete(cx, pack)?;
+        let pending = self.complete(cx)?;
         self.training = TrainingState::PostBackward;
         if self.reshards_after_backward() {
             self.reshard(cx)?;
@@ -557,9 +461,8 @@ impl UnitRun {
     /// this time, completes an unused prefetch so every rank stays in step, and drops the
     /// unit's tensors.
     pub fn finish(&mut self, cx: &RunContext) -> Result<Option<PendingReduce>, EngineError> {
-        let pack = self.grad_pack.take();
-        let pending = if pack.is_some() || self.carried.is_some() || self.grad_rows.is_some() {
-            self.complete(cx, pack)?
+        let pending = if self.grads.pending() {
+            self.complete(cx)?
         } else {
             None
         };
@@ -578,6 +481,16 @@ impl UnitRun {
         self.sharded = ShardedState::Sharded;
         Ok(pending)
     }
+}
+
+/// Where `unit`'s row-sparse parameters lie in its packed gradient, if it has any and its
+/// gradients leave this rank (alone, a rank has nothing to send).
+fn row_sparse_plan(unit: &FsdpUnit, cx: &RunContext) -> Option<RowSparsePlan> {
+    if cx.mesh.world_size() == 1 || unit.replicated {
+        return None;
+    }
+    let layouts: Vec<&ShardLayout> = unit.params.iter().map(|p| &p.layout).collect();
+    RowSparsePlan::new(&layouts, unit.block(), cx.mesh.shard_size())
 }
 
 /// When units are gathered ahead of their use.

@@ -1,0 +1,178 @@
+//! A unit's gradients in one step, the unit's side of gradient accumulation: what this
+//! backward delivers (packed as the reduction takes them, or collected by rows for a
+//! row-sparse reduction), what backwards without sync carried in, and whether this backward
+//! reduces their sum or keeps it whole for the next one.
+
+use candle_core::Tensor;
+use fsdp_comm::{Buffer, DType};
+
+use super::data_plane::DataPlane;
+use super::error::EngineError;
+use super::plan::ShardLayout;
+use super::sparse_rows::{CompactGrads, RowSparsePlan};
+
+/// What a unit's gradients of this backward come to when they are all in.
+pub(crate) enum Completed {
+    /// Nothing to reduce (no gradient, or kept whole without sync).
+    Nothing,
+    /// The packed sum, to reduce.
+    Packed(Buffer),
+    /// A row-sparse unit's gradients, collected by rows.
+    Rows(CompactGrads),
+}
+
+/// One unit's gradients in one step.
+pub(crate) struct UnitGrads {
+    /// This backward's gradients, packed as the reduction takes them.
+    pack: Option<Buffer>,
+    /// Instead of `pack`, for a unit with row-sparse parameters reducing this backward with
+    /// nothing carried: its gradients collected for the row-sparse reduction.
+    rows: Option<CompactGrads>,
+    /// Gradients this backward will deliver (known from the graph before it runs).
+    pub expected: Option<usize>,
+    received: usize,
+    /// Which parameters received a gradient (in this backward or the carried ones).
+    pub has_grad: Vec<bool>,
+    /// Whole local gradients of earlier backwards without sync, packed as the reduction
+    /// takes them: added to this backward's before its reduction.
+    carried: Option<Buffer>,
+    /// This backward runs without sync: the sum is kept whole, not reduced.
+    keep: bool,
+    /// What a backward without sync kept (collected by the step at its end).
+    pub unreduced: Option<Buffer>,
+}
+
+/// Where a gradient goes: the parameter's layout and index, the unit's block, the ranks its
+/// rows are split over and the dtype gradients are reduced in.
+pub(crate) struct GradTarget<'a> {
+    pub layout: &'a ShardLayout,
+    pub param: usize,
+    pub block: usize,
+    pub ranks: usize,
+    pub dtype: DType,
+    /// The unit is whole on every rank: its parameters may be read in several places
+    /// (inside and outside checkpointed units), whose gradients add up.
+    pub replicated: bool,
+    /// The unit, for messages.
+    pub unit: &'a str,
+}
+
+impl UnitGrads {
+    /// No gradient yet, for a unit of `params` parameters.
+    pub fn new(params: usize) -> UnitGrads {
+        UnitGrads {
+            pack: None,
+            rows: None,
+            expected: None,
+            received: 0,
+            has_grad: vec![false; params],
+            carried: None,
+            keep: false,
+            unreduced: None,
+        }
+    }
+
+    /// Backward is about to run: with `sync` the gradients are reduced (with `carried`, what
+    /// backwards without sync kept, and which parameters had one there); without, kept whole.
+    pub fn begin_backward(&mut self, sync: bool, carried: Option<(Buffer, Vec<bool>)>) {
+        self.keep = !sync;
+        if let Some((pack, had)) = carried {
+            self.has_grad.iter_mut().zip(had).for_each(|(a, b)| *a |= b);
+            self.carried = Some(pack);
+        }
+    }
+
+    /// Adds parameter `to.param`'s complete gradient; `sparse` gives the row-sparse plan, if
+    /// the unit has one, for its first gradient of a backward that reduces with nothing
+    /// carried. Returns whether the unit's last expected gradient is in.
+    pub fn add(
+        &mut self,
+        plane: &dyn DataPlane,
+        to: GradTarget<'_>,
+        grad: &Tensor,
+        sparse: impl FnOnce() -> Option<RowSparsePlan>,
+    ) -> Result<bool, EngineError> {
+        let first = self.pack.is_none() && self.rows.is_none();
+        if first && !self.keep && self.carried.is_none() {
+            self.rows = sparse().map(|plan| CompactGrads::new(plan, to.dtype));
+        }
+        if let Some(rows) = self.rows.as_mut() {
+            rows.add(to.layout, grad)?;
+        } else if to.replicated && self.has_grad[to.param] {
+            let mut part = Buffer::zeros(to.dtype, to.block);
+            plane.pack_gradient(to.layout, grad, &mut part, to.block, 1)?;
+            let pack = self
+                .pack
+                .as_mut()
+                .ok_or_else(|| EngineError::GradientOutsideUnit {
+                    param: to.layout.name.clone(),
+                    unit: to.unit.to_string(),
+                    state: "holding no gradient pack",
+                })?;
+            add_into(
+                pack,
+                &part,
+                "summing a parameter's gradients read in several places",
+                to.unit,
+            )?;
+        } else {
+            let pack = self
+                .pack
+                .get_or_insert_with(|| Buffer::zeros(to.dtype, to.block * to.ranks));
+            plane.pack_gradient(to.layout, grad, pack, to.block, to.ranks)?;
+        }
+        self.has_grad[to.param] = true;
+        self.received += 1;
+        // A replicated unit's parameters may be read anywhere: it completes when the step
+        // finishes, never on a count.
+        Ok(!to.replicated && Some(self.received) == self.expected)
+    }
+
+    /// Whether anything is left to complete (gradients in, or carried).
+    pub fn pending(&self) -> bool {
+        self.pack.is_some() || self.carried.is_some() || self.rows.is_some()
+    }
+
+    /// Takes this backward's gradients with the carried ones added: to reduce, or (without
+    /// sync) kept in `unreduced` for the next backward.
+    pub fn complete(&mut self, unit: &str) -> Result<Completed, EngineError> {
+        if let Some(rows) = self.rows.take() {
+            return Ok(Completed::Rows(rows));
+        }
+        let merged = match (self.pack.take(), self.carried.take()) {
+            (Some(mut pack), Some(carried)) => {
+                add_into(
+                    &mut pack,
+                    &carried,
+                    "gradient accumulation without sync",
+                    unit,
+                )?;
+                Some(pack)
+            }
+            (pack, carried) => pack.or(carried),
+        };
+        if self.keep {
+            self.unreduced = merged;
+            return Ok(Completed::Nothing);
+        }
+        Ok(merged.map_or(Completed::Nothing, Completed::Packed))
+    }
+}
+
+/// `sum += part`, an error naming `op` and `unit` when their dtypes or sizes differ.
+fn add_into(
+    sum: &mut Buffer,
+    part: &Buffer,
+    op: &'static str,
+    unit: &str,
+) -> Result<(), EngineError> {
+    if sum.add_assign(part) {
+        return Ok(());
+    }
+    Err(EngineError::UnsupportedTensor {
+        op,
+        what: format!("the gradients of {unit}"),
+        found: format!("{:?} x {}", part.dtype(), part.len()),
+        expected: "the unit's gradient pack's dtype and size",
+    })
+}
