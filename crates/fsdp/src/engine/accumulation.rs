@@ -81,22 +81,26 @@ impl Fsdp {
     /// fp16: unscales the accumulated reduced gradients by `scaler`'s scale; whether any
     /// rank found an overflow in them (collective). `None` before any gradient.
     pub fn unscale_gradients(&mut self, scaler: &GradScaler) -> Result<Option<bool>, EngineError> {
-        let Some(mut grads) = self.accumulated.reduced.take() else {
-            return Ok(None);
-        };
-        let found = scaler.unscale(self, &mut grads);
-        self.accumulated.reduced = Some(grads);
-        found.map(Some)
+        self.on_gradients(|engine, grads| scaler.unscale(engine, grads))
     }
 
     /// [`Fsdp::clip_grad_norm`] of the accumulated reduced gradients: the global norm and
     /// whether they were scaled. `None` before any gradient.
     pub fn clip_gradients(&mut self, max_norm: f64) -> Result<Option<(f64, bool)>, EngineError> {
+        self.on_gradients(|engine, grads| engine.clip_grad_norm(grads, Some(max_norm)))
+    }
+
+    /// Runs `f` on the engine and its accumulated reduced gradients (a collective may need
+    /// both); `None` before any gradient.
+    fn on_gradients<T>(
+        &mut self,
+        f: impl FnOnce(&Fsdp, &mut Gradients) -> Result<T, EngineError>,
+    ) -> Result<Option<T>, EngineError> {
         let Some(mut grads) = self.accumulated.reduced.take() else {
             return Ok(None);
         };
-        let clipped = self.clip_grad_norm(&mut grads, Some(max_norm));
+        let out = f(self, &mut grads);
         self.accumulated.reduced = Some(grads);
-        clipped.map(Some)
+        out.map(Some)
     }
 }

@@ -137,11 +137,13 @@ impl PendingReduce {
 
 /// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean; with a
 /// `sparse` plan (the unit has row-sparse parameters, the mesh one dimension), only their
-/// touched rows are sent.
+/// touched rows are sent. A `whole` unit (every rank holds all of it: ignored modules) is
+/// all-reduced over the shard dimension instead of reduce-scattered.
 pub(crate) fn reduce(
     mesh: &Mesh,
     packed: Buffer,
     sparse: Option<RowSparsePlan>,
+    whole: bool,
 ) -> Result<PendingReduce, CommError> {
     if let (Some(plan), Some(group)) = (sparse, row_sparse_group(mesh)) {
         return row_sparse(mesh, RowSparseReduce::start(plan, group, packed)?);
@@ -158,6 +160,12 @@ pub(crate) fn reduce(
             None,
             packed_bytes,
         ),
+        _ if whole => (
+            mesh.shard.all_reduce(packed, ReduceOp::Avg),
+            "all-reduce",
+            mesh.replicate.clone(),
+            packed_bytes,
+        ),
         // Not `reduce_scatter_into`: the packed input is freed when the collective is done
         // with it, not held until the step waits for every unit's reduction.
         _ => (
@@ -172,31 +180,6 @@ pub(crate) fn reduce(
         scatter,
         sparse: None,
         kind,
-        replicate,
-        scattered: None,
-        issued: Instant::now(),
-    })
-}
-
-/// Starts averaging a unit's whole gradients over every rank of the mesh (a unit whole on
-/// every rank: ignored modules): an all-reduce over the shard dimension, then over replicas
-/// when the mesh has them.
-pub(crate) fn reduce_whole(mesh: &Mesh, packed: Buffer) -> Result<PendingReduce, CommError> {
-    let bytes = packed.len() * packed.dtype().size();
-    let (scatter, replicate, bytes) = match (mesh.shard_size(), &mesh.replicate) {
-        (1, None) => (Work::ready(Ok(packed)), None, 0),
-        (1, Some(r)) => (r.all_reduce(packed, ReduceOp::Avg), None, bytes),
-        (_, r) => (
-            mesh.shard.all_reduce(packed, ReduceOp::Avg),
-            r.clone(),
-            bytes,
-        ),
-    };
-    Ok(PendingReduce {
-        bytes,
-        scatter,
-        sparse: None,
-        kind: "all-reduce",
         replicate,
         scattered: None,
         issued: Instant::now(),

@@ -205,11 +205,12 @@ impl Fsdp {
         let reshard = mesh.shard_size() > 1;
         let tier = super::offload::from_plan::offload_tier(plugin, &plan, &mesh)?;
         let shards_offloaded = tier.as_ref().filter(|t| t.params);
-        let mut units = Vec::with_capacity(plan.units.len());
+        let mut units = Vec::with_capacity(plan.units.len() + 1);
         let mut grad_index = HashMap::new();
-        for (u, unit) in plan.units.iter().enumerate() {
-            let mut params = Vec::with_capacity(unit.params.len());
-            for (i, (layout, rows)) in unit.params.iter().zip(intake.unit_rows(unit)?).enumerate() {
+        // Unit `u`'s parameters from their `rows` on this `rank`, indexed by name.
+        let mut shard_params = |u: usize, layouts: &[ShardLayout], rows: Vec<Vec<f32>>, rank| {
+            let mut params = Vec::with_capacity(layouts.len());
+            for (i, (layout, rows)) in layouts.iter().zip(rows).enumerate() {
                 let p =
                     FsdpParam::from_rows(layout.clone(), rows, rank, placement.storage.clone())?;
                 let owned = p.owned_rows().len() * layout.row_elems;
@@ -223,6 +224,10 @@ impl Fsdp {
                 );
                 params.push(p);
             }
+            Ok::<_, EngineError>(params)
+        };
+        for (u, unit) in plan.units.iter().enumerate() {
+            let mut params = shard_params(u, &unit.params, intake.unit_rows(unit)?, rank)?;
             if let Some(tier) = shards_offloaded {
                 let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
                 for p in &params {
@@ -244,32 +249,11 @@ impl Fsdp {
             }));
         }
         if !plan.ignored.is_empty() {
-            // The ignored modules' parameters: one unit, whole on every rank.
+            // The ignored modules' parameters: one unit, whole on every rank (rank 0's rows of
+            // a one-rank layout are all of them).
             let u = units.len();
-            let mut params = Vec::with_capacity(plan.ignored.len());
-            let mut offset = 0;
-            for (i, layout) in plan.ignored.iter().enumerate() {
-                let layout = ShardLayout {
-                    offset,
-                    ..layout.clone()
-                };
-                offset += layout.numel();
-                grad_index.insert(
-                    layout.name.clone(),
-                    GradPlace {
-                        unit: u,
-                        param: i,
-                        elements: layout.offset..offset,
-                    },
-                );
-                let values = intake.whole(&layout)?;
-                params.push(FsdpParam::from_rows(
-                    layout,
-                    values,
-                    0,
-                    placement.storage.clone(),
-                )?);
-            }
+            let whole = plan.ignored.iter().map(|l| intake.whole(l));
+            let params = shard_params(u, &plan.ignored, whole.collect::<Result<_, _>>()?, 0)?;
             units.push(Arc::new(FsdpUnit {
                 path: IGNORED_MODULES.to_string(),
                 index: u,

@@ -393,9 +393,15 @@ impl UnitPlan {
         if units[0].params.is_empty() && units.len() > 1 {
             units.remove(0);
         }
-        for unit in &mut units {
+        // Each unit's parameters packed one after another; the ignored modules' too, as the
+        // engine's unit of them (whole on every rank) holds them.
+        for params in units
+            .iter_mut()
+            .map(|u| &mut u.params)
+            .chain([&mut ignored])
+        {
             let mut offset = 0;
-            for p in &mut unit.params {
+            for p in params {
                 p.offset = offset;
                 offset += p.shard_numel();
             }

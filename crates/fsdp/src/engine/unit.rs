@@ -142,13 +142,12 @@ impl UnitRun {
         };
         let began = self.backward_began.take();
         self.trace_span(cx, "backward", began);
-        let pending = match self.grads.complete(&self.unit.name())? {
+        let pending = match self.grads.complete(&self.unit)? {
             Completed::Nothing => return Ok(None),
             Completed::Rows(rows) => collectives::reduce_compact(cx.mesh, rows),
-            Completed::Packed(g) if self.unit.replicated => collectives::reduce_whole(cx.mesh, g),
             Completed::Packed(g) => {
                 let sparse = row_sparse_plan(&self.unit, cx);
-                collectives::reduce(cx.mesh, g, sparse)
+                collectives::reduce(cx.mesh, g, sparse, self.unit.replicated)
             }
         };
         pending.map(Some).map_err(collective_failed)
@@ -421,15 +420,11 @@ impl UnitRun {
                 state: self.describe(),
             });
         }
-        let name = self.unit.name();
         let to = GradTarget {
-            layout: &p.layout,
+            unit: &self.unit,
             param: i,
-            block: self.unit.block(),
             ranks: self.unit.ranks(cx.mesh.shard_size()),
             dtype: cx.dtypes.reduce,
-            replicated: self.unit.replicated,
-            unit: &name,
         };
         let sparse = || row_sparse_plan(&self.unit, cx);
         let all_in = self.grads.add(cx.plane, to, grad, sparse)?;

@@ -8,7 +8,7 @@ use fsdp_comm::{Buffer, DType};
 
 use super::data_plane::DataPlane;
 use super::error::EngineError;
-use super::plan::ShardLayout;
+use super::fsdp_unit::FsdpUnit;
 use super::sparse_rows::{CompactGrads, RowSparsePlan};
 
 /// What a unit's gradients of this backward come to when they are all in.
@@ -42,19 +42,13 @@ pub(crate) struct UnitGrads {
     pub unreduced: Option<Buffer>,
 }
 
-/// Where a gradient goes: the parameter's layout and index, the unit's block, the ranks its
-/// rows are split over and the dtype gradients are reduced in.
+/// Where a gradient goes: parameter `param` of `unit`, whose rows are split over `ranks`,
+/// reduced in `dtype`.
 pub(crate) struct GradTarget<'a> {
-    pub layout: &'a ShardLayout,
+    pub unit: &'a FsdpUnit,
     pub param: usize,
-    pub block: usize,
     pub ranks: usize,
     pub dtype: DType,
-    /// The unit is whole on every rank: its parameters may be read in several places
-    /// (inside and outside checkpointed units), whose gradients add up.
-    pub replicated: bool,
-    /// The unit, for messages.
-    pub unit: &'a str,
 }
 
 impl UnitGrads {
@@ -92,40 +86,38 @@ impl UnitGrads {
         grad: &Tensor,
         sparse: impl FnOnce() -> Option<RowSparsePlan>,
     ) -> Result<bool, EngineError> {
+        let (layout, block) = (&to.unit.params[to.param].layout, to.unit.block());
         let first = self.pack.is_none() && self.rows.is_none();
         if first && !self.keep && self.carried.is_none() {
             self.rows = sparse().map(|plan| CompactGrads::new(plan, to.dtype));
         }
         if let Some(rows) = self.rows.as_mut() {
-            rows.add(to.layout, grad)?;
-        } else if to.replicated && self.has_grad[to.param] {
-            let mut part = Buffer::zeros(to.dtype, to.block);
-            plane.pack_gradient(to.layout, grad, &mut part, to.block, 1)?;
+            rows.add(layout, grad)?;
+        } else if to.unit.replicated && self.has_grad[to.param] {
+            // Read in several places (inside and outside checkpointed units): the parts add.
+            let mut part = Buffer::zeros(to.dtype, block);
+            plane.pack_gradient(layout, grad, &mut part, block, 1)?;
             let pack = self
                 .pack
                 .as_mut()
                 .ok_or_else(|| EngineError::GradientOutsideUnit {
-                    param: to.layout.name.clone(),
-                    unit: to.unit.to_string(),
+                    param: layout.name.clone(),
+                    unit: to.unit.name(),
                     state: "holding no gradient pack",
                 })?;
-            add_into(
-                pack,
-                &part,
-                "summing a parameter's gradients read in several places",
-                to.unit,
-            )?;
+            let op = "summing a parameter's gradients read in several places";
+            add_into(pack, &part, op, to.unit)?;
         } else {
             let pack = self
                 .pack
-                .get_or_insert_with(|| Buffer::zeros(to.dtype, to.block * to.ranks));
-            plane.pack_gradient(to.layout, grad, pack, to.block, to.ranks)?;
+                .get_or_insert_with(|| Buffer::zeros(to.dtype, block * to.ranks));
+            plane.pack_gradient(layout, grad, pack, block, to.ranks)?;
         }
         self.has_grad[to.param] = true;
         self.received += 1;
         // A replicated unit's parameters may be read anywhere: it completes when the step
         // finishes, never on a count.
-        Ok(!to.replicated && Some(self.received) == self.expected)
+        Ok(!to.unit.replicated && Some(self.received) == self.expected)
     }
 
     /// Whether anything is left to complete (gradients in, or carried).
@@ -135,7 +127,7 @@ impl UnitGrads {
 
     /// Takes this backward's gradients with the carried ones added: to reduce, or (without
     /// sync) kept in `unreduced` for the next backward.
-    pub fn complete(&mut self, unit: &str) -> Result<Completed, EngineError> {
+    pub fn complete(&mut self, unit: &FsdpUnit) -> Result<Completed, EngineError> {
         if let Some(rows) = self.rows.take() {
             return Ok(Completed::Rows(rows));
         }
@@ -164,14 +156,14 @@ fn add_into(
     sum: &mut Buffer,
     part: &Buffer,
     op: &'static str,
-    unit: &str,
+    unit: &FsdpUnit,
 ) -> Result<(), EngineError> {
     if sum.add_assign(part) {
         return Ok(());
     }
     Err(EngineError::UnsupportedTensor {
         op,
-        what: format!("the gradients of {unit}"),
+        what: format!("the gradients of {}", unit.name()),
         found: format!("{:?} x {}", part.dtype(), part.len()),
         expected: "the unit's gradient pack's dtype and size",
     })

@@ -86,7 +86,7 @@ fn f32_peak(best: &Timer) -> (f64, &'static str) {
 
 fn bf16_peak(best: &Timer) -> Option<(f64, &'static str)> {
     // 16 tdpbf16ps of 16,384 FLOP each per trip: TRIPS / 16 trips is TRIPS instructions.
-    if crate::nn::ops::amx_peak_loop(0).is_some() {
+    if *crate::nn::ops::amx_support() == crate::nn::ops::AmxSupport::Ready {
         return Some((
             best(
                 &|| {
