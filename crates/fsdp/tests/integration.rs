@@ -17,6 +17,7 @@ mod dcp;
 mod docs;
 mod engine_in_process;
 mod examples;
+mod frozen_gradients;
 mod fsdp_matrix;
 mod fsdp_reference;
 mod fsdp_usage;

@@ -316,7 +316,14 @@ fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize, t: Traffic)
     let mut across = 0;
     for u in &plan.units {
         let elems = u.shard_numel();
-        let block = elems * t.reduce_bytes;
+        // Gradients are reduced for the trainable parameters only.
+        let trained: usize = u
+            .params
+            .iter()
+            .filter(|p| p.requires_grad)
+            .map(|p| p.shard_numel())
+            .sum();
+        let block = trained * t.reduce_bytes;
         if s > 1 {
             let regather = matches!(
                 plan.strategy,

@@ -206,28 +206,16 @@ impl Fsdp {
         let tier = super::offload::from_plan::offload_tier(plugin, &plan, &mesh)?;
         let shards_offloaded = tier.as_ref().filter(|t| t.params);
         let mut units = Vec::with_capacity(plan.units.len() + 1);
-        let mut grad_index = HashMap::new();
-        // Unit `u`'s parameters from their `rows` on this `rank`, indexed by name.
-        let mut shard_params = |u: usize, layouts: &[ShardLayout], rows: Vec<Vec<f32>>, rank| {
-            let mut params = Vec::with_capacity(layouts.len());
-            for (i, (layout, rows)) in layouts.iter().zip(rows).enumerate() {
-                let p =
-                    FsdpParam::from_rows(layout.clone(), rows, rank, placement.storage.clone())?;
-                let owned = p.owned_rows().len() * layout.row_elems;
-                grad_index.insert(
-                    layout.name.clone(),
-                    GradPlace {
-                        unit: u,
-                        param: i,
-                        elements: layout.offset..layout.offset + owned,
-                    },
-                );
-                params.push(p);
-            }
-            Ok::<_, EngineError>(params)
+        // Unit `u`'s parameters from their `rows` on this `rank`.
+        let shard_params = |layouts: &[ShardLayout], rows: Vec<Vec<f32>>, rank| {
+            let storage = || placement.storage.clone();
+            let params = layouts.iter().zip(rows);
+            params
+                .map(|(layout, rows)| FsdpParam::from_rows(layout.clone(), rows, rank, storage()))
+                .collect::<Result<Vec<_>, _>>()
         };
         for (u, unit) in plan.units.iter().enumerate() {
-            let mut params = shard_params(u, &unit.params, intake.unit_rows(unit)?, rank)?;
+            let mut params = shard_params(&unit.params, intake.unit_rows(unit)?, rank)?;
             if let Some(tier) = shards_offloaded {
                 let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
                 for p in &params {
@@ -238,31 +226,42 @@ impl Fsdp {
                     p.shard = ShardBuffer::f32(Vec::new(), placement.storage.clone());
                 }
             }
-            units.push(Arc::new(FsdpUnit {
-                path: unit.path.clone(),
-                index: u,
-                tier: shards_offloaded.cloned(),
+            units.push(Arc::new(FsdpUnit::new(
+                unit.path.clone(),
+                u,
+                shards_offloaded.cloned(),
                 params,
-                reshard_after_forward: reshard && unit.reshard_after_forward,
-                reshard_after_backward: reshard,
-                replicated: false,
-            }));
+                (reshard && unit.reshard_after_forward, reshard),
+                false,
+            )));
         }
         if !plan.ignored.is_empty() {
             // The ignored modules' parameters: one unit, whole on every rank (rank 0's rows of
             // a one-rank layout are all of them).
-            let u = units.len();
             let whole = plan.ignored.iter().map(|l| intake.whole(l));
-            let params = shard_params(u, &plan.ignored, whole.collect::<Result<_, _>>()?, 0)?;
-            units.push(Arc::new(FsdpUnit {
-                path: IGNORED_MODULES.to_string(),
-                index: u,
-                tier: None,
+            let params = shard_params(&plan.ignored, whole.collect::<Result<_, _>>()?, 0)?;
+            let (path, u) = (IGNORED_MODULES.to_string(), units.len());
+            units.push(Arc::new(FsdpUnit::new(
+                path,
+                u,
+                None,
                 params,
-                reshard_after_forward: false,
-                reshard_after_backward: false,
-                replicated: true,
-            }));
+                (false, false),
+                true,
+            )));
+        }
+        // Every parameter by name: its unit, and its rows in the unit's gradient block.
+        let mut grad_index = HashMap::new();
+        for (u, unit) in units.iter().enumerate() {
+            for (i, p) in unit.params.iter().enumerate() {
+                let elements = unit.grad_elements(i);
+                let place = GradPlace {
+                    unit: u,
+                    param: i,
+                    elements,
+                };
+                grad_index.insert(p.layout.name.clone(), place);
+            }
         }
         let unhooked_reported = units.iter().map(|_| AtomicBool::new(false)).collect();
         let tracer = match &plugin.trace_dir {
@@ -494,12 +493,15 @@ impl Fsdp {
             };
             // The step in flight has ended, so the unit is not shared: no copy.
             let unit = Arc::make_mut(&mut self.units[u]);
-            for (p, &has) in unit.params.iter_mut().zip(has_grad) {
+            let grads_at: Vec<_> = (0..unit.params.len())
+                .map(|i| unit.grad_elements(i))
+                .collect();
+            for ((p, &has), at) in unit.params.iter_mut().zip(has_grad).zip(grads_at) {
                 if !(p.layout.requires_grad && has) {
                     continue;
                 }
-                let n = p.owned_rows().len() * p.layout.row_elems;
-                let grad = &reduced[p.layout.offset..p.layout.offset + n];
+                let n = at.len();
+                let grad = &reduced[at];
                 let name = p.layout.name.clone();
                 optimizer.update(&name, &mut p.shard.values_mut()?[..n], grad)?;
             }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::error::{EngineError, unit_name};
 use super::offload::{DiskTier, Region};
 use super::param::FsdpParam;
+use super::plan::ShardLayout;
 
 /// A unit as the engine keeps it between steps: its parameters' shards (in memory, or in
 /// the disk tier's files with `fsdp_offload_params`).
@@ -30,12 +31,75 @@ pub(crate) struct FsdpUnit {
     /// gathered, and the gradients are averaged over every rank (both mesh dimensions)
     /// once backward is over.
     pub replicated: bool,
+    /// Per parameter, where its gradient rows sit in the unit's gradient block: the
+    /// parameters' layouts with offsets over the trainable ones only, so frozen weights
+    /// (LoRA's base) are neither packed, reduced nor scaled (a frozen one's offset is where
+    /// the next trainable one starts, and it has no rows there).
+    pub grad_layouts: Vec<ShardLayout>,
+    /// Elements of one rank's gradient block (its trainable parameters' rows).
+    pub grad_block: usize,
 }
 
 /// The path the unit of ignored modules' parameters goes by (no module has it).
 pub(crate) const IGNORED_MODULES: &str = "(ignored modules)";
 
 impl FsdpUnit {
+    /// A unit of `params`; its gradient layouts follow from which of them train.
+    pub fn new(
+        path: String,
+        index: usize,
+        tier: Option<Arc<DiskTier>>,
+        params: Vec<FsdpParam>,
+        (reshard_after_forward, reshard_after_backward): (bool, bool),
+        replicated: bool,
+    ) -> FsdpUnit {
+        let mut grad_block = 0;
+        let grad_layouts = params
+            .iter()
+            .map(|p| {
+                let layout = ShardLayout {
+                    offset: grad_block,
+                    ..p.layout.clone()
+                };
+                if p.layout.requires_grad {
+                    grad_block += layout.shard_numel();
+                }
+                layout
+            })
+            .collect();
+        FsdpUnit {
+            path,
+            index,
+            tier,
+            params,
+            reshard_after_forward,
+            reshard_after_backward,
+            replicated,
+            grad_layouts,
+            grad_block,
+        }
+    }
+
+    /// The layouts of the parameters that train, in the gradient block.
+    pub fn trained_grad_layouts(&self) -> Vec<&ShardLayout> {
+        self.grad_layouts
+            .iter()
+            .filter(|l| l.requires_grad)
+            .collect()
+    }
+
+    /// This rank's elements of parameter `i` in the unit's gradient block (empty for a
+    /// frozen one).
+    pub fn grad_elements(&self, i: usize) -> std::ops::Range<usize> {
+        let (p, g) = (&self.params[i], &self.grad_layouts[i]);
+        let owned = if p.layout.requires_grad {
+            p.owned_rows().len() * p.layout.row_elems
+        } else {
+            0
+        };
+        g.offset..g.offset + owned
+    }
+
     /// Ranks the unit's parameters are split over: the shard group's, or one when the unit
     /// is whole on every rank.
     pub fn ranks(&self, shard_size: usize) -> usize {

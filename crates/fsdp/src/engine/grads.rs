@@ -14,7 +14,8 @@ use super::offload::{DiskTier, Key, OffloadError, Region};
 pub(crate) struct GradPlace {
     pub unit: usize,
     pub param: usize,
-    /// This rank's (unpadded) elements inside the unit's block.
+    /// This rank's (unpadded) elements inside the unit's gradient block (its trainable
+    /// parameters' rows; empty for a frozen parameter).
     pub elements: Range<usize>,
 }
 

@@ -46,9 +46,11 @@ impl Fsdp {
                 ),
             });
         }
-        let block = self.units[place.unit].block();
+        // State is laid out as the parameters' shards are (their block), not as gradients.
+        let unit = &self.units[place.unit];
         let region = (place.unit, Region::State(key.to_string()));
-        tier.write_at(&region, place.elements.start, values, block)?;
+        let at = unit.params[place.param].layout.offset;
+        tier.write_at(&region, at, values, unit.block())?;
         let saved = self.offloaded.entry(param.to_string()).or_default();
         if !saved.buffers.iter().any(|b| b == key) {
             saved.buffers.push(key.to_string());

@@ -16,7 +16,6 @@ use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
 use super::param::UnshardedParam;
-use super::plan::ShardLayout;
 use super::sparse_rows::RowSparsePlan;
 use super::unit_grads::{Completed, GradTarget, UnitGrads};
 use crate::config::BackwardPrefetch;
@@ -484,8 +483,11 @@ fn row_sparse_plan(unit: &FsdpUnit, cx: &RunContext) -> Option<RowSparsePlan> {
     if cx.mesh.world_size() == 1 || unit.replicated {
         return None;
     }
-    let layouts: Vec<&ShardLayout> = unit.params.iter().map(|p| &p.layout).collect();
-    RowSparsePlan::new(&layouts, unit.block(), cx.mesh.shard_size())
+    RowSparsePlan::new(
+        &unit.trained_grad_layouts(),
+        unit.grad_block,
+        cx.mesh.shard_size(),
+    )
 }
 
 /// When units are gathered ahead of their use.

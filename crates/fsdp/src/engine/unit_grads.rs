@@ -86,7 +86,7 @@ impl UnitGrads {
         grad: &Tensor,
         sparse: impl FnOnce() -> Option<RowSparsePlan>,
     ) -> Result<bool, EngineError> {
-        let (layout, block) = (&to.unit.params[to.param].layout, to.unit.block());
+        let (layout, block) = (&to.unit.grad_layouts[to.param], to.unit.grad_block);
         let first = self.pack.is_none() && self.rows.is_none();
         if first && !self.keep && self.carried.is_none() {
             self.rows = sparse().map(|plan| CompactGrads::new(plan, to.dtype));

@@ -90,11 +90,16 @@ pub(crate) fn update_units(
         };
         // The step in flight has ended, so the unit is not shared: no copy.
         let unit = std::sync::Arc::make_mut(&mut units[u]);
-        for (p, &has) in unit.params.iter_mut().zip(&grads.has_grad[u]) {
+        let grads_at: Vec<_> = (0..unit.params.len())
+            .map(|i| unit.grad_elements(i))
+            .collect();
+        for ((p, &has), at) in unit.params.iter_mut().zip(&grads.has_grad[u]).zip(grads_at) {
             if !(p.layout.requires_grad && has) {
                 continue;
             }
-            let (off, n) = (p.layout.offset, p.owned_rows().len() * p.layout.row_elems);
+            // Shards and optimizer state are laid out by the parameters' blocks, gradients by
+            // the trainable ones'.
+            let (off, n) = (p.layout.offset, at.len());
             let name = p.layout.name.clone();
             if optimizer.state(&name).is_none()
                 && let Some(saved) = states.get(&name)
@@ -115,7 +120,7 @@ pub(crate) fn update_units(
             } else {
                 &mut p.shard.values_mut()?[..n]
             };
-            optimizer.update(&name, rows, &reduced[off..off + n])?;
+            optimizer.update(&name, rows, &reduced[at])?;
             if let Some(state) = optimizer.take_state(&name) {
                 let saved = stash(&mut blocks, block, off, &name, state)?;
                 states.insert(name, saved);
