@@ -6,8 +6,8 @@
 //! portable path. CPUs without either take `half_float`'s path (the f32 GEMM on widened
 //! operands).
 //!
-//! The rhs is packed once per product into column strips (in parallel), each thread packs
-//! the lhs rows it computes, and a tile's sums go to the destination with vector
+//! The rhs is packed once per product into column strips (in parallel; with AVX-512
+//! transposes and interleaves, `pack_avx512.rs`), each thread packs the lhs rows it computes, and a tile's sums go to the destination with vector
 //! instructions (the rounding is `simd::round_to_bf16`'s, bit for bit). Packing and
 //! blocking are one code for every kernel: the tests run them on every CPU with a scalar
 //! kernel of the instruction's arithmetic, the AMX kernel on an emulation of the tile
@@ -90,7 +90,16 @@ pub(super) unsafe fn gemm(
     // tiles).
     unsafe {
         gemm_with(
-            kernel, threads, mnk, dst, dst_rs, accumulate, lhs, rhs, scale,
+            kernel,
+            Mover::detect(),
+            threads,
+            mnk,
+            dst,
+            dst_rs,
+            accumulate,
+            lhs,
+            rhs,
+            scale,
         )
     }
 }
@@ -135,6 +144,29 @@ struct Kernel {
     lhs: LhsLayout,
 }
 
+/// How the packings move elements: AVX-512 shuffles where the CPU has them (every CPU
+/// the bf16 kernels run on has), scalar code otherwise. The tests run both.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mover {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Mover {
+    /// The fastest this CPU runs.
+    fn detect() -> Mover {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            return Mover::Avx512;
+        }
+        Mover::Scalar
+    }
+}
+
 /// A tile's f32 sums, row-major `MR`×`NR`, as a write-back takes them (the AMX kernel
 /// stores its accumulators so).
 type TileSums = [f32; MR * NR];
@@ -143,13 +175,14 @@ type TileSums = [f32; MR * NR];
 type Operand<'a> = (&'a [bf16], usize, usize);
 
 /// Packs the rhs, then on up to `threads` threads packs each range of row strips' lhs and
-/// runs `tiles` over it.
+/// runs `tiles` over it; `mover` packs.
 ///
 /// # Safety
 /// As [`gemm`], for the instructions `tiles` uses.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_with(
     kernel: Kernel,
+    mover: Mover,
     threads: usize,
     (m, n, k): (usize, usize, usize),
     dst: Dst,
@@ -164,7 +197,8 @@ unsafe fn gemm_with(
     }
     let strips = m.div_ceil(MR);
     let threads = threads.clamp(1, strips);
-    let rhs = pack_rhs(rhs, k, n, if k * n >= PARALLEL_PACK { threads } else { 1 });
+    let pack_threads = if k * n >= PARALLEL_PACK { threads } else { 1 };
+    let rhs = pack_rhs(mover, rhs, k, n, pack_threads);
     let product = Product {
         rhs: &rhs,
         kp: k.div_ceil(2),
@@ -176,7 +210,7 @@ unsafe fn gemm_with(
         scale: scale as f32,
     };
     let run = |range: Range<usize>| {
-        let lhs = LhsStrips::new(lhs, m, k, range.clone(), kernel.lhs);
+        let lhs = LhsStrips::new(mover, lhs, m, k, range.clone(), kernel.lhs);
         // SAFETY: forwarded from the caller; each range's rows are its own.
         unsafe { (kernel.tiles)(&product, &lhs, range) }
     };
@@ -245,34 +279,46 @@ unsafe fn pack_line(
     }
 }
 
-/// Pair `p` of k of `len` lines (the first at `at`, the next `line` elements on, stride
-/// `step` along k) into `out[..len]`: where lines are contiguous (`line` 1) the two rows
-/// of k are read as slices, which the compiler vectorises.
+/// Every pair of k of `len` lines (the first at `at`, the next `line` elements on, stride
+/// `step` along k), pair `p` into `out[p * stride..][..len]`: where lines are contiguous
+/// (`line` 1) two rows of k are read as slices, with AVX-512 where `mover` says.
 ///
 /// # Safety
-/// The lines' elements of pair `p` are inside the operand; `out` is valid for `len` writes.
+/// The lines' k elements are inside the operand; `out` is valid for `len` writes at each
+/// of the `k.div_ceil(2)` pairs' offsets; the CPU runs `mover`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn interleave(
+    mover: Mover,
     v: *const u16,
     at: usize,
     line: usize,
     step: usize,
-    (p, k): (usize, usize),
+    k: usize,
     len: usize,
-    out: *mut u32,
+    (out, stride): (*mut u32, usize),
 ) {
+    // Pairs below `whole` have both rows of k.
+    let whole = if line == 1 { k / 2 } else { 0 };
     // SAFETY: as the caller vouches.
     unsafe {
-        if line == 1 && 2 * p + 1 < k {
-            let lo = std::slice::from_raw_parts(v.add(at + 2 * p * step), len);
-            let hi = std::slice::from_raw_parts(v.add(at + (2 * p + 1) * step), len);
-            let out = std::slice::from_raw_parts_mut(out, len);
-            for ((o, &lo), &hi) in out.iter_mut().zip(lo).zip(hi) {
-                *o = u32::from(lo) | u32::from(hi) << 16;
+        #[cfg(target_arch = "x86_64")]
+        if mover == Mover::Avx512 && whole > 0 {
+            pack_avx512::interleave(v.add(at), step, whole, len, (out, stride));
+        }
+        if mover == Mover::Scalar {
+            for p in 0..whole {
+                let lo = std::slice::from_raw_parts(v.add(at + 2 * p * step), len);
+                let hi = std::slice::from_raw_parts(v.add(at + (2 * p + 1) * step), len);
+                let out = std::slice::from_raw_parts_mut(out.add(p * stride), len);
+                for ((o, &lo), &hi) in out.iter_mut().zip(lo).zip(hi) {
+                    *o = u32::from(lo) | u32::from(hi) << 16;
+                }
             }
-        } else {
+        }
+        for p in whole..k.div_ceil(2) {
             for c in 0..len {
-                *out.add(c) = pair(v, at + c * line, step, p, k);
+                *out.add(p * stride + c) = pair(v, at + c * line, step, p, k);
             }
         }
     }
@@ -303,6 +349,7 @@ struct LhsStrips<'a> {
 
 impl<'a> LhsStrips<'a> {
     fn new(
+        mover: Mover,
         lhs: Operand<'a>,
         m: usize,
         k: usize,
@@ -317,7 +364,7 @@ impl<'a> LhsStrips<'a> {
             let tail = full.clamp(strips.start, strips.end)..strips.end;
             return LhsStrips {
                 direct: Some((v.as_ptr().cast::<u8>(), rs * 2)),
-                packed: pack_lhs(lhs, m, k, tail.clone(), layout),
+                packed: pack_lhs(mover, lhs, m, k, tail.clone(), layout),
                 packed_first: tail.start,
                 kp,
                 layout,
@@ -326,7 +373,7 @@ impl<'a> LhsStrips<'a> {
         }
         LhsStrips {
             direct: None,
-            packed: pack_lhs(lhs, m, k, strips.clone(), layout),
+            packed: pack_lhs(mover, lhs, m, k, strips.clone(), layout),
             packed_first: strips.start,
             kp,
             layout,
@@ -368,6 +415,7 @@ impl<'a> LhsStrips<'a> {
 /// each row's (k, k+1) elements as one u32; for `Broadcast` each strip of `MR` rows laid
 /// out per pair of k (what the vector kernel broadcasts). Rows past m are zeros.
 fn pack_lhs(
+    mover: Mover,
     lhs: Operand<'_>,
     m: usize,
     k: usize,
@@ -404,20 +452,11 @@ fn pack_lhs(
         }
         if cs != 1 && k >= 2 {
             let rows = MR.min(m - s * MR);
-            for p in 0..kp {
-                // SAFETY: as above.
-                unsafe {
-                    interleave(
-                        v,
-                        (s * MR) * rs,
-                        rs,
-                        cs,
-                        (p, k),
-                        rows,
-                        o.add(strip + p * MR),
-                    )
-                };
-            }
+            // SAFETY: as above.
+            unsafe {
+                let out = (o.add(strip), MR);
+                interleave(mover, v, (s * MR) * rs, rs, cs, k, rows, out)
+            };
         }
     }
     // SAFETY: every element was written above.
@@ -447,8 +486,14 @@ fn pack_lhs_rows((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usi
 
 /// The rhs (k×n, strides `rs`, `cs`) as strips of `NR` columns; in a strip, for each pair
 /// of k, each column's (k, k+1) elements as one u32: the vectors the kernel multiplies.
-/// Columns past n are zeros. Strips are packed on up to `threads` threads.
-fn pack_rhs((v, rs, cs): Operand<'_>, k: usize, n: usize, threads: usize) -> Vec<u32> {
+/// Columns past n are zeros. Strips are packed on up to `threads` threads, by `mover`.
+fn pack_rhs(
+    mover: Mover,
+    (v, rs, cs): Operand<'_>,
+    k: usize,
+    n: usize,
+    threads: usize,
+) -> Vec<u32> {
     let kp = k.div_ceil(2);
     let strip_len = kp * NR;
     let strips = n.div_ceil(NR);
@@ -464,18 +509,25 @@ fn pack_rhs((v, rs, cs): Operand<'_>, k: usize, n: usize, threads: usize) -> Vec
                 // a block of pairs at a time so the block's output stays in L1.
                 for first in (0..kp).step_by(PACK_PAIRS) {
                     let pairs = first..(first + PACK_PAIRS).min(kp);
+                    let (vector_cols, vector_end) =
+                        transpose_block(mover, v, (j0 * cs, cs, k), pairs.clone(), cols, o);
                     for c in 0..cols {
-                        pack_line(v, ((j0 + c) * cs, rs, k), pairs.clone(), o.add(c), NR);
+                        let rest = if c < vector_cols {
+                            vector_end..pairs.end
+                        } else {
+                            pairs.clone()
+                        };
+                        pack_line(v, ((j0 + c) * cs, rs, k), rest, o.add(c), NR);
                     }
                 }
             } else {
                 // Rows contiguous: two rows of k interleaved per pair.
-                for p in 0..kp {
-                    interleave(v, j0 * cs, cs, rs, (p, k), cols, o.add(p * NR));
-                }
+                interleave(mover, v, j0 * cs, cs, rs, k, cols, (o, NR));
             }
-            for p in 0..kp {
-                (cols..NR).for_each(|c| *o.add(p * NR + c) = 0);
+            if cols < NR {
+                for p in 0..kp {
+                    (cols..NR).for_each(|c| *o.add(p * NR + c) = 0);
+                }
             }
         }
     };
@@ -497,6 +549,48 @@ fn pack_rhs((v, rs, cs): Operand<'_>, k: usize, n: usize, threads: usize) -> Vec
     // SAFETY: every strip was written in full above.
     unsafe { out.set_len(strips * strip_len) };
     out
+}
+
+/// Packs what it can of pairs `pairs` of the first `cols` columns of a transposed rhs strip
+/// (column `c` at `at + c * cs`, its k elements contiguous) into `out` (`NR` u32 a pair) by
+/// 16×16 transposes when `mover` is AVX-512: returns the columns and the end of the pairs
+/// it packed (from `pairs.start`), both multiples of 16 there, `(0, pairs.start)` if none.
+///
+/// # Safety
+/// As `pack_rhs`'s strip: the columns' k elements are inside the operand, `out` holds the
+/// strip; the CPU runs `mover`.
+#[inline(always)]
+unsafe fn transpose_block(
+    mover: Mover,
+    v: *const u16,
+    (at, cs, k): (usize, usize, usize),
+    pairs: Range<usize>,
+    cols: usize,
+    out: *mut u32,
+) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if mover == Mover::Avx512 {
+        let whole = (pairs.end.min(k / 2)).saturating_sub(pairs.start) / 16 * 16;
+        let (cols, end) = (cols / 16 * 16, pairs.start + whole);
+        for c0 in (0..cols).step_by(16) {
+            for p0 in (pairs.start..end).step_by(16) {
+                // SAFETY: pairs p0..p0 + 16 lie below k / 2 in each column; `out` holds
+                // rows p0.. of `NR` u32.
+                unsafe {
+                    let first =
+                        std::array::from_fn(|c| v.add(at + (c0 + c) * cs + 2 * p0).cast::<u32>());
+                    pack_avx512::transpose16(&first, out.add(p0 * NR + c0), NR);
+                }
+            }
+        }
+        return if whole == 0 {
+            (0, pairs.start)
+        } else {
+            (cols, end)
+        };
+    }
+    let _ = (mover, v, at, cs, k, cols, out);
+    (0, pairs.start)
 }
 
 /// The packed rhs's buffer, shared by the threads that each write their own strips.
@@ -541,6 +635,8 @@ fn for_each_tile(
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod pack_avx512;
 
 pub(super) mod amx;
 

@@ -124,16 +124,29 @@ fn layout(rows: usize, cols: usize, transposed: bool) -> (usize, usize, usize) {
     }
 }
 
-/// Runs `tiles` on one case and checks every element against the f64 product of the
-/// same bf16 inputs: within the f32 sums' rounding plus one bf16 rounding.
+/// The packings this CPU runs: the scalar ones, and the AVX-512 ones where it has them.
+fn movers() -> Vec<Mover> {
+    let mut movers = vec![Mover::Scalar];
+    if Mover::detect() != Mover::Scalar {
+        movers.push(Mover::detect());
+    }
+    movers
+}
+
+/// Runs `tiles` on one case, packed by every mover this CPU runs, and checks every element
+/// against the f64 product of the same bf16 inputs: within the f32 sums' rounding plus one
+/// bf16 rounding.
 fn check(kernel: Kernel, (m, n, k): (usize, usize, usize), t_lhs: bool, t_rhs: bool) {
-    for threads in [1, 3] {
-        check_on(kernel, threads, (m, n, k), t_lhs, t_rhs);
+    for mover in movers() {
+        for threads in [1, 3] {
+            check_on(kernel, mover, threads, (m, n, k), t_lhs, t_rhs);
+        }
     }
 }
 
 fn check_on(
     kernel: Kernel,
+    mover: Mover,
     threads: usize,
     (m, n, k): (usize, usize, usize),
     t_lhs: bool,
@@ -158,6 +171,7 @@ fn check_on(
             unsafe {
                 gemm_with(
                     kernel,
+                    mover,
                     threads,
                     (m, n, k),
                     target,
@@ -384,4 +398,45 @@ fn the_blocked_path_spans_several_rhs_blocks() {
     // k = 4100 makes a 32-column strip 262 KB, so a block holds one strip and the
     // 70 columns take three blocks.
     check(SCALAR, (13, 70, 4100), false, true);
+}
+
+/// Operand shapes around the 16×16 transposes' and the strips' edges: k odd and even, below,
+/// at and past 16 and 64 pairs; columns short of, at and past 16 and `NR`.
+#[test]
+fn the_vector_packings_equal_the_scalar_ones_element_for_element() {
+    let movers = movers();
+    if movers.len() == 1 {
+        eprintln!("skipped: this CPU has no AVX-512 packing to compare");
+        return;
+    }
+    for k in [1, 2, 31, 32, 33, 64, 130, 259] {
+        for cols in [1, 5, 16, 17, 32, 48, 70] {
+            for transposed in [false, true] {
+                // The rhs k×cols and the lhs cols×k, in each layout.
+                let (rs, cs, len) = layout(k, cols, transposed);
+                let b = values(len, (k * 131 + cols) as u64);
+                let packed: Vec<_> = movers
+                    .iter()
+                    .map(|&m| pack_rhs(m, (&b, rs, cs), k, cols, 1))
+                    .collect();
+                assert_eq!(
+                    packed[0], packed[1],
+                    "rhs {k}x{cols} transposed {transposed}"
+                );
+                let (rs, cs, len) = layout(cols, k, transposed);
+                let a = values(len, (k * 7 + cols) as u64);
+                let strips = 0..cols.div_ceil(MR);
+                for layout in [LhsLayout::Broadcast, LhsLayout::Rows] {
+                    let packed: Vec<_> = movers
+                        .iter()
+                        .map(|&m| pack_lhs(m, (&a, rs, cs), cols, k, strips.clone(), layout))
+                        .collect();
+                    assert_eq!(
+                        packed[0], packed[1],
+                        "lhs {cols}x{k} transposed {transposed} {layout:?}"
+                    );
+                }
+            }
+        }
+    }
 }
