@@ -19,19 +19,35 @@ pub(super) unsafe fn tiles(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<u
     });
 }
 
-/// One tile: per pair of k, each row's pair broadcast and `vdpbf16ps` against the
-/// strip's `NV` vectors, the sums kept in registers; then written as [`store`] says.
+/// One tile: its sums ([`sums`]) written as [`store`] says.
 ///
 /// # Safety
 /// As [`tiles`]; `a` reads `MR` rows and `b` holds `NR` u32 per pair.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
 unsafe fn tile(p: &Product<'_>, a: LhsStrip, b: &[u32], i0: usize, j0: usize) {
+    // SAFETY: forwarded; the tile's rows and columns are the caller's.
+    unsafe {
+        let acc = sums(p.kp, a, b);
+        write_rows(p, &acc, i0, j0)
+    }
+}
+
+/// A tile's sums: per pair of k, each row's pair broadcast and `vdpbf16ps` against the
+/// strip's `NV` vectors. Its own function, returning the sums, so they stay in registers
+/// from the first pair to the last (indexed by a run-time row count in the write-back,
+/// they would be a stack array zeroed per tile by a call to memset).
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn sums(kp: usize, a: LhsStrip, b: &[u32]) -> [[__m512; NV]; MR] {
     let mut acc = [[_mm512_setzero_ps(); NV]; MR];
     let b = b.as_ptr();
     // Each row's first pair; a row advances by `a.pair` bytes a pair.
     let rows: [*const u8; MR] = std::array::from_fn(|r| a.at.wrapping_add(r * a.row));
-    for q in 0..p.kp {
+    for q in 0..kp {
         // SAFETY: the strips hold `kp` pairs of `MR` and `NR` u32.
         unsafe {
             let mut bv = [_mm512_setzero_si512(); NV];
@@ -47,8 +63,7 @@ unsafe fn tile(p: &Product<'_>, a: LhsStrip, b: &[u32], i0: usize, j0: usize) {
             }
         }
     }
-    // SAFETY: forwarded; the tile's rows and columns are the caller's.
-    unsafe { write_rows(p, &acc, i0, j0) }
+    acc
 }
 
 /// Writes a tile's sums, kept in memory by the AMX kernel, as [`tile`] writes its registers.
