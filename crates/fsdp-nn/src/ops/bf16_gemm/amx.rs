@@ -1,6 +1,11 @@
-//! The AMX tile kernel: per tile of `MR` rows and `NR` columns, two accumulator tiles of
-//! 12×16 f32 summed by `tdpbf16ps` over 16 pairs of k at a time (a tail tile for the rest
-//! of k), stored to the stack and written back by the AVX512_BF16 kernel's vector code.
+//! The AMX tile kernel: per block of [`ROWS`] rows and `NR` columns, four accumulator tiles
+//! of 16×16 f32 (2×2: two lhs tiles of 16 rows, two rhs tiles of 16 columns) summed by
+//! `tdpbf16ps` over 16 pairs of k at a time, stored to the stack and written back by the
+//! AVX512_BF16 kernel's vector code. Four loads feed four products, and four independent
+//! accumulators keep the tile unit busy while each product's sums are still being
+//! written, the blocking Intel's optimization manual gives for AMX GEMMs. The packings pad
+//! k with zeros to whole blocks of 16 pairs (a row-major lhs whose k is a multiple of 32 is
+//! loaded in place), so one tile configuration serves every product.
 //!
 //! AMX needs the CPU's AMX-TILE and AMX-BF16 (cpuid leaf 7), and Linux's permission for
 //! the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`), asked once per
@@ -13,20 +18,24 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use super::{LhsStrip, LhsStrips, MR, NR, Product, TileSums};
+use super::{LhsStrip, LhsStrips, NR, Product};
 
-/// Pairs of k one full tile product takes (64 bytes of a row of bf16 pairs).
+/// Pairs of k one tile product takes (64 bytes of a row of bf16 pairs).
 pub(super) const TILE_PAIRS: usize = 16;
-/// The accumulator tiles (columns 0..16 and 16..32 of a tile), the lhs tile and the two
-/// rhs tiles of full products, and the three of the tail of k.
-const C0: u8 = 0;
-const C1: u8 = 1;
-const A: u8 = 2;
-const B0: u8 = 3;
-const B1: u8 = 4;
-const A_TAIL: u8 = 5;
-const B0_TAIL: u8 = 6;
-const B1_TAIL: u8 = 7;
+/// Rows of a tile register.
+const TILE_ROWS: usize = 16;
+/// Rows of the product one block of the kernel computes: two lhs tiles.
+pub(super) const ROWS: usize = 2 * TILE_ROWS;
+/// The accumulators (rows 0..16 or 16..32, columns 0..16 or 16..32 of a block), the two
+/// lhs tiles (rows) and the two rhs tiles (columns): all eight tile registers.
+const C00: u8 = 0;
+const C01: u8 = 1;
+const C10: u8 = 2;
+const C11: u8 = 3;
+const A0: u8 = 4;
+const A1: u8 = 5;
+const B0: u8 = 6;
+const B1: u8 = 7;
 
 /// Whether this process can run the AMX kernel, and if not, why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,24 +187,10 @@ impl Default for TileConfig {
     }
 }
 
-/// The kernel's tiles for a product with `kp` pairs of k: the accumulators and full
-/// products' operands, and the tail's when `kp` is not a multiple of [`TILE_PAIRS`].
-pub(super) fn kernel_config(kp: usize) -> TileConfig {
-    let full = TILE_PAIRS * 4;
-    let mut cfg = TileConfig::new()
-        .with(C0, MR, 64)
-        .with(C1, MR, 64)
-        .with(A, MR, full)
-        .with(B0, TILE_PAIRS, 64)
-        .with(B1, TILE_PAIRS, 64);
-    let tail = kp % TILE_PAIRS;
-    if tail > 0 {
-        cfg = cfg
-            .with(A_TAIL, MR, tail * 4)
-            .with(B0_TAIL, tail, 64)
-            .with(B1_TAIL, tail, 64);
-    }
-    cfg
+/// The kernel's tiles: all eight registers as 16 rows of 64 bytes (f32 sums, 16 pairs of
+/// bf16, or 16 columns of pairs).
+pub(super) fn kernel_config() -> TileConfig {
+    (0..8).fold(TileConfig::new(), |cfg, t| cfg.with(t, TILE_ROWS, 64))
 }
 
 /// The tile instructions the kernel uses, on tile registers named by constants.
@@ -283,8 +278,9 @@ impl TileUnit for Hardware {
     }
 }
 
-/// Writes a tile's sums to rows `i0..` and columns `j0..` of the product's destination.
-pub(super) type WriteBack = unsafe fn(&Product<'_>, &TileSums, usize, usize);
+/// Writes a block's sums (row-major, `NR` a row) to rows `i0..` and columns `j0..` of the
+/// product's destination.
+pub(super) type WriteBack = unsafe fn(&Product<'_>, &[f32], usize, usize);
 
 /// The tiles of row strips `strips` on the CPU's tiles.
 ///
@@ -315,53 +311,59 @@ pub(super) unsafe fn tiles_on<U: TileUnit>(
     lhs: &LhsStrips<'_>,
     strips: Range<usize>,
 ) {
-    let cfg = kernel_config(p.kp);
+    debug_assert!(p.rows == ROWS && p.strip_pairs.is_multiple_of(TILE_PAIRS));
+    let cfg = kernel_config();
     // SAFETY: as the caller vouches; the tiles named are the configuration's.
     unsafe {
         unit.configure(&cfg);
         super::for_each_tile(p, lhs, strips, |a, b, i0, j0| {
-            let sums = tile(unit, p.kp, a, b);
+            let sums = block(unit, p.strip_pairs, a, b);
             write(p, &sums, i0, j0);
         });
         unit.release();
     }
 }
 
-/// One tile's sums: both accumulators over the full 16-pair blocks of k, then the tail.
+/// One block's sums: the four accumulators over k, 16 pairs at a time.
 ///
 /// # Safety
-/// As [`tiles_on`]; `a` has `kp` contiguous pairs per row (`a.pair` is 4) for `MR` rows,
-/// `b` holds `kp` pairs of `NR` u32.
+/// As [`tiles_on`]; `a` has `pairs` contiguous pairs per row (`a.pair` is 4) for [`ROWS`]
+/// rows, `b` holds `pairs` pairs of `NR` u32, and `pairs` is a multiple of [`TILE_PAIRS`].
 #[inline(always)]
-unsafe fn tile<U: TileUnit>(unit: &mut U, kp: usize, a: LhsStrip, b: &[u32]) -> TileSums {
+unsafe fn block<U: TileUnit>(
+    unit: &mut U,
+    pairs: usize,
+    a: LhsStrip,
+    b: &[u32],
+) -> [f32; ROWS * NR] {
     debug_assert_eq!(a.pair, 4, "tile loads read a row's pairs contiguously");
     let b = b.as_ptr().cast::<u8>();
     // A pair of k of the rhs strip is `NR` u32; its second 16 columns start 64 bytes in.
     let b_row = NR * 4;
-    // SAFETY: the loads stay inside the strips: `q + 16 <= kp` for full blocks, the tail's
-    // tiles have `kp - q` rows (rhs) and bytes for `kp - q` pairs (lhs).
+    // SAFETY: the loads stay inside the strips: `q + 16 <= pairs` for every block of k.
     unsafe {
-        unit.zero::<C0>();
-        unit.zero::<C1>();
-        let full = kp - kp % TILE_PAIRS;
-        for q in (0..full).step_by(TILE_PAIRS) {
-            unit.load::<A>(a.at.add(q * 4), a.row);
+        let a1 = a.at.add(TILE_ROWS * a.row);
+        unit.zero::<C00>();
+        unit.zero::<C01>();
+        unit.zero::<C10>();
+        unit.zero::<C11>();
+        for q in (0..pairs).step_by(TILE_PAIRS) {
+            unit.load::<A0>(a.at.add(q * 4), a.row);
             unit.load::<B0>(b.add(q * b_row), b_row);
+            unit.dot::<C00, A0, B0>();
             unit.load::<B1>(b.add(q * b_row + 64), b_row);
-            unit.dot::<C0, A, B0>();
-            unit.dot::<C1, A, B1>();
+            unit.dot::<C01, A0, B1>();
+            unit.load::<A1>(a1.add(q * 4), a.row);
+            unit.dot::<C10, A1, B0>();
+            unit.dot::<C11, A1, B1>();
         }
-        if full < kp {
-            unit.load::<A_TAIL>(a.at.add(full * 4), a.row);
-            unit.load::<B0_TAIL>(b.add(full * b_row), b_row);
-            unit.load::<B1_TAIL>(b.add(full * b_row + 64), b_row);
-            unit.dot::<C0, A_TAIL, B0_TAIL>();
-            unit.dot::<C1, A_TAIL, B1_TAIL>();
-        }
-        let mut sums = [0f32; MR * NR];
+        let mut sums = [0f32; ROWS * NR];
         let out = sums.as_mut_ptr().cast::<u8>();
-        unit.store::<C0>(out, NR * 4);
-        unit.store::<C1>(out.add(64), NR * 4);
+        let lower = out.add(TILE_ROWS * NR * 4);
+        unit.store::<C00>(out, NR * 4);
+        unit.store::<C01>(out.add(64), NR * 4);
+        unit.store::<C10>(lower, NR * 4);
+        unit.store::<C11>(lower.add(64), NR * 4);
         sums
     }
 }

@@ -4,7 +4,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{Dst, LhsStrip, LhsStrips, MR, NR, NV, Product, TileSums};
+use super::{Dst, LhsStrip, LhsStrips, MR, NR, NV, Product};
 
 /// The tiles of row strips `strips`, compiled for AVX512_BF16.
 ///
@@ -66,28 +66,31 @@ unsafe fn sums(kp: usize, a: LhsStrip, b: &[u32]) -> [[__m512; NV]; MR] {
     acc
 }
 
-/// Writes a tile's sums, kept in memory by the AMX kernel, as [`tile`] writes its registers.
+/// Writes a tile's sums, kept in memory by the AMX kernel (row-major, `NR` a row, as many
+/// rows as the tile has), as [`tile`] writes its registers.
 ///
 /// # Safety
 /// As [`tiles`]; rows `i0..` and columns `j0..` are a tile of the product.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn write_tile(p: &Product<'_>, sums: &TileSums, i0: usize, j0: usize) {
-    let acc: [[__m512; NV]; MR] = std::array::from_fn(|r| {
-        // SAFETY: row r's `NR` = 16 `NV` sums are inside the array.
-        std::array::from_fn(|v| unsafe { _mm512_loadu_ps(sums.as_ptr().add(r * NR + 16 * v)) })
-    });
-    // SAFETY: forwarded.
-    unsafe { write_rows(p, &acc, i0, j0) }
+pub(super) unsafe fn write_tile(p: &Product<'_>, sums: &[f32], i0: usize, j0: usize) {
+    for (r, row) in sums.chunks_exact(NR).take(p.m - i0).enumerate() {
+        let acc: [__m512; NV] =
+            // SAFETY: the row's `NR` = 16 `NV` sums are inside the slice.
+            std::array::from_fn(|v| unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * v)) });
+        // SAFETY: forwarded; row i0 + r is below m.
+        unsafe { write_rows(p, &[acc], i0 + r, j0) }
+    }
 }
 
-/// The tile's rows inside the product to the destination, as [`store`] says.
+/// The rows of sums `acc` (from row `i0`) inside the product to the destination, as
+/// [`store`] says.
 ///
 /// # Safety
 /// As [`write_tile`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-unsafe fn write_rows(p: &Product<'_>, acc: &[[__m512; NV]; MR], i0: usize, j0: usize) {
-    let rows = MR.min(p.m - i0);
+unsafe fn write_rows(p: &Product<'_>, acc: &[[__m512; NV]], i0: usize, j0: usize) {
+    let rows = acc.len().min(p.m - i0);
     let cols = NR.min(p.n - j0);
     let at = (i0 * p.dst_rs) + j0;
     for (r, acc) in acc.iter().enumerate().take(rows) {

@@ -1,5 +1,5 @@
-//! The bf16 GEMM for CPUs with bf16 dot products: AMX tiles (`tdpbf16ps`, a 12×16 block
-//! of f32 sums per instruction over 32 of k) where the CPU has them and Linux grants their
+//! The bf16 GEMM for CPUs with bf16 dot products: AMX tiles (`tdpbf16ps`, a 16×16 block
+//! of f32 sums per instruction over 32 of k, in 2×2 blocks of tiles) where the CPU has them and Linux grants their
 //! state, AVX512_BF16 (`vdpbf16ps`, two bf16 products into each f32 lane) next. The operands
 //! are packed as bf16 pairs, products are summed in f32 over all of k, and each result is
 //! scaled, added to the destination when accumulating and rounded to bf16 once, as in the
@@ -20,7 +20,8 @@ use std::ops::Range;
 
 use half::bf16;
 
-/// Rows of the product one tile computes: one broadcast per row and pair of k.
+/// Rows of the product one tile of the vector kernel computes: one broadcast per row and
+/// pair of k (the AMX kernel's tiles have [`amx::ROWS`]).
 const MR: usize = 12;
 /// Columns of the product one tile computes: `NV` vectors of 16 f32 lanes, so a tile keeps
 /// `MR * NV` accumulators of the 32 vector registers in flight.
@@ -76,15 +77,9 @@ pub(super) unsafe fn gemm(
 ) {
     let threads = candle_core::utils::get_num_threads();
     let kernel = if amx::ready() {
-        Kernel {
-            tiles: amx::tiles,
-            lhs: LhsLayout::Rows,
-        }
+        Kernel::tiled(amx::tiles)
     } else {
-        Kernel {
-            tiles: avx512::tiles,
-            lhs: LhsLayout::Broadcast,
-        }
+        Kernel::broadcast(avx512::tiles)
     };
     // SAFETY: forwarded from the caller, who vouches for the CPU (and `amx::ready` for the
     // tiles).
@@ -111,6 +106,11 @@ struct Product<'a> {
     rhs: &'a [u32],
     /// Pairs of k (k rounded up to even: a zero pads an odd k).
     kp: usize,
+    /// Pairs of k in a packed strip or row: `kp` rounded up to the kernel's
+    /// [`Kernel::pairs`], zeros past `kp`.
+    strip_pairs: usize,
+    /// Rows of the product one tile computes ([`Kernel::rows`]).
+    rows: usize,
     m: usize,
     n: usize,
     dst: Dst,
@@ -137,11 +137,39 @@ enum LhsLayout {
     Rows,
 }
 
-/// A tile kernel and the lhs layout it reads.
+/// A tile kernel and how it reads its operands.
 #[derive(Clone, Copy)]
 struct Kernel {
     tiles: Tiles,
     lhs: LhsLayout,
+    /// Rows of the product one tile computes.
+    rows: usize,
+    /// The packed operands' pairs of k are a multiple of this (zeros past k): a tile
+    /// instruction takes a fixed number of pairs.
+    pairs: usize,
+}
+
+impl Kernel {
+    /// A vector kernel: tiles of `MR` rows broadcast from the `Broadcast` layout, any k.
+    const fn broadcast(tiles: Tiles) -> Kernel {
+        Kernel {
+            tiles,
+            lhs: LhsLayout::Broadcast,
+            rows: MR,
+            pairs: 1,
+        }
+    }
+
+    /// The AMX kernel's operands: tiles of [`amx::ROWS`] rows loaded from the `Rows`
+    /// layout, k in blocks of [`amx::TILE_PAIRS`] pairs.
+    const fn tiled(tiles: Tiles) -> Kernel {
+        Kernel {
+            tiles,
+            lhs: LhsLayout::Rows,
+            rows: amx::ROWS,
+            pairs: amx::TILE_PAIRS,
+        }
+    }
 }
 
 /// How the packings move elements: AVX-512 shuffles where the CPU has them (every CPU
@@ -167,10 +195,6 @@ impl Mover {
     }
 }
 
-/// A tile's f32 sums, row-major `MR`×`NR`, as a write-back takes them (the AMX kernel
-/// stores its accumulators so).
-type TileSums = [f32; MR * NR];
-
 /// An operand as `gemm` receives it: its elements and (row, column) strides.
 type Operand<'a> = (&'a [bf16], usize, usize);
 
@@ -195,13 +219,16 @@ unsafe fn gemm_with(
     if m == 0 || n == 0 {
         return;
     }
-    let strips = m.div_ceil(MR);
+    let strips = m.div_ceil(kernel.rows);
     let threads = threads.clamp(1, strips);
     let pack_threads = if k * n >= PARALLEL_PACK { threads } else { 1 };
-    let rhs = pack_rhs(mover, rhs, k, n, pack_threads);
+    let strip_pairs = k.div_ceil(2).next_multiple_of(kernel.pairs);
+    let rhs = pack_rhs(mover, rhs, (k, n), strip_pairs, pack_threads);
     let product = Product {
         rhs: &rhs,
         kp: k.div_ceil(2),
+        strip_pairs,
+        rows: kernel.rows,
         m,
         n,
         dst,
@@ -210,7 +237,7 @@ unsafe fn gemm_with(
         scale: scale as f32,
     };
     let run = |range: Range<usize>| {
-        let lhs = LhsStrips::new(mover, lhs, m, k, range.clone(), kernel.lhs);
+        let lhs = LhsStrips::new(mover, kernel, lhs, (m, k), range.clone());
         // SAFETY: forwarded from the caller; each range's rows are its own.
         unsafe { (kernel.tiles)(&product, &lhs, range) }
     };
@@ -333,76 +360,77 @@ struct LhsStrip {
     pair: usize,
 }
 
-/// The lhs of one range of row strips as the tiles read it: a row-major operand of even k
-/// is read in place (its rows' pairs are already u32, contiguous), except a last strip
-/// short of `MR` rows; everything else is packed in the kernel's layout ([`pack_lhs`]).
+/// The lhs of one range of row strips as the tiles read it: a row-major operand whose
+/// rows' pairs fill the kernel's blocks of k is read in place (its rows' pairs are already
+/// u32, contiguous), except a last strip short of the kernel's rows; everything else is
+/// packed in the kernel's layout ([`pack_lhs`]).
 struct LhsStrips<'a> {
     /// The operand's first element and its row stride in bytes, when read in place.
     direct: Option<(*const u8, usize)>,
     /// Packed strips, the first of them `packed_first`.
     packed: Vec<u32>,
     packed_first: usize,
-    kp: usize,
-    layout: LhsLayout,
+    /// Pairs of k per packed row.
+    strip_pairs: usize,
+    kernel: Kernel,
     _operand: std::marker::PhantomData<&'a [bf16]>,
 }
 
 impl<'a> LhsStrips<'a> {
     fn new(
         mover: Mover,
+        kernel: Kernel,
         lhs: Operand<'a>,
-        m: usize,
-        k: usize,
+        (m, k): (usize, usize),
         strips: Range<usize>,
-        layout: LhsLayout,
     ) -> LhsStrips<'a> {
         let (v, rs, cs) = lhs;
-        let kp = k.div_ceil(2);
-        let full = m / MR;
-        if cs == 1 && k.is_multiple_of(2) && k > 0 {
-            // Strips from `full` on (at most one, short of `MR` rows) need zero rows.
-            let tail = full.clamp(strips.start, strips.end)..strips.end;
-            return LhsStrips {
-                direct: Some((v.as_ptr().cast::<u8>(), rs * 2)),
-                packed: pack_lhs(mover, lhs, m, k, tail.clone(), layout),
-                packed_first: tail.start,
-                kp,
-                layout,
-                _operand: std::marker::PhantomData,
-            };
-        }
-        LhsStrips {
+        let strip_pairs = k.div_ceil(2).next_multiple_of(kernel.pairs);
+        let full = m / kernel.rows;
+        let mut lhs_strips = LhsStrips {
             direct: None,
-            packed: pack_lhs(mover, lhs, m, k, strips.clone(), layout),
+            packed: Vec::new(),
             packed_first: strips.start,
-            kp,
-            layout,
+            strip_pairs,
+            kernel,
             _operand: std::marker::PhantomData,
-        }
+        };
+        let in_place = cs == 1 && k > 0 && k == 2 * strip_pairs;
+        let packed = if in_place {
+            lhs_strips.direct = Some((v.as_ptr().cast::<u8>(), rs * 2));
+            // Strips from `full` on (at most one, short of the kernel's rows) need zero rows.
+            full.clamp(strips.start, strips.end)..strips.end
+        } else {
+            strips
+        };
+        lhs_strips.packed = pack_lhs(mover, kernel, lhs, (m, k), packed.clone());
+        lhs_strips.packed_first = packed.start;
+        lhs_strips
     }
 
     /// Row strip `s` (one of the range's).
     fn strip(&self, s: usize) -> LhsStrip {
+        let rows = self.kernel.rows;
         match self.direct {
             Some((at, row)) if s < self.packed_first => LhsStrip {
                 // SAFETY: strip s's first row is inside the operand.
-                at: unsafe { at.add(s * MR * row) },
+                at: unsafe { at.add(s * rows * row) },
                 row,
                 pair: 4,
             },
             _ => {
-                let at = self.packed[(s - self.packed_first) * self.kp * MR..]
+                let at = self.packed[(s - self.packed_first) * self.strip_pairs * rows..]
                     .as_ptr()
                     .cast::<u8>();
-                match self.layout {
+                match self.kernel.lhs {
                     LhsLayout::Broadcast => LhsStrip {
                         at,
                         row: 4,
-                        pair: 4 * MR,
+                        pair: 4 * rows,
                     },
                     LhsLayout::Rows => LhsStrip {
                         at,
-                        row: 4 * self.kp,
+                        row: 4 * self.strip_pairs,
                         pair: 4,
                     },
                 }
@@ -411,20 +439,21 @@ impl<'a> LhsStrips<'a> {
     }
 }
 
-/// The lhs rows of row strips `strips` (the operand m×k, strides `rs`, `cs`) in `layout`,
-/// each row's (k, k+1) elements as one u32; for `Broadcast` each strip of `MR` rows laid
-/// out per pair of k (what the vector kernel broadcasts). Rows past m are zeros.
+/// The lhs rows of row strips `strips` (the operand m×k, strides `rs`, `cs`) in the
+/// kernel's layout, each row's (k, k+1) elements as one u32; for `Broadcast` each strip of
+/// `MR` rows laid out per pair of k (what the vector kernel broadcasts). Rows past m are
+/// zeros.
 fn pack_lhs(
     mover: Mover,
+    kernel: Kernel,
     lhs: Operand<'_>,
-    m: usize,
-    k: usize,
+    (m, k): (usize, usize),
     strips: Range<usize>,
-    layout: LhsLayout,
 ) -> Vec<u32> {
-    if layout == LhsLayout::Rows {
-        return pack_lhs_rows(lhs, m, k, strips);
+    if kernel.lhs == LhsLayout::Rows {
+        return pack_lhs_rows(kernel, lhs, (m, k), strips);
     }
+    debug_assert!(kernel.rows == MR && kernel.pairs == 1);
     let (v, rs, cs) = lhs;
     let kp = k.div_ceil(2);
     let len = strips.len() * kp * MR;
@@ -464,19 +493,26 @@ fn pack_lhs(
     out
 }
 
-/// [`pack_lhs`] in the `Rows` layout: each strip's `MR` rows one after another, each row's
-/// pairs contiguous (the odd tail's high half zero).
-fn pack_lhs_rows((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usize>) -> Vec<u32> {
-    let kp = k.div_ceil(2);
-    let mut out = vec![0u32; strips.len() * MR * kp];
+/// [`pack_lhs`] in the `Rows` layout: each strip's rows one after another, each row's
+/// pairs contiguous, zeros past k (the odd tail's high half, and up to the kernel's block
+/// of pairs).
+fn pack_lhs_rows(
+    kernel: Kernel,
+    (v, rs, cs): Operand<'_>,
+    (m, k): (usize, usize),
+    strips: Range<usize>,
+) -> Vec<u32> {
+    let (rows, kp) = (kernel.rows, k.div_ceil(2));
+    let strip_pairs = kp.next_multiple_of(kernel.pairs);
+    let mut out = vec![0u32; strips.len() * rows * strip_pairs];
     let v = v.as_ptr().cast::<u16>();
     for (s_at, s) in strips.enumerate() {
-        for r in 0..MR.min(m.saturating_sub(s * MR)) {
-            let i = s * MR + r;
+        for r in 0..rows.min(m.saturating_sub(s * rows)) {
+            let i = s * rows + r;
             // SAFETY: row i < m is inside the operand (the caller checked its strides);
-            // `out` holds `kp` pairs for every row of every strip.
+            // `out` holds `strip_pairs` pairs for every row of every strip.
             unsafe {
-                let row = out.as_mut_ptr().add((s_at * MR + r) * kp);
+                let row = out.as_mut_ptr().add((s_at * rows + r) * strip_pairs);
                 pack_line(v, (i * rs, cs, k), 0..kp, row, 1);
             }
         }
@@ -486,16 +522,17 @@ fn pack_lhs_rows((v, rs, cs): Operand<'_>, m: usize, k: usize, strips: Range<usi
 
 /// The rhs (k×n, strides `rs`, `cs`) as strips of `NR` columns; in a strip, for each pair
 /// of k, each column's (k, k+1) elements as one u32: the vectors the kernel multiplies.
-/// Columns past n are zeros. Strips are packed on up to `threads` threads, by `mover`.
+/// Columns past n and pairs from k to `strip_pairs` are zeros. Strips are packed on up to
+/// `threads` threads, by `mover`.
 fn pack_rhs(
     mover: Mover,
     (v, rs, cs): Operand<'_>,
-    k: usize,
-    n: usize,
+    (k, n): (usize, usize),
+    strip_pairs: usize,
     threads: usize,
 ) -> Vec<u32> {
     let kp = k.div_ceil(2);
-    let strip_len = kp * NR;
+    let strip_len = strip_pairs * NR;
     let strips = n.div_ceil(NR);
     let mut out: Vec<u32> = Vec::with_capacity(strips * strip_len);
     let pack_strip = |t: usize, o: *mut u32| {
@@ -529,6 +566,7 @@ fn pack_rhs(
                     (cols..NR).for_each(|c| *o.add(p * NR + c) = 0);
                 }
             }
+            std::ptr::write_bytes(o.add(kp * NR), 0, (strip_pairs - kp) * NR);
         }
     };
     let base = SendPtr(out.as_mut_ptr());
@@ -615,7 +653,7 @@ fn for_each_tile(
     strips: Range<usize>,
     mut tile: impl FnMut(LhsStrip, &[u32], usize, usize),
 ) {
-    let rhs_strip = p.kp * NR;
+    let rhs_strip = p.strip_pairs * NR;
     let rhs_strips = p.n.div_ceil(NR);
     let block = (RHS_BLOCK_BYTES / (rhs_strip * 4).max(1)).max(1);
     for first in (0..rhs_strips).step_by(block) {
@@ -625,7 +663,7 @@ fn for_each_tile(
                 tile(
                     a,
                     &p.rhs[t * rhs_strip..(t + 1) * rhs_strip],
-                    s * MR,
+                    s * p.rows,
                     t * NR,
                 );
             }

@@ -12,14 +12,16 @@ use super::*;
 unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize>) {
     let f = |bits: u32| f32::from_bits(bits << 16);
     for_each_tile(p, lhs, strips, |a, b, i0, j0| {
-        let mut tile = [0f32; MR * NR];
+        let mut tile = vec![0f32; p.rows * NR];
         for (q, pb) in b.chunks_exact(NR).enumerate() {
-            // SAFETY: the strip holds `kp` pairs of `MR` rows.
-            let pa: [u32; MR] = std::array::from_fn(|r| unsafe {
-                a.at.add(r * a.row + q * a.pair)
-                    .cast::<u32>()
-                    .read_unaligned()
-            });
+            // SAFETY: the strip holds `strip_pairs` pairs of `p.rows` rows.
+            let pa: Vec<u32> = (0..p.rows)
+                .map(|r| unsafe {
+                    a.at.add(r * a.row + q * a.pair)
+                        .cast::<u32>()
+                        .read_unaligned()
+                })
+                .collect();
             for (r, &x) in pa.iter().enumerate() {
                 for (c, &y) in pb.iter().enumerate() {
                     let t = &mut tile[r * NR + c];
@@ -33,12 +35,13 @@ unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize
     });
 }
 
-/// A tile's sums to the destination through the scalar conversions the portable path uses.
+/// A tile's sums (row-major, `NR` a row) to the destination through the scalar conversions
+/// the portable path uses.
 ///
 /// # Safety
 /// Rows `i0..` and columns `j0..` are a tile of the product.
-unsafe fn write_scalar(p: &Product<'_>, tile: &TileSums, i0: usize, j0: usize) {
-    for r in 0..MR.min(p.m - i0) {
+unsafe fn write_scalar(p: &Product<'_>, tile: &[f32], i0: usize, j0: usize) {
+    for r in 0..(tile.len() / NR).min(p.m - i0) {
         for c in 0..NR.min(p.n - j0) {
             let at = (i0 + r) * p.dst_rs + j0 + c;
             let v = tile[r * NR + c] * p.scale;
@@ -64,7 +67,9 @@ unsafe fn write_scalar(p: &Product<'_>, tile: &TileSums, i0: usize, j0: usize) {
 }
 
 /// The AMX kernel on emulated tiles, written back by `write`: every configuration it
-/// loads is released, and a product with any k and any tile runs `tdpbf16ps`.
+/// loads is released, a product with any k and any tile runs `tdpbf16ps`, and each
+/// `tdpbf16ps` has one tile load and 16 rows (the 2×2 blocking: one load per product where
+/// 1×2 blocks of 12 rows took 1.5 for three quarters of the rows).
 ///
 /// # Safety
 /// As `gemm_with`; `write` can run on this CPU.
@@ -84,6 +89,8 @@ unsafe fn tiles_emulated(
         "tiles configured and released once"
     );
     assert_eq!(unit.dots > 0, any, "tdpbf16ps ran {} times", unit.dots);
+    assert_eq!(unit.loads, unit.dots, "tile loads per tdpbf16ps");
+    assert_eq!(amx::kernel_config().shape(0).0, 16, "rows a tdpbf16ps sums");
 }
 
 unsafe fn tiles_emulated_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize>) {
@@ -98,10 +105,7 @@ unsafe fn tiles_emulated_avx512(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Ra
 }
 
 /// The scalar kernel reading the lhs as the vector kernel does.
-const SCALAR: Kernel = Kernel {
-    tiles: tiles_scalar,
-    lhs: LhsLayout::Broadcast,
-};
+const SCALAR: Kernel = Kernel::broadcast(tiles_scalar);
 
 /// Deterministic values in [-1, 1) as bf16 (no denormals, which the instruction
 /// flushes).
@@ -251,29 +255,20 @@ fn packing_blocking_and_write_back_are_exact_with_the_instructions_arithmetic() 
 
 #[test]
 fn the_row_layout_the_tiles_load_packs_every_lhs_shape() {
-    cases(Kernel {
-        tiles: tiles_scalar,
-        lhs: LhsLayout::Rows,
-    });
+    cases(Kernel::tiled(tiles_scalar));
 }
 
 #[test]
 fn the_amx_kernel_computes_the_product_on_emulated_tiles() {
-    cases(Kernel {
-        tiles: tiles_emulated_scalar,
-        lhs: LhsLayout::Rows,
-    });
-    // k past several 16-pair blocks with a tail, and a whole number of blocks.
+    let kernel = Kernel::tiled(tiles_emulated_scalar);
+    cases(kernel);
+    // k past several 16-pair blocks with a tail (the lhs packed with zeros) and a whole
+    // number of blocks (a row-major lhs loaded in place), rows past one block and short of
+    // the next.
     for k in [67, 96] {
-        check(
-            Kernel {
-                tiles: tiles_emulated_scalar,
-                lhs: LhsLayout::Rows,
-            },
-            (14, 40, k),
-            false,
-            true,
-        );
+        for t_lhs in [false, true] {
+            check(kernel, (45, 40, k), t_lhs, true);
+        }
     }
 }
 
@@ -284,10 +279,7 @@ fn the_amx_kernel_writes_back_with_the_vector_code() {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    cases(Kernel {
-        tiles: tiles_emulated_avx512,
-        lhs: LhsLayout::Rows,
-    });
+    cases(Kernel::tiled(tiles_emulated_avx512));
 }
 
 #[test]
@@ -296,27 +288,20 @@ fn the_amx_kernel_computes_the_product_on_this_cpus_tiles() {
         eprintln!("skipped: no AMX here ({:?})", amx::support());
         return;
     }
-    cases(Kernel {
-        tiles: amx::tiles,
-        lhs: LhsLayout::Rows,
-    });
+    cases(Kernel::tiled(amx::tiles));
+    check(Kernel::tiled(amx::tiles), (70, 100, 96), false, true);
 }
 
 #[test]
 fn the_tile_configuration_is_what_ldtilecfg_reads() {
     // Palette 1; tile t's bytes per row at 16 + 2t (little-endian u16), its rows at 48 + t.
-    let cfg = amx::kernel_config(20);
+    let cfg = amx::kernel_config();
     assert_eq!(cfg.0[0], 1);
-    assert_eq!(cfg.shape(0), (MR, 64));
-    assert_eq!(cfg.shape(2), (MR, 64));
-    assert_eq!(cfg.shape(5), (MR, 16), "the tail's lhs: 4 pairs of 4 bytes");
-    assert_eq!(cfg.shape(6), (4, 64), "the tail's rhs: 4 pairs");
-    assert_eq!((cfg.0[16], cfg.0[17], cfg.0[48]), (64, 0, MR as u8));
-    assert_eq!(
-        amx::kernel_config(32).shape(5),
-        (0, 0),
-        "no tail tiles for whole blocks"
-    );
+    for t in 0..8 {
+        assert_eq!(cfg.shape(t), (16, 64), "tmm{t}");
+    }
+    assert_eq!((cfg.0[16], cfg.0[17], cfg.0[48]), (64, 0, 16));
+    assert!(cfg.0[32..48].iter().chain(&cfg.0[56..]).all(|&b| b == 0));
 }
 
 #[test]
@@ -326,10 +311,7 @@ fn the_avx512_bf16_kernel_computes_the_product() {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    cases(Kernel {
-        tiles: avx512::tiles,
-        lhs: LhsLayout::Broadcast,
-    });
+    cases(Kernel::broadcast(avx512::tiles));
 }
 
 #[test]
@@ -415,25 +397,27 @@ fn the_vector_packings_equal_the_scalar_ones_element_for_element() {
                 // The rhs k×cols and the lhs cols×k, in each layout.
                 let (rs, cs, len) = layout(k, cols, transposed);
                 let b = values(len, (k * 131 + cols) as u64);
-                let packed: Vec<_> = movers
-                    .iter()
-                    .map(|&m| pack_rhs(m, (&b, rs, cs), k, cols, 1))
-                    .collect();
-                assert_eq!(
-                    packed[0], packed[1],
-                    "rhs {k}x{cols} transposed {transposed}"
-                );
-                let (rs, cs, len) = layout(cols, k, transposed);
-                let a = values(len, (k * 7 + cols) as u64);
-                let strips = 0..cols.div_ceil(MR);
-                for layout in [LhsLayout::Broadcast, LhsLayout::Rows] {
+                let (a_rs, a_cs, a_len) = layout(cols, k, transposed);
+                let a = values(a_len, (k * 7 + cols) as u64);
+                for kernel in [Kernel::broadcast(tiles_scalar), Kernel::tiled(tiles_scalar)] {
+                    let strip_pairs = k.div_ceil(2).next_multiple_of(kernel.pairs);
                     let packed: Vec<_> = movers
                         .iter()
-                        .map(|&m| pack_lhs(m, (&a, rs, cs), cols, k, strips.clone(), layout))
+                        .map(|&m| pack_rhs(m, (&b, rs, cs), (k, cols), strip_pairs, 1))
                         .collect();
                     assert_eq!(
                         packed[0], packed[1],
-                        "lhs {cols}x{k} transposed {transposed} {layout:?}"
+                        "rhs {k}x{cols} transposed {transposed} pairs {strip_pairs}"
+                    );
+                    let strips = 0..cols.div_ceil(kernel.rows);
+                    let packed: Vec<_> = movers
+                        .iter()
+                        .map(|&m| pack_lhs(m, kernel, (&a, a_rs, a_cs), (cols, k), strips.clone()))
+                        .collect();
+                    assert_eq!(
+                        packed[0], packed[1],
+                        "lhs {cols}x{k} transposed {transposed} {:?}",
+                        kernel.lhs
                     );
                 }
             }

@@ -14,6 +14,8 @@ pub(super) struct EmulatedTiles {
     registers: [[u8; TILE_BYTES]; 8],
     /// `tdpbf16ps` instructions run, for the tests to see the tiles were used.
     pub(super) dots: usize,
+    /// `tileloadd`s run.
+    pub(super) loads: usize,
     /// Configurations loaded and released, which a kernel must pair.
     pub(super) configured: usize,
     pub(super) released: usize,
@@ -25,6 +27,7 @@ impl EmulatedTiles {
             config: None,
             registers: [[0; TILE_BYTES]; 8],
             dots: 0,
+            loads: 0,
             configured: 0,
             released: 0,
         }
@@ -115,6 +118,7 @@ impl TileUnit for EmulatedTiles {
 
     unsafe fn load<const T: u8>(&mut self, at: *const u8, stride: usize) {
         let (rows, bytes) = self.shape("tileloadd", T);
+        self.loads += 1;
         let tile = &mut self.registers[usize::from(T)];
         *tile = [0; TILE_BYTES];
         for r in 0..rows {
