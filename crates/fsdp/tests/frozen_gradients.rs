@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp::config::{AutoWrapPolicy, FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::config::Layer;
 use fsdp::engine::Fsdp;
 use fsdp::nn::{Init, LocalParams, ModuleInfo, ParamSpec, Params};
 
@@ -51,10 +51,7 @@ fn input() -> Tensor {
 /// Rank 0's bias gradient and the bytes every rank sent in one backward on 2 ranks.
 fn backward(frozen: bool) -> (Vec<f32>, Option<Vec<f32>>, u64) {
     let out = common::tiny::on_threads(2, move |group| {
-        let plugin = FsdpPlugin::builder()
-            .sharding_strategy(ShardingStrategy::FullShard)
-            .auto_wrap_policy(AutoWrapPolicy::TransformerBasedWrap)
-            .transformer_layer_cls_to_wrap("Block")
+        let plugin = common::tiny::block_units()
             .resolve(&Layer::new(), None)
             .unwrap()
             .fsdp;

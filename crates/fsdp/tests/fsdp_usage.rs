@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp::config::{AutoWrapPolicy, FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::config::{FsdpPlugin, Layer};
 use fsdp::engine::Fsdp;
 use fsdp::nn::layers::Linear;
 use fsdp::nn::{Forward, LocalParams, Module, ModuleInfo, Params};
@@ -120,10 +120,7 @@ fn train(
     let model = toy();
     let info = model.info();
     let init = LocalParams::init(&info, 3, DType::F32, &Device::Cpu).unwrap();
-    let plugin = FsdpPlugin::builder()
-        .sharding_strategy(ShardingStrategy::FullShard)
-        .auto_wrap_policy(AutoWrapPolicy::TransformerBasedWrap)
-        .transformer_layer_cls_to_wrap("Block")
+    let plugin = common::tiny::block_units()
         .resolve(&Layer::new(), None)
         .unwrap()
         .fsdp;

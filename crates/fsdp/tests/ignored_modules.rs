@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp::config::{AutoWrapPolicy, FsdpPlugin, Layer, ShardingStrategy};
+use fsdp::config::Layer;
 use fsdp::engine::Fsdp;
 use fsdp::nn::{Init, LocalParams, ModuleInfo, ParamSpec, Params, Recompute};
 use fsdp_comm::Mesh;
@@ -109,10 +109,7 @@ fn engine_gradients(
     checkpointing: bool,
 ) -> Vec<BTreeMap<String, RowsAndGradient>> {
     common::tiny::on_threads(world, move |group| {
-        let plugin = FsdpPlugin::builder()
-            .sharding_strategy(ShardingStrategy::FullShard)
-            .auto_wrap_policy(AutoWrapPolicy::TransformerBasedWrap)
-            .transformer_layer_cls_to_wrap("Block")
+        let plugin = common::tiny::block_units()
             .ignored_modules("^shared$")
             .activation_checkpointing(checkpointing)
             .resolve(&Layer::new(), None)
@@ -184,11 +181,7 @@ fn trained(offload: Option<&'static str>, steps: usize) -> BTreeMap<String, Vec<
     });
     let dir = Arc::new(dir);
     let mut out = common::tiny::on_threads(2, move |group| {
-        let mut b = FsdpPlugin::builder()
-            .sharding_strategy(ShardingStrategy::FullShard)
-            .auto_wrap_policy(AutoWrapPolicy::TransformerBasedWrap)
-            .transformer_layer_cls_to_wrap("Block")
-            .ignored_modules("^shared$");
+        let mut b = common::tiny::block_units().ignored_modules("^shared$");
         if let Some((d, kind)) = dir.as_ref() {
             b = b.offload_dir(d.path().to_str().unwrap());
             b = match *kind {

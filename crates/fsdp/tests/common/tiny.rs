@@ -6,7 +6,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy, StateDictType};
+use fsdp::config::{
+    AutoWrapPolicy, FsdpPlugin, FsdpPluginBuilder, Layer, ShardingStrategy, StateDictType,
+};
 use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
@@ -229,4 +231,13 @@ pub fn accelerator_step(
     let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
     acc.backward(model, loss).unwrap();
     acc.optimizer_step(model, opt).unwrap();
+}
+
+/// FULL_SHARD with one unit per `Block` module (the toy models' layers), for the caller to
+/// add its own settings to.
+pub fn block_units() -> FsdpPluginBuilder {
+    FsdpPlugin::builder()
+        .sharding_strategy(ShardingStrategy::FullShard)
+        .auto_wrap_policy(AutoWrapPolicy::TransformerBasedWrap)
+        .transformer_layer_cls_to_wrap("Block")
 }
