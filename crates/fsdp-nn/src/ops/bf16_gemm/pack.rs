@@ -1,0 +1,427 @@
+//! The bf16 GEMM's packings: the rhs into strips of `NR` columns of bf16 pairs, the lhs
+//! read in place or packed in the layout its kernel reads (`LhsStrips`), each with scalar
+//! code and, where the CPU has AVX-512, the vector forms of `pack_avx512.rs`.
+
+use std::ops::Range;
+
+use half::bf16;
+
+#[cfg(target_arch = "x86_64")]
+use super::pack_avx512;
+use super::{Kernel, LhsLayout, MR, NR, Operand};
+
+/// Pairs of k a rhs strip is packed in at a time, column by column (8 KiB of output).
+const PACK_PAIRS: usize = 64;
+
+/// How the packings move elements: AVX-512 shuffles where the CPU has them (every CPU
+/// the bf16 kernels run on has), scalar code otherwise. The tests run both.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Mover {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Mover {
+    /// The fastest this CPU runs.
+    pub(super) fn detect() -> Mover {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            return Mover::Avx512;
+        }
+        Mover::Scalar
+    }
+}
+
+/// Pair `p` of k at `at` (the element of k = 0) with stride `step` along k, the odd half
+/// zero past k.
+///
+/// # Safety
+/// The elements `at + 2p * step` and, when `2p + 1 < k`, `at + (2p + 1) * step` are inside
+/// the operand.
+#[inline(always)]
+unsafe fn pair(v: *const u16, at: usize, step: usize, p: usize, k: usize) -> u32 {
+    // SAFETY: as the caller vouches.
+    unsafe {
+        let lo = u32::from(*v.add(at + 2 * p * step));
+        let hi = if 2 * p + 1 < k {
+            u32::from(*v.add(at + (2 * p + 1) * step))
+        } else {
+            0
+        };
+        lo | hi << 16
+    }
+}
+
+/// Writes pairs `pairs` of k of the line at `at` (stride `step` along k) to `out` at every
+/// `stride`-th element (pair `p` at `p * stride`): contiguous pairs are read as one u32,
+/// the odd tail through [`pair`].
+///
+/// # Safety
+/// The line's k elements are inside the operand; `out` is valid for the writes.
+#[inline(always)]
+unsafe fn pack_line(
+    v: *const u16,
+    (at, step, k): (usize, usize, usize),
+    pairs: Range<usize>,
+    out: *mut u32,
+    stride: usize,
+) {
+    // SAFETY: as the caller vouches.
+    unsafe {
+        if step == 1 {
+            let line = v.add(at).cast::<u32>();
+            let whole = pairs.start..pairs.end.min(k / 2);
+            for p in whole.clone() {
+                *out.add(p * stride) = line.add(p).read_unaligned();
+            }
+            for p in whole.end.max(pairs.start)..pairs.end {
+                *out.add(p * stride) = pair(v, at, step, p, k);
+            }
+        } else {
+            for p in pairs {
+                *out.add(p * stride) = pair(v, at, step, p, k);
+            }
+        }
+    }
+}
+
+/// Every pair of k of `len` lines (the first at `at`, the next `line` elements on, stride
+/// `step` along k), pair `p` into `out[p * stride..][..len]`: where lines are contiguous
+/// (`line` 1) two rows of k are read as slices, with AVX-512 where `mover` says.
+///
+/// # Safety
+/// The lines' k elements are inside the operand; `out` is valid for `len` writes at each
+/// of the `k.div_ceil(2)` pairs' offsets; the CPU runs `mover`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn interleave(
+    mover: Mover,
+    v: *const u16,
+    at: usize,
+    line: usize,
+    step: usize,
+    k: usize,
+    len: usize,
+    (out, stride): (*mut u32, usize),
+) {
+    // Pairs below `whole` have both rows of k.
+    let whole = if line == 1 { k / 2 } else { 0 };
+    // SAFETY: as the caller vouches.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        if mover == Mover::Avx512 && whole > 0 {
+            pack_avx512::interleave(v.add(at), step, whole, len, (out, stride));
+        }
+        if mover == Mover::Scalar {
+            for p in 0..whole {
+                let lo = std::slice::from_raw_parts(v.add(at + 2 * p * step), len);
+                let hi = std::slice::from_raw_parts(v.add(at + (2 * p + 1) * step), len);
+                let out = std::slice::from_raw_parts_mut(out.add(p * stride), len);
+                for ((o, &lo), &hi) in out.iter_mut().zip(lo).zip(hi) {
+                    *o = u32::from(lo) | u32::from(hi) << 16;
+                }
+            }
+        }
+        for p in whole..k.div_ceil(2) {
+            for c in 0..len {
+                *out.add(p * stride + c) = pair(v, at + c * line, step, p, k);
+            }
+        }
+    }
+}
+
+/// Where a tile reads its lhs pairs: row `r`'s pair `q` is the u32 at byte
+/// `r * row + q * pair` from `at` (unaligned).
+#[derive(Clone, Copy)]
+pub(super) struct LhsStrip {
+    pub(super) at: *const u8,
+    pub(super) row: usize,
+    pub(super) pair: usize,
+}
+
+/// The lhs of one range of row strips as the tiles read it: a row-major operand whose
+/// rows' pairs fill the kernel's blocks of k is read in place (its rows' pairs are already
+/// u32, contiguous), except a last strip short of the kernel's rows; everything else is
+/// packed in the kernel's layout ([`pack_lhs`]).
+pub(super) struct LhsStrips<'a> {
+    /// The operand's first element and its row stride in bytes, when read in place.
+    direct: Option<(*const u8, usize)>,
+    /// Packed strips, the first of them `packed_first`.
+    packed: Vec<u32>,
+    packed_first: usize,
+    /// Pairs of k per packed row.
+    strip_pairs: usize,
+    kernel: Kernel,
+    _operand: std::marker::PhantomData<&'a [bf16]>,
+}
+
+impl<'a> LhsStrips<'a> {
+    pub(super) fn new(
+        mover: Mover,
+        kernel: Kernel,
+        lhs: Operand<'a>,
+        (m, k): (usize, usize),
+        strips: Range<usize>,
+    ) -> LhsStrips<'a> {
+        let (v, rs, cs) = lhs;
+        let strip_pairs = k.div_ceil(2).next_multiple_of(kernel.pairs);
+        let full = m / kernel.rows;
+        let mut lhs_strips = LhsStrips {
+            direct: None,
+            packed: Vec::new(),
+            packed_first: strips.start,
+            strip_pairs,
+            kernel,
+            _operand: std::marker::PhantomData,
+        };
+        let in_place = cs == 1 && k > 0 && k == 2 * strip_pairs;
+        let packed = if in_place {
+            lhs_strips.direct = Some((v.as_ptr().cast::<u8>(), rs * 2));
+            // Strips from `full` on (at most one, short of the kernel's rows) need zero rows.
+            full.clamp(strips.start, strips.end)..strips.end
+        } else {
+            strips
+        };
+        lhs_strips.packed = pack_lhs(mover, kernel, lhs, (m, k), packed.clone());
+        lhs_strips.packed_first = packed.start;
+        lhs_strips
+    }
+
+    /// Row strip `s` (one of the range's).
+    pub(super) fn strip(&self, s: usize) -> LhsStrip {
+        let rows = self.kernel.rows;
+        match self.direct {
+            Some((at, row)) if s < self.packed_first => LhsStrip {
+                // SAFETY: strip s's first row is inside the operand.
+                at: unsafe { at.add(s * rows * row) },
+                row,
+                pair: 4,
+            },
+            _ => {
+                let at = self.packed[(s - self.packed_first) * self.strip_pairs * rows..]
+                    .as_ptr()
+                    .cast::<u8>();
+                match self.kernel.lhs {
+                    LhsLayout::Broadcast => LhsStrip {
+                        at,
+                        row: 4,
+                        pair: 4 * rows,
+                    },
+                    LhsLayout::Rows => LhsStrip {
+                        at,
+                        row: 4 * self.strip_pairs,
+                        pair: 4,
+                    },
+                }
+            }
+        }
+    }
+}
+
+/// The lhs rows of row strips `strips` (the operand m×k, strides `rs`, `cs`) in the
+/// kernel's layout, each row's (k, k+1) elements as one u32; for `Broadcast` each strip of
+/// `MR` rows laid out per pair of k (what the vector kernel broadcasts). Rows past m are
+/// zeros.
+pub(super) fn pack_lhs(
+    mover: Mover,
+    kernel: Kernel,
+    lhs: Operand<'_>,
+    (m, k): (usize, usize),
+    strips: Range<usize>,
+) -> Vec<u32> {
+    if kernel.lhs == LhsLayout::Rows {
+        return pack_lhs_rows(kernel, lhs, (m, k), strips);
+    }
+    debug_assert!(kernel.rows == MR && kernel.pairs == 1);
+    let (v, rs, cs) = lhs;
+    let kp = k.div_ceil(2);
+    let len = strips.len() * kp * MR;
+    let mut out: Vec<u32> = Vec::with_capacity(len);
+    let (v, o) = (v.as_ptr().cast::<u16>(), out.as_mut_ptr());
+    for (s_at, s) in strips.enumerate() {
+        let strip = s_at * kp * MR;
+        for r in 0..MR {
+            let i = s * MR + r;
+            // SAFETY: `out` has room for every strip; row i < m is inside the operand (the
+            // caller checked its strides), and rows past m are zeros.
+            unsafe {
+                if i < m {
+                    if cs == 1 || k < 2 {
+                        pack_line(v, (i * rs, cs, k), 0..kp, o.add(strip + r), MR);
+                    } else {
+                        // Transposed: a strip's rows are contiguous for each k, so read them
+                        // in that direction below.
+                        continue;
+                    }
+                } else {
+                    (0..kp).for_each(|p| *o.add(strip + p * MR + r) = 0);
+                }
+            }
+        }
+        if cs != 1 && k >= 2 {
+            let rows = MR.min(m - s * MR);
+            // SAFETY: as above.
+            unsafe {
+                let out = (o.add(strip), MR);
+                interleave(mover, v, (s * MR) * rs, rs, cs, k, rows, out)
+            };
+        }
+    }
+    // SAFETY: every element was written above.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// [`pack_lhs`] in the `Rows` layout: each strip's rows one after another, each row's
+/// pairs contiguous, zeros past k (the odd tail's high half, and up to the kernel's block
+/// of pairs).
+fn pack_lhs_rows(
+    kernel: Kernel,
+    (v, rs, cs): Operand<'_>,
+    (m, k): (usize, usize),
+    strips: Range<usize>,
+) -> Vec<u32> {
+    let (rows, kp) = (kernel.rows, k.div_ceil(2));
+    let strip_pairs = kp.next_multiple_of(kernel.pairs);
+    let mut out = vec![0u32; strips.len() * rows * strip_pairs];
+    let v = v.as_ptr().cast::<u16>();
+    for (s_at, s) in strips.enumerate() {
+        for r in 0..rows.min(m.saturating_sub(s * rows)) {
+            let i = s * rows + r;
+            // SAFETY: row i < m is inside the operand (the caller checked its strides);
+            // `out` holds `strip_pairs` pairs for every row of every strip.
+            unsafe {
+                let row = out.as_mut_ptr().add((s_at * rows + r) * strip_pairs);
+                pack_line(v, (i * rs, cs, k), 0..kp, row, 1);
+            }
+        }
+    }
+    out
+}
+
+/// The rhs (k×n, strides `rs`, `cs`) as strips of `NR` columns; in a strip, for each pair
+/// of k, each column's (k, k+1) elements as one u32: the vectors the kernel multiplies.
+/// Columns past n and pairs from k to `strip_pairs` are zeros. Strips are packed on up to
+/// `threads` threads, by `mover`.
+pub(super) fn pack_rhs(
+    mover: Mover,
+    (v, rs, cs): Operand<'_>,
+    (k, n): (usize, usize),
+    strip_pairs: usize,
+    threads: usize,
+) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let strip_len = strip_pairs * NR;
+    let strips = n.div_ceil(NR);
+    let mut out: Vec<u32> = Vec::with_capacity(strips * strip_len);
+    let pack_strip = |t: usize, o: *mut u32| {
+        let (v, j0) = (v.as_ptr().cast::<u16>(), t * NR);
+        let cols = NR.min(n - j0);
+        // SAFETY: `o` is strip t's `strip_len` elements; columns below n are inside the
+        // operand (the caller checked its strides), and columns past n are zeros.
+        unsafe {
+            if rs == 1 || k < 2 {
+                // Each column contiguous along k (a transposed weight): one line per column,
+                // a block of pairs at a time so the block's output stays in L1.
+                for first in (0..kp).step_by(PACK_PAIRS) {
+                    let pairs = first..(first + PACK_PAIRS).min(kp);
+                    let (vector_cols, vector_end) =
+                        transpose_block(mover, v, (j0 * cs, cs, k), pairs.clone(), cols, o);
+                    for c in 0..cols {
+                        let rest = if c < vector_cols {
+                            vector_end..pairs.end
+                        } else {
+                            pairs.clone()
+                        };
+                        pack_line(v, ((j0 + c) * cs, rs, k), rest, o.add(c), NR);
+                    }
+                }
+            } else {
+                // Rows contiguous: two rows of k interleaved per pair.
+                interleave(mover, v, j0 * cs, cs, rs, k, cols, (o, NR));
+            }
+            if cols < NR {
+                for p in 0..kp {
+                    (cols..NR).for_each(|c| *o.add(p * NR + c) = 0);
+                }
+            }
+            std::ptr::write_bytes(o.add(kp * NR), 0, (strip_pairs - kp) * NR);
+        }
+    };
+    let base = SendPtr(out.as_mut_ptr());
+    if threads <= 1 {
+        (0..strips).for_each(|t| pack_strip(t, base.at(t * strip_len)));
+    } else {
+        let per_thread = strips.div_ceil(threads);
+        rayon::scope(|scope| {
+            for first in (0..strips).step_by(per_thread) {
+                let (pack_strip, base) = (&pack_strip, &base);
+                scope.spawn(move |_| {
+                    (first..(first + per_thread).min(strips))
+                        .for_each(|t| pack_strip(t, base.at(t * strip_len)))
+                });
+            }
+        });
+    }
+    // SAFETY: every strip was written in full above.
+    unsafe { out.set_len(strips * strip_len) };
+    out
+}
+
+/// Packs what it can of pairs `pairs` of the first `cols` columns of a transposed rhs strip
+/// (column `c` at `at + c * cs`, its k elements contiguous) into `out` (`NR` u32 a pair) by
+/// 16×16 transposes when `mover` is AVX-512: returns the columns and the end of the pairs
+/// it packed (from `pairs.start`), both multiples of 16 there, `(0, pairs.start)` if none.
+///
+/// # Safety
+/// As `pack_rhs`'s strip: the columns' k elements are inside the operand, `out` holds the
+/// strip; the CPU runs `mover`.
+#[inline(always)]
+unsafe fn transpose_block(
+    mover: Mover,
+    v: *const u16,
+    (at, cs, k): (usize, usize, usize),
+    pairs: Range<usize>,
+    cols: usize,
+    out: *mut u32,
+) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if mover == Mover::Avx512 {
+        let whole = (pairs.end.min(k / 2)).saturating_sub(pairs.start) / 16 * 16;
+        let (cols, end) = (cols / 16 * 16, pairs.start + whole);
+        for c0 in (0..cols).step_by(16) {
+            for p0 in (pairs.start..end).step_by(16) {
+                // SAFETY: pairs p0..p0 + 16 lie below k / 2 in each column; `out` holds
+                // rows p0.. of `NR` u32.
+                unsafe {
+                    let first =
+                        std::array::from_fn(|c| v.add(at + (c0 + c) * cs + 2 * p0).cast::<u32>());
+                    pack_avx512::transpose16(&first, out.add(p0 * NR + c0), NR);
+                }
+            }
+        }
+        return if whole == 0 {
+            (0, pairs.start)
+        } else {
+            (cols, end)
+        };
+    }
+    let _ = (mover, v, at, cs, k, cols, out);
+    (0, pairs.start)
+}
+
+/// The packed rhs's buffer, shared by the threads that each write their own strips.
+struct SendPtr(*mut u32);
+// SAFETY: the threads write disjoint strips of the buffer, which outlives them.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn at(&self, offset: usize) -> *mut u32 {
+        // SAFETY: offsets are strip starts inside the buffer's capacity.
+        unsafe { self.0.add(offset) }
+    }
+}
