@@ -493,13 +493,12 @@ impl Fsdp {
             };
             // The step in flight has ended, so the unit is not shared: no copy.
             let unit = Arc::make_mut(&mut self.units[u]);
-            let grads_at: Vec<_> = (0..unit.params.len())
-                .map(|i| unit.grad_elements(i))
-                .collect();
-            for ((p, &has), at) in unit.params.iter_mut().zip(has_grad).zip(grads_at) {
+            let layouts = unit.params.iter_mut().zip(&unit.grad_layouts);
+            for ((p, g), &has) in layouts.zip(has_grad) {
                 if !(p.layout.requires_grad && has) {
                     continue;
                 }
+                let at = super::fsdp_unit::grad_elements(p, g);
                 let n = at.len();
                 let grad = &reduced[at];
                 let name = p.layout.name.clone();

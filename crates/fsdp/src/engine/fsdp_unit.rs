@@ -91,13 +91,7 @@ impl FsdpUnit {
     /// This rank's elements of parameter `i` in the unit's gradient block (empty for a
     /// frozen one).
     pub fn grad_elements(&self, i: usize) -> std::ops::Range<usize> {
-        let (p, g) = (&self.params[i], &self.grad_layouts[i]);
-        let owned = if p.layout.requires_grad {
-            p.owned_rows().len() * p.layout.row_elems
-        } else {
-            0
-        };
-        g.offset..g.offset + owned
+        grad_elements(&self.params[i], &self.grad_layouts[i])
     }
 
     /// Ranks the unit's parameters are split over: the shard group's, or one when the unit
@@ -175,4 +169,16 @@ impl FsdpUnit {
         let key = (self.index, Region::Params);
         Ok(tier.write_at(&key, p.layout.offset, values, self.block())?)
     }
+}
+
+/// This rank's elements of parameter `p` in its unit's gradient block, where its gradient
+/// layout `g` puts it (empty for a frozen one): for loops that hold the unit's parameters
+/// mutably beside its `grad_layouts`.
+pub(crate) fn grad_elements(p: &FsdpParam, g: &ShardLayout) -> std::ops::Range<usize> {
+    let owned = if p.layout.requires_grad {
+        p.owned_rows().len() * p.layout.row_elems
+    } else {
+        0
+    };
+    g.offset..g.offset + owned
 }

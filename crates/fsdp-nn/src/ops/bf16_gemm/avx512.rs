@@ -28,7 +28,7 @@ pub(super) unsafe fn tiles(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<u
 unsafe fn tile(p: &Product<'_>, a: LhsStrip, b: &[u32], i0: usize, j0: usize) {
     // SAFETY: forwarded; the tile's rows and columns are the caller's.
     unsafe {
-        let acc = sums(p.kp, a, b);
+        let acc = sums(p.strip_pairs, a, b);
         write_rows(p, &acc, i0, j0)
     }
 }

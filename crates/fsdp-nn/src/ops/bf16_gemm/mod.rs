@@ -102,10 +102,8 @@ struct Product<'a> {
     /// The rhs in strips of `NR` columns: per pair of k, each column's (k, k+1) elements as
     /// one u32 (k in the low half).
     rhs: &'a [u32],
-    /// Pairs of k (k rounded up to even: a zero pads an odd k).
-    kp: usize,
-    /// Pairs of k in a packed strip or row: `kp` rounded up to the kernel's
-    /// [`Kernel::pairs`], zeros past `kp`.
+    /// Pairs of k in a packed strip or row ([`Kernel::strip_pairs`]): k rounded up to even
+    /// (a zero pads an odd k), then to the kernel's block of pairs, zeros past k.
     strip_pairs: usize,
     /// Rows of the product one tile computes ([`Kernel::rows`]).
     rows: usize,
@@ -158,6 +156,12 @@ impl Kernel {
         }
     }
 
+    /// Pairs of k its packed operands hold for a product with `k`: k's pairs (a zero pads
+    /// an odd k) rounded up to [`Kernel::pairs`].
+    fn strip_pairs(&self, k: usize) -> usize {
+        k.div_ceil(2).next_multiple_of(self.pairs)
+    }
+
     /// The AMX kernel's operands: tiles of [`amx::ROWS`] rows loaded from the `Rows`
     /// layout, k in blocks of [`amx::TILE_PAIRS`] pairs.
     const fn tiled(tiles: Tiles) -> Kernel {
@@ -197,12 +201,10 @@ unsafe fn gemm_with(
     let strips = m.div_ceil(kernel.rows);
     let threads = threads.clamp(1, strips);
     let pack_threads = if k * n >= PARALLEL_PACK { threads } else { 1 };
-    let strip_pairs = k.div_ceil(2).next_multiple_of(kernel.pairs);
-    let rhs = pack_rhs(mover, rhs, (k, n), strip_pairs, pack_threads);
+    let rhs = pack_rhs(mover, rhs, (k, n), kernel.strip_pairs(k), pack_threads);
     let product = Product {
         rhs: &rhs,
-        kp: k.div_ceil(2),
-        strip_pairs,
+        strip_pairs: kernel.strip_pairs(k),
         rows: kernel.rows,
         m,
         n,

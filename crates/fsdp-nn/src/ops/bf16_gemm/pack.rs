@@ -168,7 +168,7 @@ impl<'a> LhsStrips<'a> {
         strips: Range<usize>,
     ) -> LhsStrips<'a> {
         let (v, rs, cs) = lhs;
-        let strip_pairs = k.div_ceil(2).next_multiple_of(kernel.pairs);
+        let strip_pairs = kernel.strip_pairs(k);
         let full = m / kernel.rows;
         let mut lhs_strips = LhsStrips {
             direct: None,
@@ -285,8 +285,7 @@ fn pack_lhs_rows(
     (m, k): (usize, usize),
     strips: Range<usize>,
 ) -> Vec<u32> {
-    let (rows, kp) = (kernel.rows, k.div_ceil(2));
-    let strip_pairs = kp.next_multiple_of(kernel.pairs);
+    let (rows, kp, strip_pairs) = (kernel.rows, k.div_ceil(2), kernel.strip_pairs(k));
     let mut out = vec![0u32; strips.len() * rows * strip_pairs];
     let v = v.as_ptr().cast::<u16>();
     for (s_at, s) in strips.enumerate() {
@@ -381,6 +380,7 @@ pub(super) fn pack_rhs(
 /// As `pack_rhs`'s strip: the columns' k elements are inside the operand, `out` holds the
 /// strip; the CPU runs `mover`.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 unsafe fn transpose_block(
     mover: Mover,
     v: *const u16,
@@ -410,7 +410,6 @@ unsafe fn transpose_block(
             (cols, end)
         };
     }
-    let _ = (mover, v, at, cs, k, cols, out);
     (0, pairs.start)
 }
 

@@ -80,7 +80,7 @@ unsafe fn tiles_emulated(
     strips: Range<usize>,
 ) {
     let mut unit = EmulatedTiles::new();
-    let any = p.kp > 0 && p.n > 0 && !strips.is_empty();
+    let any = p.strip_pairs > 0 && p.n > 0 && !strips.is_empty();
     // SAFETY: forwarded; the emulation runs anywhere.
     unsafe { amx::tiles_on(&mut unit, write, p, lhs, strips) };
     assert_eq!(
@@ -400,7 +400,7 @@ fn the_vector_packings_equal_the_scalar_ones_element_for_element() {
                 let (a_rs, a_cs, a_len) = layout(cols, k, transposed);
                 let a = values(a_len, (k * 7 + cols) as u64);
                 for kernel in [Kernel::broadcast(tiles_scalar), Kernel::tiled(tiles_scalar)] {
-                    let strip_pairs = k.div_ceil(2).next_multiple_of(kernel.pairs);
+                    let strip_pairs = kernel.strip_pairs(k);
                     let packed: Vec<_> = movers
                         .iter()
                         .map(|&m| pack_rhs(m, (&b, rs, cs), (k, cols), strip_pairs, 1))

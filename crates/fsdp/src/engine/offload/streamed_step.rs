@@ -90,13 +90,12 @@ pub(crate) fn update_units(
         };
         // The step in flight has ended, so the unit is not shared: no copy.
         let unit = std::sync::Arc::make_mut(&mut units[u]);
-        let grads_at: Vec<_> = (0..unit.params.len())
-            .map(|i| unit.grad_elements(i))
-            .collect();
-        for ((p, &has), at) in unit.params.iter_mut().zip(&grads.has_grad[u]).zip(grads_at) {
+        let layouts = unit.params.iter_mut().zip(&unit.grad_layouts);
+        for ((p, g), &has) in layouts.zip(&grads.has_grad[u]) {
             if !(p.layout.requires_grad && has) {
                 continue;
             }
+            let at = crate::engine::fsdp_unit::grad_elements(p, g);
             // Shards and optimizer state are laid out by the parameters' blocks, gradients by
             // the trainable ones'.
             let (off, n) = (p.layout.offset, at.len());
