@@ -2,7 +2,8 @@
 //! new mappings, come back zeroed when asked, keep their contents through every kind of
 //! resize, and freed ones are kept only while the total stays within the most ever in use,
 //! so keeping them never raises the peak (that pages returned inside blocks in use do not
-//! count is `memory::large_blocks`'s own test).
+//! count is `memory::large_blocks`'s own test); blocks of 2 MiB and more start on a huge-page
+//! boundary, advised for transparent huge pages.
 //!
 //! One test function: the allocator's figures are process-wide, and other tests' threads
 //! would move them.
@@ -51,6 +52,75 @@ fn reuses_a_freed_block_of_the_same_size_zeroed_when_asked() {
     // Another size gets a block of its own.
     let other = vec![1u8; 5 * MIB];
     assert_ne!(other.as_ptr(), address);
+}
+
+/// Whether transparent huge pages can be had by advice (`always` or `madvise`).
+fn transparent_huge_pages() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| !s.contains("[never]"))
+}
+
+/// The `smaps` entry of the mapping that holds `address`.
+fn smaps_entry(address: usize) -> String {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut entry = String::new();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'));
+        let header = range.and_then(|(a, b)| {
+            Some((
+                usize::from_str_radix(a, 16).ok()?,
+                usize::from_str_radix(b, 16).ok()?,
+            ))
+        });
+        if let Some((start, end)) = header {
+            if inside {
+                break;
+            }
+            inside = (start..end).contains(&address);
+        }
+        if inside {
+            entry.push_str(line);
+            entry.push('\n');
+        }
+    }
+    entry
+}
+
+fn blocks_of_a_huge_page_and_more_are_aligned_and_advised_for_huge_pages() {
+    let v = touched(4 * MIB + 123, 7);
+    let address = v.as_ptr() as usize;
+    assert_eq!(
+        address % (2 * MIB),
+        0,
+        "a block of 4 MiB starts on a 2 MiB boundary"
+    );
+    let entry = smaps_entry(address);
+    assert!(!entry.is_empty(), "no mapping holds {address:#x}");
+    if transparent_huge_pages() {
+        assert!(
+            entry
+                .lines()
+                .any(|l| l.split_whitespace().eq(["THPeligible:", "1"])),
+            "the block's mapping is not eligible for huge pages:\n{entry}"
+        );
+    } else {
+        println!("transparent huge pages are off on this machine: only the alignment is checked");
+    }
+    // Smaller blocks keep base pages (a huge page there would hold memory nobody asked for).
+    let small = touched(MIB + 5, 1);
+    let entry = smaps_entry(small.as_ptr() as usize);
+    assert!(
+        !entry
+            .lines()
+            .any(|l| l.split_whitespace().eq(["THPeligible:", "1"]))
+            || std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+                .is_ok_and(|s| s.contains("[always]")),
+        "a 1 MiB block was advised for huge pages:\n{entry}"
+    );
 }
 
 fn keeps_contents_through_resizes() {
@@ -120,6 +190,7 @@ fn counts_live_bytes() {
 
 #[test]
 fn training_allocator() {
+    blocks_of_a_huge_page_and_more_are_aligned_and_advised_for_huge_pages();
     reuses_a_freed_block_of_the_same_size_zeroed_when_asked();
     keeps_contents_through_resizes();
     serves_alignments_beyond_a_page_from_the_heap();
