@@ -41,8 +41,13 @@ impl DataPlane for CpuPlane {
         }))
     }
 
-    fn release(&self, param: &Tensor, poison: bool) -> Result<(), EngineError> {
-        Ok(param.inplace_op1(&Release { poison })?)
+    fn release(&self, params: &[&Tensor], poison: bool) -> Result<(), EngineError> {
+        // Pages the previous unit's release parked and no parameter took go back first.
+        crate::memory::flush_parked_pages();
+        for param in params {
+            param.inplace_op1(&Release { poison })?;
+        }
+        Ok(())
     }
 
     fn refill(
@@ -104,18 +109,11 @@ fn unpack_storage(
     block: usize,
     ranks: usize,
 ) -> Result<CpuStorage, EngineError> {
-    macro_rules! unpack {
-        ($v:expr, $variant:ident, $zero:expr) => {{
-            let mut out = vec![$zero; layout.numel()];
-            layout.unpack($v, block, ranks, &mut out);
-            CpuStorage::$variant(out)
-        }};
-    }
     Ok(match gathered {
-        Buffer::F32(v) => unpack!(v, F32, 0.0),
-        Buffer::F64(v) => unpack!(v, F64, 0.0),
-        Buffer::BF16(v) => unpack!(v, BF16, half::bf16::ZERO),
-        Buffer::F16(v) => unpack!(v, F16, half::f16::ZERO),
+        Buffer::F32(v) => CpuStorage::F32(unpacked(v, 0.0, layout, block, ranks)),
+        Buffer::F64(v) => CpuStorage::F64(unpacked(v, 0.0, layout, block, ranks)),
+        Buffer::BF16(v) => CpuStorage::BF16(unpacked(v, half::bf16::ZERO, layout, block, ranks)),
+        Buffer::F16(v) => CpuStorage::F16(unpacked(v, half::f16::ZERO, layout, block, ranks)),
         other => {
             return Err(EngineError::UnsupportedTensor {
                 op: "unshard",
@@ -127,6 +125,23 @@ fn unpack_storage(
     })
 }
 
+/// Parameter `layout`'s values out of a gathered block, in a buffer that takes parked pages
+/// (a released parameter's) before it is written.
+fn unpacked<T: Copy>(
+    gathered: &[T],
+    zero: T,
+    layout: &ShardLayout,
+    block: usize,
+    ranks: usize,
+) -> Vec<T> {
+    let (n, size) = (layout.numel(), std::mem::size_of::<T>());
+    let mut out = Vec::<T>::with_capacity(n);
+    crate::memory::prefill_pages(out.capacity() * size, out.as_mut_ptr().cast(), n * size);
+    out.resize(n, zero);
+    layout.unpack(gathered, block, ranks, &mut out);
+    out
+}
+
 /// Releases a full parameter's memory in place, keeping the storage's length (candle's
 /// kernels index without bounds checks, so a shorter storage would be unsound).
 struct Release {
@@ -134,30 +149,16 @@ struct Release {
 }
 
 impl Release {
-    fn release<T: Copy>(&self, v: &mut [T], nan: T) {
+    fn release<T: Copy>(&self, v: &mut Vec<T>, nan: T) {
         if self.poison {
             v.fill(nan);
             return;
         }
-        // Return the whole pages inside the buffer; they read as zeros until refilled.
-        let page = 4096usize;
-        let start = v.as_mut_ptr() as usize;
-        let end = start + std::mem::size_of_val(v);
-        let (first, last) = (start.div_ceil(page) * page, end / page * page);
-        if last > first {
-            // SAFETY: [first, last) lies inside the slice's allocation; MADV_DONTNEED on
-            // private anonymous memory keeps the mapping valid (pages read back as zeros).
-            let rc = unsafe {
-                libc::madvise(
-                    first as *mut libc::c_void,
-                    last - first,
-                    libc::MADV_DONTNEED,
-                )
-            };
-            if rc == 0 {
-                crate::memory::note_released(v.as_ptr().cast(), last - first);
-            }
-        }
+        // The whole pages inside the buffer are parked or returned; they read as zeros until
+        // refilled.
+        let size = std::mem::size_of::<T>();
+        let at = v.as_ptr().cast::<u8>();
+        crate::memory::release_pages(at, v.capacity() * size, at, v.len() * size);
     }
 }
 
@@ -203,6 +204,10 @@ impl InplaceOp1 for Refill<'_> {
             s,
             self.gathered,
             |v, g| {
+                let size = std::mem::size_of_val(&v[0]);
+                let capacity = v.capacity() * size;
+                let range = v[start..start + n].as_mut_ptr().cast::<u8>();
+                crate::memory::prefill_pages(capacity, range, n * size);
                 self.layout
                     .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
                 crate::memory::note_refilled(v.as_ptr().cast());

@@ -28,9 +28,10 @@ pub(crate) trait DataPlane: Send + Sync {
     /// `dtype`.
     fn whole(&self, values: &[f32], dtype: DType) -> Result<Storage, EngineError>;
 
-    /// Frees a full parameter's memory while the graph still references it; with `poison`
-    /// (debug mode) its values become NaN instead. Reads stay memory-safe.
-    fn release(&self, param: &Tensor, poison: bool) -> Result<(), EngineError>;
+    /// Frees the memory of one unit's full parameters `params` while the graph still
+    /// references them; with `poison` (debug mode) their values become NaN instead. Reads
+    /// stay memory-safe.
+    fn release(&self, params: &[&Tensor], poison: bool) -> Result<(), EngineError>;
 
     /// Writes a released parameter's values back from a gathered block.
     fn refill(

@@ -204,12 +204,6 @@ impl UnshardedParam {
         UnshardedParam { tensor }
     }
 
-    /// Frees the memory while the graph still references the tensor (NaN-poisoned with
-    /// `poison`, debug mode).
-    pub fn release(&self, plane: &dyn DataPlane, poison: bool) -> Result<(), EngineError> {
-        plane.release(&self.tensor, poison)
-    }
-
     /// Writes the parameter's rows back from a gathered block.
     pub fn refill(
         &self,

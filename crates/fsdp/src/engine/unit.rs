@@ -332,10 +332,8 @@ impl UnitRun {
 
     /// Releases the full parameters' memory (their graph nodes stay).
     fn reshard(&self, cx: &RunContext) -> Result<(), EngineError> {
-        for f in &self.full {
-            f.release(cx.plane, cx.poison)?;
-        }
-        Ok(())
+        let params: Vec<&Tensor> = self.full.iter().map(|f| &f.tensor).collect();
+        cx.plane.release(&params, cx.poison)
     }
 
     /// Whether the unit reshards once its gradients are reduced: sharded strategies do,
@@ -362,9 +360,9 @@ impl UnitRun {
             && self.checkpoint.is_none()
             && self.reshards_after_backward();
         if releasing {
-            for f in self.full.iter().filter(|f| !read.contains(&f.tensor.id())) {
-                f.release(cx.plane, cx.poison)?;
-            }
+            let unread = self.full.iter().map(|f| &f.tensor);
+            let unread: Vec<&Tensor> = unread.filter(|t| !read.contains(&t.id())).collect();
+            cx.plane.release(&unread, cx.poison)?;
         }
         Ok(())
     }

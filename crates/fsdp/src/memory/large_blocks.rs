@@ -67,10 +67,10 @@ fn pages(size: usize) -> usize {
 impl Blocks {
     /// Bytes of blocks in use that are resident: `in_use` less the pages returned inside
     /// live allocations (all of them counted here, also those inside heap allocations, so
-    /// the figure errs low and fewer blocks are kept, never more).
+    /// the figure errs low and fewer blocks are kept, never more), parked pages counting as
+    /// resident.
     fn resident(&self) -> usize {
-        self.in_use
-            .saturating_sub(super::RELEASED.load(std::sync::atomic::Ordering::Relaxed))
+        self.in_use.saturating_sub(super::returned_bytes())
     }
 
     /// Raises the high-water mark to what is resident now.

@@ -13,6 +13,7 @@
 
 mod activations;
 mod large_blocks;
+mod parked_pages;
 
 pub use activations::ActivationShape;
 
@@ -24,6 +25,16 @@ static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicI64 = AtomicI64::new(0);
 static RELEASED: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+/// Whether [`TrainingAllocator`] is installed and marked: large allocations are its blocks.
+static TRAINING: AtomicBool = AtomicBool::new(false);
+
+/// Bytes returned to the system inside live allocations: released less what of it is parked
+/// (moved out, still resident, waiting for the next parameter).
+fn returned_bytes() -> usize {
+    RELEASED
+        .load(Ordering::Relaxed)
+        .saturating_sub(parked_pages::parked_bytes())
+}
 
 /// How many allocations can have returned pages at once; beyond it a release is not counted
 /// (the figures then overstate what is resident, never understate it).
@@ -125,7 +136,7 @@ pub struct TrainingAllocator;
 
 fn note_alloc(size: usize) {
     let live = LIVE.fetch_add(size, Ordering::Relaxed) + size;
-    let resident = live as i64 - RELEASED.load(Ordering::Relaxed) as i64;
+    let resident = live as i64 - returned_bytes() as i64;
     PEAK.fetch_max(resident, Ordering::Relaxed);
 }
 
@@ -169,24 +180,42 @@ unsafe impl GlobalAlloc for LargeBlocksOrSystem {
         // SAFETY: the caller guarantees `new_size`, rounded up to `layout.align()`, fits isize.
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
         match (large(layout), large(new_layout)) {
-            (true, true) => large_blocks::resize(ptr, layout.size(), new_size),
+            (true, true) => {
+                let p = large_blocks::resize(ptr, layout.size(), new_size);
+                if !p.is_null() {
+                    return p;
+                }
+                // A block whose pages were parked and taken back is several mappings, which
+                // the kernel does not resize as one.
+                // SAFETY: the caller's contract, forwarded.
+                unsafe { self.copied(ptr, layout, new_layout) }
+            }
             // SAFETY: forwarded with the caller's pointer, layout and size.
             (false, false) => unsafe { System.realloc(ptr, layout, new_size) },
-            _ => {
-                // Between the heap and a mapping: a new block, the common bytes, the old freed.
-                // SAFETY: `new_layout` is the caller's valid layout for the new size.
-                let p = unsafe { self.alloc(new_layout) };
-                if !p.is_null() {
-                    // SAFETY: both blocks hold at least the smaller size and do not overlap;
-                    // the old one is the caller's, freed with its own layout.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
-                        self.dealloc(ptr, layout);
-                    }
-                }
-                p
+            // Between the heap and a mapping.
+            // SAFETY: the caller's contract, forwarded.
+            _ => unsafe { self.copied(ptr, layout, new_layout) },
+        }
+    }
+}
+
+impl LargeBlocksOrSystem {
+    /// Reallocation by copying: a new block, the common bytes, the old one freed.
+    ///
+    /// # Safety
+    /// As [`GlobalAlloc::realloc`], `new_layout` being the new size with the old alignment.
+    unsafe fn copied(&self, ptr: *mut u8, layout: Layout, new_layout: Layout) -> *mut u8 {
+        // SAFETY: `new_layout` is the caller's valid layout for the new size.
+        let p = unsafe { self.alloc(new_layout) };
+        if !p.is_null() {
+            // SAFETY: both blocks hold at least the smaller size and do not overlap; the old
+            // one is the caller's, freed with its own layout.
+            unsafe {
+                std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_layout.size()));
+                self.dealloc(ptr, layout);
             }
         }
+        p
     }
 }
 
@@ -286,6 +315,7 @@ impl TrainingAllocator {
     /// [`CountingAllocator::mark_installed`].
     pub fn mark_installed() {
         CountingAllocator::mark_installed();
+        TRAINING.store(true, Ordering::Relaxed);
     }
 
     /// Bytes of freed large blocks kept for reuse now (resident, not live).
@@ -303,7 +333,14 @@ pub fn counting() -> bool {
 /// returned to the system inside them.
 pub fn resident_bytes() -> usize {
     LIVE.load(Ordering::Relaxed)
-        .saturating_sub(RELEASED.load(Ordering::Relaxed))
+        .saturating_sub(returned_bytes())
+}
+
+/// Bytes of released full parameters' pages held for the next unit's parameters instead of
+/// returned to the system (under [`TrainingAllocator`]; one unit's at most per rank), counted
+/// in [`resident_bytes`].
+pub fn parked_bytes() -> usize {
+    parked_pages::parked_bytes()
 }
 
 /// The highest [`resident_bytes`] seen since the last [`reset_peak`].
@@ -335,6 +372,51 @@ pub(crate) fn note_released(allocation: *const u8, bytes: usize) {
 /// Records the allocation starting at `allocation` resident again (its pages written back).
 pub(crate) fn note_refilled(allocation: *const u8) {
     forget_released(allocation as usize);
+}
+
+/// Whether an allocation of `capacity` bytes is one of [`TrainingAllocator`]'s large blocks.
+fn large_block(capacity: usize) -> bool {
+    TRAINING.load(Ordering::Relaxed) && large_blocks::is_large(capacity, 1)
+}
+
+/// Releases the whole pages inside `[address, address + bytes)`, part of the live allocation
+/// of `capacity` bytes at `allocation`: parked for the next parameter when the allocation is a
+/// large block ([`parked_pages`]), returned to the system otherwise. Either way the range
+/// reads as zeros until written and counts as released until [`note_refilled`].
+pub(crate) fn release_pages(
+    allocation: *const u8,
+    capacity: usize,
+    address: *const u8,
+    bytes: usize,
+) {
+    let (first, len) = parked_pages::whole_pages(address as usize, bytes);
+    if len == 0 {
+        return;
+    }
+    if !(large_block(capacity) && parked_pages::park(address as usize, bytes) == len) {
+        // SAFETY: [first, first + len) lies inside the caller's allocation; MADV_DONTNEED on
+        // private anonymous memory keeps the mapping valid (pages read back as zeros).
+        let rc = unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+        if rc != 0 {
+            return;
+        }
+    }
+    note_released(allocation, len);
+}
+
+/// Before the caller overwrites all of `[address, address + bytes)` (part of an allocation of
+/// `capacity` bytes): its whole pages take parked pages of their length, when there are,
+/// instead of faulting in fresh ones.
+pub(crate) fn prefill_pages(capacity: usize, address: *mut u8, bytes: usize) {
+    if large_block(capacity) {
+        parked_pages::unpark(address as usize, bytes);
+    }
+}
+
+/// Returns the pages the last unit's release parked and no parameter took (called before
+/// the next unit's release, so pages of one unit at most are parked).
+pub(crate) fn flush_parked_pages() {
+    parked_pages::flush();
 }
 
 /// Makes glibc keep freed memory for reuse instead of returning it to the system after every
