@@ -9,8 +9,9 @@
 //!
 //! AMX needs the CPU's AMX-TILE and AMX-BF16 (cpuid leaf 7), and Linux's permission for
 //! the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`), asked once per
-//! process; where either is missing the GEMM keeps the AVX512_BF16 kernel and `fsdp env`
-//! says why. The kernel is generic over [`TileUnit`]: the hardware's instructions (stable
+//! process, and a first-use check: four products computed on the tiles equal the
+//! AVX512_BF16 kernel's. Where any is missing the GEMM keeps the AVX512_BF16 kernel and
+//! `fsdp env` says why. The kernel is generic over [`TileUnit`]: the hardware's instructions (stable
 //! Rust has no AMX intrinsics: six `asm!` instructions), or in the tests an emulation of
 //! the tile registers per Intel's definition, which runs the blocking, the tile
 //! configuration and the write-back on any CPU.
@@ -49,6 +50,9 @@ pub enum AmxSupport {
     NoVectorWriteBack,
     /// The operating system did not grant the tile state (the reason).
     Refused(String),
+    /// The tiles computed a first-use product unlike the AVX512_BF16 kernel (the
+    /// difference); the GEMM keeps that kernel.
+    Disagreed(String),
 }
 
 impl std::fmt::Display for AmxSupport {
@@ -61,6 +65,11 @@ impl std::fmt::Display for AmxSupport {
                 "this CPU has AMX tiles but not the AVX512_BF16 the kernel writes back with"
             ),
             AmxSupport::Refused(why) => write!(f, "AMX tiles refused by the kernel: {why}"),
+            AmxSupport::Disagreed(why) => write!(
+                f,
+                "AMX tiles not used: on first use {why} (the AVX512_BF16 kernel's); please \
+                 report this CPU"
+            ),
         }
     }
 }
@@ -75,11 +84,32 @@ pub fn support() -> &'static AmxSupport {
             AmxSupport::NoVectorWriteBack
         } else {
             match request_tile_state() {
-                Ok(()) => AmxSupport::Ready,
+                // SAFETY: the CPU has the tiles and AVX512_BF16 (checked above) and the tile
+                // state was granted.
+                Ok(()) => match unsafe { first_use_check() } {
+                    Ok(()) => AmxSupport::Ready,
+                    Err(difference) => AmxSupport::Disagreed(difference),
+                },
                 Err(reason) => AmxSupport::Refused(reason),
             }
         }
     })
+}
+
+/// The AMX kernel's products against the AVX512_BF16 kernel's ([`super::amx_agrees`]).
+///
+/// # Safety
+/// As `amx_agrees`.
+unsafe fn first_use_check() -> Result<(), String> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: forwarded from the caller.
+        unsafe { super::amx_agrees() }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        Ok(())
+    }
 }
 
 /// Whether the GEMM runs on tiles.

@@ -230,6 +230,87 @@ unsafe fn gemm_with(
     });
 }
 
+/// The products a kernel computes on first use, beside the AVX512_BF16 kernel, before the
+/// GEMM takes it: shapes across the tile and block edges, odd k, both transposes of each
+/// operand. (m, n, k, lhs transposed, rhs transposed.)
+const FIRST_USE_PRODUCTS: [(usize, usize, usize, bool, bool); 4] = [
+    (70, 100, 96, false, true),
+    (33, 47, 129, false, false),
+    (45, 40, 33, true, false),
+    (17, 80, 200, true, true),
+];
+
+/// Whether the AMX kernel computes [`FIRST_USE_PRODUCTS`] as the AVX512_BF16 kernel does:
+/// [`amx::support`] asks before the tiles are used, so a kernel that misbehaves on a CPU
+/// it could not be tested on (there was no AMX machine to hand) is never used.
+///
+/// # Safety
+/// The CPU has both kernels' instructions and the tile state is granted.
+#[cfg(target_arch = "x86_64")]
+unsafe fn amx_agrees() -> Result<(), String> {
+    // SAFETY: forwarded from the caller.
+    unsafe { agrees(Kernel::tiled(amx::tiles), Kernel::broadcast(avx512::tiles)) }
+}
+
+/// Whether `kernel` computes [`FIRST_USE_PRODUCTS`] as `reference` does: f32 sums of the
+/// same exact products, which may differ only in their order of summation; otherwise the
+/// first element that differs.
+///
+/// # Safety
+/// The CPU has the instructions both kernels use.
+unsafe fn agrees(kernel: Kernel, reference: Kernel) -> Result<(), String> {
+    let operand = |rows: usize, cols: usize, transposed: bool, seed: u64| {
+        let mut rng = crate::rng::XorShift64::seeded(seed);
+        let v: Vec<bf16> = (0..rows * cols)
+            .map(|_| bf16::from_f32((rng.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0))
+            .collect();
+        let (rs, cs) = if transposed { (1, rows) } else { (cols, 1) };
+        (v, rs, cs)
+    };
+    for (m, n, k, t_lhs, t_rhs) in FIRST_USE_PRODUCTS {
+        let (a, a_rs, a_cs) = operand(m, k, t_lhs, 1);
+        let (b, b_rs, b_cs) = operand(k, n, t_rhs, 2);
+        let product = |kernel: Kernel| {
+            let mut out = vec![0f32; m * n];
+            // SAFETY: `out` holds m rows of n; the operands are laid out as their strides
+            // say; the caller vouches for the instructions.
+            unsafe {
+                gemm_with(
+                    kernel,
+                    Mover::detect(),
+                    1,
+                    (m, n, k),
+                    Dst::F32(out.as_mut_ptr()),
+                    n,
+                    false,
+                    (&a, a_rs, a_cs),
+                    (&b, b_rs, b_cs),
+                    1.0,
+                )
+            };
+            out
+        };
+        let (got, want) = (product(kernel), product(reference));
+        // Values in [-1, 1): sums of at most 200 products, whose f32 summation orders differ
+        // by far less than this; a wrong element is off by about its own size.
+        // A NaN differs too.
+        let differs = |i: usize| {
+            let bound = 1e-3 + 1e-4 * want[i].abs();
+            (got[i] - want[i]).abs() > bound || got[i].is_nan() != want[i].is_nan()
+        };
+        if let Some(i) = (0..m * n).find(|&i| differs(i)) {
+            return Err(format!(
+                "the {m}x{k} by {k}x{n} product's element [{}, {}] was {} where {} was expected",
+                i / n,
+                i % n,
+                got[i],
+                want[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Calls `tile(a, b, i0, j0)` for every tile of row strips `strips` (lhs `lhs`):
 /// rhs strips in blocks of about `RHS_BLOCK_BYTES`, each block passed over by every row
 /// strip in turn. Inlined into each kernel's entry point.

@@ -424,3 +424,31 @@ fn the_vector_packings_equal_the_scalar_ones_element_for_element() {
         }
     }
 }
+
+/// Does nothing: a kernel that leaves the product unwritten.
+unsafe fn tiles_idle(_: &Product<'_>, _: &LhsStrips<'_>, _: Range<usize>) {}
+
+/// The AMX kernel's first-use check passes a kernel that computes the products (the tile
+/// emulation, against the scalar and, where the CPU has it, the AVX512_BF16 kernel) and
+/// refuses one that does not, naming an element.
+#[test]
+fn the_first_use_check_takes_a_kernel_only_if_it_computes_the_products() {
+    // SAFETY: the scalar and emulated kernels run on any CPU.
+    unsafe {
+        assert_eq!(agrees(Kernel::tiled(tiles_emulated_scalar), SCALAR), Ok(()));
+        let refused = agrees(Kernel::tiled(tiles_idle), SCALAR).unwrap_err();
+        assert!(refused.contains("element [0, 0] was 0 where"), "{refused}");
+        assert!(agrees(SCALAR, Kernel::tiled(tiles_idle)).is_err());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: the CPU has AVX512_BF16.
+        let emulated = unsafe {
+            agrees(
+                Kernel::tiled(tiles_emulated_avx512),
+                Kernel::broadcast(avx512::tiles),
+            )
+        };
+        assert_eq!(emulated, Ok(()));
+    }
+}
