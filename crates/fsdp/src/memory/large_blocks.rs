@@ -148,7 +148,7 @@ fn map(bytes: usize) -> *mut u8 {
 }
 
 /// An anonymous private mapping of `bytes` where the kernel chooses, or null.
-fn map_anonymous(bytes: usize) -> *mut u8 {
+pub(super) fn map_anonymous(bytes: usize) -> *mut u8 {
     // SAFETY: an anonymous private mapping at an address of the kernel's choosing.
     let p = unsafe {
         libc::mmap(

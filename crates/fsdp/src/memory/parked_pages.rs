@@ -148,20 +148,11 @@ mod tests {
         }
     }
 
+    /// A fresh mapping of base pages (not advised for huge ones).
     fn mapping(bytes: usize) -> *mut u8 {
-        // SAFETY: a fresh anonymous mapping (base pages: not advised for huge ones).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        p.cast()
+        let p = super::super::large_blocks::map_anonymous(bytes);
+        assert!(!p.is_null());
+        p
     }
 
     fn this_thread_parked() -> usize {
@@ -178,6 +169,8 @@ mod tests {
         // The source and destination start 100 bytes into their mappings, as a vector's
         // data inside a larger block may: only the whole pages inside move.
         let (src_map, dst_map) = (mapping(bytes + PAGE), mapping(bytes + PAGE));
+        // SAFETY (every block below): the ranges lie inside the two mappings, which this
+        // test alone uses; moved pages leave them mapped.
         let (src, dst) = unsafe { (src_map.add(100), dst_map.add(100)) };
         let src_slice = unsafe { std::slice::from_raw_parts_mut(src, bytes) };
         for (i, b) in src_slice.iter_mut().enumerate() {
