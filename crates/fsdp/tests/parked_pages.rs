@@ -117,3 +117,53 @@ fn released_parameters_hand_their_pages_to_the_next_unit() {
         "pages left parked after the ranks ended"
     );
 }
+
+/// [`loss`], block 0 adding the sum of its parameter of no elements (zero).
+fn loss_with_empty(p: &dyn Params, x: &Tensor) -> candle_core::Result<Tensor> {
+    let empty = p.get("block0.empty")?.sum_all()?;
+    let mut h = x
+        .matmul(&p.get("block0.weight")?)?
+        .tanh()?
+        .broadcast_add(&empty)?;
+    h = p.module_output("block0", h)?;
+    for b in 1..BLOCKS {
+        let out = h.matmul(&p.get(&format!("block{b}.weight"))?)?.tanh()?;
+        h = p.module_output(&format!("block{b}"), out)?;
+    }
+    h.sqr()?.mean_all()
+}
+
+/// A unit holding a parameter of no elements beside a large one is released and refilled
+/// like any other (its refill has no pages to take).
+#[test]
+fn a_parameter_of_no_elements_is_released_and_refilled() {
+    TrainingAllocator::mark_installed();
+    let mut model = info();
+    model.children[0].params.push(ParamSpec {
+        name: "block0.empty".into(),
+        shape: vec![0],
+        init: Init::Zeros,
+        requires_grad: true,
+        sparse_grad: false,
+        packing: None,
+    });
+    let weights = LocalParams::init(&model, 5, DType::F32, &Device::Cpu)
+        .unwrap()
+        .tensors();
+    let losses = common::tiny::on_threads(2, move |group| {
+        let plugin = common::tiny::block_units()
+            .resolve(&Layer::new(), None)
+            .unwrap()
+            .fsdp;
+        let mut engine = Fsdp::new(&model, &weights, &plugin, &[], group).unwrap();
+        let params = engine.begin_step().unwrap();
+        let l = loss_with_empty(&params, &input()).unwrap();
+        let value = l.to_scalar::<f32>().unwrap();
+        engine.backward(params, l).unwrap();
+        value
+    });
+    assert!(
+        losses[0].is_finite() && losses[0] == losses[1],
+        "{losses:?}"
+    );
+}

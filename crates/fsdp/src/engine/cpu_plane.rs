@@ -142,6 +142,14 @@ fn unpacked<T: Copy>(
     out
 }
 
+/// Gives elements `start..start + n` of `v`, about to be overwritten, parked pages (a
+/// released parameter's) instead of faulting in fresh ones.
+fn prefill<T>(v: &mut [T], capacity: usize, start: usize, n: usize) {
+    let size = std::mem::size_of::<T>();
+    let range = v[start..start + n].as_mut_ptr().cast::<u8>();
+    crate::memory::prefill_pages(capacity * size, range, n * size);
+}
+
 /// Releases a full parameter's memory in place, keeping the storage's length (candle's
 /// kernels index without bounds checks, so a shorter storage would be unsound).
 struct Release {
@@ -204,10 +212,8 @@ impl InplaceOp1 for Refill<'_> {
             s,
             self.gathered,
             |v, g| {
-                let size = std::mem::size_of_val(&v[0]);
-                let capacity = v.capacity() * size;
-                let range = v[start..start + n].as_mut_ptr().cast::<u8>();
-                crate::memory::prefill_pages(capacity, range, n * size);
+                let capacity = v.capacity();
+                prefill(v, capacity, start, n);
                 self.layout
                     .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
                 crate::memory::note_refilled(v.as_ptr().cast());
