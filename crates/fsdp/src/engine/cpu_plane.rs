@@ -166,7 +166,7 @@ impl Release {
         // refilled.
         let size = std::mem::size_of::<T>();
         let at = v.as_ptr().cast::<u8>();
-        crate::memory::release_pages(at, v.capacity() * size, at, v.len() * size);
+        crate::memory::release_pages(at, v.capacity() * size, v.len() * size);
     }
 }
 

@@ -379,21 +379,16 @@ fn large_block(capacity: usize) -> bool {
     TRAINING.load(Ordering::Relaxed) && large_blocks::is_large(capacity, 1)
 }
 
-/// Releases the whole pages inside `[address, address + bytes)`, part of the live allocation
-/// of `capacity` bytes at `allocation`: parked for the next parameter when the allocation is a
-/// large block ([`parked_pages`]), returned to the system otherwise. Either way the range
-/// reads as zeros until written and counts as released until [`note_refilled`].
-pub(crate) fn release_pages(
-    allocation: *const u8,
-    capacity: usize,
-    address: *const u8,
-    bytes: usize,
-) {
-    let (first, len) = parked_pages::whole_pages(address as usize, bytes);
+/// Releases the whole pages inside the first `bytes` of the live allocation of `capacity`
+/// bytes at `allocation`: parked for the next parameter when the allocation is a large block
+/// ([`parked_pages`]), returned to the system otherwise. Either way they read as zeros until
+/// written and count as released until [`note_refilled`].
+pub(crate) fn release_pages(allocation: *const u8, capacity: usize, bytes: usize) {
+    let (first, len) = parked_pages::whole_pages(allocation as usize, bytes);
     if len == 0 {
         return;
     }
-    if !(large_block(capacity) && parked_pages::park(address as usize, bytes) == len) {
+    if !(large_block(capacity) && parked_pages::park(first, len) == len) {
         // SAFETY: [first, first + len) lies inside the caller's allocation; MADV_DONTNEED on
         // private anonymous memory keeps the mapping valid (pages read back as zeros).
         let rc = unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_DONTNEED) };
@@ -409,7 +404,8 @@ pub(crate) fn release_pages(
 /// instead of faulting in fresh ones.
 pub(crate) fn prefill_pages(capacity: usize, address: *mut u8, bytes: usize) {
     if large_block(capacity) {
-        parked_pages::unpark(address as usize, bytes);
+        let (first, len) = parked_pages::whole_pages(address as usize, bytes);
+        parked_pages::unpark(first, len);
     }
 }
 

@@ -58,42 +58,49 @@ fn unmap(address: usize, bytes: usize) {
     PARKED_BYTES.fetch_sub(bytes, Ordering::Relaxed);
 }
 
-/// Moves the whole pages inside `[address, address + bytes)` (part of a large block) out and
-/// parks them; the range stays mapped and reads as zeros. Returns the bytes moved: 0 when
-/// there are none or the kernel refused (before Linux 5.7), and the caller returns the pages
-/// with `madvise` instead.
-pub(super) fn park(address: usize, bytes: usize) -> usize {
-    let (first, len) = whole_pages(address, bytes);
-    if len == 0 {
-        return 0;
-    }
-    // SAFETY: [first, first + len) is inside a large block of the caller's; the pages move
-    // to a new mapping and the range keeps its mapping, empty, so every reference into it
-    // stays valid.
+/// Moves the pages of `[from, from + len)` with `mremap`: onto `to` (replacing what is mapped
+/// there), or with `to` `None` to an address the kernel picks, the range staying mapped and
+/// empty (`MREMAP_DONTUNMAP`). Their new address, or `None` when the kernel refused.
+///
+/// # Safety
+/// Both ranges are this process's own and nothing else uses them meanwhile.
+unsafe fn move_pages(from: usize, len: usize, to: Option<usize>) -> Option<usize> {
+    let (flags, target) = match to {
+        Some(to) => (libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, to),
+        // The target is read whatever the flags: a stray value there fails the call.
+        None => (libc::MREMAP_MAYMOVE | libc::MREMAP_DONTUNMAP, 0),
+    };
+    // SAFETY: the caller's.
     let moved = unsafe {
         libc::mremap(
-            first as *mut libc::c_void,
+            from as *mut libc::c_void,
             len,
             len,
-            libc::MREMAP_MAYMOVE | libc::MREMAP_DONTUNMAP,
-            // Read by the kernel whatever the flags (ignored without MREMAP_FIXED, but a
-            // stray value there fails the call).
-            std::ptr::null_mut::<libc::c_void>(),
+            flags,
+            target as *mut libc::c_void,
         )
     };
-    if moved == libc::MAP_FAILED {
+    (moved != libc::MAP_FAILED).then_some(moved as usize)
+}
+
+/// Moves the pages `[first, first + len)` (whole pages inside a large block) out and parks
+/// them; the range stays mapped and reads as zeros. The bytes moved: 0 when the kernel
+/// refused (before Linux 5.7), and the caller returns the pages with `madvise` instead.
+pub(super) fn park(first: usize, len: usize) -> usize {
+    // SAFETY: the range is inside a large block of the caller's; its pages move to a new
+    // mapping and it keeps its mapping, empty, so every reference into it stays valid.
+    let Some(moved) = (unsafe { move_pages(first, len, None) }) else {
         return 0;
-    }
+    };
     PARKED_BYTES.fetch_add(len, Ordering::Relaxed);
-    PARKED.with_borrow_mut(|p| p.0.push((moved as usize, len)));
+    PARKED.with_borrow_mut(|p| p.0.push((moved, len)));
     len
 }
 
-/// Moves parked pages into the whole pages inside `[address, address + bytes)` (part of a
-/// large block, about to be overwritten: what it holds now is lost) when a parked range has
-/// their exact length. Returns the bytes moved in.
-pub(super) fn unpark(address: usize, bytes: usize) -> usize {
-    let (first, len) = whole_pages(address, bytes);
+/// Moves parked pages onto `[first, first + len)` (whole pages inside a large block, about
+/// to be overwritten: what they hold now is lost) when a parked range has that length.
+/// The bytes moved in.
+pub(super) fn unpark(first: usize, len: usize) -> usize {
     if len == 0 || parked_bytes() == 0 {
         return 0;
     }
@@ -106,16 +113,7 @@ pub(super) fn unpark(address: usize, bytes: usize) -> usize {
     };
     // SAFETY: `taken` is a parked mapping of `len` bytes, ours alone now; the destination is
     // inside the caller's large block, whose contents the caller is about to overwrite.
-    let moved = unsafe {
-        libc::mremap(
-            taken as *mut libc::c_void,
-            len,
-            len,
-            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-            first as *mut libc::c_void,
-        )
-    };
-    if moved == libc::MAP_FAILED {
+    if unsafe { move_pages(taken, len, Some(first)) }.is_none() {
         unmap(taken, len);
         return 0;
     }
@@ -153,6 +151,18 @@ mod tests {
         let p = super::super::large_blocks::map_anonymous(bytes);
         assert!(!p.is_null());
         p
+    }
+
+    /// [`park`] of the whole pages inside `[address, address + bytes)`.
+    fn park(address: usize, bytes: usize) -> usize {
+        let (first, len) = whole_pages(address, bytes);
+        super::park(first, len)
+    }
+
+    /// [`unpark`] onto the whole pages inside `[address, address + bytes)`.
+    fn unpark(address: usize, bytes: usize) -> usize {
+        let (first, len) = whole_pages(address, bytes);
+        super::unpark(first, len)
     }
 
     fn this_thread_parked() -> usize {

@@ -169,26 +169,27 @@ impl<'a> LhsStrips<'a> {
     ) -> LhsStrips<'a> {
         let (v, rs, cs) = lhs;
         let strip_pairs = kernel.strip_pairs(k);
-        let full = m / kernel.rows;
-        let mut lhs_strips = LhsStrips {
-            direct: None,
-            packed: Vec::new(),
-            packed_first: strips.start,
+        let in_place = cs == 1 && k > 0 && k == 2 * strip_pairs;
+        let (direct, packed) = if in_place {
+            // Strips from `full` on (at most one, short of the kernel's rows) need
+            // zero rows.
+            let full = m / kernel.rows;
+            let direct = (v.as_ptr().cast::<u8>(), rs * 2);
+            (
+                Some(direct),
+                full.clamp(strips.start, strips.end)..strips.end,
+            )
+        } else {
+            (None, strips)
+        };
+        LhsStrips {
+            direct,
+            packed: pack_lhs(mover, kernel, lhs, (m, k), packed.clone()),
+            packed_first: packed.start,
             strip_pairs,
             kernel,
             _operand: std::marker::PhantomData,
-        };
-        let in_place = cs == 1 && k > 0 && k == 2 * strip_pairs;
-        let packed = if in_place {
-            lhs_strips.direct = Some((v.as_ptr().cast::<u8>(), rs * 2));
-            // Strips from `full` on (at most one, short of the kernel's rows) need zero rows.
-            full.clamp(strips.start, strips.end)..strips.end
-        } else {
-            strips
-        };
-        lhs_strips.packed = pack_lhs(mover, kernel, lhs, (m, k), packed.clone());
-        lhs_strips.packed_first = packed.start;
-        lhs_strips
+        }
     }
 
     /// Row strip `s` (one of the range's).
