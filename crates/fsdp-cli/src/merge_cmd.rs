@@ -42,6 +42,14 @@ pub fn run(args: MergeArgs) -> Result<()> {
                 args.checkpoint_directory.display()
             );
         }
+        // Only a whole checkpoint that holds nothing but what its save wrote is removed:
+        // asked before anything is merged.
+        fsdp::checkpoint::check_removable(&args.checkpoint_directory).with_context(|| {
+            format!(
+                "--remove_checkpoint_dir: {} is not removed (nothing was merged)",
+                args.checkpoint_directory.display()
+            )
+        })?;
     }
     let started = Instant::now();
     let report = fsdp::checkpoint::merge_weights(&args.checkpoint_directory, &args.output_path)?;
@@ -53,8 +61,12 @@ pub fn run(args: MergeArgs) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     if args.remove_checkpoint_dir {
-        std::fs::remove_dir_all(&args.checkpoint_directory)
-            .with_context(|| format!("removing {}", args.checkpoint_directory.display()))?;
+        fsdp::checkpoint::remove_checkpoint(&args.checkpoint_directory).with_context(|| {
+            format!(
+                "the merged file is written; {} is not removed",
+                args.checkpoint_directory.display()
+            )
+        })?;
         println!("removed {}", args.checkpoint_directory.display());
     }
     Ok(())

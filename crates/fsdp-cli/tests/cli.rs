@@ -626,7 +626,7 @@ fn estimate_memory_covers_llama_configs() {
 }
 
 #[test]
-fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
+fn merge_weights_reads_accelerate_checkpoints_and_never_removes_them() {
     let home = tempfile::tempdir().unwrap();
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fsdp/tests/data/dcp/fsdp1");
     // A copy, since the folder is removed afterwards.
@@ -667,11 +667,33 @@ fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
         .unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("pickle"));
+    // Accelerate wrote it, not fsdp-rs: --remove_checkpoint_dir refuses before anything is
+    // merged (only what this library wrote is ever removed), and so for its model folder.
+    for dir in [home.path().join("ckpt"), ckpt.clone()] {
+        let refused = fsdp(home.path())
+            .arg("merge-weights")
+            .arg(&dir)
+            .arg(&out)
+            .arg("--remove_checkpoint_dir")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(
+            !refused.status.success()
+                && err.contains("not a checkpoint written by save_state")
+                && err.contains("nothing was merged"),
+            "{err}"
+        );
+        assert!(!out.exists(), "merged although refused");
+        assert!(
+            ckpt.join(".metadata").is_file(),
+            "the checkpoint was touched"
+        );
+    }
     let done = fsdp(home.path())
         .arg("merge-weights")
         .arg(home.path().join("ckpt"))
         .arg(&out)
-        .arg("--remove_checkpoint_dir")
         .output()
         .unwrap();
     assert!(
@@ -684,8 +706,8 @@ fn merge_weights_reads_accelerate_checkpoints_and_can_remove_them() {
     let theirs = std::fs::read(fixture.join("accelerate_merged.safetensors")).unwrap();
     assert!(ours == theirs, "differs from accelerate merge-weights");
     assert!(
-        !home.path().join("ckpt").exists(),
-        "--remove_checkpoint_dir"
+        ckpt.join(".metadata").is_file(),
+        "kept without --remove_checkpoint_dir"
     );
     let missing = fsdp(home.path())
         .arg("merge-weights")

@@ -549,3 +549,85 @@ fn logs_filters_and_bad_flags() {
     assert!(run.out.contains("must be a multiple of"), "{}", run.out);
     assert!(Path::new(EXE).exists());
 }
+
+#[test]
+fn overwrite_output_dir_and_remove_checkpoint_dir_remove_only_what_a_save_wrote() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let exe = common::example("custom_model_example");
+    let train = |extra: &[&str]| {
+        let args = [
+            &["--num_processes", "1", exe.to_str().unwrap()][..],
+            &[
+                "--max_train_steps",
+                "2",
+                "--checkpoint_every",
+                "1",
+                "--blocks",
+                "1",
+                "--output_dir",
+                out.to_str().unwrap(),
+            ],
+            extra,
+        ]
+        .concat();
+        launch(&args, Duration::from_secs(120))
+    };
+    let run = train(&[]);
+    assert_eq!(run.code, Some(0), "{}", run.out);
+    // A folder of the user's that merely holds a file named like our document: the run
+    // that was told to overwrite refuses to start, and the folder keeps everything.
+    let user = out.join("notes");
+    std::fs::create_dir(&user).unwrap();
+    std::fs::write(user.join("fsdp_checkpoint.json"), "my own file").unwrap();
+    std::fs::write(user.join("thesis.tex"), "years of work").unwrap();
+    let run = train(&["--overwrite_output_dir"]);
+    assert_ne!(run.code, Some(0), "{}", run.out);
+    assert!(
+        run.out.contains("notes") && run.out.contains("nothing was removed"),
+        "{}",
+        run.out
+    );
+    assert_eq!(
+        std::fs::read_to_string(user.join("thesis.tex")).unwrap(),
+        "years of work"
+    );
+    assert!(out.join("step_1/fsdp_checkpoint.json").is_file());
+    std::fs::remove_dir_all(&user).unwrap();
+    let run = train(&["--overwrite_output_dir"]);
+    assert_eq!(run.code, Some(0), "{}", run.out);
+
+    // merge-weights --remove_checkpoint_dir: the model folder alone is refused, a user's
+    // file inside is refused (nothing merged), the untouched checkpoint is removed.
+    let ckpt = out.join("step_2");
+    let merged = dir.path().join("merged");
+    let merge = |what: &Path| {
+        finish(
+            fsdp()
+                .arg("merge-weights")
+                .arg(what)
+                .arg(&merged)
+                .arg("--remove_checkpoint_dir")
+                .spawn()
+                .unwrap(),
+            Duration::from_secs(60),
+        )
+    };
+    let run = merge(&ckpt.join("pytorch_model_fsdp_0"));
+    assert_ne!(run.code, Some(0), "{}", run.out);
+    assert!(run.out.contains("inside the checkpoint"), "{}", run.out);
+    std::fs::write(ckpt.join("optimizer_0/mine.txt"), "mine").unwrap();
+    let run = merge(&ckpt);
+    assert_ne!(run.code, Some(0), "{}", run.out);
+    assert!(
+        run.out.contains("optimizer_0/mine.txt") && run.out.contains("nothing was merged"),
+        "{}",
+        run.out
+    );
+    assert!(!merged.exists() && ckpt.join("fsdp_checkpoint.json").is_file());
+    std::fs::remove_file(ckpt.join("optimizer_0/mine.txt")).unwrap();
+    let run = merge(&ckpt);
+    assert_eq!(run.code, Some(0), "{}", run.out);
+    assert!(merged.join("model.safetensors").is_file() && !ckpt.exists());
+    assert!(out.join("step_1/fsdp_checkpoint.json").is_file());
+}

@@ -506,15 +506,7 @@ fn models_and_optimizers_pair_by_preparation_order() {
 
 #[test]
 fn an_async_save_state_is_waited_for_by_the_next_load_and_holds_the_state_it_was_given() {
-    let mut acc = Accelerator::new().unwrap();
-    let m = common::tiny::model(0.0);
-    let w = LocalParams::init(&m.info(), 1, DType::F32, &Device::Cpu)
-        .unwrap()
-        .tensors();
-    let mut model = acc.prepare_model(m, &w).unwrap();
-    let mut opt = acc
-        .prepare_optimizer(Sgd::new(SgdConfig::default()).unwrap())
-        .unwrap();
+    let (mut acc, mut model, mut opt) = common::tiny::prepared_with_sgd();
     common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 0);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use fsdp::checkpoint::{self, CheckpointOptions, RunState, format};
-use fsdp::config::{ShardingStrategy, StateDictType};
+use fsdp::config::{CheckpointFormat, ShardingStrategy, StateDictType};
 
 use crate::common;
 
@@ -659,5 +659,233 @@ fn an_accelerate_checkpoint_of_another_optimizer_grouping_or_model_is_refused_be
             errors[2]
         );
         assert!(unchanged, "rank {rank}: a refused load changed the weights");
+    }
+}
+
+/// Every rank's save of one step of training to `dir` cut and written as `options` say.
+fn saved_as(dir: &Path, options: CheckpointOptions) {
+    let dir = dir.to_path_buf();
+    for r in on_threads(2, move |g| {
+        let rank = g.rank();
+        let mut t = Trainer::new(g, sharded());
+        t.train(0..1);
+        checkpoint::save_state(
+            &dir,
+            &[&t.engine],
+            &[t.optimizer.as_ref()],
+            &run_state(1, rank),
+            &options,
+        )
+        .map_err(|e| e.to_string())
+    }) {
+        r.unwrap();
+    }
+}
+
+/// Every file under `root` with its contents, for "nothing was touched".
+fn tree(root: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                pending.push(e.path());
+            } else {
+                out.push((e.path(), std::fs::read(e.path()).unwrap_or_default()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn removing_a_checkpoint_removes_only_what_its_save_wrote() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Every cut and file format lists all its files: each is removed whole when untouched.
+    for (name, state_dict_type, format) in [
+        (
+            "sharded",
+            StateDictType::ShardedStateDict,
+            CheckpointFormat::FsdpRs,
+        ),
+        (
+            "full",
+            StateDictType::FullStateDict,
+            CheckpointFormat::FsdpRs,
+        ),
+        (
+            "local",
+            StateDictType::LocalStateDict,
+            CheckpointFormat::FsdpRs,
+        ),
+        (
+            "dcp",
+            StateDictType::ShardedStateDict,
+            CheckpointFormat::TorchDcp,
+        ),
+    ] {
+        let dir = tmp.path().join(name);
+        let options = CheckpointOptions {
+            state_dict_type: Some(state_dict_type),
+            format: Some(format),
+            ..Default::default()
+        };
+        saved_as(&dir, options.clone());
+        // A save over it replaces it (the manifest proves it is ours).
+        saved_as(&dir, options);
+        checkpoint::remove_checkpoint(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(!dir.exists(), "{name}");
+    }
+
+    let ckpt = tmp.path().join("step_1");
+    saved(&ckpt);
+    // Its model folder alone: refused, the checkpoint would name a missing folder.
+    let e = checkpoint::remove_checkpoint(&ckpt.join("pytorch_model_fsdp_0"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("inside the checkpoint") && e.contains("nothing was removed"),
+        "{e}"
+    );
+    // A user's file anywhere inside, an edited file, a user's folder: refused, naming it,
+    // and nothing at all removed.
+    let before = tree(&ckpt);
+    for (what, add, needle) in [
+        ("file", "optimizer_0/mine.txt", "optimizer_0/mine.txt"),
+        ("file", "notes.md", "notes.md"),
+        (
+            "folder",
+            "pytorch_model_fsdp_0/sub/x",
+            "pytorch_model_fsdp_0/sub",
+        ),
+    ] {
+        let path = ckpt.join(add);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, "the user's").unwrap();
+        let e = checkpoint::remove_checkpoint(&ckpt)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(needle) && e.contains("nothing was removed"),
+            "{what}: {e}"
+        );
+        let mut now = tree(&ckpt);
+        now.retain(|(p, _)| p != &path);
+        assert_eq!(now, before, "{what}: something was removed");
+        std::fs::remove_file(&path).unwrap();
+        if path.parent().unwrap().ends_with("sub") {
+            std::fs::remove_dir(path.parent().unwrap()).unwrap();
+        }
+    }
+    let shard = ckpt.join("pytorch_model_fsdp_0/rank_1.safetensors");
+    let original = std::fs::read(&shard).unwrap();
+    let mut edited = original.clone();
+    *edited.last_mut().unwrap() ^= 1;
+    std::fs::write(&shard, &edited).unwrap();
+    let e = checkpoint::remove_checkpoint(&ckpt)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank_1.safetensors") && e.contains("changed after the save"),
+        "{e}"
+    );
+    std::fs::write(&shard, &original).unwrap();
+    // A folder that only holds a document of our name is no checkpoint of ours.
+    let user = tmp.path().join("user");
+    std::fs::create_dir(&user).unwrap();
+    std::fs::write(user.join(format::CHECKPOINT_FILE), "{}").unwrap();
+    std::fs::write(user.join("precious.txt"), "precious").unwrap();
+    let e = checkpoint::remove_checkpoint(&user)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot be trusted"), "{e}");
+    assert_eq!(entries(&user), ["fsdp_checkpoint.json", "precious.txt"]);
+    checkpoint::remove_checkpoint(&ckpt).unwrap();
+    assert!(!ckpt.exists());
+}
+
+#[test]
+fn overwriting_an_output_folder_removes_only_checkpoints_and_never_a_users_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let (mut acc, mut model, mut opt) = common::tiny::prepared_with_sgd();
+    common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 0);
+    for step in ["step_1", "step_2"] {
+        acc.save_state(
+            Some(&out.join(step)),
+            &[&model],
+            &[&opt],
+            Default::default(),
+        )
+        .unwrap();
+    }
+    // A user's folder that merely holds files of our documents' names (any content).
+    let user = out.join("my_notes");
+    std::fs::create_dir_all(&user).unwrap();
+    std::fs::write(user.join(format::CHECKPOINT_FILE), "{\"mine\": true}").unwrap();
+    std::fs::write(user.join(format::RUN_STATE_FILE), "{}").unwrap();
+    std::fs::write(user.join("thesis.tex"), "years of work").unwrap();
+    let before = tree(&out);
+    let e = acc.claim_output_dir(&out, true).unwrap_err().to_string();
+    assert!(
+        e.contains("my_notes") && e.contains("nothing was removed"),
+        "{e}"
+    );
+    assert_eq!(tree(&out), before, "something was removed");
+    std::fs::remove_dir_all(&user).unwrap();
+    // A user's file inside one of the checkpoints: refused too, naming it.
+    std::fs::write(out.join("step_2/optimizer_0/notes.txt"), "mine").unwrap();
+    let before = tree(&out);
+    let e = acc.claim_output_dir(&out, true).unwrap_err().to_string();
+    assert!(e.contains("step_2/optimizer_0/notes.txt"), "{e}");
+    assert_eq!(tree(&out), before, "something was removed");
+    std::fs::remove_file(out.join("step_2/optimizer_0/notes.txt")).unwrap();
+    // Without it both checkpoints go, and what else the folder holds stays.
+    std::fs::write(out.join("README.md"), "mine").unwrap();
+    acc.claim_output_dir(&out, true).unwrap();
+    assert_eq!(entries(&out), ["README.md"]);
+}
+
+#[test]
+fn every_checkpoint_of_a_run_with_a_schedule_loads() {
+    // Learning rates of a linear schedule (nlp_example's checkpoints at steps 4 and 8 were
+    // refused: 1.8181818181818182e-05 parsed one ULP off failed the document's checksum)
+    // and one that was found refused by itself.
+    let schedule = fsdp::optim::LrSchedule::Linear {
+        warmup: 1,
+        total: 11,
+    };
+    let mut lrs: Vec<f64> = (0..10).map(|s| schedule.lr(5e-5, s)).collect();
+    lrs.push(0.00018749999999999998);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    let rates = lrs.clone();
+    on_threads(2, move |g| {
+        let rank = g.rank();
+        let mut t = Trainer::new(g, sharded());
+        for (step, lr) in rates.iter().enumerate() {
+            t.optimizer.set_lr(0, *lr).unwrap();
+            t.train(step..step + 1);
+            t.engine
+                .save_state(
+                    &root.join(format!("step_{step}")),
+                    t.optimizer.as_ref(),
+                    &run_state(step as u64, rank),
+                )
+                .unwrap();
+        }
+    });
+    for (step, lr) in lrs.iter().enumerate() {
+        let dir = tmp.path().join(format!("step_{step}"));
+        let got = on_threads(2, move |g| {
+            let mut t = Trainer::new(g, sharded());
+            let run = t.engine.load_state(&dir, t.optimizer.as_mut());
+            run.map(|r| (r.step, t.optimizer.lr(0)))
+                .map_err(|e| e.to_string())
+        });
+        for r in got {
+            assert_eq!(r, Ok((step as u64, *lr)), "step {step}");
+        }
     }
 }

@@ -190,16 +190,22 @@ fn a_run_saved_as_dcp_resumes_here_exactly_and_continues_in_pytorch_as_it_does_h
     let recorded: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(roundtrip.join("expected.json")).unwrap())
             .unwrap();
+    // Our run state (`fsdp_run_state.json`) is read by fsdp-rs only; it now also lists
+    // every file with its checksum, which the recorded digest predates.
+    let ours_only = |mut files: BTreeMap<String, String>| {
+        files.remove(fsdp::checkpoint::format::RUN_STATE_FILE);
+        files
+    };
     let recorded_files: BTreeMap<String, String> =
         serde_json::from_value(recorded["files"].clone()).unwrap();
     assert_eq!(
-        digests(&dir),
-        recorded_files,
+        ours_only(digests(&dir)),
+        ours_only(recorded_files),
         "the DCP files written differ from those PyTorch read: rerun tools/make_accelerate_roundtrip_fixture.py"
     );
     assert_eq!(
         digests(&async_dir),
-        recorded_files,
+        digests(&dir),
         "an asynchronous save writes the same files"
     );
     for folder in ["pytorch_model_fsdp_0", "optimizer_0"] {

@@ -290,20 +290,17 @@ impl Accelerator {
     /// Refuses to train into `dir` while an earlier run's saved model or checkpoints are
     /// there (transformers' `overwrite_output_dir` check): a new run would replace the model
     /// and `latest` could resume an unrelated run's checkpoint. With `overwrite`, rank 0
-    /// removes those checkpoints instead (the model is replaced when the run saves its own).
-    /// Collective: rank 0 looks, every rank gets its answer. Call it when a run starts
-    /// anew, not when it resumes.
+    /// removes those checkpoints instead (the model is replaced when the run saves its own)
+    /// — only when every one holds nothing but what its save wrote; otherwise the error
+    /// names the first file that is not, and nothing is removed. Collective: rank 0 looks,
+    /// every rank gets its answer. Call it when a run starts anew, not when it resumes.
     pub fn claim_output_dir(&self, dir: &Path, overwrite: bool) -> Result<(), AcceleratorError> {
         self.wait_for_checkpoint()?;
         let looked = (self.process_index() == 0).then(|| {
-            let found = checkpoint::earlier_run_outputs(dir).map_err(|e| e.to_string())?;
             if !overwrite {
-                return Ok::<_, String>(found);
+                return checkpoint::earlier_run_outputs(dir).map_err(|e| e.to_string());
             }
-            for path in found.iter().filter(|p| !p.ends_with("model")) {
-                std::fs::remove_dir_all(path)
-                    .map_err(|e| format!("removing {}: {e}", path.display()))?;
-            }
+            checkpoint::remove_earlier_checkpoints(dir).map_err(|e| e.to_string())?;
             Ok(Vec::new())
         });
         let found: Vec<PathBuf> = match self.answer_of_rank0(looked)? {

@@ -3,7 +3,8 @@
 //! with an existing checkpoint in one `renameat2(RENAME_EXCHANGE)` — so a process killed at
 //! any moment leaves the previous checkpoint (or none) at the destination, never half a new
 //! one. A save replaces only what is its own: a destination that holds anything but a
-//! complete checkpoint of ours is refused untouched, and a staging folder is removed as
+//! complete checkpoint of ours, whose manifest lists every file in it (`owned.rs`), is
+//! refused untouched, and a staging folder is removed as
 //! stale only when the job that made it no longer holds its lock. Also automatic naming
 //! (`checkpoint_<n>`) and rotation (`total_limit`), which likewise removes only checkpoints.
 
@@ -15,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use super::error::CheckpointError;
 use super::format;
+use super::owned::{Owned, check_owned};
 
 /// Prefix of staging folders (`.{name}.partial-{nonce}` beside the destination).
 const STAGING: &str = ".partial-";
@@ -88,113 +90,49 @@ impl Staging {
     }
 }
 
-/// Names `save_state` writes at a checkpoint's top level.
-fn is_checkpoint_entry(name: &str) -> bool {
-    let numbered = |prefix: &str, suffix: &str| {
-        name.strip_prefix(prefix)
-            .and_then(|rest| rest.strip_suffix(suffix))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-    };
-    name == format::CHECKPOINT_FILE
-        || name == format::RUN_STATE_FILE
-        || name == "scheduler.bin"
-        || numbered("pytorch_model_fsdp_", "")
-        || numbered("optimizer_", "")
-        || numbered("scheduler_", ".json")
-        || numbered("scheduler_", ".bin")
-        || numbered("random_states_", ".json")
-}
-
-/// Names `save_state` writes inside a model or optimizer folder.
-fn is_folder_entry(name: &str) -> bool {
-    let digits = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
-    name == format::METADATA_FILE
-        || name == format::FULL_MODEL_FILE
-        || name == format::FULL_OPTIMIZER_FILE
-        || name == super::dcp::METADATA
-        || name
-            .strip_prefix("rank_")
-            .and_then(|r| r.strip_suffix(".safetensors"))
-            .is_some_and(digits)
-        || name
-            .strip_prefix("__")
-            .and_then(|r| r.strip_suffix(".distcp"))
-            .and_then(|r| r.split_once('_'))
-            .is_some_and(|(rank, file)| digits(rank) && digits(file))
-}
-
-/// Why `dest` may not be replaced by a save, or `None` when it may: it does not exist, is
-/// an empty folder, or is a complete checkpoint of ours (its `fsdp_checkpoint.json` of our
-/// format, or `fsdp_run_state.json` for one written as a PyTorch distributed checkpoint)
-/// holding nothing but what a save writes.
-fn not_replaceable(dest: &Path) -> Option<String> {
+/// What a save to `dest` replaces: nothing when it does not exist or is an empty folder, a
+/// checkpoint of ours holding nothing but what its save wrote (`owned::check_owned`), or
+/// else the reason it may not be replaced.
+fn replaceable(dest: &Path) -> Result<Option<Owned>, String> {
     let meta = match std::fs::symlink_metadata(dest) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => return Some(format!("cannot be examined ({e})")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot be examined ({e})")),
         Ok(m) => m,
     };
     if meta.file_type().is_symlink() {
-        return Some("is a symbolic link; save to the folder it points to".into());
+        return Err("is a symbolic link; save to the folder it points to".into());
     }
     if !meta.is_dir() {
-        return Some("exists and is not a folder".into());
+        return Err("exists and is not a folder".into());
     }
-    let entries = match std::fs::read_dir(dest) {
-        Ok(e) => e.flatten().collect::<Vec<_>>(),
-        Err(e) => return Some(format!("cannot be listed ({e})")),
-    };
-    if entries.is_empty() {
-        return None;
-    }
-    let ours = format::run_document(dest)
-        .and_then(|doc| {
-            super::files::read_bounded(&doc, format::DOCUMENT_LIMIT, "checkpoint document").ok()
-        })
-        .and_then(|b| {
-            let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
-            (v.get("format")?.as_str()? == format::FORMAT).then_some(())
-        });
-    if ours.is_none() {
-        return Some(format!(
-            "exists and is not a checkpoint written by save_state (no valid {}): it is replaced only if it is one; choose another folder",
-            format::CHECKPOINT_FILE
-        ));
-    }
-    for entry in entries {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !is_checkpoint_entry(&name) {
-            return Some(format!(
-                "holds `{name}`, which no save wrote: a checkpoint is replaced only when it holds nothing else"
-            ));
-        }
-        if entry.file_type().is_ok_and(|t| t.is_dir()) {
-            for inner in std::fs::read_dir(entry.path())
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                let inner = inner.file_name().to_string_lossy().into_owned();
-                if !is_folder_entry(&inner) {
-                    return Some(format!(
-                        "holds `{name}/{inner}`, which no save wrote: a checkpoint is replaced only when it holds nothing else"
-                    ));
-                }
+    match std::fs::read_dir(dest) {
+        Ok(mut e) => {
+            if e.next().is_none() {
+                return Ok(None);
             }
         }
+        Err(e) => return Err(format!("cannot be listed ({e})")),
     }
-    None
+    check_owned(dest).map(Some).map_err(|n| {
+        let inside = n.path.strip_prefix(dest).ok().filter(|p| !p.as_os_str().is_empty());
+        match inside {
+            Some(inner) => format!(
+                "holds `{}`: {} (a checkpoint is replaced only when it holds nothing but what its save wrote)",
+                inner.display(),
+                n.reason
+            ),
+            None => format!("is not a checkpoint a save may replace: {}", n.reason),
+        }
+    })
 }
 
-/// Checks that a save may replace `dest` (see `not_replaceable`): an error naming it
-/// otherwise, before anything is written.
-pub(crate) fn check_replaceable(dest: &Path) -> Result<(), CheckpointError> {
-    match not_replaceable(dest) {
-        None => Ok(()),
-        Some(reason) => Err(CheckpointError::Occupied {
-            path: dest.to_path_buf(),
-            reason,
-        }),
-    }
+/// Checks that a save may replace `dest` (see `replaceable`): what it holds, or an error
+/// naming what is in the way, before anything is written.
+pub(crate) fn check_replaceable(dest: &Path) -> Result<Option<Owned>, CheckpointError> {
+    replaceable(dest).map_err(|reason| CheckpointError::Occupied {
+        path: dest.to_path_buf(),
+        reason,
+    })
 }
 
 /// Removes staging folders left by saves to `dest` whose process is gone (their lock is
@@ -236,14 +174,15 @@ pub(crate) fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
         .map_err(|e| CheckpointError::io("syncing", path, e))
 }
 
-/// Writes a small file and syncs it.
-pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+/// Writes a small file and syncs it; returns its size and checksum.
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<format::FileSum, CheckpointError> {
     use std::io::Write;
     let mut f =
         std::fs::File::create(path).map_err(|e| CheckpointError::io("creating", path, e))?;
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
-        .map_err(|e| CheckpointError::io("writing", path, e))
+        .map_err(|e| CheckpointError::io("writing", path, e))?;
+    Ok(format::FileSum::of(bytes))
 }
 
 fn c_path(path: &Path) -> Result<CString, CheckpointError> {
@@ -257,7 +196,14 @@ fn c_path(path: &Path) -> Result<CString, CheckpointError> {
 /// the old folder is moved aside first (a crash in between leaves it beside the staging
 /// folder's name with `.old` appended).
 pub(crate) fn publish(staging: &mut Staging, dest: &Path) -> Result<(), CheckpointError> {
-    check_replaceable(dest)?;
+    let previous = check_replaceable(dest)?;
+    // After the exchange (or the move aside) the previous folder is at `at`: only what its
+    // save wrote is removed from it.
+    let remove_previous = |at: &Path| match &previous {
+        Some(owned) => owned.remove_at(at),
+        None => std::fs::remove_dir(at)
+            .map_err(|e| CheckpointError::io("removing the previous (empty) folder", at, e)),
+    };
     staging.seal()?;
     let staging = staging.path.clone();
     let staging = staging.as_path();
@@ -292,13 +238,11 @@ pub(crate) fn publish(staging: &mut Staging, dest: &Path) -> Result<(), Checkpoi
         std::fs::rename(dest, &aside).map_err(|e| CheckpointError::io("renaming", dest, e))?;
         std::fs::rename(staging, dest).map_err(|e| CheckpointError::io("renaming", staging, e))?;
         sync_dir(parent)?;
-        return std::fs::remove_dir_all(&aside)
-            .map_err(|e| CheckpointError::io("removing the previous checkpoint", aside, e));
+        return remove_previous(&aside);
     }
     sync_dir(parent)?;
     // `staging` now holds the previous checkpoint.
-    std::fs::remove_dir_all(staging)
-        .map_err(|e| CheckpointError::io("removing the previous checkpoint", staging, e))
+    remove_previous(staging)
 }
 
 /// Names a save that replaces or joins a model folder writes (transformers'
@@ -398,17 +342,28 @@ pub(crate) fn next_numbered(project: &Path) -> PathBuf {
     project.join(format!("checkpoint_{n}"))
 }
 
-/// Removes the oldest automatic checkpoints so at most `limit` remain; folders named like
-/// them that are not complete checkpoints of ours are neither counted nor removed.
+/// Removes the oldest automatic checkpoints so at most `limit` remain. Folders named like
+/// them without a checkpoint document of ours are neither counted nor removed; one that
+/// holds anything its save did not write stays, with a warning naming it.
 pub(crate) fn rotate(project: &Path, limit: usize) -> Result<(), CheckpointError> {
     let all: Vec<(u64, PathBuf)> = numbered(project)
         .into_iter()
-        .filter(|(_, p)| format::run_document(p).is_some() && not_replaceable(p).is_none())
+        .filter(|(_, p)| {
+            format::run_document(p)
+                .is_some_and(|d| format::read_document::<format::CheckpointDoc>(&d).is_ok())
+        })
         .collect();
     let excess = all.len().saturating_sub(limit);
     for (_, path) in all.into_iter().take(excess) {
-        std::fs::remove_dir_all(&path)
-            .map_err(|e| CheckpointError::io("removing an old checkpoint", path, e))?;
+        match check_owned(&path) {
+            Ok(owned) => owned.remove_at(&path)?,
+            Err(n) => tracing::warn!(
+                "total_limit: keeping {}: {}: {}",
+                path.display(),
+                n.path.display(),
+                n.reason
+            ),
+        }
     }
     Ok(())
 }

@@ -56,6 +56,16 @@ pub enum CheckpointError {
         /// What is there.
         reason: String,
     },
+    /// A removal (an overwritten output folder, `--remove_checkpoint_dir`, rotation) found
+    /// something in a checkpoint folder that no save wrote, or a folder that is no
+    /// checkpoint of ours: it is left whole.
+    #[error("{}: {reason}; nothing was removed", path.display())]
+    NotOurs {
+        /// What is not ours (a file inside the folder, or the folder).
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// Another rank failed during the collective save or load; every rank reports it.
     #[error("rank {rank} failed: {message}")]
     OnRank {

@@ -95,6 +95,31 @@ pub struct CheckpointDoc {
     /// `random_states_{rank}.json`), by file name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub documents: BTreeMap<String, u32>,
+    /// Every other file of the checkpoint (by its path inside it, `/`-separated) with its
+    /// size and the CRC-32 of its bytes: what proves a folder holds nothing but what a save
+    /// wrote before it is replaced or removed. Absent in checkpoints of earlier builds, which
+    /// are therefore never removed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, FileSum>,
+}
+
+/// A written file's size and the CRC-32 (IEEE) of its bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileSum {
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// CRC-32 of all its bytes.
+    pub crc32: u32,
+}
+
+impl FileSum {
+    /// The sum of `bytes`.
+    pub fn of(bytes: &[u8]) -> FileSum {
+        FileSum {
+            bytes: bytes.len() as u64,
+            crc32: crc32fast::hash(bytes),
+        }
+    }
 }
 
 /// A model or optimizer folder's `metadata.json`.
@@ -447,4 +472,86 @@ pub fn checkpoint_root(path: &Path) -> Option<PathBuf> {
         .join(CHECKPOINT_FILE)
         .exists()
         .then(|| parent.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A document holding `values` where floats live in checkpoints: the data position (free
+    /// JSON) and an optimizer's rates.
+    fn doc_with(values: &[f64]) -> CheckpointDoc {
+        CheckpointDoc {
+            format: FORMAT.into(),
+            version: VERSION,
+            state_dict_type: "SHARDED_STATE_DICT".into(),
+            world_size: 2,
+            models: 1,
+            optimizers: 1,
+            schedulers: 1,
+            step: 4,
+            data: serde_json::json!({ "lrs": values, "first": values.first() }),
+            grad_scalers: vec![serde_json::json!({ "scale": values.last() })],
+            documents: BTreeMap::new(),
+            files: BTreeMap::new(),
+        }
+    }
+
+    /// Finite doubles of every kind: random bit patterns (so every exponent, subnormals
+    /// included), 17-digit decimals, a linear schedule's rates, and the values that were
+    /// refused before (a parser one ULP off made their checksum fail).
+    fn awkward_values() -> Vec<f64> {
+        let mut v = vec![
+            0.00018749999999999998,
+            1.8181818181818182e-05,
+            5e-324,
+            f64::MIN_POSITIVE,
+            f64::MAX,
+            -0.0,
+            0.1 + 0.2,
+            1e-310,
+        ];
+        v.extend((0..=11).map(|s| 5e-5 * (11 - s) as f64 / 11.0));
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        while v.len() < 4000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let x = f64::from_bits(state);
+            if x.is_finite() {
+                v.push(x);
+                v.push(x * 1e-300);
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn documents_of_any_finite_doubles_read_back_as_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let values = awkward_values();
+        for (i, chunk) in values.chunks(40).enumerate() {
+            let doc = doc_with(chunk);
+            let path = dir.path().join(format!("doc_{i}.json"));
+            std::fs::write(&path, document_bytes(&doc).unwrap()).unwrap();
+            let read: CheckpointDoc = read_document(&path)
+                .unwrap_or_else(|e| panic!("values {chunk:?} were refused: {e}"));
+            assert_eq!(read, doc, "values {chunk:?} came back otherwise");
+        }
+    }
+
+    #[test]
+    fn an_edited_value_still_fails_the_checksum() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("doc.json");
+        let text = String::from_utf8(document_bytes(&doc_with(&[1.8181818181818182e-05])).unwrap())
+            .unwrap();
+        let edited = text.replacen("0.000018181818181818182", "0.000028181818181818182", 1);
+        assert_ne!(edited, text, "the value is written as expected");
+        std::fs::write(&path, edited).unwrap();
+        let e = read_document::<CheckpointDoc>(&path)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("checksum does not match"), "{e}");
+    }
 }

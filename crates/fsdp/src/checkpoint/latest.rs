@@ -68,6 +68,24 @@ pub fn earlier_run_outputs(folder: &Path) -> Result<Vec<PathBuf>, CheckpointErro
     Ok(out)
 }
 
+/// Removes every checkpoint [`earlier_run_outputs`] finds in `folder` (the saved model
+/// stays: a new run's save replaces it), once each is found to hold nothing but what its
+/// save wrote; otherwise an error naming the first file that is not, and nothing is removed.
+pub(crate) fn remove_earlier_checkpoints(folder: &Path) -> Result<(), CheckpointError> {
+    let owned = checkpoints_in(folder)?
+        .into_iter()
+        .map(|(path, _)| {
+            super::owned::check_owned(&path)
+                .map(|o| (path, o))
+                .map_err(super::owned::NotOwned::refusal)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for (path, o) in owned {
+        o.remove_at(&path)?;
+    }
+    Ok(())
+}
+
 /// When the checkpoint's document was written (ties of step go to the newer save).
 fn modified(checkpoint: &Path) -> Option<std::time::SystemTime> {
     std::fs::metadata(format::run_document(checkpoint)?)
@@ -94,6 +112,7 @@ mod tests {
             data: serde_json::Value::Null,
             grad_scalers: Vec::new(),
             documents: Default::default(),
+            files: Default::default(),
         };
         let bytes = format::document_bytes(&doc).unwrap();
         std::fs::write(at.join(format::CHECKPOINT_FILE), bytes).unwrap();

@@ -23,6 +23,7 @@ mod groups;
 mod latest;
 mod load;
 mod merge;
+mod owned;
 mod pretrained;
 mod report;
 mod save;
@@ -39,8 +40,10 @@ use serde::{Deserialize, Serialize};
 
 pub use error::CheckpointError;
 pub(crate) use from_accelerate::PYTORCH_SCHEDULER;
+pub(crate) use latest::remove_earlier_checkpoints;
 pub use latest::{earlier_run_outputs, latest_checkpoint};
 pub use merge::{MergeReport, merge_weights};
+pub use owned::{check_removable, remove_checkpoint};
 pub use pretrained::{Emit, WriteTensor, save_adapter, save_pretrained, save_pretrained_as};
 pub use save_async::PendingSave;
 

@@ -139,7 +139,7 @@ pub fn save_adapter(
     let documents = |staging: &Path| {
         let text = serde_json::to_string_pretty(adapter_config)
             .map_err(|e| CheckpointError::json("adapter_config.json", e))?;
-        atomic::write_synced(&staging.join("adapter_config.json"), text.as_bytes())
+        atomic::write_synced(&staging.join("adapter_config.json"), text.as_bytes()).map(|_| ())
     };
     let emit = &mut WriteAsGathered;
     save_selected(model, dir, &files, &file_name, keep, &documents, emit)

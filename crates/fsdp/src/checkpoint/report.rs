@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::RunState;
 use super::atomic;
 use super::error::CheckpointError;
-use super::format::{self, CheckpointDoc, FileDoc, LayoutDoc, OptimizerDoc, PackingDoc};
+use super::format::{self, CheckpointDoc, FileDoc, FileSum, LayoutDoc, OptimizerDoc, PackingDoc};
 use super::tensor_file::WrittenFile;
 use crate::config::StateDictType;
 use crate::engine::Fsdp;
@@ -39,6 +39,8 @@ pub(super) struct RankPiece {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct RankFolder {
     pub(super) file: Option<(String, FileDoc)>,
+    /// The CRC-32 of the whole file (its size is the `FileDoc`'s).
+    pub(super) crc32: u32,
     pub(super) pieces: Vec<RankPiece>,
     pub(super) steps: BTreeMap<String, u64>,
 }
@@ -47,8 +49,8 @@ pub(super) struct RankFolder {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(super) struct RankReport {
     pub(super) folders: Vec<RankFolder>,
-    /// The CRC-32 of this rank's `random_states_{rank}.json`.
-    pub(super) random_crc32: u32,
+    /// This rank's `random_states_{rank}.json`.
+    pub(super) random: FileSum,
 }
 
 /// The name `kind` has in the documents (PyTorch's `StateDictType` member).
@@ -96,6 +98,7 @@ pub(super) fn describe(
                 rank,
             },
         )),
+        crc32: written.crc32,
         pieces: written
             .tensors
             .iter()
@@ -113,14 +116,13 @@ pub(super) fn describe(
     }
 }
 
-/// Writes `random_states_{rank}.json` into `staging`; returns its CRC-32.
+/// Writes `random_states_{rank}.json` into `staging`.
 pub(super) fn write_random(
     staging: &Path,
     rank: usize,
     random: &[u8],
-) -> Result<u32, CheckpointError> {
-    atomic::write_synced(&staging.join(format::random_states_file(rank)), random)?;
-    Ok(crc32fast::hash(random))
+) -> Result<FileSum, CheckpointError> {
+    atomic::write_synced(&staging.join(format::random_states_file(rank)), random)
 }
 
 /// What rank 0 takes from the models and optimizers for the documents, captured when the
@@ -165,27 +167,56 @@ impl DocInputs {
     }
 }
 
+/// Every file the ranks' `reports` say they wrote, by its path in the checkpoint.
+fn files_of(reports: &[RankReport], models: usize) -> BTreeMap<String, FileSum> {
+    let mut files = BTreeMap::new();
+    for (rank, r) in reports.iter().enumerate() {
+        files.insert(format::random_states_file(rank), r.random);
+        for (f, folder) in r.folders.iter().enumerate() {
+            let Some((name, doc)) = &folder.file else {
+                continue;
+            };
+            let dir = if f < models {
+                format::model_folder(f)
+            } else {
+                format::optimizer_folder(f - models)
+            };
+            let sum = FileSum {
+                bytes: doc.bytes,
+                crc32: folder.crc32,
+            };
+            files.insert(format!("{dir}/{name}"), sum);
+        }
+    }
+    files
+}
+
 /// Rank 0: the schedulers' documents and the checkpoint document `file` (the run state,
-/// every other document listed with its checksum), written last.
+/// every other document listed with its checksum, and every file of the checkpoint —
+/// the ranks' from their `reports`, rank 0's documents in `own` — with its size and
+/// checksum), written last.
 pub(super) fn write_run_document(
     staging: &Path,
     reports: &[RankReport],
     inputs: &DocInputs,
     run: &RunState,
-    type_name: &str,
-    file: &str,
+    (type_name, file): (&str, &str),
+    mut own: BTreeMap<String, FileSum>,
 ) -> Result<(), CheckpointError> {
     let mut documents: BTreeMap<String, u32> = reports
         .iter()
         .enumerate()
-        .map(|(rank, r)| (format::random_states_file(rank), r.random_crc32))
+        .map(|(rank, r)| (format::random_states_file(rank), r.random.crc32))
         .collect();
     for (i, s) in run.schedulers.iter().enumerate() {
         let bytes = serde_json::to_vec_pretty(s)
             .map_err(|e| CheckpointError::json(format!("scheduler {i}"), e))?;
-        atomic::write_synced(&staging.join(format::scheduler_file(i)), &bytes)?;
-        documents.insert(format::scheduler_file(i), crc32fast::hash(&bytes));
+        let sum = atomic::write_synced(&staging.join(format::scheduler_file(i)), &bytes)?;
+        documents.insert(format::scheduler_file(i), sum.crc32);
+        own.insert(format::scheduler_file(i), sum);
     }
+    let mut files = files_of(reports, inputs.models);
+    files.append(&mut own);
     let doc = CheckpointDoc {
         format: format::FORMAT.into(),
         version: format::VERSION,
@@ -198,6 +229,7 @@ pub(super) fn write_run_document(
         data: run.data.clone(),
         grad_scalers: run.grad_scalers.clone(),
         documents,
+        files,
     };
     atomic::write_synced(&staging.join(file), &format::document_bytes(&doc)?)?;
     atomic::sync_dir(staging)

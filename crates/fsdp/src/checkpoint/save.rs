@@ -78,7 +78,7 @@ fn write_rank(
     }
     let rank = models[0].mesh().rank();
     let mut report = RankReport {
-        random_crc32: write_random(staging, rank, &random_bytes(run)?)?,
+        random: write_random(staging, rank, &random_bytes(run)?)?,
         ..Default::default()
     };
     let mut optimizer_folders = Vec::new();
@@ -99,7 +99,6 @@ fn write_rank(
             &|name, _| m.local_values_of(name).map(Some),
         )?);
         if let Some(o) = opt {
-            let mut folder = RankFolder::default();
             let keys: Vec<String> = state_keys(m, o, &names);
             let mut tensors = Vec::new();
             for key in &keys {
@@ -110,9 +109,7 @@ fn write_rank(
                     }
                 }
             }
-            let mut written = write_full_state(m, o, &opt_dir, &keys, tensors)?;
-            folder.file = written.file.take();
-            folder.pieces = written.pieces;
+            let mut folder = write_full_state(m, o, &opt_dir, &keys, tensors)?;
             folder.steps = names
                 .iter()
                 .filter_map(|(n, _)| m.optimizer_state_info(o, n).map(|(s, _)| (n.clone(), s)))
@@ -136,7 +133,7 @@ pub(super) fn write_rank_parts<V: PartSource>(
     }
     let rank = parts.rank;
     let mut report = RankReport {
-        random_crc32: write_random(staging, rank, &parts.random)?,
+        random: write_random(staging, rank, &parts.random)?,
         ..Default::default()
     };
     let mut optimizer_folders = Vec::new();
@@ -168,6 +165,7 @@ fn write_documents(
 ) -> Result<(), CheckpointError> {
     let type_name = state_dict_name(kind);
     let models = inputs.models;
+    let mut own = BTreeMap::new();
     let folders = models + inputs.optimizers.len();
     for f in 0..folders {
         let is_model = f < models;
@@ -231,19 +229,21 @@ fn write_documents(
             });
         }
         std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
-        atomic::write_synced(
+        let sum = atomic::write_synced(
             &dir.join(format::METADATA_FILE),
             &format::document_bytes(&doc)?,
         )?;
         atomic::sync_dir(&dir)?;
+        let folder = dir.strip_prefix(staging).unwrap_or(&dir).display();
+        own.insert(format!("{folder}/{}", format::METADATA_FILE), sum);
     }
     write_run_document(
         staging,
         reports,
         inputs,
         run,
-        type_name,
-        format::CHECKPOINT_FILE,
+        (type_name, format::CHECKPOINT_FILE),
+        own,
     )
 }
 

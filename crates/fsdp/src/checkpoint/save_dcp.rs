@@ -25,7 +25,7 @@ use super::dcp::{
     write_records,
 };
 use super::error::CheckpointError;
-use super::format::{self, FileDoc, GroupDoc, OptimizerDoc};
+use super::format::{self, FileDoc, FileSum, GroupDoc, OptimizerDoc};
 use super::report::{self, DocInputs, RankFolder, RankPiece, RankReport, write_run_document};
 use super::save_parts::{Part, PartSource, RankParts};
 
@@ -63,17 +63,17 @@ fn write_parts<V: PartSource>(
         let (_, sizes) = chunk_of(&p.shape, p.rows);
         tensor_record(&p.values.get()?, &sizes)
     });
-    let placed = write_records(folder, &file, records)?;
-    let bytes = placed.last().map_or(0, |s| s.at + s.length);
+    let (placed, sum) = write_records(folder, &file, records)?;
     Ok(RankFolder {
         file: Some((
             file,
             FileDoc {
-                bytes,
+                bytes: sum.bytes,
                 header_crc32: 0,
                 rank,
             },
         )),
+        crc32: sum.crc32,
         pieces: parts
             .iter()
             .zip(placed)
@@ -98,7 +98,7 @@ pub(super) fn write_rank<V: PartSource>(
 ) -> Result<RankReport, CheckpointError> {
     let rank = parts.rank;
     let mut report = RankReport {
-        random_crc32: report::write_random(staging, rank, &parts.random)?,
+        random: report::write_random(staging, rank, &parts.random)?,
         ..Default::default()
     };
     let mut optimizer_folders = Vec::new();
@@ -247,7 +247,7 @@ fn write_values(
     dir: &Path,
     optimizer: &OptimizerDoc,
     steps: &BTreeMap<String, u64>,
-) -> Result<Vec<Entry>, CheckpointError> {
+) -> Result<(Vec<Entry>, FileSum), CheckpointError> {
     let optim = || vec![key("optimizer")];
     let mut paths = Vec::new();
     let mut records = Vec::new();
@@ -265,8 +265,8 @@ fn write_values(
             records.push(value_record(&value));
         }
     }
-    let placed = write_records(dir, VALUES_FILE, records)?;
-    Ok(paths
+    let (placed, sum) = write_records(dir, VALUES_FILE, records)?;
+    let entries = paths
         .into_iter()
         .zip(placed)
         .map(|((path, is_tensor), stored)| match is_tensor {
@@ -281,7 +281,8 @@ fn write_values(
             },
             false => Entry::Value { path, stored },
         })
-        .collect())
+        .collect();
+    Ok((entries, sum))
 }
 
 /// `scheduler` as the state of PyTorch's `LambdaLR` over `optimizer`'s groups (its base
@@ -326,12 +327,14 @@ pub(super) fn write_documents(
     run: &RunState,
 ) -> Result<(), CheckpointError> {
     let models = inputs.models;
+    let mut own = BTreeMap::new();
     for f in 0..models + inputs.optimizers.len() {
-        let (dir, entries) = if f < models {
+        let (folder, entries) = if f < models {
             let entries = tensor_entries(reports, f, &|name| vec![key("model"), key(name)]);
-            (staging.join(format::model_folder(f)), entries)
+            (format::model_folder(f), entries)
         } else {
-            let dir = staging.join(format::optimizer_folder(f - models));
+            let folder = format::optimizer_folder(f - models);
+            let dir = staging.join(&folder);
             let mut entries = tensor_entries(reports, f, &|name| {
                 // `{param}.{state}`: state names have no dots, parameter names do.
                 let (param, state) = name.rsplit_once('.').unwrap_or((name, ""));
@@ -342,24 +345,30 @@ pub(super) fn write_documents(
                 .filter_map(|r| r.folders.get(f))
                 .flat_map(|folder| folder.steps.clone())
                 .collect();
-            entries.extend(write_values(&dir, &inputs.optimizers[f - models], &steps)?);
-            (dir, entries)
+            std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
+            let (values, sum) = write_values(&dir, &inputs.optimizers[f - models], &steps)?;
+            entries.extend(values);
+            own.insert(format!("{folder}/{VALUES_FILE}"), sum);
+            (folder, entries)
         };
+        let dir = staging.join(&folder);
         std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("creating", &dir, e))?;
-        atomic::write_synced(&dir.join(dcp::METADATA), &metadata(&entries))?;
+        let sum = atomic::write_synced(&dir.join(dcp::METADATA), &metadata(&entries))?;
         atomic::sync_dir(&dir)?;
+        own.insert(format!("{folder}/{}", dcp::METADATA), sum);
     }
     for (i, (s, o)) in run.schedulers.iter().zip(&inputs.optimizers).enumerate() {
         let record = value_record(&lambda_lr_state(s, o))?;
-        atomic::write_synced(&staging.join(scheduler_bin(i)), &record)?;
+        let sum = atomic::write_synced(&staging.join(scheduler_bin(i)), &record)?;
+        own.insert(scheduler_bin(i), sum);
     }
     write_run_document(
         staging,
         reports,
         inputs,
         run,
-        "SHARDED_STATE_DICT",
-        format::RUN_STATE_FILE,
+        ("SHARDED_STATE_DICT", format::RUN_STATE_FILE),
+        own,
     )
 }
 

@@ -42,6 +42,8 @@ impl PlannedTensor {
 pub(crate) struct WrittenFile {
     pub bytes: u64,
     pub header_crc32: u32,
+    /// CRC-32 of the whole file.
+    pub crc32: u32,
     /// (name, offset, bytes, crc32) in writing order.
     pub tensors: Vec<(String, u64, u64, u32)>,
 }
@@ -54,6 +56,8 @@ pub(crate) struct TensorFileWriter {
     next: usize,
     offset: u64,
     header_crc32: u32,
+    /// CRC-32 of everything written so far (the pieces' sums combined, not computed again).
+    file_crc: crc32fast::Hasher,
     written: Vec<(String, u64, u64, u32)>,
 }
 
@@ -93,6 +97,11 @@ impl TensorFileWriter {
             next: 0,
             offset: head.len() as u64,
             header_crc32: crc32fast::hash(&head),
+            file_crc: {
+                let mut h = crc32fast::Hasher::new();
+                h.update(&head);
+                h
+            },
             written: Vec::new(),
         })
     }
@@ -128,6 +137,7 @@ impl TensorFileWriter {
                 .write_all(bytes)
                 .map_err(|e| CheckpointError::io("writing", &self.path, e))?;
         }
+        self.file_crc.combine(&crc);
         self.written
             .push((t.name.clone(), self.offset, len as u64 * 4, crc.finalize()));
         self.offset += len as u64 * 4;
@@ -154,6 +164,7 @@ impl TensorFileWriter {
         Ok(WrittenFile {
             bytes: self.offset,
             header_crc32: self.header_crc32,
+            crc32: self.file_crc.finalize(),
             tensors: self.written,
         })
     }

@@ -10,6 +10,7 @@ use zip::write::SimpleFileOptions;
 
 use super::pickle::{Py, dump};
 use crate::checkpoint::error::CheckpointError;
+use crate::checkpoint::format::FileSum;
 
 const DCP: &str = "torch.distributed.checkpoint.metadata";
 
@@ -267,19 +268,21 @@ pub(crate) fn metadata(entries: &[Entry]) -> Vec<u8> {
 }
 
 /// Writes `records` one after another into `path` (created, synced); returns where each
-/// one is.
+/// one is, and the file's size and checksum.
 pub(crate) fn write_records(
     folder: &Path,
     file: &str,
     records: impl IntoIterator<Item = Result<Vec<u8>, CheckpointError>>,
-) -> Result<Vec<Stored>, CheckpointError> {
+) -> Result<(Vec<Stored>, FileSum), CheckpointError> {
     let path = folder.join(file);
     let mut out =
         std::fs::File::create_new(&path).map_err(|e| CheckpointError::io("creating", &path, e))?;
     let mut at = 0u64;
     let mut placed = Vec::new();
+    let mut crc = crc32fast::Hasher::new();
     for r in records {
         let bytes = r?;
+        crc.update(&bytes);
         out.write_all(&bytes)
             .map_err(|e| CheckpointError::io("writing", &path, e))?;
         placed.push(Stored {
@@ -291,5 +294,9 @@ pub(crate) fn write_records(
     }
     out.sync_all()
         .map_err(|e| CheckpointError::io("syncing", &path, e))?;
-    Ok(placed)
+    let sum = FileSum {
+        bytes: at,
+        crc32: crc.finalize(),
+    };
+    Ok((placed, sum))
 }
