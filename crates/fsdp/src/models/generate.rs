@@ -72,7 +72,7 @@ pub fn generate(
     while new.len() < config.max_new_tokens {
         let ids = Tensor::from_slice(&input, (1, input.len()), &candle_core::Device::Cpu)?;
         let logits: Vec<f32> = next_logits(&ids)?.get(0)?.to_dtype(DType::F32)?.to_vec1()?;
-        let next = choose(&logits, config, &mut rng);
+        let next = choose(&logits, config, &mut rng)?;
         new.push(next);
         if config.stop_tokens.contains(&next) {
             break;
@@ -83,8 +83,27 @@ pub fn generate(
 }
 
 /// The next token from `logits`: the most likely (lowest id on a tie) when greedy, else a
-/// draw from the tempered, top-k and top-p filtered distribution.
-fn choose(logits: &[f32], config: &GenerationConfig, rng: &mut NormalRng) -> u32 {
+/// draw from the tempered, top-k and top-p filtered distribution. Tokens at `+inf` share
+/// all the probability (the limit of growing logits); weights are taken relative to the
+/// largest logit, so a temperature so small that every other weight underflows draws the
+/// most likely token, as greedy decoding does, instead of overflowing. NaN logits, no logits
+/// and only `-inf` logits are errors: no token can be chosen from them.
+fn choose(logits: &[f32], config: &GenerationConfig, rng: &mut NormalRng) -> Result<u32> {
+    if logits.is_empty() {
+        candle_core::bail!("generation: the model returned no logits (an empty vocabulary)");
+    }
+    if let Some(i) = logits.iter().position(|l| l.is_nan()) {
+        candle_core::bail!(
+            "generation: the logit of token {i} is NaN (of {}): the model's output is not a distribution",
+            logits.len()
+        );
+    }
+    if logits.iter().all(|&l| l == f32::NEG_INFINITY) {
+        candle_core::bail!(
+            "generation: every one of the {} logits is -inf: no token can be chosen",
+            logits.len()
+        );
+    }
     let argmax = || {
         logits
             .iter()
@@ -95,18 +114,25 @@ fn choose(logits: &[f32], config: &GenerationConfig, rng: &mut NormalRng) -> u32
             .0 as u32
     };
     if config.temperature == 0.0 {
-        return argmax();
+        return Ok(argmax());
     }
-    // Most likely first (ids ascending on ties), tempered.
+    // Most likely first (ids ascending on ties): tempering keeps the order.
     let mut order: Vec<(u32, f64)> = logits
         .iter()
         .enumerate()
-        .map(|(i, &l)| (i as u32, l as f64 / config.temperature))
+        .map(|(i, &l)| (i as u32, l as f64))
         .collect();
     order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     order.truncate(config.top_k.unwrap_or(order.len()).max(1));
     let top = order[0].1;
-    let mut probs: Vec<f64> = order.iter().map(|&(_, l)| (l - top).exp()).collect();
+    let mut probs: Vec<f64> = if top == f64::INFINITY {
+        order.iter().map(|&(_, l)| f64::from(l == top)).collect()
+    } else {
+        order
+            .iter()
+            .map(|&(_, l)| ((l - top) / config.temperature).exp())
+            .collect()
+    };
     let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
     if let Some(top_p) = config.top_p {
@@ -125,11 +151,13 @@ fn choose(logits: &[f32], config: &GenerationConfig, rng: &mut NormalRng) -> u32
     let mut r = rng.uniform();
     for (i, p) in probs.iter().enumerate() {
         if r < *p {
-            return order[i].0;
+            return Ok(order[i].0);
         }
         r -= p;
     }
-    order[probs.len() - 1].0
+    // Rounding left `r` above the last sum: the last token with any probability.
+    let last = probs.iter().rposition(|&p| p > 0.0).unwrap_or(0);
+    Ok(order[last].0)
 }
 
 #[cfg(test)]
@@ -149,12 +177,12 @@ mod tests {
             };
             let mut rng = NormalRng::new(seed);
             (0..200)
-                .map(|_| choose(&logits, &c, &mut rng))
+                .map(|_| choose(&logits, &c, &mut rng).unwrap())
                 .collect::<Vec<u32>>()
         };
         // Greedy: the largest logit.
         let greedy = GenerationConfig::greedy(1, vec![]);
-        assert_eq!(choose(&logits, &greedy, &mut NormalRng::new(0)), 1);
+        assert_eq!(choose(&logits, &greedy, &mut NormalRng::new(0)).unwrap(), 1);
         // top_k 1 is greedy; top_k 2 draws only ids 1 and 3, both.
         assert!(sampled(Some(1), None, 5).iter().all(|&t| t == 1));
         let two = sampled(Some(2), None, 5);
@@ -170,5 +198,43 @@ mod tests {
             ..greedy.clone()
         };
         assert!(bad.check().unwrap_err().to_string().contains("top_p"));
+    }
+
+    #[test]
+    fn overflowing_infinite_nan_and_empty_logits_never_pick_an_unlikely_token() {
+        let sample = |logits: &[f32], temperature: f64, seed| {
+            let c = GenerationConfig {
+                temperature,
+                ..GenerationConfig::greedy(1, vec![])
+            };
+            choose(logits, &c, &mut NormalRng::new(seed))
+        };
+        let logits = [0.5f32, 9.0, -3.0, 8.5, 1.0];
+        // A temperature whose tempered logits overflow: the most likely token, every draw
+        // (it used to be the last, least likely one).
+        for t in [1e-310, 1e-300, 1e-30, f64::MIN_POSITIVE] {
+            for seed in 0..20 {
+                assert_eq!(sample(&logits, t, seed).unwrap(), 1, "temperature {t}");
+            }
+        }
+        // +inf logits take all the probability, shared; -inf ones none.
+        let inf = [1.0f32, f32::INFINITY, f32::NEG_INFINITY, f32::INFINITY, 2.0];
+        let drawn: Vec<u32> = (0..200).map(|s| sample(&inf, 1.0, s).unwrap()).collect();
+        assert!(drawn.iter().all(|&t| t == 1 || t == 3), "{drawn:?}");
+        assert!(drawn.contains(&1) && drawn.contains(&3));
+        assert_eq!(sample(&inf, 0.0, 0).unwrap(), 1);
+        let minus = [f32::NEG_INFINITY, -1.0, f32::NEG_INFINITY];
+        assert!((0..50).all(|s| sample(&minus, 2.0, s).unwrap() == 1));
+        // NaN, nothing, or nothing possible: errors naming what is wrong.
+        for t in [0.0, 1.0] {
+            let e = sample(&[0.0, f32::NAN, 1.0], t, 0).unwrap_err().to_string();
+            assert!(e.contains("token 1 is NaN"), "{e}");
+            let e = sample(&[], t, 0).unwrap_err().to_string();
+            assert!(e.contains("no logits"), "{e}");
+            let e = sample(&[f32::NEG_INFINITY; 3], t, 0)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("-inf"), "{e}");
+        }
     }
 }
