@@ -548,3 +548,68 @@ fn the_rank_that_exits_first_is_blamed_when_a_peer_follows_at_once() {
         );
     }
 }
+
+#[test]
+fn more_workers_than_the_machine_can_run_are_refused_before_any_starts() {
+    let started = Instant::now();
+    let run = launch(
+        &["--num_processes", "100000", "sh", "-c", "echo started"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(run.code, Some(1), "{}", run.out);
+    assert!(
+        run.out.contains("100000 worker processes") && run.out.contains("per core"),
+        "{}",
+        run.out
+    );
+    assert!(!run.out.contains("started"), "{}", run.out);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_signal_while_workers_start_stops_the_started_ones_at_once() {
+    // As many workers as the launcher allows here (16 per core): starting them takes a
+    // while (the issue measured ~65 per second), and SIGTERM comes when the first speaks.
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get()) * 16;
+    let n = n.to_string();
+    let mut child = fsdp()
+        .args([
+            "launch",
+            "--num_processes",
+            &n,
+            "sh",
+            "-c",
+            "echo \"rank $RANK pid $$\"; exec sleep 60",
+        ])
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 256];
+    while pids(&seen).is_empty() {
+        let n = stdout.read(&mut buf).unwrap();
+        assert!(n > 0, "{seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    // SAFETY: signalling the launcher this test started.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let signalled = Instant::now();
+    let run = finish(child, Duration::from_secs(30));
+    let out = format!("{seen}{}", run.out);
+    assert_eq!(run.code, Some(128 + libc::SIGTERM), "{out}");
+    assert!(out.contains("while starting workers"), "{out}");
+    let workers = pids(&out);
+    assert!(workers.len() < n.parse().unwrap(), "{out}");
+    assert!(survivors(&workers).is_empty(), "{out}");
+    eprintln!(
+        "SIGTERM while starting {n} workers: {} had started, launcher gone after {:?}",
+        workers.len(),
+        signalled.elapsed()
+    );
+}

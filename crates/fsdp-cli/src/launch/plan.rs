@@ -79,6 +79,7 @@ impl Plan {
             _ => random_secret(),
         };
         let local = l.processes_per_machine();
+        check_worker_count(local)?;
         let threads = l
             .num_cpu_threads_per_process
             .unwrap_or_else(|| (crate::system::available_cores() / local.max(1)).max(1));
@@ -253,4 +254,30 @@ fn random_secret() -> String {
         "{}{nanos:x}",
         bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
     )
+}
+
+/// Workers per core a machine may be given: training processes beyond this only wait for
+/// cores (tests oversubscribe by 2-4; one process per GPU is far below it).
+const WORKERS_PER_CORE: usize = 16;
+
+/// Refuses to start more workers on this machine than `WORKERS_PER_CORE` per core or than
+/// the user may still start processes (`ulimit -u`, less what runs), with the reason.
+fn check_worker_count(local: usize) -> Result<()> {
+    let cores = crate::system::available_cores();
+    let most = cores.saturating_mul(WORKERS_PER_CORE);
+    if local > most {
+        bail!(
+            "{local} worker processes on this machine are more than it can run: at most {most} ({WORKERS_PER_CORE} per core on its {cores} core(s)); lower --num_processes, or spread them with --num_machines"
+        );
+    }
+    // SAFETY: getrlimit fills the struct it is given.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    let known = unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut limit) } == 0;
+    if known && limit.rlim_cur != libc::RLIM_INFINITY && local as u64 >= limit.rlim_cur {
+        bail!(
+            "{local} worker processes reach this user's process limit (ulimit -u: {}); lower --num_processes or raise the limit",
+            limit.rlim_cur
+        );
+    }
+    Ok(())
 }

@@ -1,5 +1,5 @@
 //! One attempt of the worker group: start every local worker (tearing down the started ones
-//! if any cannot start), watch their exits in the order they happen, and stop the group on
+//! if any cannot start or a signal arrives meanwhile), watch their exits in the order they happen, and stop the group on
 //! the first failure or signal — at once, not when the failed worker's output pipes close —
 //! reporting the failed rank, its code and last lines, and the ranks still running then.
 
@@ -28,6 +28,19 @@ pub(super) fn run_attempt(a: &Attempt<'_>, say: &dyn Fn(String)) -> Result<Outco
     let mut watcher = ExitWatcher::new(exit_tx);
     let mut workers: Vec<Worker> = Vec::new();
     for local_rank in 0..a.plan.local {
+        // A signal while workers start stops the ones started, at once.
+        let sig = INTERRUPTED.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            say(format!(
+                "received signal {sig} while starting workers; stopping the {} started of {}",
+                workers.len(),
+                a.plan.local
+            ));
+            watcher.all_watched();
+            stop_all(&mut workers, &exits, sig);
+            watcher.finish();
+            return Ok(Outcome::Interrupted(128 + sig));
+        }
         match spawn(a, local_rank, &mut watcher) {
             Ok(w) => workers.push(w),
             Err(e) => {
