@@ -631,3 +631,48 @@ fn overwrite_output_dir_and_remove_checkpoint_dir_remove_only_what_a_save_wrote(
     assert!(merged.join("model.safetensors").is_file() && !ckpt.exists());
     assert!(out.join("step_1/fsdp_checkpoint.json").is_file());
 }
+
+#[test]
+fn a_second_run_into_the_same_output_folder_is_refused_naming_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let exe = common::example("custom_model_example");
+    let run = |steps: &str| {
+        std::process::Command::new(&exe)
+            .args(["--max_train_steps", steps, "--blocks", "1", "--output_dir"])
+            .arg(&out)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // The first runs long; once it holds the folder, a second is refused at once.
+    let mut first = run("100000");
+    let lock = out.join(".fsdp_run.lock");
+    let started = Instant::now();
+    while std::fs::read_to_string(&lock).map_or(true, |t| !t.ends_with('\n')) {
+        if let Some(status) = first.try_wait().unwrap() {
+            panic!("the first run ended ({status}) before taking the folder");
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "no lock taken");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = finish(run("2"), Duration::from_secs(60));
+    assert_ne!(second.code, Some(0), "{}", second.out);
+    assert!(
+        second.out.contains("another run is writing into it")
+            && second.out.contains(&format!("process {}", first.id())),
+        "{}",
+        second.out
+    );
+    // SAFETY: signalling the process this test started.
+    unsafe {
+        libc::kill(first.id() as i32, libc::SIGKILL);
+    }
+    let _ = first.wait();
+    // Its lock went with it: the next run may use the folder (it resumes nothing and finds
+    // no earlier outputs, since the first saved none).
+    let third = finish(run("2"), Duration::from_secs(60));
+    assert_eq!(third.code, Some(0), "{}", third.out);
+}

@@ -249,6 +249,8 @@ fn main() -> Result<()> {
         acc.num_processes(),
         evaluate(&acc, &mut model, &mut eval_loader)?
     ));
+    // One run at a time writes into the output folder (a second is refused, naming this one).
+    acc.lock_output_dir(&args.output_dir)?;
     let resume = match &args.resume_from_checkpoint {
         Some(dir) if dir.as_os_str() == "latest" => {
             acc.latest_checkpoint(Some(&args.output_dir))?

@@ -370,6 +370,8 @@ fn main() -> Result<()> {
         total_steps
     ));
 
+    // One run at a time writes into the output folder (a second is refused, naming this one).
+    acc.lock_output_dir(&args.output_dir)?;
     let resume = match &args.resume_from_checkpoint {
         Some(dir) if dir.as_os_str() == "latest" => {
             acc.latest_checkpoint(Some(&args.output_dir))?

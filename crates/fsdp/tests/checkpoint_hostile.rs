@@ -682,8 +682,8 @@ fn saved_as(dir: &Path, options: CheckpointOptions) {
     }
 }
 
-/// Every file under `root` with its contents, for "nothing was touched".
-fn tree(root: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+/// Every file under `root` with its size and checksum, for "nothing was touched".
+fn tree(root: &Path) -> Vec<(PathBuf, usize, u32)> {
     let mut out = Vec::new();
     let mut pending = vec![root.to_path_buf()];
     while let Some(d) = pending.pop() {
@@ -691,7 +691,8 @@ fn tree(root: &Path) -> Vec<(PathBuf, Vec<u8>)> {
             if e.file_type().unwrap().is_dir() {
                 pending.push(e.path());
             } else {
-                out.push((e.path(), std::fs::read(e.path()).unwrap_or_default()));
+                let bytes = std::fs::read(e.path()).unwrap_or_default();
+                out.push((e.path(), bytes.len(), crc32fast::hash(&bytes)));
             }
         }
     }
@@ -771,7 +772,7 @@ fn removing_a_checkpoint_removes_only_what_its_save_wrote() {
             "{what}: {e}"
         );
         let mut now = tree(&ckpt);
-        now.retain(|(p, _)| p != &path);
+        now.retain(|(p, _, _)| p != &path);
         assert_eq!(now, before, "{what}: something was removed");
         std::fs::remove_file(&path).unwrap();
         if path.parent().unwrap().ends_with("sub") {
@@ -820,6 +821,8 @@ fn overwriting_an_output_folder_removes_only_checkpoints_and_never_a_users_folde
         )
         .unwrap();
     }
+    // The run holds the folder (what claim_output_dir does first).
+    acc.lock_output_dir(&out).unwrap();
     // A user's folder that merely holds files of our documents' names (any content).
     let user = out.join("my_notes");
     std::fs::create_dir_all(&user).unwrap();
@@ -844,7 +847,7 @@ fn overwriting_an_output_folder_removes_only_checkpoints_and_never_a_users_folde
     // Without it both checkpoints go, and what else the folder holds stays.
     std::fs::write(out.join("README.md"), "mine").unwrap();
     acc.claim_output_dir(&out, true).unwrap();
-    assert_eq!(entries(&out), ["README.md"]);
+    assert_eq!(entries(&out), [".fsdp_run.lock", "README.md"]);
 }
 
 #[test]

@@ -205,6 +205,7 @@ impl AcceleratorBuilder {
             active_trackers: std::sync::Mutex::new(None),
             seed: self.seed,
             pending_save: std::sync::Mutex::new(None),
+            output_lock: std::sync::Mutex::new(None),
         })
     }
 }

@@ -287,6 +287,30 @@ impl Accelerator {
         }
     }
 
+    /// Holds the output folder `dir` (made if missing) for the rest of this run, so that a
+    /// second run into it is refused, naming this run's process, instead of mixing their
+    /// checkpoints, model and records: rank 0 takes an exclusive lock on
+    /// `dir/.fsdp_run.lock`, released when the process ends (however it ends). Collective;
+    /// calling it again for the same folder does nothing. [`Accelerator::claim_output_dir`]
+    /// calls it; a resumed run calls it itself.
+    pub fn lock_output_dir(&self, dir: &Path) -> Result<(), AcceleratorError> {
+        let taken = (self.process_index() == 0).then(|| {
+            let mut held = self.output_lock.lock().unwrap_or_else(|p| p.into_inner());
+            if held.as_ref().is_some_and(|l| l.dir() == dir) {
+                return Ok(());
+            }
+            *held = Some(super::output_lock::lock(dir)?);
+            Ok::<(), String>(())
+        });
+        match self.answer_of_rank0(taken)? {
+            Ok(()) => Ok(()),
+            Err(reason) => Err(AcceleratorError::OutputDirLocked {
+                dir: dir.to_path_buf(),
+                reason,
+            }),
+        }
+    }
+
     /// Refuses to train into `dir` while an earlier run's saved model or checkpoints are
     /// there (transformers' `overwrite_output_dir` check): a new run would replace the model
     /// and `latest` could resume an unrelated run's checkpoint. With `overwrite`, rank 0
@@ -295,6 +319,7 @@ impl Accelerator {
     /// names the first file that is not, and nothing is removed. Collective: rank 0 looks,
     /// every rank gets its answer. Call it when a run starts anew, not when it resumes.
     pub fn claim_output_dir(&self, dir: &Path, overwrite: bool) -> Result<(), AcceleratorError> {
+        self.lock_output_dir(dir)?;
         self.wait_for_checkpoint()?;
         let looked = (self.process_index() == 0).then(|| {
             if !overwrite {

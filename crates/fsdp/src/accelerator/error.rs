@@ -195,6 +195,15 @@ pub enum AcceleratorError {
         /// What is in it.
         found: Vec<PathBuf>,
     },
+    /// Another run holds the output folder
+    /// ([`Accelerator::lock_output_dir`](super::Accelerator::lock_output_dir)).
+    #[error("{}: {reason}", dir.display())]
+    OutputDirLocked {
+        /// The output folder.
+        dir: PathBuf,
+        /// Who holds it, or what failed.
+        reason: String,
+    },
     /// Writing logs or metrics failed.
     #[error("{}: {source}", path.display())]
     Io {

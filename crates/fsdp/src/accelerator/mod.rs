@@ -53,6 +53,7 @@ mod checkpoints;
 mod error;
 mod gather;
 mod logging;
+mod output_lock;
 mod prepared;
 mod tensorboard;
 mod tracking;
@@ -102,6 +103,8 @@ pub struct Accelerator {
     seed: u64,
     /// The asynchronous save being written, if any (waited for by the next save or load).
     pending_save: std::sync::Mutex<Option<crate::checkpoint::PendingSave>>,
+    /// The output folder this run holds (main process, after `lock_output_dir`).
+    output_lock: std::sync::Mutex<Option<output_lock::OutputLock>>,
 }
 
 impl Accelerator {
@@ -349,10 +352,13 @@ impl Accelerator {
         Progress::new(self.is_main_process(), total, what)
     }
 
-    /// Opens the trackers (`log_with`) in `project_dir/run_name` on the main process
-    /// (Accelerate's `init_trackers`), writing `config` (the run's settings; null for none)
-    /// as `config.json` and as TensorBoard text. Returns the run's folder. Without it the
-    /// first [`Accelerator::log`] opens them in the project folder itself.
+    /// Opens the trackers (`log_with`) in a new folder `project_dir/run_name` on the main
+    /// process (Accelerate's `init_trackers`), writing `config` (the run's settings; null
+    /// for none) as `config.json` and as TensorBoard text. Returns the run's folder: when
+    /// `run_name` exists already (another run of the same name, or started in the same
+    /// second), `run_name_2`, `run_name_3`, ... — two runs never share one, and on the
+    /// main process only the returned name is the folder written. Without it the first
+    /// [`Accelerator::log`] opens them in the project folder itself.
     pub fn init_trackers(
         &self,
         run_name: &str,
@@ -362,6 +368,10 @@ impl Accelerator {
         if self.trackers.is_empty() || !self.is_main_process() {
             return Ok(dir);
         }
+        let dir = tracking::new_folder(&dir).map_err(|source| AcceleratorError::Io {
+            path: dir.clone(),
+            source,
+        })?;
         let opened =
             tracking::ActiveTrackers::open(&dir, &self.trackers, &config).map_err(|source| {
                 AcceleratorError::Io {

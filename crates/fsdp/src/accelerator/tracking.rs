@@ -20,7 +20,8 @@ pub fn run_name_now() -> String {
     )
 }
 
-fn run_name_at(secs: u64) -> String {
+/// The run folder name of `secs` after the Unix epoch.
+pub(super) fn run_name_at(secs: u64) -> String {
     let (days, rest) = (secs / 86_400, secs % 86_400);
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days as i64 + 719_468;
@@ -38,6 +39,30 @@ fn run_name_at(secs: u64) -> String {
         rest / 60 % 60,
         rest % 60
     )
+}
+
+/// Makes a folder that did not exist: `dir`, or else `dir_2`, `dir_3`, ... (the first that
+/// `mkdir` creates, so two processes never get the same one); returns it.
+pub(super) fn new_folder(dir: &Path) -> std::io::Result<PathBuf> {
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    let mut n = 1u32;
+    loop {
+        let candidate = match n {
+            1 => dir.to_path_buf(),
+            n => {
+                let mut name = dir.as_os_str().to_owned();
+                name.push(format!("_{n}"));
+                PathBuf::from(name)
+            }
+        };
+        match std::fs::create_dir(&candidate) {
+            Ok(()) => return Ok(candidate),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 10_000 => n += 1,
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Where metrics go (Accelerate's `LoggerType`).
@@ -184,6 +209,21 @@ mod tests {
         // 2026-12-03 09:21:27 UTC; 2024-02-29 (a leap day) 23:59:59.
         assert_eq!(run_name_at(1_796_289_687), "2026-12-03_09-21-27");
         assert_eq!(run_name_at(1_709_251_199), "2024-02-29_23-59-59");
+    }
+
+    #[test]
+    fn run_folders_are_never_shared() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("runs/2026-12-05_01-02-03");
+        let made: Vec<PathBuf> = (0..3).map(|_| new_folder(&dir).unwrap()).collect();
+        assert_eq!(
+            made,
+            [
+                dir.clone(),
+                tmp.path().join("runs/2026-12-05_01-02-03_2"),
+                tmp.path().join("runs/2026-12-05_01-02-03_3")
+            ]
+        );
     }
 
     #[test]
