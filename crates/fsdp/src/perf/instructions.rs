@@ -254,9 +254,12 @@ mod tests {
     #[test]
     fn the_instruction_peak_is_positive_and_bf16_is_at_least_f32() {
         let p = instruction_peak();
-        assert!(p.f32 > 1e9, "{p:?}");
-        // A bf16 dot product does two f32 multiply-adds' work per lane; without one bf16
-        // computes through f32 and its limit is f32's.
-        assert!(p.bf16 >= 0.9 * p.f32, "{p:?}");
+        assert!(p.f32 > 1e9 && p.bf16 > 1e9, "{p:?}");
+        // Without a bf16 dot product bf16 computes through f32 and its limit is f32's. With
+        // one, the ratio is the CPU's: AMD's Zen 4/5 retire vdpbf16ps at 1-2x the f32
+        // multiply-adds' FLOPs, a 2-core Intel Xeon (family 6, model 207) measured 0.5x.
+        if p.bf16_instruction == p.f32_instruction {
+            assert_eq!(p.bf16, p.f32, "{p:?}");
+        }
     }
 }
