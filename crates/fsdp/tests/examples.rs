@@ -575,9 +575,12 @@ fn llama_example_fine_tunes_smollm2_from_gguf_and_saves_it() {
         .filter(|(n, _)| n != "model.norm.weight")
         .collect();
     safetensors::serialize_to_file(kept, None, &broken.path().join("model.safetensors")).unwrap();
+    let out_dir = tempfile::tempdir().unwrap();
     let refused = |dir: &Path| {
         let out = Command::new(example("llama_example"))
             .args(["--model_dir", dir.to_str().unwrap(), "--eval_samples", "0"])
+            .arg("--output_dir")
+            .arg(out_dir.path())
             .output()
             .unwrap();
         assert!(!out.status.success());
