@@ -506,7 +506,8 @@ fn models_and_optimizers_pair_by_preparation_order() {
 
 #[test]
 fn an_async_save_state_is_waited_for_by_the_next_load_and_holds_the_state_it_was_given() {
-    let (mut acc, mut model, mut opt) = common::tiny::prepared_with_sgd();
+    let mut acc = fsdp::accelerator::Accelerator::new().unwrap();
+    let (mut model, mut opt) = common::tiny::prepare_with_sgd(&mut acc);
     common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 0);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");

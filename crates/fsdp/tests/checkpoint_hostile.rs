@@ -810,7 +810,8 @@ fn removing_a_checkpoint_removes_only_what_its_save_wrote() {
 fn overwriting_an_output_folder_removes_only_checkpoints_and_never_a_users_folder() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let (mut acc, mut model, mut opt) = common::tiny::prepared_with_sgd();
+    let mut acc = fsdp::accelerator::Accelerator::new().unwrap();
+    let (mut model, mut opt) = common::tiny::prepare_with_sgd(&mut acc);
     common::tiny::accelerator_step(&mut acc, &mut model, &mut opt, 0);
     for step in ["step_1", "step_2"] {
         acc.save_state(

@@ -31,6 +31,7 @@ mod loading;
 mod lora;
 mod minilm;
 mod models;
+mod non_finite;
 mod offload;
 mod plan;
 mod qlora;

@@ -64,6 +64,7 @@ pub struct AcceleratorBuilder {
     full_state_dict: Option<FullStateDictConfig>,
     trackers: Vec<Tracker>,
     seed: u64,
+    skip_non_finite_steps: bool,
     group: Option<Arc<dyn Communicator>>,
 }
 
@@ -139,6 +140,15 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Skips an optimizer step whose gradients hold a NaN or inf on some rank (with a
+    /// warning naming the parameter; the scheduler does not step, as with fp16's
+    /// overflows) instead of failing with [`AcceleratorError::NonFiniteGradient`]. Off by
+    /// default: a diverged run stops with its weights finite.
+    pub fn skip_non_finite_steps(mut self, skip: bool) -> Self {
+        self.skip_non_finite_steps = skip;
+        self
+    }
+
     /// Joins the job (or starts a job of one) and resolves the configuration.
     pub fn build(self) -> Result<Accelerator, AcceleratorError> {
         // Before the communication threads start: they must share the training thread's heap.
@@ -199,6 +209,7 @@ impl AcceleratorBuilder {
             optimizers: 0,
             sync: true,
             skipped: false,
+            skip_non_finite_steps: self.skip_non_finite_steps,
             steps: 0,
             project: self.project.unwrap_or_default(),
             trackers: self.trackers,

@@ -195,6 +195,16 @@ pub enum AcceleratorError {
         /// What is in it.
         found: Vec<PathBuf>,
     },
+    /// Optimizer step `step`'s gradients hold a NaN or inf on some rank: nothing was updated.
+    #[error(
+        "optimizer step {step}: the gradient of `{name}` is not finite (NaN or inf) on some rank, so the step was not taken and the weights stay finite: the loss diverged, or the inputs or weights hold non-finite values (lower the learning rate, check the data; AcceleratorBuilder::skip_non_finite_steps skips such steps instead)"
+    )]
+    NonFiniteGradient {
+        /// The step that would have been taken (1 for the first).
+        step: u64,
+        /// The first parameter, in the plan's order, with a non-finite gradient.
+        name: String,
+    },
     /// Another run holds the output folder
     /// ([`Accelerator::lock_output_dir`](super::Accelerator::lock_output_dir)).
     #[error("{}: {reason}", dir.display())]

@@ -93,8 +93,10 @@ pub struct Accelerator {
     models: usize,
     optimizers: usize,
     sync: bool,
-    /// The last optimizer step was skipped (fp16 overflow).
+    /// The last optimizer step was skipped (fp16 overflow, or non-finite gradients skipped).
     skipped: bool,
+    /// Skip steps with non-finite gradients instead of failing.
+    skip_non_finite_steps: bool,
     steps: u64,
     project: ProjectConfiguration,
     trackers: Vec<Tracker>,
@@ -313,7 +315,9 @@ impl Accelerator {
     /// Updates `model` with its `optimizer` (and steps the optimizer's scheduler once) when
     /// `model`'s accumulation is complete; a no-op returning false in the middle of one, and
     /// false when fp16 loss scaling found an overflow on some rank and every rank skipped the
-    /// step ([`Accelerator::optimizer_step_was_skipped`]).
+    /// step ([`Accelerator::optimizer_step_was_skipped`]). Gradients with a NaN or inf on
+    /// some rank are [`AcceleratorError::NonFiniteGradient`] on every rank, nothing updated
+    /// (or a skipped step with `AcceleratorBuilder::skip_non_finite_steps`).
     pub fn optimizer_step<M>(
         &mut self,
         model: &mut PreparedModel<M>,
@@ -325,7 +329,23 @@ impl Accelerator {
         {
             return Ok(false);
         }
-        let stepped = optimizer.step(model)?;
+        let stepped = match optimizer.step(model) {
+            Ok(stepped) => stepped,
+            Err(AcceleratorError::Engine(e)) => match *e {
+                crate::engine::EngineError::NonFiniteGradient { name } => {
+                    let step = self.steps + 1;
+                    if !self.skip_non_finite_steps {
+                        return Err(AcceleratorError::NonFiniteGradient { step, name });
+                    }
+                    tracing::warn!(
+                        "optimizer step {step} skipped: the gradient of `{name}` is not finite"
+                    );
+                    false
+                }
+                other => return Err(AcceleratorError::Engine(Box::new(other))),
+            },
+            Err(e) => return Err(e),
+        };
         self.skipped = !stepped;
         if stepped && model.index() == 0 {
             self.steps += 1;

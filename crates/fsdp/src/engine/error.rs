@@ -139,6 +139,14 @@ pub enum EngineError {
         /// Why.
         source: std::io::Error,
     },
+    /// A step's gradients hold a NaN or inf on some rank: no weight was updated.
+    #[error(
+        "the gradient of `{name}` is not finite (NaN or inf) on some rank: the optimizer step was not taken, so the weights stay finite; the loss diverged or the inputs or weights hold non-finite values"
+    )]
+    NonFiniteGradient {
+        /// The first such parameter in the plan's order.
+        name: String,
+    },
     /// A configured feature this engine does not provide yet: refused rather than ignored.
     #[error("{setting} is not supported by the FSDP engine yet; {hint}")]
     Unsupported {

@@ -399,6 +399,7 @@ impl Fsdp {
             has_grad,
             replicated: self.units.iter().map(|u| u.replicated).collect(),
             index: self.grad_index.clone(),
+            known_finite: false,
         })
     }
 
@@ -456,12 +457,48 @@ impl Fsdp {
         if scale < 1.0 {
             grads.scale(scale)?;
         }
+        grads.known_finite = norm.is_finite();
         Ok((norm, scale < 1.0))
+    }
+
+    /// Refuses a step on gradients with a NaN or inf on any rank, naming the first such
+    /// parameter in the plan's order (every rank the same one), before anything is
+    /// updated: a diverged run stops with its weights finite instead of training on NaN.
+    /// Collective (one all-reduce of one number) unless a finite norm proved them finite.
+    fn check_finite(&self, grads: &Gradients) -> Result<(), EngineError> {
+        if grads.known_finite {
+            return Ok(());
+        }
+        // (unit, position) as one number that orders like the pair.
+        let mine = grads
+            .first_non_finite()?
+            .map_or(f64::MAX, |(u, p)| (u as f64) * 1_048_576.0 + p as f64);
+        let first = self
+            .mesh
+            .all_reduce(fsdp_comm::Buffer::F64(vec![mine]), ReduceOp::Min)?;
+        let first = first.as_slice::<f64>().map_or(f64::MAX, |v| v[0]);
+        if first == f64::MAX {
+            return Ok(());
+        }
+        let (u, p) = (
+            (first / 1_048_576.0) as usize,
+            (first % 1_048_576.0) as usize,
+        );
+        let name = self
+            .units
+            .get(u)
+            .and_then(|unit| unit.params.get(p))
+            .map_or_else(
+                || format!("a parameter of unit {u}"),
+                |p| p.layout.name.clone(),
+            );
+        Err(EngineError::NonFiniteGradient { name })
     }
 
     /// Clips by the global gradient norm when `max_grad_norm` is set and updates this rank's
     /// rows with `optimizer`. Parameters that received no gradient are left alone, as
-    /// PyTorch's optimizers do.
+    /// PyTorch's optimizers do. Gradients with a NaN or inf on any rank are refused on every
+    /// rank ([`EngineError::NonFiniteGradient`]) before anything is updated.
     pub fn step(
         &mut self,
         mut grads: Gradients,
@@ -475,6 +512,7 @@ impl Fsdp {
             }
             None => (None, false),
         };
+        self.check_finite(&grads)?;
         let began = std::time::Instant::now();
         if let Some(tier) = &self.tier {
             let tier = tier.clone();

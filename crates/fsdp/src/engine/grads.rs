@@ -227,12 +227,15 @@ pub struct Gradients {
     /// Per unit: whole on every rank of the shard group (ignored modules' unit).
     pub(crate) replicated: Vec<bool>,
     pub(crate) index: Arc<GradIndex>,
+    /// Every rank's values were found finite (a finite global norm) and not changed since.
+    pub(crate) known_finite: bool,
 }
 
 impl Gradients {
     /// Adds another backward's gradients (gradient accumulation over micro-batches).
     /// Offloaded blocks are read, summed and written back one unit at a time.
     pub fn accumulate(&mut self, other: Gradients) -> Result<(), EngineError> {
+        self.known_finite = false;
         for (mine, theirs) in self.units.iter_mut().zip(other.units) {
             match (mine.as_mut(), theirs) {
                 (Some(a), Some(b)) => {
@@ -251,6 +254,7 @@ impl Gradients {
 
     /// Scales every gradient (e.g. by 1/accumulation steps).
     pub fn scale(&mut self, factor: f32) -> Result<(), EngineError> {
+        self.known_finite &= factor.is_finite();
         for g in self.units.iter_mut().flatten() {
             g.scale(factor);
         }
@@ -269,6 +273,7 @@ impl Gradients {
 
     /// [`Gradients::get`], writable.
     pub fn get_mut(&mut self, name: &str) -> Option<&mut [f32]> {
+        self.known_finite = false;
         let place = self.index.get(name)?;
         if !self.has_grad[place.unit][place.param] {
             return None;
@@ -303,6 +308,27 @@ impl Gradients {
             }
         }
         Ok(true)
+    }
+
+    /// The first parameter, by unit and then position in its unit, with a non-finite value
+    /// among this rank's rows: `(unit, position)`; `None` when every value is finite.
+    pub(crate) fn first_non_finite(&self) -> Result<Option<(usize, usize)>, EngineError> {
+        for (u, g) in self.units.iter().enumerate() {
+            let Some(g) = g else { continue };
+            if g.all_finite()? {
+                continue;
+            }
+            let mut places: Vec<&GradPlace> = self.index.values().filter(|p| p.unit == u).collect();
+            places.sort_by_key(|p| p.param);
+            let values = g.values().unwrap_or_default();
+            let bad = places.iter().find(|p| {
+                values
+                    .get(p.elements.clone())
+                    .is_some_and(|v| v.iter().any(|x| !x.is_finite()))
+            });
+            return Ok(Some((u, bad.map_or(0, |p| p.param))));
+        }
+        Ok(None)
     }
 
     /// Sums of squares: of the sharded rows (disjoint across the shard group, padding zero)

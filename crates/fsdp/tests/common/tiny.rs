@@ -217,13 +217,13 @@ pub fn on_threads<T: Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-/// A one-process accelerator with the tiny model (no dropout, seed 1) and SGD prepared.
-pub fn prepared_with_sgd() -> (
-    fsdp::accelerator::Accelerator,
+/// The tiny model (no dropout, seed 1) and SGD prepared on `acc`.
+pub fn prepare_with_sgd(
+    acc: &mut fsdp::accelerator::Accelerator,
+) -> (
     fsdp::accelerator::PreparedModel<BertForSequenceClassification>,
     fsdp::accelerator::PreparedOptimizer,
 ) {
-    let mut acc = fsdp::accelerator::Accelerator::new().unwrap();
     let m = model(0.0);
     let w = LocalParams::init(&m.info(), 1, DType::F32, &Device::Cpu)
         .unwrap()
@@ -232,7 +232,7 @@ pub fn prepared_with_sgd() -> (
     let opt = acc
         .prepare_optimizer(Sgd::new(SgdConfig::default()).unwrap())
         .unwrap();
-    (acc, model, opt)
+    (model, opt)
 }
 
 /// One optimizer step of the tiny model on batch `step` through the accelerator.
