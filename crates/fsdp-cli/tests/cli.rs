@@ -626,6 +626,46 @@ fn estimate_memory_covers_llama_configs() {
 }
 
 #[test]
+fn estimate_memory_refuses_sizes_no_model_has_instead_of_aborting() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("config.json");
+    let bert = r#""model_type": "bert", "vocab_size": 1000, "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 32"#;
+    let llama = r#""model_type": "llama", "vocab_size": 1000, "num_attention_heads": 4, "intermediate_size": 128"#;
+    for (config, needle) in [
+        (
+            format!(r#"{{{bert}, "hidden_size": 1099511627776, "num_hidden_layers": 2}}"#),
+            "`hidden_size` is 1099511627776",
+        ),
+        (
+            format!(r#"{{{bert}, "hidden_size": 64, "num_hidden_layers": 4294967296}}"#),
+            "`num_hidden_layers` is 4294967296",
+        ),
+        (
+            format!(r#"{{{llama}, "hidden_size": 1048576, "num_hidden_layers": 2}}"#),
+            "of memory",
+        ),
+        (
+            format!(r#"{{{llama}, "hidden_size": 64, "num_hidden_layers": 2, "rms_norm_eps": -1}}"#),
+            "`rms_norm_eps` is -1",
+        ),
+        (
+            r#"{"model_type": "gpt2", "vocab_size": 100, "n_positions": 16, "n_embd": 64, "n_layer": 70000, "n_head": 4}"#.to_string(),
+            "`n_layer` is 70000",
+        ),
+    ] {
+        std::fs::write(&model, &config).unwrap();
+        let out = fsdp(dir.path())
+            .args(["estimate-memory", "--model_config"])
+            .arg(&model)
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{config}: {t}");
+        assert!(t.contains(needle), "{config}: {t}");
+    }
+}
+
+#[test]
 fn merge_weights_reads_accelerate_checkpoints_and_never_removes_them() {
     let home = tempfile::tempdir().unwrap();
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fsdp/tests/data/dcp/fsdp1");

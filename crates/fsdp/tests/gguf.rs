@@ -270,6 +270,92 @@ fn crafted_gguf_files_are_errors_naming_the_file_and_the_tensor() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("`tokenizer.ggml.model` \"llama\""), "{e}");
+    // Sizes no model has: refused naming the key, never an abort or a huge allocation.
+    for (key, value, needle) in [
+        (
+            "llama.block_count",
+            V::U64(1 << 40),
+            "`num_hidden_layers` is 1099511627776",
+        ),
+        (
+            "llama.embedding_length",
+            V::U64(1 << 40),
+            "`hidden_size` is 1099511627776",
+        ),
+        (
+            "llama.feed_forward_length",
+            V::U64(1 << 36),
+            "`intermediate_size` is",
+        ),
+        ("llama.embedding_length", V::U64(1 << 24), "of memory"),
+        (
+            "llama.context_length",
+            V::U64(1 << 40),
+            "`max_position_embeddings`",
+        ),
+        (
+            "llama.attention.head_count",
+            V::F32(4.5),
+            "`llama.attention.head_count` is 4.5",
+        ),
+        ("llama.block_count", V::I32(-1), "not a whole number"),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            V::F32(-1.0),
+            "`rms_norm_eps` is -1",
+        ),
+    ] {
+        let mut m = meta("llama");
+        m.retain(|(k, _)| *k != key);
+        m.push((key, value));
+        let path = crafted(&dir, "token_embd.weight", &m);
+        let e = gguf_config(&GgufFile::open(&path).unwrap())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(needle) && e.contains("token_embd_weight.gguf"),
+            "{key}: {e}"
+        );
+    }
+    // A tensor for a layer the model does not have.
+    let path = crafted(&dir, "blk.7.attn_q.weight", &meta("llama"));
+    let gguf = GgufFile::open(&path).unwrap();
+    let (_, config) = gguf_config(&gguf).unwrap();
+    let e = GgufWeights::new(gguf, &config).err().unwrap().to_string();
+    assert!(
+        e.contains("`blk.7.attn_q.weight` is for layer 7") && e.contains("1 layers"),
+        "{e}"
+    );
+    // Alignment 0 (a division by zero in the reader) and a tensor listed twice.
+    let mut m = meta("llama");
+    m.push(("general.alignment", V::U32(0)));
+    let path = crafted(&dir, "token_embd.weight", &m);
+    let e = GgufFile::open(&path).err().unwrap().to_string();
+    assert!(e.contains("general.alignment is 0"), "{e}");
+    let twice = dir.join("twice.gguf");
+    {
+        use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+        let t = QTensor::quantize(
+            &Tensor::ones((2, 32), candle_core::DType::F32, &Device::Cpu).unwrap(),
+            GgmlDType::F32,
+        )
+        .unwrap();
+        let m = meta("llama");
+        let meta: Vec<(&str, &gguf_file::Value)> = m.iter().map(|(k, v)| (*k, v)).collect();
+        let mut f = std::fs::File::create(&twice).unwrap();
+        gguf_file::write(
+            &mut f,
+            &meta,
+            &[("token_embd.weight", &t), ("token_embd.weight", &t)],
+        )
+        .unwrap();
+    }
+    let e = GgufFile::open(&twice).err().unwrap().to_string();
+    assert!(
+        e.contains("'token_embd.weight' is listed twice") && e.contains("twice.gguf"),
+        "{e}"
+    );
     // Not a GGUF file; a truncated one.
     let junk = dir.join("junk.gguf");
     std::fs::write(&junk, b"GGUF\x03\x00\x00\x00 not really").unwrap();

@@ -456,3 +456,16 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// The machine's physical memory in bytes, where the system reports it (what bounds on
+/// declared model sizes compare against).
+pub fn physical_memory_bytes() -> Option<u64> {
+    // SAFETY: sysconf only reads system values.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && size > 0).then(|| pages as u64 * size as u64)
+}

@@ -65,6 +65,32 @@ impl Gpt2Config {
             .map_err(|e| candle_core::Error::Msg(format!("invalid GPT-2 config: {e}")))
     }
 
+    /// Checks the sizes against bounds and the memory present, and the epsilon (see
+    /// `models::bounds`): a crafted size is an error naming its key, not an abort.
+    pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("vocab_size", self.vocab_size, None),
+            ("n_positions", self.n_positions, None),
+            ("n_embd", self.n_embd, None),
+            ("n_layer", self.n_layer, Some(super::bounds::MAX_LAYERS)),
+            ("n_head", self.n_head, None),
+            ("n_inner", self.n_inner.unwrap_or(0), None),
+        ];
+        let params = || {
+            let w = |x: usize| x as u128;
+            let h = w(self.n_embd);
+            let i = self.n_inner.map_or(4 * h, w);
+            let layer = 4 * h * h + 2 * h * i + 9 * h + i;
+            (w(self.vocab_size) + w(self.n_positions)) * h + w(self.n_layer) * layer + 2 * h
+        };
+        super::bounds::check(
+            "GPT-2",
+            &sizes,
+            params,
+            ("layer_norm_epsilon", self.layer_norm_epsilon),
+        )
+    }
+
     fn inner(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)
     }
@@ -282,7 +308,8 @@ pub struct Gpt2LmHeadModel {
 impl Gpt2LmHeadModel {
     /// A model for `config`; an error when the heads do not divide the hidden size.
     pub fn new(config: Gpt2Config) -> Result<Self> {
-        if !config.n_embd.is_multiple_of(config.n_head) {
+        config.validate()?;
+        if config.n_head == 0 || !config.n_embd.is_multiple_of(config.n_head) {
             return Err(candle_core::Error::Msg(format!(
                 "n_embd {} is not a multiple of n_head {}",
                 config.n_embd, config.n_head

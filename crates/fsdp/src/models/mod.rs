@@ -1,6 +1,7 @@
 //! Models with Hugging Face tensor names, built from [`crate::nn::Module`]s.
 
 pub mod bert;
+mod bounds;
 mod generate;
 pub mod gpt2;
 pub mod llama;

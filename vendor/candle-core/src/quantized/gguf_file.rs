@@ -538,6 +538,9 @@ impl Content {
             let ggml_dtype = reader.read_u32::<LittleEndian>()?;
             let ggml_dtype = GgmlDType::from_u32(ggml_dtype)?;
             let offset = reader.read_u64::<LittleEndian>()?;
+            if tensor_infos.contains_key(&tensor_name) {
+                crate::bail!("gguf: tensor '{tensor_name}' is listed twice")
+            }
             tensor_infos.insert(
                 tensor_name,
                 TensorInfo {
@@ -557,6 +560,9 @@ impl Content {
             Some(Value::I32(v)) if *v >= 0 => *v as u64,
             _ => DEFAULT_ALIGNMENT,
         };
+        if alignment == 0 {
+            crate::bail!("gguf: general.alignment is 0")
+        }
         let tensor_data_offset = position.div_ceil(alignment) * alignment;
         Ok(Self {
             magic,

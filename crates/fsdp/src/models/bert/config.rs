@@ -98,6 +98,43 @@ impl BertConfig {
             .map_err(|e| candle_core::Error::Msg(format!("invalid BERT config: {e}")))
     }
 
+    /// Checks the sizes against bounds and the memory present, and the epsilon (see
+    /// `models::bounds`): a crafted size is an error naming its key, not an abort.
+    pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("vocab_size", self.vocab_size, None),
+            ("hidden_size", self.hidden_size, None),
+            (
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                Some(super::super::bounds::MAX_LAYERS),
+            ),
+            ("num_attention_heads", self.num_attention_heads, None),
+            ("intermediate_size", self.intermediate_size, None),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                None,
+            ),
+            ("type_vocab_size", self.type_vocab_size, None),
+            ("num_labels", self.num_labels, None),
+        ];
+        let params = || {
+            let w = |x: usize| x as u128;
+            let (h, i) = (w(self.hidden_size), w(self.intermediate_size));
+            let tables =
+                w(self.vocab_size) + w(self.max_position_embeddings) + w(self.type_vocab_size);
+            let layer = 4 * h * h + 2 * h * i + 9 * h + i;
+            tables * h + w(self.num_hidden_layers) * layer + h * h + (h + 1) * w(self.num_labels)
+        };
+        super::super::bounds::check(
+            "BERT",
+            &sizes,
+            params,
+            ("layer_norm_eps", self.layer_norm_eps),
+        )
+    }
+
     /// `config.json` as transformers writes it for `architecture` (such as
     /// `BertForSequenceClassification`), for `save_pretrained`.
     pub fn to_hf_json(&self, architecture: &str) -> serde_json::Value {

@@ -122,6 +122,7 @@ impl BertModel {
     /// A model whose parameter names start with `prefix`; an error for a configuration that
     /// cannot work (heads not dividing the hidden size, an unknown activation).
     pub fn new(config: BertConfig, prefix: &str) -> Result<BertModel> {
+        config.validate()?;
         let p = |leaf: &str| join(prefix, leaf);
         let layer = (0..config.num_hidden_layers)
             .map(|i| BertLayer::new(p(&format!("encoder.layer.{i}")), &config))

@@ -244,7 +244,42 @@ impl LlamaConfig {
                 config.head_dim
             )));
         }
+        config.validate()?;
         Ok(config)
+    }
+
+    /// Checks the sizes against bounds and the memory present, and the epsilon (see
+    /// `models::bounds`): a crafted size is an error naming its key, not an abort.
+    pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("vocab_size", self.vocab_size, None),
+            ("hidden_size", self.hidden_size, None),
+            ("intermediate_size", self.intermediate_size, None),
+            (
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                Some(super::super::bounds::MAX_LAYERS),
+            ),
+            ("num_attention_heads", self.num_attention_heads, None),
+            ("num_key_value_heads", self.num_key_value_heads, None),
+            ("head_dim", self.head_dim, None),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                None,
+            ),
+        ];
+        let params = || {
+            let w = |x: usize| x as u128;
+            let (h, i) = (w(self.hidden_size), w(self.intermediate_size));
+            let q = w(self.num_attention_heads) * w(self.head_dim);
+            let kv = w(self.num_key_value_heads) * w(self.head_dim);
+            let layer = 2 * h * q + 2 * h * kv + q + 2 * kv + 3 * h * i + 2 * i + 3 * h;
+            // The rotary tables: cos and sin of every position.
+            let rope = w(self.max_position_embeddings) * w(self.head_dim);
+            2 * w(self.vocab_size) * h + w(self.num_hidden_layers) * layer + h + rope
+        };
+        super::super::bounds::check("Llama", &sizes, params, ("rms_norm_eps", self.rms_norm_eps))
     }
 
     /// The sizes its training FLOPs depend on (`fsdp::perf`): q/k/v/o and the three SwiGLU

@@ -137,7 +137,20 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<(serde_json::Value, LlamaConfig)> 
         number(gguf.required(&full)?)
             .ok_or_else(|| err(path, format!("metadata `{full}` is not a number")))
     };
-    let id = |key: &str| gguf.number(key).map(|x| x as u64);
+    // A count or size: a whole number (GGUF stores them as integers; a float that is not
+    // whole, or a negative one, is a damaged or crafted file, not something to truncate).
+    let whole = |full: &str, x: f64| -> Result<u64> {
+        if x.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(&x) {
+            Ok(x as u64)
+        } else {
+            Err(err(
+                path,
+                format!("metadata `{full}` is {x}, not a whole number"),
+            ))
+        }
+    };
+    let count = |key: &str| -> Result<u64> { whole(&format!("{arch}.{key}"), num(key)?) };
+    let id = |key: &str| gguf.number(key).map(|x| whole(key, x)).transpose();
     for key in ["rope.scaling.type", "rope.scaling.factor", "expert_count"] {
         let full = format!("{arch}.{key}");
         if let Some(v) = gguf.metadata(&full) {
@@ -156,33 +169,37 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<(serde_json::Value, LlamaConfig)> 
             "tensor `rope_freqs.weight` (llama.cpp's stored rope frequencies) is not implemented",
         ));
     }
-    let heads = num("attention.head_count")? as u64;
-    let hidden = num("embedding_length")? as u64;
+    let heads = count("attention.head_count")?;
+    let hidden = count("embedding_length")?;
     let vocab = match gguf.metadata("tokenizer.ggml.tokens").map(Value::to_vec) {
         Some(Ok(tokens)) => tokens.len() as f64,
-        _ => num("vocab_size")?,
+        _ => count("vocab_size")? as f64,
     };
     let head_dim = match gguf.metadata(&format!("{arch}.rope.dimension_count")) {
-        Some(v) => number(v).map(|x| x as u64),
+        Some(_) => Some(count("rope.dimension_count")?),
         None => Some(hidden / heads.max(1)),
+    };
+    let kv_heads = match gguf.metadata(&format!("{arch}.attention.head_count_kv")) {
+        Some(_) => count("attention.head_count_kv")?,
+        None => heads,
     };
     let config = json!({
         "model_type": model_type,
         "vocab_size": vocab as u64,
         "hidden_size": hidden,
-        "intermediate_size": num("feed_forward_length")? as u64,
-        "num_hidden_layers": num("block_count")? as u64,
+        "intermediate_size": count("feed_forward_length")?,
+        "num_hidden_layers": count("block_count")?,
         "num_attention_heads": heads,
-        "num_key_value_heads": gguf.number(&format!("{arch}.attention.head_count_kv")).map_or(heads, |x| x as u64),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": num("context_length")? as u64,
+        "max_position_embeddings": count("context_length")?,
         "rms_norm_eps": num("attention.layer_norm_rms_epsilon")?,
         "rope_parameters": {"rope_type": "default", "rope_theta": num("rope.freq_base").unwrap_or(10000.0)},
         "tie_word_embeddings": !gguf.tensor_names().any(|n| n == "output.weight"),
         "hidden_act": "silu",
-        "bos_token_id": id("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": id("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": id("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": id("tokenizer.ggml.bos_token_id")?,
+        "eos_token_id": id("tokenizer.ggml.eos_token_id")?,
+        "pad_token_id": id("tokenizer.ggml.padding_token_id")?,
         "architectures": [if model_type == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
     });
     let parsed = LlamaConfig::from_value(&config).map_err(|e| err(path, e))?;
@@ -260,6 +277,19 @@ impl GgufWeights {
                     format!("tensor `{name}` maps to no parameter of a Llama-family model"),
                 )
             })?;
+            let layer = name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok());
+            if let Some(layer) = layer.filter(|&l| l >= config.num_hidden_layers) {
+                return Err(err(
+                    gguf.path(),
+                    format!(
+                        "tensor `{name}` is for layer {layer}, but the model has {} layers (`block_count`)",
+                        config.num_hidden_layers
+                    ),
+                ));
+            }
             names.insert(ours, name.to_string());
         }
         let llama = matches!(gguf.metadata("general.architecture").map(Value::to_string), Some(Ok(a)) if a == "llama");

@@ -441,6 +441,7 @@ pub struct LlamaForCausalLM {
 impl LlamaForCausalLM {
     /// A model for `config`.
     pub fn new(config: LlamaConfig) -> Result<LlamaForCausalLM> {
+        config.validate()?;
         let (h, std) = (config.hidden_size, config.initializer_range);
         let embed_tokens = Embedding::new("model.embed_tokens".into(), config.vocab_size, h, std)
             .with_padding_idx(config.pad_token_id);
