@@ -460,9 +460,10 @@ fn activation_checkpointing_recomputes_with_the_same_dropout_masks() {
     }
 }
 
-/// An optimizer step without `max_grad_norm` runs no collective (it used to all-reduce the
-/// gradient norm every step and drop it, also right after the caller's own clip), and
-/// clipping multiplies by `min(1, max_norm / (norm + 1e-6))` in f32 as PyTorch's
+/// An optimizer step without `max_grad_norm` runs no collective but the one number that
+/// agrees the gradients are finite (it used to all-reduce the gradient norm every step and
+/// drop it), and none at all after the caller's own clip (a finite norm proved them
+/// finite); clipping multiplies by `min(1, max_norm / (norm + 1e-6))` in f32 as PyTorch's
 /// `clip_grad_norm_` does: a norm exactly at the limit is still scaled.
 #[test]
 fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
@@ -492,8 +493,14 @@ fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
                 let grads = grads_of(&mut engine, 0);
                 let before = group.bytes_sent();
                 let report = engine.step(grads, &mut opt, None).unwrap();
-                assert_eq!(group.bytes_sent(), before, "the step sent bytes of its own");
+                // One f64 to the other rank: whether any rank's gradients hold a NaN or inf.
+                assert_eq!(group.bytes_sent() - before, 8, "the step sent bytes of its own");
                 assert_eq!((report.grad_norm, report.clipped), (None, false));
+                let mut grads = grads_of(&mut engine, 2);
+                engine.clip_grad_norm(&mut grads, None).unwrap();
+                let before = group.bytes_sent();
+                engine.step(grads, &mut opt, None).unwrap();
+                assert_eq!(group.bytes_sent(), before, "a step after a clip sent bytes");
 
                 let mut grads = grads_of(&mut engine, 1);
                 let (norm, clipped) = engine.clip_grad_norm(&mut grads, None).unwrap();
