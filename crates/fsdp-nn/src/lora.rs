@@ -11,6 +11,18 @@ use super::module::{Init, ModuleInfo, Params, join};
 use super::ops;
 use crate::rng::site_seed;
 
+/// How fresh adapters start (PEFT's `init_lora_weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoraInit {
+    /// `true`: A uniform in `±1/√in`, B zero, so training starts from the base exactly.
+    #[default]
+    Default,
+    /// `"gaussian"`: A normal with standard deviation `1/r`, B zero.
+    Gaussian,
+    /// `false`: A and B both uniform in `±1/√fan_in` (not a no-op at the start; for tests).
+    Random,
+}
+
 /// One linear layer's adapter: its rank, scaling and dropout; the weights are the layer's
 /// parameters `lora_A.weight` and `lora_B.weight`.
 #[derive(Debug, Clone)]
@@ -18,6 +30,7 @@ pub struct LoraAdapter {
     rank: usize,
     scaling: f64,
     dropout: f64,
+    init: LoraInit,
     /// The step's dropout seed, shared by every adapter of a model (`None`: evaluation).
     seed: Arc<Mutex<Option<u64>>>,
 }
@@ -30,8 +43,15 @@ impl LoraAdapter {
             rank,
             scaling,
             dropout,
+            init: LoraInit::Default,
             seed,
         }
+    }
+
+    /// This adapter with its weights initialised as `init` says.
+    pub fn with_init(mut self, init: LoraInit) -> Self {
+        self.init = init;
+        self
     }
 
     /// The rank r.
@@ -46,9 +66,27 @@ impl LoraAdapter {
 
     /// `info` (a linear layer of `d_in` → `d_out`) with the adapter's parameters.
     pub(crate) fn add_params(&self, info: ModuleInfo, d_in: usize, d_out: usize) -> ModuleInfo {
-        let bound = 1.0 / (d_in.max(1) as f64).sqrt();
-        info.param("lora_A.weight", &[self.rank, d_in], Init::Uniform { bound })
-            .param("lora_B.weight", &[d_out, self.rank], Init::Zeros)
+        let bound = |fan_in: usize| 1.0 / (fan_in.max(1) as f64).sqrt();
+        let (a, b) = match self.init {
+            LoraInit::Default => (Init::Uniform { bound: bound(d_in) }, Init::Zeros),
+            LoraInit::Gaussian => (
+                Init::Normal {
+                    std: 1.0 / self.rank.max(1) as f64,
+                },
+                Init::Zeros,
+            ),
+            LoraInit::Random => (
+                Init::Uniform { bound: bound(d_in) },
+                Init::Uniform {
+                    bound: bound(self.rank),
+                },
+            ),
+        };
+        info.param("lora_A.weight", &[self.rank, d_in], a).param(
+            "lora_B.weight",
+            &[d_out, self.rank],
+            b,
+        )
     }
 
     /// `scaling · dropout(x) · Aᵀ · Bᵀ` for the layer at `path`.

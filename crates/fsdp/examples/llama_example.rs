@@ -39,7 +39,7 @@ use fsdp::nn::{Module, SafetensorsWeights, WeightSource};
 use fsdp::optim::{
     AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,
 };
-use fsdp::peft::{AdapterFile, LoraConfig, LoraModel, TargetModules};
+use fsdp::peft::{AdapterFile, LoraConfig, LoraInit, LoraModel, LoraOverrides, TargetModules};
 
 #[path = "llama_example_parts/generated.rs"]
 mod generated;
@@ -55,6 +55,8 @@ static ALLOC: fsdp::memory::TrainingAllocator = fsdp::memory::TrainingAllocator;
 /// Fine-tunes SmolLM2-135M-Instruct under FSDP.
 #[derive(Debug, Parser)]
 #[command(rename_all = "snake_case")]
+// LoRA: --lora_r, --adapter_dir or both (what --merge_lora and --quantize require).
+#[command(group(clap::ArgGroup::new("lora").multiple(true)))]
 struct Args {
     /// The GGUF file [default: the SmolLM2-135M-Instruct fetched by tools/fetch-test-assets.sh]
     #[arg(long, conflicts_with = "model_dir")]
@@ -120,31 +122,45 @@ struct Args {
     dump_batches: Option<PathBuf>,
     /// Fine-tune LoRA adapters of this rank instead of every weight (PEFT's LoRA: the base
     /// frozen; the adapters saved to OUTPUT_DIR/adapter in PEFT's format).
-    #[arg(long)]
+    #[arg(long, group = "lora")]
     lora_r: Option<usize>,
-    /// LoRA's alpha (the update is scaled by alpha / r).
-    #[arg(long, default_value_t = 16.0)]
-    lora_alpha: f64,
-    /// Dropout on the adapters' inputs while training.
-    #[arg(long, default_value_t = 0.05)]
-    lora_dropout: f64,
-    /// The projections that get adapters: module names (comma-separated) or all-linear.
-    #[arg(long, default_value = "q_proj,v_proj")]
-    lora_target_modules: String,
-    /// rsLoRA's scaling (alpha / √r).
+    /// LoRA's alpha (the update is scaled by alpha / r) [default: 16, or the adapter's].
     #[arg(long)]
-    use_rslora: bool,
-    /// Continue from the adapters in this PEFT folder instead of fresh ones.
-    #[arg(long, requires = "lora_r")]
+    lora_alpha: Option<f64>,
+    /// Dropout on the adapters' inputs while training [default: 0.05, or the adapter's].
+    #[arg(long)]
+    lora_dropout: Option<f64>,
+    /// The projections that get adapters: module names (comma-separated) or all-linear
+    /// [default: q_proj,v_proj, or the adapter's].
+    #[arg(long)]
+    lora_target_modules: Option<String>,
+    /// rsLoRA's scaling (alpha / √r) [default: off, or the adapter's].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    use_rslora: Option<bool>,
+    /// How fresh adapters start: true (A uniform, B zero), gaussian, or false (both random).
+    #[arg(long, default_value = "true", value_parser = parse_init)]
+    init_lora_weights: LoraInit,
+    /// Continue from the adapters in this PEFT folder instead of fresh ones, with the
+    /// settings it was saved with (a LoRA setting given too must match it).
+    #[arg(long, group = "lora")]
     adapter_dir: Option<PathBuf>,
     /// Also save the base with the adapters merged into it to OUTPUT_DIR/model.
-    #[arg(long, requires = "lora_r")]
+    #[arg(long, requires = "lora")]
     merge_lora: bool,
     /// QLoRA: keep the base's linear layers frozen in this quantized format (nf4, q4_0,
     /// q4_1, q8_0, q4_k, ...) instead of f32; a GGUF file's own type keeps its blocks as
     /// stored (q4_1 for the fetched SmolLM2).
-    #[arg(long, requires = "lora_r", value_parser = parse_format)]
+    #[arg(long, requires = "lora", value_parser = parse_format)]
     quantize: Option<QuantFormat>,
+}
+
+fn parse_init(name: &str) -> Result<LoraInit, String> {
+    match name {
+        "true" => Ok(LoraInit::Default),
+        "gaussian" => Ok(LoraInit::Gaussian),
+        "false" => Ok(LoraInit::Random),
+        other => Err(format!("{other:?}: true, gaussian or false")),
+    }
 }
 
 fn parse_format(name: &str) -> Result<QuantFormat, String> {
@@ -328,27 +344,43 @@ fn main() -> Result<()> {
         started,
         loading,
     };
-    let Some(r) = args.lora_r else {
+    if args.lora_r.is_none() && args.adapter_dir.is_none() {
         let info = model.info();
         let model = acc.prepare_model(model, weights.as_ref())?;
         drop(weights);
         return fine_tune(&args, acc, model, info, job);
+    }
+    let explicit = LoraOverrides {
+        r: args.lora_r,
+        lora_alpha: args.lora_alpha,
+        lora_dropout: args.lora_dropout,
+        target_modules: args
+            .lora_target_modules
+            .as_deref()
+            .map(TargetModules::parse),
+        use_rslora: args.use_rslora,
     };
-    let lora = LoraModel::new(
-        model,
-        LoraConfig {
-            r,
-            lora_alpha: args.lora_alpha,
-            lora_dropout: args.lora_dropout,
-            target_modules: TargetModules::parse(&args.lora_target_modules),
-            use_rslora: args.use_rslora,
-        },
-    )?;
     let adapter = args
         .adapter_dir
         .as_deref()
         .map(AdapterFile::read)
         .transpose()?;
+    // Continued adapters take their own settings; fresh ones the flags or their defaults.
+    let config = match &adapter {
+        Some(file) => file.config_with(&explicit)?,
+        None => LoraConfig {
+            r: args.lora_r.unwrap_or(8),
+            lora_alpha: args.lora_alpha.unwrap_or(16.0),
+            lora_dropout: args.lora_dropout.unwrap_or(0.05),
+            target_modules: explicit
+                .target_modules
+                .clone()
+                .unwrap_or_else(|| TargetModules::parse("q_proj,v_proj")),
+            use_rslora: args.use_rslora.unwrap_or(false),
+            init_lora_weights: args.init_lora_weights,
+        },
+    };
+    let lora = LoraModel::new(model, config)?;
     let info = lora.info();
     acc.print(tuned::describe(&lora));
     let source = lora.weights(weights.as_ref(), adapter.as_ref(), args.seed)?;

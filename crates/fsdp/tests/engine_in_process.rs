@@ -494,7 +494,11 @@ fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
                 let before = group.bytes_sent();
                 let report = engine.step(grads, &mut opt, None).unwrap();
                 // One f64 to the other rank: whether any rank's gradients hold a NaN or inf.
-                assert_eq!(group.bytes_sent() - before, 8, "the step sent bytes of its own");
+                assert_eq!(
+                    group.bytes_sent() - before,
+                    8,
+                    "the step sent bytes of its own"
+                );
                 assert_eq!((report.grad_norm, report.clipped), (None, false));
                 let mut grads = grads_of(&mut engine, 2);
                 engine.clip_grad_norm(&mut grads, None).unwrap();

@@ -47,6 +47,7 @@ fn lora_config() -> LoraConfig {
         lora_dropout: 0.0,
         target_modules: TargetModules::parse("q_proj,v_proj,down_proj"),
         use_rslora: false,
+        init_lora_weights: Default::default(),
     }
 }
 
@@ -487,4 +488,245 @@ fn a_lora_layer_has_the_gradients_of_composed_ops_and_none_for_its_frozen_weight
         assert!(d < 1e-5, "gradient of {what} off by {d:e}");
     }
     assert!(grads.get(&w).is_none(), "the frozen weight got a gradient");
+}
+
+/// Writes an adapter folder as PEFT would for `model` (its config) with tensors from
+/// `values(name, len)`, then applies `edit` to the config; returns the folder.
+fn crafted_adapter(
+    dir: &Path,
+    model: &LoraModel<LlamaForCausalLM>,
+    values: &dyn Fn(&str, usize) -> Vec<f32>,
+    edit: &dyn Fn(&mut serde_json::Value),
+) -> std::path::PathBuf {
+    let info = model.info();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = info
+        .all_params()
+        .into_iter()
+        .filter(|p| fsdp::peft::is_adapter_param(&p.name))
+        .map(|p| {
+            let n = p.shape.iter().product();
+            let bytes = values(&p.name, n)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            (
+                format!("{}{}", fsdp::peft::PEFT_PREFIX, p.name),
+                p.shape.clone(),
+                bytes,
+            )
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    std::fs::create_dir_all(dir).unwrap();
+    safetensors::serialize_to_file(views, None, &dir.join("adapter_model.safetensors")).unwrap();
+    let mut config = model.adapter_config("CAUSAL_LM", None);
+    edit(&mut config);
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
+    dir.to_path_buf()
+}
+
+#[test]
+fn a_continued_adapter_is_the_one_that_was_saved_and_crafted_ones_are_refused() {
+    use fsdp::peft::{LoraInit, LoraOverrides};
+    let tmp = tempfile::tempdir().unwrap();
+    let base = || LlamaForCausalLM::new(config()).unwrap();
+    let saved_config = LoraConfig {
+        lora_alpha: 64.0,
+        use_rslora: true,
+        lora_dropout: 0.1,
+        init_lora_weights: LoraInit::Gaussian,
+        ..lora_config()
+    };
+    let saved = LoraModel::new(base(), saved_config.clone()).unwrap();
+    let small = |_: &str, n: usize| (0..n).map(|i| (i as f32 * 0.37).sin() * 0.01).collect();
+    let keep = |_: &mut serde_json::Value| {};
+    let dir = crafted_adapter(&tmp.path().join("ok"), &saved, &small, &keep);
+    let file = AdapterFile::read(&dir).unwrap();
+    // Continued with no setting given: everything as saved (alpha 64, rsLoRA, dropout,
+    // the targets it names, its init), and saved again as it was.
+    let continued = file.config_with(&LoraOverrides::default()).unwrap();
+    assert_eq!(
+        continued,
+        LoraConfig {
+            target_modules: TargetModules::Names(vec![
+                "down_proj".into(),
+                "q_proj".into(),
+                "v_proj".into()
+            ]),
+            ..saved_config.clone()
+        }
+    );
+    let model = LoraModel::new(base(), continued).unwrap();
+    assert_eq!(model.adapter_config("CAUSAL_LM", None)["lora_alpha"], 64.0);
+    assert_eq!(
+        model.adapter_config("CAUSAL_LM", None)["init_lora_weights"],
+        "gaussian"
+    );
+    model.weights(&base_weights(), Some(&file), 0).unwrap();
+    // A setting given that contradicts the adapter: refused naming both values.
+    for (overrides, needle) in [
+        (
+            LoraOverrides {
+                lora_alpha: Some(16.0),
+                ..Default::default()
+            },
+            "`lora_alpha` is 64 in the adapter, but 16 was asked for",
+        ),
+        (
+            LoraOverrides {
+                r: Some(8),
+                ..Default::default()
+            },
+            "`r` is 4 in the adapter, but 8",
+        ),
+        (
+            LoraOverrides {
+                use_rslora: Some(false),
+                ..Default::default()
+            },
+            "`use_rslora` is true",
+        ),
+        (
+            LoraOverrides {
+                lora_dropout: Some(0.0),
+                ..Default::default()
+            },
+            "`lora_dropout` is 0.1",
+        ),
+    ] {
+        let e = file.config_with(&overrides).unwrap_err().to_string();
+        assert!(
+            e.contains(needle) && e.contains("adapter_config.json"),
+            "{e}"
+        );
+    }
+    // Targets given that adapt other layers than the file's: refused naming the tensor.
+    let other = file
+        .config_with(&LoraOverrides {
+            target_modules: Some(TargetModules::parse("q_proj,v_proj")),
+            ..Default::default()
+        })
+        .unwrap();
+    let e = LoraModel::new(base(), other)
+        .unwrap()
+        .weights(&base_weights(), Some(&file), 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("down_proj.lora_A.weight"), "{e}");
+
+    // Crafted configs and tensors: each refused naming the key or the tensor.
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "r 1e30",
+            Box::new(|c| c["r"] = json!(1e30)),
+            "r = 1000000000000000000000000000000",
+        ),
+        (
+            "r 8 on rank-4 tensors",
+            Box::new(|c| c["r"] = json!(8)),
+            "not a rank-8 adapter weight",
+        ),
+        (
+            "pissa",
+            Box::new(|c| c["init_lora_weights"] = json!("pissa")),
+            "init_lora_weights = \"pissa\"",
+        ),
+    ];
+    for (what, edit, needle) in cases {
+        let dir = crafted_adapter(
+            &tmp.path().join(what.replace(' ', "_")),
+            &saved,
+            &small,
+            &edit,
+        );
+        let e = AdapterFile::read(&dir).unwrap_err().to_string();
+        assert!(e.contains(needle), "{what}: {e}");
+    }
+    let fan = crafted_adapter(&tmp.path().join("fan"), &saved, &small, &|c| {
+        c["fan_in_fan_out"] = json!(true)
+    });
+    let fan = AdapterFile::read(&fan).unwrap();
+    let e = saved
+        .weights(&base_weights(), Some(&fan), 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("`fan_in_fan_out` is true in the adapter"), "{e}");
+    for bad in [f32::NAN, f32::INFINITY] {
+        let poisoned = move |name: &str, n: usize| {
+            let mut v = small(name, n);
+            if name.contains("layers.1.mlp.down_proj.lora_B") {
+                v[3] = bad;
+            }
+            v
+        };
+        let dir = crafted_adapter(
+            &tmp.path().join(format!("bad{bad}")),
+            &saved,
+            &poisoned,
+            &keep,
+        );
+        let e = AdapterFile::read(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("model.layers.1.mlp.down_proj.lora_B.weight") && e.contains("not finite"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn fresh_adapters_start_as_init_lora_weights_says() {
+    use fsdp::nn::SeededWeights;
+    use fsdp::peft::LoraInit;
+    for (init, written) in [
+        (LoraInit::Default, json!(true)),
+        (LoraInit::Gaussian, json!("gaussian")),
+        (LoraInit::Random, json!(false)),
+    ] {
+        let model = LoraModel::new(
+            LlamaForCausalLM::new(config()).unwrap(),
+            LoraConfig {
+                init_lora_weights: init,
+                ..lora_config()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            model.adapter_config("CAUSAL_LM", None)["init_lora_weights"],
+            written
+        );
+        let info = model.info();
+        let spec = |suffix: &str| {
+            info.all_params()
+                .into_iter()
+                .find(|p| p.name == format!("model.layers.0.mlp.down_proj.{suffix}"))
+                .cloned()
+                .unwrap()
+        };
+        let (a, b) = (spec("lora_A.weight"), spec("lora_B.weight"));
+        let a = SeededWeights(3).values(&a).unwrap();
+        let b = SeededWeights(3).values(&b).unwrap();
+        let rms = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        // A is [4, 32] (down_proj's input is the intermediate size).
+        match init {
+            // Uniform in ±1/√32: RMS 1/√96.
+            LoraInit::Default => {
+                assert!((rms(&a) - 0.102).abs() < 0.02 && b.iter().all(|x| *x == 0.0));
+            }
+            // Normal with std 1/r = 0.25.
+            LoraInit::Gaussian => {
+                assert!((rms(&a) - 0.25).abs() < 0.05 && b.iter().all(|x| *x == 0.0));
+            }
+            // B uniform in ±1/√4 too.
+            LoraInit::Random => assert!(rms(&b) > 0.1, "{b:?}"),
+        }
+    }
 }

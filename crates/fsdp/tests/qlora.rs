@@ -43,6 +43,7 @@ fn lora_config() -> LoraConfig {
         lora_dropout: 0.0,
         target_modules: TargetModules::AllLinear,
         use_rslora: false,
+        init_lora_weights: Default::default(),
     }
 }
 

@@ -91,6 +91,7 @@ fn model(a: &QloraArgs) -> Result<(LoraModel<LlamaForCausalLM>, usize)> {
             lora_dropout: 0.0,
             target_modules: TargetModules::AllLinear,
             use_rslora: false,
+            init_lora_weights: Default::default(),
         },
     )?;
     Ok((lora, quantized))

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Result as CandleResult;
 use serde_json::{Value, json};
 
-use super::{LoraConfig, LoraModel, PeftError, TargetModules, is_adapter_param};
+use super::{LoraConfig, LoraInit, LoraModel, PeftError, TargetModules, is_adapter_param};
 use crate::nn::{Module, ParamSpec, SeededWeights, WeightSource};
 
 /// What PEFT puts before a model's parameter names in an adapter file.
@@ -35,7 +35,7 @@ impl<M: Module> LoraModel<M> {
             "use_rslora": c.use_rslora,
             "bias": "none",
             "fan_in_fan_out": self.fan_in_fan_out(),
-            "init_lora_weights": true,
+            "init_lora_weights": init_value(c.init_lora_weights),
             "inference_mode": true,
             "modules_to_save": null,
             "use_dora": false,
@@ -44,7 +44,7 @@ impl<M: Module> LoraModel<M> {
     }
 
     /// Whether the adapted layers store weights [in, out] (GPT-2's `Conv1D`).
-    fn fan_in_fan_out(&self) -> bool {
+    pub fn fan_in_fan_out(&self) -> bool {
         self.base
             .info()
             .modules()
@@ -62,6 +62,22 @@ impl<M: Module> LoraModel<M> {
         seed: u64,
     ) -> Result<AdapterWeights<'a>, PeftError> {
         if let Some(file) = adapter {
+            if file.fan_in_fan_out != self.fan_in_fan_out() {
+                return Err(PeftError::Contradiction {
+                    path: file.dir.join("adapter_config.json"),
+                    key: "fan_in_fan_out",
+                    saved: file.fan_in_fan_out.to_string(),
+                    explicit: format!(
+                        "{} (this model's adapted layers store weights {})",
+                        self.fan_in_fan_out(),
+                        if self.fan_in_fan_out() {
+                            "[in, out]"
+                        } else {
+                            "[out, in]"
+                        }
+                    ),
+                });
+            }
             file.check_fits(&self.info())?;
         }
         Ok(AdapterWeights {
@@ -70,6 +86,45 @@ impl<M: Module> LoraModel<M> {
             seed: SeededWeights(seed),
         })
     }
+}
+
+/// PEFT's `init_lora_weights` value for `init`.
+fn init_value(init: LoraInit) -> Value {
+    match init {
+        LoraInit::Default => json!(true),
+        LoraInit::Gaussian => json!("gaussian"),
+        LoraInit::Random => json!(false),
+    }
+}
+
+/// The `init_lora_weights` of an adapter's config; the schemes that change the base weights
+/// or need data (PiSSA, OLoRA, CorDA, LoftQ, EVA) are refused: their adapters belong to a
+/// base PEFT modified, which loading them on the original base would silently not be.
+fn init_of(v: Option<&Value>) -> Result<LoraInit, String> {
+    match v {
+        None | Some(Value::Bool(true)) => Ok(LoraInit::Default),
+        Some(Value::Bool(false)) => Ok(LoraInit::Random),
+        Some(Value::String(s)) if s == "gaussian" => Ok(LoraInit::Gaussian),
+        Some(other) => Err(format!(
+            "init_lora_weights = {other}: not supported (true, false or \"gaussian\"; PiSSA, OLoRA, CorDA, LoftQ and EVA adapters expect a base PEFT changed)"
+        )),
+    }
+}
+
+/// LoRA settings a program or command line gave explicitly, for continuing from an adapter
+/// ([`AdapterFile::config_with`]): `None` takes the adapter's own.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoraOverrides {
+    /// The rank.
+    pub r: Option<usize>,
+    /// `lora_alpha`.
+    pub lora_alpha: Option<f64>,
+    /// `lora_dropout`.
+    pub lora_dropout: Option<f64>,
+    /// `target_modules` (the adapter's tensors must still be exactly the adapted layers).
+    pub target_modules: Option<TargetModules>,
+    /// rsLoRA's scaling.
+    pub use_rslora: Option<bool>,
 }
 
 /// A saved LoRA adapter: its configuration and tensors by the model's parameter names.
@@ -137,6 +192,15 @@ impl AdapterFile {
         if r.fract() != 0.0 || r < 0.0 {
             return Err(bad(&config_path, format!("r = {r}: not a whole number")));
         }
+        if r > super::MAX_RANK as f64 {
+            return Err(bad(
+                &config_path,
+                format!(
+                    "r = {r}: more than any adapter has (at most {})",
+                    super::MAX_RANK
+                ),
+            ));
+        }
         let config = LoraConfig {
             r: r as usize,
             lora_alpha: number("lora_alpha")?,
@@ -145,6 +209,8 @@ impl AdapterFile {
             use_rslora: field("use_rslora")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
+            init_lora_weights: init_of(v.get("init_lora_weights"))
+                .map_err(|why| bad(&config_path, why))?,
         };
         config
             .check()
@@ -169,7 +235,29 @@ impl AdapterFile {
                 })?;
             let values = super::merge::f32_values(&view)
                 .map_err(|why| bad(&weights_path, format!("tensor `{name}`: {why}")))?;
-            tensors.insert(ours.to_string(), (view.shape().to_vec(), values));
+            if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+                return Err(bad(
+                    &weights_path,
+                    format!("tensor `{name}`: value {i} is {}: not finite", values[i]),
+                ));
+            }
+            // lora_A is [r, in], lora_B [out, r]: the rank the config says.
+            let shape = view.shape().to_vec();
+            let rank = match (shape.as_slice(), name.ends_with(".lora_A.weight")) {
+                ([r, _], true) => Some(*r),
+                ([_, r], false) => Some(*r),
+                _ => None,
+            };
+            if rank != Some(config.r) {
+                return Err(bad(
+                    &weights_path,
+                    format!(
+                        "tensor `{name}` has shape {shape:?}, which is not a rank-{} adapter weight (`r` in adapter_config.json)",
+                        config.r
+                    ),
+                ));
+            }
+            tensors.insert(ours.to_string(), (shape, values));
         }
         Ok(AdapterFile {
             dir: dir.to_path_buf(),
@@ -179,6 +267,48 @@ impl AdapterFile {
                 .unwrap_or(false),
             tensors,
         })
+    }
+
+    /// The configuration to continue this adapter with: its own, where `explicit` sets
+    /// nothing; an error naming both values where `explicit` contradicts it (continuing with
+    /// another rank, alpha, rsLoRA or dropout would start from a different model).
+    pub fn config_with(&self, explicit: &LoraOverrides) -> Result<LoraConfig, PeftError> {
+        let mut config = self.config.clone();
+        let path = self.dir.join("adapter_config.json");
+        let clash = |key: &'static str, saved: String, asked: String| PeftError::Contradiction {
+            path: path.clone(),
+            key,
+            saved,
+            explicit: asked,
+        };
+        if let Some(r) = explicit.r.filter(|&r| r != config.r) {
+            return Err(clash("r", config.r.to_string(), r.to_string()));
+        }
+        if let Some(a) = explicit.lora_alpha.filter(|&a| a != config.lora_alpha) {
+            return Err(clash(
+                "lora_alpha",
+                config.lora_alpha.to_string(),
+                a.to_string(),
+            ));
+        }
+        if let Some(d) = explicit.lora_dropout.filter(|&d| d != config.lora_dropout) {
+            return Err(clash(
+                "lora_dropout",
+                config.lora_dropout.to_string(),
+                d.to_string(),
+            ));
+        }
+        if let Some(u) = explicit.use_rslora.filter(|&u| u != config.use_rslora) {
+            return Err(clash(
+                "use_rslora",
+                config.use_rslora.to_string(),
+                u.to_string(),
+            ));
+        }
+        if let Some(t) = &explicit.target_modules {
+            config.target_modules = t.clone();
+        }
+        Ok(config)
     }
 
     /// Checks that every tensor is an adapter parameter of `model` with its shape, and that
@@ -208,7 +338,13 @@ impl AdapterFile {
             }
         }
         if let Some(missing) = specs.keys().find(|n| !self.tensors.contains_key(**n)) {
-            return Err(other(missing, "missing from the file".into()));
+            return Err(other(
+                missing,
+                format!(
+                    "missing from the file: the adapter's target_modules ({}) are not the layers adapted here",
+                    self.config.target_modules
+                ),
+            ));
         }
         Ok(())
     }

@@ -9,7 +9,7 @@ mod files;
 mod merge;
 mod targets;
 
-pub use files::{AdapterFile, AdapterWeights, PEFT_PREFIX};
+pub use files::{AdapterFile, AdapterWeights, LoraOverrides, PEFT_PREFIX};
 pub use merge::{MergingEmit, merge_adapter};
 pub use targets::TargetModules;
 
@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::Result as CandleResult;
 
 use crate::nn::lora::LoraAdapter;
+pub use crate::nn::lora::LoraInit;
 use crate::nn::{Forward, Model, Module, ModuleInfo, Params};
 
 /// Why adapters could not be made, saved or loaded.
@@ -71,6 +72,20 @@ pub enum PeftError {
         /// What is wrong.
         why: String,
     },
+    /// A setting given explicitly contradicts the one the adapter was saved with.
+    #[error(
+        "{path}: `{key}` is {saved} in the adapter, but {explicit} was asked for: continuing an adapter with another setting would start from a different model; drop the setting or match the adapter"
+    )]
+    Contradiction {
+        /// The adapter's `adapter_config.json`.
+        path: std::path::PathBuf,
+        /// The setting (PEFT's name).
+        key: &'static str,
+        /// The adapter's value.
+        saved: String,
+        /// The value asked for.
+        explicit: String,
+    },
     /// An adapter made for another base model: a tensor's module or shape does not fit.
     #[error(
         "{path}: adapter tensor `{name}` does not fit this model ({why}): the adapter was made for another base model"
@@ -98,6 +113,9 @@ pub struct LoraConfig {
     pub target_modules: TargetModules,
     /// rsLoRA's scaling, `alpha / √r` (Kalajdzievski 2023).
     pub use_rslora: bool,
+    /// How fresh adapters start (PEFT's `init_lora_weights`: `true`, `"gaussian"`, `false`);
+    /// adapters continued from a file keep the file's value.
+    pub init_lora_weights: LoraInit,
 }
 
 impl LoraConfig {
@@ -109,6 +127,7 @@ impl LoraConfig {
             lora_dropout: 0.0,
             target_modules,
             use_rslora: false,
+            init_lora_weights: LoraInit::Default,
         }
     }
 
@@ -131,6 +150,13 @@ impl LoraConfig {
                 why: "the rank must be at least 1",
             });
         }
+        if self.r > MAX_RANK {
+            return Err(PeftError::Setting {
+                key: "r",
+                value: self.r.to_string(),
+                why: "more than any adapter has (at most 2^20)",
+            });
+        }
         if !(self.lora_alpha.is_finite() && self.lora_alpha > 0.0) {
             return Err(PeftError::Setting {
                 key: "lora_alpha",
@@ -148,6 +174,9 @@ impl LoraConfig {
         self.target_modules.check()
     }
 }
+
+/// The largest rank accepted (a rank beyond a layer's width adds nothing).
+pub const MAX_RANK: usize = 1 << 20;
 
 /// Whether `name` is an adapter's parameter (`….lora_A.weight`, `….lora_B.weight`).
 pub fn is_adapter_param(name: &str) -> bool {
@@ -200,7 +229,8 @@ impl<M: Model> LoraModel<M> {
             config.scaling(),
             config.lora_dropout,
             seed.clone(),
-        );
+        )
+        .with_init(config.init_lora_weights);
         let mut reached = Vec::new();
         crate::nn::layers::visit_linears(&mut base, &mut |linear| {
             let path = crate::nn::Module::path(linear).to_string();
