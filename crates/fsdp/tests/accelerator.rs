@@ -617,3 +617,40 @@ fn a_lambda_schedule_resumes_from_a_checkpoint_under_its_name() {
         assert!(e.contains("the lambda \"halve every 2\""), "{e}");
     }
 }
+
+#[test]
+fn metrics_on_a_full_disk_never_leave_half_a_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(_disk) = common::SmallDisk::mount(&tmp.path().join("disk"), "4k") else {
+        skipped!("mounting a small tmpfs needs root");
+        return;
+    };
+    let project = tmp.path().join("disk");
+    let acc = Accelerator::builder()
+        .project_config(fsdp::accelerator::ProjectConfiguration {
+            project_dir: project.clone(),
+            ..Default::default()
+        })
+        .log_metrics(true)
+        .build()
+        .unwrap();
+    let mut refused = None;
+    for i in 0..10_000 {
+        let metrics = json!({ "loss": 0.123456789 * i as f64, "note": "x".repeat(i % 37) });
+        if let Err(e) = acc.log(metrics) {
+            refused = Some(e.to_string());
+            break;
+        }
+    }
+    let refused = refused.expect("a 4 KiB disk fills");
+    assert!(refused.contains("metrics.jsonl"), "{refused}");
+    let text = std::fs::read_to_string(project.join("metrics.jsonl")).unwrap();
+    assert!(
+        text.ends_with('\n'),
+        "a partial last line: {:?}",
+        text.lines().last()
+    );
+    for line in text.lines() {
+        serde_json::from_str::<Value>(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    }
+}

@@ -312,35 +312,10 @@ fn an_async_save_lets_training_go_on_and_writes_what_a_synchronous_one_does() {
     assert_eq!(resumed["weights"], straight["weights"]);
 }
 
-/// A tmpfs of `size` mounted at `at` for the test's life (root only).
-struct SmallDisk(std::path::PathBuf);
-
-impl SmallDisk {
-    fn mount(at: &std::path::Path, size: &str) -> Option<SmallDisk> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return None;
-        }
-        std::fs::create_dir_all(at).unwrap();
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(at)
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then(|| SmallDisk(at.to_path_buf()))
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
 #[test]
 fn an_async_save_on_a_full_disk_fails_on_every_rank_and_keeps_the_previous_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
-    let Some(disk) = SmallDisk::mount(&tmp.path().join("disk"), "2m") else {
+    let Some(disk) = common::SmallDisk::mount(&tmp.path().join("disk"), "2m") else {
         skipped!("mounting a small tmpfs needs root");
         return;
     };

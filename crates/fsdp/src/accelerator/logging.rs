@@ -144,7 +144,8 @@ impl Progress {
     }
 }
 
-/// Appends `{"step": step, ...metrics}` as one line to `path`.
+/// Appends `{"step": step, ...metrics}` as one line to `path`: whole or not at all (a
+/// write cut short, by a full disk say, is taken back, so every line of the file parses).
 pub(super) fn append_json_line(
     path: &Path,
     step: u64,
@@ -162,5 +163,10 @@ pub(super) fn append_json_line(
         .create(true)
         .append(true)
         .open(path)?;
-    writeln!(f, "{}", serde_json::Value::Object(line))
+    let mut text = serde_json::Value::Object(line).to_string().into_bytes();
+    text.push(b'\n');
+    let before = f.metadata()?.len();
+    f.write_all(&text).inspect_err(|_| {
+        let _ = f.set_len(before);
+    })
 }

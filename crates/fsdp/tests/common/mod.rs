@@ -120,3 +120,31 @@ pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
         .fold(0.0, f64::max)
         / scale
 }
+
+/// A tmpfs of `size` mounted at `at` for the test's life (root only).
+pub struct SmallDisk(pub std::path::PathBuf);
+
+impl SmallDisk {
+    pub fn mount(at: &std::path::Path, size: &str) -> Option<SmallDisk> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return None;
+        }
+        std::fs::create_dir_all(at).unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| SmallDisk(at.to_path_buf()))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
