@@ -244,6 +244,12 @@ fn main() -> Result<()> {
         }
         false => Vec::new(),
     };
+    if args.with_tracking && trackers.is_empty() {
+        anyhow::bail!(
+            "--with_tracking with --report_to {:?} names no tracker: give jsonl, tensorboard or all, or drop --with_tracking",
+            args.report_to
+        );
+    }
     let mut acc = Accelerator::builder()
         .fsdp_plugin(plugin)
         .gradient_accumulation_steps(args.gradient_accumulation_steps)

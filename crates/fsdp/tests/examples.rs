@@ -785,3 +785,16 @@ fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
     );
     assert!(e.contains("model.layers.0.self_attn.q_proj"), "{e}");
 }
+
+#[test]
+fn nlp_example_refuses_tracking_with_no_tracker_named() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = Command::new(example("nlp_example"))
+        .args(["--with_tracking", "--report_to", "", "--output_dir"])
+        .arg(out_dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--report_to \"\" names no tracker"), "{err}");
+}
