@@ -138,28 +138,35 @@ fn a_line_without_an_end_shows_at_once_and_huge_lines_stream() {
     assert!(peak < 32 << 10, "launcher RSS reached {peak} KiB");
 }
 
+/// Starts `fsdp launch --num_processes N` of workers that print their pid and sleep, and
+/// reads its output until `wanted` workers have printed theirs: the launcher and that output.
+fn launch_sleepers(n: &str, wanted: usize) -> (std::process::Child, String) {
+    let mut child = fsdp()
+        .args([
+            "launch",
+            "--num_processes",
+            n,
+            "sh",
+            "-c",
+            "echo \"rank $RANK pid $$\"; exec sleep 60",
+        ])
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 256];
+    while pids(&seen).len() < wanted {
+        let n = stdout.read(&mut buf).unwrap();
+        assert!(n > 0, "{seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    (child, seen)
+}
+
 #[test]
 fn workers_die_with_a_launcher_killed_or_hung_up_on() {
     for (sig, name) in [(libc::SIGKILL, "SIGKILL"), (libc::SIGHUP, "SIGHUP")] {
-        let mut child = fsdp()
-            .args([
-                "launch",
-                "--num_processes",
-                "2",
-                "sh",
-                "-c",
-                "echo \"rank $RANK pid $$\"; exec sleep 60",
-            ])
-            .spawn()
-            .unwrap();
-        let mut stdout = child.stdout.take().unwrap();
-        let mut seen = String::new();
-        let mut buf = [0u8; 256];
-        while pids(&seen).len() < 2 {
-            let n = stdout.read(&mut buf).unwrap();
-            assert!(n > 0, "{seen}");
-            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-        }
+        let (mut child, seen) = launch_sleepers("2", 2);
         let workers = pids(&seen);
         // SAFETY: signalling the launcher this test started.
         unsafe {
@@ -576,25 +583,7 @@ fn a_signal_while_workers_start_stops_the_started_ones_at_once() {
     // while (the issue measured ~65 per second), and SIGTERM comes when the first speaks.
     let n = std::thread::available_parallelism().map_or(1, |n| n.get()) * 16;
     let n = n.to_string();
-    let mut child = fsdp()
-        .args([
-            "launch",
-            "--num_processes",
-            &n,
-            "sh",
-            "-c",
-            "echo \"rank $RANK pid $$\"; exec sleep 60",
-        ])
-        .spawn()
-        .unwrap();
-    let mut stdout = child.stdout.take().unwrap();
-    let mut seen = String::new();
-    let mut buf = [0u8; 256];
-    while pids(&seen).is_empty() {
-        let n = stdout.read(&mut buf).unwrap();
-        assert!(n > 0, "{seen}");
-        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
+    let (child, seen) = launch_sleepers(&n, 1);
     // SAFETY: signalling the launcher this test started.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
