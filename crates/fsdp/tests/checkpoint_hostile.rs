@@ -144,6 +144,27 @@ fn saves_replace_only_their_own_checkpoints() {
         assert!(e.contains("pytorch_model_fsdp_0/notes.txt"), "{e}");
     }
     assert!(ours.join("pytorch_model_fsdp_0/notes.txt").is_file());
+    std::fs::remove_file(ours.join("pytorch_model_fsdp_0/notes.txt")).unwrap();
+    // One of its files edited in place (same size): the names and sizes the save checks
+    // when it begins all fit, so it writes; the full check before the exchange refuses, and
+    // the edited checkpoint stays as it was, with no staging folder left.
+    let shard = ours.join("pytorch_model_fsdp_0/rank_0.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&shard, &bytes).unwrap();
+    for r in save_results(&ours) {
+        let e = r.unwrap_err();
+        assert!(
+            e.contains("rank_0.safetensors") && e.contains("changed after the save"),
+            "{e}"
+        );
+    }
+    assert_eq!(std::fs::read(&shard).unwrap(), bytes);
+    assert!(
+        !entries(tmp.path()).iter().any(|n| n.contains(".partial-")),
+        "{:?}",
+        entries(tmp.path())
+    );
 
     // Rotation removes old checkpoints, never a user's folder named like one.
     let project = tmp.path().join("project");

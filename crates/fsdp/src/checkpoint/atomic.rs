@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use super::error::CheckpointError;
 use super::format;
-use super::owned::{Owned, check_owned};
+use super::owned::{Depth, Owned, check_owned, check_owned_as};
 
 /// Prefix of staging folders (`.{name}.partial-{nonce}` beside the destination).
 const STAGING: &str = ".partial-";
@@ -93,7 +93,7 @@ impl Staging {
 /// What a save to `dest` replaces: nothing when it does not exist or is an empty folder, a
 /// checkpoint of ours holding nothing but what its save wrote (`owned::check_owned`), or
 /// else the reason it may not be replaced.
-fn replaceable(dest: &Path) -> Result<Option<Owned>, String> {
+fn replaceable(dest: &Path, depth: Depth) -> Result<Option<Owned>, String> {
     let meta = match std::fs::symlink_metadata(dest) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("cannot be examined ({e})")),
@@ -113,7 +113,7 @@ fn replaceable(dest: &Path) -> Result<Option<Owned>, String> {
         }
         Err(e) => return Err(format!("cannot be listed ({e})")),
     }
-    check_owned(dest).map(Some).map_err(|n| {
+    check_owned_as(dest, depth).map(Some).map_err(|n| {
         let inside = n.path.strip_prefix(dest).ok().filter(|p| !p.as_os_str().is_empty());
         match inside {
             Some(inner) => format!(
@@ -127,9 +127,14 @@ fn replaceable(dest: &Path) -> Result<Option<Owned>, String> {
 }
 
 /// Checks that a save may replace `dest` (see `replaceable`): what it holds, or an error
-/// naming what is in the way, before anything is written.
-pub(crate) fn check_replaceable(dest: &Path) -> Result<Option<Owned>, CheckpointError> {
-    replaceable(dest).map_err(|reason| CheckpointError::Occupied {
+/// naming what is in the way, before anything is written. `Depth::Sizes` when the save
+/// begins (an asynchronous save's caller waits for it), `Depth::Contents` right before the
+/// new checkpoint takes the old one's place.
+pub(crate) fn check_replaceable(
+    dest: &Path,
+    depth: Depth,
+) -> Result<Option<Owned>, CheckpointError> {
+    replaceable(dest, depth).map_err(|reason| CheckpointError::Occupied {
         path: dest.to_path_buf(),
         reason,
     })
@@ -196,7 +201,7 @@ fn c_path(path: &Path) -> Result<CString, CheckpointError> {
 /// the old folder is moved aside first (a crash in between leaves it beside the staging
 /// folder's name with `.old` appended).
 pub(crate) fn publish(staging: &mut Staging, dest: &Path) -> Result<(), CheckpointError> {
-    let previous = check_replaceable(dest)?;
+    let previous = check_replaceable(dest, Depth::Contents)?;
     // After the exchange (or the move aside) the previous folder is at `at`: only what its
     // save wrote is removed from it.
     let remove_previous = |at: &Path| match &previous {

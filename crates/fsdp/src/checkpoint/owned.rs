@@ -94,10 +94,24 @@ fn manifest(checkpoint: &Path) -> Result<(PathBuf, BTreeMap<String, FileSum>), N
     Ok((name, doc.files))
 }
 
+/// How much of each file [`check_owned_as`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Depth {
+    /// Names and sizes only (a first look that costs no reading, before the real check).
+    Sizes,
+    /// Every byte, against the listed checksum.
+    Contents,
+}
+
 /// Checks that `checkpoint` holds nothing but the files its manifest lists, each with its
 /// listed size and checksum (listed files that are gone are allowed: removing the rest is
 /// still removing only ours). Reads every file.
 pub(crate) fn check_owned(checkpoint: &Path) -> Result<Owned, NotOwned> {
+    check_owned_as(checkpoint, Depth::Contents)
+}
+
+/// [`check_owned`], reading as much of each file as `depth` says.
+pub(crate) fn check_owned_as(checkpoint: &Path, depth: Depth) -> Result<Owned, NotOwned> {
     match std::fs::symlink_metadata(checkpoint) {
         Ok(m) if m.file_type().is_symlink() => {
             return Err(NotOwned::new(
@@ -156,8 +170,14 @@ pub(crate) fn check_owned(checkpoint: &Path) -> Result<Owned, NotOwned> {
                     ),
                 ));
             };
-            let got = sum_of_file(&path)
-                .map_err(|e| NotOwned::new(&path, format!("cannot be read ({e})")))?;
+            let got = match depth {
+                Depth::Contents => sum_of_file(&path),
+                Depth::Sizes => std::fs::symlink_metadata(&path).map(|m| FileSum {
+                    bytes: m.len(),
+                    crc32: want.crc32,
+                }),
+            }
+            .map_err(|e| NotOwned::new(&path, format!("cannot be read ({e})")))?;
             if got != *want {
                 return Err(NotOwned::new(
                     &path,

@@ -405,7 +405,7 @@ fn prepare(
     } else {
         dest.to_path_buf()
     };
-    atomic::check_replaceable(&dest)?;
+    atomic::check_replaceable(&dest, super::owned::Depth::Sizes)?;
     if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| CheckpointError::io("creating", parent, e))?;
     }
