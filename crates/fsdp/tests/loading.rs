@@ -122,6 +122,10 @@ fn loading_worker() {
         }
     };
     let full = engine.full_state_dict().unwrap();
+    // No rank leaves before the root has every row: a rank's last sends may still be queued
+    // for its link's writer thread when its gather returns (seen once on a loaded machine:
+    // rank 0 lost rank 1 in the gather).
+    pg.barrier().wait().unwrap();
     if let Some(full) = full {
         let file_weights = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
         let fresh = LocalParams::init(&info, SEED, DType::F32, &Device::Cpu)
