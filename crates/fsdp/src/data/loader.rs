@@ -124,6 +124,9 @@ pub struct DataLoader<D: Dataset, B> {
     taken: usize,
     /// The order of the epoch being read, and that epoch.
     order: Option<(u64, Vec<usize>)>,
+    /// `next_batch` reported the epoch's end and nothing set a position since: the next
+    /// call starts the next epoch.
+    ended: bool,
 }
 
 /// What collation may fail with (a boxed error, so any collate function fits).
@@ -169,6 +172,7 @@ impl<D: Dataset, B> DataLoader<D, B> {
             start: 0,
             taken: 0,
             order: None,
+            ended: false,
         }
     }
 
@@ -286,12 +290,26 @@ impl<D: Dataset, B> DataLoader<D, B> {
             None => position.samples,
         };
         self.taken = 0;
+        self.ended = false;
     }
 
-    /// This rank's batch of the next step of the current epoch (`None` at the epoch's end).
+    /// This rank's batch of the next step of the current epoch; `None` at the epoch's end,
+    /// and the call after that starts the next epoch (in that epoch's shuffled order), as
+    /// iterating Accelerate's prepared loader again does: `while let Some(b) =
+    /// loader.next_batch()` inside an epoch loop reads every epoch. [`DataLoader::set_epoch`]
+    /// or [`DataLoader::set_position`] say where to go instead.
     pub fn next_batch(&mut self) -> Option<Result<LoadedBatch<B>, BatchError>> {
         if self.steps_left_in_epoch() == 0 {
-            return None;
+            if !self.ended {
+                self.ended = true;
+                return None;
+            }
+            self.set_position(LoaderPosition::start_of(self.epoch + 1));
+            if self.steps_left_in_epoch() == 0 {
+                // An empty dataset: every epoch ends at once.
+                self.ended = true;
+                return None;
+            }
         }
         let n = self.dataset.len();
         let epoch = self.epoch;
@@ -350,6 +368,44 @@ impl<D: Dataset, B> DataLoader<D, B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reading_on_after_an_epoch_ends_starts_the_next_as_set_epoch_would() {
+        let loader = || {
+            DataLoader::new((0..10u32).collect::<Vec<u32>>(), 4, |items: &[u32]| {
+                Ok::<_, CollateError>(items.to_vec())
+            })
+            .shuffle(7)
+        };
+        // An epoch loop around `while let`, with no set_epoch: every epoch is read, in its
+        // own order, exactly as with set_epoch(e) before each.
+        let (mut plain, mut set) = (loader(), loader());
+        for epoch in 0..3u64 {
+            let mut got = Vec::new();
+            while let Some(b) = plain.next_batch() {
+                got.push(b.unwrap().batch);
+            }
+            set.set_epoch(epoch);
+            let mut want = Vec::new();
+            while let Some(b) = set.next_batch() {
+                want.push(b.unwrap().batch);
+            }
+            assert_eq!(got.len(), 3, "epoch {epoch} read nothing");
+            assert_eq!(got, want, "epoch {epoch}");
+            assert_eq!(plain.position().epoch, epoch);
+        }
+        // A program that moves on itself after the end (the examples do) skips nothing.
+        let mut own = loader();
+        while own.next_batch().is_some() {}
+        own.set_epoch(own.position().epoch + 1);
+        assert_eq!(own.position().epoch, 1);
+        assert!(own.next_batch().is_some());
+        // An empty dataset ends every epoch at once, whatever is asked.
+        let mut empty = DataLoader::new(Vec::<u32>::new(), 4, |items: &[u32]| {
+            Ok::<_, CollateError>(items.to_vec())
+        });
+        assert!((0..5).all(|_| empty.next_batch().is_none()));
+    }
 
     #[test]
     fn split_batches_share_a_global_batch_the_ranks_do_not_divide() {
