@@ -346,6 +346,11 @@ pub fn mfu_line(
     cores: usize,
     dtype: DType,
 ) -> String {
+    // A run that trained no step (resumed at its end, --max_train_steps 0) has no rate: it
+    // printed `model FLOPs -0.0 GFLOP/s, MFU -0.0%`.
+    if !(real > 0.0 && seconds > 0.0) {
+        return "model FLOPs: none (no training step was timed)".into();
+    }
     let peak = core_peak();
     let per_core = peak.for_dtype(dtype);
     let limit = peak.instruction_for_dtype(dtype);
@@ -374,6 +379,14 @@ pub fn mfu_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_without_a_timed_step_has_no_rate() {
+        for (flops, secs) in [(0.0, 0.0), (0.0, 1.5), (-0.0, 2.0), (1e9, 0.0)] {
+            let line = mfu_line(flops, None, secs, 2, DType::F32);
+            assert_eq!(line, "model FLOPs: none (no training step was timed)");
+        }
+    }
 
     #[test]
     fn the_hardware_limit_is_never_below_a_measured_gemm_rate() {
