@@ -469,27 +469,37 @@ impl Fsdp {
         if grads.known_finite {
             return Ok(());
         }
-        // (unit, position) as one number that orders like the pair.
-        let mine = grads
-            .first_non_finite()?
-            .map_or(f64::MAX, |(u, p)| (u as f64) * 1_048_576.0 + p as f64);
+        // The parameter's place in the plan's order (units, then their parameters): the same
+        // numbering on every rank, so the smallest is the first such parameter anywhere.
+        let offsets: Vec<usize> = self
+            .units
+            .iter()
+            .scan(0, |at, u| {
+                let first = *at;
+                *at += u.params.len();
+                Some(first)
+            })
+            .collect();
+        let mine = grads.first_non_finite()?.map_or(f64::MAX, |(u, p)| {
+            (offsets.get(u).copied().unwrap_or_default() + p) as f64
+        });
         let first = self
             .mesh
             .all_reduce(fsdp_comm::Buffer::F64(vec![mine]), ReduceOp::Min)?;
-        let first = first.as_slice::<f64>().map_or(f64::MAX, |v| v[0]);
+        let first = first
+            .as_slice::<f64>()
+            .and_then(|v| v.first().copied())
+            .unwrap_or(f64::MAX);
         if first == f64::MAX {
             return Ok(());
         }
-        let (u, p) = (
-            (first / 1_048_576.0) as usize,
-            (first % 1_048_576.0) as usize,
-        );
         let name = self
             .units
-            .get(u)
-            .and_then(|unit| unit.params.get(p))
+            .iter()
+            .flat_map(|u| &u.params)
+            .nth(first as usize)
             .map_or_else(
-                || format!("a parameter of unit {u}"),
+                || format!("parameter number {first} of the plan"),
                 |p| p.layout.name.clone(),
             );
         Err(EngineError::NonFiniteGradient { name })
