@@ -18,6 +18,11 @@ use fsdp::nn::{Init, LocalParams, ModuleInfo, ParamSpec, Params};
 #[global_allocator]
 static ALLOC: TrainingAllocator = TrainingAllocator;
 
+/// Held by each test for its whole run: the parked-page figures are process-wide, and a
+/// test running beside another counted the other's pages too (4 units' worth instead of 2,
+/// once in a clean-clone CI run).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// 640 x 640 f32 weights: 1.6 MiB, one of the allocator's large blocks.
 const WIDTH: usize = 640;
 const BLOCKS: usize = 4;
@@ -57,6 +62,7 @@ fn input() -> Tensor {
 
 #[test]
 fn released_parameters_hand_their_pages_to_the_next_unit() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     TrainingAllocator::mark_installed();
     let weights = LocalParams::init(&info(), 5, DType::F32, &Device::Cpu)
         .unwrap()
@@ -137,6 +143,7 @@ fn loss_with_empty(p: &dyn Params, x: &Tensor) -> candle_core::Result<Tensor> {
 /// like any other (its refill has no pages to take).
 #[test]
 fn a_parameter_of_no_elements_is_released_and_refilled() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     TrainingAllocator::mark_installed();
     let mut model = info();
     model.children[0].params.push(ParamSpec {
