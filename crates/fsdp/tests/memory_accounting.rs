@@ -18,6 +18,10 @@ use fsdp::nn::{LocalParams, Module};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
+/// Held by each test for its whole run: the counts are process-wide, so a test running
+/// beside another would count the other's allocations too.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 const HIDDEN: usize = 128;
 const LAYERS: usize = 3;
 
@@ -36,6 +40,7 @@ fn model() -> BertForSequenceClassification {
 
 #[test]
 fn released_parameters_stay_uncounted_until_their_storage_is_freed() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     CountingAllocator::mark_installed();
     // One training step per rank; each rank hands back its logits, whose graph keeps every
     // gathered (and, after backward, released) parameter's storage alive.
@@ -77,6 +82,7 @@ fn released_parameters_stay_uncounted_until_their_storage_is_freed() {
 /// the caller holds, and a view sharing its storage, keep their values.
 #[test]
 fn backward_frees_activations_as_it_goes_but_never_what_the_caller_holds() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     CountingAllocator::mark_installed();
     let n = 1 << 20; // 4 MiB of f32 per activation
     let x =
@@ -112,6 +118,7 @@ fn backward_frees_activations_as_it_goes_but_never_what_the_caller_holds() {
 /// backward runs the hook's backward (once) before passing its gradient on.
 #[test]
 fn a_hooked_view_copies_nothing_and_runs_its_hook_in_backward() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
