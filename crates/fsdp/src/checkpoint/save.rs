@@ -169,14 +169,12 @@ fn write_documents(
     let folders = models + inputs.optimizers.len();
     for f in 0..folders {
         let is_model = f < models;
-        let (dir, kind_name) = if is_model {
-            (staging.join(format::model_folder(f)), "model")
+        let (folder, kind_name) = if is_model {
+            (format::model_folder(f), "model")
         } else {
-            (
-                staging.join(format::optimizer_folder(f - models)),
-                "optimizer",
-            )
+            (format::optimizer_folder(f - models), "optimizer")
         };
+        let dir = staging.join(&folder);
         let mut doc = FolderDoc {
             format: format::FORMAT.into(),
             version: format::VERSION,
@@ -234,7 +232,6 @@ fn write_documents(
             &format::document_bytes(&doc)?,
         )?;
         atomic::sync_dir(&dir)?;
-        let folder = dir.strip_prefix(staging).unwrap_or(&dir).display();
         own.insert(format!("{folder}/{}", format::METADATA_FILE), sum);
     }
     write_run_document(
