@@ -443,3 +443,11 @@ impl Accelerator {
         active.take().map(|t| t.dir().to_path_buf())
     }
 }
+
+/// This machine's name, where the system says it (event file names, the output lock's
+/// holder).
+fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+}

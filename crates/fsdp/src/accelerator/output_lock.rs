@@ -28,9 +28,7 @@ impl OutputLock {
 
 /// This process and host, as the lock file records them.
 fn holder() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "this host".into());
+    let host = super::host_name().unwrap_or_else(|| "this host".into());
     let since = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

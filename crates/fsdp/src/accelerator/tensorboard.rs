@@ -99,9 +99,7 @@ impl EventWriter {
     pub(crate) fn create(dir: &Path) -> std::io::Result<EventWriter> {
         std::fs::create_dir_all(dir)?;
         let now = wall_time();
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| "localhost".into());
+        let host = super::host_name().unwrap_or_else(|| "localhost".into());
         let path = dir.join(format!(
             "events.out.tfevents.{}.{host}.{}",
             now as u64,
