@@ -84,7 +84,10 @@ impl GradScaler {
         let any = fsdp
             .mesh()
             .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)?;
-        Ok(any.as_slice::<f32>().is_some_and(|v| v[0] > 0.0))
+        let found = any.as_slice::<f32>().is_some_and(|v| v[0] > 0.0);
+        // Every rank found them finite: the step's own check need not look again.
+        grads.known_finite = !found;
+        Ok(found)
     }
 
     /// After a step: the scale backs off when `found_inf`, and grows after
