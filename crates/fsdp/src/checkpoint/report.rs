@@ -167,6 +167,15 @@ impl DocInputs {
     }
 }
 
+/// The folder of a report's `f`-th entry: the models' folders first, then their optimizers'.
+pub(super) fn report_folder(f: usize, models: usize) -> String {
+    if f < models {
+        format::model_folder(f)
+    } else {
+        format::optimizer_folder(f - models)
+    }
+}
+
 /// Every file the ranks' `reports` say they wrote, by its path in the checkpoint.
 fn files_of(reports: &[RankReport], models: usize) -> BTreeMap<String, FileSum> {
     let mut files = BTreeMap::new();
@@ -176,11 +185,7 @@ fn files_of(reports: &[RankReport], models: usize) -> BTreeMap<String, FileSum> 
             let Some((name, doc)) = &folder.file else {
                 continue;
             };
-            let dir = if f < models {
-                format::model_folder(f)
-            } else {
-                format::optimizer_folder(f - models)
-            };
+            let dir = report_folder(f, models);
             let sum = FileSum {
                 bytes: doc.bytes,
                 crc32: folder.crc32,

@@ -11,7 +11,8 @@ use super::collect::{agree, all_gather_bytes, broadcast_bytes, join};
 use super::error::CheckpointError;
 use super::format::{self, FolderDoc, OptimizerDoc, PieceDoc, TensorDoc};
 use super::report::{
-    DocInputs, RankFolder, RankReport, describe, state_dict_name, write_random, write_run_document,
+    DocInputs, RankFolder, RankReport, describe, report_folder, state_dict_name, write_random,
+    write_run_document,
 };
 use super::save_full::{state_keys, write_full, write_full_state};
 use super::save_parts::{Part, PartSource, RankParts, random_bytes, rank_parts};
@@ -169,11 +170,8 @@ fn write_documents(
     let folders = models + inputs.optimizers.len();
     for f in 0..folders {
         let is_model = f < models;
-        let (folder, kind_name) = if is_model {
-            (format::model_folder(f), "model")
-        } else {
-            (format::optimizer_folder(f - models), "optimizer")
-        };
+        let folder = report_folder(f, models);
+        let kind_name = if is_model { "model" } else { "optimizer" };
         let dir = staging.join(&folder);
         let mut doc = FolderDoc {
             format: format::FORMAT.into(),
