@@ -139,7 +139,8 @@ pub fn remeasure_core_peak() -> CorePeak {
 /// machine while it was measured. Whether it was cached.
 fn cache_if_idle(dir: &std::path::Path, peak: &CorePeak) -> bool {
     if peak.others_busy > BUSY_LIMIT {
-        tracing::info!(
+        // Every MFU line and `fsdp env` say so; this is for a caller that prints neither.
+        tracing::debug!(
             "the core peak was measured while other work took {:.0}% of the machine: used for this run, not cached (`fsdp env --remeasure_peak` on an idle machine caches one)",
             100.0 * peak.others_busy
         );
@@ -338,42 +339,95 @@ pub fn job_cores(processes: usize) -> usize {
 
 /// One line for a run's log: model FLOP/s and MFU of `real` FLOPs (and of `padded` ones,
 /// when the batches were padded) done in `seconds` on `cores` cores computing in `dtype`,
-/// against this CPU's measured [`core_peak`].
+/// against this CPU's measured [`core_peak`]. The peak is looked up (measured, the first
+/// time on a CPU) only when the line is displayed, so ranks that do not print it
+/// (`Accelerator::print`) measure nothing and compete with nobody.
 pub fn mfu_line(
     real: f64,
     padded: Option<f64>,
     seconds: f64,
     cores: usize,
     dtype: DType,
-) -> String {
-    // A run that trained no step (resumed at its end, --max_train_steps 0) has no rate: it
-    // printed `model FLOPs -0.0 GFLOP/s, MFU -0.0%`.
-    if !(real > 0.0 && seconds > 0.0) {
-        return "model FLOPs: none (no training step was timed)".into();
+) -> MfuLine {
+    MfuLine {
+        real,
+        padded,
+        seconds,
+        cores,
+        dtype,
     }
-    let peak = core_peak();
-    let per_core = peak.for_dtype(dtype);
-    let limit = peak.instruction_for_dtype(dtype);
-    let of_limit = utilisation(real, seconds, cores, limit).mfu;
-    let real = utilisation(real, seconds, cores, per_core);
-    let padded = padded
-        .map(|p| {
-            let p = utilisation(p, seconds, cores, per_core);
+}
+
+/// A run's MFU line ([`mfu_line`]), formatted when displayed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MfuLine {
+    real: f64,
+    padded: Option<f64>,
+    seconds: f64,
+    cores: usize,
+    dtype: DType,
+}
+
+impl MfuLine {
+    /// Whether a training step was timed: a run that trained none (resumed at its end,
+    /// `--max_train_steps 0`) has no rate, and no peak is looked up for it.
+    fn timed(&self) -> bool {
+        self.real > 0.0 && self.seconds > 0.0
+    }
+
+    /// The line against `peak` (what `Display` writes against [`core_peak`]).
+    fn against(&self, peak: &CorePeak) -> String {
+        let Self {
+            real,
+            padded,
+            seconds,
+            cores,
+            dtype,
+        } = *self;
+        let per_core = peak.for_dtype(dtype);
+        let real = utilisation(real, seconds, cores, per_core);
+        let padded = padded
+            .map(|p| {
+                let p = utilisation(p, seconds, cores, per_core);
+                format!(
+                    "; padded: {:.1} GFLOP/s, MFU {:.1}%",
+                    p.flops_per_second / 1e9,
+                    100.0 * p.mfu
+                )
+            })
+            .unwrap_or_default();
+        // A peak measured under load reads low: say so instead of setting it beside the
+        // instructions' limit, which was measured under the same load.
+        let source = if peak.others_busy > BUSY_LIMIT {
             format!(
-                "; padded: {:.1} GFLOP/s, MFU {:.1}%",
-                p.flops_per_second / 1e9,
-                100.0 * p.mfu
+                "measured while other work took {:.0}% of the machine, so it reads low and the MFU high; `fsdp env --remeasure_peak` on an idle machine",
+                100.0 * peak.others_busy
             )
-        })
-        .unwrap_or_default();
-    format!(
-        "model FLOPs {:.1} GFLOP/s, MFU {:.1}% of {cores} core(s) at {:.1} GFLOP/s ({dtype:?} peak measured; {:.1}% of the instructions' {:.1}){padded}",
-        real.flops_per_second / 1e9,
-        100.0 * real.mfu,
-        per_core / 1e9,
-        100.0 * of_limit,
-        limit / 1e9
-    )
+        } else {
+            let limit = peak.instruction_for_dtype(dtype);
+            format!(
+                "measured; {:.1}% of the instructions' {:.1}",
+                100.0 * utilisation(self.real, seconds, cores, limit).mfu,
+                limit / 1e9
+            )
+        };
+        format!(
+            "model FLOPs {:.1} GFLOP/s, MFU {:.1}% of {cores} core(s) at {:.1} GFLOP/s ({dtype:?} peak {source}){padded}",
+            real.flops_per_second / 1e9,
+            100.0 * real.mfu,
+            per_core / 1e9,
+        )
+    }
+}
+
+impl std::fmt::Display for MfuLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A run without a timed step printed `model FLOPs -0.0 GFLOP/s, MFU -0.0%`.
+        if !self.timed() {
+            return f.write_str("model FLOPs: none (no training step was timed)");
+        }
+        f.write_str(&self.against(&core_peak()))
+    }
 }
 
 #[cfg(test)]
@@ -383,9 +437,30 @@ mod tests {
     #[test]
     fn a_run_without_a_timed_step_has_no_rate() {
         for (flops, secs) in [(0.0, 0.0), (0.0, 1.5), (-0.0, 2.0), (1e9, 0.0)] {
-            let line = mfu_line(flops, None, secs, 2, DType::F32);
+            let line = mfu_line(flops, None, secs, 2, DType::F32).to_string();
             assert_eq!(line, "model FLOPs: none (no training step was timed)");
         }
+    }
+
+    #[test]
+    fn an_mfu_line_says_when_its_peak_was_measured_under_load() {
+        let limit = InstructionPeak {
+            f32: 200e9,
+            f32_instruction: "vfmadd",
+            bf16: 400e9,
+            bf16_instruction: "vdpbf16ps",
+        };
+        let line = mfu_line(100e9, Some(200e9), 1.0, 2, DType::F32);
+        let quiet = line.against(&peak_of("cpu".into(), (100e9, 150e9), &limit, 0.1));
+        assert_eq!(
+            quiet,
+            "model FLOPs 100.0 GFLOP/s, MFU 50.0% of 2 core(s) at 100.0 GFLOP/s (F32 peak measured; 25.0% of the instructions' 200.0); padded: 200.0 GFLOP/s, MFU 100.0%"
+        );
+        let busy = line.against(&peak_of("cpu".into(), (50e9, 75e9), &limit, 0.49));
+        assert_eq!(
+            busy,
+            "model FLOPs 100.0 GFLOP/s, MFU 100.0% of 2 core(s) at 50.0 GFLOP/s (F32 peak measured while other work took 49% of the machine, so it reads low and the MFU high; `fsdp env --remeasure_peak` on an idle machine); padded: 200.0 GFLOP/s, MFU 200.0%"
+        );
     }
 
     #[test]
