@@ -692,10 +692,9 @@ fn fine_tune<M: Tuned>(
         base: &from,
         merge: args.merge_lora,
     };
-    let out = M::save(&acc, &model, &saved)?;
+    let saved = M::save(&acc, &model, &saved)?;
     acc.print(format!(
-        "model saved to {} (wall time {:.1} s)",
-        out.display(),
+        "{saved} (wall time {:.1} s)",
         started.elapsed().as_secs_f64()
     ));
     Ok(())

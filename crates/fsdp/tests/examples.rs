@@ -9,10 +9,12 @@
 //! of short sequences, lowers the held-out loss, saves a model with transformers' names and a
 //! tokenizer, and fine-tunes that folder again from where it ended.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use candle_core::{Device, Tensor};
 use fsdp_comm::LocalJob;
 
 fn assets() -> PathBuf {
@@ -628,6 +630,88 @@ fn transformers_load_it_alike(saved: &Path, printed: &str) {
     );
 }
 
+/// A LoRA run from a GGUF file wrote its base as a transformers folder in `out/base`, which
+/// the adapter's `base_model_name_or_path` names (absolute, so Python finds it from any
+/// folder), with a tokenizer; that base with the adapters merged in (our `merge_adapter`) is
+/// the merged model the run saved.
+fn base_is_the_merged_model_without_its_adapters(out: &Path, adapter: &fsdp::peft::AdapterFile) {
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("adapter/adapter_config.json")).unwrap())
+            .unwrap();
+    let base = out.join("base");
+    assert_eq!(
+        config["base_model_name_or_path"],
+        std::path::absolute(&base).unwrap().to_str().unwrap()
+    );
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(base.join(file).is_file(), "{file}");
+    }
+    let read = |file: &Path| -> BTreeMap<String, Tensor> {
+        candle_core::safetensors::load(file, &Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .collect()
+    };
+    let mut state = read(&base.join("model.safetensors"));
+    assert!(!state.keys().any(|k| k.contains("lora_")));
+    for (name, (shape, values)) in &adapter.tensors {
+        let t = Tensor::from_vec(values.clone(), shape.as_slice(), &Device::Cpu).unwrap();
+        state.insert(name.clone(), t);
+    }
+    let lora = adapter
+        .config_with(&fsdp::peft::LoraOverrides::default())
+        .unwrap();
+    assert_eq!(
+        fsdp::peft::merge_adapter(&mut state, &lora, false)
+            .unwrap()
+            .len(),
+        210
+    );
+    let merged = read(&out.join("model/model.safetensors"));
+    assert_eq!(
+        state.keys().collect::<Vec<_>>(),
+        merged.keys().collect::<Vec<_>>()
+    );
+    for (name, want) in &merged {
+        let got = &state[name];
+        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap();
+        let scale = want.abs().unwrap().max_all().unwrap();
+        let (diff, scale) = (
+            diff.to_scalar::<f32>().unwrap(),
+            scale.to_scalar::<f32>().unwrap(),
+        );
+        assert!(diff <= 1e-6 * scale, "{name}: {diff} of {scale}");
+    }
+}
+
+/// With `FSDP_TORCH_PYTHON`, Python's `AutoPeftModelForCausalLM.from_pretrained(adapter)`
+/// finds the base by the adapter's own config and gives the logits transformers gives for
+/// the merged model (`tools/check-peft-adapter.sh ADAPTER MERGED`); without it, says so.
+fn peft_loads_the_adapter_by_its_folder(out: &Path) {
+    if std::env::var_os("FSDP_TORCH_PYTHON").is_none() {
+        skipped_optional!(
+            "(part) AutoPeftModelForCausalLM loading the adapter needs FSDP_TORCH_PYTHON, a python with torch and transformers"
+        );
+        return;
+    }
+    // From another folder: the base's path must not depend on where Python runs.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let out = Command::new(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/check-peft-adapter.sh"),
+    )
+    .args([out.join("adapter"), out.join("model")])
+    .current_dir(elsewhere.path())
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("\"adapted_layers\": 210"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("peft: {text}");
+}
+
 /// llama_example's standard error for `args` (no evaluation, into `out_dir`), which it must
 /// refuse.
 fn llama_example_refuses(args: &[&str], out_dir: &str) -> String {
@@ -691,6 +775,14 @@ fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
     let adapter = fsdp::peft::AdapterFile::read(&tmp.path().join("adapter")).unwrap();
     assert_eq!(adapter.tensors.len(), 420);
     assert!(tmp.path().join("adapter/tokenizer.json").is_file());
+    assert!(
+        out.contains(&format!(
+            "LoRA adapters saved to {out_dir}/adapter (PEFT's format, base_model_name_or_path {out_dir}/base"
+        )),
+        "{out}"
+    );
+    base_is_the_merged_model_without_its_adapters(tmp.path(), &adapter);
+    peft_loads_the_adapter_by_its_folder(tmp.path());
     // The merged model is a plain folder: --model_dir starts from it with the loss the
     // adapted model ended with.
     let merged = tmp.path().join("model");
@@ -732,6 +824,7 @@ fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
     for file in [
         "adapter/adapter_model.safetensors",
         "model/model.safetensors",
+        "base/model.safetensors",
     ] {
         let (a, b) = (tmp.path().join(file), q.path().join(file));
         assert!(

@@ -1,7 +1,7 @@
 //! llama_example's two kinds of fine-tuning: every weight of the Llama, or LoRA adapters on
 //! it (`--lora_r`), and how each saves what it trained.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::Result;
 use fsdp::accelerator::{Accelerator, PreparedModel};
@@ -17,8 +17,9 @@ pub trait Tuned: fsdp::nn::Model + Sized {
     /// Sets the adapters' dropout seed for a training step (`None`: evaluation).
     fn set_step_seed(&self, _seed: Option<u64>) {}
 
-    /// Saves what was trained into `out`; returns the folder a transformers user loads.
-    fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<PathBuf>;
+    /// Saves what was trained into `out`; returns what was saved where, for the run's last
+    /// line.
+    fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<String>;
 
     /// For `--dump_batches`: what the trained weights start from that the pretrained file
     /// lacks (LoRA's initial adapters, in `dir/initial_adapter`), so the PyTorch anchor
@@ -53,10 +54,10 @@ impl Tuned for LlamaForCausalLM {
         self
     }
 
-    fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<PathBuf> {
+    fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<String> {
         let dir = acc.save_model(model, &out.dir.join("model"), out.hf_config)?;
         out.add_tokenizer(acc, &dir)?;
-        Ok(dir)
+        Ok(format!("model saved to {}", dir.display()))
     }
 }
 
@@ -74,18 +75,40 @@ impl Tuned for LoraModel<LlamaForCausalLM> {
         Ok(())
     }
 
-    /// The adapters in PEFT's format (and with `--merge_lora` the merged model).
-    fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<PathBuf> {
-        let base = out.base.display().to_string();
+    /// The adapters in PEFT's format (and with `--merge_lora` the merged model). Their
+    /// `base_model_name_or_path` is a folder transformers loads: the `--model_dir` the base
+    /// came from, or, for a GGUF file, the base written once as `OUTPUT_DIR/base` (the
+    /// dequantized weights the adapters were trained on), so
+    /// `AutoPeftModelForCausalLM.from_pretrained(adapter)` finds it.
+    fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<String> {
+        let base = if out.base.is_dir() {
+            out.base.to_path_buf()
+        } else {
+            let base = acc.save_base(model, &out.dir.join("base"), out.hf_config)?;
+            out.add_tokenizer(acc, &base)?;
+            base
+        };
+        // Absolute: Python resolves a relative one against wherever it runs.
+        let base = std::path::absolute(&base)?;
         let dir = out.dir.join("adapter");
-        acc.save_adapter(model, &dir, "CAUSAL_LM", Some(&base))?;
+        acc.save_adapter(model, &dir, "CAUSAL_LM", Some(&base.display().to_string()))?;
         out.add_tokenizer(acc, &dir)?;
+        let mut saved = format!(
+            "LoRA adapters saved to {} (PEFT's format, base_model_name_or_path {}{})",
+            dir.display(),
+            base.display(),
+            if out.base.is_dir() {
+                String::new()
+            } else {
+                format!(": {} as a transformers folder", out.base.display())
+            }
+        );
         if out.merge {
             let merged = acc.save_merged(model, &out.dir.join("model"), out.hf_config)?;
             out.add_tokenizer(acc, &merged)?;
-            acc.print(format!("adapters merged into {}", merged.display()));
+            saved += &format!("; merged into {}", merged.display());
         }
-        Ok(dir)
+        Ok(saved)
     }
 }
 

@@ -104,6 +104,26 @@ impl Accelerator {
         )?)
     }
 
+    /// Saves the base of `model` without its adapters as a plain transformers folder in
+    /// `dir` (`config`'s `config.json`; a quantized base dequantized), streamed and put in
+    /// place as [`Accelerator::save_model`] does: the folder an adapter's
+    /// `base_model_name_or_path` names when the base came from a file Python's
+    /// `from_pretrained` cannot read (a GGUF file). Collective.
+    pub fn save_base<M: crate::nn::Module>(
+        &self,
+        model: &PreparedModel<crate::peft::LoraModel<M>>,
+        dir: &Path,
+        config: &serde_json::Value,
+    ) -> Result<PathBuf, AcceleratorError> {
+        Ok(checkpoint::save_pretrained_as(
+            model.engine(),
+            dir,
+            config,
+            10 << 30,
+            &mut crate::peft::BaseEmit,
+        )?)
+    }
+
     /// `model`'s full weights by name on rank 0 (`None` on the others), gathered one unit
     /// at a time (collective).
     pub fn get_state_dict<M>(

@@ -79,6 +79,32 @@ pub(super) fn f32_values(view: &safetensors::tensor::TensorView<'_>) -> Result<V
     })
 }
 
+/// The base weights alone while a save streams them: the adapters are left out, every other
+/// tensor written as it arrives. The folder a saved adapter's `base_model_name_or_path`
+/// names when the base came from somewhere Python cannot load (a GGUF file).
+pub struct BaseEmit;
+
+impl crate::checkpoint::Emit for BaseEmit {
+    fn plan(&mut self, names: Vec<(String, Vec<usize>)>) -> Vec<(String, Vec<usize>)> {
+        names
+            .into_iter()
+            .filter(|(n, _)| !super::is_adapter_param(n))
+            .collect()
+    }
+
+    fn emit(
+        &mut self,
+        name: &str,
+        values: &[&[f32]],
+        write: &mut crate::checkpoint::WriteTensor,
+    ) -> Result<(), crate::checkpoint::CheckpointError> {
+        if super::is_adapter_param(name) {
+            return Ok(());
+        }
+        write(values)
+    }
+}
+
 /// Merges adapters while a save streams the weights ([`crate::checkpoint::save_pretrained_as`]):
 /// each adapted layer's weight is held until its `lora_A` and `lora_B` arrive (in the same
 /// unit), then written as `W + scaling · B·A`; the adapters themselves are not written, and

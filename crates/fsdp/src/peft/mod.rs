@@ -10,7 +10,7 @@ mod merge;
 mod targets;
 
 pub use files::{AdapterFile, AdapterWeights, LoraOverrides, PEFT_PREFIX};
-pub use merge::{MergingEmit, merge_adapter};
+pub use merge::{BaseEmit, MergingEmit, merge_adapter};
 pub use targets::TargetModules;
 
 use std::ops::Deref;
