@@ -503,6 +503,9 @@ fn fine_tune<M: Tuned>(
 
     // Held-out loss (mean over every predicted token) and a greedy continuation; every rank
     // runs both (the model's units are gathered collectively).
+    // The first evaluation's continuation: a later one that is the same says so, since a
+    // short fine-tuning moves the loss long before it changes a greedy choice.
+    let mut first_continuation: Option<String> = None;
     let mut report = |acc: &Accelerator, model: &mut PreparedModel<M>, when: &str| -> Result<f64> {
         let t = Instant::now();
         let (mut sum, mut count) = (0.0, 0.0);
@@ -548,8 +551,18 @@ fn fine_tune<M: Tuned>(
         let text = tokenizer
             .decode(&generated, true)
             .map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
+        let unchanged = match &first_continuation {
+            Some(first) if *first == text => {
+                " (as before fine-tuning: greedy decoding still picks these tokens, though the loss moved)"
+            }
+            Some(_) => "",
+            None => {
+                first_continuation = Some(text.clone());
+                ""
+            }
+        };
         acc.print(format!(
-            "{when}: held-out loss {loss:.4}, perplexity {:.2} ({} sequences, {:.1} s; {tokens} tokens generated at {:.1} tokens/s); {:?} -> {:?}; {} held-out sentences continued from their first {} tokens: ROUGE-L {:.4}, exact match {}",
+            "{when}: held-out loss {loss:.4}, perplexity {:.2} ({} sequences, {:.1} s; {tokens} tokens generated at {:.1} tokens/s); {:?} -> {:?}{unchanged}; {} held-out sentences continued from their first {} tokens: ROUGE-L {:.4}, exact match {}",
             loss.exp(),
             count,
             t.elapsed().as_secs_f64() - g,

@@ -771,6 +771,23 @@ fn llama_example_fine_tunes_lora_adapters_saves_them_as_peft_and_merges_them() {
     };
     // The base as the file has it before training; the adapters lower the loss.
     assert_eq!(loss("before fine-tuning"), 6.0334, "{out}");
+    // A continuation that training left as it was says so (a user took it for no training).
+    let continuation = |when: &str| {
+        let line = out.lines().find(|l| l.contains(when)).unwrap();
+        let text = line.split("\"The movie was\" -> ").nth(1).unwrap();
+        (
+            text.split(';').next().unwrap().to_string(),
+            line.to_string(),
+        )
+    };
+    let ((first, _), (last, line)) = (
+        continuation("before fine-tuning"),
+        continuation("after fine-tuning"),
+    );
+    let said =
+        " (as before fine-tuning: greedy decoding still picks these tokens, though the loss moved)";
+    // Two steps do not change the one greedy token: the line says so.
+    assert_eq!(last, format!("{first}{said}"), "{line}");
     assert!(loss("after fine-tuning") < 6.0334, "{out}");
     let adapter = fsdp::peft::AdapterFile::read(&tmp.path().join("adapter")).unwrap();
     assert_eq!(adapter.tensors.len(), 420);
