@@ -885,3 +885,30 @@ fn bench_without_the_feature_says_how_to_build_it() {
         text(&out)
     );
 }
+
+#[test]
+fn launch_example_outside_a_workspace_or_of_another_name_says_what_to_do() {
+    let launch = |dir: &Path, name: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+            .args(["launch", "--num_processes", "1", "--example", name])
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // As after `cargo install`, in a folder of one's own.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let e = launch(elsewhere.path(), "nlp_example");
+    assert!(
+        e.contains("is in none: run it inside the fsdp-rs checkout")
+            && e.contains("or build your program and give its path"),
+        "{e}"
+    );
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let e = launch(checkout, "nlp_exampel");
+    assert!(
+        e.contains("has no example `nlp_exampel`; its examples: custom_model_example, gpt2_example, guide, llama_example, nlp_example"),
+        "{e}"
+    );
+}

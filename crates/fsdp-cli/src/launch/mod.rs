@@ -146,9 +146,64 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
     }
 }
 
+/// The examples of the Cargo workspace around the current folder, or an error that says
+/// what `--example` needs when there is none (after `cargo install`, outside the checkout,
+/// cargo's own error named no way out).
+fn workspace_examples(cargo: &str) -> Result<Vec<String>> {
+    let here = std::env::current_dir().context("reading the current folder")?;
+    let outside = || {
+        anyhow::anyhow!(
+            "--example builds an example of the Cargo workspace in the current folder, and {} is in none: run it inside the fsdp-rs checkout (`cd fsdp-rs && fsdp launch ... --example NAME`), or build your program and give its path (`fsdp launch ... target/release/NAME`)",
+            here.display()
+        )
+    };
+    let out = Command::new(cargo)
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .output()
+        .with_context(|| format!("running `{cargo} metadata` to find the example"))?;
+    if !out.status.success() {
+        let error = String::from_utf8_lossy(&out.stderr);
+        if error.contains("could not find `Cargo.toml`") {
+            return Err(outside());
+        }
+        bail!(
+            "`{cargo} metadata` failed, finding the example: {}",
+            error.trim()
+        );
+    }
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("reading `cargo metadata`'s output")?;
+    let mut examples: Vec<String> = metadata["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
+        .filter(|t| {
+            t["kind"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|k| k == "example"))
+        })
+        .filter_map(|t| t["name"].as_str().map(String::from))
+        .collect();
+    examples.sort();
+    Ok(examples)
+}
+
 /// `cargo build --release --example NAME` in the current workspace; returns the executable.
 fn build_example(name: &str) -> Result<String> {
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let examples = workspace_examples(&cargo)?;
+    if !examples.iter().any(|e| e == name) {
+        bail!(
+            "the Cargo workspace here has no example `{name}`; its examples: {}",
+            if examples.is_empty() {
+                "none".to_string()
+            } else {
+                examples.join(", ")
+            }
+        );
+    }
+    let out = Command::new(&cargo)
         .args([
             "build",
             "--release",
