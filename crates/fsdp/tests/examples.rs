@@ -148,7 +148,7 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
     assert!(!refused.status.success(), "{e}");
     assert!(
         e.contains("holds an earlier run's outputs")
-            && e.contains("--overwrite_output_dir")
+            && e.contains("--example NAME -- --overwrite_output_dir")
             && e.contains("step_2")
             && e.contains("model"),
         "{e}"

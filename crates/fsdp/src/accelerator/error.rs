@@ -185,7 +185,7 @@ pub enum AcceleratorError {
     /// A new run's output folder holds an earlier run's model or checkpoints
     /// ([`Accelerator::claim_output_dir`](super::Accelerator::claim_output_dir)).
     #[error(
-        "{}: holds an earlier run's outputs ({}); a new run would replace its model, and resuming `latest` could pick its checkpoints: overwrite them (an example's --overwrite_output_dir), resume that run, or choose another output folder",
+        "{}: holds an earlier run's outputs ({}); a new run would replace its model, and resuming `latest` could pick its checkpoints: overwrite them (the examples' `--overwrite_output_dir`, after the `--` that ends fsdp launch's own flags: `fsdp launch ... --example NAME -- --overwrite_output_dir`), resume that run, or choose another output folder",
         dir.display(),
         found.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     )]
