@@ -85,11 +85,20 @@ pub fn run(args: EstimateArgs) -> Result<()> {
     let checkpointing = config.fsdp.activation_checkpointing;
     let activations = shape.total_bytes(checkpointing);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    // The sequence the estimate assumes comes first: a default length the user did not
+    // choose read as the model's own need.
+    let tokens = match args.seq_len {
+        Some(_) => format!("{} tokens (--seq_len)", shape.seq),
+        None => format!(
+            "{} tokens, assumed: the model's position limit{}, at most 2048; --seq_len sets it",
+            shape.seq,
+            model_positions(&model_type).map_or(String::new(), |p| format!(" {p}"))
+        ),
+    };
     println!(
-        "activations: about {:.1} MiB per rank for {} sequence(s) of {} tokens at {} bytes a value{} (Korthikanti et al.'s count for the layers, an upper estimate: the fused attention and LM head keep less; embeddings, head and allocator slack not counted; --batch_size, --seq_len); with them about {:.1} MiB",
-        mib(activations),
+        "activations, for {} sequence(s) per rank (--batch_size) of {tokens}: about {:.1} MiB per rank at {} bytes a value{} (Korthikanti et al.'s count for the layers, an upper estimate: the fused attention and LM head keep less; embeddings, head and allocator slack not counted); with them about {:.1} MiB",
         shape.batch,
-        shape.seq,
+        mib(activations),
         shape.value_bytes,
         if checkpointing {
             ", checkpointed per layer"
@@ -112,6 +121,14 @@ pub fn run(args: EstimateArgs) -> Result<()> {
 
 /// The sizes the activations' estimate needs, from a transformers `config.json` (BERT's and
 /// Llama's names, or GPT-2's `n_*`).
+/// The model's position limit from its `config.json`, if it names one.
+fn model_positions(v: &serde_json::Value) -> Option<usize> {
+    ["max_position_embeddings", "n_positions"]
+        .iter()
+        .find_map(|k| v[*k].as_u64())
+        .map(|x| x as usize)
+}
+
 fn activation_shape(
     v: &serde_json::Value,
     args: &EstimateArgs,
@@ -134,7 +151,7 @@ fn activation_shape(
         v["model_type"].as_str(),
         Some("llama" | "mistral" | "qwen2")
     );
-    let positions = num(&["max_position_embeddings", "n_positions"]).unwrap_or(2048);
+    let positions = model_positions(v).unwrap_or(2048);
     let dropout = ["hidden_dropout_prob", "resid_pdrop", "attention_dropout"]
         .iter()
         .any(|k| v[*k].as_f64().is_some_and(|p| p > 0.0));

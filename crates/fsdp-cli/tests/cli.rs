@@ -590,8 +590,8 @@ fn estimate_memory_covers_llama_configs() {
         );
         assert!(lines[1].starts_with("per rank: params"), "{t}");
         assert!(
-            lines[2].starts_with("activations: about ")
-                && lines[2].contains("for 1 sequence(s) of 2048 tokens at 4 bytes a value")
+            lines[2].starts_with("activations, for 1 sequence(s) per rank (--batch_size) of 2048 tokens, assumed: the model's position limit 8192, at most 2048; --seq_len sets it: about ")
+                && lines[2].contains(" MiB per rank at 4 bytes a value")
                 && lines[2].contains("upper estimate"),
             "{t}"
         );
@@ -622,7 +622,20 @@ fn estimate_memory_covers_llama_configs() {
         "{t}"
     );
     assert!(t.lines().count() > 4 + 33 + 32 * 9, "{t}");
-    assert!(t.contains("for 2 sequence(s) of 2048 tokens"), "{t}");
+    assert!(
+        t.contains("for 2 sequence(s) per rank (--batch_size) of 2048 tokens, assumed"),
+        "{t}"
+    );
+    let out = fsdp(dir.path())
+        .args(["estimate-memory", "--seq_len", "512", "--model_config"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(
+        t.contains("activations, for 1 sequence(s) per rank (--batch_size) of 512 tokens (--seq_len): about "),
+        "{t}"
+    );
 }
 
 #[test]
