@@ -128,11 +128,12 @@ struct Args {
     overwrite_output_dir: bool,
     /// Log every optimizer step's loss, learning rate per group, gradient norm, samples/s and
     /// MFU, and each evaluation, to the trackers of --report_to in OUTPUT_DIR/runs/<start
-    /// time> (Accelerate's `log_with`; `tensorboard --logdir OUTPUT_DIR/runs` shows them).
+    /// time> (Accelerate's `log_with`; `tensorboard --logdir OUTPUT_DIR/runs` shows them) and
+    /// MLflow's file store OUTPUT_DIR/mlruns.
     #[arg(long)]
     with_tracking: bool,
     /// The trackers of --with_tracking: jsonl (metrics.jsonl), tensorboard (event files),
-    /// or all.
+    /// mlflow (MLflow's file store), comma-separated, or all.
     #[arg(long, default_value = "all")]
     report_to: String,
     /// Batches of training examples of similar token counts (transformers'
@@ -246,7 +247,7 @@ fn main() -> Result<()> {
     };
     if args.with_tracking && trackers.is_empty() {
         anyhow::bail!(
-            "--with_tracking with --report_to {:?} names no tracker: give jsonl, tensorboard or all, or drop --with_tracking",
+            "--with_tracking with --report_to {:?} names no tracker: give jsonl, tensorboard, mlflow or all, or drop --with_tracking",
             args.report_to
         );
     }
@@ -545,7 +546,7 @@ fn main() -> Result<()> {
         &args.output_dir.join("model"),
         &config.to_hf_json("BertForSequenceClassification"),
     )?;
-    acc.end_training();
+    acc.end_training()?;
     let peaks = acc.gather(vec![peak_rss_mib()])?;
     let flops = acc.reduce(flops, ReduceOp::Sum)?;
     acc.print(format!(

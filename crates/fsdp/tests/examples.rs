@@ -100,6 +100,7 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
         assert!(straight.join(f).exists(), "{f} missing:\n{out}");
     }
     tracked_every_step(&straight.join("runs"), 4);
+    mlflow_lists_the_run(&straight.join("mlruns"), &straight.join("runs"));
 
     // Resumed with a row-sparse word embedding gradient: on 2 processes its reduction sums
     // each row in the dense one's order, so the model comes out byte for byte the same.
@@ -212,11 +213,7 @@ fn tracked_every_step(runs: &Path, steps: u64) {
         })
         .count();
     assert_eq!(events, 1);
-    let python = std::env::var_os("FSDP_TOOLS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/py-tools/bin/python")
-        });
+    let python = tools_python();
     if !python.exists() {
         skipped!(
             "(part) reading the event file with TensorBoard needs tools/install-python-tools.sh"
@@ -267,6 +264,106 @@ fn tracked_every_step(runs: &Path, steps: u64) {
             .contains("\"processes\": 2"),
         "{board}"
     );
+}
+
+/// The tools' python (tools/install-python-tools.sh), or `FSDP_TOOLS_PYTHON`.
+fn tools_python() -> PathBuf {
+    std::env::var_os("FSDP_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/py-tools/bin/python")
+        })
+}
+
+/// `--with_tracking` wrote one MLflow run into the file store `mlruns`, which MLflow's own
+/// client lists as its UI does (`tools/read_mlflow.py`, with the mlflow-skinny of
+/// tools/install-python-tools.sh): finished, named by the run folder, in the experiment of
+/// the output folder's name, the run's settings as params and every curve of
+/// `metrics.jsonl` point for point.
+fn mlflow_lists_the_run(mlruns: &Path, runs: &Path) {
+    let python = tools_python();
+    let has_mlflow = Command::new(&python)
+        .args(["-c", "import mlflow"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_mlflow {
+        skipped!("(part) reading MLflow's store with MLflow needs tools/install-python-tools.sh");
+        return;
+    }
+    let out = Command::new(&python)
+        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/read_mlflow.py"))
+        .arg(mlruns)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let store: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let experiment = mlruns
+        .parent()
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap();
+    assert_eq!(
+        store["experiments"],
+        serde_json::json!(["Default", experiment])
+    );
+    let listed = store["runs"].as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{store}");
+    let run = &listed[0];
+    let folder = std::fs::read_dir(runs).unwrap().next().unwrap().unwrap();
+    assert_eq!(run["name"], folder.file_name().to_str().unwrap());
+    assert_eq!(run["status"], "FINISHED");
+    assert_eq!(run["params"]["processes"], "2");
+    assert_eq!(run["params"]["max_length"], "48");
+    assert_eq!(run["tags"]["mlflow.runName"], run["name"]);
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(folder.path().join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    let mut points = 0;
+    for line in &lines {
+        for (key, value) in line.as_object().unwrap() {
+            let values: Vec<(String, f64)> = match value {
+                serde_json::Value::Number(n) => vec![(key.clone(), n.as_f64().unwrap())],
+                serde_json::Value::Array(a) => a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| (format!("{key}/{i}"), v.as_f64().unwrap()))
+                    .collect(),
+                _ => continue,
+            };
+            if key == "step" {
+                continue;
+            }
+            for (key, want) in values {
+                let curve = run["metrics"][&key]
+                    .as_array()
+                    .unwrap_or_else(|| panic!("{key}: {store}"));
+                let point = curve
+                    .iter()
+                    .find(|p| p[0] == line["step"])
+                    .unwrap_or_else(|| panic!("{key} at {}: {store}", line["step"]));
+                // f64 written as Python reads it back: exact.
+                assert_eq!(point[1].as_f64().unwrap(), want, "{key}");
+                points += 1;
+            }
+        }
+    }
+    let listed_points: usize = run["metrics"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|c| c.as_array().unwrap().len())
+        .sum();
+    assert_eq!(listed_points, points, "{store}");
+    assert!(points >= 4 * 6, "{store}");
 }
 
 #[test]

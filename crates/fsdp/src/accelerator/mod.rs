@@ -53,6 +53,7 @@ mod checkpoints;
 mod error;
 mod gather;
 mod logging;
+mod mlflow;
 mod output_lock;
 mod prepared;
 mod tensorboard;
@@ -392,13 +393,13 @@ impl Accelerator {
             path: dir.clone(),
             source,
         })?;
-        let opened =
-            tracking::ActiveTrackers::open(&dir, &self.trackers, &config).map_err(|source| {
-                AcceleratorError::Io {
-                    path: dir.clone(),
-                    source,
-                }
-            })?;
+        let opened = tracking::ActiveTrackers::open(
+            &self.project.project_dir,
+            &dir,
+            &self.trackers,
+            &config,
+        )
+        .map_err(|(path, source)| AcceleratorError::Io { path, source })?;
         *self
             .active_trackers
             .lock()
@@ -419,11 +420,8 @@ impl Accelerator {
         if active.is_none() {
             let dir = &self.project.project_dir;
             *active = Some(
-                tracking::ActiveTrackers::open(dir, &self.trackers, &serde_json::Value::Null)
-                    .map_err(|source| AcceleratorError::Io {
-                        path: dir.clone(),
-                        source,
-                    })?,
+                tracking::ActiveTrackers::open(dir, dir, &self.trackers, &serde_json::Value::Null)
+                    .map_err(|(path, source)| AcceleratorError::Io { path, source })?,
             );
         }
         match active.as_mut() {
@@ -434,13 +432,22 @@ impl Accelerator {
         }
     }
 
-    /// Closes the trackers (Accelerate's `end_training`); the run's folder, when open.
-    pub fn end_training(&self) -> Option<PathBuf> {
+    /// Closes the trackers (Accelerate's `end_training`), marking MLflow's run finished;
+    /// the run's folder, when open. A run whose trackers are dropped without it (the program
+    /// failed) is marked failed in MLflow.
+    pub fn end_training(&self) -> Result<Option<PathBuf>, AcceleratorError> {
         let mut active = self
             .active_trackers
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        active.take().map(|t| t.dir().to_path_buf())
+        match active.take() {
+            Some(mut t) => {
+                t.finish()
+                    .map_err(|(path, source)| AcceleratorError::Io { path, source })?;
+                Ok(Some(t.dir().to_path_buf()))
+            }
+            None => Ok(None),
+        }
     }
 }
 

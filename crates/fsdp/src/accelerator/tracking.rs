@@ -1,6 +1,6 @@
 //! Experiment tracking as Accelerate's `log_with`: the trackers a run writes its metrics to
-//! (JSON lines, TensorBoard event files), in a folder per run under the project folder, on the
-//! main process only.
+//! (JSON lines, TensorBoard event files in a folder per run under the project folder, MLflow's
+//! file store), on the main process only.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -8,6 +8,7 @@ use std::str::FromStr;
 use serde_json::Value;
 
 use super::logging::append_json_line;
+use super::mlflow::MlflowRun;
 use super::tensorboard::EventWriter;
 
 /// The current UTC time as a run folder's name, `YYYY-MM-DD_HH-MM-SS` (sorted by start like
@@ -73,13 +74,16 @@ pub enum Tracker {
     /// TensorBoard event files (`events.out.tfevents.*`): numbers as scalars, the run's
     /// configuration as text.
     TensorBoard,
+    /// MLflow's local file store (`project_dir/mlruns`, or `MLFLOW_TRACKING_URI`): a run in
+    /// the project's experiment, the configuration as params, numbers as metrics.
+    Mlflow,
 }
 
 impl Tracker {
     /// Every tracker (Accelerate's `log_with="all"`).
-    pub const ALL: [Tracker; 2] = [Tracker::JsonLines, Tracker::TensorBoard];
+    pub const ALL: [Tracker; 3] = [Tracker::JsonLines, Tracker::TensorBoard, Tracker::Mlflow];
 
-    /// Trackers from a comma-separated list of names (`jsonl`, `tensorboard`, `all`), as
+    /// Trackers from a comma-separated list of names (`jsonl`, `tensorboard`, `mlflow`, `all`), as
     /// `--report_to` takes them. An unknown name is an error listing the known ones.
     pub fn parse_list(list: &str) -> Result<Vec<Tracker>, String> {
         let mut out = Vec::new();
@@ -105,8 +109,9 @@ impl FromStr for Tracker {
         match s.to_ascii_lowercase().as_str() {
             "jsonl" | "json" | "json_lines" => Ok(Tracker::JsonLines),
             "tensorboard" => Ok(Tracker::TensorBoard),
+            "mlflow" => Ok(Tracker::Mlflow),
             other => Err(format!(
-                "unknown tracker {other:?} (known: jsonl, tensorboard, all; wandb, mlflow and comet_ml need their services, which fsdp-rs does not talk to)"
+                "unknown tracker {other:?} (known: jsonl, tensorboard, mlflow, all; wandb, comet_ml and aim need their services, which fsdp-rs does not talk to)"
             )),
         }
     }
@@ -117,33 +122,71 @@ pub(super) struct ActiveTrackers {
     dir: PathBuf,
     json_lines: bool,
     tensorboard: Option<EventWriter>,
+    mlflow: Option<MlflowRun>,
 }
 
 impl ActiveTrackers {
     /// Opens `trackers` in `dir`, writing `config` (when it is not null) as `config.json`
-    /// and TensorBoard text.
+    /// and TensorBoard text; MLflow's run, named by `dir`'s last component, goes to the
+    /// store of `project_dir` ([`super::mlflow::store_root`]).
     pub(super) fn open(
+        project_dir: &Path,
         dir: &Path,
         trackers: &[Tracker],
         config: &Value,
-    ) -> std::io::Result<ActiveTrackers> {
-        std::fs::create_dir_all(dir)?;
+    ) -> Result<ActiveTrackers, (PathBuf, std::io::Error)> {
+        let at = |path: &Path| {
+            let path = path.to_path_buf();
+            move |e| (path, e)
+        };
+        std::fs::create_dir_all(dir).map_err(at(dir))?;
         let mut tensorboard = match trackers.contains(&Tracker::TensorBoard) {
-            true => Some(EventWriter::create(dir)?),
+            true => Some(EventWriter::create(dir).map_err(at(dir))?),
             false => None,
         };
         if !config.is_null() {
             let text = format!("{config:#}");
-            std::fs::write(dir.join("config.json"), &text)?;
+            let file = dir.join("config.json");
+            std::fs::write(&file, &text).map_err(at(&file))?;
             if let Some(tb) = tensorboard.as_mut() {
-                tb.text(0, "config", &format!("```json\n{text}\n```"))?;
+                tb.text(0, "config", &format!("```json\n{text}\n```"))
+                    .map_err(at(tb.path()))?;
             }
         }
+        let mlflow = match trackers.contains(&Tracker::Mlflow) {
+            true => {
+                let root = super::mlflow::store_root(project_dir).map_err(at(project_dir))?;
+                let run_name = dir
+                    .file_name()
+                    .map_or_else(|| "run".into(), |n| n.to_string_lossy().into_owned());
+                let experiment = super::mlflow::experiment_name(project_dir);
+                let run =
+                    MlflowRun::start(&root, &experiment, &run_name, config).map_err(at(&root))?;
+                tracing::info!(
+                    "MLflow: run {run_name} of experiment {experiment} in {} (`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {}` shows it)",
+                    run.dir().display(),
+                    root.display()
+                );
+                Some(run)
+            }
+            false => None,
+        };
         Ok(ActiveTrackers {
             dir: dir.to_path_buf(),
             json_lines: trackers.contains(&Tracker::JsonLines),
             tensorboard,
+            mlflow,
         })
+    }
+
+    /// Ends the run: MLflow's is marked finished.
+    pub(super) fn finish(&mut self) -> Result<(), (PathBuf, std::io::Error)> {
+        match self.mlflow.take() {
+            Some(mut run) => run
+                .end(super::mlflow::RunEnd::Finished)
+                .map_err(|e| (run.dir().to_path_buf(), e)),
+            None => Ok(()),
+        }
     }
 
     /// The run's folder.
@@ -162,21 +205,45 @@ impl ActiveTrackers {
             let path = self.dir.join("metrics.jsonl");
             append_json_line(&path, step, metrics.clone()).map_err(|e| (path, e))?;
         }
-        if let Some(tb) = self.tensorboard.as_mut() {
-            let mut scalars = Vec::new();
-            flatten("", metrics, &mut scalars);
-            if !scalars.is_empty() {
-                tb.scalars(step, &scalars)
-                    .map_err(|e| (tb.path().to_path_buf(), e))?;
-            }
+        let mut scalars = Vec::new();
+        flatten("", metrics, &mut scalars);
+        if let Some(tb) = self.tensorboard.as_mut()
+            && !scalars.is_empty()
+        {
+            let f32s: Vec<(String, f32)> = scalars
+                .iter()
+                .map(|(k, v)| (k.clone(), *v as f32))
+                .collect();
+            tb.scalars(step, &f32s)
+                .map_err(|e| (tb.path().to_path_buf(), e))?;
+        }
+        if let Some(run) = self.mlflow.as_ref() {
+            run.log(step, &scalars)
+                .map_err(|e| (run.dir().to_path_buf(), e))?;
         }
         Ok(())
     }
 }
 
-/// The numbers in `v` as TensorBoard scalars: an object's keys and an array's indices joined
-/// with `/` (`{"lr": [1e-4, 2e-4]}` → `lr/0`, `lr/1`); strings, booleans and nulls skipped.
-fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, f32)>) {
+impl Drop for ActiveTrackers {
+    /// Trackers dropped before [`ActiveTrackers::finish`]: the program ended early, and
+    /// MLflow's run says it failed instead of running forever.
+    fn drop(&mut self) {
+        if let Some(run) = self.mlflow.as_mut()
+            && let Err(e) = run.end(super::mlflow::RunEnd::Failed)
+        {
+            tracing::warn!(
+                "marking MLflow's run in {} failed: {e}",
+                run.dir().display()
+            );
+        }
+    }
+}
+
+/// The numbers in `v` as scalars (TensorBoard's tags, MLflow's metric keys): an object's keys
+/// and an array's indices joined with `/` (`{"lr": [1e-4, 2e-4]}` → `lr/0`, `lr/1`);
+/// strings, booleans and nulls skipped.
+fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, f64)>) {
     let join = |k: &str| {
         if prefix.is_empty() {
             k.to_string()
@@ -187,7 +254,7 @@ fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, f32)>) {
     match v {
         Value::Number(n) => {
             if let Some(x) = n.as_f64() {
-                out.push((prefix.to_string(), x as f32));
+                out.push((prefix.to_string(), x));
             }
         }
         Value::Object(m) => m.iter().for_each(|(k, v)| flatten(&join(k), v, out)),
@@ -236,9 +303,10 @@ mod tests {
         assert!(Tracker::parse_list("").unwrap().is_empty());
         let e = Tracker::parse_list("jsonl,wandb").unwrap_err();
         assert!(
-            e.contains("\"wandb\"") && e.contains("known: jsonl, tensorboard"),
+            e.contains("\"wandb\"") && e.contains("known: jsonl, tensorboard, mlflow"),
             "{e}"
         );
+        assert_eq!(Tracker::parse_list("MLflow").unwrap(), [Tracker::Mlflow]);
     }
 
     #[test]
