@@ -159,10 +159,12 @@ impl Accelerator {
         self.local_rank == 0
     }
 
-    /// Prints on the main process only.
+    /// Prints on the main process only. Standard output closed early (a pipe into `head`)
+    /// loses the line instead of ending the program.
     pub fn print(&self, text: impl std::fmt::Display) {
         if self.is_main_process() {
-            println!("{text}");
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout().lock(), "{text}");
         }
     }
 
