@@ -921,7 +921,7 @@ fn launch_example_outside_a_workspace_or_of_another_name_says_what_to_do() {
     let checkout = Path::new(env!("CARGO_MANIFEST_DIR"));
     let e = launch(checkout, "nlp_exampel");
     assert!(
-        e.contains("has no example `nlp_exampel`; its examples: custom_model_example, gpt2_example, guide, llama_example, nlp_example"),
+        e.contains("has no example `nlp_exampel`; its examples: custom_model_example, gpt2_example, guide, llama_example, nlp_example, training"),
         "{e}"
     );
 }

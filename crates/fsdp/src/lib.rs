@@ -45,3 +45,7 @@ struct CheckpointsGuideExamples;
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/LLAMA.md")]
 struct LlamaGuideExamples;
+
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/TRAINING.md")]
+struct TrainingGuideExamples;

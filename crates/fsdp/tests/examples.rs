@@ -1005,3 +1005,50 @@ fn nlp_example_refuses_tracking_with_no_tracker_named() {
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("--report_to \"\" names no tracker"), "{err}");
 }
+
+/// docs/TRAINING.md's complete program, the example `training` (checked to be the doc's
+/// text), on 2 processes: every epoch trains (the loss of the last falls below the first's,
+/// and the held-out accuracy, every example counted once, rises to at least 95%), and the
+/// saved model loads as the BERT it was.
+#[test]
+fn the_training_guides_program_trains_every_epoch_evaluates_and_saves() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let guide = std::fs::read_to_string(root.join("../../docs/TRAINING.md")).unwrap();
+    let start = guide.find("```rust\n").expect("a program") + "```rust\n".len();
+    let len = guide[start..].find("\n```").unwrap() + 1;
+    assert_eq!(
+        std::fs::read_to_string(root.join("examples/training/program.rs")).unwrap(),
+        guide[start..start + len],
+        "examples/training/program.rs differs from docs/TRAINING.md's program"
+    );
+    let out = tempfile::tempdir().unwrap();
+    let log = run("training", &[out.path().to_str().unwrap()]);
+    let epochs: Vec<(f64, f64)> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("epoch "))
+        .map(|rest| {
+            let loss = rest.split("last loss ").nth(1).unwrap()[..6]
+                .parse()
+                .unwrap();
+            let accuracy = rest.split("held-out accuracy ").nth(1).unwrap();
+            assert!(accuracy.ends_with("% of 100"), "{rest}");
+            (loss, accuracy.split('%').next().unwrap().parse().unwrap())
+        })
+        .collect();
+    assert_eq!(epochs.len(), 4, "{log}");
+    let (first, last) = (epochs[0], epochs[3]);
+    assert!(
+        last.0 < first.0 && last.1 >= 95.0 && last.1 > first.1,
+        "{log}"
+    );
+    let model = out.path().join("model");
+    let config = fsdp::models::BertConfig::from_file(&model.join("config.json")).unwrap();
+    assert_eq!((config.hidden_size, config.num_labels), (32, 2));
+    let tensors =
+        candle_core::safetensors::load(model.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert!(
+        tensors.contains_key("classifier.weight"),
+        "{:?}",
+        tensors.keys()
+    );
+}
