@@ -39,7 +39,24 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// An `nn.Linear` at `path` (`weight` normal with `std`, `bias` zeros).
+    /// An `nn.Linear` at `path` (`weight` normal with `std`, `bias` zeros): PyTorch's
+    /// `nn.Linear(d_in, d_out)` named `path` in its model, its parameters `path.weight`
+    /// `[d_out, d_in]` and `path.bias` `[d_out]`.
+    ///
+    /// ```
+    /// use fsdp_nn::candle::{DType, Device, Tensor};
+    /// use fsdp_nn::layers::Linear;
+    /// use fsdp_nn::{Forward, LocalParams, Module};
+    ///
+    /// let fc = Linear::new("encoder.fc".into(), 4, 3, 0.02);
+    /// let names: Vec<String> = fc.info().all_params().iter().map(|p| p.name.clone()).collect();
+    /// assert_eq!(names, ["encoder.fc.weight", "encoder.fc.bias"]);
+    /// // Outside FSDP, parameters can live in plain tensors (under it, the engine's `p`).
+    /// let params = LocalParams::init(&fc.info(), 42, DType::F32, &Device::Cpu)?;
+    /// let y = fc.forward(&params, &Tensor::ones((2, 4), DType::F32, &Device::Cpu)?)?;
+    /// assert_eq!(y.dims(), [2, 3]);
+    /// # Ok::<(), fsdp_nn::candle::Error>(())
+    /// ```
     pub fn new(path: String, d_in: usize, d_out: usize, std: f64) -> Linear {
         Linear {
             weight: join(&path, "weight"),

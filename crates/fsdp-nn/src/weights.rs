@@ -187,6 +187,19 @@ pub struct SafetensorsWeights {
 
 impl SafetensorsWeights {
     /// Opens `paths` for `model`; parameters not in them are initialised from `seed`.
+    ///
+    /// ```no_run
+    /// use fsdp_nn::SafetensorsWeights;
+    /// # fn main() -> fsdp_nn::candle::Result<()> {
+    /// # let model = fsdp_nn::layers::Linear::new("classifier".into(), 4, 2, 0.02);
+    /// use fsdp_nn::Module;
+    /// // A pretrained file; tensors are read one parameter at a time when the engine asks.
+    /// let weights = SafetensorsWeights::open(&["model/model.safetensors".into()], &model.info(), 42)?;
+    /// let report = weights.report();
+    /// println!("newly initialised: {:?}; not used: {:?}", report.missing, report.unexpected);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn open(paths: &[PathBuf], model: &ModuleInfo, seed: u64) -> Result<SafetensorsWeights> {
         let mut files = Vec::new();
         let mut found: HashMap<String, Located> = HashMap::new();

@@ -206,6 +206,18 @@ impl CustomOp2 for CrossEntropyOp {
 /// scalar, with a hand-written backward for the logits. Half-precision logits are taken in
 /// f32 (as autocast does): the loss is an f32 scalar and its gradient flows back in the
 /// logits' dtype.
+///
+/// ```
+/// use fsdp_nn::candle::{Device, Tensor};
+/// use fsdp_nn::ops::{CrossEntropy, cross_entropy};
+///
+/// let logits = Tensor::new(&[[2.0f32, 0.0], [0.0, 2.0]], &Device::Cpu)?;
+/// let targets = Tensor::new(&[0u32, 1], &Device::Cpu)?;
+/// // PyTorch's F.cross_entropy(logits, targets): mean over the rows.
+/// let loss = cross_entropy(&logits, &targets, CrossEntropy::default())?.to_scalar::<f32>()?;
+/// assert!((loss - (1.0 + (-2.0f32).exp()).ln()).abs() < 1e-6);
+/// # Ok::<(), fsdp_nn::candle::Error>(())
+/// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, settings: CrossEntropy) -> Result<Tensor> {
     let logits = match logits.dtype() {
         DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,

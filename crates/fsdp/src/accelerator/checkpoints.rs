@@ -40,6 +40,31 @@ fn check_order(models: &[usize], optimizers: &[usize]) -> Result<(), Accelerator
 impl Accelerator {
     /// Saves `model`'s full weights for sharing (`model.safetensors` and `config`'s
     /// `config.json`), gathered onto rank 0 one unit at a time (collective).
+    ///
+    /// ```
+    /// # use fsdp::accelerator::Accelerator;
+    /// # use fsdp::models::{BertConfig, BertForSequenceClassification};
+    /// # use fsdp::nn::SeededWeights;
+    /// # use fsdp::nn::candle::{Device, Tensor};
+    /// # use fsdp::optim::{AdamW, AdamWConfig};
+    /// # fn main() -> anyhow::Result<()> {
+    /// # let mut acc = Accelerator::new()?;
+    /// # let config = BertConfig { vocab_size: 32, hidden_size: 16, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 32, max_position_embeddings: 8, ..BertConfig::default() };
+    /// # let mut model = acc.prepare_model(BertForSequenceClassification::new(config.clone())?, &SeededWeights(1))?;
+    /// # let mut opt = acc.prepare_optimizer(AdamW::new(AdamWConfig::default())?)?;
+    /// # let out = std::env::temp_dir().join(format!("fsdp-doc-save-{}", std::process::id()));
+    /// // transformers' save_pretrained: the folder from_pretrained (and SafetensorsWeights) reads.
+    /// let dir = acc.save_model(&model, &out.join("model"), &config.to_hf_json("BertForSequenceClassification"))?;
+    /// assert!(dir.join("model.safetensors").is_file() && dir.join("config.json").is_file());
+    /// // The training state, to resume from at any number of processes.
+    /// let data = fsdp::data::LoaderPosition::start_of(1);
+    /// let checkpoint = acc.save_state(Some(&out.join("checkpoint")), &[&model], &[&opt], data)?;
+    /// let resumed_at = acc.load_state(&checkpoint, &mut [&mut model], &mut [&mut opt])?;
+    /// assert_eq!(resumed_at, data);
+    /// # std::fs::remove_dir_all(&out)?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn save_model<M>(
         &self,
         model: &PreparedModel<M>,

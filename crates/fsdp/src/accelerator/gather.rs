@@ -66,6 +66,43 @@ impl Accelerator {
 
     /// [`Accelerator::gather`] of per-example values of `batch`, without the repeats that
     /// filled up the last step of the epoch, so every example counts once.
+    ///
+    /// ```
+    /// # use fsdp::accelerator::Accelerator;
+    /// # use fsdp::models::{BertConfig, BertForSequenceClassification};
+    /// # use fsdp::nn::SeededWeights;
+    /// # use fsdp::nn::candle::{Device, Tensor};
+    /// # use fsdp::optim::{AdamW, AdamWConfig};
+    /// # fn main() -> anyhow::Result<()> {
+    /// # let mut acc = Accelerator::new()?;
+    /// # let config = BertConfig { vocab_size: 32, hidden_size: 16, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 32, max_position_embeddings: 8, ..BertConfig::default() };
+    /// # let mut model = acc.prepare_model(BertForSequenceClassification::new(config.clone())?, &SeededWeights(1))?;
+    /// # let mut opt = acc.prepare_optimizer(AdamW::new(AdamWConfig::default())?)?;
+    /// use fsdp::data::{CollateError, DataLoader};
+    ///
+    /// // 10 held-out examples in steps of 4 per rank: the last step is filled up with repeats.
+    /// let examples: Vec<(Vec<u32>, u32)> = (0..10).map(|i| (vec![1 + i % 7, 2, 3], i % 2)).collect();
+    /// let collate = |ex: &[(Vec<u32>, u32)]| -> Result<(Tensor, Tensor), CollateError> {
+    ///     let ids: Vec<u32> = ex.iter().flat_map(|(ids, _)| ids.clone()).collect();
+    ///     let labels: Vec<u32> = ex.iter().map(|(_, label)| *label).collect();
+    ///     Ok((Tensor::from_vec(ids, (ex.len(), 3), &Device::Cpu)?, Tensor::from_vec(labels, ex.len(), &Device::Cpu)?))
+    /// };
+    /// let mut held_out = acc.prepare_data_loader(DataLoader::new(examples, 4, collate));
+    /// let (mut correct, mut seen) = (0, 0);
+    /// while let Some(batch) = held_out.next_batch() {
+    ///     let batch = batch?;
+    ///     let (ids, labels) = &batch.batch;
+    ///     let predicted: Vec<u32> = model.evaluate(|m, p| m.forward(p, ids, None, None)?.argmax(1)?.to_vec1())?;
+    ///     let hits: Vec<bool> = predicted.iter().zip(labels.to_vec1::<u32>()?).map(|(p, l)| *p == l).collect();
+    ///     let hits = acc.gather_for_metrics(hits, &batch)?;   // every rank's, repeats dropped
+    ///     correct += hits.iter().filter(|&&hit| hit).count();
+    ///     seen += hits.len();
+    /// }
+    /// assert_eq!(seen, 10);
+    /// # let _ = correct;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn gather_for_metrics<T: Gatherable, B>(
         &self,
         values: Vec<T>,

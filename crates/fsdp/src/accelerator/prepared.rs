@@ -75,6 +75,35 @@ impl<M> PreparedModel<M> {
 
     /// A training forward pass: `f(model, parameters)`. Units are gathered as it reads
     /// them; the pass stays open until the accelerator's `backward`.
+    ///
+    /// ```
+    /// # use fsdp::accelerator::Accelerator;
+    /// # use fsdp::models::{BertConfig, BertForSequenceClassification};
+    /// # use fsdp::nn::SeededWeights;
+    /// # use fsdp::nn::candle::{Device, Tensor};
+    /// # use fsdp::optim::{AdamW, AdamWConfig};
+    /// # fn main() -> anyhow::Result<()> {
+    /// # let mut acc = Accelerator::new()?;
+    /// # let config = BertConfig { vocab_size: 32, hidden_size: 16, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 32, max_position_embeddings: 8, ..BertConfig::default() };
+    /// # let mut model = acc.prepare_model(BertForSequenceClassification::new(config.clone())?, &SeededWeights(1))?;
+    /// # let mut opt = acc.prepare_optimizer(AdamW::new(AdamWConfig::default())?)?;
+    /// # let ids = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu)?;
+    /// # let labels = Tensor::new(&[0u32, 1], &Device::Cpu)?;
+    /// use fsdp::nn::ops::{CrossEntropy, cross_entropy};
+    ///
+    /// // The closure gets the model and the parameters FSDP gathered; it runs your forward.
+    /// let loss = model.forward(|m, p| {
+    ///     let logits = m.forward(p, &ids, None, None)?;
+    ///     cross_entropy(&logits, &labels, CrossEntropy::default())
+    /// })?;
+    /// acc.backward(&mut model, loss)?;            // closes the pass, reduces the gradients
+    /// acc.optimizer_step(&mut model, &mut opt)?;
+    /// // Evaluation: no graph, nothing waits for a backward.
+    /// let predicted = model.evaluate(|m, p| m.forward(p, &ids, None, None)?.argmax(1))?;
+    /// assert_eq!(predicted.dims(), [2]);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn forward<T>(
         &mut self,
         f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,

@@ -178,6 +178,20 @@ pub struct ClassificationBatch {
 
 /// Tokenizes examples (pairs included) into one batch on `device`: the collate function of
 /// a text classification loader.
+///
+/// ```no_run
+/// use fsdp::data::{DataLoader, TextExample, TextTokenizer, collate};
+/// use fsdp::nn::candle::Device;
+///
+/// // A Hugging Face tokenizer.json, sequences cut at 128 tokens.
+/// let tokenizer = TextTokenizer::from_file("model/tokenizer.json".as_ref(), Some(128))?;
+/// let examples = vec![TextExample { text: "a fine film".into(), pair: None, label: 1 }];
+/// let mut loader = DataLoader::new(examples, 16, move |ex: &[TextExample]| collate(&tokenizer, ex, &Device::Cpu));
+/// let batch = loader.next_batch().expect("one step")?.batch;
+/// let (ids, mask) = (&batch.inputs.input_ids, &batch.inputs.attention_mask); // [batch, longest]
+/// # let _ = (ids, mask);
+/// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+/// ```
 pub fn collate(
     tokenizer: &TextTokenizer,
     examples: &[TextExample],

@@ -24,6 +24,18 @@ pub use schedule::{LambdaSchedule, LrSchedule, LrScheduler};
 pub use sgd::SgdConfig;
 
 /// `torch.optim.AdamW` with parameter groups.
+///
+/// ```
+/// use fsdp::optim::{AdamW, AdamWConfig, is_bias_or_norm, split_no_decay};
+///
+/// // One group: `torch.optim.AdamW(model.parameters(), lr=1e-3)`.
+/// let single = AdamW::new(AdamWConfig { lr: 1e-3, ..AdamWConfig::default() })?;
+/// // Two: no weight decay on biases and LayerNorm weights, as fine-tuning recipes do.
+/// let names = ["bert.pooler.dense.weight", "bert.pooler.dense.bias"].map(String::from);
+/// let grouped = AdamW::with_groups(split_no_decay(names, AdamWConfig::default(), is_bias_or_norm))?;
+/// assert_eq!(grouped.groups().len(), 2);
+/// # Ok::<(), fsdp::optim::OptimError>(())
+/// ```
 pub type AdamW = Grouped<AdamWConfig>;
 /// `torch.optim.Adam` with parameter groups.
 pub type Adam = Grouped<AdamConfig>;

@@ -70,7 +70,18 @@ impl<'de> Deserialize<'de> for LambdaSchedule {
 
 use super::{OptimError, Optimizer};
 
-/// A schedule of learning-rate multipliers.
+/// A schedule of learning-rate multipliers, attached to an optimizer by
+/// [`crate::accelerator::Accelerator::prepare_scheduler`] (moved once per optimizer step).
+///
+/// ```
+/// use fsdp::optim::LrSchedule;
+///
+/// // transformers' get_linear_schedule_with_warmup(optimizer, 10, 100).
+/// let linear = LrSchedule::Linear { warmup: 10, total: 100 };
+/// // `lr` of the 1-based step, evaluated as transformers does at the updates already done.
+/// assert_eq!(linear.lr(1e-3, 6), 0.5e-3);   // 5 updates done: half way through the warmup
+/// assert_eq!(linear.lr(1e-3, 56), 0.5e-3);  // 55 done: half way down
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum LrSchedule {
     /// The base rate at every step.

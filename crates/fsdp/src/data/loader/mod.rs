@@ -153,6 +153,31 @@ type CollateFn<I, B> = Box<dyn Fn(&[I]) -> Result<B, CollateError> + Send>;
 impl<D: Dataset, B> DataLoader<D, B> {
     /// A loader of `batch_size` examples per rank per step, collated by `collate`, in dataset
     /// order, keeping a partial last step (filled up to full batches).
+    ///
+    /// ```
+    /// use fsdp::data::{CollateError, DataLoader};
+    /// use fsdp::nn::candle::{Device, Tensor};
+    ///
+    /// // The collate function: a step's examples (this rank's share) into one batch.
+    /// fn collate(examples: &[(Vec<f32>, u32)]) -> Result<(Tensor, Tensor), CollateError> {
+    ///     let n = examples.len();
+    ///     let x: Vec<f32> = examples.iter().flat_map(|(x, _)| x.clone()).collect();
+    ///     let y: Vec<u32> = examples.iter().map(|(_, y)| *y).collect();
+    ///     Ok((Tensor::from_vec(x, (n, 2), &Device::Cpu)?, Tensor::from_vec(y, n, &Device::Cpu)?))
+    /// }
+    /// let data: Vec<(Vec<f32>, u32)> = (0..10).map(|i| (vec![i as f32, 1.0], i % 2)).collect();
+    /// let mut loader = DataLoader::new(data, 4, collate).shuffle(42);
+    /// for epoch in 0..2 {
+    ///     let mut seen = 0;
+    ///     while let Some(batch) = loader.next_batch() {
+    ///         let batch = batch?;                       // a collate error names its step
+    ///         assert_eq!(batch.batch.0.dims(), [4, 2]);
+    ///         seen += batch.indices.len();
+    ///     }
+    ///     assert_eq!(seen, 12, "epoch {epoch}: 3 steps of 4, the last filled up from the start");
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(
         dataset: D,
         batch_size: usize,
