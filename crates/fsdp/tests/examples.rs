@@ -220,17 +220,7 @@ fn tracked_every_step(runs: &Path, steps: u64) {
         );
         return;
     }
-    let out = Command::new(&python)
-        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/read_tensorboard.py"))
-        .arg(run)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let board: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let board = read_back(&python, "read_tensorboard.py", run);
     for key in [
         "loss",
         "grad_norm",
@@ -266,6 +256,25 @@ fn tracked_every_step(runs: &Path, steps: u64) {
     );
 }
 
+/// What `tools/SCRIPT PATH` printed (one JSON object), run by `python`.
+fn read_back(python: &Path, script: &str, path: &Path) -> serde_json::Value {
+    let out = Command::new(python)
+        .arg(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tools")
+                .join(script),
+        )
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The tools' python (tools/install-python-tools.sh), or `FSDP_TOOLS_PYTHON`.
 fn tools_python() -> PathBuf {
     std::env::var_os("FSDP_TOOLS_PYTHON")
@@ -290,17 +299,7 @@ fn mlflow_lists_the_run(mlruns: &Path, runs: &Path) {
         skipped!("(part) reading MLflow's store with MLflow needs tools/install-python-tools.sh");
         return;
     }
-    let out = Command::new(&python)
-        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/read_mlflow.py"))
-        .arg(mlruns)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let store: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let store = read_back(&python, "read_mlflow.py", mlruns);
     let experiment = mlruns
         .parent()
         .unwrap()
