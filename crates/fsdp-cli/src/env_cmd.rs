@@ -157,9 +157,14 @@ fn print_text(
         }
     );
     println!(
-        "- Instruction peak (one core's widest multiply-add in registers, the hardware's limit): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s",
+        "- Instruction peak (one core's widest multiply-add in registers, the hardware's limit): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s{}",
         peak.f32_instruction / 1e9,
-        peak.bf16_instruction / 1e9
+        peak.bf16_instruction / 1e9,
+        if peak.others_busy > fsdp::perf::BUSY_LIMIT {
+            " (measured under the same load: a floor, not the limit; MFU lines leave it out)"
+        } else {
+            ""
+        }
     );
     let mem = |m: Option<u64>| m.map_or("unknown".into(), gib);
     println!(
@@ -247,6 +252,7 @@ fn print_json(
         "amx": fsdp::nn::ops::amx_support().to_string(),
         "core_peak_flops": { "f32": peak.f32, "bf16": peak.bf16 },
         "core_peak_others_busy": peak.others_busy,
+        "core_peak_cpu": peak.cpu,
         "instruction_peak_flops": { "f32": peak.f32_instruction, "bf16": peak.bf16_instruction },
         "mem_total_bytes": s.mem_total,
         "mem_available_bytes": s.mem_available,

@@ -813,38 +813,47 @@ fn bench_reshard_saves_at_one_world_size_and_loads_at_others() {
 fn env_remeasures_the_core_peak_on_request() {
     // A cached peak (here made absurdly low, as one measured under heavy load would be) is
     // what `env` and MFU use; `--remeasure_peak` measures again and replaces it when the
-    // machine was idle enough, saying how busy it was.
+    // machine was idle enough, saying how busy it was. A peak measured under load says its
+    // instruction limit is a floor.
     let dir = tempfile::tempdir().unwrap();
-    let json = |args: &[&str]| -> serde_json::Value {
-        let out = fsdp(dir.path())
-            .arg("env")
-            .args(args)
-            .arg("--json")
-            .output()
-            .unwrap();
+    let env = |args: &[&str]| -> Output {
+        let out = fsdp(dir.path()).arg("env").args(args).output().unwrap();
         assert!(out.status.success(), "{}", text(&out));
-        serde_json::from_slice(&out.stdout).unwrap()
+        out
+    };
+    let json = |args: &[&str]| -> serde_json::Value {
+        let with_json: Vec<&str> = args.iter().copied().chain(["--json"]).collect();
+        serde_json::from_slice(&env(&with_json).stdout).unwrap()
     };
     let first = json(&[]);
     let cache = dir.path().join(".cache/fsdp-rs/core_peak.json");
-    let mut cached: serde_json::Value = match std::fs::read(&cache) {
-        Ok(bytes) => serde_json::from_slice(&bytes).unwrap(),
-        // Measured under load: not cached. Nothing more to check of the cache here.
-        Err(_) => {
-            assert!(
-                first["core_peak_others_busy"].as_f64().unwrap() > 0.25,
-                "{first}"
-            );
-            return;
-        }
+    std::fs::create_dir_all(cache.parent().unwrap()).unwrap();
+    // The cache as a run on this CPU writes it, idle or not.
+    let write_cache = |f32: f64, others_busy: f64| {
+        let cached = serde_json::json!({
+            "cpu": first["core_peak_cpu"], "f32": f32, "bf16": 2.0,
+            "f32_instruction": 3.0, "bf16_instruction": 4.0, "others_busy": others_busy,
+        });
+        std::fs::write(&cache, cached.to_string()).unwrap();
     };
-    cached["f32"] = serde_json::json!(1.0);
-    std::fs::write(&cache, cached.to_string()).unwrap();
+    write_cache(1.0, 0.0);
     assert_eq!(
         json(&[])["core_peak_flops"]["f32"],
         1.0,
         "the cache is read"
     );
+    let idle = text(&env(&[]));
+    assert!(!idle.contains("a floor, not the limit"), "{idle}");
+    write_cache(1.0, 0.6);
+    let busy = text(&env(&[]));
+    assert!(
+        busy.contains("Instruction peak")
+            && busy.contains(
+                "(measured under the same load: a floor, not the limit; MFU lines leave it out)"
+            ),
+        "{busy}"
+    );
+    write_cache(1.0, 0.0);
     let again = json(&["--remeasure_peak"]);
     let f32 = again["core_peak_flops"]["f32"].as_f64().unwrap();
     assert!(f32 > 1e8, "{again}");
