@@ -24,6 +24,7 @@ const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
 /// Entry point of the processes `mpirun` starts; does nothing in a normal test run.
 #[test]
+#[ignore = "a worker entry: its parent test runs it as real processes"]
 fn mpi_worker() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
@@ -268,6 +269,7 @@ fn mpirun(n: usize, scenario: &str, extra: &[(&str, &str)]) -> Option<Command> {
         .args([
             "--exact",
             "mpi::mpi_worker",
+            "--include-ignored",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -27,6 +27,7 @@ fn spawn(scenario: &str, world: usize, ranks: &[(usize, Vec<(&str, String)>)]) -
         cmd.args([
             "--exact",
             "multiprocess::worker_entry",
+            "--include-ignored",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -101,6 +102,7 @@ fn assert_all_ok(outcomes: &[Outcome]) {
 
 /// Entry point of the worker processes; does nothing in a normal test run.
 #[test]
+#[ignore = "a worker entry: its parent test runs it as real processes"]
 fn worker_entry() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;

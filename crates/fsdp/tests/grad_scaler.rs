@@ -61,6 +61,7 @@ fn checksum(engine: &fsdp::engine::Fsdp) -> f64 {
 }
 
 #[test]
+#[ignore = "a worker entry: its parent test runs it as real processes"]
 fn scaler_worker() {
     if std::env::var(ROLE).is_err() {
         return;

@@ -29,10 +29,16 @@ pub fn run_workers(
     let entry = &test_name(std::panic::Location::caller().file(), entry);
     let job = LocalJob::start(world, 0..world, Some(1), |_| {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", entry, "--nocapture", "--test-threads=1"])
-            .env(role, "1")
-            .env("FSDP_COMM_TIMEOUT_SECS", "120")
-            .envs(env.iter().copied());
+        cmd.args([
+            "--exact",
+            entry,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(role, "1")
+        .env("FSDP_COMM_TIMEOUT_SECS", "120")
+        .envs(env.iter().copied());
         cmd
     })
     .unwrap();
