@@ -4,6 +4,18 @@
 //! weight sources, and the seeded random streams every draw comes from ([`rng`]). It knows
 //! nothing of sharding: the `fsdp` crate's engine gives a model's forward its parameters.
 
+/// The workspace's skip registry for this crate's unit tests (`skipped!`,
+/// `skipped_optional!`), shared with the test crates.
+#[cfg(test)]
+#[macro_use]
+#[path = "../../fsdp/tests/common/skip.rs"]
+mod skip;
+/// Where the registry's macros look for it, as in the test crates.
+#[cfg(test)]
+mod common {
+    pub(crate) use super::skip;
+}
+
 // First: its macro serves the modules below.
 #[macro_use]
 mod multiversion;

@@ -11,6 +11,18 @@
 //! QLoRA are [`peft`]; every seeded draw (initial weights, dropout, the epoch's order) comes
 //! from [`rng`].
 
+/// The workspace's skip registry for this crate's unit tests (`skipped!`,
+/// `skipped_optional!`), shared with the test crates.
+#[cfg(test)]
+#[macro_use]
+#[path = "../../fsdp/tests/common/skip.rs"]
+mod skip;
+/// Where the registry's macros look for it, as in the test crates.
+#[cfg(test)]
+mod common {
+    pub(crate) use super::skip;
+}
+
 pub mod accelerator;
 pub mod checkpoint;
 pub mod config;

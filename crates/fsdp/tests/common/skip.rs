@@ -2,8 +2,10 @@
 //! of its own and appends it to `target/tmp/skipped-tests.log`, which `.ci/run` prints after
 //! the tests: a skip is visible, never a quiet pass. With `FSDP_REQUIRE_ALL=1` (set by
 //! `.ci/run`, whose setup installs every tool and asset) such a skip fails the test instead;
-//! only what no setup script can provide — a GPU, an opt-in anchor like `FSDP_TORCH_PYTHON` —
-//! skips there too (`skipped_optional!`). Shared by the workspace's test crates (`#[path]`).
+//! only what no setup script can provide — a GPU, CPU instructions, an opt-in anchor like
+//! `FSDP_TORCH_PYTHON` —
+//! skips there too (`skipped_optional!`). Shared by the workspace's test crates and the
+//! library crates' unit tests (`#[path]`).
 
 /// The variable naming another log file (the skip policy's own test writes there).
 #[allow(dead_code)]
@@ -21,7 +23,7 @@ macro_rules! skipped {
     ($($arg:tt)*) => { $crate::common::skip::record(&format!($($arg)*), true) };
 }
 
-/// Records a skip that no setup can undo (no GPU) or that runs only when asked
+/// Records a skip that no setup can undo (no GPU, no AMX) or that runs only when asked
 /// (`FSDP_TORCH_PYTHON`): logged, never a failure.
 #[allow(unused_macros)]
 macro_rules! skipped_optional {
@@ -39,10 +41,15 @@ pub fn record(why: &str, required: bool) {
         .to_string();
     let line = format!("SKIPPED {test}: {why}");
     eprintln!("{line}");
-    let log = std::env::var_os(LOG_ENV).map_or_else(
-        || std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.log"),
+    // Integration tests get cargo's temporary folder; a library's unit tests (fsdp-nn's
+    // kernels) do not, and log into the workspace's `target/tmp`, the same folder by default.
+    let tmp = option_env!("CARGO_TARGET_TMPDIR").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tmp"),
         std::path::PathBuf::from,
     );
+    let _ = std::fs::create_dir_all(&tmp);
+    let log = std::env::var_os(LOG_ENV)
+        .map_or_else(|| tmp.join("skipped-tests.log"), std::path::PathBuf::from);
     if let Ok(mut f) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

@@ -275,7 +275,7 @@ fn the_amx_kernel_computes_the_product_on_emulated_tiles() {
 #[test]
 fn the_amx_kernel_writes_back_with_the_vector_code() {
     if !available() {
-        eprintln!("skipped: this CPU has no AVX512_BF16 for the write-back");
+        skipped_optional!("this CPU has no AVX512_BF16 for the write-back");
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -285,7 +285,7 @@ fn the_amx_kernel_writes_back_with_the_vector_code() {
 #[test]
 fn the_amx_kernel_computes_the_product_on_this_cpus_tiles() {
     if !amx::ready() {
-        eprintln!("skipped: no AMX here ({:?})", amx::support());
+        skipped_optional!("no AMX here ({:?})", amx::support());
         return;
     }
     cases(Kernel::tiled(amx::tiles));
@@ -307,7 +307,7 @@ fn the_tile_configuration_is_what_ldtilecfg_reads() {
 #[test]
 fn the_avx512_bf16_kernel_computes_the_product() {
     if !available() {
-        eprintln!("skipped: this CPU has no AVX512_BF16");
+        skipped_optional!("this CPU has no AVX512_BF16");
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -317,7 +317,7 @@ fn the_avx512_bf16_kernel_computes_the_product() {
 #[test]
 fn the_vector_write_back_rounds_and_widens_as_the_scalar_conversions() {
     if !available() {
-        eprintln!("skipped: this CPU has no AVX512_BF16");
+        skipped_optional!("this CPU has no AVX512_BF16");
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -388,7 +388,7 @@ fn the_blocked_path_spans_several_rhs_blocks() {
 fn the_vector_packings_equal_the_scalar_ones_element_for_element() {
     let movers = movers();
     if movers.len() == 1 {
-        eprintln!("skipped: this CPU has no AVX-512 packing to compare");
+        skipped_optional!("this CPU has no AVX-512 packing to compare");
         return;
     }
     for k in [1, 2, 31, 32, 33, 64, 130, 259] {

@@ -565,7 +565,7 @@ mod tests {
     #[test]
     fn a_full_disk_is_an_error_naming_the_file_and_the_bytes_and_later_calls_fail() {
         let Some(disk) = SmallDisk::mount() else {
-            eprintln!("skipped: mounting a small tmpfs needs root");
+            skipped!("mounting a small tmpfs needs root");
             return;
         };
         // The plan is checked first: more than the disk holds is refused before any write.
