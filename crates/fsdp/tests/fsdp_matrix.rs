@@ -629,16 +629,17 @@ fn matrix_worker() {
 
 /// Relative bounds on losses and weights against f32 single-process training: 1e-5 in f32;
 /// with bf16 compute, where every activation and gradient is rounded to 8 significant bits
-/// (2^-9 relative per rounding), 1e-2 on the losses, and 0.25 (norm-wise) on the weights
-/// after 10 steps: Adam's normalised step turns the rounding noise of small gradients into
+/// (2^-9 relative per rounding), 3e-3 on the losses and 0.25 (norm-wise) on the weights after
+/// 10 steps: Adam's normalised step turns the rounding noise of small gradients into
 /// full-size steps (lr 3e-3 per step on weights of scale 0.02), so weights drift apart
-/// while the losses agree; a parameter left untrained is 1.0 away.
+/// while the losses agree; a parameter left untrained is 1.0 away. fp16 keeps 11 bits, 8
+/// times finer: 2e-4 and 0.05. (Measured worst here: bf16 3.0e-4 and 0.164, fp16 1.8e-5 and
+/// 0.023; fp16 bounds fail a run whose fp16 computes at bf16's precision.)
 fn bounds() -> (f64, f64) {
     if std::env::var(FP16).is_ok() {
-        // 11 significant bits: 8 times finer than bf16.
-        (2e-3, 0.25)
+        (2e-4, 0.05)
     } else if std::env::var(BF16).is_ok() {
-        (1e-2, 0.25)
+        (3e-3, 0.25)
     } else {
         (1e-5, 1e-5)
     }
