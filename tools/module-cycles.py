@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Lists import circles between the source files of each crate in crates/.
+"""Lists import circles between the source files of each crate in crates/, and between its
+top-level modules (a file counted as the module under src/ it belongs to: `quant/mod.rs` and
+`quant/format.rs` are `quant`), where two modules can import each other through files
+that do not.
 
 A file depends on another when it names an item through it: `use crate::a::b::X`,
 `crate::a::b::f()`, `super::b::X`, also inside `use` groups. A path resolves to the deepest
@@ -97,14 +100,20 @@ def related(a, b):
     return a[:n] == b[:n]
 
 
-def cycles(src):
-    mods = module_files(src)
+def cycles(src, level="files"):
+    """Circles between files, or with `level="modules"` between top-level modules."""
+    files = module_files(src)
+    key = (lambda m: m) if level == "files" else (lambda m: m[:1])
+    mods = {key(m): f for m, f in sorted(files.items(), reverse=True) if key(m)}
     edges = {m: set() for m in mods}
-    for m, f in mods.items():
+    for m, f in files.items():
         for p in paths_in(f.read_text()):
-            t = resolve(m, p, mods)
-            if t is not None and t != m and not related(m, t):
-                edges[m].add(t)
+            t = resolve(m, p, files)
+            if t is None or t == m or related(m, t):
+                continue
+            a, b = key(m), key(t)
+            if a and b and a != b:
+                edges[a].add(b)
     # Tarjan's strongly connected components.
     index, low, stack, on, comps = {}, {}, [], set(), []
     sys.setrecursionlimit(10000)
@@ -158,7 +167,7 @@ def cycles(src):
             path.append(v)
             v = prev[v]
         path.reverse()
-        name = lambda m: str(mods[m].relative_to(src))
+        name = (lambda m: str(mods[m].relative_to(src))) if level == "files" else (lambda m: m[0] + "/")
         found.append((sorted(name(m) for m in comp), [name(m) for m in path + [start]]))
     return found
 
@@ -174,6 +183,13 @@ def self_test():
         "b.rs": "pub struct Thing;\nfn f() -> super::a::Other { todo!() }\n",
         "tree/mod.rs": "mod leaf;\npub use leaf::Leaf;\n",
         "tree/leaf.rs": "pub struct Leaf(super::Leaf2);\n// crate::a::Other in a comment\n",
+        # Modules m and n import each other through different files: no file circle.
+        "m/mod.rs": "mod x;\nmod w;\n",
+        "m/x.rs": "use crate::n::y::Y;\n",
+        "m/w.rs": "pub struct W;\n",
+        "n/mod.rs": "pub mod y;\nmod z;\n",
+        "n/y.rs": "pub struct Y;\n",
+        "n/z.rs": "use crate::m::w::W;\n",
     }
     with tempfile.TemporaryDirectory() as d:
         src = Path(d)
@@ -181,7 +197,9 @@ def self_test():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             (src / name).write_text(text)
         found = cycles(src)
+        by_module = cycles(src, "modules")
     assert [members for members, _ in found] == [["a.rs", "b.rs"]], found
+    assert [members for members, _ in by_module] == [["a/", "b/"], ["m/", "n/"]], by_module
     print("module-cycles self-test: ok")
     return 0
 
@@ -192,9 +210,10 @@ def main():
     srcs = [Path(a) for a in sys.argv[1:]] or sorted(ROOT.glob("crates/*/src"))
     total = 0
     for src in srcs:
-        for members, cycle in cycles(src):
-            total += 1
-            print(f"{src}: circle of {len(members)} files: {' -> '.join(cycle)}")
+        for level in ("files", "modules"):
+            for members, cycle in cycles(src, level):
+                total += 1
+                print(f"{src}: circle of {len(members)} {level}: {' -> '.join(cycle)}")
     print(f"{total} import circle(s)")
     return 1 if total else 0
 

@@ -34,7 +34,8 @@ use fsdp::models::llama::{
 };
 use fsdp::models::{GenerationConfig, LlamaConfig, LlamaForCausalLM, generate};
 use fsdp::nn::candle::Tensor;
-use fsdp::nn::quant::{QuantFormat, quantize_linears};
+use fsdp::nn::layers::quantize_linears;
+use fsdp::nn::quant::QuantFormat;
 use fsdp::nn::{Module, SafetensorsWeights, WeightSource};
 use fsdp::optim::{
     AdamW, AdamWConfig, LrSchedule, NORM_MODULES, no_decay_by_module, split_no_decay,

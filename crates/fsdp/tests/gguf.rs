@@ -388,7 +388,8 @@ fn crafted_gguf_files_are_errors_naming_the_file_and_the_tensor() {
 /// f32 path reads; kept in another format, the dequantized weight quantized again.
 #[test]
 fn smollm2_projections_keep_their_q4_1_blocks() {
-    use fsdp::nn::quant::{QuantFormat, quantize_linears};
+    use fsdp::nn::layers::quantize_linears;
+    use fsdp::nn::quant::QuantFormat;
     let Some(path) = asset() else { return };
     let gguf = GgufFile::open(&path).unwrap();
     let (_, config) = gguf_config(&gguf).unwrap();
