@@ -25,7 +25,6 @@ mod generation;
 mod gguf;
 mod grad_scaler;
 mod ignored_modules;
-mod kernels;
 mod llama;
 mod loading;
 mod lora;

@@ -2,12 +2,12 @@
 //! gradients, f64 tight, f32 within 1e-5) and against central finite differences (f64).
 
 use candle_core::{D, DType, Device, Result, Tensor, Var};
-use fsdp::nn::ops::{self, CrossEntropy, GeluApprox, Reduction};
+use fsdp_nn::ops::{self, CrossEntropy, GeluApprox, Reduction};
 
 /// A deterministic pseudo-random tensor (xorshift), values in [-scale, scale).
 fn rand(shape: &[usize], seed: u64, scale: f64, dtype: DType) -> Tensor {
     let n: usize = shape.iter().product();
-    let mut rng = fsdp::rng::XorShift64::seeded(seed);
+    let mut rng = fsdp_nn::rng::XorShift64::seeded(seed);
     let v: Vec<f64> = (0..n)
         .map(|_| (rng.next_unit() * 2.0 - 1.0) * scale)
         .collect();
@@ -1252,7 +1252,7 @@ fn bf16_add_and_mul_round_like_one_f32_rounding() {
     use half::bf16;
     // Every pattern, then 5 more so the scalar tail runs too.
     let n = (1 << 16) + 5;
-    let mut s = fsdp::rng::XorShift64::new(0x2545_f491_4f6c_dd1d);
+    let mut s = fsdp_nn::rng::XorShift64::new(0x2545_f491_4f6c_dd1d);
     let mut next = || s.next_u64();
     let a: Vec<bf16> = (0..n).map(|i| bf16::from_bits(i as u16)).collect();
     let mut b: Vec<bf16> = (0..n).map(|_| bf16::from_bits(next() as u16)).collect();
@@ -1332,7 +1332,7 @@ fn lora_update_and_linear_no_bias_add_match_composed_ops_and_finite_differences(
 
 #[test]
 fn quantized_linear_is_the_dequantized_projection_with_no_weight_gradient() {
-    use fsdp::nn::quant::{Packing, QuantFormat};
+    use fsdp_nn::quant::{Packing, QuantFormat};
     // x [2, 3, 64], W [5, 64] kept quantized, u [2, 3, 5].
     let w = rand(&[5, 64], 7, 0.5, DType::F32);
     let x = rand(&[2, 3, 64], 8, 1.0, DType::F32);
