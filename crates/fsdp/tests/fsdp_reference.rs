@@ -282,7 +282,7 @@ fn sync_module_states_starts_every_rank_from_rank_zero() {
 }
 
 #[test]
-fn every_setting_of_the_guide_is_accepted() {
+fn every_setting_of_the_guide_is_accepted_and_takes_effect() {
     use fsdp::config::MixedPrecision;
     let world = fsdp_comm::WorldInfo::from_vars(&Default::default()).unwrap();
     let model = BertForSequenceClassification::new(
@@ -292,25 +292,63 @@ fn every_setting_of_the_guide_is_accepted() {
     let init = LocalParams::init(&info, 0, candle_core::DType::F32, &Device::Cpu)
         .unwrap()
         .tensors();
-    // What the engine refused before it did them: each now builds an engine.
-    let builders = [
-        FsdpPlugin::builder().offload_params(true),
-        FsdpPlugin::builder().mixed_precision(MixedPrecision::Bf16),
-        FsdpPlugin::builder().mixed_precision(MixedPrecision::Fp16),
-        FsdpPlugin::builder().activation_checkpointing(true),
-        FsdpPlugin::builder().cpu_ram_efficient_loading(true),
-    ];
-    for builder in builders {
+    let ids = candle_core::Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu).unwrap();
+    let labels = candle_core::Tensor::new(&[0u32, 1], &Device::Cpu).unwrap();
+    // One training step under `builder`: the loss, the weights after it, and the engine.
+    let step = |builder: fsdp::config::FsdpPluginBuilder| {
         let plugin = builder.resolve(&Layer::new(), None).unwrap().fsdp;
         let pg = ProcessGroup::init(&world, fsdp_comm::GroupOptions::default()).unwrap();
-        if let Err(e) = Fsdp::new(
+        let mut fsdp = Fsdp::new(
             &info,
             &init,
             &plugin,
             BertModel::no_split_modules(),
             Arc::new(pg),
-        ) {
-            panic!("{plugin:?}: {e}");
-        }
+        )
+        .unwrap_or_else(|e| panic!("{plugin:?}: {e}"));
+        let params = fsdp.begin_step().unwrap();
+        let logits = model.forward(&params, &ids, None, None).unwrap();
+        let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
+        let value = loss.to_scalar::<f32>().unwrap();
+        let grads = fsdp.backward(params, loss).unwrap();
+        let mut adamw = reference::adamw();
+        fsdp.step(grads, &mut adamw, None).unwrap();
+        let weights = fsdp.full_state_dict().unwrap().unwrap();
+        (value, weights, fsdp)
+    };
+    let same_weights =
+        |a: &std::collections::BTreeMap<String, candle_core::Tensor>,
+         b: &std::collections::BTreeMap<String, candle_core::Tensor>| {
+            a.len() == b.len()
+                && a.iter().all(|(k, v)| {
+                    v.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                        == b[k].flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                })
+        };
+    let (loss, weights, _) = step(FsdpPlugin::builder());
+    // What the engine refused before it did them: each now trains. Offload, checkpointing
+    // and RAM-efficient loading change where and when, not what: the same bits.
+    let (l, w, engine) = step(FsdpPlugin::builder().offload_params(true));
+    assert!(engine.placement().offload);
+    assert!(
+        l == loss && same_weights(&w, &weights),
+        "offload: {l} vs {loss}"
+    );
+    let (l, w, engine) = step(FsdpPlugin::builder().activation_checkpointing(true));
+    assert!(engine.recomputed_units() > 0, "no unit was recomputed");
+    assert!(
+        l == loss && same_weights(&w, &weights),
+        "checkpointing: {l} vs {loss}"
+    );
+    let (l, w, _) = step(FsdpPlugin::builder().cpu_ram_efficient_loading(true));
+    assert!(
+        l == loss && same_weights(&w, &weights),
+        "RAM-efficient loading: {l} vs {loss}"
+    );
+    // Mixed precision computes in 16 bits: near the f32 loss, not equal to it.
+    for mp in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
+        let (l, _, _) = step(FsdpPlugin::builder().mixed_precision(mp));
+        let rel = ((l - loss) / loss).abs();
+        assert!(rel > 0.0 && rel < 1e-2, "{mp:?}: {l} vs {loss}");
     }
 }
