@@ -124,16 +124,22 @@ fn a_launched_job_writes_each_ranks_timeline_and_plot_draws_a_step() {
             assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {r}");
         }
         // The hidden share is the communication the compute thread did not wait for, and
-        // every part lies inside the step (times to the microsecond, the share to 1e-3).
+        // every part lies inside the step (times to the microsecond, the share to 1e-3;
+        // a unit's forward spans its wait for the gather, so compute and waiting overlap).
         let f = |key: &str| r[key].as_f64().unwrap();
         let hidden = f("communication_hidden");
-        let expected = (1.0 - f("waiting_for_communication_ms") / f("communication_ms")).max(0.0);
-        assert!((hidden - expected).abs() <= 2e-3, "{expected}: {r}");
-        assert!(
-            f("compute_ms") + f("waiting_for_communication_ms") <= f("step_ms") + 2e-3
-                && f("communication_ms") <= f("step_ms") + 1e-3,
-            "{r}"
-        );
+        let (waited, communication) = (f("waiting_for_communication_ms"), f("communication_ms"));
+        let expected = (1.0 - waited / communication).max(0.0);
+        // The share's own rounding, and what rounding both times to the microsecond moves it.
+        let tolerance = 1e-3 + 0.5e-3 * (1.0 + waited / communication) / communication;
+        assert!((hidden - expected).abs() <= tolerance, "{expected}: {r}");
+        for part in [
+            "compute_ms",
+            "waiting_for_communication_ms",
+            "communication_ms",
+        ] {
+            assert!(f(part) <= f("step_ms") + 1e-3, "{part}: {r}");
+        }
     }
     let picture = std::fs::read_to_string(&svg).unwrap();
     assert!(picture.starts_with("<svg") && picture.trim_end().ends_with("</svg>"));
