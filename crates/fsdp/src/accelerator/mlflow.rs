@@ -21,6 +21,9 @@ pub(super) enum RunEnd {
     Finished = 3,
     Failed = 4,
 }
+/// The file whose lock serialises experiment lookups in a store (a dot file: MLflow lists
+/// experiments by their folders).
+const EXPERIMENTS_LOCK: &str = ".fsdp-experiments.lock";
 /// MLflow's default experiment, which its store expects to exist.
 const DEFAULT_EXPERIMENT: (&str, &str) = ("0", "Default");
 
@@ -92,15 +95,21 @@ impl MlflowRun {
     ) -> std::io::Result<MlflowRun> {
         std::fs::create_dir_all(root)?;
         let root = std::path::absolute(root)?;
-        if !root.join(DEFAULT_EXPERIMENT.0).join("meta.yaml").is_file() {
-            create_experiment(&root, DEFAULT_EXPERIMENT.0, DEFAULT_EXPERIMENT.1)?;
-        }
-        let experiment_id = match find_experiment(&root, experiment)? {
-            Some(id) => id,
-            None => {
-                let id = new_experiment_id(&root)?;
-                create_experiment(&root, &id, experiment)?;
-                id
+        let experiment_id = {
+            // Runs starting together in one store (several jobs, one MLFLOW_TRACKING_URI)
+            // look an experiment up and make it one at a time, so a name gets one id.
+            let lock = std::fs::File::create(root.join(EXPERIMENTS_LOCK))?;
+            lock.lock()?;
+            if !root.join(DEFAULT_EXPERIMENT.0).join("meta.yaml").is_file() {
+                create_experiment(&root, DEFAULT_EXPERIMENT.0, DEFAULT_EXPERIMENT.1)?;
+            }
+            match find_experiment(&root, experiment)? {
+                Some(id) => id,
+                None => {
+                    let id = new_experiment_id(&root)?;
+                    create_experiment(&root, &id, experiment)?;
+                    id
+                }
             }
         };
         let run_id = hex(&random_bytes::<16>());
@@ -354,6 +363,37 @@ mod tests {
             let e = store_root_of(Some(uri), project).unwrap_err().to_string();
             assert!(e.contains(uri) && e.contains("file store only"), "{e}");
         }
+    }
+
+    #[test]
+    fn runs_starting_together_share_one_experiment() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("mlruns");
+        let runs: Vec<PathBuf> = std::thread::scope(|s| {
+            let started: Vec<_> = (0..8)
+                .map(|i| {
+                    let root = &root;
+                    s.spawn(move || {
+                        let name = format!("run{i}");
+                        MlflowRun::start(root, "shared", &name, &Value::Null)
+                            .unwrap()
+                            .dir()
+                            .to_path_buf()
+                    })
+                })
+                .collect();
+            started.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let experiments: std::collections::BTreeSet<_> = runs
+            .iter()
+            .map(|r| r.parent().unwrap().to_path_buf())
+            .collect();
+        assert_eq!(experiments.len(), 1, "{experiments:?}");
+        let folders = std::fs::read_dir(&root)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().is_dir())
+            .count();
+        assert_eq!(folders, 2, "the default experiment and one more");
     }
 
     #[test]
