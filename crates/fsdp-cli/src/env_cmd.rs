@@ -150,7 +150,7 @@ fn print_text(
         peak.f32 / 1e9,
         peak.bf16 / 1e9,
         100.0 * peak.others_busy,
-        if peak.others_busy > fsdp::perf::BUSY_LIMIT {
+        if peak.measured_under_load() {
             " (not cached: --remeasure_peak on an idle machine)"
         } else {
             ""
@@ -160,7 +160,7 @@ fn print_text(
         "- Instruction peak (one core's widest multiply-add in registers, the hardware's limit): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s{}",
         peak.f32_instruction / 1e9,
         peak.bf16_instruction / 1e9,
-        if peak.others_busy > fsdp::perf::BUSY_LIMIT {
+        if peak.measured_under_load() {
             " (measured under the same load: a floor, not the limit; MFU lines leave it out)"
         } else {
             ""

@@ -81,7 +81,8 @@ impl Tuned for LoraModel<LlamaForCausalLM> {
     /// dequantized weights the adapters were trained on), so
     /// `AutoPeftModelForCausalLM.from_pretrained(adapter)` finds it.
     fn save(acc: &Accelerator, model: &PreparedModel<Self>, out: &Saved) -> Result<String> {
-        let base = if out.base.is_dir() {
+        let from_folder = out.base.is_dir();
+        let base = if from_folder {
             out.base.to_path_buf()
         } else {
             let base = acc.save_base(model, &out.dir.join("base"), out.hf_config)?;
@@ -97,7 +98,7 @@ impl Tuned for LoraModel<LlamaForCausalLM> {
             "LoRA adapters saved to {} (PEFT's format, base_model_name_or_path {}{})",
             dir.display(),
             base.display(),
-            if out.base.is_dir() {
+            if from_folder {
                 String::new()
             } else {
                 format!(": {} as a transformers folder", out.base.display())

@@ -197,10 +197,7 @@ impl crate::checkpoint::Emit for MergingEmit {
                 self.dims.insert(layer.to_string(), (*out, *inp));
             }
         }
-        let kept: Vec<(String, Vec<usize>)> = names
-            .into_iter()
-            .filter(|(n, _)| !super::is_adapter_param(n))
-            .collect();
+        let kept = BaseEmit.plan(names);
         self.order = kept.iter().map(|(n, _)| n.clone()).collect();
         kept
     }

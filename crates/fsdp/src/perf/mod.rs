@@ -77,6 +77,12 @@ fn others_busy(before: (u64, u64), after: (u64, u64), cpus: usize) -> f64 {
 }
 
 impl CorePeak {
+    /// Whether other work took more than [`BUSY_LIMIT`] of the machine while this was
+    /// measured: such a peak reads low, is not cached, and is labelled wherever it is shown.
+    pub fn measured_under_load(&self) -> bool {
+        self.others_busy > BUSY_LIMIT
+    }
+
     /// The peak of `dtype`'s GEMM (bf16 for bf16 and f16 compute, f32 otherwise).
     pub fn for_dtype(&self, dtype: DType) -> f64 {
         match dtype {
@@ -138,7 +144,7 @@ pub fn remeasure_core_peak() -> CorePeak {
 /// Writes `peak` to `dir`'s cache unless other work took more than [`BUSY_LIMIT`] of the
 /// machine while it was measured. Whether it was cached.
 fn cache_if_idle(dir: &std::path::Path, peak: &CorePeak) -> bool {
-    if peak.others_busy > BUSY_LIMIT {
+    if peak.measured_under_load() {
         // Every MFU line and `fsdp env` say so; this is for a caller that prints neither.
         tracing::debug!(
             "the core peak was measured while other work took {:.0}% of the machine: used for this run, not cached (`fsdp env --remeasure_peak` on an idle machine caches one)",
@@ -398,7 +404,7 @@ impl MfuLine {
             .unwrap_or_default();
         // A peak measured under load reads low: say so instead of setting it beside the
         // instructions' limit, which was measured under the same load.
-        let source = if peak.others_busy > BUSY_LIMIT {
+        let source = if peak.measured_under_load() {
             format!(
                 "measured while other work took {:.0}% of the machine, so it reads low and the MFU high; `fsdp env --remeasure_peak` on an idle machine",
                 100.0 * peak.others_busy
