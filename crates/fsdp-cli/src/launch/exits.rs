@@ -27,7 +27,7 @@
 //! running if `epoll_wait` ever fails, so that no exit goes unreported and the launcher
 //! never waits forever.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -36,6 +36,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use rustix::buffer::spare_capacity;
+use rustix::event::Timespec;
+use rustix::event::epoll::{self, EventData, EventFlags};
+use rustix::process::{Pid, PidfdFlags, WaitId, WaitIdOptions, WaitIdStatus};
 
 /// Where exits are reported: (rank, status), in the order they happened.
 pub(super) type ExitSender = Sender<(usize, ExitStatus)>;
@@ -123,7 +127,7 @@ impl ExitWatcher {
             let index = (watched.len() as u64) << SLOT_BITS;
             // A broken set has nobody waiting on it: the worker gets a thread instead.
             let added = !shared.broken.load(Ordering::SeqCst)
-                && add(shared, &pidfd, libc::EPOLLIN as u32, index | PIDFD_SLOT);
+                && add(shared, &pidfd, EventFlags::IN, index | PIDFD_SLOT);
             if added {
                 // An output that cannot join the set only leaves its closing unobserved.
                 let outputs = (1..)
@@ -131,7 +135,7 @@ impl ExitWatcher {
                     .filter(|&(slot, _)| slot < 1 << SLOT_BITS)
                     .map(|(slot, fd)| {
                         // Hang-ups only (the kernel always reports them), once.
-                        add(shared, &fd, libc::EPOLLONESHOT as u32, index | slot).then_some(fd)
+                        add(shared, &fd, EventFlags::ONESHOT, index | slot).then_some(fd)
                     })
                     .collect();
                 watched.push(Watched {
@@ -179,13 +183,7 @@ impl ExitWatcher {
 
 /// The epoll set and its thread; `None` where the system has no epoll or no pidfds.
 fn start_epoll(exits: ExitSender) -> Option<(Arc<Shared>, JoinHandle<()>)> {
-    // SAFETY: epoll_create1 has no preconditions; a valid result is a new descriptor.
-    let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: `fd` is a descriptor we own from here on.
-    let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
+    let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).ok()?;
     let shared = Arc::new(Shared {
         epoll,
         watched: Mutex::new(Vec::new()),
@@ -215,21 +213,16 @@ fn report_exits(shared: &Shared, exits: &ExitSender) {
         }
     }
     let mut events = 0u64;
+    let poll = Timespec::try_from(POLL).unwrap_or_default();
+    let mut ready: Vec<epoll::Event> = Vec::with_capacity(1);
     loop {
-        let mut event = libc::epoll_event { events: 0, u64: 0 };
-        // SAFETY: `event` has room for the one event asked for.
-        let n = unsafe {
-            libc::epoll_wait(
-                shared.epoll.as_raw_fd(),
-                &mut event,
-                1,
-                POLL.as_millis() as i32,
-            )
-        };
+        ready.clear();
+        let waited = epoll::wait(&shared.epoll, spare_capacity(&mut ready), Some(&poll));
         let mut watched = shared.watched.lock().unwrap_or_else(|e| e.into_inner());
-        if n == 1 {
+        if let Some(event) = ready.first() {
             events += 1;
-            let (index, slot) = (event.u64 >> SLOT_BITS, event.u64 & ((1 << SLOT_BITS) - 1));
+            let data = event.data.u64();
+            let (index, slot) = (data >> SLOT_BITS, data & ((1 << SLOT_BITS) - 1));
             if let Some(w) = watched.get_mut(index as usize) {
                 if slot == PIDFD_SLOT {
                     if forget_pidfd(shared, w) {
@@ -244,9 +237,7 @@ fn report_exits(shared: &Shared, exits: &ExitSender) {
             }
         }
         report_in_order(&mut watched, exits);
-        let interrupted =
-            n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
-        if n < 0 && !interrupted {
+        if waited.is_err_and(|e| e != rustix::io::Errno::INTR) {
             drop(watched);
             return hand_over(shared, exits);
         }
@@ -282,31 +273,15 @@ fn report_in_order(watched: &mut [Watched], exits: &ExitSender) {
 }
 
 /// Adds `fd` to the set for `events`, the event carrying `data`; whether it joined.
-fn add(shared: &Shared, fd: &OwnedFd, events: u32, data: u64) -> bool {
-    let mut event = libc::epoll_event { events, u64: data };
-    // SAFETY: both descriptors are open; `event` is a valid epoll_event.
-    unsafe {
-        libc::epoll_ctl(
-            shared.epoll.as_raw_fd(),
-            libc::EPOLL_CTL_ADD,
-            fd.as_raw_fd(),
-            &mut event,
-        ) == 0
-    }
+fn add(shared: &Shared, fd: &OwnedFd, events: EventFlags, data: u64) -> bool {
+    epoll::add(&shared.epoll, fd, EventData::new_u64(data), events).is_ok()
 }
 
 /// Takes `fd` out of the set and closes it.
 fn forget(shared: &Shared, fd: Option<OwnedFd>) {
     if let Some(fd) = fd {
-        // SAFETY: removing a descriptor that is in the set; it is closed on drop.
-        unsafe {
-            libc::epoll_ctl(
-                shared.epoll.as_raw_fd(),
-                libc::EPOLL_CTL_DEL,
-                fd.as_raw_fd(),
-                std::ptr::null_mut(),
-            );
-        }
+        // A descriptor that is not in the set has nothing to remove; it is closed on drop.
+        let _ = epoll::delete(&shared.epoll, &fd);
     }
 }
 
@@ -369,51 +344,42 @@ fn spawn_waiter(rank: usize, pid: u32, exits: ExitSender) -> std::io::Result<Joi
 
 /// A pidfd for `pid` (Linux 5.3 and later); `None` where the call is missing or fails.
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags; a valid result is a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: `fd` is a descriptor we own from here on.
-    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    rustix::process::pidfd_open(child(pid)?, PidfdFlags::empty()).ok()
+}
+
+/// `pid` as rustix's `Pid`; `None` for 0 or one past `i32::MAX` (no child has those).
+fn child(pid: u32) -> Option<Pid> {
+    Pid::from_raw(i32::try_from(pid).ok()?)
 }
 
 /// `waitid` on child `pid` for its exit, with `WNOWAIT` (it stays unreaped) and `extra`
-/// flags: what the kernel filled in, or the error.
-fn peek_exit(pid: u32, extra: libc::c_int) -> std::io::Result<libc::siginfo_t> {
-    // SAFETY: an all-zero siginfo_t is valid; waitid fills it for our own child.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let flags = libc::WEXITED | libc::WNOWAIT | extra;
-    // SAFETY: `info` is a valid siginfo_t to fill.
-    if unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags) } == 0 {
-        Ok(info)
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+/// options: its status (`None` with `NOHANG` while it runs), or the error.
+fn peek_exit(pid: u32, extra: WaitIdOptions) -> rustix::io::Result<Option<WaitIdStatus>> {
+    let pid = child(pid).ok_or(rustix::io::Errno::CHILD)?;
+    let options = WaitIdOptions::EXITED | WaitIdOptions::NOWAIT | extra;
+    rustix::process::waitid(WaitId::Pid(pid), options)
 }
 
 /// Whether child `pid` has exited (it is left unreaped).
 fn has_exited(pid: u32) -> bool {
-    // SAFETY: with WNOHANG the kernel leaves si_pid 0 while the child runs.
-    peek_exit(pid, libc::WNOHANG).is_ok_and(|info| unsafe { info.si_pid() } != 0)
+    peek_exit(pid, WaitIdOptions::NOHANG).is_ok_and(|status| status.is_some())
 }
 
 /// Blocks until process `pid` exits and returns its status, leaving it unreaped.
 pub(super) fn wait_without_reaping(pid: u32) -> Option<ExitStatus> {
     use std::os::unix::process::ExitStatusExt;
     loop {
-        match peek_exit(pid, 0) {
-            Ok(info) => {
-                // SAFETY: for WEXITED the kernel filled si_status.
-                let status = unsafe { info.si_status() };
-                let raw = match info.si_code {
-                    libc::CLD_EXITED => (status & 0xff) << 8,
-                    _ => status & 0x7f,
+        match peek_exit(pid, WaitIdOptions::empty()) {
+            Ok(Some(status)) => {
+                let raw = match (status.exit_status(), status.terminating_signal()) {
+                    (Some(code), _) => (code & 0xff) << 8,
+                    (None, Some(signal)) => signal & 0x7f,
+                    (None, None) => return None,
                 };
                 return Some(ExitStatus::from_raw(raw));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return None,
+            Err(rustix::io::Errno::INTR) => continue,
+            Ok(None) | Err(_) => return None,
         }
     }
 }
@@ -421,6 +387,7 @@ pub(super) fn wait_without_reaping(pid: u32) -> Option<ExitStatus> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
     use std::process::Command;
     use std::sync::mpsc::channel;
 
