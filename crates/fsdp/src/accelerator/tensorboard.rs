@@ -9,37 +9,10 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), the checksum of TFRecord frames.
-const CRC32C_TABLE: [u32; 256] = {
-    let mut table = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 != 0 {
-                0x82F6_3B78 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
-            k += 1;
-        }
-        table[i] = c;
-        i += 1;
-    }
-    table
-};
-
-/// The CRC-32C of `bytes`.
-pub(crate) fn crc32c(bytes: &[u8]) -> u32 {
-    !bytes.iter().fold(!0u32, |c, &b| {
-        CRC32C_TABLE[((c ^ b as u32) & 0xFF) as usize] ^ (c >> 8)
-    })
-}
-
 /// TFRecord's masked CRC (a CRC of data holding CRCs is otherwise weak).
 fn masked_crc(bytes: &[u8]) -> u32 {
-    let c = crc32c(bytes);
+    // CRC-32C (Castagnoli), the checksum of TFRecord frames.
+    let c = crc32c::crc32c(bytes);
     (c.rotate_right(15)).wrapping_add(0xA282_EAD8)
 }
 
@@ -179,9 +152,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn crc32c_matches_the_standard_check_value() {
-        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
-        assert_eq!(crc32c(b""), 0);
+    fn frames_carry_tensorflows_masked_crc32c() {
+        // tensorboard's `pywrap_tensorflow.masked_crc32c` of the same bytes.
+        assert_eq!(masked_crc(b"123456789"), 0xC78A_B0E5);
+        assert_eq!(masked_crc(b""), 0xA282_EAD8);
     }
 
     #[test]
