@@ -7,7 +7,6 @@
 //! rounded like the scalar ones), so the lanes and threads change the speed, not the bits.
 
 use fsdp_nn::multiversion;
-use std::ops::Range;
 
 /// Shards below this many elements are updated on the calling thread (a thread costs more
 /// than the pass).
@@ -59,18 +58,10 @@ pub(crate) fn adam(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]
         grad.len() == n && m.len() == n && v.len() == n,
         "adam kernel: lengths"
     );
-    let (p, g, m, v) = (
-        Shared(param.as_mut_ptr()),
-        grad,
-        Shared(m.as_mut_ptr()),
-        Shared(v.as_mut_ptr()),
-    );
-    parallel(n, &|r: Range<usize>| {
-        // SAFETY: `parallel` hands out disjoint ranges inside `0..n`, and the four buffers
-        // have `n` elements and outlive the call.
-        let (p, m, v) = unsafe { (p.slice(r.clone()), m.slice(r.clone()), v.slice(r.clone())) };
-        adam_pass(p, &g[r], m, v, k);
-    });
+    let per = part_len(n);
+    let parts =
+        (param.chunks_mut(per).zip(grad.chunks(per))).zip(m.chunks_mut(per).zip(v.chunks_mut(per)));
+    on_threads(parts, |((p, g), (m, v))| adam_pass(p, g, m, v, k));
 }
 
 /// One SGD update of `param` with `grad` and, with momentum, `buf` (`momentum_buffer`; empty
@@ -82,63 +73,43 @@ pub(crate) fn sgd(param: &mut [f32], grad: &[f32], buf: &mut [f32], k: SgdScalar
         grad.len() == n && (!with_buf || buf.len() == n),
         "sgd kernel: lengths"
     );
-    let (p, b) = (Shared(param.as_mut_ptr()), Shared(buf.as_mut_ptr()));
-    parallel(n, &|r: Range<usize>| {
-        // SAFETY: as in `adam`; `buf` is only touched with momentum, when it has `n` elements.
-        let p = unsafe { p.slice(r.clone()) };
-        let b = if with_buf {
-            unsafe { b.slice(r.clone()) }
-        } else {
-            &mut []
-        };
-        sgd_pass(p, &grad[r], b, k);
-    });
+    let per = part_len(n);
+    // Without momentum every part gets an empty buffer.
+    let bufs =
+        (buf.chunks_mut(per).filter(|_| with_buf).map(Some)).chain(std::iter::repeat_with(|| None));
+    let parts = param.chunks_mut(per).zip(grad.chunks(per)).zip(bufs);
+    on_threads(parts, |((p, g), b)| sgd_pass(p, g, b.unwrap_or(&mut []), k));
 }
 
-/// A raw pointer the threads of one update share; each writes only its own range.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-
-// SAFETY: the threads of `parallel` write disjoint ranges only.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// # Safety
-    /// `r` lies inside the buffer and no other thread uses it.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, r: Range<usize>) -> &mut [f32] {
-        // SAFETY: the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(r.start), r.len()) }
-    }
-}
-
-/// How many threads an update of `n` elements uses: candle's thread count (the one the
-/// matrix products use), fewer for shards too small to be worth a thread.
-fn threads_for(n: usize) -> usize {
-    if n < PARALLEL_MIN {
-        return 1;
-    }
-    candle_core::utils::get_num_threads().clamp(1, n / (PARALLEL_MIN / 2))
-}
-
-/// Runs `f` over `0..n` cut into one range per thread (the calling thread takes the first).
-fn parallel(n: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
-    let threads = threads_for(n);
+/// How many elements each thread updates: candle's thread count (the one the matrix products
+/// use) splits the shard at whole cache lines; shards too small to be worth a thread are one
+/// part.
+fn part_len(n: usize) -> usize {
+    let threads = if n < PARALLEL_MIN {
+        1
+    } else {
+        candle_core::utils::get_num_threads().clamp(1, n / (PARALLEL_MIN / 2))
+    };
     if threads == 1 {
-        return f(0..n);
+        return n.max(1);
     }
-    let per = n.div_ceil(threads).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
-    let ranges: Vec<Range<usize>> = (0..threads)
-        .map(|t| (t * per).min(n)..((t + 1) * per).min(n))
-        .filter(|r| !r.is_empty())
-        .collect();
+    n.div_ceil(threads).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN
+}
+
+/// Runs `pass` on each part, one thread per part (the calling thread takes the first).
+fn on_threads<T: Send>(mut parts: impl Iterator<Item = T>, pass: impl Fn(T) + Sync) {
+    let Some(first) = parts.next() else {
+        return;
+    };
+    let Some(second) = parts.next() else {
+        return pass(first);
+    };
+    let pass = &pass;
     std::thread::scope(|s| {
-        for r in &ranges[1..] {
-            let r = r.clone();
-            s.spawn(move || f(r));
+        for part in std::iter::once(second).chain(parts) {
+            s.spawn(move || pass(part));
         }
-        f(ranges[0].clone());
+        pass(first);
     });
 }
 
