@@ -127,27 +127,19 @@ fn unpack_storage(
 
 /// Parameter `layout`'s values out of a gathered block, in a buffer that takes parked pages
 /// (a released parameter's) before it is written.
-fn unpacked<T: Copy>(
+fn unpacked<T: bytemuck::Pod>(
     gathered: &[T],
     zero: T,
     layout: &ShardLayout,
     block: usize,
     ranks: usize,
 ) -> Vec<T> {
-    let (n, size) = (layout.numel(), std::mem::size_of::<T>());
+    let n = layout.numel();
     let mut out = Vec::<T>::with_capacity(n);
-    crate::memory::prefill_pages(out.capacity() * size, out.as_mut_ptr().cast(), n * size);
+    crate::memory::prefill_pages(&mut out, 0..n);
     out.resize(n, zero);
     layout.unpack(gathered, block, ranks, &mut out);
     out
-}
-
-/// Gives elements `start..start + n` of `v`, about to be overwritten, parked pages (a
-/// released parameter's) instead of faulting in fresh ones.
-fn prefill<T>(v: &mut [T], capacity: usize, start: usize, n: usize) {
-    let size = std::mem::size_of::<T>();
-    let range = v[start..start + n].as_mut_ptr().cast::<u8>();
-    crate::memory::prefill_pages(capacity * size, range, n * size);
 }
 
 /// Releases a full parameter's memory in place, keeping the storage's length (candle's
@@ -157,16 +149,14 @@ struct Release {
 }
 
 impl Release {
-    fn release<T: Copy>(&self, v: &mut Vec<T>, nan: T) {
+    fn release<T: bytemuck::Pod>(&self, v: &mut Vec<T>, nan: T) {
         if self.poison {
             v.fill(nan);
             return;
         }
         // The whole pages inside the buffer are parked or returned; they read as zeros until
         // refilled.
-        let size = std::mem::size_of::<T>();
-        let at = v.as_ptr().cast::<u8>();
-        crate::memory::release_pages(at, v.capacity() * size, v.len() * size);
+        crate::memory::release_pages(v);
     }
 }
 
@@ -212,8 +202,7 @@ impl InplaceOp1 for Refill<'_> {
             s,
             self.gathered,
             |v, g| {
-                let capacity = v.capacity();
-                prefill(v, capacity, start, n);
+                crate::memory::prefill_pages(v, start..start + n);
                 self.layout
                     .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
                 crate::memory::note_refilled(v.as_ptr().cast());

@@ -18,6 +18,7 @@ mod parked_pages;
 pub use activations::ActivationShape;
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 
@@ -379,18 +380,22 @@ fn large_block(capacity: usize) -> bool {
     TRAINING.load(Ordering::Relaxed) && large_blocks::is_large(capacity, 1)
 }
 
-/// Releases the whole pages inside the first `bytes` of the live allocation of `capacity`
-/// bytes at `allocation`: parked for the next parameter when the allocation is a large block
-/// ([`parked_pages`]), returned to the system otherwise. Either way they read as zeros until
-/// written and count as released until [`note_refilled`].
-pub(crate) fn release_pages(allocation: *const u8, capacity: usize, bytes: usize) {
-    let (first, len) = parked_pages::whole_pages(allocation as usize, bytes);
+/// Releases the whole pages inside `v`'s elements: parked for the next parameter when its
+/// allocation is a large block ([`parked_pages`]), returned to the system otherwise. Either
+/// way they read as zeros (a valid `T`) until written and count as released until
+/// [`note_refilled`].
+pub(crate) fn release_pages<T: bytemuck::Zeroable>(v: &mut Vec<T>) {
+    let allocation = v.as_ptr().cast::<u8>();
+    let capacity = v.capacity() * std::mem::size_of::<T>();
+    let (first, len) = parked_pages::whole_pages(allocation as usize, size_of_val(v.as_slice()));
     if len == 0 {
         return;
     }
-    if !(large_block(capacity) && parked_pages::park(first, len) == len) {
-        // SAFETY: [first, first + len) lies inside the caller's allocation; MADV_DONTNEED on
-        // private anonymous memory keeps the mapping valid (pages read back as zeros).
+    // SAFETY: [first, first + len) lies inside `v`'s elements, borrowed mutably here, and
+    // holds whole pages of its allocation; parking leaves the range mapped, reading zeros.
+    if !(large_block(capacity) && unsafe { parked_pages::park(first, len) } == len) {
+        // SAFETY: as above; MADV_DONTNEED on private anonymous memory keeps the mapping valid
+        // (pages read back as zeros).
         let rc = unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_DONTNEED) };
         if rc != 0 {
             return;
@@ -399,14 +404,20 @@ pub(crate) fn release_pages(allocation: *const u8, capacity: usize, bytes: usize
     note_released(allocation, len);
 }
 
-/// Before the caller overwrites all of `[address, address + bytes)` (part of an allocation of
-/// `capacity` bytes): its whole pages take parked pages of their length, when there are,
-/// instead of faulting in fresh ones.
-pub(crate) fn prefill_pages(capacity: usize, address: *mut u8, bytes: usize) {
-    if large_block(capacity) {
-        let (first, len) = parked_pages::whole_pages(address as usize, bytes);
-        parked_pages::unpark(first, len);
+/// Before the caller overwrites all of elements `range` of `v` (inside its capacity, set or
+/// not): their whole pages take parked pages of their length, when there are, instead of
+/// faulting in fresh ones. What the elements held is replaced by bytes of another parameter
+/// (any bit pattern is a valid `T`).
+pub(crate) fn prefill_pages<T: bytemuck::AnyBitPattern>(v: &mut Vec<T>, range: Range<usize>) {
+    let size = std::mem::size_of::<T>();
+    if range.end > v.capacity() || range.is_empty() || !large_block(v.capacity() * size) {
+        return;
     }
+    let address = v.as_mut_ptr().wrapping_add(range.start) as usize;
+    let (first, len) = parked_pages::whole_pages(address, range.len() * size);
+    // SAFETY: [first, first + len) lies inside `v`'s capacity, borrowed mutably here, in
+    // whole pages of its large block; any bytes are valid there.
+    unsafe { parked_pages::unpark(first, len) };
 }
 
 /// Returns the pages the last unit's release parked and no parameter took (called before

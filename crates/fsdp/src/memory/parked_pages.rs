@@ -86,7 +86,11 @@ unsafe fn move_pages(from: usize, len: usize, to: Option<usize>) -> Option<usize
 /// Moves the pages `[first, first + len)` (whole pages inside a large block) out and parks
 /// them; the range stays mapped and reads as zeros. The bytes moved: 0 when the kernel
 /// refused (before Linux 5.7), and the caller returns the pages with `madvise` instead.
-pub(super) fn park(first: usize, len: usize) -> usize {
+///
+/// # Safety
+/// `[first, first + len)` is whole pages of an anonymous private mapping the caller owns and
+/// nobody reads or writes during the call, and zeros are valid values of what it holds.
+pub(super) unsafe fn park(first: usize, len: usize) -> usize {
     // SAFETY: the range is inside a large block of the caller's; its pages move to a new
     // mapping and it keeps its mapping, empty, so every reference into it stays valid.
     let Some(moved) = (unsafe { move_pages(first, len, None) }) else {
@@ -100,7 +104,11 @@ pub(super) fn park(first: usize, len: usize) -> usize {
 /// Moves parked pages onto `[first, first + len)` (whole pages inside a large block, about
 /// to be overwritten: what they hold now is lost) when a parked range has that length.
 /// The bytes moved in.
-pub(super) fn unpark(first: usize, len: usize) -> usize {
+///
+/// # Safety
+/// `[first, first + len)` is whole pages of an anonymous private mapping the caller owns and
+/// nobody reads or writes during the call, and any bytes are valid values of what it holds.
+pub(super) unsafe fn unpark(first: usize, len: usize) -> usize {
     if len == 0 || parked_bytes() == 0 {
         return 0;
     }
@@ -156,13 +164,15 @@ mod tests {
     /// [`park`] of the whole pages inside `[address, address + bytes)`.
     fn park(address: usize, bytes: usize) -> usize {
         let (first, len) = whole_pages(address, bytes);
-        super::park(first, len)
+        // SAFETY: the tests' ranges are inside their own mappings of plain bytes.
+        unsafe { super::park(first, len) }
     }
 
     /// [`unpark`] onto the whole pages inside `[address, address + bytes)`.
     fn unpark(address: usize, bytes: usize) -> usize {
         let (first, len) = whole_pages(address, bytes);
-        super::unpark(first, len)
+        // SAFETY: as in `park`.
+        unsafe { super::unpark(first, len) }
     }
 
     fn this_thread_parked() -> usize {
