@@ -123,8 +123,9 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
         let logits = single.forward(&params, &ids, None, None)?;
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
         let want = loss.to_scalar::<f32>()? as f64;
-        let grads = engine.backward(params, loss)?;
-        engine.step(grads, &mut opt, Some(1.0))?;
+        engine.backward(params, loss, true)?;
+        engine.clip_grad_norm(Some(1.0))?;
+        engine.step(&mut opt)?;
         let got = losses[step] as f64;
         worst = worst.max((got - want).abs() / want.abs().max(1e-12));
         println!("step {}: loss {got:.6} (one process: {want:.6})", step + 1);

@@ -168,7 +168,8 @@ fn run_with(
                     let logits = m.forward(&params, &ids, None, None).unwrap();
                     let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
                     losses.push(loss.to_scalar::<f32>().unwrap() as f64);
-                    let grads = engine.backward(params, loss).unwrap();
+                    engine.backward(params, loss, true).unwrap();
+                    let grads = engine.gradients().unwrap();
                     // Gradients by name: this rank's rows, as many as it owns.
                     for name in grads.names() {
                         let rows = engine.owned_rows(name).unwrap();
@@ -176,7 +177,7 @@ fn run_with(
                             init.tensors()[name].elem_count() / row_count(&init.tensors()[name]);
                         assert_eq!(grads.get(name).unwrap().len(), rows.len() * width, "{name}");
                     }
-                    engine.step(grads, &mut opt, None).unwrap();
+                    engine.step(&mut opt).unwrap();
                 }
                 let params = engine
                     .local_shards()
@@ -428,8 +429,8 @@ fn dropout_run(checkpointing: bool, steps: usize) -> (Vec<f64>, BTreeMap<String,
                     let logits = m.forward(&params, &ids, None, None).unwrap();
                     let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
                     losses.push(loss.to_scalar::<f32>().unwrap() as f64);
-                    let grads = engine.backward(params, loss).unwrap();
-                    engine.step(grads, &mut opt, None).unwrap();
+                    engine.backward(params, loss, true).unwrap();
+                    engine.step(&mut opt).unwrap();
                 }
                 // Both BERT layers recomputed once per step with checkpointing, none without.
                 let recomputed = if checkpointing { 2 * steps as u64 } else { 0 };
@@ -488,34 +489,35 @@ fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
                     let params = engine.begin_step().unwrap();
                     let logits = m.forward(&params, &ids, None, None).unwrap();
                     let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
-                    engine.backward(params, loss).unwrap()
+                    engine.backward(params, loss, true).unwrap()
                 };
-                let grads = grads_of(&mut engine, 0);
+                grads_of(&mut engine, 0);
                 let before = group.bytes_sent();
-                let report = engine.step(grads, &mut opt, None).unwrap();
+                engine.step(&mut opt).unwrap();
                 // One f64 to the other rank: whether any rank's gradients hold a NaN or inf.
                 assert_eq!(
                     group.bytes_sent() - before,
                     8,
                     "the step sent bytes of its own"
                 );
-                assert_eq!((report.grad_norm, report.clipped), (None, false));
-                let mut grads = grads_of(&mut engine, 2);
-                engine.clip_grad_norm(&mut grads, None).unwrap();
+                grads_of(&mut engine, 2);
+                engine.clip_grad_norm(None).unwrap();
                 let before = group.bytes_sent();
-                engine.step(grads, &mut opt, None).unwrap();
+                engine.step(&mut opt).unwrap();
                 assert_eq!(group.bytes_sent(), before, "a step after a clip sent bytes");
 
-                let mut grads = grads_of(&mut engine, 1);
-                let (norm, clipped) = engine.clip_grad_norm(&mut grads, None).unwrap();
+                grads_of(&mut engine, 1);
+                let (norm, clipped) = engine.clip_grad_norm(None).unwrap();
                 assert!(norm > 0.0 && !clipped);
+                let grads = engine.gradients().unwrap();
                 let name = grads.names()[0].to_string();
                 let unscaled = grads.get(&name).unwrap().to_vec();
-                let (again, clipped) = engine.clip_grad_norm(&mut grads, Some(norm)).unwrap();
+                let (again, clipped) = engine.clip_grad_norm(Some(norm)).unwrap();
                 assert_eq!(again, norm);
                 assert!(clipped, "a norm at the limit is scaled, as in PyTorch");
                 let coef = (norm as f32 / (norm as f32 + 1e-6)).min(1.0);
                 let want: Vec<f32> = unscaled.iter().map(|g| g * coef).collect();
+                let grads = engine.gradients().unwrap();
                 assert_eq!(grads.get(&name).unwrap(), want.as_slice());
             })
         })

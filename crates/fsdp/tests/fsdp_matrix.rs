@@ -465,7 +465,6 @@ fn sharded(
             vec![(0, per_rank)]
         };
         let mut local = 0.0;
-        let mut grads: Option<fsdp::engine::Gradients> = None;
         let last = micro.len() - 1;
         for (k, (start, len)) in micro.into_iter().enumerate() {
             let weight = len as f64 / per_rank as f64;
@@ -482,28 +481,16 @@ fn sharded(
                 Some(s) => s.scale_loss(&loss).map_err(|e| e.to_string())?,
                 None => loss,
             };
-            if case.variant == Variant::AccumulatedNoSync {
-                // The micro-batch's share is taken on the loss: kept gradients are summed.
-                let loss = (loss * weight).map_err(|e| e.to_string())?;
-                if k < last {
-                    engine
-                        .backward_no_sync(params, loss)
-                        .map_err(|e| e.to_string())?;
-                } else {
-                    grads = Some(engine.backward(params, loss).map_err(|e| e.to_string())?);
-                }
-                continue;
-            }
-            let mut g = engine.backward(params, loss).map_err(|e| e.to_string())?;
-            g.scale(weight as f32).unwrap();
-            match grads.as_mut() {
-                Some(acc) => acc.accumulate(g).unwrap(),
-                None => grads = Some(g),
-            }
+            // The micro-batch's share is taken on the loss; reduced (Accumulated) or kept
+            // (AccumulatedNoSync) gradients are summed by the engine.
+            let loss = (loss * weight).map_err(|e| e.to_string())?;
+            let sync = case.variant != Variant::AccumulatedNoSync || k == last;
+            engine
+                .backward(params, loss, sync)
+                .map_err(|e| e.to_string())?;
         }
-        let mut grads = grads.unwrap();
         if let Some(s) = scaler.as_mut() {
-            let overflow = s.unscale(&engine, &mut grads).map_err(|e| e.to_string())?;
+            let overflow = s.unscale(&mut engine).map_err(|e| e.to_string())?;
             s.update(overflow);
             if overflow {
                 return Err(format!(
@@ -512,9 +499,12 @@ fn sharded(
                 ));
             }
         }
-        engine
-            .step(grads, optimizer.as_mut(), max_norm(case.variant))
-            .map_err(|e| e.to_string())?;
+        if let Some(max) = max_norm(case.variant) {
+            engine
+                .clip_grad_norm(Some(max))
+                .map_err(|e| e.to_string())?;
+        }
+        engine.step(optimizer.as_mut()).map_err(|e| e.to_string())?;
         losses.push(pg.all_reduce(vec![local], ReduceOp::Avg).wait().unwrap()[0]);
     }
     Ok((losses, engine.full_state_dict().map_err(|e| e.to_string())?))

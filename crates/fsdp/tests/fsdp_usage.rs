@@ -132,10 +132,10 @@ fn train(
     for _ in 0..steps {
         let params = engine.begin_step().map_err(|e| e.to_string())?;
         let loss = forward(&model, &params, &x, misuse).map_err(|e| e.to_string())?;
-        let grads = engine.backward(params, loss).map_err(|e| e.to_string())?;
         engine
-            .step(grads, &mut sgd, None)
+            .backward(params, loss, true)
             .map_err(|e| e.to_string())?;
+        engine.step(&mut sgd).map_err(|e| e.to_string())?;
     }
     Ok(())
 }

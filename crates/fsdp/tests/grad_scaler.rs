@@ -116,14 +116,15 @@ fn scaler_worker() {
     let logits = m.forward(&params, &ids, None, None).unwrap();
     let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
     drop(logits);
-    let mut engine_grads = model.engine_mut().backward(params, loss).unwrap();
+    model.engine_mut().backward(params, loss, true).unwrap();
     if rank == 1 {
+        let engine_grads = model.engine_mut().gradients_mut().unwrap();
         let name = engine_grads.names()[0].to_string();
         engine_grads.get_mut(&name).unwrap()[0] = f32::NAN;
     }
     let scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
-    let injected = scaler.unscale(model.engine(), &mut engine_grads).unwrap();
-    drop(engine_grads);
+    let injected = scaler.unscale(model.engine_mut()).unwrap();
+    model.engine_mut().zero_grad();
     // The scale is part of the checkpoint: after the scaler is put back to where it
     // started, load_state brings the saved scale back.
     let dir = std::path::PathBuf::from(std::env::var(CHECKPOINT_DIR).unwrap());

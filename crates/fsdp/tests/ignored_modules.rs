@@ -124,7 +124,8 @@ fn engine_gradients(
         engine.set_debug(true);
         let params = engine.begin_step().unwrap();
         let l = loss(&params, &input(engine.mesh().rank())).unwrap();
-        let grads = engine.backward(params, l).unwrap();
+        engine.backward(params, l, true).unwrap();
+        let grads = engine.gradients().unwrap();
         if checkpointing {
             assert_eq!(engine.recomputed_units(), 2, "both blocks recomputed");
         }
@@ -200,8 +201,9 @@ fn trained(offload: Option<&'static str>, steps: usize) -> BTreeMap<String, Vec<
         for _ in 0..steps {
             let params = engine.begin_step().unwrap();
             let l = loss(&params, &input(engine.mesh().rank())).unwrap();
-            let grads = engine.backward(params, l).unwrap();
-            engine.step(grads, &mut adam, Some(1.0)).unwrap();
+            engine.backward(params, l, true).unwrap();
+            engine.clip_grad_norm(Some(1.0)).unwrap();
+            engine.step(&mut adam).unwrap();
         }
         engine.full_state_dict().unwrap().map(|full| {
             full.into_iter()

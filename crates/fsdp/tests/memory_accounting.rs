@@ -58,7 +58,7 @@ fn released_parameters_stay_uncounted_until_their_storage_is_freed() {
         let params = engine.begin_step().unwrap();
         let logits = m.forward(&params, &ids, None, None).unwrap();
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
-        engine.backward(params, loss).unwrap();
+        engine.backward(params, loss, true).unwrap();
         logits
     });
     let while_held = memory::resident_bytes();

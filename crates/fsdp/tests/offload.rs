@@ -108,7 +108,6 @@ fn train_step(
     losses: &mut Vec<u32>,
 ) {
     let per_rank = GLOBAL_BATCH / r.world;
-    let mut acc: Option<fsdp::engine::Gradients> = None;
     for micro in 0..r.accumulation {
         let (ids, labels) = batch(step * r.accumulation + micro);
         let ids = ids.narrow(0, rank * per_rank, per_rank).unwrap();
@@ -117,17 +116,16 @@ fn train_step(
         let logits = m.forward(&params, &ids, None, None).unwrap();
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
         losses.push(loss.to_scalar::<f32>().unwrap().to_bits());
-        let grads = engine.backward(params, loss).unwrap();
-        match acc.as_mut() {
-            Some(a) => a.accumulate(grads).unwrap(),
-            None => acc = Some(grads),
-        }
+        engine.backward(params, loss, true).unwrap();
     }
-    let mut grads = acc.unwrap();
     if r.accumulation > 1 {
+        let grads = engine.gradients_mut().unwrap();
         grads.scale(1.0 / r.accumulation as f32).unwrap();
     }
-    engine.step(grads, opt, r.max_grad_norm).unwrap();
+    if r.max_grad_norm.is_some() {
+        engine.clip_grad_norm(r.max_grad_norm).unwrap();
+    }
+    engine.step(opt).unwrap();
 }
 
 /// Trains `steps` optimizer steps on threads as ranks; with `checkpoint`, saves after

@@ -54,8 +54,9 @@ fn run(offload: bool, scratch: &std::path::Path, checkpoint: &std::path::Path) -
         let logits = m.forward(&params, &ids, None, None).unwrap();
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
         drop(logits);
-        let grads = engine.backward(params, loss).unwrap();
-        engine.step(grads, &mut opt, Some(1.0)).unwrap();
+        engine.backward(params, loss, true).unwrap();
+        engine.clip_grad_norm(Some(1.0)).unwrap();
+        engine.step(&mut opt).unwrap();
     }
     let live = memory::resident_bytes();
     memory::reset_peak();

@@ -84,10 +84,12 @@ fn released_parameters_hand_their_pages_to_the_next_unit() {
             barrier.wait();
             parked = memory::parked_bytes();
             barrier.wait();
-            let g = engine.backward(params, l).unwrap();
+            engine.backward(params, l, true).unwrap();
+            let g = engine.gradients().unwrap();
             grads = (0..BLOCKS)
                 .map(|b| g.get(&format!("block{b}.weight")).unwrap().to_vec())
                 .collect();
+            engine.zero_grad();
         }
         (parked, grads)
     });
@@ -166,7 +168,7 @@ fn a_parameter_of_no_elements_is_released_and_refilled() {
         let params = engine.begin_step().unwrap();
         let l = loss_with_empty(&params, &input()).unwrap();
         let value = l.to_scalar::<f32>().unwrap();
-        engine.backward(params, l).unwrap();
+        engine.backward(params, l, true).unwrap();
         value
     });
     assert!(

@@ -191,8 +191,8 @@ pub(super) fn bert_engine(shape: super::BertShape, trained: bool) -> Result<(Fsd
             &labels,
             CrossEntropy::default(),
         )?;
-        let grads = fsdp.backward(params, loss)?;
-        fsdp.step(grads, &mut adamw, None)?;
+        fsdp.backward(params, loss, true)?;
+        fsdp.step(&mut adamw)?;
     }
     Ok((fsdp, adamw))
 }

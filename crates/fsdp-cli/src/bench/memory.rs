@@ -18,7 +18,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use fsdp::config::{Choice, FsdpPlugin, Layer, MixedPrecision, ReduceDtype, ShardingStrategy};
-use fsdp::engine::{Fsdp, Gradients, UnitPlan};
+use fsdp::engine::{Fsdp, UnitPlan};
 use fsdp::memory;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::candle::{DType, Device, Tensor};
@@ -394,7 +394,6 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let sent_before = bytes_sent(&fsdp);
         let started = Instant::now();
         memory::reset_peak();
-        let mut grads: Option<Gradients> = None;
         let (mut forward_s, mut backward_s) = (0f64, 0f64);
         for m in 0..micro {
             let ids: Vec<u32> = (0..a.batch * a.seq)
@@ -409,23 +408,18 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             let loss = (cross_entropy(&logits, &labels, CrossEntropy::default())? / micro as f64)?;
             drop(logits);
             let forward_done = Instant::now();
-            if a.no_sync && m + 1 < micro {
-                fsdp.backward_no_sync(params, loss)?;
+            let sync = !(a.no_sync && m + 1 < micro);
+            fsdp.backward(params, loss, sync)?;
+            if !sync {
                 kept = kept.max(fsdp.unreduced_bytes());
-            } else {
-                let g = fsdp.backward(params, loss)?;
-                match grads.as_mut() {
-                    Some(acc) => acc.accumulate(g)?,
-                    None => grads = Some(g),
-                }
             }
             forward_s += (forward_done - t).as_secs_f64();
             backward_s += forward_done.elapsed().as_secs_f64();
         }
-        let grads = grads.context("no gradients after the step's micro-batches")?;
         let backward_done = Instant::now();
         let peak = memory::peak_bytes();
-        let report = fsdp.step(grads, &mut optimizer, Some(1.0))?;
+        fsdp.clip_grad_norm(Some(1.0))?;
+        let report = fsdp.step(&mut optimizer)?;
         // Resident at the optimizer step: parameters, gradients and optimizer state.
         let at_step = report.resident_bytes.unwrap_or(0);
         if step > 0 {

@@ -377,9 +377,10 @@ fn worker(a: &OffloadArgs, mode: &str) -> Result<()> {
         drop(logits);
         losses.push(loss.to_scalar::<f32>()?.to_bits());
         let forward = t.elapsed().as_secs_f64();
-        let grads = fsdp.backward(params, loss)?;
+        fsdp.backward(params, loss, true)?;
         let backward = t.elapsed().as_secs_f64() - forward;
-        fsdp.step(grads, &mut opt, Some(1.0))?;
+        fsdp.clip_grad_norm(Some(1.0))?;
+        fsdp.step(&mut opt)?;
         let seconds = t.elapsed().as_secs_f64();
         let after = stats(&fsdp);
         steps.push(serde_json::json!({

@@ -226,8 +226,9 @@ fn worker(a: &QloraArgs) -> Result<()> {
         let params = fsdp.begin_step()?;
         let loss = model.forward_loss(&params, &ids, None, &ids)?;
         let value = loss.to_scalar::<f32>()?;
-        let grads = fsdp.backward(params, loss)?;
-        fsdp.step(grads, &mut opt, Some(1.0))?;
+        fsdp.backward(params, loss, true)?;
+        fsdp.clip_grad_norm(Some(1.0))?;
+        fsdp.step(&mut opt)?;
         let seconds = t.elapsed().as_secs_f64();
         if !value.is_finite() {
             bail!("step {step}: the loss is {value}");

@@ -51,9 +51,10 @@ impl<M> PreparedModel<M> {
         let Some(scaler) = self.scaler.as_ref() else {
             return Ok(false);
         };
-        let Some(found) = self.engine.unscale_gradients(scaler)? else {
+        if self.engine.gradients().is_none() {
             return Ok(false);
-        };
+        }
+        let found = scaler.unscale(&mut self.engine)?;
         self.found_inf = Some(found);
         Ok(found)
     }
@@ -155,7 +156,7 @@ impl<M> PreparedModel<M> {
                 model: self.index,
                 problem: "backward without a forward: run PreparedModel::forward first",
             })?;
-        self.engine.accumulate_backward(params, loss, sync)?;
+        self.engine.backward(params, loss, sync)?;
         self.backward_passes += 1;
         Ok(self.backward_passes)
     }
@@ -170,11 +171,13 @@ impl<M> PreparedModel<M> {
         if self.unscale()? {
             return Ok(f64::INFINITY);
         }
-        let clipped = self.engine.clip_gradients(max_norm)?;
-        let (norm, _) = clipped.ok_or_else(|| AcceleratorError::CallOrder {
-            model: self.index,
-            problem: "clip_grad_norm without gradients: call backward first",
-        })?;
+        if self.engine.gradients().is_none() {
+            return Err(AcceleratorError::CallOrder {
+                model: self.index,
+                problem: "clip_grad_norm without gradients: call backward first",
+            });
+        }
+        let (norm, _) = self.engine.clip_grad_norm(Some(max_norm))?;
         Ok(norm)
     }
 
@@ -189,17 +192,16 @@ impl<M> PreparedModel<M> {
         }
         let found_inf = self.unscale()?;
         self.found_inf = None;
-        let grads = self.engine.take_gradients();
         if let Some(s) = self.scaler.as_mut() {
             s.update(found_inf);
         }
-        match grads {
-            Some(grads) if !found_inf => {
-                self.engine.step(grads, optimizer, None)?;
-                Ok(true)
-            }
-            _ => Ok(false),
+        if found_inf {
+            // Every rank skips the step; the overflowed gradients are dropped.
+            self.engine.zero_grad();
+            return Ok(false);
         }
+        self.engine.step(optimizer)?;
+        Ok(true)
     }
 
     /// Drops accumulated gradients (`optimizer.zero_grad()`).

@@ -147,6 +147,13 @@ pub enum EngineError {
         /// The first such parameter in the plan's order.
         name: String,
     },
+    /// A gradient operation with no gradient held: no backward with sync since the last
+    /// step or `zero_grad`.
+    #[error("{op} without gradients: call backward (with sync) first")]
+    NoGradients {
+        /// The operation (`step`, `clip_grad_norm`, `unscale`).
+        op: &'static str,
+    },
     /// A configured feature this engine does not provide yet: refused rather than ignored.
     #[error("{setting} is not supported by the FSDP engine yet; {hint}")]
     Unsupported {

@@ -1,8 +1,8 @@
 //! [`Fsdp`]: a model's parameters sharded on dim 0 per unit over a [`Mesh`], each rank
 //! keeping its rows. A training step is `begin_step` (units gathered as forward reaches
 //! them), `backward` (units refilled and their gradients reduced as backward passes them,
-//! see `engine::step`), and `step` (global gradient-norm clipping and the optimizer on this
-//! rank's rows only).
+//! see `engine::step`; the engine holds the reduced sum, `accumulation.rs`), and `step`
+//! (the optimizer on this rank's rows only).
 //!
 //! FULL_SHARD frees a unit's full parameters after its forward and again after its backward;
 //! SHARD_GRAD_OP keeps them from forward through backward and frees them after; NO_SHARD keeps
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use candle_core::Tensor;
-use fsdp_comm::{Communicator, CommunicatorExt, Mesh, ReduceOp};
+use fsdp_comm::{Communicator, Mesh, ReduceOp};
 
 use super::collectives::CommDtypes;
 use super::data_plane::DataPlane;
@@ -82,12 +82,6 @@ fn machine_size(world: usize) -> Result<usize, EngineError> {
 /// What a step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepReport {
-    /// The global gradient norm before clipping (over every parameter, all ranks), when
-    /// the step clipped: the norm is a collective, which a step without `max_grad_norm`
-    /// does not run (a caller who clipped first has it from [`Fsdp::clip_grad_norm`]).
-    pub grad_norm: Option<f64>,
-    /// Whether gradients were scaled down to `max_grad_norm`.
-    pub clipped: bool,
     /// Bytes of live allocations just after the update, measured by
     /// [`crate::memory::CountingAllocator`] when the program installed it.
     pub resident_bytes: Option<usize>,
@@ -386,23 +380,6 @@ impl Fsdp {
         Ok(StepParams { shared })
     }
 
-    /// Back-propagates `loss` (consumed, so the graph is freed when this returns): plans the
-    /// units' backward order from the graph (and, in debug mode, checks it), runs backward
-    /// with each unit refilled before and reduced right after its gradient computation, and
-    /// returns this rank's reduced gradients — including those that backwards without sync
-    /// kept, reduced in the same collective.
-    pub fn backward(&mut self, params: StepParams, loss: Tensor) -> Result<Gradients, EngineError> {
-        let (units, has_grad) = self.run_backward(&params, loss, true)?;
-        drop(params);
-        Ok(Gradients {
-            units,
-            has_grad,
-            replicated: self.units.iter().map(|u| u.replicated).collect(),
-            index: self.grad_index.clone(),
-            known_finite: false,
-        })
-    }
-
     /// Runs backward (see [`Fsdp::backward`]): returns the units' reductions (none without
     /// `sync`).
     pub(crate) fn run_backward(
@@ -429,36 +406,6 @@ impl Fsdp {
         let reduced = shared.finish()?;
         self.prefetch.forward_order = shared.forward_order();
         Ok(reduced)
-    }
-
-    /// The global gradient norm (over every parameter on every rank: shards' squares summed
-    /// over the shard group, whole copies counted once), and, when `max_norm` is set,
-    /// gradients multiplied by `min(1, max_norm / (norm + 1e-6))` in f32, as PyTorch's
-    /// `clip_grad_norm_` does (so a norm at the limit is still scaled, by a hair); whether
-    /// they were scaled.
-    pub fn clip_grad_norm(
-        &self,
-        grads: &mut Gradients,
-        max_norm: Option<f64>,
-    ) -> Result<(f64, bool), EngineError> {
-        let (mut sharded_sq, replicated_sq) = grads.squares()?;
-        if self.mesh.shard_size() > 1 {
-            sharded_sq = self
-                .mesh
-                .shard
-                .all_reduce_vec(vec![sharded_sq], ReduceOp::Sum)
-                .wait()?[0];
-        }
-        let norm = (sharded_sq + replicated_sq).sqrt();
-        let scale = match max_norm {
-            Some(max) => (max as f32 / (norm as f32 + 1e-6)).min(1.0),
-            None => 1.0,
-        };
-        if scale < 1.0 {
-            grads.scale(scale)?;
-        }
-        grads.known_finite = norm.is_finite();
-        Ok((norm, scale < 1.0))
     }
 
     /// Refuses a step on gradients with a NaN or inf on any rank, naming the first such
@@ -505,22 +452,13 @@ impl Fsdp {
         Err(EngineError::NonFiniteGradient { name })
     }
 
-    /// Clips by the global gradient norm when `max_grad_norm` is set and updates this rank's
-    /// rows with `optimizer`. Parameters that received no gradient are left alone, as
+    /// Updates this rank's rows with `optimizer` from the held gradients (taken: the next
+    /// step needs a new backward). Parameters that received no gradient are left alone, as
     /// PyTorch's optimizers do. Gradients with a NaN or inf on any rank are refused on every
-    /// rank ([`EngineError::NonFiniteGradient`]) before anything is updated.
-    pub fn step(
-        &mut self,
-        mut grads: Gradients,
-        optimizer: &mut dyn Optimizer,
-        max_grad_norm: Option<f64>,
-    ) -> Result<StepReport, EngineError> {
-        let (grad_norm, clipped) = match max_grad_norm {
-            Some(_) => {
-                let (norm, clipped) = self.clip_grad_norm(&mut grads, max_grad_norm)?;
-                (Some(norm), clipped)
-            }
-            None => (None, false),
+    /// rank ([`EngineError::NonFiniteGradient`]) before anything is updated, and dropped.
+    pub fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<StepReport, EngineError> {
+        let Some(mut grads) = self.accumulated.reduced.take() else {
+            return Err(EngineError::NoGradients { op: "step" });
         };
         self.check_finite(&grads)?;
         let began = std::time::Instant::now();
@@ -560,10 +498,6 @@ impl Fsdp {
         }
         let resident_bytes = crate::memory::counting().then(crate::memory::resident_bytes);
         drop(grads);
-        Ok(StepReport {
-            grad_norm,
-            clipped,
-            resident_bytes,
-        })
+        Ok(StepReport { resident_bytes })
     }
 }

@@ -10,7 +10,6 @@ use fsdp_comm::{Buffer, ReduceOp};
 
 use super::error::EngineError;
 use super::fsdp::Fsdp;
-use super::grads::Gradients;
 
 /// Loss-scaling settings (PyTorch's defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,18 +75,20 @@ impl GradScaler {
         Ok((loss * self.scale)?)
     }
 
-    /// Divides `grads` by the scale; returns whether any rank of `fsdp`'s mesh found an
-    /// inf or NaN in its rows (then every rank must skip the step).
-    pub fn unscale(&self, fsdp: &Fsdp, grads: &mut Gradients) -> Result<bool, EngineError> {
-        grads.scale((1.0 / self.scale) as f32)?;
-        let mine = f32::from(u8::from(!grads.all_finite()?));
-        let any = fsdp
-            .mesh()
-            .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)?;
-        let found = any.as_slice::<f32>().is_some_and(|v| v[0] > 0.0);
-        // Every rank found them finite: the step's own check need not look again.
-        grads.known_finite = !found;
-        Ok(found)
+    /// Divides `fsdp`'s held gradients by the scale; returns whether any rank of its mesh
+    /// found an inf or NaN in its rows (then every rank must skip the step). Collective.
+    pub fn unscale(&self, fsdp: &mut Fsdp) -> Result<bool, EngineError> {
+        fsdp.with_gradients("unscale", |fsdp, grads| {
+            grads.scale((1.0 / self.scale) as f32)?;
+            let mine = f32::from(u8::from(!grads.all_finite()?));
+            let any = fsdp
+                .mesh()
+                .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)?;
+            let found = any.as_slice::<f32>().is_some_and(|v| v[0] > 0.0);
+            // Every rank found them finite: the step's own check need not look again.
+            grads.known_finite = !found;
+            Ok(found)
+        })
     }
 
     /// After a step: the scale backs off when `found_inf`, and grows after

@@ -167,10 +167,9 @@ impl Trainer {
             let logits = self.model.forward(&params, &ids, None, None).unwrap();
             let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
             losses.push(loss.to_scalar::<f32>().unwrap());
-            let grads = self.engine.backward(params, loss).unwrap();
-            self.engine
-                .step(grads, self.optimizer.as_mut(), Some(1.0))
-                .unwrap();
+            self.engine.backward(params, loss, true).unwrap();
+            self.engine.clip_grad_norm(Some(1.0)).unwrap();
+            self.engine.step(self.optimizer.as_mut()).unwrap();
         }
         losses
     }
