@@ -43,9 +43,14 @@ fn save_results(dir: &Path) -> Vec<Result<PathBuf, String>> {
         let rank = g.rank();
         let mut t = Trainer::new(g, sharded());
         t.train(0..1);
-        t.engine
-            .save_state(&dir, t.optimizer.as_ref(), &run_state(1, rank))
-            .map_err(|e| e.to_string())
+        fsdp::checkpoint::save_state(
+            &dir,
+            &[&t.engine],
+            &[t.optimizer.as_ref()],
+            &run_state(1, rank),
+            &Default::default(),
+        )
+        .map_err(|e| e.to_string())
     })
 }
 
@@ -60,11 +65,15 @@ fn load_errors(dir: &Path) -> Vec<String> {
     let dir = dir.to_path_buf();
     on_threads(2, move |g| {
         let mut t = Trainer::new(g, sharded());
-        t.engine
-            .load_state(&dir, t.optimizer.as_mut())
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default()
+        fsdp::checkpoint::load_state(
+            &dir,
+            &mut [&mut t.engine],
+            &mut [t.optimizer.as_mut()],
+            &Default::default(),
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default()
     })
 }
 
@@ -505,9 +514,14 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
             let mut t = Trainer::new(g.clone(), sharded());
             t.optimizer = grouped(&t, saved_with, is_bias_or_norm);
             run(&mut t, 0..2);
-            t.engine
-                .save_state(&dir, t.optimizer.as_ref(), &RunState::default())
-                .unwrap();
+            fsdp::checkpoint::save_state(
+                &dir,
+                &[&t.engine],
+                &[t.optimizer.as_ref()],
+                &RunState::default(),
+                &Default::default(),
+            )
+            .unwrap();
             let straight = run(&mut t, 2..4);
             let saved_settings: Vec<_> = (0..2).map(|i| t.optimizer.group_settings(i)).collect();
 
@@ -518,11 +532,14 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
                 .clone();
             fresh.optimizer = grouped(&fresh, other, move |n| n != first);
             let before: Vec<_> = (0..2).map(|i| fresh.optimizer.group_settings(i)).collect();
-            let refused = fresh
-                .engine
-                .load_state(&dir, fresh.optimizer.as_mut())
-                .unwrap_err()
-                .to_string();
+            let refused = fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut fresh.engine],
+                &mut [fresh.optimizer.as_mut()],
+                &Default::default(),
+            )
+            .unwrap_err()
+            .to_string();
             let after: Vec<_> = (0..2).map(|i| fresh.optimizer.group_settings(i)).collect();
             assert_eq!(before, after, "a refused load changes no setting");
             assert!(fresh.optimizer.state_names().is_empty(), "nor any state");
@@ -531,10 +548,13 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
             // so the run continues exactly as the uninterrupted one.
             let mut resumed = Trainer::new(g.clone(), sharded());
             resumed.optimizer = grouped(&resumed, other, is_bias_or_norm);
-            resumed
-                .engine
-                .load_state(&dir, resumed.optimizer.as_mut())
-                .unwrap();
+            fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut resumed.engine],
+                &mut [resumed.optimizer.as_mut()],
+                &Default::default(),
+            )
+            .unwrap();
             let restored: Vec<_> = (0..2)
                 .map(|i| resumed.optimizer.group_settings(i))
                 .collect();
@@ -572,7 +592,13 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
         on_threads(2, move |g| {
             let mut t = Trainer::new(g, sharded());
             t.optimizer = grouped(&t, other, is_bias_or_norm);
-            let loaded = t.engine.load_state(&dir, t.optimizer.as_mut()).map(|_| ());
+            let loaded = fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut t.engine],
+                &mut [t.optimizer.as_mut()],
+                &Default::default(),
+            )
+            .map(|_| ());
             (
                 loaded.map_err(|e| e.to_string()),
                 t.optimizer.group_settings(0)["weight_decay"].clone(),
@@ -608,10 +634,14 @@ fn an_accelerate_checkpoint_of_another_optimizer_grouping_or_model_is_refused_be
         // One group where the run had two (decay, no decay).
         let mut one_group = fsdp::optim::AdamW::new(Default::default()).unwrap();
         errors.push(
-            t.engine
-                .load_state(&dir, &mut one_group)
-                .unwrap_err()
-                .to_string(),
+            fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut t.engine],
+                &mut [&mut one_group],
+                &Default::default(),
+            )
+            .unwrap_err()
+            .to_string(),
         );
         // Two groups of SGD for AdamW's state.
         let names: Vec<String> = t
@@ -626,7 +656,16 @@ fn an_accelerate_checkpoint_of_another_optimizer_grouping_or_model_is_refused_be
             fsdp::optim::is_bias_or_norm,
         ))
         .unwrap();
-        errors.push(t.engine.load_state(&dir, &mut sgd).unwrap_err().to_string());
+        errors.push(
+            fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut t.engine],
+                &mut [&mut sgd],
+                &Default::default(),
+            )
+            .unwrap_err()
+            .to_string(),
+        );
         let unchanged = t.weights() == before;
         // Another model: a vocabulary of 40 instead of 37.
         let model = fsdp::models::BertForSequenceClassification::new(fsdp::models::BertConfig {
@@ -654,10 +693,14 @@ fn an_accelerate_checkpoint_of_another_optimizer_grouping_or_model_is_refused_be
             .fsdp;
         let mut other = fsdp::engine::Fsdp::wrap(&model, &init.tensors(), &plugin, g).unwrap();
         errors.push(
-            other
-                .load_state(&dir, t.optimizer.as_mut())
-                .unwrap_err()
-                .to_string(),
+            fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut other],
+                &mut [t.optimizer.as_mut()],
+                &Default::default(),
+            )
+            .unwrap_err()
+            .to_string(),
         );
         (errors, unchanged)
     });
@@ -892,20 +935,26 @@ fn every_checkpoint_of_a_run_with_a_schedule_loads() {
         for (step, lr) in rates.iter().enumerate() {
             t.optimizer.set_lr(0, *lr).unwrap();
             t.train(step..step + 1);
-            t.engine
-                .save_state(
-                    &root.join(format!("step_{step}")),
-                    t.optimizer.as_ref(),
-                    &run_state(step as u64, rank),
-                )
-                .unwrap();
+            fsdp::checkpoint::save_state(
+                &root.join(format!("step_{step}")),
+                &[&t.engine],
+                &[t.optimizer.as_ref()],
+                &run_state(step as u64, rank),
+                &Default::default(),
+            )
+            .unwrap();
         }
     });
     for (step, lr) in lrs.iter().enumerate() {
         let dir = tmp.path().join(format!("step_{step}"));
         let got = on_threads(2, move |g| {
             let mut t = Trainer::new(g, sharded());
-            let run = t.engine.load_state(&dir, t.optimizer.as_mut());
+            let run = fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut t.engine],
+                &mut [t.optimizer.as_mut()],
+                &Default::default(),
+            );
             run.map(|r| (r.step, t.optimizer.lr(0)))
                 .map_err(|e| e.to_string())
         });

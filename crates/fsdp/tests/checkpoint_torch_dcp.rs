@@ -51,10 +51,14 @@ fn torch_dcp_worker() {
         "from-accelerate" => {
             let from = PathBuf::from(std::env::var("FSDP_DCP_FROM").unwrap());
             assert_eq!(
-                t.engine
-                    .load_state(&from, t.optimizer.as_mut())
-                    .unwrap()
-                    .step,
+                fsdp::checkpoint::load_state(
+                    &from,
+                    &mut [&mut t.engine],
+                    &mut [t.optimizer.as_mut()],
+                    &Default::default()
+                )
+                .unwrap()
+                .step,
                 3
             );
             losses.extend(t.train(3..6));
@@ -98,7 +102,13 @@ fn torch_dcp_worker() {
             }
         }
         "resume" => {
-            let run = t.engine.load_state(&dir, t.optimizer.as_mut()).unwrap();
+            let run = fsdp::checkpoint::load_state(
+                &dir,
+                &mut [&mut t.engine],
+                &mut [t.optimizer.as_mut()],
+                &Default::default(),
+            )
+            .unwrap();
             assert_eq!(run.step, 6, "the step the run state records");
             assert_eq!(run.data, serde_json::json!({"epoch": 0, "batch": 6}));
             assert_eq!(run.schedulers[0]["steps"], 6);

@@ -161,13 +161,24 @@ fn train(
                     if let Some((at, dir)) = &checkpoint
                         && step == *at
                     {
-                        engine
-                            .save_state(dir, opt.as_ref(), &RunState::default())
-                            .unwrap();
+                        fsdp::checkpoint::save_state(
+                            dir,
+                            &[&engine],
+                            &[opt.as_ref()],
+                            &RunState::default(),
+                            &Default::default(),
+                        )
+                        .unwrap();
                         drop(engine);
                         engine = new_engine();
                         opt = optimizer(r.sgd);
-                        engine.load_state(dir, opt.as_mut()).unwrap();
+                        fsdp::checkpoint::load_state(
+                            dir,
+                            &mut [&mut engine],
+                            &mut [opt.as_mut()],
+                            &Default::default(),
+                        )
+                        .unwrap();
                     }
                     train_step(&mut engine, opt.as_mut(), &m, r, rank, step, &mut losses);
                 }

@@ -60,9 +60,14 @@ fn run(offload: bool, scratch: &std::path::Path, checkpoint: &std::path::Path) -
     }
     let live = memory::resident_bytes();
     memory::reset_peak();
-    engine
-        .save_state(checkpoint, &opt, &RunState::default())
-        .unwrap();
+    fsdp::checkpoint::save_state(
+        checkpoint,
+        &[&engine],
+        &[&opt],
+        &RunState::default(),
+        &Default::default(),
+    )
+    .unwrap();
     let saving = memory::peak_bytes().saturating_sub(live);
     drop(engine);
     drop(opt);
@@ -70,7 +75,13 @@ fn run(offload: bool, scratch: &std::path::Path, checkpoint: &std::path::Path) -
     let mut opt = AdamW::new(AdamWConfig::default()).unwrap();
     let before = memory::resident_bytes();
     memory::reset_peak();
-    engine.load_state(checkpoint, &mut opt).unwrap();
+    fsdp::checkpoint::load_state(
+        checkpoint,
+        &mut [&mut engine],
+        &mut [&mut opt],
+        &Default::default(),
+    )
+    .unwrap();
     let loading = memory::peak_bytes().saturating_sub(before);
     drop(engine);
     [live, saving, loading]

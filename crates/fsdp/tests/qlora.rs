@@ -312,7 +312,8 @@ fn qlora_checkpoints_keep_the_blocks_reshard_merge_dequantized_and_refuse_anothe
     let saved = on_threads(2, move |g| {
         let e = engine(nf4, g);
         let sgd = fsdp::optim::Sgd::new(Default::default()).unwrap();
-        e.save_state(&d, &sgd, &Default::default()).unwrap();
+        fsdp::checkpoint::save_state(&d, &[&e], &[&sgd], &Default::default(), &Default::default())
+            .unwrap();
         // PyTorch's format would hand the words to PyTorch as floats: refused, nothing written.
         let options = fsdp::checkpoint::CheckpointOptions {
             format: Some(fsdp::config::CheckpointFormat::TorchDcp),
@@ -346,7 +347,8 @@ fn qlora_checkpoints_keep_the_blocks_reshard_merge_dequantized_and_refuse_anothe
     let loaded = on_threads(3, move |g| {
         let mut e = engine(nf4, g);
         let mut sgd = fsdp::optim::Sgd::new(Default::default()).unwrap();
-        e.load_state(&d, &mut sgd).unwrap();
+        fsdp::checkpoint::load_state(&d, &mut [&mut e], &mut [&mut sgd], &Default::default())
+            .unwrap();
         e.full_state_dict().unwrap()
     });
     let loaded = loaded.into_iter().flatten().next().unwrap();
@@ -379,7 +381,9 @@ fn qlora_checkpoints_keep_the_blocks_reshard_merge_dequantized_and_refuse_anothe
         let errors = on_threads(2, move |g| {
             let mut e = engine(format, g);
             let mut sgd = fsdp::optim::Sgd::new(Default::default()).unwrap();
-            e.load_state(&d, &mut sgd).unwrap_err().to_string()
+            fsdp::checkpoint::load_state(&d, &mut [&mut e], &mut [&mut sgd], &Default::default())
+                .unwrap_err()
+                .to_string()
         });
         for e in errors {
             assert!(e.contains("weight` is kept in NF4 (rows of "), "{e}");

@@ -205,7 +205,7 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
     let run = RunState::default();
     let sharded = dir.join("sharded");
     let (save_sharded, sharded_peak) = timed(a.reps, || {
-        fsdp.save_state(&sharded, &adamw, &run)?;
+        fsdp::checkpoint::save_state(&sharded, &[&fsdp], &[&adamw], &run, &Default::default())?;
         Ok(())
     })?;
     // Asynchronous: what the caller is blocked for (the staging copy), and until written.
@@ -213,7 +213,13 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
     let (mut blocked, mut staged) = (Vec::new(), 0u64);
     let (save_async_total, async_peak) = timed(a.reps, || {
         let t = Instant::now();
-        let pending = fsdp.save_state_async(&async_dir, &adamw, &run)?;
+        let pending = fsdp::checkpoint::save_state_async(
+            &async_dir,
+            &[&fsdp],
+            &[&adamw],
+            &run,
+            &Default::default(),
+        )?;
         blocked.push(t.elapsed().as_secs_f64());
         staged = pending.staged_bytes();
         pending.wait()?;
@@ -247,7 +253,12 @@ fn worker(a: &CheckpointArgs, dir: &std::path::Path) -> Result<()> {
     )?;
     let mut load = |from: &std::path::Path| {
         timed(a.reps, || {
-            fsdp.load_state(from, &mut adamw)?;
+            fsdp::checkpoint::load_state(
+                from,
+                &mut [&mut fsdp],
+                &mut [&mut adamw],
+                &Default::default(),
+            )?;
             Ok(())
         })
     };

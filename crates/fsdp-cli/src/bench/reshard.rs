@@ -111,14 +111,25 @@ fn worker(a: &ReshardArgs, phase: &str, dir: &std::path::Path) -> Result<()> {
     match phase {
         "save" => {
             let (fsdp, adamw) = super::checkpoint::bert_engine(a.shape, true)?;
-            fsdp.save_state(dir, &adamw, &RunState::default())?;
+            fsdp::checkpoint::save_state(
+                dir,
+                &[&fsdp],
+                &[&adamw],
+                &RunState::default(),
+                &Default::default(),
+            )?;
         }
         "load" => {
             let (mut fsdp, mut adamw) = super::checkpoint::bert_engine(a.shape, false)?;
             let (heap, read) = (memory::resident_bytes(), bytes_read()?);
             memory::reset_peak();
             let started = Instant::now();
-            fsdp.load_state(dir, &mut adamw)?;
+            fsdp::checkpoint::load_state(
+                dir,
+                &mut [&mut fsdp],
+                &mut [&mut adamw],
+                &Default::default(),
+            )?;
             let seconds = started.elapsed().as_secs_f64();
             let mine = vec![
                 seconds,

@@ -299,17 +299,17 @@ impl Fsdp {
     }
 
     /// How checkpoints of this model are cut (`fsdp_state_dict_type`).
-    pub fn state_dict_type(&self) -> StateDictType {
+    pub(crate) fn state_dict_type(&self) -> StateDictType {
         self.state_dict_type
     }
 
     /// Where this rank's timeline is recorded, when `fsdp_trace_dir` is set.
-    pub fn tracer(&self) -> Option<&Tracer> {
+    pub(crate) fn tracer(&self) -> Option<&Tracer> {
         self.tracer.as_deref()
     }
 
     /// The files its SHARDED_STATE_DICT checkpoints are written as (`fsdp_checkpoint_format`).
-    pub fn checkpoint_format(&self) -> CheckpointFormat {
+    pub(crate) fn checkpoint_format(&self) -> CheckpointFormat {
         self.checkpoint_format
     }
 
@@ -321,14 +321,6 @@ impl Fsdp {
     /// The mesh: `shard` (the ranks a parameter is split over) and `replicate`.
     pub fn mesh(&self) -> &Mesh {
         &self.mesh
-    }
-
-    /// Turns activation checkpointing on or off (`fsdp_activation_checkpointing`): units
-    /// that models run through [`crate::nn::call_checkpointable`] (BERT layers, GPT-2 blocks)
-    /// keep only their input and output after forward and recompute their activations in
-    /// backward, with the same dropout masks.
-    pub fn set_activation_checkpointing(&mut self, on: bool) {
-        self.checkpointing = on;
     }
 
     /// How many unit forwards activation checkpointing has recomputed in backward so far.

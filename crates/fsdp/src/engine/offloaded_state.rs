@@ -71,7 +71,7 @@ impl Fsdp {
 
     /// The step count and buffer names of parameter `name`'s optimizer state, wherever it
     /// lives (nothing is read).
-    pub fn optimizer_state_info(
+    pub(crate) fn optimizer_state_info(
         &self,
         optimizer: &dyn Optimizer,
         name: &str,
@@ -88,7 +88,7 @@ impl Fsdp {
     /// Buffer `key` (`exp_avg`, ...) of parameter `name`'s optimizer state: a copy of
     /// `optimizer`'s own, or this rank's rows read back from the disk tier when the state is
     /// offloaded there (what checkpoints save, one buffer at a time).
-    pub fn optimizer_state_buffer(
+    pub(crate) fn optimizer_state_buffer(
         &self,
         optimizer: &dyn Optimizer,
         name: &str,

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use fsdp_comm::{Buffer, DType};
+use fsdp_comm::Buffer;
 
 use super::error::{EngineError, unit_name};
 use super::fsdp::Fsdp;
@@ -104,7 +104,7 @@ impl Fsdp {
     /// unit at a time onto that rank (collective: every rank must call it; other ranks only
     /// send). No rank ever holds more than its shards and one unit.
     /// A quantized weight is given as the f32 weight it stands for, dequantized.
-    pub fn for_each_full_param(
+    pub(crate) fn for_each_full_param(
         &self,
         mut f: impl FnMut(&str, Tensor) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
@@ -124,7 +124,7 @@ impl Fsdp {
     }
 
     /// How parameter `name` is kept quantized, if it is.
-    pub fn packing(&self, name: &str) -> Option<crate::nn::quant::Packing> {
+    pub(crate) fn packing(&self, name: &str) -> Option<crate::nn::quant::Packing> {
         self.units
             .iter()
             .flat_map(|u| &u.params)
@@ -135,7 +135,7 @@ impl Fsdp {
 
     /// [`Fsdp::parameters`] as exported weights: a quantized weight with the shape of the
     /// f32 weight it stands for.
-    pub fn exported_parameters(&self) -> Vec<(&str, Vec<usize>)> {
+    pub(crate) fn exported_parameters(&self) -> Vec<(&str, Vec<usize>)> {
         self.parameters()
             .into_iter()
             .map(|(name, shape)| {
@@ -203,7 +203,7 @@ impl Fsdp {
     /// each parameter (the parameter itself, or optimizer state laid out like it), `None`
     /// when the parameter has none (then `f` is not called for it; every rank must agree).
     /// Collective; no rank holds more than its rows and one unit.
-    pub fn gather_rows_to_first(
+    pub(crate) fn gather_rows_to_first(
         &self,
         local: &LocalRows<'_>,
         f: &mut RowsSink<'_>,
@@ -275,10 +275,5 @@ impl Fsdp {
             Ok(())
         })?;
         Ok((self.mesh.rank() == 0).then_some(out))
-    }
-
-    /// The element type master shards are kept in.
-    pub fn master_dtype(&self) -> DType {
-        DType::F32
     }
 }
