@@ -9,6 +9,7 @@ use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 
 use super::error::EngineError;
 use super::sparse_rows::{CompactGrads, RowSparsePlan, RowSparseReduce};
+use crate::config::{FsdpPlugin, MixedPrecision, ReduceDtype};
 use crate::trace::Tracer;
 
 /// The element types a unit communicates in.
@@ -18,6 +19,28 @@ pub struct CommDtypes {
     pub param: DType,
     /// What gradients are reduced in.
     pub reduce: DType,
+}
+
+impl CommDtypes {
+    /// The element types of communication and compute: parameters gathered (and computed)
+    /// in `mixed_precision`'s dtype over f32 master shards and optimizer state; gradients
+    /// reduced in `fsdp_reduce_dtype` (f32 unless set: half-precision gradients summed over
+    /// ranks lose low bits). fp16 has bf16's precision and a narrower range: scale the loss
+    /// with a `GradScaler` (the Accelerator does).
+    pub(crate) fn for_plugin(plugin: &FsdpPlugin) -> CommDtypes {
+        CommDtypes {
+            param: match plugin.mixed_precision {
+                MixedPrecision::No => DType::F32,
+                MixedPrecision::Bf16 => DType::BF16,
+                MixedPrecision::Fp16 => DType::F16,
+            },
+            reduce: match plugin.reduce_dtype {
+                ReduceDtype::Fp32 => DType::F32,
+                ReduceDtype::Bf16 => DType::BF16,
+                ReduceDtype::Fp16 => DType::F16,
+            },
+        }
+    }
 }
 
 impl Default for CommDtypes {

@@ -1,7 +1,7 @@
 //! [`Fsdp`]: a model's parameters sharded on dim 0 per unit over a [`Mesh`], each rank
 //! keeping its rows. A training step is `begin_step` (units gathered as forward reaches
 //! them), `backward` (units refilled and their gradients reduced as backward passes them,
-//! see `engine::step`; the engine holds the reduced sum, `accumulation.rs`), and `step`
+//! see `engine::step`; the engine holds the reduced sum until the step), and `step`
 //! (the optimizer on this rank's rows only).
 //!
 //! FULL_SHARD frees a unit's full parameters after its forward and again after its backward;
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use candle_core::Tensor;
-use fsdp_comm::{Communicator, Mesh, ReduceOp};
+use fsdp_comm::{Communicator, CommunicatorExt, Mesh, ReduceOp};
 
 use super::collectives::CommDtypes;
 use super::data_plane::DataPlane;
@@ -28,33 +28,10 @@ use super::placement::Placement;
 use super::plan::{ShardLayout, UnitPlan};
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared};
 use super::unit::Prefetch;
-use crate::config::{
-    CheckpointFormat, FsdpPlugin, MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType,
-};
+use crate::config::{CheckpointFormat, FsdpPlugin, ShardingStrategy, StateDictType};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
 use crate::trace::Tracer;
-
-/// The element types of communication and compute: parameters gathered (and computed) in
-/// `mixed_precision`'s dtype over f32 master shards and optimizer state; gradients reduced in
-/// `fsdp_reduce_dtype` (f32 unless set: half-precision gradients summed over ranks lose low
-/// bits). fp16 has bf16's precision and a narrower range: scale the loss with a
-/// `GradScaler` (the Accelerator does).
-fn comm_dtypes(plugin: &FsdpPlugin) -> CommDtypes {
-    use fsdp_comm::DType;
-    CommDtypes {
-        param: match plugin.mixed_precision {
-            MixedPrecision::No => DType::F32,
-            MixedPrecision::Bf16 => DType::BF16,
-            MixedPrecision::Fp16 => DType::F16,
-        },
-        reduce: match plugin.reduce_dtype {
-            ReduceDtype::Fp32 => DType::F32,
-            ReduceDtype::Bf16 => DType::BF16,
-            ReduceDtype::Fp16 => DType::F16,
-        },
-    }
-}
 
 /// The processes of one machine, which hybrid sharding shards over: from the launch
 /// environment as `WorldInfo` reads it (`fsdp launch`'s `LOCAL_WORLD_SIZE`, or SLURM's,
@@ -108,7 +85,7 @@ pub struct Fsdp {
     checkpoint_format: CheckpointFormat,
     /// Where this rank's timeline is recorded (`fsdp_trace_dir`).
     tracer: Option<Arc<Tracer>>,
-    /// Gradients accumulated over micro-batches (`accumulation.rs`): each unit's whole local
+    /// Gradients accumulated over micro-batches (held until the step): each unit's whole local
     /// gradients kept by backwards without sync for the next reduction, and the reduced
     /// rows of backwards with sync that no step has taken yet.
     pub(crate) accumulated: Accumulated,
@@ -176,7 +153,7 @@ impl Fsdp {
         default_wrap: &[&str],
         mesh: Mesh,
     ) -> Result<Fsdp, EngineError> {
-        let dtypes = comm_dtypes(plugin);
+        let dtypes = CommDtypes::for_plugin(plugin);
         crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
         super::sparse_rows::refuse_hybrid(&plan, &mesh)?;
@@ -491,5 +468,127 @@ impl Fsdp {
         let resident_bytes = crate::memory::counting().then(crate::memory::resident_bytes);
         drop(grads);
         Ok(StepReport { resident_bytes })
+    }
+
+    // The gradients the engine holds between backward and the optimizer step, as FSDP2
+    // keeps them on the parameters: a backward with sync reduces each unit's gradients (with
+    // whatever earlier backwards without sync kept) and adds the reduced rows to the sum no
+    // step has taken yet; one without sync (`no_sync`) adds each unit's whole local
+    // gradients to what it carries to the next reduction. Clipping, fp16 unscaling and the
+    // step act on the held sum; `zero_grad` drops it.
+
+    /// Back-propagates `loss` (consumed, so the graph is freed when this returns): plans the
+    /// units' backward order from the graph (and, in debug mode, checks it) and runs
+    /// backward with each unit refilled before and its gradients packed right after its
+    /// gradient computation. With `sync` each unit's gradients, and those earlier backwards
+    /// without sync kept, are reduced in one collective and added to the held sum
+    /// ([`Fsdp::gradients`]); without, they are kept whole per unit for the next backward
+    /// with sync (`no_sync`: fewer bytes on the wire, whole gradients held meanwhile).
+    /// Scale each micro-batch's loss as the accumulation needs: nothing is scaled here.
+    ///
+    /// ```no_run
+    /// # fn step(engine: &mut fsdp::engine::Fsdp, model: &impl fsdp::nn::Forward<fsdp::nn::candle::Tensor, Output = fsdp::nn::candle::Tensor>, x: &fsdp::nn::candle::Tensor, optimizer: &mut dyn fsdp::optim::Optimizer) -> Result<(), Box<dyn std::error::Error>> {
+    /// let params = engine.begin_step()?;
+    /// let loss = model.forward(&params, x.clone())?.sqr()?.mean_all()?;
+    /// engine.backward(params, loss, true)?;
+    /// engine.clip_grad_norm(Some(1.0))?;
+    /// engine.step(optimizer)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn backward(
+        &mut self,
+        params: StepParams,
+        loss: Tensor,
+        sync: bool,
+    ) -> Result<(), EngineError> {
+        let (units, has_grad) = self.run_backward(&params, loss, sync)?;
+        if !sync {
+            self.accumulated.unreduced = params.shared.take_unreduced();
+            return Ok(());
+        }
+        drop(params);
+        let grads = Gradients {
+            units,
+            has_grad,
+            replicated: self.units.iter().map(|u| u.replicated).collect(),
+            index: self.grad_index.clone(),
+            known_finite: false,
+        };
+        match self.accumulated.reduced.as_mut() {
+            Some(sum) => sum.accumulate(grads),
+            None => {
+                self.accumulated.reduced = Some(grads);
+                Ok(())
+            }
+        }
+    }
+
+    /// Bytes of gradients kept by backwards without sync, waiting for one with sync.
+    pub fn unreduced_bytes(&self) -> usize {
+        self.accumulated
+            .unreduced
+            .iter()
+            .flatten()
+            .map(|(b, _)| b.len() * b.dtype().size())
+            .sum()
+    }
+
+    /// This rank's reduced gradients held for the next step, by parameter name; `None`
+    /// before any backward with sync.
+    pub fn gradients(&self) -> Option<&Gradients> {
+        self.accumulated.reduced.as_ref()
+    }
+
+    /// The held gradients, writable (a caller's own scaling or clipping).
+    pub fn gradients_mut(&mut self) -> Option<&mut Gradients> {
+        self.accumulated.reduced.as_mut()
+    }
+
+    /// Drops the held gradients (`optimizer.zero_grad()`).
+    pub fn zero_grad(&mut self) {
+        self.accumulated.reduced = None;
+    }
+
+    /// The global norm of the held gradients (over every parameter on every rank: shards'
+    /// squares summed over the shard group, whole copies counted once), and, when
+    /// `max_norm` is set, the gradients multiplied by `min(1, max_norm / (norm + 1e-6))` in
+    /// f32, as PyTorch's `clip_grad_norm_` does (so a norm at the limit is still scaled, by
+    /// a hair); whether they were scaled. Collective.
+    pub fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> Result<(f64, bool), EngineError> {
+        self.with_gradients("clip_grad_norm", |engine, grads| {
+            let (mut sharded_sq, replicated_sq) = grads.squares()?;
+            if engine.mesh.shard_size() > 1 {
+                sharded_sq = engine
+                    .mesh
+                    .shard
+                    .all_reduce_vec(vec![sharded_sq], ReduceOp::Sum)
+                    .wait()?[0];
+            }
+            let norm = (sharded_sq + replicated_sq).sqrt();
+            let scale = match max_norm {
+                Some(max) => (max as f32 / (norm as f32 + 1e-6)).min(1.0),
+                None => 1.0,
+            };
+            if scale < 1.0 {
+                grads.scale(scale)?;
+            }
+            grads.known_finite = norm.is_finite();
+            Ok((norm, scale < 1.0))
+        })
+    }
+
+    /// Runs `f` (operation `op`) on the engine and its held gradients (a collective may
+    /// need both); [`EngineError::NoGradients`] when none are held.
+    pub(crate) fn with_gradients<T>(
+        &mut self,
+        op: &'static str,
+        f: impl FnOnce(&Fsdp, &mut Gradients) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let Some(mut grads) = self.accumulated.reduced.take() else {
+            return Err(EngineError::NoGradients { op });
+        };
+        let out = f(self, &mut grads);
+        self.accumulated.reduced = Some(grads);
+        out
     }
 }

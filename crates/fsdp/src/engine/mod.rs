@@ -9,7 +9,6 @@
 //! optimizer step streaming it (`offload`); the engine that owns shards (`fsdp`); and its
 //! state by parameter name (`state_by_name`).
 
-mod accumulation;
 mod backward_reads;
 mod buffers;
 mod collectives;
@@ -26,7 +25,6 @@ mod grads;
 mod hooks;
 mod intake;
 mod offload;
-mod offloaded_state;
 mod param;
 mod placement;
 mod plan;
