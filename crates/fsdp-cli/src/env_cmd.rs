@@ -114,14 +114,12 @@ fn backend_line(
         restart_count: 0,
     };
     let world = world.as_ref().unwrap_or(&single);
-    let mpi = if fsdp_comm::backend::MPI_BUILT {
+    let mpi = if fsdp_comm::MPI_BUILT {
         "MPI built in"
     } else {
         "built without MPI"
     };
-    match choice
-        .and_then(|c| fsdp_comm::backend::select(c, world, fsdp_comm::world::started_under_mpi()))
-    {
+    match choice.and_then(|c| fsdp_comm::select_backend(c, world, fsdp_comm::started_under_mpi())) {
         Ok(sel) if sel.engine == BackendChoice::Auto => format!("shm ({}; {mpi})", sel.why),
         Ok(sel) => format!("{} ({}; {mpi})", sel.engine.name(), sel.why),
         Err(e) => format!("none: {e}"),
@@ -266,7 +264,7 @@ fn print_json(
         "launch_environment": world_line(world),
         "peer_listen_address": peer_address_line(world),
         "collectives_backend": backend_line(world, resolved),
-        "mpi_support_built": fsdp_comm::backend::MPI_BUILT,
+        "mpi_support_built": fsdp_comm::MPI_BUILT,
         "config_file": file,
         "config": config,
     });

@@ -10,48 +10,47 @@
 //! calling different collectives get a `Mismatch` error; a peer that dies is seen as soon as
 //! its connection closes; any failure is broadcast so every rank stops.
 
-pub mod address;
+mod address;
 mod algorithms;
-pub mod backend;
-pub mod buffer;
-pub mod communicator;
+mod backend;
+mod buffer;
+mod communicator;
 #[cfg(feature = "nccl")]
 mod cuda_buffer;
-pub mod dtype;
-pub mod error;
-pub mod group;
+mod dtype;
+mod error;
+mod group;
 mod group_communicator;
-pub mod local;
-pub mod local_job;
-pub mod mesh;
+mod local;
+mod local_job;
+mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub mod options;
+mod options;
 mod protocol;
 mod rendezvous;
 mod shm;
-pub mod store;
+mod store;
 mod transport;
-pub mod work;
-pub mod world;
+mod work;
+mod world;
 
-pub use address::{ListenAddress, SOCKET_IFNAME_ENVS, listen_address};
-pub use backend::{Joined, Selection, join_job};
+pub use address::{ListenAddress, listen_address};
+pub use backend::{Joined, MPI_BUILT, Selection, join_job, select as select_backend};
 pub use buffer::{Buffer, BufferElement};
 pub use communicator::{Communicator, CommunicatorExt, SingleRank};
-pub use dtype::{DType, Element, ReduceOp};
+pub use dtype::{DType, Element, ReduceOp, finish_avg, reduce_into};
 pub use error::{CommError, Result};
 pub use group::ProcessGroup;
 pub use local::LocalGroup;
 pub use local_job::{LocalJob, WorkerEnv, WorkerOutput};
 pub use mesh::Mesh;
 pub use options::{
-    ABORT_KEY, BACKEND_ENV, BackendChoice, GroupOptions, OUTPUT_PREFIXED_ENV, PREFIX_ENV,
-    RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV, SECRET_ENV, STORE_HOSTED_ENV, TIMEOUT_ENV,
-    TRANSPORT_ENV, TransportChoice, parse_seconds,
+    ABORT_KEY, BackendChoice, GroupOptions, SECRET_ENV, TransportChoice, parse_seconds,
 };
 pub use shm::remove_segments_of as remove_shm_segments_of;
+pub use store::{StoreClient, StoreServer};
 pub use work::Work;
-pub use world::{Launcher, WorldError, WorldInfo};
+pub use world::{Launcher, WorldError, WorldInfo, first_host, started_under_mpi};

@@ -450,7 +450,7 @@ fn a_member_that_dies_ends_the_job_with_its_rank_named_and_nothing_left() {
 
 #[test]
 fn a_process_not_started_under_mpi_gets_a_clear_error() {
-    if fsdp_comm::world::started_under_mpi() {
+    if fsdp_comm::started_under_mpi() {
         return;
     }
     let e = MpiGroup::world(&GroupOptions::default())

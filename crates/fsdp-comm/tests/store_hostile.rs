@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use fsdp_comm::store::{StoreClient, StoreServer};
+use fsdp_comm::{StoreClient, StoreServer};
 
 /// `Threads` and `VmRSS` (KiB) of this process.
 fn threads_and_rss() -> (usize, usize) {

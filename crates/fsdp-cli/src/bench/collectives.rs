@@ -71,7 +71,7 @@ fn launch(a: &CollectiveArgs) -> Result<()> {
     {
         bail!("--transport: `{bad}` is not one of shm, tcp, mpi (comma-separated) or both");
     }
-    if transports.contains(&"mpi") && !fsdp_comm::backend::MPI_BUILT {
+    if transports.contains(&"mpi") && !fsdp_comm::MPI_BUILT {
         bail!("--transport mpi: this fsdp was built without MPI (build with `--features mpi`)");
     }
     let mut docs = Vec::new();

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use fsdp::config::ResolvedConfig;
-use fsdp_comm::store::{StoreClient, StoreServer};
+use fsdp_comm::{StoreClient, StoreServer};
 
 use super::args::LaunchArgs;
 

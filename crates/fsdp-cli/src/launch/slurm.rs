@@ -64,7 +64,7 @@ pub(super) fn step_layer(vars: &HashMap<String, String>) -> Result<Layer> {
     .find_map(|v| Some((*v, vars.get(*v)?)))
     .map(|(v, l)| (v.to_string(), l.clone()))
     .unwrap_or_default();
-    let Some(host) = fsdp_comm::world::first_host(&list) else {
+    let Some(host) = fsdp_comm::first_host(&list) else {
         bail!("{list_var}={list:?}: no first host to rendezvous on");
     };
     let addr = (host.as_str(), 0)

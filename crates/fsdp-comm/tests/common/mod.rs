@@ -90,9 +90,9 @@ pub fn check_collectives<T: TestElement>(
                 .map_err(err)?;
             let mut want = all[0].clone();
             for other in &all[1..] {
-                fsdp_comm::dtype::reduce_into(&mut want, other, op);
+                fsdp_comm::reduce_into(&mut want, other, op);
             }
-            fsdp_comm::dtype::finish_avg(&mut want, op, n);
+            fsdp_comm::finish_avg(&mut want, op, n);
             expect_eq(&ctx(&format!("all_reduce {op:?}")), &got, &want)?;
         }
         let got = c.all_gather_vec(data::<T>(rank, len)).wait().map_err(err)?;
@@ -109,9 +109,9 @@ pub fn check_collectives<T: TestElement>(
                 .and_then(typed::<T>)?;
             let mut want = my_block_of(0);
             for r in 1..n {
-                fsdp_comm::dtype::reduce_into(&mut want, &my_block_of(r), op);
+                fsdp_comm::reduce_into(&mut want, &my_block_of(r), op);
             }
-            fsdp_comm::dtype::finish_avg(&mut want, op, n);
+            fsdp_comm::finish_avg(&mut want, op, n);
             expect_eq(&ctx(&format!("reduce_scatter {op:?}")), &got, &want)?;
         }
 

@@ -17,6 +17,7 @@ mod collect;
 mod dcp;
 mod error;
 mod files;
+#[doc(hidden)] // the documents' types, for tests that craft hostile checkpoints
 pub mod format;
 mod from_accelerate;
 mod groups;

@@ -40,8 +40,13 @@ pub use error::EngineError;
 pub use fsdp::{Fsdp, StepReport};
 pub use grad_scaler::{GradScaler, GradScalerConfig};
 pub use grads::Gradients;
-pub use offload::{OffloadError, OffloadStats, free_bytes};
-pub use placement::{OFFLOAD_ON_CPU, Placement};
+#[doc(hidden)] // `fsdp env`
+pub use offload::free_bytes;
+pub use offload::{OffloadError, OffloadStats};
+#[doc(hidden)] // `fsdp env`
+pub use placement::OFFLOAD_ON_CPU;
+pub use placement::Placement;
 pub use plan::{DiskOffload, MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};
-pub use state_by_name::{LocalRows, LocalShard, RowsSink};
+pub(crate) use state_by_name::LocalRows;
+pub use state_by_name::LocalShard;
 pub use step::StepParams;

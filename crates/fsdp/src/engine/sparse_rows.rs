@@ -10,7 +10,7 @@
 //! part's reduce-scatter (all-reduce with a shard group of one rank: NO_SHARD); and
 //! all-gathers of the touched rows' ids and of their values, padded to the largest count.
 
-use fsdp_comm::dtype::finish_avg;
+use fsdp_comm::finish_avg;
 use fsdp_comm::{Buffer, BufferElement, CommError, Communicator, Mesh, ReduceOp, Work};
 
 use candle_core::Tensor;
@@ -439,7 +439,7 @@ fn pad(mut values: Buffer, len: usize) -> Buffer {
 mod tests {
     use super::*;
     use candle_core::Device;
-    use fsdp_comm::local::LocalGroup;
+    use fsdp_comm::LocalGroup;
 
     fn layout(
         name: &str,

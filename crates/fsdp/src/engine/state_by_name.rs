@@ -17,10 +17,10 @@ use crate::optim::Optimizer;
 
 /// This rank's rows of a parameter, given its name and its number of owned elements; `None`
 /// when it has none (see [`Fsdp::gather_rows_to_first`]).
-pub type LocalRows<'a> = dyn Fn(&str, usize) -> Result<Option<Vec<f32>>, EngineError> + 'a;
+pub(crate) type LocalRows<'a> = dyn Fn(&str, usize) -> Result<Option<Vec<f32>>, EngineError> + 'a;
 
 /// Receives a parameter's full values as consecutive chunks (rank 0 only).
-pub type RowsSink<'a> = dyn FnMut(&str, &[&[f32]]) -> Result<(), EngineError> + 'a;
+pub(crate) type RowsSink<'a> = dyn FnMut(&str, &[&[f32]]) -> Result<(), EngineError> + 'a;
 
 /// This rank's part of one parameter.
 #[derive(Debug, Clone, PartialEq)]

@@ -15,6 +15,7 @@ mod activations;
 mod large_blocks;
 mod parked_pages;
 
+#[doc(hidden)] // `fsdp estimate-memory`
 pub use activations::ActivationShape;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -340,6 +341,7 @@ pub fn resident_bytes() -> usize {
 /// Bytes of released full parameters' pages held for the next unit's parameters instead of
 /// returned to the system (under [`TrainingAllocator`]; one unit's at most per rank), counted
 /// in [`resident_bytes`].
+#[doc(hidden)] // the page-parking tests
 pub fn parked_bytes() -> usize {
     parked_pages::parked_bytes()
 }
@@ -470,7 +472,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 /// The machine's physical memory in bytes, where the system reports it (what bounds on
 /// declared model sizes compare against).
-pub fn physical_memory_bytes() -> Option<u64> {
+pub(crate) fn physical_memory_bytes() -> Option<u64> {
     // SAFETY: sysconf only reads system values.
     let (pages, size) = unsafe {
         (

@@ -16,6 +16,7 @@
 
 mod instructions;
 
+#[doc(hidden)] // `fsdp env` and `fsdp bench gemm`
 pub use instructions::{InstructionPeak, instruction_peak};
 
 use std::time::Instant;
@@ -47,7 +48,7 @@ pub struct CorePeak {
 }
 
 /// Above this share of the machine busy with other work, a measured peak is not cached.
-pub const BUSY_LIMIT: f64 = 0.25;
+pub(crate) const BUSY_LIMIT: f64 = 0.25;
 
 /// The machine's CPU time so far from `/proc/stat`: (busy, total) in clock ticks.
 fn cpu_times() -> Option<(u64, u64)> {
@@ -77,7 +78,7 @@ fn others_busy(before: (u64, u64), after: (u64, u64), cpus: usize) -> f64 {
 }
 
 impl CorePeak {
-    /// Whether other work took more than [`BUSY_LIMIT`] of the machine while this was
+    /// Whether other work took more than a quarter of the machine while this was
     /// measured: such a peak reads low, is not cached, and is labelled wherever it is shown.
     pub fn measured_under_load(&self) -> bool {
         self.others_busy > BUSY_LIMIT
@@ -124,7 +125,7 @@ fn this_cpu() -> String {
 }
 
 /// The peak of one core: from the cache when it was measured on this CPU, else measured now
-/// (a few seconds) and cached if the machine was idle enough ([`BUSY_LIMIT`]; a cache that
+/// (a few seconds) and cached if the machine was idle enough (other work under a quarter of it; a cache that
 /// cannot be written is only a lost shortcut).
 pub fn core_peak() -> CorePeak {
     // Once per process: a peak measured under load (not cached) is not measured again.
@@ -135,6 +136,7 @@ pub fn core_peak() -> CorePeak {
 
 /// Measures the peak again, whatever is cached (`fsdp env --remeasure_peak`), and caches it
 /// when the machine was idle enough; returns it.
+#[doc(hidden)] // `fsdp env --remeasure_peak`
 pub fn remeasure_core_peak() -> CorePeak {
     let peak = measure_core_peak();
     cache_if_idle(&crate::config::fsdp_home(), &peak);
@@ -187,7 +189,7 @@ fn core_peak_cached_in(dir: &std::path::Path) -> CorePeak {
 
 /// Measures the peak now, on one thread: the best of several runs of `ops::linear` on square
 /// matrices of 256, 512 and 1024, and the instructions' limit.
-pub fn measure_core_peak() -> CorePeak {
+pub(crate) fn measure_core_peak() -> CorePeak {
     let before = cpu_times();
     let rate = |dtype: DType| -> f64 {
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build();
