@@ -62,26 +62,14 @@ fn resumed(
         let rank = g.rank();
         let mut t = Trainer::new(g, s_a);
         t.train(0..first);
-        fsdp::checkpoint::save_state(
-            &save_dir,
-            &[&t.engine],
-            &[t.optimizer.as_ref()],
-            &run_state(first as u64, rank),
-            &Default::default(),
-        )
-        .unwrap();
+        t.save_state(&save_dir, &run_state(first as u64, rank))
+            .unwrap();
     });
     let load_dir = dir.to_path_buf();
     on_threads(b, move |g| {
         let rank = g.rank();
         let mut t = Trainer::new(g, s_b);
-        let run = fsdp::checkpoint::load_state(
-            &load_dir,
-            &mut [&mut t.engine],
-            &mut [t.optimizer.as_mut()],
-            &Default::default(),
-        )
-        .unwrap();
+        let run = t.load_state(&load_dir).unwrap();
         assert_eq!(run.step, first as u64);
         assert_eq!(run.schedulers, run_state(first as u64, rank).schedulers);
         assert_eq!(run.grad_scalers, run_state(first as u64, rank).grad_scalers);
@@ -215,14 +203,7 @@ fn saved(dir: &Path, kind: StateDictType) {
             setup(ShardingStrategy::FullShard, kind, OptimizerKind::AdamW),
         );
         t.train(0..2);
-        fsdp::checkpoint::save_state(
-            &dir,
-            &[&t.engine],
-            &[t.optimizer.as_ref()],
-            &run_state(2, rank),
-            &Default::default(),
-        )
-        .unwrap();
+        t.save_state(&dir, &run_state(2, rank)).unwrap();
     });
 }
 
@@ -231,15 +212,10 @@ fn load_errors(dir: &Path, world: usize, s: Setup) -> Vec<String> {
     let dir = dir.to_path_buf();
     on_threads(world, move |g| {
         let mut t = Trainer::new(g, s);
-        fsdp::checkpoint::load_state(
-            &dir,
-            &mut [&mut t.engine],
-            &mut [t.optimizer.as_mut()],
-            &Default::default(),
-        )
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default()
+        t.load_state(&dir)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
     })
 }
 
@@ -368,14 +344,7 @@ fn damaged_checkpoints_are_errors_naming_the_file() {
                 .fsdp;
             let group = t.engine.mesh().shard.clone();
             t.engine = fsdp::engine::Fsdp::wrap(&small, &init.tensors(), &plugin, group).unwrap();
-            fsdp::checkpoint::load_state(
-                &d,
-                &mut [&mut t.engine],
-                &mut [t.optimizer.as_mut()],
-                &Default::default(),
-            )
-            .unwrap_err()
-            .to_string()
+            t.load_state(&d).unwrap_err().to_string()
         }
     });
     all_mention(
@@ -465,23 +434,9 @@ fn saves_replace_atomically_rotate_and_merge_into_the_live_weights() {
         }
         // Saving again to the same folder replaces it.
         let fixed = project.join("fixed");
-        fsdp::checkpoint::save_state(
-            &fixed,
-            &[&t.engine],
-            &[t.optimizer.as_ref()],
-            &run_state(3, rank),
-            &Default::default(),
-        )
-        .unwrap();
+        t.save_state(&fixed, &run_state(3, rank)).unwrap();
         t.train(3..4);
-        fsdp::checkpoint::save_state(
-            &fixed,
-            &[&t.engine],
-            &[t.optimizer.as_ref()],
-            &run_state(4, rank),
-            &Default::default(),
-        )
-        .unwrap();
+        t.save_state(&fixed, &run_state(4, rank)).unwrap();
         (written, t.weights())
     });
     let (written, weights) = (&live[0].0, live[0].1.as_ref().unwrap());

@@ -43,14 +43,8 @@ fn save_results(dir: &Path) -> Vec<Result<PathBuf, String>> {
         let rank = g.rank();
         let mut t = Trainer::new(g, sharded());
         t.train(0..1);
-        fsdp::checkpoint::save_state(
-            &dir,
-            &[&t.engine],
-            &[t.optimizer.as_ref()],
-            &run_state(1, rank),
-            &Default::default(),
-        )
-        .map_err(|e| e.to_string())
+        t.save_state(&dir, &run_state(1, rank))
+            .map_err(|e| e.to_string())
     })
 }
 
@@ -65,15 +59,10 @@ fn load_errors(dir: &Path) -> Vec<String> {
     let dir = dir.to_path_buf();
     on_threads(2, move |g| {
         let mut t = Trainer::new(g, sharded());
-        fsdp::checkpoint::load_state(
-            &dir,
-            &mut [&mut t.engine],
-            &mut [t.optimizer.as_mut()],
-            &Default::default(),
-        )
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default()
+        t.load_state(&dir)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
     })
 }
 
@@ -514,14 +503,7 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
             let mut t = Trainer::new(g.clone(), sharded());
             t.optimizer = grouped(&t, saved_with, is_bias_or_norm);
             run(&mut t, 0..2);
-            fsdp::checkpoint::save_state(
-                &dir,
-                &[&t.engine],
-                &[t.optimizer.as_ref()],
-                &RunState::default(),
-                &Default::default(),
-            )
-            .unwrap();
+            t.save_state(&dir, &RunState::default()).unwrap();
             let straight = run(&mut t, 2..4);
             let saved_settings: Vec<_> = (0..2).map(|i| t.optimizer.group_settings(i)).collect();
 
@@ -532,14 +514,7 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
                 .clone();
             fresh.optimizer = grouped(&fresh, other, move |n| n != first);
             let before: Vec<_> = (0..2).map(|i| fresh.optimizer.group_settings(i)).collect();
-            let refused = fsdp::checkpoint::load_state(
-                &dir,
-                &mut [&mut fresh.engine],
-                &mut [fresh.optimizer.as_mut()],
-                &Default::default(),
-            )
-            .unwrap_err()
-            .to_string();
+            let refused = fresh.load_state(&dir).unwrap_err().to_string();
             let after: Vec<_> = (0..2).map(|i| fresh.optimizer.group_settings(i)).collect();
             assert_eq!(before, after, "a refused load changes no setting");
             assert!(fresh.optimizer.state_names().is_empty(), "nor any state");
@@ -548,13 +523,7 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
             // so the run continues exactly as the uninterrupted one.
             let mut resumed = Trainer::new(g.clone(), sharded());
             resumed.optimizer = grouped(&resumed, other, is_bias_or_norm);
-            fsdp::checkpoint::load_state(
-                &dir,
-                &mut [&mut resumed.engine],
-                &mut [resumed.optimizer.as_mut()],
-                &Default::default(),
-            )
-            .unwrap();
+            resumed.load_state(&dir).unwrap();
             let restored: Vec<_> = (0..2)
                 .map(|i| resumed.optimizer.group_settings(i))
                 .collect();
@@ -592,13 +561,7 @@ fn optimizer_groups_must_match_on_load_and_their_saved_settings_come_back() {
         on_threads(2, move |g| {
             let mut t = Trainer::new(g, sharded());
             t.optimizer = grouped(&t, other, is_bias_or_norm);
-            let loaded = fsdp::checkpoint::load_state(
-                &dir,
-                &mut [&mut t.engine],
-                &mut [t.optimizer.as_mut()],
-                &Default::default(),
-            )
-            .map(|_| ());
+            let loaded = t.load_state(&dir).map(|_| ());
             (
                 loaded.map_err(|e| e.to_string()),
                 t.optimizer.group_settings(0)["weight_decay"].clone(),
@@ -935,12 +898,9 @@ fn every_checkpoint_of_a_run_with_a_schedule_loads() {
         for (step, lr) in rates.iter().enumerate() {
             t.optimizer.set_lr(0, *lr).unwrap();
             t.train(step..step + 1);
-            fsdp::checkpoint::save_state(
+            t.save_state(
                 &root.join(format!("step_{step}")),
-                &[&t.engine],
-                &[t.optimizer.as_ref()],
                 &run_state(step as u64, rank),
-                &Default::default(),
             )
             .unwrap();
         }
@@ -949,12 +909,7 @@ fn every_checkpoint_of_a_run_with_a_schedule_loads() {
         let dir = tmp.path().join(format!("step_{step}"));
         let got = on_threads(2, move |g| {
             let mut t = Trainer::new(g, sharded());
-            let run = fsdp::checkpoint::load_state(
-                &dir,
-                &mut [&mut t.engine],
-                &mut [t.optimizer.as_mut()],
-                &Default::default(),
-            );
+            let run = t.load_state(&dir);
             run.map(|r| (r.step, t.optimizer.lr(0)))
                 .map_err(|e| e.to_string())
         });

@@ -49,52 +49,25 @@ fn checkpoint_worker() {
         "straight" => t.train(0..6),
         "save" => {
             let l = t.train(0..3);
-            fsdp::checkpoint::save_state(
-                &dir,
-                &[&t.engine],
-                &[t.optimizer.as_ref()],
-                &run_state(3),
-                &Default::default(),
-            )
-            .unwrap();
+            t.save_state(&dir, &run_state(3)).unwrap();
             l
         }
         "save-async" => {
             let mut l = t.train(0..3);
-            let pending = fsdp::checkpoint::save_state_async(
-                &dir,
-                &[&t.engine],
-                &[t.optimizer.as_ref()],
-                &run_state(3),
-                &Default::default(),
-            )
-            .unwrap();
+            let pending = t.save_state_async(&dir, &run_state(3)).unwrap();
             assert!(pending.staged_bytes() > 0);
             l.extend(t.train(3..6));
             assert_eq!(pending.wait().unwrap(), dir);
             l
         }
         "resume" => {
-            let run = fsdp::checkpoint::load_state(
-                &dir,
-                &mut [&mut t.engine],
-                &mut [t.optimizer.as_mut()],
-                &Default::default(),
-            )
-            .unwrap();
+            let run = t.load_state(&dir).unwrap();
             t.train(run.step as usize..6)
         }
         "save-async-loop" => {
             t.train(0..1);
             for n in 1.. {
-                let pending = fsdp::checkpoint::save_state_async(
-                    &dir,
-                    &[&t.engine],
-                    &[t.optimizer.as_ref()],
-                    &run_state(n),
-                    &Default::default(),
-                )
-                .unwrap();
+                let pending = t.save_state_async(&dir, &run_state(n)).unwrap();
                 t.train(n as usize..n as usize + 1);
                 pending.wait().unwrap();
                 println!("SAVED {n}");
@@ -106,27 +79,14 @@ fn checkpoint_worker() {
             // The run's optimizer as the PyTorch script built it (rates and decays come
             // back from the checkpoint).
             t.optimizer = pytorch_fixture_adamw(&t.engine);
-            let run = fsdp::checkpoint::load_state(
-                &dir,
-                &mut [&mut t.engine],
-                &mut [t.optimizer.as_mut()],
-                &Default::default(),
-            )
-            .unwrap();
+            let run = t.load_state(&dir).unwrap();
             assert_eq!(run.step, 3, "the optimizer's step count");
             t.train(3..6)
         }
         "save-loop" => {
             t.train(0..1);
             for n in 1.. {
-                fsdp::checkpoint::save_state(
-                    &dir,
-                    &[&t.engine],
-                    &[t.optimizer.as_ref()],
-                    &run_state(n),
-                    &Default::default(),
-                )
-                .unwrap();
+                t.save_state(&dir, &run_state(n)).unwrap();
                 println!("SAVED {n}");
             }
             unreachable!()
@@ -141,14 +101,7 @@ fn checkpoint_worker() {
 fn disk_full_worker(pg: &std::sync::Arc<ProcessGroup>, t: &mut Trainer, dir: &std::path::Path) {
     use std::io::Write;
     t.train(0..1);
-    fsdp::checkpoint::save_state(
-        dir,
-        &[&t.engine],
-        &[t.optimizer.as_ref()],
-        &run_state(1),
-        &Default::default(),
-    )
-    .unwrap();
+    t.save_state(dir, &run_state(1)).unwrap();
     let filler = dir.parent().unwrap().join("filler");
     if pg.rank() == 0 {
         let mut f = std::fs::File::create(&filler).unwrap();
@@ -156,48 +109,21 @@ fn disk_full_worker(pg: &std::sync::Arc<ProcessGroup>, t: &mut Trainer, dir: &st
         while f.write_all(&block).and_then(|()| f.sync_all()).is_ok() {}
     }
     pg.barrier().wait().unwrap();
-    let pending = fsdp::checkpoint::save_state_async(
-        dir,
-        &[&t.engine],
-        &[t.optimizer.as_ref()],
-        &run_state(2),
-        &Default::default(),
-    )
-    .expect("the save begins: only its files need room");
+    let pending = t
+        .save_state_async(dir, &run_state(2))
+        .expect("the save begins: only its files need room");
     t.train(1..2);
     let error = pending
         .wait()
         .expect_err("nothing fits on a full disk")
         .to_string();
-    let loaded = fsdp::checkpoint::load_state(
-        dir,
-        &mut [&mut t.engine],
-        &mut [t.optimizer.as_mut()],
-        &Default::default(),
-    )
-    .unwrap()
-    .step;
+    let loaded = t.load_state(dir).unwrap().step;
     if pg.rank() == 0 {
         std::fs::remove_file(&filler).unwrap();
     }
     pg.barrier().wait().unwrap();
-    let again = fsdp::checkpoint::save_state_async(
-        dir,
-        &[&t.engine],
-        &[t.optimizer.as_ref()],
-        &run_state(3),
-        &Default::default(),
-    )
-    .unwrap()
-    .wait();
-    let reloaded = fsdp::checkpoint::load_state(
-        dir,
-        &mut [&mut t.engine],
-        &mut [t.optimizer.as_mut()],
-        &Default::default(),
-    )
-    .unwrap()
-    .step;
+    let again = t.save_state_async(dir, &run_state(3)).unwrap().wait();
+    let reloaded = t.load_state(dir).unwrap().step;
     println!(
         "RESULT {}",
         serde_json::json!({"error": error, "loaded": loaded, "again": again.is_ok(), "reloaded": reloaded})
@@ -293,14 +219,9 @@ fn killed_saves_leave_a_loadable_checkpoint(dir: &std::path::Path, mode: &str) {
                     return None;
                 }
                 Some(
-                    fsdp::checkpoint::load_state(
-                        &dir,
-                        &mut [&mut t.engine],
-                        &mut [t.optimizer.as_mut()],
-                        &Default::default(),
-                    )
-                    .map(|r| r.step)
-                    .map_err(|e| e.to_string()),
+                    t.load_state(&dir)
+                        .map(|r| r.step)
+                        .map_err(|e| e.to_string()),
                 )
             })
         };

@@ -50,17 +50,7 @@ fn torch_dcp_worker() {
     match mode.as_str() {
         "from-accelerate" => {
             let from = PathBuf::from(std::env::var("FSDP_DCP_FROM").unwrap());
-            assert_eq!(
-                fsdp::checkpoint::load_state(
-                    &from,
-                    &mut [&mut t.engine],
-                    &mut [t.optimizer.as_mut()],
-                    &Default::default()
-                )
-                .unwrap()
-                .step,
-                3
-            );
+            assert_eq!(t.load_state(&from).unwrap().step, 3);
             losses.extend(t.train(3..6));
             let options = CheckpointOptions {
                 format: Some(CheckpointFormat::TorchDcp),
@@ -102,13 +92,7 @@ fn torch_dcp_worker() {
             }
         }
         "resume" => {
-            let run = fsdp::checkpoint::load_state(
-                &dir,
-                &mut [&mut t.engine],
-                &mut [t.optimizer.as_mut()],
-                &Default::default(),
-            )
-            .unwrap();
+            let run = t.load_state(&dir).unwrap();
             assert_eq!(run.step, 6, "the step the run state records");
             assert_eq!(run.data, serde_json::json!({"epoch": 0, "batch": 6}));
             assert_eq!(run.schedulers[0]["steps"], 6);

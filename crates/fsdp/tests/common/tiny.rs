@@ -127,6 +127,44 @@ pub struct Trainer {
 }
 
 impl Trainer {
+    /// [`fsdp::checkpoint::save_state`] of this engine and optimizer, default options.
+    pub fn save_state(
+        &self,
+        dir: &std::path::Path,
+        run: &fsdp::checkpoint::RunState,
+    ) -> Result<std::path::PathBuf, fsdp::checkpoint::CheckpointError> {
+        let options = Default::default();
+        fsdp::checkpoint::save_state(
+            dir,
+            &[&self.engine],
+            &[self.optimizer.as_ref()],
+            run,
+            &options,
+        )
+    }
+
+    /// [`fsdp::checkpoint::save_state_async`] of this engine and optimizer, default options.
+    pub fn save_state_async(
+        &self,
+        dir: &std::path::Path,
+        run: &fsdp::checkpoint::RunState,
+    ) -> Result<fsdp::checkpoint::PendingSave, fsdp::checkpoint::CheckpointError> {
+        let (models, options) = ([&self.engine], Default::default());
+        fsdp::checkpoint::save_state_async(dir, &models, &[self.optimizer.as_ref()], run, &options)
+    }
+
+    /// [`fsdp::checkpoint::load_state`] into this engine and optimizer, default options.
+    pub fn load_state(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> Result<fsdp::checkpoint::RunState, fsdp::checkpoint::CheckpointError> {
+        fsdp::checkpoint::load_state(
+            dir,
+            &mut [&mut self.engine],
+            &mut [self.optimizer.as_mut()],
+            &Default::default(),
+        )
+    }
     /// Initial weights from a fixed seed, sharded over `group`.
     pub fn new(group: Arc<dyn Communicator>, setup: Setup) -> Trainer {
         let plugin = FsdpPlugin::builder()
