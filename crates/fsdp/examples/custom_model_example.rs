@@ -317,13 +317,8 @@ fn main() -> Result<()> {
         .map(|p| p.shape.iter().product::<usize>())
         .sum();
     let examples = (acc.step() - trained_from) as usize * train_loader.global_batch_size();
-    acc.print(fsdp::perf::mfu_line(
-        6.0 * weights as f64 * examples as f64,
-        None,
-        started.elapsed().as_secs_f64(),
-        fsdp::perf::job_cores(acc.num_processes()),
-        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
-    ));
+    let flops = 6.0 * weights as f64 * examples as f64;
+    acc.print(acc.mfu_line(flops, None, started.elapsed().as_secs_f64()));
     model.module_mut().dropout_seed = None;
     acc.print(format!(
         "held-out loss {:.4} after {} steps",

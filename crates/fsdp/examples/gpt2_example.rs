@@ -303,19 +303,8 @@ fn main() -> Result<()> {
         out.display()
     ));
     // Every sequence is a full block (no padding); the tied head is a per-token product.
-    let shape = fsdp::perf::TransformerShape::dense(
-        config.n_layer,
-        config.n_embd,
-        config.n_inner.unwrap_or(4 * config.n_embd),
-        config.vocab_size,
-    );
     let sequences = acc.step() as usize * train_loader.global_batch_size();
-    acc.print(fsdp::perf::mfu_line(
-        shape.training_flops(std::iter::repeat_n(block, sequences)),
-        None,
-        secs,
-        fsdp::perf::job_cores(acc.num_processes()),
-        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
-    ));
+    let flops = (config.transformer_shape()).training_flops(std::iter::repeat_n(block, sequences));
+    acc.print(acc.mfu_line(flops, None, secs));
     Ok(())
 }

@@ -685,15 +685,8 @@ fn fine_tune<M: Tuned>(
             std::fs::write(dir.join("fsdp-rs.json"), run.to_string())?;
         }
     }
-    acc.print(fsdp::perf::mfu_line(
-        config
-            .transformer_shape()
-            .training_flops(std::iter::repeat_n(len, sequences)),
-        None,
-        secs,
-        fsdp::perf::job_cores(acc.num_processes()),
-        fsdp::perf::compute_dtype(acc.plugin().mixed_precision),
-    ));
+    let flops = (config.transformer_shape()).training_flops(std::iter::repeat_n(len, sequences));
+    acc.print(acc.mfu_line(flops, None, secs));
     // transformers 4.x and 5.x read the folder alike (RoPE settings both ways), with the
     // tokenizer and its special tokens beside the weights: one `--model_dir` (and
     // transformers' `from_pretrained`) can start from.

@@ -436,24 +436,17 @@ fn main() -> Result<()> {
     }
     // This CPU's peak in the run's compute dtype, for every step's MFU (on the process that
     // logs it).
-    let dtype = fsdp::perf::compute_dtype(acc.plugin().mixed_precision);
     let peak = match args.with_tracking && acc.is_main_process() {
-        true => fsdp::perf::core_peak().for_dtype(dtype),
+        true => acc.peak_flops(),
         false => f64::NAN,
     };
-    let cores = fsdp::perf::job_cores(acc.num_processes());
     let train_started = Instant::now();
     let mut step_started = Instant::now();
     let mut step_flops = 0f64;
     let mut eval_secs = 0.0;
     let mut trained_samples = 0u64;
-    // Model FLOPs this rank trained, of real tokens and of padded batches (fsdp::perf).
-    let shape = fsdp::perf::TransformerShape::dense(
-        config.num_hidden_layers,
-        config.hidden_size,
-        config.intermediate_size,
-        0,
-    );
+    // Model FLOPs this rank trained, of real tokens and of padded batches.
+    let shape = config.transformer_shape();
     let mut flops = vec![0f64; 2];
     let first_epoch = train_loader.position().epoch;
     'epochs: for epoch in first_epoch..args.num_epochs {
@@ -472,7 +465,7 @@ fn main() -> Result<()> {
         while let Some(batch) = train_loader.next_batch() {
             let batch = batch?;
             let ClassificationBatch { inputs, labels } = batch.batch;
-            let (real, padded) = fsdp::perf::sequence_lengths(&inputs.attention_mask)?;
+            let (real, padded) = fsdp::models::sequence_lengths(&inputs.attention_mask)?;
             let real_flops = shape.training_flops(real);
             flops[0] += real_flops;
             flops[1] += shape.training_flops(padded);
@@ -509,7 +502,7 @@ fn main() -> Result<()> {
             acc.log(serde_json::json!({
                 "loss": mean_loss, "grad_norm": norm, "lr": optimizer.lrs(), "epoch": epoch,
                 "samples_per_second": samples as f64 / secs,
-                "mfu": fsdp::perf::utilisation(summed[1], secs, cores, peak).mfu,
+                "mfu": summed[1] / secs / peak,
             }))?;
             (step_started, step_flops) = (Instant::now(), 0.0);
             if let Some(Checkpointing::Steps(n)) = args.checkpointing_steps
@@ -558,13 +551,7 @@ fn main() -> Result<()> {
         peaks.iter().map(|p| format!("{p:.0}")).collect::<Vec<_>>().join(", "),
         out.display()
     ));
-    acc.print(fsdp::perf::mfu_line(
-        flops[0],
-        Some(flops[1]),
-        train_secs,
-        cores,
-        dtype,
-    ));
+    acc.print(acc.mfu_line(flops[0], Some(flops[1]), train_secs));
     Ok(())
 }
 

@@ -39,6 +39,7 @@ pub use fsdp_nn as nn;
 pub use fsdp_nn::composite_module;
 pub mod optim;
 pub mod peft;
+#[doc(hidden)] // `fsdp env` and `fsdp bench`; programs report MFU through `Accelerator::mfu_line`
 pub mod perf;
 /// Seeded random streams (`fsdp-nn`'s).
 pub use fsdp_nn::rng;

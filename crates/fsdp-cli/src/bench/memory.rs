@@ -201,9 +201,9 @@ fn launch(a: &MemoryArgs) -> Result<()> {
                 .find_map(|l| l.strip_prefix("RESULT "))
                 .with_context(|| format!("no result from the {strategy} workers:\n{out}"))?;
             let mut result = serde_json::from_str::<serde_json::Value>(line)?;
-            // Model FLOPs (fsdp::perf's count; every sequence `seq` tokens, no padding) and
+            // Model FLOPs (fsdp::models::TransformerShape's count; every sequence `seq` tokens, no padding) and
             // MFU over the cores the workers ran on.
-            let shape = fsdp::perf::TransformerShape::dense(
+            let shape = fsdp::models::TransformerShape::dense(
                 a.shape.layers,
                 a.shape.hidden,
                 4 * a.shape.hidden,

@@ -249,10 +249,10 @@ fn launch(a: &OffloadArgs) -> Result<()> {
             .with_context(|| format!("no result from the {mode} workers:\n{out}"))?;
         results.push(serde_json::from_str::<serde_json::Value>(line)?);
     }
-    // Model FLOPs of a step (fsdp::perf's count: every sequence `seq` tokens, the tied head
+    // Model FLOPs of a step (fsdp::models::TransformerShape's count: every sequence `seq` tokens, the tied head
     // per token) and MFU over all cores, for each step's time.
     let gpt2 = config(&a.model, a.layers);
-    let shape = fsdp::perf::TransformerShape::dense(
+    let shape = fsdp::models::TransformerShape::dense(
         gpt2.n_layer,
         gpt2.n_embd,
         4 * gpt2.n_embd,

@@ -53,6 +53,7 @@ mod checkpoints;
 mod error;
 mod gather;
 mod logging;
+mod mfu;
 mod mlflow;
 mod output_lock;
 mod prepared;
@@ -72,6 +73,7 @@ pub use builder::{AcceleratorBuilder, FullStateDictConfig, ProjectConfiguration}
 pub use error::AcceleratorError;
 pub use gather::Gatherable;
 pub use logging::{Progress, init_logging};
+pub use mfu::MfuLine;
 pub use prepared::{ModelHandle, PreparedModel, PreparedOptimizer};
 pub use tracking::{Tracker, run_name_now};
 

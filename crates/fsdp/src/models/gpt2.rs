@@ -59,6 +59,13 @@ fn default_init() -> f64 {
 }
 
 impl Gpt2Config {
+    /// The sizes its training FLOPs depend on: dense blocks, and the tied head over the
+    /// vocabulary at every token.
+    pub fn transformer_shape(&self) -> crate::models::TransformerShape {
+        let inner = self.n_inner.unwrap_or(4 * self.n_embd);
+        crate::models::TransformerShape::dense(self.n_layer, self.n_embd, inner, self.vocab_size)
+    }
+
     /// Parses `config.json` text.
     pub fn from_json(text: &str) -> Result<Gpt2Config> {
         serde_json::from_str(text)

@@ -5,11 +5,13 @@ mod bounds;
 mod generate;
 pub mod gpt2;
 pub mod llama;
+mod shape;
 
 pub use bert::{BertConfig, BertForSequenceClassification, BertInput, BertLayer, BertModel};
 pub use generate::{GenerationConfig, generate};
 pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
 pub use llama::{LlamaConfig, LlamaFamily, LlamaForCausalLM};
+pub use shape::{TransformerShape, sequence_lengths};
 
 /// The value additive attention masks put where attention is blocked: `dtype`'s lowest finite
 /// value (as transformers' `torch.finfo(dtype).min`), so a blocked score stays finite and

@@ -92,6 +92,17 @@ impl Default for BertConfig {
 }
 
 impl BertConfig {
+    /// The sizes its training FLOPs depend on: dense layers, and a classification head that
+    /// reads one token per sequence.
+    pub fn transformer_shape(&self) -> crate::models::TransformerShape {
+        let (layers, h, i) = (
+            self.num_hidden_layers,
+            self.hidden_size,
+            self.intermediate_size,
+        );
+        crate::models::TransformerShape::dense(layers, h, i, 0)
+    }
+
     /// Parses `config.json` text.
     pub fn from_json(text: &str) -> Result<BertConfig> {
         serde_json::from_str(text)

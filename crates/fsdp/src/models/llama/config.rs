@@ -282,15 +282,15 @@ impl LlamaConfig {
         super::super::bounds::check("Llama", &sizes, params, ("rms_norm_eps", self.rms_norm_eps))
     }
 
-    /// The sizes its training FLOPs depend on (`fsdp::perf`): q/k/v/o and the three SwiGLU
+    /// The sizes its training FLOPs depend on: q/k/v/o and the three SwiGLU
     /// projections per layer, attention `heads * head_dim` wide, the vocabulary as the head.
-    pub fn transformer_shape(&self) -> crate::perf::TransformerShape {
+    pub fn transformer_shape(&self) -> crate::models::TransformerShape {
         let (h, i) = (self.hidden_size, self.intermediate_size);
         let (q, kv) = (
             self.num_attention_heads * self.head_dim,
             self.num_key_value_heads * self.head_dim,
         );
-        crate::perf::TransformerShape {
+        crate::models::TransformerShape {
             layers: self.num_hidden_layers,
             layer_matmul_params: 2 * h * q + 2 * h * kv + 3 * h * i,
             attention_width: q,
