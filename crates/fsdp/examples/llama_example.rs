@@ -642,7 +642,7 @@ fn fine_tune<M: Tuned>(
     let plan = model.engine().plan();
     let estimate = plan.memory_estimate();
     // Quantized weights travel as their blocks.
-    let gathered = plan.gathered_per_step(fsdp::engine::Unit::shard_numel) * plan.gathered_bytes;
+    let gathered = plan.gathered_bytes_per_step();
     let state = (estimate.params + estimate.optimizer) as f64;
     let resident = acc.gather(vec![fsdp::memory::resident_bytes() as f64])?;
     acc.print(format!(

@@ -28,7 +28,6 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod engine;
-pub mod metrics;
 #[doc = include_str!("guide.md")]
 pub mod guide {}
 pub mod memory;

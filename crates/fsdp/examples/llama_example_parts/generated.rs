@@ -3,7 +3,7 @@
 //! match (as `evaluate.load("rouge")` and `"exact_match"` score them).
 
 use anyhow::Result;
-use fsdp::metrics::{exact_match, rouge_l};
+use fsdp::data::metrics::{exact_match, rouge_l};
 
 /// Tokens of a held-out sentence given as the prompt.
 pub const PROMPT_TOKENS: usize = 4;

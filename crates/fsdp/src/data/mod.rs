@@ -1,8 +1,9 @@
 //! Input pipelines: distributed data loading (every rank its share of each step, the same
 //! permutation everywhere, a position to resume from), text classification data and
-//! tokenization.
+//! tokenization, and the scores of generated text against references (`metrics`).
 
 pub mod loader;
+pub mod metrics;
 pub mod order;
 pub mod text;
 pub mod tokenizer;

@@ -229,6 +229,12 @@ impl UnitPlan {
             * (self.group_size - 1)
     }
 
+    /// Bytes one rank receives by all-gathers in a training step ([`Self::gathered_per_step`]
+    /// of the units' blocks, as stored: a quantized weight travels as its packed words).
+    pub fn gathered_bytes_per_step(&self) -> usize {
+        self.gathered_per_step(Unit::shard_numel) * self.gathered_bytes
+    }
+
     /// Splits `model` into units per `plugin`'s wrap policy; `default_wrap` is the model's own
     /// list for TRANSFORMER_BASED_WRAP without class names. `group_size` is the number of
     /// ranks parameters are sharded over (1 for NO_SHARD).
