@@ -22,8 +22,8 @@ use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES};
 use super::grads::{Accumulated, GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
 use super::offload::streamed_step::{OffloadedStates, update_units};
-use super::offload::{DiskTier, Region};
-use super::param::{FsdpParam, ShardBuffer};
+use super::offload::{DiskTier, ShardStore};
+use super::param::FsdpParam;
 use super::placement::Placement;
 use super::plan::{ShardLayout, UnitPlan};
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared};
@@ -175,7 +175,11 @@ impl Fsdp {
         let rank = mesh.shard.rank();
         let reshard = mesh.shard_size() > 1;
         let tier = super::offload::from_plan::offload_tier(plugin, &plan, &mesh)?;
-        let shards_offloaded = tier.as_ref().filter(|t| t.params);
+        // Where the shards live between steps: the tier when it holds parameters too.
+        let shard_store = match tier.as_ref().filter(|t| t.params) {
+            Some(tier) => ShardStore::Disk(tier.clone()),
+            None => ShardStore::Memory,
+        };
         let mut units = Vec::with_capacity(plan.units.len() + 1);
         // Unit `u`'s parameters from their `rows` on this `rank`.
         let shard_params = |layouts: &[ShardLayout], rows: Vec<Vec<f32>>, rank| {
@@ -187,20 +191,11 @@ impl Fsdp {
         };
         for (u, unit) in plan.units.iter().enumerate() {
             let mut params = shard_params(&unit.params, intake.unit_rows(unit)?, rank)?;
-            if let Some(tier) = shards_offloaded {
-                let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
-                for p in &params {
-                    block.extend_from_slice(p.shard.values()?);
-                }
-                tier.write(&(u, Region::Params), block)?;
-                for p in &mut params {
-                    p.shard = ShardBuffer::f32(Vec::new(), placement.storage.clone());
-                }
-            }
+            shard_store.take_shards(u, &mut params)?;
             units.push(Arc::new(FsdpUnit::new(
                 unit.path.clone(),
                 u,
-                shards_offloaded.cloned(),
+                shard_store.clone(),
                 params,
                 (reshard && unit.reshard_after_forward, reshard),
                 false,
@@ -215,7 +210,7 @@ impl Fsdp {
             units.push(Arc::new(FsdpUnit::new(
                 path,
                 u,
-                None,
+                ShardStore::Memory,
                 params,
                 (false, false),
                 true,

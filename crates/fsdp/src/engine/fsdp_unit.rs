@@ -3,10 +3,9 @@
 //! a step is [`super::unit::UnitRun`]'s.
 
 use std::borrow::Cow;
-use std::sync::Arc;
 
 use super::error::{EngineError, unit_name};
-use super::offload::{DiskTier, Region};
+use super::offload::ShardStore;
 use super::param::FsdpParam;
 use super::plan::ShardLayout;
 
@@ -18,9 +17,9 @@ pub(crate) struct FsdpUnit {
     pub path: String,
     /// The unit's index in the plan (its files' name in the disk tier).
     pub index: usize,
-    /// The disk tier holding the shards, when parameters are offloaded (the params'
-    /// own buffers are then empty).
-    pub tier: Option<Arc<DiskTier>>,
+    /// Where the shards live between steps (memory, or the disk tier with
+    /// `fsdp_offload_params`, the params' own buffers then empty).
+    pub store: ShardStore,
     /// Parameters in packing order.
     pub params: Vec<FsdpParam>,
     /// Free the full parameters after the unit's forward (FULL_SHARD, non-root units).
@@ -48,7 +47,7 @@ impl FsdpUnit {
     pub fn new(
         path: String,
         index: usize,
-        tier: Option<Arc<DiskTier>>,
+        store: ShardStore,
         params: Vec<FsdpParam>,
         (reshard_after_forward, reshard_after_backward): (bool, bool),
         replicated: bool,
@@ -70,7 +69,7 @@ impl FsdpUnit {
         FsdpUnit {
             path,
             index,
-            tier,
+            store,
             params,
             reshard_after_forward,
             reshard_after_backward,
@@ -120,54 +119,27 @@ impl FsdpUnit {
     }
 
     /// This rank's block of the unit: every parameter's padded rows at its offset, as the
-    /// all-gather sends it (read from the disk tier, or packed from the shards).
+    /// all-gather sends it (from its store).
     pub fn master_block(&self) -> Result<Vec<f32>, EngineError> {
-        if let Some(tier) = &self.tier {
-            return Ok(tier.read(&(self.index, Region::Params), self.block())?);
-        }
-        let mut packed = Vec::with_capacity(self.block());
-        for p in &self.params {
-            packed.extend_from_slice(p.shard.values()?);
-        }
-        Ok(packed)
+        self.store
+            .master_block(self.index, &self.params, self.block())
     }
 
-    /// Starts reading the block from the disk tier ahead of its use (nothing in memory).
+    /// Starts reading the block from its store ahead of its use.
     pub fn read_ahead(&self) -> Result<(), EngineError> {
-        if let Some(tier) = &self.tier {
-            tier.read_ahead(&(self.index, Region::Params), self.block())?;
-        }
-        Ok(())
+        self.store.read_ahead(self.index, self.block())
     }
 
     /// This rank's owned values of parameter `i` (unpadded).
     pub fn local_values(&self, i: usize) -> Result<Cow<'_, [f32]>, EngineError> {
-        let p = &self.params[i];
-        match &self.tier {
-            Some(tier) => {
-                let n = p.owned_rows().len() * p.layout.row_elems;
-                let key = (self.index, Region::Params);
-                Ok(Cow::Owned(tier.read_at(&key, p.layout.offset, n)?))
-            }
-            None => Ok(Cow::Borrowed(p.local_values()?)),
-        }
+        self.store.local_values(self.index, &self.params[i])
     }
 
     /// Replaces the owned values of parameter `i` (exactly its owned elements).
     pub fn set_local_values(&mut self, i: usize, values: &[f32]) -> Result<(), EngineError> {
-        let Some(tier) = &self.tier else {
-            return self.params[i].set_local_values(values);
-        };
-        let p = &self.params[i];
-        let n = p.owned_rows().len() * p.layout.row_elems;
-        if values.len() != n {
-            return Err(EngineError::State {
-                name: p.layout.name.clone(),
-                problem: format!("{} values given for {n} owned elements", values.len()),
-            });
-        }
-        let key = (self.index, Region::Params);
-        Ok(tier.write_at(&key, p.layout.offset, values, self.block())?)
+        let block = self.block();
+        self.store
+            .set_local_values(self.index, &mut self.params[i], values, block)
     }
 }
 

@@ -28,6 +28,11 @@ impl ShardBuffer {
         }
     }
 
+    /// An empty buffer on the same device (what an offloaded shard leaves behind).
+    pub fn emptied(&self) -> ShardBuffer {
+        ShardBuffer::f32(Vec::new(), self.device.clone())
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.data.len()

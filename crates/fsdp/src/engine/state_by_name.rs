@@ -183,7 +183,7 @@ impl Fsdp {
     pub(crate) fn local_values_in_memory(&self, name: &str) -> Option<&[f32]> {
         self.units
             .iter()
-            .filter(|u| u.tier.is_none())
+            .filter(|u| !u.store.on_disk())
             .flat_map(|u| &u.params)
             .find(|p| p.layout.name == name)
             .and_then(|p| p.local_values().ok())

@@ -17,9 +17,9 @@ use super::debug;
 use super::error::EngineError;
 use super::frozen_release::FrozenReleases;
 use super::fsdp_unit::FsdpUnit;
-use super::grads::{GradBlock, UnreducedUnits};
+use super::grads::UnreducedUnits;
 use super::hooks::{Checkpoint, StepHooks};
-use super::offload::DiskTier;
+use super::offload::{GradBlock, ShardStore};
 use super::unit::{Moment, Prefetch, RunContext, ShardedState, UnitRun};
 use crate::nn::{Params, Recompute};
 use crate::trace::Tracer;
@@ -68,9 +68,9 @@ struct Inner {
 /// parameters received one.
 pub(crate) type ReducedGrads = (Vec<Option<GradBlock>>, Vec<Vec<bool>>);
 
-/// Unit `u`'s reduced gradients once `work` is done: kept in memory, or written to `tier`.
+/// Unit `u`'s reduced gradients once `work` is done, kept in `store`.
 fn reduced_block(
-    tier: Option<&Arc<DiskTier>>,
+    store: &ShardStore,
     trace: Option<&Tracer>,
     runs: &[UnitRun],
     u: usize,
@@ -83,7 +83,7 @@ fn reduced_block(
             unit: runs[u].unit.name(),
             source,
         })?;
-    Ok(GradBlock::store(tier, u, values)?)
+    Ok(store.keep_reduced(u, values)?)
 }
 
 pub(crate) struct StepShared {
@@ -96,8 +96,9 @@ pub(crate) struct StepShared {
     checkpointable: Vec<bool>,
     prefetch: Prefetch,
     opts: StepOptions,
-    /// The disk tier holding the units' shards and gradients (`fsdp_offload_params`).
-    tier: Option<Arc<DiskTier>>,
+    /// Where the units' shards and reduced gradients are kept (the disk tier with
+    /// `fsdp_offload_params`).
+    store: ShardStore,
     inner: Mutex<Inner>,
 }
 
@@ -127,7 +128,10 @@ impl StepShared {
                     && !units.iter().any(|o| o.path.starts_with(&inner))
             })
             .collect();
-        let tier = units.iter().find_map(|u| u.tier.clone());
+        let store = (units.iter().map(|u| &u.store))
+            .find(|s| s.on_disk())
+            .cloned()
+            .unwrap_or_default();
         let n_units = units.len();
         let mut prefetch = prefetch;
         if prefetch.forward_order.is_empty() {
@@ -142,7 +146,7 @@ impl StepShared {
             checkpointable,
             prefetch,
             opts,
-            tier,
+            store,
             inner: Mutex::new(Inner {
                 runs: units.into_iter().map(UnitRun::new).collect(),
                 forward_order: Vec::new(),
@@ -203,14 +207,14 @@ impl StepShared {
         Ok(())
     }
 
-    /// With offloaded shards: starts reading the unit after `u` in `order` from disk.
+    /// With shards on disk: starts reading the unit after `u` in `order`.
     fn read_ahead_after(
         &self,
         inner: &Inner,
         u: usize,
         order: &[usize],
     ) -> Result<(), EngineError> {
-        if self.tier.is_none() {
+        if !self.store.on_disk() {
             return Ok(());
         }
         let at = order.iter().position(|&x| x == u);
@@ -220,17 +224,17 @@ impl StepShared {
         }
     }
 
-    /// With offloaded gradients: waits for every reduction but the newest and writes it
+    /// With gradients kept on disk: waits for every reduction but the newest and writes it
     /// out, so a rank holds at most two units' reduced blocks.
     fn store_reduced(&self, inner: &mut Inner, keep: usize) -> Result<(), EngineError> {
-        let Some(tier) = &self.tier else {
+        if !self.store.on_disk() {
             return Ok(());
-        };
+        }
         let keep = keep.min(inner.pending.len());
         let done: Vec<_> = inner.pending.drain(..inner.pending.len() - keep).collect();
         for (u, work) in done {
             inner.reduced[u] = Some(reduced_block(
-                Some(tier),
+                &self.store,
                 self.opts.trace.as_deref(),
                 &inner.runs,
                 u,
@@ -362,13 +366,11 @@ impl StepShared {
                 pending.push((u, p));
             }
         }
-        if let Some(tier) = &self.tier {
-            tier.discard_reads_ahead();
-        }
+        self.store.discard_reads_ahead();
         let mut reduced = std::mem::take(&mut inner.reduced);
         for (u, work) in pending {
             reduced[u] = Some(reduced_block(
-                self.tier.as_ref(),
+                &self.store,
                 self.opts.trace.as_deref(),
                 &inner.runs,
                 u,

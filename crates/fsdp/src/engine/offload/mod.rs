@@ -12,7 +12,9 @@
 //! disk slows the step instead of growing memory.
 
 pub(crate) mod from_plan;
+mod grad_block;
 mod scratch;
+mod store;
 pub(crate) mod streamed_step;
 
 use std::collections::HashMap;
@@ -24,7 +26,9 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+pub(crate) use grad_block::GradBlock;
 pub use scratch::{OffloadError, ScratchDir, free_bytes};
+pub(crate) use store::ShardStore;
 
 /// What a file holds for one unit.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

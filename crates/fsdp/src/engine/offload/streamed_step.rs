@@ -82,7 +82,7 @@ pub(crate) fn update_units(
             let values = tier.read(&(u, Region::State(name.clone())), block)?;
             blocks.insert(name, values);
         }
-        let offloaded = units[u].tier.is_some();
+        let offloaded = units[u].store.on_disk();
         let mut master = if offloaded {
             units[u].master_block()?
         } else {

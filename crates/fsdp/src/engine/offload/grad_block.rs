@@ -1,0 +1,190 @@
+//! One unit's reduced gradient block on this rank, kept where the shards are: in memory, or
+//! written to the disk tier as the reduction ends (with offloaded parameters), with what the
+//! step asks of it before reading it back.
+
+use std::sync::{Arc, OnceLock};
+
+use super::{DiskTier, Key, OffloadError, Region};
+
+/// One unit's reduced gradient block on this rank: in memory, or in the disk tier (written
+/// as the reduction ended, with what the step asks of it before reading it back: its sum of
+/// squares and whether it is finite).
+pub(crate) enum GradBlock {
+    Memory(Vec<f32>),
+    Disk(DiskGrad),
+}
+
+/// A gradient block in the disk tier; its file goes when it is dropped.
+pub(crate) struct DiskGrad {
+    tier: Arc<DiskTier>,
+    key: Key,
+    len: usize,
+    /// Factors to multiply the file's values by, in order, when they are read (scaling an
+    /// offloaded block costs no pass over the disk; the products are the ones scaling in
+    /// memory makes, one rounding each).
+    factors: Vec<f32>,
+    /// Sum of squares and finiteness of the file's values (before `factors`).
+    squares: f64,
+    finite: bool,
+    /// The values, once something borrowed them (`Gradients::get`).
+    cache: OnceLock<Option<Vec<f32>>>,
+}
+
+impl DiskGrad {
+    /// The values with the factors applied.
+    fn load(&self) -> Result<Vec<f32>, OffloadError> {
+        let mut v = self.tier.read(&self.key, self.len)?;
+        for &f in &self.factors {
+            v.iter_mut().for_each(|x| *x *= f);
+        }
+        Ok(v)
+    }
+
+    /// The values, taken from the cache when something borrowed them, else read.
+    fn take_values(&mut self) -> Result<Vec<f32>, OffloadError> {
+        match self.cache.take().flatten() {
+            Some(v) => Ok(v),
+            None => self.load(),
+        }
+    }
+}
+
+impl Drop for DiskGrad {
+    fn drop(&mut self) {
+        self.tier.remove(&self.key);
+    }
+}
+
+fn square_sum(v: &[f32]) -> f64 {
+    v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>()
+}
+
+impl GradBlock {
+    /// Unit `unit`'s block: kept in memory, or written to `tier` when there is one.
+    pub(super) fn store(
+        tier: Option<&Arc<DiskTier>>,
+        unit: usize,
+        values: Vec<f32>,
+    ) -> Result<GradBlock, OffloadError> {
+        let Some(tier) = tier else {
+            return Ok(GradBlock::Memory(values));
+        };
+        let key = (unit, Region::Grads(tier.next_grads()));
+        let (len, squares) = (values.len(), square_sum(&values));
+        let finite = values.iter().all(|x| x.is_finite());
+        tier.write(&key, values)?;
+        Ok(GradBlock::Disk(DiskGrad {
+            tier: tier.clone(),
+            key,
+            len,
+            factors: Vec::new(),
+            squares,
+            finite,
+            cache: OnceLock::new(),
+        }))
+    }
+
+    /// The values (read back from the tier).
+    pub fn into_values(self) -> Result<Vec<f32>, OffloadError> {
+        match self {
+            GradBlock::Memory(v) => Ok(v),
+            GradBlock::Disk(mut d) => d.take_values(),
+        }
+    }
+
+    /// Starts reading a block in the tier ahead of [`GradBlock::into_values`].
+    pub fn read_ahead(&self) -> Result<(), OffloadError> {
+        match self {
+            GradBlock::Disk(d) if d.cache.get().is_none() => d.tier.read_ahead(&d.key, d.len),
+            _ => Ok(()),
+        }
+    }
+
+    /// The values borrowed (a block in the tier is read into memory once).
+    pub(crate) fn values(&self) -> Option<&[f32]> {
+        match self {
+            GradBlock::Memory(v) => Some(v),
+            GradBlock::Disk(d) => d
+                .cache
+                .get_or_init(|| match d.load() {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        tracing::error!("offloaded gradients: {e}");
+                        None
+                    }
+                })
+                .as_deref(),
+        }
+    }
+
+    /// The values, writable: a block in the tier comes back into memory.
+    pub(crate) fn values_mut(&mut self) -> Result<&mut Vec<f32>, OffloadError> {
+        if let GradBlock::Disk(d) = self {
+            *self = GradBlock::Memory(d.take_values()?);
+        }
+        match self {
+            GradBlock::Memory(v) => Ok(v),
+            GradBlock::Disk(d) => Err(OffloadError::Failed {
+                path: d.tier.path().to_path_buf(),
+                first: "a gradient block could not come back into memory".into(),
+            }),
+        }
+    }
+
+    /// Applies `f` to the values in place, wherever they live (a block in the tier is read,
+    /// changed and written back).
+    pub(crate) fn update(&mut self, f: impl FnOnce(&mut [f32])) -> Result<(), OffloadError> {
+        match self {
+            GradBlock::Memory(v) => f(v),
+            GradBlock::Disk(d) => {
+                let mut v = d.take_values()?;
+                f(&mut v);
+                let unit = d.key.0;
+                let tier = d.tier.clone();
+                *self = GradBlock::store(Some(&tier), unit, v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The values, when they are in memory.
+    pub fn memory(&self) -> Option<&[f32]> {
+        match self {
+            GradBlock::Memory(v) => Some(v),
+            GradBlock::Disk(_) => None,
+        }
+    }
+
+    /// Multiplies the values by `factor`: in memory now, for a block in the tier when it
+    /// is read.
+    pub(crate) fn scale(&mut self, factor: f32) {
+        match self {
+            GradBlock::Memory(v) => v.iter_mut().for_each(|x| *x *= factor),
+            GradBlock::Disk(d) => {
+                if let Some(Some(v)) = d.cache.get_mut() {
+                    v.iter_mut().for_each(|x| *x *= factor);
+                }
+                d.factors.push(factor);
+            }
+        }
+    }
+
+    /// Sum of squares (a scaled block in the tier is read for it).
+    pub(crate) fn squares(&self) -> Result<f64, OffloadError> {
+        match self {
+            GradBlock::Memory(v) => Ok(square_sum(v)),
+            GradBlock::Disk(d) if d.factors.is_empty() => Ok(d.squares),
+            GradBlock::Disk(d) => Ok(square_sum(&d.load()?)),
+        }
+    }
+
+    /// Whether every value is finite (a scaled block in the tier is read for it).
+    pub(crate) fn all_finite(&self) -> Result<bool, OffloadError> {
+        let finite = |v: &[f32]| v.iter().all(|x| x.is_finite());
+        match self {
+            GradBlock::Memory(v) => Ok(finite(v)),
+            GradBlock::Disk(d) if d.factors.is_empty() => Ok(d.finite),
+            GradBlock::Disk(d) => Ok(finite(&d.load()?)),
+        }
+    }
+}

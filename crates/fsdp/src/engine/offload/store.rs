@@ -1,0 +1,129 @@
+//! Where a unit's master shards live between steps, and where its reduced gradients wait
+//! for the optimizer step: in memory (the parameters' own buffers), or in the disk tier
+//! (`fsdp_offload_params`: the block the all-gather sends, one file per unit, read ahead of
+//! its use; each reduced block written out as the next reduction is issued). The engine asks
+//! the store, never the tier.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use super::grad_block::GradBlock;
+use super::{DiskTier, OffloadError, Region};
+use crate::engine::error::EngineError;
+use crate::engine::param::FsdpParam;
+
+/// A unit's (or a step's) storage of shards and reduced gradients.
+#[derive(Debug, Clone, Default)]
+pub(crate) enum ShardStore {
+    /// In the parameters' own buffers; reduced gradients kept in memory.
+    #[default]
+    Memory,
+    /// In the disk tier: the parameters' own buffers are empty.
+    Disk(Arc<DiskTier>),
+}
+
+impl ShardStore {
+    /// Shards in the disk tier (whose I/O the step overlaps with compute).
+    pub fn on_disk(&self) -> bool {
+        matches!(self, ShardStore::Disk(_))
+    }
+
+    /// Unit `unit`'s block on this rank (`block` elements: every parameter's padded rows at
+    /// its offset), as the all-gather sends it: read from the tier, or packed from `params`.
+    pub fn master_block(
+        &self,
+        unit: usize,
+        params: &[FsdpParam],
+        block: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        if let ShardStore::Disk(tier) = self {
+            return Ok(tier.read(&(unit, Region::Params), block)?);
+        }
+        let mut packed = Vec::with_capacity(block);
+        for p in params {
+            packed.extend_from_slice(p.shard.values()?);
+        }
+        Ok(packed)
+    }
+
+    /// Takes unit `unit`'s freshly made shards in: into the tier as one block, leaving the
+    /// parameters' buffers empty (in memory: they stay where they are).
+    pub fn take_shards(&self, unit: usize, params: &mut [FsdpParam]) -> Result<(), EngineError> {
+        let ShardStore::Disk(tier) = self else {
+            return Ok(());
+        };
+        let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
+        for p in params.iter() {
+            block.extend_from_slice(p.shard.values()?);
+        }
+        tier.write(&(unit, Region::Params), block)?;
+        for p in params {
+            p.shard = p.shard.emptied();
+        }
+        Ok(())
+    }
+
+    /// Starts reading unit `unit`'s block from the tier ahead of its use (in memory:
+    /// nothing to do).
+    pub fn read_ahead(&self, unit: usize, block: usize) -> Result<(), EngineError> {
+        if let ShardStore::Disk(tier) = self {
+            tier.read_ahead(&(unit, Region::Params), block)?;
+        }
+        Ok(())
+    }
+
+    /// Forgets blocks read ahead that the step did not take (it ended).
+    pub fn discard_reads_ahead(&self) {
+        if let ShardStore::Disk(tier) = self {
+            tier.discard_reads_ahead();
+        }
+    }
+
+    /// This rank's owned values of `p`, a parameter of unit `unit` (unpadded).
+    pub fn local_values<'a>(
+        &self,
+        unit: usize,
+        p: &'a FsdpParam,
+    ) -> Result<Cow<'a, [f32]>, EngineError> {
+        match self {
+            ShardStore::Disk(tier) => {
+                let n = p.owned_rows().len() * p.layout.row_elems;
+                let key = (unit, Region::Params);
+                Ok(Cow::Owned(tier.read_at(&key, p.layout.offset, n)?))
+            }
+            ShardStore::Memory => Ok(Cow::Borrowed(p.local_values()?)),
+        }
+    }
+
+    /// Replaces the owned values of `p`, a parameter of unit `unit` whose block has `block`
+    /// elements (exactly its owned elements).
+    pub fn set_local_values(
+        &self,
+        unit: usize,
+        p: &mut FsdpParam,
+        values: &[f32],
+        block: usize,
+    ) -> Result<(), EngineError> {
+        let ShardStore::Disk(tier) = self else {
+            return p.set_local_values(values);
+        };
+        let n = p.owned_rows().len() * p.layout.row_elems;
+        if values.len() != n {
+            return Err(EngineError::State {
+                name: p.layout.name.clone(),
+                problem: format!("{} values given for {n} owned elements", values.len()),
+            });
+        }
+        let key = (unit, Region::Params);
+        Ok(tier.write_at(&key, p.layout.offset, values, block)?)
+    }
+
+    /// Unit `unit`'s reduced gradient block: kept in memory, or written to the tier.
+    pub fn keep_reduced(&self, unit: usize, values: Vec<f32>) -> Result<GradBlock, OffloadError> {
+        let tier = match self {
+            ShardStore::Disk(tier) => Some(tier),
+            ShardStore::Memory => None,
+        };
+        GradBlock::store(tier, unit, values)
+    }
+}
