@@ -16,7 +16,7 @@ use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy};
 use fsdp::engine::{EngineError, Fsdp};
 use fsdp::models::BertForSequenceClassification;
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
-use fsdp::nn::{LocalParams, Module};
+use fsdp::nn::{LocalParams, Model, Module};
 use fsdp::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use fsdp_comm::{Communicator, LocalGroup};
 
@@ -48,6 +48,10 @@ struct Recipe {
     sgd: bool,
     /// `fsdp_activation_checkpointing`.
     checkpointing: bool,
+    /// The first layer's query projection frozen: the first parameter of its unit, so the
+    /// unit's gradient block (trainable rows only) and its parameter block disagree on
+    /// every later parameter's offset.
+    frozen: bool,
 }
 
 /// Bits of every loss and of the final full weights.
@@ -147,8 +151,16 @@ fn train(
                 let m = model();
                 let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
                 let plugin = plugin(r, offload, &scratch);
-                let new_engine =
-                    || Fsdp::wrap(&m, &init.tensors(), &plugin, group.clone()).unwrap();
+                let info = match r.frozen {
+                    true => m
+                        .info()
+                        .freeze("bert.encoder.layer.0.attention.self.query."),
+                    false => m.info(),
+                };
+                let new_engine = || {
+                    let split = m.no_split_modules();
+                    Fsdp::new(&info, &init.tensors(), &plugin, split, group.clone()).unwrap()
+                };
                 let mut engine = new_engine();
                 let mut opt = optimizer(r.sgd);
                 if offload != Offload::None {
@@ -237,6 +249,7 @@ fn recipe(world: usize, strategy: ShardingStrategy) -> Recipe {
         max_grad_norm: None,
         sgd: false,
         checkpointing: false,
+        frozen: false,
     }
 }
 
@@ -319,6 +332,26 @@ fn offloaded_state_saves_loads_and_continues_bit_for_bit() {
             // The saved checkpoint loads into an engine that keeps everything in memory too.
             let _ = std::fs::remove_dir_all(&dir);
         }
+    }
+}
+
+/// Optimizer state on disk is laid out like the unit's parameter block, gradients like its
+/// trainable rows: with a frozen weight first in a unit the two differ, and a checkpoint
+/// must read each parameter's state from where the step wrote it.
+#[test]
+fn offloaded_state_of_a_unit_with_a_frozen_weight_saves_and_resumes_bit_for_bit() {
+    let mut r = recipe(2, ShardingStrategy::FullShard);
+    r.frozen = true;
+    let memory = train(r, Offload::None, 4, None);
+    for offload in [Offload::Params, Offload::Optimizer] {
+        let dir = tempdir("frozen-checkpoint");
+        let resumed = train(r, offload, 4, Some((2, dir.clone())));
+        assert_same(
+            &format!("{offload:?} with a frozen weight"),
+            &resumed,
+            &memory,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 

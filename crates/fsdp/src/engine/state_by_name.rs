@@ -382,11 +382,9 @@ impl Fsdp {
             .grad_index
             .get(name)
             .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })?;
+        // State is laid out as the parameters' shards are (their block), not as gradients.
+        let at = self.units[place.unit].params[place.param].layout.offset;
         let region = (place.unit, Region::State(key.to_string()));
-        Ok(Some(tier.read_at(
-            &region,
-            place.elements.start,
-            place.elements.len(),
-        )?))
+        Ok(Some(tier.read_at(&region, at, place.elements.len())?))
     }
 }
