@@ -21,8 +21,7 @@ use super::error::EngineError;
 use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES};
 use super::grads::{Accumulated, GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
-use super::offload::streamed_step::{OffloadedStates, update_units};
-use super::offload::{DiskTier, ShardStore};
+use super::offload::{ShardStore, StateOnDisk};
 use super::param::FsdpParam;
 use super::placement::Placement;
 use super::plan::{ShardLayout, UnitPlan};
@@ -95,11 +94,9 @@ pub struct Fsdp {
     recomputed: Arc<AtomicU64>,
     /// Per unit: whether running it without reporting its output was warned about.
     unhooked_reported: Arc<[AtomicBool]>,
-    /// The disk tier (`fsdp_offload_dir`): optimizer state, and with `fsdp_offload_params`
-    /// the shards and reduced gradients too.
-    pub(crate) tier: Option<Arc<DiskTier>>,
-    /// Which parameters' optimizer state is in the tier.
-    pub(crate) offloaded: OffloadedStates,
+    /// Optimizer state in the disk tier (`fsdp_offload_dir`; the tier holds the shards too
+    /// with `fsdp_offload_params`, through the units' [`ShardStore`]).
+    pub(crate) state_on_disk: Option<StateOnDisk>,
 }
 
 impl Fsdp {
@@ -260,8 +257,7 @@ impl Fsdp {
             checkpointing: plugin.activation_checkpointing,
             recomputed: Arc::default(),
             unhooked_reported,
-            tier,
-            offloaded: OffloadedStates::new(),
+            state_on_disk: tier.map(StateOnDisk::new),
         })
     }
 
@@ -426,15 +422,8 @@ impl Fsdp {
         };
         self.check_finite(&grads)?;
         let began = std::time::Instant::now();
-        if let Some(tier) = &self.tier {
-            let tier = tier.clone();
-            update_units(
-                &tier,
-                &mut self.units,
-                &mut grads,
-                optimizer,
-                &mut self.offloaded,
-            )?;
+        if let Some(state) = &mut self.state_on_disk {
+            state.step(&mut self.units, &mut grads, optimizer)?;
         }
         for (u, (reduced, has_grad)) in grads.units.iter().zip(&grads.has_grad).enumerate() {
             let Some(reduced) = reduced else { continue };

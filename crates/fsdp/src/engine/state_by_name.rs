@@ -12,7 +12,7 @@ use fsdp_comm::Buffer;
 
 use super::error::{EngineError, unit_name};
 use super::fsdp::Fsdp;
-use super::offload::{OffloadStats, Region};
+use super::offload::{OffloadStats, StateOnDisk};
 use crate::optim::Optimizer;
 
 /// This rank's rows of a parameter, given its name and its number of owned elements; `None`
@@ -279,23 +279,19 @@ impl Fsdp {
     }
 }
 
-/// The engine's optimizer state offloaded to the disk tier, as checkpoints read and write
-/// it: by parameter name, one buffer at a time.
+/// The engine's optimizer state offloaded to the disk tier ([`StateOnDisk`]), as
+/// checkpoints read and write it: by parameter name, one buffer at a time.
 impl Fsdp {
     /// The disk tier's folder and what it has moved, when state is offloaded to disk.
     pub fn offload(&self) -> Option<(&std::path::Path, OffloadStats)> {
-        self.tier.as_ref().map(|t| (t.path(), t.stats()))
+        self.state_on_disk.as_ref().map(StateOnDisk::stats)
     }
 
     /// A checkpoint's optimizer state is about to be loaded: with state offloaded to disk,
     /// what the tier and `optimizer` held for the sharded parameters is forgotten.
     pub(crate) fn begin_optimizer_load(&mut self, optimizer: &mut dyn Optimizer) {
-        if self.tier.is_none() {
-            return;
-        }
-        self.offloaded.clear();
-        for p in self.units.iter().flat_map(|u| &u.params) {
-            optimizer.take_state(&p.layout.name);
+        if let Some(state) = &mut self.state_on_disk {
+            state.begin_load(&self.units, optimizer);
         }
     }
 
@@ -308,40 +304,24 @@ impl Fsdp {
         key: &str,
         values: &[f32],
     ) -> Result<bool, EngineError> {
-        let (Some(tier), Some(place)) = (&self.tier, self.grad_index.get(param)) else {
+        let (Some(state), Some(place)) = (&mut self.state_on_disk, self.grad_index.get(param))
+        else {
             return Ok(false);
         };
-        if values.len() != place.elements.len() {
-            return Err(EngineError::State {
-                name: param.into(),
-                problem: format!(
-                    "optimizer state `{key}` has {} values for {} owned elements",
-                    values.len(),
-                    place.elements.len()
-                ),
-            });
-        }
-        // State is laid out as the parameters' shards are (their block), not as gradients.
-        let unit = &self.units[place.unit];
-        let region = (place.unit, Region::State(key.to_string()));
-        let at = unit.params[place.param].layout.offset;
-        tier.write_at(&region, at, values, unit.block())?;
-        let saved = self.offloaded.entry(param.to_string()).or_default();
-        if !saved.buffers.iter().any(|b| b == key) {
-            saved.buffers.push(key.to_string());
-            saved.buffers.sort();
-        }
+        state.load_buffer(&self.units, place, (param, key), values)?;
         Ok(true)
     }
 
     /// With state offloaded to disk: sets `param`'s step count there and returns true;
     /// false when its state is kept by the optimizer.
     pub(crate) fn load_offloaded_step(&mut self, param: &str, step: u64) -> bool {
-        if self.tier.is_none() || !self.grad_index.contains_key(param) {
-            return false;
+        match &mut self.state_on_disk {
+            Some(state) if self.grad_index.contains_key(param) => {
+                state.load_step(param, step);
+                true
+            }
+            _ => false,
         }
-        self.offloaded.entry(param.to_string()).or_default().step = step;
-        true
     }
 
     /// The step count and buffer names of parameter `name`'s optimizer state, wherever it
@@ -353,10 +333,7 @@ impl Fsdp {
     ) -> Option<(u64, Vec<String>)> {
         match optimizer.state(name) {
             Some(s) => Some((s.step, s.buffers.keys().cloned().collect())),
-            None => self
-                .offloaded
-                .get(name)
-                .map(|s| (s.step, s.buffers.clone())),
+            None => self.state_on_disk.as_ref()?.info(name),
         }
     }
 
@@ -372,19 +349,15 @@ impl Fsdp {
         if let Some(state) = optimizer.state(name) {
             return Ok(state.buffers.get(key).cloned());
         }
-        let (Some(tier), Some(saved)) = (&self.tier, self.offloaded.get(name)) else {
+        let Some(state) = &self.state_on_disk else {
             return Ok(None);
         };
-        if !saved.buffers.iter().any(|b| b == key) {
-            return Ok(None);
+        match self.grad_index.get(name) {
+            Some(place) => state.buffer(&self.units, place, (name, key)),
+            None if state.has(name, key) => {
+                Err(EngineError::UnknownParameter { name: name.into() })
+            }
+            None => Ok(None),
         }
-        let place = self
-            .grad_index
-            .get(name)
-            .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })?;
-        // State is laid out as the parameters' shards are (their block), not as gradients.
-        let at = self.units[place.unit].params[place.param].layout.offset;
-        let region = (place.unit, Region::State(key.to_string()));
-        Ok(Some(tier.read_at(&region, at, place.elements.len())?))
     }
 }

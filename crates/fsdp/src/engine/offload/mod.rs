@@ -13,9 +13,10 @@
 
 pub(crate) mod from_plan;
 mod grad_block;
+mod optimizer_state;
 mod scratch;
 mod store;
-pub(crate) mod streamed_step;
+mod streamed_step;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -27,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub(crate) use grad_block::GradBlock;
+pub(crate) use optimizer_state::StateOnDisk;
 pub use scratch::{OffloadError, ScratchDir, free_bytes};
 pub(crate) use store::ShardStore;
 
