@@ -35,7 +35,7 @@ pub(crate) fn check_graph(
             reach.extend(o.sorted_nodes().iter().map(|t| t.id()));
         }
         for (p, f) in run.unit.params.iter().zip(&run.full) {
-            let id = f.tensor.id();
+            let id = f.id();
             if in_graph.contains(&id) && !reach.contains(&id) {
                 return Err(EngineError::UsedOutsideUnit {
                     param: p.layout.name.clone(),
@@ -77,8 +77,8 @@ pub(crate) fn diagnose_non_finite(runs: &[UnitRun], loss: &Tensor) -> Option<Eng
             continue;
         }
         for (p, f) in run.unit.params.iter().zip(&run.full) {
-            released.insert(f.tensor.id(), (run.unit.name(), p.layout.name.as_str()));
-            released_buffers.insert(buffer(&f.tensor));
+            released.insert(f.id(), (run.unit.name(), p.layout.name.as_str()));
+            released_buffers.insert(buffer(f));
         }
     }
     if released.is_empty() {

@@ -38,7 +38,7 @@ impl FrozenReleases {
         for (u, run) in runs.iter().enumerate() {
             for (p, f) in run.unit.params.iter().zip(&run.full) {
                 if !p.layout.requires_grad {
-                    frozen.insert(storage_address(&f.tensor), u);
+                    frozen.insert(storage_address(f), u);
                     last_read.insert(u, 0);
                 }
             }
@@ -70,7 +70,7 @@ impl FrozenReleases {
         let at = runs[u]
             .full
             .get(i)
-            .and_then(|f| self.positions.get(&f.tensor.id()));
+            .and_then(|f| self.positions.get(&f.id()));
         self.release_before(runs, at.copied(), cx)
     }
 

@@ -1,14 +1,12 @@
 //! One sharded parameter ([`FsdpParam`]): this rank's rows in a buffer that carries its dtype
 //! and device, how rows move between a rank's shard and a unit's gathered block (pack and
-//! unpack), and, during a step, the unsharded tensor ([`UnshardedParam`]) whose memory is
-//! released after its unit's forward and refilled before its backward.
+//! unpack).
 
 use std::ops::Range;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use fsdp_comm::Buffer;
 
-use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::plan::ShardLayout;
 
@@ -193,31 +191,5 @@ impl ShardLayout {
             let from = (a - first) * self.row_elems;
             packed[to..to + len].copy_from_slice(&piece[from..from + len]);
         }
-    }
-}
-
-/// A parameter gathered for one step: a graph node whose storage is released after its
-/// unit's forward (FULL_SHARD) and refilled before the unit's backward, by the step's
-/// [`DataPlane`].
-pub(crate) struct UnshardedParam {
-    /// The full parameter (the output of the unit's unshard op).
-    pub tensor: Tensor,
-}
-
-impl UnshardedParam {
-    pub fn new(tensor: Tensor) -> UnshardedParam {
-        UnshardedParam { tensor }
-    }
-
-    /// Writes the parameter's rows back from a gathered block.
-    pub fn refill(
-        &self,
-        plane: &dyn DataPlane,
-        layout: &ShardLayout,
-        gathered: &Buffer,
-        block: usize,
-        ranks: usize,
-    ) -> Result<(), EngineError> {
-        plane.refill(&self.tensor, layout, gathered, block, ranks)
     }
 }

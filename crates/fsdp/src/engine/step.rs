@@ -259,7 +259,7 @@ impl StepShared {
             self.prefetch_after(inner, Moment::Gathered, u)?;
             self.read_ahead_after(inner, u, &self.prefetch.forward_order)?;
         }
-        Ok(inner.runs[u].full[i].tensor.clone())
+        Ok(inner.runs[u].full[i].clone())
     }
 
     fn output(&self, inner: &mut Inner, u: usize, t: Tensor) -> Result<Tensor, EngineError> {
@@ -303,7 +303,7 @@ impl StepShared {
                 .zip(&run.full)
                 .enumerate()
                 .filter(|(i, (p, f))| {
-                    p.layout.requires_grad && (in_graph.contains(&f.tensor.id()) || recomputed(*i))
+                    p.layout.requires_grad && (in_graph.contains(&f.id()) || recomputed(*i))
                 })
                 .count();
             run.grads.expected = Some(expected);
@@ -410,7 +410,7 @@ impl StepShared {
             let used: Vec<bool> = run
                 .full
                 .iter()
-                .map(|f| used_ids.contains(&f.tensor.id()))
+                .map(|f| used_ids.contains(&f.id()))
                 .collect();
             (run.anchor(), used)
         };

@@ -15,7 +15,6 @@ use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
-use super::param::UnshardedParam;
 use super::sparse_rows::RowSparsePlan;
 use super::unit_grads::{Completed, GradTarget, UnitGrads};
 use crate::config::BackwardPrefetch;
@@ -74,8 +73,10 @@ pub(crate) struct UnitRun {
     forward_began: Option<Instant>,
     backward_began: Option<Instant>,
     anchor: Option<Var>,
-    /// The full parameters (graph nodes), in the unit's order.
-    pub full: Vec<UnshardedParam>,
+    /// The full parameters (graph nodes: outputs of the unit's unshard op), in the unit's
+    /// order; the data plane releases their storage after the unit's forward (FULL_SHARD)
+    /// and refills it before its backward.
+    pub full: Vec<Tensor>,
     /// Outputs passed through the pre-backward hook.
     pub outputs: Vec<Tensor>,
     /// Whether forward reported the unit's output at all.
@@ -276,7 +277,7 @@ impl UnitRun {
             } else {
                 anchor.as_tensor().detach().apply_op1_no_bwd(&op)?
             };
-            full.push(UnshardedParam::new(tensor));
+            full.push(tensor);
         }
         self.anchor = Some(anchor);
         self.full = full;
@@ -332,7 +333,7 @@ impl UnitRun {
 
     /// Releases the full parameters' memory (their graph nodes stay).
     fn reshard(&self, cx: &RunContext) -> Result<(), EngineError> {
-        let params: Vec<&Tensor> = self.full.iter().map(|f| &f.tensor).collect();
+        let params: Vec<&Tensor> = self.full.iter().collect();
         cx.plane.release(&params, cx.poison)
     }
 
@@ -360,7 +361,7 @@ impl UnitRun {
             && self.checkpoint.is_none()
             && self.reshards_after_backward();
         if releasing {
-            let unread = self.full.iter().map(|f| &f.tensor);
+            let unread = self.full.iter();
             let unread: Vec<&Tensor> = unread.filter(|t| !read.contains(&t.id())).collect();
             cx.plane.release(&unread, cx.poison)?;
         }
@@ -369,7 +370,7 @@ impl UnitRun {
 
     /// The full parameters' tensor ids, for [`UnitRun::release_unread`]'s `read`.
     pub fn full_ids(&self) -> impl Iterator<Item = TensorId> + '_ {
-        self.full.iter().map(|f| f.tensor.id())
+        self.full.iter().map(Tensor::id)
     }
 
     /// Backward reached the unit's output: refills the parameters released after forward.
@@ -392,7 +393,7 @@ impl UnitRun {
         })?;
         let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
         for (f, p) in self.full.iter().zip(&self.unit.params) {
-            f.refill(cx.plane, &p.layout, &gathered, block, ranks)?;
+            cx.plane.refill(f, &p.layout, &gathered, block, ranks)?;
         }
         self.training = TrainingState::PreBackward;
         self.sharded = ShardedState::Unsharded;
