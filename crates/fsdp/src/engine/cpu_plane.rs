@@ -126,7 +126,8 @@ fn unpack_storage(
 }
 
 /// Parameter `layout`'s values out of a gathered block, in a buffer that takes parked pages
-/// (a released parameter's) before it is written.
+/// (a released parameter's) before it is written, written once (appended, not zero-filled
+/// and then overwritten).
 fn unpacked<T: bytemuck::Pod>(
     gathered: &[T],
     zero: T,
@@ -137,8 +138,12 @@ fn unpacked<T: bytemuck::Pod>(
     let n = layout.numel();
     let mut out = Vec::<T>::with_capacity(n);
     crate::memory::prefill_pages(&mut out, 0..n);
+    for piece in layout.gathered_pieces(gathered, block, ranks) {
+        out.extend_from_slice(piece);
+    }
+    // The pieces are the parameter's rows, `n` elements; a storage shorter than its shape
+    // must never reach candle's unchecked kernels, whatever a layout says.
     out.resize(n, zero);
-    layout.unpack(gathered, block, ranks, &mut out);
     out
 }
 

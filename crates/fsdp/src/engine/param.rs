@@ -155,13 +155,26 @@ impl ShardLayout {
     /// elements at `r * block`, `ranks` blocks) into `out`, leaving the padding rows out.
     pub fn unpack<T: Copy>(&self, gathered: &[T], block: usize, ranks: usize, out: &mut [T]) {
         let mut at = 0;
-        for r in 0..ranks {
-            let (start, end) = self.rows_of(r);
-            let len = (end - start) * self.row_elems;
-            let base = r * block + self.offset;
-            out[at..at + len].copy_from_slice(&gathered[base..base + len]);
-            at += len;
+        for piece in self.gathered_pieces(gathered, block, ranks) {
+            out[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
         }
+    }
+
+    /// The full parameter's rows in an all-gathered unit, rank by rank, in order: what
+    /// [`ShardLayout::unpack`] copies, for a caller that appends them to a fresh buffer
+    /// (one pass over the bytes, no zero fill first).
+    pub fn gathered_pieces<'a, T>(
+        &'a self,
+        gathered: &'a [T],
+        block: usize,
+        ranks: usize,
+    ) -> impl Iterator<Item = &'a [T]> + 'a {
+        (0..ranks).map(move |r| {
+            let (start, end) = self.rows_of(r);
+            let base = r * block + self.offset;
+            &gathered[base..base + (end - start) * self.row_elems]
+        })
     }
 
     /// The inverse of [`ShardLayout::unpack`]: scatters the full `values` into `ranks` shard
