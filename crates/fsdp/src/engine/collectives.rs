@@ -8,6 +8,7 @@ use std::time::Instant;
 use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 
 use super::error::EngineError;
+use super::fsdp_unit::UnitKind;
 use super::sparse_rows::{CompactGrads, RowSparsePlan, RowSparseReduce};
 use crate::config::{FsdpPlugin, MixedPrecision, ReduceDtype};
 use crate::trace::Tracer;
@@ -160,13 +161,13 @@ impl PendingReduce {
 
 /// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean; with a
 /// `sparse` plan (the unit has row-sparse parameters, the mesh one dimension), only their
-/// touched rows are sent. A `whole` unit (every rank holds all of it: ignored modules) is
-/// all-reduced over the shard dimension instead of reduce-scattered.
+/// touched rows are sent. A replicated unit (every rank holds all of it: ignored modules)
+/// is all-reduced over the shard dimension instead of reduce-scattered.
 pub(crate) fn reduce(
     mesh: &Mesh,
     packed: Buffer,
     sparse: Option<RowSparsePlan>,
-    whole: bool,
+    kind: UnitKind,
 ) -> Result<PendingReduce, CommError> {
     if let (Some(plan), Some(group)) = (sparse, row_sparse_group(mesh)) {
         return row_sparse(mesh, RowSparseReduce::start(plan, group, packed)?);
@@ -183,7 +184,7 @@ pub(crate) fn reduce(
             None,
             packed_bytes,
         ),
-        _ if whole => (
+        _ if kind.is_replicated() => (
             mesh.shard.all_reduce(packed, ReduceOp::Avg),
             "all-reduce",
             mesh.replicate.clone(),

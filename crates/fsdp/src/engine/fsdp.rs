@@ -18,7 +18,7 @@ use fsdp_comm::{Communicator, CommunicatorExt, Mesh, ReduceOp};
 use super::collectives::CommDtypes;
 use super::data_plane::DataPlane;
 use super::error::EngineError;
-use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES};
+use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES, UnitKind};
 use super::grads::{Accumulated, GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
 use super::offload::{ShardStore, StateOnDisk};
@@ -73,7 +73,7 @@ pub struct Fsdp {
     prefetch: Prefetch,
     dtypes: CommDtypes,
     /// The plan's units, then (when the plan ignores modules) the unit of the ignored
-    /// modules' parameters, whole on every rank ([`FsdpUnit::replicated`]).
+    /// modules' parameters, whole on every rank ([`UnitKind::Replicated`]).
     pub(crate) units: Vec<Arc<FsdpUnit>>,
     /// Where state is stored and where steps compute (`fsdp_offload_params`).
     pub(crate) placement: Placement,
@@ -195,7 +195,7 @@ impl Fsdp {
                 shard_store.clone(),
                 params,
                 (reshard && unit.reshard_after_forward, reshard),
-                false,
+                UnitKind::Sharded,
             )));
         }
         if !plan.ignored.is_empty() {
@@ -210,7 +210,7 @@ impl Fsdp {
                 ShardStore::Memory,
                 params,
                 (false, false),
-                true,
+                UnitKind::Replicated,
             )));
         }
         // Every parameter by name: its unit, and its rows in the unit's gradient block.
@@ -494,7 +494,7 @@ impl Fsdp {
         let grads = Gradients {
             units,
             has_grad,
-            replicated: self.units.iter().map(|u| u.replicated).collect(),
+            kinds: self.units.iter().map(|u| u.kind).collect(),
             index: self.grad_index.clone(),
             known_finite: false,
         };

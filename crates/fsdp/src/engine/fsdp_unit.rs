@@ -26,10 +26,8 @@ pub(crate) struct FsdpUnit {
     pub reshard_after_forward: bool,
     /// Free them once the unit's gradients are reduced (sharded strategies).
     pub reshard_after_backward: bool,
-    /// Whole on every rank of the mesh (the parameters of ignored modules): nothing is
-    /// gathered, and the gradients are averaged over every rank (both mesh dimensions)
-    /// once backward is over.
-    pub replicated: bool,
+    /// How the unit is spread over the mesh, which decides how it gathers and reduces.
+    pub kind: UnitKind,
     /// Per parameter, where its gradient rows sit in the unit's gradient block: the
     /// parameters' layouts with offsets over the trainable ones only, so frozen weights
     /// (LoRA's base) are neither packed, reduced nor scaled (a frozen one's offset is where
@@ -37,6 +35,36 @@ pub(crate) struct FsdpUnit {
     pub grad_layouts: Vec<ShardLayout>,
     /// Elements of one rank's gradient block (its trainable parameters' rows).
     pub grad_block: usize,
+}
+
+/// How a unit is spread over the mesh: what decides how it is gathered, where its gradients
+/// may come from, and how they are reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UnitKind {
+    /// Split by rows over the shard dimension: gathered before use, read only inside the
+    /// unit, its gradients reduce-scattered (then averaged over replicas) as soon as every
+    /// one expected has arrived.
+    Sharded,
+    /// Whole on every rank of the mesh (the parameters of ignored modules): nothing is
+    /// gathered, its parameters are read anywhere (their gradients add wherever they
+    /// arrive), and the gradients are averaged over every rank (both mesh dimensions) once
+    /// backward is over.
+    Replicated,
+}
+
+impl UnitKind {
+    /// Ranks the unit's parameters are split over: the shard group's, or one when whole.
+    pub fn ranks(self, shard_size: usize) -> usize {
+        match self {
+            UnitKind::Sharded => shard_size,
+            UnitKind::Replicated => 1,
+        }
+    }
+
+    /// Whole on every rank.
+    pub fn is_replicated(self) -> bool {
+        self == UnitKind::Replicated
+    }
 }
 
 /// The path the unit of ignored modules' parameters goes by (no module has it).
@@ -50,7 +78,7 @@ impl FsdpUnit {
         store: ShardStore,
         params: Vec<FsdpParam>,
         (reshard_after_forward, reshard_after_backward): (bool, bool),
-        replicated: bool,
+        kind: UnitKind,
     ) -> FsdpUnit {
         let mut grad_block = 0;
         let grad_layouts = params
@@ -73,7 +101,7 @@ impl FsdpUnit {
             params,
             reshard_after_forward,
             reshard_after_backward,
-            replicated,
+            kind,
             grad_layouts,
             grad_block,
         }
@@ -93,10 +121,9 @@ impl FsdpUnit {
         grad_elements(&self.params[i], &self.grad_layouts[i])
     }
 
-    /// Ranks the unit's parameters are split over: the shard group's, or one when the unit
-    /// is whole on every rank.
+    /// Ranks the unit's parameters are split over ([`UnitKind::ranks`]).
     pub fn ranks(&self, shard_size: usize) -> usize {
-        if self.replicated { 1 } else { shard_size }
+        self.kind.ranks(shard_size)
     }
 
     /// Elements of one rank's block of the unit (the all-gather's input size).

@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::error::EngineError;
+use super::fsdp_unit::UnitKind;
 use super::offload::GradBlock;
 
 /// Where a parameter's rows sit in its unit's reduced block.
@@ -41,8 +42,8 @@ pub(crate) struct Accumulated {
 pub struct Gradients {
     pub(crate) units: Vec<Option<GradBlock>>,
     pub(crate) has_grad: Vec<Vec<bool>>,
-    /// Per unit: whole on every rank of the shard group (ignored modules' unit).
-    pub(crate) replicated: Vec<bool>,
+    /// Per unit: how it is spread (a replicated unit's rows are whole copies).
+    pub(crate) kinds: Vec<UnitKind>,
     pub(crate) index: Arc<GradIndex>,
     /// Every rank's values were found finite (a finite global norm) and not changed since.
     pub(crate) known_finite: bool,
@@ -152,9 +153,9 @@ impl Gradients {
     /// and of the units whole on every rank.
     pub(crate) fn squares(&self) -> Result<(f64, f64), EngineError> {
         let (mut sharded, mut replicated) = (0.0, 0.0);
-        for (g, &whole) in self.units.iter().zip(&self.replicated) {
+        for (g, kind) in self.units.iter().zip(&self.kinds) {
             let Some(g) = g else { continue };
-            if whole {
+            if kind.is_replicated() {
                 replicated += g.squares()?;
             } else {
                 sharded += g.squares()?;

@@ -73,7 +73,7 @@ impl Fsdp {
                     rows: p.owned_rows(),
                     values: unit.local_values(i)?,
                     requires_grad: p.layout.requires_grad,
-                    replicated: whole || unit.replicated || self.mesh.replicas() > 1,
+                    replicated: whole || unit.kind.is_replicated() || self.mesh.replicas() > 1,
                 });
             }
         }

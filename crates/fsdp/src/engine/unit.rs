@@ -147,7 +147,7 @@ impl UnitRun {
             Completed::Rows(rows) => collectives::reduce_compact(cx.mesh, rows),
             Completed::Packed(g) => {
                 let sparse = row_sparse_plan(&self.unit, cx);
-                collectives::reduce(cx.mesh, g, sparse, self.unit.replicated)
+                collectives::reduce(cx.mesh, g, sparse, self.unit.kind)
             }
         };
         pending.map(Some).map_err(collective_failed)
@@ -479,7 +479,7 @@ impl UnitRun {
 /// Where `unit`'s row-sparse parameters lie in its packed gradient, if it has any and its
 /// gradients leave this rank (alone, a rank has nothing to send).
 fn row_sparse_plan(unit: &FsdpUnit, cx: &RunContext) -> Option<RowSparsePlan> {
-    if cx.mesh.world_size() == 1 || unit.replicated {
+    if cx.mesh.world_size() == 1 || unit.kind.is_replicated() {
         return None;
     }
     RowSparsePlan::new(

@@ -93,7 +93,7 @@ impl UnitGrads {
         }
         if let Some(rows) = self.rows.as_mut() {
             rows.add(layout, grad)?;
-        } else if to.unit.replicated && self.has_grad[to.param] {
+        } else if to.unit.kind.is_replicated() && self.has_grad[to.param] {
             // Read in several places (inside and outside checkpointed units): the parts add.
             let mut part = Buffer::zeros(to.dtype, block);
             plane.pack_gradient(layout, grad, &mut part, block, 1)?;
@@ -117,7 +117,7 @@ impl UnitGrads {
         self.received += 1;
         // A replicated unit's parameters may be read anywhere: it completes when the step
         // finishes, never on a count.
-        Ok(!to.unit.replicated && Some(self.received) == self.expected)
+        Ok(!to.unit.kind.is_replicated() && Some(self.received) == self.expected)
     }
 
     /// Whether anything is left to complete (gradients in, or carried).
