@@ -128,10 +128,7 @@ impl StepShared {
                     && !units.iter().any(|o| o.path.starts_with(&inner))
             })
             .collect();
-        let store = (units.iter().map(|u| &u.store))
-            .find(|s| s.on_disk())
-            .cloned()
-            .unwrap_or_default();
+        let store = ShardStore::of_units(units.iter().map(|u| &u.store));
         let n_units = units.len();
         let mut prefetch = prefetch;
         if prefetch.forward_order.is_empty() {
@@ -207,16 +204,14 @@ impl StepShared {
         Ok(())
     }
 
-    /// With shards on disk: starts reading the unit after `u` in `order`.
+    /// Starts reading the unit after `u` in `order` from its store (on disk; in memory there
+    /// is nothing to read).
     fn read_ahead_after(
         &self,
         inner: &Inner,
         u: usize,
         order: &[usize],
     ) -> Result<(), EngineError> {
-        if !self.store.on_disk() {
-            return Ok(());
-        }
         let at = order.iter().position(|&x| x == u);
         match at.and_then(|at| order.get(at + 1)) {
             Some(&next) => inner.runs[next].read_ahead(),
@@ -224,15 +219,11 @@ impl StepShared {
         }
     }
 
-    /// With gradients kept on disk: waits for every reduction but the newest and writes it
-    /// out, so a rank holds at most two units' reduced blocks.
+    /// Waits for and stores the reductions the store wants written out before the step
+    /// ends ([`ShardStore::due_reductions`]: on disk, all but the newest `keep`, so a rank
+    /// holds at most two units' reduced blocks).
     fn store_reduced(&self, inner: &mut Inner, keep: usize) -> Result<(), EngineError> {
-        if !self.store.on_disk() {
-            return Ok(());
-        }
-        let keep = keep.min(inner.pending.len());
-        let done: Vec<_> = inner.pending.drain(..inner.pending.len() - keep).collect();
-        for (u, work) in done {
+        for (u, work) in self.store.due_reductions(&mut inner.pending, keep) {
             inner.reduced[u] = Some(reduced_block(
                 &self.store,
                 self.opts.trace.as_deref(),

@@ -23,6 +23,27 @@ pub(crate) enum ShardStore {
 }
 
 impl ShardStore {
+    /// The store a step keeps reduced gradients in: the disk tier when any of `stores` (the
+    /// units') is on it.
+    pub fn of_units<'a>(stores: impl IntoIterator<Item = &'a ShardStore>) -> ShardStore {
+        let mut stores = stores.into_iter();
+        stores.find(|s| s.on_disk()).cloned().unwrap_or_default()
+    }
+
+    /// Of the reductions in flight (`pending`, oldest first), those to be waited for and
+    /// written out now: on disk all but the newest `keep` (taken out of `pending`), so a
+    /// rank holds few reduced blocks in memory; in memory none (all are kept until the step
+    /// ends).
+    pub fn due_reductions<T>(&self, pending: &mut Vec<T>, keep: usize) -> Vec<T> {
+        match self {
+            ShardStore::Memory => Vec::new(),
+            ShardStore::Disk(_) => {
+                let keep = keep.min(pending.len());
+                pending.drain(..pending.len() - keep).collect()
+            }
+        }
+    }
+
     /// Shards in the disk tier (whose I/O the step overlaps with compute).
     pub fn on_disk(&self) -> bool {
         matches!(self, ShardStore::Disk(_))
