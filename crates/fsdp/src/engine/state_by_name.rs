@@ -279,7 +279,7 @@ impl Fsdp {
     }
 }
 
-/// The engine's optimizer state offloaded to the disk tier ([`StateOnDisk`]), as
+/// The engine's optimizer state offloaded to the disk tier (`offload::StateOnDisk`), as
 /// checkpoints read and write it: by parameter name, one buffer at a time.
 impl Fsdp {
     /// The disk tier's folder and what it has moved, when state is offloaded to disk.
