@@ -14,15 +14,19 @@ model=$1
 shift
 py=${FSDP_TORCH_PYTHON:-python3}
 "$py" -c "import torch" 2>/dev/null || { echo "error: $py has no torch (set FSDP_TORCH_PYTHON to a python with torch)" >&2; exit 2; }
-install() { # dir requirement...
+install() { # dir requirement... (installed again when the list changes)
   local dir=$1
   shift
-  if [ ! -f "$dir/.installed" ]; then
+  local marker
+  marker="$dir/.installed-$(printf '%s\n' "$@" | cksum | cut -d' ' -f1)"
+  if [ ! -f "$marker" ]; then
     "$py" -m pip install --quiet --no-deps --target "$dir" "$@"
-    touch "$dir/.installed"
+    touch "$marker"
   fi
 }
-install target/transformers-4 "transformers==4.57.3" "huggingface_hub==0.36.2" "tokenizers==0.22.2"
+# huggingface_hub 0.x imports requests (1.x and later use httpx): its own dependencies too.
+install target/transformers-4 "transformers==4.57.3" "huggingface_hub==0.36.2" "tokenizers==0.22.2" \
+  "requests==2.32.5" "urllib3==2.5.0" "idna==3.10" "certifi==2025.8.3" "charset_normalizer==3.4.3"
 install target/transformers-5 "transformers==5.24.0" "huggingface_hub==2.4.0" "tokenizers==0.23.3"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
