@@ -13,6 +13,7 @@
 
 pub(crate) mod from_plan;
 mod grad_block;
+mod io_thread;
 mod optimizer_state;
 mod scratch;
 mod store;
@@ -23,11 +24,11 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 pub(crate) use grad_block::GradBlock;
+use io_thread::{Counters, Job, PendingRead, io_thread, read_exact};
 pub(crate) use optimizer_state::StateOnDisk;
 pub use scratch::{OffloadError, ScratchDir, free_bytes};
 pub(crate) use store::ShardStore;
@@ -57,46 +58,6 @@ pub struct OffloadStats {
     pub read_seconds: f64,
     /// Seconds it spent in writes.
     pub write_seconds: f64,
-}
-
-/// A read the I/O thread will answer.
-type PendingRead = Receiver<Result<Vec<f32>, OffloadError>>;
-
-enum Job {
-    Read {
-        file: Arc<File>,
-        path: PathBuf,
-        len: usize,
-        reply: Sender<Result<Vec<f32>, OffloadError>>,
-    },
-    Write {
-        file: Arc<File>,
-        path: PathBuf,
-        data: Vec<f32>,
-    },
-    Flush {
-        reply: Sender<()>,
-    },
-}
-
-#[derive(Default)]
-struct Counters {
-    read: AtomicU64,
-    written: AtomicU64,
-    read_ns: AtomicU64,
-    write_ns: AtomicU64,
-    /// Bytes handed to the I/O thread and not written yet (each write holds its block).
-    queued: Mutex<u64>,
-    /// Rung when queued bytes were written.
-    drained: std::sync::Condvar,
-}
-
-impl Counters {
-    fn written_out(&self, bytes: u64) {
-        let mut q = self.queued.lock().unwrap_or_else(|e| e.into_inner());
-        *q = q.saturating_sub(bytes);
-        self.drained.notify_all();
-    }
 }
 
 /// Bytes of writes a tier lets wait for the disk before a new one waits (until the engine
@@ -404,7 +365,7 @@ impl DiskTier {
             let path = path.clone();
             move |source| OffloadError::Io { path, what, source }
         };
-        file.write_all_at(as_bytes(values), offset as u64 * 4)
+        file.write_all_at(bytemuck::cast_slice(values), offset as u64 * 4)
             .map_err(io(format!(
                 "writing {} bytes at byte {}",
                 values.len() * 4,
@@ -433,76 +394,6 @@ impl Drop for DiskTier {
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(w) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = w.join();
-        }
-    }
-}
-
-fn as_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and every byte pattern of it may be viewed as bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
-}
-
-fn read_exact(file: &File, out: &mut [f32], offset: usize) -> std::io::Result<()> {
-    // SAFETY: any bytes are a valid f32; the view covers exactly `out`.
-    let bytes = unsafe {
-        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
-    };
-    file.read_exact_at(bytes, offset as u64 * 4)
-}
-
-/// The I/O thread: jobs in order, so a read queued after a write sees it.
-fn io_thread(rx: Receiver<Job>, failed: Arc<Mutex<Option<OffloadError>>>, c: Arc<Counters>) {
-    let fail = |e: OffloadError| {
-        failed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert(e);
-    };
-    for job in rx {
-        match job {
-            Job::Read {
-                file,
-                path,
-                len,
-                reply,
-            } => {
-                let t = Instant::now();
-                let mut out = vec![0f32; len];
-                let result = read_exact(&file, &mut out, 0)
-                    .map(|()| out)
-                    .map_err(|source| OffloadError::Io {
-                        path,
-                        what: format!("reading {} bytes", len * 4),
-                        source,
-                    });
-                c.read_ns
-                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                if result.is_ok() {
-                    c.read.fetch_add(len as u64 * 4, Ordering::Relaxed);
-                }
-                let _ = reply.send(result);
-            }
-            Job::Write { file, path, data } => {
-                let t = Instant::now();
-                let bytes = data.len() as u64 * 4;
-                match file.write_all_at(as_bytes(&data), 0) {
-                    Ok(()) => {
-                        c.written.fetch_add(bytes, Ordering::Relaxed);
-                    }
-                    Err(source) => fail(OffloadError::Io {
-                        path,
-                        what: format!("writing {bytes} bytes"),
-                        source,
-                    }),
-                }
-                drop(data);
-                c.write_ns
-                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                c.written_out(bytes);
-            }
-            Job::Flush { reply } => {
-                let _ = reply.send(());
-            }
         }
     }
 }
