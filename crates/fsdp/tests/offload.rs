@@ -313,25 +313,25 @@ fn offloaded_training_equals_training_in_memory_bit_for_bit() {
     );
 }
 
+/// Trains `r` 4 steps with each kind of offload, saving at step 2 and resuming from the
+/// checkpoint in a fresh engine: losses and weights equal the run kept in memory, bit for bit.
+fn resumes_as_in_memory(r: Recipe, what: &str) {
+    let memory = train(r, Offload::None, 4, None);
+    for offload in [Offload::Params, Offload::Optimizer] {
+        let dir = tempdir("checkpoint");
+        let resumed = train(r, offload, 4, Some((2, dir.clone())));
+        assert_same(&format!("{what} {offload:?}, resumed"), &resumed, &memory);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 #[test]
 fn offloaded_state_saves_loads_and_continues_bit_for_bit() {
     for (world, strategy) in [
         (2, ShardingStrategy::FullShard),
         (3, ShardingStrategy::ShardGradOp),
     ] {
-        let r = recipe(world, strategy);
-        let memory = train(r, Offload::None, 4, None);
-        for offload in [Offload::Params, Offload::Optimizer] {
-            let dir = tempdir("checkpoint");
-            let resumed = train(r, offload, 4, Some((2, dir.clone())));
-            assert_same(
-                &format!("{world} ranks {offload:?}, resumed"),
-                &resumed,
-                &memory,
-            );
-            // The saved checkpoint loads into an engine that keeps everything in memory too.
-            let _ = std::fs::remove_dir_all(&dir);
-        }
+        resumes_as_in_memory(recipe(world, strategy), &format!("{world} ranks"));
     }
 }
 
@@ -342,17 +342,7 @@ fn offloaded_state_saves_loads_and_continues_bit_for_bit() {
 fn offloaded_state_of_a_unit_with_a_frozen_weight_saves_and_resumes_bit_for_bit() {
     let mut r = recipe(2, ShardingStrategy::FullShard);
     r.frozen = true;
-    let memory = train(r, Offload::None, 4, None);
-    for offload in [Offload::Params, Offload::Optimizer] {
-        let dir = tempdir("frozen-checkpoint");
-        let resumed = train(r, offload, 4, Some((2, dir.clone())));
-        assert_same(
-            &format!("{offload:?} with a frozen weight"),
-            &resumed,
-            &memory,
-        );
-        let _ = std::fs::remove_dir_all(&dir);
-    }
+    resumes_as_in_memory(r, "with a frozen weight,");
 }
 
 #[test]
