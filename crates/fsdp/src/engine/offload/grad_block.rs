@@ -60,15 +60,13 @@ fn square_sum(v: &[f32]) -> f64 {
 }
 
 impl GradBlock {
-    /// Unit `unit`'s block: kept in memory, or written to `tier` when there is one.
-    pub(super) fn store(
-        tier: Option<&Arc<DiskTier>>,
+    /// Unit `unit`'s block written to `tier`, with what the step asks of it before reading
+    /// it back.
+    pub(super) fn on_disk(
+        tier: &Arc<DiskTier>,
         unit: usize,
         values: Vec<f32>,
     ) -> Result<GradBlock, OffloadError> {
-        let Some(tier) = tier else {
-            return Ok(GradBlock::Memory(values));
-        };
         let key = (unit, Region::Grads(tier.next_grads()));
         let (len, squares) = (values.len(), square_sum(&values));
         let finite = values.iter().all(|x| x.is_finite());
@@ -141,7 +139,7 @@ impl GradBlock {
                 f(&mut v);
                 let unit = d.key.0;
                 let tier = d.tier.clone();
-                *self = GradBlock::store(Some(&tier), unit, v)?;
+                *self = GradBlock::on_disk(&tier, unit, v)?;
             }
         }
         Ok(())

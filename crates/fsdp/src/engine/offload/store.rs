@@ -57,14 +57,10 @@ impl ShardStore {
         params: &[FsdpParam],
         block: usize,
     ) -> Result<Vec<f32>, EngineError> {
-        if let ShardStore::Disk(tier) = self {
-            return Ok(tier.read(&(unit, Region::Params), block)?);
+        match self {
+            ShardStore::Disk(tier) => Ok(tier.read(&(unit, Region::Params), block)?),
+            ShardStore::Memory => packed(params),
         }
-        let mut packed = Vec::with_capacity(block);
-        for p in params {
-            packed.extend_from_slice(p.shard.values()?);
-        }
-        Ok(packed)
     }
 
     /// Takes unit `unit`'s freshly made shards in: into the tier as one block, leaving the
@@ -73,11 +69,7 @@ impl ShardStore {
         let ShardStore::Disk(tier) = self else {
             return Ok(());
         };
-        let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
-        for p in params.iter() {
-            block.extend_from_slice(p.shard.values()?);
-        }
-        tier.write(&(unit, Region::Params), block)?;
+        tier.write(&(unit, Region::Params), packed(params)?)?;
         for p in params {
             p.shard = p.shard.emptied();
         }
@@ -141,10 +133,19 @@ impl ShardStore {
 
     /// Unit `unit`'s reduced gradient block: kept in memory, or written to the tier.
     pub fn keep_reduced(&self, unit: usize, values: Vec<f32>) -> Result<GradBlock, OffloadError> {
-        let tier = match self {
-            ShardStore::Disk(tier) => Some(tier),
-            ShardStore::Memory => None,
-        };
-        GradBlock::store(tier, unit, values)
+        match self {
+            ShardStore::Memory => Ok(GradBlock::Memory(values)),
+            ShardStore::Disk(tier) => GradBlock::on_disk(tier, unit, values),
+        }
     }
+}
+
+/// The parameters' shards (padded rows) one after another: a unit's block as the all-gather
+/// sends it.
+fn packed(params: &[FsdpParam]) -> Result<Vec<f32>, EngineError> {
+    let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
+    for p in params {
+        block.extend_from_slice(p.shard.values()?);
+    }
+    Ok(block)
 }
