@@ -171,25 +171,26 @@ impl<M> PreparedModel<M> {
         if self.unscale()? {
             return Ok(f64::INFINITY);
         }
-        if self.engine.gradients().is_none() {
-            return Err(AcceleratorError::CallOrder {
-                model: self.index,
-                problem: "clip_grad_norm without gradients: call backward first",
-            });
-        }
+        self.require_gradients("clip_grad_norm without gradients: call backward first")?;
         let (norm, _) = self.engine.clip_grad_norm(Some(max_norm))?;
         Ok(norm)
+    }
+
+    /// A call-order error saying `problem` unless the engine holds gradients.
+    fn require_gradients(&self, problem: &'static str) -> Result<(), AcceleratorError> {
+        match self.engine.gradients() {
+            Some(_) => Ok(()),
+            None => Err(AcceleratorError::CallOrder {
+                model: self.index,
+                problem,
+            }),
+        }
     }
 
     /// The optimizer step on the accumulated gradients; false when fp16 loss scaling found
     /// an overflow on some rank and every rank skipped it (the scale backs off).
     pub(super) fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<bool, AcceleratorError> {
-        if self.engine.gradients().is_none() {
-            return Err(AcceleratorError::CallOrder {
-                model: self.index,
-                problem: "an optimizer step without gradients: call backward first",
-            });
-        }
+        self.require_gradients("an optimizer step without gradients: call backward first")?;
         let found_inf = self.unscale()?;
         self.found_inf = None;
         if let Some(s) = self.scaler.as_mut() {
