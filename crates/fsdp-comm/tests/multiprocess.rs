@@ -713,9 +713,7 @@ fn nccl_collectives() -> Result<(), String> {
 #[test]
 fn nccl_collectives_on_gpus() {
     match cuda_devices() {
-        None | Some(0) => {
-            skipped_optional!("no CUDA driver or device on this machine")
-        }
+        None | Some(0) => skipped_gpu!("no CUDA driver or device on this machine"),
         Some(count) => assert_all_ok(&run_all(
             "nccl",
             count.min(2),

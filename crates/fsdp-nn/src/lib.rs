@@ -24,6 +24,7 @@ mod multiversion;
 pub use candle_core as candle;
 
 mod composite;
+pub mod device;
 pub mod layers;
 pub mod lora;
 pub mod module;

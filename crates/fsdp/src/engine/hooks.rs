@@ -7,7 +7,9 @@
 
 use std::sync::{Mutex, Weak};
 
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DeviceLocation, Layout, Shape, Storage, Tensor,
+};
 
 use crate::nn::Recompute;
 
@@ -119,13 +121,10 @@ fn take_as<S>(
     slot: &Mutex<Option<Storage>>,
     op: &str,
     backend: &str,
-    pick: fn(Storage) -> Result<S, Storage>,
+    pick: fn(Storage) -> Result<S, DeviceLocation>,
 ) -> candle_core::Result<S> {
     pick(take_once(slot, op)?).map_err(|other| {
-        candle_core::Error::Msg(format!(
-            "{op}: values on {:?} for a {backend} forward",
-            other.device().location()
-        ))
+        candle_core::Error::Msg(format!("{op}: values on {other:?} for a {backend} forward"))
     })
 }
 
@@ -133,7 +132,7 @@ fn take_as<S>(
 fn take_cpu(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<CpuStorage> {
     take_as(slot, op, "CPU", |s| match s {
         Storage::Cpu(s) => Ok(s),
-        other => Err(other),
+        other => Err(other.device().location()),
     })
 }
 
@@ -141,7 +140,7 @@ fn take_cpu(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<CpuS
 fn take_cuda(slot: &Mutex<Option<Storage>>, op: &str) -> candle_core::Result<CudaStorage> {
     take_as(slot, op, "CUDA", |s| match s {
         Storage::Cuda(s) => Ok(s),
-        other => Err(other),
+        other => Err(other.device().location()),
     })
 }
 

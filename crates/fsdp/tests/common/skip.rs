@@ -30,6 +30,27 @@ macro_rules! skipped_optional {
     ($($arg:tt)*) => { $crate::common::skip::record(&format!($($arg)*), false) };
 }
 
+/// The variable under which a missing GPU fails a test instead of skipping it: set by
+/// tools/gpu-check.sh on the machine that has one.
+#[allow(dead_code)]
+pub const REQUIRE_GPU_ENV: &str = "FSDP_REQUIRE_GPU";
+
+/// Records a skip for want of a usable GPU (none, or its libraries missing): optional, but a
+/// failure under `FSDP_REQUIRE_GPU=1`.
+#[allow(unused_macros)]
+macro_rules! skipped_gpu {
+    ($($arg:tt)*) => { $crate::common::skip::record_gpu(&format!($($arg)*)) };
+}
+
+/// [`record`] for a skip without a GPU; panics under `FSDP_REQUIRE_GPU=1`.
+#[allow(dead_code)]
+pub fn record_gpu(why: &str) {
+    if std::env::var(REQUIRE_GPU_ENV).is_ok_and(|v| v == "1") {
+        panic!("no usable GPU ({REQUIRE_GPU_ENV}=1: this machine was to have one): {why}");
+    }
+    record(why, false);
+}
+
 /// Prints `SKIPPED <test>: <why>` and appends it to the log (the test's name from libtest's
 /// thread name); a `required` skip panics when `FSDP_REQUIRE_ALL=1`.
 #[allow(dead_code)]

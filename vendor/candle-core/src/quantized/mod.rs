@@ -25,10 +25,6 @@ mod metal {
 }
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
-pub mod fast_mmq;
-#[cfg(feature = "cuda")]
-pub mod fast_mmvq;
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     pub use super::dummy_cuda::*;

@@ -1,0 +1,153 @@
+//! The devices a process can compute on: the CPU always, CUDA GPUs where this build has the
+//! `cuda` feature and the machine a driver and cuBLAS. Asking never panics: cudarc loads the
+//! CUDA libraries when first used and panics where one is missing, so every question here
+//! looks for them first and reports what is absent by name.
+
+use candle_core::Device;
+
+/// Why a CUDA device cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The crates were built without the `cuda` feature.
+    #[error(
+        "CUDA device {ordinal}: this build has no CUDA support (build with the `cuda` feature; \
+         in fsdp-rs, tools/install-cuda-toolchain.sh installs the nvcc it needs from PyPI)"
+    )]
+    NotBuilt {
+        /// The device asked for.
+        ordinal: usize,
+    },
+    /// The driver, a CUDA library or the device itself is missing or failed.
+    #[error("CUDA device {ordinal}: {reason}")]
+    Unavailable {
+        /// The device asked for.
+        ordinal: usize,
+        /// What is missing or what CUDA said.
+        reason: String,
+    },
+}
+
+/// The CUDA libraries candle's CUDA backend loads when a device opens, by the names cudarc
+/// looks for them under (CUDA 13: libcublas.so.13, libcurand.so.10, ...).
+#[cfg(feature = "cuda")]
+fn missing_libraries() -> Vec<&'static str> {
+    use candle_core::cuda_backend::cudarc;
+    // SAFETY: each call only tries to open the library by name (dlopen) and drops it.
+    let present = unsafe {
+        [
+            (
+                "the CUDA driver (libcuda.so.1)",
+                cudarc::driver::sys::is_culib_present(),
+            ),
+            (
+                "cuBLAS (libcublas.so.13)",
+                cudarc::cublas::sys::is_culib_present(),
+            ),
+            (
+                "cuBLASLt (libcublasLt.so.13)",
+                cudarc::cublaslt::sys::is_culib_present(),
+            ),
+            (
+                "cuRAND (libcurand.so.10)",
+                cudarc::curand::sys::is_culib_present(),
+            ),
+        ]
+    };
+    present
+        .into_iter()
+        .filter(|(_, found)| !found)
+        .map(|(name, _)| name)
+        .collect()
+}
+
+/// How many CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`), or why none can
+/// be used.
+pub fn cuda_device_count() -> Result<usize, DeviceError> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc;
+        let unavailable = |reason: String| DeviceError::Unavailable { ordinal: 0, reason };
+        let missing = missing_libraries();
+        if !missing.is_empty() {
+            return Err(unavailable(format!(
+                "not found on the library path: {} (LD_LIBRARY_PATH; pip's nvidia-* wheels \
+                 keep them in site-packages/nvidia/cu13/lib)",
+                missing.join(", ")
+            )));
+        }
+        let counted = std::panic::catch_unwind(|| {
+            cudarc::driver::result::init()?;
+            cudarc::driver::result::device::get_count()
+        });
+        match counted {
+            Ok(Ok(n)) => Ok(usize::try_from(n).unwrap_or(0)),
+            Ok(Err(e)) => Err(unavailable(format!("the driver did not start: {e}"))),
+            Err(_) => Err(unavailable("loading the CUDA driver failed".into())),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(DeviceError::NotBuilt { ordinal: 0 })
+}
+
+/// Opens CUDA device `ordinal` (counted among the visible devices) for candle's tensors:
+/// cuBLAS products with f32 accumulation, TF32 off, so f32 products match the CPU's.
+pub fn cuda(ordinal: usize) -> Result<Device, DeviceError> {
+    #[cfg(feature = "cuda")]
+    {
+        let count = cuda_device_count().map_err(|e| match e {
+            DeviceError::Unavailable { reason, .. } => DeviceError::Unavailable { ordinal, reason },
+            other => other,
+        })?;
+        if ordinal >= count {
+            return Err(DeviceError::Unavailable {
+                ordinal,
+                reason: format!(
+                    "this process sees {count} CUDA device(s){}",
+                    std::env::var("CUDA_VISIBLE_DEVICES")
+                        .map(|v| format!(" (CUDA_VISIBLE_DEVICES={v})"))
+                        .unwrap_or_default()
+                ),
+            });
+        }
+        candle_core::cuda_backend::set_gemm_reduced_precision_f32(false);
+        let opened = std::panic::catch_unwind(|| Device::new_cuda(ordinal));
+        match opened {
+            Ok(Ok(device)) => Ok(device),
+            Ok(Err(e)) => Err(DeviceError::Unavailable {
+                ordinal,
+                reason: e.to_string(),
+            }),
+            Err(_) => Err(DeviceError::Unavailable {
+                ordinal,
+                reason: "opening the device panicked in cudarc (a CUDA library failed to load)"
+                    .into(),
+            }),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(DeviceError::NotBuilt { ordinal })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn asking_for_a_gpu_answers_without_panicking() {
+        match cuda_device_count() {
+            Ok(0) | Err(_) => {
+                let e = cuda(0).expect_err("no usable GPU, yet a device opened");
+                let text = e.to_string();
+                assert!(text.starts_with("CUDA device 0: "), "{text}");
+            }
+            Ok(n) => {
+                let e = cuda(n).expect_err("a device past the last one opened");
+                assert!(
+                    e.to_string().contains(&format!("sees {n} CUDA device")),
+                    "{e}"
+                );
+                assert!(cuda(0).is_ok_and(|d| d.is_cuda()));
+            }
+        }
+    }
+}
