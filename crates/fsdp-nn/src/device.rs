@@ -128,6 +128,18 @@ pub fn cuda(ordinal: usize) -> Result<Device, DeviceError> {
     Err(DeviceError::NotBuilt { ordinal })
 }
 
+/// The GPU this crate's tests compare on, or `None` once the skip is recorded.
+#[cfg(test)]
+pub(crate) fn gpu_for_tests() -> Option<Device> {
+    match cuda(0) {
+        Ok(device) => Some(device),
+        Err(e) => {
+            skipped_gpu!("{e}");
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -130,3 +130,11 @@ impl NormalRng {
         r * theta.cos()
     }
 }
+
+/// Whether element `index` survives dropout with probability `p` under `seed`: SplitMix64 of
+/// (seed, index), a counter-based draw, so any element's is known without drawing the others
+/// (the dropout and attention ops regenerate their masks in backward).
+#[inline]
+pub(crate) fn dropout_keep(seed: u64, index: u64, p: f64) -> bool {
+    unit_f64(mix64(seed ^ index.wrapping_mul(GOLDEN_GAMMA))) >= p
+}

@@ -219,6 +219,15 @@ impl CustomOp2 for CrossEntropyOp {
 /// # Ok::<(), fsdp_nn::candle::Error>(())
 /// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, settings: CrossEntropy) -> Result<Tensor> {
+    if !super::has_kernels(logits) {
+        return super::composed::cross_entropy(
+            logits,
+            targets,
+            settings.ignore_index,
+            settings.label_smoothing,
+            settings.reduction == Reduction::Mean,
+        );
+    }
     let logits = match logits.dtype() {
         DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
         _ => logits.contiguous()?,

@@ -6,13 +6,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::{Float, contiguous, float_dispatch, tensor, with_slice};
 
-/// SplitMix64 of (seed, index): a counter-based generator, so any element's draw is known
-/// without drawing the others.
-#[inline]
-pub(super) fn keep(seed: u64, index: u64, p: f64) -> bool {
-    let z = crate::rng::mix64(seed ^ index.wrapping_mul(crate::rng::GOLDEN_GAMMA));
-    crate::rng::unit_f64(z) >= p
-}
+use crate::rng::dropout_keep as keep;
 
 struct Dropout {
     p: f64,
@@ -64,6 +58,9 @@ pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     }
     if p == 0.0 {
         return Ok(x.clone());
+    }
+    if !super::has_kernels(x) {
+        return super::composed::dropout(x, p, seed);
     }
     x.contiguous()?.apply_op1(Dropout { p, seed })
 }

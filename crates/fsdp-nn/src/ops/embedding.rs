@@ -109,6 +109,9 @@ impl CustomOp2 for Embedding {
 /// Rows of `weight` [rows, dim] for integer `ids` of any shape (output `ids.shape + [dim]`);
 /// the `padding_idx` row, if any, gets no gradient (PyTorch's `nn.Embedding(padding_idx=)`).
 pub fn embedding(weight: &Tensor, ids: &Tensor, padding_idx: Option<usize>) -> Result<Tensor> {
+    if !super::has_kernels(weight) {
+        return super::composed::embedding(weight, ids, padding_idx);
+    }
     weight
         .contiguous()?
         .apply_op2(&ids.contiguous()?, Embedding { padding_idx })

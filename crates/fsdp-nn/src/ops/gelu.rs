@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, rows, tensor, with_slice};
+use super::{Float, composed, contiguous, float_dispatch, has_kernels, rows, tensor, with_slice};
 
 /// Which GELU formula.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +114,9 @@ impl CustomOp1 for Gelu {
 
 /// GELU with a hand-written backward.
 pub fn gelu(x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::gelu(x, approx == GeluApprox::Tanh);
+    }
     x.contiguous()?.apply_op1(Gelu(approx))
 }
 
@@ -173,6 +176,9 @@ impl CustomOp2 for BiasGelu {
 
 /// `gelu(x + bias)` with the bias broadcast over the last dimension, in one pass.
 pub fn bias_gelu(x: &Tensor, bias: &Tensor, approx: GeluApprox) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::bias_gelu(x, bias, approx == GeluApprox::Tanh);
+    }
     x.contiguous()?
         .apply_op2(&bias.contiguous()?, BiasGelu(approx))
 }

@@ -10,7 +10,10 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 
 use super::GeluApprox;
 
-use super::{Float, contiguous, float_dispatch, gemm_into, gemm_new, tensor, with_slice};
+use super::{
+    Float, composed, contiguous, float_dispatch, gemm_into, gemm_new, has_kernels, tensor,
+    with_slice,
+};
 
 /// How a weight is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -301,12 +304,18 @@ pub(super) fn on_rows(
 
 /// `x W^T + b` over the last dimension of `x` (any leading shape), `W` `[out, in]`, `b` `[out]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::project(x, w, true, Some(b), None);
+    }
     over_last_dim(x, (w, b), WeightLayout::OutIn, None)
 }
 
 /// `x W^T` over the last dimension of `x` (any leading shape), `W` `[out, in]`, no bias
 /// (Llama's, Mistral's and Qwen2's output projections), as one op.
 pub fn linear_no_bias(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::project(x, w, true, None, None);
+    }
     let op = LinearNoBias(Linear {
         layout: WeightLayout::OutIn,
         gelu: None,
@@ -320,6 +329,9 @@ pub fn linear_no_bias(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// the output's shape: a projection without bias plus an update made beside it (LoRA's), as
 /// one op, so the projection's own output is no graph node kept to backward.
 pub fn linear_no_bias_add(x: &Tensor, w: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::project(x, w, true, None, None)? + u;
+    }
     let op = LinearNoBiasAdd(Linear {
         layout: WeightLayout::OutIn,
         gelu: None,
@@ -388,11 +400,17 @@ impl CustomOp3 for LinearNoBiasAdd {
 
 /// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
 pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::project(x, w, true, Some(b), Some(approx == GeluApprox::Tanh));
+    }
     over_last_dim(x, (w, b), WeightLayout::OutIn, Some(approx))
 }
 
 /// GPT-2's `Conv1D`: `x W + b` over the last dimension of `x`, `W` `[in, out]`, `b` `[out]`,
 /// optionally followed by GELU, as one op.
 pub fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::project(x, w, false, Some(b), gelu.map(|a| a == GeluApprox::Tanh));
+    }
     over_last_dim(x, (w, b), WeightLayout::InOut, gelu)
 }

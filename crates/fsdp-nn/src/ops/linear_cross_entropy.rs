@@ -171,6 +171,16 @@ pub fn linear_cross_entropy(
     targets: &Tensor,
     settings: CrossEntropy,
 ) -> Result<Tensor> {
+    if !super::has_kernels(hidden) {
+        let logits = super::composed::project(hidden, weight, true, None, None)?;
+        return super::composed::cross_entropy(
+            &logits,
+            targets,
+            settings.ignore_index,
+            settings.label_smoothing,
+            settings.reduction == super::Reduction::Mean,
+        );
+    }
     let targets: Vec<i64> = targets.to_dtype(DType::I64)?.flatten_all()?.to_vec1()?;
     let op = LinearCrossEntropyOp {
         settings,

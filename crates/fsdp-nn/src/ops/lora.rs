@@ -101,6 +101,9 @@ impl CustomOp3 for LoraUpdate {
 /// `scaling · (x Aᵀ) Bᵀ` over the last dimension of `x` (any leading shape), `A` `[r, in]`,
 /// `B` `[out, r]`: LoRA's update, as one op.
 pub fn lora_update(x: &Tensor, a: &Tensor, b: &Tensor, scaling: f64) -> Result<Tensor> {
+    if !super::has_kernels(x) {
+        return super::composed::lora_update(x, a, b, scaling);
+    }
     let op = LoraUpdate {
         scaling,
         h: Mutex::new(None),

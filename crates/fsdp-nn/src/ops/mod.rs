@@ -4,6 +4,7 @@
 
 mod attention;
 mod bf16_gemm;
+mod composed;
 mod cross_entropy;
 mod dropout;
 mod embedding;
@@ -35,6 +36,12 @@ pub use quantized_linear::quantized_linear;
 pub use rope::{RopeAngles, RopeLayout, RopeScaling, RopeTable, rope, rope_with};
 pub use softmax::softmax_last_dim;
 pub use swiglu::swiglu;
+
+/// Whether the fused ops have kernels for `x`'s device (the CPU's); elsewhere they compute
+/// as compositions of candle's ops (`composed.rs`).
+fn has_kernels(x: &Tensor) -> bool {
+    x.device().is_cpu()
+}
 
 /// Which kernels run f32 and f64 matrix products on this CPU (the `gemm` crate's, chosen at
 /// run time; built with its AVX-512 ones): what the f32 peak and every projection depend on.

@@ -3,7 +3,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, rows, tensor, with_slice};
+use super::{Float, composed, contiguous, float_dispatch, has_kernels, rows, tensor, with_slice};
 
 /// Per-row mean and 1/std (mean 0 for RMSNorm).
 fn row_stats<T: Float>(row: &[T], eps: f64, center: bool) -> (f64, f64) {
@@ -146,6 +146,9 @@ impl CustomOp3 for LayerNorm {
 /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * gamma + beta`
 /// (biased variance, as PyTorch), with a hand-written backward for all three inputs.
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::layer_norm(x, gamma, beta, eps);
+    }
     x.contiguous()?
         .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, LayerNorm { eps })
 }
@@ -229,6 +232,9 @@ pub fn add_layer_norm(
     beta: &Tensor,
     eps: f64,
 ) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::add_layer_norm(x, residual, gamma, beta, eps);
+    }
     let d = gamma.elem_count();
     let gb = Tensor::cat(&[gamma.flatten_all()?, beta.flatten_all()?], 0)?.reshape((2, d))?;
     x.contiguous()?
@@ -282,6 +288,9 @@ impl CustomOp2 for RmsNorm {
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::rms_norm(x, weight, eps);
+    }
     x.contiguous()?
         .apply_op2(&weight.contiguous()?, RmsNorm { eps })
 }

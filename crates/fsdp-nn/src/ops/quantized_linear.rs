@@ -22,6 +22,12 @@ pub fn quantized_linear(
     packing: Packing,
     update: Option<&Tensor>,
 ) -> Result<Tensor> {
+    if !super::has_kernels(x) {
+        candle_core::bail!(
+            "quantized linear: the input is on {:?}; the quantized base computes on the CPU only (its CUDA dequantize kernel has not landed)",
+            x.device().location()
+        );
+    }
     let (n, w) = words.dims2()?;
     if w != packing.row_words() || words.dtype() != DType::F32 {
         candle_core::bail!(

@@ -154,6 +154,13 @@ pub struct RopeAngles {
     rows: usize,
 }
 
+impl RopeAngles {
+    /// cos and sin, `[positions, head_dim / 2]` each, and the number of positions.
+    pub(super) fn parts(&self) -> (&[f32], &[f32], usize) {
+        (&self.cos, &self.sin, self.rows)
+    }
+}
+
 /// Where the heads and the sequence sit in rope's input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeLayout {
@@ -328,6 +335,10 @@ pub fn rope(x: &Tensor, table: &RopeTable, positions: &[u32]) -> Result<Tensor> 
 
 /// [`rope`] with angles made once (`RopeTable::angles_at`) on an input of either layout.
 pub fn rope_with(x: &Tensor, angles: &RopeAngles, layout: RopeLayout) -> Result<Tensor> {
+    if !super::has_kernels(x) {
+        let (cos, sin, positions) = angles.parts();
+        return super::composed::rope(x, cos, sin, positions, layout == RopeLayout::SeqFirst);
+    }
     let op = Rope {
         angles: angles.clone(),
         layout,

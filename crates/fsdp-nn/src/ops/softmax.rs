@@ -3,7 +3,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, rows, tensor, with_slice};
+use super::{Float, composed, contiguous, float_dispatch, has_kernels, rows, tensor, with_slice};
 
 struct Softmax;
 
@@ -36,5 +36,8 @@ impl CustomOp1 for Softmax {
 
 /// Softmax over the last dimension with a hand-written backward (`dx = y (dy - sum(dy y))`).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if !has_kernels(x) {
+        return composed::softmax_last_dim(x);
+    }
     x.contiguous()?.apply_op1(Softmax)
 }

@@ -6,7 +6,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Float, contiguous, float_dispatch, tensor, with_slice};
+use super::{Float, composed, contiguous, float_dispatch, has_kernels, tensor, with_slice};
 
 /// `(silu(g), silu'(g))` in f64: `silu(g) = g σ(g)`, `silu'(g) = σ(g) (1 + g (1 - σ(g)))`.
 #[inline]
@@ -102,5 +102,8 @@ impl CustomOp2 for SwiGlu {
 /// silu`), `gate` and `up` of one shape. f32 and f64 compute in their own precision; bf16
 /// and f16 in f32, rounded once.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if !has_kernels(gate) {
+        return composed::swiglu(gate, up);
+    }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
 }

@@ -22,8 +22,8 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, Layout, Result, Tensor};
 
-use super::dropout::keep;
 use super::{Float, gemm_acc_into, gemm_into, with_slice};
+use crate::rng::dropout_keep as keep;
 
 /// Query rows per block of causal attention: each block computes keys up to its last row, so
 /// the work is about `seq² / 2 + seq · CAUSAL_BLOCK / 2` scores instead of `seq²`.

@@ -286,6 +286,17 @@ pub fn grouped_query_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
+    if !super::super::has_kernels(q) {
+        return super::super::composed::attention(
+            q,
+            k,
+            v,
+            (heads.heads, heads.kv_heads),
+            heads.causal,
+            mask,
+            dropout,
+        );
+    }
     let op = sdpa_op(q.dims3()?, q.dtype(), heads, mask, dropout)?;
     q.apply_op3(k, v, op)
 }
@@ -300,11 +311,24 @@ pub fn packed_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    let shape = PackedSdpa::width(qkv.layout())?;
     let heads = AttentionHeads {
         causal,
         ..AttentionHeads::full(heads)
     };
+    if !super::super::has_kernels(qkv) {
+        let width = qkv.dim(2)? / 3;
+        let part = |i: usize| qkv.narrow(2, i * width, width);
+        return super::super::composed::attention(
+            &part(0)?,
+            &part(1)?,
+            &part(2)?,
+            (heads.heads, heads.kv_heads),
+            heads.causal,
+            mask,
+            dropout,
+        );
+    }
+    let shape = PackedSdpa::width(qkv.layout())?;
     let op = sdpa_op(shape, qkv.dtype(), heads, mask, dropout)?;
     qkv.apply_op1(PackedSdpa(op))
 }

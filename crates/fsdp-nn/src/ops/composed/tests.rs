@@ -1,0 +1,376 @@
+//! Each composition against its fused op on the CPU, values and gradients of every
+//! differentiable input, in f32 (1e-5 of each element's size) and bf16 (2e-2: one rounding
+//! of f32 against one of f64, carried through the backward).
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+use super::super::{
+    self as ops, AttentionHeads, CrossEntropy, GeluApprox, Reduction, RopeLayout, RopeTable,
+};
+
+fn rand(shape: &[usize], seed: u64, scale: f64) -> Tensor {
+    let mut rng = crate::rng::XorShift64::seeded(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| ((rng.next_unit() * 2.0 - 1.0) * scale) as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+type Fun<'a> = dyn Fn(&[Tensor]) -> Result<Tensor> + 'a;
+
+/// The value of `f` at `inputs` and the gradients of `sum(f * w)` for a fixed random `w`.
+fn eval(f: &Fun<'_>, inputs: &[Tensor]) -> (Tensor, Vec<Tensor>) {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let out = f(&ts).unwrap();
+    let w = rand(out.dims(), 99, 1.0)
+        .to_dtype(out.dtype())
+        .and_then(|w| w.to_device(out.device()))
+        .unwrap();
+    let grads = (&out * w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = vars
+        .iter()
+        .map(|v| grads.get(v).expect("no gradient").clone())
+        .collect();
+    (out, g)
+}
+
+/// `|a - b| / (|b| + rms(b))`, the largest over the elements.
+fn error(a: &Tensor, b: &Tensor) -> f64 {
+    let values = |t: &Tensor| -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (a, b) = (values(a), values(b));
+    assert_eq!(a.len(), b.len());
+    let rms = (b.iter().map(|v| v * v).sum::<f64>() / b.len().max(1) as f64).sqrt();
+    a.iter().zip(&b).fold(0f64, |m, (x, y)| {
+        m.max((x - y).abs() / (y.abs() + rms.max(1e-12)))
+    })
+}
+
+/// `f` on `device` against `reference` on the CPU at `inputs` (f32) and at the same inputs
+/// in bf16, values and gradients; `f32_tol` for f32.
+fn compare(
+    name: &str,
+    f: &Fun<'_>,
+    device: &Device,
+    reference: &Fun<'_>,
+    inputs: &[Tensor],
+    f32_tol: f64,
+) {
+    for (dtype, tol) in [(DType::F32, f32_tol), (DType::BF16, 2e-2)] {
+        let inputs: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(dtype).unwrap()).collect();
+        let on_device: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| t.to_device(device).unwrap())
+            .collect();
+        let (va, ga) = eval(f, &on_device);
+        let (vb, gb) = eval(reference, &inputs);
+        assert!(
+            va.device().same_device(device),
+            "{name}: the output left {device:?}"
+        );
+        assert_eq!(
+            va.dtype(),
+            vb.dtype(),
+            "{name} {dtype:?}: output types differ"
+        );
+        let d = error(&va, &vb);
+        assert!(
+            d < tol,
+            "{name} {dtype:?}: value off by {d:e} (tol {tol:e})"
+        );
+        for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+            assert_eq!(
+                a.dtype(),
+                b.dtype(),
+                "{name} {dtype:?}: gradient {i}'s type"
+            );
+            let d = error(a, b);
+            assert!(
+                d < tol,
+                "{name} {dtype:?}: gradient of input {i} off by {d:e} (tol {tol:e})"
+            );
+        }
+    }
+}
+
+/// What a case list asks of each op: `(name, the op, its composition, inputs)`.
+type Checker<'a> = &'a dyn Fn(&str, &Fun<'_>, &Fun<'_>, &[Tensor]);
+
+/// Every op's cases, each given to `check`.
+fn every_op(check: Checker<'_>) {
+    norms_activations_and_softmax(check);
+    projections(check);
+    embedding_and_losses(check);
+    rope(check);
+    attention(check);
+}
+
+/// Each composition against its fused op, both on the CPU.
+#[test]
+fn compositions_match_the_fused_ops() {
+    every_op(&|name, fused, composed, inputs| {
+        compare(name, composed, &Device::Cpu, fused, inputs, 1e-5)
+    });
+}
+
+/// Each op on the GPU (its composition, until its kernel lands) against the fused op on the
+/// CPU. Skips where no GPU is usable; under `FSDP_REQUIRE_GPU=1` (tools/gpu-check.sh) that
+/// fails instead.
+#[test]
+fn every_op_on_a_gpu_matches_the_cpu() {
+    let Some(gpu) = crate::device::gpu_for_tests() else {
+        return;
+    };
+    every_op(&|name, op, _, inputs| compare(name, op, &gpu, op, inputs, 1e-5));
+}
+
+fn norms_activations_and_softmax(check: Checker<'_>) {
+    let (x, r) = (rand(&[3, 5, 16], 1, 2.0), rand(&[3, 5, 16], 2, 2.0));
+    let (g, b) = (rand(&[16], 3, 1.5), rand(&[16], 4, 0.5));
+    check(
+        "layer_norm",
+        &|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        &|t| super::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        &[x.clone(), g.clone(), b.clone()],
+    );
+    check(
+        "add_layer_norm",
+        &|t| ops::add_layer_norm(&t[0], &t[1], &t[2], &t[3], 1e-12),
+        &|t| super::add_layer_norm(&t[0], &t[1], &t[2], &t[3], 1e-12),
+        &[x.clone(), r.clone(), g.clone(), b.clone()],
+    );
+    check(
+        "rms_norm",
+        &|t| ops::rms_norm(&t[0], &t[1], 1e-6),
+        &|t| super::rms_norm(&t[0], &t[1], 1e-6),
+        &[x.clone(), g.clone()],
+    );
+    let (h, bias) = (rand(&[4, 24], 5, 3.0), rand(&[24], 6, 1.0));
+    for approx in [GeluApprox::Erf, GeluApprox::Tanh] {
+        check(
+            "gelu",
+            &|t| ops::gelu(&t[0], approx),
+            &|t| super::gelu(&t[0], approx == GeluApprox::Tanh),
+            std::slice::from_ref(&h),
+        );
+        check(
+            "bias_gelu",
+            &|t| ops::bias_gelu(&t[0], &t[1], approx),
+            &|t| super::bias_gelu(&t[0], &t[1], approx == GeluApprox::Tanh),
+            &[h.clone(), bias.clone()],
+        );
+    }
+    check(
+        "swiglu",
+        &|t| ops::swiglu(&t[0], &t[1]),
+        &|t| super::swiglu(&t[0], &t[1]),
+        &[h.clone(), rand(&[4, 24], 7, 2.0)],
+    );
+    check(
+        "softmax_last_dim",
+        &|t| ops::softmax_last_dim(&t[0]),
+        &|t| super::softmax_last_dim(&t[0]),
+        &[rand(&[4, 3, 17], 8, 4.0)],
+    );
+    let p = 0.3;
+    check(
+        "dropout",
+        &|t| ops::dropout(&t[0], p, 7),
+        &|t| super::dropout(&t[0], p, 7),
+        &[rand(&[4, 32], 9, 1.0)],
+    );
+}
+
+fn projections(check: Checker<'_>) {
+    let x = rand(&[2, 3, 8], 11, 1.0);
+    let (w, b, u) = (
+        rand(&[6, 8], 12, 0.5),
+        rand(&[6], 13, 0.5),
+        rand(&[2, 3, 6], 14, 1.0),
+    );
+    check(
+        "linear",
+        &|t| ops::linear(&t[0], &t[1], &t[2]),
+        &|t| super::project(&t[0], &t[1], true, Some(&t[2]), None),
+        &[x.clone(), w.clone(), b.clone()],
+    );
+    check(
+        "linear_no_bias",
+        &|t| ops::linear_no_bias(&t[0], &t[1]),
+        &|t| super::project(&t[0], &t[1], true, None, None),
+        &[x.clone(), w.clone()],
+    );
+    check(
+        "linear_no_bias_add",
+        &|t| ops::linear_no_bias_add(&t[0], &t[1], &t[2]),
+        &|t| super::project(&t[0], &t[1], true, None, None)? + &t[2],
+        &[x.clone(), w.clone(), u.clone()],
+    );
+    check(
+        "linear_gelu",
+        &|t| ops::linear_gelu(&t[0], &t[1], &t[2], GeluApprox::Tanh),
+        &|t| super::project(&t[0], &t[1], true, Some(&t[2]), Some(true)),
+        &[x.clone(), w.clone(), b.clone()],
+    );
+    let w_in_out = rand(&[8, 6], 15, 0.5);
+    for gelu in [None, Some(GeluApprox::Erf)] {
+        check(
+            "conv1d",
+            &|t| ops::conv1d(&t[0], &t[1], &t[2], gelu),
+            &|t| {
+                super::project(
+                    &t[0],
+                    &t[1],
+                    false,
+                    Some(&t[2]),
+                    gelu.map(|a| a == GeluApprox::Tanh),
+                )
+            },
+            &[x.clone(), w_in_out.clone(), b.clone()],
+        );
+    }
+    check(
+        "lora_update",
+        &|t| ops::lora_update(&t[0], &t[1], &t[2], 2.0),
+        &|t| super::lora_update(&t[0], &t[1], &t[2], 2.0),
+        &[x.clone(), rand(&[4, 8], 16, 0.5), rand(&[6, 4], 17, 0.5)],
+    );
+}
+
+fn embedding_and_losses(check: Checker<'_>) {
+    let ids = Tensor::new(&[[0u32, 3, 9, 3], [1, 0, 0, 7]], &Device::Cpu).unwrap();
+    for pad in [None, Some(0)] {
+        check(
+            "embedding",
+            &|t| ops::embedding(&t[0], &ids.to_device(t[0].device())?, pad),
+            &|t| super::embedding(&t[0], &ids, pad),
+            &[rand(&[10, 6], 21, 1.0)],
+        );
+    }
+    let targets = Tensor::new(&[2i64, -100, 0, 4, 1, 4], &Device::Cpu).unwrap();
+    let settings = [
+        CrossEntropy::default(),
+        CrossEntropy {
+            reduction: Reduction::Sum,
+            ..CrossEntropy::default()
+        },
+        CrossEntropy {
+            label_smoothing: 0.1,
+            ..CrossEntropy::default()
+        },
+    ];
+    for s in settings {
+        check(
+            "cross_entropy",
+            &|t| ops::cross_entropy(&t[0], &targets.to_device(t[0].device())?, s),
+            &|t| {
+                super::cross_entropy(
+                    &t[0],
+                    &targets,
+                    s.ignore_index,
+                    s.label_smoothing,
+                    s.reduction == Reduction::Mean,
+                )
+            },
+            &[rand(&[6, 5], 22, 3.0)],
+        );
+        check(
+            "linear_cross_entropy",
+            &|t| ops::linear_cross_entropy(&t[0], &t[1], &targets.to_device(t[0].device())?, s),
+            &|t| {
+                let logits = super::project(&t[0], &t[1], true, None, None)?;
+                super::cross_entropy(
+                    &logits,
+                    &targets,
+                    s.ignore_index,
+                    s.label_smoothing,
+                    s.reduction == Reduction::Mean,
+                )
+            },
+            &[rand(&[6, 8], 23, 1.0), rand(&[5, 8], 24, 1.0)],
+        );
+    }
+}
+
+fn rope(check: Checker<'_>) {
+    let table = RopeTable::new(8, 10_000.0, None).unwrap();
+    let shared: Vec<u32> = (3..7).collect();
+    let per_row: Vec<u32> = (0..4).chain(10..14).collect();
+    for positions in [&shared, &per_row] {
+        let angles = table.angles_at(positions);
+        for (layout, shape) in [
+            (RopeLayout::HeadsFirst, [2, 3, 4, 8]),
+            (RopeLayout::SeqFirst, [2, 4, 3, 8]),
+        ] {
+            check(
+                "rope",
+                &|t| ops::rope_with(&t[0], &angles, layout),
+                &|t| {
+                    let (cos, sin, positions) = angles.parts();
+                    super::rope(&t[0], cos, sin, positions, layout == RopeLayout::SeqFirst)
+                },
+                &[rand(&shape, 31, 1.0)],
+            );
+        }
+    }
+}
+
+fn attention(check: Checker<'_>) {
+    let (b, s, hd) = (2, 5, 4);
+    let q = rand(&[b, s, 4 * hd], 41, 1.0);
+    let kv = |seed| rand(&[b, s, 2 * hd], seed, 1.0);
+    for causal in [false, true] {
+        let heads = AttentionHeads {
+            heads: 4,
+            kv_heads: 2,
+            causal,
+        };
+        check(
+            "grouped_query_attention",
+            &|t| ops::grouped_query_attention(&t[0], &t[1], &t[2], heads, None, None),
+            &|t| super::attention(&t[0], &t[1], &t[2], (4, 2), causal, None, None),
+            &[q.clone(), kv(42), kv(43)],
+        );
+    }
+    // A padding mask hiding each sequence's last key, and dropout on the probabilities.
+    let hide: Vec<f32> = (0..b * s)
+        .map(|i| if i % s == s - 1 { -1e4 } else { 0.0 })
+        .collect();
+    let mask = Tensor::from_vec(hide, (b, 1, 1, s), &Device::Cpu).unwrap();
+    let (k, v) = (
+        rand(&[b, s, 4 * hd], 44, 1.0),
+        rand(&[b, s, 4 * hd], 45, 1.0),
+    );
+    check(
+        "scaled_dot_product_attention",
+        &|t| {
+            let m = mask.to_device(t[0].device())?.to_dtype(t[0].dtype())?;
+            ops::scaled_dot_product_attention(&t[0], &t[1], &t[2], 4, Some(&m), Some((0.2, 3)))
+        },
+        &|t| {
+            let m = mask.to_dtype(t[0].dtype())?;
+            super::attention(&t[0], &t[1], &t[2], (4, 4), false, Some(&m), Some((0.2, 3)))
+        },
+        &[q.clone(), k, v],
+    );
+    check(
+        "packed_attention",
+        &|t| ops::packed_attention(&t[0], 4, true, None, None),
+        &|t| {
+            let part = |i: usize| t[0].narrow(2, i * 4 * hd, 4 * hd);
+            super::attention(&part(0)?, &part(1)?, &part(2)?, (4, 4), true, None, None)
+        },
+        &[rand(&[b, s, 12 * hd], 46, 1.0)],
+    );
+}
