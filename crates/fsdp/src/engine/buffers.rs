@@ -24,7 +24,11 @@ pub(crate) fn visit_gradient(
     buffer: &mut Buffer,
     visitor: impl GradientVisitor,
 ) -> Result<(), EngineError> {
-    let grad = grad.to_dtype(candle_dtype(buffer.dtype()))?.contiguous()?;
+    // A gradient on a GPU is read through host memory (the host-staged plane's reduction).
+    let grad = grad
+        .to_device(&candle_core::Device::Cpu)?
+        .to_dtype(candle_dtype(buffer.dtype()))?
+        .contiguous()?;
     let (storage, l) = grad.storage_and_layout();
     let unsupported = || EngineError::UnsupportedTensor {
         op: "gradient reduction",

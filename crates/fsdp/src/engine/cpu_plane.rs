@@ -103,7 +103,7 @@ impl DataPlane for CpuPlane {
 }
 
 /// The full parameter `layout` out of a gathered block, as a CPU storage of its dtype.
-fn unpack_storage(
+pub(super) fn unpack_storage(
     gathered: &Buffer,
     layout: &ShardLayout,
     block: usize,

@@ -30,6 +30,7 @@ mod placement;
 mod plan;
 mod plan_text;
 mod sparse_rows;
+mod staged_plane;
 mod state_by_name;
 mod step;
 mod unit;

@@ -12,6 +12,7 @@ use candle_core::Device;
 use super::cpu_plane::CpuPlane;
 use super::data_plane::DataPlane;
 use super::error::EngineError;
+use super::staged_plane::HostStagedPlane;
 
 /// What `fsdp_offload_params: true` does when training computes on the CPU.
 pub const OFFLOAD_ON_CPU: &str = "training computes on the CPU, whose memory is the host memory: parameter shards, gradients and optimizer state already live there, so offloading moves nothing";
@@ -46,9 +47,10 @@ impl Placement {
     pub(crate) fn data_plane(&self) -> Result<Arc<dyn DataPlane>, EngineError> {
         match &self.compute {
             Device::Cpu => Ok(Arc::new(CpuPlane)),
+            gpu @ Device::Cuda(_) => Ok(Arc::new(HostStagedPlane::new(gpu.clone()))),
             other => Err(EngineError::Unsupported {
                 setting: format!("computing on {other:?}"),
-                hint: "the engine's data plane is the CPU's (a CUDA one would implement engine::data_plane::DataPlane)",
+                hint: "the engine computes on the CPU and on CUDA GPUs",
             }),
         }
     }
