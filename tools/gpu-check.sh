@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one short script for the lent GPU machine, which has no Rust
+# toolchain and no network (docs/GPU.md):
+#   tools/gpu-check.sh --build   here: builds the test binaries with `cuda` (and `nccl`),
+#                                strips and compresses them into target/gpu-check/ (carry it)
+#   tools/gpu-check.sh           there: inventory, then each binary's GPU tests with
+#                                FSDP_REQUIRE_GPU=1 (a missing GPU or library fails them);
+#                                everything it prints also lands in $OUT/gpu-check.log
+# Each step is bounded (STEP_TIMEOUT, 150 s); the script goes on after a failed step and
+# exits non-zero if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dir=target/gpu-check
+
+if [ "${1:-}" = "--build" ]; then
+  set -e
+  tools/install-cuda-toolchain.sh
+  rm -rf "$dir" && mkdir -p "$dir"
+  # The executable of each test target, from cargo's JSON messages.
+  build() {
+    local name=$1
+    shift
+    local exe
+    exe=$(cargo test --release --no-run --message-format=json "$@" 2>/dev/null |
+      python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])' | tail -n 1)
+    [ -n "$exe" ] || { echo "no test binary for $*" >&2; exit 1; }
+    strip -o "$dir/$name" "$exe"
+    gzip -9 "$dir/$name"
+  }
+  build fsdp-nn-lib -p fsdp-nn --features cuda --lib
+  build fsdp-comm-integration -p fsdp-comm --features nccl --test integration
+  build fsdp-integration -p fsdp --features cuda --test integration
+  du -ch "$dir"/* | tail -n 1
+  exit 0
+fi
+
+out=${OUT:-target/tmp}
+mkdir -p "$out"
+exec > >(tee "$out/gpu-check.log") 2>&1
+failed=0
+step() {
+  local what=$1
+  shift
+  echo "== $what"
+  local start=$SECONDS
+  timeout "${STEP_TIMEOUT:-150}" "$@"
+  local rc=$?
+  echo "-- $what: exit $rc, $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+echo "== inventory"
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv 2>&1
+grep -m1 "model name" /proc/cpuinfo
+for f in amx_tile amx_bf16 avx512_bf16 avx512f; do
+  grep -qw "$f" /proc/cpuinfo && echo "cpu flag: $f" || echo "cpu flag: no $f"
+done
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+
+# CUDA's libraries by the names cudarc loads (libcublas.so.13, libcurand.so.10, libnvrtc.so.13;
+# NCCL as libnccl.so): from the pip wheels of the image's Python, else the system's.
+libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+dirs = set()
+for r in roots:
+    for pat in ("nvidia/*/lib", "nvidia/cu13/lib", "nvidia/nccl/lib"):
+        for d in glob.glob(os.path.join(r, pat)):
+            dirs.add(d)
+print(":".join(sorted(dirs)))
+PY
+)
+links=$(mktemp -d)
+nccl=$(find ${libs//:/ } /usr/lib /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -n 1)
+[ -n "$nccl" ] && ln -sf "$nccl" "$links/libnccl.so"
+export LD_LIBRARY_PATH="$links:$libs:${LD_LIBRARY_PATH:-}"
+for l in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13 libnccl.so; do
+  found=$(find "$links" ${libs//:/ } /usr/lib /usr/local/nvidia /usr/lib64 -name "$l*" 2>/dev/null | head -n 1)
+  echo "library $l: ${found:-not found}"
+done
+
+bins=$(mktemp -d)
+for f in "$dir"/*.gz; do
+  gzip -dc "$f" > "$bins/$(basename "$f" .gz)" && chmod +x "$bins/$(basename "$f" .gz)"
+done
+export FSDP_REQUIRE_GPU=1
+# fsdp-nn's unit tests: the device probe, every op on the GPU against the CPU, and the bf16
+# GEMM's AMX kernel where this host has AMX.
+step "fsdp-nn: every op on the GPU against the CPU" "$bins/fsdp-nn-lib" device:: every_op_on_a_gpu
+step "fsdp-nn: the other unit tests (bf16 GEMM, AMX where present)" "$bins/fsdp-nn-lib" --skip every_op_on_a_gpu
+step "fsdp: the engine on the GPU (host-staged) trains as on the CPU" "$bins/fsdp-integration" engine_in_process::training_on_a_gpu_matches_the_cpu
+step "fsdp-comm: NCCL collectives" "$bins/fsdp-comm-integration" nccl_collectives_on_gpus
+echo "gpu-check: $([ "$failed" -eq 0 ] && echo passed || echo FAILED)"
+exit "$failed"
