@@ -50,12 +50,22 @@ fn cuda_line(s: &SystemInfo) -> String {
             .map_or("not found".to_string(), |p| p.display().to_string())
     };
     format!(
-        "driver {}, libcuda {}, libnccl {}, built with NCCL support: {}",
+        "driver {}, libcuda {}, libnccl {}, built with NCCL support: {}; tensors: {}",
         s.nvidia_driver.as_deref().unwrap_or("not loaded"),
         lib(&s.libcuda),
         s.libnccl,
-        if cfg!(feature = "nccl") { "yes" } else { "no" }
+        if cfg!(feature = "nccl") { "yes" } else { "no" },
+        gpu_tensors_line()
     )
+}
+
+/// Whether candle's CUDA backend can open a GPU here: how many, or why none (the build has
+/// no `cuda` feature, or a library is missing, by name).
+fn gpu_tensors_line() -> String {
+    match fsdp::nn::device::cuda_device_count() {
+        Ok(n) => format!("{n} CUDA device(s) usable"),
+        Err(e) => format!("no GPU ({e})"),
+    }
 }
 
 fn world_line(world: &Result<WorldInfo, fsdp_comm::WorldError>) -> String {
@@ -260,6 +270,8 @@ fn print_json(
             "libnccl": s.libnccl.path(),
             "libnccl_loadable": matches!(s.libnccl, crate::system::NcclLibrary::Loadable(_)),
             "nccl_support_built": cfg!(feature = "nccl"),
+            "cuda_support_built": cfg!(feature = "cuda"),
+            "gpu_tensors": gpu_tensors_line(),
         },
         "launch_environment": world_line(world),
         "peer_listen_address": peer_address_line(world),

@@ -410,6 +410,18 @@ fn env_reports_machine_and_sources() {
     assert!(doc["available_cores"].as_u64().unwrap() >= 1);
     assert!(doc["bf16_matmul_kernel"].is_string());
     assert!(doc["f32_matmul_kernel"].is_string());
+    // Whether candle can open a GPU, in this build and on this machine: a count, or the
+    // reason none can be used, named.
+    let gpus = doc["cuda"]["gpu_tensors"].as_str().unwrap();
+    let built = doc["cuda"]["cuda_support_built"].as_bool().unwrap();
+    assert_eq!(built, cfg!(feature = "cuda"));
+    if !built {
+        assert!(gpus.contains("this build has no CUDA support"), "{gpus}");
+    } else if !std::path::Path::new("/proc/driver/nvidia/version").exists() {
+        assert!(gpus.starts_with("no GPU (CUDA device 0: "), "{gpus}");
+    } else {
+        assert!(gpus.contains("CUDA device"), "{gpus}");
+    }
     // AMX as the kernel reports it agrees with the CPU flags Linux shows.
     let amx = doc["amx"].as_str().unwrap();
     let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
