@@ -325,9 +325,10 @@ fn main() -> Result<()> {
         None => test,
     };
     let tokenizer = std::sync::Arc::new(tokenizer);
+    // Batches on the device the model computes on (`use_cpu`, the local rank's GPU).
     let collate_fn = {
-        let t = tokenizer.clone();
-        move |ex: &[TextExample]| collate(&t, ex, &Device::Cpu)
+        let (t, device) = (tokenizer.clone(), acc.device().clone());
+        move |ex: &[TextExample]| collate(&t, ex, &device)
     };
     let lengths = if args.group_by_length {
         // Each example's token count, as the collate function will encode it.

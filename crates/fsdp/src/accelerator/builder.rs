@@ -175,6 +175,7 @@ impl AcceleratorBuilder {
         let world =
             fsdp_comm::WorldInfo::from_env().map_err(AcceleratorError::LaunchEnvironment)?;
         let (local_rank, restart_count) = (world.local_rank, world.restart_count);
+        let device = super::device::compute_device(resolved.launch.use_cpu, local_rank)?;
         let accumulation = self.accumulation.unwrap_or(1).max(1);
         let rank = group.rank();
         init_logging((!world.output_prefixed).then_some(rank));
@@ -202,6 +203,7 @@ impl AcceleratorBuilder {
             restart_count,
             plugin: resolved.fsdp,
             local_rank,
+            device,
             accumulation,
             sync_each_batch: self.sync_each_batch || on_disk,
             grad_scaler: self.grad_scaler.unwrap_or_default(),

@@ -32,6 +32,9 @@ pub enum AcceleratorError {
     /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
+    /// The GPU this process is to compute on cannot be used.
+    #[error(transparent)]
+    Device(#[from] crate::nn::device::DeviceError),
     /// A call out of order for model `model` (a second forward before backward, backward
     /// without a forward, a step without gradients).
     #[error("model {model}: {problem}")]

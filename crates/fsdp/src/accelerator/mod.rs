@@ -50,6 +50,7 @@
 
 mod builder;
 mod checkpoints;
+mod device;
 mod error;
 mod gather;
 mod logging;
@@ -90,6 +91,8 @@ pub struct Accelerator {
     restart_count: u32,
     plugin: FsdpPlugin,
     local_rank: usize,
+    /// Where this process computes (`use_cpu`, the local rank's GPU).
+    device: candle_core::Device,
     accumulation: usize,
     sync_each_batch: bool,
     grad_scaler: GradScalerConfig,
@@ -146,6 +149,14 @@ impl Accelerator {
         self.local_rank
     }
 
+    /// The device this process computes on, as Accelerate's `accelerator.device`: the CPU
+    /// with `use_cpu: true`; otherwise its local rank's GPU where the build (feature `cuda`)
+    /// and the machine can open one, else the CPU. Prepared models compute there; put each
+    /// batch there too.
+    pub fn device(&self) -> &candle_core::Device {
+        &self.device
+    }
+
     /// Processes in the job.
     pub fn num_processes(&self) -> usize {
         self.group.size()
@@ -195,7 +206,11 @@ impl Accelerator {
         model: M,
         initial: &dyn WeightSource,
     ) -> Result<PreparedModel<M>, AcceleratorError> {
-        let engine = Fsdp::wrap(&model, initial, &self.plugin, self.group.clone())?;
+        let placed = device::PlacedWeights {
+            source: initial,
+            device: self.device.clone(),
+        };
+        let engine = Fsdp::wrap(&model, &placed, &self.plugin, self.group.clone())?;
         // fp16 needs its loss scaled; bf16 has f32's range.
         let scaler = match self.plugin.mixed_precision {
             MixedPrecision::Fp16 => Some(GradScaler::new(self.grad_scaler)?),
