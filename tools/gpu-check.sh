@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one short script for the lent GPU machine, which has no Rust
 # toolchain and no network (docs/GPU.md):
-#   tools/gpu-check.sh --build   here: builds the test binaries with `cuda` (and `nccl`),
-#                                strips and compresses them into target/gpu-check/ (carry it)
-#   tools/gpu-check.sh           there: inventory, then each binary's GPU tests with
-#                                FSDP_REQUIRE_GPU=1 (a missing GPU or library fails them);
+#   tools/gpu-check.sh --build   here: builds the test binaries, the launcher and
+#                                gpt2_example with `cuda` (and `nccl`), strips and
+#                                compresses them into target/gpu-check/ with the example's
+#                                text (28 MB: carry that folder)
+#   tools/gpu-check.sh           there: inventory, each binary's GPU tests with
+#                                FSDP_REQUIRE_GPU=1 (a missing GPU or library fails them),
+#                                then gpt2_example launched on the GPU against the CPU;
 #                                everything it prints also lands in $OUT/gpu-check.log
 # Each step is bounded (STEP_TIMEOUT, 150 s); the script goes on after a failed step and
 # exits non-zero if any failed.
@@ -34,6 +37,15 @@ for l in sys.stdin:
   build fsdp-nn-lib -p fsdp-nn --features cuda --lib
   build fsdp-comm-integration -p fsdp-comm --features nccl --test integration
   build fsdp-integration -p fsdp --features cuda --test integration
+  # The launcher and an example to launch with use_cpu: false, and the example's text.
+  cargo build --release --quiet -p fsdp-cli --features cuda,nccl
+  cargo build --release --quiet -p fsdp --features cuda --example gpt2_example
+  for bin in target/release/fsdp target/release/examples/gpt2_example; do
+    strip -o "$dir/$(basename "$bin")" "$bin"
+    gzip -9 "$dir/$(basename "$bin")"
+  done
+  tools/fetch-test-assets.sh >/dev/null
+  cp -r target/assets/vader "$dir/vader"
   du -ch "$dir"/* | tail -n 1
   exit 0
 fi
@@ -47,7 +59,12 @@ step() {
   shift
   echo "== $what"
   local start=$SECONDS
-  timeout "${STEP_TIMEOUT:-150}" "$@"
+  if declare -F "$1" >/dev/null; then
+    # A function of this script: run by a bash that has it (exported below).
+    timeout "${STEP_TIMEOUT:-150}" bash -c '"$@"' _ "$@"
+  else
+    timeout "${STEP_TIMEOUT:-150}" "$@"
+  fi
   local rc=$?
   echo "-- $what: exit $rc, $((SECONDS - start)) s"
   [ "$rc" -eq 0 ] || failed=1
@@ -94,5 +111,46 @@ step "fsdp-nn: every op on the GPU against the CPU" "$bins/fsdp-nn-lib" device::
 step "fsdp-nn: the other unit tests (bf16 GEMM, AMX where present)" "$bins/fsdp-nn-lib" --skip every_op_on_a_gpu
 step "fsdp: the engine on the GPU (host-staged) trains as on the CPU" "$bins/fsdp-integration" engine_in_process::training_on_a_gpu_matches_the_cpu
 step "fsdp-comm: NCCL collectives" "$bins/fsdp-comm-integration" nccl_collectives_on_gpus
+
+# The launcher end to end: gpt2_example (byte-level GPT-2 on VADER's sentences, 20 steps)
+# with the guide's config on 1 and 2 processes, use_cpu: true and false (2 processes share
+# the GPU through host memory); the GPU's held-out and training losses within 2e-3 (their
+# printed precision and f32's drift) of the CPU's.
+launched() {
+  local procs=$1 use_cpu=$2 log="$out/gpt2-$1-$2.log"
+  sed -e "s/^use_cpu: .*/use_cpu: $use_cpu/" -e "s/^num_processes: .*/num_processes: $procs/" \
+    examples/fsdp_config.yaml > "$out/config-$procs-$use_cpu.yaml"
+  "$bins/fsdp" launch --config_file "$out/config-$procs-$use_cpu.yaml" "$bins/gpt2_example" -- \
+    --data "$dir/vader" --max_train_steps 20 --eval_every 20 --eval_samples 64 \
+    --output_dir "$out/gpt2-$procs-$use_cpu" --overwrite_output_dir > "$log" 2>&1
+  local rc=$?
+  grep -E "computing on|held-out loss|tokens/s" "$log"
+  # use_cpu: false must have reached the GPU (a CPU fallback would compare the CPU with itself).
+  if [ "$use_cpu" = false ] && ! grep -q "computing on Cuda" "$log"; then
+    echo "use_cpu: false did not compute on the GPU ($log)"
+    return 1
+  fi
+  return "$rc"
+}
+compare_launches() {
+  local procs=$1
+  launched "$procs" true && launched "$procs" false || return 1
+  python3 - "$out/gpt2-$procs-true.log" "$out/gpt2-$procs-false.log" <<'PY'
+import re, sys
+def losses(path):
+    text = open(path).read()
+    found = re.findall(r"train loss ([0-9.]+), held-out loss ([0-9.]+)", text)
+    if not found:
+        sys.exit(f"{path}: no loss line")
+    return [float(x) for x in found[-1]]
+cpu, gpu = losses(sys.argv[1]), losses(sys.argv[2])
+print(f"cpu train/held-out {cpu}, gpu {gpu}")
+sys.exit(0 if all(abs(a - b) <= 2e-3 for a, b in zip(cpu, gpu)) else 1)
+PY
+}
+export out bins dir
+export -f launched compare_launches
+step "launch: gpt2_example on 1 process, GPU against CPU" compare_launches 1
+step "launch: gpt2_example on 2 processes sharing the GPU, against CPU" compare_launches 2
 echo "gpu-check: $([ "$failed" -eq 0 ] && echo passed || echo FAILED)"
 exit "$failed"

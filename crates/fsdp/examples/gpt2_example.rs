@@ -148,6 +148,7 @@ fn main() -> Result<()> {
     let mut model = acc.prepare_model(model, &weights)?;
     drop(weights);
     let plan = model.engine().plan();
+    acc.print(format!("computing on {:?}", acc.device().location()));
     acc.print(format!(
         "GPT-2 ({} parameters; {}) in {} units by SIZE_BASED_WRAP (min_num_params {}): {}",
         info.num_params(),
@@ -225,8 +226,8 @@ fn main() -> Result<()> {
             train_loader.set_epoch(epoch);
             continue;
         };
-        let batch = batch?;
-        let ids = batch.batch;
+        // On the device the model computes on (`use_cpu`, the local rank's GPU).
+        let ids = batch?.batch.to_device(acc.device())?;
         model.module_mut().dropout_seed = (args.dropout > 0.0).then(|| {
             args.seed ^ acc.step().wrapping_mul(0x9E37_79B9) ^ ((acc.process_index() as u64) << 48)
         });
@@ -251,7 +252,7 @@ fn main() -> Result<()> {
             eval_loader.set_epoch(0);
             while let Some(batch) = eval_loader.next_batch() {
                 let batch = batch?;
-                let ids = &batch.batch;
+                let ids = &batch.batch.to_device(acc.device())?;
                 // Each sequence's loss, every held-out sequence counted once (the repeats
                 // that fill up the last step drop out).
                 let per_sequence = model.evaluate(|m, p| {

@@ -392,6 +392,8 @@ fn gpt2_example_trains_with_tied_embeddings_and_size_based_units() {
         "{out}"
     );
     assert!(out.contains("in 5 units by SIZE_BASED_WRAP"), "{out}");
+    // The guide's config says use_cpu: true: the device the run reports (Accelerator::device).
+    assert!(out.contains("computing on Cpu"), "{out}");
     let perplexities: Vec<f64> = out
         .lines()
         .filter_map(|l| {
