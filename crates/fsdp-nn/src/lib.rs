@@ -10,6 +10,10 @@
 #[macro_use]
 #[path = "../../fsdp/tests/common/skip.rs"]
 mod skip;
+/// The crate by its own name, so the test helpers it shares with `tests/` (by `#[path]`)
+/// name it alike.
+#[cfg(test)]
+extern crate self as fsdp_nn;
 /// Where the registry's macros look for it, as in the test crates.
 #[cfg(test)]
 mod common {

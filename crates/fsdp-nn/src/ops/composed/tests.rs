@@ -2,60 +2,15 @@
 //! differentiable input, in f32 (1e-5 of each element's size) and bf16 (2e-2: one rounding
 //! of f32 against one of f64, carried through the backward).
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
+
+#[path = "../../../tests/support/numerics.rs"]
+mod numerics;
+use numerics::{Fun, eval, max_rel_diff as error, rand};
 
 use super::super::{
     self as ops, AttentionHeads, CrossEntropy, GeluApprox, Reduction, RopeLayout, RopeTable,
 };
-
-fn rand(shape: &[usize], seed: u64, scale: f64) -> Tensor {
-    let mut rng = crate::rng::XorShift64::seeded(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|_| ((rng.next_unit() * 2.0 - 1.0) * scale) as f32)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-type Fun<'a> = dyn Fn(&[Tensor]) -> Result<Tensor> + 'a;
-
-/// The value of `f` at `inputs` and the gradients of `sum(f * w)` for a fixed random `w`.
-fn eval(f: &Fun<'_>, inputs: &[Tensor]) -> (Tensor, Vec<Tensor>) {
-    let vars: Vec<Var> = inputs
-        .iter()
-        .map(|t| Var::from_tensor(t).unwrap())
-        .collect();
-    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let out = f(&ts).unwrap();
-    let w = rand(out.dims(), 99, 1.0)
-        .to_dtype(out.dtype())
-        .and_then(|w| w.to_device(out.device()))
-        .unwrap();
-    let grads = (&out * w).unwrap().sum_all().unwrap().backward().unwrap();
-    let g = vars
-        .iter()
-        .map(|v| grads.get(v).expect("no gradient").clone())
-        .collect();
-    (out, g)
-}
-
-/// `|a - b| / (|b| + rms(b))`, the largest over the elements.
-fn error(a: &Tensor, b: &Tensor) -> f64 {
-    let values = |t: &Tensor| -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
-    let (a, b) = (values(a), values(b));
-    assert_eq!(a.len(), b.len());
-    let rms = (b.iter().map(|v| v * v).sum::<f64>() / b.len().max(1) as f64).sqrt();
-    a.iter().zip(&b).fold(0f64, |m, (x, y)| {
-        m.max((x - y).abs() / (y.abs() + rms.max(1e-12)))
-    })
-}
 
 /// `f` on `device` against `reference` on the CPU at `inputs` (f32) and at the same inputs
 /// in bf16, values and gradients; `f32_tol` for f32.
@@ -136,8 +91,14 @@ fn every_op_on_a_gpu_matches_the_cpu() {
 }
 
 fn norms_activations_and_softmax(check: Checker<'_>) {
-    let (x, r) = (rand(&[3, 5, 16], 1, 2.0), rand(&[3, 5, 16], 2, 2.0));
-    let (g, b) = (rand(&[16], 3, 1.5), rand(&[16], 4, 0.5));
+    let (x, r) = (
+        rand(&[3, 5, 16], 1, 2.0, DType::F32),
+        rand(&[3, 5, 16], 2, 2.0, DType::F32),
+    );
+    let (g, b) = (
+        rand(&[16], 3, 1.5, DType::F32),
+        rand(&[16], 4, 0.5, DType::F32),
+    );
     check(
         "layer_norm",
         &|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
@@ -156,7 +117,10 @@ fn norms_activations_and_softmax(check: Checker<'_>) {
         &|t| super::rms_norm(&t[0], &t[1], 1e-6),
         &[x.clone(), g.clone()],
     );
-    let (h, bias) = (rand(&[4, 24], 5, 3.0), rand(&[24], 6, 1.0));
+    let (h, bias) = (
+        rand(&[4, 24], 5, 3.0, DType::F32),
+        rand(&[24], 6, 1.0, DType::F32),
+    );
     for approx in [GeluApprox::Erf, GeluApprox::Tanh] {
         check(
             "gelu",
@@ -175,29 +139,29 @@ fn norms_activations_and_softmax(check: Checker<'_>) {
         "swiglu",
         &|t| ops::swiglu(&t[0], &t[1]),
         &|t| super::swiglu(&t[0], &t[1]),
-        &[h.clone(), rand(&[4, 24], 7, 2.0)],
+        &[h.clone(), rand(&[4, 24], 7, 2.0, DType::F32)],
     );
     check(
         "softmax_last_dim",
         &|t| ops::softmax_last_dim(&t[0]),
         &|t| super::softmax_last_dim(&t[0]),
-        &[rand(&[4, 3, 17], 8, 4.0)],
+        &[rand(&[4, 3, 17], 8, 4.0, DType::F32)],
     );
     let p = 0.3;
     check(
         "dropout",
         &|t| ops::dropout(&t[0], p, 7),
         &|t| super::dropout(&t[0], p, 7),
-        &[rand(&[4, 32], 9, 1.0)],
+        &[rand(&[4, 32], 9, 1.0, DType::F32)],
     );
 }
 
 fn projections(check: Checker<'_>) {
-    let x = rand(&[2, 3, 8], 11, 1.0);
+    let x = rand(&[2, 3, 8], 11, 1.0, DType::F32);
     let (w, b, u) = (
-        rand(&[6, 8], 12, 0.5),
-        rand(&[6], 13, 0.5),
-        rand(&[2, 3, 6], 14, 1.0),
+        rand(&[6, 8], 12, 0.5, DType::F32),
+        rand(&[6], 13, 0.5, DType::F32),
+        rand(&[2, 3, 6], 14, 1.0, DType::F32),
     );
     check(
         "linear",
@@ -223,7 +187,7 @@ fn projections(check: Checker<'_>) {
         &|t| super::project(&t[0], &t[1], true, Some(&t[2]), Some(true)),
         &[x.clone(), w.clone(), b.clone()],
     );
-    let w_in_out = rand(&[8, 6], 15, 0.5);
+    let w_in_out = rand(&[8, 6], 15, 0.5, DType::F32);
     for gelu in [None, Some(GeluApprox::Erf)] {
         check(
             "conv1d",
@@ -244,7 +208,11 @@ fn projections(check: Checker<'_>) {
         "lora_update",
         &|t| ops::lora_update(&t[0], &t[1], &t[2], 2.0),
         &|t| super::lora_update(&t[0], &t[1], &t[2], 2.0),
-        &[x.clone(), rand(&[4, 8], 16, 0.5), rand(&[6, 4], 17, 0.5)],
+        &[
+            x.clone(),
+            rand(&[4, 8], 16, 0.5, DType::F32),
+            rand(&[6, 4], 17, 0.5, DType::F32),
+        ],
     );
 }
 
@@ -255,7 +223,7 @@ fn embedding_and_losses(check: Checker<'_>) {
             "embedding",
             &|t| ops::embedding(&t[0], &ids.to_device(t[0].device())?, pad),
             &|t| super::embedding(&t[0], &ids, pad),
-            &[rand(&[10, 6], 21, 1.0)],
+            &[rand(&[10, 6], 21, 1.0, DType::F32)],
         );
     }
     let targets = Tensor::new(&[2i64, -100, 0, 4, 1, 4], &Device::Cpu).unwrap();
@@ -283,7 +251,7 @@ fn embedding_and_losses(check: Checker<'_>) {
                     s.reduction == Reduction::Mean,
                 )
             },
-            &[rand(&[6, 5], 22, 3.0)],
+            &[rand(&[6, 5], 22, 3.0, DType::F32)],
         );
         check(
             "linear_cross_entropy",
@@ -298,7 +266,10 @@ fn embedding_and_losses(check: Checker<'_>) {
                     s.reduction == Reduction::Mean,
                 )
             },
-            &[rand(&[6, 8], 23, 1.0), rand(&[5, 8], 24, 1.0)],
+            &[
+                rand(&[6, 8], 23, 1.0, DType::F32),
+                rand(&[5, 8], 24, 1.0, DType::F32),
+            ],
         );
     }
 }
@@ -320,7 +291,7 @@ fn rope(check: Checker<'_>) {
                     let (cos, sin, positions) = angles.parts();
                     super::rope(&t[0], cos, sin, positions, layout == RopeLayout::SeqFirst)
                 },
-                &[rand(&shape, 31, 1.0)],
+                &[rand(&shape, 31, 1.0, DType::F32)],
             );
         }
     }
@@ -328,8 +299,8 @@ fn rope(check: Checker<'_>) {
 
 fn attention(check: Checker<'_>) {
     let (b, s, hd) = (2, 5, 4);
-    let q = rand(&[b, s, 4 * hd], 41, 1.0);
-    let kv = |seed| rand(&[b, s, 2 * hd], seed, 1.0);
+    let q = rand(&[b, s, 4 * hd], 41, 1.0, DType::F32);
+    let kv = |seed| rand(&[b, s, 2 * hd], seed, 1.0, DType::F32);
     for causal in [false, true] {
         let heads = AttentionHeads {
             heads: 4,
@@ -349,8 +320,8 @@ fn attention(check: Checker<'_>) {
         .collect();
     let mask = Tensor::from_vec(hide, (b, 1, 1, s), &Device::Cpu).unwrap();
     let (k, v) = (
-        rand(&[b, s, 4 * hd], 44, 1.0),
-        rand(&[b, s, 4 * hd], 45, 1.0),
+        rand(&[b, s, 4 * hd], 44, 1.0, DType::F32),
+        rand(&[b, s, 4 * hd], 45, 1.0, DType::F32),
     );
     check(
         "scaled_dot_product_attention",
@@ -371,6 +342,6 @@ fn attention(check: Checker<'_>) {
             let part = |i: usize| t[0].narrow(2, i * 4 * hd, 4 * hd);
             super::attention(&part(0)?, &part(1)?, &part(2)?, (4, 4), true, None, None)
         },
-        &[rand(&[b, s, 12 * hd], 46, 1.0)],
+        &[rand(&[b, s, 12 * hd], 46, 1.0, DType::F32)],
     );
 }
