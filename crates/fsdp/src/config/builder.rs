@@ -2,8 +2,8 @@
 //! same schema as files and environment.
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, MixedPrecision, ReduceDtype,
-    ShardingStrategy, StateDictType,
+    AllGatherDtype, AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, MixedPrecision,
+    ReduceDtype, ShardingStrategy, StateDictType,
 };
 use super::error::ConfigError;
 use super::layer::Layer;
@@ -78,6 +78,9 @@ impl FsdpPluginBuilder {
         mixed_precision(MixedPrecision) => MixedPrecision, choice;
         /// `fsdp_reduce_dtype`: what gradients are reduced in (f32 unless set).
         reduce_dtype(ReduceDtype) => FsdpReduceDtype, choice;
+        /// `fsdp_all_gather_dtype`: what parameters are gathered in (the compute dtype
+        /// unless `int8`).
+        all_gather_dtype(AllGatherDtype) => FsdpAllGatherDtype, choice;
         /// `debug`: check FSDP state transitions, poison released parameters.
         debug(bool) => Debug, Value::Bool;
     }

@@ -167,6 +167,18 @@ choice_enum!(
 );
 
 choice_enum!(
+    /// The element type parameters are all-gathered in: the compute dtype, or int8 blocks
+    /// (ZeRO++'s quantized weights: a quarter of f32's bytes on the wire, half of bf16's).
+    AllGatherDtype {
+        /// The compute dtype (`mixed_precision`'s): bf16 with bf16, else f32.
+        Auto => "auto",
+        /// Symmetric int8 with one f32 scale per block of 512 elements of a rank's shard,
+        /// dequantized into the compute dtype on arrival; master weights stay f32.
+        Int8 => "int8",
+    }
+);
+
+choice_enum!(
     /// What kind of job the configuration describes.
     DistributedType {
         /// A single process.

@@ -14,7 +14,7 @@ pub mod yaml;
 
 pub use builder::FsdpPluginBuilder;
 pub use choices::{
-    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, ComputeEnvironment,
+    AllGatherDtype, AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, ComputeEnvironment,
     DistributedType, MixedPrecision, ReduceDtype, RendezvousBackend, ShardingStrategy,
     StateDictType, describe_choices, parse_choice_index,
 };

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, DistributedType, MixedPrecision,
-    ReduceDtype, ShardingStrategy, StateDictType,
+    AllGatherDtype, AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, DistributedType,
+    MixedPrecision, ReduceDtype, ShardingStrategy, StateDictType,
 };
 use super::error::ConfigError;
 use super::layer::Layer;
@@ -91,6 +91,8 @@ pub struct FsdpPlugin {
     pub mixed_precision: MixedPrecision,
     /// What gradients are reduced in.
     pub reduce_dtype: ReduceDtype,
+    /// What parameters are all-gathered in.
+    pub all_gather_dtype: AllGatherDtype,
     /// Check FSDP state transitions and poison released parameters (the `debug` key).
     pub debug: bool,
 }
@@ -323,6 +325,7 @@ impl View<'_> {
             no_reshard_after_forward,
             mixed_precision: self.choice(Key::MixedPrecision),
             reduce_dtype: self.choice(Key::FsdpReduceDtype),
+            all_gather_dtype: self.choice(Key::FsdpAllGatherDtype),
             debug: self.flag(Key::Debug),
         };
         (plugin, errors)

@@ -3,7 +3,7 @@
 //! questionnaire all read their defaults and spellings from here.
 
 use super::choices::{
-    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, ComputeEnvironment,
+    AllGatherDtype, AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, ComputeEnvironment,
     DistributedType, MixedPrecision, ReduceDtype, RendezvousBackend, ShardingStrategy,
     StateDictType,
 };
@@ -239,6 +239,9 @@ key_table! {
     FsdpReduceDtype: "fsdp_reduce_dtype", Fsdp, Kind::Choice(ReduceDtype::NAMES), D::Text("fp32"),
         Some("FSDP_REDUCE_DTYPE"), &[], Used,
         "dtype gradients are reduced in (fsdp-rs; PyTorch's MixedPrecision.reduce_dtype)";
+    FsdpAllGatherDtype: "fsdp_all_gather_dtype", Fsdp, Kind::Choice(AllGatherDtype::NAMES),
+        D::Text("auto"), Some("FSDP_ALL_GATHER_DTYPE"), &[], Used,
+        "dtype parameters are all-gathered in: auto (the compute dtype) or int8 (blocks of 512 with an f32 scale each, dequantized into the compute dtype; ZeRO++'s quantized weights; fsdp-rs)";
     FsdpCommBackend: "fsdp_comm_backend", Fsdp, Kind::Choice(fsdp_comm::BackendChoice::NAMES),
         D::Text("auto"), Some("FSDP_COMM_BACKEND"), &[], Used,
         "engine carrying collectives: auto (shared memory on one host, MPI across hosts under mpirun, else TCP), shm, tcp, mpi (fsdp-rs)";

@@ -10,7 +10,7 @@ use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 use super::error::EngineError;
 use super::fsdp_unit::UnitKind;
 use super::sparse_rows::{CompactGrads, RowSparsePlan, RowSparseReduce};
-use crate::config::{FsdpPlugin, MixedPrecision, ReduceDtype};
+use crate::config::{AllGatherDtype, FsdpPlugin, MixedPrecision, ReduceDtype};
 use crate::trace::Tracer;
 
 /// The element types a unit communicates in.
@@ -20,6 +20,9 @@ pub struct CommDtypes {
     pub param: DType,
     /// What gradients are reduced in.
     pub reduce: DType,
+    /// Parameters cross the wire as int8 blocks, dequantized into `param` on arrival
+    /// (`fsdp_all_gather_dtype: int8`).
+    pub gather_int8: bool,
 }
 
 impl CommDtypes {
@@ -40,6 +43,7 @@ impl CommDtypes {
                 ReduceDtype::Bf16 => DType::BF16,
                 ReduceDtype::Fp16 => DType::F16,
             },
+            gather_int8: plugin.all_gather_dtype == AllGatherDtype::Int8,
         }
     }
 }
@@ -50,18 +54,24 @@ impl Default for CommDtypes {
         CommDtypes {
             param: DType::F32,
             reduce: DType::F32,
+            gather_int8: false,
         }
     }
 }
 
 /// Starts gathering a unit: this rank's block (its parameters' shards, packed) cast to
-/// `dtype` and all-gathered over the shard dimension (of more than one rank).
+/// `dtypes.param`, or quantized to int8 blocks with `dtypes.gather_int8`
+/// ([`super::quantized_gather`]), and all-gathered over the shard dimension (of more than
+/// one rank).
 pub(crate) fn all_gather(
     mesh: &Mesh,
     packed: Vec<f32>,
-    dtype: DType,
+    dtypes: CommDtypes,
 ) -> Result<Work<Buffer>, EngineError> {
-    let send = if dtype == DType::F32 {
+    let dtype = dtypes.param;
+    let send = if dtypes.gather_int8 {
+        Buffer::U8(super::quantized_gather::encode(&packed))
+    } else if dtype == DType::F32 {
         Buffer::F32(packed)
     } else {
         Buffer::from_f32(&packed, dtype).ok_or(EngineError::Unsupported {

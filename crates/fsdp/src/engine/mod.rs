@@ -29,6 +29,7 @@ mod param;
 mod placement;
 mod plan;
 mod plan_text;
+mod quantized_gather;
 mod sparse_rows;
 mod staged_plane;
 mod state_by_name;

@@ -15,6 +15,7 @@ use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
+use super::quantized_gather;
 use super::sparse_rows::RowSparsePlan;
 use super::unit_grads::{Completed, GradTarget, UnitGrads};
 use crate::config::BackwardPrefetch;
@@ -188,7 +189,7 @@ impl UnitRun {
     pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
         if self.gather.is_none() && self.unit.ranks(cx.mesh.shard_size()) > 1 {
             let block = self.unit.master_block()?;
-            let work = collectives::all_gather(cx.mesh, block, cx.dtypes.param)?;
+            let work = collectives::all_gather(cx.mesh, block, cx.dtypes)?;
             self.gather = Some((work, Instant::now()));
         }
         Ok(())
@@ -237,6 +238,12 @@ impl UnitRun {
             let unit = self.unit.trace_label();
             let ran = ran.unwrap_or((issued, Instant::now()));
             t.collective("all-gather", "all_gather", unit, ran, waited, args);
+        }
+        if cx.dtypes.gather_int8 {
+            let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
+            let decoded =
+                quantized_gather::decode_gathered(&gathered, block, ranks, cx.dtypes.param);
+            return decoded.map(Some);
         }
         Ok(Some(gathered))
     }
