@@ -56,6 +56,41 @@ fn assert_traffic(r: &serde_json::Value) {
     }
 }
 
+/// `fsdp_all_gather_dtype: int8` (from the environment, as `fsdp launch` passes it): FULL_SHARD
+/// sends what the theory counts with int8 blocks, half of what f32 gathers send on 2 ranks
+/// (two gathers of a quarter the bytes, one f32 reduce-scatter: (2 x 1.008 + 4) / 12).
+#[test]
+fn int8_gathers_send_half_a_full_shard_step() {
+    let args = [
+        "--steps",
+        "2",
+        "--num_processes",
+        "2",
+        "--strategies",
+        "FULL_SHARD",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--vocab",
+        "512",
+        "--hidden",
+        "256",
+        "--layers",
+        "2",
+    ];
+    let run = |gather: &str| {
+        let doc = common::bench_json_env("memory", &args, &[("FSDP_ALL_GATHER_DTYPE", gather)]);
+        doc["results"][0].clone()
+    };
+    let (f32_gathers, int8_gathers) = (run("auto"), run("int8"));
+    assert_traffic(&f32_gathers);
+    assert_traffic(&int8_gathers);
+    let ratio =
+        field(&int8_gathers, "bytes_sent_per_step") / field(&f32_gathers, "bytes_sent_per_step");
+    assert!((0.49..0.52).contains(&ratio), "int8 / f32 bytes {ratio}");
+}
+
 #[test]
 fn state_traffic_and_peak_follow_each_strategy() {
     let four = measure(4);

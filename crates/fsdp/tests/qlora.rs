@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use fsdp::accelerator::Accelerator;
-use fsdp::config::{FsdpPlugin, Layer, MixedPrecision};
+use fsdp::config::{AllGatherDtype, FsdpPlugin, Layer, MixedPrecision};
 use fsdp::engine::{PlanError, UnitPlan};
 use fsdp::models::{Gpt2Config, Gpt2LmHeadModel, LlamaConfig, LlamaForCausalLM};
 use fsdp::nn::layers::quantize_linears;
@@ -276,6 +276,15 @@ fn formats_layers_and_settings_a_quantized_base_cannot_take_are_named() {
     let e = UnitPlan::build(&model.info(), &plugin, model.no_split_modules(), 2).unwrap_err();
     assert!(matches!(e, PlanError::CastQuantized { .. }), "{e}");
     assert!(e.to_string().contains("mixed_precision: bf16"), "{e}");
+    assert!(e.to_string().contains("q_proj"), "{e}");
+    // So would an int8 gather round them.
+    let plugin: FsdpPlugin = FsdpPlugin::builder()
+        .all_gather_dtype(AllGatherDtype::Int8)
+        .resolve(&Layer::new(), None)
+        .unwrap()
+        .fsdp;
+    let e = UnitPlan::build(&model.info(), &plugin, model.no_split_modules(), 2).unwrap_err();
+    assert!(e.to_string().contains("fsdp_all_gather_dtype: int8"), "{e}");
     assert!(e.to_string().contains("q_proj"), "{e}");
 }
 

@@ -296,8 +296,6 @@ struct Traffic {
     micro: usize,
     /// Micro-batches before the last run without sync.
     no_sync: bool,
-    /// Bytes per parameter element gathered (4 in f32, 2 in bf16).
-    gather_bytes: usize,
     /// Bytes per gradient element reduced (4 in f32, 2 in bf16 or fp16).
     reduce_bytes: usize,
 }
@@ -330,7 +328,7 @@ fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize, t: Traffic)
                 ShardingStrategy::FullShard | ShardingStrategy::HybridShard
             ) && !u.path.is_empty();
             let gathers = micro * (1 + usize::from(regather));
-            inside += (s - 1) * (elems * t.gather_bytes * gathers + block * reductions);
+            inside += (s - 1) * (plan.gather_wire_bytes(elems) * gathers + block * reductions);
         }
         if r > 1 {
             across += reductions * (2 * (r - 1) * block / r);
@@ -454,7 +452,6 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let traffic = Traffic {
             micro,
             no_sync: a.no_sync,
-            gather_bytes: if bf16 { 2 } else { 4 },
             reduce_bytes: if a.reduce_dtype == ReduceDtype::Fp32 {
                 4
             } else {

@@ -37,11 +37,17 @@ pub fn fsdp() -> Command {
 /// `fsdp bench WHAT ARGS --json FILE`: the JSON document it wrote (panics with the output
 /// when the benchmark fails).
 pub fn bench_json(what: &str, args: &[&str]) -> serde_json::Value {
+    bench_json_env(what, args, &[])
+}
+
+/// [`bench_json`] with `env` set for the benchmark (and the workers it launches).
+pub fn bench_json_env(what: &str, args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     let out = fsdp()
         .args(["bench", what])
         .args(args)
+        .envs(env.iter().copied())
         .arg("--json")
         .arg(&json)
         .output()

@@ -9,13 +9,16 @@ use crate::nn::{ModuleInfo, ParamSpec};
 /// Why a plan cannot be built.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanError {
-    /// Mixed precision asked for with quantized weights, which compute in f32.
+    /// Mixed precision or an int8 gather asked for with quantized weights, whose words must
+    /// travel bit for bit and which compute in f32.
     #[error(
-        "mixed_precision: {setting} with a quantized base (`{param}`) is not supported: its words are gathered as they are and it computes in f32; set mixed_precision: no"
+        "{setting} with a quantized base (`{param}`) is not supported: its words are gathered as they are and it computes in f32; {fix}"
     )]
     CastQuantized {
-        /// The mixed precision setting.
+        /// The setting, as `key: value`.
         setting: String,
+        /// What to set instead.
+        fix: &'static str,
         /// A quantized parameter.
         param: String,
     },
@@ -168,6 +171,8 @@ pub struct UnitPlan {
     pub gathered_bytes: usize,
     /// Bytes per gradient element in a reduction: 4, or 2 with `fsdp_reduce_dtype` bf16/fp16.
     pub reduce_bytes: usize,
+    /// Parameters travel as int8 blocks (`fsdp_all_gather_dtype: int8`).
+    pub gather_int8: bool,
     /// What lives in the disk tier (`fsdp_offload_dir`).
     pub disk: DiskOffload,
 }
@@ -230,9 +235,19 @@ impl UnitPlan {
     }
 
     /// Bytes one rank receives by all-gathers in a training step ([`Self::gathered_per_step`]
-    /// of the units' blocks, as stored: a quantized weight travels as its packed words).
+    /// of the units' blocks, as sent: a quantized weight travels as its packed words).
     pub fn gathered_bytes_per_step(&self) -> usize {
-        self.gathered_per_step(Unit::shard_numel) * self.gathered_bytes
+        self.gathered_per_step(|u| self.gather_wire_bytes(u.shard_numel()))
+    }
+
+    /// Bytes one rank's block of `elements` parameter elements takes in an all-gather: the
+    /// compute dtype's, or int8 blocks with their scales.
+    pub fn gather_wire_bytes(&self, elements: usize) -> usize {
+        if self.gather_int8 {
+            super::quantized_gather::encoded_len(elements)
+        } else {
+            elements * self.gathered_bytes
+        }
     }
 
     /// Splits `model` into units per `plugin`'s wrap policy; `default_wrap` is the model's own
@@ -412,15 +427,29 @@ impl UnitPlan {
                 offset += p.shard_numel();
             }
         }
+        // A quantized weight's words must travel as they are: a cast or a rounding would
+        // corrupt them.
         let packed = model.all_params().into_iter().find(|p| p.packing.is_some());
-        if let Some(p) = packed
-            && plugin.mixed_precision != crate::config::MixedPrecision::No
-        {
-            // A quantized weight's words must travel as they are: a cast would corrupt them.
-            return Err(PlanError::CastQuantized {
-                setting: format!("{:?}", plugin.mixed_precision).to_lowercase(),
-                param: p.name.clone(),
-            });
+        if let Some(p) = packed {
+            let refused = if plugin.mixed_precision != crate::config::MixedPrecision::No {
+                let setting = format!("{:?}", plugin.mixed_precision).to_lowercase();
+                Some((
+                    format!("mixed_precision: {setting}"),
+                    "set mixed_precision: no",
+                ))
+            } else if plugin.all_gather_dtype == crate::config::AllGatherDtype::Int8 {
+                let fix = "leave fsdp_all_gather_dtype unset (auto)";
+                Some(("fsdp_all_gather_dtype: int8".to_string(), fix))
+            } else {
+                None
+            };
+            if let Some((setting, fix)) = refused {
+                return Err(PlanError::CastQuantized {
+                    setting,
+                    fix,
+                    param: p.name.clone(),
+                });
+            }
         }
         Ok(UnitPlan {
             units,
@@ -435,6 +464,7 @@ impl UnitPlan {
                 crate::config::ReduceDtype::Fp32 => 4,
                 _ => 2,
             },
+            gather_int8: plugin.all_gather_dtype == crate::config::AllGatherDtype::Int8,
             disk: DiskOffload {
                 params: plugin.offload_dir.is_some() && plugin.offload_params,
                 optimizer: plugin.offload_dir.is_some()
