@@ -243,7 +243,10 @@ impl UnitRun {
             let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
             let decoded =
                 quantized_gather::decode_gathered(&gathered, block, ranks, cx.dtypes.param);
-            return decoded.map(Some);
+            return decoded.map(Some).map_err(|problem| EngineError::State {
+                name: format!("the int8 all-gather {when} of {}", self.unit.name()),
+                problem,
+            });
         }
         Ok(Some(gathered))
     }
