@@ -7,6 +7,7 @@
 //! compute with is rounded, by at most half a step (`scale / 2`) per element.
 
 use fsdp_comm::{Buffer, DType};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// Elements per quantization block (ZeRO++ quantizes in groups; 512 keeps a block's scale
@@ -31,43 +32,42 @@ pub(crate) fn encode(values: &[f32]) -> Vec<u8> {
         .zip(scales.chunks_exact_mut(4))
         .zip(quantized.chunks_mut(BLOCK))
     {
-        // NaN once a value is not finite (f32::max would drop a NaN again).
-        let amax = block.iter().fold(0f32, |m, v| {
-            if v.is_finite() && !m.is_nan() {
-                m.max(v.abs())
-            } else {
-                f32::NAN
-            }
-        });
-        let step = if amax.is_nan() {
-            f32::NAN
-        } else {
-            amax / 127.0
-        };
+        // Two plain passes the compiler vectorises: the largest magnitude, and whether every
+        // value is finite (a NaN or an infinity makes the scale NaN).
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let finite = block.iter().all(|v| v.is_finite());
+        let step = if finite { amax / 127.0 } else { f32::NAN };
         scale.copy_from_slice(&step.to_le_bytes());
         if step > 0.0 {
             let inv = 1.0 / step;
             for (q, v) in q.iter_mut().zip(block) {
-                *q = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+                // |v * inv| <= 127: rounded half away from zero by adding half a step with
+                // the value's sign and truncating (`as` saturates, so nothing wraps).
+                let r = v * inv;
+                *q = (r + 0.5f32.copysign(r)) as i8 as u8;
             }
         }
     }
     out
 }
 
-/// Dequantizes one rank's `encoded` part of `n` values into `out` through `convert`.
-fn decode_into<T>(encoded: &[u8], n: usize, out: &mut [T], convert: impl Fn(f32) -> T) {
+/// Dequantizes one rank's `encoded` part of `n` values into `out`, a block at a time through
+/// `store` (which writes a block's f32 values in `out`'s type).
+fn decode_into<T>(encoded: &[u8], n: usize, out: &mut [T], store: impl Fn(&[f32], &mut [T])) {
     let blocks = n.div_ceil(BLOCK);
     let (scales, quantized) = encoded.split_at(blocks * 4);
+    let mut values = [0f32; BLOCK];
     for ((scale, q), out) in scales
         .chunks_exact(4)
         .zip(quantized.chunks(BLOCK))
         .zip(out.chunks_mut(BLOCK))
     {
         let step = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
-        for (o, &q) in out.iter_mut().zip(q) {
-            *o = convert(f32::from(q as i8) * step);
+        let values = &mut values[..q.len()];
+        for (v, &q) in values.iter_mut().zip(q) {
+            *v = f32::from(q as i8) * step;
         }
+        store(values, out);
     }
 }
 
@@ -96,21 +96,21 @@ pub(crate) fn decode_gathered(
         DType::F32 => {
             let mut out = vec![0f32; block * ranks];
             for (p, o) in parts.zip(out.chunks_mut(block.max(1))) {
-                decode_into(p, block, o, |v| v);
+                decode_into(p, block, o, |v, o| o.copy_from_slice(v));
             }
             Buffer::F32(out)
         }
         DType::BF16 => {
             let mut out = vec![bf16::ZERO; block * ranks];
             for (p, o) in parts.zip(out.chunks_mut(block.max(1))) {
-                decode_into(p, block, o, bf16::from_f32);
+                decode_into(p, block, o, |v, o| o.convert_from_f32_slice(v));
             }
             Buffer::BF16(out)
         }
         DType::F16 => {
             let mut out = vec![f16::ZERO; block * ranks];
             for (p, o) in parts.zip(out.chunks_mut(block.max(1))) {
-                decode_into(p, block, o, f16::from_f32);
+                decode_into(p, block, o, |v, o| o.convert_from_f32_slice(v));
             }
             Buffer::F16(out)
         }
