@@ -28,6 +28,7 @@ mod offload;
 mod param;
 mod placement;
 mod plan;
+mod plan_memory;
 mod plan_text;
 mod quantized_gather;
 mod sparse_rows;
@@ -48,7 +49,8 @@ pub use offload::{OffloadError, OffloadStats};
 #[doc(hidden)] // `fsdp env`
 pub use placement::OFFLOAD_ON_CPU;
 pub use placement::Placement;
-pub use plan::{DiskOffload, MemoryEstimate, PlanError, ShardLayout, Unit, UnitPlan};
+pub use plan::{DiskOffload, PlanError, ShardLayout, Unit, UnitPlan};
+pub use plan_memory::MemoryEstimate;
 pub(crate) use state_by_name::LocalRows;
 pub use state_by_name::LocalShard;
 pub use step::StepParams;

@@ -186,39 +186,6 @@ pub struct DiskOffload {
     pub optimizer: bool,
 }
 
-/// Per-rank bytes of model state, for f32 master weights and AdamW (and, gathered, in the
-/// mixed-precision parameter dtype).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct MemoryEstimate {
-    /// Parameters stored between steps.
-    pub params: usize,
-    /// Gradients at the optimizer step.
-    pub grads: usize,
-    /// Optimizer state (two moments).
-    pub optimizer: usize,
-    /// Full parameters gathered at the peak of forward/backward, beyond the stored shards.
-    pub gathered_peak: usize,
-    /// Backward's transient gradients at its peak: the largest unit's full gradient and its
-    /// packed copy for the reduction; with gradients offloaded, also three of its blocks
-    /// (the reduced block being written, the one waiting for the next reduction, the next
-    /// unit's shards read ahead).
-    pub reducing: usize,
-    /// Memory the optimizer step streams offloaded state through: two units' blocks (the
-    /// one in use and the one read ahead, the two largest) of each offloaded kind.
-    pub streaming: usize,
-    /// Bytes in the disk tier's files (not in memory).
-    pub disk: usize,
-}
-
-impl MemoryEstimate {
-    /// Peak memory: the state kept in memory plus the larger of backward's peak (gathered
-    /// parameters and transient gradients) and the optimizer step's streaming buffers.
-    pub fn total(&self) -> usize {
-        let backward = self.gathered_peak + self.reducing;
-        self.params + self.grads + self.optimizer + backward.max(self.streaming)
-    }
-}
-
 impl UnitPlan {
     /// Elements one rank receives by all-gathers in a training step, `elements(unit)` being
     /// a rank's block of each unit: every other rank's block, before forward and again
@@ -471,87 +438,6 @@ impl UnitPlan {
                     && (plugin.offload_params || plugin.offload_optimizer),
             },
         })
-    }
-
-    /// Bytes per rank for f32 master weights, f32 gradients and AdamW's two f32 moments.
-    pub fn memory_estimate(&self) -> MemoryEstimate {
-        let f = 4usize;
-        let shard: usize = self.units.iter().map(Unit::shard_numel).sum();
-        let full: usize = self.units.iter().map(Unit::numel).sum();
-        let trainable_shard: usize = self
-            .units
-            .iter()
-            .flat_map(|u| &u.params)
-            .filter(|p| p.requires_grad)
-            .map(ShardLayout::shard_numel)
-            .sum();
-        let ignored: usize = self.ignored.iter().map(ShardLayout::numel).sum();
-        let ignored_trainable: usize = self
-            .ignored
-            .iter()
-            .filter(|p| p.requires_grad)
-            .map(ShardLayout::numel)
-            .sum();
-        let mut largest: Vec<usize> = self.units.iter().map(Unit::numel).collect();
-        largest.sort_unstable_by(|a, b| b.cmp(a));
-        let two_largest: usize = largest.iter().take(2).sum();
-        let gathered_peak = match self.strategy {
-            // The unit in use and the one being prefetched, and the units kept gathered
-            // from their forward to their backward (`fsdp_no_reshard_after_forward`).
-            ShardingStrategy::FullShard | ShardingStrategy::HybridShard => {
-                two_largest + self.kept_gathered()
-            }
-            // Everything stays gathered from forward through backward.
-            ShardingStrategy::ShardGradOp | ShardingStrategy::HybridShardZero2 => full,
-            ShardingStrategy::NoShard => 0,
-        };
-        // The disk tier holds whole units' blocks; memory streams one unit's while the next
-        // one's are read ahead: at most the two largest blocks of each kind.
-        let mut blocks: Vec<usize> = self.units.iter().map(Unit::shard_numel).collect();
-        blocks.sort_unstable_by(|a, b| b.cmp(a));
-        let two_blocks: usize = blocks.iter().take(2).sum();
-        let largest_unit = self.units.iter().map(Unit::numel).max().unwrap_or(0);
-        let (on_disk_params, on_disk_state) = (self.disk.params, self.disk.optimizer);
-        let offloaded_grads = if on_disk_params {
-            3 * blocks.first().copied().unwrap_or(0) * f
-        } else {
-            0
-        };
-        let kinds = 2 * usize::from(on_disk_params) + 2 * usize::from(on_disk_state);
-        let in_memory = |offloaded: bool, units: usize| if offloaded { 0 } else { units };
-        MemoryEstimate {
-            // Ignored modules' parameters stay in memory; their gradients and optimizer state
-            // go where every unit's go.
-            params: (in_memory(on_disk_params, shard) + ignored) * f,
-            grads: in_memory(on_disk_params, trainable_shard + ignored_trainable) * f,
-            optimizer: 2 * in_memory(on_disk_state, trainable_shard + ignored_trainable) * f,
-            // With one rank per group the stored parameters are already whole.
-            gathered_peak: if self.group_size == 1 {
-                0
-            } else {
-                gathered_peak * self.gathered_bytes
-            },
-            reducing: largest_unit * (f + self.reduce_bytes) + offloaded_grads,
-            streaming: kinds * two_blocks * f,
-            disk: (usize::from(on_disk_params) * (shard + trainable_shard + ignored_trainable)
-                + usize::from(on_disk_state) * 2 * (trainable_shard + ignored_trainable))
-                * f,
-        }
-    }
-
-    /// Elements of the (non-root) units kept gathered from forward to backward.
-    pub fn kept_gathered(&self) -> usize {
-        self.units
-            .iter()
-            .filter(|u| !u.path.is_empty() && !u.reshard_after_forward)
-            .filter(|_| {
-                matches!(
-                    self.strategy,
-                    ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-                )
-            })
-            .map(Unit::numel)
-            .sum::<usize>()
     }
 }
 
