@@ -66,17 +66,6 @@ impl DataPlane for CpuPlane {
         })?)
     }
 
-    fn pack_gradient(
-        &self,
-        layout: &ShardLayout,
-        grad: &Tensor,
-        packed: &mut Buffer,
-        block: usize,
-        ranks: usize,
-    ) -> Result<(), EngineError> {
-        super::buffers::pack_gradient(layout, grad, packed, block, ranks)
-    }
-
     fn copy(&self, t: &Tensor, what: &str) -> Result<Storage, EngineError> {
         let t = t.contiguous()?;
         let (storage, layout) = t.storage_and_layout();

@@ -44,7 +44,9 @@ pub(crate) trait DataPlane: Send + Sync {
     ) -> Result<(), EngineError>;
 
     /// Writes parameter `layout`'s full gradient into its rows of every rank's block of
-    /// `packed` (cast to the buffer's element type).
+    /// `packed` (cast to the buffer's element type). The packed blocks are host memory, so
+    /// every plane reads the gradient there (`buffers::visit_gradient` copies one off a
+    /// device); a plane reducing on its device would pack there instead.
     fn pack_gradient(
         &self,
         layout: &ShardLayout,
@@ -52,7 +54,9 @@ pub(crate) trait DataPlane: Send + Sync {
         packed: &mut Buffer,
         block: usize,
         ranks: usize,
-    ) -> Result<(), EngineError>;
+    ) -> Result<(), EngineError> {
+        super::buffers::pack_gradient(layout, grad, packed, block, ranks)
+    }
 
     /// A contiguous copy of `t`'s values (a checkpointed unit's output, kept while its
     /// forward's graph is dropped); `what` names it in errors.

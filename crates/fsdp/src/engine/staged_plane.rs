@@ -79,18 +79,6 @@ impl DataPlane for HostStagedPlane {
         })?)
     }
 
-    fn pack_gradient(
-        &self,
-        layout: &ShardLayout,
-        grad: &Tensor,
-        packed: &mut Buffer,
-        block: usize,
-        ranks: usize,
-    ) -> Result<(), EngineError> {
-        // `visit_gradient` reads a device gradient through host memory.
-        super::buffers::pack_gradient(layout, grad, packed, block, ranks)
-    }
-
     fn copy(&self, t: &Tensor, what: &str) -> Result<Storage, EngineError> {
         let copied = t.contiguous()?.copy()?;
         let (storage, layout) = copied.storage_and_layout();
