@@ -43,6 +43,10 @@ pub trait Communicator: Send + Sync {
     ) -> Work<(Buffer, Buffer)>;
     /// Element-wise reduction across members; every member gets the result.
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer>;
+    /// Every member's `input` (`size` × k elements) cut into `size` parts: member r gets part
+    /// r of every member, in rank order — a reduce-scatter's traffic without the reduction,
+    /// for reductions the caller performs itself (quantized gradients summed in f32).
+    fn all_to_all(&self, input: Buffer) -> Work<Buffer>;
     /// `root`'s buffer on every member (every member passes a buffer of the same length).
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer>;
     /// Every member's `input` (same length) concatenated on `root`; `None` elsewhere.
@@ -212,6 +216,10 @@ impl Communicator for SingleRank {
 
     fn all_reduce(&self, buf: Buffer, _op: ReduceOp) -> Work<Buffer> {
         Work::ready(Ok(buf))
+    }
+
+    fn all_to_all(&self, input: Buffer) -> Work<Buffer> {
+        Work::ready(Ok(input))
     }
 
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {

@@ -286,6 +286,12 @@ impl ProcessGroup {
         self.submit(move |e| e.scatter(input, k, root))
     }
 
+    /// Each rank's `input` (length `size * k`) cut into `size` parts: rank r gets part r of
+    /// every rank, in rank order (the exchange a quantized reduction is built on).
+    pub fn all_to_all<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
+        self.submit(move |e| e.all_to_all(input))
+    }
+
     /// Returns when every rank has reached it.
     pub fn barrier(&self) -> Work<()> {
         self.submit(|e| e.barrier())

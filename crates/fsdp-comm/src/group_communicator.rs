@@ -118,6 +118,16 @@ impl Communicator for ProcessGroup {
         )
     }
 
+    fn all_to_all(&self, input: Buffer) -> Work<Buffer> {
+        on_host!(
+            self,
+            "all_to_all",
+            input,
+            |e, v| e.all_to_all(v),
+            Buffer::from
+        )
+    }
+
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
         on_host!(
             self,

@@ -414,6 +414,18 @@ impl crate::Communicator for NcclGroup {
         )
     }
 
+    /// Not offered on NCCL groups yet (NCCL builds it from grouped sends and receives): an
+    /// error naming the op. Quantized reductions, its one user, run on host process groups.
+    fn all_to_all(&self, _input: crate::Buffer) -> Work<crate::Buffer> {
+        Work::ready(Err(CommError::InvalidArgument {
+            rank: self.global_rank,
+            op: "all_to_all".into(),
+            reason: "NCCL groups do not offer all_to_all yet; quantized gradient reductions \
+                     (fsdp_reduce_dtype: int8) run on host process groups"
+                .into(),
+        }))
+    }
+
     /// NCCL has no gather: an all-gather whose result only `root` keeps.
     fn gather(&self, input: crate::Buffer, root: usize) -> Work<Option<crate::Buffer>> {
         let rank = self.rank;

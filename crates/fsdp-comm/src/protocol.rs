@@ -68,9 +68,10 @@ pub(crate) enum Op {
     Barrier = 7,
     SendRecv = 8,
     AllGatherV = 9,
+    AllToAll = 10,
 }
 
-const OP_NAMES: [&str; 10] = [
+const OP_NAMES: [&str; 11] = [
     "?",
     "all_reduce",
     "all_gather",
@@ -81,6 +82,7 @@ const OP_NAMES: [&str; 10] = [
     "barrier",
     "send/recv",
     "all_gather_v",
+    "all_to_all",
 ];
 
 pub(crate) fn describe(h: &Header) -> String {

@@ -51,6 +51,9 @@ fn every_collective_matches_its_definition_for_one_to_four_members() {
                 .wait()
                 .unwrap();
             let part = part.into_vec::<f32>().unwrap();
+            let full: Vec<f32> = (0..len * n).map(|i| value(r, i)).collect();
+            let exchanged = g.all_to_all(Buffer::from(full)).wait().unwrap();
+            let exchanged = exchanged.into_vec::<f32>().unwrap();
             let bcast = g.broadcast_vec(mine.clone(), n - 1).wait().unwrap();
             let gather = g.gather_vec(mine, 0).wait().unwrap();
             // The last member scatters its rows; the others pass only the element type.
@@ -66,9 +69,11 @@ fn every_collective_matches_its_definition_for_one_to_four_members() {
                 .wait()
                 .unwrap();
             g.barrier().wait().unwrap();
-            (sum, avg, gathered, part, bcast, gather, halves, scattered)
+            (
+                sum, avg, gathered, part, bcast, gather, halves, scattered, exchanged,
+            )
         });
-        for (r, (sum, avg, gathered, part, bcast, gather, halves, scattered)) in
+        for (r, (sum, avg, gathered, part, bcast, gather, halves, scattered, exchanged)) in
             results.iter().enumerate()
         {
             let want_sum: Vec<f32> = (0..len)
@@ -85,6 +90,10 @@ fn every_collective_matches_its_definition_for_one_to_four_members() {
                 .map(|i| (0..n).map(|q| value(q, i)).sum())
                 .collect();
             assert_eq!(part, &want_part, "reduce_scatter");
+            let want_exchanged: Vec<f32> = (0..n)
+                .flat_map(|q| (r * len..(r + 1) * len).map(move |i| value(q, i)))
+                .collect();
+            assert_eq!(exchanged, &want_exchanged, "all_to_all");
             let want_bcast: Vec<f32> = (0..len).map(|i| value(n - 1, i)).collect();
             assert_eq!(bcast, &want_bcast);
             assert_eq!(gather.is_some(), r == 0);

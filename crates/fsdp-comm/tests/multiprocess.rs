@@ -146,6 +146,10 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
                 .wait()
                 .map(|_| ())
         }),
+        "all_to_all_mismatch" => expect_error(|pg| {
+            let n = if pg.rank() == 0 { 2 } else { 4 } * pg.size();
+            pg.all_to_all(vec![1u8; n]).wait().map(|_| ())
+        }),
         "bad_argument" => expect_error(|pg| {
             let n = if pg.rank() == 0 {
                 2 * pg.size() + 1
@@ -482,6 +486,17 @@ fn mismatched_collectives_fail_on_every_rank() {
                 && e.contains("all_reduce(f32 x 12, sum)")),
         "{errors:#?}"
     );
+    // An all-to-all of unequal inputs: every rank fails, naming both calls.
+    let outcomes = run_all("all_to_all_mismatch", 2, vec![], Duration::from_secs(30));
+    assert_all_ok(&outcomes);
+    let errors = errors_of(&outcomes);
+    assert!(errors.iter().all(|e| !e.is_empty()), "{errors:#?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("all_to_all(u8 x 4)") && e.contains("all_to_all(u8 x 8)")),
+        "{errors:#?}"
+    );
 }
 
 #[test]
@@ -704,6 +719,15 @@ fn nccl_collectives() -> Result<(), String> {
         .wait();
     if host_buffer.is_ok() {
         return Err("an NCCL group took a host buffer".into());
+    }
+    // Not offered on NCCL yet: an error that names the op, not a wrong result.
+    let slice = stream.clone_htod(&host).map_err(|e| format!("{e:?}"))?;
+    match c
+        .all_to_all(Buffer::Cuda(CudaBuffer::F32(std::sync::Arc::new(slice))))
+        .wait()
+    {
+        Err(err) if err.to_string().contains("all_to_all") => {}
+        other => return Err(format!("NCCL all_to_all: {:?}", other.map(|b| b.len()))),
     }
     Ok(())
 }

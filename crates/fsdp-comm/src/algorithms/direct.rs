@@ -1,5 +1,6 @@
-//! Direct exchanges for latency: small all-reduces (every rank sends its whole buffer to
-//! every other and reduces in rank order, one round) and the barrier.
+//! Direct exchanges: small all-reduces (every rank sends its whole buffer to every other and
+//! reduces in rank order, one round), the all-to-all (every rank sends each other rank its
+//! part, one round) and the barrier.
 
 use crate::dtype::{Element, ReduceOp, as_bytes, finish_avg, reduce_into};
 use crate::error::Result;
@@ -51,6 +52,39 @@ impl Engine {
             );
         }
         finish_avg(&mut out, op, n);
+        Ok(out)
+    }
+
+    /// See [`crate::ProcessGroup::all_to_all`].
+    pub fn all_to_all<T: Element>(&mut self, input: Vec<T>) -> Result<Vec<T>> {
+        let n = self.size;
+        if !input.len().is_multiple_of(n) {
+            return Err(self.invalid(
+                "all_to_all",
+                format!("{} elements do not split into {n} equal parts", input.len()),
+            ));
+        }
+        let k = input.len() / n;
+        let h = self.begin::<T>(Op::AllToAll, input.len(), None);
+        let mut out = vec![T::default(); input.len()];
+        let me = self.rank;
+        out[me * k..(me + 1) * k].copy_from_slice(&input[me * k..(me + 1) * k]);
+        let outs: Vec<Out> = self
+            .others()
+            .into_iter()
+            .map(|p| (p, 0, as_bytes(&input[p * k..(p + 1) * k])))
+            .collect();
+        // One receive per peer, empty parts included (a peer sends an empty frame for them).
+        let mut ins = Vec::with_capacity(n - 1);
+        let mut rest = out.as_mut_slice();
+        for p in 0..n {
+            let (part, tail) = rest.split_at_mut(k);
+            rest = tail;
+            if p != me {
+                ins.push(Self::into_slice(p, 0, part));
+            }
+        }
+        self.transfer(h, &outs, ins)?;
         Ok(out)
     }
 

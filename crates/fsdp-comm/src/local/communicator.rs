@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::{Call, LocalGroup, bytes, check, concat, reduce_range};
+use super::{Call, LocalGroup, bytes, check, concat, concat_range, reduce_range};
 use crate::buffer::Buffer;
 use crate::communicator::Communicator;
 use crate::dtype::{DType, ReduceOp};
@@ -131,6 +131,16 @@ impl Communicator for LocalGroup {
             let len = m.same_lengths("all_reduce", all)?;
             m.sent(bytes(&all[m.rank]) * 2.0 * (n - 1.0) / n);
             Ok(reduce_range(all, 0..len, op))
+        })
+    }
+
+    fn all_to_all(&self, input: Buffer) -> Work<Buffer> {
+        let (n, call) = (self.size, Call::AllToAll);
+        let invalid = check(&input, n, call);
+        self.submit(call, input, invalid, move |m, all| {
+            let k = m.same_lengths("all_to_all", all)? / n;
+            m.sent(bytes(&all[m.rank]) * (n as f64 - 1.0) / n as f64);
+            Ok(concat_range(all, m.rank * k..(m.rank + 1) * k))
         })
     }
 

@@ -26,6 +26,7 @@ enum Call {
     AllGather,
     ReduceScatter(ReduceOp),
     AllReduce(ReduceOp),
+    AllToAll,
     Broadcast(usize),
     Gather(usize),
     Barrier,
@@ -38,6 +39,7 @@ impl Call {
             Call::AllGather => "all_gather",
             Call::ReduceScatter(_) => "reduce_scatter",
             Call::AllReduce(_) => "all_reduce",
+            Call::AllToAll => "all_to_all",
             Call::Broadcast(_) => "broadcast",
             Call::Gather(_) => "gather",
             Call::Barrier => "barrier",
@@ -404,6 +406,20 @@ fn concat(inputs: &[Arc<Buffer>]) -> Buffer {
         cuda => unreachable!("local groups refuse device buffers on entry"))
 }
 
+/// Part `range` of every input, concatenated in rank order (an all-to-all's result).
+fn concat_range(inputs: &[Arc<Buffer>], range: Range<usize>) -> Buffer {
+    /// `first` only names the element type.
+    fn cat<T: BufferElement>(_first: &[T], inputs: &[Arc<Buffer>], range: Range<usize>) -> Buffer {
+        let mut out = Vec::with_capacity(range.len() * inputs.len());
+        for v in inputs.iter().filter_map(|b| T::slice_of(b)) {
+            out.extend_from_slice(&v[range.clone()]);
+        }
+        T::into_buffer(out)
+    }
+    crate::with_host_vec!(&*inputs[0], v => cat(v, inputs, range),
+        cuda => unreachable!("local groups refuse device buffers on entry"))
+}
+
 fn bytes(b: &Buffer) -> f64 {
     (b.len() * b.dtype().size()) as f64
 }
@@ -414,10 +430,12 @@ fn check(buf: &Buffer, size: usize, call: Call) -> Option<String> {
         return Some("a local group moves host buffers, not device memory".into());
     }
     match call {
-        Call::ReduceScatter(_) if !buf.len().is_multiple_of(size) => Some(format!(
-            "input length {} is not a multiple of the group size {size}",
-            buf.len()
-        )),
+        Call::ReduceScatter(_) | Call::AllToAll if !buf.len().is_multiple_of(size) => {
+            Some(format!(
+                "input length {} is not a multiple of the group size {size}",
+                buf.len()
+            ))
+        }
         Call::Broadcast(root) | Call::Gather(root) if root >= size => {
             Some(format!("root {root} is not a rank of this group of {size}"))
         }

@@ -1,7 +1,7 @@
 //! [`MpiGroup`] (feature `mpi`): a [`Communicator`] on MPI, the engine clusters tune for
 //! their interconnect (InfiniBand, RoCE, EFA, Slingshot), for jobs that `mpirun` or
 //! `srun --mpi=pmix` starts. Collectives are MPI's non-blocking ones (`MPI_Iallgather`,
-//! `MPI_Ireduce_scatter_block`, `MPI_Iallreduce`, `MPI_Ibcast`, `MPI_Igather`,
+//! `MPI_Ireduce_scatter_block`, `MPI_Iallreduce`, `MPI_Ialltoall`, `MPI_Ibcast`, `MPI_Igather`,
 //! `MPI_Iscatter`, `MPI_Ibarrier`), posted and progressed by one MPI thread (`progress.rs`),
 //! behind the same [`Work`] handles as every other backend; sub-groups and the hybrid mesh
 //! come from `MPI_Comm_split`. f16 and bf16 reduce through user operations (`types.rs`).
@@ -318,6 +318,27 @@ impl Communicator for MpiGroup {
         )
         .map(two(self.global_rank(), "reduce_scatter"))
         .map(move |(input, out)| Ok((input, avg(out, op, n))))
+    }
+
+    fn all_to_all(&self, input: Buffer) -> Work<Buffer> {
+        let (len, dtype, n) = (input.len(), input.dtype(), self.size);
+        if !len.is_multiple_of(n) {
+            return self.invalid(
+                "all_to_all",
+                format!("{len} elements do not split into {n} equal parts"),
+            );
+        }
+        let output = Buffer::zeros(dtype, len);
+        let payload = (n - 1) * (len / n) * dtype.size();
+        self.call(
+            Kind::AllToAll(n),
+            "all_to_all",
+            vec![input, output],
+            self.timeout,
+            payload,
+        )
+        .map(two(self.global_rank(), "all_to_all"))
+        .map(|(_, out)| Ok(out))
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {

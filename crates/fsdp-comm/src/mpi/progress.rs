@@ -30,6 +30,8 @@ pub(super) enum Kind {
     /// `[input, output]` of one length (MPI's in-place marker is not portable: Open MPI and
     /// MPICH spell it differently and rsmpi does not export it).
     AllReduce(ReduceOp),
+    /// `[input, output]` of one length, a multiple of the group's size (given).
+    AllToAll(usize),
     /// `[buffer]` from the root.
     Broadcast(usize),
     /// `[input, output]`: output holds size × input's elements on the root, none elsewhere.
@@ -381,6 +383,11 @@ impl MpiThread {
                 (Kind::AllReduce(op), [(i, n), (o, _)], Some(dt)) => {
                     ffi::MPI_Iallreduce(*i, *o, *n, dt, op_of(op), comm, &mut req)
                 }
+                (Kind::AllToAll(size), [(i, n), (o, _)], Some(dt)) => {
+                    // `n` fits an int, so its share does too.
+                    let k = *n / c_int::try_from(size.max(1)).unwrap_or(c_int::MAX);
+                    ffi::MPI_Ialltoall(*i, k, dt, *o, k, dt, comm, &mut req)
+                }
                 (Kind::Broadcast(root), [(b, n)], Some(dt)) => {
                     ffi::MPI_Ibcast(*b, *n, dt, root as c_int, comm, &mut req)
                 }
@@ -575,6 +582,7 @@ fn kind_call(kind: Kind) -> &'static str {
         Kind::AllGather => "MPI_Iallgather",
         Kind::ReduceScatter(_) => "MPI_Ireduce_scatter_block",
         Kind::AllReduce(_) => "MPI_Iallreduce",
+        Kind::AllToAll(_) => "MPI_Ialltoall",
         Kind::Broadcast(_) => "MPI_Ibcast",
         Kind::Gather(_) => "MPI_Igather",
         Kind::Scatter(_) => "MPI_Iscatter",

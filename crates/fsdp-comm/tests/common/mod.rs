@@ -114,6 +114,14 @@ pub fn check_collectives<T: TestElement>(
             fsdp_comm::finish_avg(&mut want, op, n);
             expect_eq(&ctx(&format!("reduce_scatter {op:?}")), &got, &want)?;
         }
+        // All-to-all: this rank gets block `rank` of every rank's input, in rank order.
+        let got = c
+            .all_to_all(T::into_buffer(data::<T>(rank, len * n)))
+            .wait()
+            .map_err(err)
+            .and_then(typed::<T>)?;
+        let want: Vec<T> = (0..n).flat_map(my_block_of).collect();
+        expect_eq(&ctx("all_to_all"), &got, &want)?;
 
         let root = n - 1;
         let got = c
