@@ -61,7 +61,7 @@ impl Default for CommDtypes {
 
 /// Starts gathering a unit: this rank's block (its parameters' shards, packed) cast to
 /// `dtypes.param`, or quantized to int8 blocks with `dtypes.gather_int8`
-/// ([`super::quantized_gather`]), and all-gathered over the shard dimension (of more than
+/// ([`super::int8_blocks`]), and all-gathered over the shard dimension (of more than
 /// one rank).
 pub(crate) fn all_gather(
     mesh: &Mesh,
@@ -70,7 +70,7 @@ pub(crate) fn all_gather(
 ) -> Result<Work<Buffer>, EngineError> {
     let dtype = dtypes.param;
     let send = if dtypes.gather_int8 {
-        Buffer::U8(super::quantized_gather::encode(&packed))
+        Buffer::U8(super::int8_blocks::encode(&packed))
     } else if dtype == DType::F32 {
         Buffer::F32(packed)
     } else {

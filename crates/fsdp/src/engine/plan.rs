@@ -211,7 +211,7 @@ impl UnitPlan {
     /// compute dtype's, or int8 blocks with their scales.
     pub fn gather_wire_bytes(&self, elements: usize) -> usize {
         if self.gather_int8 {
-            super::quantized_gather::encoded_len(elements)
+            super::int8_blocks::encoded_len(elements)
         } else {
             elements * self.gathered_bytes
         }

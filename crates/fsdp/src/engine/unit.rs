@@ -15,7 +15,7 @@ use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
-use super::quantized_gather;
+use super::int8_blocks;
 use super::sparse_rows::RowSparsePlan;
 use super::unit_grads::{Completed, GradTarget, UnitGrads};
 use crate::config::BackwardPrefetch;
@@ -241,8 +241,7 @@ impl UnitRun {
         }
         if cx.dtypes.gather_int8 {
             let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
-            let decoded =
-                quantized_gather::decode_gathered(&gathered, block, ranks, cx.dtypes.param);
+            let decoded = int8_blocks::decode_gathered(&gathered, block, ranks, cx.dtypes.param);
             return decoded.map(Some).map_err(|problem| EngineError::State {
                 name: format!("the int8 all-gather {when} of {}", self.unit.name()),
                 problem,
