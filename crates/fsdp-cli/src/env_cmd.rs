@@ -317,6 +317,14 @@ fn notes(config: &ResolvedConfig) -> Vec<String> {
             );
         }
     }
+    if config.fsdp.reduce_dtype == fsdp::config::ReduceDtype::Int8
+        && config.launch.num_processes < 2
+    {
+        out.push(
+            "`fsdp_reduce_dtype: int8`: nothing is reduced (one process), so no gradient is quantized"
+                .into(),
+        );
+    }
     out
 }
 

@@ -351,19 +351,22 @@ fn env_reports_machine_and_sources() {
             && l.contains("[environment variable FSDP_OFFLOAD_PARAMS]")),
         "{t}"
     );
-    // An int8 gather where nothing is gathered (one process) is said, not ignored silently.
+    // Int8 gathers and reductions where nothing is gathered or reduced (one process) are
+    // said, not ignored silently.
     let out = fsdp(dir.path())
         .args(["env"])
         .env("FSDP_ALL_GATHER_DTYPE", "int8")
+        .env("FSDP_REDUCE_DTYPE", "int8")
         .output()
         .unwrap();
     let int8 = text(&out);
-    assert!(
-        int8.lines()
-            .any(|l| l.starts_with("- Note: `fsdp_all_gather_dtype: int8`: nothing is gathered")),
-        "{int8}"
-    );
-    assert!(!t.contains("fsdp_all_gather_dtype: int8`"), "{t}");
+    for note in [
+        "- Note: `fsdp_all_gather_dtype: int8`: nothing is gathered",
+        "- Note: `fsdp_reduce_dtype: int8`: nothing is reduced",
+    ] {
+        assert!(int8.lines().any(|l| l.starts_with(note)), "{note}: {int8}");
+    }
+    assert!(!t.contains("dtype: int8`"), "{t}");
     // Offloading on the CPU is said once, not refused or ignored silently.
     assert!(
         t.lines()

@@ -36,6 +36,9 @@ const ROLE: &str = "FSDP_MATRIX_WORKER";
 const BF16: &str = "FSDP_MATRIX_BF16";
 /// Set (with [`BF16`]) for workers that also reduce gradients in bf16 (`fsdp_reduce_dtype`).
 const REDUCE_BF16: &str = "FSDP_MATRIX_REDUCE_BF16";
+/// Set for workers that reduce gradients as int8 blocks summed in f32 (`fsdp_reduce_dtype:
+/// int8`, ZeRO++'s quantized gradients) while computing in f32.
+const REDUCE_INT8: &str = "FSDP_MATRIX_REDUCE_INT8";
 /// Set for workers that train with `mixed_precision: fp16` and dynamic loss scaling.
 const FP16: &str = "FSDP_MATRIX_FP16";
 const STEPS: usize = 10;
@@ -405,6 +408,9 @@ fn sharded(
     if std::env::var(REDUCE_BF16).is_ok() {
         builder = builder.reduce_dtype(fsdp::config::ReduceDtype::Bf16);
     }
+    if std::env::var(REDUCE_INT8).is_ok() {
+        builder = builder.reduce_dtype(fsdp::config::ReduceDtype::Int8);
+    }
     let fp16 = std::env::var(FP16).is_ok();
     if fp16 {
         builder = builder.mixed_precision(fsdp::config::MixedPrecision::Fp16);
@@ -526,15 +532,15 @@ fn gauge_elements(name: &str, numel: usize) -> std::ops::Range<usize> {
 }
 
 /// Largest relative difference of losses, of weights (per tensor, norm-wise:
-/// |a - b| / |b|, gauge elements left out), and the largest absolute difference of the gauge
-/// elements.
-fn differences(a: &Run, b: &Run) -> (f64, f64, f64) {
+/// |a - b| / |b|, gauge elements left out), the largest absolute difference of the gauge
+/// elements, and of the other elements.
+fn differences(a: &Run, b: &Run) -> (f64, f64, f64, f64) {
     let loss =
         a.0.iter()
             .zip(&b.0)
             .map(|(x, y)| (x - y).abs() / y.abs())
             .fold(0f64, f64::max);
-    let (mut weight, mut gauge) = (0f64, 0f64);
+    let (mut weight, mut gauge, mut largest) = (0f64, 0f64, 0f64);
     for (name, t) in &b.1 {
         let got: Vec<f32> = a.1[name].flatten_all().unwrap().to_vec1().unwrap();
         let want: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
@@ -545,6 +551,7 @@ fn differences(a: &Run, b: &Run) -> (f64, f64, f64) {
             if skip.contains(&i) {
                 gauge = gauge.max(d);
             } else {
+                largest = largest.max(d);
                 diff_sq += d * d;
                 norm_sq += (*y as f64) * (*y as f64);
             }
@@ -553,7 +560,7 @@ fn differences(a: &Run, b: &Run) -> (f64, f64, f64) {
             weight = weight.max((diff_sq / norm_sq).sqrt());
         }
     }
-    (loss, weight, gauge)
+    (loss, weight, gauge, largest)
 }
 
 #[test]
@@ -565,6 +572,7 @@ fn matrix_worker() {
     let pg = std::sync::Arc::new(ProcessGroup::from_env().unwrap());
     let mut failures = Vec::new();
     let (mut worst_loss, mut worst_weight, mut worst_gauge) = (0f64, 0f64, 0f64);
+    let mut worst_adam_reach = 0f64;
     let mut baselines: Vec<(BaselineKey, Run)> = Vec::new();
     let cases = cases(pg.size());
     for case in &cases {
@@ -588,16 +596,27 @@ fn matrix_worker() {
             baselines.push((key, single_process(case)));
         }
         let want = &baselines.iter().find(|(k, _)| *k == key).unwrap().1;
-        let (loss, weight, gauge) = differences(&got, want);
+        let (loss, weight, gauge, largest) = differences(&got, want);
         worst_loss = worst_loss.max(loss);
-        worst_weight = worst_weight.max(weight);
         worst_gauge = worst_gauge.max(gauge);
         // Adam moves each gauge element by at most about 3.2 lr per step.
         let gauge_bound = 3.2 * case.optimizer.lr() * STEPS as f64;
         let (loss_bound, weight_bound) = bounds();
-        if !(loss < loss_bound && weight < weight_bound && gauge <= gauge_bound) {
+        // Int8 gradients under Adam: its normalised step turns the rounding of near-zero
+        // gradients (this small model's attention biases: some round to zero, others not)
+        // into whole steps, so every element is held to Adam's reach instead of a norm.
+        let adam_reach =
+            std::env::var(REDUCE_INT8).is_ok() && !matches!(case.optimizer, OptimizerKind::Sgd(_));
+        let weights_ok = if adam_reach {
+            worst_adam_reach = worst_adam_reach.max(largest / gauge_bound);
+            largest <= gauge_bound
+        } else {
+            worst_weight = worst_weight.max(weight);
+            weight < weight_bound
+        };
+        if !(loss < loss_bound && weights_ok && gauge <= gauge_bound) {
             failures.push(format!(
-                "{case:?}: loss relative difference {loss:e}, weights {weight:e}, key-bias elements {gauge:e}"
+                "{case:?}: loss relative difference {loss:e}, weights {weight:e} (largest element {largest:e}), key-bias elements {gauge:e}"
             ));
         }
     }
@@ -609,6 +628,7 @@ fn matrix_worker() {
                 "worst_loss": worst_loss,
                 "worst_weight": worst_weight,
                 "worst_key_bias_abs": worst_gauge,
+                "worst_share_of_adam_reach": worst_adam_reach,
                 "failures": failures,
             })
         );
@@ -623,13 +643,18 @@ fn matrix_worker() {
 /// 10 steps: Adam's normalised step turns the rounding noise of small gradients into
 /// full-size steps (lr 3e-3 per step on weights of scale 0.02), so weights drift apart
 /// while the losses agree; a parameter left untrained is 1.0 away. fp16 keeps 11 bits, 8
-/// times finer: 2e-4 and 0.05. (Measured worst here: bf16 3.0e-4 and 0.164, fp16 1.8e-5 and
-/// 0.023; fp16 bounds fail a run whose fp16 computes at bf16's precision.)
+/// times finer: 2e-4 and 0.05. Int8 gradients (f32 compute; each rank's contribution rounded
+/// within half a step of 1/127 of its block's largest value): 2e-3 and, with SGD, 0.05; with
+/// Adam every element within Adam's reach instead (see the worker). (Measured worst here:
+/// bf16 3.0e-4 and 0.164, fp16 1.8e-5 and 0.023, int8 gradients 6.6e-4, 0.020 and 0.37 of
+/// Adam's reach; fp16 bounds fail a run whose fp16 computes at bf16's precision.)
 fn bounds() -> (f64, f64) {
     if std::env::var(FP16).is_ok() {
         (2e-4, 0.05)
     } else if std::env::var(BF16).is_ok() {
         (3e-3, 0.25)
+    } else if std::env::var(REDUCE_INT8).is_ok() {
+        (2e-3, 0.05)
     } else {
         (1e-5, 1e-5)
     }
@@ -651,16 +676,25 @@ fn check_world_with(world: usize, env: &[(&str, &str)]) {
             Some(_) => " in fp16",
             None => "",
         },
-        if env.iter().any(|(k, _)| *k == REDUCE_BF16) {
-            ", gradients reduced in bf16"
-        } else {
-            ""
+        match env
+            .iter()
+            .find(|(k, _)| *k == REDUCE_BF16 || *k == REDUCE_INT8)
+        {
+            Some((k, _)) if *k == REDUCE_BF16 => ", gradients reduced in bf16",
+            Some(_) => ", gradients reduced as int8 blocks",
+            None => "",
         },
         result["cases"],
         result["worst_loss"],
         result["worst_weight"],
         result["worst_key_bias_abs"]
     );
+    if env.iter().any(|(k, _)| *k == REDUCE_INT8) {
+        eprintln!(
+            "  Adam-family cases: largest element difference {} of Adam's reach",
+            result["worst_share_of_adam_reach"]
+        );
+    }
     let failures = result["failures"].as_array().unwrap();
     assert!(failures.is_empty(), "{failures:#?}");
 }
@@ -694,6 +728,11 @@ fn bf16_on_two_ranks_tracks_f32_single_process() {
 #[test]
 fn bf16_reducing_in_bf16_on_three_ranks_tracks_f32_single_process() {
     check_world_with(3, &[(BF16, "1"), (REDUCE_BF16, "1")]);
+}
+
+#[test]
+fn int8_reduction_on_three_ranks_tracks_f32_single_process() {
+    check_world_with(3, &[(REDUCE_INT8, "1")]);
 }
 
 #[test]

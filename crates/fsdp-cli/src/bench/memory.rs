@@ -83,7 +83,7 @@ pub struct MemoryArgs {
     /// gradients reduced in f32), or both side by side.
     #[arg(long = "mixed_precision", value_enum, default_value_t = Toggle::Off)]
     mixed_precision: Toggle,
-    /// What gradients are reduced in (fsdp_reduce_dtype: fp32, bf16, fp16).
+    /// What gradients are reduced in (fsdp_reduce_dtype: fp32, bf16, fp16, int8).
     #[arg(long = "reduce_dtype", default_value = "fp32", value_parser = str::parse::<ReduceDtype>)]
     reduce_dtype: ReduceDtype,
     /// Write the JSON results to this file too.
@@ -296,16 +296,15 @@ struct Traffic {
     micro: usize,
     /// Micro-batches before the last run without sync.
     no_sync: bool,
-    /// Bytes per gradient element reduced (4 in f32, 2 in bf16 or fp16).
-    reduce_bytes: usize,
 }
 
 /// Bytes each rank sends per step of `micro` micro-batches by the ring algorithms, inside its
 /// shard group and across replicas. Inside: per unit and micro-batch an all-gather in
 /// forward, another before backward when the unit was resharded after forward, and a
-/// reduce-scatter per reduction ((S-1) shard blocks each for a group of S). Across R
-/// replicas: an all-reduce of each unit's reduced block per reduction (2(R-1)/R of it); for
-/// NO_SHARD the block is the whole unit. Reductions: one per micro-batch, or one per step
+/// reduce-scatter per reduction ((S-1) shard blocks each for a group of S; with int8
+/// gradients an all-to-all of as many encoded blocks). Across R replicas: an all-reduce of
+/// each unit's reduced block per reduction (2(R-1)/R of it; with int8 gradients an
+/// all-gather of its encoding, R-1 times it); for NO_SHARD the block is the whole unit. Reductions: one per micro-batch, or one per step
 /// when the earlier micro-batches run without sync.
 fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize, t: Traffic) -> (usize, usize) {
     let (s, r, micro) = (shard_size, replicas, t.micro);
@@ -313,25 +312,23 @@ fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize, t: Traffic)
     let mut inside = 0;
     let mut across = 0;
     for u in &plan.units {
-        let elems = u.shard_numel();
         // Gradients are reduced for the trainable parameters only.
-        let trained: usize = u
-            .params
-            .iter()
-            .filter(|p| p.requires_grad)
-            .map(|p| p.shard_numel())
-            .sum();
-        let block = trained * t.reduce_bytes;
+        let block = plan.reduce_wire_bytes(u);
         if s > 1 {
             let regather = matches!(
                 plan.strategy,
                 ShardingStrategy::FullShard | ShardingStrategy::HybridShard
             ) && !u.path.is_empty();
             let gathers = micro * (1 + usize::from(regather));
-            inside += (s - 1) * (plan.gather_wire_bytes(elems) * gathers + block * reductions);
+            inside += (s - 1) * (plan.gather_wire_bytes(u) * gathers + block * reductions);
         }
         if r > 1 {
-            across += reductions * (2 * (r - 1) * block / r);
+            across += reductions
+                * if plan.reduce_int8 {
+                    (r - 1) * block
+                } else {
+                    2 * (r - 1) * block / r
+                };
         }
     }
     (inside, across)
@@ -452,11 +449,6 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let traffic = Traffic {
             micro,
             no_sync: a.no_sync,
-            reduce_bytes: if a.reduce_dtype == ReduceDtype::Fp32 {
-                4
-            } else {
-                2
-            },
         };
         let (theory_inside, theory_across) =
             bytes_theory(&plan, mesh.shard_size(), mesh.replicas(), traffic);

@@ -163,6 +163,10 @@ choice_enum!(
         Bf16 => "bf16",
         /// fp16 (needs a loss scale that keeps gradients in range: `mixed_precision: fp16`'s).
         Fp16 => "fp16",
+        /// Symmetric int8 with one f32 scale per block of 512 elements, exchanged all-to-all
+        /// and summed in f32 (ZeRO++'s quantized gradients): a quarter of f32's bytes; the
+        /// sum is never formed in low precision.
+        Int8 => "int8",
     }
 );
 

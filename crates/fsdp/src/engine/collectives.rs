@@ -9,6 +9,7 @@ use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
 
 use super::error::EngineError;
 use super::fsdp_unit::UnitKind;
+use super::int8_blocks;
 use super::sparse_rows::{CompactGrads, RowSparsePlan, RowSparseReduce};
 use crate::config::{AllGatherDtype, FsdpPlugin, MixedPrecision, ReduceDtype};
 use crate::trace::Tracer;
@@ -23,6 +24,9 @@ pub struct CommDtypes {
     /// Parameters cross the wire as int8 blocks, dequantized into `param` on arrival
     /// (`fsdp_all_gather_dtype: int8`).
     pub gather_int8: bool,
+    /// Gradients (packed in f32, `reduce`) cross the wire as int8 blocks, summed in f32 on
+    /// arrival (`fsdp_reduce_dtype: int8`).
+    pub reduce_int8: bool,
 }
 
 impl CommDtypes {
@@ -39,11 +43,12 @@ impl CommDtypes {
                 MixedPrecision::Fp16 => DType::F16,
             },
             reduce: match plugin.reduce_dtype {
-                ReduceDtype::Fp32 => DType::F32,
+                ReduceDtype::Fp32 | ReduceDtype::Int8 => DType::F32,
                 ReduceDtype::Bf16 => DType::BF16,
                 ReduceDtype::Fp16 => DType::F16,
             },
             gather_int8: plugin.all_gather_dtype == AllGatherDtype::Int8,
+            reduce_int8: plugin.reduce_dtype == ReduceDtype::Int8,
         }
     }
 }
@@ -55,22 +60,23 @@ impl Default for CommDtypes {
             param: DType::F32,
             reduce: DType::F32,
             gather_int8: false,
+            reduce_int8: false,
         }
     }
 }
 
-/// Starts gathering a unit: this rank's block (its parameters' shards, packed) cast to
-/// `dtypes.param`, or quantized to int8 blocks with `dtypes.gather_int8`
-/// ([`super::int8_blocks`]), and all-gathered over the shard dimension (of more than
-/// one rank).
+/// Starts gathering a unit: this rank's block (its parameters' shards, packed: `runs` long
+/// each) cast to `dtypes.param`, or quantized to int8 blocks with `dtypes.gather_int8`
+/// ([`int8_blocks`]), and all-gathered over the shard dimension (of more than one rank).
 pub(crate) fn all_gather(
     mesh: &Mesh,
     packed: Vec<f32>,
+    runs: &[usize],
     dtypes: CommDtypes,
 ) -> Result<Work<Buffer>, EngineError> {
     let dtype = dtypes.param;
     let send = if dtypes.gather_int8 {
-        Buffer::U8(super::int8_blocks::encode(&packed))
+        Buffer::U8(int8_blocks::encode(&packed, runs))
     } else if dtype == DType::F32 {
         Buffer::F32(packed)
     } else {
@@ -94,6 +100,9 @@ pub(crate) struct PendingReduce {
     /// Replicas to average over once the reduce-scatter is done (taken when that mean is
     /// issued).
     replicate: Option<Arc<dyn Communicator>>,
+    /// The runs of a rank's gradient block when means travel as int8 blocks
+    /// ([`mean_over`]).
+    int8: Option<Arc<[usize]>>,
     /// When the reduce-scatter ran, once the replicas' mean has replaced it in `scatter`.
     scattered: Option<(Instant, Instant)>,
     /// When it was issued, and the bytes sent (for the trace).
@@ -128,7 +137,7 @@ impl PendingReduce {
         self.scatter = match scatter.wait_timed() {
             Ok((out, ran)) => {
                 self.scattered = Some(ran.unwrap_or((self.issued, Instant::now())));
-                r.all_reduce(out, ReduceOp::Avg)
+                mean_over(r.as_ref(), out, self.int8.clone()).0
             }
             Err(e) => Work::ready(Err(e)),
         };
@@ -171,42 +180,39 @@ impl PendingReduce {
 
 /// Starts reducing a unit's packed gradients (`size` shard blocks) to their mean; with a
 /// `sparse` plan (the unit has row-sparse parameters, the mesh one dimension), only their
-/// touched rows are sent. A replicated unit (every rank holds all of it: ignored modules)
-/// is all-reduced over the shard dimension instead of reduce-scattered.
+/// touched rows are sent (in f32). A replicated unit (every rank holds all of it: ignored
+/// modules) is averaged over the shard dimension whole instead of reduce-scattered. With
+/// `int8` (f32 gradients packed; the runs of a rank's block), every exchange carries int8
+/// blocks summed in f32.
 pub(crate) fn reduce(
     mesh: &Mesh,
     packed: Buffer,
     sparse: Option<RowSparsePlan>,
     kind: UnitKind,
+    int8: Option<Arc<[usize]>>,
 ) -> Result<PendingReduce, CommError> {
     if let (Some(plan), Some(group)) = (sparse, row_sparse_group(mesh)) {
         return row_sparse(mesh, RowSparseReduce::start(plan, group, packed)?);
     }
-    let packed_bytes = packed.len() * packed.dtype().size();
-    let (scatter, kind, replicate, bytes) = match (mesh.shard_size(), &mesh.replicate) {
+    let ((scatter, bytes), kind, replicate) = match (mesh.shard_size(), &mesh.replicate) {
         // One rank: nothing leaves it.
-        (1, None) => (Work::ready(Ok(packed)), "reduce-scatter", None, 0),
+        (1, None) => ((Work::ready(Ok(packed)), 0), "reduce-scatter", None),
         // Nothing to scatter: the replicas' mean starts now, while backward goes on, instead
         // of when the step waits for it.
         (1, Some(r)) => (
-            r.all_reduce(packed, ReduceOp::Avg),
+            mean_over(r.as_ref(), packed, int8.clone()),
             "all-reduce",
             None,
-            packed_bytes,
         ),
         _ if kind.is_replicated() => (
-            mesh.shard.all_reduce(packed, ReduceOp::Avg),
+            mean_over(mesh.shard.as_ref(), packed, int8.clone()),
             "all-reduce",
             mesh.replicate.clone(),
-            packed_bytes,
         ),
-        // Not `reduce_scatter_into`: the packed input is freed when the collective is done
-        // with it, not held until the step waits for every unit's reduction.
         _ => (
-            mesh.shard.reduce_scatter(packed, ReduceOp::Avg),
+            scatter_mean(mesh.shard.as_ref(), packed, int8.clone()),
             "reduce-scatter",
             mesh.replicate.clone(),
-            packed_bytes,
         ),
     };
     Ok(PendingReduce {
@@ -215,9 +221,89 @@ pub(crate) fn reduce(
         sparse: None,
         kind,
         replicate,
+        int8,
         scattered: None,
         issued: Instant::now(),
     })
+}
+
+/// The group's mean of `values` on every member, and the bytes this member sends for it: an
+/// all-reduce, or with `int8` (the runs of `values`) an all-gather of every member's int8
+/// blocks, which each member dequantizes and sums in f32 in rank order (so every member
+/// holds the same values).
+fn mean_over(
+    group: &dyn Communicator,
+    values: Buffer,
+    int8: Option<Arc<[usize]>>,
+) -> (Work<Buffer>, usize) {
+    let Some(runs) = int8 else {
+        let bytes = values.len() * values.dtype().size();
+        return (group.all_reduce(values, ReduceOp::Avg), bytes);
+    };
+    let encoded = match values.as_slice::<f32>() {
+        Some(v) => int8_blocks::encode(v, &runs),
+        None => return (not_f32(group, &values), 0),
+    };
+    let bytes = encoded.len();
+    let (rank, n) = (group.global_rank(), group.size());
+    let work = group
+        .all_gather(Buffer::U8(encoded))
+        .map(move |all| summed(rank, &all, &runs, n));
+    (work, bytes)
+}
+
+/// This member's part of the group's mean of `values` (`size` parts), and the bytes it
+/// sends for it: a reduce-scatter, or with `int8` (the runs of a part) an all-to-all of
+/// int8 parts, which each member dequantizes and sums in f32 (ZeRO++'s quantized gradients:
+/// the sum is never formed in low precision).
+fn scatter_mean(
+    group: &dyn Communicator,
+    values: Buffer,
+    int8: Option<Arc<[usize]>>,
+) -> (Work<Buffer>, usize) {
+    let Some(runs) = int8 else {
+        let bytes = values.len() * values.dtype().size();
+        // Not `reduce_scatter_into`: the packed input is freed when the collective is done
+        // with it, not held until the step waits for every unit's reduction.
+        return (group.reduce_scatter(values, ReduceOp::Avg), bytes);
+    };
+    let n = group.size();
+    let encoded = match values.as_slice::<f32>() {
+        Some(v) => int8_blocks::encode_parts(v, &runs, n),
+        None => return (not_f32(group, &values), 0),
+    };
+    drop(values);
+    let bytes = encoded.len();
+    let rank = group.global_rank();
+    let work = group
+        .all_to_all(Buffer::U8(encoded))
+        .map(move |parts| summed(rank, &parts, &runs, n));
+    (work, bytes)
+}
+
+/// The mean of `n` members' int8 blocks of `runs`, in f32.
+fn summed(rank: usize, parts: &Buffer, runs: &[usize], n: usize) -> Result<Buffer, CommError> {
+    let bytes = parts.as_slice::<u8>().unwrap_or(&[]);
+    int8_blocks::mean_of_parts(bytes, runs, n)
+        .map(Buffer::F32)
+        .map_err(|reason| CommError::InvalidArgument {
+            rank,
+            op: "int8 gradient reduction".into(),
+            reason,
+        })
+}
+
+/// Gradients to quantize arrive packed in f32; anything else is a bug in the engine, reported
+/// as the reduction's error.
+fn not_f32(group: &dyn Communicator, values: &Buffer) -> Work<Buffer> {
+    Work::ready(Err(CommError::InvalidArgument {
+        rank: group.global_rank(),
+        op: "int8 gradient reduction".into(),
+        reason: format!(
+            "gradients were packed in {:?}, not f32 (a bug in the engine)",
+            values.dtype()
+        ),
+    }))
 }
 
 /// Starts reducing gradients collected for a row-sparse reduction as they arrived.
@@ -253,6 +339,7 @@ fn row_sparse(mesh: &Mesh, sparse: RowSparseReduce) -> Result<PendingReduce, Com
             "all-reduce"
         },
         replicate: None,
+        int8: None,
         scattered: None,
         issued: Instant::now(),
     })

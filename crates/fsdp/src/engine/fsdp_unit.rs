@@ -107,6 +107,16 @@ impl FsdpUnit {
         }
     }
 
+    /// The parameters' runs in a rank's packed block ([`super::plan::Unit::param_runs`]).
+    pub fn param_runs(&self) -> Vec<usize> {
+        self.params.iter().map(|p| p.layout.shard_numel()).collect()
+    }
+
+    /// The trainable parameters' runs in a rank's gradient block.
+    pub fn grad_runs(&self) -> Vec<usize> {
+        super::plan::runs(&self.grad_layouts, |l| l.requires_grad)
+    }
+
     /// The layouts of the parameters that train, in the gradient block.
     pub fn trained_grad_layouts(&self) -> Vec<&ShardLayout> {
         self.grad_layouts

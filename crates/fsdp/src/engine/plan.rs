@@ -3,7 +3,7 @@
 //! rank holds. Built and checked before any tensor exists, so a bad wrap configuration stops
 //! the run with a message instead of a wrong training.
 
-use crate::config::{AutoWrapPolicy, FsdpPlugin, ShardingStrategy};
+use crate::config::{AutoWrapPolicy, FsdpPlugin, ReduceDtype, ShardingStrategy};
 use crate::nn::{ModuleInfo, ParamSpec};
 
 /// Why a plan cannot be built.
@@ -153,6 +153,27 @@ impl Unit {
     pub fn shard_numel(&self) -> usize {
         self.params.iter().map(ShardLayout::shard_numel).sum()
     }
+
+    /// The parameters' runs in a rank's packed block: their shard lengths in order (what
+    /// int8 blocks are quantized apart by).
+    pub fn param_runs(&self) -> Vec<usize> {
+        runs(&self.params, |_| true)
+    }
+
+    /// The trainable parameters' runs in a rank's gradient block.
+    pub fn grad_runs(&self) -> Vec<usize> {
+        runs(&self.params, |p| p.requires_grad)
+    }
+}
+
+/// The shard lengths of the `layouts` that `keep` keeps, in order: their runs in a rank's
+/// packed block.
+pub(crate) fn runs(layouts: &[ShardLayout], keep: impl Fn(&ShardLayout) -> bool) -> Vec<usize> {
+    layouts
+        .iter()
+        .filter(|l| keep(l))
+        .map(ShardLayout::shard_numel)
+        .collect()
 }
 
 /// The whole plan.
@@ -169,10 +190,13 @@ pub struct UnitPlan {
     /// Bytes per gathered parameter element: 4, or 2 with mixed precision (parameters
     /// gathered and computed in bf16 or fp16).
     pub gathered_bytes: usize,
-    /// Bytes per gradient element in a reduction: 4, or 2 with `fsdp_reduce_dtype` bf16/fp16.
+    /// Bytes per gradient element packed for a reduction: 4, or 2 with `fsdp_reduce_dtype`
+    /// bf16/fp16 (int8 packs in f32 and quantizes the packed block).
     pub reduce_bytes: usize,
     /// Parameters travel as int8 blocks (`fsdp_all_gather_dtype: int8`).
     pub gather_int8: bool,
+    /// Gradients travel as int8 blocks (`fsdp_reduce_dtype: int8`).
+    pub reduce_int8: bool,
     /// What lives in the disk tier (`fsdp_offload_dir`).
     pub disk: DiskOffload,
 }
@@ -204,16 +228,27 @@ impl UnitPlan {
     /// Bytes one rank receives by all-gathers in a training step ([`Self::gathered_per_step`]
     /// of the units' blocks, as sent: a quantized weight travels as its packed words).
     pub fn gathered_bytes_per_step(&self) -> usize {
-        self.gathered_per_step(|u| self.gather_wire_bytes(u.shard_numel()))
+        self.gathered_per_step(|u| self.gather_wire_bytes(u))
     }
 
-    /// Bytes one rank's block of `elements` parameter elements takes in an all-gather: the
-    /// compute dtype's, or int8 blocks with their scales.
-    pub fn gather_wire_bytes(&self, elements: usize) -> usize {
+    /// Bytes one rank's block of `unit` takes in an all-gather: the compute dtype's, or
+    /// int8 blocks with their scales.
+    pub fn gather_wire_bytes(&self, unit: &Unit) -> usize {
         if self.gather_int8 {
-            super::int8_blocks::encoded_len(elements)
+            super::int8_blocks::encoded_len(&unit.param_runs())
         } else {
-            elements * self.gathered_bytes
+            unit.shard_numel() * self.gathered_bytes
+        }
+    }
+
+    /// Bytes one rank's block of `unit`'s gradients takes in a reduction's exchange: the
+    /// reduce dtype's, or int8 blocks with their scales.
+    pub fn reduce_wire_bytes(&self, unit: &Unit) -> usize {
+        let runs = unit.grad_runs();
+        if self.reduce_int8 {
+            super::int8_blocks::encoded_len(&runs)
+        } else {
+            runs.iter().sum::<usize>() * self.reduce_bytes
         }
     }
 
@@ -428,10 +463,11 @@ impl UnitPlan {
                 _ => 2,
             },
             reduce_bytes: match plugin.reduce_dtype {
-                crate::config::ReduceDtype::Fp32 => 4,
-                _ => 2,
+                ReduceDtype::Fp32 | ReduceDtype::Int8 => 4,
+                ReduceDtype::Bf16 | ReduceDtype::Fp16 => 2,
             },
             gather_int8: plugin.all_gather_dtype == crate::config::AllGatherDtype::Int8,
+            reduce_int8: plugin.reduce_dtype == ReduceDtype::Int8,
             disk: DiskOffload {
                 params: plugin.offload_dir.is_some() && plugin.offload_params,
                 optimizer: plugin.offload_dir.is_some()

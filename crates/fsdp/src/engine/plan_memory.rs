@@ -97,7 +97,10 @@ impl UnitPlan {
             } else {
                 gathered_peak * self.gathered_bytes
             },
-            reducing: largest_unit * (f + self.reduce_bytes) + offloaded_grads,
+            // The full gradient, its packed blocks, and with int8 their encoding.
+            reducing: largest_unit * (f + self.reduce_bytes)
+                + usize::from(self.reduce_int8) * super::int8_blocks::encoded_len(&[largest_unit])
+                + offloaded_grads,
             streaming: kinds * two_blocks * f,
             disk: (usize::from(on_disk_params) * (shard + trainable_shard + ignored_trainable)
                 + usize::from(on_disk_state) * 2 * (trainable_shard + ignored_trainable))

@@ -148,7 +148,8 @@ impl UnitRun {
             Completed::Rows(rows) => collectives::reduce_compact(cx.mesh, rows),
             Completed::Packed(g) => {
                 let sparse = row_sparse_plan(&self.unit, cx);
-                collectives::reduce(cx.mesh, g, sparse, self.unit.kind)
+                let int8 = cx.dtypes.reduce_int8.then(|| self.unit.grad_runs().into());
+                collectives::reduce(cx.mesh, g, sparse, self.unit.kind, int8)
             }
         };
         pending.map(Some).map_err(collective_failed)
@@ -189,7 +190,8 @@ impl UnitRun {
     pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
         if self.gather.is_none() && self.unit.ranks(cx.mesh.shard_size()) > 1 {
             let block = self.unit.master_block()?;
-            let work = collectives::all_gather(cx.mesh, block, cx.dtypes)?;
+            let runs = self.unit.param_runs();
+            let work = collectives::all_gather(cx.mesh, block, &runs, cx.dtypes)?;
             self.gather = Some((work, Instant::now()));
         }
         Ok(())
@@ -240,8 +242,11 @@ impl UnitRun {
             t.collective("all-gather", "all_gather", unit, ran, waited, args);
         }
         if cx.dtypes.gather_int8 {
-            let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
-            let decoded = int8_blocks::decode_gathered(&gathered, block, ranks, cx.dtypes.param);
+            let (ranks, runs) = (
+                self.unit.ranks(cx.mesh.shard_size()),
+                self.unit.param_runs(),
+            );
+            let decoded = int8_blocks::decode_gathered(&gathered, &runs, ranks, cx.dtypes.param);
             return decoded.map(Some).map_err(|problem| EngineError::State {
                 name: format!("the int8 all-gather {when} of {}", self.unit.name()),
                 problem,

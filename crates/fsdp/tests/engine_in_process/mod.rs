@@ -8,7 +8,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp::config::{AllGatherDtype, FsdpPlugin, Key, Layer, ShardingStrategy, Source, Value};
+use fsdp::config::{
+    AllGatherDtype, FsdpPlugin, Key, Layer, ReduceDtype, ShardingStrategy, Source, Value,
+};
 use fsdp::engine::Fsdp;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
@@ -88,12 +90,13 @@ fn run(world: usize, start: usize, steps: usize, resume: Option<Resume>) -> Vec<
 }
 
 /// Where a run computes, whether in debug mode (released parameters poisoned with NaN),
-/// and what parameters are gathered in.
+/// what parameters are gathered in and what gradients are reduced in.
 #[derive(Clone)]
 struct Compute {
     device: Device,
     debug: bool,
     gather: AllGatherDtype,
+    reduce: ReduceDtype,
 }
 
 impl Compute {
@@ -102,6 +105,7 @@ impl Compute {
             device: Device::Cpu,
             debug: true,
             gather: AllGatherDtype::Auto,
+            reduce: ReduceDtype::Fp32,
         }
     }
 }
@@ -145,6 +149,7 @@ fn run_with(
                     .sharding_strategy(strategy)
                     .debug(compute.debug)
                     .all_gather_dtype(compute.gather)
+                    .reduce_dtype(compute.reduce)
                     .resolve(&layout, None)
                     .unwrap()
                     .fsdp;
