@@ -303,13 +303,7 @@ fn notes(config: &ResolvedConfig) -> Vec<String> {
         ));
     }
     if config.fsdp.all_gather_dtype == fsdp::config::AllGatherDtype::Int8 {
-        use fsdp::config::ShardingStrategy as S;
-        let launch = &config.launch;
-        let shard_group = match config.fsdp.sharding_strategy {
-            S::NoShard => 1,
-            S::HybridShard | S::HybridShardZero2 => launch.processes_per_machine(),
-            S::FullShard | S::ShardGradOp => launch.num_processes,
-        };
+        let (shard_group, _) = config.launch.mesh_shape(config.fsdp.sharding_strategy);
         if shard_group < 2 {
             out.push(
                 "`fsdp_all_gather_dtype: int8`: nothing is gathered (parameters are sharded over one process here), so nothing is quantized"

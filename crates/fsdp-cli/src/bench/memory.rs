@@ -18,7 +18,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use fsdp::config::{Choice, FsdpPlugin, Layer, MixedPrecision, ReduceDtype, ShardingStrategy};
-use fsdp::engine::{Fsdp, UnitPlan};
+use fsdp::engine::{Fsdp, StepShape};
 use fsdp::memory;
 use fsdp::models::{BertConfig, BertForSequenceClassification};
 use fsdp::nn::candle::{DType, Device, Tensor};
@@ -83,9 +83,10 @@ pub struct MemoryArgs {
     /// gradients reduced in f32), or both side by side.
     #[arg(long = "mixed_precision", value_enum, default_value_t = Toggle::Off)]
     mixed_precision: Toggle,
-    /// What gradients are reduced in (fsdp_reduce_dtype: fp32, bf16, fp16, int8).
-    #[arg(long = "reduce_dtype", default_value = "fp32", value_parser = str::parse::<ReduceDtype>)]
-    reduce_dtype: ReduceDtype,
+    /// What gradients are reduced in (fsdp_reduce_dtype: fp32, bf16, fp16, int8); unset, the
+    /// environment's `FSDP_REDUCE_DTYPE` (as `fsdp launch` passes it), else fp32.
+    #[arg(long = "reduce_dtype", value_parser = str::parse::<ReduceDtype>)]
+    reduce_dtype: Option<ReduceDtype>,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -174,7 +175,9 @@ fn launch(a: &MemoryArgs) -> Result<()> {
             args.push("--forward_prefetch".into());
         }
         args.extend(["--accumulation".into(), a.accumulation.to_string()]);
-        args.extend(["--reduce_dtype".into(), a.reduce_dtype.name().into()]);
+        if let Some(d) = a.reduce_dtype {
+            args.extend(["--reduce_dtype".into(), d.name().into()]);
+        }
         let runs = modes.iter().flat_map(|&no_sync| {
             let checkpointing = a.activation_checkpointing.values();
             checkpointing.iter().flat_map(move |&ckpt| {
@@ -289,58 +292,13 @@ fn launch(a: &MemoryArgs) -> Result<()> {
     Ok(())
 }
 
-/// What a step's traffic depends on besides the plan and the mesh.
-#[derive(Clone, Copy)]
-struct Traffic {
-    /// Micro-batches per step.
-    micro: usize,
-    /// Micro-batches before the last run without sync.
-    no_sync: bool,
-}
-
-/// Bytes each rank sends per step of `micro` micro-batches by the ring algorithms, inside its
-/// shard group and across replicas. Inside: per unit and micro-batch an all-gather in
-/// forward, another before backward when the unit was resharded after forward, and a
-/// reduce-scatter per reduction ((S-1) shard blocks each for a group of S; with int8
-/// gradients an all-to-all of as many encoded blocks). Across R replicas: an all-reduce of
-/// each unit's reduced block per reduction (2(R-1)/R of it; with int8 gradients an
-/// all-gather of its encoding, R-1 times it); for NO_SHARD the block is the whole unit. Reductions: one per micro-batch, or one per step
-/// when the earlier micro-batches run without sync.
-fn bytes_theory(plan: &UnitPlan, shard_size: usize, replicas: usize, t: Traffic) -> (usize, usize) {
-    let (s, r, micro) = (shard_size, replicas, t.micro);
-    let reductions = if t.no_sync { 1 } else { micro };
-    let mut inside = 0;
-    let mut across = 0;
-    for u in &plan.units {
-        // Gradients are reduced for the trainable parameters only.
-        let block = plan.reduce_wire_bytes(u);
-        if s > 1 {
-            let regather = matches!(
-                plan.strategy,
-                ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-            ) && !u.path.is_empty();
-            let gathers = micro * (1 + usize::from(regather));
-            inside += (s - 1) * (plan.gather_wire_bytes(u) * gathers + block * reductions);
-        }
-        if r > 1 {
-            across += reductions
-                * if plan.reduce_int8 {
-                    (r - 1) * block
-                } else {
-                    2 * (r - 1) * block / r
-                };
-        }
-    }
-    (inside, across)
-}
-
 fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     memory::CountingAllocator::mark_installed();
     let pg = ProcessGroup::from_env()?;
     let (rank, n) = (pg.rank(), pg.size());
     // The environment gives the layout (machines of LOCAL_WORLD_SIZE processes), as it does
     // to any launched program; the strategy and prefetch are set here.
-    let plugin = FsdpPlugin::builder()
+    let mut builder = FsdpPlugin::builder()
         .sharding_strategy(strategy.parse().map_err(anyhow::Error::msg)?)
         .backward_prefetch(a.backward_prefetch.parse().map_err(anyhow::Error::msg)?)
         .forward_prefetch(a.forward_prefetch)
@@ -349,10 +307,11 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             MixedPrecision::Bf16
         } else {
             MixedPrecision::No
-        })
-        .reduce_dtype(a.reduce_dtype)
-        .resolve(&Layer::from_process_env()?, None)?
-        .fsdp;
+        });
+    if let Some(d) = a.reduce_dtype {
+        builder = builder.reduce_dtype(d);
+    }
+    let plugin = builder.resolve(&Layer::from_process_env()?, None)?.fsdp;
     let config = BertConfig {
         vocab_size: a.shape.vocab,
         hidden_size: a.shape.hidden,
@@ -446,12 +405,13 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         let worst = |k: usize| (0..n).map(|r| all[r * 7 + k]).fold(0f64, f64::max);
         let mesh = fsdp.mesh();
         let bf16 = a.mixed_precision == Toggle::On;
-        let traffic = Traffic {
-            micro,
+        let theory = plan.traffic_per_step(StepShape {
+            shard_size: mesh.shard_size(),
+            replicas: mesh.replicas(),
+            micro_batches: micro,
             no_sync: a.no_sync,
-        };
-        let (theory_inside, theory_across) =
-            bytes_theory(&plan, mesh.shard_size(), mesh.replicas(), traffic);
+        });
+        let (theory_inside, theory_across) = (theory.inside, theory.across);
         let samples_per_s = steps * (a.batch * micro * n) as f64 / worst(4);
         let mut label = match (micro, a.no_sync) {
             (1, _) => strategy.to_string(),
@@ -465,8 +425,8 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         if bf16 {
             label.push_str(" bf16");
         }
-        if a.reduce_dtype != ReduceDtype::Fp32 {
-            label.push_str(&format!(" reduce {}", a.reduce_dtype.name()));
+        if plugin.reduce_dtype != ReduceDtype::Fp32 {
+            label.push_str(&format!(" reduce {}", plugin.reduce_dtype.name()));
         }
         println!(
             "RESULT {}",
@@ -478,7 +438,8 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "kept_unreduced_bytes": worst(6),
                 "activation_checkpointing": checkpointing,
                 "mixed_precision": if bf16 { "bf16" } else { "no" },
-                "reduce_dtype": a.reduce_dtype.name(),
+                "reduce_dtype": plugin.reduce_dtype.name(),
+                "all_gather_dtype": plugin.all_gather_dtype.name(),
                 "recomputed_units_per_step": fsdp.recomputed_units() as f64 / (steps + 1.0),
                 "state_bytes": worst(0),
                 "state_formula_bytes": formula,

@@ -44,6 +44,21 @@ impl LaunchSettings {
     pub fn processes_per_machine(&self) -> usize {
         self.num_processes / self.num_machines.max(1)
     }
+
+    /// The mesh `strategy` makes of the job's processes: (ranks a parameter is sharded over,
+    /// copies of each shard) — every process for FULL_SHARD and SHARD_GRAD_OP, one for
+    /// NO_SHARD, a machine's processes for hybrid sharding.
+    pub fn mesh_shape(&self, strategy: ShardingStrategy) -> (usize, usize) {
+        let n = self.num_processes.max(1);
+        let shard = match strategy {
+            ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => n,
+            ShardingStrategy::NoShard => 1,
+            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
+                self.processes_per_machine().clamp(1, n)
+            }
+        };
+        (shard, n / shard)
+    }
 }
 
 /// The FSDP settings, typed: what the engine is configured with (Accelerate's

@@ -1,0 +1,69 @@
+//! What a training step sends: the bytes one rank puts on the wire per step by the
+//! algorithms' theory, for a plan on a mesh — what `bench memory` checks its byte counters
+//! against and `estimate-memory` reports before a job starts.
+
+use super::plan::UnitPlan;
+use crate::config::ShardingStrategy;
+
+/// What a step's traffic depends on besides the plan.
+#[derive(Debug, Clone, Copy)]
+pub struct StepShape {
+    /// Ranks a parameter is sharded over.
+    pub shard_size: usize,
+    /// Copies of each shard (hybrid sharding's machines, NO_SHARD's ranks).
+    pub replicas: usize,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// The micro-batches before the last run without sync (gradients reduced once a step).
+    pub no_sync: bool,
+}
+
+/// Bytes one rank sends per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepTraffic {
+    /// Inside its shard group (all-gathers and gradient reduce-scatters).
+    pub inside: usize,
+    /// Across replicas (the means of reduced gradients).
+    pub across: usize,
+}
+
+impl UnitPlan {
+    /// Bytes each rank sends per step inside its shard group and across replicas. Inside:
+    /// per unit and micro-batch an all-gather in forward, another before backward when the
+    /// unit was resharded after forward, and a reduction ((S-1) shard blocks each for a
+    /// group of S: a ring reduce-scatter's, or with int8 gradients an all-to-all of as many
+    /// encoded blocks). Across R replicas: each unit's reduced block averaged per reduction
+    /// (a ring all-reduce's 2(R-1)/R of it, or with int8 gradients an all-gather of its
+    /// encoding, R-1 times it); for NO_SHARD the block is the whole unit. Reductions: one per
+    /// micro-batch, or one per step when the earlier micro-batches run without sync.
+    /// Gradients are reduced for the trainable parameters only.
+    pub fn traffic_per_step(&self, shape: StepShape) -> StepTraffic {
+        let (s, r, micro) = (shape.shard_size, shape.replicas, shape.micro_batches);
+        let reductions = if shape.no_sync { 1 } else { micro };
+        let mut traffic = StepTraffic {
+            inside: 0,
+            across: 0,
+        };
+        for u in &self.units {
+            let block = self.reduce_wire_bytes(u);
+            if s > 1 {
+                let regather = matches!(
+                    self.strategy,
+                    ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+                ) && !u.path.is_empty();
+                let gathers = micro * (1 + usize::from(regather));
+                traffic.inside +=
+                    (s - 1) * (self.gather_wire_bytes(u) * gathers + block * reductions);
+            }
+            if r > 1 {
+                traffic.across += reductions
+                    * if self.reduce_int8 {
+                        (r - 1) * block
+                    } else {
+                        2 * (r - 1) * block / r
+                    };
+            }
+        }
+        traffic
+    }
+}
