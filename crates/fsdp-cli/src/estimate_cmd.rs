@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use fsdp::engine::UnitPlan;
+use fsdp::engine::{StepShape, UnitPlan};
 use fsdp::models::{
     BertConfig, BertForSequenceClassification, BertModel, Gpt2Config, Gpt2LmHeadModel, LlamaConfig,
     LlamaForCausalLM,
@@ -107,6 +107,7 @@ pub fn run(args: EstimateArgs) -> Result<()> {
         },
         mib(plan.memory_estimate().total() as u64 + activations)
     );
+    println!("{}", traffic_line(&plan, &config, n));
     println!(
         "units{}:",
         if args.params {
@@ -117,6 +118,41 @@ pub fn run(args: EstimateArgs) -> Result<()> {
     );
     print!("{}", plan.render_units(args.params));
     Ok(())
+}
+
+/// What a rank sends per step of one micro-batch on `n` processes, by the algorithms' theory
+/// (int8 blocks where the config quantizes gathers or reductions).
+fn traffic_line(plan: &UnitPlan, config: &fsdp::config::ResolvedConfig, n: usize) -> String {
+    let launch = fsdp::config::LaunchSettings {
+        num_processes: n,
+        ..config.launch.clone()
+    };
+    let (shard_size, replicas) = launch.mesh_shape(config.fsdp.sharding_strategy);
+    let t = plan.traffic_per_step(StepShape {
+        shard_size,
+        replicas,
+        micro_batches: 1,
+        no_sync: false,
+    });
+    let quantized: Vec<&str> = [
+        (plan.gather_int8, "parameters gathered as int8 blocks"),
+        (plan.reduce_int8, "gradients reduced as int8 blocks"),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .map(|(_, what)| *what)
+    .collect();
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    format!(
+        "communication per step (one micro-batch), sent by each rank: {:.1} MiB inside its shard group of {shard_size}, {:.1} MiB across {replicas} replica(s){}",
+        mib(t.inside),
+        mib(t.across),
+        if quantized.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", quantized.join(", "))
+        }
+    )
 }
 
 /// The sizes the activations' estimate needs, from a transformers `config.json` (BERT's and

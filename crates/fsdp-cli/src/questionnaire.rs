@@ -6,8 +6,8 @@
 
 use anyhow::Result;
 use fsdp::config::{
-    AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, DefaultValue, Key, Layer,
-    MixedPrecision, ShardingStrategy, Source, StateDictType, Value, parse_text,
+    AllGatherDtype, AutoWrapPolicy, BackwardPrefetch, CheckpointFormat, Choice, DefaultValue, Key,
+    Layer, MixedPrecision, ReduceDtype, ShardingStrategy, Source, StateDictType, Value, parse_text,
 };
 
 use crate::prompt::Prompter;
@@ -92,7 +92,7 @@ pub fn ask(p: &mut dyn Prompter) -> Result<Layer> {
     };
     answers.set(Key::DistributedType, text(distributed_type));
     if use_fsdp {
-        ask_fsdp(p, &mut answers, on_cpu)?;
+        ask_fsdp(p, &mut answers, on_cpu, num_machines > 1)?;
     }
 
     if distributed {
@@ -136,12 +136,27 @@ pub fn ask(p: &mut dyn Prompter) -> Result<Layer> {
     Ok(answers.0)
 }
 
-fn ask_fsdp(p: &mut dyn Prompter, answers: &mut Answers, on_cpu: bool) -> Result<()> {
+fn ask_fsdp(
+    p: &mut dyn Prompter,
+    answers: &mut Answers,
+    on_cpu: bool,
+    across_machines: bool,
+) -> Result<()> {
     answers.ask_choice::<ShardingStrategy>(
         p,
         Key::FsdpShardingStrategy,
         "What should be your sharding strategy?",
     )?;
+    // Between machines the link, not the cores, often sets the step time.
+    if across_machines
+        && p.confirm(
+            "Send parameters and gradients as int8 blocks (ZeRO++'s quantized weights and gradients: about a quarter of f32's bytes, for links slower than the machines compute)?",
+            false,
+        )?
+    {
+        answers.set(Key::FsdpAllGatherDtype, text(AllGatherDtype::Int8.name()));
+        answers.set(Key::FsdpReduceDtype, text(ReduceDtype::Int8.name()));
+    }
     // On a CPU the state already lives in host memory: the offload worth asking about is to
     // disk.
     let to_host = !on_cpu

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use fsdp::config::{Layer, ResolvedConfig};
+use fsdp::config::{Choice, Layer, ResolvedConfig};
 
 const GUIDE: &str = include_str!("../../fsdp/tests/data/accelerate_guide_fsdp.yaml");
 
@@ -193,6 +193,37 @@ fn questionnaire_entered_through_writes_what_config_default_writes() {
         );
         assert_eq!(c.fsdp.trace_dir.as_deref(), Some(Path::new("target/trace")));
     }
+}
+
+#[test]
+fn questionnaire_offers_int8_communication_to_jobs_across_machines() {
+    // Multi-CPU on 2 machines (this one rank 0, the main process at 10.1.2.3), FSDP with the
+    // default strategy, then the int8 question; Enter through the rest.
+    let dir = tempfile::tempdir().unwrap();
+    for (answer, gather, reduce) in [("yes", "int8", "int8"), ("", "auto", "fp32")] {
+        let path = dir.path().join(format!("machines{answer}.yaml"));
+        let answers = ["2", "2", "", "10.1.2.3", "", "", "", "", answer];
+        let input = answers.join("\n") + &"\n".repeat(30);
+        let mut cmd = fsdp(dir.path());
+        cmd.args(["config", "--config_file"]).arg(&path);
+        let out = run_with_input(cmd, &input);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(text(&out).contains("as int8 blocks"), "{}", text(&out));
+        let c = resolved(&path);
+        assert_eq!(c.launch.num_machines, 2);
+        assert_eq!(
+            (c.fsdp.all_gather_dtype.name(), c.fsdp.reduce_dtype.name()),
+            (gather, reduce),
+            "answer {answer:?}"
+        );
+    }
+    // One machine is not asked.
+    let mut cmd = fsdp(dir.path());
+    cmd.args(["config", "--config_file"])
+        .arg(dir.path().join("one.yaml"));
+    let out = run_with_input(cmd, &"\n".repeat(40));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!text(&out).contains("as int8 blocks"), "{}", text(&out));
 }
 
 #[test]
@@ -571,6 +602,33 @@ fn estimate_memory_prints_units_and_per_rank_bytes() {
         t.contains("unit 2: bert.encoder.layer.0 (BertLayer)") && t.contains("per rank: params"),
         "{t}"
     );
+    // What a step sends, and with int8 gathers and reductions about a quarter of it.
+    let inside = |t: &str| -> f64 {
+        let line = t
+            .lines()
+            .find(|l| l.starts_with("communication per step"))
+            .unwrap_or_else(|| panic!("no communication line in:\n{t}"));
+        let at = line.find(" MiB inside its shard group of 4").expect(line);
+        line[..at].rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let out = fsdp(dir.path())
+        .args(["estimate-memory", "--num_processes", "4", "--model_config"])
+        .arg(&model)
+        .env("FSDP_ALL_GATHER_DTYPE", "int8")
+        .env("FSDP_REDUCE_DTYPE", "int8")
+        .output()
+        .unwrap();
+    let q = text(&out);
+    assert!(out.status.success(), "{q}");
+    assert!(
+        q.contains("(parameters gathered as int8 blocks, gradients reduced as int8 blocks)"),
+        "{q}"
+    );
+    let ratio = inside(&q) / inside(&t);
+    assert!(
+        (0.24..0.32).contains(&ratio),
+        "int8 / f32 bytes {ratio}:\n{t}\n{q}"
+    );
     let out = fsdp(dir.path())
         .args(["estimate-memory", "--model_config"])
         .arg(&model)
@@ -610,7 +668,8 @@ fn estimate_memory_covers_llama_configs() {
         );
         assert!(t.contains("(LlamaDecoderLayer)"), "{t}");
         // The summary first: the model and its units, the state per rank, the activations
-        // (estimated, saying how); one line per unit after it, no parameter rows.
+        // (estimated, saying how), what a step sends; one line per unit after it, no
+        // parameter rows.
         let lines: Vec<&str> = t.lines().collect();
         assert!(
             lines[0].starts_with("LlamaForCausalLM: 8030261248 parameters; 33 unit(s)"),
@@ -623,7 +682,14 @@ fn estimate_memory_covers_llama_configs() {
                 && lines[2].contains("upper estimate"),
             "{t}"
         );
-        assert_eq!(lines.len(), 4 + 33, "{t}");
+        assert!(
+            lines[3].starts_with("communication per step (one micro-batch), sent by each rank: ")
+                && lines[3].contains(&format!(
+                    " MiB inside its shard group of {n}, 0.0 MiB across 1 replica(s)"
+                )),
+            "{t}"
+        );
+        assert_eq!(lines.len(), 5 + 33, "{t}");
         per_rank.push(
             t.lines()
                 .find(|l| l.contains("per rank: params"))
