@@ -39,7 +39,8 @@ fn field(r: &serde_json::Value, k: &str) -> f64 {
     r[k].as_f64().unwrap()
 }
 
-/// Bytes sent inside shard groups and across replicas equal the ring algorithms' theory.
+/// Bytes sent inside shard groups, across replicas and inside secondary groups equal the
+/// algorithms' theory.
 fn assert_traffic(r: &serde_json::Value) {
     for (sent, theory) in [
         ("bytes_sent_per_step", "bytes_theory_per_step"),
@@ -47,6 +48,7 @@ fn assert_traffic(r: &serde_json::Value) {
             "bytes_across_replicas_per_step",
             "bytes_across_replicas_theory",
         ),
+        ("bytes_secondary_per_step", "bytes_secondary_theory"),
     ] {
         let (s, t) = (field(r, sent), field(r, theory));
         assert!(
@@ -110,6 +112,46 @@ fn int8_gathers_and_reductions_send_their_share_of_a_full_shard_step() {
     assert!(
         (0.24..0.28).contains(&both),
         "int8 both ways / f32 bytes {both}"
+    );
+}
+
+/// `fsdp_hpz_partition_size: 2` on 4 processes (ZeRO++'s hpZ): backward's gathers leave the
+/// shard group for the secondary group of 2, each rank sending its half of the gathered
+/// block once: the shard group carries a third less (one gather, one reduce-scatter of
+/// the f32 step's three), the secondary group the rest, as the theory counts.
+#[test]
+fn a_secondary_partition_moves_backwards_gathers_into_its_group() {
+    let args = [
+        "--steps",
+        "2",
+        "--num_processes",
+        "4",
+        "--strategies",
+        "FULL_SHARD",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--vocab",
+        "512",
+        "--hidden",
+        "128",
+        "--layers",
+        "2",
+    ];
+    let run = |hpz: &str| {
+        let doc = common::bench_json_env("memory", &args, &[("FSDP_HPZ_PARTITION_SIZE", hpz)]);
+        doc["results"][0].clone()
+    };
+    let (plain, hpz) = (run("0"), run("2"));
+    assert_traffic(&plain);
+    assert_traffic(&hpz);
+    assert_eq!(field(&plain, "bytes_secondary_per_step"), 0.0);
+    assert!(field(&hpz, "bytes_secondary_per_step") > 0.0, "{hpz}");
+    let ratio = field(&hpz, "bytes_sent_per_step") / field(&plain, "bytes_sent_per_step");
+    assert!(
+        (0.66..0.8).contains(&ratio),
+        "shard group's bytes with hpZ / without: {ratio}"
     );
 }
 

@@ -111,6 +111,15 @@ impl Buffer {
         T::slice_of(self)
     }
 
+    /// A copy of the host elements in `range` (out-of-range ends clamped), `None` for a
+    /// device buffer.
+    pub fn copy_range(&self, range: std::ops::Range<usize>) -> Option<Buffer> {
+        with_host_vec!(self, v => {
+            let end = range.end.min(v.len());
+            Some(Buffer::from(v[range.start.min(end)..end].to_vec()))
+        }, cuda => None)
+    }
+
     /// The host elements as `T`, writable, if the buffer holds that type.
     pub fn as_mut_slice<T: BufferElement>(&mut self) -> Option<&mut [T]> {
         T::slice_of_mut(self)

@@ -16,6 +16,9 @@ pub struct Mesh {
     pub shard: Arc<dyn Communicator>,
     /// The ranks holding the same part (replicas), when there is more than one.
     pub replicate: Option<Arc<dyn Communicator>>,
+    /// A group of consecutive ranks of `shard` (a machine's processes) that backward gathers
+    /// from when each keeps a secondary partition (ZeRO++'s hpZ).
+    pub secondary: Option<Arc<dyn Communicator>>,
 }
 
 impl Mesh {
@@ -24,6 +27,7 @@ impl Mesh {
         Mesh {
             shard: group,
             replicate: None,
+            secondary: None,
         }
     }
 
@@ -33,6 +37,7 @@ impl Mesh {
         Mesh {
             shard: Arc::new(SingleRank::new(group.global_rank())),
             replicate: Some(group),
+            secondary: None,
         }
     }
 
@@ -43,7 +48,17 @@ impl Mesh {
         Ok(Mesh {
             shard,
             replicate: Some(replicate),
+            secondary: None,
         })
+    }
+
+    /// This mesh with a secondary group: the `size` consecutive ranks of the shard group
+    /// this rank belongs to (ZeRO++'s hpZ partition). Every rank of the shard group must
+    /// call it.
+    pub fn with_secondary(mut self, size: usize) -> Result<Mesh> {
+        let (secondary, _) = self.shard.split_2d(size)?;
+        self.secondary = Some(secondary);
+        Ok(self)
     }
 
     /// Ranks a parameter is split over.
@@ -110,6 +125,11 @@ impl Mesh {
             None => buf,
         };
         self.shard.broadcast(buf, 0).wait()
+    }
+
+    /// Payload bytes this rank has sent inside its secondary group.
+    pub fn secondary_bytes_sent(&self) -> u64 {
+        self.secondary.as_ref().map_or(0, |s| s.bytes_sent())
     }
 
     /// Payload bytes this rank has sent over both dimensions.

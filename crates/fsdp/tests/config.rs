@@ -101,6 +101,9 @@ fn enum_numbers_and_case_are_accepted() {
         let v = fsdp::config::parse_text(Key::FsdpShardingStrategy.spec(), &n.to_string()).unwrap();
         assert_eq!(v, Value::Text(strategy.to_string()));
     }
+    // DeepSpeed's name for ZeRO++'s secondary partition is accepted.
+    let config = resolve_file("fsdp_config:\n  zero_hpz_partition_size: 2\n").unwrap();
+    assert_eq!(config.fsdp.hpz_partition_size, 2);
 }
 
 #[allow(non_snake_case)]

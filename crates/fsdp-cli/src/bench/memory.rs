@@ -334,10 +334,14 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         lr: 1e-4,
         ..Default::default()
     })?;
-    let bytes_sent = |f: &Fsdp| f.mesh().bytes_sent();
+    let bytes_sent = |f: &Fsdp| {
+        let (inside, across) = f.mesh().bytes_sent();
+        (inside, across, f.mesh().secondary_bytes_sent())
+    };
     let mut rng = fsdp::rng::XorShift64::new(fsdp::rng::GOLDEN_GAMMA ^ rank as u64);
     let mut next = move || rng.next_u64();
     let (mut state, mut peak_above, mut sent, mut sent_across) = (0usize, 0usize, 0u64, 0u64);
+    let mut sent_secondary = 0u64;
     let micro = a.accumulation.max(1);
     // Bytes of whole gradients held between micro-batches without sync.
     let mut kept = 0usize;
@@ -383,9 +387,10 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             phases[2] += backward_done.elapsed().as_secs_f64();
             peak_above = peak_above.max(peak.saturating_sub(at_step));
             state = state.max(at_step.saturating_sub(base));
-            let (inside, across) = bytes_sent(&fsdp);
+            let (inside, across, secondary) = bytes_sent(&fsdp);
             sent += inside - sent_before.0;
             sent_across += across - sent_before.1;
+            sent_secondary += secondary - sent_before.2;
         }
     }
     let steps = a.steps.max(1) as f64;
@@ -398,11 +403,14 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         timed,
         sent_across as f64 / steps,
         kept as f64,
+        sent_secondary as f64 / steps,
     ];
     let per_step_ms = phases.map(|s| s / steps * 1e3);
+    let mine_len = mine.len();
     let all = fsdp.mesh().all_gather_vec(mine)?;
     if rank == 0 {
-        let worst = |k: usize| (0..n).map(|r| all[r * 7 + k]).fold(0f64, f64::max);
+        let metrics = mine_len;
+        let worst = |k: usize| (0..n).map(|r| all[r * metrics + k]).fold(0f64, f64::max);
         let mesh = fsdp.mesh();
         let bf16 = a.mixed_precision == Toggle::On;
         let theory = plan.traffic_per_step(StepShape {
@@ -428,6 +436,9 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         if plugin.reduce_dtype != ReduceDtype::Fp32 {
             label.push_str(&format!(" reduce {}", plugin.reduce_dtype.name()));
         }
+        if plan.secondary_partition > 1 {
+            label.push_str(&format!(" hpz {}", plan.secondary_partition));
+        }
         println!(
             "RESULT {}",
             serde_json::json!({
@@ -448,6 +459,9 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "bytes_sent_per_step": worst(2),
                 "bytes_theory_per_step": theory_inside,
                 "bytes_across_replicas_per_step": worst(5),
+                "bytes_secondary_per_step": worst(7),
+                "bytes_secondary_theory": theory.secondary,
+                "hpz_partition_size": plan.secondary_partition,
                 "bytes_across_replicas_theory": theory_across,
                 "shard_group_size": mesh.shard_size(),
                 "replicas": mesh.replicas(),

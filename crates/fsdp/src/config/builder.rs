@@ -81,6 +81,8 @@ impl FsdpPluginBuilder {
         /// `fsdp_all_gather_dtype`: what parameters are gathered in (the compute dtype
         /// unless `int8`).
         all_gather_dtype(AllGatherDtype) => FsdpAllGatherDtype, choice;
+        /// `fsdp_hpz_partition_size`: ranks backward gathers from (ZeRO++'s hpZ; 0 for none).
+        hpz_partition_size(u64) => FsdpHpzPartitionSize, Value::UInt;
         /// `debug`: check FSDP state transitions, poison released parameters.
         debug(bool) => Debug, Value::Bool;
     }

@@ -108,6 +108,9 @@ pub struct FsdpPlugin {
     pub reduce_dtype: ReduceDtype,
     /// What parameters are all-gathered in.
     pub all_gather_dtype: AllGatherDtype,
+    /// Ranks of the secondary partition backward gathers from (`fsdp_hpz_partition_size`,
+    /// ZeRO++'s hpZ: 0 or 1 for none).
+    pub hpz_partition_size: usize,
     /// Check FSDP state transitions and poison released parameters (the `debug` key).
     pub debug: bool,
 }
@@ -341,6 +344,7 @@ impl View<'_> {
             mixed_precision: self.choice(Key::MixedPrecision),
             reduce_dtype: self.choice(Key::FsdpReduceDtype),
             all_gather_dtype: self.choice(Key::FsdpAllGatherDtype),
+            hpz_partition_size: self.uint(Key::FsdpHpzPartitionSize).unwrap_or(0) as usize,
             debug: self.flag(Key::Debug),
         };
         (plugin, errors)

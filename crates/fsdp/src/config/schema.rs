@@ -242,6 +242,9 @@ key_table! {
     FsdpAllGatherDtype: "fsdp_all_gather_dtype", Fsdp, Kind::Choice(AllGatherDtype::NAMES),
         D::Text("auto"), Some("FSDP_ALL_GATHER_DTYPE"), &[], Used,
         "dtype parameters are all-gathered in: auto (the compute dtype) or int8 (blocks of 512 with an f32 scale each, dequantized into the compute dtype; ZeRO++'s quantized weights; fsdp-rs)";
+    FsdpHpzPartitionSize: "fsdp_hpz_partition_size", Fsdp, NON_NEGATIVE, D::UInt(0),
+        Some("FSDP_HPZ_PARTITION_SIZE"), &["zero_hpz_partition_size"], Used,
+        "ZeRO++'s secondary partition (hpZ): after forward's all-gather each rank keeps 1/N of every gathered unit, so backward gathers it again from the N consecutive ranks of its group only (a machine's processes); 0 or 1 for none (fsdp-rs)";
     FsdpCommBackend: "fsdp_comm_backend", Fsdp, Kind::Choice(fsdp_comm::BackendChoice::NAMES),
         D::Text("auto"), Some("FSDP_COMM_BACKEND"), &[], Used,
         "engine carrying collectives: auto (shared memory on one host, MPI across hosts under mpirun, else TCP), shm, tcp, mpi (fsdp-rs)";

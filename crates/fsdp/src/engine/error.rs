@@ -154,6 +154,16 @@ pub enum EngineError {
         /// The operation (`step`, `clip_grad_norm`, `unscale`).
         op: &'static str,
     },
+    /// A setting that cannot work with the rest of the configuration or the job.
+    #[error("`{key}: {value}` {reason}")]
+    Setting {
+        /// The configuration key.
+        key: &'static str,
+        /// Its value.
+        value: String,
+        /// Why it cannot work, and what to do instead.
+        reason: String,
+    },
     /// A configured feature this engine does not provide yet: refused rather than ignored.
     #[error("{setting} is not supported by the FSDP engine yet; {hint}")]
     Unsupported {

@@ -151,6 +151,7 @@ impl Fsdp {
         mesh: Mesh,
     ) -> Result<Fsdp, EngineError> {
         let dtypes = CommDtypes::for_plugin(plugin);
+        let mesh = super::secondary::attach(plugin, mesh)?;
         crate::memory::retain_freed_memory();
         let plan = UnitPlan::build(model, plugin, default_wrap, mesh.shard_size())?;
         super::sparse_rows::refuse_hybrid(&plan, &mesh)?;

@@ -32,6 +32,7 @@ mod plan;
 mod plan_memory;
 mod plan_text;
 mod plan_traffic;
+mod secondary;
 mod sparse_rows;
 mod staged_plane;
 mod state_by_name;

@@ -197,6 +197,9 @@ pub struct UnitPlan {
     pub gather_int8: bool,
     /// Gradients travel as int8 blocks (`fsdp_reduce_dtype: int8`).
     pub reduce_int8: bool,
+    /// Ranks of the secondary group backward gathers resharded units from (ZeRO++'s hpZ,
+    /// `fsdp_hpz_partition_size`); 1 for none.
+    pub secondary_partition: usize,
     /// What lives in the disk tier (`fsdp_offload_dir`).
     pub disk: DiskOffload,
 }
@@ -468,6 +471,12 @@ impl UnitPlan {
             },
             gather_int8: plugin.all_gather_dtype == crate::config::AllGatherDtype::Int8,
             reduce_int8: plugin.reduce_dtype == ReduceDtype::Int8,
+            secondary_partition: match plugin.sharding_strategy {
+                ShardingStrategy::FullShard | ShardingStrategy::HybridShard => {
+                    plugin.hpz_partition_size.max(1)
+                }
+                _ => 1,
+            },
             disk: DiskOffload {
                 params: plugin.offload_dir.is_some() && plugin.offload_params,
                 optimizer: plugin.offload_dir.is_some()

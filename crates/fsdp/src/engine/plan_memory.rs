@@ -22,6 +22,9 @@ pub struct MemoryEstimate {
     /// (the reduced block being written, the one waiting for the next reduction, the next
     /// unit's shards read ahead).
     pub reducing: usize,
+    /// The secondary partition (ZeRO++'s hpZ): each resharded unit's share of its gathered
+    /// block, kept from its forward to its backward.
+    pub secondary: usize,
     /// Memory the optimizer step streams offloaded state through: two units' blocks (the
     /// one in use and the one read ahead, the two largest) of each offloaded kind.
     pub streaming: usize,
@@ -33,7 +36,7 @@ impl MemoryEstimate {
     /// Peak memory: the state kept in memory plus the larger of backward's peak (gathered
     /// parameters and transient gradients) and the optimizer step's streaming buffers.
     pub fn total(&self) -> usize {
-        let backward = self.gathered_peak + self.reducing;
+        let backward = self.gathered_peak + self.reducing + self.secondary;
         self.params + self.grads + self.optimizer + backward.max(self.streaming)
     }
 }
@@ -101,11 +104,24 @@ impl UnitPlan {
             reducing: largest_unit * (f + self.reduce_bytes)
                 + usize::from(self.reduce_int8) * super::int8_blocks::encoded_len(&[largest_unit])
                 + offloaded_grads,
+            secondary: self.secondary_bytes(),
             streaming: kinds * two_blocks * f,
             disk: (usize::from(on_disk_params) * (shard + trainable_shard + ignored_trainable)
                 + usize::from(on_disk_state) * 2 * (trainable_shard + ignored_trainable))
                 * f,
         }
+    }
+
+    /// Bytes of the secondary partition: every unit released after forward keeps
+    /// 1/`secondary_partition` of its gathered block (as it crossed the wire).
+    pub fn secondary_bytes(&self) -> usize {
+        if self.secondary_partition < 2 || self.group_size < 2 {
+            return 0;
+        }
+        let resharded = self.units.iter().filter(|u| u.reshard_after_forward);
+        resharded
+            .map(|u| self.gather_wire_bytes(u) * self.group_size / self.secondary_partition)
+            .sum()
     }
 
     /// Elements of the (non-root) units kept gathered from forward to backward.

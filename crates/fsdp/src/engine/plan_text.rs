@@ -27,6 +27,13 @@ impl UnitPlan {
                 mib(kept)
             );
         }
+        if m.secondary > 0 {
+            let _ = write!(
+                out,
+                ", secondary partition {:.1} MiB (fsdp_hpz_partition_size)",
+                mib(m.secondary)
+            );
+        }
         if m.disk > 0 {
             let _ = write!(out, ", offload buffers {:.1} MiB", mib(m.streaming));
         }

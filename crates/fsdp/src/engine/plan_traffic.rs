@@ -25,13 +25,16 @@ pub struct StepTraffic {
     pub inside: usize,
     /// Across replicas (the means of reduced gradients).
     pub across: usize,
+    /// Inside its secondary group (ZeRO++'s hpZ: backward's gathers of resharded units).
+    pub secondary: usize,
 }
 
 impl UnitPlan {
     /// Bytes each rank sends per step inside its shard group and across replicas. Inside:
     /// per unit and micro-batch an all-gather in forward, another before backward when the
-    /// unit was resharded after forward, and a reduction ((S-1) shard blocks each for a
-    /// group of S: a ring reduce-scatter's, or with int8 gradients an all-to-all of as many
+    /// unit was resharded after forward (from the secondary group of H ranks when there is
+    /// one: H-1 shares of the gathered block's 1/H), and a reduction ((S-1) shard blocks
+    /// each for a group of S: a ring reduce-scatter's, or with int8 gradients an all-to-all of as many
     /// encoded blocks). Across R replicas: each unit's reduced block averaged per reduction
     /// (a ring all-reduce's 2(R-1)/R of it, or with int8 gradients an all-gather of its
     /// encoding, R-1 times it); for NO_SHARD the block is the whole unit. Reductions: one per
@@ -43,7 +46,9 @@ impl UnitPlan {
         let mut traffic = StepTraffic {
             inside: 0,
             across: 0,
+            secondary: 0,
         };
+        let h = self.secondary_partition;
         for u in &self.units {
             let block = self.reduce_wire_bytes(u);
             if s > 1 {
@@ -51,9 +56,14 @@ impl UnitPlan {
                     self.strategy,
                     ShardingStrategy::FullShard | ShardingStrategy::HybridShard
                 ) && !u.path.is_empty();
-                let gathers = micro * (1 + usize::from(regather));
-                traffic.inside +=
-                    (s - 1) * (self.gather_wire_bytes(u) * gathers + block * reductions);
+                let wire = self.gather_wire_bytes(u);
+                traffic.inside += (s - 1) * (wire * micro + block * reductions);
+                if regather && h > 1 {
+                    // Each rank sends its share (the gathered block's 1/h) to h - 1 peers.
+                    traffic.secondary += micro * (h - 1) * (s * wire / h);
+                } else if regather {
+                    traffic.inside += micro * (s - 1) * wire;
+                }
             }
             if r > 1 {
                 traffic.across += reductions

@@ -70,6 +70,9 @@ pub(crate) struct UnitRun {
     sharded: ShardedState,
     /// A gather in flight (issued by the unit itself or by a prefetch), and when it was.
     gather: Option<(Work<Buffer>, Instant)>,
+    /// With a secondary partition (hpZ): this rank's share of forward's gathered block, which
+    /// backward gathers from the mesh's secondary group instead of the shard group.
+    secondary: Option<Buffer>,
     /// When the unit's forward and backward began (for the trace).
     forward_began: Option<Instant>,
     backward_began: Option<Instant>,
@@ -97,6 +100,7 @@ impl UnitRun {
             training: TrainingState::Idle,
             sharded: ShardedState::Sharded,
             gather: None,
+            secondary: None,
             forward_began: None,
             backward_began: None,
             anchor: None,
@@ -189,9 +193,16 @@ impl UnitRun {
     /// Issues the unit's all-gather unless one is in flight (also the prefetch entry).
     pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
         if self.gather.is_none() && self.unit.ranks(cx.mesh.shard_size()) > 1 {
-            let block = self.unit.master_block()?;
-            let runs = self.unit.param_runs();
-            let work = collectives::all_gather(cx.mesh, block, &runs, cx.dtypes)?;
+            // Backward's gather of a unit released after forward, from the secondary group.
+            let released = self.sharded == ShardedState::ReleasedAfterForward;
+            let work = match (self.secondary.take(), &cx.mesh.secondary) {
+                (Some(share), Some(group)) if released => group.all_gather(share),
+                _ => {
+                    let block = self.unit.master_block()?;
+                    let runs = self.unit.param_runs();
+                    collectives::all_gather(cx.mesh, block, &runs, cx.dtypes)?
+                }
+            };
             self.gather = Some((work, Instant::now()));
         }
         Ok(())
@@ -220,8 +231,14 @@ impl UnitRun {
     }
 
     /// The gathered block (waits for the gather in flight, issuing it first if needed);
-    /// `None` when the shard dimension is this rank alone.
-    fn gathered(&mut self, cx: &RunContext, when: &str) -> Result<Option<Buffer>, EngineError> {
+    /// `None` when the shard dimension is this rank alone. With `keep`, this rank's share of
+    /// it stays for backward's gather from the secondary group.
+    fn gathered(
+        &mut self,
+        cx: &RunContext,
+        when: &str,
+        keep: bool,
+    ) -> Result<Option<Buffer>, EngineError> {
         self.unshard(cx)?;
         let Some((work, issued)) = self.gather.take() else {
             return Ok(None);
@@ -240,6 +257,9 @@ impl UnitRun {
             let unit = self.unit.trace_label();
             let ran = ran.unwrap_or((issued, Instant::now()));
             t.collective("all-gather", "all_gather", unit, ran, waited, args);
+        }
+        if let (true, Some(group)) = (keep, &cx.mesh.secondary) {
+            self.secondary = super::secondary::share(&gathered, group.as_ref());
         }
         if cx.dtypes.gather_int8 {
             let (ranks, runs) = (
@@ -263,7 +283,8 @@ impl UnitRun {
         step: Weak<dyn StepHooks>,
         index: usize,
     ) -> Result<(), EngineError> {
-        let gathered = self.gathered(cx, "before its forward")?;
+        let keep = cx.train && self.unit.reshard_after_forward && cx.mesh.secondary.is_some();
+        let gathered = self.gathered(cx, "before its forward", keep)?;
         let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
         let anchor = Var::zeros(1, candle_core::DType::F32, cx.device)?;
         let whole = match gathered {
@@ -394,8 +415,9 @@ impl UnitRun {
         if self.sharded != ShardedState::ReleasedAfterForward {
             return Ok(false);
         }
-        let gathered = self.gathered(cx, "before its backward")?.ok_or_else(|| {
-            EngineError::ReadOutsideUnit {
+        let gathered = self
+            .gathered(cx, "before its backward", false)?
+            .ok_or_else(|| EngineError::ReadOutsideUnit {
                 param: self
                     .unit
                     .params
@@ -403,8 +425,7 @@ impl UnitRun {
                     .map_or(String::new(), |p| p.layout.name.clone()),
                 unit: self.unit.name(),
                 state: "released while whole on this rank",
-            }
-        })?;
+            })?;
         let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
         for (f, p) in self.full.iter().zip(&self.unit.params) {
             cx.plane.refill(f, &p.layout, &gathered, block, ranks)?;
@@ -480,6 +501,7 @@ impl UnitRun {
                 source,
             })?;
         }
+        self.secondary = None;
         self.full.clear();
         self.outputs.clear();
         self.anchor = None;

@@ -67,6 +67,8 @@ struct RankResult {
     params: BTreeMap<String, (Range<usize>, Vec<f32>)>,
     state: BTreeMap<String, (Range<usize>, ParamState)>,
     full: Option<BTreeMap<String, Tensor>>,
+    /// Bytes sent inside the mesh's secondary group (hpZ's backward gathers).
+    secondary_bytes: u64,
 }
 
 /// Rows of every parameter, by name, as `(rows, values)` parts from several ranks.
@@ -90,13 +92,16 @@ fn run(world: usize, start: usize, steps: usize, resume: Option<Resume>) -> Vec<
 }
 
 /// Where a run computes, whether in debug mode (released parameters poisoned with NaN),
-/// what parameters are gathered in and what gradients are reduced in.
+/// what parameters are gathered in, what gradients are reduced in, and the secondary
+/// partition's size.
 #[derive(Clone)]
 struct Compute {
     device: Device,
     debug: bool,
     gather: AllGatherDtype,
     reduce: ReduceDtype,
+    /// `fsdp_hpz_partition_size` (0: none).
+    hpz: u64,
 }
 
 impl Compute {
@@ -106,6 +111,7 @@ impl Compute {
             debug: true,
             gather: AllGatherDtype::Auto,
             reduce: ReduceDtype::Fp32,
+            hpz: 0,
         }
     }
 }
@@ -150,6 +156,7 @@ fn run_with(
                     .debug(compute.debug)
                     .all_gather_dtype(compute.gather)
                     .reduce_dtype(compute.reduce)
+                    .hpz_partition_size(compute.hpz)
                     .resolve(&layout, None)
                     .unwrap()
                     .fsdp;
@@ -228,6 +235,7 @@ fn run_with(
                     params,
                     state,
                     full,
+                    secondary_bytes: engine.mesh().secondary_bytes_sent(),
                 }
             })
         })

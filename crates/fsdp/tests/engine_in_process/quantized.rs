@@ -1,5 +1,6 @@
-//! Quantized communication (ZeRO++'s int8 weights and gradients) on the in-process
-//! communicator: training stays within the rounding of the full-precision run.
+//! ZeRO++'s communication on the in-process communicator: with int8 weights and gradients
+//! training stays within the rounding of the full-precision run; with a secondary partition
+//! (hpZ) it is the same run, bit for bit.
 
 use fsdp::config::{AllGatherDtype, ReduceDtype, ShardingStrategy};
 
@@ -127,5 +128,91 @@ fn an_int8_reduction_trains_as_the_f32_reduction_within_its_rounding() {
                 );
             }
         }
+    }
+}
+
+/// `fsdp_hpz_partition_size` (ZeRO++'s hpZ): backward gathers each unit from the secondary
+/// group of 2 consecutive ranks, out of the share each kept after forward's gather; since
+/// that share is forward's gathered block, training is the same run bit for bit — with f32
+/// and int8 gathers, FULL_SHARD on 4 ranks and HYBRID_SHARD on 2 machines of 4 — and the
+/// secondary group carries backward's gathers (bytes sent there, none without it).
+#[test]
+fn a_secondary_partition_trains_the_same_run() {
+    const STEPS: usize = 4;
+    let cases = [
+        (ShardingStrategy::FullShard, 4, None, AllGatherDtype::Auto),
+        (ShardingStrategy::FullShard, 4, None, AllGatherDtype::Int8),
+        (
+            ShardingStrategy::HybridShard,
+            8,
+            Some(4),
+            AllGatherDtype::Int8,
+        ),
+    ];
+    for (strategy, world, hybrid, gather) in cases {
+        let plain = Compute {
+            gather,
+            ..Compute::cpu()
+        };
+        let hpz = Compute {
+            hpz: 2,
+            ..plain.clone()
+        };
+        let want = run_with(world, 0, STEPS, None, strategy, hybrid, plain);
+        let got = run_with(world, 0, STEPS, None, strategy, hybrid, hpz);
+        let what = format!("{strategy} on {world} ranks, gathers {gather:?}");
+        assert_eq!(losses(&got), losses(&want), "{what}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.params, w.params, "{what}");
+            assert_eq!(w.secondary_bytes, 0, "{what}");
+            assert!(
+                g.secondary_bytes > 0,
+                "{what}: nothing gathered from the secondary group"
+            );
+        }
+    }
+}
+
+/// A secondary partition that cannot work is refused naming the key, before any collective:
+/// under a strategy that never gathers again in backward, or of a size that does not divide
+/// the shard group.
+#[test]
+fn a_secondary_partition_that_cannot_work_is_refused() {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device};
+    use fsdp::config::FsdpPlugin;
+    use fsdp::engine::Fsdp;
+    use fsdp::nn::{LocalParams, Module};
+    use fsdp_comm::{Communicator, LocalGroup};
+
+    let m = super::model();
+    let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+    for (strategy, size, says) in [
+        (
+            ShardingStrategy::ShardGradOp,
+            2,
+            "use FULL_SHARD or HYBRID_SHARD",
+        ),
+        (
+            ShardingStrategy::FullShard,
+            3,
+            "does not divide the 4 ranks",
+        ),
+    ] {
+        let plugin = FsdpPlugin::builder()
+            .sharding_strategy(strategy)
+            .hpz_partition_size(size)
+            .build()
+            .unwrap();
+        let group: Arc<dyn Communicator> = Arc::new(LocalGroup::create(4).remove(0));
+        let e = Fsdp::wrap(&m, &init.tensors(), &plugin, group)
+            .err()
+            .unwrap();
+        let e = e.to_string();
+        assert!(
+            e.contains(&format!("`fsdp_hpz_partition_size: {size}`")) && e.contains(says),
+            "{e}"
+        );
     }
 }
