@@ -58,18 +58,14 @@ fn assert_traffic(r: &serde_json::Value) {
     }
 }
 
-/// `fsdp_all_gather_dtype: int8` (from the environment, as `fsdp launch` passes it) and
-/// `fsdp_reduce_dtype: int8`: FULL_SHARD on 2 ranks sends what the theory counts with int8
-/// blocks — with int8 gathers half of the f32 step's bytes (two gathers of a quarter the
-/// bytes, one f32 reduce-scatter: (2 x 1.01 + 4) / 12), with int8 reductions three quarters
-/// ((2 x 4 + 1.01) / 12), with both a quarter (measured 0.504, 0.748, 0.252).
-#[test]
-fn int8_gathers_and_reductions_send_their_share_of_a_full_shard_step() {
-    let args = [
+/// `bench memory`'s arguments for 2 FULL_SHARD steps of a 2-layer BERT of `hidden` on
+/// `processes` processes.
+fn small_full_shard(processes: &'static str, hidden: &'static str) -> [&'static str; 16] {
+    [
         "--steps",
         "2",
         "--num_processes",
-        "2",
+        processes,
         "--strategies",
         "FULL_SHARD",
         "--batch",
@@ -79,10 +75,20 @@ fn int8_gathers_and_reductions_send_their_share_of_a_full_shard_step() {
         "--vocab",
         "512",
         "--hidden",
-        "256",
+        hidden,
         "--layers",
         "2",
-    ];
+    ]
+}
+
+/// `fsdp_all_gather_dtype: int8` (from the environment, as `fsdp launch` passes it) and
+/// `fsdp_reduce_dtype: int8`: FULL_SHARD on 2 ranks sends what the theory counts with int8
+/// blocks — with int8 gathers half of the f32 step's bytes (two gathers of a quarter the
+/// bytes, one f32 reduce-scatter: (2 x 1.01 + 4) / 12), with int8 reductions three quarters
+/// ((2 x 4 + 1.01) / 12), with both a quarter (measured 0.504, 0.748, 0.252).
+#[test]
+fn int8_gathers_and_reductions_send_their_share_of_a_full_shard_step() {
+    let args = small_full_shard("2", "256");
     let run = |gather: &str, reduce: &str| {
         let args: Vec<&str> = args
             .iter()
@@ -121,24 +127,7 @@ fn int8_gathers_and_reductions_send_their_share_of_a_full_shard_step() {
 /// the f32 step's three), the secondary group the rest, as the theory counts.
 #[test]
 fn a_secondary_partition_moves_backwards_gathers_into_its_group() {
-    let args = [
-        "--steps",
-        "2",
-        "--num_processes",
-        "4",
-        "--strategies",
-        "FULL_SHARD",
-        "--batch",
-        "1",
-        "--seq",
-        "8",
-        "--vocab",
-        "512",
-        "--hidden",
-        "128",
-        "--layers",
-        "2",
-    ];
+    let args = small_full_shard("4", "128");
     let run = |hpz: &str| {
         let doc = common::bench_json_env("memory", &args, &[("FSDP_HPZ_PARTITION_SIZE", hpz)]);
         doc["results"][0].clone()

@@ -101,7 +101,7 @@ pub(crate) struct PendingReduce {
     /// issued).
     replicate: Option<Arc<dyn Communicator>>,
     /// The runs of a rank's gradient block when means travel as int8 blocks
-    /// ([`mean_over`]).
+    /// ([`mean`]).
     int8: Option<Arc<[usize]>>,
     /// When the reduce-scatter ran, once the replicas' mean has replaced it in `scatter`.
     scattered: Option<(Instant, Instant)>,
@@ -137,7 +137,7 @@ impl PendingReduce {
         self.scatter = match scatter.wait_timed() {
             Ok((out, ran)) => {
                 self.scattered = Some(ran.unwrap_or((self.issued, Instant::now())));
-                mean_over(r.as_ref(), out, self.int8.clone()).0
+                mean(r.as_ref(), out, self.int8.clone(), Spread::Whole).0
             }
             Err(e) => Work::ready(Err(e)),
         };
@@ -200,17 +200,17 @@ pub(crate) fn reduce(
         // Nothing to scatter: the replicas' mean starts now, while backward goes on, instead
         // of when the step waits for it.
         (1, Some(r)) => (
-            mean_over(r.as_ref(), packed, int8.clone()),
+            mean(r.as_ref(), packed, int8.clone(), Spread::Whole),
             "all-reduce",
             None,
         ),
         _ if kind.is_replicated() => (
-            mean_over(mesh.shard.as_ref(), packed, int8.clone()),
+            mean(mesh.shard.as_ref(), packed, int8.clone(), Spread::Whole),
             "all-reduce",
             mesh.replicate.clone(),
         ),
         _ => (
-            scatter_mean(mesh.shard.as_ref(), packed, int8.clone()),
+            mean(mesh.shard.as_ref(), packed, int8.clone(), Spread::Parts),
             "reduce-scatter",
             mesh.replicate.clone(),
         ),
@@ -227,57 +227,48 @@ pub(crate) fn reduce(
     })
 }
 
-/// The group's mean of `values` on every member, and the bytes this member sends for it: an
-/// all-reduce, or with `int8` (the runs of `values`) an all-gather of every member's int8
-/// blocks, which each member dequantizes and sums in f32 in rank order (so every member
-/// holds the same values).
-fn mean_over(
-    group: &dyn Communicator,
-    values: Buffer,
-    int8: Option<Arc<[usize]>>,
-) -> (Work<Buffer>, usize) {
-    let Some(runs) = int8 else {
-        let bytes = values.len() * values.dtype().size();
-        return (group.all_reduce(values, ReduceOp::Avg), bytes);
-    };
-    let encoded = match values.as_slice::<f32>() {
-        Some(v) => int8_blocks::encode(v, &runs),
-        None => return (not_f32(group, &values), 0),
-    };
-    let bytes = encoded.len();
-    let (rank, n) = (group.global_rank(), group.size());
-    let work = group
-        .all_gather(Buffer::U8(encoded))
-        .map(move |all| summed(rank, &all, &runs, n));
-    (work, bytes)
+/// Where a group's mean goes: whole to every member, or a part (of `size`) to each.
+#[derive(Clone, Copy)]
+enum Spread {
+    Whole,
+    Parts,
 }
 
-/// This member's part of the group's mean of `values` (`size` parts), and the bytes it
-/// sends for it: a reduce-scatter, or with `int8` (the runs of a part) an all-to-all of
-/// int8 parts, which each member dequantizes and sums in f32 (ZeRO++'s quantized gradients:
-/// the sum is never formed in low precision).
-fn scatter_mean(
+/// The group's mean of `values` spread as `spread` says, and the bytes this member sends
+/// for it: an all-reduce or a reduce-scatter; with `int8` (the runs of a part), an
+/// all-gather of every member's int8 blocks or an all-to-all of its int8 parts, which each
+/// member dequantizes and sums in f32 in rank order (ZeRO++'s quantized gradients: the sum
+/// is never formed in low precision, and members holding the same part hold the same
+/// values).
+fn mean(
     group: &dyn Communicator,
     values: Buffer,
     int8: Option<Arc<[usize]>>,
+    spread: Spread,
 ) -> (Work<Buffer>, usize) {
     let Some(runs) = int8 else {
         let bytes = values.len() * values.dtype().size();
         // Not `reduce_scatter_into`: the packed input is freed when the collective is done
         // with it, not held until the step waits for every unit's reduction.
-        return (group.reduce_scatter(values, ReduceOp::Avg), bytes);
+        let work = match spread {
+            Spread::Whole => group.all_reduce(values, ReduceOp::Avg),
+            Spread::Parts => group.reduce_scatter(values, ReduceOp::Avg),
+        };
+        return (work, bytes);
     };
     let n = group.size();
-    let encoded = match values.as_slice::<f32>() {
-        Some(v) => int8_blocks::encode_parts(v, &runs, n),
-        None => return (not_f32(group, &values), 0),
+    let encoded = match (values.as_slice::<f32>(), spread) {
+        (Some(v), Spread::Whole) => int8_blocks::encode(v, &runs),
+        (Some(v), Spread::Parts) => int8_blocks::encode_parts(v, &runs, n),
+        (None, _) => return (not_f32(group, &values), 0),
     };
     drop(values);
-    let bytes = encoded.len();
-    let rank = group.global_rank();
-    let work = group
-        .all_to_all(Buffer::U8(encoded))
-        .map(move |parts| summed(rank, &parts, &runs, n));
+    let (bytes, rank) = (encoded.len(), group.global_rank());
+    let exchanged = match spread {
+        Spread::Whole => group.all_gather(Buffer::U8(encoded)),
+        Spread::Parts => group.all_to_all(Buffer::U8(encoded)),
+    };
+    let work = exchanged.map(move |parts| summed(rank, &parts, &runs, n));
     (work, bytes)
 }
 
