@@ -39,6 +39,9 @@ const REDUCE_BF16: &str = "FSDP_MATRIX_REDUCE_BF16";
 /// Set for workers that reduce gradients as int8 blocks summed in f32 (`fsdp_reduce_dtype:
 /// int8`, ZeRO++'s quantized gradients) while computing in f32.
 const REDUCE_INT8: &str = "FSDP_MATRIX_REDUCE_INT8";
+/// Set for workers that keep a secondary partition of 2 ranks (`fsdp_hpz_partition_size`,
+/// ZeRO++'s hpZ) under the strategies that gather again in backward: the same numbers.
+const HPZ: &str = "FSDP_MATRIX_HPZ";
 /// Set for workers that train with `mixed_precision: fp16` and dynamic loss scaling.
 const FP16: &str = "FSDP_MATRIX_FP16";
 const STEPS: usize = 10;
@@ -411,6 +414,13 @@ fn sharded(
     if std::env::var(REDUCE_INT8).is_ok() {
         builder = builder.reduce_dtype(fsdp::config::ReduceDtype::Int8);
     }
+    let regathers = matches!(
+        case.strategy,
+        ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+    );
+    if std::env::var(HPZ).is_ok() && regathers {
+        builder = builder.hpz_partition_size(2);
+    }
     let fp16 = std::env::var(FP16).is_ok();
     if fp16 {
         builder = builder.mixed_precision(fsdp::config::MixedPrecision::Fp16);
@@ -670,7 +680,7 @@ fn check_world_with(world: usize, env: &[(&str, &str)]) {
     let outputs = common::run_workers("matrix_worker", ROLE, world, &env, Duration::from_secs(900));
     let result = common::result_of(&outputs[0]);
     eprintln!(
-        "{world} ranks{}{}: {} cases, worst relative difference: losses {}, weights {} (key-bias elements: {} absolute)",
+        "{world} ranks{}{}{}: {} cases, worst relative difference: losses {}, weights {} (key-bias elements: {} absolute)",
         match env.iter().find(|(k, _)| *k == BF16 || *k == FP16) {
             Some((k, _)) if *k == BF16 => " in bf16",
             Some(_) => " in fp16",
@@ -683,6 +693,11 @@ fn check_world_with(world: usize, env: &[(&str, &str)]) {
             Some((k, _)) if *k == REDUCE_BF16 => ", gradients reduced in bf16",
             Some(_) => ", gradients reduced as int8 blocks",
             None => "",
+        },
+        if env.iter().any(|(k, _)| *k == HPZ) {
+            ", secondary partition of 2"
+        } else {
+            ""
         },
         result["cases"],
         result["worst_loss"],
@@ -717,6 +732,11 @@ fn three_ranks_match_single_process() {
 #[test]
 fn four_ranks_match_single_process() {
     check_world(4);
+}
+
+#[test]
+fn four_ranks_with_a_secondary_partition_match_single_process() {
+    check_world_with(4, &[(HPZ, "1")]);
 }
 
 #[test]
