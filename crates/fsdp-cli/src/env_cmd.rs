@@ -302,14 +302,18 @@ fn notes(config: &ResolvedConfig) -> Vec<String> {
             fsdp::engine::OFFLOAD_ON_CPU
         ));
     }
-    if config.fsdp.all_gather_dtype == fsdp::config::AllGatherDtype::Int8 {
-        let (shard_group, _) = config.launch.mesh_shape(config.fsdp.sharding_strategy);
-        if shard_group < 2 {
-            out.push(
-                "`fsdp_all_gather_dtype: int8`: nothing is gathered (parameters are sharded over one process here), so nothing is quantized"
-                    .into(),
-            );
-        }
+    let (shard_group, _) = config.launch.mesh_shape(config.fsdp.sharding_strategy);
+    if config.fsdp.all_gather_dtype == fsdp::config::AllGatherDtype::Int8 && shard_group < 2 {
+        out.push(
+            "`fsdp_all_gather_dtype: int8`: nothing is gathered (parameters are sharded over one process here), so nothing is quantized"
+                .into(),
+        );
+    }
+    if config.fsdp.hpz_partition_size > 1 && shard_group < 2 {
+        out.push(
+            "`fsdp_hpz_partition_size`: nothing is gathered (parameters are sharded over one process here), so no secondary partition is kept"
+                .into(),
+        );
     }
     if config.fsdp.reduce_dtype == fsdp::config::ReduceDtype::Int8
         && config.launch.num_processes < 2

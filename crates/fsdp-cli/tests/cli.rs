@@ -382,18 +382,20 @@ fn env_reports_machine_and_sources() {
             && l.contains("[environment variable FSDP_OFFLOAD_PARAMS]")),
         "{t}"
     );
-    // Int8 gathers and reductions where nothing is gathered or reduced (one process) are
-    // said, not ignored silently.
+    // Int8 gathers and reductions and a secondary partition where nothing is gathered or
+    // reduced (one process) are said, not ignored silently.
     let out = fsdp(dir.path())
         .args(["env"])
         .env("FSDP_ALL_GATHER_DTYPE", "int8")
         .env("FSDP_REDUCE_DTYPE", "int8")
+        .env("FSDP_HPZ_PARTITION_SIZE", "2")
         .output()
         .unwrap();
     let int8 = text(&out);
     for note in [
         "- Note: `fsdp_all_gather_dtype: int8`: nothing is gathered",
         "- Note: `fsdp_reduce_dtype: int8`: nothing is reduced",
+        "- Note: `fsdp_hpz_partition_size`: nothing is gathered",
     ] {
         assert!(int8.lines().any(|l| l.starts_with(note)), "{note}: {int8}");
     }

@@ -171,6 +171,41 @@ fn two_machines_over_a_network_train_like_one_process() {
         );
         common::assert_two_machines_trained(&r0, &r1, strategy);
     }
+    // ZeRO++'s communication (issue 57): int8 gathers and gradients, and backward's gathers
+    // from a secondary partition of each machine's 2 processes, over the network.
+    let zero_pp = [
+        "--fsdp_sharding_strategy",
+        "FULL_SHARD",
+        "--fsdp_all_gather_dtype",
+        "int8",
+        "--fsdp_reduce_dtype",
+        "int8",
+        "--fsdp_hpz_partition_size",
+        "2",
+        EXE,
+        "test",
+        "--worker",
+    ];
+    let (m0, m1) = (
+        launch(&machines, 0, "4", "29502", &zero_pp),
+        launch(&machines, 1, "4", "29502", &zero_pp),
+    );
+    let (r0, r1) = (
+        finish(m0, Duration::from_secs(90)),
+        finish(m1, Duration::from_secs(90)),
+    );
+    assert_eq!(
+        (r0.code, r1.code),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        r0.out,
+        r1.out
+    );
+    assert!(
+        r0.out.contains("training ok: 8 steps on 4 processes (shard groups of 4 x 1 replicas, int8 communication, secondary partition of 2)"),
+        "{}",
+        r0.out
+    );
     // Machine 1's workers fail before they join: machine 0's ranks, waiting for them, fail
     // within seconds naming machine 1, not after the 120 s rendezvous timeout.
     let start = |i: usize, program: &[&str]| launch(&machines, i, "4", "29501", program);

@@ -10,8 +10,8 @@ use fsdp_comm::{Buffer, Communicator, Mesh};
 use super::error::EngineError;
 use crate::config::{FsdpPlugin, ShardingStrategy};
 
-/// `mesh` with its secondary groups when `plugin` asks for them; a size that cannot work is
-/// refused naming the key.
+/// `mesh` with its secondary groups when `plugin` asks for them (and parameters are sharded
+/// over more than one rank); a size that cannot work is refused naming the key.
 pub(crate) fn attach(plugin: &FsdpPlugin, mesh: Mesh) -> Result<Mesh, EngineError> {
     let size = plugin.hpz_partition_size;
     if size < 2 || mesh.secondary.is_some() {
@@ -32,6 +32,10 @@ pub(crate) fn attach(plugin: &FsdpPlugin, mesh: Mesh) -> Result<Mesh, EngineErro
         )));
     }
     let shard = mesh.shard_size();
+    if shard < 2 {
+        // Nothing is gathered (one rank holds every parameter): nothing to keep.
+        return Ok(mesh);
+    }
     if !shard.is_multiple_of(size) {
         return Err(refuse(format!(
             "does not divide the {shard} ranks parameters are sharded over: use a divisor, such as the processes per machine"
