@@ -4,8 +4,9 @@
 use std::path::Path;
 
 use fsdp::config::{
-    AutoWrapPolicy, BackwardPrefetch, ConfigError, DistributedType, FsdpPlugin, Key, Kind, Layer,
-    MixedPrecision, ResolvedConfig, ShardingStrategy, Source, StateDictType, Value, yaml,
+    AllGatherDtype, AutoWrapPolicy, BackwardPrefetch, ConfigError, DistributedType, FsdpPlugin,
+    Key, Kind, Layer, MixedPrecision, ReduceDtype, ResolvedConfig, ShardingStrategy, Source,
+    StateDictType, Value, yaml,
 };
 
 const GUIDE: &str = include_str!("data/accelerate_guide_fsdp.yaml");
@@ -101,9 +102,31 @@ fn enum_numbers_and_case_are_accepted() {
         let v = fsdp::config::parse_text(Key::FsdpShardingStrategy.spec(), &n.to_string()).unwrap();
         assert_eq!(v, Value::Text(strategy.to_string()));
     }
-    // DeepSpeed's name for ZeRO++'s secondary partition is accepted.
+    // DeepSpeed's names for ZeRO++'s secondary partition, quantized weights and gradients.
     let config = resolve_file("fsdp_config:\n  zero_hpz_partition_size: 2\n").unwrap();
     assert_eq!(config.fsdp.hpz_partition_size, 2);
+    let both = "fsdp_config:\n  zero_quantized_weights: true\n  zero_quantized_gradients: true\n";
+    let config = resolve_file(both).unwrap();
+    assert_eq!(config.fsdp.all_gather_dtype, AllGatherDtype::Int8);
+    assert_eq!(config.fsdp.reduce_dtype, ReduceDtype::Int8);
+    let agreeing = "fsdp_config:\n  zero_quantized_weights: true\n  fsdp_all_gather_dtype: int8\n";
+    assert_eq!(
+        resolve_file(agreeing).unwrap().fsdp.all_gather_dtype,
+        AllGatherDtype::Int8
+    );
+    let off = "fsdp_config:\n  zero_quantized_gradients: false\n";
+    assert_eq!(
+        resolve_file(off).unwrap().fsdp.reduce_dtype,
+        ReduceDtype::Fp32
+    );
+    let e =
+        resolve_file("fsdp_config:\n  fsdp_reduce_dtype: bf16\n  zero_quantized_gradients: true\n")
+            .unwrap_err()
+            .to_string();
+    assert!(
+        e.contains("fsdp_reduce_dtype: bf16") && e.contains("zero_quantized_gradients: true"),
+        "{e}"
+    );
 }
 
 #[allow(non_snake_case)]

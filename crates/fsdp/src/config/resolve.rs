@@ -225,6 +225,34 @@ impl View<'_> {
             .unwrap_or(T::ALL[0])
     }
 
+    /// `key`'s choice, or what DeepSpeed's switch `deepspeed` says when only it is set
+    /// (true: `on`; false: the default); both set and disagreeing is an error naming both.
+    fn deepspeed_choice<T: Choice + PartialEq>(
+        &self,
+        key: Key,
+        deepspeed: Key,
+        on: T,
+        errors: &mut Vec<ConfigError>,
+    ) -> T {
+        let chosen = self.choice::<T>(key);
+        if !self.explicit(deepspeed) {
+            return chosen;
+        }
+        let switched = if self.flag(deepspeed) { on } else { T::ALL[0] };
+        if self.explicit(key) && chosen != switched {
+            errors.push(ConfigError::Inconsistent {
+                keys: vec![key.name(), deepspeed.name()],
+                message: format!(
+                    "{} and {} ask for different settings; set only one",
+                    self.describe(key),
+                    self.describe(deepspeed)
+                ),
+            });
+            return chosen;
+        }
+        switched
+    }
+
     /// "`key: value` (origin)" for messages.
     fn describe(&self, key: Key) -> String {
         match self.0.get(&key) {
@@ -342,8 +370,18 @@ impl View<'_> {
             ignored_modules,
             no_reshard_after_forward,
             mixed_precision: self.choice(Key::MixedPrecision),
-            reduce_dtype: self.choice(Key::FsdpReduceDtype),
-            all_gather_dtype: self.choice(Key::FsdpAllGatherDtype),
+            reduce_dtype: self.deepspeed_choice(
+                Key::FsdpReduceDtype,
+                Key::ZeroQuantizedGradients,
+                ReduceDtype::Int8,
+                &mut errors,
+            ),
+            all_gather_dtype: self.deepspeed_choice(
+                Key::FsdpAllGatherDtype,
+                Key::ZeroQuantizedWeights,
+                AllGatherDtype::Int8,
+                &mut errors,
+            ),
             hpz_partition_size: self.uint(Key::FsdpHpzPartitionSize).unwrap_or(0) as usize,
             debug: self.flag(Key::Debug),
         };

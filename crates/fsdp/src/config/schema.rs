@@ -242,6 +242,12 @@ key_table! {
     FsdpAllGatherDtype: "fsdp_all_gather_dtype", Fsdp, Kind::Choice(AllGatherDtype::NAMES),
         D::Text("auto"), Some("FSDP_ALL_GATHER_DTYPE"), &[], Used,
         "dtype parameters are all-gathered in: auto (the compute dtype) or int8 (blocks of 512 with an f32 scale each, dequantized into the compute dtype; ZeRO++'s quantized weights; fsdp-rs)";
+    ZeroQuantizedWeights: "zero_quantized_weights", Fsdp, Kind::Bool, D::Bool(false),
+        None, &[], Used,
+        "DeepSpeed's name for ZeRO++'s quantized weights: true is fsdp_all_gather_dtype: int8, false its default";
+    ZeroQuantizedGradients: "zero_quantized_gradients", Fsdp, Kind::Bool, D::Bool(false),
+        None, &[], Used,
+        "DeepSpeed's name for ZeRO++'s quantized gradients: true is fsdp_reduce_dtype: int8, false its default";
     FsdpHpzPartitionSize: "fsdp_hpz_partition_size", Fsdp, NON_NEGATIVE, D::UInt(0),
         Some("FSDP_HPZ_PARTITION_SIZE"), &["zero_hpz_partition_size"], Used,
         "ZeRO++'s secondary partition (hpZ): after forward's all-gather each rank keeps 1/N of every gathered unit, so backward gathers it again from the N consecutive ranks of its group only (a machine's processes); 0 or 1 for none (fsdp-rs)";
