@@ -30,15 +30,16 @@ pub struct StepTraffic {
 }
 
 impl UnitPlan {
-    /// Bytes each rank sends per step inside its shard group and across replicas. Inside:
+    /// Bytes each rank sends per step inside its shard group, across replicas and inside its
+    /// secondary group. Inside:
     /// per unit and micro-batch an all-gather in forward, another before backward when the
     /// unit was resharded after forward (from the secondary group of H ranks when there is
     /// one: H-1 shares of the gathered block's 1/H), and a reduction ((S-1) shard blocks
-    /// each for a group of S: a ring reduce-scatter's, or with int8 gradients an all-to-all of as many
-    /// encoded blocks). Across R replicas: each unit's reduced block averaged per reduction
-    /// (a ring all-reduce's 2(R-1)/R of it, or with int8 gradients an all-gather of its
-    /// encoding, R-1 times it); for NO_SHARD the block is the whole unit. Reductions: one per
-    /// micro-batch, or one per step when the earlier micro-batches run without sync.
+    /// each for a group of S: a ring reduce-scatter's, or with int8 gradients an all-to-all
+    /// of as many encoded blocks). Across R replicas: each unit's reduced block averaged per
+    /// reduction (a ring all-reduce's 2(R-1)/R of it, or with int8 gradients an all-gather
+    /// of its encoding, R-1 times it); for NO_SHARD the block is the whole unit. Reductions:
+    /// one per micro-batch, or one per step when the earlier micro-batches run without sync.
     /// Gradients are reduced for the trainable parameters only.
     pub fn traffic_per_step(&self, shape: StepShape) -> StepTraffic {
         let (s, r, micro) = (shape.shard_size, shape.replicas, shape.micro_batches);
