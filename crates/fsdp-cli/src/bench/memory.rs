@@ -64,7 +64,7 @@ pub struct MemoryArgs {
     /// FSDP backward prefetch (BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH).
     #[arg(long = "backward_prefetch", default_value = "BACKWARD_PRE")]
     backward_prefetch: String,
-    /// FSDP forward prefetch.
+    /// FSDP forward prefetch (unset: the environment's `FSDP_FORWARD_PREFETCH`, else off).
     #[arg(long = "forward_prefetch")]
     forward_prefetch: bool,
     /// Micro-batches per optimizer step (of --batch each); above 1 each strategy is measured
@@ -297,17 +297,19 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     let pg = ProcessGroup::from_env()?;
     let (rank, n) = (pg.rank(), pg.size());
     // The environment gives the layout (machines of LOCAL_WORLD_SIZE processes), as it does
-    // to any launched program; the strategy and prefetch are set here.
+    // to any launched program; the strategy and backward prefetch are set here.
     let mut builder = FsdpPlugin::builder()
         .sharding_strategy(strategy.parse().map_err(anyhow::Error::msg)?)
         .backward_prefetch(a.backward_prefetch.parse().map_err(anyhow::Error::msg)?)
-        .forward_prefetch(a.forward_prefetch)
         .activation_checkpointing(a.activation_checkpointing == Toggle::On)
         .mixed_precision(if a.mixed_precision == Toggle::On {
             MixedPrecision::Bf16
         } else {
             MixedPrecision::No
         });
+    if a.forward_prefetch {
+        builder = builder.forward_prefetch(true);
+    }
     if let Some(d) = a.reduce_dtype {
         builder = builder.reduce_dtype(d);
     }
