@@ -102,12 +102,15 @@ pub fn ask(p: &mut dyn Prompter) -> Result<Layer> {
             true => (crate::system::available_cores() as u64).clamp(1, 2),
             false => 1,
         };
-        answers.ask_uint_or(
+        let processes = answers.ask_uint_or(
             p,
             Key::NumProcesses,
             &format!("How many {what} should be used for distributed training?"),
             default,
         )?;
+        if use_fsdp {
+            ask_secondary_partition(p, &mut answers, num_machines, processes)?;
+        }
     } else {
         answers.set(Key::NumProcesses, Value::UInt(1));
     }
@@ -134,6 +137,32 @@ pub fn ask(p: &mut dyn Prompter) -> Result<Layer> {
     answers.set(Key::TpuUseCluster, Value::Bool(false));
     answers.set(Key::TpuUseSudo, Value::Bool(false));
     Ok(answers.0)
+}
+
+/// For FULL_SHARD over several machines of 2 or more processes each: whether backward
+/// gathers inside each machine (ZeRO++'s hpZ, a partition of the machine's size).
+fn ask_secondary_partition(
+    p: &mut dyn Prompter,
+    answers: &mut Answers,
+    machines: u64,
+    processes: u64,
+) -> Result<()> {
+    let full_shard = answers.0.get(Key::FsdpShardingStrategy).map(|s| &s.value)
+        == Some(&text(ShardingStrategy::FullShard.name()));
+    let per_machine = processes / machines.max(1);
+    let fits = machines > 1 && per_machine > 1 && processes.is_multiple_of(machines);
+    if full_shard
+        && fits
+        && p.confirm(
+            &format!(
+                "Keep 1/{per_machine} of each gathered unit on every process so backward gathers inside its machine (ZeRO++'s hpZ, fsdp_hpz_partition_size: {per_machine}: fewer bytes between machines, the same training)?"
+            ),
+            false,
+        )?
+    {
+        answers.set(Key::FsdpHpzPartitionSize, Value::UInt(per_machine));
+    }
+    Ok(())
 }
 
 fn ask_fsdp(

@@ -196,7 +196,7 @@ fn questionnaire_entered_through_writes_what_config_default_writes() {
 }
 
 #[test]
-fn questionnaire_offers_int8_communication_to_jobs_across_machines() {
+fn questionnaire_offers_zero_plus_plus_communication_to_jobs_across_machines() {
     // Multi-CPU on 2 machines (this one rank 0, the main process at 10.1.2.3), FSDP with the
     // default strategy, then the int8 question; Enter through the rest.
     let dir = tempfile::tempdir().unwrap();
@@ -217,6 +217,27 @@ fn questionnaire_offers_int8_communication_to_jobs_across_machines() {
             "answer {answer:?}"
         );
     }
+    // With 4 processes on the 2 machines, FULL_SHARD is offered a secondary partition of each
+    // machine's 2 (after the 11 remaining FSDP questions and the number of processes).
+    for (answer, hpz) in [("yes", 2), ("", 0)] {
+        let path = dir.path().join(format!("hpz{answer}.yaml"));
+        let mut answers = vec!["2", "2", "", "10.1.2.3", "", "", "", "", ""];
+        answers.extend([""; 11]);
+        answers.extend(["4", answer]);
+        let input = answers.join("\n") + &"\n".repeat(10);
+        let mut cmd = fsdp(dir.path());
+        cmd.args(["config", "--config_file"]).arg(&path);
+        let out = run_with_input(cmd, &input);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            text(&out).contains("fsdp_hpz_partition_size: 2"),
+            "{}",
+            text(&out)
+        );
+        let c = resolved(&path);
+        assert_eq!(c.launch.num_processes, 4);
+        assert_eq!(c.fsdp.hpz_partition_size, hpz, "answer {answer:?}");
+    }
     // One machine is not asked.
     let mut cmd = fsdp(dir.path());
     cmd.args(["config", "--config_file"])
@@ -224,6 +245,7 @@ fn questionnaire_offers_int8_communication_to_jobs_across_machines() {
     let out = run_with_input(cmd, &"\n".repeat(40));
     assert!(out.status.success(), "{}", text(&out));
     assert!(!text(&out).contains("as int8 blocks"), "{}", text(&out));
+    assert!(!text(&out).contains("hpz"), "{}", text(&out));
 }
 
 #[test]
