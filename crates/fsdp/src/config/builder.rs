@@ -7,8 +7,9 @@ use super::choices::{
 };
 use super::error::ConfigError;
 use super::layer::Layer;
-use super::resolve::{FsdpPlugin, ResolvedConfig};
+use super::resolve::ResolvedConfig;
 use super::schema::Key;
+use super::settings::FsdpPlugin;
 use super::value::{Source, Value};
 
 /// Builds an [`FsdpPlugin`] from values set in code, the `FSDP_*`/`ACCELERATE_*` environment

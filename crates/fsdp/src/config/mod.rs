@@ -3,13 +3,16 @@
 //! command line, environment, file, defaults.
 
 mod builder;
+mod checks;
 mod choices;
 mod error;
 mod layer;
 mod paths;
 mod resolve;
 mod schema;
+mod settings;
 mod value;
+mod view;
 pub mod yaml;
 
 pub use builder::FsdpPluginBuilder;
@@ -24,6 +27,7 @@ pub use paths::{
     CONFIG_FILE_ENV, accelerate_config_path, default_config_path, existing_default_config,
     fsdp_home,
 };
-pub use resolve::{FsdpPlugin, LaunchSettings, ResolvedConfig};
+pub use resolve::ResolvedConfig;
 pub use schema::{Applicability, DefaultValue, FSDP_SECTION, Key, KeySpec, Kind, Section};
+pub use settings::{FsdpPlugin, LaunchSettings};
 pub use value::{Setting, Source, Value, parse_bool, parse_text};
