@@ -20,36 +20,11 @@ use fsdp_comm::{Communicator, LocalGroup, Mesh};
 
 mod quantized;
 
-const GLOBAL_BATCH: usize = 12;
-const SEQ: usize = 5;
+use crate::common::tiny::{GLOBAL_BATCH, batch};
 
+/// The tiny BERT classifier of `common::tiny`, without dropout.
 fn model() -> BertForSequenceClassification {
-    BertForSequenceClassification::new(BertConfig {
-        vocab_size: 37,
-        hidden_size: 12,
-        num_hidden_layers: 2,
-        num_attention_heads: 2,
-        intermediate_size: 20,
-        max_position_embeddings: 8,
-        num_labels: 3,
-        ..BertConfig::default()
-    })
-    .unwrap()
-}
-
-fn batch(step: usize) -> (Tensor, Tensor) {
-    let mut s = fsdp::rng::XorShift64::new(
-        0x2545_F491_4F6C_DD1Du64 ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9),
-    );
-    let mut next = || s.next_u64();
-    let ids: Vec<u32> = (0..GLOBAL_BATCH * SEQ)
-        .map(|_| (next() % 37) as u32)
-        .collect();
-    let labels: Vec<u32> = (0..GLOBAL_BATCH).map(|_| (next() % 3) as u32).collect();
-    (
-        Tensor::from_vec(ids, (GLOBAL_BATCH, SEQ), &Device::Cpu).unwrap(),
-        Tensor::from_vec(labels, GLOBAL_BATCH, &Device::Cpu).unwrap(),
-    )
+    crate::common::tiny::model(0.0)
 }
 
 fn adamw() -> AdamW {
