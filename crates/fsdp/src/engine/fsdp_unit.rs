@@ -3,6 +3,7 @@
 //! a step is [`super::unit::UnitRun`]'s.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use super::error::{EngineError, unit_name};
 use super::offload::ShardStore;
@@ -35,6 +36,11 @@ pub(crate) struct FsdpUnit {
     pub grad_layouts: Vec<ShardLayout>,
     /// Elements of one rank's gradient block (its trainable parameters' rows).
     pub grad_block: usize,
+    /// The parameters' runs in a rank's packed block ([`super::plan::Unit::param_runs`]):
+    /// what int8 blocks are quantized apart by in a gather.
+    pub param_runs: Arc<[usize]>,
+    /// The trainable parameters' runs in a rank's gradient block, for int8 reductions.
+    pub grad_runs: Arc<[usize]>,
 }
 
 /// How a unit is spread over the mesh: what decides how it is gathered, where its gradients
@@ -81,7 +87,7 @@ impl FsdpUnit {
         kind: UnitKind,
     ) -> FsdpUnit {
         let mut grad_block = 0;
-        let grad_layouts = params
+        let grad_layouts: Vec<ShardLayout> = params
             .iter()
             .map(|p| {
                 let layout = ShardLayout {
@@ -94,27 +100,21 @@ impl FsdpUnit {
                 layout
             })
             .collect();
+        let param_runs = params.iter().map(|p| p.layout.shard_numel()).collect();
+        let grad_runs = super::plan::runs(&grad_layouts, |l| l.requires_grad).into();
         FsdpUnit {
             path,
             index,
             store,
             params,
+            param_runs,
+            grad_runs,
             reshard_after_forward,
             reshard_after_backward,
             kind,
             grad_layouts,
             grad_block,
         }
-    }
-
-    /// The parameters' runs in a rank's packed block ([`super::plan::Unit::param_runs`]).
-    pub fn param_runs(&self) -> Vec<usize> {
-        self.params.iter().map(|p| p.layout.shard_numel()).collect()
-    }
-
-    /// The trainable parameters' runs in a rank's gradient block.
-    pub fn grad_runs(&self) -> Vec<usize> {
-        super::plan::runs(&self.grad_layouts, |l| l.requires_grad)
     }
 
     /// The layouts of the parameters that train, in the gradient block.

@@ -152,7 +152,7 @@ impl UnitRun {
             Completed::Rows(rows) => collectives::reduce_compact(cx.mesh, rows),
             Completed::Packed(g) => {
                 let sparse = row_sparse_plan(&self.unit, cx);
-                let int8 = cx.dtypes.reduce_int8.then(|| self.unit.grad_runs().into());
+                let int8 = cx.dtypes.reduce_int8.then(|| self.unit.grad_runs.clone());
                 collectives::reduce(cx.mesh, g, sparse, self.unit.kind, int8)
             }
         };
@@ -199,8 +199,7 @@ impl UnitRun {
                 (Some(share), Some(group)) if released => group.all_gather(share),
                 _ => {
                     let block = self.unit.master_block()?;
-                    let runs = self.unit.param_runs();
-                    collectives::all_gather(cx.mesh, block, &runs, cx.dtypes)?
+                    collectives::all_gather(cx.mesh, block, &self.unit.param_runs, cx.dtypes)?
                 }
             };
             self.gather = Some((work, Instant::now()));
@@ -262,11 +261,8 @@ impl UnitRun {
             self.secondary = super::secondary::share(&gathered, group.as_ref());
         }
         if cx.dtypes.gather_int8 {
-            let (ranks, runs) = (
-                self.unit.ranks(cx.mesh.shard_size()),
-                self.unit.param_runs(),
-            );
-            let decoded = int8_blocks::decode_gathered(&gathered, &runs, ranks, cx.dtypes.param);
+            let (ranks, runs) = (self.unit.ranks(cx.mesh.shard_size()), &self.unit.param_runs);
+            let decoded = int8_blocks::decode_gathered(&gathered, runs, ranks, cx.dtypes.param);
             return decoded.map(Some).map_err(|problem| EngineError::State {
                 name: format!("the int8 all-gather {when} of {}", self.unit.name()),
                 problem,
