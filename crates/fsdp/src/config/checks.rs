@@ -3,9 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::choices::{
-    AutoWrapPolicy, CheckpointFormat, DistributedType, ShardingStrategy, StateDictType,
-};
+use super::choices::{AutoWrapPolicy, CheckpointFormat, DistributedType, StateDictType};
 use super::error::ConfigError;
 use super::layer::Layer;
 use super::schema::{Key, Section};
@@ -74,10 +72,7 @@ impl View<'_> {
             );
         }
         if fsdp.no_reshard_after_forward.is_some()
-            && !matches!(
-                fsdp.sharding_strategy,
-                ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-            )
+            && !fsdp.sharding_strategy.reshards_after_forward()
         {
             inconsistent(
                 &[Key::FsdpNoReshardAfterForward, Key::FsdpShardingStrategy],

@@ -91,6 +91,12 @@ impl ShardingStrategy {
     pub fn is_hybrid(self) -> bool {
         matches!(self, Self::HybridShard | Self::HybridShardZero2)
     }
+
+    /// True for the strategies that release a unit's parameters after its forward and gather
+    /// them again for its backward (FULL_SHARD, HYBRID_SHARD).
+    pub fn reshards_after_forward(self) -> bool {
+        matches!(self, Self::FullShard | Self::HybridShard)
+    }
 }
 
 choice_enum!(

@@ -337,10 +337,7 @@ impl UnitPlan {
         };
 
         // Each parameter goes to the innermost unit root containing its module.
-        let resharding = matches!(
-            plugin.sharding_strategy,
-            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-        );
+        let resharding = plugin.sharding_strategy.reshards_after_forward();
         let kept = |path: &str| {
             plugin
                 .no_reshard_after_forward
@@ -471,11 +468,10 @@ impl UnitPlan {
             },
             gather_int8: plugin.all_gather_dtype == crate::config::AllGatherDtype::Int8,
             reduce_int8: plugin.reduce_dtype == ReduceDtype::Int8,
-            secondary_partition: match plugin.sharding_strategy {
-                ShardingStrategy::FullShard | ShardingStrategy::HybridShard => {
-                    plugin.hpz_partition_size.max(1)
-                }
-                _ => 1,
+            secondary_partition: if plugin.sharding_strategy.reshards_after_forward() {
+                plugin.hpz_partition_size.max(1)
+            } else {
+                1
             },
             disk: DiskOffload {
                 params: plugin.offload_dir.is_some() && plugin.offload_params,

@@ -129,12 +129,7 @@ impl UnitPlan {
         self.units
             .iter()
             .filter(|u| !u.path.is_empty() && !u.reshard_after_forward)
-            .filter(|_| {
-                matches!(
-                    self.strategy,
-                    ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-                )
-            })
+            .filter(|_| self.strategy.reshards_after_forward())
             .map(Unit::numel)
             .sum::<usize>()
     }

@@ -3,7 +3,6 @@
 //! against and `estimate-memory` reports before a job starts.
 
 use super::plan::UnitPlan;
-use crate::config::ShardingStrategy;
 
 /// What a step's traffic depends on besides the plan.
 #[derive(Debug, Clone, Copy)]
@@ -53,10 +52,7 @@ impl UnitPlan {
         for u in &self.units {
             let block = self.reduce_wire_bytes(u);
             if s > 1 {
-                let regather = matches!(
-                    self.strategy,
-                    ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-                ) && !u.path.is_empty();
+                let regather = self.strategy.reshards_after_forward() && !u.path.is_empty();
                 let wire = self.gather_wire_bytes(u);
                 traffic.inside += (s - 1) * (wire * micro + block * reductions);
                 if regather && h > 1 {

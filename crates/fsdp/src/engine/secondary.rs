@@ -8,7 +8,7 @@
 use fsdp_comm::{Buffer, Communicator, Mesh};
 
 use super::error::EngineError;
-use crate::config::{FsdpPlugin, ShardingStrategy};
+use crate::config::FsdpPlugin;
 
 /// `mesh` with its secondary groups when `plugin` asks for them (and parameters are sharded
 /// over more than one rank); a size that cannot work is refused naming the key.
@@ -23,10 +23,7 @@ pub(crate) fn attach(plugin: &FsdpPlugin, mesh: Mesh) -> Result<Mesh, EngineErro
         reason,
     };
     let strategy = plugin.sharding_strategy;
-    if !matches!(
-        strategy,
-        ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-    ) {
+    if !strategy.reshards_after_forward() {
         return Err(refuse(format!(
             "keeps a partition for backward's second all-gather, which {strategy} does not make: use FULL_SHARD or HYBRID_SHARD, or leave it unset"
         )));
