@@ -408,10 +408,9 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         sent_secondary as f64 / steps,
     ];
     let per_step_ms = phases.map(|s| s / steps * 1e3);
-    let mine_len = mine.len();
+    let metrics = mine.len();
     let all = fsdp.mesh().all_gather_vec(mine)?;
     if rank == 0 {
-        let metrics = mine_len;
         let worst = |k: usize| (0..n).map(|r| all[r * metrics + k]).fold(0f64, f64::max);
         let mesh = fsdp.mesh();
         let bf16 = a.mixed_precision == Toggle::On;
