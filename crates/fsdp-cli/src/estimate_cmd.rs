@@ -143,8 +143,17 @@ fn traffic_line(plan: &UnitPlan, config: &fsdp::config::ResolvedConfig, n: usize
     .map(|(_, what)| *what)
     .collect();
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let secondary = match plan.secondary_partition {
+        h if h > 1 && shard_size > 1 => {
+            format!(
+                ", {:.1} MiB inside its secondary group of {h}",
+                mib(t.secondary)
+            )
+        }
+        _ => String::new(),
+    };
     format!(
-        "communication per step (one micro-batch), sent by each rank: {:.1} MiB inside its shard group of {shard_size}, {:.1} MiB across {replicas} replica(s){}",
+        "communication per step (one micro-batch), sent by each rank: {:.1} MiB inside its shard group of {shard_size}{secondary}, {:.1} MiB across {replicas} replica(s){}",
         mib(t.inside),
         mib(t.across),
         if quantized.is_empty() {

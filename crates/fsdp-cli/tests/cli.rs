@@ -653,6 +653,18 @@ fn estimate_memory_prints_units_and_per_rank_bytes() {
         (0.24..0.32).contains(&ratio),
         "int8 / f32 bytes {ratio}:\n{t}\n{q}"
     );
+    // A secondary partition of 2 moves backward's gathers into its group, and says so.
+    let out = fsdp(dir.path())
+        .args(["estimate-memory", "--num_processes", "4", "--model_config"])
+        .arg(&model)
+        .env("FSDP_HPZ_PARTITION_SIZE", "2")
+        .output()
+        .unwrap();
+    let h = text(&out);
+    assert!(out.status.success(), "{h}");
+    assert!(h.contains(" MiB inside its secondary group of 2, "), "{h}");
+    assert!(h.contains("secondary partition "), "{h}");
+    assert!(inside(&h) < inside(&t), "{t}\n{h}");
     let out = fsdp(dir.path())
         .args(["estimate-memory", "--model_config"])
         .arg(&model)
