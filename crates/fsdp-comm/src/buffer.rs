@@ -120,6 +120,26 @@ impl Buffer {
         }, cuda => None)
     }
 
+    /// The host elements seen as `rows` × `cols` equal blocks, row after row, copied column
+    /// after column (block (r, c) moves to (c, r)); `None` for a device buffer or a length
+    /// that `rows * cols` does not divide.
+    pub fn transpose_blocks(&self, rows: usize, cols: usize) -> Option<Buffer> {
+        with_host_vec!(self, v => {
+            let n = rows * cols;
+            if n == 0 || !v.len().is_multiple_of(n) {
+                return None;
+            }
+            let k = v.len() / n;
+            let mut out = Vec::with_capacity(v.len());
+            for c in 0..cols {
+                for r in 0..rows {
+                    out.extend_from_slice(&v[(r * cols + c) * k..][..k]);
+                }
+            }
+            Some(Buffer::from(out))
+        }, cuda => None)
+    }
+
     /// The host elements as `T`, writable, if the buffer holds that type.
     pub fn as_mut_slice<T: BufferElement>(&mut self) -> Option<&mut [T]> {
         T::slice_of_mut(self)

@@ -34,6 +34,7 @@ mod rendezvous;
 mod shm;
 mod store;
 mod transport;
+mod two_hops;
 mod work;
 mod world;
 
@@ -52,5 +53,6 @@ pub use options::{
 };
 pub use shm::remove_segments_of as remove_shm_segments_of;
 pub use store::{StoreClient, StoreServer};
+pub use two_hops::{MachineHops, TwoHops};
 pub use work::Work;
 pub use world::{Launcher, WorldError, WorldInfo, first_host, started_under_mpi};

@@ -8,6 +8,7 @@ use crate::buffer::{Buffer, BufferElement};
 use crate::communicator::{Communicator, SingleRank};
 use crate::dtype::ReduceOp;
 use crate::error::Result;
+use crate::two_hops::MachineHops;
 
 /// A 1-D or 2-D device mesh: rank = replica × shard size + shard index.
 #[derive(Clone)]
@@ -19,6 +20,9 @@ pub struct Mesh {
     /// A group of consecutive ranks of `shard` (a machine's processes) that backward gathers
     /// from when each keeps a secondary partition (ZeRO++'s hpZ).
     pub secondary: Option<Arc<dyn Communicator>>,
+    /// Two-hop gathers and reductions over `shard` when it spans machines (within each
+    /// machine, then across): each machine's share crosses the network once.
+    pub machines: Option<Arc<MachineHops>>,
 }
 
 impl Mesh {
@@ -28,6 +32,7 @@ impl Mesh {
             shard: group,
             replicate: None,
             secondary: None,
+            machines: None,
         }
     }
 
@@ -38,6 +43,7 @@ impl Mesh {
             shard: Arc::new(SingleRank::new(group.global_rank())),
             replicate: Some(group),
             secondary: None,
+            machines: None,
         }
     }
 
@@ -49,6 +55,7 @@ impl Mesh {
             shard,
             replicate: Some(replicate),
             secondary: None,
+            machines: None,
         })
     }
 
@@ -58,6 +65,13 @@ impl Mesh {
     pub fn with_secondary(mut self, size: usize) -> Result<Mesh> {
         let (secondary, _) = self.shard.split_2d(size)?;
         self.secondary = Some(secondary);
+        Ok(self)
+    }
+
+    /// This mesh with two-hop collectives over its shard group, a machine being `size`
+    /// consecutive ranks of it. Every rank of the shard group must call it.
+    pub fn with_machines(mut self, size: usize) -> Result<Mesh> {
+        self.machines = Some(Arc::new(MachineHops::new(self.shard.as_ref(), size)?));
         Ok(self)
     }
 
@@ -130,6 +144,12 @@ impl Mesh {
     /// Payload bytes this rank has sent inside its secondary group.
     pub fn secondary_bytes_sent(&self) -> u64 {
         self.secondary.as_ref().map_or(0, |s| s.bytes_sent())
+    }
+
+    /// Payload bytes this rank has sent in two-hop collectives (inside its machine, across
+    /// machines).
+    pub fn two_hop_bytes_sent(&self) -> (u64, u64) {
+        self.machines.as_ref().map_or((0, 0), |m| m.bytes_sent())
     }
 
     /// Payload bytes this rank has sent over both dimensions.

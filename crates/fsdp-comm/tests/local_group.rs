@@ -186,6 +186,33 @@ fn a_bad_argument_on_one_member_stops_the_others_at_once() {
 }
 
 #[test]
+fn two_hop_collectives_match_their_definitions_over_one_to_three_machines() {
+    for (n, machine) in [(2, 1), (2, 2), (4, 2), (6, 2), (6, 3)] {
+        let results = on_members(LocalGroup::create(n), move |g| {
+            crate::common::check_two_hops(g.as_ref(), machine)
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            assert_eq!(r, Ok(()), "{n} members, {machine} per machine, rank {rank}");
+        }
+    }
+    // A reduction whose input does not split into one part per member is refused naming it.
+    let results = on_members(LocalGroup::create(4), |g| {
+        let hops = fsdp_comm::TwoHops::new(g.as_ref(), 2).unwrap();
+        let bad = hops
+            .reduce_scatter(Buffer::from(vec![1f32; 6]), ReduceOp::Sum)
+            .wait();
+        bad.map(|_| ()).map_err(|e| e.to_string())
+    });
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(
+            e.contains("two-hop reduce_scatter") && e.contains("6 elements"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn single_rank_and_meshes() {
     let one = SingleRank::new(3);
     let (input, out) = one

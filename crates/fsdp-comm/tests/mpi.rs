@@ -16,7 +16,7 @@ use fsdp_comm::mpi::MpiGroup;
 use fsdp_comm::{Buffer, CommError, Communicator, CommunicatorExt, GroupOptions, ReduceOp};
 use half::{bf16, f16};
 
-use crate::common::{check_every_dtype, check_hybrid_mesh, expect_eq};
+use crate::common::{check_every_dtype, check_hybrid_mesh, check_two_hops, expect_eq};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
@@ -209,6 +209,7 @@ fn mesh(g: MpiGroup) -> Result<(), String> {
     }
     drop((shard, replicate));
     check_hybrid_mesh(g.as_ref())?;
+    check_two_hops(g.as_ref(), 2)?;
     g.barrier().wait().map_err(err)
 }
 

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use fsdp_comm::{GroupOptions, LocalJob, ProcessGroup, ReduceOp, WorkerOutput, WorldInfo};
 use half::{bf16, f16};
 
-use crate::common::{TestElement, check_collectives, check_hybrid_mesh, data, expect_eq, value};
+use crate::common::{
+    TestElement, check_collectives, check_hybrid_mesh, check_two_hops, data, expect_eq, value,
+};
 
 const SCENARIO: &str = "FSDP_TEST_SCENARIO";
 
@@ -334,7 +336,8 @@ fn subgroups() -> Result<(), String> {
     Ok(())
 }
 
-/// The same collectives through `dyn Communicator` (typed buffers) and a hybrid mesh.
+/// The same collectives through `dyn Communicator` (typed buffers), a hybrid mesh and two-hop
+/// collectives.
 fn communicator() -> Result<(), String> {
     use fsdp_comm::{Buffer, Communicator, CommunicatorExt};
     let pg = std::sync::Arc::new(group()?);
@@ -377,6 +380,9 @@ fn communicator() -> Result<(), String> {
     }
     // Hybrid mesh, 2 replicas of 2 shards: world all-reduce over both dimensions.
     check_hybrid_mesh(pg.as_ref())?;
+    // Two machines of 2 processes, and 4 machines of one, in two hops.
+    check_two_hops(pg.as_ref(), 2)?;
+    check_two_hops(pg.as_ref(), 1)?;
     c.barrier().wait().map_err(err)
 }
 
@@ -432,7 +438,7 @@ fn subgroups_mesh_and_out_of_order_waits() {
 }
 
 #[test]
-fn typed_buffers_through_the_communicator_trait_and_a_hybrid_mesh() {
+fn typed_buffers_through_the_communicator_trait_a_hybrid_mesh_and_two_hops() {
     for t in ["shm", "tcp"] {
         assert_all_ok(&run_all(
             "communicator",

@@ -193,3 +193,87 @@ pub fn check_hybrid_mesh(c: &dyn Communicator) -> Result<(), String> {
         &[10],
     )
 }
+
+/// Two-hop collectives over machines of `machine` consecutive ranks of `c` against their
+/// definitions: the all-gather of f32 and of bytes equal to the flat one bit for bit, the
+/// reduce-scatter (sums of small integers, exact) equal to its definition, and an
+/// all-to-all through each machine's sum equal to it too — all of them in flight at once,
+/// for lengths from nothing to more than a page.
+pub fn check_two_hops(c: &dyn Communicator, machine: usize) -> Result<(), String> {
+    let err = |e: fsdp_comm::CommError| e.to_string();
+    let (rank, n) = (c.rank(), c.size());
+    let hops = fsdp_comm::TwoHops::new(c, machine).map_err(err)?;
+    if (hops.machine_size(), hops.machines()) != (machine, n / machine) {
+        return Err(format!(
+            "two hops over {} x {}",
+            hops.machine_size(),
+            hops.machines()
+        ));
+    }
+    let machines = n / machine;
+    for len in [0usize, 1, 5, 1000] {
+        let gathered = hops.all_gather(Buffer::from(data::<f32>(rank, len)));
+        let bytes = hops.all_gather(Buffer::from(data::<u8>(rank, len)));
+        let summed = hops.reduce_scatter(Buffer::from(data::<f64>(rank, len * n)), ReduceOp::Sum);
+        // What a machine's processes sent this one: [process][machine][len], summed over
+        // processes into one part per machine.
+        let through = hops.all_to_all_through(Buffer::from(data::<f64>(rank, len * n)), move |b| {
+            let v = b.as_slice::<f64>().unwrap_or(&[]).to_vec();
+            let mut parts = vec![0f64; machines * len];
+            for process in v.chunks(machines * len.max(1)).take(machine) {
+                for (p, x) in parts.iter_mut().zip(process) {
+                    *p += x;
+                }
+            }
+            Ok(Buffer::from(parts))
+        });
+        let want_gathered: Vec<f32> = (0..n).flat_map(|r| data::<f32>(r, len)).collect();
+        let want_bytes: Vec<u8> = (0..n).flat_map(|r| data::<u8>(r, len)).collect();
+        let want_sum: Vec<f64> = (rank * len..(rank + 1) * len)
+            .map(|i| (0..n).map(|r| value(r, i)).sum())
+            .collect();
+        let ctx = |what: &str| format!("two hops ({machine} per machine) {what} of {len}");
+        expect_eq(
+            &ctx("all_gather"),
+            &typed::<f32>(gathered.wait().map_err(err)?)?,
+            &want_gathered,
+        )?;
+        expect_eq(
+            &ctx("u8 all_gather"),
+            &typed::<u8>(bytes.wait().map_err(err)?)?,
+            &want_bytes,
+        )?;
+        expect_eq(
+            &ctx("reduce_scatter"),
+            &typed::<f64>(summed.wait().map_err(err)?)?,
+            &want_sum,
+        )?;
+        let from_machines = typed::<f64>(through.wait().map_err(err)?)?;
+        let mut got = vec![0f64; len];
+        for part in from_machines.chunks(len.max(1)).take(machines) {
+            for (g, x) in got.iter_mut().zip(part) {
+                *g += x;
+            }
+        }
+        if from_machines.len() != machines * len {
+            return Err(format!(
+                "{}: {} elements",
+                ctx("all_to_all_through"),
+                from_machines.len()
+            ));
+        }
+        expect_eq(&ctx("all_to_all_through"), &got, &want_sum)?;
+    }
+    // Across machines each member sent its own f32 and u8 inputs once per other machine,
+    // plus its machine's sums of the reductions.
+    let (_, across) = hops.bytes_sent();
+    let inputs: u64 = [0u64, 1, 5, 1000].iter().map(|l| l * 5).sum();
+    let reductions: u64 = [0u64, 1, 5, 1000].iter().map(|l| l * 8 * 2).sum();
+    let want = (machines as u64 - 1) * (inputs + reductions);
+    if machines > 1 && across != want {
+        return Err(format!(
+            "two hops sent {across} bytes across machines, want {want}"
+        ));
+    }
+    Ok(())
+}
