@@ -315,6 +315,14 @@ fn notes(config: &ResolvedConfig) -> Vec<String> {
                 .into(),
         );
     }
+    let strategy = config.fsdp.sharding_strategy;
+    let per_machine = config.launch.two_hop_machine_size(strategy);
+    if per_machine > 1 && config.fsdp.hierarchical_collectives {
+        out.push(format!(
+            "`fsdp_hierarchical_collectives: true`: the shard group of {shard_group} gathers and reduces in two hops, inside each machine of {per_machine} processes, then across the {} machines",
+            shard_group / per_machine
+        ));
+    }
     if config.fsdp.reduce_dtype == fsdp::config::ReduceDtype::Int8
         && config.launch.num_processes < 2
     {

@@ -127,12 +127,18 @@ fn traffic_line(plan: &UnitPlan, config: &fsdp::config::ResolvedConfig, n: usize
         num_processes: n,
         ..config.launch.clone()
     };
-    let (shard_size, replicas) = launch.mesh_shape(config.fsdp.sharding_strategy);
+    let strategy = config.fsdp.sharding_strategy;
+    let (shard_size, replicas) = launch.mesh_shape(strategy);
+    let machine_size = match config.fsdp.hierarchical_collectives {
+        true => launch.two_hop_machine_size(strategy),
+        false => 1,
+    };
     let t = plan.traffic_per_step(StepShape {
         shard_size,
         replicas,
         micro_batches: 1,
         no_sync: false,
+        machine_size,
     });
     let quantized: Vec<&str> = [
         (plan.gather_int8, "parameters gathered as int8 blocks"),
@@ -152,9 +158,20 @@ fn traffic_line(plan: &UnitPlan, config: &fsdp::config::ResolvedConfig, n: usize
         }
         _ => String::new(),
     };
+    let shard_group = match machine_size {
+        1 => format!(
+            "{:.1} MiB inside its shard group of {shard_size}",
+            mib(t.inside)
+        ),
+        l => format!(
+            "in two hops over its shard group of {shard_size}, {:.1} MiB inside its machine of {l} and {:.1} MiB across the {} machines",
+            mib(t.within_machine),
+            mib(t.across_machines),
+            shard_size / l
+        ),
+    };
     format!(
-        "communication per step (one micro-batch), sent by each rank: {:.1} MiB inside its shard group of {shard_size}{secondary}, {:.1} MiB across {replicas} replica(s){}",
-        mib(t.inside),
+        "communication per step (one micro-batch), sent by each rank: {shard_group}{secondary}, {:.1} MiB across {replicas} replica(s){}",
         mib(t.across),
         if quantized.is_empty() {
             String::new()

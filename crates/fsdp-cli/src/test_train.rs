@@ -105,9 +105,10 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
         acc.optimizer_step(&mut model, &mut optimizer)?;
         losses.push(acc.reduce(vec![local], ReduceOp::Avg)?[0]);
     }
-    let mesh = {
+    let (mesh, machines) = {
         let m = model.engine().mesh();
-        (m.shard_size(), m.replicas())
+        let machines = m.machines.as_ref().map(|h| h.gathers.machines());
+        ((m.shard_size(), m.replicas()), machines)
     };
     if !acc.is_main_process() {
         return Ok(());
@@ -145,6 +146,9 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
     let mut how = String::new();
     if int8 {
         how.push_str(", int8 communication");
+    }
+    if let Some(n) = machines {
+        how += &format!(", two hops across {n} machines");
     }
     if plugin.hpz_partition_size > 1 {
         how += &format!(", secondary partition of {}", plugin.hpz_partition_size);

@@ -144,6 +144,72 @@ fn a_secondary_partition_moves_backwards_gathers_into_its_group() {
     );
 }
 
+/// FULL_SHARD on 2 machines of 2 processes (two launchers on loopback): gathers and
+/// reductions run in two hops, each rank sending (L-1)·M blocks inside its machine and M-1
+/// across per collective, as the theory counts — with f32, and with int8 both ways plus a
+/// secondary partition of each machine — and nothing of theirs on the shard group itself.
+#[test]
+fn two_machines_gather_and_reduce_in_two_hops_as_the_theory_counts() {
+    let zero_pp = [
+        ("FSDP_ALL_GATHER_DTYPE", "int8"),
+        ("FSDP_REDUCE_DTYPE", "int8"),
+        ("FSDP_HPZ_PARTITION_SIZE", "2"),
+    ];
+    for env in [&[][..], &zero_pp[..]] {
+        let p = common::port();
+        let start = |rank: &str| {
+            let mut cmd = common::fsdp();
+            cmd.args(["launch", "--num_machines", "2", "--num_processes", "4"])
+                .args(["--main_process_ip", "127.0.0.1", "--main_process_port", &p])
+                .args(["--machine_rank", rank, env!("CARGO_BIN_EXE_fsdp")])
+                .args(["bench", "memory", "--worker", "FULL_SHARD", "--steps", "2"])
+                .args([
+                    "--batch", "1", "--seq", "8", "--vocab", "512", "--hidden", "128",
+                ])
+                .args(["--layers", "2"])
+                .env("FSDP_JOB_SECRET", "bench-two-hops")
+                .envs(env.iter().copied());
+            cmd.spawn().unwrap()
+        };
+        let (m0, m1) = (start("0"), start("1"));
+        let limit = std::time::Duration::from_secs(90);
+        let (r0, r1) = (common::finish(m0, limit), common::finish(m1, limit));
+        assert_eq!(
+            (r0.code, r1.code),
+            (Some(0), Some(0)),
+            "{}\n{}",
+            r0.out,
+            r1.out
+        );
+        let line = r0
+            .out
+            .lines()
+            .find_map(|l| l.split_once("RESULT "))
+            .unwrap()
+            .1;
+        let r: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(field(&r, "two_hop_machines"), 2.0, "{r}");
+        assert_traffic(&r);
+        for hop in ["within_machine", "across_machines"] {
+            let sent = field(&r, &format!("bytes_two_hops_{hop}_per_step"));
+            assert!(sent > 0.0, "{hop}: {r}");
+            assert_eq!(
+                sent,
+                field(&r, &format!("bytes_two_hops_{hop}_theory")),
+                "{r}"
+            );
+        }
+        // Two machines of two: twice the blocks inside a machine as across.
+        let within = field(&r, "bytes_two_hops_within_machine_per_step");
+        assert_eq!(
+            within,
+            2.0 * field(&r, "bytes_two_hops_across_machines_per_step")
+        );
+        // The shard group carries the gradient norm's all-reduce only.
+        assert!(field(&r, "bytes_sent_per_step") < 100.0, "{r}");
+    }
+}
+
 #[test]
 fn state_traffic_and_peak_follow_each_strategy() {
     let four = measure(4);

@@ -422,6 +422,20 @@ fn env_reports_machine_and_sources() {
         assert!(int8.lines().any(|l| l.starts_with(note)), "{note}: {int8}");
     }
     assert!(!t.contains("dtype: int8`"), "{t}");
+    assert!(!t.contains("two hops"), "one machine: {t}");
+    // A job of 2 machines of 2 processes gathers and reduces in two hops, and env says so.
+    let machines = dir.path().join("machines.yaml");
+    std::fs::write(&machines, "distributed_type: FSDP\nnum_machines: 2\nnum_processes: 4\nmachine_rank: 0\nmain_process_ip: 10.0.0.1\nmain_process_port: 29500\n").unwrap();
+    let out = fsdp(dir.path())
+        .args(["env", "--config_file"])
+        .arg(&machines)
+        .output()
+        .unwrap();
+    let two = text(&out);
+    assert!(
+        two.contains("- Note: `fsdp_hierarchical_collectives: true`: the shard group of 4 gathers and reduces in two hops, inside each machine of 2 processes, then across the 2 machines"),
+        "{two}"
+    );
     // Offloading on the CPU is said once, not refused or ignored silently.
     assert!(
         t.lines()
@@ -665,6 +679,44 @@ fn estimate_memory_prints_units_and_per_rank_bytes() {
     assert!(h.contains(" MiB inside its secondary group of 2, "), "{h}");
     assert!(h.contains("secondary partition "), "{h}");
     assert!(inside(&h) < inside(&t), "{t}\n{h}");
+    // On 2 machines of 2, the shard group's blocks go in two hops: 2 of every 3 inside the
+    // machine, 1 across; flat when fsdp_hierarchical_collectives is false.
+    let machines = |hierarchical: &str| {
+        let config = dir.path().join(format!("machines-{hierarchical}.yaml"));
+        std::fs::write(&config, format!("distributed_type: FSDP\nnum_machines: 2\nnum_processes: 4\nmachine_rank: 0\nmain_process_ip: 10.0.0.1\nmain_process_port: 29500\nfsdp_config:\n  fsdp_hierarchical_collectives: {hierarchical}\n")).unwrap();
+        let out = fsdp(dir.path())
+            .args(["estimate-memory", "--model_config"])
+            .arg(&model)
+            .arg("--config_file")
+            .arg(&config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        text(&out)
+    };
+    let two = machines("true");
+    let mib = |t: &str, after: &str| -> f64 {
+        let at = t
+            .find(after)
+            .unwrap_or_else(|| panic!("no {after:?} in:\n{t}"));
+        t[..at].rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let within = mib(&two, " MiB inside its machine of 2 and ");
+    let across = mib(&two, " MiB across the 2 machines");
+    assert!(
+        two.contains("in two hops over its shard group of 4, "),
+        "{two}"
+    );
+    assert!((within / across - 2.0).abs() < 0.05, "{two}");
+    assert!(
+        ((within + across) / inside(&t) - 1.0).abs() < 0.05,
+        "{t}\n{two}"
+    );
+    let flat = machines("false");
+    assert!(
+        (inside(&flat) / inside(&t) - 1.0).abs() < 1e-9,
+        "{t}\n{flat}"
+    );
     let out = fsdp(dir.path())
         .args(["estimate-memory", "--model_config"])
         .arg(&model)

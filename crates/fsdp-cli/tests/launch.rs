@@ -173,9 +173,15 @@ fn workers_get_the_torchrun_contract_and_the_configuration() {
 
 #[test]
 fn two_machines_on_loopback() {
-    // FULL_SHARD over all 4 processes, then hybrid: sharded inside each "machine",
-    // replicated across the two; each trains 8 steps equal to one process.
-    for strategy in [None, Some("HYBRID_SHARD"), Some("HYBRID_SHARD_ZERO2")] {
+    // FULL_SHARD over all 4 processes (in two hops, and flat), then hybrid: sharded inside
+    // each "machine", replicated across the two; each trains 8 steps equal to one process.
+    let flat = ["--fsdp_hierarchical_collectives", "false"];
+    for (strategy, extra) in [
+        (None, &[][..]),
+        (None, &flat[..]),
+        (Some("HYBRID_SHARD"), &[][..]),
+        (Some("HYBRID_SHARD_ZERO2"), &[][..]),
+    ] {
         let p = port();
         let common = |rank: &str| {
             let mut cmd = fsdp();
@@ -195,7 +201,8 @@ fn two_machines_on_loopback() {
             if let Some(s) = strategy {
                 cmd.args(["--fsdp_sharding_strategy", s]);
             }
-            cmd.args([EXE, "test", "--worker"])
+            cmd.args(extra)
+                .args([EXE, "test", "--worker"])
                 .env("FSDP_JOB_SECRET", "two-machines");
             cmd.spawn().unwrap()
         };
@@ -205,7 +212,12 @@ fn two_machines_on_loopback() {
             finish(m0, Duration::from_secs(60)),
             finish(m1, Duration::from_secs(60)),
         );
-        common::assert_two_machines_trained(&r0, &r1, strategy.unwrap_or("FULL_SHARD"));
+        if extra.is_empty() {
+            common::assert_two_machines_trained(&r0, &r1, strategy.unwrap_or("FULL_SHARD"));
+        } else {
+            let flat = "training ok: 8 steps on 4 processes (shard groups of 4 x 1 replicas)";
+            assert!(r0.out.contains(flat), "{}\n{}", r0.out, r1.out);
+        }
         assert!(
             r0.out
                 .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1"),

@@ -202,7 +202,7 @@ fn two_machines_over_a_network_train_like_one_process() {
         r1.out
     );
     assert!(
-        r0.out.contains("training ok: 8 steps on 4 processes (shard groups of 4 x 1 replicas, int8 communication, secondary partition of 2)"),
+        r0.out.contains("training ok: 8 steps on 4 processes (shard groups of 4 x 1 replicas, int8 communication, two hops across 2 machines, secondary partition of 2)"),
         "{}",
         r0.out
     );

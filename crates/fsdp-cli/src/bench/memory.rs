@@ -338,12 +338,20 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     })?;
     let bytes_sent = |f: &Fsdp| {
         let (inside, across) = f.mesh().bytes_sent();
-        (inside, across, f.mesh().secondary_bytes_sent())
+        let (hops_within, hops_across) = f.mesh().two_hop_bytes_sent();
+        (
+            inside,
+            across,
+            f.mesh().secondary_bytes_sent(),
+            hops_within,
+            hops_across,
+        )
     };
     let mut rng = fsdp::rng::XorShift64::new(fsdp::rng::GOLDEN_GAMMA ^ rank as u64);
     let mut next = move || rng.next_u64();
     let (mut state, mut peak_above, mut sent, mut sent_across) = (0usize, 0usize, 0u64, 0u64);
     let mut sent_secondary = 0u64;
+    let mut sent_hops = (0u64, 0u64);
     let micro = a.accumulation.max(1);
     // Bytes of whole gradients held between micro-batches without sync.
     let mut kept = 0usize;
@@ -389,10 +397,12 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             phases[2] += backward_done.elapsed().as_secs_f64();
             peak_above = peak_above.max(peak.saturating_sub(at_step));
             state = state.max(at_step.saturating_sub(base));
-            let (inside, across, secondary) = bytes_sent(&fsdp);
+            let (inside, across, secondary, hops_within, hops_across) = bytes_sent(&fsdp);
             sent += inside - sent_before.0;
             sent_across += across - sent_before.1;
             sent_secondary += secondary - sent_before.2;
+            sent_hops.0 += hops_within - sent_before.3;
+            sent_hops.1 += hops_across - sent_before.4;
         }
     }
     let steps = a.steps.max(1) as f64;
@@ -406,6 +416,8 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         sent_across as f64 / steps,
         kept as f64,
         sent_secondary as f64 / steps,
+        sent_hops.0 as f64 / steps,
+        sent_hops.1 as f64 / steps,
     ];
     let per_step_ms = phases.map(|s| s / steps * 1e3);
     let metrics = mine.len();
@@ -419,6 +431,10 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             replicas: mesh.replicas(),
             micro_batches: micro,
             no_sync: a.no_sync,
+            machine_size: mesh
+                .machines
+                .as_ref()
+                .map_or(1, |m| m.gathers.machine_size()),
         });
         let (theory_inside, theory_across) = (theory.inside, theory.across);
         let samples_per_s = steps * (a.batch * micro * n) as f64 / worst(4);
@@ -439,6 +455,10 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
         }
         if plan.secondary_partition > 1 {
             label.push_str(&format!(" hpz {}", plan.secondary_partition));
+        }
+        let machines = mesh.machines.as_ref().map_or(1, |m| m.gathers.machines());
+        if machines > 1 {
+            label.push_str(" two hops");
         }
         println!(
             "RESULT {}",
@@ -464,6 +484,11 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "bytes_secondary_theory": theory.secondary,
                 "hpz_partition_size": plan.secondary_partition,
                 "bytes_across_replicas_theory": theory_across,
+                "two_hop_machines": machines,
+                "bytes_two_hops_within_machine_per_step": worst(8),
+                "bytes_two_hops_within_machine_theory": theory.within_machine,
+                "bytes_two_hops_across_machines_per_step": worst(9),
+                "bytes_two_hops_across_machines_theory": theory.across_machines,
                 "shard_group_size": mesh.shard_size(),
                 "replicas": mesh.replicas(),
                 "params_bytes": plan.units.iter().map(|u| u.numel() * 4).sum::<usize>(),

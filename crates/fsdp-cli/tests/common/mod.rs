@@ -244,12 +244,13 @@ pub fn assert_two_machines_trained(r0: &Run, r1: &Run, strategy: &str) {
 }
 
 /// How `fsdp test` reports the mesh of `strategy` on 2 machines of 2 processes: hybrid
-/// strategies shard inside each machine and replicate across the two.
+/// strategies shard inside each machine and replicate across the two; the others shard over
+/// all four, gathering and reducing in two hops (inside each machine, then across).
 pub fn mesh_of(strategy: &str) -> &'static str {
     if strategy.starts_with("HYBRID") {
         "shard groups of 2 x 2 replicas"
     } else {
-        "shard groups of 4 x 1 replicas"
+        "shard groups of 4 x 1 replicas, two hops across 2 machines"
     }
 }
 

@@ -84,6 +84,8 @@ impl FsdpPluginBuilder {
         all_gather_dtype(AllGatherDtype) => FsdpAllGatherDtype, choice;
         /// `fsdp_hpz_partition_size`: ranks backward gathers from (ZeRO++'s hpZ; 0 for none).
         hpz_partition_size(u64) => FsdpHpzPartitionSize, Value::UInt;
+        /// `fsdp_hierarchical_collectives`: two-hop collectives across machines (default on).
+        hierarchical_collectives(bool) => FsdpHierarchicalCollectives, Value::Bool;
         /// `debug`: check FSDP state transitions, poison released parameters.
         debug(bool) => Debug, Value::Bool;
     }

@@ -251,6 +251,9 @@ key_table! {
     FsdpHpzPartitionSize: "fsdp_hpz_partition_size", Fsdp, NON_NEGATIVE, D::UInt(0),
         Some("FSDP_HPZ_PARTITION_SIZE"), &["zero_hpz_partition_size"], Used,
         "ZeRO++'s secondary partition (hpZ): after forward's all-gather each rank keeps 1/N of every gathered unit, so backward gathers it again from the N consecutive ranks of its group only (a machine's processes); 0 or 1 for none (fsdp-rs)";
+    FsdpHierarchicalCollectives: "fsdp_hierarchical_collectives", Fsdp, Kind::Bool,
+        D::Bool(true), Some("FSDP_HIERARCHICAL_COLLECTIVES"), &[], Used,
+        "when parameters are sharded over processes of several machines, gathers and reductions run in two hops, inside each machine and then across machines, so each process's share crosses the network once (ZeRO++'s hierarchical collectives); false for flat collectives (fsdp-rs)";
     FsdpCommBackend: "fsdp_comm_backend", Fsdp, Kind::Choice(fsdp_comm::BackendChoice::NAMES),
         D::Text("auto"), Some("FSDP_COMM_BACKEND"), &[], Used,
         "engine carrying collectives: auto (shared memory on one host, MPI across hosts under mpirun, else TCP), shm, tcp, mpi (fsdp-rs)";

@@ -39,6 +39,17 @@ impl LaunchSettings {
         self.num_processes / self.num_machines.max(1)
     }
 
+    /// Processes per machine when `strategy`'s shard group spans several machines of two or
+    /// more processes (two-hop collectives carry its gathers and reductions there unless
+    /// `fsdp_hierarchical_collectives` is false); 1 otherwise.
+    pub fn two_hop_machine_size(&self, strategy: ShardingStrategy) -> usize {
+        let (shard, _) = self.mesh_shape(strategy);
+        match self.processes_per_machine() {
+            l if l >= 2 && l < shard && shard.is_multiple_of(l) => l,
+            _ => 1,
+        }
+    }
+
     /// The mesh `strategy` makes of the job's processes: (ranks a parameter is sharded over,
     /// copies of each shard) — every process for FULL_SHARD and SHARD_GRAD_OP, one for
     /// NO_SHARD, a machine's processes for hybrid sharding.
@@ -105,6 +116,9 @@ pub struct FsdpPlugin {
     /// Ranks of the secondary partition backward gathers from (`fsdp_hpz_partition_size`,
     /// ZeRO++'s hpZ: 0 or 1 for none).
     pub hpz_partition_size: usize,
+    /// Gathers and reductions of a shard group that spans machines run in two hops, inside
+    /// each machine then across (`fsdp_hierarchical_collectives`, on unless set false).
+    pub hierarchical_collectives: bool,
     /// Check FSDP state transitions and poison released parameters (the `debug` key).
     pub debug: bool,
 }

@@ -212,6 +212,7 @@ impl View<'_> {
                 &mut errors,
             ),
             hpz_partition_size: self.uint(Key::FsdpHpzPartitionSize).unwrap_or(0) as usize,
+            hierarchical_collectives: self.flag(Key::FsdpHierarchicalCollectives),
             debug: self.flag(Key::Debug),
         };
         (plugin, errors)

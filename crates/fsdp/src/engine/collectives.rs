@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, Work};
+use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, TwoHops, Work};
 
 use super::error::EngineError;
 use super::fsdp_unit::UnitKind;
@@ -85,7 +85,10 @@ pub(crate) fn all_gather(
             hint: "parameters are gathered in a float type",
         })?
     };
-    Ok(mesh.shard.all_gather(send))
+    Ok(match &mesh.machines {
+        Some(m) => m.gathers.all_gather(send),
+        None => mesh.shard.all_gather(send),
+    })
 }
 
 /// A unit's gradients on their way to this rank's rows: a reduce-scatter (mean) over the
@@ -210,7 +213,10 @@ pub(crate) fn reduce(
             mesh.replicate.clone(),
         ),
         _ => (
-            mean(mesh.shard.as_ref(), packed, int8.clone(), Spread::Parts),
+            match &mesh.machines {
+                Some(m) => two_hop_mean(&m.reductions, packed, int8.clone()),
+                None => mean(mesh.shard.as_ref(), packed, int8.clone(), Spread::Parts),
+            },
             "reduce-scatter",
             mesh.replicate.clone(),
         ),
@@ -260,7 +266,7 @@ fn mean(
     let encoded = match (values.as_slice::<f32>(), spread) {
         (Some(v), Spread::Whole) => int8_blocks::encode(v, &runs),
         (Some(v), Spread::Parts) => int8_blocks::encode_parts(v, &runs, n),
-        (None, _) => return (not_f32(group, &values), 0),
+        (None, _) => return (not_f32(group.global_rank(), &values), 0),
     };
     drop(values);
     let (bytes, rank) = (encoded.len(), group.global_rank());
@@ -268,14 +274,57 @@ fn mean(
         Spread::Whole => group.all_gather(Buffer::U8(encoded)),
         Spread::Parts => group.all_to_all(Buffer::U8(encoded)),
     };
-    let work = exchanged.map(move |parts| summed(rank, &parts, &runs, n));
+    let work = exchanged.map(move |parts| summed(rank, &parts, &runs, n, 1));
     (work, bytes)
 }
 
-/// The mean of `n` members' int8 blocks of `runs`, in f32.
-fn summed(rank: usize, parts: &Buffer, runs: &[usize], n: usize) -> Result<Buffer, CommError> {
+/// The reduce-scatter mean of `values` over a group spread across machines, in two hops
+/// (each machine's mean first, then the machines' mean: the same mean) and the bytes this
+/// member hands over; with `int8` (the runs of a part), each hop exchanges int8 parts that
+/// the receiver dequantizes and averages in f32, and a machine's means are quantized again
+/// for the second hop (ZeRO++'s hierarchical quantized gradients).
+fn two_hop_mean(
+    hops: &TwoHops,
+    values: Buffer,
+    int8: Option<Arc<[usize]>>,
+) -> (Work<Buffer>, usize) {
+    let Some(runs) = int8 else {
+        let bytes = values.len() * values.dtype().size();
+        return (hops.reduce_scatter(values, ReduceOp::Avg), bytes);
+    };
+    let (processes, machines) = (hops.machine_size(), hops.machines());
+    let encoded = match values.as_slice::<f32>() {
+        Some(v) => int8_blocks::encode_parts(v, &runs, processes * machines),
+        None => return (not_f32(hops.global_rank(), &values), 0),
+    };
+    drop(values);
+    let bytes = encoded.len();
+    let rank = hops.global_rank();
+    let machine_runs = runs.clone();
+    let work = hops
+        .all_to_all_through(Buffer::U8(encoded), move |from_machine| {
+            let means = summed(rank, &from_machine, &machine_runs, processes, machines)?;
+            let means = means.as_slice::<f32>().unwrap_or(&[]);
+            Ok(Buffer::U8(int8_blocks::encode_parts(
+                means,
+                &machine_runs,
+                machines,
+            )))
+        })
+        .map(move |parts| summed(rank, &parts, &runs, machines, 1));
+    (work, bytes)
+}
+
+/// The means of `members` senders' int8 parts of `runs`, `blocks` parts from each, in f32.
+fn summed(
+    rank: usize,
+    parts: &Buffer,
+    runs: &[usize],
+    members: usize,
+    blocks: usize,
+) -> Result<Buffer, CommError> {
     let bytes = parts.as_slice::<u8>().unwrap_or(&[]);
-    int8_blocks::mean_of_parts(bytes, runs, n)
+    int8_blocks::mean_of_parts(bytes, runs, members, blocks)
         .map(Buffer::F32)
         .map_err(|reason| CommError::InvalidArgument {
             rank,
@@ -286,9 +335,9 @@ fn summed(rank: usize, parts: &Buffer, runs: &[usize], n: usize) -> Result<Buffe
 
 /// Gradients to quantize arrive packed in f32; anything else is a bug in the engine, reported
 /// as the reduction's error.
-fn not_f32(group: &dyn Communicator, values: &Buffer) -> Work<Buffer> {
+fn not_f32(rank: usize, values: &Buffer) -> Work<Buffer> {
     Work::ready(Err(CommError::InvalidArgument {
-        rank: group.global_rank(),
+        rank,
         op: "int8 gradient reduction".into(),
         reason: format!(
             "gradients were packed in {:?}, not f32 (a bug in the engine)",

@@ -120,7 +120,7 @@ impl Fsdp {
                 let shard_size = machine_size(group.size())?;
                 Mesh::hybrid(group.as_ref(), shard_size)?
             }
-            _ => Mesh::sharded(group),
+            _ => super::two_hops::attach(plugin, Mesh::sharded(group))?,
         };
         Fsdp::with_mesh(model, initial, plugin, default_wrap, mesh)
     }

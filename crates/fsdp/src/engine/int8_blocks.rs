@@ -101,30 +101,35 @@ pub(crate) fn encode_parts(values: &[f32], runs: &[usize], parts: usize) -> Vec<
     out
 }
 
-/// The mean of `parts` encoded blocks of `runs` (in `bytes`, one after the other),
-/// dequantized and summed in f32 in part order: every rank that sums the same bytes gets the
-/// same values. The error says what arrived instead (the caller names the op).
+/// The means of `members` senders' encoded blocks of `runs`, `blocks` blocks from each (in
+/// `bytes`, sender after sender, each sender's blocks in order): block b of the result is
+/// the mean of every sender's block b, dequantized and summed in f32 in sender order, so
+/// every rank that sums the same bytes gets the same values. The error says what arrived
+/// instead (the caller names the op).
 pub(crate) fn mean_of_parts(
     bytes: &[u8],
     runs: &[usize],
-    parts: usize,
+    members: usize,
+    blocks: usize,
 ) -> Result<Vec<f32>, String> {
     let (k, part) = (runs.iter().sum::<usize>(), encoded_len(runs));
+    let parts = members * blocks;
     if bytes.len() != part * parts {
         return Err(format!(
             "{} bytes arrived for {parts} parts of {k} values ({part} bytes each)",
             bytes.len()
         ));
     }
-    let mut sum = vec![0f32; k];
-    for encoded in bytes.chunks_exact(part.max(1)) {
-        decode_into(encoded, runs, &mut sum, |v, out| {
+    let mut sum = vec![0f32; k * blocks];
+    for (i, encoded) in bytes.chunks_exact(part.max(1)).enumerate() {
+        let b = i % blocks.max(1);
+        decode_into(encoded, runs, &mut sum[b * k..(b + 1) * k], |v, out| {
             for (o, v) in out.iter_mut().zip(v) {
                 *o += v;
             }
         });
     }
-    let n = parts.max(1) as f32;
+    let n = members.max(1) as f32;
     sum.iter_mut().for_each(|v| *v /= n);
     Ok(sum)
 }
@@ -338,7 +343,7 @@ mod tests {
             .iter()
             .flat_map(|g| encode_parts(g, &RUNS, ranks)[mine * part..(mine + 1) * part].to_vec())
             .collect();
-        let got = mean_of_parts(&wire, &RUNS, ranks).unwrap();
+        let got = mean_of_parts(&wire, &RUNS, ranks, 1).unwrap();
         // Each contribution is within half its block's step; the mean within the mean of
         // those half-steps.
         let mut bound = vec![0f32; k];
@@ -360,13 +365,38 @@ mod tests {
             );
         }
         // Empty parts and a non-finite contribution.
-        assert!(mean_of_parts(&[], &[0], 4).unwrap().is_empty());
+        assert!(mean_of_parts(&[], &[0], 4, 1).unwrap().is_empty());
         let mut bad = values(4);
         bad[2] = f32::NAN;
-        let got = mean_of_parts(&encode_parts(&bad, &[4], 1), &[4], 1).unwrap();
+        let got = mean_of_parts(&encode_parts(&bad, &[4], 1), &[4], 1, 1).unwrap();
         assert!(got.iter().all(|v| v.is_nan()));
-        let e = mean_of_parts(&[0; 7], &[8], 2).unwrap_err();
+        let e = mean_of_parts(&[0; 7], &[8], 2, 1).unwrap_err();
         assert!(e.contains("7 bytes arrived for 2 parts"), "{e}");
+    }
+
+    #[test]
+    fn means_of_several_blocks_are_each_blocks_mean_over_its_senders() {
+        let (k, part) = (RUNS.iter().sum::<usize>(), encoded_len(&RUNS));
+        let (members, blocks) = (2, 3);
+        let sent: Vec<Vec<u8>> = (0..members)
+            .map(|s| {
+                let g: Vec<f32> = values(k * blocks)
+                    .iter()
+                    .map(|v| v * (s as f32 + 0.5))
+                    .collect();
+                encode_parts(&g, &RUNS, blocks)
+            })
+            .collect();
+        let got = mean_of_parts(&sent.concat(), &RUNS, members, blocks).unwrap();
+        assert_eq!(got.len(), k * blocks);
+        for b in 0..blocks {
+            let one: Vec<u8> = sent
+                .iter()
+                .flat_map(|s| s[b * part..(b + 1) * part].to_vec())
+                .collect();
+            let want = mean_of_parts(&one, &RUNS, members, 1).unwrap();
+            assert_eq!(&got[b * k..(b + 1) * k], &want[..], "block {b}");
+        }
     }
 
     #[test]

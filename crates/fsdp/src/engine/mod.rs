@@ -37,6 +37,7 @@ mod sparse_rows;
 mod staged_plane;
 mod state_by_name;
 mod step;
+mod two_hops;
 mod unit;
 mod unit_grads;
 

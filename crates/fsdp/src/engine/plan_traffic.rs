@@ -15,6 +15,9 @@ pub struct StepShape {
     pub micro_batches: usize,
     /// The micro-batches before the last run without sync (gradients reduced once a step).
     pub no_sync: bool,
+    /// Processes per machine when two-hop collectives carry the shard group's gathers and
+    /// reductions (`fsdp_hierarchical_collectives` over several machines); 1 for none.
+    pub machine_size: usize,
 }
 
 /// Bytes one rank sends per step.
@@ -26,6 +29,11 @@ pub struct StepTraffic {
     pub across: usize,
     /// Inside its secondary group (ZeRO++'s hpZ: backward's gathers of resharded units).
     pub secondary: usize,
+    /// In two-hop collectives' first or second hop inside its machine (what `inside` would
+    /// count otherwise, with `across_machines`).
+    pub within_machine: usize,
+    /// In two-hop collectives' hop between machines.
+    pub across_machines: usize,
 }
 
 impl UnitPlan {
@@ -39,7 +47,10 @@ impl UnitPlan {
     /// reduction (a ring all-reduce's 2(R-1)/R of it, or with int8 gradients an all-gather
     /// of its encoding, R-1 times it); for NO_SHARD the block is the whole unit. Reductions:
     /// one per micro-batch, or one per step when the earlier micro-batches run without sync.
-    /// Gradients are reduced for the trainable parameters only.
+    /// Gradients are reduced for the trainable parameters only. In two hops over M machines
+    /// of L processes, what a rank sends inside its shard group is split: (L-1)·M blocks
+    /// inside its machine (the second hop of a gather, the first of a reduction) and M-1
+    /// across machines, per gather and reduction.
     pub fn traffic_per_step(&self, shape: StepShape) -> StepTraffic {
         let (s, r, micro) = (shape.shard_size, shape.replicas, shape.micro_batches);
         let reductions = if shape.no_sync { 1 } else { micro };
@@ -47,19 +58,30 @@ impl UnitPlan {
             inside: 0,
             across: 0,
             secondary: 0,
+            within_machine: 0,
+            across_machines: 0,
         };
         let h = self.secondary_partition;
+        let l = shape.machine_size.max(1);
         for u in &self.units {
             let block = self.reduce_wire_bytes(u);
             if s > 1 {
                 let regather = self.strategy.reshards_after_forward() && !u.path.is_empty();
                 let wire = self.gather_wire_bytes(u);
-                traffic.inside += (s - 1) * (wire * micro + block * reductions);
+                let mut gathers = micro;
                 if regather && h > 1 {
                     // Each rank sends its share (the gathered block's 1/h) to h - 1 peers.
                     traffic.secondary += micro * (h - 1) * (s * wire / h);
                 } else if regather {
-                    traffic.inside += micro * (s - 1) * wire;
+                    gathers += micro;
+                }
+                let blocks = wire * gathers + block * reductions;
+                if l > 1 && s > l && s.is_multiple_of(l) {
+                    let m = s / l;
+                    traffic.within_machine += (l - 1) * m * blocks;
+                    traffic.across_machines += (m - 1) * blocks;
+                } else {
+                    traffic.inside += (s - 1) * blocks;
                 }
             }
             if r > 1 {

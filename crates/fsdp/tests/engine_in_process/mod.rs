@@ -19,6 +19,7 @@ use fsdp::optim::{AdamW, AdamWConfig, Optimizer, ParamState};
 use fsdp_comm::{Communicator, LocalGroup, Mesh};
 
 mod quantized;
+mod two_hops;
 
 use crate::common::tiny::{GLOBAL_BATCH, batch};
 
@@ -44,6 +45,10 @@ struct RankResult {
     full: Option<BTreeMap<String, Tensor>>,
     /// Bytes sent inside the mesh's secondary group (hpZ's backward gathers).
     secondary_bytes: u64,
+    /// Bytes sent in two-hop collectives (inside machines, across them).
+    two_hop_bytes: (u64, u64),
+    /// Bytes sent on the shard group itself.
+    shard_bytes: u64,
 }
 
 /// Rows of every parameter, by name, as `(rows, values)` parts from several ranks.
@@ -77,6 +82,8 @@ struct Compute {
     reduce: ReduceDtype,
     /// `fsdp_hpz_partition_size` (0: none).
     hpz: u64,
+    /// Machines of this many consecutive ranks, with two-hop collectives across them.
+    machines: Option<usize>,
 }
 
 impl Compute {
@@ -87,6 +94,7 @@ impl Compute {
             gather: AllGatherDtype::Auto,
             reduce: ReduceDtype::Fp32,
             hpz: 0,
+            machines: None,
         }
     }
 }
@@ -135,10 +143,18 @@ fn run_with(
                     .resolve(&layout, None)
                     .unwrap()
                     .fsdp;
-                let mut engine = match hybrid {
+                let mesh = match (hybrid, compute.machines) {
+                    (Some(shard), _) => Some(Mesh::hybrid(group.as_ref(), shard).unwrap()),
+                    (None, Some(per_machine)) => Some(
+                        Mesh::sharded(group.clone())
+                            .with_machines(per_machine)
+                            .unwrap(),
+                    ),
+                    (None, None) => None,
+                };
+                let mut engine = match mesh {
                     None => Fsdp::wrap(&m, &initial, &plugin, group.clone()).unwrap(),
-                    Some(shard) => {
-                        let mesh = Mesh::hybrid(group.as_ref(), shard).unwrap();
+                    Some(mesh) => {
                         Fsdp::with_mesh(&m.info(), &initial, &plugin, m.no_split_modules(), mesh)
                             .unwrap()
                     }
@@ -211,6 +227,8 @@ fn run_with(
                     state,
                     full,
                     secondary_bytes: engine.mesh().secondary_bytes_sent(),
+                    two_hop_bytes: engine.mesh().two_hop_bytes_sent(),
+                    shard_bytes: engine.mesh().bytes_sent().0,
                 }
             })
         })

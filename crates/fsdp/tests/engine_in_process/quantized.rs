@@ -42,7 +42,7 @@ fn an_int8_gather_trains_as_the_f32_gather_within_its_rounding() {
 /// Every step's loss within `tolerance` (relative) of `want`'s yet not all equal (the
 /// rounding is real), and every weight within Adam's reach of `want`'s: 2 lr per step (this
 /// tiny model's near-zero gradients let Adam turn rounding into whole steps).
-fn within_rounding(what: &str, got: &[RankResult], want: &[RankResult], tolerance: f64) {
+pub(super) fn within_rounding(what: &str, got: &[RankResult], want: &[RankResult], tolerance: f64) {
     let (g, w) = (losses(got), losses(want));
     assert_ne!(
         g, w,
