@@ -140,14 +140,13 @@ fn traffic_line(plan: &UnitPlan, config: &fsdp::config::ResolvedConfig, n: usize
         no_sync: false,
         machine_size,
     });
-    let quantized: Vec<&str> = [
-        (plan.gather_int8, "parameters gathered as int8 blocks"),
-        (plan.reduce_int8, "gradients reduced as int8 blocks"),
-    ]
-    .iter()
-    .filter(|(on, _)| *on)
-    .map(|(_, what)| *what)
-    .collect();
+    let mut quantized = Vec::new();
+    if plan.gather_int8 {
+        quantized.push("parameters gathered as int8 blocks".to_string());
+    }
+    if plan.reduce_dtype.is_quantized() {
+        quantized.push(format!("gradients reduced as {} blocks", plan.reduce_dtype));
+    }
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let secondary = match plan.secondary_partition {
         h if h > 1 && shard_size > 1 => {

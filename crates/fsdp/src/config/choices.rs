@@ -176,6 +176,13 @@ choice_enum!(
     }
 );
 
+impl ReduceDtype {
+    /// Whether gradients travel as integer blocks summed in f32 on arrival.
+    pub fn is_quantized(self) -> bool {
+        matches!(self, ReduceDtype::Int8)
+    }
+}
+
 choice_enum!(
     /// The element type parameters are all-gathered in: the compute dtype, or int8 blocks
     /// (ZeRO++'s quantized weights: a quarter of f32's bytes on the wire, half of bf16's).

@@ -9,7 +9,7 @@ use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, TwoHops,
 
 use super::error::EngineError;
 use super::fsdp_unit::UnitKind;
-use super::int8_blocks;
+use super::quantized_blocks::Codec;
 use super::sparse_rows::{CompactGrads, RowSparsePlan, RowSparseReduce};
 use crate::config::{AllGatherDtype, FsdpPlugin, MixedPrecision, ReduceDtype};
 use crate::trace::Tracer;
@@ -24,9 +24,9 @@ pub struct CommDtypes {
     /// Parameters cross the wire as int8 blocks, dequantized into `param` on arrival
     /// (`fsdp_all_gather_dtype: int8`).
     pub gather_int8: bool,
-    /// Gradients (packed in f32, `reduce`) cross the wire as int8 blocks, summed in f32 on
-    /// arrival (`fsdp_reduce_dtype: int8`).
-    pub reduce_int8: bool,
+    /// Gradients (packed in f32, `reduce`) cross the wire as integer blocks of this codec,
+    /// summed in f32 on arrival (`fsdp_reduce_dtype: int8`).
+    pub(crate) reduce_codec: Option<Codec>,
 }
 
 impl CommDtypes {
@@ -48,7 +48,7 @@ impl CommDtypes {
                 ReduceDtype::Fp16 => DType::F16,
             },
             gather_int8: plugin.all_gather_dtype == AllGatherDtype::Int8,
-            reduce_int8: plugin.reduce_dtype == ReduceDtype::Int8,
+            reduce_codec: Codec::for_reduce(plugin.reduce_dtype),
         }
     }
 }
@@ -60,14 +60,14 @@ impl Default for CommDtypes {
             param: DType::F32,
             reduce: DType::F32,
             gather_int8: false,
-            reduce_int8: false,
+            reduce_codec: None,
         }
     }
 }
 
 /// Starts gathering a unit: this rank's block (its parameters' shards, packed: `runs` long
 /// each) cast to `dtypes.param`, or quantized to int8 blocks with `dtypes.gather_int8`
-/// ([`int8_blocks`]), and all-gathered over the shard dimension (of more than one rank).
+/// ([`Codec::INT8`]), and all-gathered over the shard dimension (of more than one rank).
 pub(crate) fn all_gather(
     mesh: &Mesh,
     packed: Vec<f32>,
@@ -76,7 +76,7 @@ pub(crate) fn all_gather(
 ) -> Result<Work<Buffer>, EngineError> {
     let dtype = dtypes.param;
     let send = if dtypes.gather_int8 {
-        Buffer::U8(int8_blocks::encode(&packed, runs))
+        Buffer::U8(Codec::INT8.encode(&packed, runs))
     } else if dtype == DType::F32 {
         Buffer::F32(packed)
     } else {
@@ -103,9 +103,8 @@ pub(crate) struct PendingReduce {
     /// Replicas to average over once the reduce-scatter is done (taken when that mean is
     /// issued).
     replicate: Option<Arc<dyn Communicator>>,
-    /// The runs of a rank's gradient block when means travel as int8 blocks
-    /// ([`mean`]).
-    int8: Option<Arc<[usize]>>,
+    /// How means travel when they are quantized ([`mean`]).
+    quantized: Option<Quantized>,
     /// When the reduce-scatter ran, once the replicas' mean has replaced it in `scatter`.
     scattered: Option<(Instant, Instant)>,
     /// When it was issued, and the bytes sent (for the trace).
@@ -140,7 +139,7 @@ impl PendingReduce {
         self.scatter = match scatter.wait_timed() {
             Ok((out, ran)) => {
                 self.scattered = Some(ran.unwrap_or((self.issued, Instant::now())));
-                mean(r.as_ref(), out, self.int8.clone(), Spread::Whole).0
+                mean(r.as_ref(), out, self.quantized.clone(), Spread::Whole).0
             }
             Err(e) => Work::ready(Err(e)),
         };
@@ -185,14 +184,13 @@ impl PendingReduce {
 /// `sparse` plan (the unit has row-sparse parameters, the mesh one dimension), only their
 /// touched rows are sent (in f32). A replicated unit (every rank holds all of it: ignored
 /// modules) is averaged over the shard dimension whole instead of reduce-scattered. With
-/// `int8` (f32 gradients packed; the runs of a rank's block), every exchange carries int8
-/// blocks summed in f32.
+/// `quantized` (f32 gradients packed), every exchange carries integer blocks summed in f32.
 pub(crate) fn reduce(
     mesh: &Mesh,
     packed: Buffer,
     sparse: Option<RowSparsePlan>,
     kind: UnitKind,
-    int8: Option<Arc<[usize]>>,
+    quantized: Option<Quantized>,
 ) -> Result<PendingReduce, CommError> {
     if let (Some(plan), Some(group)) = (sparse, row_sparse_group(mesh)) {
         return row_sparse(mesh, RowSparseReduce::start(plan, group, packed)?);
@@ -203,19 +201,29 @@ pub(crate) fn reduce(
         // Nothing to scatter: the replicas' mean starts now, while backward goes on, instead
         // of when the step waits for it.
         (1, Some(r)) => (
-            mean(r.as_ref(), packed, int8.clone(), Spread::Whole),
+            mean(r.as_ref(), packed, quantized.clone(), Spread::Whole),
             "all-reduce",
             None,
         ),
         _ if kind.is_replicated() => (
-            mean(mesh.shard.as_ref(), packed, int8.clone(), Spread::Whole),
+            mean(
+                mesh.shard.as_ref(),
+                packed,
+                quantized.clone(),
+                Spread::Whole,
+            ),
             "all-reduce",
             mesh.replicate.clone(),
         ),
         _ => (
             match &mesh.machines {
-                Some(m) => two_hop_mean(&m.reductions, packed, int8.clone()),
-                None => mean(mesh.shard.as_ref(), packed, int8.clone(), Spread::Parts),
+                Some(m) => two_hop_mean(&m.reductions, packed, quantized.clone()),
+                None => mean(
+                    mesh.shard.as_ref(),
+                    packed,
+                    quantized.clone(),
+                    Spread::Parts,
+                ),
             },
             "reduce-scatter",
             mesh.replicate.clone(),
@@ -227,10 +235,17 @@ pub(crate) fn reduce(
         sparse: None,
         kind,
         replicate,
-        int8,
+        quantized,
         scattered: None,
         issued: Instant::now(),
     })
+}
+
+/// Gradients quantized for the wire: the codec, and the runs of a rank's block.
+#[derive(Clone)]
+pub(crate) struct Quantized {
+    pub codec: Codec,
+    pub runs: Arc<[usize]>,
 }
 
 /// Where a group's mean goes: whole to every member, or a part (of `size`) to each.
@@ -241,18 +256,18 @@ enum Spread {
 }
 
 /// The group's mean of `values` spread as `spread` says, and the bytes this member sends
-/// for it: an all-reduce or a reduce-scatter; with `int8` (the runs of a part), an
-/// all-gather of every member's int8 blocks or an all-to-all of its int8 parts, which each
+/// for it: an all-reduce or a reduce-scatter; with `quantized`, an all-gather of every
+/// member's integer blocks or an all-to-all of its integer parts, which each
 /// member dequantizes and sums in f32 in rank order (ZeRO++'s quantized gradients: the sum
 /// is never formed in low precision, and members holding the same part hold the same
 /// values).
 fn mean(
     group: &dyn Communicator,
     values: Buffer,
-    int8: Option<Arc<[usize]>>,
+    quantized: Option<Quantized>,
     spread: Spread,
 ) -> (Work<Buffer>, usize) {
-    let Some(runs) = int8 else {
+    let Some(Quantized { codec, runs }) = quantized else {
         let bytes = values.len() * values.dtype().size();
         // Not `reduce_scatter_into`: the packed input is freed when the collective is done
         // with it, not held until the step waits for every unit's reduction.
@@ -264,8 +279,8 @@ fn mean(
     };
     let n = group.size();
     let encoded = match (values.as_slice::<f32>(), spread) {
-        (Some(v), Spread::Whole) => int8_blocks::encode(v, &runs),
-        (Some(v), Spread::Parts) => int8_blocks::encode_parts(v, &runs, n),
+        (Some(v), Spread::Whole) => codec.encode(v, &runs),
+        (Some(v), Spread::Parts) => codec.encode_parts(v, &runs, n),
         (None, _) => return (not_f32(group.global_rank(), &values), 0),
     };
     drop(values);
@@ -274,27 +289,27 @@ fn mean(
         Spread::Whole => group.all_gather(Buffer::U8(encoded)),
         Spread::Parts => group.all_to_all(Buffer::U8(encoded)),
     };
-    let work = exchanged.map(move |parts| summed(rank, &parts, &runs, n, 1));
+    let work = exchanged.map(move |parts| summed(codec, rank, &parts, &runs, n, 1));
     (work, bytes)
 }
 
 /// The reduce-scatter mean of `values` over a group spread across machines, in two hops
 /// (each machine's mean first, then the machines' mean: the same mean) and the bytes this
-/// member hands over; with `int8` (the runs of a part), each hop exchanges int8 parts that
+/// member hands over; with `quantized`, each hop exchanges integer parts that
 /// the receiver dequantizes and averages in f32, and a machine's means are quantized again
 /// for the second hop (ZeRO++'s hierarchical quantized gradients).
 fn two_hop_mean(
     hops: &TwoHops,
     values: Buffer,
-    int8: Option<Arc<[usize]>>,
+    quantized: Option<Quantized>,
 ) -> (Work<Buffer>, usize) {
-    let Some(runs) = int8 else {
+    let Some(Quantized { codec, runs }) = quantized else {
         let bytes = values.len() * values.dtype().size();
         return (hops.reduce_scatter(values, ReduceOp::Avg), bytes);
     };
     let (processes, machines) = (hops.machine_size(), hops.machines());
     let encoded = match values.as_slice::<f32>() {
-        Some(v) => int8_blocks::encode_parts(v, &runs, processes * machines),
+        Some(v) => codec.encode_parts(v, &runs, processes * machines),
         None => return (not_f32(hops.global_rank(), &values), 0),
     };
     drop(values);
@@ -303,20 +318,29 @@ fn two_hop_mean(
     let machine_runs = runs.clone();
     let work = hops
         .all_to_all_through(Buffer::U8(encoded), move |from_machine| {
-            let means = summed(rank, &from_machine, &machine_runs, processes, machines)?;
+            let means = summed(
+                codec,
+                rank,
+                &from_machine,
+                &machine_runs,
+                processes,
+                machines,
+            )?;
             let means = means.as_slice::<f32>().unwrap_or(&[]);
-            Ok(Buffer::U8(int8_blocks::encode_parts(
+            Ok(Buffer::U8(codec.encode_parts(
                 means,
                 &machine_runs,
                 machines,
             )))
         })
-        .map(move |parts| summed(rank, &parts, &runs, machines, 1));
+        .map(move |parts| summed(codec, rank, &parts, &runs, machines, 1));
     (work, bytes)
 }
 
-/// The means of `members` senders' int8 parts of `runs`, `blocks` parts from each, in f32.
+/// The means of `members` senders' `codec` parts of `runs`, `blocks` parts from each, in
+/// f32.
 fn summed(
+    codec: Codec,
     rank: usize,
     parts: &Buffer,
     runs: &[usize],
@@ -324,11 +348,12 @@ fn summed(
     blocks: usize,
 ) -> Result<Buffer, CommError> {
     let bytes = parts.as_slice::<u8>().unwrap_or(&[]);
-    int8_blocks::mean_of_parts(bytes, runs, members, blocks)
+    codec
+        .mean_of_parts(bytes, runs, members, blocks)
         .map(Buffer::F32)
         .map_err(|reason| CommError::InvalidArgument {
             rank,
-            op: "int8 gradient reduction".into(),
+            op: "quantized gradient reduction".into(),
             reason,
         })
 }
@@ -338,7 +363,7 @@ fn summed(
 fn not_f32(rank: usize, values: &Buffer) -> Work<Buffer> {
     Work::ready(Err(CommError::InvalidArgument {
         rank,
-        op: "int8 gradient reduction".into(),
+        op: "quantized gradient reduction".into(),
         reason: format!(
             "gradients were packed in {:?}, not f32 (a bug in the engine)",
             values.dtype()
@@ -379,7 +404,7 @@ fn row_sparse(mesh: &Mesh, sparse: RowSparseReduce) -> Result<PendingReduce, Com
             "all-reduce"
         },
         replicate: None,
-        int8: None,
+        quantized: None,
         scattered: None,
         issued: Instant::now(),
     })

@@ -3,6 +3,7 @@
 //! rank holds. Built and checked before any tensor exists, so a bad wrap configuration stops
 //! the run with a message instead of a wrong training.
 
+use super::quantized_blocks::Codec;
 use crate::config::{AutoWrapPolicy, FsdpPlugin, ReduceDtype, ShardingStrategy};
 use crate::nn::{ModuleInfo, ParamSpec};
 
@@ -195,8 +196,9 @@ pub struct UnitPlan {
     pub reduce_bytes: usize,
     /// Parameters travel as int8 blocks (`fsdp_all_gather_dtype: int8`).
     pub gather_int8: bool,
-    /// Gradients travel as int8 blocks (`fsdp_reduce_dtype: int8`).
-    pub reduce_int8: bool,
+    /// What gradients are reduced in (`fsdp_reduce_dtype`: a quantized one travels as
+    /// integer blocks).
+    pub reduce_dtype: ReduceDtype,
     /// Ranks of the secondary group backward gathers resharded units from (ZeRO++'s hpZ,
     /// `fsdp_hpz_partition_size`); 1 for none.
     pub secondary_partition: usize,
@@ -238,20 +240,19 @@ impl UnitPlan {
     /// int8 blocks with their scales.
     pub fn gather_wire_bytes(&self, unit: &Unit) -> usize {
         if self.gather_int8 {
-            super::int8_blocks::encoded_len(&unit.param_runs())
+            Codec::INT8.encoded_len(&unit.param_runs())
         } else {
             unit.shard_numel() * self.gathered_bytes
         }
     }
 
     /// Bytes one rank's block of `unit`'s gradients takes in a reduction's exchange: the
-    /// reduce dtype's, or int8 blocks with their scales.
+    /// reduce dtype's, or integer blocks with their scales.
     pub fn reduce_wire_bytes(&self, unit: &Unit) -> usize {
         let runs = unit.grad_runs();
-        if self.reduce_int8 {
-            super::int8_blocks::encoded_len(&runs)
-        } else {
-            runs.iter().sum::<usize>() * self.reduce_bytes
+        match Codec::for_reduce(self.reduce_dtype) {
+            Some(codec) => codec.encoded_len(&runs),
+            None => runs.iter().sum::<usize>() * self.reduce_bytes,
         }
     }
 
@@ -467,7 +468,7 @@ impl UnitPlan {
                 ReduceDtype::Bf16 | ReduceDtype::Fp16 => 2,
             },
             gather_int8: plugin.all_gather_dtype == crate::config::AllGatherDtype::Int8,
-            reduce_int8: plugin.reduce_dtype == ReduceDtype::Int8,
+            reduce_dtype: plugin.reduce_dtype,
             secondary_partition: if plugin.sharding_strategy.reshards_after_forward() {
                 plugin.hpz_partition_size.max(1)
             } else {

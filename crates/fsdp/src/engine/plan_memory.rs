@@ -102,7 +102,8 @@ impl UnitPlan {
             },
             // The full gradient, its packed blocks, and with int8 their encoding.
             reducing: largest_unit * (f + self.reduce_bytes)
-                + usize::from(self.reduce_int8) * super::int8_blocks::encoded_len(&[largest_unit])
+                + super::quantized_blocks::Codec::for_reduce(self.reduce_dtype)
+                    .map_or(0, |c| c.encoded_len(&[largest_unit]))
                 + offloaded_grads,
             secondary: self.secondary_bytes(),
             streaming: kinds * two_blocks * f,

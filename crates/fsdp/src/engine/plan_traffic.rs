@@ -86,7 +86,7 @@ impl UnitPlan {
             }
             if r > 1 {
                 traffic.across += reductions
-                    * if self.reduce_int8 {
+                    * if self.reduce_dtype.is_quantized() {
                         (r - 1) * block
                     } else {
                         2 * (r - 1) * block / r

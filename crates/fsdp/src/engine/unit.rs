@@ -15,7 +15,7 @@ use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
 use super::hooks::{PreBackward, StepHooks, Unshard};
-use super::int8_blocks;
+use super::quantized_blocks::Codec;
 use super::sparse_rows::RowSparsePlan;
 use super::unit_grads::{Completed, GradTarget, UnitGrads};
 use crate::config::BackwardPrefetch;
@@ -152,8 +152,11 @@ impl UnitRun {
             Completed::Rows(rows) => collectives::reduce_compact(cx.mesh, rows),
             Completed::Packed(g) => {
                 let sparse = row_sparse_plan(&self.unit, cx);
-                let int8 = cx.dtypes.reduce_int8.then(|| self.unit.grad_runs.clone());
-                collectives::reduce(cx.mesh, g, sparse, self.unit.kind, int8)
+                let quantized = cx.dtypes.reduce_codec.map(|codec| collectives::Quantized {
+                    codec,
+                    runs: self.unit.grad_runs.clone(),
+                });
+                collectives::reduce(cx.mesh, g, sparse, self.unit.kind, quantized)
             }
         };
         pending.map(Some).map_err(collective_failed)
@@ -262,7 +265,7 @@ impl UnitRun {
         }
         if cx.dtypes.gather_int8 {
             let (ranks, runs) = (self.unit.ranks(cx.mesh.shard_size()), &self.unit.param_runs);
-            let decoded = int8_blocks::decode_gathered(&gathered, runs, ranks, cx.dtypes.param);
+            let decoded = Codec::INT8.decode_gathered(&gathered, runs, ranks, cx.dtypes.param);
             return decoded.map(Some).map_err(|problem| EngineError::State {
                 name: format!("the int8 all-gather {when} of {}", self.unit.name()),
                 problem,

@@ -1,0 +1,479 @@
+//! Symmetric integer blocks, ZeRO++'s quantization for the wire: a rank's packed block of
+//! f32 values becomes one f32 scale per block of a [`Codec`]'s size (the block's largest
+//! magnitude over the largest level) and one integer per value — int8: a quarter of f32's
+//! bytes (plus 1/128 for the scales), half of bf16's; a value comes back within half a step
+//! (`scale / 2`). Blocks never straddle two parameters: each parameter's run of the packed
+//! block (`runs`, their lengths in order) is quantized apart, so a bias whose values or
+//! gradients are a thousand times smaller than a neighbouring weight's keeps its own scale
+//! instead of rounding to zero.
+//!
+//! * Weights (`fsdp_all_gather_dtype: int8`, qwZ): each rank encodes its packed shard, the
+//!   ranks all-gather the bytes, and each dequantizes every rank's part into the compute
+//!   dtype before unpacking. Master weights and optimizer state are untouched.
+//! * Gradients (`fsdp_reduce_dtype: int8`, qgZ): each rank encodes its gradient in one part
+//!   per destination rank, the ranks exchange the parts all-to-all, and each dequantizes the
+//!   parts it received and sums them in f32 ([`Codec::mean_of_parts`]), so the sum is never
+//!   formed in low precision; only each rank's contribution is rounded.
+
+use std::ops::Range;
+
+use fsdp_comm::{Buffer, DType};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::config::ReduceDtype;
+
+/// The largest block a codec uses (the scratch a block is dequantized into).
+const MAX_BLOCK: usize = 512;
+
+/// How values cross the wire: symmetric integers of one width, one f32 scale per `block`
+/// values of one parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Codec {
+    /// Values per scale (ZeRO++ quantizes in groups; 512 keeps a block's scale local to a few
+    /// rows of a typical weight while int8's scales cost under 1% of the bytes).
+    block: usize,
+}
+
+impl Codec {
+    /// int8: levels -127..=127, blocks of 512.
+    pub(crate) const INT8: Codec = Codec { block: 512 };
+
+    /// The codec gradients travel in under `dtype`, if it quantizes.
+    pub(crate) fn for_reduce(dtype: ReduceDtype) -> Option<Codec> {
+        match dtype {
+            ReduceDtype::Int8 => Some(Codec::INT8),
+            ReduceDtype::Fp32 | ReduceDtype::Bf16 | ReduceDtype::Fp16 => None,
+        }
+    }
+
+    /// Bytes one run of `n` values takes: its block scales (f32, little-endian) then one
+    /// byte per value.
+    fn run_len(self, n: usize) -> usize {
+        n.div_ceil(self.block) * 4 + n
+    }
+
+    /// Bytes a rank sends for a block of `runs` (each run encoded after the one before).
+    pub(crate) fn encoded_len(self, runs: &[usize]) -> usize {
+        runs.iter().map(|&n| self.run_len(n)).sum()
+    }
+
+    /// Each run's values and bytes in a block of `runs` and in its encoding.
+    fn spans(self, runs: &[usize]) -> impl Iterator<Item = (Range<usize>, Range<usize>)> + '_ {
+        let (mut at, mut byte) = (0, 0);
+        runs.iter().map(move |&n| {
+            let span = (at..at + n, byte..byte + self.run_len(n));
+            (at, byte) = (span.0.end, span.1.end);
+            span
+        })
+    }
+
+    /// `values` (a block of `runs`) as integer blocks with their scales. A block holding a
+    /// NaN or an infinity gets that as its scale, so it dequantizes to NaN: a non-finite
+    /// value stays visible.
+    pub(crate) fn encode(self, values: &[f32], runs: &[usize]) -> Vec<u8> {
+        let mut out = vec![0u8; self.encoded_len(runs)];
+        self.encode_into(values, runs, &mut out);
+        out
+    }
+
+    /// [`Codec::encode`] into `out`, zeroed, of [`Codec::encoded_len`] bytes.
+    fn encode_into(self, values: &[f32], runs: &[usize], out: &mut [u8]) {
+        for (v, b) in self.spans(runs) {
+            self.encode_run(&values[v], &mut out[b]);
+        }
+    }
+
+    /// One run's blocks into `out`, zeroed, of [`Codec::run_len`] bytes.
+    fn encode_run(self, values: &[f32], out: &mut [u8]) {
+        let blocks = values.len().div_ceil(self.block);
+        let (scales, quantized) = out.split_at_mut(blocks * 4);
+        for ((block, scale), q) in values
+            .chunks(self.block)
+            .zip(scales.chunks_exact_mut(4))
+            .zip(quantized.chunks_mut(self.block))
+        {
+            // Two plain passes the compiler vectorises: the largest magnitude, and whether
+            // every value is finite (a NaN or an infinity makes the scale NaN).
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let finite = block.iter().all(|v| v.is_finite());
+            let step = if finite { amax / 127.0 } else { f32::NAN };
+            scale.copy_from_slice(&step.to_le_bytes());
+            if step > 0.0 {
+                let inv = 1.0 / step;
+                for (q, v) in q.iter_mut().zip(block) {
+                    // |v * inv| <= 127: rounded half away from zero by adding half a step
+                    // with the value's sign and truncating (`as` saturates, so nothing
+                    // wraps).
+                    let r = v * inv;
+                    *q = (r + 0.5f32.copysign(r)) as i8 as u8;
+                }
+            }
+        }
+    }
+
+    /// `values` (`parts` blocks of `runs` one after the other) encoded part by part, so
+    /// part p is bytes `p * encoded_len(runs)..` — what an all-to-all sends rank p.
+    pub(crate) fn encode_parts(self, values: &[f32], runs: &[usize], parts: usize) -> Vec<u8> {
+        let (k, part) = (runs.iter().sum::<usize>(), self.encoded_len(runs));
+        let mut out = vec![0u8; part * parts];
+        if k > 0 && part > 0 {
+            for (values, out) in values.chunks_exact(k).zip(out.chunks_exact_mut(part)) {
+                self.encode_into(values, runs, out);
+            }
+        }
+        out
+    }
+
+    /// The means of `members` senders' encoded blocks of `runs`, `blocks` blocks from each
+    /// (in `bytes`, sender after sender, each sender's blocks in order): block b of the
+    /// result is the mean of every sender's block b, dequantized and summed in f32 in sender
+    /// order, so every rank that sums the same bytes gets the same values. The error says
+    /// what arrived instead (the caller names the op).
+    pub(crate) fn mean_of_parts(
+        self,
+        bytes: &[u8],
+        runs: &[usize],
+        members: usize,
+        blocks: usize,
+    ) -> Result<Vec<f32>, String> {
+        let (k, part) = (runs.iter().sum::<usize>(), self.encoded_len(runs));
+        let parts = members * blocks;
+        if bytes.len() != part * parts {
+            return Err(format!(
+                "{} bytes arrived for {parts} parts of {k} values ({part} bytes each)",
+                bytes.len()
+            ));
+        }
+        let mut sum = vec![0f32; k * blocks];
+        for (i, encoded) in bytes.chunks_exact(part.max(1)).enumerate() {
+            let b = i % blocks.max(1);
+            self.decode_into(encoded, runs, &mut sum[b * k..(b + 1) * k], |v, out| {
+                for (o, v) in out.iter_mut().zip(v) {
+                    *o += v;
+                }
+            });
+        }
+        let n = members.max(1) as f32;
+        sum.iter_mut().for_each(|v| *v /= n);
+        Ok(sum)
+    }
+
+    /// Dequantizes one rank's `encoded` block of `runs` into `out`, a quantization block at
+    /// a time through `store` (which writes a block's f32 values in `out`'s type).
+    fn decode_into<T>(
+        self,
+        encoded: &[u8],
+        runs: &[usize],
+        out: &mut [T],
+        store: impl Fn(&[f32], &mut [T]),
+    ) {
+        let mut values = [0f32; MAX_BLOCK];
+        for (v, b) in self.spans(runs) {
+            let (encoded, out) = (&encoded[b], &mut out[v.clone()]);
+            let (scales, quantized) = encoded.split_at(v.len().div_ceil(self.block) * 4);
+            for ((scale, q), out) in scales
+                .chunks_exact(4)
+                .zip(quantized.chunks(self.block))
+                .zip(out.chunks_mut(self.block))
+            {
+                let step = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+                let values = &mut values[..q.len()];
+                for (v, &q) in values.iter_mut().zip(q) {
+                    *v = f32::from(q as i8) * step;
+                }
+                store(values, out);
+            }
+        }
+    }
+
+    /// The gathered bytes of `ranks` ranks, each a block of `runs`, dequantized into `dtype`
+    /// in rank order: what an all-gather in `dtype` would have delivered, rounded. The error
+    /// says what arrived instead (the caller names the unit).
+    pub(crate) fn decode_gathered(
+        self,
+        gathered: &Buffer,
+        runs: &[usize],
+        ranks: usize,
+        dtype: DType,
+    ) -> Result<Buffer, String> {
+        let (block, part) = (runs.iter().sum::<usize>(), self.encoded_len(runs));
+        let bytes = match gathered {
+            Buffer::U8(b) if b.len() == part * ranks => b,
+            other => {
+                return Err(format!(
+                    "{} {:?} elements arrived for {ranks} ranks of {part} bytes",
+                    other.len(),
+                    other.dtype()
+                ));
+            }
+        };
+        let parts = bytes.chunks_exact(part.max(1));
+        Ok(match dtype {
+            DType::F32 => {
+                let mut out = vec![0f32; block * ranks];
+                for (p, o) in parts.zip(out.chunks_mut(block.max(1))) {
+                    self.decode_into(p, runs, o, |v, o| o.copy_from_slice(v));
+                }
+                Buffer::F32(out)
+            }
+            DType::BF16 => {
+                let mut out = vec![bf16::ZERO; block * ranks];
+                for (p, o) in parts.zip(out.chunks_mut(block.max(1))) {
+                    self.decode_into(p, runs, o, |v, o| o.convert_from_f32_slice(v));
+                }
+                Buffer::BF16(out)
+            }
+            DType::F16 => {
+                let mut out = vec![f16::ZERO; block * ranks];
+                for (p, o) in parts.zip(out.chunks_mut(block.max(1))) {
+                    self.decode_into(p, runs, o, |v, o| o.convert_from_f32_slice(v));
+                }
+                Buffer::F16(out)
+            }
+            other => {
+                return Err(format!(
+                    "parameters compute in f32, bf16 or f16, not {other:?}"
+                ));
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOCK: usize = 512;
+    const C: Codec = Codec::INT8;
+
+    fn encode(v: &[f32], runs: &[usize]) -> Vec<u8> {
+        C.encode(v, runs)
+    }
+
+    fn encoded_len(runs: &[usize]) -> usize {
+        C.encoded_len(runs)
+    }
+
+    fn encode_parts(v: &[f32], runs: &[usize], parts: usize) -> Vec<u8> {
+        C.encode_parts(v, runs, parts)
+    }
+
+    fn mean_of_parts(
+        b: &[u8],
+        runs: &[usize],
+        members: usize,
+        blocks: usize,
+    ) -> Result<Vec<f32>, String> {
+        C.mean_of_parts(b, runs, members, blocks)
+    }
+
+    fn decode_gathered(
+        g: &Buffer,
+        runs: &[usize],
+        ranks: usize,
+        dtype: DType,
+    ) -> Result<Buffer, String> {
+        C.decode_gathered(g, runs, ranks, dtype)
+    }
+
+    fn spans(runs: &[usize]) -> impl Iterator<Item = (Range<usize>, Range<usize>)> + '_ {
+        C.spans(runs)
+    }
+
+    fn as_f32(b: Buffer) -> Vec<f32> {
+        let mut out = vec![0f32; b.len()];
+        assert!(b.to_f32_into(&mut out));
+        out
+    }
+
+    /// Values of every magnitude, a block of zeros, and a tail shorter than a block.
+    fn values(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| match (i / BLOCK) % 3 {
+                0 => ((i * 37 % 101) as f32 - 50.0) / 7.0,
+                1 => 0.0,
+                _ => ((i * 13 % 29) as f32 - 14.0) * 1e-3,
+            })
+            .collect()
+    }
+
+    /// Three parameters' runs: one over two blocks, a short one, one of a whole block.
+    const RUNS: [usize; 3] = [2 * BLOCK + 10, 67, BLOCK];
+
+    /// The quantization blocks of a block of `runs`: value ranges.
+    fn quantization_blocks(runs: &[usize]) -> Vec<Range<usize>> {
+        spans(runs)
+            .flat_map(|(v, _)| {
+                v.clone()
+                    .step_by(BLOCK)
+                    .map(move |b| b..(b + BLOCK).min(v.end))
+            })
+            .collect()
+    }
+
+    /// Half a step of the quantization block holding each element of `values`.
+    fn half_steps(values: &[f32], runs: &[usize]) -> Vec<f32> {
+        let mut out = vec![0f32; values.len()];
+        for b in quantization_blocks(runs) {
+            let step = values[b.clone()].iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            out[b].iter_mut().for_each(|h| *h = step / 2.0);
+        }
+        out
+    }
+
+    #[test]
+    fn every_value_comes_back_within_half_a_step_of_its_block() {
+        let (block, ranks) = (RUNS.iter().sum::<usize>(), 3);
+        let mine: Vec<Vec<f32>> = (0..ranks)
+            .map(|r| values(block).iter().map(|v| v * (r + 1) as f32).collect())
+            .collect();
+        let wire: Vec<u8> = mine.iter().flat_map(|m| encode(m, &RUNS)).collect();
+        assert_eq!(wire.len(), ranks * encoded_len(&RUNS));
+        assert!(
+            encoded_len(&RUNS) < block + block / 100 + 16,
+            "scales under 1%"
+        );
+        for dtype in [DType::F32, DType::BF16] {
+            let got = decode_gathered(&Buffer::U8(wire.clone()), &RUNS, ranks, dtype).unwrap();
+            let got = as_f32(got);
+            for (r, m) in mine.iter().enumerate() {
+                // bf16's own rounding on top of the int8 step.
+                let slack = if dtype == DType::BF16 {
+                    1.0 / 128.0
+                } else {
+                    1e-6
+                };
+                for (i, (v, h)) in m.iter().zip(half_steps(m, &RUNS)).enumerate() {
+                    let g = got[r * block + i];
+                    let bound = h * (1.0 + 1e-5) + v.abs() * slack;
+                    assert!((g - v).abs() <= bound, "rank {r} element {i}: {g} for {v}");
+                }
+            }
+        }
+        // A block of zeros comes back as zeros.
+        let zeros = decode_gathered(
+            &Buffer::U8(encode(&[0.0; 700], &[700])),
+            &[700],
+            1,
+            DType::F32,
+        );
+        assert!(as_f32(zeros.unwrap()).iter().all(|v| *v == 0.0));
+    }
+
+    #[test]
+    fn a_small_parameter_beside_a_large_one_keeps_its_own_scale() {
+        // A bias of 1e-4 after a weight of 1: in one block its values would round to zero.
+        let runs = [300, 12];
+        let v: Vec<f32> = (0..312)
+            .map(|i| {
+                if i < 300 {
+                    1.0 - i as f32 / 300.0
+                } else {
+                    1e-4 * (i - 299) as f32
+                }
+            })
+            .collect();
+        let got =
+            as_f32(decode_gathered(&Buffer::U8(encode(&v, &runs)), &runs, 1, DType::F32).unwrap());
+        // Half a step of the bias's own scale (1.2e-3 / 127), where a shared block's would be
+        // half of 1 / 127 and round every value to zero.
+        let half_step = 1.2e-3 / 127.0 / 2.0 * (1.0 + 1e-5);
+        for i in 300..312 {
+            assert!((got[i] - v[i]).abs() <= half_step, "{}: {}", v[i], got[i]);
+        }
+    }
+
+    #[test]
+    fn a_non_finite_weight_dequantizes_to_nan_in_its_block_only() {
+        let mut v = values(2 * BLOCK);
+        v[3] = f32::INFINITY;
+        let runs = [v.len()];
+        let got = decode_gathered(&Buffer::U8(encode(&v, &runs)), &runs, 1, DType::F32).unwrap();
+        let got = as_f32(got);
+        assert!(got[..BLOCK].iter().all(|x| x.is_nan()));
+        assert!(got[BLOCK..].iter().all(|x| x.is_finite()));
+    }
+
+    #[test]
+    fn a_mean_of_parts_is_the_mean_of_the_rounded_values_in_f32() {
+        let (k, ranks) = (RUNS.iter().sum::<usize>(), 3);
+        // Rank r's gradient of `ranks` parts; this rank (1) receives part 1 of each.
+        let grads: Vec<Vec<f32>> = (0..ranks)
+            .map(|r| {
+                values(k * ranks)
+                    .iter()
+                    .map(|v| v * (r as f32 - 0.7))
+                    .collect()
+            })
+            .collect();
+        let mine = 1;
+        let part = encoded_len(&RUNS);
+        let wire: Vec<u8> = grads
+            .iter()
+            .flat_map(|g| encode_parts(g, &RUNS, ranks)[mine * part..(mine + 1) * part].to_vec())
+            .collect();
+        let got = mean_of_parts(&wire, &RUNS, ranks, 1).unwrap();
+        // Each contribution is within half its block's step; the mean within the mean of
+        // those half-steps.
+        let mut bound = vec![0f32; k];
+        for g in &grads {
+            for (b, h) in bound
+                .iter_mut()
+                .zip(half_steps(&g[mine * k..(mine + 1) * k], &RUNS))
+            {
+                *b += h / ranks as f32;
+            }
+        }
+        for i in 0..k {
+            let exact: f32 = grads.iter().map(|g| g[mine * k + i]).sum::<f32>() / ranks as f32;
+            assert!(
+                (got[i] - exact).abs() <= bound[i] * (1.0 + 1e-4) + 1e-7,
+                "element {i}: {} for {exact} (bound {})",
+                got[i],
+                bound[i]
+            );
+        }
+        // Empty parts and a non-finite contribution.
+        assert!(mean_of_parts(&[], &[0], 4, 1).unwrap().is_empty());
+        let mut bad = values(4);
+        bad[2] = f32::NAN;
+        let got = mean_of_parts(&encode_parts(&bad, &[4], 1), &[4], 1, 1).unwrap();
+        assert!(got.iter().all(|v| v.is_nan()));
+        let e = mean_of_parts(&[0; 7], &[8], 2, 1).unwrap_err();
+        assert!(e.contains("7 bytes arrived for 2 parts"), "{e}");
+    }
+
+    #[test]
+    fn means_of_several_blocks_are_each_blocks_mean_over_its_senders() {
+        let (k, part) = (RUNS.iter().sum::<usize>(), encoded_len(&RUNS));
+        let (members, blocks) = (2, 3);
+        let sent: Vec<Vec<u8>> = (0..members)
+            .map(|s| {
+                let g: Vec<f32> = values(k * blocks)
+                    .iter()
+                    .map(|v| v * (s as f32 + 0.5))
+                    .collect();
+                encode_parts(&g, &RUNS, blocks)
+            })
+            .collect();
+        let got = mean_of_parts(&sent.concat(), &RUNS, members, blocks).unwrap();
+        assert_eq!(got.len(), k * blocks);
+        for b in 0..blocks {
+            let one: Vec<u8> = sent
+                .iter()
+                .flat_map(|s| s[b * part..(b + 1) * part].to_vec())
+                .collect();
+            let want = mean_of_parts(&one, &RUNS, members, 1).unwrap();
+            assert_eq!(&got[b * k..(b + 1) * k], &want[..], "block {b}");
+        }
+    }
+
+    #[test]
+    fn bytes_of_the_wrong_length_or_type_are_refused() {
+        let e = decode_gathered(&Buffer::U8(vec![0; 10]), &[600], 2, DType::F32).unwrap_err();
+        assert!(e.contains("for 2 ranks of"), "{e}");
+        let e = decode_gathered(&Buffer::F32(vec![0.0; 10]), &[8], 1, DType::F32).unwrap_err();
+        assert!(e.contains("F32"), "{e}");
+    }
+}
