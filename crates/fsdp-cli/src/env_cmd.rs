@@ -323,13 +323,11 @@ fn notes(config: &ResolvedConfig) -> Vec<String> {
             shard_group / per_machine
         ));
     }
-    if config.fsdp.reduce_dtype == fsdp::config::ReduceDtype::Int8
-        && config.launch.num_processes < 2
-    {
-        out.push(
-            "`fsdp_reduce_dtype: int8`: nothing is reduced (one process), so no gradient is quantized"
-                .into(),
-        );
+    if config.fsdp.reduce_dtype.is_quantized() && config.launch.num_processes < 2 {
+        out.push(format!(
+            "`fsdp_reduce_dtype: {}`: nothing is reduced (one process), so no gradient is quantized",
+            config.fsdp.reduce_dtype
+        ));
     }
     out
 }

@@ -147,7 +147,8 @@ fn a_secondary_partition_moves_backwards_gathers_into_its_group() {
 /// FULL_SHARD on 2 machines of 2 processes (two launchers on loopback): gathers and
 /// reductions run in two hops, each rank sending (L-1)·M blocks inside its machine and M-1
 /// across per collective, as the theory counts — with f32, and with int8 both ways plus a
-/// secondary partition of each machine — and nothing of theirs on the shard group itself.
+/// secondary partition of each machine, and with int4 gradients — and nothing of theirs on
+/// the shard group itself.
 #[test]
 fn two_machines_gather_and_reduce_in_two_hops_as_the_theory_counts() {
     let zero_pp = [
@@ -155,7 +156,8 @@ fn two_machines_gather_and_reduce_in_two_hops_as_the_theory_counts() {
         ("FSDP_REDUCE_DTYPE", "int8"),
         ("FSDP_HPZ_PARTITION_SIZE", "2"),
     ];
-    for env in [&[][..], &zero_pp[..]] {
+    let int4 = [("FSDP_REDUCE_DTYPE", "int4")];
+    for env in [&[][..], &zero_pp[..], &int4[..]] {
         let p = common::port();
         let start = |rank: &str| {
             let mut cmd = common::fsdp();

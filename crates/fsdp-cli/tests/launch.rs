@@ -176,9 +176,11 @@ fn two_machines_on_loopback() {
     // FULL_SHARD over all 4 processes (in two hops, and flat), then hybrid: sharded inside
     // each "machine", replicated across the two; each trains 8 steps equal to one process.
     let flat = ["--fsdp_hierarchical_collectives", "false"];
+    let int4 = ["--fsdp_reduce_dtype", "int4"];
     for (strategy, extra) in [
         (None, &[][..]),
         (None, &flat[..]),
+        (None, &int4[..]),
         (Some("HYBRID_SHARD"), &[][..]),
         (Some("HYBRID_SHARD_ZERO2"), &[][..]),
     ] {
@@ -212,11 +214,19 @@ fn two_machines_on_loopback() {
             finish(m0, Duration::from_secs(60)),
             finish(m1, Duration::from_secs(60)),
         );
-        if extra.is_empty() {
-            common::assert_two_machines_trained(&r0, &r1, strategy.unwrap_or("FULL_SHARD"));
-        } else {
-            let flat = "training ok: 8 steps on 4 processes (shard groups of 4 x 1 replicas)";
-            assert!(r0.out.contains(flat), "{}\n{}", r0.out, r1.out);
+        let mesh = match extra.first() {
+            None => None,
+            Some(&"--fsdp_reduce_dtype") => Some(
+                "shard groups of 4 x 1 replicas, int4 communication, two hops across 2 machines",
+            ),
+            Some(_) => Some("shard groups of 4 x 1 replicas"),
+        };
+        match mesh {
+            None => common::assert_two_machines_trained(&r0, &r1, strategy.unwrap_or("FULL_SHARD")),
+            Some(mesh) => {
+                let trained = format!("training ok: 8 steps on 4 processes ({mesh})");
+                assert!(r0.out.contains(&trained), "{}\n{}", r0.out, r1.out);
+            }
         }
         assert!(
             r0.out

@@ -43,7 +43,7 @@ impl CommDtypes {
                 MixedPrecision::Fp16 => DType::F16,
             },
             reduce: match plugin.reduce_dtype {
-                ReduceDtype::Fp32 | ReduceDtype::Int8 => DType::F32,
+                ReduceDtype::Fp32 | ReduceDtype::Int8 | ReduceDtype::Int4 => DType::F32,
                 ReduceDtype::Bf16 => DType::BF16,
                 ReduceDtype::Fp16 => DType::F16,
             },

@@ -464,7 +464,7 @@ impl UnitPlan {
                 _ => 2,
             },
             reduce_bytes: match plugin.reduce_dtype {
-                ReduceDtype::Fp32 | ReduceDtype::Int8 => 4,
+                ReduceDtype::Fp32 | ReduceDtype::Int8 | ReduceDtype::Int4 => 4,
                 ReduceDtype::Bf16 | ReduceDtype::Fp16 => 2,
             },
             gather_int8: plugin.all_gather_dtype == crate::config::AllGatherDtype::Int8,

@@ -10,8 +10,8 @@
 //! * Weights (`fsdp_all_gather_dtype: int8`, qwZ): each rank encodes its packed shard, the
 //!   ranks all-gather the bytes, and each dequantizes every rank's part into the compute
 //!   dtype before unpacking. Master weights and optimizer state are untouched.
-//! * Gradients (`fsdp_reduce_dtype: int8`, qgZ): each rank encodes its gradient in one part
-//!   per destination rank, the ranks exchange the parts all-to-all, and each dequantizes the
+//! * Gradients (`fsdp_reduce_dtype: int8`, or `int4`: 4-bit values, two to a byte, in blocks
+//!   of 128; qgZ): each rank encodes its gradient in one part per destination rank, the ranks exchange the parts all-to-all, and each dequantizes the
 //!   parts it received and sums them in f32 ([`Codec::mean_of_parts`]), so the sum is never
 //!   formed in low precision; only each rank's contribution is rounded.
 
@@ -30,27 +30,53 @@ const MAX_BLOCK: usize = 512;
 /// values of one parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Codec {
+    /// Bits per value: 8 (one byte each) or 4 (two to a byte, the first in the low nibble).
+    bits: u8,
     /// Values per scale (ZeRO++ quantizes in groups; 512 keeps a block's scale local to a few
-    /// rows of a typical weight while int8's scales cost under 1% of the bytes).
+    /// rows of a typical weight while int8's scales cost under 1% of the bytes; int4's
+    /// coarser steps want smaller blocks).
     block: usize,
 }
 
 impl Codec {
     /// int8: levels -127..=127, blocks of 512.
-    pub(crate) const INT8: Codec = Codec { block: 512 };
+    pub(crate) const INT8: Codec = Codec {
+        bits: 8,
+        block: 512,
+    };
+
+    /// int4: levels -7..=7, blocks of 128 (an f32 scale per 64 bytes: 4.25 bits a value).
+    pub(crate) const INT4: Codec = Codec {
+        bits: 4,
+        block: 128,
+    };
 
     /// The codec gradients travel in under `dtype`, if it quantizes.
     pub(crate) fn for_reduce(dtype: ReduceDtype) -> Option<Codec> {
         match dtype {
             ReduceDtype::Int8 => Some(Codec::INT8),
+            ReduceDtype::Int4 => Some(Codec::INT4),
             ReduceDtype::Fp32 | ReduceDtype::Bf16 | ReduceDtype::Fp16 => None,
         }
     }
 
-    /// Bytes one run of `n` values takes: its block scales (f32, little-endian) then one
-    /// byte per value.
+    /// The largest level: a block's largest magnitude maps to it.
+    fn levels(self) -> f32 {
+        match self.bits {
+            8 => 127.0,
+            _ => 7.0,
+        }
+    }
+
+    /// Bytes `n` values take (without their scales).
+    fn payload(self, n: usize) -> usize {
+        (n * usize::from(self.bits)).div_ceil(8)
+    }
+
+    /// Bytes one run of `n` values takes: its block scales (f32, little-endian) then its
+    /// values' bytes.
     fn run_len(self, n: usize) -> usize {
-        n.div_ceil(self.block) * 4 + n
+        n.div_ceil(self.block) * 4 + self.payload(n)
     }
 
     /// Bytes a rank sends for a block of `runs` (each run encoded after the one before).
@@ -91,22 +117,36 @@ impl Codec {
         for ((block, scale), q) in values
             .chunks(self.block)
             .zip(scales.chunks_exact_mut(4))
-            .zip(quantized.chunks_mut(self.block))
+            .zip(quantized.chunks_mut(self.payload(self.block)))
         {
             // Two plain passes the compiler vectorises: the largest magnitude, and whether
             // every value is finite (a NaN or an infinity makes the scale NaN).
             let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
             let finite = block.iter().all(|v| v.is_finite());
-            let step = if finite { amax / 127.0 } else { f32::NAN };
+            let step = if finite {
+                amax / self.levels()
+            } else {
+                f32::NAN
+            };
             scale.copy_from_slice(&step.to_le_bytes());
             if step > 0.0 {
                 let inv = 1.0 / step;
-                for (q, v) in q.iter_mut().zip(block) {
-                    // |v * inv| <= 127: rounded half away from zero by adding half a step
-                    // with the value's sign and truncating (`as` saturates, so nothing
-                    // wraps).
+                // |v * inv| <= the largest level: rounded half away from zero by adding half
+                // a step with the value's sign and truncating (`as` saturates, so nothing
+                // wraps).
+                let level = |v: f32| {
                     let r = v * inv;
-                    *q = (r + 0.5f32.copysign(r)) as i8 as u8;
+                    (r + 0.5f32.copysign(r)) as i8 as u8
+                };
+                if self.bits == 8 {
+                    for (q, v) in q.iter_mut().zip(block) {
+                        *q = level(*v);
+                    }
+                } else {
+                    for (q, pair) in q.iter_mut().zip(block.chunks(2)) {
+                        let high = pair.get(1).map_or(0, |v| level(*v) << 4);
+                        *q = (level(pair[0]) & 0x0f) | high;
+                    }
                 }
             }
         }
@@ -174,13 +214,23 @@ impl Codec {
             let (scales, quantized) = encoded.split_at(v.len().div_ceil(self.block) * 4);
             for ((scale, q), out) in scales
                 .chunks_exact(4)
-                .zip(quantized.chunks(self.block))
+                .zip(quantized.chunks(self.payload(self.block)))
                 .zip(out.chunks_mut(self.block))
             {
                 let step = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
-                let values = &mut values[..q.len()];
-                for (v, &q) in values.iter_mut().zip(q) {
-                    *v = f32::from(q as i8) * step;
+                let values = &mut values[..out.len()];
+                if self.bits == 8 {
+                    for (v, &q) in values.iter_mut().zip(q) {
+                        *v = f32::from(q as i8) * step;
+                    }
+                } else {
+                    // Each nibble sign-extended: shifted to the byte's top, then back.
+                    for (pair, &q) in values.chunks_mut(2).zip(q) {
+                        pair[0] = f32::from(((q << 4) as i8) >> 4) * step;
+                        if let Some(high) = pair.get_mut(1) {
+                            *high = f32::from((q as i8) >> 4) * step;
+                        }
+                    }
                 }
                 store(values, out);
             }
@@ -467,6 +517,82 @@ mod tests {
             let want = mean_of_parts(&one, &RUNS, members, 1).unwrap();
             assert_eq!(&got[b * k..(b + 1) * k], &want[..], "block {b}");
         }
+    }
+
+    /// Both codecs on runs of odd lengths (a nibble left over, a block's tail): every value
+    /// back within half its block's step (its largest magnitude over the largest level),
+    /// a non-finite value poisoning its block only, int4 taking a little over half int8's
+    /// bytes, and a mean of parts equal to the mean of the decoded parts.
+    #[test]
+    fn both_widths_round_trip_within_half_a_step_on_odd_runs() {
+        for codec in [Codec::INT8, Codec::INT4] {
+            let b = codec.block;
+            let runs = [2 * b + 11, 67, b, 1];
+            let k: usize = runs.iter().sum();
+            let v: Vec<f32> = (0..k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0 * if i % 3 == 0 { 1e-3 } else { 1.0 })
+                .collect();
+            let wire = codec.encode(&v, &runs);
+            assert_eq!(wire.len(), codec.encoded_len(&runs));
+            let got = as_f32(
+                codec
+                    .decode_gathered(&Buffer::U8(wire.clone()), &runs, 1, DType::F32)
+                    .unwrap(),
+            );
+            for (values, _) in codec.spans(&runs) {
+                for blk in values
+                    .clone()
+                    .step_by(b)
+                    .map(|s| s..(s + b).min(values.end))
+                {
+                    let amax = v[blk.clone()].iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let half = amax / codec.levels() / 2.0 * (1.0 + 1e-5);
+                    for i in blk {
+                        assert!(
+                            (got[i] - v[i]).abs() <= half,
+                            "{codec:?} {i}: {} for {}",
+                            got[i],
+                            v[i]
+                        );
+                    }
+                }
+            }
+            let mut bad = v.clone();
+            bad[b + 3] = f32::NAN;
+            let got = as_f32(
+                codec
+                    .decode_gathered(&Buffer::U8(codec.encode(&bad, &runs)), &runs, 1, DType::F32)
+                    .unwrap(),
+            );
+            assert!(got[b..2 * b].iter().all(|x| x.is_nan()), "{codec:?}");
+            assert!(
+                got[..b].iter().chain(&got[2 * b..]).all(|x| x.is_finite()),
+                "{codec:?}"
+            );
+            // Two senders' parts: the mean of what each decodes to.
+            let w: Vec<f32> = v.iter().map(|x| -0.5 * x).collect();
+            let both = [codec.encode(&v, &runs), codec.encode(&w, &runs)].concat();
+            let mean = codec.mean_of_parts(&both, &runs, 2, 1).unwrap();
+            let decoded = |e: &[u8]| {
+                as_f32(
+                    codec
+                        .decode_gathered(&Buffer::U8(e.to_vec()), &runs, 1, DType::F32)
+                        .unwrap(),
+                )
+            };
+            let (a, c) = (
+                decoded(&both[..both.len() / 2]),
+                decoded(&both[both.len() / 2..]),
+            );
+            for i in 0..k {
+                assert_eq!(mean[i], (a[i] + c[i]) / 2.0, "{codec:?} {i}");
+            }
+        }
+        let (eight, four) = (
+            Codec::INT8.encoded_len(&[4096]),
+            Codec::INT4.encoded_len(&[4096]),
+        );
+        assert_eq!((eight, four), (4096 + 8 * 4, 2048 + 32 * 4));
     }
 
     #[test]
