@@ -604,8 +604,22 @@ fn bench_collectives_prints_a_table_and_json() {
     assert_eq!(transports, want);
     for run in runs {
         let results = run["results"].as_array().unwrap();
-        // 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB for each of the four ops.
-        assert_eq!(results.len(), 20);
+        // 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB for each of the five ops.
+        assert_eq!(results.len(), 25);
+        let ops: Vec<&str> = results[..5]
+            .iter()
+            .map(|r| r["op"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            ops,
+            [
+                "all_reduce",
+                "all_gather",
+                "reduce_scatter",
+                "all_to_all",
+                "broadcast"
+            ]
+        );
         assert!(
             results
                 .iter()
@@ -616,7 +630,7 @@ fn bench_collectives_prints_a_table_and_json() {
     // shm's bus bandwidth over each other transport's, per op and size.
     assert_eq!(
         doc["ratios"].as_array().unwrap().len(),
-        20 * (want.len() - 1)
+        25 * (want.len() - 1)
     );
 }
 

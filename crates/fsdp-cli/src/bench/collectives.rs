@@ -1,7 +1,7 @@
 //! `fsdp bench collectives`: collective bandwidth between processes (on this machine, or
 //! across machines when tools/bench-machines.sh starts its workers), with NCCL-tests
 //! conventions (algorithm bandwidth = bytes / time; bus bandwidth scaled by
-//! 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter), next to a memcpy
+//! 2(n-1)/n for all-reduce and (n-1)/n for all-gather, reduce-scatter and all-to-all), next to a memcpy
 //! baseline measured in the same run. Transports: our shared memory and TCP ring (workers
 //! started like `fsdp launch` starts them), and MPI (feature `mpi`; workers started by
 //! `mpirun`, Open MPI's own shared-memory path the anchor for ours).
@@ -192,6 +192,16 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                         .reduce_scatter_into(take(&gathered), take(&scattered), ReduceOp::Sum)
                         .wait()?;
                     (*gathered.borrow_mut(), *scattered.borrow_mut()) = (i, o);
+                    Ok(())
+                }),
+            ),
+            (
+                // What a quantized reduction exchanges (its int8 or int4 parts are bytes: the
+                // transport moves f32 and bytes alike).
+                "all_to_all",
+                (nf - 1.0) / nf,
+                Box::new(|| {
+                    *gathered.borrow_mut() = pg.all_to_all(take(&gathered)).wait()?;
                     Ok(())
                 }),
             ),
