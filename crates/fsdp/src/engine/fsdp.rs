@@ -104,7 +104,9 @@ impl Fsdp {
     /// `fsdp_sync_module_states` makes them so; with `fsdp_cpu_ram_efficient_loading` only
     /// rank 0 reads it, a unit at a time, and the others receive their rows) across the
     /// ranks of `group` per `plugin`:
-    /// over all of them for FULL_SHARD and SHARD_GRAD_OP, none for NO_SHARD, and for the
+    /// over all of them for FULL_SHARD and SHARD_GRAD_OP (in two hops, inside each machine and
+    /// across, when they span machines: `fsdp_hierarchical_collectives`), none for NO_SHARD,
+    /// and for the
     /// hybrid strategies over the processes of each machine (`LOCAL_WORLD_SIZE`, as
     /// `fsdp launch` sets it), replicated across machines.
     pub fn new(
