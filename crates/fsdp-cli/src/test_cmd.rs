@@ -25,7 +25,9 @@ pub struct TestArgs {
     #[arg(long, hide = true)]
     worker: bool,
     /// Internal, for the launcher's tests: `die:RANK` makes that rank exit with code 3 while
-    /// the others wait in a collective; `hang:RANK` makes it stop responding instead.
+    /// the others wait in a collective; `hang:RANK` makes it stop responding instead;
+    /// `die-in-step:RANK` makes it exit in the third training step, between its forward and
+    /// its backward.
     #[arg(long, hide = true)]
     fault: Option<String>,
 }
@@ -132,5 +134,5 @@ fn worker(fault: Option<&str>) -> Result<()> {
             .collect();
         println!("ranks (rank:local@machine): {}", layout.join(" "));
     }
-    crate::test_train::train(pg)
+    crate::test_train::train(pg, faulty("die-in-step:"))
 }

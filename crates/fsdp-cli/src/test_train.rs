@@ -68,8 +68,10 @@ fn adamw(names: Vec<String>) -> Result<AdamW> {
 }
 
 /// Trains the check's steps over `group` under the environment's configuration; rank 0
-/// prints the losses and compares them with one process.
-pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
+/// prints the losses and compares them with one process. With `die_in_step`, this rank
+/// exits in the third step, between its forward and its backward (its peers are then in
+/// backward's collectives).
+pub fn train(group: Arc<dyn Communicator>, die_in_step: bool) -> Result<()> {
     let mut acc = Accelerator::builder()
         .communicator(group)
         .build()
@@ -100,6 +102,10 @@ pub fn train(group: Arc<dyn Communicator>) -> Result<()> {
         let logits = model.forward(|m, p| m.forward(p, &ids, None, None))?;
         let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
         let local = loss.to_scalar::<f32>()?;
+        if die_in_step && losses.len() == 2 {
+            eprintln!("rank {} exits on purpose in step 3", acc.process_index());
+            std::process::exit(3);
+        }
         acc.backward(&mut model, loss)?;
         acc.clip_grad_norm(&mut model, 1.0)?;
         acc.optimizer_step(&mut model, &mut optimizer)?;

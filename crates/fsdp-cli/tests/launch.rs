@@ -391,6 +391,43 @@ fn a_rank_waiting_in_a_collective_is_stopped_when_its_peer_dies() {
     assert!(survivors(&pids(&run.out)).is_empty());
 }
 
+/// A rank of machine 1 dies in the middle of training over 2 loopback machines of 2, while
+/// the others are in backward's two-hop reductions: machine 0's ranks fail within seconds
+/// naming what they lost, and no process is left.
+#[test]
+fn a_rank_dying_mid_training_stops_two_hop_collectives_on_every_machine() {
+    let p = port();
+    let start = |rank: &str| {
+        fsdp()
+            .args(["launch", "--num_machines", "2", "--num_processes", "4"])
+            .args(["--main_process_ip", "127.0.0.1", "--main_process_port", &p])
+            .args(["--machine_rank", rank, EXE, "test", "--worker"])
+            .args(["--fault", "die-in-step:3"])
+            .env("FSDP_JOB_SECRET", "two-hops-die")
+            .spawn()
+            .unwrap()
+    };
+    let (m0, m1) = (start("0"), start("1"));
+    let (r0, r1) = (
+        finish(m0, Duration::from_secs(60)),
+        finish(m1, Duration::from_secs(60)),
+    );
+    let all = format!("{}\n{}", r0.out, r1.out);
+    assert!(all.contains("rank 3 exits on purpose in step 3"), "{all}");
+    assert_ne!(r0.code, Some(0), "{all}");
+    assert_ne!(r1.code, Some(0), "{all}");
+    assert!(
+        r0.out.contains("rank 3") || r0.out.contains("machine 1"),
+        "machine 0 does not name what it lost:\n{all}"
+    );
+    assert!(
+        r0.elapsed < Duration::from_secs(20),
+        "took {:?}:\n{all}",
+        r0.elapsed
+    );
+    assert!(survivors(&pids(&all)).is_empty(), "{all}");
+}
+
 #[test]
 fn sigint_to_the_launcher_ends_every_worker() {
     let mut child = fsdp()
