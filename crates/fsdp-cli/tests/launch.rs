@@ -392,8 +392,10 @@ fn a_rank_waiting_in_a_collective_is_stopped_when_its_peer_dies() {
 }
 
 /// A rank of machine 1 dies in the middle of training over 2 loopback machines of 2, while
-/// the others are in backward's two-hop reductions: machine 0's ranks fail within seconds
-/// naming what they lost, and no process is left.
+/// the others are in backward's two-hop collectives: machine 0's ranks fail within seconds
+/// naming a peer they lost, and no process is left. Which peer is the kernel's race: rank
+/// 3 itself (seen by rank 1 across machines), or rank 1 once it failed (seen by rank 0
+/// inside the machine), whichever of machine 0's ranks the launcher reaps first.
 #[test]
 fn a_rank_dying_mid_training_stops_two_hop_collectives_on_every_machine() {
     let p = port();
@@ -417,7 +419,8 @@ fn a_rank_dying_mid_training_stops_two_hop_collectives_on_every_machine() {
     assert_ne!(r0.code, Some(0), "{all}");
     assert_ne!(r1.code, Some(0), "{all}");
     assert!(
-        r0.out.contains("rank 3") || r0.out.contains("machine 1"),
+        (r0.out.contains("connection to rank ") && r0.out.contains(" lost during "))
+            || r0.out.contains("aborted because rank "),
         "machine 0 does not name what it lost:\n{all}"
     );
     assert!(

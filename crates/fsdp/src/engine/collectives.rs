@@ -25,7 +25,7 @@ pub struct CommDtypes {
     /// (`fsdp_all_gather_dtype: int8`).
     pub gather_int8: bool,
     /// Gradients (packed in f32, `reduce`) cross the wire as integer blocks of this codec,
-    /// summed in f32 on arrival (`fsdp_reduce_dtype: int8`).
+    /// summed in f32 on arrival (`fsdp_reduce_dtype: int8` or `int4`).
     pub(crate) reduce_codec: Option<Codec>,
 }
 
