@@ -431,6 +431,54 @@ fn a_rank_dying_mid_training_stops_two_hop_collectives_on_every_machine() {
     assert!(survivors(&pids(&all)).is_empty(), "{all}");
 }
 
+/// Two machines launched with different gradient dtypes (a config file that differs between
+/// machines) fail at once on both, each naming the key, its value and the other machine's
+/// ranks, instead of in a mismatch mid-step.
+#[test]
+fn machines_with_different_collective_settings_are_refused_naming_the_key() {
+    let p = port();
+    let start = |rank: &str, reduce: &str| {
+        fsdp()
+            .args(["launch", "--num_machines", "2", "--num_processes", "4"])
+            .args(["--main_process_ip", "127.0.0.1", "--main_process_port", &p])
+            .args(["--machine_rank", rank, "--fsdp_reduce_dtype", reduce])
+            .args([EXE, "test", "--worker"])
+            .env("FSDP_JOB_SECRET", "two-settings")
+            .spawn()
+            .unwrap()
+    };
+    let (m0, m1) = (start("0", "fp32"), start("1", "int8"));
+    let (r0, r1) = (
+        finish(m0, Duration::from_secs(60)),
+        finish(m1, Duration::from_secs(60)),
+    );
+    let all = format!("{}\n{}", r0.out, r1.out);
+    assert_ne!(r0.code, Some(0), "{all}");
+    assert_ne!(r1.code, Some(0), "{all}");
+    assert!(
+        r0.out
+            .contains("`fsdp_reduce_dtype: fp32` on rank 0 differs from rank(s) [2, 3]")
+            || r0
+                .out
+                .contains("`fsdp_reduce_dtype: fp32` on rank 1 differs from rank(s) [2, 3]"),
+        "{all}"
+    );
+    assert!(
+        r1.out
+            .contains("`fsdp_reduce_dtype: int8` on rank 2 differs from rank(s) [0, 1]")
+            || r1
+                .out
+                .contains("`fsdp_reduce_dtype: int8` on rank 3 differs from rank(s) [0, 1]"),
+        "{all}"
+    );
+    assert!(
+        r0.elapsed < Duration::from_secs(20),
+        "took {:?}:\n{all}",
+        r0.elapsed
+    );
+    assert!(survivors(&pids(&all)).is_empty(), "{all}");
+}
+
 #[test]
 fn sigint_to_the_launcher_ends_every_worker() {
     let mut child = fsdp()

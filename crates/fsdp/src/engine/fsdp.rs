@@ -116,12 +116,19 @@ impl Fsdp {
         default_wrap: &[&str],
         group: Arc<dyn Communicator>,
     ) -> Result<Fsdp, EngineError> {
-        let mesh = match plugin.sharding_strategy {
+        let strategy = plugin.sharding_strategy;
+        let shard_size = match strategy {
+            ShardingStrategy::NoShard => 1,
+            s if s.is_hybrid() => machine_size(group.size())?,
+            _ => group.size(),
+        };
+        // What one rank can tell alone is refused before any collective; then the ranks
+        // compare their settings before they build groups on them.
+        super::secondary::wanted(plugin, shard_size)?;
+        super::agreement::check(plugin, group.as_ref())?;
+        let mesh = match strategy {
             ShardingStrategy::NoShard => Mesh::replicated(group),
-            s if s.is_hybrid() => {
-                let shard_size = machine_size(group.size())?;
-                Mesh::hybrid(group.as_ref(), shard_size)?
-            }
+            s if s.is_hybrid() => Mesh::hybrid(group.as_ref(), shard_size)?,
             _ => super::two_hops::attach(plugin, Mesh::sharded(group))?,
         };
         Fsdp::with_mesh(model, initial, plugin, default_wrap, mesh)

@@ -9,6 +9,7 @@
 //! optimizer step streaming it (`offload`); the engine that owns shards (`fsdp`); and its
 //! state by parameter name (`state_by_name`).
 
+mod agreement;
 mod backward_reads;
 mod buffers;
 mod collectives;

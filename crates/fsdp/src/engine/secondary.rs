@@ -13,9 +13,19 @@ use crate::config::FsdpPlugin;
 /// `mesh` with its secondary groups when `plugin` asks for them (and parameters are sharded
 /// over more than one rank); a size that cannot work is refused naming the key.
 pub(crate) fn attach(plugin: &FsdpPlugin, mesh: Mesh) -> Result<Mesh, EngineError> {
-    let size = plugin.hpz_partition_size;
-    if size < 2 || mesh.secondary.is_some() {
+    if mesh.secondary.is_some() || !wanted(plugin, mesh.shard_size())? {
         return Ok(mesh);
+    }
+    Ok(mesh.with_secondary(plugin.hpz_partition_size)?)
+}
+
+/// Whether `plugin` asks for a secondary partition that can work over a shard group of
+/// `shard` ranks (none with one rank: nothing is gathered); one that cannot is refused
+/// naming the key, before any collective.
+pub(crate) fn wanted(plugin: &FsdpPlugin, shard: usize) -> Result<bool, EngineError> {
+    let size = plugin.hpz_partition_size;
+    if size < 2 {
+        return Ok(false);
     }
     let refuse = |reason: String| EngineError::Setting {
         key: "fsdp_hpz_partition_size",
@@ -28,17 +38,16 @@ pub(crate) fn attach(plugin: &FsdpPlugin, mesh: Mesh) -> Result<Mesh, EngineErro
             "keeps a partition for backward's second all-gather, which {strategy} does not make: use FULL_SHARD or HYBRID_SHARD, or leave it unset"
         )));
     }
-    let shard = mesh.shard_size();
     if shard < 2 {
         // Nothing is gathered (one rank holds every parameter): nothing to keep.
-        return Ok(mesh);
+        return Ok(false);
     }
     if !shard.is_multiple_of(size) {
         return Err(refuse(format!(
             "does not divide the {shard} ranks parameters are sharded over: use a divisor, such as the processes per machine"
         )));
     }
-    Ok(mesh.with_secondary(size)?)
+    Ok(true)
 }
 
 /// This rank's share of a gathered block in host memory (its part of `group`'s equal

@@ -629,3 +629,71 @@ fn a_row_sparse_table_under_hybrid_sharding_is_refused_naming_it() {
         );
     }
 }
+
+/// Ranks whose settings would issue different collectives (here rank 2 reduces gradients in
+/// int8, the others in f32; then rank 1 alone gathers in two hops) are refused when the
+/// engine is made, on every rank, naming the key, the rank's value and the ranks that differ
+/// — not left to fail in a mismatch mid-step.
+#[test]
+fn ranks_with_different_collective_settings_are_refused_naming_the_key() {
+    let make = |differs: fn(usize) -> (ReduceDtype, bool)| -> Vec<String> {
+        let handles: Vec<_> = LocalGroup::create(3)
+            .into_iter()
+            .map(|group| {
+                std::thread::spawn(move || {
+                    let rank = group.rank();
+                    let (reduce, hops) = differs(rank);
+                    let m = model();
+                    let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+                    let plugin = FsdpPlugin::builder()
+                        .reduce_dtype(reduce)
+                        .hierarchical_collectives(hops)
+                        .resolve(&Layer::new(), None)
+                        .unwrap()
+                        .fsdp;
+                    let group: Arc<dyn Communicator> = Arc::new(group);
+                    let made = Fsdp::wrap(&m, &init.tensors(), &plugin, group);
+                    made.err().map(|e| e.to_string()).unwrap_or_default()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    let errors = make(|r| {
+        (
+            if r == 2 {
+                ReduceDtype::Int8
+            } else {
+                ReduceDtype::Fp32
+            },
+            true,
+        )
+    });
+    assert!(
+        errors[0].contains("`fsdp_reduce_dtype: fp32` on rank 0 differs from rank(s) [2]"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[2].contains("`fsdp_reduce_dtype: int8` on rank 2 differs from rank(s) [0, 1]"),
+        "{errors:?}"
+    );
+    let errors = make(|r| (ReduceDtype::Fp32, r != 1));
+    assert!(
+        errors[1].contains(
+            "`fsdp_hierarchical_collectives: false` on rank 1 differs from rank(s) [0, 2]"
+        ),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .all(|e| e.contains("every process must run with the same FSDP settings")),
+        "{errors:?}"
+    );
+    // The same settings everywhere make an engine.
+    assert!(
+        make(|_| (ReduceDtype::Int8, true))
+            .iter()
+            .all(String::is_empty)
+    );
+}
