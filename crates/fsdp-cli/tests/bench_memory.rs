@@ -158,24 +158,27 @@ fn two_machines_gather_and_reduce_in_two_hops_as_the_theory_counts() {
     ];
     let int4 = [("FSDP_REDUCE_DTYPE", "int4")];
     for env in [&[][..], &zero_pp[..], &int4[..]] {
-        let p = common::port();
-        let start = |rank: &str| {
-            let mut cmd = common::fsdp();
-            cmd.args(["launch", "--num_machines", "2", "--num_processes", "4"])
-                .args(["--main_process_ip", "127.0.0.1", "--main_process_port", &p])
-                .args(["--machine_rank", rank, env!("CARGO_BIN_EXE_fsdp")])
-                .args(["bench", "memory", "--worker", "FULL_SHARD", "--steps", "2"])
-                .args([
-                    "--batch", "1", "--seq", "8", "--vocab", "512", "--hidden", "128",
-                ])
-                .args(["--layers", "2"])
-                .env("FSDP_JOB_SECRET", "bench-two-hops")
-                .envs(env.iter().copied());
-            cmd.spawn().unwrap()
-        };
-        let (m0, m1) = (start("0"), start("1"));
+        let program = [
+            env!("CARGO_BIN_EXE_fsdp"),
+            "bench",
+            "memory",
+            "--worker",
+            "FULL_SHARD",
+            "--steps",
+            "2",
+            "--batch",
+            "1",
+            "--seq",
+            "8",
+            "--vocab",
+            "512",
+            "--hidden",
+            "128",
+            "--layers",
+            "2",
+        ];
         let limit = std::time::Duration::from_secs(90);
-        let (r0, r1) = (common::finish(m0, limit), common::finish(m1, limit));
+        let (r0, r1) = common::launch_two_machines(&program, env, limit);
         assert_eq!(
             (r0.code, r1.code),
             (Some(0), Some(0)),

@@ -184,36 +184,13 @@ fn two_machines_on_loopback() {
         (Some("HYBRID_SHARD"), &[][..]),
         (Some("HYBRID_SHARD_ZERO2"), &[][..]),
     ] {
-        let p = port();
-        let common = |rank: &str| {
-            let mut cmd = fsdp();
-            cmd.args([
-                "launch",
-                "--num_machines",
-                "2",
-                "--num_processes",
-                "4",
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                &p,
-                "--machine_rank",
-                rank,
-            ]);
-            if let Some(s) = strategy {
-                cmd.args(["--fsdp_sharding_strategy", s]);
-            }
-            cmd.args(extra)
-                .args([EXE, "test", "--worker"])
-                .env("FSDP_JOB_SECRET", "two-machines");
-            cmd.spawn().unwrap()
+        let mut program = match strategy {
+            Some(s) => vec!["--fsdp_sharding_strategy", s],
+            None => Vec::new(),
         };
-        let m0 = common("0");
-        let m1 = common("1");
-        let (r0, r1) = (
-            finish(m0, Duration::from_secs(60)),
-            finish(m1, Duration::from_secs(60)),
-        );
+        program.extend(extra);
+        program.extend([EXE, "test", "--worker"]);
+        let (r0, r1) = common::launch_two_machines(&program, &[], Duration::from_secs(60));
         let mesh = match extra.first() {
             None => None,
             Some(&"--fsdp_reduce_dtype") => Some(
@@ -398,37 +375,15 @@ fn a_rank_waiting_in_a_collective_is_stopped_when_its_peer_dies() {
 /// inside the machine), whichever of machine 0's ranks the launcher reaps first.
 #[test]
 fn a_rank_dying_mid_training_stops_two_hop_collectives_on_every_machine() {
-    let p = port();
-    let start = |rank: &str| {
-        fsdp()
-            .args(["launch", "--num_machines", "2", "--num_processes", "4"])
-            .args(["--main_process_ip", "127.0.0.1", "--main_process_port", &p])
-            .args(["--machine_rank", rank, EXE, "test", "--worker"])
-            .args(["--fault", "die-in-step:3"])
-            .env("FSDP_JOB_SECRET", "two-hops-die")
-            .spawn()
-            .unwrap()
-    };
-    let (m0, m1) = (start("0"), start("1"));
-    let (r0, r1) = (
-        finish(m0, Duration::from_secs(60)),
-        finish(m1, Duration::from_secs(60)),
-    );
-    let all = format!("{}\n{}", r0.out, r1.out);
+    let program = [EXE, "test", "--worker", "--fault", "die-in-step:3"];
+    let (r0, r1) = common::launch_two_machines(&program, &[], Duration::from_secs(60));
+    let all = both_failed_at_once(&r0, &r1);
     assert!(all.contains("rank 3 exits on purpose in step 3"), "{all}");
-    assert_ne!(r0.code, Some(0), "{all}");
-    assert_ne!(r1.code, Some(0), "{all}");
     assert!(
         (r0.out.contains("connection to rank ") && r0.out.contains(" lost during "))
             || r0.out.contains("aborted because rank "),
         "machine 0 does not name what it lost:\n{all}"
     );
-    assert!(
-        r0.elapsed < Duration::from_secs(20),
-        "took {:?}:\n{all}",
-        r0.elapsed
-    );
-    assert!(survivors(&pids(&all)).is_empty(), "{all}");
 }
 
 /// Two machines launched with different gradient dtypes (a config file that differs between
@@ -436,25 +391,12 @@ fn a_rank_dying_mid_training_stops_two_hop_collectives_on_every_machine() {
 /// ranks, instead of in a mismatch mid-step.
 #[test]
 fn machines_with_different_collective_settings_are_refused_naming_the_key() {
-    let p = port();
-    let start = |rank: &str, reduce: &str| {
-        fsdp()
-            .args(["launch", "--num_machines", "2", "--num_processes", "4"])
-            .args(["--main_process_ip", "127.0.0.1", "--main_process_port", &p])
-            .args(["--machine_rank", rank, "--fsdp_reduce_dtype", reduce])
-            .args([EXE, "test", "--worker"])
-            .env("FSDP_JOB_SECRET", "two-settings")
-            .spawn()
-            .unwrap()
+    let program = |machine: usize| {
+        let reduce = if machine == 0 { "fp32" } else { "int8" };
+        vec!["--fsdp_reduce_dtype", reduce, EXE, "test", "--worker"]
     };
-    let (m0, m1) = (start("0", "fp32"), start("1", "int8"));
-    let (r0, r1) = (
-        finish(m0, Duration::from_secs(60)),
-        finish(m1, Duration::from_secs(60)),
-    );
-    let all = format!("{}\n{}", r0.out, r1.out);
-    assert_ne!(r0.code, Some(0), "{all}");
-    assert_ne!(r1.code, Some(0), "{all}");
+    let (r0, r1) = common::launch_two_machines_each(program, &[], Duration::from_secs(60));
+    let all = both_failed_at_once(&r0, &r1);
     assert!(
         r0.out
             .contains("`fsdp_reduce_dtype: fp32` on rank 0 differs from rank(s) [2, 3]")
@@ -471,12 +413,21 @@ fn machines_with_different_collective_settings_are_refused_naming_the_key() {
                 .contains("`fsdp_reduce_dtype: int8` on rank 3 differs from rank(s) [0, 1]"),
         "{all}"
     );
+}
+
+/// Both machines' launchers failed, machine 0's within 20 s, and no worker is left; their
+/// output together.
+fn both_failed_at_once(r0: &common::Run, r1: &common::Run) -> String {
+    let all = format!("{}\n{}", r0.out, r1.out);
+    assert_ne!(r0.code, Some(0), "{all}");
+    assert_ne!(r1.code, Some(0), "{all}");
     assert!(
         r0.elapsed < Duration::from_secs(20),
         "took {:?}:\n{all}",
         r0.elapsed
     );
     assert!(survivors(&pids(&all)).is_empty(), "{all}");
+    all
 }
 
 #[test]

@@ -131,6 +131,34 @@ pub fn finish(mut child: Child, limit: Duration) -> Run {
     Run { code, out, elapsed }
 }
 
+/// `fsdp launch` of `program` (its arguments after the launcher's, `--fsdp_*` flags
+/// included) as a job of 2 machines of 2 processes on loopback: one launcher per machine
+/// with `env` added, waited for within `limit` each (machine 0's run first).
+pub fn launch_two_machines(program: &[&str], env: &[(&str, &str)], limit: Duration) -> (Run, Run) {
+    launch_two_machines_each(|_| program.to_vec(), env, limit)
+}
+
+/// [`launch_two_machines`] with each machine's own program (`program(machine rank)`).
+pub fn launch_two_machines_each<'a>(
+    program: impl Fn(usize) -> Vec<&'a str>,
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> (Run, Run) {
+    let p = port();
+    let start = |rank: usize| {
+        let mut cmd = fsdp();
+        cmd.args(["launch", "--num_machines", "2", "--num_processes", "4"])
+            .args(["--main_process_ip", "127.0.0.1", "--main_process_port", &p])
+            .args(["--machine_rank", &rank.to_string()])
+            .args(program(rank))
+            .env("FSDP_JOB_SECRET", "two-loopback-machines")
+            .envs(env.iter().copied());
+        cmd.spawn().unwrap()
+    };
+    let (m0, m1) = (start(0), start(1));
+    (finish(m0, limit), finish(m1, limit))
+}
+
 pub fn launch(args: &[&str], limit: Duration) -> Run {
     finish(fsdp().arg("launch").args(args).spawn().unwrap(), limit)
 }
