@@ -5,15 +5,16 @@
 //! is made: a difference fails every rank, naming the key, this rank's value and the ranks
 //! that have another.
 
-use fsdp_comm::{Communicator, CommunicatorExt, WorldInfo};
+use fsdp_comm::{Communicator, CommunicatorExt};
 
 use super::error::EngineError;
 use crate::config::{Choice, FsdpPlugin};
 
-/// Each setting that shapes the collectives, by its configuration key, as this rank has it.
-fn settings(plugin: &FsdpPlugin) -> Vec<(&'static str, String)> {
+/// Each setting that shapes the collectives, by its configuration key, as this rank has it;
+/// `layout` is the machine size its collectives use (hybrid sharding's shard groups, two
+/// hops' machines; 0 for none).
+fn settings(plugin: &FsdpPlugin, layout: usize) -> Vec<(&'static str, String)> {
     let pattern = |r: &Option<regex::Regex>| r.as_ref().map_or(String::new(), |r| r.to_string());
-    let per_machine = WorldInfo::from_env().map_or(0, |w| w.local_world_size);
     vec![
         (
             "fsdp_sharding_strategy",
@@ -60,19 +61,25 @@ fn settings(plugin: &FsdpPlugin) -> Vec<(&'static str, String)> {
             pattern(&plugin.no_reshard_after_forward),
         ),
         (
-            "processes per machine (LOCAL_WORLD_SIZE)",
-            per_machine.to_string(),
+            "processes per machine the collectives use (LOCAL_WORLD_SIZE; 0: none)",
+            layout.to_string(),
         ),
     ]
 }
 
-/// Fails on every rank of `group` when a setting that shapes the collectives differs
-/// between ranks (one all-gather of a checksum per setting).
-pub(crate) fn check(plugin: &FsdpPlugin, group: &dyn Communicator) -> Result<(), EngineError> {
+/// Fails on every rank of `group` when a setting that shapes the collectives, or the
+/// machine `layout` they use, differs between ranks (one all-gather of a checksum per
+/// setting). Machines of different sizes agree when neither uses a layout (flat
+/// collectives).
+pub(crate) fn check(
+    plugin: &FsdpPlugin,
+    group: &dyn Communicator,
+    layout: usize,
+) -> Result<(), EngineError> {
     if group.size() < 2 {
         return Ok(());
     }
-    let mine = settings(plugin);
+    let mine = settings(plugin, layout);
     let sums: Vec<i64> = mine
         .iter()
         .map(|(_, v)| i64::from(crc32c::crc32c(v.as_bytes())))

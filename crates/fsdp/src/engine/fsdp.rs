@@ -125,11 +125,23 @@ impl Fsdp {
         // What one rank can tell alone is refused before any collective; then the ranks
         // compare their settings before they build groups on them.
         super::secondary::wanted(plugin, shard_size)?;
-        super::agreement::check(plugin, group.as_ref())?;
+        let two_hops = match strategy {
+            ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => {
+                super::two_hops::machine_size(plugin, group.as_ref())
+            }
+            _ => None,
+        };
+        // The machine layout the collectives use: hybrid sharding's shard groups, or two
+        // hops' machines.
+        let layout = match strategy {
+            s if s.is_hybrid() => shard_size,
+            _ => two_hops.unwrap_or(0),
+        };
+        super::agreement::check(plugin, group.as_ref(), layout)?;
         let mesh = match strategy {
             ShardingStrategy::NoShard => Mesh::replicated(group),
             s if s.is_hybrid() => Mesh::hybrid(group.as_ref(), shard_size)?,
-            _ => super::two_hops::attach(plugin, Mesh::sharded(group))?,
+            _ => super::two_hops::attach(Mesh::sharded(group), two_hops)?,
         };
         Fsdp::with_mesh(model, initial, plugin, default_wrap, mesh)
     }
