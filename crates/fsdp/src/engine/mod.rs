@@ -25,6 +25,7 @@ mod grad_scaler;
 mod grads;
 mod hooks;
 mod intake;
+mod mesh_layout;
 mod offload;
 mod param;
 mod placement;
