@@ -29,5 +29,6 @@ pub use paths::{
 };
 pub use resolve::ResolvedConfig;
 pub use schema::{Applicability, DefaultValue, FSDP_SECTION, Key, KeySpec, Kind, Section};
+pub(crate) use settings::machines_spanned;
 pub use settings::{FsdpPlugin, LaunchSettings};
 pub use value::{Setting, Source, Value, parse_bool, parse_text};

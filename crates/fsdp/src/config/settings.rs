@@ -44,10 +44,7 @@ impl LaunchSettings {
     /// `fsdp_hierarchical_collectives` is false); 1 otherwise.
     pub fn two_hop_machine_size(&self, strategy: ShardingStrategy) -> usize {
         let (shard, _) = self.mesh_shape(strategy);
-        match self.processes_per_machine() {
-            l if l >= 2 && l < shard && shard.is_multiple_of(l) => l,
-            _ => 1,
-        }
+        machines_spanned(shard, self.processes_per_machine()).unwrap_or(1)
     }
 
     /// The mesh `strategy` makes of the job's processes: (ranks a parameter is sharded over,
@@ -64,6 +61,14 @@ impl LaunchSettings {
         };
         (shard, n / shard)
     }
+}
+
+/// The processes of each machine when a shard group of `group` ranks (numbered machine by
+/// machine) spans several machines of `per_machine` ≥ 2 processes each, the rule two-hop
+/// collectives go by; `None` when the group fits on one machine or a machine holds one.
+pub(crate) fn machines_spanned(group: usize, per_machine: usize) -> Option<usize> {
+    let spans = per_machine >= 2 && per_machine < group && group.is_multiple_of(per_machine);
+    spans.then_some(per_machine)
 }
 
 /// The FSDP settings, typed: what the engine is configured with (Accelerate's

@@ -8,7 +8,7 @@
 use fsdp_comm::{Communicator, Launcher, Mesh, WorldInfo};
 
 use super::error::EngineError;
-use crate::config::FsdpPlugin;
+use crate::config::{FsdpPlugin, machines_spanned};
 
 /// The machine size two-hop collectives would use over `group` as a shard group (the
 /// processes of each machine), when `plugin` allows them and the launch environment says the
@@ -38,12 +38,10 @@ fn spanned_machines(
     per_machine: usize,
     standalone: bool,
 ) -> Option<usize> {
-    let spans = !standalone
-        && launched == world
-        && per_machine >= 2
-        && per_machine < world
-        && world.is_multiple_of(per_machine);
-    spans.then_some(per_machine)
+    if standalone || launched != world {
+        return None;
+    }
+    machines_spanned(world, per_machine)
 }
 
 /// `mesh` with two-hop collectives over machines of `machine_size` processes, if any.
