@@ -58,27 +58,21 @@ fn assert_traffic(r: &serde_json::Value) {
     }
 }
 
+/// `bench memory`'s arguments for 2 steps of a 2-layer BERT of `hidden`.
+fn small_bert(hidden: &'static str) -> [&'static str; 12] {
+    [
+        "--steps", "2", "--batch", "1", "--seq", "8", "--vocab", "512", "--hidden", hidden,
+        "--layers", "2",
+    ]
+}
+
 /// `bench memory`'s arguments for 2 FULL_SHARD steps of a 2-layer BERT of `hidden` on
 /// `processes` processes.
-fn small_full_shard(processes: &'static str, hidden: &'static str) -> [&'static str; 16] {
-    [
-        "--steps",
-        "2",
-        "--num_processes",
-        processes,
-        "--strategies",
-        "FULL_SHARD",
-        "--batch",
-        "1",
-        "--seq",
-        "8",
-        "--vocab",
-        "512",
-        "--hidden",
-        hidden,
-        "--layers",
-        "2",
-    ]
+fn small_full_shard(processes: &'static str, hidden: &'static str) -> Vec<&'static str> {
+    ["--num_processes", processes, "--strategies", "FULL_SHARD"]
+        .into_iter()
+        .chain(small_bert(hidden))
+        .collect()
 }
 
 /// `fsdp_all_gather_dtype: int8` (from the environment, as `fsdp launch` passes it) and
@@ -158,25 +152,14 @@ fn two_machines_gather_and_reduce_in_two_hops_as_the_theory_counts() {
     ];
     let int4 = [("FSDP_REDUCE_DTYPE", "int4")];
     for env in [&[][..], &zero_pp[..], &int4[..]] {
-        let program = [
+        let worker = [
             env!("CARGO_BIN_EXE_fsdp"),
             "bench",
             "memory",
             "--worker",
             "FULL_SHARD",
-            "--steps",
-            "2",
-            "--batch",
-            "1",
-            "--seq",
-            "8",
-            "--vocab",
-            "512",
-            "--hidden",
-            "128",
-            "--layers",
-            "2",
         ];
+        let program: Vec<&str> = worker.into_iter().chain(small_bert("128")).collect();
         let limit = std::time::Duration::from_secs(90);
         let (r0, r1) = common::launch_two_machines(&program, env, limit);
         assert_eq!(
