@@ -28,7 +28,7 @@ use fsdp::data::{
     train_test_split, vader_movie_reviews,
 };
 use fsdp::models::{BertConfig, BertForSequenceClassification};
-use fsdp::nn::candle::{DType, Device, Tensor};
+use fsdp::nn::candle::{DType, Tensor};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{Module, SafetensorsWeights};
 use fsdp::optim::{AdamW, AdamWConfig, LrSchedule, is_bias_or_norm, split_no_decay};
@@ -140,6 +140,11 @@ struct Args {
     /// `group_by_length`): less padding, batches no longer a uniform shuffle.
     #[arg(long)]
     group_by_length: bool,
+    /// Deal each step's examples to the processes by token count, the longest to the one
+    /// that takes fewer, so none waits for another's longer padding (the same examples per
+    /// step, the loss weighing each alike; sums in another order).
+    #[arg(long)]
+    balance_lengths: bool,
     /// Give the word embedding a row-sparse gradient (`nn.Embedding(sparse=True)`): only the
     /// rows the step's batches looked up are reduced, with the same result as the whole table.
     #[arg(long)]
@@ -330,26 +335,25 @@ fn main() -> Result<()> {
         let (t, device) = (tokenizer.clone(), acc.device().clone());
         move |ex: &[TextExample]| collate(&t, ex, &device)
     };
-    let lengths = if args.group_by_length {
+    let lengths = if args.group_by_length || args.balance_lengths {
         // Each example's token count, as the collate function will encode it.
-        let lengths = train
+        let texts: Vec<_> = train
             .iter()
-            .map(|e| {
-                let pair = [(e.text.as_str(), e.pair.as_deref())];
-                Ok(tokenizer
-                    .encode_pairs(&pair, &Device::Cpu)?
-                    .input_ids
-                    .dim(1)?)
-            })
-            .collect::<Result<Vec<usize>>>()?;
-        Some(lengths)
+            .map(|e| (e.text.as_str(), e.pair.as_deref()))
+            .collect();
+        Some(tokenizer.token_counts(&texts)?)
     } else {
         None
     };
     let mut train_loader =
         DataLoader::new(train, args.batch_size, collate_fn.clone()).shuffle(args.seed);
     if let Some(lengths) = lengths {
-        train_loader = train_loader.group_by_length(lengths)?;
+        if args.group_by_length {
+            train_loader = train_loader.group_by_length(lengths.clone())?;
+        }
+        if args.balance_lengths {
+            train_loader = train_loader.balance_lengths(lengths)?;
+        }
     }
     let mut train_loader = acc.prepare_data_loader(train_loader);
     let mut eval_loader =
@@ -486,14 +490,22 @@ fn main() -> Result<()> {
                 )
             })?;
             let loss = cross_entropy(&logits, &labels, CrossEntropy::default())?;
-            let local_loss = loss.to_scalar::<f32>()?;
-            acc.backward(&mut model, loss)?;
+            let mut local_loss = loss.to_scalar::<f32>()? as f64;
+            if args.balance_lengths {
+                // Shares of different sizes: each example weighs 1 / the step's count.
+                let (mine, step) = (labels.dim(0)?, train_loader.global_batch_size());
+                local_loss *= (mine * acc.num_processes()) as f64 / step as f64;
+                let loss_sum = (loss * mine as f64)?;
+                acc.backward_sum(&mut model, loss_sum, step as u64 * accumulation)?;
+            } else {
+                acc.backward(&mut model, loss)?;
+            }
             if !acc.sync_gradients() {
                 continue;
             }
             let norm = acc.clip_grad_norm(&mut model, 1.0)?;
             acc.optimizer_step(&mut model, &mut optimizer)?;
-            let summed = acc.reduce(vec![local_loss as f64, step_flops], ReduceOp::Sum)?;
+            let summed = acc.reduce(vec![local_loss, step_flops], ReduceOp::Sum)?;
             let mean_loss = summed[0] / acc.num_processes() as f64;
             let samples = (train_loader.global_batch_size() as u64) * accumulation;
             trained_samples += samples;

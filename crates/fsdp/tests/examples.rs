@@ -102,6 +102,19 @@ fn nlp_example_trains_evaluates_checkpoints_and_resumes_exactly() {
     tracked_every_step(&straight.join("runs"), 4);
     mlflow_lists_the_run(&straight.join("mlruns"), &straight.join("runs"));
 
+    // Each step's examples dealt to the processes by token count, the loss weighing each
+    // example alike (the numerics: token_loss.rs).
+    let mut args = common.to_vec();
+    let balanced = dir("balanced");
+    args.extend(["--balance_lengths", "--output_dir", &balanced]);
+    let out = run("nlp_example", &args);
+    assert!(out.contains("epoch 0 4/4: loss"), "{out}");
+    assert!(
+        Path::new(&balanced)
+            .join("model/model.safetensors")
+            .is_file()
+    );
+
     // Resumed with a row-sparse word embedding gradient: on 2 processes its reduction sums
     // each row in the dense one's order, so the model comes out byte for byte the same.
     let checkpoint = straight.join("step_2");

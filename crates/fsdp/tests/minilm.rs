@@ -179,6 +179,10 @@ fn tokenizer_json_gives_the_reference_inputs_and_embeddings() {
         [[101, 7592, 102]],
         "truncated to 3 with the special tokens kept"
     );
+    // Token counts as a batch encodes each (special tokens, truncation, no padding), pairs too.
+    let texts = [("hello world", None), ("The cat sat", Some("hello world"))];
+    assert_eq!(tokenizer.token_counts(&texts).unwrap(), [4, 8]);
+    assert_eq!(short.token_counts(&texts).unwrap(), [3, 3]);
     // Text in, sentence embeddings out: the same as the reference (computed with one more
     // padding column, which the mask makes irrelevant).
     let model =

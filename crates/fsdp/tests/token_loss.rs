@@ -4,7 +4,9 @@
 //! weights of one process training on the whole global batch with the mean over its tokens —
 //! on 2 processes, with 2 micro-batches, and both, when every sequence has its own padding —
 //! while the per-micro-batch mean (`forward_loss` + `backward`) drifts away from it; and on 3
-//! processes sharing each global batch of 8 unevenly (`DataLoader::split_batches`: 3, 3, 2).
+//! processes sharing each global batch of 8 unevenly (`DataLoader::split_batches`: 3, 3, 2),
+//! and on 2 and 3 processes dealt each global batch by token count
+//! (`DataLoader::balance_lengths`: shares of any size).
 //! Real processes; SGD, whose step is proportional to the gradient.
 
 use std::collections::BTreeMap;
@@ -104,10 +106,19 @@ fn token_loss_worker() {
     let all: Vec<(usize, usize)> = (0..3)
         .flat_map(|step| (0..SEQUENCES).map(move |i| (step, i)))
         .collect();
-    let mut loader = acc.prepare_data_loader(
+    // With TEST_BALANCE, dealt by each sequence's real tokens.
+    let lengths: Vec<usize> = all
+        .iter()
+        .map(|&(s, i)| sequence(s, i).1.iter().filter(|&&m| m == 1).count())
+        .collect();
+    let mut loader =
         fsdp::data::DataLoader::new(all, SEQUENCES, |x: &[(usize, usize)]| Ok(collate(x)))
-            .split_batches(true),
-    );
+            .split_batches(true);
+    if std::env::var("TEST_BALANCE").is_ok() {
+        loader = loader.balance_lengths(lengths).unwrap();
+    }
+    let mut loader = acc.prepare_data_loader(loader);
+    let mut shares = Vec::new();
     for step in 0..3 {
         // Micro-batch m of rank r: sequences [(m world + r) micro, +micro).
         let batches: Vec<_> = match split {
@@ -119,6 +130,12 @@ fn token_loss_worker() {
                 })
                 .collect(),
         };
+        shares.push(
+            batches
+                .iter()
+                .map(|(ids, _, _)| ids.dim(0).unwrap())
+                .sum::<usize>(),
+        );
         let local: u64 = batches
             .iter()
             .map(|(_, _, labels)| causal_lm_label_count(labels).unwrap())
@@ -142,7 +159,7 @@ fn token_loss_worker() {
     let weights = common::full_weights(&acc, &model);
     acc.wait_for_everyone().unwrap();
     if acc.is_main_process() {
-        println!("RESULT {}", json!({ "weights": weights }));
+        println!("RESULT {}", json!({ "weights": weights, "shares": shares }));
     }
 }
 
@@ -156,6 +173,16 @@ fn run_with(
     loss: &str,
     env: &[(&str, &str)],
 ) -> BTreeMap<String, Vec<f32>> {
+    serde_json::from_value(run_result(world, accumulation, loss, env)["weights"].clone()).unwrap()
+}
+
+/// The worker's result: the weights, and rank 0's examples per step.
+fn run_result(
+    world: usize,
+    accumulation: usize,
+    loss: &str,
+    env: &[(&str, &str)],
+) -> serde_json::Value {
     let acc = accumulation.to_string();
     let mut env = env.to_vec();
     env.extend([("TEST_ACCUMULATION", acc.as_str()), ("TEST_LOSS", loss)]);
@@ -166,7 +193,7 @@ fn run_with(
         &env,
         Duration::from_secs(120),
     );
-    serde_json::from_value(common::result_of(&outputs[0])["weights"].clone()).unwrap()
+    common::result_of(&outputs[0])
 }
 
 /// Largest |a - b| over the largest |b| of each tensor, over all tensors.
@@ -205,6 +232,25 @@ fn the_token_count_of_the_whole_step_normalises_like_one_process() {
     let d = worst(&run_with(3, 1, "sum", &[("TEST_SPLIT", "1")]), &reference);
     eprintln!("3 processes, split batches 3/3/2: max rel diff {d:.2e}");
     assert!(d < 1e-5, "3 processes with split batches: {d}");
+    // 2 and 3 processes, each global batch dealt by token count: rank 0 takes other than its
+    // equal share in some step, and the weights are the same.
+    for world in [2, 3] {
+        let r = run_result(
+            world,
+            1,
+            "sum",
+            &[("TEST_SPLIT", "1"), ("TEST_BALANCE", "1")],
+        );
+        let shares: Vec<usize> = serde_json::from_value(r["shares"].clone()).unwrap();
+        assert!(
+            shares.iter().any(|&s| s != SEQUENCES.div_ceil(world)),
+            "{shares:?}"
+        );
+        let got: BTreeMap<String, Vec<f32>> = serde_json::from_value(r["weights"].clone()).unwrap();
+        let d = worst(&got, &reference);
+        eprintln!("{world} processes, batches dealt by length {shares:?}: max rel diff {d:.2e}");
+        assert!(d < 1e-5, "{world} processes dealt by length: {d}");
+    }
     // The mean per micro-batch weighs a short sequence's tokens more: another model.
     let per_batch = worst(&run(2, 2, "mean"), &reference);
     eprintln!(

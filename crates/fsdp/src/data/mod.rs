@@ -10,7 +10,7 @@ pub mod tokenizer;
 
 pub use loader::{
     BatchError, CollateError, DataLoader, Dataset, LengthsMismatch, LoadedBatch, LoaderPosition,
-    group_by_length, permutation,
+    balanced_shares, group_by_length, permutation,
 };
 pub use text::{
     ClassificationBatch, DataError, TextExample, TokenWindows, collate, mrpc_tsv, train_test_split,

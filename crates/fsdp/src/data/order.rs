@@ -1,5 +1,6 @@
 //! The order an epoch's samples are taken in: a seeded permutation, the same on every rank,
-//! and transformers' length grouping of it.
+//! and transformers' length grouping of it; and how a step's samples may be dealt to the ranks
+//! so that each pads about as many tokens.
 
 use crate::rng::{GOLDEN_GAMMA, SplitMix64};
 
@@ -53,10 +54,62 @@ pub fn group_by_length(order: &[usize], lengths: &[usize], batch: usize) -> Vec<
     grouped.concat()
 }
 
-/// `group_by_length`'s lengths do not match the dataset.
+/// A step's samples dealt to `ranks` ranks so that the slowest rank's padded batch (its
+/// examples times its longest `lengths`, which is what its forward and backward compute) is
+/// as small as contiguous runs of the samples sorted longest first allow: fewer of the longest
+/// examples to one rank, more of the short ones to another. Every rank gets at least one
+/// sample when there are as many as ranks. Returns each rank's positions in the step, longest
+/// first; the same on every rank (ties keep the step's order).
+pub fn balanced_shares(lengths: &[usize], ranks: usize) -> Vec<Vec<usize>> {
+    let (g, ranks) = (lengths.len(), ranks.max(1));
+    let mut by_length: Vec<usize> = (0..g).collect();
+    by_length.sort_by_key(|&p| std::cmp::Reverse(lengths[p]));
+    let length_at = |i: usize| lengths[by_length[i]].max(1);
+    // Ranks needed when no rank's padded batch may exceed `budget` (greedy, longest first).
+    let ranks_within = |budget: usize| {
+        let (mut i, mut used) = (0, 0);
+        while i < g {
+            i += (budget / length_at(i)).max(1).min(g - i);
+            used += 1;
+        }
+        used
+    };
+    let (mut low, mut high) = match g {
+        0 => (1, 1),
+        _ => (length_at(0), g * length_at(0)),
+    };
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if ranks_within(mid) <= ranks {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    // The same greedy cut, keeping one sample for each rank still to come.
+    let mut at = 0;
+    (0..ranks)
+        .map(|r| {
+            let later = ranks - r - 1;
+            let most = (g - at).saturating_sub(later);
+            let take = match (later, at < g) {
+                (_, false) => 0,
+                (0, true) => g - at,
+                _ => (low / length_at(at)).clamp(1, most.max(1)),
+            };
+            let share = by_length[at..at + take].to_vec();
+            at += take;
+            share
+        })
+        .collect()
+}
+
+/// The lengths given for `group_by_length` or `balance_lengths` do not match the dataset.
 #[derive(Debug, thiserror::Error)]
-#[error("group_by_length: {lengths} lengths for a dataset of {examples} examples")]
+#[error("{op}: {lengths} lengths for a dataset of {examples} examples")]
 pub struct LengthsMismatch {
+    /// What was given them.
+    pub op: &'static str,
     /// Lengths given.
     pub lengths: usize,
     /// Examples in the dataset.
@@ -159,6 +212,150 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "group_by_length: 1 lengths for a dataset of 2 examples"
+        );
+    }
+
+    /// The slowest rank's padded batch: its examples times its longest.
+    fn slowest(shares: &[Vec<usize>], lengths: &[usize]) -> usize {
+        let padded = |s: &Vec<usize>| s.len() * s.iter().map(|&p| lengths[p]).max().unwrap_or(0);
+        shares.iter().map(padded).max().unwrap_or(0)
+    }
+
+    /// The best any cut of the longest-first order into `ranks` non-empty runs can do
+    /// (every cut tried).
+    fn best_cut(lengths: &[usize], ranks: usize) -> usize {
+        let mut sorted = lengths.to_vec();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        let cost = |from: usize, to: usize| (to - from) * sorted[from];
+        // best[r][i]: the first i samples in r runs.
+        let g = sorted.len();
+        let mut best = vec![vec![usize::MAX; g + 1]; ranks + 1];
+        best[0][0] = 0;
+        for r in 1..=ranks {
+            for i in r..=g {
+                best[r][i] = (r - 1..i)
+                    .filter(|&j| best[r - 1][j] != usize::MAX)
+                    .map(|j| best[r - 1][j].max(cost(j, i)))
+                    .min()
+                    .unwrap_or(usize::MAX);
+            }
+        }
+        best[ranks][g]
+    }
+
+    #[test]
+    fn balanced_shares_cut_the_slowest_ranks_padding_as_far_as_any_cut_can() {
+        let mut stream = SplitMix64::new(5);
+        for case in 0..300 {
+            let g = 1 + (stream.next_u64() % 40) as usize;
+            let ranks = 1 + (stream.next_u64() % 5) as usize;
+            let spread = 1 + (stream.next_u64() % 120) as usize;
+            let lengths: Vec<usize> = (0..g)
+                .map(|_| 1 + (stream.next_u64() as usize % spread))
+                .collect();
+            let shares = balanced_shares(&lengths, ranks);
+            assert_eq!(shares.len(), ranks);
+            // Every position once; every rank some when there are enough.
+            let mut all: Vec<usize> = shares.concat();
+            all.sort_unstable();
+            assert_eq!(all, (0..g).collect::<Vec<_>>(), "case {case}");
+            if g >= ranks {
+                assert!(shares.iter().all(|s| !s.is_empty()), "case {case}");
+                assert_eq!(
+                    slowest(&shares, &lengths),
+                    best_cut(&lengths, ranks),
+                    "case {case}: {lengths:?} over {ranks}"
+                );
+            }
+            // Never slower than equal shares in the step's order.
+            let b = g.div_ceil(ranks);
+            let plain: Vec<Vec<usize>> = (0..g)
+                .collect::<Vec<_>>()
+                .chunks(b)
+                .map(<[usize]>::to_vec)
+                .collect();
+            assert!(slowest(&shares, &lengths) <= slowest(&plain, &lengths));
+        }
+        // Two ranks, 8 examples: the longest two on one rank, the six short ones on the other
+        // (2 x 60 and 6 x 20 against 4 x 60 each way).
+        let lengths = [20, 60, 20, 20, 55, 20, 20, 20];
+        assert_eq!(
+            balanced_shares(&lengths, 2),
+            [vec![1, 4], vec![0, 2, 3, 5, 6, 7]]
+        );
+    }
+
+    #[test]
+    fn balanced_steps_hold_the_same_examples_dealt_by_length_and_resume() {
+        let lengths: Vec<usize> = permutation(103, 9, 0).iter().map(|i| i % 50 + 1).collect();
+        let loader = |rank: usize, ranks: usize, balance: bool| {
+            let data: Vec<usize> = (0..lengths.len()).collect();
+            let l = DataLoader::new(data, 4, |x: &[usize]| Ok(x.to_vec()))
+                .shuffle(7)
+                .shard(rank, ranks);
+            if balance {
+                l.balance_lengths(lengths.clone()).unwrap()
+            } else {
+                l
+            }
+        };
+        for ranks in [2, 3] {
+            let take_epoch = |balance: bool| -> Vec<Vec<Vec<usize>>> {
+                let mut ls: Vec<_> = (0..ranks).map(|r| loader(r, ranks, balance)).collect();
+                let mut steps = Vec::new();
+                while ls[0].steps_left_in_epoch() > 0 {
+                    steps.push(
+                        ls.iter_mut()
+                            .map(|l| l.next_batch().unwrap().unwrap().indices)
+                            .collect(),
+                    );
+                }
+                steps
+            };
+            let (balanced, plain) = (take_epoch(true), take_epoch(false));
+            assert_eq!(balanced.len(), plain.len());
+            let mut unequal = 0;
+            for (b, p) in balanced.iter().zip(&plain) {
+                let sorted = |s: &Vec<Vec<usize>>| {
+                    let mut v = s.concat();
+                    v.sort_unstable();
+                    v
+                };
+                // The same examples in each step.
+                assert_eq!(sorted(b), sorted(p));
+                let shares: Vec<Vec<usize>> = b.clone();
+                let of_step: Vec<Vec<usize>> = shares
+                    .iter()
+                    .map(|s| s.iter().map(|&i| lengths[i]).collect())
+                    .collect();
+                let pad = |s: &Vec<usize>| s.len() * s.iter().max().copied().unwrap_or(0);
+                let plain_pad = p
+                    .iter()
+                    .map(|s| pad(&s.iter().map(|&i| lengths[i]).collect()))
+                    .max()
+                    .unwrap();
+                assert!(of_step.iter().map(pad).max().unwrap() <= plain_pad);
+                unequal += usize::from(b.iter().any(|s| s.len() != 4));
+            }
+            // Shares of different sizes in most steps; the last, filled-up step as plain.
+            assert!(
+                unequal * 2 > balanced.len(),
+                "{unequal} of {}",
+                balanced.len()
+            );
+            assert_eq!(balanced.last(), plain.last());
+            // A position mid-epoch resumes the same shares.
+            let mut resumed = loader(1, ranks, true);
+            resumed.set_position(LoaderPosition::at(0, 3 * 4 * ranks));
+            assert_eq!(
+                resumed.next_batch().unwrap().unwrap().indices,
+                balanced[3][1]
+            );
+        }
+        let e = loader(0, 2, false).balance_lengths(vec![1]).err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            "balance_lengths: 1 lengths for a dataset of 103 examples"
         );
     }
 }

@@ -109,6 +109,29 @@ impl TextTokenizer {
         self.encode(inputs.collect(), device)
     }
 
+    /// Each sentence's or pair's token count as [`TextTokenizer::encode_pairs`] encodes it
+    /// (special tokens and truncation included, padding not): the lengths
+    /// [`crate::data::DataLoader::group_by_length`] and `balance_lengths` take.
+    pub fn token_counts(
+        &self,
+        texts: &[(&str, Option<&str>)],
+    ) -> Result<Vec<usize>, TokenizerError> {
+        let inputs = texts.iter().map(|(a, b)| match b {
+            Some(b) => EncodeInput::Dual((*a).into(), (*b).into()),
+            None => EncodeInput::Single((*a).into()),
+        });
+        let encodings = self
+            .inner
+            .encode_batch(inputs.collect(), true)
+            .map_err(|e| TokenizerError::Encode {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
+        let real =
+            |e: &tokenizers::Encoding| e.get_attention_mask().iter().filter(|&&m| m == 1).count();
+        Ok(encodings.iter().map(real).collect())
+    }
+
     fn encode(
         &self,
         inputs: Vec<EncodeInput<'_>>,

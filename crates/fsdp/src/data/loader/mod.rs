@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use super::order::{LengthsMismatch, group_by_length, permutation};
+pub use super::order::{LengthsMismatch, balanced_shares, group_by_length, permutation};
 
 /// A dataset: items by index.
 pub trait Dataset {
@@ -108,8 +108,12 @@ pub struct DataLoader<D: Dataset, B> {
     dataset: D,
     batch_size: usize,
     shuffle: Option<u64>,
-    /// Each example's length, for batches of similar lengths (`group_by_length`).
+    /// Each example's length (`group_by_length`, `balance_lengths`).
     lengths: Option<Vec<usize>>,
+    /// Order each epoch in megabatches sorted by length (`group_by_length`).
+    grouped: bool,
+    /// Deal each step's examples by length (`balance_lengths`).
+    balanced: bool,
     drop_last: bool,
     /// `batch_size` is the global batch, split over the ranks (Accelerate's
     /// `split_batches`), in shares that may differ by one.
@@ -188,6 +192,8 @@ impl<D: Dataset, B> DataLoader<D, B> {
             batch_size: batch_size.max(1),
             shuffle: None,
             lengths: None,
+            grouped: false,
+            balanced: false,
             drop_last: false,
             split: false,
             collate: Box::new(collate),
@@ -212,9 +218,36 @@ impl<D: Dataset, B> DataLoader<D, B> {
     /// `lengths` (one per example, e.g. its token count), longest first — still one order
     /// identical on every rank, and a position within it resumes exactly. Less padding per
     /// batch; the batches of an epoch are no longer a uniform shuffle.
-    pub fn group_by_length(mut self, lengths: Vec<usize>) -> Result<Self, LengthsMismatch> {
+    pub fn group_by_length(self, lengths: Vec<usize>) -> Result<Self, LengthsMismatch> {
+        let mut loader = self.with_lengths("group_by_length", lengths)?;
+        loader.grouped = true;
+        Ok(loader)
+    }
+
+    /// Deals each step's examples to the ranks by `lengths` (one per example, e.g. its token
+    /// count) so that every rank pads about as many tokens ([`balanced_shares`]): the rank
+    /// with the longest examples takes fewer of them, instead of every rank taking
+    /// `batch_size` and all waiting for the one whose batch pads longest. The step's examples
+    /// are the same as without (the last, filled-up step of an epoch keeps the plain shares,
+    /// so [`LoadedBatch::real`] still counts from the end); the shares differ in size, so
+    /// weigh every example alike by normalising the loss by the step's count
+    /// ([`crate::accelerator::Accelerator::backward_sum`]). Training computes the same sums
+    /// in another order (and draws dropout for other positions); pass the same lengths as to
+    /// `group_by_length` when using both.
+    pub fn balance_lengths(self, lengths: Vec<usize>) -> Result<Self, LengthsMismatch> {
+        let mut loader = self.with_lengths("balance_lengths", lengths)?;
+        loader.balanced = true;
+        Ok(loader)
+    }
+
+    fn with_lengths(
+        mut self,
+        op: &'static str,
+        lengths: Vec<usize>,
+    ) -> Result<Self, LengthsMismatch> {
         if lengths.len() != self.dataset.len() {
             return Err(LengthsMismatch {
+                op,
                 lengths: lengths.len(),
                 examples: self.dataset.len(),
             });
@@ -344,8 +377,10 @@ impl<D: Dataset, B> DataLoader<D, B> {
                 None => (0..n).collect(),
             };
             let order = match &self.lengths {
-                Some(lengths) => group_by_length(&order, lengths, self.global_batch_size()),
-                None => order,
+                Some(lengths) if self.grouped => {
+                    group_by_length(&order, lengths, self.global_batch_size())
+                }
+                _ => order,
             };
             self.order = Some((epoch, order));
         }
@@ -371,7 +406,15 @@ impl<D: Dataset, B> DataLoader<D, B> {
                 .into(),
             }));
         }
-        let indices: Vec<usize> = (0..len).map(|i| order[(start + offset + i) % n]).collect();
+        let indices: Vec<usize> = match &self.lengths {
+            Some(lengths) if self.balanced && real == g && self.ranks > 1 => {
+                let step = &order[start..start + g];
+                let step_lengths: Vec<usize> = step.iter().map(|&i| lengths[i]).collect();
+                let shares = balanced_shares(&step_lengths, self.ranks);
+                shares[self.rank].iter().map(|&p| step[p]).collect()
+            }
+            _ => (0..len).map(|i| order[(start + offset + i) % n]).collect(),
+        };
         let items: Vec<D::Item> = indices.iter().map(|&i| self.dataset.get(i)).collect();
         Some(
             (self.collate)(&items)
