@@ -151,7 +151,22 @@ fn print_text(
         s.cpu_model, s.available_cores
     );
     println!("- f32 matmul: {}", fsdp::nn::ops::f32_matmul_kernel());
-    println!("- bf16 matmul: {}", fsdp::nn::ops::bf16_matmul_kernel());
+    let measured = match fsdp::nn::ops::bf16_gemm_choice() {
+        fsdp::nn::ops::Bf16Gemm::DotProducts {
+            measured: Some((dot, widened)),
+        }
+        | fsdp::nn::ops::Bf16Gemm::Widened {
+            measured: Some((dot, widened)),
+        } => format!(
+            " (one core here: vdpbf16ps {dot:.0}, f32 multiply-add {widened:.0} GFLOP/s; {} pins it)",
+            fsdp::nn::ops::BF16_GEMM_ENV
+        ),
+        _ => String::new(),
+    };
+    println!(
+        "- bf16 matmul: {}{measured}",
+        fsdp::nn::ops::bf16_matmul_kernel()
+    );
     println!("- AMX: {}", fsdp::nn::ops::amx_support());
     println!(
         "- Core peak (the engine's GEMM on one thread, measured once, what MFU is against): f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s; other work took {:.0}% of the machine while it was measured{}",

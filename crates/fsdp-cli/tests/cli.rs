@@ -376,6 +376,48 @@ fn config_update_rewrites_canonically_and_refuses_invalid_files() {
     );
 }
 
+/// `FSDP_BF16_GEMM=f32` pins bf16 products to the f32 GEMM on widened operands, and `fsdp
+/// env` says so (and why); left to choose, it names the kernel and, where it measured, both
+/// instructions' rates.
+#[test]
+fn env_names_the_bf16_gemm_and_what_pinned_or_measured_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = |pin: Option<&str>| {
+        let mut cmd = fsdp(dir.path());
+        cmd.arg("env");
+        if let Some(p) = pin {
+            cmd.env("FSDP_BF16_GEMM", p);
+        }
+        let t = text(&cmd.output().unwrap());
+        t.lines()
+            .find(|l| l.starts_with("- bf16 matmul: "))
+            .unwrap_or_else(|| panic!("{t}"))
+            .to_string()
+    };
+    let pinned = line(Some("f32"));
+    let has_dot = fsdp::nn::ops::bf16_dot_products_available();
+    let why = if has_dot {
+        "(FSDP_BF16_GEMM=f32)"
+    } else {
+        "(this CPU has no AVX512_BF16)"
+    };
+    assert!(
+        pinned.contains("f32 GEMM on widened operands") && pinned.contains(why),
+        "{pinned}"
+    );
+    let chosen = line(None);
+    let amx = matches!(
+        fsdp::nn::ops::amx_support(),
+        fsdp::nn::ops::AmxSupport::Ready
+    );
+    if has_dot && !amx {
+        assert!(
+            chosen.contains("GFLOP/s; FSDP_BF16_GEMM pins it)"),
+            "{chosen}"
+        );
+    }
+}
+
 #[test]
 fn env_reports_machine_and_sources() {
     let dir = tempfile::tempdir().unwrap();

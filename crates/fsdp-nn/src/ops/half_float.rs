@@ -190,7 +190,8 @@ unsafe fn widened_gemm<H: F32Conversions>(
 /// computed in f32 — elementwise and row kernels through the f32 SIMD code, GEMMs on f32
 /// copies of the operands with f32 accumulation, rounded once at the end.
 /// `dot`, where given, is a module with a GEMM in this type's own dot-product instructions
-/// (`available()`, `gemm(...)`), taken where the CPU has them.
+/// (`gemm(...)`), taken where [`super::bf16_choice`] says (the CPU has them, and they are not
+/// measured slower than the widened f32 GEMM).
 macro_rules! half_float {
     ($t:ty, $variant:ident $(, dot = $dot:ident)?) => {
         impl Float for $t {
@@ -307,7 +308,7 @@ macro_rules! half_float {
             ) {
                 $(
                     #[cfg(target_arch = "x86_64")]
-                    if $dot::available() {
+                    if super::bf16_choice::choice().dot_products() {
                         let dst = $dot::Dst::Bf16(dst);
                         // SAFETY: forwarded from the caller; the CPU has the instructions.
                         return unsafe { $dot::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) };
@@ -354,7 +355,7 @@ macro_rules! half_float {
             ) {
                 $(
                     #[cfg(target_arch = "x86_64")]
-                    if $dot::available() {
+                    if super::bf16_choice::choice().dot_products() {
                         let dst = $dot::Dst::F32(dst);
                         // SAFETY: forwarded from the caller; the CPU has the instructions.
                         return unsafe { $dot::gemm(mnk, dst, dst_rs, accumulate, lhs, rhs, scale) };

@@ -3,6 +3,7 @@
 //! at all, and candle's composed backward formulas are slow and memory-hungry).
 
 mod attention;
+mod bf16_choice;
 mod bf16_gemm;
 mod composed;
 mod cross_entropy;
@@ -10,6 +11,8 @@ mod dropout;
 mod embedding;
 mod gelu;
 mod half_float;
+#[cfg(target_arch = "x86_64")]
+pub mod instruction_loops;
 mod linear;
 mod linear_cross_entropy;
 mod lora;
@@ -98,15 +101,26 @@ pub fn amx_peak_loop(trips: usize) -> Option<()> {
     None
 }
 
-/// Which kernel runs bf16 matrix products on this CPU (what `fsdp env` reports): mixed
-/// precision's speed depends on it.
+pub use bf16_choice::{BF16_GEMM_ENV, Bf16Gemm};
+
+/// Which GEMM bf16 products run in this process, and what decided it (first use decides).
+pub fn bf16_gemm_choice() -> &'static Bf16Gemm {
+    bf16_choice::choice()
+}
+
+/// Which kernel runs bf16 matrix products in this process (what `fsdp env` reports, with the
+/// figures [`bf16_gemm_choice`] measured): mixed precision's speed depends on it.
 pub fn bf16_matmul_kernel() -> &'static str {
-    if bf16_gemm::amx::ready() {
-        "AMX tiles (tdpbf16ps), f32 sums"
-    } else if bf16_gemm::available() {
-        "AVX512_BF16 dot products, f32 sums"
-    } else {
-        "f32 GEMM on widened operands (this CPU has no AVX512_BF16)"
+    match bf16_gemm_choice() {
+        _ if bf16_gemm::amx::ready() => "AMX tiles (tdpbf16ps), f32 sums",
+        Bf16Gemm::DotProducts { .. } => "AVX512_BF16 dot products, f32 sums",
+        Bf16Gemm::Widened { measured: Some(_) } => {
+            "f32 GEMM on widened operands (AVX512_BF16 dot products measured slower on this core)"
+        }
+        Bf16Gemm::Widened { .. } if bf16_gemm::available() => {
+            "f32 GEMM on widened operands (FSDP_BF16_GEMM=f32)"
+        }
+        Bf16Gemm::Widened { .. } => "f32 GEMM on widened operands (this CPU has no AVX512_BF16)",
     }
 }
 
