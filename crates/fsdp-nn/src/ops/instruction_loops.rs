@@ -6,7 +6,14 @@
 /// 16 independent multiply-adds into zmm0-15 per trip, `trips` trips (at least one): the
 /// loop is written out so no register spills or moves stand between the instructions.
 macro_rules! chains {
-    ($name:ident, $features:literal, $insn:literal, $zero:literal, $($reg:literal),*) => {
+    ($name:ident, $features:literal, $insn:literal) => {
+        chains!(
+            @registers $name, $features, $insn, "vpxord",
+            "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7",
+            "zmm8", "zmm9", "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15"
+        );
+    };
+    (@registers $name:ident, $features:literal, $insn:literal, $zero:literal, $($reg:literal),*) => {
         /// # Safety
         /// The CPU has the features this function is compiled with.
         #[target_feature(enable = $features)]
@@ -37,50 +44,8 @@ macro_rules! chains {
     };
 }
 
-chains!(
-    fma_zmm,
-    "avx512f",
-    "vfmadd231ps",
-    "vpxord",
-    "zmm0",
-    "zmm1",
-    "zmm2",
-    "zmm3",
-    "zmm4",
-    "zmm5",
-    "zmm6",
-    "zmm7",
-    "zmm8",
-    "zmm9",
-    "zmm10",
-    "zmm11",
-    "zmm12",
-    "zmm13",
-    "zmm14",
-    "zmm15"
-);
-chains!(
-    dpbf16_zmm,
-    "avx512f,avx512bf16",
-    "vdpbf16ps",
-    "vpxord",
-    "zmm0",
-    "zmm1",
-    "zmm2",
-    "zmm3",
-    "zmm4",
-    "zmm5",
-    "zmm6",
-    "zmm7",
-    "zmm8",
-    "zmm9",
-    "zmm10",
-    "zmm11",
-    "zmm12",
-    "zmm13",
-    "zmm14",
-    "zmm15"
-);
+chains!(fma_zmm, "avx512f", "vfmadd231ps");
+chains!(dpbf16_zmm, "avx512f,avx512bf16", "vdpbf16ps");
 
 /// 16 multiply-adds into 12 ymm registers per trip (AVX2 has 16 registers), `trips` trips
 /// (at least one).
