@@ -190,8 +190,8 @@ unsafe fn widened_gemm<H: F32Conversions>(
 /// computed in f32 — elementwise and row kernels through the f32 SIMD code, GEMMs on f32
 /// copies of the operands with f32 accumulation, rounded once at the end.
 /// `dot`, where given, is a module with a GEMM in this type's own dot-product instructions
-/// (`gemm(...)`), taken where [`super::bf16_choice`] says (the CPU has them, and they are not
-/// measured slower than the widened f32 GEMM).
+/// (`gemm(...)`), taken where [`super::bf16_choice`] says (the CPU has them, and its cores do
+/// not retire f32 multiply-adds clearly faster).
 macro_rules! half_float {
     ($t:ty, $variant:ident $(, dot = $dot:ident)?) => {
         impl Float for $t {

@@ -1,7 +1,7 @@
 //! Distributed data loading as Accelerate does it (`split_batches=False`,
 //! `even_batches=True`): every rank draws the same permutation of the dataset from the seed
 //! and epoch, each step takes the next `batch_size × ranks` indices, and rank r takes its
-//! `batch_size` of them. The last step is either dropped (`drop_last`) or filled up from the
+//! `batch_size` of them (with `balance_lengths`, a share of them dealt by length). The last step is either dropped (`drop_last`) or filled up from the
 //! start of the permutation, and [`LoadedBatch::real`] says how many of the step's samples are
 //! not such repeats, so metrics count every sample once.
 
