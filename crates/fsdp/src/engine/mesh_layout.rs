@@ -41,28 +41,24 @@ pub(crate) fn build(
     group: Arc<dyn Communicator>,
 ) -> Result<Mesh, EngineError> {
     let strategy = plugin.sharding_strategy;
-    let shard_size = match strategy {
-        ShardingStrategy::NoShard => 1,
-        s if s.is_hybrid() => machine_size(group.size())?,
-        _ => group.size(),
+    // Ranks a parameter is sharded over, and the machine size the collectives use
+    // (hybrid sharding's shard groups, two hops' machines; 0 for none).
+    let (shard_size, layout) = match strategy {
+        ShardingStrategy::NoShard => (1, 0),
+        s if s.is_hybrid() => {
+            let machine = machine_size(group.size())?;
+            (machine, machine)
+        }
+        _ => {
+            let two_hops = super::two_hops::machine_size(plugin, group.as_ref());
+            (group.size(), two_hops.unwrap_or(0))
+        }
     };
     super::secondary::wanted(plugin, shard_size)?;
-    let two_hops = match strategy {
-        ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => {
-            super::two_hops::machine_size(plugin, group.as_ref())
-        }
-        _ => None,
-    };
-    // The machine layout the collectives use: hybrid sharding's shard groups, or two
-    // hops' machines.
-    let layout = match strategy {
-        s if s.is_hybrid() => shard_size,
-        _ => two_hops.unwrap_or(0),
-    };
     super::agreement::check(plugin, group.as_ref(), layout)?;
     match strategy {
         ShardingStrategy::NoShard => Ok(Mesh::replicated(group)),
         s if s.is_hybrid() => Ok(Mesh::hybrid(group.as_ref(), shard_size)?),
-        _ => super::two_hops::attach(Mesh::sharded(group), two_hops),
+        _ => super::two_hops::attach(Mesh::sharded(group), (layout > 0).then_some(layout)),
     }
 }
