@@ -21,7 +21,7 @@ use fsdp_comm::{Communicator, LocalGroup, Mesh};
 mod quantized;
 mod two_hops;
 
-use crate::common::tiny::{GLOBAL_BATCH, batch};
+use crate::common::tiny::{GLOBAL_BATCH, batch, on_threads};
 
 /// The tiny BERT classifier of `common::tiny`, without dropout.
 fn model() -> BertForSequenceClassification {
@@ -599,29 +599,20 @@ fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
 
 #[test]
 fn a_row_sparse_table_under_hybrid_sharding_is_refused_naming_it() {
-    let errors: Vec<String> = LocalGroup::create(4)
-        .into_iter()
-        .map(|group| {
-            std::thread::spawn(move || {
-                let mut m = model();
-                let words = &mut m.bert.embeddings.word_embeddings;
-                *words = words.clone().sparse(true);
-                let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
-                let mesh = Mesh::hybrid(&group, 2).unwrap();
-                let plugin = FsdpPlugin::builder()
-                    .resolve(&Layer::new(), None)
-                    .unwrap()
-                    .fsdp;
-                let info = m.info();
-                let made =
-                    Fsdp::with_mesh(&info, &init.tensors(), &plugin, m.no_split_modules(), mesh);
-                made.err().map(|e| e.to_string()).unwrap_or_default()
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|h| h.join().unwrap())
-        .collect();
+    let errors: Vec<String> = on_threads(4, |group| {
+        let mut m = model();
+        let words = &mut m.bert.embeddings.word_embeddings;
+        *words = words.clone().sparse(true);
+        let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+        let mesh = Mesh::hybrid(group.as_ref(), 2).unwrap();
+        let plugin = FsdpPlugin::builder()
+            .resolve(&Layer::new(), None)
+            .unwrap()
+            .fsdp;
+        let info = m.info();
+        let made = Fsdp::with_mesh(&info, &init.tensors(), &plugin, m.no_split_modules(), mesh);
+        made.err().map(|e| e.to_string()).unwrap_or_default()
+    });
     for e in errors {
         assert!(
             e.contains("bert.embeddings.word_embeddings.weight") && e.contains("hybrid"),
@@ -637,27 +628,19 @@ fn a_row_sparse_table_under_hybrid_sharding_is_refused_naming_it() {
 #[test]
 fn ranks_with_different_collective_settings_are_refused_naming_the_key() {
     let make = |differs: fn(usize) -> (ReduceDtype, bool)| -> Vec<String> {
-        let handles: Vec<_> = LocalGroup::create(3)
-            .into_iter()
-            .map(|group| {
-                std::thread::spawn(move || {
-                    let rank = group.rank();
-                    let (reduce, hops) = differs(rank);
-                    let m = model();
-                    let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
-                    let plugin = FsdpPlugin::builder()
-                        .reduce_dtype(reduce)
-                        .hierarchical_collectives(hops)
-                        .resolve(&Layer::new(), None)
-                        .unwrap()
-                        .fsdp;
-                    let group: Arc<dyn Communicator> = Arc::new(group);
-                    let made = Fsdp::wrap(&m, &init.tensors(), &plugin, group);
-                    made.err().map(|e| e.to_string()).unwrap_or_default()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        on_threads(3, move |group| {
+            let (reduce, hops) = differs(group.rank());
+            let m = model();
+            let init = LocalParams::init(&m.info(), 7, DType::F32, &Device::Cpu).unwrap();
+            let plugin = FsdpPlugin::builder()
+                .reduce_dtype(reduce)
+                .hierarchical_collectives(hops)
+                .resolve(&Layer::new(), None)
+                .unwrap()
+                .fsdp;
+            let made = Fsdp::wrap(&m, &init.tensors(), &plugin, group);
+            made.err().map(|e| e.to_string()).unwrap_or_default()
+        })
     };
     let errors = make(|r| {
         (
