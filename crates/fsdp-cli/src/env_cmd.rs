@@ -151,17 +151,12 @@ fn print_text(
         s.cpu_model, s.available_cores
     );
     println!("- f32 matmul: {}", fsdp::nn::ops::f32_matmul_kernel());
-    let measured = match fsdp::nn::ops::bf16_gemm_choice() {
-        fsdp::nn::ops::Bf16Gemm::DotProducts {
-            measured: Some((dot, widened)),
-        }
-        | fsdp::nn::ops::Bf16Gemm::Widened {
-            measured: Some((dot, widened)),
-        } => format!(
-            " (one core here: vdpbf16ps {dot:.0}, f32 multiply-add {widened:.0} GFLOP/s; {} pins it)",
+    let measured = match fsdp::nn::ops::bf16_gemm_choice().measured() {
+        Some((dot, fma)) => format!(
+            " (one core here: vdpbf16ps {dot:.0}, f32 multiply-add {fma:.0} GFLOP/s; {} pins it)",
             fsdp::nn::ops::BF16_GEMM_ENV
         ),
-        _ => String::new(),
+        None => String::new(),
     };
     println!(
         "- bf16 matmul: {}{measured}",

@@ -38,6 +38,13 @@ impl Bf16Gemm {
     pub fn dot_products(&self) -> bool {
         matches!(self, Bf16Gemm::DotProducts { .. })
     }
+
+    /// One core's GFLOP/s in (`vdpbf16ps`, the f32 multiply-add), when they were compared.
+    pub fn measured(&self) -> Option<(f64, f64)> {
+        match self {
+            Bf16Gemm::DotProducts { measured } | Bf16Gemm::Widened { measured } => *measured,
+        }
+    }
 }
 
 /// This process's bf16 GEMM, decided on first use.
