@@ -237,6 +237,14 @@ pub trait Params {
     /// The current value of a parameter (by fully qualified name).
     fn get(&self, name: &str) -> Result<Tensor>;
 
+    /// Rows `ids` of table `name` (an embedding lookup; output `ids.shape + [dim]`), the
+    /// `padding_idx` row getting no gradient. The FSDP engine gathers only the rows some rank
+    /// looks up for a table with a row-sparse gradient, never the whole table; the default
+    /// reads the whole table.
+    fn lookup(&self, name: &str, ids: &Tensor, padding_idx: Option<usize>) -> Result<Tensor> {
+        crate::ops::embedding(&self.get(name)?, ids, padding_idx)
+    }
+
     /// Called with each module's output as forward leaves it (by [`Forward::call`], never by
     /// model code); the FSDP engine hooks it (to refill the module's parameters before its
     /// backward). The default passes it through.

@@ -146,7 +146,8 @@ struct Args {
     #[arg(long)]
     balance_lengths: bool,
     /// Give the word embedding a row-sparse gradient (`nn.Embedding(sparse=True)`): only the
-    /// rows the step's batches looked up are reduced, with the same result as the whole table.
+    /// rows the step's batches look up are gathered and reduced, with the same result as the
+    /// whole table.
     #[arg(long)]
     sparse_embeddings: bool,
 }

@@ -276,8 +276,8 @@ impl Embedding {
     }
 
     /// The same table with a row-sparse gradient (`nn.Embedding(sparse=True)`): under FSDP
-    /// only the rows some rank's batch looked up are sent when gradients are reduced, not
-    /// the whole table. The reduced gradient, and so training, is exactly the dense one
+    /// only the rows some rank's batch looks up are gathered in forward and sent when
+    /// gradients are reduced, not the whole table. The reduced gradient, and so training, is exactly the dense one
     /// (rows nobody looked up are zero): optimizers update as with a dense gradient —
     /// PyTorch's `AdamW` on the densified gradient, not `SparseAdam`'s lazy update.
     pub fn sparse(self, on: bool) -> Embedding {
@@ -321,7 +321,7 @@ impl Forward<&Tensor> for Embedding {
 
     /// Rows for integer `ids` of any shape; output shape `ids.shape + [dim]`.
     fn forward(&self, p: &dyn Params, ids: &Tensor) -> Result<Tensor> {
-        ops::embedding(&p.get(&self.weight)?, ids, self.padding_idx)
+        p.lookup(&self.weight, ids, self.padding_idx)
     }
 }
 

@@ -41,6 +41,38 @@ impl DataPlane for CpuPlane {
         }))
     }
 
+    fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage, EngineError> {
+        // Zeroed allocations come as untouched pages (calloc, or a fresh mapping when
+        // large): only the pages rows are written to are ever faulted in.
+        let halves = || vec![0u16; numel];
+        Ok(Storage::Cpu(match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; numel]),
+            DType::F64 => CpuStorage::F64(vec![0.0; numel]),
+            DType::BF16 => CpuStorage::BF16(bytemuck::allocation::cast_vec(halves())),
+            DType::F16 => CpuStorage::F16(bytemuck::allocation::cast_vec(halves())),
+            other => {
+                return Err(EngineError::Unsupported {
+                    setting: format!("computing in {other:?}"),
+                    hint: "parameters are computed in a float type",
+                });
+            }
+        }))
+    }
+
+    fn write_rows(
+        &self,
+        param: &Tensor,
+        placed: &[(usize, usize)],
+        values: &Buffer,
+        row_elems: usize,
+    ) -> Result<(), EngineError> {
+        Ok(param.inplace_op1(&WriteRows {
+            placed,
+            values,
+            row_elems,
+        })?)
+    }
+
     fn release(&self, params: &[&Tensor], poison: bool) -> Result<(), EngineError> {
         // Pages the previous unit's release parked and no parameter took go back first.
         crate::memory::flush_parked_pages();
@@ -206,6 +238,48 @@ impl InplaceOp1 for Refill<'_> {
                 "fsdp-refill: `{}` is {dtype:?} but was gathered as {:?}",
                 self.layout.name,
                 self.gathered.dtype()
+            )))
+        )
+    }
+}
+
+/// Writes rows exchanged for a table looked up by rows into its storage.
+pub(super) struct WriteRows<'a> {
+    pub placed: &'a [(usize, usize)],
+    pub values: &'a Buffer,
+    pub row_elems: usize,
+}
+
+impl InplaceOp1 for WriteRows<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-write-rows"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (start, n) = (l.start_offset(), l.shape().elem_count());
+        let dtype = s.dtype();
+        let row = self.row_elems;
+        float_pair!(
+            s,
+            self.values,
+            |v, g| {
+                let table = &mut v[start..start + n];
+                for &(to, from) in self.placed {
+                    let (dst, src) = (to * row..(to + 1) * row, from * row..(from + 1) * row);
+                    match (table.get_mut(dst), g.get(src)) {
+                        (Some(dst), Some(src)) => dst.copy_from_slice(src),
+                        _ => {
+                            return Err(candle_core::Error::Msg(format!(
+                                "fsdp-write-rows: row {to} from row {from} is outside the table or the rows received"
+                            )));
+                        }
+                    }
+                }
+                Ok(())
+            },
+            Err(candle_core::Error::Msg(format!(
+                "fsdp-write-rows: the table is {dtype:?} but its rows came as {:?}",
+                self.values.dtype()
             )))
         )
     }

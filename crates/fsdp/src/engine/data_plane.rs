@@ -28,6 +28,21 @@ pub(crate) trait DataPlane: Send + Sync {
     /// `dtype`.
     fn whole(&self, values: &[f32], dtype: DType) -> Result<Storage, EngineError>;
 
+    /// A table of `numel` zeros of `dtype` for rows to be written into
+    /// ([`DataPlane::write_rows`]); on the CPU, zeroed pages the kernel maps only as rows are
+    /// written to them.
+    fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage, EngineError>;
+
+    /// Writes rows of `values` (each `row_elems` elements) into `param`: for each
+    /// `(to, from)` in `placed`, row `from` of `values` becomes row `to` of `param`.
+    fn write_rows(
+        &self,
+        param: &Tensor,
+        placed: &[(usize, usize)],
+        values: &Buffer,
+        row_elems: usize,
+    ) -> Result<(), EngineError>;
+
     /// Frees the memory of one unit's full parameters `params` while the graph still
     /// references them; with `poison` (debug mode) their values become NaN instead. Reads
     /// stay memory-safe.

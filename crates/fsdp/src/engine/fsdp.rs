@@ -168,7 +168,7 @@ impl Fsdp {
                 shard_store.clone(),
                 params,
                 (reshard && unit.reshard_after_forward, reshard),
-                UnitKind::Sharded,
+                (UnitKind::Sharded, mesh.shard_size()),
             )));
         }
         if !plan.ignored.is_empty() {
@@ -183,7 +183,7 @@ impl Fsdp {
                 ShardStore::Memory,
                 params,
                 (false, false),
-                UnitKind::Replicated,
+                (UnitKind::Replicated, mesh.shard_size()),
             )));
         }
         // Every parameter by name: its unit, and its rows in the unit's gradient block.

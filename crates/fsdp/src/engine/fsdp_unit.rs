@@ -36,8 +36,18 @@ pub(crate) struct FsdpUnit {
     pub grad_layouts: Vec<ShardLayout>,
     /// Elements of one rank's gradient block (its trainable parameters' rows).
     pub grad_block: usize,
-    /// The parameters' runs in a rank's packed block ([`super::plan::Unit::param_runs`]):
-    /// what int8 blocks are quantized apart by in a gather.
+    /// Per parameter: an embedding table with a row-sparse gradient that forward gathers by
+    /// the rows it looks up ([`super::table_rows`]) instead of with the unit's block (sharded
+    /// units over more than one rank only).
+    pub looked_up: Vec<bool>,
+    /// Per parameter, where its rows sit in the block the unit's all-gather sends: the
+    /// parameters' layouts with offsets over those gathered whole only (a looked-up table's
+    /// offset is where the next one starts, and it has no rows there).
+    pub gather_layouts: Vec<ShardLayout>,
+    /// Elements of one rank's gathered block.
+    pub gather_block: usize,
+    /// The gathered parameters' runs in a rank's gathered block: what int8 blocks are
+    /// quantized apart by in a gather.
     pub param_runs: Arc<[usize]>,
     /// The trainable parameters' runs in a rank's gradient block, for int8 reductions.
     pub grad_runs: Arc<[usize]>,
@@ -77,36 +87,32 @@ impl UnitKind {
 pub(crate) const IGNORED_MODULES: &str = "(ignored modules)";
 
 impl FsdpUnit {
-    /// A unit of `params`; its gradient layouts follow from which of them train.
+    /// A unit of `params`; its gradient layouts follow from which of them train, its
+    /// gathered block from which are looked up by rows (row-sparse tables of a sharded unit
+    /// split over `shard_ranks` > 1).
     pub fn new(
         path: String,
         index: usize,
         store: ShardStore,
         params: Vec<FsdpParam>,
         (reshard_after_forward, reshard_after_backward): (bool, bool),
-        kind: UnitKind,
+        (kind, shard_ranks): (UnitKind, usize),
     ) -> FsdpUnit {
-        let mut grad_block = 0;
-        let grad_layouts: Vec<ShardLayout> = params
-            .iter()
-            .map(|p| {
-                let layout = ShardLayout {
-                    offset: grad_block,
-                    ..p.layout.clone()
-                };
-                if p.layout.requires_grad {
-                    grad_block += layout.shard_numel();
-                }
-                layout
-            })
-            .collect();
-        let param_runs = params.iter().map(|p| p.layout.shard_numel()).collect();
+        let (grad_layouts, grad_block) = layouts_over(&params, |l| l.requires_grad);
+        let by_rows = kind.ranks(shard_ranks) > 1;
+        let gathered_whole = |l: &ShardLayout| !(by_rows && l.sparse_grad);
+        let looked_up = params.iter().map(|p| !gathered_whole(&p.layout)).collect();
+        let (gather_layouts, gather_block) = layouts_over(&params, gathered_whole);
+        let param_runs = super::plan::runs(&gather_layouts, gathered_whole).into();
         let grad_runs = super::plan::runs(&grad_layouts, |l| l.requires_grad).into();
         FsdpUnit {
             path,
             index,
             store,
             params,
+            looked_up,
+            gather_layouts,
+            gather_block,
             param_runs,
             grad_runs,
             reshard_after_forward,
@@ -155,11 +161,27 @@ impl FsdpUnit {
         unit_name(&self.path)
     }
 
-    /// This rank's block of the unit: every parameter's padded rows at its offset, as the
-    /// all-gather sends it (from its store).
+    /// This rank's block of the unit: every parameter's padded rows at its offset (from its
+    /// store).
     pub fn master_block(&self) -> Result<Vec<f32>, EngineError> {
         self.store
             .master_block(self.index, &self.params, self.block())
+    }
+
+    /// This rank's block as the unit's all-gather sends it: the master block without the
+    /// tables looked up by rows.
+    pub fn gathered_block(&self) -> Result<Vec<f32>, EngineError> {
+        let block = self.master_block()?;
+        if self.gather_block == block.len() {
+            return Ok(block);
+        }
+        let mut out = Vec::with_capacity(self.gather_block);
+        for (p, looked_up) in self.params.iter().zip(&self.looked_up) {
+            if !looked_up {
+                out.extend_from_slice(&block[p.layout.shard_range()]);
+            }
+        }
+        Ok(out)
     }
 
     /// Starts reading the block from its store ahead of its use.
@@ -178,6 +200,29 @@ impl FsdpUnit {
         self.store
             .set_local_values(self.index, &mut self.params[i], values, block)
     }
+}
+
+/// The `params`' layouts with offsets over the ones `keep` keeps, packed in order (one left
+/// out starts where the next kept one does, with no elements), and the kept elements' total.
+fn layouts_over(
+    params: &[FsdpParam],
+    keep: impl Fn(&ShardLayout) -> bool,
+) -> (Vec<ShardLayout>, usize) {
+    let mut block = 0;
+    let layouts = params
+        .iter()
+        .map(|p| {
+            let layout = ShardLayout {
+                offset: block,
+                ..p.layout.clone()
+            };
+            if keep(&p.layout) {
+                block += layout.shard_numel();
+            }
+            layout
+        })
+        .collect();
+    (layouts, block)
 }
 
 /// This rank's elements of parameter `p` in its unit's gradient block, where its gradient

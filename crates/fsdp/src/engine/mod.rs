@@ -39,6 +39,7 @@ mod sparse_rows;
 mod staged_plane;
 mod state_by_name;
 mod step;
+mod table_rows;
 mod two_hops;
 mod unit;
 mod unit_grads;

@@ -10,7 +10,7 @@ use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Storage, Tensor};
 use fsdp_comm::{Buffer, DType};
 
-use super::cpu_plane::{CpuPlane, unpack_storage};
+use super::cpu_plane::{CpuPlane, WriteRows, unpack_storage};
 use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::plan::ShardLayout;
@@ -55,6 +55,27 @@ impl DataPlane for HostStagedPlane {
             Storage::Cpu(cpu) => self.upload(cpu),
             other => Ok(other),
         }
+    }
+
+    fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage, EngineError> {
+        match CpuPlane.zeros(numel, dtype)? {
+            Storage::Cpu(cpu) => self.upload(cpu),
+            other => Ok(other),
+        }
+    }
+
+    fn write_rows(
+        &self,
+        param: &Tensor,
+        placed: &[(usize, usize)],
+        values: &Buffer,
+        row_elems: usize,
+    ) -> Result<(), EngineError> {
+        Ok(param.inplace_op1(&WriteRowsOnDevice(WriteRows {
+            placed,
+            values,
+            row_elems,
+        }))?)
     }
 
     fn release(&self, params: &[&Tensor], poison: bool) -> Result<(), EngineError> {
@@ -165,6 +186,27 @@ impl InplaceOp1 for RefillOnDevice<'_> {
             );
         }
         *s = s.device().storage_from_cpu_storage(&self.values)?;
+        Ok(())
+    }
+}
+
+/// Writes a table's exchanged rows into its device memory, through a host copy of the table
+/// (the rows are written on the host, the table copied back).
+struct WriteRowsOnDevice<'a>(WriteRows<'a>);
+
+impl InplaceOp1 for WriteRowsOnDevice<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-write-rows-on-device"
+    }
+
+    fn cpu_fwd(&self, _s: &mut CpuStorage, _l: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("fsdp-write-rows-on-device: the table is in host memory, not on the GPU")
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        let mut host = s.to_cpu_storage()?;
+        self.0.cpu_fwd(&mut host, l)?;
+        *s = s.device().storage_from_cpu_storage(&host)?;
         Ok(())
     }
 }

@@ -236,6 +236,30 @@ impl StepShared {
     }
 
     fn read(&self, inner: &mut Inner, u: usize, i: usize) -> Result<Tensor, EngineError> {
+        self.unsharded(inner, u, i)?;
+        match inner.runs[u].unit.looked_up[i] {
+            true => inner.runs[u].read_table_whole(&self.cx(), i),
+            false => Ok(inner.runs[u].full[i].clone()),
+        }
+    }
+
+    /// Rows `ids` of parameter `i` of unit `u` (a table): the table, holding at least them.
+    fn look_up(
+        &self,
+        inner: &mut Inner,
+        (u, i): (usize, usize),
+        ids: &Tensor,
+    ) -> Result<Tensor, EngineError> {
+        self.unsharded(inner, u, i)?;
+        if !inner.runs[u].unit.looked_up[i] {
+            return Ok(inner.runs[u].full[i].clone());
+        }
+        let ids = ids.flatten_all()?.to_dtype(candle_core::DType::I64)?;
+        inner.runs[u].look_up(&self.cx(), i, &ids.to_vec1::<i64>()?)
+    }
+
+    /// Unit `u` gathered for a read of its parameter `i` (forward reaching it).
+    fn unsharded(&self, inner: &mut Inner, u: usize, i: usize) -> Result<(), EngineError> {
         let run = &inner.runs[u];
         if !run.readable() {
             return Err(EngineError::ReadOutsideUnit {
@@ -250,7 +274,7 @@ impl StepShared {
             self.prefetch_after(inner, Moment::Gathered, u)?;
             self.read_ahead_after(inner, u, &self.prefetch.forward_order)?;
         }
-        Ok(inner.runs[u].full[i].clone())
+        Ok(())
     }
 
     fn output(&self, inner: &mut Inner, u: usize, t: Tensor) -> Result<Tensor, EngineError> {
@@ -520,6 +544,25 @@ impl Params for StepParams {
         let mut inner = self.shared.lock();
         let result = self.shared.read(&mut inner, u, i);
         result.map_err(|e| self.shared.fail(&mut inner, e))
+    }
+
+    fn lookup(
+        &self,
+        name: &str,
+        ids: &Tensor,
+        padding_idx: Option<usize>,
+    ) -> candle_core::Result<Tensor> {
+        let Some(&place) = self.shared.index.get(name) else {
+            return Err(candle_core::Error::Msg(
+                EngineError::UnknownParameter { name: name.into() }.to_string(),
+            ));
+        };
+        let table = {
+            let mut inner = self.shared.lock();
+            let result = self.shared.look_up(&mut inner, place, ids);
+            result.map_err(|e| self.shared.fail(&mut inner, e))?
+        };
+        crate::nn::ops::embedding(&table, ids, padding_idx)
     }
 
     fn module_output(&self, path: &str, output: Tensor) -> candle_core::Result<Tensor> {

@@ -18,6 +18,8 @@ use super::hooks::{PreBackward, StepHooks, Unshard};
 use super::quantized_blocks::Codec;
 use super::sparse_rows::RowSparsePlan;
 use super::unit_grads::{Completed, GradTarget, UnitGrads};
+
+mod tables;
 use crate::config::BackwardPrefetch;
 use crate::trace::Tracer;
 
@@ -90,6 +92,12 @@ pub(crate) struct UnitRun {
     /// Under activation checkpointing: the unit's checkpoint node and which parameters its
     /// forward read (their gradients come from the recomputation).
     pub checkpoint: Option<(candle_core::TensorId, Vec<bool>)>,
+    /// Per table looked up by rows: which of its rows its full tensor holds (the same on
+    /// every rank of the shard group; empty until the first lookup, cleared on release).
+    rows_held: Vec<Vec<bool>>,
+    /// Per table looked up by rows: read whole this step (a weight tied to it), so backward
+    /// may read it too and a refill gathers it whole again.
+    read_whole: Vec<bool>,
 }
 
 impl UnitRun {
@@ -109,6 +117,8 @@ impl UnitRun {
             hooked: false,
             grads: UnitGrads::new(n),
             checkpoint: None,
+            rows_held: vec![Vec::new(); n],
+            read_whole: vec![false; n],
         }
     }
 
@@ -195,13 +205,14 @@ impl UnitRun {
 
     /// Issues the unit's all-gather unless one is in flight (also the prefetch entry).
     pub fn unshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
-        if self.gather.is_none() && self.unit.ranks(cx.mesh.shard_size()) > 1 {
+        let gathers = self.unit.ranks(cx.mesh.shard_size()) > 1 && self.unit.gather_block > 0;
+        if self.gather.is_none() && gathers {
             // Backward's gather of a unit released after forward, from the secondary group.
             let released = self.sharded == ShardedState::ReleasedAfterForward;
             let work = match (self.secondary.take(), &cx.mesh.secondary) {
                 (Some(share), Some(group)) if released => group.all_gather(share),
                 _ => {
-                    let block = self.unit.master_block()?;
+                    let block = self.unit.gathered_block()?;
                     collectives::all_gather(cx.mesh, block, &self.unit.param_runs, cx.dtypes)?
                 }
             };
@@ -263,15 +274,28 @@ impl UnitRun {
         if let (true, Some(group)) = (keep, &cx.mesh.secondary) {
             self.secondary = super::secondary::share(&gathered, group.as_ref());
         }
-        if cx.dtypes.gather_int8 {
-            let (ranks, runs) = (self.unit.ranks(cx.mesh.shard_size()), &self.unit.param_runs);
-            let decoded = Codec::INT8.decode_gathered(&gathered, runs, ranks, cx.dtypes.param);
-            return decoded.map(Some).map_err(|problem| EngineError::State {
-                name: format!("the int8 all-gather {when} of {}", self.unit.name()),
-                problem,
-            });
+        self.decoded(cx, gathered, &self.unit.param_runs, when)
+            .map(Some)
+    }
+
+    /// A gathered block (of parameters in `runs`) in the compute dtype: decoded when the
+    /// gather was int8.
+    fn decoded(
+        &self,
+        cx: &RunContext,
+        gathered: Buffer,
+        runs: &[usize],
+        when: &str,
+    ) -> Result<Buffer, EngineError> {
+        if !cx.dtypes.gather_int8 {
+            return Ok(gathered);
         }
-        Ok(Some(gathered))
+        let ranks = self.unit.ranks(cx.mesh.shard_size());
+        let decoded = Codec::INT8.decode_gathered(&gathered, runs, ranks, cx.dtypes.param);
+        decoded.map_err(|problem| EngineError::State {
+            name: format!("the int8 all-gather {when} of {}", self.unit.name()),
+            problem,
+        })
     }
 
     /// Forward reached the unit: its full parameters become graph nodes (outputs of
@@ -284,16 +308,23 @@ impl UnitRun {
     ) -> Result<(), EngineError> {
         let keep = cx.train && self.unit.reshard_after_forward && cx.mesh.secondary.is_some();
         let gathered = self.gathered(cx, "before its forward", keep)?;
-        let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
+        let (ranks, block) = (
+            self.unit.ranks(cx.mesh.shard_size()),
+            self.unit.gather_block,
+        );
         let anchor = Var::zeros(1, candle_core::DType::F32, cx.device)?;
-        let whole = match gathered {
-            Some(_) => Vec::new(),
-            None => self.unit.master_block()?,
+        let whole = match ranks {
+            1 => self.unit.master_block()?,
+            _ => Vec::new(),
         };
         let mut full = Vec::with_capacity(self.unit.params.len());
         for (i, p) in self.unit.params.iter().enumerate() {
             let data = match &gathered {
-                Some(g) => cx.plane.unpack(g, &p.layout, block, ranks)?,
+                // Its rows arrive as forward looks them up.
+                _ if self.unit.looked_up[i] => cx.plane.zeros(p.layout.numel(), cx.dtypes.param)?,
+                Some(g) => cx
+                    .plane
+                    .unpack(g, &self.unit.gather_layouts[i], block, ranks)?,
                 None => {
                     let values = &whole[p.layout.offset..p.layout.offset + p.layout.numel()];
                     cx.plane.whole(values, cx.dtypes.param)?
@@ -366,9 +397,11 @@ impl UnitRun {
     }
 
     /// Releases the full parameters' memory (their graph nodes stay).
-    fn reshard(&self, cx: &RunContext) -> Result<(), EngineError> {
+    fn reshard(&mut self, cx: &RunContext) -> Result<(), EngineError> {
         let params: Vec<&Tensor> = self.full.iter().collect();
-        cx.plane.release(&params, cx.poison)
+        cx.plane.release(&params, cx.poison)?;
+        self.rows_held.iter_mut().for_each(Vec::clear);
+        Ok(())
     }
 
     /// Whether the unit reshards once its gradients are reduced: sharded strategies do,
@@ -414,20 +447,35 @@ impl UnitRun {
         if self.sharded != ShardedState::ReleasedAfterForward {
             return Ok(false);
         }
-        let gathered = self
-            .gathered(cx, "before its backward", false)?
-            .ok_or_else(|| EngineError::ReadOutsideUnit {
-                param: self
-                    .unit
-                    .params
-                    .first()
-                    .map_or(String::new(), |p| p.layout.name.clone()),
-                unit: self.unit.name(),
-                state: "released while whole on this rank",
-            })?;
-        let (ranks, block) = (self.unit.ranks(cx.mesh.shard_size()), self.unit.block());
-        for (f, p) in self.full.iter().zip(&self.unit.params) {
-            cx.plane.refill(f, &p.layout, &gathered, block, ranks)?;
+        let (ranks, block) = (
+            self.unit.ranks(cx.mesh.shard_size()),
+            self.unit.gather_block,
+        );
+        if block > 0 {
+            let gathered = self
+                .gathered(cx, "before its backward", false)?
+                .ok_or_else(|| EngineError::ReadOutsideUnit {
+                    param: self
+                        .unit
+                        .params
+                        .first()
+                        .map_or(String::new(), |p| p.layout.name.clone()),
+                    unit: self.unit.name(),
+                    state: "released while whole on this rank",
+                })?;
+            let layouts = self.unit.gather_layouts.iter().zip(&self.unit.looked_up);
+            for (f, (layout, looked_up)) in self.full.iter().zip(layouts) {
+                if !looked_up {
+                    cx.plane.refill(f, layout, &gathered, block, ranks)?;
+                }
+            }
+        }
+        // Backward reads a table looked up by rows only where a weight tied to it read it
+        // whole (an embedding's backward reads no weight).
+        for i in 0..self.full.len() {
+            if self.read_whole[i] {
+                self.fill_table(cx, i, "before its backward")?;
+            }
         }
         self.training = TrainingState::PreBackward;
         self.sharded = ShardedState::Unsharded;
@@ -501,6 +549,8 @@ impl UnitRun {
             })?;
         }
         self.secondary = None;
+        self.rows_held.iter_mut().for_each(Vec::clear);
+        self.read_whole.iter_mut().for_each(|w| *w = false);
         self.full.clear();
         self.outputs.clear();
         self.anchor = None;
