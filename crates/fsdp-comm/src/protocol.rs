@@ -34,6 +34,13 @@ impl Net {
         }
     }
 
+    /// Whether a transfer's sends are copied out before any of its receives is written (the
+    /// TCP links queue each piece to a writer thread): then a buffer may receive into the
+    /// bytes it sends.
+    pub(crate) fn sends_copied_first(&self) -> bool {
+        matches!(self, Net::Tcp(_))
+    }
+
     /// Which transport carries data, for reports.
     pub fn kind(&self) -> &'static str {
         match self {
