@@ -48,7 +48,7 @@ pub(crate) struct FsdpUnit {
     pub gather_block: usize,
     /// The gathered parameters' runs in a rank's gathered block: what int8 blocks are
     /// quantized apart by in a gather.
-    pub param_runs: Arc<[usize]>,
+    pub gather_runs: Arc<[usize]>,
     /// The trainable parameters' runs in a rank's gradient block, for int8 reductions.
     pub grad_runs: Arc<[usize]>,
 }
@@ -103,7 +103,7 @@ impl FsdpUnit {
         let gathered_whole = |l: &ShardLayout| !(by_rows && l.sparse_grad);
         let looked_up = params.iter().map(|p| !gathered_whole(&p.layout)).collect();
         let (gather_layouts, gather_block) = layouts_over(&params, gathered_whole);
-        let param_runs = super::plan::runs(&gather_layouts, gathered_whole).into();
+        let gather_runs = super::plan::runs(&gather_layouts, gathered_whole).into();
         let grad_runs = super::plan::runs(&grad_layouts, |l| l.requires_grad).into();
         FsdpUnit {
             path,
@@ -113,7 +113,7 @@ impl FsdpUnit {
             looked_up,
             gather_layouts,
             gather_block,
-            param_runs,
+            gather_runs,
             grad_runs,
             reshard_after_forward,
             reshard_after_backward,
@@ -142,7 +142,8 @@ impl FsdpUnit {
         self.kind.ranks(shard_size)
     }
 
-    /// Elements of one rank's block of the unit (the all-gather's input size).
+    /// Elements of one rank's block of the unit: every parameter's padded rows, as its store
+    /// holds them (the all-gather sends [`FsdpUnit::gather_block`] of them).
     pub fn block(&self) -> usize {
         self.params.iter().map(|p| p.layout.shard_numel()).sum()
     }

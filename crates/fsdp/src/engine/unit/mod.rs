@@ -215,7 +215,7 @@ impl UnitRun {
                 (Some(share), Some(group)) if released => group.all_gather(share),
                 _ => {
                     let block = self.unit.gathered_block()?;
-                    collectives::all_gather(cx.mesh, block, &self.unit.param_runs, cx.dtypes)?
+                    collectives::all_gather(cx.mesh, block, &self.unit.gather_runs, cx.dtypes)?
                 }
             };
             self.gather = Some((work, Instant::now()));
@@ -276,7 +276,7 @@ impl UnitRun {
         if let (true, Some(group)) = (keep, &cx.mesh.secondary) {
             self.secondary = super::secondary::share(&gathered, group.as_ref());
         }
-        self.decoded(cx, gathered, &self.unit.param_runs, when)
+        self.decoded(cx, gathered, &self.unit.gather_runs, when)
             .map(Some)
     }
 
