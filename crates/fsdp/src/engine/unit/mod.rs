@@ -18,11 +18,11 @@ use super::hooks::{PreBackward, StepHooks, Unshard};
 use super::quantized_blocks::Codec;
 use super::sparse_rows::RowSparsePlan;
 use super::unit_grads::{Completed, GradTarget, UnitGrads};
+use crate::trace::Tracer;
 
 mod prefetch;
 mod tables;
 
-use crate::trace::Tracer;
 pub(crate) use prefetch::{Moment, Prefetch};
 
 /// What the unit is doing in the step.
