@@ -37,5 +37,6 @@ mod qlora;
 mod reshard_after_forward;
 mod resume_data;
 mod skips;
+mod tied_tables;
 mod token_loss;
 mod transformers_files;
