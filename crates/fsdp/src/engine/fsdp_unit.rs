@@ -172,17 +172,15 @@ impl FsdpUnit {
     /// This rank's block as the unit's all-gather sends it: the master block without the
     /// tables looked up by rows.
     pub fn gathered_block(&self) -> Result<Vec<f32>, EngineError> {
-        let block = self.master_block()?;
-        if self.gather_block == block.len() {
-            return Ok(block);
-        }
-        let mut out = Vec::with_capacity(self.gather_block);
-        for (p, looked_up) in self.params.iter().zip(&self.looked_up) {
-            if !looked_up {
-                out.extend_from_slice(&block[p.layout.shard_range()]);
-            }
-        }
-        Ok(out)
+        let gathered = |i: usize| !self.looked_up[i];
+        self.store
+            .block_of(self.index, &self.params, self.block(), gathered)
+    }
+
+    /// This rank's padded rows of parameter `i` alone (from its store).
+    pub fn param_block(&self, i: usize) -> Result<Vec<f32>, EngineError> {
+        self.store
+            .block_of(self.index, &self.params, self.block(), |j| j == i)
     }
 
     /// Starts reading the block from its store ahead of its use.

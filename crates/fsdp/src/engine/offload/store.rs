@@ -50,16 +50,37 @@ impl ShardStore {
     }
 
     /// Unit `unit`'s block on this rank (`block` elements: every parameter's padded rows at
-    /// its offset), as the all-gather sends it: read from the tier, or packed from `params`.
+    /// its offset): read from the tier, or packed from `params`.
     pub fn master_block(
         &self,
         unit: usize,
         params: &[FsdpParam],
         block: usize,
     ) -> Result<Vec<f32>, EngineError> {
+        self.block_of(unit, params, block, |_| true)
+    }
+
+    /// The padded rows of the parameters `keep` keeps (by index), one after another: unit
+    /// `unit`'s block (`block` elements) without the others. In memory only the kept ones
+    /// are copied; from the tier the block is read whole (as read ahead) and cut.
+    pub fn block_of(
+        &self,
+        unit: usize,
+        params: &[FsdpParam],
+        block: usize,
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<Vec<f32>, EngineError> {
+        let kept = || params.iter().enumerate().filter(|(i, _)| keep(*i));
         match self {
-            ShardStore::Disk(tier) => Ok(tier.read(&(unit, Region::Params), block)?),
-            ShardStore::Memory => packed(params),
+            ShardStore::Disk(tier) => {
+                let whole = tier.read(&(unit, Region::Params), block)?;
+                if kept().count() == params.len() {
+                    return Ok(whole);
+                }
+                let runs = kept().map(|(_, p)| &whole[p.layout.shard_range()]);
+                Ok(runs.flatten().copied().collect())
+            }
+            ShardStore::Memory => packed(kept().map(|(_, p)| p)),
         }
     }
 
@@ -69,7 +90,7 @@ impl ShardStore {
         let ShardStore::Disk(tier) = self else {
             return Ok(());
         };
-        tier.write(&(unit, Region::Params), packed(params)?)?;
+        tier.write(&(unit, Region::Params), packed(params.iter())?)?;
         for p in params {
             p.shard = p.shard.emptied();
         }
@@ -140,10 +161,11 @@ impl ShardStore {
     }
 }
 
-/// The parameters' shards (padded rows) one after another: a unit's block as the all-gather
-/// sends it.
-fn packed(params: &[FsdpParam]) -> Result<Vec<f32>, EngineError> {
-    let mut block = Vec::with_capacity(params.iter().map(|p| p.shard.len()).sum());
+/// The parameters' shards (padded rows) one after another.
+fn packed<'a>(
+    params: impl Iterator<Item = &'a FsdpParam> + Clone,
+) -> Result<Vec<f32>, EngineError> {
+    let mut block = Vec::with_capacity(params.clone().map(|p| p.shard.len()).sum());
     for p in params {
         block.extend_from_slice(p.shard.values()?);
     }

@@ -83,7 +83,7 @@ impl UnitRun {
         when: &str,
     ) -> Result<(), EngineError> {
         let p = &self.unit.params[i];
-        let block = self.unit.master_block()?[p.layout.shard_range()].to_vec();
+        let block = self.unit.param_block(i)?;
         let runs = [p.layout.shard_numel()];
         let what = format!("all-gather of `{}` {when}", p.layout.name);
         let failed = |source| EngineError::Collective {
