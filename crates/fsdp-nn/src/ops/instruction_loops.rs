@@ -8,12 +8,12 @@
 macro_rules! chains {
     ($name:ident, $features:literal, $insn:literal) => {
         chains!(
-            @registers $name, $features, $insn, "vpxord",
+            @registers $name, $features, $insn,
             "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7",
             "zmm8", "zmm9", "zmm10", "zmm11", "zmm12", "zmm13", "zmm14", "zmm15"
         );
     };
-    (@registers $name:ident, $features:literal, $insn:literal, $zero:literal, $($reg:literal),*) => {
+    (@registers $name:ident, $features:literal, $insn:literal, $($reg:literal),*) => {
         /// # Safety
         /// The CPU has the features this function is compiled with.
         #[target_feature(enable = $features)]
@@ -24,7 +24,7 @@ macro_rules! chains {
                 std::arch::asm!(
                     "vmovd xmm16, {one:e}",
                     "vpbroadcastd zmm16, xmm16",
-                    $(concat!($zero, " ", $reg, ", ", $reg, ", ", $reg),)*
+                    $(concat!("vpxord ", $reg, ", ", $reg, ", ", $reg),)*
                     "2:",
                     $(concat!($insn, " ", $reg, ", zmm16, zmm16"),)*
                     "dec {n}",
