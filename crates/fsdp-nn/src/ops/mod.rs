@@ -112,7 +112,9 @@ pub fn bf16_gemm_choice() -> &'static Bf16Gemm {
 /// figures [`bf16_gemm_choice`] measured): mixed precision's speed depends on it.
 pub fn bf16_matmul_kernel() -> &'static str {
     match bf16_gemm_choice() {
-        _ if bf16_gemm::amx::ready() => "AMX tiles (tdpbf16ps), f32 sums",
+        Bf16Gemm::DotProducts { .. } if bf16_gemm::amx::ready() => {
+            "AMX tiles (tdpbf16ps), f32 sums"
+        }
         Bf16Gemm::DotProducts { .. } => "AVX512_BF16 dot products, f32 sums",
         Bf16Gemm::Widened { measured: Some(_) } => {
             "f32 GEMM on widened operands (AVX512_BF16 dot products measured slower on this core)"
