@@ -182,6 +182,18 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
             }
             expect_error_on(&pg, |pg| pg.barrier().wait())
         }
+        "peer_stops" => {
+            let pg = group()?;
+            if pg.rank() == 1 {
+                // Stopped, not dead: its connections stay open and nothing reads them.
+                // SAFETY: raising a signal at this process.
+                unsafe { libc::raise(libc::SIGSTOP) };
+                return Ok(());
+            }
+            expect_error_on(&pg, |pg| {
+                pg.broadcast(vec![1.0f32; 16 << 20], 0).wait().map(|_| ())
+            })
+        }
         "join" => {
             let pg = group()?;
             if pg.rank() == 1 {
@@ -544,12 +556,13 @@ fn a_dead_peer_fails_the_others_within_seconds() {
     );
 }
 
-#[test]
-fn a_hung_peer_times_out_naming_it() {
-    // Rank 1 sleeps 20 s; the job ends as soon as rank 0 has reported its timeout.
+/// Runs `scenario` on 2 ranks with a 1 s timeout (and `extra` settings): rank 0 must fail
+/// with `expected` within 15 s while rank 1 is still held up.
+fn rank_0_times_out(scenario: &str, extra: Vec<(&str, String)>, expected: &str) {
     let started = Instant::now();
-    let extra = vec![("FSDP_COMM_TIMEOUT_SECS", "1".to_string())];
-    let job = spawn("peer_hangs", 2, &[(0, extra.clone()), (1, extra)]);
+    let mut extra = extra;
+    extra.push(("FSDP_COMM_TIMEOUT_SECS", "1".to_string()));
+    let job = spawn(scenario, 2, &[(0, extra.clone()), (1, extra)]);
     let outcomes = finish_ranks(job, &[0], Duration::from_secs(40));
     assert!(
         started.elapsed() < Duration::from_secs(15),
@@ -558,11 +571,28 @@ fn a_hung_peer_times_out_naming_it() {
     );
     assert_eq!(outcomes[0].code, Some(0), "{}", dump(&outcomes));
     let e = &errors_of(&outcomes)[0];
-    assert!(
-        e.contains(
-            "rank 0: barrier(u8 x 0) as collective #1 waiting for rank 1 timed out after 1s"
-        ),
-        "{e}"
+    assert!(e.contains(expected), "{e}");
+}
+
+#[test]
+fn a_hung_peer_times_out_naming_it() {
+    // Rank 1 sleeps 20 s; the job ends as soon as rank 0 has reported its timeout.
+    rank_0_times_out(
+        "peer_hangs",
+        vec![],
+        "rank 0: barrier(u8 x 0) as collective #1 waiting for rank 1 timed out after 1s",
+    );
+}
+
+#[test]
+fn a_send_to_a_stopped_peer_times_out_naming_it_instead_of_reporting_success() {
+    // Rank 1 stops itself; rank 0's 64 MiB broadcast over TCP fills the sockets' buffers and
+    // then must fail within its timeout (the writer sends from the caller's buffer, so the
+    // broadcast cannot return before its bytes are out), and the group stays broken.
+    rank_0_times_out(
+        "peer_stops",
+        transport("tcp"),
+        "rank 0: broadcast(f32 x 16777216) as collective #1 waiting for rank 1 timed out after 1s",
     );
 }
 

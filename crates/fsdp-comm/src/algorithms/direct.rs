@@ -66,9 +66,9 @@ impl Engine {
         }
         let k = input.len() / n;
         let h = self.begin::<T>(Op::AllToAll, input.len(), None);
-        if self.net.sends_copied_first() && k > 0 {
+        if self.net.sends_done_on_return() && k > 0 {
             // Part p goes to peer p and comes back from it in the same place: received into
-            // the input itself once its parts are on their way.
+            // the input itself once its parts are sent.
             let mut buf = input;
             let outs: Vec<Out> = (self.others().into_iter())
                 .map(|p| (p, 0, as_bytes(&buf[p * k..(p + 1) * k])))

@@ -1,14 +1,18 @@
 //! Point-to-point links between the ranks of a group, over TCP. Each peer has a writer thread
-//! (sends never block the caller, so ring steps cannot deadlock) and a reader thread that
-//! files incoming frames per peer; a lost connection or an abort from any peer wakes every
+//! (a send waits at most for the peer's reader, never for its caller, so ring steps cannot
+//! deadlock) and a reader thread that files incoming frames per peer, or reads them straight
+//! into receives posted for them; a lost connection or an abort from any peer wakes every
 //! waiter at once, so failures surface in bounded time instead of hanging.
 
-use std::collections::VecDeque;
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+mod inbox;
+
+pub use inbox::{AlignedBytes, Frame, Inbox, Payload, RecvFailure};
 
 /// Frame kinds.
 pub const KIND_DATA: u8 = 1;
@@ -102,161 +106,113 @@ impl Header {
     }
 }
 
-/// A received frame.
-pub struct Frame {
-    /// Its header.
-    pub header: Header,
-    /// Its payload.
-    pub payload: AlignedBytes,
+/// What the writer thread sends.
+enum Outgoing {
+    /// A frame whose payload it owns.
+    Frame(Header, Vec<u8>),
+    /// A frame whose payload is the caller's bytes, lent until the lease is dropped.
+    Lent {
+        header: Header,
+        payload: LentBytes,
+        _lease: Lease,
+    },
+    Close,
 }
 
-/// Bytes stored 8-byte aligned, so a payload can be read as any element type in place.
-pub struct AlignedBytes {
-    words: Vec<u64>,
-    len: usize,
+/// A payload lent to a writer thread.
+struct LentBytes(*const u8, usize);
+
+// SAFETY: the writer only reads the bytes, and [`Links::send_lent`]'s caller keeps them valid
+// and unwritten until the lease is dropped.
+unsafe impl Send for LentBytes {}
+
+/// The payloads a transfer has lent to writer threads: per peer, how many are not yet
+/// written (or dropped unwritten with a link that failed), and whether one was dropped
+/// unwritten.
+pub struct Leases {
+    state: Mutex<LeaseState>,
+    returned: Condvar,
 }
 
-impl AlignedBytes {
-    /// Zeroed bytes.
-    pub fn zeroed(len: usize) -> AlignedBytes {
-        AlignedBytes {
-            words: vec![0u64; len.div_ceil(8)],
-            len,
-        }
-    }
-
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `words` holds at least `len` initialised bytes.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.len) }
-    }
-
-    /// The bytes, writable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, exclusively borrowed.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
-    }
+struct LeaseState {
+    out: Vec<usize>,
+    unsent: Option<usize>,
 }
 
-/// Why a receive did not produce a frame.
-pub enum RecvFailure {
-    /// The connection to the peer closed.
-    Lost,
-    /// A peer sent an abort: (origin group rank, message).
-    Aborted(usize, String),
-    /// Nothing arrived in time.
-    Timeout,
+/// One lent payload's share of [`Leases`]: returned when dropped, as written once the writer
+/// has said so ([`Lease::written`]).
+pub struct Lease {
+    leases: Arc<Leases>,
+    peer: usize,
+    written: bool,
 }
 
-#[derive(Default)]
-struct InboxState {
-    queues: Vec<VecDeque<Frame>>,
-    lost: Vec<bool>,
-    abort: Option<(usize, String)>,
-}
-
-/// Incoming frames of every peer, and the failures seen so far.
-pub struct Inbox {
-    state: Mutex<InboxState>,
-    arrived: Condvar,
-    /// Also called when a peer is lost or an abort arrives (wakes a shared-memory waiter).
-    waker: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
-}
-
-impl Inbox {
-    fn new(size: usize) -> Inbox {
-        Inbox {
-            state: Mutex::new(InboxState {
-                queues: (0..size).map(|_| VecDeque::new()).collect(),
-                lost: vec![false; size],
-                abort: None,
+impl Leases {
+    /// Leases for payloads lent to the links of a group of `size` ranks.
+    pub fn new(size: usize) -> Arc<Leases> {
+        Arc::new(Leases {
+            state: Mutex::new(LeaseState {
+                out: vec![0; size],
+                unsent: None,
             }),
-            arrived: Condvar::new(),
-            waker: std::sync::OnceLock::new(),
+            returned: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LeaseState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A lease for one more payload lent to `peer`'s writer.
+    pub fn lend(self: &Arc<Leases>, peer: usize) -> Lease {
+        self.lock().out[peer] += 1;
+        Lease {
+            leases: self.clone(),
+            peer,
+            written: false,
         }
     }
 
-    /// Installs a callback run whenever a peer is lost or an abort arrives.
-    pub fn set_waker(&self, waker: Box<dyn Fn() + Send + Sync>) {
-        let _ = self.waker.set(waker);
-    }
-
-    /// True once the connection to `peer` has closed.
-    pub fn is_lost(&self, peer: usize) -> bool {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).lost[peer]
-    }
-
-    /// The first abort received over the links, if any: (origin, message).
-    pub fn abort_received(&self) -> Option<(usize, String)> {
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .abort
-            .clone()
-    }
-
-    fn wake(&self) {
-        if let Some(w) = self.waker.get() {
-            w();
-        }
-    }
-
-    /// The next frame from `peer`, waiting up to `timeout`. Frames already queued are
-    /// delivered before an abort or loss is reported.
-    pub fn recv(&self, peer: usize, timeout: Duration) -> Result<Frame, RecvFailure> {
-        let deadline = Instant::now() + timeout;
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(frame) = state.queues[peer].pop_front() {
-                return Ok(frame);
-            }
-            if let Some((origin, msg)) = &state.abort {
-                return Err(RecvFailure::Aborted(*origin, msg.clone()));
-            }
-            if state.lost[peer] {
-                return Err(RecvFailure::Lost);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(RecvFailure::Timeout);
-            }
+    /// Waits until every lease is returned: `Ok(None)`, or `Ok(Some(peer))` if a payload
+    /// lent to `peer` was dropped unwritten (its link failed); `Err(peer)` at `deadline`
+    /// with a payload lent to `peer` still out.
+    pub fn wait(&self, deadline: Option<Instant>) -> Result<Option<usize>, usize> {
+        let mut state = self.lock();
+        while let Some(peer) = state.out.iter().position(|&n| n > 0) {
+            let wait = match deadline {
+                None => Duration::from_secs(1),
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => left,
+                    _ => return Err(peer),
+                },
+            };
             state = self
-                .arrived
-                .wait_timeout(state, deadline - now)
+                .returned
+                .wait_timeout(state, wait)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-    }
-
-    fn push(&self, peer: usize, frame: Frame) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if frame.header.kind == KIND_ABORT {
-            if state.abort.is_none() {
-                let msg = String::from_utf8_lossy(frame.payload.as_slice()).into_owned();
-                state.abort = Some((peer, msg));
-            }
-            drop(state);
-            self.wake();
-            self.arrived.notify_all();
-            return;
-        }
-        state.queues[peer].push_back(frame);
-        self.arrived.notify_all();
-    }
-
-    fn mark_lost(&self, peer: usize) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.lost[peer] = true;
-        drop(state);
-        self.wake();
-        self.arrived.notify_all();
+        Ok(state.unsent)
     }
 }
 
-/// What the writer thread sends.
-enum Outgoing {
-    Frame(Header, Vec<u8>),
-    Close,
+impl Lease {
+    /// The writer wrote the payload out.
+    fn written(&mut self) {
+        self.written = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut state = self.leases.lock();
+        state.out[self.peer] -= 1;
+        if !self.written {
+            state.unsent.get_or_insert(self.peer);
+        }
+        drop(state);
+        self.leases.returned.notify_all();
+    }
 }
 
 /// The sending side of one peer link.
@@ -293,9 +249,7 @@ impl Links {
                 std::thread::Builder::new()
                     .name(format!("{name}-rx{peer}"))
                     .spawn(move || {
-                        while let Some(frame) = read_frame(&mut read_half) {
-                            inbox_r.push(peer, frame);
-                        }
+                        read_frames(&mut read_half, peer, &inbox_r);
                         inbox_r.mark_lost(peer);
                     })?,
             );
@@ -305,10 +259,30 @@ impl Links {
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-tx{peer}"))
                 .spawn(move || {
-                    while let Ok(Outgoing::Frame(header, payload)) = rx.recv() {
-                        let ok = write_half.write_all(&header.encode()).is_ok()
-                            && write_half.write_all(&payload).is_ok();
-                        if !ok {
+                    while let Ok(mut outgoing) = rx.recv() {
+                        let written = match &outgoing {
+                            Outgoing::Frame(header, payload) => {
+                                write_frame(&mut write_half, header, payload)
+                            }
+                            // SAFETY: the lender keeps the bytes valid until the lease, held
+                            // in `outgoing`, is dropped below.
+                            Outgoing::Lent {
+                                header,
+                                payload: LentBytes(at, len),
+                                ..
+                            } => {
+                                let payload = unsafe { std::slice::from_raw_parts(*at, *len) };
+                                write_frame(&mut write_half, header, payload)
+                            }
+                            Outgoing::Close => return,
+                        };
+                        if let (Ok(()), Outgoing::Lent { _lease, .. }) = (&written, &mut outgoing) {
+                            _lease.written();
+                        }
+                        drop(outgoing);
+                        if written.is_err() {
+                            // Dropping the receiver drops the frames still queued, returning
+                            // their leases.
                             inbox_w.mark_lost(peer);
                             return;
                         }
@@ -332,6 +306,42 @@ impl Links {
         match &self.writers[peer] {
             Some(w) => w.tx.send(Outgoing::Frame(header, payload)).is_ok(),
             None => false,
+        }
+    }
+
+    /// Queues a frame for `peer` whose payload is `payload` itself, not a copy; returns false
+    /// if the link is gone (the lease is then returned at once).
+    ///
+    /// # Safety
+    /// `payload` must stay valid and unwritten until `lease` is returned (its [`Leases`]'
+    /// wait returns true).
+    pub unsafe fn send_lent(
+        &self,
+        peer: usize,
+        header: Header,
+        payload: &[u8],
+        lease: Lease,
+    ) -> bool {
+        let lent = LentBytes(payload.as_ptr(), payload.len());
+        match &self.writers[peer] {
+            Some(w) => {
+                w.tx.send(Outgoing::Lent {
+                    header,
+                    payload: lent,
+                    _lease: lease,
+                })
+                .is_ok()
+            }
+            None => false,
+        }
+    }
+
+    /// Cuts the connection to `peer` both ways: its writer's and reader's blocked calls fail
+    /// at once, which ends their use of lent payloads and posted receives. For a failed
+    /// transfer whose peer stopped reading or sending mid-frame.
+    pub fn cut(&self, peer: usize) {
+        if let Some(w) = &self.writers[peer] {
+            let _ = w.stream.shutdown(std::net::Shutdown::Both);
         }
     }
 
@@ -409,11 +419,66 @@ pub(crate) fn enable_keepalive(stream: &TcpStream) {
     set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, UNACKNOWLEDGED_MS);
 }
 
-fn read_frame(stream: &mut TcpStream) -> Option<Frame> {
-    let mut hb = [0u8; HEADER_BYTES];
-    stream.read_exact(&mut hb).ok()?;
-    let header = Header::decode(&hb)?;
-    let mut payload = AlignedBytes::zeroed(usize::try_from(header.len).ok()?);
-    stream.read_exact(payload.as_mut_slice()).ok()?;
-    Some(Frame { header, payload })
+/// Writes one frame, header and payload in as few calls as the socket takes.
+fn write_frame(stream: &mut TcpStream, header: &Header, payload: &[u8]) -> std::io::Result<()> {
+    let head = header.encode();
+    let mut written = 0;
+    let total = HEADER_BYTES + payload.len();
+    while written < total {
+        let n = if written < HEADER_BYTES {
+            stream.write_vectored(&[IoSlice::new(&head[written..]), IoSlice::new(payload)])?
+        } else {
+            stream.write(&payload[written - HEADER_BYTES..])?
+        };
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        written += n;
+    }
+    Ok(())
 }
+
+/// `peer`'s reader: files each frame in the inbox until the connection ends, reading a data
+/// frame's payload straight into the receive posted for it where there is one.
+fn read_frames(stream: &mut TcpStream, peer: usize, inbox: &Inbox) {
+    loop {
+        let mut hb = [0u8; HEADER_BYTES];
+        if stream.read_exact(&mut hb).is_err() {
+            return;
+        }
+        let Some(header) = Header::decode(&hb) else {
+            return;
+        };
+        let Ok(len) = usize::try_from(header.len) else {
+            return;
+        };
+        if header.kind == KIND_DATA
+            && let Some(dst) = inbox.claim(peer, &header)
+        {
+            // SAFETY: the posting's owner keeps `dst` valid for the header's `len` bytes and
+            // untouched until this frame lands or its withdrawal returns, which waits for
+            // `landed` below.
+            let payload = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+            let ok = stream.read_exact(payload).is_ok();
+            inbox.landed(peer, header, ok);
+            if !ok {
+                return;
+            }
+            continue;
+        }
+        let mut payload = AlignedBytes::zeroed(len);
+        if stream.read_exact(payload.as_mut_slice()).is_err() {
+            return;
+        }
+        inbox.push(
+            peer,
+            Frame {
+                header,
+                payload: Payload::Bytes(payload),
+            },
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -12,7 +12,9 @@ use std::time::Duration;
 use crate::dtype::{DType, Element, ReduceOp, as_bytes_mut, reduce_into, reduce_pair_into};
 use crate::error::{CommError, Result};
 use crate::shm::{InFrame, OutFrame, Segment, Sink, TransferError};
-use crate::transport::{Header, KIND_DATA, Links, RecvFailure};
+use crate::transport::{Header, KIND_DATA, Links};
+
+mod over_links;
 
 /// How a group's ranks reach each other.
 pub enum Net {
@@ -34,10 +36,10 @@ impl Net {
         }
     }
 
-    /// Whether a transfer's sends are copied out before any of its receives is written (the
-    /// TCP links queue each piece to a writer thread): then a buffer may receive into the
-    /// bytes it sends.
-    pub(crate) fn sends_copied_first(&self) -> bool {
+    /// Whether a transfer returns only once its sends are written out of the caller's
+    /// buffers (the TCP links' writers send from them, and the transfer waits for it): then
+    /// a buffer may receive, in a later transfer, into the bytes it sent.
+    pub(crate) fn sends_done_on_return(&self) -> bool {
         matches!(self, Net::Tcp(_))
     }
 
@@ -53,13 +55,32 @@ impl Net {
 /// One frame to send in a transfer: (peer, step, bytes).
 pub(crate) type Out<'a> = (usize, u32, &'a [u8]);
 
-/// One frame to receive in a transfer: the expected byte length and where the bytes go
-/// (called with each piece's offset).
+/// One frame to receive in a transfer: the expected byte length and where the bytes go.
 pub(crate) struct In<'a> {
     pub(crate) peer: usize,
     pub(crate) step: u32,
     pub(crate) len: usize,
-    pub(crate) sink: Sink<'a>,
+    pub(crate) target: Target<'a>,
+}
+
+/// Where a received frame's bytes go.
+pub(crate) enum Target<'a> {
+    /// Copied into these bytes, which over TCP a reader thread writes straight into.
+    Bytes(&'a mut [u8]),
+    /// Handed to the sink piece by piece with each piece's offset (reductions).
+    Sink(Sink<'a>),
+}
+
+impl<'a> Target<'a> {
+    /// The target as a sink of pieces.
+    fn into_sink(self) -> Sink<'a> {
+        match self {
+            Target::Bytes(bytes) => {
+                Box::new(move |off, piece| bytes[off..off + piece.len()].copy_from_slice(piece))
+            }
+            Target::Sink(sink) => sink,
+        }
+    }
 }
 
 /// Collective kinds on the wire.
@@ -308,7 +329,7 @@ impl Engine {
                                     }
                                 }
                             },
-                            r.sink,
+                            r.target.into_sink(),
                         )
                     })
                     .collect();
@@ -336,55 +357,6 @@ impl Engine {
         }
     }
 
-    /// [`Engine::transfer`] over the TCP links: sends are queued to the writer threads (so
-    /// they never wait for the receiver), receives wait on the inbox. A transfer travels as
-    /// pieces of at most [`PIECE_BYTES`], so copying a piece out of (and into) a frame
-    /// overlaps the next one on the wire instead of following the whole transfer.
-    pub(crate) fn transfer_over_links(
-        &self,
-        links: &Links,
-        h: Header,
-        outs: &[Out<'_>],
-        ins: Vec<In<'_>>,
-    ) -> Result<()> {
-        let with = |step: u32, len: usize| Header {
-            step,
-            len: len as u64,
-            ..h
-        };
-        for &(peer, step, data) in outs {
-            for (part, range) in pieces(data.len()) {
-                let header = Header {
-                    part,
-                    ..with(step, range.len())
-                };
-                if !links.send(peer, header, data[range].to_vec()) {
-                    return Err(self.lost(peer));
-                }
-            }
-        }
-        for mut r in ins {
-            for (part, range) in pieces(r.len) {
-                let want = Header {
-                    part,
-                    ..with(r.step, range.len())
-                };
-                match links.inbox.recv(r.peer, self.timeout) {
-                    Ok(frame) => {
-                        self.check_header(r.peer, &want, &frame.header, range.len())?;
-                        (r.sink)(range.start, frame.payload.as_slice());
-                    }
-                    Err(RecvFailure::Lost) => return Err(self.lost(r.peer)),
-                    Err(RecvFailure::Aborted(origin, message)) => {
-                        return Err(self.aborted(origin, message));
-                    }
-                    Err(RecvFailure::Timeout) => return Err(self.timed_out(&want, r.peer)),
-                }
-            }
-        }
-        Ok(())
-    }
-
     pub(crate) fn timed_out(&self, h: &Header, peer: usize) -> CommError {
         CommError::Timeout {
             rank: self.me(),
@@ -404,7 +376,7 @@ impl Engine {
             peer,
             step,
             len: bytes.len(),
-            sink: Box::new(move |off, piece| bytes[off..off + piece.len()].copy_from_slice(piece)),
+            target: Target::Bytes(bytes),
         }
     }
 
@@ -421,7 +393,9 @@ impl Engine {
             peer,
             step,
             len: count * size,
-            sink: Box::new(move |off, piece| apply(off / size, cast::<T>(piece))),
+            target: Target::Sink(Box::new(move |off, piece| {
+                apply(off / size, cast::<T>(piece))
+            })),
         }
     }
 
