@@ -238,10 +238,10 @@ key_table! {
         "regex on module paths kept out of FSDP (replicated)";
     FsdpReduceDtype: "fsdp_reduce_dtype", Fsdp, Kind::Choice(ReduceDtype::NAMES), D::Text("fp32"),
         Some("FSDP_REDUCE_DTYPE"), &[], Used,
-        "dtype gradients are reduced in: fp32, bf16, fp16 (PyTorch's MixedPrecision.reduce_dtype), int8 (blocks of 512 with an f32 scale each, exchanged all-to-all and summed in f32; ZeRO++'s quantized gradients) or int4 (the same with 4-bit values in blocks of 128; fsdp-rs)";
+        "dtype gradients are reduced in: fp32, bf16, fp16 (PyTorch's MixedPrecision.reduce_dtype), int8 (blocks of 128 with an f32 scale each, exchanged all-to-all and summed in f32; ZeRO++'s quantized gradients) or int4 (the same with 4-bit values in blocks of 128; fsdp-rs)";
     FsdpAllGatherDtype: "fsdp_all_gather_dtype", Fsdp, Kind::Choice(AllGatherDtype::NAMES),
         D::Text("auto"), Some("FSDP_ALL_GATHER_DTYPE"), &[], Used,
-        "dtype parameters are all-gathered in: auto (the compute dtype) or int8 (blocks of 512 with an f32 scale each, dequantized into the compute dtype; ZeRO++'s quantized weights; fsdp-rs)";
+        "dtype parameters are all-gathered in: auto (the compute dtype) or int8 (blocks of 128 with an f32 scale each, dequantized into the compute dtype; ZeRO++'s quantized weights; fsdp-rs)";
     ZeroQuantizedWeights: "zero_quantized_weights", Fsdp, Kind::Bool, D::Bool(false),
         None, &[], Used,
         "DeepSpeed's name for ZeRO++'s quantized weights: true is fsdp_all_gather_dtype: int8, false its default";

@@ -1,7 +1,7 @@
 //! Symmetric integer blocks, ZeRO++'s quantization for the wire: a rank's packed block of
 //! f32 values becomes one f32 scale per block of a [`Codec`]'s size (the block's largest
 //! magnitude over the largest level) and one integer per value — int8: a quarter of f32's
-//! bytes (plus 1/128 for the scales), half of bf16's; a value comes back within half a step
+//! bytes (plus 1/32 for the scales), half of bf16's; a value comes back within half a step
 //! (`scale / 2`). Blocks never straddle two parameters: each parameter's run of the packed
 //! block (`runs`, their lengths in order) is quantized apart, so a bias whose values or
 //! gradients are a thousand times smaller than a neighbouring weight's keeps its own scale
@@ -24,7 +24,7 @@ use half::{bf16, f16};
 use crate::config::ReduceDtype;
 
 /// The largest block a codec uses (the scratch a block is dequantized into).
-const MAX_BLOCK: usize = 512;
+const MAX_BLOCK: usize = 128;
 
 /// How values cross the wire: symmetric integers of one width, one f32 scale per `block`
 /// values of one parameter.
@@ -32,17 +32,19 @@ const MAX_BLOCK: usize = 512;
 pub(crate) struct Codec {
     /// Bits per value: 8 (one byte each) or 4 (two to a byte, the first in the low nibble).
     bits: u8,
-    /// Values per scale (ZeRO++ quantizes in groups; 512 keeps a block's scale local to a few
-    /// rows of a typical weight while int8's scales cost under 1% of the bytes; int4's
-    /// coarser steps want smaller blocks).
+    /// Values per scale (ZeRO++ quantizes in groups): 128 keeps a block's scale local to a
+    /// part of a row, so one large weight rounds fewer of its neighbours coarsely, for scales
+    /// of 3% of int8's bytes (SmolLM2's perplexity with int8 gathers and int4 gradients was
+    /// 1.2% over f32's with blocks of 512, 0.8% with 128: docs/BENCHMARKS.md).
     block: usize,
 }
 
 impl Codec {
-    /// int8: levels -127..=127, blocks of 512.
+    /// int8: levels -127..=127, blocks of 128 (an f32 scale per 128 bytes: 8.25 bits a
+    /// value).
     pub(crate) const INT8: Codec = Codec {
         bits: 8,
-        block: 512,
+        block: 128,
     };
 
     /// int4: levels -7..=7, blocks of 128 (an f32 scale per 64 bytes: 4.25 bits a value).
