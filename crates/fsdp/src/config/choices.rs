@@ -169,7 +169,7 @@ choice_enum!(
         Bf16 => "bf16",
         /// fp16 (needs a loss scale that keeps gradients in range: `mixed_precision: fp16`'s).
         Fp16 => "fp16",
-        /// Symmetric int8 with one f32 scale per block of 512 elements, exchanged all-to-all
+        /// Symmetric int8 with one f32 scale per block of 128 elements, exchanged all-to-all
         /// and summed in f32 (ZeRO++'s quantized gradients): a quarter of f32's bytes; the
         /// sum is never formed in low precision.
         Int8 => "int8",
@@ -192,7 +192,7 @@ choice_enum!(
     AllGatherDtype {
         /// The compute dtype (`mixed_precision`'s): bf16 with bf16, else f32.
         Auto => "auto",
-        /// Symmetric int8 with one f32 scale per block of 512 elements of a rank's shard,
+        /// Symmetric int8 with one f32 scale per block of 128 elements of a rank's shard,
         /// dequantized into the compute dtype on arrival; master weights stay f32.
         Int8 => "int8",
     }
