@@ -71,7 +71,7 @@ impl Engine {
         }
         let k = input.len() / n;
         let h = self.begin::<T>(Op::AllToAll, input.len(), None);
-        if self.net.sends_done_on_return() && k > 0 {
+        if self.net.sends_complete_alone() && k > 0 {
             // Part p goes to peer p and comes back from it in the same place: received into
             // the input itself once its parts are sent.
             let mut buf = input;

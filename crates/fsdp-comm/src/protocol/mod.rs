@@ -36,10 +36,12 @@ impl Net {
         }
     }
 
-    /// Whether a transfer returns only once its sends are written out of the caller's
-    /// buffers (the TCP links' writers send from them, and the transfer waits for it): then
-    /// a buffer may receive, in a later transfer, into the bytes it sent.
-    pub(crate) fn sends_done_on_return(&self) -> bool {
+    /// Whether a transfer of sends alone completes while the peers' engines receive
+    /// nothing (the TCP links' reader threads take every frame; shared memory's rings hold
+    /// only so much): then a buffer may send everything in one transfer and receive into the
+    /// bytes it sent in the next. Either way a transfer returns only once its sends are out
+    /// of the caller's buffers.
+    pub(crate) fn sends_complete_alone(&self) -> bool {
         matches!(self, Net::Tcp(_))
     }
 

@@ -114,7 +114,7 @@ enum Outgoing {
     Lent {
         header: Header,
         payload: LentBytes,
-        _lease: Lease,
+        lease: Lease,
     },
     Close,
 }
@@ -276,8 +276,8 @@ impl Links {
                             }
                             Outgoing::Close => return,
                         };
-                        if let (Ok(()), Outgoing::Lent { _lease, .. }) = (&written, &mut outgoing) {
-                            _lease.written();
+                        if let (Ok(()), Outgoing::Lent { lease, .. }) = (&written, &mut outgoing) {
+                            lease.written();
                         }
                         drop(outgoing);
                         if written.is_err() {
@@ -313,8 +313,8 @@ impl Links {
     /// if the link is gone (the lease is then returned at once).
     ///
     /// # Safety
-    /// `payload` must stay valid and unwritten until `lease` is returned (its [`Leases`]'
-    /// wait returns true).
+    /// `payload` must stay valid and unwritten until `lease` is dropped (its
+    /// [`Leases::wait`] returns `Ok`).
     pub unsafe fn send_lent(
         &self,
         peer: usize,
@@ -328,7 +328,7 @@ impl Links {
                 w.tx.send(Outgoing::Lent {
                     header,
                     payload: lent,
-                    _lease: lease,
+                    lease,
                 })
                 .is_ok()
             }
