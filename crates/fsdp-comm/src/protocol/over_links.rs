@@ -10,6 +10,11 @@ use crate::error::Result;
 use crate::shm::Sink;
 use crate::transport::{Header, Leases, Links, Payload, RecvFailure};
 
+/// Pieces of at most this many bytes are sent as copies the writer owns: copying them costs
+/// less than waiting for the writer to finish with the caller's bytes (a broadcast of 4-16
+/// KiB took 10-20% longer lent).
+const COPIED_SENDS: usize = 64 << 10;
+
 impl Engine {
     /// [`Engine::transfer`] over the TCP links. The writer threads send straight from the
     /// caller's buffers (so a send never waits for its receiver's engine, only for its
@@ -64,12 +69,16 @@ impl Engine {
         for &(peer, step, data) in outs {
             open.sent_to.push(peer);
             for (part, range) in pieces(data.len()) {
-                let lease = open.leases.lend(peer);
-                // SAFETY: `outs` is borrowed for the whole call and only read, and `open`
-                // waits for every lease before the call returns or unwinds.
-                if !unsafe {
-                    links.send_lent(peer, with(step, part, range.len()), &data[range], lease)
-                } {
+                let header = with(step, part, range.len());
+                let queued = if range.len() <= COPIED_SENDS {
+                    links.send(peer, header, data[range].to_vec())
+                } else {
+                    let lease = open.leases.lend(peer);
+                    // SAFETY: `outs` is borrowed for the whole call and only read, and `open`
+                    // waits for every lease before the call returns or unwinds.
+                    unsafe { links.send_lent(peer, header, &data[range], lease) }
+                };
+                if !queued {
                     return Err(self.lost(peer));
                 }
             }
