@@ -40,7 +40,6 @@ impl Engine {
             links,
             timeout: self.timeout,
             leases: Leases::new(self.size),
-            sent_to: Vec::new(),
             posted: Vec::new(),
         };
         // Receives into bytes become raw destinations here, so that the reader thread's
@@ -67,7 +66,6 @@ impl Engine {
             receives.push((r.peer, r.step, r.len, into));
         }
         for &(peer, step, data) in outs {
-            open.sent_to.push(peer);
             for (part, range) in pieces(data.len()) {
                 let header = with(step, part, range.len());
                 let queued = if range.len() <= COPIED_SENDS {
@@ -143,7 +141,6 @@ struct OpenTransfer<'l> {
     links: &'l Links,
     timeout: Duration,
     leases: Arc<Leases>,
-    sent_to: Vec<usize>,
     /// (peer, posting id) of every receive posted.
     posted: Vec<(usize, u64)>,
 }
@@ -159,9 +156,9 @@ impl OpenTransfer<'_> {
         }
     }
 
-    /// Cuts the links the transfer sends over, and waits for their writers to let go.
+    /// Cuts the links whose writers still hold a lent payload, and waits for them to let go.
     fn cut_sends(&self) {
-        for &peer in &self.sent_to {
+        for peer in self.leases.peers_out() {
             self.links.cut(peer);
         }
         let _ = self.leases.wait(None);

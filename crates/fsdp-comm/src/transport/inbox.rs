@@ -189,21 +189,8 @@ impl Inbox {
     pub fn withdraw(&self, peer: usize, id: u64, deadline: Option<Instant>) -> bool {
         let mut state = self.lock();
         state.posted[peer].retain(|p| p.id != id);
-        while state.landing[peer] == Some(id) {
-            let wait = match deadline {
-                None => Duration::from_secs(1),
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(left) if !left.is_zero() => left,
-                    _ => return false,
-                },
-            };
-            state = self
-                .arrived
-                .wait_timeout(state, wait)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        true
+        let waiting = |s: &mut InboxState| s.landing[peer] == Some(id);
+        !super::wait_while(&self.arrived, state, deadline, waiting).1
     }
 
     /// For `peer`'s reader, holding a data frame's `header`: where to read its payload, if a

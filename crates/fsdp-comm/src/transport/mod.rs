@@ -177,23 +177,44 @@ impl Leases {
     /// lent to `peer` was dropped unwritten (its link failed); `Err(peer)` at `deadline`
     /// with a payload lent to `peer` still out.
     pub fn wait(&self, deadline: Option<Instant>) -> Result<Option<usize>, usize> {
-        let mut state = self.lock();
-        while let Some(peer) = state.out.iter().position(|&n| n > 0) {
-            let wait = match deadline {
-                None => Duration::from_secs(1),
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(left) if !left.is_zero() => left,
-                    _ => return Err(peer),
-                },
-            };
-            state = self
-                .returned
-                .wait_timeout(state, wait)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        let (state, _) = wait_while(&self.returned, self.lock(), deadline, |s| {
+            s.out.iter().any(|&n| n > 0)
+        });
+        match state.out.iter().position(|&n| n > 0) {
+            Some(peer) => Err(peer),
+            None => Ok(state.unsent),
         }
-        Ok(state.unsent)
     }
+
+    /// The peers whose writers still hold a lent payload.
+    pub fn peers_out(&self) -> Vec<usize> {
+        let state = self.lock();
+        (0..state.out.len()).filter(|&p| state.out[p] > 0).collect()
+    }
+}
+
+/// Waits on `cv` while `waiting` holds, until `deadline` (`None`: for as long as it takes);
+/// returns the guard and whether `waiting` still holds.
+pub(crate) fn wait_while<'a, T>(
+    cv: &Condvar,
+    guard: std::sync::MutexGuard<'a, T>,
+    deadline: Option<Instant>,
+    mut waiting: impl FnMut(&mut T) -> bool,
+) -> (std::sync::MutexGuard<'a, T>, bool) {
+    let mut guard = match deadline {
+        None => cv
+            .wait_while(guard, &mut waiting)
+            .unwrap_or_else(|e| e.into_inner()),
+        Some(d) => {
+            let left = d.saturating_duration_since(Instant::now());
+            match cv.wait_timeout_while(guard, left, &mut waiting) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            }
+        }
+    };
+    let still = waiting(&mut guard);
+    (guard, still)
 }
 
 impl Lease {
