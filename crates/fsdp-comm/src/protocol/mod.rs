@@ -290,11 +290,7 @@ impl Engine {
     pub(crate) fn transfer(&mut self, h: Header, outs: &[Out<'_>], ins: Vec<In<'_>>) -> Result<()> {
         let payload: usize = outs.iter().map(|(_, _, data)| data.len()).sum();
         self.bytes_sent.fetch_add(payload as u64, Ordering::Relaxed);
-        let with = |step: u32, len: usize| Header {
-            step,
-            len: len as u64,
-            ..h
-        };
+        let with = |step: u32, len: usize| h.frame(step, 0, len);
         match &self.net {
             Net::Tcp(links) => self.transfer_over_links(links, h, outs, ins),
             Net::Shm { seg, links } => {

@@ -30,12 +30,6 @@ impl Engine {
         outs: &[Out<'_>],
         ins: Vec<In<'_>>,
     ) -> Result<()> {
-        let with = |step: u32, part: u32, len: usize| Header {
-            step,
-            part,
-            len: len as u64,
-            ..h
-        };
         let mut open = OpenTransfer {
             links,
             timeout: self.timeout,
@@ -51,7 +45,7 @@ impl Engine {
                     let at = bytes.as_mut_ptr();
                     let mut ids = Vec::new();
                     for (part, range) in pieces(r.len) {
-                        let want = with(r.step, part, range.len());
+                        let want = h.frame(r.step, part, range.len());
                         // SAFETY: `at` is valid for `r.len` bytes for the whole call (the
                         // borrow is consumed here), and `open` withdraws every posting before
                         // the call returns or unwinds; nothing else touches the bytes.
@@ -67,7 +61,7 @@ impl Engine {
         }
         for &(peer, step, data) in outs {
             for (part, range) in pieces(data.len()) {
-                let header = with(step, part, range.len());
+                let header = h.frame(step, part, range.len());
                 let queued = if range.len() <= COPIED_SENDS {
                     links.send(peer, header, data[range].to_vec())
                 } else {
@@ -83,7 +77,7 @@ impl Engine {
         }
         for (peer, step, len, mut into) in receives {
             for (part, range) in pieces(len) {
-                let want = with(step, part, range.len());
+                let want = h.frame(step, part, range.len());
                 let frame = match links.inbox.recv(peer, self.timeout) {
                     Ok(frame) => frame,
                     Err(RecvFailure::Lost) => return Err(self.lost(peer)),
@@ -121,7 +115,7 @@ impl Engine {
             Ok(Some(peer)) => Err(self.lost(peer)),
             Err(peer) => {
                 open.cut_sends();
-                Err(self.timed_out(&with(0, 0, 0), peer))
+                Err(self.timed_out(&h.frame(0, 0, 0), peer))
             }
         }
     }

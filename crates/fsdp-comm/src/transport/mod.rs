@@ -84,6 +84,16 @@ impl Header {
         })
     }
 
+    /// This collective's header for the frame of `step` and `part` carrying `len` bytes.
+    pub fn frame(&self, step: u32, part: u32, len: usize) -> Header {
+        Header {
+            step,
+            part,
+            len: len as u64,
+            ..*self
+        }
+    }
+
     /// Same collective (ignoring payload length).
     pub fn same_collective(&self, other: &Header) -> bool {
         (
