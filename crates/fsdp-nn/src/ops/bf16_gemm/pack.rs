@@ -235,7 +235,7 @@ pub(super) fn pack_lhs(
     strips: Range<usize>,
 ) -> Vec<u32> {
     if kernel.lhs == LhsLayout::Rows {
-        return pack_lhs_rows(kernel, lhs, (m, k), strips);
+        return pack_lhs_rows(mover, kernel, lhs, (m, k), strips);
     }
     debug_assert!(kernel.rows == MR && kernel.pairs == 1);
     let (v, rs, cs) = lhs;
@@ -279,8 +279,10 @@ pub(super) fn pack_lhs(
 
 /// [`pack_lhs`] in the `Rows` layout: each strip's rows one after another, each row's
 /// pairs contiguous, zeros past k (the odd tail's high half, and up to the kernel's block
-/// of pairs).
+/// of pairs). A transposed lhs (its rows contiguous for each k: the gradient's product
+/// `dYᵀ x`) takes AVX-512 where `mover` says for its whole blocks of 16 pairs.
 fn pack_lhs_rows(
+    mover: Mover,
     kernel: Kernel,
     (v, rs, cs): Operand<'_>,
     (m, k): (usize, usize),
@@ -290,17 +292,74 @@ fn pack_lhs_rows(
     let mut out = vec![0u32; strips.len() * rows * strip_pairs];
     let v = v.as_ptr().cast::<u16>();
     for (s_at, s) in strips.enumerate() {
-        for r in 0..rows.min(m.saturating_sub(s * rows)) {
+        let valid = rows.min(m.saturating_sub(s * rows));
+        let strip = out[s_at * rows * strip_pairs..].as_mut_ptr();
+        // SAFETY: rows below m are inside the operand (the caller checked its strides);
+        // the strip holds `strip_pairs` pairs for each of its `rows` rows; the CPU runs
+        // `mover`.
+        let vector_pairs = unsafe {
+            transpose_lhs_strip(
+                mover,
+                v,
+                (s * rows, rs, cs, k),
+                (valid, rows),
+                strip,
+                strip_pairs,
+            )
+        };
+        for r in 0..valid {
             let i = s * rows + r;
-            // SAFETY: row i < m is inside the operand (the caller checked its strides);
-            // `out` holds `strip_pairs` pairs for every row of every strip.
+            // SAFETY: as above.
             unsafe {
-                let row = out.as_mut_ptr().add((s_at * rows + r) * strip_pairs);
-                pack_line(v, (i * rs, cs, k), 0..kp, row, 1);
+                let row = strip.add(r * strip_pairs);
+                pack_line(v, (i * rs, cs, k), vector_pairs..kp, row, 1);
             }
         }
     }
     out
+}
+
+/// Packs what it can of a `Rows` strip of a transposed lhs (row `i`'s pair `p` at
+/// `i * rs + 2p * cs` with `rs` 1) by AVX-512 when `mover` says: per block of 16 pairs,
+/// the strip's `valid` rows (of its `rows`) interleaved into pairs, then turned row-major by 16×16
+/// transposes. Returns the pairs packed (a multiple of 16; 0 when none).
+///
+/// # Safety
+/// As [`pack_lhs_rows`]'s strip: rows `first..first + valid` are inside the operand,
+/// `strip` holds the strip's `rows` rows of `strip_pairs` pairs; the CPU runs `mover`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+unsafe fn transpose_lhs_strip(
+    mover: Mover,
+    v: *const u16,
+    (first, rs, cs, k): (usize, usize, usize, usize),
+    (valid, rows): (usize, usize),
+    strip: *mut u32,
+    strip_pairs: usize,
+) -> usize {
+    // The transposes write whole groups of 16 rows, which the strip's rows must be.
+    #[cfg(target_arch = "x86_64")]
+    if mover == Mover::Avx512 && rs == 1 && cs != 1 && rows <= 32 && rows % 16 == 0 {
+        let whole = k / 2 / 16 * 16;
+        // Per pair of the block, the strip's rows' pairs side by side (rows past `valid`
+        // stay zero, as the strip's rows past m must).
+        let mut block = [0u32; 16 * 32];
+        for p0 in (0..whole).step_by(16) {
+            // SAFETY: pairs p0..p0 + 16 lie below k / 2, rows below `valid` inside the
+            // operand; `block` holds 16 pairs of 32 rows; `strip` rows below 32 hold
+            // `strip_pairs` > p0 + 15 pairs.
+            unsafe {
+                let at = v.add(first + 2 * p0 * cs);
+                pack_avx512::interleave(at, cs, 16, valid, (block.as_mut_ptr(), 32));
+                for r0 in (0..valid).step_by(16) {
+                    let pairs = std::array::from_fn(|p| block[p * 32 + r0..].as_ptr());
+                    let out = strip.add(r0 * strip_pairs + p0);
+                    pack_avx512::transpose16(&pairs, out, strip_pairs);
+                }
+            }
+        }
+        return whole;
+    }
+    0
 }
 
 /// The rhs (k×n, strides `rs`, `cs`) as strips of `NR` columns; in a strip, for each pair
