@@ -332,7 +332,7 @@ pub(super) unsafe fn tiles(_: &Product<'_>, _: &LhsStrips<'_>, _: Range<usize>) 
 /// unit configured for the product's k, every tile computed, the unit released.
 ///
 /// # Safety
-/// As `gemm_with`; the lhs is in the `Rows` layout; `unit` can run the instructions and
+/// As `gemm_with`; the lhs is in the `Tiles` layout; `unit` can run the instructions and
 /// `write` can run on this CPU.
 pub(super) unsafe fn tiles_on<U: TileUnit>(
     unit: &mut U,
@@ -357,8 +357,9 @@ pub(super) unsafe fn tiles_on<U: TileUnit>(
 /// One block's sums: the four accumulators over k, 16 pairs at a time.
 ///
 /// # Safety
-/// As [`tiles_on`]; `a` has `pairs` contiguous pairs per row (`a.pair` is 4) for [`ROWS`]
-/// rows, `b` holds `pairs` pairs of `NR` u32, and `pairs` is a multiple of [`TILE_PAIRS`].
+/// As [`tiles_on`]; `a` holds `pairs` pairs of [`ROWS`] rows, each block of 16 pairs of a
+/// row contiguous (`a.pair` is 4), `b` holds `pairs` pairs of `NR` u32, and `pairs` is a
+/// multiple of [`TILE_PAIRS`].
 #[inline(always)]
 unsafe fn block<U: TileUnit>(
     unit: &mut U,
@@ -378,12 +379,13 @@ unsafe fn block<U: TileUnit>(
         unit.zero::<C10>();
         unit.zero::<C11>();
         for q in (0..pairs).step_by(TILE_PAIRS) {
-            unit.load::<A0>(a.at.add(q * 4), a.row);
+            let a_block = q / TILE_PAIRS * a.block;
+            unit.load::<A0>(a.at.add(a_block), a.row);
             unit.load::<B0>(b.add(q * b_row), b_row);
             unit.dot::<C00, A0, B0>();
             unit.load::<B1>(b.add(q * b_row + 64), b_row);
             unit.dot::<C01, A0, B1>();
-            unit.load::<A1>(a1.add(q * 4), a.row);
+            unit.load::<A1>(a1.add(a_block), a.row);
             unit.dot::<C10, A1, B0>();
             unit.dot::<C11, A1, B1>();
         }

@@ -45,6 +45,7 @@ unsafe fn tile(p: &Product<'_>, a: LhsStrip, b: &[u32], i0: usize, j0: usize) {
 unsafe fn sums(kp: usize, a: LhsStrip, b: &[u32]) -> [[__m512; NV]; MR] {
     let mut acc = [[_mm512_setzero_ps(); NV]; MR];
     let b = b.as_ptr();
+    debug_assert_eq!(a.block, 16 * a.pair, "a row's pairs run on across blocks");
     // Each row's first pair; a row advances by `a.pair` bytes a pair.
     let rows: [*const u8; MR] = std::array::from_fn(|r| a.at.wrapping_add(r * a.row));
     for q in 0..kp {

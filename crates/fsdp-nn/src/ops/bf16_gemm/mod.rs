@@ -129,8 +129,9 @@ enum LhsLayout {
     /// Per pair of k, the strip's `MR` rows side by side (the vector kernel broadcasts one
     /// row's pair at a time).
     Broadcast,
-    /// Each row's pairs contiguous (a tile load reads 16 pairs of each row).
-    Rows,
+    /// Per block of 16 pairs, the strip's rows one after another, 16 pairs each (a tile
+    /// load reads 16 rows of 64 contiguous bytes).
+    Tiles,
 }
 
 /// A tile kernel and how it reads its operands.
@@ -162,12 +163,12 @@ impl Kernel {
         k.div_ceil(2).next_multiple_of(self.pairs)
     }
 
-    /// The AMX kernel's operands: tiles of [`amx::ROWS`] rows loaded from the `Rows`
+    /// The AMX kernel's operands: tiles of [`amx::ROWS`] rows loaded from the `Tiles`
     /// layout, k in blocks of [`amx::TILE_PAIRS`] pairs.
     const fn tiled(tiles: Tiles) -> Kernel {
         Kernel {
             tiles,
-            lhs: LhsLayout::Rows,
+            lhs: LhsLayout::Tiles,
             rows: amx::ROWS,
             pairs: amx::TILE_PAIRS,
         }
@@ -214,7 +215,7 @@ unsafe fn gemm_with(
         scale: scale as f32,
     };
     let run = |range: Range<usize>| {
-        let lhs = LhsStrips::new(mover, kernel, lhs, (m, k), range.clone());
+        let lhs = LhsStrips::new(mover, kernel, lhs, (m, n, k), range.clone());
         // SAFETY: forwarded from the caller; each range's rows are its own.
         unsafe { (kernel.tiles)(&product, &lhs, range) }
     };
@@ -242,7 +243,7 @@ const FIRST_USE_PRODUCTS: [(usize, usize, usize, bool, bool); 4] = [
 
 /// Whether the AMX kernel computes [`FIRST_USE_PRODUCTS`] as the AVX512_BF16 kernel does:
 /// [`amx::support`] asks before the tiles are used, so a kernel that misbehaves on a CPU
-/// it could not be tested on (there was no AMX machine to hand) is never used.
+/// it was not tested on (it has run on one AMX model only) is never used.
 ///
 /// # Safety
 /// The CPU has both kernels' instructions and the tile state is granted.

@@ -135,17 +135,28 @@ unsafe fn interleave(
 }
 
 /// Where a tile reads its lhs pairs: row `r`'s pair `q` is the u32 at byte
-/// `r * row + q * pair` from `at` (unaligned).
+/// `r * row + (q / 16) * block + (q % 16) * pair` from `at` (unaligned).
 #[derive(Clone, Copy)]
 pub(super) struct LhsStrip {
     pub(super) at: *const u8,
     pub(super) row: usize,
     pub(super) pair: usize,
+    /// Bytes from one block of 16 pairs to the next (`16 * pair` where pairs run on).
+    pub(super) block: usize,
+}
+
+impl LhsStrip {
+    /// Byte offset of row `r`'s pair `q` from `at`.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(super) fn offset(&self, r: usize, q: usize) -> usize {
+        r * self.row + (q / 16) * self.block + (q % 16) * self.pair
+    }
 }
 
 /// The lhs of one range of row strips as the tiles read it: a row-major operand whose
 /// rows' pairs fill the kernel's blocks of k is read in place (its rows' pairs are already
-/// u32, contiguous), except a last strip short of the kernel's rows; everything else is
+/// u32, contiguous), except a last strip short of the kernel's rows, and except where the
+/// AMX kernel reads a packed one faster ([`tiles_read_in_place`]); everything else is
 /// packed in the kernel's layout ([`pack_lhs`]).
 pub(super) struct LhsStrips<'a> {
     /// The operand's first element and its row stride in bytes, when read in place.
@@ -164,12 +175,15 @@ impl<'a> LhsStrips<'a> {
         mover: Mover,
         kernel: Kernel,
         lhs: Operand<'a>,
-        (m, k): (usize, usize),
+        (m, n, k): (usize, usize, usize),
         strips: Range<usize>,
     ) -> LhsStrips<'a> {
         let (v, rs, cs) = lhs;
         let strip_pairs = kernel.strip_pairs(k);
-        let in_place = cs == 1 && k > 0 && k == 2 * strip_pairs;
+        let in_place = cs == 1
+            && k > 0
+            && k == 2 * strip_pairs
+            && (kernel.lhs == LhsLayout::Broadcast || tiles_read_in_place(n, k));
         let (direct, packed) = if in_place {
             // Strips from `full` on (at most one, short of the kernel's rows) need
             // zero rows.
@@ -201,6 +215,7 @@ impl<'a> LhsStrips<'a> {
                 at: unsafe { at.add(s * rows * row) },
                 row,
                 pair: 4,
+                block: 64,
             },
             _ => {
                 let at = self.packed[(s - self.packed_first) * self.strip_pairs * rows..]
@@ -211,16 +226,34 @@ impl<'a> LhsStrips<'a> {
                         at,
                         row: 4,
                         pair: 4 * rows,
+                        block: 64 * rows,
                     },
-                    LhsLayout::Rows => LhsStrip {
+                    LhsLayout::Tiles => LhsStrip {
                         at,
-                        row: 4 * self.strip_pairs,
+                        row: 64,
                         pair: 4,
+                        block: 64 * rows,
                     },
                 }
             }
         }
     }
+}
+
+/// Whether the AMX kernel reads a row-major lhs in place for a product of `n` columns over
+/// `k`. In place a tile's 16 rows are a row stride apart, and past k of 512 a strip's 32
+/// rows no longer stay in L1 beside the rhs while the rhs strips pass (at k of 1024 they
+/// also fall in two of its 64 sets): the tiles then load faster from a packed copy, whose
+/// 16 rows of a tile are 1 KiB in a row, but copying costs as much as the reads save
+/// unless there are many rhs strips to read it for. Measured on a Xeon with AMX
+/// (docs/BENCHMARKS.md): packed, 1024x1024x1024 ran at 1.35-1.4x and 512x3072x768 at
+/// 1.2x, 2048x576x1536 at 0.85x and 1024x256x1024 at 0.82x.
+fn tiles_read_in_place(n: usize, k: usize) -> bool {
+    /// k (elements) whose strip of 32 rows, 64·k bytes, still leaves L1 room for the rhs.
+    const STRIP_IN_L1: usize = 512;
+    /// Columns from which a packed copy pays for itself.
+    const PACK_PAYS: usize = 1024;
+    k <= STRIP_IN_L1 || n < PACK_PAYS
 }
 
 /// The lhs rows of row strips `strips` (the operand m×k, strides `rs`, `cs`) in the
@@ -234,8 +267,8 @@ pub(super) fn pack_lhs(
     (m, k): (usize, usize),
     strips: Range<usize>,
 ) -> Vec<u32> {
-    if kernel.lhs == LhsLayout::Rows {
-        return pack_lhs_rows(mover, kernel, lhs, (m, k), strips);
+    if kernel.lhs == LhsLayout::Tiles {
+        return pack_lhs_tiles(mover, kernel, lhs, (m, k), strips);
     }
     debug_assert!(kernel.rows == MR && kernel.pairs == 1);
     let (v, rs, cs) = lhs;
@@ -277,11 +310,12 @@ pub(super) fn pack_lhs(
     out
 }
 
-/// [`pack_lhs`] in the `Rows` layout: each strip's rows one after another, each row's
-/// pairs contiguous, zeros past k (the odd tail's high half, and up to the kernel's block
-/// of pairs). A transposed lhs (its rows contiguous for each k: the gradient's product
-/// `dYᵀ x`) takes AVX-512 where `mover` says for its whole blocks of 16 pairs.
-fn pack_lhs_rows(
+/// [`pack_lhs`] in the `Tiles` layout: per block of 16 pairs of k, the strip's rows one
+/// after another, 16 pairs (64 bytes) each; zeros past k (the odd tail's high half, and up
+/// to the kernel's block of pairs) and past m. A transposed lhs (its rows contiguous for
+/// each k: the gradient's product `dYᵀ x`) takes AVX-512 where `mover` says for its whole
+/// blocks of 16 pairs.
+fn pack_lhs_tiles(
     mover: Mover,
     kernel: Kernel,
     (v, rs, cs): Operand<'_>,
@@ -289,44 +323,55 @@ fn pack_lhs_rows(
     strips: Range<usize>,
 ) -> Vec<u32> {
     let (rows, kp, strip_pairs) = (kernel.rows, k.div_ceil(2), kernel.strip_pairs(k));
+    debug_assert_eq!(kernel.pairs, 16);
     let mut out = vec![0u32; strips.len() * rows * strip_pairs];
     let v = v.as_ptr().cast::<u16>();
+    // Pairs with both elements inside k.
+    let whole = k / 2;
     for (s_at, s) in strips.enumerate() {
         let valid = rows.min(m.saturating_sub(s * rows));
         let strip = out[s_at * rows * strip_pairs..].as_mut_ptr();
         // SAFETY: rows below m are inside the operand (the caller checked its strides);
         // the strip holds `strip_pairs` pairs for each of its `rows` rows; the CPU runs
         // `mover`.
-        let vector_pairs = unsafe {
-            transpose_lhs_strip(
-                mover,
-                v,
-                (s * rows, rs, cs, k),
-                (valid, rows),
-                strip,
-                strip_pairs,
-            )
-        };
+        let vector_pairs =
+            unsafe { transpose_lhs_strip(mover, v, (s * rows, rs, cs, k), (valid, rows), strip) };
         for r in 0..valid {
-            let i = s * rows + r;
-            // SAFETY: as above.
-            unsafe {
-                let row = strip.add(r * strip_pairs);
-                pack_line(v, (i * rs, cs, k), vector_pairs..kp, row, 1);
+            let at = (s * rows + r) * rs;
+            for q0 in (vector_pairs..kp).step_by(16) {
+                let pairs = q0..(q0 + 16).min(kp);
+                // SAFETY: as above; pair q of row r is at `(q / 16) * rows * 16 + r * 16 +
+                // q % 16` of the strip, below its end.
+                unsafe {
+                    let out = strip.add(q0 * rows + r * 16);
+                    let contiguous = if cs == 1 { pairs.end.min(whole) } else { q0 };
+                    // Bytes: the operand's pairs need not be u32-aligned.
+                    let line = v.add(at + 2 * q0).cast::<u8>();
+                    if contiguous == q0 + 16 {
+                        let whole = line.cast::<[u8; 64]>().read_unaligned();
+                        out.cast::<[u8; 64]>().write_unaligned(whole);
+                    } else if contiguous > q0 {
+                        std::ptr::copy_nonoverlapping(line, out.cast(), 4 * (contiguous - q0));
+                    }
+                    for q in contiguous.max(q0)..pairs.end {
+                        *out.add(q - q0) = pair(v, at, cs, q, k);
+                    }
+                }
             }
         }
     }
     out
 }
 
-/// Packs what it can of a `Rows` strip of a transposed lhs (row `i`'s pair `p` at
+/// Packs what it can of a `Tiles` strip of a transposed lhs (row `i`'s pair `p` at
 /// `i * rs + 2p * cs` with `rs` 1) by AVX-512 when `mover` says: per block of 16 pairs,
-/// the strip's `valid` rows (of its `rows`) interleaved into pairs, then turned row-major by 16×16
-/// transposes. Returns the pairs packed (a multiple of 16; 0 when none).
+/// the strip's `valid` rows (of its `rows`) interleaved into pairs, then turned row-major
+/// by 16×16 transposes. Returns the pairs packed (a multiple of 16; 0 when none).
 ///
 /// # Safety
-/// As [`pack_lhs_rows`]'s strip: rows `first..first + valid` are inside the operand,
-/// `strip` holds the strip's `rows` rows of `strip_pairs` pairs; the CPU runs `mover`.
+/// As [`pack_lhs_tiles`]'s strip: rows `first..first + valid` are inside the operand,
+/// `strip` holds the strip's `rows` rows of its pairs in the `Tiles` layout; the CPU runs
+/// `mover`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 unsafe fn transpose_lhs_strip(
     mover: Mover,
@@ -334,7 +379,6 @@ unsafe fn transpose_lhs_strip(
     (first, rs, cs, k): (usize, usize, usize, usize),
     (valid, rows): (usize, usize),
     strip: *mut u32,
-    strip_pairs: usize,
 ) -> usize {
     // The transposes write whole groups of 16 rows, which the strip's rows must be.
     #[cfg(target_arch = "x86_64")]
@@ -345,15 +389,15 @@ unsafe fn transpose_lhs_strip(
         let mut block = [0u32; 16 * 32];
         for p0 in (0..whole).step_by(16) {
             // SAFETY: pairs p0..p0 + 16 lie below k / 2, rows below `valid` inside the
-            // operand; `block` holds 16 pairs of 32 rows; `strip` rows below 32 hold
-            // `strip_pairs` > p0 + 15 pairs.
+            // operand; `block` holds 16 pairs of 32 rows; the strip's block of pairs p0..
+            // holds `rows` rows of 16.
             unsafe {
                 let at = v.add(first + 2 * p0 * cs);
                 pack_avx512::interleave(at, cs, 16, valid, (block.as_mut_ptr(), 32));
                 for r0 in (0..valid).step_by(16) {
                     let pairs = std::array::from_fn(|p| block[p * 32 + r0..].as_ptr());
-                    let out = strip.add(r0 * strip_pairs + p0);
-                    pack_avx512::transpose16(&pairs, out, strip_pairs);
+                    let out = strip.add(p0 * rows + r0 * 16);
+                    pack_avx512::transpose16(&pairs, out, 16);
                 }
             }
         }

@@ -16,11 +16,7 @@ unsafe fn tiles_scalar(p: &Product<'_>, lhs: &LhsStrips<'_>, strips: Range<usize
         for (q, pb) in b.chunks_exact(NR).enumerate() {
             // SAFETY: the strip holds `strip_pairs` pairs of `p.rows` rows.
             let pa: Vec<u32> = (0..p.rows)
-                .map(|r| unsafe {
-                    a.at.add(r * a.row + q * a.pair)
-                        .cast::<u32>()
-                        .read_unaligned()
-                })
+                .map(|r| unsafe { a.at.add(a.offset(r, q)).cast::<u32>().read_unaligned() })
                 .collect();
             for (r, &x) in pa.iter().enumerate() {
                 for (c, &y) in pb.iter().enumerate() {
@@ -254,7 +250,7 @@ fn packing_blocking_and_write_back_are_exact_with_the_instructions_arithmetic() 
 }
 
 #[test]
-fn the_row_layout_the_tiles_load_packs_every_lhs_shape() {
+fn the_tiles_layout_packs_every_lhs_shape() {
     cases(Kernel::tiled(tiles_scalar));
 }
 
@@ -263,13 +259,14 @@ fn the_amx_kernel_computes_the_product_on_emulated_tiles() {
     let kernel = Kernel::tiled(tiles_emulated_scalar);
     cases(kernel);
     // k past several 16-pair blocks with a tail (the lhs packed with zeros) and a whole
-    // number of blocks (a row-major lhs loaded in place), rows past one block and short of
-    // the next.
+    // number of blocks, rows past one block and short of the next.
     for k in [67, 96] {
         for t_lhs in [false, true] {
             check(kernel, (45, 40, k), t_lhs, true);
         }
     }
+    // A row-major lhs the kernel reads packed rather than in place (`tiles_read_in_place`).
+    check(kernel, (45, 1040, 544), false, true);
 }
 
 #[test]
@@ -290,6 +287,7 @@ fn the_amx_kernel_computes_the_product_on_this_cpus_tiles() {
     }
     cases(Kernel::tiled(amx::tiles));
     check(Kernel::tiled(amx::tiles), (70, 100, 96), false, true);
+    check(Kernel::tiled(amx::tiles), (45, 1040, 544), false, true);
 }
 
 #[test]
