@@ -138,3 +138,47 @@ impl NormalRng {
 pub(crate) fn dropout_keep(seed: u64, index: u64, p: f64) -> bool {
     unit_f64(mix64(seed ^ index.wrapping_mul(GOLDEN_GAMMA))) >= p
 }
+
+/// [`dropout_keep`]'s test in integers: a draw's top 53 bits (exact as f64) divided by 2⁵³
+/// (exact) is at least `p` exactly when they are at least `⌈p · 2⁵³⌉`.
+pub(crate) fn dropout_threshold(p: f64) -> u64 {
+    (p * (1u64 << 53) as f64).ceil() as u64
+}
+
+crate::multiversion! {
+    /// [`dropout_keep`] of elements `first..first + keep.len()` under `seed`, with the
+    /// probability's [`dropout_threshold`]: the same draws, many lanes at a time.
+    fn dropout_keep_into(seed: u64, first: u64, threshold: u64, keep: &mut [bool]) {
+        for (j, k) in keep.iter_mut().enumerate() {
+            let index = first.wrapping_add(j as u64);
+            *k = mix64(seed ^ index.wrapping_mul(GOLDEN_GAMMA)) >> 11 >= threshold;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The integer test keeps exactly the elements the float one does, at probabilities
+    /// whose threshold is and is not a whole number, and across index wrap-around.
+    #[test]
+    fn dropout_keep_into_draws_what_dropout_keep_draws() {
+        let mut keep = vec![false; 301];
+        for p in [1e-12, 0.1, 0.25, 0.5, 0.9, 1.0 - 1e-9] {
+            for seed in [0, 7, 0xDEAD_BEEF_u64 << 20] {
+                for first in [0, 12_345, u64::MAX - 150] {
+                    dropout_keep_into(seed, first, dropout_threshold(p), &mut keep);
+                    for (j, &k) in keep.iter().enumerate() {
+                        let want = dropout_keep(seed, first.wrapping_add(j as u64), p);
+                        assert_eq!(k, want, "p {p} seed {seed} element {first} + {j}");
+                    }
+                }
+            }
+        }
+        // Boundary: a draw whose top 53 bits are exactly the threshold is kept.
+        let p = 0.5;
+        assert_eq!(dropout_threshold(p), 1 << 52);
+        assert!(unit_f64(1 << 63) >= p && unit_f64((1 << 63) - (1 << 11)) < p);
+    }
+}

@@ -6,26 +6,34 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::{Float, contiguous, float_dispatch, tensor, with_slice};
 
-use crate::rng::dropout_keep as keep;
+use crate::rng::{dropout_keep_into, dropout_threshold};
 
 struct Dropout {
     p: f64,
     seed: u64,
 }
 
+/// Elements whose draws are made at a time (a stack buffer of flags).
+const DRAWS: usize = 512;
+
 impl Dropout {
     fn apply<T: Float>(&self, x: &[T]) -> Vec<T> {
         let scale = 1.0 / (1.0 - self.p);
-        x.iter()
-            .enumerate()
-            .map(|(i, &v)| {
-                if keep(self.seed, i as u64, self.p) {
+        let threshold = dropout_threshold(self.p);
+        let mut keep = [false; DRAWS];
+        let mut out = Vec::with_capacity(x.len());
+        for (c, chunk) in x.chunks(DRAWS).enumerate() {
+            let keep = &mut keep[..chunk.len()];
+            dropout_keep_into(self.seed, (c * DRAWS) as u64, threshold, keep);
+            out.extend(chunk.iter().zip(keep.iter()).map(|(&v, &kept)| {
+                if kept {
                     T::of(v.f() * scale)
                 } else {
                     T::of(0.0)
                 }
-            })
-            .collect()
+            }));
+        }
+        out
     }
 }
 

@@ -23,7 +23,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, Layout, Result, Tensor};
 
 use super::{Float, gemm_acc_into, gemm_into, with_slice};
-use crate::rng::dropout_keep as keep;
+use crate::rng::{dropout_keep_into, dropout_threshold};
 
 /// Query rows per block of causal attention: each block computes keys up to its last row, so
 /// the work is about `seq² / 2 + seq · CAUSAL_BLOCK / 2` scores instead of `seq²`.
@@ -63,6 +63,25 @@ struct Block {
     r0: usize,
     r1: usize,
     keys: usize,
+}
+
+/// The dropout of one head's probabilities: element (i, j) of its `seq`×`seq` matrix is
+/// draw `first + i·seq + j`, as the dropout op numbers a tensor's elements.
+struct DropoutRows {
+    seed: u64,
+    threshold: u64,
+    first: u64,
+    seq: usize,
+    /// The survivors' scale, 1/(1-p).
+    scale: f64,
+}
+
+impl DropoutRows {
+    /// Whether probabilities (i, 0..kept.len()) survive.
+    fn row(&self, i: usize, kept: &mut [bool]) {
+        let first = self.first + (i * self.seq) as u64;
+        dropout_keep_into(self.seed, first, self.threshold, kept);
+    }
 }
 
 impl Block {
@@ -249,29 +268,26 @@ impl Sdpa {
         })
     }
 
-    /// Whether probability (b, h, i, j) survives dropout, and the survivors' scale.
-    fn dropout_mask(
-        &self,
-        b: usize,
-        h: usize,
-        seq: usize,
-    ) -> Option<(impl Fn(usize, usize) -> bool, f64)> {
-        self.dropout.map(|(prob, seed)| {
-            let base = ((b * self.heads + h) * seq * seq) as u64;
-            (
-                move |i: usize, j: usize| keep(seed, base + (i * seq + j) as u64, prob),
-                1.0 / (1.0 - prob),
-            )
+    /// The dropout of head (b, h)'s probabilities, if any.
+    fn dropout_rows(&self, b: usize, h: usize, seq: usize) -> Option<DropoutRows> {
+        self.dropout.map(|(prob, seed)| DropoutRows {
+            seed,
+            threshold: dropout_threshold(prob),
+            first: ((b * self.heads + h) * seq * seq) as u64,
+            seq,
+            scale: 1.0 / (1.0 - prob),
         })
     }
 
     /// Applies the dropout mask of (b, h) to a block's probabilities `p` (scaled by 1/(1-p)).
     fn drop<T: Float>(&self, b: usize, h: usize, seq: usize, block: Block, p: &mut [T]) {
-        if let Some((kept, scale)) = self.dropout_mask(b, h, seq) {
+        if let Some(rows) = self.dropout_rows(b, h, seq) {
+            let mut kept = vec![false; block.keys];
             for (ri, row) in p.chunks_mut(block.keys).enumerate() {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = if kept(block.r0 + ri, j) {
-                        T::of(v.f() * scale)
+                rows.row(block.r0 + ri, &mut kept);
+                for (v, &kept) in row.iter_mut().zip(&kept) {
+                    *v = if kept {
+                        T::of(v.f() * rows.scale)
                     } else {
                         T::of(0.0)
                     };
@@ -424,16 +440,18 @@ impl Sdpa {
                             *r = dot(&g_acc[row..row + d], &o_acc[row..row + d]);
                         }
                         // dS = P (dP - D), dP = dP' * dropout mask / (1-p)
-                        let mask = self.dropout_mask(b, h, seq);
+                        let mask = self.dropout_rows(b, h, seq);
+                        let mut kept = vec![false; if mask.is_some() { n } else { 0 }];
                         for (ri, (prow, dprow)) in p.chunks(n).zip(dp.chunks_mut(n)).enumerate() {
                             let (i, r) = (block.r0 + ri, rowdot[ri]);
                             let seen = self.visible(i, block);
-                            if let Some((kept, scale)) = &mask {
-                                let s = T::Acc::of(*scale);
-                                for (j, (&pv, dv)) in
-                                    prow[..seen].iter().zip(dprow.iter_mut()).enumerate()
+                            if let Some(rows) = &mask {
+                                let s = T::Acc::of(rows.scale);
+                                rows.row(i, &mut kept[..seen]);
+                                for ((&pv, dv), &kept) in
+                                    prow[..seen].iter().zip(dprow.iter_mut()).zip(&kept)
                                 {
-                                    let dpv = if kept(i, j) { *dv * s } else { T::Acc::of(0.0) };
+                                    let dpv = if kept { *dv * s } else { T::Acc::of(0.0) };
                                     *dv = pv * (dpv - r);
                                 }
                             } else {
