@@ -25,15 +25,152 @@ impl Dropout {
         for (c, chunk) in x.chunks(DRAWS).enumerate() {
             let keep = &mut keep[..chunk.len()];
             dropout_keep_into(self.seed, (c * DRAWS) as u64, threshold, keep);
-            out.extend(chunk.iter().zip(keep.iter()).map(|(&v, &kept)| {
-                if kept {
-                    T::of(v.f() * scale)
-                } else {
-                    T::of(0.0)
-                }
-            }));
+            scale_kept(chunk, keep, scale, &mut out);
         }
         out
+    }
+}
+
+/// Appends `x` scaled by `scale` where `keep` says, zero elsewhere, each value rounded as
+/// `T::of(v.f() * scale)` rounds it (bf16 with AVX-512 eight at a time, the same bits).
+fn scale_kept<T: Float>(x: &[T], keep: &[bool], scale: f64, out: &mut Vec<T>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>()
+        && bf16_vector::available()
+    {
+        out.reserve(x.len());
+        // SAFETY: T is bf16 (u16 bits); `out` has room for x.len() more elements, which the
+        // call writes before the length covers them; the CPU has the features.
+        unsafe {
+            let bits = std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len());
+            let at = out.as_mut_ptr().add(out.len()).cast::<u16>();
+            bf16_vector::scale_kept(bits, keep, scale, at);
+            out.set_len(out.len() + x.len());
+        }
+        return;
+    }
+    out.extend(x.iter().zip(keep).map(|(&v, &kept)| {
+        if kept {
+            T::of(v.f() * scale)
+        } else {
+            T::of(0.0)
+        }
+    }));
+}
+
+/// bf16 dropout scaling eight lanes at a time: each kept value widened to f64, multiplied,
+/// and rounded back as `half::bf16::from_f64` rounds a normal result (from the f64's top
+/// 32 bits: round up when the first dropped bit is set and any other dropped bit or the
+/// last kept one is); eight lanes with a zero, subnormal, infinite or NaN result go
+/// through `from_f64` itself.
+#[cfg(target_arch = "x86_64")]
+mod bf16_vector {
+    use std::arch::x86_64::*;
+
+    use half::bf16;
+
+    pub(super) fn available() -> bool {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    }
+
+    /// One lane as the portable path computes it.
+    fn scalar(bits: u16, kept: bool, scale: f64) -> u16 {
+        if kept {
+            bf16::from_f64(bf16::from_bits(bits).to_f64() * scale).to_bits()
+        } else {
+            0
+        }
+    }
+
+    /// `out[i]` = `x[i]` scaled where `keep[i]`, else 0.
+    ///
+    /// # Safety
+    /// The CPU has AVX512F, BW and VL; `keep` is as long as `x`; `out` is valid for
+    /// `x.len()` writes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn scale_kept(x: &[u16], keep: &[bool], scale: f64, out: *mut u16) {
+        debug_assert_eq!(x.len(), keep.len());
+        let s = _mm512_set1_pd(scale);
+        let lanes = x.len() / 8 * 8;
+        for i in (0..lanes).step_by(8) {
+            // SAFETY: lanes i..i + 8 are inside `x`, `keep` and `out`.
+            unsafe {
+                let b = _mm_loadu_si128(x.as_ptr().add(i).cast());
+                let f = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(b)));
+                let product = _mm512_mul_pd(_mm512_cvtps_pd(f), s);
+                let flags = _mm_loadl_epi64(keep.as_ptr().add(i).cast());
+                let kept = _mm_cmpneq_epi8_mask(flags, _mm_setzero_si128()) as __mmask8;
+                // Per lane the f64's top 32 bits: sign, exponent (11), mantissa (20).
+                let top = _mm512_srli_epi64::<32>(_mm512_castpd_si512(product));
+                let exp = _mm512_and_si512(_mm512_srli_epi64::<20>(top), _mm512_set1_epi64(0x7ff));
+                // bf16's exponent exp - 896 in 1..=254: a normal bf16.
+                let normal = _mm512_cmpge_epu64_mask(exp, _mm512_set1_epi64(897))
+                    & _mm512_cmple_epu64_mask(exp, _mm512_set1_epi64(1150));
+                if kept & !normal != 0 {
+                    for j in i..i + 8 {
+                        *out.add(j) = scalar(x[j], keep[j], scale);
+                    }
+                    continue;
+                }
+                let man = _mm512_and_si512(top, _mm512_set1_epi64(0xf_ffff));
+                let sign =
+                    _mm512_and_si512(_mm512_srli_epi64::<16>(top), _mm512_set1_epi64(0x8000));
+                let biased = _mm512_slli_epi64::<7>(_mm512_sub_epi64(exp, _mm512_set1_epi64(896)));
+                let r =
+                    _mm512_or_si512(_mm512_or_si512(sign, biased), _mm512_srli_epi64::<13>(man));
+                let up = _mm512_test_epi64_mask(man, _mm512_set1_epi64(0x1000))
+                    & _mm512_test_epi64_mask(man, _mm512_set1_epi64(0x2fff));
+                let r = _mm512_mask_add_epi64(r, up, r, _mm512_set1_epi64(1));
+                let r = _mm512_maskz_mov_epi64(kept, r);
+                _mm_storeu_si128(out.add(i).cast(), _mm512_cvtepi64_epi16(r));
+            }
+        }
+        for j in lanes..x.len() {
+            // SAFETY: j is inside `out`.
+            unsafe { *out.add(j) = scalar(x[j], keep[j], scale) };
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// Every bf16 value (zeros, subnormals, infinities, NaNs included), kept and
+        /// dropped, at dropout's scales and at 1.25 and 1.5, whose products of odd
+        /// significands fall exactly halfway (ties to even): the same bits as `from_f64`
+        /// of the f64 product.
+        #[test]
+        fn the_vector_scaling_rounds_every_bf16_as_from_f64() {
+            if !available() {
+                skipped_optional!("this CPU has no AVX-512");
+                return;
+            }
+            let x: Vec<u16> = (0..=u16::MAX).collect();
+            let dropout = |p: f64| 1.0 / (1.0 - p);
+            for (scale, pattern) in [
+                (dropout(0.1), 7),
+                (dropout(0.37), 5),
+                (dropout(1e-7), 1),
+                (1.25, 3),
+                (1.5, 1),
+                (2.0, 4),
+            ] {
+                let p = 1.0 - 1.0 / scale;
+                let keep: Vec<bool> = (0..x.len()).map(|i| i % pattern != 1).collect();
+                let mut out = vec![0u16; x.len()];
+                // SAFETY: checked above; `out` is as long as `x`.
+                unsafe { scale_kept(&x, &keep, scale, out.as_mut_ptr()) };
+                for (i, (&got, (&b, &k))) in out.iter().zip(x.iter().zip(&keep)).enumerate() {
+                    assert_eq!(
+                        got,
+                        scalar(b, k, scale),
+                        "bf16 {b:#06x} (element {i}) at p {p}"
+                    );
+                }
+            }
+        }
     }
 }
 
