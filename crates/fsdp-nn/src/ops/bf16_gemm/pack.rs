@@ -245,9 +245,8 @@ impl<'a> LhsStrips<'a> {
 /// rows no longer stay in L1 beside the rhs while the rhs strips pass (at k of 1024 they
 /// also fall in two of its 64 sets): the tiles then load faster from a packed copy, whose
 /// 16 rows of a tile are 1 KiB in a row, but copying costs as much as the reads save
-/// unless there are many rhs strips to read it for. Measured on a Xeon with AMX
-/// (docs/BENCHMARKS.md): packed, 1024x1024x1024 ran at 1.35-1.4x and 512x3072x768 at
-/// 1.2x, 2048x576x1536 at 0.85x and 1024x256x1024 at 0.82x.
+/// unless there are many rhs strips to read it for (the thresholds are where the
+/// measurements in docs/BENCHMARKS.md, "bf16 on a Xeon with AMX", changed sides).
 fn tiles_read_in_place(n: usize, k: usize) -> bool {
     /// k (elements) whose strip of 32 rows, 64·k bytes, still leaves L1 room for the rhs.
     const STRIP_IN_L1: usize = 512;
