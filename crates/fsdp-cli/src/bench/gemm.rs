@@ -189,13 +189,17 @@ pub fn run(a: GemmArgs) -> Result<()> {
             Ok(())
         })?;
         // Backward from the product itself: candle seeds it with ones (a fill of the output,
-        // the only work besides the two products dX = dY W and dW = dYᵀ x).
-        let train = best(a.reps, || {
-            let g = linear_no_bias(x.as_tensor(), w.as_tensor())?.backward()?;
+        // the only work besides the two products dX = dY W and dW = dYᵀ x). Timed alone in
+        // each repetition: the difference of two minima (forward + backward, forward) came
+        // near zero when the forward's fastest run was slower than the pair's.
+        let backward = super::best_timed(a.reps, || {
+            let y = linear_no_bias(x.as_tensor(), w.as_tensor())?;
+            let started = std::time::Instant::now();
+            let g = y.backward()?;
+            let took = started.elapsed();
             anyhow::ensure!(g.get(&x).is_some() && g.get(&w).is_some(), "no gradient");
-            Ok(())
+            Ok(took)
         })?;
-        let backward = (train - forward).max(1e-9);
         let flops = 2.0 * (s.tokens * s.out * s.inp) as f64;
         let (fwd_rate, bwd_rate) = (flops / forward, 2.0 * flops / backward);
         println!(

@@ -110,17 +110,27 @@ fn rerun_with_threads(threads: usize, what: &str) -> Result<bool> {
     Ok(true)
 }
 
-/// Minimum seconds of `f` over `reps` runs after two warm-ups (the kernel benchmarks' timer).
-fn best(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// The minimum over `reps` repetitions (after two warm-ups) of the time each call of `f`
+/// measures itself and returns: for a part of a repetition timed alone (a backward pass
+/// without the forward that builds its graph).
+fn best_timed(reps: usize, mut f: impl FnMut() -> Result<std::time::Duration>) -> Result<f64> {
     let mut best = f64::INFINITY;
     for i in 0..reps + 2 {
-        let t = std::time::Instant::now();
-        f()?;
+        let took = f()?;
         if i >= 2 {
-            best = best.min(t.elapsed().as_secs_f64());
+            best = best.min(took.as_secs_f64());
         }
     }
     Ok(best)
+}
+
+/// Minimum seconds of `f` over `reps` runs after two warm-ups (the kernel benchmarks' timer).
+fn best(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    best_timed(reps, || {
+        let started = std::time::Instant::now();
+        f()?;
+        Ok(started.elapsed())
+    })
 }
 
 /// The BERT a benchmark builds (the reference BERT by default; BERT-base with
