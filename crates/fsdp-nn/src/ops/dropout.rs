@@ -25,22 +25,36 @@ impl Dropout {
         for (c, chunk) in x.chunks(DRAWS).enumerate() {
             let keep = &mut keep[..chunk.len()];
             dropout_keep_into(self.seed, (c * DRAWS) as u64, threshold, keep);
-            scale_kept(chunk, keep, scale, &mut out);
+            T::scale_kept(chunk, keep, scale, &mut out);
         }
         out
     }
 }
 
-/// Appends `x` scaled by `scale` where `keep` says, zero elsewhere, each value rounded as
-/// `T::of(v.f() * scale)` rounds it (bf16 with AVX-512 eight at a time, the same bits).
-fn scale_kept<T: Float>(x: &[T], keep: &[bool], scale: f64, out: &mut Vec<T>) {
+/// [`Float::scale_kept`] element by element.
+pub(super) fn scale_kept_portable<T: Float>(x: &[T], keep: &[bool], scale: f64, out: &mut Vec<T>) {
+    out.extend(x.iter().zip(keep).map(|(&v, &kept)| {
+        if kept {
+            T::of(v.f() * scale)
+        } else {
+            T::of(0.0)
+        }
+    }));
+}
+
+/// bf16's [`Float::scale_kept`]: with AVX-512 eight lanes at a time ([`bf16_vector`]), the
+/// same bits as element by element.
+pub(super) fn scale_kept_bf16(
+    x: &[half::bf16],
+    keep: &[bool],
+    scale: f64,
+    out: &mut Vec<half::bf16>,
+) {
     #[cfg(target_arch = "x86_64")]
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>()
-        && bf16_vector::available()
-    {
+    if bf16_vector::available() {
         out.reserve(x.len());
-        // SAFETY: T is bf16 (u16 bits); `out` has room for x.len() more elements, which the
-        // call writes before the length covers them; the CPU has the features.
+        // SAFETY: `out` has room for x.len() more elements, which the call writes before the
+        // length covers them; the CPU has the features.
         unsafe {
             let bits = std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len());
             let at = out.as_mut_ptr().add(out.len()).cast::<u16>();
@@ -49,13 +63,7 @@ fn scale_kept<T: Float>(x: &[T], keep: &[bool], scale: f64, out: &mut Vec<T>) {
         }
         return;
     }
-    out.extend(x.iter().zip(keep).map(|(&v, &kept)| {
-        if kept {
-            T::of(v.f() * scale)
-        } else {
-            T::of(0.0)
-        }
-    }));
+    scale_kept_portable(x, keep, scale, out)
 }
 
 /// bf16 dropout scaling eight lanes at a time: each kept value widened to f64, multiplied,

@@ -7,6 +7,7 @@ use std::borrow::Cow;
 use candle_core::CpuStorage;
 
 use super::bf16_gemm;
+use super::dropout::scale_kept_bf16;
 use super::matmul::native_gemm;
 use super::{Float, GeluApprox, simd};
 
@@ -193,8 +194,13 @@ unsafe fn widened_gemm<H: F32Conversions>(
 /// (`gemm(...)`), taken where [`super::bf16_choice`] says (the CPU has them, and its cores do
 /// not retire f32 multiply-adds clearly faster).
 macro_rules! half_float {
-    ($t:ty, $variant:ident $(, dot = $dot:ident)?) => {
+    ($t:ty, $variant:ident $(, dot = $dot:ident)? $(, scale_kept = $scale_kept:ident)?) => {
         impl Float for $t {
+            $(
+                fn scale_kept(x: &[Self], keep: &[bool], scale: f64, out: &mut Vec<Self>) {
+                    $scale_kept(x, keep, scale, out)
+                }
+            )?
             fn slice(s: &CpuStorage) -> Option<&[Self]> {
                 match s {
                     CpuStorage::$variant(v) => Some(v),
@@ -368,5 +374,10 @@ macro_rules! half_float {
     };
 }
 
-half_float!(half::bf16, BF16, dot = bf16_gemm);
+half_float!(
+    half::bf16,
+    BF16,
+    dot = bf16_gemm,
+    scale_kept = scale_kept_bf16
+);
 half_float!(half::f16, F16);

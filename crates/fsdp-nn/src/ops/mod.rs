@@ -143,6 +143,11 @@ pub trait Float: candle_core::WithDType + Copy + Send + Sync + 'static {
     fn f(self) -> f64;
     /// From f64.
     fn of(v: f64) -> Self;
+    /// Appends `x` scaled by `scale` where `keep` says and zero elsewhere (dropout's
+    /// survivors), each value rounded as `Self::of(v.f() * scale)`.
+    fn scale_kept(x: &[Self], keep: &[bool], scale: f64, out: &mut Vec<Self>) {
+        dropout::scale_kept_portable(x, keep, scale, out)
+    }
     /// Softmax of each row of `s` (length `d`) in place, writing each row's log-sum-exp.
     fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize);
     /// `s = exp(s - lse)` per row of length `d`.
