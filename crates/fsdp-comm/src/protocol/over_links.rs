@@ -18,11 +18,12 @@ const COPIED_SENDS: usize = 64 << 10;
 impl Engine {
     /// [`Engine::transfer`] over the TCP links. The writer threads send straight from the
     /// caller's buffers, pieces over [`COPIED_SENDS`] bytes (so a send never waits for its
-    /// receiver's engine, only for its reader thread), and a receive into bytes is posted first, so the reader thread reads
-    /// each piece straight into them if it arrives after the posting; the transfer returns
-    /// once every send is written and every posting taken back. A transfer travels as pieces
-    /// of at most [`super::PIECE_BYTES`], so a piece a receiver reduces (or copies, when it came
-    /// before its posting) overlaps the next one on the wire.
+    /// receiver's engine, only for its reader thread), and a receive into bytes is posted
+    /// first, so the reader thread reads each piece straight into them if it arrives after
+    /// the posting; the transfer returns once every send is written and every posting taken
+    /// back. A transfer travels as pieces of at most [`super::PIECE_BYTES`], so a piece a
+    /// receiver reduces (or copies, when it came before its posting) overlaps the next one
+    /// on the wire.
     pub(crate) fn transfer_over_links(
         &self,
         links: &Links,
