@@ -69,10 +69,13 @@ fn guide_example() -> PathBuf {
     crate::common::built::built_example("guide", &source)
 }
 
-/// The first ```rust block of the guide.
+/// The first ```rust,no_run block (compiled by rustdoc, run here under `fsdp launch`) of the guide.
 fn guide_program() -> String {
     let guide = std::fs::read_to_string(workspace_root().join("crates/fsdp/src/guide.md")).unwrap();
-    let start = guide.find("```rust\n").expect("the guide has a program") + "```rust\n".len();
+    let start = guide
+        .find("```rust,no_run\n")
+        .expect("the guide has a program")
+        + "```rust,no_run\n".len();
     let len = guide[start..].find("\n```").unwrap() + 1;
     guide[start..start + len].to_string()
 }

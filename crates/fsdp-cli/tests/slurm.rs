@@ -18,7 +18,8 @@ use crate::common::{Run, finish, fsdp};
 
 const EXE: &str = env!("CARGO_BIN_EXE_fsdp");
 
-/// A running SLURM cluster; its daemons are stopped on drop.
+/// A running SLURM cluster; on drop its daemons are stopped and its folder removed (kept
+/// after a failure, for its logs).
 struct Cluster {
     dir: PathBuf,
     /// The namespace of the node that runs slurmctld and the client commands, if any.
@@ -184,6 +185,11 @@ impl Drop for Cluster {
             .arg("stop")
             .arg(&self.dir)
             .status();
+        // The daemons' logs and state stay where a test failed, to read; a passing test
+        // leaves nothing.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

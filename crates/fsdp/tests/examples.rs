@@ -1036,7 +1036,7 @@ fn nlp_example_refuses_tracking_with_no_tracker_named() {
 fn the_training_guides_program_trains_every_epoch_evaluates_and_saves() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let guide = std::fs::read_to_string(root.join("../../docs/TRAINING.md")).unwrap();
-    let start = guide.find("```rust\n").expect("a program") + "```rust\n".len();
+    let start = guide.find("```rust,no_run\n").expect("a program") + "```rust,no_run\n".len();
     let len = guide[start..].find("\n```").unwrap() + 1;
     assert_eq!(
         std::fs::read_to_string(root.join("examples/training/program.rs")).unwrap(),

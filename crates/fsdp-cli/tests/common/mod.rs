@@ -16,9 +16,13 @@ use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// `fsdp` with a clean environment: no `FSDP_*`/`ACCELERATE_*` variables, and a `HOME` of
+/// this test process's own under cargo's target tmp dir (so caches such as the measured core
+/// peak start empty, and nothing is left in the system's temporary directory).
 pub fn fsdp() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_fsdp"));
-    let home = std::env::temp_dir().join(format!("fsdp-launch-test-home-{}", std::process::id()));
+    let home = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("launch-test-home-{}", std::process::id()));
     cmd.env("HOME", home)
         .env_remove("FSDP_CONFIG_FILE")
         .env_remove("FSDP_HOME")
