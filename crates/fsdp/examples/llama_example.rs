@@ -51,7 +51,7 @@ use tuned::{Saved, Tuned};
 
 // Live heap bytes are counted, so the state each rank holds is measured, not estimated.
 #[global_allocator]
-static ALLOC: fsdp::memory::TrainingAllocator = fsdp::memory::TrainingAllocator;
+static ALLOC: fsdp::accelerator::TrainingAllocator = fsdp::accelerator::TrainingAllocator;
 
 /// Fine-tunes SmolLM2-135M-Instruct under FSDP.
 #[derive(Debug, Parser)]
@@ -298,7 +298,7 @@ fn texts(
 }
 
 fn main() -> Result<()> {
-    fsdp::memory::TrainingAllocator::mark_installed();
+    fsdp::accelerator::TrainingAllocator::mark_installed();
     let args = Args::parse();
     let started = Instant::now();
     let mut plugin = FsdpPlugin::builder().activation_checkpointing(args.activation_checkpointing);
@@ -644,7 +644,7 @@ fn fine_tune<M: Tuned>(
     // Quantized weights travel as their blocks.
     let gathered = plan.gathered_bytes_per_step();
     let state = (estimate.params + estimate.optimizer) as f64;
-    let resident = acc.gather(vec![fsdp::memory::resident_bytes() as f64])?;
+    let resident = acc.gather(vec![fsdp::accelerator::resident_bytes() as f64])?;
     acc.print(format!(
         "heap between steps per rank (MiB): {} against the plan's {:.0} of parameter shards and AdamW state; parameters all-gathered per step and rank: {:.1} MiB",
         resident
@@ -657,7 +657,7 @@ fn fine_tune<M: Tuned>(
     ));
     let sequences = acc.step() as usize * train_loader.global_batch_size();
     let peaks = acc.gather(vec![
-        fsdp::memory::peak_rss_bytes().map_or(f64::NAN, |b| b as f64 / (1 << 20) as f64),
+        fsdp::accelerator::peak_rss_bytes().map_or(f64::NAN, |b| b as f64 / (1 << 20) as f64),
     ])?;
     acc.print(format!(
         "{} steps in {secs:.1} s: {:.0} tokens/s; held-out perplexity {:.2} -> {:.2}; peak RSS per rank (MiB): {}",

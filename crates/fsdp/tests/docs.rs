@@ -1,7 +1,8 @@
 //! The README and the guides in docs/ link to each other and to files in the repository:
 //! every relative link must lead to a file that exists, and every `#anchor` to a heading of
 //! that file (GitHub's anchors: the heading in lower case, punctuation dropped, spaces as
-//! hyphens), so a moved or renamed section cannot leave a dead link.
+//! hyphens), so a moved or renamed section cannot leave a dead link. And the examples, which
+//! users copy, import only the library's user-facing modules.
 
 use std::path::{Path, PathBuf};
 
@@ -113,4 +114,103 @@ fn the_link_checker_sees_a_dead_link_and_a_dead_anchor() {
         anchor(" Llama-family models, LoRA"),
         "llama-family-models-lora"
     );
+}
+
+/// Every `fsdp::NAME` path in a file's text outside comments.
+fn fsdp_modules(text: &str) -> Vec<String> {
+    let code: String = text
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    code.match_indices("fsdp::")
+        .filter(|(at, _)| {
+            !code[..*at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':')
+        })
+        .flat_map(|(at, m)| {
+            let rest = &code[at + m.len()..];
+            let ident = |s: &str| -> String {
+                s.trim_start()
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect()
+            };
+            match rest.strip_prefix('{') {
+                // `use fsdp::{a::X, b};`: each item's first segment (nested groups sit
+                // inside an item, after its first segment).
+                Some(group) => {
+                    let (mut depth, mut items, mut start) = (0, Vec::new(), 0);
+                    for (i, c) in group.char_indices() {
+                        match c {
+                            '{' => depth += 1,
+                            '}' if depth == 0 => {
+                                items.push(ident(&group[start..i]));
+                                break;
+                            }
+                            '}' => depth -= 1,
+                            ',' if depth == 0 => {
+                                items.push(ident(&group[start..i]));
+                                start = i + 1;
+                            }
+                            _ => {}
+                        }
+                    }
+                    items.retain(|m| !m.is_empty());
+                    items
+                }
+                None => vec![ident(rest)],
+            }
+        })
+        .collect()
+}
+
+/// The examples are what users copy: they reach the library only through its user-facing
+/// modules (and the crate's `composite_module!`), never the engine, the memory counters or
+/// the tracing internals.
+#[test]
+fn the_examples_import_only_the_user_facing_modules() {
+    const USER_FACING: [&str; 8] = [
+        "accelerator",
+        "nn",
+        "models",
+        "optim",
+        "data",
+        "config",
+        "peft",
+        "composite_module",
+    ];
+    let mut files = Vec::new();
+    let mut dirs = vec![repo().join("crates/fsdp/examples")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let mut seen = 0;
+    let mut outside = Vec::new();
+    for file in &files {
+        for module in fsdp_modules(&std::fs::read_to_string(file).unwrap()) {
+            seen += 1;
+            if !USER_FACING.contains(&module.as_str()) {
+                outside.push(format!("{}: fsdp::{module}", file.display()));
+            }
+        }
+    }
+    assert!(outside.is_empty(), "{}", outside.join("\n"));
+    assert!(
+        seen >= 50,
+        "only {seen} paths in {} files: is the scan broken?",
+        files.len()
+    );
+}
+
+#[test]
+fn the_import_scan_sees_paths_in_code_and_not_in_comments() {
+    let text = "use fsdp::memory;\nlet a = fsdp::engine::Fsdp::x(); // fsdp::trace\nmy_fsdp::x; use fsdp::{nn::{A, B}, data};";
+    assert_eq!(fsdp_modules(text), ["memory", "engine", "nn", "data"]);
 }

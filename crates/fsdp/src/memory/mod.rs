@@ -132,7 +132,7 @@ pub struct CountingAllocator;
 ///
 /// ```ignore
 /// #[global_allocator]
-/// static ALLOC: fsdp::memory::TrainingAllocator = fsdp::memory::TrainingAllocator;
+/// static ALLOC: fsdp::accelerator::TrainingAllocator = fsdp::accelerator::TrainingAllocator;
 /// ```
 pub struct TrainingAllocator;
 
