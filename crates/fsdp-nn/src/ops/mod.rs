@@ -82,6 +82,13 @@ pub fn bf16_dot_products_available() -> bool {
 
 pub use bf16_gemm::amx::AmxSupport;
 
+/// `values` rounded to bf16 (to nearest, ties to even, as `half::bf16::from_f32`) with the
+/// vector instructions this CPU has: f32 parameters made bf16 for a mixed-precision
+/// all-gather or computation.
+pub fn bf16_from_f32(values: &[f32]) -> Vec<half::bf16> {
+    simd::bf16_vec_from_f32(values)
+}
+
 /// Whether bf16 products run on AMX tiles in this process, and if not, why (the CPU has
 /// none, or Linux refused their state): asked of the operating system on first use.
 pub fn amx_support() -> &'static AmxSupport {

@@ -278,9 +278,7 @@ impl RopeElement for half::bf16 {
         // SAFETY: bf16_to_f32 wrote all `x.len()` elements.
         unsafe { wide.set_len(x.len()) };
         let rotated = op.apply(&wide, dims, sign);
-        let mut out = vec![half::bf16::ZERO; x.len()];
-        super::simd::f32_to_bf16(&rotated, &mut out);
-        out
+        super::simd::bf16_vec_from_f32(&rotated)
     }
 }
 

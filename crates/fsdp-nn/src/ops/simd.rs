@@ -355,12 +355,31 @@ multiversion! {
 }
 
 multiversion! {
-    /// `src` rounded to bf16 into `dst` (of the same length), as [`round_to_bf16`].
-    fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    /// `src` rounded to bf16 into `dst` (of the same length, written only), as
+    /// [`round_to_bf16`].
+    fn f32_to_bf16_uninit(src: &[f32], dst: &mut [std::mem::MaybeUninit<half::bf16>]) {
         for (d, &s) in dst.iter_mut().zip(src) {
-            *d = round_to_bf16(s);
+            d.write(round_to_bf16(s));
         }
     }
+}
+
+/// `src` rounded to bf16 into `dst` (of the same length), as [`round_to_bf16`].
+pub(crate) fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    // SAFETY: `MaybeUninit<bf16>` has bf16's layout, and the kernel writes only bf16
+    // values, so `dst` stays initialised.
+    let dst =
+        unsafe { &mut *(dst as *mut [half::bf16] as *mut [std::mem::MaybeUninit<half::bf16>]) };
+    f32_to_bf16_uninit(src, dst)
+}
+
+/// `src` rounded to bf16 in a new vector, written once (no zero fill first).
+pub(crate) fn bf16_vec_from_f32(src: &[f32]) -> Vec<half::bf16> {
+    let mut out = Vec::with_capacity(src.len());
+    f32_to_bf16_uninit(src, &mut out.spare_capacity_mut()[..src.len()]);
+    // SAFETY: the kernel wrote all `src.len()` elements.
+    unsafe { out.set_len(src.len()) };
+    out
 }
 
 #[cfg(test)]
@@ -427,6 +446,8 @@ mod tests {
         xs.extend((0..1u64 << 20).map(|i| f32::from_bits((i * 4093) as u32)));
         let mut narrow = vec![bf16::ZERO; xs.len()];
         f32_to_bf16(&xs, &mut narrow);
+        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&bf16_vec_from_f32(&xs)), bits(&narrow));
         for (x, n) in xs.iter().zip(&narrow) {
             let want = bf16::from_f32(*x);
             assert_eq!(n.to_bits(), want.to_bits(), "{:#010x}", x.to_bits());

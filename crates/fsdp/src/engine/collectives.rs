@@ -80,7 +80,7 @@ pub(crate) fn all_gather(
     } else if dtype == DType::F32 {
         Buffer::F32(packed)
     } else {
-        Buffer::from_f32(&packed, dtype).ok_or(EngineError::Unsupported {
+        super::cpu_floats::float_buffer(&packed, dtype).ok_or(EngineError::Unsupported {
             setting: format!("gathering parameters in {dtype:?}"),
             hint: "parameters are gathered in a float type",
         })?

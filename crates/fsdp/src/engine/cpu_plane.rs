@@ -27,18 +27,20 @@ impl DataPlane for CpuPlane {
     }
 
     fn whole(&self, values: &[f32], dtype: DType) -> Result<Storage, EngineError> {
-        Ok(Storage::Cpu(match Buffer::from_f32(values, dtype) {
-            Some(Buffer::F32(v)) => CpuStorage::F32(v),
-            Some(Buffer::F64(v)) => CpuStorage::F64(v),
-            Some(Buffer::BF16(v)) => CpuStorage::BF16(v),
-            Some(Buffer::F16(v)) => CpuStorage::F16(v),
-            _ => {
-                return Err(EngineError::Unsupported {
-                    setting: format!("computing in {dtype:?}"),
-                    hint: "parameters are computed in a float type",
-                });
-            }
-        }))
+        Ok(Storage::Cpu(
+            match super::cpu_floats::float_buffer(values, dtype) {
+                Some(Buffer::F32(v)) => CpuStorage::F32(v),
+                Some(Buffer::F64(v)) => CpuStorage::F64(v),
+                Some(Buffer::BF16(v)) => CpuStorage::BF16(v),
+                Some(Buffer::F16(v)) => CpuStorage::F16(v),
+                _ => {
+                    return Err(EngineError::Unsupported {
+                        setting: format!("computing in {dtype:?}"),
+                        hint: "parameters are computed in a float type",
+                    });
+                }
+            },
+        ))
     }
 
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage, EngineError> {

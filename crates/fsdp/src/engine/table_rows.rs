@@ -79,7 +79,7 @@ pub(crate) fn exchange(
         let at = (id - start) * row;
         mine[k * row..(k + 1) * row].copy_from_slice(&owned[at..at + row]);
     }
-    let sent = Buffer::from_f32(&mine, dtype)
+    let sent = super::cpu_floats::float_buffer(&mine, dtype)
         .ok_or_else(|| invalid(format!("rows cannot be sent as {dtype:?}")))?;
     let values = group.all_gather(sent).wait()?;
     let placed = shares
