@@ -70,9 +70,10 @@ use candle_core::Tensor;
 pub use fsdp_comm::{BufferElement, ReduceOp};
 use fsdp_comm::{Communicator, CommunicatorExt};
 
-/// The global allocator a training program may install (large blocks returned to the
-/// system as they are freed, live bytes counted) and the figures it reports with: where a
-/// program's imports stay inside the `accelerator`, as Accelerate's memory utilities do.
+/// The global allocator a training program may install (large allocations in mappings of
+/// their own, kept for reuse only below the resident peak; live bytes counted) and the
+/// memory figures a program reports: here so that a program imports them from the
+/// `accelerator`, as Accelerate's memory utilities are its own.
 pub use crate::memory::{TrainingAllocator, peak_rss_bytes, resident_bytes};
 pub use builder::{AcceleratorBuilder, FullStateDictConfig, ProjectConfiguration};
 pub use error::AcceleratorError;
