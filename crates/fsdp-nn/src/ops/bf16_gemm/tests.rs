@@ -265,8 +265,10 @@ fn the_amx_kernel_computes_the_product_on_emulated_tiles() {
             check(kernel, (45, 40, k), t_lhs, true);
         }
     }
-    // A row-major lhs the kernel reads packed rather than in place (`tiles_read_in_place`).
+    // A row-major lhs the kernel reads packed rather than in place (`tiles_read_in_place`),
+    // and a k long enough that each rhs strip is a block of its own (three blocks).
     check(kernel, (45, 1040, 544), false, true);
+    check(kernel, (45, 70, 4100), false, true);
 }
 
 #[test]
@@ -288,6 +290,8 @@ fn the_amx_kernel_computes_the_product_on_this_cpus_tiles() {
     cases(Kernel::tiled(amx::tiles));
     check(Kernel::tiled(amx::tiles), (70, 100, 96), false, true);
     check(Kernel::tiled(amx::tiles), (45, 1040, 544), false, true);
+    check(Kernel::tiled(amx::tiles), (45, 70, 4100), false, true);
+    check(Kernel::tiled(amx::tiles), (100, 300, 2048), true, false);
 }
 
 #[test]
