@@ -285,6 +285,10 @@ fn mpirun(n: usize, scenario: &str, extra: &[(&str, &str)]) -> Option<Command> {
 /// Runs `cmd` to its end (terminated after `limit`, failing the test): code, output, time.
 fn run(mut cmd: Command, limit: Duration) -> (Option<i32>, String, Duration) {
     let start = Instant::now();
+    // Open MPI's session folder (under TMPDIR) in one of the run's own, removed with it: a
+    // killed mpirun (below) cannot remove its own.
+    let session = tempfile::tempdir().unwrap();
+    cmd.env("TMPDIR", session.path());
     // Its own process group: mpirun and every rank can be killed together.
     let mut child = cmd.process_group(0).spawn().unwrap();
     let read = |mut r: Box<dyn Read + Send>| {
