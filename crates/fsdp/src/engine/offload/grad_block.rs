@@ -55,8 +55,34 @@ impl Drop for DiskGrad {
     }
 }
 
+/// Partial sums [`square_sum`] keeps: enough independent additions in flight for the vector
+/// units (one f64 chain in order was bound by the adder's latency).
+const SQUARE_LANES: usize = 16;
+
+fsdp_nn::multiversion! {
+    /// `v`'s squares in f64 added into `sums`, element `i` into sum `i % SQUARE_LANES`
+    /// (products and sums never fused: the same bits on every CPU).
+    fn square_partials(v: &[f32], sums: &mut [f64; SQUARE_LANES]) {
+        let chunks = v.chunks_exact(SQUARE_LANES);
+        let rest = chunks.remainder();
+        for chunk in chunks {
+            for (s, &x) in sums.iter_mut().zip(chunk) {
+                let x = f64::from(x);
+                *s += x * x;
+            }
+        }
+        for (s, &x) in sums.iter_mut().zip(rest) {
+            let x = f64::from(x);
+            *s += x * x;
+        }
+    }
+}
+
+/// The sum of `v`'s squares in f64: [`SQUARE_LANES`] partial sums, then those in order.
 fn square_sum(v: &[f32]) -> f64 {
-    v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>()
+    let mut sums = [0f64; SQUARE_LANES];
+    square_partials(v, &mut sums);
+    sums.iter().sum()
 }
 
 impl GradBlock {
@@ -184,5 +210,50 @@ impl GradBlock {
             GradBlock::Disk(d) if d.factors.is_empty() => Ok(d.finite),
             GradBlock::Disk(d) => Ok(finite(&d.load()?)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::square_sum;
+
+    #[test]
+    fn the_sum_of_squares_is_the_exact_one_within_f64_rounding_and_keeps_non_finite_values() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+        };
+        for len in (0..70).chain([1000, 1 << 16, (1 << 16) + 13]) {
+            let v: Vec<f32> = (0..len).map(|_| next()).collect();
+            // Each square is exact in f64; Neumaier's compensated sum of them is within an
+            // ulp or two, and any order of plain f64 additions within len·ε of it.
+            let (mut exact, mut lost) = (0f64, 0f64);
+            for &x in &v {
+                let term = f64::from(x) * f64::from(x);
+                let t = exact + term;
+                lost += if exact.abs() >= term.abs() {
+                    (exact - t) + term
+                } else {
+                    (term - t) + exact
+                };
+                exact = t;
+            }
+            let exact = exact + lost;
+            let got = square_sum(&v);
+            let bound = (len as f64 / 16.0 + 16.0) * f64::EPSILON * exact;
+            assert!(
+                (got - exact).abs() <= bound,
+                "{len} elements: {got} against {exact}"
+            );
+        }
+        let mut v = vec![1.0f32; 37];
+        assert_eq!(square_sum(&v), 37.0);
+        v[20] = f32::INFINITY;
+        assert_eq!(square_sum(&v), f64::INFINITY);
+        v[5] = f32::NAN;
+        assert!(square_sum(&v).is_nan());
     }
 }
