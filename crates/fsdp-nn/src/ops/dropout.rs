@@ -217,3 +217,38 @@ pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     }
     x.contiguous()?.apply_op1(Dropout { p, seed })
 }
+
+#[cfg(test)]
+mod f32_tests {
+    use super::super::Float;
+    use super::scale_kept_portable;
+
+    /// f32's vectorised [`Float::scale_kept`] gives the bits of the element-by-element one:
+    /// values across every exponent (subnormals, zeros of both signs, infinities, NaNs),
+    /// kept and dropped, at dropout's scales, appended after what `out` held.
+    #[test]
+    fn f32_scaling_in_vectors_is_the_element_by_element_one_bit_for_bit() {
+        let x: Vec<f32> = (0..1u32 << 16)
+            .map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9) ^ (i << 16)))
+            .chain([
+                0.0,
+                -0.0,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                f32::MIN_POSITIVE / 3.0,
+            ])
+            .collect();
+        for (p, pattern) in [(0.1, 7), (0.37, 5), (1e-7, 3)] {
+            let scale = 1.0 / (1.0 - p);
+            let keep: Vec<bool> = (0..x.len()).map(|i| i % pattern != 1).collect();
+            let (mut got, mut want) = (vec![1.5f32; 3], vec![1.5f32; 3]);
+            f32::scale_kept(&x, &keep, scale, &mut got);
+            scale_kept_portable(&x, &keep, scale, &mut want);
+            assert_eq!(got.len(), want.len());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "element {i} at p {p}");
+            }
+        }
+    }
+}

@@ -299,6 +299,13 @@ impl Float for f32 {
     fn of(v: f64) -> Self {
         v as f32
     }
+    fn scale_kept(x: &[Self], keep: &[bool], scale: f64, out: &mut Vec<Self>) {
+        let (start, n) = (out.len(), x.len().min(keep.len()));
+        out.reserve(n);
+        simd::scale_kept_f32(x, keep, scale, &mut out.spare_capacity_mut()[..n]);
+        // SAFETY: the kernel wrote the `n` elements past the old length.
+        unsafe { out.set_len(start + n) };
+    }
     fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
         simd::softmax_rows_in_place(s, lse, d)
     }

@@ -364,6 +364,18 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// Dropout's survivors in f32: each of `x` where `keep` says, times `scale` in f64 and
+    /// rounded to f32 (as `Float::scale_kept` element by element), zero elsewhere, into
+    /// `out` (written only, as far as all three reach).
+    fn scale_kept_f32(x: &[f32], keep: &[bool], scale: f64, out: &mut [std::mem::MaybeUninit<f32>]) {
+        for ((o, &v), &kept) in out.iter_mut().zip(x).zip(keep) {
+            let scaled = (f64::from(v) * scale) as f32;
+            o.write(if kept { scaled } else { 0.0 });
+        }
+    }
+}
+
 /// `src` rounded to bf16 into `dst` (of the same length), as [`round_to_bf16`].
 pub(crate) fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
     // SAFETY: `MaybeUninit<bf16>` has bf16's layout, and the kernel writes only bf16
