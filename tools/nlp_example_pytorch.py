@@ -208,10 +208,12 @@ def main():
             cmd += ["--max_eval_samples", str(args.max_eval_samples)]
         cmd += ["--mixed_precision", args.mixed_precision]
         for variant in [""] + args.ours_variant:
-            # A folder of its own per run (a run into an earlier run's folder is refused).
-            extra = variant.split() + ["--output_dir", tempfile.mkdtemp(prefix="fsdp-rs-nlp-")]
             label = "fsdp-rs" + (f" {variant}" if variant else "")
-            out = subprocess.run(cmd + extra, capture_output=True, text=True, check=True).stdout
+            # A folder of its own per run (a run into an earlier run's folder is refused),
+            # removed after it.
+            with tempfile.TemporaryDirectory(prefix="fsdp-rs-nlp-") as out_dir:
+                extra = variant.split() + ["--output_dir", out_dir]
+                out = subprocess.run(cmd + extra, capture_output=True, text=True, check=True).stdout
             for line in out.splitlines():
                 if "accuracy" in line or ": trained " in line:
                     print(f"{label}:", line)
