@@ -1031,7 +1031,8 @@ fn nlp_example_refuses_tracking_with_no_tracker_named() {
 /// docs/TRAINING.md's complete program, the example `training` (checked to be the doc's
 /// text), on 2 processes: every epoch trains (the loss of the last falls below the first's,
 /// and the held-out accuracy, every example counted once, rises to at least 95%), and the
-/// saved model loads as the BERT it was.
+/// saved model loads as the BERT it was; and alone, without a launcher, it runs its epochs
+/// and saves.
 #[test]
 fn the_training_guides_program_trains_every_epoch_evaluates_and_saves() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -1066,6 +1067,42 @@ fn the_training_guides_program_trains_every_epoch_evaluates_and_saves() {
     let model = out.path().join("model");
     let config = fsdp::models::BertConfig::from_file(&model.join("config.json")).unwrap();
     assert_eq!((config.hidden_size, config.num_labels), (32, 2));
+    // Alone, without a launcher (a job of one process), as the guide says it may run.
+    let alone = tempfile::tempdir().unwrap();
+    let log_path = alone.path().join("log");
+    let log_file = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(example("training"))
+        .arg(alone.path().join("out"))
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let alone_log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "alone: {status:?}\n{alone_log}"
+    );
+    let alone_epochs = alone_log
+        .lines()
+        .filter(|l| l.starts_with("epoch "))
+        .count();
+    assert_eq!(alone_epochs, 4, "{alone_log}");
+    assert!(
+        alone.path().join("out/model/model.safetensors").is_file(),
+        "{alone_log}"
+    );
     let tensors =
         candle_core::safetensors::load(model.join("model.safetensors"), &Device::Cpu).unwrap();
     assert!(
