@@ -52,14 +52,13 @@ pub(super) fn scale_kept_bf16(
 ) {
     #[cfg(target_arch = "x86_64")]
     if bf16_vector::available() {
-        out.reserve(x.len());
-        // SAFETY: `out` has room for x.len() more elements, which the call writes before the
-        // length covers them; the CPU has the features.
+        // SAFETY: bf16 is a u16; the kernel writes all x.len() elements of the destination
+        // it is given; the CPU has the features.
         unsafe {
             let bits = std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len());
-            let at = out.as_mut_ptr().add(out.len()).cast::<u16>();
-            bf16_vector::scale_kept(bits, keep, scale, at);
-            out.set_len(out.len() + x.len());
+            super::simd::append_written(out, x.len(), |d| {
+                bf16_vector::scale_kept(bits, keep, scale, d.as_mut_ptr().cast::<u16>())
+            });
         }
         return;
     }

@@ -25,21 +25,16 @@ trait F32Conversions: Sized + Copy + Default + Into<f32> {
 
 impl F32Conversions for half::bf16 {
     fn extend_f32(src: &[Self], out: &mut Vec<f32>) {
-        let start = out.len();
-        out.reserve(src.len());
-        simd::bf16_to_f32(src, &mut out.spare_capacity_mut()[..src.len()]);
-        // SAFETY: bf16_to_f32 wrote the `src.len()` elements past the old length.
-        unsafe { out.set_len(start + src.len()) };
+        simd::extend_bf16_as_f32(src, out)
     }
     fn narrow_into(src: &[f32], dst: &mut [Self]) {
         simd::f32_to_bf16(src, dst)
     }
     fn add(a: &[Self], b: &[Self]) -> Vec<Self> {
         let len = a.len().min(b.len());
-        let mut out = Vec::with_capacity(len);
-        simd::bf16_add(&a[..len], &b[..len], &mut out.spare_capacity_mut()[..len]);
-        // SAFETY: bf16_add wrote the `len` elements.
-        unsafe { out.set_len(len) };
+        let mut out = Vec::new();
+        // SAFETY: bf16_add writes every element of a destination as long as its operands.
+        unsafe { simd::append_written(&mut out, len, |d| simd::bf16_add(&a[..len], &b[..len], d)) };
         out
     }
 }

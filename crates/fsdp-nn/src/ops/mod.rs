@@ -300,11 +300,10 @@ impl Float for f32 {
         v as f32
     }
     fn scale_kept(x: &[Self], keep: &[bool], scale: f64, out: &mut Vec<Self>) {
-        let (start, n) = (out.len(), x.len().min(keep.len()));
-        out.reserve(n);
-        simd::scale_kept_f32(x, keep, scale, &mut out.spare_capacity_mut()[..n]);
-        // SAFETY: the kernel wrote the `n` elements past the old length.
-        unsafe { out.set_len(start + n) };
+        let n = x.len().min(keep.len());
+        // SAFETY: the kernel writes every element of a destination no longer than `x` and
+        // `keep`.
+        unsafe { simd::append_written(out, n, |d| simd::scale_kept_f32(x, keep, scale, d)) }
     }
     fn softmax_rows_in_place(s: &mut [Self], lse: &mut [f64], d: usize) {
         simd::softmax_rows_in_place(s, lse, d)

@@ -273,10 +273,8 @@ impl RopeElement for f64 {
 impl RopeElement for half::bf16 {
     /// Through f32 with the vectorised conversions the bf16 kernels use.
     fn rotate(op: &Rope, x: &[half::bf16], dims: &[usize], sign: f32) -> Vec<half::bf16> {
-        let mut wide = Vec::with_capacity(x.len());
-        super::simd::bf16_to_f32(x, &mut wide.spare_capacity_mut()[..x.len()]);
-        // SAFETY: bf16_to_f32 wrote all `x.len()` elements.
-        unsafe { wide.set_len(x.len()) };
+        let mut wide = Vec::new();
+        super::simd::extend_bf16_as_f32(x, &mut wide);
         let rotated = op.apply(&wide, dims, sign);
         super::simd::bf16_vec_from_f32(&rotated)
     }

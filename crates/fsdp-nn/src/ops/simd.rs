@@ -385,13 +385,35 @@ pub(crate) fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
     f32_to_bf16_uninit(src, dst)
 }
 
+/// Appends to `out` the `n` elements `write` fills in (a kernel writing into the vector's
+/// spare capacity: no zero fill first).
+///
+/// # Safety
+/// `write` initialises every element of the slice it is given.
+pub(crate) unsafe fn append_written<T>(
+    out: &mut Vec<T>,
+    n: usize,
+    write: impl FnOnce(&mut [std::mem::MaybeUninit<T>]),
+) {
+    let start = out.len();
+    out.reserve(n);
+    write(&mut out.spare_capacity_mut()[..n]);
+    // SAFETY: the caller vouches that `write` initialised the `n` elements past `start`.
+    unsafe { out.set_len(start + n) };
+}
+
 /// `src` rounded to bf16 in a new vector, written once (no zero fill first).
 pub(crate) fn bf16_vec_from_f32(src: &[f32]) -> Vec<half::bf16> {
-    let mut out = Vec::with_capacity(src.len());
-    f32_to_bf16_uninit(src, &mut out.spare_capacity_mut()[..src.len()]);
-    // SAFETY: the kernel wrote all `src.len()` elements.
-    unsafe { out.set_len(src.len()) };
+    let mut out = Vec::new();
+    // SAFETY: the kernel writes every element of a destination as long as `src`.
+    unsafe { append_written(&mut out, src.len(), |d| f32_to_bf16_uninit(src, d)) };
     out
+}
+
+/// `src` widened to f32, appended to `out` (no zero fill first).
+pub(crate) fn extend_bf16_as_f32(src: &[half::bf16], out: &mut Vec<f32>) {
+    // SAFETY: the kernel writes every element of a destination as long as `src`.
+    unsafe { append_written(out, src.len(), |d| bf16_to_f32(src, d)) }
 }
 
 #[cfg(test)]
