@@ -1,5 +1,7 @@
 //! Element types that collectives move and reduce.
 
+use std::mem::MaybeUninit;
+
 use half::{bf16, f16};
 
 /// The element types collectives accept.
@@ -143,12 +145,13 @@ pub fn reduce_into<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp) {
 }
 
 /// Writes `a` combined with `b` element-wise into `dst`: [`reduce_into`] of `b` into a copy
-/// of `a`, bit for bit, without the copy.
-pub fn reduce_pair_into<T: Element>(dst: &mut [T], a: &[T], b: &[T], op: ReduceOp) {
-    fn each<T: Element>(dst: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
-        dst.iter_mut()
-            .zip(a.iter().zip(b))
-            .for_each(|(d, (x, y))| *d = f(*x, *y));
+/// of `a`, bit for bit, without the copy. `dst` need not be initialised: every element of it
+/// is written.
+pub fn reduce_pair_into<T: Element>(dst: &mut [MaybeUninit<T>], a: &[T], b: &[T], op: ReduceOp) {
+    fn each<T: Element>(dst: &mut [MaybeUninit<T>], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+        dst.iter_mut().zip(a.iter().zip(b)).for_each(|(d, (x, y))| {
+            d.write(f(*x, *y));
+        });
     }
     match op {
         ReduceOp::Sum | ReduceOp::Avg => each(dst, a, b, T::add),
@@ -182,9 +185,20 @@ pub fn as_bytes<T: Element>(buf: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(buf.as_ptr().cast(), std::mem::size_of_val(buf)) }
 }
 
-/// The bytes of a buffer of elements, writable.
-pub fn as_bytes_mut<T: Element>(buf: &mut [T]) -> &mut [u8] {
-    // SAFETY: `Element` types are plain old data; every byte pattern is a valid value.
+/// Writes `src` into `dst` (the same length), which need not be initialised:
+/// `<[MaybeUninit<T>]>::write_copy_of_slice`, stable only after this crate's minimum Rust.
+pub(crate) fn write_copy<T: Copy>(dst: &mut [MaybeUninit<T>], src: &[T]) {
+    debug_assert_eq!(dst.len(), src.len());
+    let n = dst.len().min(src.len());
+    // SAFETY: both are valid for `n` elements, and they cannot overlap: `dst` is borrowed
+    // mutably.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<T>(), n) }
+}
+
+/// The bytes of a buffer of possibly uninitialised elements, to be written.
+pub(crate) fn uninit_bytes_mut<T: Element>(buf: &mut [MaybeUninit<T>]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: `Element` types have no padding, so the bytes are exactly the elements'; any
+    // bytes written make valid elements.
     unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast(), std::mem::size_of_val(buf)) }
 }
 
@@ -216,16 +230,20 @@ mod tests {
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
             let mut want = a.clone();
             reduce_into(&mut want, &b, op);
-            let mut got = vec![7.0; a.len()];
+            let mut got = vec![MaybeUninit::new(7.0); a.len()];
             reduce_pair_into(&mut got, &a, &b, op);
+            // SAFETY: every element was initialised (7.0) before the reduction wrote it.
+            let got: Vec<f32> = got.iter().map(|v| unsafe { v.assume_init() }).collect();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{op:?}");
         }
         let (x, y) = (vec![bf16::from_f32(1.0); 4], vec![bf16::from_f32(1e-3); 4]);
         let mut want = x.clone();
         reduce_into(&mut want, &y, ReduceOp::Sum);
-        let mut got = vec![bf16::ZERO; 4];
-        reduce_pair_into(&mut got, &x, &y, ReduceOp::Sum);
+        let mut got = Vec::with_capacity(4);
+        reduce_pair_into(&mut got.spare_capacity_mut()[..4], &x, &y, ReduceOp::Sum);
+        // SAFETY: the reduction wrote all four.
+        unsafe { got.set_len(4) };
         assert_eq!(got, want);
     }
 }

@@ -369,6 +369,19 @@ fn communicator() -> Result<(), String> {
         gathered.as_slice::<bf16>().ok_or("dtype")?,
         &all.concat(),
     )?;
+    // Into a reused output longer than the result and full of stale values: the gather
+    // writes every element without zero-filling first, so none of them may survive.
+    let stale = Buffer::F32(vec![f32::NAN; 7 * n + 3]);
+    let (_, gathered) = c
+        .all_gather_into(Buffer::from(data::<f32>(rank, 7)), stale)
+        .wait()
+        .map_err(err)?;
+    let want: Vec<f32> = (0..n).flat_map(|r| data::<f32>(r, 7)).collect();
+    expect_eq(
+        "dyn all_gather into a stale output",
+        gathered.as_slice::<f32>().ok_or("dtype")?,
+        &want,
+    )?;
     let full: Vec<f32> = data::<f32>(rank, 4 * n);
     let (_, part) = c
         .reduce_scatter_into(Buffer::from(full), Buffer::F32(Vec::new()), ReduceOp::Sum)
@@ -379,6 +392,16 @@ fn communicator() -> Result<(), String> {
         .collect();
     expect_eq(
         "dyn reduce_scatter",
+        part.as_slice::<f32>().ok_or("dtype")?,
+        &want,
+    )?;
+    let stale = Buffer::F32(vec![f32::NAN; 9]);
+    let (_, part) = c
+        .reduce_scatter_into(Buffer::from(data::<f32>(rank, 4 * n)), stale, ReduceOp::Sum)
+        .wait()
+        .map_err(err)?;
+    expect_eq(
+        "dyn reduce_scatter into a stale output",
         part.as_slice::<f32>().ok_or("dtype")?,
         &want,
     )?;

@@ -1,7 +1,9 @@
 //! Ring algorithms, bandwidth-optimal for large buffers: each rank sends (n-1)/n of the data
 //! for reduce-scatter and all-gather, and all-reduce is one of each.
 
-use crate::dtype::{Element, ReduceOp, as_bytes, finish_avg};
+use std::mem::MaybeUninit;
+
+use crate::dtype::{Element, ReduceOp, as_bytes, finish_avg, write_copy};
 use crate::error::Result;
 use crate::protocol::{Engine, Op};
 use crate::transport::Header;
@@ -31,14 +33,15 @@ impl Engine {
 
     /// Ring reduce-scatter over `parts` (the chunk boundaries); on return this rank's part
     /// `rank` holds the reduction of every rank's part `rank` — in `buf`, or, given `out`
-    /// (that part's length), in `out` (the last step reduces into it, sparing a copy).
+    /// (that part's length, possibly uninitialised), in `out` (the last step reduces into
+    /// it, sparing a copy, and writes every element).
     fn ring_reduce_scatter<T: Element>(
         &mut self,
         h: Header,
         buf: &mut [T],
         parts: &[(usize, usize)],
         op: ReduceOp,
-        out: Option<&mut [T]>,
+        out: Option<&mut [MaybeUninit<T>]>,
     ) -> Result<()> {
         let n = self.size;
         let last = n - 2;
@@ -61,26 +64,28 @@ impl Engine {
         }
     }
 
-    /// Ring all-gather: part `rank` of `buf` is this rank's; on return every part is filled.
+    /// Ring all-gather: part `rank` of `buf` is this rank's and written; on return every
+    /// part is written. The other parts may start uninitialised: each is received whole
+    /// before it is sent on.
     fn ring_all_gather<T: Element>(
         &mut self,
         h: Header,
-        buf: &mut [T],
+        buf: &mut [MaybeUninit<T>],
         parts: &[(usize, usize)],
         first_step: u32,
     ) -> Result<()> {
         let n = self.size;
+        let (next, prev) = (self.next(), self.prev());
         for s in 0..n - 1 {
-            let send = (self.rank + n - s) % n;
-            let recv = (self.rank + 2 * n - 1 - s) % n;
-            self.ring_step(
-                h,
-                first_step + s as u32,
-                buf,
-                parts[send],
-                parts[recv],
-                None,
-            )?;
+            let send = parts[(self.rank + n - s) % n];
+            let recv = parts[(self.rank + 2 * n - 1 - s) % n];
+            let step = first_step + s as u32;
+            let (send_part, recv_part) = disjoint(buf, send, recv);
+            // SAFETY: the part sent at step s is this rank's own (s = 0) or the one step s - 1
+            // received, and that transfer returned `Ok`, so every element of it was written.
+            let send_part = unsafe { &*(send_part as *const [MaybeUninit<T>] as *const [T]) };
+            let sink = Self::into_uninit(prev, step, recv_part);
+            self.transfer(h, &[(next, step, as_bytes(send_part))], vec![sink])?;
         }
         Ok(())
     }
@@ -100,7 +105,9 @@ impl Engine {
         self.ring_reduce_scatter(h, &mut buf, &parts, op, None)?;
         let (a, b) = parts[self.rank];
         finish_avg(&mut buf[a..b], op, n);
-        self.ring_all_gather(h, &mut buf, &parts, n as u32)?;
+        // SAFETY: `buf` is initialised and the all-gather writes only received elements.
+        let whole = unsafe { &mut *(buf.as_mut_slice() as *mut [T] as *mut [MaybeUninit<T>]) };
+        self.ring_all_gather(h, whole, &parts, n as u32)?;
         Ok(buf)
     }
 
@@ -155,12 +162,19 @@ impl Engine {
             parts.push((start, start + c));
             start += c;
         }
-        out.resize(total, T::default());
+        // Every element is written (this rank's part from `input`, the others received), so
+        // the output is not zero-filled first: its memory is only reserved, and it holds
+        // elements once the gather has written all of them.
+        out.clear();
+        out.reserve_exact(total);
+        let spare = &mut out.spare_capacity_mut()[..total];
         let (a, b) = parts[self.rank];
-        out[a..b].copy_from_slice(&input);
+        write_copy(&mut spare[a..b], &input);
         if self.size > 1 {
-            self.ring_all_gather(h, &mut out, &parts, 0)?;
+            self.ring_all_gather(h, spare, &parts, 0)?;
         }
+        // SAFETY: every part of the first `total` elements is written (above).
+        unsafe { out.set_len(total) };
         Ok((input, out))
     }
 
@@ -191,17 +205,14 @@ impl Engine {
         let k = input.len() / n;
         let parts: Vec<(usize, usize)> = (0..n).map(|r| (r * k, (r + 1) * k)).collect();
         if n > 1 && k > 0 {
-            // Every element is written: a reused buffer of the right length is not cleared,
-            // and a new one comes from zeroed pages the kernel provides lazily.
-            if out.len() != k {
-                if out.capacity() >= k {
-                    out.clear();
-                    out.resize(k, T::default());
-                } else {
-                    out = vec![T::default(); k];
-                }
-            }
-            self.ring_reduce_scatter(h, &mut input, &parts, op, Some(&mut out))?;
+            // The last step writes every element, so the output is not zero-filled first:
+            // its memory is only reserved, and it holds elements once all are written.
+            out.clear();
+            out.reserve_exact(k);
+            let spare = &mut out.spare_capacity_mut()[..k];
+            self.ring_reduce_scatter(h, &mut input, &parts, op, Some(spare))?;
+            // SAFETY: the reduce-scatter wrote all `k` elements (above).
+            unsafe { out.set_len(k) };
         } else {
             let (a, b) = parts[self.rank];
             out.clear();

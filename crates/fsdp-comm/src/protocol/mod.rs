@@ -5,11 +5,14 @@
 //! every rank after the first failure. The algorithms are built on it.
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::dtype::{DType, Element, ReduceOp, as_bytes_mut, reduce_into, reduce_pair_into};
+use crate::dtype::{
+    DType, Element, ReduceOp, reduce_into, reduce_pair_into, uninit_bytes_mut, write_copy,
+};
 use crate::error::{CommError, Result};
 use crate::shm::{InFrame, OutFrame, Segment, Sink, TransferError};
 use crate::transport::{Header, KIND_DATA, Links};
@@ -67,8 +70,10 @@ pub(crate) struct In<'a> {
 
 /// Where a received frame's bytes go.
 pub(crate) enum Target<'a> {
-    /// Copied into these bytes, which over TCP a reader thread writes straight into.
-    Bytes(&'a mut [u8]),
+    /// Copied into these bytes, which over TCP a reader thread writes straight into. They
+    /// may be uninitialised: a receive writes every one of them before the transfer returns
+    /// `Ok`, so a fresh output needs no zero fill first.
+    Bytes(&'a mut [MaybeUninit<u8>]),
     /// Handed to the sink piece by piece with each piece's offset (reductions).
     Sink(Sink<'a>),
 }
@@ -77,9 +82,9 @@ impl<'a> Target<'a> {
     /// The target as a sink of pieces.
     fn into_sink(self) -> Sink<'a> {
         match self {
-            Target::Bytes(bytes) => {
-                Box::new(move |off, piece| bytes[off..off + piece.len()].copy_from_slice(piece))
-            }
+            Target::Bytes(bytes) => Box::new(move |off, piece| {
+                write_copy(&mut bytes[off..off + piece.len()], piece);
+            }),
             Target::Sink(sink) => sink,
         }
     }
@@ -369,7 +374,20 @@ impl Engine {
 
     /// A receive that copies into `dst`.
     pub(crate) fn into_slice<'a, T: Element>(peer: usize, step: u32, dst: &'a mut [T]) -> In<'a> {
-        let bytes = as_bytes_mut(dst);
+        // SAFETY: a receive writes only bytes that arrived, never uninitialised ones, and
+        // every byte pattern is a valid `Element`.
+        let dst = unsafe { &mut *(dst as *mut [T] as *mut [MaybeUninit<T>]) };
+        Self::into_uninit(peer, step, dst)
+    }
+
+    /// A receive that copies into `dst`, which need not be initialised: once the transfer
+    /// returns `Ok` every element of it is written.
+    pub(crate) fn into_uninit<'a, T: Element>(
+        peer: usize,
+        step: u32,
+        dst: &'a mut [MaybeUninit<T>],
+    ) -> In<'a> {
+        let bytes = uninit_bytes_mut(dst);
         In {
             peer,
             step,
@@ -410,12 +428,13 @@ impl Engine {
     }
 
     /// A receive that writes `own` reduced with what arrives into `dst` (same length), bit
-    /// for bit what [`Engine::reducing`] into a copy of `own` gives.
+    /// for bit what [`Engine::reducing`] into a copy of `own` gives. `dst` may be
+    /// uninitialised: once the transfer returns `Ok` every element of it is written.
     pub(crate) fn reducing_to<'a, T: Element>(
         peer: usize,
         step: u32,
         own: &'a [T],
-        dst: &'a mut [T],
+        dst: &'a mut [MaybeUninit<T>],
         op: ReduceOp,
     ) -> In<'a> {
         Self::elements(peer, step, dst.len(), move |start, src: &[T]| {

@@ -43,7 +43,7 @@ impl Engine {
         for r in ins {
             let into = match r.target {
                 Target::Bytes(bytes) => {
-                    let at = bytes.as_mut_ptr();
+                    let at = bytes.as_mut_ptr().cast::<u8>();
                     let mut ids = Vec::new();
                     for (part, range) in pieces(r.len) {
                         let want = h.frame(r.step, part, range.len());
