@@ -165,9 +165,7 @@ impl Engine {
         // Every element is written (this rank's part from `input`, the others received), so
         // the output is not zero-filled first: its memory is only reserved, and it holds
         // elements once the gather has written all of them.
-        out.clear();
-        out.reserve_exact(total);
-        let spare = &mut out.spare_capacity_mut()[..total];
+        let spare = emptied_for(&mut out, total);
         let (a, b) = parts[self.rank];
         write_copy(&mut spare[a..b], &input);
         if self.size > 1 {
@@ -207,9 +205,7 @@ impl Engine {
         if n > 1 && k > 0 {
             // The last step writes every element, so the output is not zero-filled first:
             // its memory is only reserved, and it holds elements once all are written.
-            out.clear();
-            out.reserve_exact(k);
-            let spare = &mut out.spare_capacity_mut()[..k];
+            let spare = emptied_for(&mut out, k);
             self.ring_reduce_scatter(h, &mut input, &parts, op, Some(spare))?;
             // SAFETY: the reduce-scatter wrote all `k` elements (above).
             unsafe { out.set_len(k) };
@@ -221,6 +217,17 @@ impl Engine {
         finish_avg(&mut out, op, n);
         Ok((input, out))
     }
+}
+
+/// `out` emptied, with room for `len` elements to be written: its memory reused when large
+/// enough, else a new allocation (growing it would copy contents about to be overwritten).
+fn emptied_for<T>(out: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<T>] {
+    if out.capacity() < len {
+        *out = Vec::with_capacity(len);
+    } else {
+        out.clear();
+    }
+    &mut out.spare_capacity_mut()[..len]
 }
 
 /// `buf[send]` to read and `buf[recv]` to write, for ranges that do not overlap.
