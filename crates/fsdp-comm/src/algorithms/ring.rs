@@ -11,8 +11,8 @@ use crate::transport::Header;
 use super::direct::DIRECT_ALL_REDUCE_BYTES;
 
 impl Engine {
-    /// One ring step: send `buf[send]` to the next rank while receiving the previous rank's
-    /// part into `buf[recv]` (copied, or reduced with `op`).
+    /// One reduce-scatter step: send `buf[send]` to the next rank while reducing the previous
+    /// rank's part into `buf[recv]` with `op`.
     fn ring_step<T: Element>(
         &mut self,
         h: Header,
@@ -20,14 +20,11 @@ impl Engine {
         buf: &mut [T],
         send: (usize, usize),
         recv: (usize, usize),
-        op: Option<ReduceOp>,
+        op: ReduceOp,
     ) -> Result<()> {
         let (next, prev) = (self.next(), self.prev());
         let (send_part, recv_part) = disjoint(buf, send, recv);
-        let sink = match op {
-            Some(op) => Self::reducing(prev, step, recv_part, op),
-            None => Self::into_slice(prev, step, recv_part),
-        };
+        let sink = Self::reducing(prev, step, recv_part, op);
         self.transfer(h, &[(next, step, as_bytes(send_part))], vec![sink])
     }
 
@@ -48,13 +45,13 @@ impl Engine {
         for s in 0..last {
             let send = (self.rank + 2 * n - 1 - s) % n;
             let recv = (self.rank + 2 * n - 2 - s) % n;
-            self.ring_step(h, s as u32, buf, parts[send], parts[recv], Some(op))?;
+            self.ring_step(h, s as u32, buf, parts[send], parts[recv], op)?;
         }
         // The last step receives this rank's own part.
         let send = parts[(self.rank + 1) % n];
         let own = parts[self.rank];
         match out {
-            None => self.ring_step(h, last as u32, buf, send, own, Some(op)),
+            None => self.ring_step(h, last as u32, buf, send, own, op),
             Some(out) => {
                 let (prev, next) = (self.prev(), self.next());
                 let sink = Self::reducing_to(prev, last as u32, &buf[own.0..own.1], out, op);
