@@ -9,4 +9,9 @@ mod common;
 mod local_group;
 mod mpi;
 mod multiprocess;
+#[path = "../../fsdp/tests/common/poisoned.rs"]
+mod poisoned;
 mod store_hostile;
+
+#[global_allocator]
+static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;

@@ -14,6 +14,14 @@ mod skip;
 /// name it alike.
 #[cfg(test)]
 extern crate self as fsdp_nn;
+/// The unit tests allocate through the workspace's poisoning allocator: a kernel that
+/// returns memory it never wrote shows garbage instead of fresh pages' zeros.
+#[cfg(test)]
+#[path = "../../fsdp/tests/common/poisoned.rs"]
+mod poisoned;
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;
 /// Where the registry's macros look for it, as in the test crates.
 #[cfg(test)]
 mod common {
