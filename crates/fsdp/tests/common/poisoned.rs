@@ -1,13 +1,14 @@
 //! A test binary's allocator (and that of the worker processes it re-runs): every allocation
-//! starts as `0xA5` bytes instead of what the system hands out (often zeros, from fresh
+//! starts as `0xFF` bytes instead of what the system hands out (often zeros, from fresh
 //! pages), so code that writes into reserved, uninitialised memory (collectives' outputs,
 //! kernels' results) and returns some it never wrote shows garbage instead of passing by
 //! luck. Installed by fsdp-comm's integration tests and fsdp-nn's unit tests.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
-/// The poison: as f32 or bf16 a tiny negative value no test expects.
-const POISON: u8 = 0xA5;
+/// The poison: a NaN as f64, f32, f16 and bf16, which no test expects and which survives
+/// arithmetic (an unwritten padding element multiplied by a zero still shows).
+const POISON: u8 = 0xFF;
 
 /// The system allocator, poisoning what it hands out (zeroed requests stay zeroed).
 pub struct Poisoned;
