@@ -323,13 +323,18 @@ fn pack_lhs_tiles(
 ) -> Vec<u32> {
     let (rows, kp, strip_pairs) = (kernel.rows, k.div_ceil(2), kernel.strip_pairs(k));
     debug_assert_eq!(kernel.pairs, 16);
-    let mut out = vec![0u32; strips.len() * rows * strip_pairs];
+    let len = strips.len() * rows * strip_pairs;
+    // Written once: the padding zeroed, then the operand's pairs (not zero-filled first).
+    let mut out: Vec<u32> = Vec::with_capacity(len);
     let v = v.as_ptr().cast::<u16>();
     // Pairs with both elements inside k.
     let whole = k / 2;
     for (s_at, s) in strips.enumerate() {
         let valid = rows.min(m.saturating_sub(s * rows));
-        let strip = out[s_at * rows * strip_pairs..].as_mut_ptr();
+        // SAFETY: strip `s_at` lies inside the `len` reserved elements.
+        let strip = unsafe { out.as_mut_ptr().add(s_at * rows * strip_pairs) };
+        // SAFETY: the strip holds `strip_pairs` pairs (a multiple of 16) of `rows` rows.
+        unsafe { zero_tiles_padding(strip, (valid, rows), (kp, strip_pairs)) };
         // SAFETY: rows below m are inside the operand (the caller checked its strides);
         // the strip holds `strip_pairs` pairs for each of its `rows` rows; the CPU runs
         // `mover`.
@@ -359,7 +364,43 @@ fn pack_lhs_tiles(
             }
         }
     }
+    // SAFETY: every element is written: the padding above, the rows below m's pairs below
+    // k by the transposes (whole blocks of 16 pairs) and the loop (the rest).
+    unsafe { out.set_len(len) };
     out
+}
+
+/// Zeros what packing a `Tiles` strip leaves unwritten: in every block of 16 pairs the rows
+/// from `valid` (past m) to `rows`, and in the last block the pairs from `kp` (past k) of
+/// the rows below `valid`.
+///
+/// # Safety
+/// `strip` is valid for `rows * strip_pairs` elements; `strip_pairs` is `kp` rounded up to
+/// a multiple of 16.
+unsafe fn zero_tiles_padding(
+    strip: *mut u32,
+    (valid, rows): (usize, usize),
+    (kp, strip_pairs): (usize, usize),
+) {
+    for q0 in (0..strip_pairs).step_by(16) {
+        // SAFETY: block q0 holds `rows` rows of 16 pairs inside the strip.
+        unsafe {
+            strip
+                .add(q0 * rows + valid * 16)
+                .write_bytes(0, (rows - valid) * 16)
+        };
+    }
+    if kp < strip_pairs {
+        let (q0, from) = (strip_pairs - 16, kp % 16);
+        for r in 0..valid {
+            // SAFETY: pairs `from..16` of row r in the last block, inside the strip.
+            unsafe {
+                strip
+                    .add(q0 * rows + r * 16 + from)
+                    .write_bytes(0, 16 - from)
+            };
+        }
+    }
 }
 
 /// Packs what it can of a `Tiles` strip of a transposed lhs (row `i`'s pair `p` at
