@@ -195,6 +195,15 @@ pub(crate) fn write_copy<T: Copy>(dst: &mut [MaybeUninit<T>], src: &[T]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<T>(), n) }
 }
 
+/// `buf` as elements to be written, for code that also writes into uninitialised memory.
+///
+/// # Safety
+/// Only initialised values are written through the result.
+pub(crate) unsafe fn as_uninit_mut<T>(buf: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: `MaybeUninit<T>` has `T`'s layout; the caller writes only initialised values.
+    unsafe { &mut *(buf as *mut [T] as *mut [MaybeUninit<T>]) }
+}
+
 /// The bytes of a buffer of possibly uninitialised elements, to be written.
 pub(crate) fn uninit_bytes_mut<T: Element>(buf: &mut [MaybeUninit<T>]) -> &mut [MaybeUninit<u8>] {
     // SAFETY: `Element` types have no padding, so the bytes are exactly the elements'; any

@@ -3,7 +3,7 @@
 
 use std::mem::MaybeUninit;
 
-use crate::dtype::{Element, ReduceOp, as_bytes, finish_avg, write_copy};
+use crate::dtype::{Element, ReduceOp, as_bytes, as_uninit_mut, finish_avg, write_copy};
 use crate::error::Result;
 use crate::protocol::{Engine, Op};
 use crate::transport::Header;
@@ -102,8 +102,8 @@ impl Engine {
         self.ring_reduce_scatter(h, &mut buf, &parts, op, None)?;
         let (a, b) = parts[self.rank];
         finish_avg(&mut buf[a..b], op, n);
-        // SAFETY: `buf` is initialised and the all-gather writes only received elements.
-        let whole = unsafe { &mut *(buf.as_mut_slice() as *mut [T] as *mut [MaybeUninit<T>]) };
+        // SAFETY: the all-gather writes only received elements.
+        let whole = unsafe { as_uninit_mut(&mut buf) };
         self.ring_all_gather(h, whole, &parts, n as u32)?;
         Ok(buf)
     }

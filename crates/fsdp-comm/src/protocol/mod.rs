@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::dtype::{
-    DType, Element, ReduceOp, reduce_into, reduce_pair_into, uninit_bytes_mut, write_copy,
+    DType, Element, ReduceOp, as_uninit_mut, reduce_into, reduce_pair_into, uninit_bytes_mut,
+    write_copy,
 };
 use crate::error::{CommError, Result};
 use crate::shm::{InFrame, OutFrame, Segment, Sink, TransferError};
@@ -376,8 +377,7 @@ impl Engine {
     pub(crate) fn into_slice<'a, T: Element>(peer: usize, step: u32, dst: &'a mut [T]) -> In<'a> {
         // SAFETY: a receive writes only bytes that arrived, never uninitialised ones, and
         // every byte pattern is a valid `Element`.
-        let dst = unsafe { &mut *(dst as *mut [T] as *mut [MaybeUninit<T>]) };
-        Self::into_uninit(peer, step, dst)
+        Self::into_uninit(peer, step, unsafe { as_uninit_mut(dst) })
     }
 
     /// A receive that copies into `dst`, which need not be initialised: once the transfer
