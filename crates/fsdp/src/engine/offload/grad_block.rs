@@ -219,13 +219,8 @@ mod tests {
 
     #[test]
     fn the_sum_of_squares_is_the_exact_one_within_f64_rounding_and_keeps_non_finite_values() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-        };
+        let mut rng = fsdp_nn::rng::XorShift64::new(0x9e37_79b9_7f4a_7c15);
+        let mut next = || ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0;
         for len in (0..70).chain([1000, 1 << 16, (1 << 16) + 13]) {
             let v: Vec<f32> = (0..len).map(|_| next()).collect();
             // Each square is exact in f64; Neumaier's compensated sum of them is within an
