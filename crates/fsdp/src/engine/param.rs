@@ -183,6 +183,20 @@ impl ShardLayout {
         self.pack_rows(0, values, block, ranks, packed);
     }
 
+    /// [`ShardLayout::pack`] of values of another element type, each run of rows written
+    /// by `convert` (source run, destination run of the same length): a gradient converted
+    /// straight into its reduction's dtype, without an intermediate tensor.
+    pub fn pack_converted<S, T>(
+        &self,
+        values: &[S],
+        block: usize,
+        ranks: usize,
+        packed: &mut [T],
+        convert: impl Fn(&[S], &mut [T]),
+    ) {
+        self.pack_rows_with(0, values, block, ranks, packed, convert);
+    }
+
     /// [`ShardLayout::pack`] of a piece of whole rows starting at row `first`.
     pub fn pack_rows<T: Copy>(
         &self,
@@ -191,6 +205,22 @@ impl ShardLayout {
         block: usize,
         ranks: usize,
         packed: &mut [T],
+    ) {
+        self.pack_rows_with(first, piece, block, ranks, packed, |from, to| {
+            to.copy_from_slice(from)
+        });
+    }
+
+    /// [`ShardLayout::pack_rows`] with each run of rows written by `write` (source run,
+    /// destination run of the same length).
+    fn pack_rows_with<S, T>(
+        &self,
+        first: usize,
+        piece: &[S],
+        block: usize,
+        ranks: usize,
+        packed: &mut [T],
+        write: impl Fn(&[S], &mut [T]),
     ) {
         let end_row = first + piece.len() / self.row_elems.max(1);
         for r in 0..ranks {
@@ -202,7 +232,7 @@ impl ShardLayout {
             let len = (b - a) * self.row_elems;
             let to = r * block + self.offset + (a - start) * self.row_elems;
             let from = (a - first) * self.row_elems;
-            packed[to..to + len].copy_from_slice(&piece[from..from + len]);
+            write(&piece[from..from + len], &mut packed[to..to + len]);
         }
     }
 }
