@@ -17,6 +17,14 @@
 #[macro_use]
 #[path = "../../fsdp/tests/common/skip.rs"]
 mod skip;
+/// The unit tests allocate through the workspace's poisoning allocator: code that returns
+/// memory it never wrote shows garbage instead of fresh pages' zeros.
+#[cfg(test)]
+#[path = "../tests/common/poisoned.rs"]
+mod poisoned;
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;
 /// Where the registry's macros look for it, as in the test crates.
 #[cfg(test)]
 mod common {

@@ -89,18 +89,18 @@ pub fn bf16_from_f32(values: &[f32]) -> Vec<half::bf16> {
     simd::bf16_vec_from_f32(values)
 }
 
-/// `src` rounded to bf16 into `dst` (of the same length), with the vector instructions
-/// this CPU has, bit for bit `half::bf16::from_f32`: a gradient packed for a reduction in
-/// another dtype without an intermediate tensor.
-pub fn f32_to_bf16_into(src: &[f32], dst: &mut [half::bf16]) {
-    simd::f32_to_bf16(src, dst)
+/// `src` rounded to bf16 into `dst` (of the same length, written only), with the vector
+/// instructions this CPU has, bit for bit `half::bf16::from_f32`: a gradient packed for a
+/// reduction in another dtype without an intermediate tensor.
+pub fn f32_to_bf16_into(src: &[f32], dst: &mut [std::mem::MaybeUninit<half::bf16>]) {
+    simd::f32_to_bf16_uninit(src, dst)
 }
 
-/// `src` widened to f32 into `dst` (of the same length), with the vector instructions this
-/// CPU has, bit for bit `half::bf16::to_f32`: a bf16 gradient packed for an f32 reduction
-/// without an intermediate tensor.
-pub fn bf16_to_f32_into(src: &[half::bf16], dst: &mut [f32]) {
-    simd::bf16_to_f32_init(src, dst)
+/// `src` widened to f32 into `dst` (of the same length, written only), with the vector
+/// instructions this CPU has, bit for bit `half::bf16::to_f32`: a bf16 gradient packed for
+/// an f32 reduction without an intermediate tensor.
+pub fn bf16_to_f32_into(src: &[half::bf16], dst: &mut [std::mem::MaybeUninit<f32>]) {
+    simd::bf16_to_f32(src, dst)
 }
 
 /// Whether bf16 products run on AMX tiles in this process, and if not, why (the CPU has

@@ -402,14 +402,6 @@ pub(crate) unsafe fn append_written<T>(
     unsafe { out.set_len(start + n) };
 }
 
-/// `src` widened to f32 into `dst` (of the same length), as [`bf16_as_f32`].
-pub(crate) fn bf16_to_f32_init(src: &[half::bf16], dst: &mut [f32]) {
-    // SAFETY: `MaybeUninit<f32>` has f32's layout, and the kernel writes only f32 values,
-    // so `dst` stays initialised.
-    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
-    bf16_to_f32(src, dst)
-}
-
 /// `src` rounded to bf16 in a new vector, written once (no zero fill first).
 pub(crate) fn bf16_vec_from_f32(src: &[f32]) -> Vec<half::bf16> {
     let mut out = Vec::new();

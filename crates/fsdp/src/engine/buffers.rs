@@ -2,11 +2,14 @@
 //! element type and packed into the ranks' blocks (the CPU data plane's and the row-sparse
 //! reduction's), a collective's result read back as f32.
 
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
 use candle_core::{CpuStorage, Storage, Tensor};
 use fsdp_comm::{Buffer, BufferElement, DType};
 
 use super::cpu_floats::float_pair;
-use super::error::EngineError;
+use super::error::{EngineError, unit_name};
 use super::plan::ShardLayout;
 use crate::nn::ops::{bf16_to_f32_into, f32_to_bf16_into};
 
@@ -71,49 +74,221 @@ fn with_elements<R>(
     read(cpu, first..last, &unsupported)
 }
 
-/// Writes a parameter's full gradient into its rows of every rank's block of `packed`.
-pub(crate) fn pack_gradient(
-    layout: &ShardLayout,
-    grad: &Tensor,
-    packed: &mut Buffer,
+/// Runs `$body` (a statement) with `$v` bound to the host vector inside `$buf`, whatever
+/// its element type; nothing for a buffer in device memory.
+macro_rules! on_host_vec {
+    ($buf:expr, $v:ident => $body:expr) => {
+        match $buf {
+            Buffer::F32($v) => $body,
+            Buffer::F64($v) => $body,
+            Buffer::F16($v) => $body,
+            Buffer::BF16($v) => $body,
+            Buffer::I32($v) => $body,
+            Buffer::I64($v) => $body,
+            Buffer::U8($v) => $body,
+            #[allow(unreachable_patterns)]
+            _ => {}
+        }
+    };
+}
+
+/// A unit's gradients packed as its reduction takes them (`ranks` blocks of `block`
+/// elements in the reduction's dtype) while backward delivers them: each parameter's rows
+/// are written once into reserved memory that is never zero-filled first, and what no
+/// gradient wrote (the shards' padding rows, parameters without a gradient) is zeroed when
+/// the pack is finished.
+pub(crate) struct GradPack {
+    /// The elements: reserved and written in place until the pack is whole, then `len` long.
+    buffer: Buffer,
     block: usize,
     ranks: usize,
-) -> Result<(), EngineError> {
-    struct Pack<'a> {
-        layout: &'a ShardLayout,
-        block: usize,
-        ranks: usize,
-    }
-    impl GradientVisitor for Pack<'_> {
-        fn visit<T: BufferElement>(self, grad: &[T], packed: &mut Vec<T>) {
-            self.layout.pack(grad, self.block, self.ranks, packed);
+    /// Every element is written (the gaps were zeroed).
+    whole: bool,
+    /// The runs written so far, while not whole.
+    written: Vec<Range<usize>>,
+}
+
+impl GradPack {
+    /// An empty pack of `ranks` blocks of `block` elements of `dtype`.
+    pub fn new(dtype: DType, block: usize, ranks: usize) -> GradPack {
+        let mut buffer = Buffer::empty(dtype);
+        on_host_vec!(&mut buffer, v => v.reserve_exact(block * ranks));
+        GradPack {
+            buffer,
+            block,
+            ranks,
+            whole: false,
+            written: Vec::new(),
         }
     }
-    let host = on_host(grad)?;
-    // A gradient in another dtype than the reduction's (bf16 compute reduced in f32, or the
-    // reverse) is converted as it is packed, by the vector kernels: no converted copy of it.
-    let converted = with_elements(&layout.name, &host, |cpu, range, _| {
-        Ok(match (cpu, &mut *packed) {
-            (CpuStorage::BF16(g), Buffer::F32(p)) => {
-                layout.pack_converted(&g[range], block, ranks, p, bf16_to_f32_into);
-                true
-            }
-            (CpuStorage::F32(g), Buffer::BF16(p)) => {
-                layout.pack_converted(&g[range], block, ranks, p, f32_to_bf16_into);
-                true
-            }
-            _ => false,
-        })
-    })?;
-    if converted {
-        return Ok(());
+
+    fn len(&self) -> usize {
+        self.block * self.ranks
     }
-    let pack = Pack {
-        layout,
-        block,
-        ranks,
-    };
-    visit_gradient(&layout.name, &host, packed, pack)
+
+    /// Writes a parameter's full gradient into its rows of every rank's block.
+    pub fn add(&mut self, layout: &ShardLayout, grad: &Tensor) -> Result<(), EngineError> {
+        if layout.offset + layout.shard_numel() > self.block {
+            return Err(EngineError::UnsupportedTensor {
+                op: "gradient packing",
+                what: format!("the gradient of `{}`", layout.name),
+                found: format!(
+                    "rows at {}..{} of a rank's block",
+                    layout.offset,
+                    layout.offset + layout.shard_numel()
+                ),
+                expected: "rows inside the unit's gradient block",
+            });
+        }
+        let host = on_host(grad)?;
+        let mut runs = Runs {
+            layout,
+            block: self.block,
+            ranks: self.ranks,
+            whole: self.whole,
+            written: &mut self.written,
+        };
+        // A gradient in another dtype than the reduction's (bf16 compute reduced in f32, or
+        // the reverse) is converted as it is packed, by the vector kernels: no converted copy
+        // of it.
+        let buffer = &mut self.buffer;
+        let converted = with_elements(&layout.name, &host, |cpu, range, _| {
+            Ok(match (cpu, &mut *buffer) {
+                (CpuStorage::BF16(g), Buffer::F32(p)) => {
+                    runs.fill(&g[range], p, bf16_to_f32_into);
+                    true
+                }
+                (CpuStorage::F32(g), Buffer::BF16(p)) => {
+                    runs.fill(&g[range], p, f32_to_bf16_into);
+                    true
+                }
+                _ => false,
+            })
+        })?;
+        if converted {
+            return Ok(());
+        }
+        visit_gradient(&layout.name, &host, buffer, runs)
+    }
+
+    /// Zeroes what no gradient wrote: from now on every element is initialised.
+    fn make_whole(&mut self) {
+        if self.whole {
+            return;
+        }
+        self.written.sort_by_key(|r| r.start);
+        let mut gaps = Vec::new();
+        let mut at = 0;
+        for run in &self.written {
+            if run.start > at {
+                gaps.push(at..run.start);
+            }
+            at = at.max(run.end);
+        }
+        let len = self.len();
+        if at < len {
+            gaps.push(at..len);
+        }
+        on_host_vec!(&mut self.buffer, v => zero_gaps(v, len, &gaps));
+        self.whole = true;
+        self.written = Vec::new();
+    }
+
+    /// `self += part` (a parameter's gradients read in several places, or carried from
+    /// backwards without sync), an error naming `op` and the unit at `unit_path` when their
+    /// dtypes or sizes differ.
+    pub fn add_assign(
+        &mut self,
+        part: &Buffer,
+        op: &'static str,
+        unit_path: &str,
+    ) -> Result<(), EngineError> {
+        self.make_whole();
+        if self.buffer.add_assign(part) {
+            return Ok(());
+        }
+        Err(EngineError::UnsupportedTensor {
+            op,
+            what: format!("the gradients of {}", unit_name(unit_path)),
+            found: format!("{:?} x {}", part.dtype(), part.len()),
+            expected: "the unit's gradient pack's dtype and size",
+        })
+    }
+
+    /// The pack, every element written: what no gradient wrote is zero.
+    pub fn finish(mut self) -> Buffer {
+        self.make_whole();
+        self.buffer
+    }
+}
+
+/// A pack's `len` elements to be written: the reserved capacity of an empty vector, or the
+/// elements of a whole one (then only initialised values are written through them).
+fn slots<T>(v: &mut Vec<T>, len: usize, whole: bool) -> &mut [MaybeUninit<T>] {
+    if whole {
+        let v = &mut v[..len];
+        // SAFETY: `MaybeUninit<T>` has `T`'s layout, and the pack writes only `T` values
+        // through the view, so the vector stays initialised.
+        unsafe { &mut *(v as *mut [T] as *mut [MaybeUninit<T>]) }
+    } else {
+        &mut v.spare_capacity_mut()[..len]
+    }
+}
+
+/// Where one parameter's gradient goes in a pack being filled (`ranks` blocks of `block`),
+/// and the record of the runs written.
+struct Runs<'a> {
+    layout: &'a ShardLayout,
+    block: usize,
+    ranks: usize,
+    /// The pack's elements are all initialised.
+    whole: bool,
+    written: &'a mut Vec<Range<usize>>,
+}
+
+impl Runs<'_> {
+    /// Writes the gradient's `values` into its runs of `packed` with `write`, recording each.
+    fn fill<S, T>(
+        &mut self,
+        values: &[S],
+        packed: &mut Vec<T>,
+        write: impl Fn(&[S], &mut [MaybeUninit<T>]),
+    ) {
+        let pack = slots(packed, self.block * self.ranks, self.whole);
+        let written = &mut *self.written;
+        (self.layout).pack_runs(0, values.len(), self.block, self.ranks, |from, to| {
+            write(&values[from], &mut pack[to.clone()]);
+            written.push(to);
+        });
+    }
+}
+
+impl GradientVisitor for Runs<'_> {
+    fn visit<T: BufferElement>(mut self, grad: &[T], packed: &mut Vec<T>) {
+        self.fill(grad, packed, write_copy);
+    }
+}
+
+/// `dst = src` (of one length) into memory that may be uninitialised.
+fn write_copy<T: Copy>(src: &[T], dst: &mut [MaybeUninit<T>]) {
+    let n = dst.len().min(src.len());
+    // SAFETY: both are valid for `n` elements and cannot overlap (`dst` is borrowed
+    // mutably); `MaybeUninit<T>` has `T`'s layout.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<T>(), n) }
+}
+
+/// Zeroes the `gaps` of an empty vector's first `len` reserved elements, the rest having
+/// been written, and sets its length to `len`.
+fn zero_gaps<T: Copy + Default>(v: &mut Vec<T>, len: usize, gaps: &[Range<usize>]) {
+    if v.len() == len {
+        return;
+    }
+    let slots = &mut v.spare_capacity_mut()[..len];
+    for gap in gaps {
+        slots[gap.clone()].fill(MaybeUninit::new(T::default()));
+    }
+    // SAFETY: every element below `len` is written: by a run of the pack or as a gap.
+    unsafe { v.set_len(len) };
 }
 
 /// candle's dtype for a communication dtype (f32 for non-float ones).
@@ -155,30 +330,57 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_gradient_packs_as_its_copy_converted_to_the_reductions_dtype() {
-        // 5 rows of 3 over 2 ranks: 3 rows each, rank 1's last one padding, the parameter
-        // 2 elements into each rank's block of 12.
-        let layout = ShardLayout {
-            name: "w".into(),
+    /// 5 rows of 3 over 2 ranks: 3 rows each, rank 1's last one padding, the parameter
+    /// 2 elements into each rank's block of 12 (the first 2 and last 1 written by no one).
+    fn layout(name: &str, offset: usize) -> ShardLayout {
+        ShardLayout {
+            name: name.into(),
             shape: vec![5, 3],
             requires_grad: true,
             sparse_grad: false,
             rows_per_rank: 3,
             row_elems: 3,
-            offset: 2,
+            offset,
             packing: None,
-        };
-        let (block, ranks) = (12, 2);
-        // Values bf16 rounds (ties, halfway and far from it, a NaN, an infinity, a tiny one).
+        }
+    }
+
+    /// Values bf16 rounds (ties, halfway and far from it, a NaN, an infinity, a tiny one).
+    fn values() -> Vec<f32> {
         let mut values: Vec<f32> = (0..15).map(|i| i as f32 * 0.3791 - 2.17).collect();
         values[3] = f32::from_bits(0x3f80_8000); // a tie, to even (down)
         values[4] = f32::from_bits(0x3f81_8000); // a tie, to even (up)
         values[7] = f32::NAN;
         values[8] = f32::NEG_INFINITY;
         values[11] = 1e-41;
+        values
+    }
+
+    /// What a pack of `grad` laid out as `layout` must hold: candle's conversion of it to
+    /// `reduce`, packed over zeros.
+    fn packed_by_candle(layout: &ShardLayout, grad: &Tensor, reduce: DType) -> Buffer {
+        let (block, ranks) = (12, 2);
+        let mut want = Buffer::zeros(reduce, block * ranks);
+        let converted = grad.to_dtype(candle_dtype(reduce)).unwrap();
+        let converted = converted.flatten_all().unwrap();
+        match (&mut want, converted.dtype()) {
+            (Buffer::F32(w), TensorDType::F32) => {
+                layout.pack(&converted.to_vec1::<f32>().unwrap(), block, ranks, w)
+            }
+            (Buffer::BF16(w), TensorDType::BF16) => {
+                let v = converted.to_vec1::<half::bf16>().unwrap();
+                layout.pack(&v, block, ranks, w)
+            }
+            _ => unreachable!(),
+        }
+        want
+    }
+
+    #[test]
+    fn a_gradient_packs_as_its_copy_converted_to_the_reductions_dtype() {
+        let layout = layout("w", 2);
         let cpu = Device::Cpu;
-        let transposed = Tensor::from_vec(values.clone(), (3, 5), &cpu)
+        let transposed = Tensor::from_vec(values(), (3, 5), &cpu)
             .unwrap()
             .t()
             .unwrap();
@@ -191,33 +393,60 @@ mod tests {
         for (grad_dtype, reduce) in cases {
             for contiguous in [true, false] {
                 let grad = if contiguous {
-                    Tensor::from_vec(values.clone(), (5, 3), &cpu).unwrap()
+                    Tensor::from_vec(values(), (5, 3), &cpu).unwrap()
                 } else {
                     transposed.clone()
                 };
                 let grad = grad.to_dtype(grad_dtype).unwrap();
-                // What the pack must hold: the gradient converted by candle, then packed,
-                // over a buffer of NaNs (the padding and the other rows must keep them).
-                let nan = Buffer::from_f32(&vec![f32::NAN; block * ranks], reduce).unwrap();
-                let converted = grad.to_dtype(candle_dtype(reduce)).unwrap();
-                let converted = converted.flatten_all().unwrap();
-                let mut want = nan.clone();
-                match (&mut want, converted.dtype()) {
-                    (Buffer::F32(w), TensorDType::F32) => {
-                        layout.pack(&converted.to_vec1::<f32>().unwrap(), block, ranks, w)
-                    }
-                    (Buffer::BF16(w), TensorDType::BF16) => {
-                        let v = converted.to_vec1::<half::bf16>().unwrap();
-                        layout.pack(&v, block, ranks, w)
-                    }
-                    _ => unreachable!(),
-                }
-                let mut got = nan.clone();
-                pack_gradient(&layout, &grad, &mut got, block, ranks).unwrap();
+                let want = packed_by_candle(&layout, &grad, reduce);
+                let mut pack = GradPack::new(reduce, 12, 2);
+                pack.add(&layout, &grad).unwrap();
+                let got = pack.finish();
                 let case = format!("{grad_dtype:?} into {reduce:?}, contiguous {contiguous}");
+                assert_eq!(got.len(), 24, "{case}");
                 assert_eq!(bits(&got), bits(&want), "{case}");
-                assert_ne!(bits(&got), bits(&nan), "{case}: nothing packed");
             }
         }
+    }
+
+    #[test]
+    fn what_no_gradient_wrote_is_zero_and_parts_add_to_a_partial_pack() {
+        // Two parameters' places in blocks of 21: `a` at 2, `b` at 11, a gap between them
+        // and after; only `a` receives a gradient before the pack is summed with a part,
+        // then `b` receives one.
+        let (a, b) = (layout("a", 2), layout("b", 11));
+        let grad = Tensor::from_vec(values(), (5, 3), &Device::Cpu).unwrap();
+        let mut pack = GradPack::new(DType::F32, 21, 2);
+        pack.add(&a, &grad).unwrap();
+        let part = Buffer::F32((0..42).map(|i| i as f32).collect());
+        pack.add_assign(&part, "test", "u").unwrap();
+        pack.add(&b, &grad).unwrap();
+        let got = pack.finish().into_vec::<f32>().unwrap();
+        let mut want = vec![0f32; 42];
+        let v = values();
+        a.pack(&v, 21, 2, &mut want);
+        want.iter_mut().zip(0..).for_each(|(w, i)| *w += i as f32);
+        b.pack(&v, 21, 2, &mut want);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+        // A pack nothing was written into is all zeros.
+        let empty = GradPack::new(DType::BF16, 7, 3).finish();
+        let empty = empty.into_vec::<half::bf16>().unwrap();
+        assert!(empty.len() == 21 && empty.iter().all(|x| x.to_bits() == 0));
+        // A part of another size is an error naming the op and the unit.
+        let mut pack = GradPack::new(DType::F32, 4, 1);
+        let e = pack.add_assign(&part, "summing", "layers.0").unwrap_err();
+        assert!(
+            e.to_string().contains("summing") && e.to_string().contains("layers.0"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_parameter_outside_the_block_is_an_error_naming_it() {
+        let grad = Tensor::from_vec(values(), (5, 3), &Device::Cpu).unwrap();
+        let mut pack = GradPack::new(DType::F32, 12, 2);
+        let e = pack.add(&layout("big", 4), &grad).unwrap_err().to_string();
+        assert!(e.contains("`big`") && e.contains("4..13"), "{e}");
     }
 }

@@ -9,6 +9,7 @@
 use candle_core::{Storage, Tensor};
 use fsdp_comm::{Buffer, DType};
 
+use super::buffers::GradPack;
 use super::error::EngineError;
 use super::plan::ShardLayout;
 
@@ -59,18 +60,16 @@ pub(crate) trait DataPlane: Send + Sync {
     ) -> Result<(), EngineError>;
 
     /// Writes parameter `layout`'s full gradient into its rows of every rank's block of
-    /// `packed` (cast to the buffer's element type). The packed blocks are host memory, so
+    /// `packed` (cast to the pack's element type). The packed blocks are host memory, so
     /// every plane reads the gradient there (`buffers::visit_gradient` copies one off a
     /// device); a plane reducing on its device would pack there instead.
     fn pack_gradient(
         &self,
         layout: &ShardLayout,
         grad: &Tensor,
-        packed: &mut Buffer,
-        block: usize,
-        ranks: usize,
+        packed: &mut GradPack,
     ) -> Result<(), EngineError> {
-        super::buffers::pack_gradient(layout, grad, packed, block, ranks)
+        packed.add(layout, grad)
     }
 
     /// A contiguous copy of `t`'s values (a checkpointed unit's output, kept while its

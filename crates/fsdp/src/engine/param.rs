@@ -183,20 +183,6 @@ impl ShardLayout {
         self.pack_rows(0, values, block, ranks, packed);
     }
 
-    /// [`ShardLayout::pack`] of values of another element type, each run of rows written
-    /// by `convert` (source run, destination run of the same length): a gradient converted
-    /// straight into its reduction's dtype, without an intermediate tensor.
-    pub fn pack_converted<S, T>(
-        &self,
-        values: &[S],
-        block: usize,
-        ranks: usize,
-        packed: &mut [T],
-        convert: impl Fn(&[S], &mut [T]),
-    ) {
-        self.pack_rows_with(0, values, block, ranks, packed, convert);
-    }
-
     /// [`ShardLayout::pack`] of a piece of whole rows starting at row `first`.
     pub fn pack_rows<T: Copy>(
         &self,
@@ -206,23 +192,23 @@ impl ShardLayout {
         ranks: usize,
         packed: &mut [T],
     ) {
-        self.pack_rows_with(first, piece, block, ranks, packed, |from, to| {
-            to.copy_from_slice(from)
+        self.pack_runs(first, piece.len(), block, ranks, |from, to| {
+            packed[to].copy_from_slice(&piece[from])
         });
     }
 
-    /// [`ShardLayout::pack_rows`] with each run of rows written by `write` (source run,
-    /// destination run of the same length).
-    fn pack_rows_with<S, T>(
+    /// Where [`ShardLayout::pack_rows`] puts a piece of `len` elements of whole rows starting
+    /// at row `first`: `run` is called with each run's range in the piece and in the packed
+    /// blocks (of the same length), rank by rank.
+    pub fn pack_runs(
         &self,
         first: usize,
-        piece: &[S],
+        len: usize,
         block: usize,
         ranks: usize,
-        packed: &mut [T],
-        write: impl Fn(&[S], &mut [T]),
+        mut run: impl FnMut(Range<usize>, Range<usize>),
     ) {
-        let end_row = first + piece.len() / self.row_elems.max(1);
+        let end_row = first + len / self.row_elems.max(1);
         for r in 0..ranks {
             let (start, end) = self.rows_of(r);
             let (a, b) = (start.max(first), end.min(end_row));
@@ -232,7 +218,7 @@ impl ShardLayout {
             let len = (b - a) * self.row_elems;
             let to = r * block + self.offset + (a - start) * self.row_elems;
             let from = (a - first) * self.row_elems;
-            write(&piece[from..from + len], &mut packed[to..to + len]);
+            run(from..from + len, to..to + len);
         }
     }
 }

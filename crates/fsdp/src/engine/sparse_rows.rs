@@ -15,7 +15,7 @@ use fsdp_comm::{Buffer, BufferElement, CommError, Communicator, Mesh, ReduceOp, 
 
 use candle_core::Tensor;
 
-use super::buffers::{GradientVisitor, pack_gradient, visit_gradient};
+use super::buffers::{GradPack, GradientVisitor, visit_gradient};
 use super::error::EngineError;
 use super::plan::{ShardLayout, UnitPlan};
 
@@ -145,7 +145,7 @@ impl RowSparsePlan {
 /// never copied (a backward without sync, or one adding carried gradients, packs whole).
 pub(crate) struct CompactGrads {
     plan: RowSparsePlan,
-    dense: Buffer,
+    dense: GradPack,
     ids: Vec<i64>,
     values: Buffer,
 }
@@ -154,7 +154,7 @@ impl CompactGrads {
     /// Empty, in `dtype` (the reduction's).
     pub fn new(plan: RowSparsePlan, dtype: fsdp_comm::DType) -> CompactGrads {
         CompactGrads {
-            dense: Buffer::zeros(dtype, plan.dense_block() * plan.ranks),
+            dense: GradPack::new(dtype, plan.dense_block(), plan.ranks),
             values: Buffer::empty(dtype),
             ids: Vec::new(),
             plan,
@@ -180,8 +180,7 @@ impl CompactGrads {
                 offset: layout.offset - before,
                 ..layout.clone()
             };
-            let block = plan.dense_block();
-            return pack_gradient(&moved, grad, &mut self.dense, block, plan.ranks);
+            return self.dense.add(&moved, grad);
         };
         struct Touched<'a> {
             base: usize,
@@ -210,7 +209,8 @@ impl CompactGrads {
 
     /// Starts the reduction over `group` (see [`RowSparseReduce::start`]).
     pub fn start(self, group: &dyn Communicator) -> Result<RowSparseReduce, CommError> {
-        RowSparseReduce::start_parts(self.plan, group, self.dense, self.ids, self.values)
+        let dense = self.dense.finish();
+        RowSparseReduce::start_parts(self.plan, group, dense, self.ids, self.values)
     }
 }
 

@@ -6,6 +6,7 @@
 use candle_core::Tensor;
 use fsdp_comm::{Buffer, DType};
 
+use super::buffers::GradPack;
 use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::fsdp_unit::FsdpUnit;
@@ -24,7 +25,7 @@ pub(crate) enum Completed {
 /// One unit's gradients in one step.
 pub(crate) struct UnitGrads {
     /// This backward's gradients, packed as the reduction takes them.
-    pack: Option<Buffer>,
+    pack: Option<GradPack>,
     /// Instead of `pack`, for a unit with row-sparse parameters reducing this backward with
     /// nothing carried: its gradients collected for the row-sparse reduction.
     rows: Option<CompactGrads>,
@@ -95,8 +96,8 @@ impl UnitGrads {
             rows.add(layout, grad)?;
         } else if to.unit.kind.is_replicated() && self.has_grad[to.param] {
             // Read in several places (inside and outside checkpointed units): the parts add.
-            let mut part = Buffer::zeros(to.dtype, block);
-            plane.pack_gradient(layout, grad, &mut part, block, 1)?;
+            let mut part = GradPack::new(to.dtype, block, 1);
+            plane.pack_gradient(layout, grad, &mut part)?;
             let pack = self
                 .pack
                 .as_mut()
@@ -106,12 +107,12 @@ impl UnitGrads {
                     state: "holding no gradient pack",
                 })?;
             let op = "summing a parameter's gradients read in several places";
-            add_into(pack, &part, op, to.unit)?;
+            pack.add_assign(&part.finish(), op, &to.unit.path)?;
         } else {
             let pack = self
                 .pack
-                .get_or_insert_with(|| Buffer::zeros(to.dtype, block * to.ranks));
-            plane.pack_gradient(layout, grad, pack, block, to.ranks)?;
+                .get_or_insert_with(|| GradPack::new(to.dtype, block, to.ranks));
+            plane.pack_gradient(layout, grad, pack)?;
         }
         self.has_grad[to.param] = true;
         self.received += 1;
@@ -133,15 +134,11 @@ impl UnitGrads {
         }
         let merged = match (self.pack.take(), self.carried.take()) {
             (Some(mut pack), Some(carried)) => {
-                add_into(
-                    &mut pack,
-                    &carried,
-                    "gradient accumulation without sync",
-                    unit,
-                )?;
-                Some(pack)
+                let op = "gradient accumulation without sync";
+                pack.add_assign(&carried, op, &unit.path)?;
+                Some(pack.finish())
             }
-            (pack, carried) => pack.or(carried),
+            (pack, carried) => pack.map(GradPack::finish).or(carried),
         };
         if self.keep {
             self.unreduced = merged;
@@ -149,22 +146,4 @@ impl UnitGrads {
         }
         Ok(merged.map_or(Completed::Nothing, Completed::Packed))
     }
-}
-
-/// `sum += part`, an error naming `op` and `unit` when their dtypes or sizes differ.
-fn add_into(
-    sum: &mut Buffer,
-    part: &Buffer,
-    op: &'static str,
-    unit: &FsdpUnit,
-) -> Result<(), EngineError> {
-    if sum.add_assign(part) {
-        return Ok(());
-    }
-    Err(EngineError::UnsupportedTensor {
-        op,
-        what: format!("the gradients of {}", unit.name()),
-        found: format!("{:?} x {}", part.dtype(), part.len()),
-        expected: "the unit's gradient pack's dtype and size",
-    })
 }
