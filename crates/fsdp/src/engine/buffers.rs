@@ -1,6 +1,7 @@
 //! Between tensors and communication buffers: a parameter's gradient read in a buffer's
 //! element type and packed into the ranks' blocks (the CPU data plane's and the row-sparse
-//! reduction's), a collective's result read back as f32.
+//! reduction's: [`GradPack`], written once, converted as it is written), a collective's
+//! result read back as f32.
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -54,11 +55,7 @@ fn on_host(grad: &Tensor) -> Result<Tensor, EngineError> {
 fn with_elements<R>(
     name: &str,
     grad: &Tensor,
-    read: impl FnOnce(
-        &CpuStorage,
-        std::ops::Range<usize>,
-        &dyn Fn() -> EngineError,
-    ) -> Result<R, EngineError>,
+    read: impl FnOnce(&CpuStorage, Range<usize>, &dyn Fn() -> EngineError) -> Result<R, EngineError>,
 ) -> Result<R, EngineError> {
     let (storage, l) = grad.storage_and_layout();
     let unsupported = || EngineError::UnsupportedTensor {
