@@ -2,7 +2,8 @@
 //! starts as `0xFF` bytes instead of what the system hands out (often zeros, from fresh
 //! pages), so code that writes into reserved, uninitialised memory (collectives' outputs,
 //! kernels' results) and returns some it never wrote shows garbage instead of passing by
-//! luck. Installed by fsdp's and fsdp-comm's integration tests and fsdp-nn's tests.
+//! luck. Installed by fsdp's and fsdp-comm's integration tests and by fsdp's and fsdp-nn's
+//! unit tests.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
