@@ -29,7 +29,9 @@ pub enum Buffer {
 }
 
 /// Runs `$body` with `$v` bound to the host vector inside `$buf` (any element type);
-/// `$cuda` is the value for a device buffer.
+/// `$cuda` is the value for a device buffer. Defined once per build of this crate (with and
+/// without its `nccl` feature), so the match fits the enum whichever crate expands it.
+#[cfg(feature = "nccl")]
 #[macro_export]
 #[doc(hidden)]
 macro_rules! with_host_vec {
@@ -42,8 +44,26 @@ macro_rules! with_host_vec {
             $crate::Buffer::I32($v) => $body,
             $crate::Buffer::I64($v) => $body,
             $crate::Buffer::U8($v) => $body,
-            #[cfg(feature = "nccl")]
             $crate::Buffer::Cuda(_) => $cuda,
+        }
+    };
+}
+
+/// Runs `$body` with `$v` bound to the host vector inside `$buf` (any element type);
+/// `$cuda` is the value for a device buffer (which this build has not).
+#[cfg(not(feature = "nccl"))]
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_host_vec {
+    ($buf:expr, $v:ident => $body:expr, cuda => $cuda:expr) => {
+        match $buf {
+            $crate::Buffer::F32($v) => $body,
+            $crate::Buffer::F64($v) => $body,
+            $crate::Buffer::F16($v) => $body,
+            $crate::Buffer::BF16($v) => $body,
+            $crate::Buffer::I32($v) => $body,
+            $crate::Buffer::I64($v) => $body,
+            $crate::Buffer::U8($v) => $body,
         }
     };
 }

@@ -7,7 +7,7 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use candle_core::{CpuStorage, Storage, Tensor};
-use fsdp_comm::{Buffer, BufferElement, DType};
+use fsdp_comm::{Buffer, BufferElement, DType, with_host_vec};
 
 use super::cpu_floats::float_pair;
 use super::error::{EngineError, unit_name};
@@ -71,37 +71,18 @@ fn with_elements<R>(
     read(cpu, first..last, &unsupported)
 }
 
-/// Runs `$body` (a statement) with `$v` bound to the host vector inside `$buf`, whatever
-/// its element type; nothing for a buffer in device memory.
-macro_rules! on_host_vec {
-    ($buf:expr, $v:ident => $body:expr) => {
-        match $buf {
-            Buffer::F32($v) => $body,
-            Buffer::F64($v) => $body,
-            Buffer::F16($v) => $body,
-            Buffer::BF16($v) => $body,
-            Buffer::I32($v) => $body,
-            Buffer::I64($v) => $body,
-            Buffer::U8($v) => $body,
-            #[allow(unreachable_patterns)]
-            _ => {}
-        }
-    };
-}
-
 /// A unit's gradients packed as its reduction takes them (`ranks` blocks of `block`
 /// elements in the reduction's dtype) while backward delivers them: each parameter's rows
 /// are written once into reserved memory that is never zero-filled first, and what no
 /// gradient wrote (the shards' padding rows, parameters without a gradient) is zeroed when
 /// the pack is finished.
 pub(crate) struct GradPack {
-    /// The elements: reserved and written in place until the pack is whole, then `len` long.
+    /// The elements: reserved and written in place while empty; once every element is
+    /// written (the gaps zeroed), `ranks * block` long.
     buffer: Buffer,
     block: usize,
     ranks: usize,
-    /// Every element is written (the gaps were zeroed).
-    whole: bool,
-    /// The runs written so far, while not whole.
+    /// The runs written so far, while the buffer is empty.
     written: Vec<Range<usize>>,
 }
 
@@ -109,12 +90,11 @@ impl GradPack {
     /// An empty pack of `ranks` blocks of `block` elements of `dtype`.
     pub fn new(dtype: DType, block: usize, ranks: usize) -> GradPack {
         let mut buffer = Buffer::empty(dtype);
-        on_host_vec!(&mut buffer, v => v.reserve_exact(block * ranks));
+        with_host_vec!(&mut buffer, v => v.reserve_exact(block * ranks), cuda => ());
         GradPack {
             buffer,
             block,
             ranks,
-            whole: false,
             written: Vec::new(),
         }
     }
@@ -142,7 +122,6 @@ impl GradPack {
             layout,
             block: self.block,
             ranks: self.ranks,
-            whole: self.whole,
             written: &mut self.written,
         };
         // A gradient in another dtype than the reduction's (bf16 compute reduced in f32, or
@@ -170,7 +149,7 @@ impl GradPack {
 
     /// Zeroes what no gradient wrote: from now on every element is initialised.
     fn make_whole(&mut self) {
-        if self.whole {
+        if self.buffer.len() == self.len() {
             return;
         }
         self.written.sort_by_key(|r| r.start);
@@ -186,8 +165,7 @@ impl GradPack {
         if at < len {
             gaps.push(at..len);
         }
-        on_host_vec!(&mut self.buffer, v => zero_gaps(v, len, &gaps));
-        self.whole = true;
+        with_host_vec!(&mut self.buffer, v => zero_gaps(v, len, &gaps), cuda => ());
         self.written = Vec::new();
     }
 
@@ -221,8 +199,8 @@ impl GradPack {
 
 /// A pack's `len` elements to be written: the reserved capacity of an empty vector, or the
 /// elements of a whole one (then only initialised values are written through them).
-fn slots<T>(v: &mut Vec<T>, len: usize, whole: bool) -> &mut [MaybeUninit<T>] {
-    if whole {
+fn slots<T>(v: &mut Vec<T>, len: usize) -> &mut [MaybeUninit<T>] {
+    if v.len() == len {
         let v = &mut v[..len];
         // SAFETY: `MaybeUninit<T>` has `T`'s layout, and the pack writes only `T` values
         // through the view, so the vector stays initialised.
@@ -238,8 +216,6 @@ struct Runs<'a> {
     layout: &'a ShardLayout,
     block: usize,
     ranks: usize,
-    /// The pack's elements are all initialised.
-    whole: bool,
     written: &'a mut Vec<Range<usize>>,
 }
 
@@ -251,7 +227,7 @@ impl Runs<'_> {
         packed: &mut Vec<T>,
         write: impl Fn(&[S], &mut [MaybeUninit<T>]),
     ) {
-        let pack = slots(packed, self.block * self.ranks, self.whole);
+        let pack = slots(packed, self.block * self.ranks);
         let written = &mut *self.written;
         (self.layout).pack_runs(0, values.len(), self.block, self.ranks, |from, to| {
             write(&values[from], &mut pack[to.clone()]);
@@ -277,9 +253,6 @@ fn write_copy<T: Copy>(src: &[T], dst: &mut [MaybeUninit<T>]) {
 /// Zeroes the `gaps` of an empty vector's first `len` reserved elements, the rest having
 /// been written, and sets its length to `len`.
 fn zero_gaps<T: Copy + Default>(v: &mut Vec<T>, len: usize, gaps: &[Range<usize>]) {
-    if v.len() == len {
-        return;
-    }
     let slots = &mut v.spare_capacity_mut()[..len];
     for gap in gaps {
         slots[gap.clone()].fill(MaybeUninit::new(T::default()));
