@@ -12,6 +12,3 @@ mod multiprocess;
 #[path = "../../fsdp/tests/common/poisoned.rs"]
 mod poisoned;
 mod store_hostile;
-
-#[global_allocator]
-static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;

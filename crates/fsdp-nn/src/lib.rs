@@ -19,9 +19,6 @@ extern crate self as fsdp_nn;
 #[cfg(test)]
 #[path = "../../fsdp/tests/common/poisoned.rs"]
 mod poisoned;
-#[cfg(test)]
-#[global_allocator]
-static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;
 /// Where the registry's macros look for it, as in the test crates.
 #[cfg(test)]
 mod common {

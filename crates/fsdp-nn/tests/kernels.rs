@@ -11,8 +11,6 @@ mod numerics;
 /// garbage here, so an element a kernel never wrote cannot pass as a fresh page's zero.
 #[path = "../../fsdp/tests/common/poisoned.rs"]
 mod poisoned;
-#[global_allocator]
-static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;
 use numerics::{Fun, eval, max_rel_diff, per_element_error, rand, weighted};
 
 /// The comparison holds each element to its own size: an error of half the tolerance times

@@ -22,9 +22,6 @@ mod skip;
 #[cfg(test)]
 #[path = "../tests/common/poisoned.rs"]
 mod poisoned;
-#[cfg(test)]
-#[global_allocator]
-static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;
 /// Where the registry's macros look for it, as in the test crates.
 #[cfg(test)]
 mod common {

@@ -10,8 +10,6 @@ mod common;
 /// allocation starts as NaN bytes, so an element it never wrote cannot pass as a zero.
 #[path = "common/poisoned.rs"]
 mod poisoned;
-#[global_allocator]
-static ALLOCATOR: poisoned::Poisoned = poisoned::Poisoned;
 
 mod accelerator;
 mod bert_reference;

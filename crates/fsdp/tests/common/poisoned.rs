@@ -2,8 +2,8 @@
 //! starts as `0xFF` bytes instead of what the system hands out (often zeros, from fresh
 //! pages), so code that writes into reserved, uninitialised memory (collectives' outputs,
 //! kernels' results) and returns some it never wrote shows garbage instead of passing by
-//! luck. Installed by fsdp's and fsdp-comm's integration tests and by fsdp's and fsdp-nn's
-//! unit tests.
+//! luck. Installed (by including this file) in fsdp's and fsdp-comm's integration tests and
+//! in fsdp's and fsdp-nn's unit tests.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
@@ -13,6 +13,11 @@ const POISON: u8 = 0xFF;
 
 /// The system allocator, poisoning what it hands out (zeroed requests stay zeroed).
 pub struct Poisoned;
+
+/// Including this file makes it the binary's allocator: that is what every includer wants,
+/// and the self-test below relies on it.
+#[global_allocator]
+static ALLOCATOR: Poisoned = Poisoned;
 
 // SAFETY: every call is the system allocator's; the bytes written are inside the block it
 // returned (the whole block, or the part a reallocation added).
