@@ -455,6 +455,21 @@ fn models_and_optimizers_pair_by_preparation_order() {
         .unwrap()
         .to_string();
     assert!(err.contains("a second forward before backward"), "{err}");
+    // Nor an evaluation: the units are in the training forward's step until its backward.
+    for gathered in [false, true] {
+        let run = |m: &BertForSequenceClassification, p: &dyn fsdp::nn::Params| {
+            m.forward(p, &ids, None, None)
+        };
+        let err = match gathered {
+            false => b.evaluate(run),
+            true => b.evaluate_gathered(run),
+        };
+        let err = err.err().unwrap().to_string();
+        assert!(
+            err.contains("an evaluation while a training forward waits"),
+            "{err}"
+        );
+    }
     // A typed error a program can match on.
     let err = b.forward(|m, p| m.forward(p, &ids, None, None)).err();
     assert!(

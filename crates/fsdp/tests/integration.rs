@@ -37,6 +37,7 @@ mod minilm;
 mod models;
 mod non_finite;
 mod offload;
+mod open_step;
 mod plan;
 mod qlora;
 mod reshard_after_forward;

@@ -126,6 +126,7 @@ impl<M> PreparedModel<M> {
         &self,
         f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,
     ) -> Result<T, AcceleratorError> {
+        self.refuse_open_forward()?;
         let params = self.engine.begin_eval(false)?;
         Ok(f(&self.module, &params)?)
     }
@@ -137,8 +138,21 @@ impl<M> PreparedModel<M> {
         &self,
         f: impl FnOnce(&M, &dyn Params) -> candle_core::Result<T>,
     ) -> Result<T, AcceleratorError> {
+        self.refuse_open_forward()?;
         let params = self.engine.begin_eval(true)?;
         Ok(f(&self.module, &params)?)
+    }
+
+    /// A call-order error while a training forward waits for its backward: the model's
+    /// units are in that step until then.
+    fn refuse_open_forward(&self) -> Result<(), AcceleratorError> {
+        match self.open {
+            Some(_) => Err(AcceleratorError::CallOrder {
+                model: self.index,
+                problem: "an evaluation while a training forward waits for its backward: call Accelerator::backward on its loss first",
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Backward of the open forward, its gradients accumulated by the engine: reduced

@@ -8,7 +8,7 @@ use std::time::Instant;
 use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, ReduceOp, TwoHops, Work};
 
 use super::error::EngineError;
-use super::fsdp_unit::UnitKind;
+use super::plan::UnitKind;
 use super::quantized_blocks::Codec;
 use super::sparse_rows::{CompactGrads, RowSparsePlan, RowSparseReduce};
 use crate::config::{AllGatherDtype, FsdpPlugin, MixedPrecision, ReduceDtype};

@@ -1,6 +1,6 @@
 //! Debug mode's checks (`debug: true` in the configuration, `ACCELERATE_DEBUG_MODE=true`, or
 //! `Fsdp::set_debug`): released parameters are poisoned with NaN rather than returned (see
-//! `UnitRun::post_forward`), the graph is checked before backward runs, and a non-finite loss
+//! `FsdpUnit::post_forward`), the graph is checked before backward runs, and a non-finite loss
 //! is traced back to the released parameter read outside its unit.
 
 use std::collections::{HashMap, HashSet};
@@ -9,37 +9,38 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{CpuStorage, Tensor, TensorId};
 
 use super::error::EngineError;
-use super::unit::{ShardedState, UnitRun};
+use std::sync::Arc;
+
+use super::unit::{FsdpUnit, ShardedState};
 
 /// Before backward: every unit released after its forward reported its output (else nothing
 /// refills it), and each of its parameters in the graph reaches the loss through that
 /// output (else it was used outside its unit).
 pub(crate) fn check_graph(
-    runs: &[UnitRun],
+    units: &[Arc<FsdpUnit>],
     in_graph: &HashSet<TensorId>,
 ) -> Result<(), EngineError> {
-    for run in runs {
-        if run.unhooked() {
-            return Err(EngineError::UnhookedOutput {
-                unit: run.unit.name(),
-            });
+    for unit in units {
+        if unit.unhooked() {
+            return Err(EngineError::UnhookedOutput { unit: unit.name() });
         }
-        if run.sharded_state() == ShardedState::Sharded || run.unit.path.is_empty() {
+        if unit.sharded_state() == ShardedState::Sharded || unit.path.is_empty() {
             continue;
         }
-        if run.outputs.is_empty() {
+        let outputs = unit.outputs();
+        if outputs.is_empty() {
             continue;
         }
         let mut reach: HashSet<TensorId> = HashSet::new();
-        for o in &run.outputs {
+        for o in &outputs {
             reach.extend(o.sorted_nodes().iter().map(|t| t.id()));
         }
-        for (p, f) in run.unit.params.iter().zip(&run.full) {
+        for (p, f) in unit.params.iter().zip(&unit.full()) {
             let id = f.id();
             if in_graph.contains(&id) && !reach.contains(&id) {
                 return Err(EngineError::UsedOutsideUnit {
                     param: p.layout.name.clone(),
-                    unit: run.unit.name(),
+                    unit: unit.name(),
                 });
             }
         }
@@ -52,7 +53,7 @@ pub(crate) fn check_graph(
 /// released parameter) non-finite value in forward order (values computed before a release
 /// stay finite) and names the released parameters it depends on; `None` when the cause is
 /// not a released parameter.
-pub(crate) fn diagnose_non_finite(runs: &[UnitRun], loss: &Tensor) -> Option<EngineError> {
+pub(crate) fn diagnose_non_finite(units: &[Arc<FsdpUnit>], loss: &Tensor) -> Option<EngineError> {
     let finite = |t: &Tensor| -> bool {
         t.to_dtype(candle_core::DType::F32)
             .and_then(|t| t.flatten_all())
@@ -72,12 +73,12 @@ pub(crate) fn diagnose_non_finite(runs: &[UnitRun], loss: &Tensor) -> Option<Eng
     }
     let mut released: HashMap<TensorId, (String, &str)> = HashMap::new();
     let mut released_buffers = HashSet::new();
-    for run in runs {
-        if run.sharded_state() != ShardedState::ReleasedAfterForward {
+    for unit in units {
+        if unit.sharded_state() != ShardedState::ReleasedAfterForward {
             continue;
         }
-        for (p, f) in run.unit.params.iter().zip(&run.full) {
-            released.insert(f.id(), (run.unit.name(), p.layout.name.as_str()));
+        for (p, f) in unit.params.iter().zip(&unit.full()) {
+            released.insert(f.id(), (unit.name(), p.layout.name.as_str()));
             released_buffers.insert(buffer(f));
         }
     }
@@ -103,12 +104,12 @@ pub(crate) fn diagnose_non_finite(runs: &[UnitRun], loss: &Tensor) -> Option<Eng
 /// Warns (rank 0, once per unit and engine: `reported`) about units that stayed gathered
 /// through forward because their output never passed through `module_output`: training is
 /// correct, but FSDP's memory saving for them is gone, which nothing else would show.
-pub(crate) fn report_unhooked(runs: &[UnitRun], reported: &[AtomicBool], rank: usize) {
-    for (run, reported) in runs.iter().zip(reported) {
-        if run.unhooked() && !reported.swap(true, Ordering::Relaxed) && rank == 0 {
+pub(crate) fn report_unhooked(units: &[Arc<FsdpUnit>], reported: &[AtomicBool], rank: usize) {
+    for (unit, reported) in units.iter().zip(reported) {
+        if unit.unhooked() && !reported.swap(true, Ordering::Relaxed) && rank == 0 {
             tracing::warn!(
                 "{} was gathered in forward, but its output never passed through Params::module_output, so it stays gathered until its backward and FSDP saves no memory on it: run the module with `Forward::call` (`module.call(p, input)`), not `forward` (reported once per unit)",
-                run.unit.name()
+                unit.name()
             );
         }
     }

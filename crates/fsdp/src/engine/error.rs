@@ -102,6 +102,16 @@ pub enum EngineError {
     /// A graph op of a step ran after the step ended.
     #[error("fsdp: backward ran after its step ended")]
     StepEnded,
+    /// The units are in a step whose parameters are still held (a forward not yet through
+    /// its backward, or an evaluation's parameters not dropped): a step begins, and the
+    /// shards change, only when none is open.
+    #[error(
+        "{op} while a step is open: finish the open forward with backward, or drop its parameters, first"
+    )]
+    StepOpen {
+        /// What was refused (`begin a step`, `the optimizer step`, ...).
+        op: &'static str,
+    },
     /// A name that is no parameter of the model.
     #[error("unknown parameter `{name}`")]
     UnknownParameter {

@@ -7,12 +7,13 @@
 //! release them there. Reads are found by storage, so views of a frozen weight count.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{Tensor, TensorId};
 
 use super::backward_reads;
 use super::error::EngineError;
-use super::unit::{RunContext, UnitRun};
+use super::unit::{FsdpUnit, RunContext};
 
 /// The address of `t`'s storage: equal for a tensor and its views.
 fn storage_address(t: &Tensor) -> usize {
@@ -31,12 +32,12 @@ pub(crate) struct FrozenReleases {
 }
 
 impl FrozenReleases {
-    /// Plans from `sorted` (`loss.sorted_nodes()`) for the units `runs`.
-    pub fn plan(sorted: &[&Tensor], runs: &[UnitRun]) -> FrozenReleases {
+    /// Plans from `sorted` (`loss.sorted_nodes()`) for `units`.
+    pub fn plan(sorted: &[&Tensor], units: &[Arc<FsdpUnit>]) -> FrozenReleases {
         let mut frozen: HashMap<usize, usize> = HashMap::new();
         let mut last_read = HashMap::new();
-        for (u, run) in runs.iter().enumerate() {
-            for (p, f) in run.unit.params.iter().zip(&run.full) {
+        for (u, unit) in units.iter().enumerate() {
+            for (p, f) in unit.params.iter().zip(&unit.full()) {
                 if !p.layout.requires_grad {
                     frozen.insert(storage_address(f), u);
                     last_read.insert(u, 0);
@@ -63,42 +64,47 @@ impl FrozenReleases {
     /// parameters no later node reads.
     pub fn at_param(
         &self,
-        runs: &mut [UnitRun],
+        units: &[Arc<FsdpUnit>],
         (u, i): (usize, usize),
         cx: &RunContext,
     ) -> Result<(), EngineError> {
-        let at = runs[u]
-            .full
-            .get(i)
-            .and_then(|f| self.positions.get(&f.id()));
-        self.release_before(runs, at.copied(), cx)
+        if self.last_read.is_empty() {
+            return Ok(());
+        }
+        let at = units[u]
+            .full_id(i)
+            .and_then(|id| self.positions.get(&id).copied());
+        self.release_before(units, at, cx)
     }
 
     /// Backward reached an output of unit `u` (the earliest of them, to be safe).
     pub fn at_outputs(
         &self,
-        runs: &mut [UnitRun],
+        units: &[Arc<FsdpUnit>],
         u: usize,
         cx: &RunContext,
     ) -> Result<(), EngineError> {
-        let at = runs[u]
-            .outputs
+        if self.last_read.is_empty() {
+            return Ok(());
+        }
+        let at = units[u]
+            .outputs()
             .iter()
-            .filter_map(|o| self.positions.get(&o.id()))
+            .filter_map(|o| self.positions.get(&o.id()).copied())
             .min();
-        self.release_before(runs, at.copied(), cx)
+        self.release_before(units, at, cx)
     }
 
     fn release_before(
         &self,
-        runs: &mut [UnitRun],
+        units: &[Arc<FsdpUnit>],
         at: Option<usize>,
         cx: &RunContext,
     ) -> Result<(), EngineError> {
         let Some(at) = at else { return Ok(()) };
         for (&u, &last) in &self.last_read {
             if last < at {
-                runs[u].reshard_frozen(cx)?;
+                units[u].reshard_frozen(cx)?;
             }
         }
         Ok(())

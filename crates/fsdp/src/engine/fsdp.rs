@@ -18,15 +18,16 @@ use fsdp_comm::{Communicator, CommunicatorExt, Mesh, ReduceOp};
 use super::collectives::CommDtypes;
 use super::data_plane::DataPlane;
 use super::error::EngineError;
-use super::fsdp_unit::{FsdpUnit, IGNORED_MODULES, UnitKind};
 use super::grads::{Accumulated, GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
 use super::offload::{ShardStore, StateOnDisk};
 use super::param::FsdpParam;
 use super::placement::Placement;
+use super::plan::UnitKind;
 use super::plan::{ShardLayout, UnitPlan};
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared};
 use super::unit::Prefetch;
+use super::unit::{FsdpUnit, IGNORED_MODULES};
 use crate::config::{CheckpointFormat, FsdpPlugin, StateDictType};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
@@ -276,7 +277,9 @@ impl Fsdp {
     }
 
     /// Starts a training step: the returned parameters gather each unit when forward first
-    /// reads it.
+    /// reads it. One step is open at a time (the units hold its state): refused with
+    /// [`EngineError::StepOpen`] while another step's parameters are held; a step ends at
+    /// its backward, or when its parameters are dropped.
     pub fn begin_step(&self) -> Result<StepParams, EngineError> {
         self.begin(true, false)
     }
@@ -284,11 +287,24 @@ impl Fsdp {
     /// Starts an evaluation forward: no graph is recorded (outputs carry no gradient), so
     /// nothing waits for a backward; units are gathered and released as in training, or with
     /// `hold` kept gathered until the parameters drop (many passes in a row: generation).
+    /// Refused like [`Fsdp::begin_step`] while another step is open.
     pub fn begin_eval(&self, hold: bool) -> Result<StepParams, EngineError> {
         self.begin(false, hold)
     }
 
     fn begin(&self, train: bool, hold: bool) -> Result<StepParams, EngineError> {
+        if super::unit::in_step(&self.units) {
+            return Err(EngineError::StepOpen {
+                op: if train {
+                    "a training forward"
+                } else {
+                    "an evaluation"
+                },
+            });
+        }
+        for unit in &self.units {
+            unit.reset_step();
+        }
         let opts = StepOptions {
             debug: self.debug,
             dtypes: self.dtypes,
@@ -389,7 +405,14 @@ impl Fsdp {
     /// step needs a new backward). Parameters that received no gradient are left alone, as
     /// PyTorch's optimizers do. Gradients with a NaN or inf on any rank are refused on every
     /// rank ([`EngineError::NonFiniteGradient`]) before anything is updated, and dropped.
+    /// Refused ([`EngineError::StepOpen`], gradients kept) while a step's parameters are
+    /// held.
     pub fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<StepReport, EngineError> {
+        if super::unit::in_step(&self.units) {
+            return Err(EngineError::StepOpen {
+                op: "the optimizer step",
+            });
+        }
         let Some(mut grads) = self.accumulated.reduced.take() else {
             return Err(EngineError::NoGradients { op: "step" });
         };
@@ -403,14 +426,13 @@ impl Fsdp {
             let Some(reduced) = reduced.memory() else {
                 continue;
             };
-            // The step in flight has ended, so the unit is not shared: no copy.
-            let unit = Arc::make_mut(&mut self.units[u]);
+            let unit = super::unit::exclusive(&mut self.units[u], "the optimizer step")?;
             let layouts = unit.params.iter_mut().zip(&unit.grad_layouts);
             for ((p, g), &has) in layouts.zip(has_grad) {
                 if !(p.layout.requires_grad && has) {
                     continue;
                 }
-                let at = super::fsdp_unit::grad_elements(p, g);
+                let at = super::unit::grad_elements(p, g);
                 let n = at.len();
                 let grad = &reduced[at];
                 let name = p.layout.name.clone();

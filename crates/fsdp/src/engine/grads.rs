@@ -7,8 +7,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::error::EngineError;
-use super::fsdp_unit::UnitKind;
 use super::offload::GradBlock;
+use super::plan::UnitKind;
 
 /// Where a parameter's rows sit in its unit's reduced block.
 #[derive(Debug, Clone)]

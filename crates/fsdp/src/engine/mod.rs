@@ -1,13 +1,14 @@
-//! The FSDP engine, in FSDP2's layers: the unit plan (`plan`: wrap policies, ignored modules,
-//! tied-parameter checks, dim-0 shard layout, memory estimate); one sharded parameter
-//! (`param`); a unit's lifecycle as a state machine with prefetch decided in one place
-//! (`unit`); the unit's collectives in the dtypes given (`collectives`); the graph ops that
-//! hook autograd (`hooks`); float element access both share (`cpu_floats`); initial weights
-//! into shards (`intake`); one step driving the units (`step`); debug checks (`debug`);
-//! reduced gradients by name (`grads`); fp16 loss scaling agreed over ranks (`grad_scaler`);
-//! storage and compute devices (`placement`); the disk tier of offloaded state and the
-//! optimizer step streaming it (`offload`); the engine that owns shards (`fsdp`); and its
-//! state by parameter name (`state_by_name`).
+//! The FSDP engine, in FSDP2's layers: the unit plan (`plan`: wrap policies, ignored
+//! modules, tied-parameter checks, dim-0 shard layout, memory estimate); one sharded
+//! parameter (`param`); the unit, owning its shards and its lifecycle in a step as a state
+//! machine, with prefetch decided in one place (`unit`); the unit's collectives in the
+//! dtypes given (`collectives`); the graph ops that hook autograd (`hooks`); float element
+//! access both share (`cpu_floats`); initial weights into shards (`intake`); one step
+//! driving the units (`step`); debug checks (`debug`); reduced gradients by name (`grads`);
+//! fp16 loss scaling agreed over ranks (`grad_scaler`); storage and compute devices
+//! (`placement`); the disk tier of offloaded state and the optimizer step streaming it
+//! (`offload`); the engine that owns shards (`fsdp`); and its state by parameter name
+//! (`state_by_name`).
 
 mod agreement;
 mod backward_reads;
@@ -20,7 +21,6 @@ mod debug;
 mod error;
 mod frozen_release;
 mod fsdp;
-mod fsdp_unit;
 mod grad_scaler;
 mod grads;
 mod hooks;
@@ -42,7 +42,6 @@ mod step;
 mod table_rows;
 mod two_hops;
 mod unit;
-mod unit_grads;
 
 pub use collectives::CommDtypes;
 pub use error::EngineError;

@@ -206,6 +206,36 @@ pub struct UnitPlan {
     pub disk: DiskOffload,
 }
 
+/// How a unit is spread over the mesh: what decides how it is gathered, where its gradients
+/// may come from, and how they are reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UnitKind {
+    /// Split by rows over the shard dimension: gathered before use, read only inside the
+    /// unit, its gradients reduce-scattered (then averaged over replicas) as soon as every
+    /// one expected has arrived.
+    Sharded,
+    /// Whole on every rank of the mesh (the parameters of ignored modules): nothing is
+    /// gathered, its parameters are read anywhere (their gradients add wherever they
+    /// arrive), and the gradients are averaged over every rank (both mesh dimensions) once
+    /// backward is over.
+    Replicated,
+}
+
+impl UnitKind {
+    /// Ranks the unit's parameters are split over: the shard group's, or one when whole.
+    pub fn ranks(self, shard_size: usize) -> usize {
+        match self {
+            UnitKind::Sharded => shard_size,
+            UnitKind::Replicated => 1,
+        }
+    }
+
+    /// Whole on every rank.
+    pub fn is_replicated(self) -> bool {
+        self == UnitKind::Replicated
+    }
+}
+
 /// What a plan keeps in the disk tier between uses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DiskOffload {

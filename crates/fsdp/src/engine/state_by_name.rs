@@ -5,7 +5,6 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
 
 use candle_core::Tensor;
 use fsdp_comm::Buffer;
@@ -90,13 +89,15 @@ impl Fsdp {
             .ok_or_else(|| EngineError::UnknownParameter { name: name.into() })
     }
 
-    /// Replaces this rank's rows of parameter `name` (exactly [`Fsdp::owned_rows`], row-major).
+    /// Replaces this rank's rows of parameter `name` (exactly [`Fsdp::owned_rows`], row-major);
+    /// refused ([`EngineError::StepOpen`]) while a step's parameters are held.
     pub fn load_local_shard(&mut self, name: &str, values: &[f32]) -> Result<(), EngineError> {
         for unit in &mut self.units {
             let Some(i) = unit.params.iter().position(|p| p.layout.name == name) else {
                 continue;
             };
-            return Arc::make_mut(unit).set_local_values(i, values);
+            let unit = super::unit::exclusive(unit, "loading a parameter's rows")?;
+            return unit.set_local_values(i, values);
         }
         Err(EngineError::UnknownParameter { name: name.into() })
     }

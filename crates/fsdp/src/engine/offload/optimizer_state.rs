@@ -9,8 +9,8 @@ use std::sync::Arc;
 use super::streamed_step::{OffloadedStates, update_units};
 use super::{DiskTier, OffloadStats, Region};
 use crate::engine::error::EngineError;
-use crate::engine::fsdp_unit::FsdpUnit;
 use crate::engine::grads::{GradPlace, Gradients};
+use crate::engine::unit::FsdpUnit;
 use crate::optim::Optimizer;
 
 /// The engine's optimizer state in the disk tier.

@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{DiskTier, Region};
 use crate::engine::error::EngineError;
-use crate::engine::fsdp_unit::FsdpUnit;
 use crate::engine::grads::Gradients;
+use crate::engine::unit::FsdpUnit;
 use crate::optim::{Optimizer, ParamState};
 
 /// Which optimizer state of a parameter lives in the tier: its step count and buffer names
@@ -88,14 +88,13 @@ pub(crate) fn update_units(
         } else {
             Vec::new()
         };
-        // The step in flight has ended, so the unit is not shared: no copy.
-        let unit = std::sync::Arc::make_mut(&mut units[u]);
+        let unit = crate::engine::unit::exclusive(&mut units[u], "the optimizer step")?;
         let layouts = unit.params.iter_mut().zip(&unit.grad_layouts);
         for ((p, g), &has) in layouts.zip(&grads.has_grad[u]) {
             if !(p.layout.requires_grad && has) {
                 continue;
             }
-            let at = crate::engine::fsdp_unit::grad_elements(p, g);
+            let at = crate::engine::unit::grad_elements(p, g);
             // Shards and optimizer state are laid out by the parameters' blocks, gradients by
             // the trainable ones'.
             let (off, n) = (p.layout.offset, at.len());

@@ -1,7 +1,7 @@
-//! One training step: the units' runs, driven by forward (a unit is gathered when forward
-//! first reads one of its parameters, released when it reports its output) and by backward
-//! (the graph ops call [`StepHooks`]); the backward order planned from the graph before any
-//! kernel runs; the reductions issued as units finish.
+//! One training step over the engine's units, driven by forward (a unit is gathered when
+//! forward first reads one of its parameters, released when it reports its output) and by
+//! backward (the graph ops call [`StepHooks`]); the backward order planned from the graph
+//! before any kernel runs; the reductions issued as units finish.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,11 +16,11 @@ use super::data_plane::DataPlane;
 use super::debug;
 use super::error::EngineError;
 use super::frozen_release::FrozenReleases;
-use super::fsdp_unit::FsdpUnit;
 use super::grads::UnreducedUnits;
 use super::hooks::{Checkpoint, StepHooks};
 use super::offload::{GradBlock, ShardStore};
-use super::unit::{Moment, Prefetch, RunContext, ShardedState, UnitRun};
+use super::unit::FsdpUnit;
+use super::unit::{Moment, Prefetch, RunContext};
 use crate::nn::Recompute;
 use crate::trace::Tracer;
 
@@ -53,7 +53,6 @@ pub(crate) struct StepOptions {
 }
 
 struct Inner {
-    runs: Vec<UnitRun>,
     /// Units in the order forward first read them.
     forward_order: Vec<usize>,
     backward_order: Vec<usize>,
@@ -76,22 +75,28 @@ pub(crate) type ReducedGrads = (Vec<Option<GradBlock>>, Vec<Vec<bool>>);
 fn reduced_block(
     store: &ShardStore,
     trace: Option<&Tracer>,
-    runs: &[UnitRun],
+    units: &[Arc<FsdpUnit>],
     u: usize,
     work: PendingReduce,
 ) -> Result<GradBlock, EngineError> {
-    let values = work
-        .wait(trace, runs[u].unit.trace_label())
-        .map_err(|source| EngineError::Collective {
-            op: "reduce-scatter of the gradients".into(),
-            unit: runs[u].unit.name(),
-            source,
-        })?;
+    let values =
+        work.wait(trace, units[u].trace_label())
+            .map_err(|source| EngineError::Collective {
+                op: "reduce-scatter of the gradients".into(),
+                unit: units[u].name(),
+                source,
+            })?;
     Ok(store.keep_reduced(u, values)?)
 }
 
+/// One step over the engine's units: shared by the step's parameters (forward) and, through
+/// a weak reference, its graph ops (backward). The units' own state in the step is theirs;
+/// this keeps what the step knows across units.
 pub(crate) struct StepShared {
     me: Weak<StepShared>,
+    /// The engine's units, shared for the step's duration (so their shards stay as they are
+    /// until it ends).
+    units: Vec<Arc<FsdpUnit>>,
     mesh: Mesh,
     plane: Arc<dyn DataPlane>,
     index: HashMap<String, (usize, usize)>,
@@ -148,8 +153,8 @@ impl StepShared {
             prefetch,
             opts,
             store,
+            units,
             inner: Mutex::new(Inner {
-                runs: units.into_iter().map(UnitRun::new).collect(),
                 forward_order: Vec::new(),
                 backward_order: Vec::new(),
                 pending: Vec::new(),
@@ -203,22 +208,17 @@ impl StepShared {
     ) -> Result<(), EngineError> {
         let next = self.prefetch.after(moment, after, &inner.backward_order);
         if let Some((n, waiting)) = next {
-            inner.runs[n].prefetch(&self.cx(), waiting)?;
+            self.units[n].prefetch(&self.cx(), waiting)?;
         }
         Ok(())
     }
 
     /// Starts reading the unit after `u` in `order` from its store (on disk; in memory there
     /// is nothing to read).
-    fn read_ahead_after(
-        &self,
-        inner: &Inner,
-        u: usize,
-        order: &[usize],
-    ) -> Result<(), EngineError> {
+    fn read_ahead_after(&self, u: usize, order: &[usize]) -> Result<(), EngineError> {
         let at = order.iter().position(|&x| x == u);
         match at.and_then(|at| order.get(at + 1)) {
-            Some(&next) => inner.runs[next].read_ahead(),
+            Some(&next) => self.units[next].read_ahead_in_step(),
             None => Ok(()),
         }
     }
@@ -231,7 +231,7 @@ impl StepShared {
             inner.reduced[u] = Some(reduced_block(
                 &self.store,
                 self.opts.trace.as_deref(),
-                &inner.runs,
+                &self.units,
                 u,
                 work,
             )?);
@@ -241,10 +241,7 @@ impl StepShared {
 
     fn read(&self, inner: &mut Inner, u: usize, i: usize) -> Result<Tensor, EngineError> {
         self.unsharded(inner, u, i)?;
-        match inner.runs[u].unit.looked_up[i] {
-            true => inner.runs[u].read_table_whole(&self.cx(), i),
-            false => Ok(inner.runs[u].full[i].clone()),
-        }
+        self.units[u].read(&self.cx(), i)
     }
 
     /// Rows `ids` of parameter `i` of unit `u` (a table): the table, holding at least them.
@@ -255,34 +252,21 @@ impl StepShared {
         ids: &Tensor,
     ) -> Result<Tensor, EngineError> {
         self.unsharded(inner, u, i)?;
-        if !inner.runs[u].unit.looked_up[i] {
-            return Ok(inner.runs[u].full[i].clone());
-        }
-        let ids = ids.flatten_all()?.to_dtype(candle_core::DType::I64)?;
-        inner.runs[u].look_up(&self.cx(), i, &ids.to_vec1::<i64>()?)
+        self.units[u].look_up(&self.cx(), i, ids)
     }
 
     /// Unit `u` gathered for a read of its parameter `i` (forward reaching it).
     fn unsharded(&self, inner: &mut Inner, u: usize, i: usize) -> Result<(), EngineError> {
-        let run = &inner.runs[u];
-        if !run.readable() {
-            return Err(EngineError::ReadOutsideUnit {
-                param: run.unit.params[i].layout.name.clone(),
-                unit: run.unit.name(),
-                state: run.describe(),
-            });
-        }
-        if run.sharded_state() == ShardedState::Sharded {
-            inner.runs[u].wait_for_unshard(&self.cx(), self.hooks(), u)?;
+        if self.units[u].gather_for_read(&self.cx(), (self.hooks(), u), i)? {
             inner.forward_order.push(u);
             self.prefetch_after(inner, Moment::Gathered, u)?;
-            self.read_ahead_after(inner, u, &self.prefetch.forward_order)?;
+            self.read_ahead_after(u, &self.prefetch.forward_order)?;
         }
         Ok(())
     }
 
-    fn output(&self, inner: &mut Inner, u: usize, t: Tensor) -> Result<Tensor, EngineError> {
-        inner.runs[u].post_forward(&self.cx(), t, self.hooks(), u)
+    fn output(&self, u: usize, t: Tensor) -> Result<Tensor, EngineError> {
+        self.units[u].post_forward(&self.cx(), t, self.hooks(), u)
     }
 
     /// Plans the backward from the graph of `loss` before any kernel runs: the units'
@@ -294,8 +278,8 @@ impl StepShared {
         let in_graph: std::collections::HashSet<TensorId> = sorted.iter().map(|t| t.id()).collect();
         let mut inner = self.lock();
         let mut hook_unit: HashMap<TensorId, usize> = HashMap::new();
-        for (u, run) in inner.runs.iter().enumerate() {
-            for o in &run.outputs {
+        for (u, unit) in self.units.iter().enumerate() {
+            for o in unit.outputs() {
                 hook_unit.insert(o.id(), u);
             }
         }
@@ -307,68 +291,46 @@ impl StepShared {
                 order.push(u);
             }
         }
-        for run in inner.runs.iter_mut() {
-            // A checkpointed unit's parameters are not in the graph: its checkpoint node is,
-            // and they reach the gradient through the recomputation.
-            let recomputed = |i: usize| {
-                run.checkpoint
-                    .as_ref()
-                    .is_some_and(|(id, used)| in_graph.contains(id) && used[i])
-            };
-            let expected = run
-                .unit
-                .params
-                .iter()
-                .zip(&run.full)
-                .enumerate()
-                .filter(|(i, (p, f))| {
-                    p.layout.requires_grad && (in_graph.contains(&f.id()) || recomputed(*i))
-                })
-                .count();
-            run.grads.expected = Some(expected);
+        for unit in &self.units {
+            unit.expect_gradients(&in_graph);
         }
         if self.opts.debug {
-            debug::check_graph(&inner.runs, &in_graph)?;
+            debug::check_graph(&self.units, &in_graph)?;
         }
-        let full: HashSet<TensorId> = inner.runs.iter().flat_map(UnitRun::full_ids).collect();
+        let full: HashSet<TensorId> = self
+            .units
+            .iter()
+            .flat_map(|u| u.full())
+            .map(|t| t.id())
+            .collect();
         let read = backward_reads::read_in_backward(&sorted, &full);
         let cx = self.cx();
-        for run in &inner.runs {
-            run.release_unread(&cx, &read)?;
+        for unit in &self.units {
+            unit.release_unread(&cx, &read)?;
         }
-        debug::report_unhooked(&inner.runs, &self.opts.unhooked_reported, self.mesh.rank());
+        debug::report_unhooked(&self.units, &self.opts.unhooked_reported, self.mesh.rank());
         inner.backward_order = order;
-        inner.frozen = FrozenReleases::plan(&sorted, &inner.runs);
+        inner.frozen = FrozenReleases::plan(&sorted, &self.units);
         Ok(())
     }
 
     /// Sets how the coming backward treats gradients: reduced (`sync`, with `carried`, what
     /// earlier backwards without sync kept) or kept whole per unit for the next backward.
     pub fn begin_backward(&self, sync: bool, carried: UnreducedUnits) {
-        let mut inner = self.lock();
         let carried = carried.into_iter().chain(std::iter::repeat_with(|| None));
-        for (run, c) in inner.runs.iter_mut().zip(carried) {
-            run.begin_backward(sync, c);
+        for (unit, c) in self.units.iter().zip(carried) {
+            unit.begin_backward(sync, c);
         }
     }
 
     /// After [`StepShared::finish`] of a backward without sync: what each unit kept.
     pub fn take_unreduced(&self) -> UnreducedUnits {
-        self.lock()
-            .runs
-            .iter_mut()
-            .map(|r| {
-                r.grads
-                    .unreduced
-                    .take()
-                    .map(|g| (g, r.grads.has_grad.clone()))
-            })
-            .collect()
+        self.units.iter().map(|u| u.take_unreduced()).collect()
     }
 
     /// Debug mode: why a loss is not finite, when released parameters are the cause.
     pub fn diagnose_non_finite(&self, loss: &Tensor) -> Option<EngineError> {
-        debug::diagnose_non_finite(&self.lock().runs, loss)
+        debug::diagnose_non_finite(&self.units, loss)
     }
 
     /// After backward: waits for every reduction; returns each unit's reduced gradient
@@ -380,8 +342,8 @@ impl StepShared {
         }
         let cx = self.cx();
         let mut pending = std::mem::take(&mut inner.pending);
-        for (u, run) in inner.runs.iter_mut().enumerate() {
-            if let Some(p) = run.finish(&cx)? {
+        for (u, unit) in self.units.iter().enumerate() {
+            if let Some(p) = unit.finish(&cx)? {
                 pending.push((u, p));
             }
         }
@@ -391,22 +353,28 @@ impl StepShared {
             reduced[u] = Some(reduced_block(
                 &self.store,
                 self.opts.trace.as_deref(),
-                &inner.runs,
+                &self.units,
                 u,
                 work,
             )?);
         }
-        let has_grad = inner
-            .runs
-            .iter()
-            .map(|r| r.grads.has_grad.clone())
-            .collect();
+        let has_grad = self.units.iter().map(|u| u.has_grad()).collect();
         Ok((reduced, has_grad))
     }
 
     /// Units in the order this step's forward first used them.
     pub fn forward_order(&self) -> Vec<usize> {
         self.lock().forward_order.clone()
+    }
+}
+
+impl Drop for StepShared {
+    /// The step ends when its parameters drop: the units forget its state (their gathered
+    /// parameters, gathers in flight and gradients), so its memory goes with it.
+    fn drop(&mut self) {
+        for unit in &self.units {
+            unit.try_reset_step();
+        }
     }
 }
 
@@ -423,25 +391,20 @@ impl StepShared {
     ) -> Result<Tensor, EngineError> {
         let out = forward(params, &x.detach())?;
         let used_ids: HashSet<TensorId> = out.sorted_nodes().iter().map(|t| t.id()).collect();
-        let (anchor, used) = {
-            let inner = self.lock();
-            let run = &inner.runs[u];
-            let used: Vec<bool> = run
-                .full
-                .iter()
-                .map(|f| used_ids.contains(&f.id()))
-                .collect();
-            (run.anchor(), used)
-        };
+        let unit = &self.units[u];
+        let used: Vec<bool> = unit
+            .full()
+            .iter()
+            .map(|f| used_ids.contains(&f.id()))
+            .collect();
+        let anchor = unit.anchor();
         drop(used_ids);
         let Some(anchor) = anchor else {
-            return Err(EngineError::CheckpointWithoutParameters {
-                unit: self.unit_label(u),
-            });
+            return Err(EngineError::CheckpointWithoutParameters { unit: unit.name() });
         };
         let data = self
             .plane
-            .copy(&out, &format!("the output of {}", self.unit_label(u)))?;
+            .copy(&out, &format!("the output of {}", unit.name()))?;
         let shape = out.shape().clone();
         // The forward's graph (its activations) goes here; only the output's values remain.
         drop(out);
@@ -452,13 +415,8 @@ impl StepShared {
             forward,
         };
         let y = x.apply_op2(anchor.as_tensor(), op)?;
-        self.lock().runs[u].checkpoint = Some((y.id(), used));
+        unit.set_checkpoint(y.id(), used);
         Ok(y)
-    }
-
-    /// Unit `u` in words (takes the lock).
-    fn unit_label(&self, u: usize) -> String {
-        self.lock().runs[u].unit.name()
     }
 }
 
@@ -490,25 +448,21 @@ impl StepHooks for StepShared {
 
     fn pre_backward(&self, u: usize) -> candle_core::Result<()> {
         let mut inner = self.lock();
-        let result = inner.runs[u].pre_backward(&self.cx()).and_then(|refilled| {
+        let result = self.units[u].pre_backward(&self.cx()).and_then(|refilled| {
             if refilled {
                 self.prefetch_after(&mut inner, Moment::Refilled, u)?;
-                let order = inner.backward_order.clone();
-                self.read_ahead_after(&inner, u, &order)
+                self.read_ahead_after(u, &inner.backward_order)
             } else {
                 Ok(())
             }
         });
-        let result = result.and_then(|()| {
-            let Inner { frozen, runs, .. } = &mut *inner;
-            frozen.at_outputs(runs, u, &self.cx())
-        });
+        let result = result.and_then(|()| inner.frozen.at_outputs(&self.units, u, &self.cx()));
         result.map_err(|e| self.fail(&mut inner, e))
     }
 
     fn post_backward(&self, u: usize, i: usize, grad: &Tensor) -> candle_core::Result<()> {
         let mut inner = self.lock();
-        let result = inner.runs[u]
+        let result = self.units[u]
             .post_backward(&self.cx(), i, grad)
             .and_then(|pending| match pending {
                 Some(p) => {
@@ -524,10 +478,7 @@ impl StepHooks for StepShared {
                 }
                 None => Ok(()),
             });
-        let result = result.and_then(|()| {
-            let Inner { frozen, runs, .. } = &mut *inner;
-            frozen.at_param(runs, (u, i), &self.cx())
-        });
+        let result = result.and_then(|()| inner.frozen.at_param(&self.units, (u, i), &self.cx()));
         result.map_err(|e| self.fail(&mut inner, e))
     }
 }

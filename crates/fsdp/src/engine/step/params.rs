@@ -50,7 +50,7 @@ impl Params for StepParams {
             return Ok(output);
         };
         let mut inner = self.shared.lock();
-        let result = self.shared.output(&mut inner, u, output);
+        let result = self.shared.output(u, output);
         result.map_err(|e| self.shared.fail(&mut inner, e))
     }
 

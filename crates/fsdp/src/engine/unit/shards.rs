@@ -1,87 +1,15 @@
-//! A unit as the engine keeps it between steps: its parameters' shards, in memory or in the
-//! disk tier, and this rank's block of them as the all-gather sends it. Its lifecycle within
-//! a step is [`super::unit::UnitRun`]'s.
+//! A unit's shards between steps: how they are laid out for its gathers and reductions, and
+//! this rank's rows of them from its store (memory or the disk tier), as the all-gather
+//! sends them and as checkpoints and the optimizer read and write them.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::Mutex;
 
-use super::error::{EngineError, unit_name};
-use super::offload::ShardStore;
-use super::param::FsdpParam;
-use super::plan::ShardLayout;
-
-/// A unit as the engine keeps it between steps: its parameters' shards (in memory, or in
-/// the disk tier's files with `fsdp_offload_params`).
-#[derive(Debug, Clone)]
-pub(crate) struct FsdpUnit {
-    /// Path of the wrapped module (empty for the root unit).
-    pub path: String,
-    /// The unit's index in the plan (its files' name in the disk tier).
-    pub index: usize,
-    /// Where the shards live between steps (memory, or the disk tier with
-    /// `fsdp_offload_params`, the params' own buffers then empty).
-    pub store: ShardStore,
-    /// Parameters in packing order.
-    pub params: Vec<FsdpParam>,
-    /// Free the full parameters after the unit's forward (FULL_SHARD, non-root units).
-    pub reshard_after_forward: bool,
-    /// Free them once the unit's gradients are reduced (sharded strategies).
-    pub reshard_after_backward: bool,
-    /// How the unit is spread over the mesh, which decides how it gathers and reduces.
-    pub kind: UnitKind,
-    /// Per parameter, where its gradient rows sit in the unit's gradient block: the
-    /// parameters' layouts with offsets over the trainable ones only, so frozen weights
-    /// (LoRA's base) are neither packed, reduced nor scaled (a frozen one's offset is where
-    /// the next trainable one starts, and it has no rows there).
-    pub grad_layouts: Vec<ShardLayout>,
-    /// Elements of one rank's gradient block (its trainable parameters' rows).
-    pub grad_block: usize,
-    /// Per parameter: an embedding table with a row-sparse gradient that forward gathers by
-    /// the rows it looks up ([`super::table_rows`]) instead of with the unit's block (sharded
-    /// units over more than one rank only).
-    pub looked_up: Vec<bool>,
-    /// Per parameter, where its rows sit in the block the unit's all-gather sends: the
-    /// parameters' layouts with offsets over those gathered whole only (a looked-up table's
-    /// offset is where the next one starts, and it has no rows there).
-    pub gather_layouts: Vec<ShardLayout>,
-    /// Elements of one rank's gathered block.
-    pub gather_block: usize,
-    /// The gathered parameters' runs in a rank's gathered block: what int8 blocks are
-    /// quantized apart by in a gather.
-    pub gather_runs: Arc<[usize]>,
-    /// The trainable parameters' runs in a rank's gradient block, for int8 reductions.
-    pub grad_runs: Arc<[usize]>,
-}
-
-/// How a unit is spread over the mesh: what decides how it is gathered, where its gradients
-/// may come from, and how they are reduced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum UnitKind {
-    /// Split by rows over the shard dimension: gathered before use, read only inside the
-    /// unit, its gradients reduce-scattered (then averaged over replicas) as soon as every
-    /// one expected has arrived.
-    Sharded,
-    /// Whole on every rank of the mesh (the parameters of ignored modules): nothing is
-    /// gathered, its parameters are read anywhere (their gradients add wherever they
-    /// arrive), and the gradients are averaged over every rank (both mesh dimensions) once
-    /// backward is over.
-    Replicated,
-}
-
-impl UnitKind {
-    /// Ranks the unit's parameters are split over: the shard group's, or one when whole.
-    pub fn ranks(self, shard_size: usize) -> usize {
-        match self {
-            UnitKind::Sharded => shard_size,
-            UnitKind::Replicated => 1,
-        }
-    }
-
-    /// Whole on every rank.
-    pub fn is_replicated(self) -> bool {
-        self == UnitKind::Replicated
-    }
-}
+use super::{FsdpUnit, InStep};
+use crate::engine::error::{EngineError, unit_name};
+use crate::engine::offload::ShardStore;
+use crate::engine::param::FsdpParam;
+use crate::engine::plan::{ShardLayout, UnitKind};
 
 /// The path the unit of ignored modules' parameters goes by (no module has it).
 pub(crate) const IGNORED_MODULES: &str = "(ignored modules)";
@@ -103,8 +31,9 @@ impl FsdpUnit {
         let gathered_whole = |l: &ShardLayout| !(by_rows && l.sparse_grad);
         let looked_up = params.iter().map(|p| !gathered_whole(&p.layout)).collect();
         let (gather_layouts, gather_block) = layouts_over(&params, gathered_whole);
-        let gather_runs = super::plan::runs(&gather_layouts, gathered_whole).into();
-        let grad_runs = super::plan::runs(&grad_layouts, |l| l.requires_grad).into();
+        let gather_runs = crate::engine::plan::runs(&gather_layouts, gathered_whole).into();
+        let grad_runs = crate::engine::plan::runs(&grad_layouts, |l| l.requires_grad).into();
+        let in_step = Mutex::new(InStep::new(params.len()));
         FsdpUnit {
             path,
             index,
@@ -120,6 +49,7 @@ impl FsdpUnit {
             kind,
             grad_layouts,
             grad_block,
+            in_step,
         }
     }
 

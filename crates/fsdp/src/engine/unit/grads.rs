@@ -6,11 +6,11 @@
 use candle_core::Tensor;
 use fsdp_comm::{Buffer, DType};
 
-use super::buffers::GradPack;
-use super::data_plane::DataPlane;
-use super::error::EngineError;
-use super::fsdp_unit::FsdpUnit;
-use super::sparse_rows::{CompactGrads, RowSparsePlan};
+use super::FsdpUnit;
+use crate::engine::buffers::GradPack;
+use crate::engine::data_plane::DataPlane;
+use crate::engine::error::EngineError;
+use crate::engine::sparse_rows::{CompactGrads, RowSparsePlan};
 
 /// What a unit's gradients of this backward come to when they are all in.
 pub(crate) enum Completed {
