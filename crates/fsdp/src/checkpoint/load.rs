@@ -225,7 +225,7 @@ pub(super) fn load_optimizer_state(
         let rows = m.owned_rows(param)?;
         let row_elems: usize = shape.iter().skip(1).product();
         let values = read(tensor, rows, row_elems)?;
-        if !m.load_offloaded_state(param, key, &values)? {
+        if !m.load_state_buffer_on_disk(param, key, &values)? {
             let state = states.entry(param.to_string()).or_default();
             state.buffers.insert(key.to_string(), values);
         }
@@ -247,7 +247,7 @@ pub(super) fn load_optimizer_state(
         let mut state = states.remove(param).unwrap_or_default();
         state.step = step;
         o.set_state(param, state)?;
-        if m.load_offloaded_step(param, step) {
+        if m.load_state_step_on_disk(param, step) {
             // The state is in the disk tier: the optimizer only checked the group.
             o.take_state(param);
         }

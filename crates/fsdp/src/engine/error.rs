@@ -27,7 +27,7 @@ pub enum EngineError {
     },
     /// Offloaded state could not be written or read (names the file and the bytes).
     #[error(transparent)]
-    Offload(#[from] super::offload::OffloadError),
+    Offload(#[from] super::OffloadError),
     /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),

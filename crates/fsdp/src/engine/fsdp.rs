@@ -20,14 +20,14 @@ use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::grads::{Accumulated, GradIndex, GradPlace, Gradients};
 use super::intake::WeightIntake;
-use super::offload::{ShardStore, StateOnDisk};
+use super::offload::Placement;
 use super::param::FsdpParam;
-use super::placement::Placement;
 use super::plan::UnitKind;
 use super::plan::{ShardLayout, UnitPlan};
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared};
 use super::unit::Prefetch;
 use super::unit::{FsdpUnit, IGNORED_MODULES};
+use super::{ShardStore, StateOnDisk};
 use crate::config::{CheckpointFormat, FsdpPlugin, StateDictType};
 use crate::nn::{Model, ModuleInfo, ParamSpec, WeightSource};
 use crate::optim::Optimizer;
@@ -258,6 +258,11 @@ impl Fsdp {
     /// Where state is stored and where steps compute.
     pub fn placement(&self) -> &Placement {
         &self.placement
+    }
+
+    /// The disk tier's folder and what it has moved, when state is offloaded to disk.
+    pub fn offload(&self) -> Option<(&std::path::Path, super::OffloadStats)> {
+        self.state_on_disk.as_ref().map(StateOnDisk::stats)
     }
 
     /// The mesh: `shard` (the ranks a parameter is split over) and `replicate`.

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::GradBlock;
 use super::error::EngineError;
-use super::offload::GradBlock;
 use super::plan::UnitKind;
 
 /// Where a parameter's rows sit in its unit's reduced block.
@@ -99,7 +99,7 @@ impl Gradients {
         match self.units[place.unit].as_mut()?.values_mut() {
             Ok(v) => Some(&mut v[place.elements.clone()]),
             Err(e) => {
-                tracing::error!("offloaded gradients of `{name}`: {e}");
+                tracing::error!("gradients of `{name}` stored on disk: {e}");
                 None
             }
         }

@@ -28,7 +28,6 @@ mod intake;
 mod mesh_layout;
 mod offload;
 mod param;
-mod placement;
 mod plan;
 mod plan_memory;
 mod plan_text;
@@ -44,17 +43,20 @@ mod two_hops;
 mod unit;
 
 pub use collectives::CommDtypes;
+// The stores the units, the step and the engine keep state in (memory or disk).
 pub use error::EngineError;
 pub use fsdp::{Fsdp, StepReport};
 pub use grad_scaler::{GradScaler, GradScalerConfig};
 pub use grads::Gradients;
 #[doc(hidden)] // `fsdp env`
-pub use offload::free_bytes;
-pub use offload::{OffloadError, OffloadStats};
+pub use offload::OFFLOAD_ON_CPU;
+pub use offload::Placement;
 #[doc(hidden)] // `fsdp env`
-pub use placement::OFFLOAD_ON_CPU;
-pub use placement::Placement;
-pub use plan::{DiskOffload, PlanError, ShardLayout, Unit, UnitPlan};
+pub use offload::free_bytes;
+pub use offload::from_plan::DiskOffload;
+use offload::{GradBlock, ShardStore, StateOnDisk};
+pub use offload::{OffloadError, OffloadStats};
+pub use plan::{PlanError, ShardLayout, Unit, UnitPlan};
 pub use plan_memory::MemoryEstimate;
 pub use plan_traffic::{StepShape, StepTraffic};
 pub(crate) use state_by_name::LocalRows;

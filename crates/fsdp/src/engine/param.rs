@@ -26,7 +26,7 @@ impl ShardBuffer {
         }
     }
 
-    /// An empty buffer on the same device (what an offloaded shard leaves behind).
+    /// An empty buffer on the same device (what a shard stored on disk leaves behind).
     pub fn emptied(&self) -> ShardBuffer {
         ShardBuffer::f32(Vec::new(), self.device.clone())
     }
@@ -124,7 +124,9 @@ impl FsdpParam {
     fn not_in_memory(&self) -> EngineError {
         EngineError::State {
             name: self.layout.name.clone(),
-            problem: "its rows are not in memory: they are offloaded to disk (read them through the engine)".into(),
+            problem:
+                "its rows are not in memory: they are stored on disk (read them through the engine)"
+                    .into(),
         }
     }
 

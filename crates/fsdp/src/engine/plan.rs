@@ -3,6 +3,7 @@
 //! rank holds. Built and checked before any tensor exists, so a bad wrap configuration stops
 //! the run with a message instead of a wrong training.
 
+use super::DiskOffload;
 use super::quantized_blocks::Codec;
 use crate::config::{AutoWrapPolicy, FsdpPlugin, ReduceDtype, ShardingStrategy};
 use crate::nn::{ModuleInfo, ParamSpec};
@@ -202,7 +203,7 @@ pub struct UnitPlan {
     /// Ranks of the secondary group backward gathers resharded units from (ZeRO++'s hpZ,
     /// `fsdp_hpz_partition_size`); 1 for none.
     pub secondary_partition: usize,
-    /// What lives in the disk tier (`fsdp_offload_dir`).
+    /// What the plan keeps on disk between uses.
     pub disk: DiskOffload,
 }
 
@@ -234,15 +235,6 @@ impl UnitKind {
     pub fn is_replicated(self) -> bool {
         self == UnitKind::Replicated
     }
-}
-
-/// What a plan keeps in the disk tier between uses.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DiskOffload {
-    /// Parameter shards, reduced gradients and optimizer state (`fsdp_offload_params`).
-    pub params: bool,
-    /// Optimizer state (`fsdp_offload_optimizer`, or with `params`).
-    pub optimizer: bool,
 }
 
 impl UnitPlan {
@@ -504,11 +496,7 @@ impl UnitPlan {
             } else {
                 1
             },
-            disk: DiskOffload {
-                params: plugin.offload_dir.is_some() && plugin.offload_params,
-                optimizer: plugin.offload_dir.is_some()
-                    && (plugin.offload_params || plugin.offload_optimizer),
-            },
+            disk: DiskOffload::for_plugin(plugin),
         })
     }
 }

@@ -1,6 +1,6 @@
 //! The memory a plan needs per rank ([`MemoryEstimate`]): model state by kind, what is
-//! gathered and reduced at backward's peak, what the disk tier streams, for `fsdp
-//! estimate-memory`, the engine's log and the memory benchmark's formula.
+//! gathered and reduced at backward's peak, what state kept on disk streams through memory,
+//! for `fsdp estimate-memory`, the engine's log and the memory benchmark's formula.
 
 use super::plan::{ShardLayout, Unit, UnitPlan};
 use crate::config::ShardingStrategy;
@@ -18,17 +18,17 @@ pub struct MemoryEstimate {
     /// Full parameters gathered at the peak of forward/backward, beyond the stored shards.
     pub gathered_peak: usize,
     /// Backward's transient gradients at its peak: the largest unit's full gradient and its
-    /// packed copy for the reduction; with gradients offloaded, also three of its blocks
+    /// packed copy for the reduction; with gradients kept on disk, also three of its blocks
     /// (the reduced block being written, the one waiting for the next reduction, the next
     /// unit's shards read ahead).
     pub reducing: usize,
     /// The secondary partition (ZeRO++'s hpZ): each resharded unit's share of its gathered
     /// block, kept from its forward to its backward.
     pub secondary: usize,
-    /// Memory the optimizer step streams offloaded state through: two units' blocks (the
-    /// one in use and the one read ahead, the two largest) of each offloaded kind.
+    /// Memory the optimizer step streams state kept on disk through: two units' blocks (the
+    /// one in use and the one read ahead, the two largest) of each kind kept there.
     pub streaming: usize,
-    /// Bytes in the disk tier's files (not in memory).
+    /// Bytes kept in files on disk (not in memory).
     pub disk: usize,
 }
 
@@ -74,20 +74,20 @@ impl UnitPlan {
             ShardingStrategy::ShardGradOp | ShardingStrategy::HybridShardZero2 => full,
             ShardingStrategy::NoShard => 0,
         };
-        // The disk tier holds whole units' blocks; memory streams one unit's while the next
+        // Disk holds whole units' blocks; memory streams one unit's while the next
         // one's are read ahead: at most the two largest blocks of each kind.
         let mut blocks: Vec<usize> = self.units.iter().map(Unit::shard_numel).collect();
         blocks.sort_unstable_by(|a, b| b.cmp(a));
         let two_blocks: usize = blocks.iter().take(2).sum();
         let largest_unit = self.units.iter().map(Unit::numel).max().unwrap_or(0);
         let (on_disk_params, on_disk_state) = (self.disk.params, self.disk.optimizer);
-        let offloaded_grads = if on_disk_params {
+        let grads_on_disk = if on_disk_params {
             3 * blocks.first().copied().unwrap_or(0) * f
         } else {
             0
         };
         let kinds = 2 * usize::from(on_disk_params) + 2 * usize::from(on_disk_state);
-        let in_memory = |offloaded: bool, units: usize| if offloaded { 0 } else { units };
+        let in_memory = |on_disk: bool, units: usize| if on_disk { 0 } else { units };
         MemoryEstimate {
             // Ignored modules' parameters stay in memory; their gradients and optimizer state
             // go where every unit's go.
@@ -104,7 +104,7 @@ impl UnitPlan {
             reducing: largest_unit * (f + self.reduce_bytes)
                 + super::quantized_blocks::Codec::for_reduce(self.reduce_dtype)
                     .map_or(0, |c| c.encoded_len(&[largest_unit]))
-                + offloaded_grads,
+                + grads_on_disk,
             secondary: self.secondary_bytes(),
             streaming: kinds * two_blocks * f,
             disk: (usize::from(on_disk_params) * (shard + trainable_shard + ignored_trainable)

@@ -7,7 +7,7 @@ use std::fmt::Write;
 use super::plan::UnitPlan;
 
 impl UnitPlan {
-    /// The memory estimate in one line: memory per rank by kind, and the disk tier's bytes.
+    /// The memory estimate in one line: memory per rank by kind, and the bytes kept on disk.
     pub fn memory_summary(&self) -> String {
         let m = self.memory_estimate();
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
@@ -35,7 +35,11 @@ impl UnitPlan {
             );
         }
         if m.disk > 0 {
-            let _ = write!(out, ", offload buffers {:.1} MiB", mib(m.streaming));
+            let _ = write!(
+                out,
+                ", buffers streaming from disk {:.1} MiB",
+                mib(m.streaming)
+            );
         }
         let _ = write!(out, ", peak {:.1} MiB", mib(m.total()));
         if m.disk > 0 {

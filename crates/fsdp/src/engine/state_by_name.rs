@@ -11,7 +11,6 @@ use fsdp_comm::Buffer;
 
 use super::error::{EngineError, unit_name};
 use super::fsdp::Fsdp;
-use super::offload::{OffloadStats, StateOnDisk};
 use crate::optim::Optimizer;
 
 /// This rank's rows of a parameter, given its name and its number of owned elements; `None`
@@ -180,7 +179,7 @@ impl Fsdp {
             .collect()
     }
 
-    /// This rank's rows of parameter `name`, when they are in memory (not offloaded).
+    /// This rank's rows of parameter `name`, when they are in memory (not on disk).
     pub(crate) fn local_values_in_memory(&self, name: &str) -> Option<&[f32]> {
         self.units
             .iter()
@@ -280,26 +279,21 @@ impl Fsdp {
     }
 }
 
-/// The engine's optimizer state offloaded to the disk tier (`offload::StateOnDisk`), as
+/// The engine's optimizer state, wherever it is kept (on disk or in the optimizer), as
 /// checkpoints read and write it: by parameter name, one buffer at a time.
 impl Fsdp {
-    /// The disk tier's folder and what it has moved, when state is offloaded to disk.
-    pub fn offload(&self) -> Option<(&std::path::Path, OffloadStats)> {
-        self.state_on_disk.as_ref().map(StateOnDisk::stats)
-    }
-
-    /// A checkpoint's optimizer state is about to be loaded: with state offloaded to disk,
-    /// what the tier and `optimizer` held for the sharded parameters is forgotten.
+    /// A checkpoint's optimizer state is about to be loaded: with state kept on disk, what
+    /// the disk and `optimizer` held for the sharded parameters is forgotten.
     pub(crate) fn begin_optimizer_load(&mut self, optimizer: &mut dyn Optimizer) {
         if let Some(state) = &mut self.state_on_disk {
             state.begin_load(&self.units, optimizer);
         }
     }
 
-    /// With state offloaded to disk: writes this rank's rows of `param`'s optimizer buffer
-    /// `key` from a checkpoint straight into the tier (so loading never holds the state in
+    /// With state kept on disk: writes this rank's rows of `param`'s optimizer buffer `key`
+    /// from a checkpoint straight to disk (so loading never holds the state in
     /// memory) and returns true; false when `param`'s state is kept by the optimizer.
-    pub(crate) fn load_offloaded_state(
+    pub(crate) fn load_state_buffer_on_disk(
         &mut self,
         param: &str,
         key: &str,
@@ -313,9 +307,9 @@ impl Fsdp {
         Ok(true)
     }
 
-    /// With state offloaded to disk: sets `param`'s step count there and returns true;
+    /// With state kept on disk: sets `param`'s step count there and returns true;
     /// false when its state is kept by the optimizer.
-    pub(crate) fn load_offloaded_step(&mut self, param: &str, step: u64) -> bool {
+    pub(crate) fn load_state_step_on_disk(&mut self, param: &str, step: u64) -> bool {
         match &mut self.state_on_disk {
             Some(state) if self.grad_index.contains_key(param) => {
                 state.load_step(param, step);
@@ -339,8 +333,8 @@ impl Fsdp {
     }
 
     /// Buffer `key` (`exp_avg`, ...) of parameter `name`'s optimizer state: a copy of
-    /// `optimizer`'s own, or this rank's rows read back from the disk tier when the state is
-    /// offloaded there (what checkpoints save, one buffer at a time).
+    /// `optimizer`'s own, or this rank's rows read back from disk when the state is kept
+    /// there (what checkpoints save, one buffer at a time).
     pub(crate) fn optimizer_state_buffer(
         &self,
         optimizer: &dyn Optimizer,

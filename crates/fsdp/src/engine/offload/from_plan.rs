@@ -1,4 +1,5 @@
-//! The disk tier a plan asks for, made after checking the disk has room for it.
+//! What a plan keeps on disk ([`DiskOffload`], from the settings), and the disk tier made for
+//! it after checking the disk has room.
 
 use std::sync::Arc;
 
@@ -8,6 +9,27 @@ use super::DiskTier;
 use crate::config::FsdpPlugin;
 use crate::engine::error::EngineError;
 use crate::engine::plan::UnitPlan;
+
+/// What a plan keeps in the disk tier between uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskOffload {
+    /// Parameter shards, reduced gradients and optimizer state (`fsdp_offload_params`).
+    pub params: bool,
+    /// Optimizer state (`fsdp_offload_optimizer`, or with `params`).
+    pub optimizer: bool,
+}
+
+impl DiskOffload {
+    /// What `plugin` puts on disk: nothing without `fsdp_offload_dir`; the optimizer state
+    /// with `fsdp_offload_optimizer`; everything with `fsdp_offload_params`.
+    pub fn for_plugin(plugin: &FsdpPlugin) -> DiskOffload {
+        DiskOffload {
+            params: plugin.offload_dir.is_some() && plugin.offload_params,
+            optimizer: plugin.offload_dir.is_some()
+                && (plugin.offload_params || plugin.offload_optimizer),
+        }
+    }
+}
 
 /// The disk tier `plugin` asks for (`fsdp_offload_dir` with `fsdp_offload_params` or
 /// `fsdp_offload_optimizer`), after checking the disk has room for this rank's share of the

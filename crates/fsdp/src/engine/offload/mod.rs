@@ -1,6 +1,10 @@
-//! The disk tier (`fsdp_offload_dir`): a rank's parameter shards, reduced gradients and
-//! optimizer state kept in files between uses, a unit's block per file, moved by one I/O
-//! thread so reads ahead and writes behind overlap the compute.
+//! Where state lives between steps, when not where the step computes: on the compute device
+//! or in host memory (`placement`, `fsdp_offload_params`), and the disk tier
+//! (`fsdp_offload_dir`): a rank's parameter shards, reduced gradients and optimizer state
+//! kept in files between uses, a unit's block per file, moved by one I/O thread so reads
+//! ahead and writes behind overlap the compute. The rest of the engine sees the units'
+//! [`ShardStore`], the reduced [`GradBlock`]s and [`StateOnDisk`], built from the plan here
+//! (`from_plan`).
 //!
 //! Every region is one file of f32 values in the layout the unit's all-gather sends (each
 //! parameter's padded rows at its offset in the unit's block), so a unit's gather reads its
@@ -15,6 +19,7 @@ pub(crate) mod from_plan;
 mod grad_block;
 mod io_thread;
 mod optimizer_state;
+mod placement;
 mod scratch;
 mod store;
 mod streamed_step;
@@ -30,6 +35,7 @@ use std::sync::{Arc, Mutex};
 pub(crate) use grad_block::GradBlock;
 use io_thread::{Counters, Job, PendingRead, io_thread, read_exact};
 pub(crate) use optimizer_state::StateOnDisk;
+pub use placement::{OFFLOAD_ON_CPU, Placement};
 pub use scratch::{OffloadError, ScratchDir, free_bytes};
 pub(crate) use store::ShardStore;
 

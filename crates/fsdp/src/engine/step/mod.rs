@@ -18,9 +18,9 @@ use super::error::EngineError;
 use super::frozen_release::FrozenReleases;
 use super::grads::UnreducedUnits;
 use super::hooks::{Checkpoint, StepHooks};
-use super::offload::{GradBlock, ShardStore};
 use super::unit::FsdpUnit;
 use super::unit::{Moment, Prefetch, RunContext};
+use super::{GradBlock, ShardStore};
 use crate::nn::Recompute;
 use crate::trace::Tracer;
 
@@ -58,7 +58,7 @@ struct Inner {
     backward_order: Vec<usize>,
     /// Reductions issued, in issue order.
     pending: Vec<(usize, PendingReduce)>,
-    /// Reductions already waited for (with offloaded gradients, each is written out as
+    /// Reductions already waited for (where the store is on disk, each is written out as
     /// soon as the next one is issued).
     reduced: Vec<Option<GradBlock>>,
     /// The first error a graph op hit (graph ops can only return candle's error).
@@ -105,8 +105,7 @@ pub(crate) struct StepShared {
     checkpointable: Vec<bool>,
     prefetch: Prefetch,
     opts: StepOptions,
-    /// Where the units' shards and reduced gradients are kept (the disk tier with
-    /// `fsdp_offload_params`).
+    /// Where the units' shards and reduced gradients are kept (memory, or disk).
     store: ShardStore,
     inner: Mutex<Inner>,
 }

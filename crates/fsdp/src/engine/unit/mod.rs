@@ -11,11 +11,11 @@ use std::time::Instant;
 use candle_core::{Device, Shape, Tensor, TensorId, Var};
 use fsdp_comm::{Buffer, Mesh, Work};
 
+use super::ShardStore;
 use super::collectives::{self, CommDtypes, PendingReduce};
 use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::hooks::{PreBackward, StepHooks, Unshard};
-use super::offload::ShardStore;
 use super::param::FsdpParam;
 use super::plan::{ShardLayout, UnitKind};
 use super::quantized_blocks::Codec;
@@ -73,18 +73,18 @@ pub(crate) struct RunContext<'a> {
     pub trace: Option<&'a Tracer>,
 }
 
-/// A unit as the engine keeps it: its parameters' shards between steps (in memory, or in the
-/// disk tier's files with `fsdp_offload_params`), how they are laid out for its gathers and
+/// A unit as the engine keeps it: its parameters' shards between steps (in its store: memory,
+/// or files on disk), how they are laid out for its gathers and
 /// reductions, and its state within the step in flight. The engine owns it; a step shares
 /// it with its graph hooks for the step's duration, so its shards change only between steps
 /// and its step state sits behind a lock.
 pub(crate) struct FsdpUnit {
     /// Path of the wrapped module (empty for the root unit).
     pub path: String,
-    /// The unit's index in the plan (its files' name in the disk tier).
+    /// The unit's index in the plan (what its store names its blocks by).
     pub index: usize,
-    /// Where the shards live between steps (memory, or the disk tier with
-    /// `fsdp_offload_params`, the params' own buffers then empty).
+    /// Where the shards live between steps (memory, or disk: the params' own buffers then
+    /// empty).
     pub store: ShardStore,
     /// Parameters in packing order.
     pub params: Vec<FsdpParam>,
@@ -415,8 +415,8 @@ impl FsdpUnit {
         Ok(())
     }
 
-    /// Starts reading the unit's shards from the disk tier when its gather is still to
-    /// come (forward and backward order make the next unit known).
+    /// Starts reading the unit's shards from its store when its gather is still to come
+    /// (forward and backward order make the next unit known; in memory nothing is read).
     pub fn read_ahead_in_step(&self) -> Result<(), EngineError> {
         let s = self.in_step();
         let waiting = matches!(

@@ -1,13 +1,13 @@
 //! A unit's shards between steps: how they are laid out for its gathers and reductions, and
-//! this rank's rows of them from its store (memory or the disk tier), as the all-gather
+//! this rank's rows of them from its store (memory or disk), as the all-gather
 //! sends them and as checkpoints and the optimizer read and write them.
 
 use std::borrow::Cow;
 use std::sync::Mutex;
 
 use super::{FsdpUnit, InStep};
+use crate::engine::ShardStore;
 use crate::engine::error::{EngineError, unit_name};
-use crate::engine::offload::ShardStore;
 use crate::engine::param::FsdpParam;
 use crate::engine::plan::{ShardLayout, UnitKind};
 

@@ -9,10 +9,10 @@ use std::sync::{Arc, Once};
 
 use candle_core::Device;
 
-use super::cpu_plane::CpuPlane;
-use super::data_plane::DataPlane;
-use super::error::EngineError;
-use super::staged_plane::HostStagedPlane;
+use crate::engine::cpu_plane::CpuPlane;
+use crate::engine::data_plane::DataPlane;
+use crate::engine::error::EngineError;
+use crate::engine::staged_plane::HostStagedPlane;
 
 /// What `fsdp_offload_params: true` does when training computes on the CPU.
 pub const OFFLOAD_ON_CPU: &str = "training computes on the CPU, whose memory is the host memory: parameter shards, gradients and optimizer state already live there, so offloading moves nothing";
