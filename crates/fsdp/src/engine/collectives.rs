@@ -65,17 +65,26 @@ impl Default for CommDtypes {
     }
 }
 
-/// Starts gathering a unit: this rank's block (its parameters' shards, packed: `runs` long
-/// each) cast to `dtypes.param`, or quantized to int8 blocks with `dtypes.gather_int8`
-/// ([`Codec::INT8`]), and all-gathered over the shard dimension (of more than one rank).
-pub(crate) fn all_gather(
-    mesh: &Mesh,
+/// Starts gathering a unit: this rank's block as it `send`s it ([`send_block`]),
+/// all-gathered over the shard dimension (of more than one rank), in two hops across
+/// machines where the mesh has them.
+pub(crate) fn all_gather(mesh: &Mesh, send: Buffer) -> Work<Buffer> {
+    match &mesh.machines {
+        Some(m) => m.gathers.all_gather(send),
+        None => mesh.shard.all_gather(send),
+    }
+}
+
+/// This rank's `packed` rows (its parameters' shards, `runs` long each) as an all-gather in
+/// `dtypes` sends them: cast to `dtypes.param`, or quantized to int8 blocks with
+/// `dtypes.gather_int8` ([`Codec::INT8`]) apart by `runs`.
+pub(crate) fn send_block(
     packed: Vec<f32>,
     runs: &[usize],
     dtypes: CommDtypes,
-) -> Result<Work<Buffer>, EngineError> {
+) -> Result<Buffer, EngineError> {
     let dtype = dtypes.param;
-    let send = if dtypes.gather_int8 {
+    Ok(if dtypes.gather_int8 {
         Buffer::U8(Codec::INT8.encode(&packed, runs))
     } else if dtype == DType::F32 {
         Buffer::F32(packed)
@@ -84,10 +93,6 @@ pub(crate) fn all_gather(
             setting: format!("gathering parameters in {dtype:?}"),
             hint: "parameters are gathered in a float type",
         })?
-    };
-    Ok(match &mesh.machines {
-        Some(m) => m.gathers.all_gather(send),
-        None => mesh.shard.all_gather(send),
     })
 }
 

@@ -84,6 +84,21 @@ impl ShardStore {
         }
     }
 
+    /// In memory: the padded rows of the parameters `keep` keeps, in order, as they are
+    /// (for a send block made straight from them); `None` from disk.
+    pub fn rows_in_memory<'a>(
+        &self,
+        params: &'a [FsdpParam],
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<Option<Vec<&'a [f32]>>, EngineError> {
+        if let ShardStore::Disk(_) = self {
+            return Ok(None);
+        }
+        let kept = params.iter().enumerate().filter(|(i, _)| keep(*i));
+        let rows = kept.map(|(_, p)| p.shard.values());
+        Ok(Some(rows.collect::<Result<_, _>>()?))
+    }
+
     /// Takes unit `unit`'s freshly made shards in: into the tier as one block, leaving the
     /// parameters' buffers empty (in memory: they stay where they are).
     pub fn take_shards(&self, unit: usize, params: &mut [FsdpParam]) -> Result<(), EngineError> {

@@ -405,10 +405,7 @@ impl FsdpUnit {
             let released = s.sharded == ShardedState::ReleasedAfterForward;
             let work = match (s.secondary.take(), &cx.mesh.secondary) {
                 (Some(share), Some(group)) if released => group.all_gather(share),
-                _ => {
-                    let block = self.gathered_block()?;
-                    collectives::all_gather(cx.mesh, block, &self.gather_runs, cx.dtypes)?
-                }
+                _ => collectives::all_gather(cx.mesh, self.gathered_send(cx.dtypes)?),
             };
             s.gather = Some((work, Instant::now()));
         }

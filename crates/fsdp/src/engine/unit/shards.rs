@@ -5,8 +5,12 @@
 use std::borrow::Cow;
 use std::sync::Mutex;
 
+use fsdp_comm::{Buffer, DType};
+
 use super::{FsdpUnit, InStep};
 use crate::engine::ShardStore;
+use crate::engine::buffers::bf16_concat;
+use crate::engine::collectives::{self, CommDtypes};
 use crate::engine::error::{EngineError, unit_name};
 use crate::engine::param::FsdpParam;
 use crate::engine::plan::{ShardLayout, UnitKind};
@@ -99,18 +103,36 @@ impl FsdpUnit {
             .master_block(self.index, &self.params, self.block())
     }
 
-    /// This rank's block as the unit's all-gather sends it: the master block without the
-    /// tables looked up by rows.
-    pub fn gathered_block(&self) -> Result<Vec<f32>, EngineError> {
-        let gathered = |i: usize| !self.looked_up[i];
-        self.store
-            .block_of(self.index, &self.params, self.block(), gathered)
+    /// This rank's block as the unit's all-gather sends it in `dtypes`: the master block
+    /// without the tables looked up by rows.
+    pub fn gathered_send(&self, dtypes: CommDtypes) -> Result<Buffer, EngineError> {
+        self.send_of(dtypes, &self.gather_runs, |i| !self.looked_up[i])
     }
 
-    /// This rank's padded rows of parameter `i` alone (from its store).
-    pub fn param_block(&self, i: usize) -> Result<Vec<f32>, EngineError> {
-        self.store
-            .block_of(self.index, &self.params, self.block(), |j| j == i)
+    /// This rank's padded rows of parameter `i` alone, as an all-gather of it sends them in
+    /// `dtypes`.
+    pub fn param_send(&self, i: usize, dtypes: CommDtypes) -> Result<Buffer, EngineError> {
+        let runs = [self.params[i].layout.shard_numel()];
+        self.send_of(dtypes, &runs, |j| j == i)
+    }
+
+    /// The padded rows of the parameters `keep` keeps (`runs` long each), as an all-gather
+    /// in `dtypes` sends them: in bf16 rounded straight from shards in memory (no f32 copy
+    /// of the block first), else from the store's f32 block ([`collectives::send_block`]).
+    fn send_of(
+        &self,
+        dtypes: CommDtypes,
+        runs: &[usize],
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<Buffer, EngineError> {
+        if dtypes.param == DType::BF16
+            && !dtypes.gather_int8
+            && let Some(rows) = self.store.rows_in_memory(&self.params, &keep)?
+        {
+            return Ok(Buffer::BF16(bf16_concat(&rows)));
+        }
+        let block = (self.store).block_of(self.index, &self.params, self.block(), keep)?;
+        collectives::send_block(block, runs, dtypes)
     }
 
     /// Starts reading the block from its store ahead of its use.

@@ -92,7 +92,7 @@ impl FsdpUnit {
         when: &str,
     ) -> Result<(), EngineError> {
         let p = &self.params[i];
-        let block = self.param_block(i)?;
+        let send = self.param_send(i, cx.dtypes)?;
         let runs = [p.layout.shard_numel()];
         let what = format!("all-gather of `{}` {when}", p.layout.name);
         let failed = |source| EngineError::Collective {
@@ -100,7 +100,7 @@ impl FsdpUnit {
             unit: self.name(),
             source,
         };
-        let gathered = collectives::all_gather(cx.mesh, block, &runs, cx.dtypes)?
+        let gathered = collectives::all_gather(cx.mesh, send)
             .wait()
             .map_err(failed)?;
         let gathered = self.decoded(cx, gathered, &runs, when)?;
