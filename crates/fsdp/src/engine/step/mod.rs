@@ -18,8 +18,7 @@ use super::error::EngineError;
 use super::frozen_release::FrozenReleases;
 use super::grads::UnreducedUnits;
 use super::hooks::{Checkpoint, StepHooks};
-use super::unit::FsdpUnit;
-use super::unit::{Moment, Prefetch, RunContext};
+use super::unit::{FsdpUnit, Moment, Prefetch, RunContext};
 use super::{GradBlock, ShardStore};
 use crate::nn::Recompute;
 use crate::trace::Tracer;
@@ -217,7 +216,7 @@ impl StepShared {
     fn read_ahead_after(&self, u: usize, order: &[usize]) -> Result<(), EngineError> {
         let at = order.iter().position(|&x| x == u);
         match at.and_then(|at| order.get(at + 1)) {
-            Some(&next) => self.units[next].read_ahead_in_step(),
+            Some(&next) => self.units[next].read_ahead_if_waiting(),
             None => Ok(()),
         }
     }

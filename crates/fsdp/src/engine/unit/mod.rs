@@ -414,7 +414,7 @@ impl FsdpUnit {
 
     /// Starts reading the unit's shards from its store when its gather is still to come
     /// (forward and backward order make the next unit known; in memory nothing is read).
-    pub fn read_ahead_in_step(&self) -> Result<(), EngineError> {
+    pub fn read_ahead_if_waiting(&self) -> Result<(), EngineError> {
         let s = self.in_step();
         let waiting = matches!(
             s.sharded,
