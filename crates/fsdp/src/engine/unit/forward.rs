@@ -1,0 +1,251 @@
+//! A unit's forward side within a step: gathered when forward first reads one of its
+//! parameters (or ahead, by a prefetch), its full parameters made graph nodes, and released
+//! after its forward when it reshards.
+
+use std::sync::{Mutex, Weak};
+use std::time::Instant;
+
+use candle_core::{Shape, Tensor, Var};
+use fsdp_comm::Buffer;
+
+use super::{FsdpUnit, InStep, RunContext, ShardedState, TrainingState, reshard};
+use crate::engine::collectives;
+use crate::engine::error::EngineError;
+use crate::engine::hooks::{PreBackward, StepHooks, Unshard};
+use crate::engine::quantized_blocks::Codec;
+
+impl FsdpUnit {
+    /// Forward reads parameter `i`: refused where the unit may not be read (released after
+    /// its forward, or its backward over); gathered first when it is still sharded. Returns
+    /// whether it was gathered now (forward reached the unit).
+    pub fn gather_for_read(
+        &self,
+        cx: &RunContext,
+        (step, index): (Weak<dyn StepHooks>, usize),
+        i: usize,
+    ) -> Result<bool, EngineError> {
+        let s = &mut *self.in_step();
+        if !s.readable() {
+            return Err(EngineError::ReadOutsideUnit {
+                param: self.params[i].layout.name.clone(),
+                unit: self.name(),
+                state: s.describe(),
+            });
+        }
+        if s.sharded != ShardedState::Sharded {
+            return Ok(false);
+        }
+        self.wait_for_unshard(s, cx, step, index)?;
+        Ok(true)
+    }
+
+    /// Full parameter `i`, gathered: a table looked up by rows is gathered whole first (a
+    /// weight tied to it reads it whole).
+    pub fn read(&self, cx: &RunContext, i: usize) -> Result<Tensor, EngineError> {
+        let s = &mut *self.in_step();
+        if self.looked_up[i] {
+            return self.read_table_whole(s, cx, i);
+        }
+        self.full_param(s, i)
+    }
+
+    /// Full parameter `i` of the gathered unit.
+    pub(super) fn full_param(&self, s: &InStep, i: usize) -> Result<Tensor, EngineError> {
+        let missing = || EngineError::ReadOutsideUnit {
+            param: self.params[i].layout.name.clone(),
+            unit: self.name(),
+            state: s.describe(),
+        };
+        s.full.get(i).cloned().ok_or_else(missing)
+    }
+
+    /// Issues the unit's all-gather unless one is in flight (also the prefetch entry).
+    fn unshard(&self, s: &mut InStep, cx: &RunContext) -> Result<(), EngineError> {
+        let gathers = self.ranks(cx.mesh.shard_size()) > 1 && self.gather_block > 0;
+        if s.gather.is_none() && gathers {
+            // Backward's gather of a unit released after forward, from the secondary group.
+            let released = s.sharded == ShardedState::ReleasedAfterForward;
+            let work = match (s.secondary.take(), &cx.mesh.secondary) {
+                (Some(share), Some(group)) if released => group.all_gather(share),
+                _ => collectives::all_gather(cx.mesh, self.gathered_send(cx.dtypes)?),
+            };
+            s.gather = Some((work, Instant::now()));
+        }
+        Ok(())
+    }
+
+    /// Starts reading the unit's shards from its store when its gather is still to come
+    /// (forward and backward order make the next unit known; in memory nothing is read).
+    pub fn read_ahead_if_waiting(&self) -> Result<(), EngineError> {
+        let s = self.in_step();
+        let waiting = matches!(
+            s.sharded,
+            ShardedState::Sharded | ShardedState::ReleasedAfterForward
+        );
+        if s.gather.is_none() && waiting && s.training != TrainingState::PostBackward {
+            self.read_ahead()?;
+        }
+        Ok(())
+    }
+
+    /// Prefetch: issues the gather only if the unit is in the state it will be gathered
+    /// from next (`Sharded` ahead of forward, `ReleasedAfterForward` ahead of backward).
+    pub fn prefetch(&self, cx: &RunContext, waiting: ShardedState) -> Result<(), EngineError> {
+        let s = &mut *self.in_step();
+        if s.sharded == waiting && s.training != TrainingState::PostBackward {
+            self.unshard(s, cx)?;
+        }
+        Ok(())
+    }
+
+    /// The gathered block (waits for the gather in flight, issuing it first if needed);
+    /// `None` when the shard dimension is this rank alone. With `keep`, this rank's share of
+    /// it stays for backward's gather from the secondary group.
+    pub(super) fn gathered(
+        &self,
+        s: &mut InStep,
+        cx: &RunContext,
+        when: &str,
+        keep: bool,
+    ) -> Result<Option<Buffer>, EngineError> {
+        self.unshard(s, cx)?;
+        let Some((work, issued)) = s.gather.take() else {
+            return Ok(None);
+        };
+        let waited = Instant::now();
+        let (gathered, ran) = work
+            .wait_timed()
+            .map_err(|source| EngineError::Collective {
+                op: format!("all-gather {when}"),
+                unit: self.name(),
+                source,
+            })?;
+        if let Some(t) = cx.trace {
+            let bytes = gathered.len() * gathered.dtype().size();
+            let args = serde_json::json!({ "bytes": bytes, "when": when });
+            let unit = self.trace_label();
+            let ran = ran.unwrap_or((issued, Instant::now()));
+            t.collective("all-gather", "all_gather", unit, ran, waited, args);
+        }
+        if let (true, Some(group)) = (keep, &cx.mesh.secondary) {
+            s.secondary = crate::engine::secondary::share(&gathered, group.as_ref());
+        }
+        self.decoded(cx, gathered, &self.gather_runs, when)
+            .map(Some)
+    }
+
+    /// A gathered block (of parameters in `runs`) in the compute dtype: decoded when the
+    /// gather was int8.
+    pub(super) fn decoded(
+        &self,
+        cx: &RunContext,
+        gathered: Buffer,
+        runs: &[usize],
+        when: &str,
+    ) -> Result<Buffer, EngineError> {
+        if !cx.dtypes.gather_int8 {
+            return Ok(gathered);
+        }
+        let ranks = self.ranks(cx.mesh.shard_size());
+        let decoded = Codec::INT8.decode_gathered(&gathered, runs, ranks, cx.dtypes.param);
+        decoded.map_err(|problem| EngineError::State {
+            name: format!("the int8 all-gather {when} of {}", self.name()),
+            problem,
+        })
+    }
+
+    /// Forward reached the unit: its full parameters become graph nodes (outputs of
+    /// [`Unshard`] on a per-unit anchor variable).
+    fn wait_for_unshard(
+        &self,
+        s: &mut InStep,
+        cx: &RunContext,
+        step: Weak<dyn StepHooks>,
+        index: usize,
+    ) -> Result<(), EngineError> {
+        let keep = cx.train && self.reshard_after_forward && cx.mesh.secondary.is_some();
+        let gathered = self.gathered(s, cx, "before its forward", keep)?;
+        let (ranks, block) = (self.ranks(cx.mesh.shard_size()), self.gather_block);
+        let anchor = Var::zeros(1, candle_core::DType::F32, cx.device)?;
+        let whole = match ranks {
+            1 => self.master_block()?,
+            _ => Vec::new(),
+        };
+        let mut full = Vec::with_capacity(self.params.len());
+        for (i, p) in self.params.iter().enumerate() {
+            let data = match &gathered {
+                // Its rows arrive as forward looks them up.
+                _ if self.looked_up[i] => cx.plane.zeros(p.layout.numel(), cx.dtypes.param)?,
+                Some(g) => cx.plane.unpack(g, &self.gather_layouts[i], block, ranks)?,
+                None => {
+                    let values = &whole[p.layout.offset..p.layout.offset + p.layout.numel()];
+                    cx.plane.whole(values, cx.dtypes.param)?
+                }
+            };
+            let op = Unshard {
+                data: Mutex::new(Some(data)),
+                shape: Shape::from(p.layout.shape.clone()),
+                step: step.clone(),
+                unit: index,
+                param: i,
+            };
+            let tensor = if p.layout.requires_grad && cx.train {
+                anchor.as_tensor().apply_op1(op)?
+            } else {
+                anchor.as_tensor().detach().apply_op1_no_bwd(&op)?
+            };
+            full.push(tensor);
+        }
+        s.anchor = Some(anchor);
+        s.full = full;
+        s.training = TrainingState::Forward;
+        s.sharded = ShardedState::Unsharded;
+        s.forward_began = Some(Instant::now());
+        Ok(())
+    }
+
+    /// The unit's forward returned `output`: hooked for the pre-backward refill when the unit
+    /// reshards after forward (then released, the first time). Returns what forward goes on
+    /// with.
+    pub fn post_forward(
+        &self,
+        cx: &RunContext,
+        output: Tensor,
+        step: Weak<dyn StepHooks>,
+        index: usize,
+    ) -> Result<Tensor, EngineError> {
+        let s = &mut *self.in_step();
+        s.hooked = true;
+        let began = s.forward_began.take();
+        self.trace_span(cx, "forward", began);
+        if !cx.train {
+            // Evaluation: no backward will need the parameters again.
+            let release = self.reshard_after_forward && !cx.hold;
+            if release && s.sharded == ShardedState::Unsharded {
+                reshard(s, cx)?;
+                s.sharded = ShardedState::ReleasedAfterForward;
+            }
+            s.training = TrainingState::Idle;
+            return Ok(output);
+        }
+        let releasing = self.reshard_after_forward
+            && matches!(
+                s.sharded,
+                ShardedState::Unsharded | ShardedState::ReleasedAfterForward
+            );
+        if !releasing {
+            if s.training == TrainingState::Forward {
+                s.training = TrainingState::Idle;
+            }
+            return Ok(output);
+        }
+        let hooked = output.hooked_view(PreBackward { step, unit: index });
+        s.outputs.push(hooked.clone());
+        if s.sharded == ShardedState::Unsharded {
+            reshard(s, cx)?;
+            s.sharded = ShardedState::ReleasedAfterForward;
+        }
+        s.training = TrainingState::Idle;
+        Ok(hooked)
+    }
+}
