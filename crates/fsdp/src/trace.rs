@@ -188,7 +188,7 @@ impl Tracer {
     }
 
     /// Microseconds since the Unix epoch at `t`.
-    fn unix_us(&self, t: Instant) -> u64 {
+    pub fn unix_us(&self, t: Instant) -> u64 {
         let offset = t.saturating_duration_since(self.started).as_micros() as u64;
         self.started_unix_us + offset
     }

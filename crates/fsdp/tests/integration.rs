@@ -26,6 +26,7 @@ mod frozen_gradients;
 mod fsdp_matrix;
 mod fsdp_reference;
 mod fsdp_usage;
+mod gather_ahead;
 mod generation;
 mod gguf;
 mod grad_scaler;

@@ -34,7 +34,8 @@ use crate::trace::Tracer;
 /// What a step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepReport {
-    /// Bytes of live allocations just after the update, measured by
+    /// Bytes of live allocations as the update began (parameters, gradients, and the
+    /// optimizer's state from the second step on), measured by
     /// [`crate::memory::CountingAllocator`] when the program installed it.
     pub resident_bytes: Option<usize>,
 }
@@ -420,26 +421,26 @@ impl Fsdp {
             return Err(EngineError::NoGradients { op: "step" });
         };
         self.check_finite(&grads)?;
+        let resident_bytes = crate::memory::counting().then(crate::memory::resident_bytes);
         let began = std::time::Instant::now();
         if let Some(state) = &mut self.state_on_disk {
             state.step(&mut self.units, &mut grads, optimizer)?;
         }
-        for (u, (reduced, has_grad)) in grads.units.iter().zip(&grads.has_grad).enumerate() {
-            let Some(reduced) = reduced else { continue };
-            let Some(reduced) = reduced.memory() else {
+        // The unit the next forward gathers first is updated first and its gather issued at
+        // once, so it crosses the wire while the rest is updated.
+        let first = self.prefetch.forward_order.first().copied();
+        let rest = (0..self.units.len()).filter(|&u| Some(u) != first);
+        for u in first.into_iter().chain(rest) {
+            let (Some(reduced), Some(has_grad)) = (grads.units.get(u), grads.has_grad.get(u))
+            else {
                 continue;
             };
-            let unit = super::unit::exclusive(&mut self.units[u], "the optimizer step")?;
-            let layouts = unit.params.iter_mut().zip(&unit.grad_layouts);
-            for ((p, g), &has) in layouts.zip(has_grad) {
-                if !(p.layout.requires_grad && has) {
-                    continue;
-                }
-                let at = super::unit::grad_elements(p, g);
-                let n = at.len();
-                let grad = &reduced[at];
-                let name = p.layout.name.clone();
-                optimizer.update(&name, &mut p.shard.values_mut()?[..n], grad)?;
+            if let Some(reduced) = reduced.as_ref().and_then(|r| r.memory()) {
+                let unit = super::unit::exclusive(&mut self.units[u], "the optimizer step")?;
+                unit.update(reduced, has_grad, optimizer)?;
+            }
+            if Some(u) == first {
+                self.units[u].gather_ahead(&self.mesh, self.dtypes)?;
             }
         }
         if let Some(t) = &self.tracer {
@@ -447,7 +448,6 @@ impl Fsdp {
             t.since("optimizer step", "optimizer", began, args);
             t.end_step();
         }
-        let resident_bytes = crate::memory::counting().then(crate::memory::resident_bytes);
         drop(grads);
         Ok(StepReport { resident_bytes })
     }

@@ -531,10 +531,10 @@ fn activation_checkpointing_recomputes_with_the_same_dropout_masks() {
     }
 }
 
-/// An optimizer step without `max_grad_norm` runs no collective but the one number that
-/// agrees the gradients are finite (it used to all-reduce the gradient norm every step and
-/// drop it), and none at all after the caller's own clip (a finite norm proved them
-/// finite); clipping multiplies by `min(1, max_norm / (norm + 1e-6))` in f32 as PyTorch's
+/// An optimizer step without `max_grad_norm` runs no collective of its own but the one
+/// number that agrees the gradients are finite (it used to all-reduce the gradient norm
+/// every step and drop it), and none at all after the caller's own clip (a finite norm
+/// proved them finite), besides the next forward's first gather, which it issues early; clipping multiplies by `min(1, max_norm / (norm + 1e-6))` in f32 as PyTorch's
 /// `clip_grad_norm_` does: a norm exactly at the limit is still scaled.
 #[test]
 fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
@@ -561,22 +561,31 @@ fn a_step_runs_no_collective_of_its_own_and_clips_as_pytorch_does() {
                     let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
                     engine.backward(params, loss, true).unwrap()
                 };
+                // A step's bytes, forward and backward (every unit gathered and reduced).
+                let before = group.bytes_sent();
                 grads_of(&mut engine, 0);
+                let forward_backward = group.bytes_sent() - before;
+                // The optimizer step issues the next forward's first gather, which that
+                // forward then does not: together the same bytes and, of the step's own, one
+                // f64 to the other rank: whether any rank's gradients hold a NaN or inf.
                 let before = group.bytes_sent();
                 engine.step(&mut opt).unwrap();
-                // One f64 to the other rank: whether any rank's gradients hold a NaN or inf.
+                grads_of(&mut engine, 2);
                 assert_eq!(
                     group.bytes_sent() - before,
-                    8,
+                    forward_backward + 8,
                     "the step sent bytes of its own"
                 );
-                grads_of(&mut engine, 2);
                 engine.clip_grad_norm(None).unwrap();
                 let before = group.bytes_sent();
                 engine.step(&mut opt).unwrap();
-                assert_eq!(group.bytes_sent(), before, "a step after a clip sent bytes");
-
                 grads_of(&mut engine, 1);
+                assert_eq!(
+                    group.bytes_sent() - before,
+                    forward_backward,
+                    "a step after a clip sent bytes"
+                );
+
                 let (norm, clipped) = engine.clip_grad_norm(None).unwrap();
                 assert!(norm > 0.0 && !clipped);
                 let grads = engine.gradients().unwrap();

@@ -6,10 +6,10 @@ use std::sync::{Mutex, Weak};
 use std::time::Instant;
 
 use candle_core::{Shape, Tensor, Var};
-use fsdp_comm::Buffer;
+use fsdp_comm::{Buffer, Mesh, Work};
 
 use super::{FsdpUnit, InStep, RunContext, ShardedState, TrainingState, reshard};
-use crate::engine::collectives;
+use crate::engine::collectives::{self, CommDtypes};
 use crate::engine::error::EngineError;
 use crate::engine::hooks::{PreBackward, StepHooks, Unshard};
 use crate::engine::quantized_blocks::Codec;
@@ -61,17 +61,31 @@ impl FsdpUnit {
 
     /// Issues the unit's all-gather unless one is in flight (also the prefetch entry).
     fn unshard(&self, s: &mut InStep, cx: &RunContext) -> Result<(), EngineError> {
-        let gathers = self.ranks(cx.mesh.shard_size()) > 1 && self.gather_block > 0;
-        if s.gather.is_none() && gathers {
-            // Backward's gather of a unit released after forward, from the secondary group.
-            let released = s.sharded == ShardedState::ReleasedAfterForward;
-            let work = match (s.secondary.take(), &cx.mesh.secondary) {
-                (Some(share), Some(group)) if released => group.all_gather(share),
-                _ => collectives::all_gather(cx.mesh, self.gathered_send(cx.dtypes)?),
-            };
-            s.gather = Some((work, Instant::now()));
+        if s.gather.is_some() {
+            return Ok(());
         }
+        // Backward's gather of a unit released after forward, from the secondary group.
+        let released = s.sharded == ShardedState::ReleasedAfterForward;
+        let work = match (s.secondary.take(), &cx.mesh.secondary) {
+            (Some(share), Some(group)) if released => Some(group.all_gather(share)),
+            _ => self.gather_shards(cx.mesh, cx.dtypes)?,
+        };
+        s.gather = work.map(|work| (work, Instant::now()));
         Ok(())
+    }
+
+    /// Issues the all-gather of the unit's shards over the mesh's shard group; `None` where
+    /// the unit is not gathered (one rank holds it whole, or only tables looked up by rows).
+    pub(super) fn gather_shards(
+        &self,
+        mesh: &Mesh,
+        dtypes: CommDtypes,
+    ) -> Result<Option<Work<Buffer>>, EngineError> {
+        if self.ranks(mesh.shard_size()) < 2 || self.gather_block == 0 {
+            return Ok(None);
+        }
+        let send = self.gathered_send(dtypes)?;
+        Ok(Some(collectives::all_gather(mesh, send)))
     }
 
     /// Starts reading the unit's shards from its store when its gather is still to come
@@ -122,7 +136,8 @@ impl FsdpUnit {
             })?;
         if let Some(t) = cx.trace {
             let bytes = gathered.len() * gathered.dtype().size();
-            let args = serde_json::json!({ "bytes": bytes, "when": when });
+            let at = t.unix_us(issued);
+            let args = serde_json::json!({ "bytes": bytes, "when": when, "issued": at });
             let unit = self.trace_label();
             let ran = ran.unwrap_or((issued, Instant::now()));
             t.collective("all-gather", "all_gather", unit, ran, waited, args);

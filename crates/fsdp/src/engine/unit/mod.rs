@@ -119,14 +119,21 @@ pub(crate) struct FsdpUnit {
     pub grad_runs: Arc<[usize]>,
     /// Its state within the step in flight (fresh between steps).
     in_step: Mutex<InStep>,
+    /// The next step's all-gather, issued by the optimizer step once it updated the unit
+    /// (the first unit forward gathers), so the step opens with it under way: the next
+    /// step's gather in flight when it begins, dropped when the shards change.
+    ahead: Mutex<Option<Gather>>,
 }
+
+/// A gather in flight and when it was issued.
+type Gather = (Work<Buffer>, Instant);
 
 /// A unit's state within one step: fresh when the step begins, dropped when it ends.
 struct InStep {
     training: TrainingState,
     sharded: ShardedState,
-    /// A gather in flight (issued by the unit itself or by a prefetch), and when it was.
-    gather: Option<(Work<Buffer>, Instant)>,
+    /// A gather in flight (issued by the unit itself, by a prefetch, or ahead of the step).
+    gather: Option<Gather>,
     /// With a secondary partition (hpZ): this rank's share of forward's gathered block, which
     /// backward gathers from the mesh's secondary group instead of the shard group.
     secondary: Option<Buffer>,
@@ -207,13 +214,24 @@ impl FsdpUnit {
     /// Its state in the step in flight. Taken by one method at a time, which never calls
     /// another that takes it; the step's own lock orders the units' callers.
     fn in_step(&self) -> MutexGuard<'_, InStep> {
-        self.in_step.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.in_step)
     }
 
     /// Forgets the last step's state (its tensors, gathers in flight and gradients), so the
-    /// next step starts sharded and idle.
+    /// next step starts sharded and idle, with the gather issued ahead of it (if any) in
+    /// flight.
     pub fn reset_step(&self) {
-        *self.in_step() = InStep::new(self.params.len());
+        let mut fresh = InStep::new(self.params.len());
+        fresh.gather = lock(&self.ahead).take();
+        *self.in_step() = fresh;
+    }
+
+    /// Issues the all-gather of the next step's forward now (the shards being final until
+    /// then), unless the unit is not gathered at all.
+    pub fn gather_ahead(&self, mesh: &Mesh, dtypes: CommDtypes) -> Result<(), EngineError> {
+        let gather = self.gather_shards(mesh, dtypes)?;
+        *lock(&self.ahead) = gather.map(|work| (work, Instant::now()));
+        Ok(())
     }
 
     /// [`FsdpUnit::reset_step`] unless the state is in use on this thread right now (a step
@@ -334,13 +352,24 @@ fn reshard(s: &mut InStep, cx: &RunContext) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// A lock that outlives a panic of its holder (the state is reset, not trusted, after one).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `unit` to change its shards (the optimizer step, a checkpoint's load): refused while a
-/// step that shares it is open (`op` says what was refused).
+/// step that shares it is open (`op` says what was refused). A gather issued ahead of the
+/// next step carries the shards as they were, so it is dropped.
 pub(crate) fn exclusive<'a>(
     unit: &'a mut Arc<FsdpUnit>,
     op: &'static str,
 ) -> Result<&'a mut FsdpUnit, EngineError> {
-    Arc::get_mut(unit).ok_or(EngineError::StepOpen { op })
+    let unit = Arc::get_mut(unit).ok_or(EngineError::StepOpen { op })?;
+    unit.ahead
+        .get_mut()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    Ok(unit)
 }
 
 /// Whether a step shares `units` (it holds them from its beginning until its parameters

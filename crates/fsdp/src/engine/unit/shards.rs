@@ -14,6 +14,7 @@ use crate::engine::collectives::{self, CommDtypes};
 use crate::engine::error::{EngineError, unit_name};
 use crate::engine::param::FsdpParam;
 use crate::engine::plan::{ShardLayout, UnitKind};
+use crate::optim::Optimizer;
 
 /// The path the unit of ignored modules' parameters goes by (no module has it).
 pub(crate) const IGNORED_MODULES: &str = "(ignored modules)";
@@ -54,7 +55,32 @@ impl FsdpUnit {
             grad_layouts,
             grad_block,
             in_step,
+            ahead: Mutex::new(None),
         }
+    }
+
+    /// Updates this rank's rows of each trained parameter that had a gradient (`has_grad`)
+    /// with `optimizer`, from the unit's reduced gradient block.
+    pub fn update(
+        &mut self,
+        reduced: &[f32],
+        has_grad: &[bool],
+        optimizer: &mut dyn Optimizer,
+    ) -> Result<(), EngineError> {
+        let layouts = self.params.iter_mut().zip(&self.grad_layouts);
+        for ((p, g), &has) in layouts.zip(has_grad) {
+            if !(p.layout.requires_grad && has) {
+                continue;
+            }
+            let at = grad_elements(p, g);
+            let n = at.len();
+            optimizer.update(
+                &p.layout.name,
+                &mut p.shard.values_mut()?[..n],
+                &reduced[at],
+            )?;
+        }
+        Ok(())
     }
 
     /// The layouts of the parameters that train, in the gradient block.
