@@ -284,7 +284,12 @@ fn main() -> Result<()> {
             train_loader.set_epoch(train_loader.position().epoch + 1);
             continue;
         };
+        // On the device the model computes on (`use_cpu`, the local rank's GPU).
         let (context, next) = batch?.batch;
+        let (context, next) = (
+            context.to_device(acc.device())?,
+            next.to_device(acc.device())?,
+        );
         model.module_mut().dropout_seed =
             Some(args.seed ^ acc.step() << 8 ^ acc.process_index() as u64);
         let logits = model.forward(|m, p| m.logits(p, &context))?;
@@ -353,6 +358,10 @@ fn evaluate<D: Dataset>(
     while let Some(batch) = loader.next_batch() {
         let batch = batch?;
         let (context, next) = &batch.batch;
+        let (context, next) = (
+            &context.to_device(acc.device())?,
+            next.to_device(acc.device())?,
+        );
         let losses = model.evaluate(|m, p| {
             // Per example: logsumexp(logits) - logit of the true byte.
             let logits = m.logits(p, context)?;

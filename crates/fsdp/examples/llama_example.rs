@@ -513,7 +513,8 @@ fn fine_tune<M: Tuned>(
         eval_loader.set_epoch(0);
         while let Some(batch) = eval_loader.next_batch() {
             let batch = batch?;
-            let ids = &batch.batch;
+            // On the device the model computes on (`use_cpu`, the local rank's GPU).
+            let ids = &batch.batch.to_device(acc.device())?;
             let per_sequence = model.evaluate(|m, p| {
                 let m = m.llama();
                 let logits = m.forward(p, ids, None)?;
@@ -540,7 +541,8 @@ fn fine_tune<M: Tuned>(
                 .map(|ids| {
                     let cache = std::sync::Arc::new(KvCache::new());
                     generate(ids, &generation, |x| {
-                        m.llama().next_token_logits(p, x, &cache)
+                        let x = x.to_device(acc.device())?;
+                        m.llama().next_token_logits(p, &x, &cache)
                     })
                 })
                 .collect::<fsdp::nn::candle::Result<Vec<Vec<u32>>>>()
@@ -603,6 +605,7 @@ fn fine_tune<M: Tuned>(
         if args.dump_batches.is_some() {
             dumped.push(ids.to_dtype(fsdp::nn::candle::DType::I64)?);
         }
+        let ids = ids.to_device(acc.device())?;
         // The head fused into the loss: the step never holds the [batch, seq, vocab] logits.
         model
             .module()

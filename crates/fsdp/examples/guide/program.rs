@@ -4,7 +4,7 @@ use std::sync::Arc;
 use fsdp::accelerator::Accelerator;
 use fsdp::composite_module;
 use fsdp::data::LoaderPosition;
-use fsdp::nn::candle::{self, DType, Device, Tensor};
+use fsdp::nn::candle::{self, DType, Tensor};
 use fsdp::nn::layers::{Dropout, Embedding, LayerNorm, Linear};
 use fsdp::nn::ops::{CrossEntropy, cross_entropy};
 use fsdp::nn::{Forward, Model, Module, Params, Recompute, SeededWeights, call_checkpointable, join};
@@ -77,7 +77,7 @@ fn main() -> anyhow::Result<()> {
     let mut acc = Accelerator::new()?; // the job `fsdp launch` started, or one process
     let mut model = acc.prepare_model(net, &SeededWeights(42))?;
     let mut opt = acc.prepare_optimizer(AdamW::with_groups(groups)?)?;
-    let ids = Tensor::arange(0u32, 16, &Device::Cpu)?.reshape((2, 8))?;
+    let ids = Tensor::arange(0u32, 16, acc.device())?.reshape((2, 8))?; // where the model computes
     let next = (&ids + 1.0)?.to_dtype(DType::I64)?.flatten_all()?; // each id's successor
     for step in 0..3 {
         model.module_mut().seed = Some(acc.seed() ^ step); // dropout on, a mask per step

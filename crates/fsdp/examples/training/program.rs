@@ -15,9 +15,9 @@ struct Example { ids: Vec<u32>, label: u32 }
 /// One rank's batch: ids and attention mask [batch, longest] (padded with id 0), labels [batch].
 struct Batch { ids: Tensor, mask: Tensor, labels: Tensor }
 
-/// The collate function: this rank's examples of a step into one batch. Any error converts
-/// into `CollateError` with `?`.
-fn collate(examples: &[Example]) -> Result<Batch, CollateError> {
+/// The collate function: this rank's examples of a step into one batch, on `device` (where
+/// the model computes). Any error converts into `CollateError` with `?`.
+fn collate(examples: &[Example], device: &Device) -> Result<Batch, CollateError> {
     let (n, len) = (examples.len(), examples.iter().map(|e| e.ids.len()).max().unwrap_or(1));
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
     for e in examples {
@@ -28,9 +28,9 @@ fn collate(examples: &[Example]) -> Result<Batch, CollateError> {
     }
     let labels: Vec<u32> = examples.iter().map(|e| e.label).collect();
     Ok(Batch {
-        ids: Tensor::from_vec(ids, (n, len), &Device::Cpu)?,
-        mask: Tensor::from_vec(mask, (n, len), &Device::Cpu)?,
-        labels: Tensor::from_vec(labels, n, &Device::Cpu)?,
+        ids: Tensor::from_vec(ids, (n, len), device)?,
+        mask: Tensor::from_vec(mask, (n, len), device)?,
+        labels: Tensor::from_vec(labels, n, device)?,
     })
 }
 
@@ -64,9 +64,12 @@ fn main() -> anyhow::Result<()> {
     let mut model = acc.prepare_model(model, &SeededWeights(42))?; // sharded as configured
     let mut opt = acc.prepare_optimizer(AdamW::with_groups(groups)?)?;
 
-    // 8 examples per rank and step; each rank reads its share of every step.
-    let mut train = acc.prepare_data_loader(DataLoader::new(examples(512, 1), 8, collate).shuffle(42));
-    let mut held_out = acc.prepare_data_loader(DataLoader::new(examples(100, 2), 8, collate));
+    // 8 examples per rank and step; each rank reads its share of every step, made on the
+    // device the model computes on (`acc.device()`).
+    let on = |d: Device| move |e: &[Example]| collate(e, &d);
+    let train = DataLoader::new(examples(512, 1), 8, on(acc.device().clone())).shuffle(42);
+    let mut train = acc.prepare_data_loader(train);
+    let mut held_out = acc.prepare_data_loader(DataLoader::new(examples(100, 2), 8, on(acc.device().clone())));
     let epochs = 4;
     let total = epochs * train.steps_per_epoch() as u64;
     acc.prepare_scheduler(&mut opt, LrSchedule::Linear { warmup: total / 10, total })?;

@@ -56,7 +56,9 @@ impl GenerationConfig {
 /// Up to `config.max_new_tokens` tokens after `prompt`. `next_logits(ids)` runs the model on
 /// `ids` `[1, n]` — the prompt first, then each chosen token alone — and returns the next
 /// token's logits `[1, vocab]`, keeping what it needs between calls (a
-/// [`super::llama::KvCache`]: `LlamaForCausalLM::next_token_logits`).
+/// [`super::llama::KvCache`]: `LlamaForCausalLM::next_token_logits`). `ids` are made on the
+/// CPU: a model computing elsewhere takes them to its device there
+/// (`ids.to_device(acc.device())`).
 pub fn generate(
     prompt: &[u32],
     config: &GenerationConfig,
