@@ -179,12 +179,12 @@ fn ask_fsdp(
     // Between machines the link, not the cores, often sets the step time.
     if across_machines
         && p.confirm(
-            "Send parameters and gradients as int8 blocks (ZeRO++'s quantized weights and gradients: about a quarter of f32's bytes, for links slower than the machines compute)?",
+            "Send parameters as int8 blocks and gradients as int4 blocks (ZeRO++'s quantized weights and gradients: a quarter and an eighth of f32's bytes, for links slower than the machines compute)?",
             false,
         )?
     {
         answers.set(Key::FsdpAllGatherDtype, text(AllGatherDtype::Int8.name()));
-        answers.set(Key::FsdpReduceDtype, text(ReduceDtype::Int8.name()));
+        answers.set(Key::FsdpReduceDtype, text(ReduceDtype::Int4.name()));
     }
     // On a CPU the state already lives in host memory: the offload worth asking about is to
     // disk.

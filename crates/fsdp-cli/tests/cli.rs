@@ -198,9 +198,9 @@ fn questionnaire_entered_through_writes_what_config_default_writes() {
 #[test]
 fn questionnaire_offers_zero_plus_plus_communication_to_jobs_across_machines() {
     // Multi-CPU on 2 machines (this one rank 0, the main process at 10.1.2.3), FSDP with the
-    // default strategy, then the int8 question; Enter through the rest.
+    // default strategy, then the quantized-collectives question; Enter through the rest.
     let dir = tempfile::tempdir().unwrap();
-    for (answer, gather, reduce) in [("yes", "int8", "int8"), ("", "auto", "fp32")] {
+    for (answer, gather, reduce) in [("yes", "int8", "int4"), ("", "auto", "fp32")] {
         let path = dir.path().join(format!("machines{answer}.yaml"));
         let answers = ["2", "2", "", "10.1.2.3", "", "", "", "", answer];
         let input = answers.join("\n") + &"\n".repeat(30);
@@ -208,7 +208,7 @@ fn questionnaire_offers_zero_plus_plus_communication_to_jobs_across_machines() {
         cmd.args(["config", "--config_file"]).arg(&path);
         let out = run_with_input(cmd, &input);
         assert!(out.status.success(), "{}", text(&out));
-        assert!(text(&out).contains("as int8 blocks"), "{}", text(&out));
+        assert!(text(&out).contains("as int4 blocks"), "{}", text(&out));
         let c = resolved(&path);
         assert_eq!(c.launch.num_machines, 2);
         assert_eq!(
@@ -244,7 +244,7 @@ fn questionnaire_offers_zero_plus_plus_communication_to_jobs_across_machines() {
         .arg(dir.path().join("one.yaml"));
     let out = run_with_input(cmd, &"\n".repeat(40));
     assert!(out.status.success(), "{}", text(&out));
-    assert!(!text(&out).contains("as int8 blocks"), "{}", text(&out));
+    assert!(!text(&out).contains("as int4 blocks"), "{}", text(&out));
     assert!(!text(&out).contains("hpz"), "{}", text(&out));
 }
 

@@ -108,7 +108,13 @@ fn enum_numbers_and_case_are_accepted() {
     let both = "fsdp_config:\n  zero_quantized_weights: true\n  zero_quantized_gradients: true\n";
     let config = resolve_file(both).unwrap();
     assert_eq!(config.fsdp.all_gather_dtype, AllGatherDtype::Int8);
-    assert_eq!(config.fsdp.reduce_dtype, ReduceDtype::Int8);
+    // DeepSpeed's qgZ sends gradients in 4 bits; our int8 is the other quantized choice.
+    assert_eq!(config.fsdp.reduce_dtype, ReduceDtype::Int4);
+    let int8 = "fsdp_config:\n  zero_quantized_gradients: true\n  fsdp_reduce_dtype: int8\n";
+    assert_eq!(
+        resolve_file(int8).unwrap().fsdp.reduce_dtype,
+        ReduceDtype::Int8
+    );
     let agreeing = "fsdp_config:\n  zero_quantized_weights: true\n  fsdp_all_gather_dtype: int8\n";
     assert_eq!(
         resolve_file(agreeing).unwrap().fsdp.all_gather_dtype,

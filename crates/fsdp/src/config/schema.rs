@@ -247,7 +247,7 @@ key_table! {
         "DeepSpeed's name for ZeRO++'s quantized weights: true is fsdp_all_gather_dtype: int8, false its default";
     ZeroQuantizedGradients: "zero_quantized_gradients", Fsdp, Kind::Bool, D::Bool(false),
         None, &[], Used,
-        "DeepSpeed's name for ZeRO++'s quantized gradients: true is fsdp_reduce_dtype: int8, false its default";
+        "DeepSpeed's name for ZeRO++'s quantized gradients: true is fsdp_reduce_dtype: int4 (DeepSpeed's 4 bits; int8 where fsdp_reduce_dtype says so), false its default";
     FsdpHpzPartitionSize: "fsdp_hpz_partition_size", Fsdp, NON_NEGATIVE, D::UInt(0),
         Some("FSDP_HPZ_PARTITION_SIZE"), &["zero_hpz_partition_size"], Used,
         "ZeRO++'s secondary partition (hpZ): after forward's all-gather each rank keeps 1/N of every gathered unit, so backward gathers it again from the N consecutive ranks of its group only (a machine's processes); 0 or 1 for none (fsdp-rs)";

@@ -55,20 +55,26 @@ impl View<'_> {
     }
 
     /// `key`'s choice, or what DeepSpeed's switch `deepspeed` says when only it is set
-    /// (true: `on`; false: the default); both set and disagreeing is an error naming both.
+    /// (true: `on[0]`, DeepSpeed's own; false: the default); both set is an error naming both
+    /// unless they agree (`key` one of `on` for true, the default for false).
     fn deepspeed_choice<T: Choice + PartialEq>(
         &self,
         key: Key,
         deepspeed: Key,
-        on: T,
+        on: &[T],
         errors: &mut Vec<ConfigError>,
     ) -> T {
         let chosen = self.choice::<T>(key);
         if !self.explicit(deepspeed) {
             return chosen;
         }
-        let switched = if self.flag(deepspeed) { on } else { T::ALL[0] };
-        if self.explicit(key) && chosen != switched {
+        let switched_on = self.flag(deepspeed);
+        let agrees = if switched_on {
+            on.contains(&chosen)
+        } else {
+            chosen == T::ALL[0]
+        };
+        if self.explicit(key) && !agrees {
             errors.push(ConfigError::Inconsistent {
                 keys: vec![key.name(), deepspeed.name()],
                 message: format!(
@@ -79,7 +85,11 @@ impl View<'_> {
             });
             return chosen;
         }
-        switched
+        match (self.explicit(key), switched_on) {
+            (true, _) => chosen,
+            (false, true) => on[0],
+            (false, false) => T::ALL[0],
+        }
     }
 
     /// "`key: value` (origin)" for messages.
@@ -199,16 +209,17 @@ impl View<'_> {
             ignored_modules,
             no_reshard_after_forward,
             mixed_precision: self.choice(Key::MixedPrecision),
+            // ZeRO++ quantizes gradients to 4 bits (qgZ) and weights to 8 (qwZ).
             reduce_dtype: self.deepspeed_choice(
                 Key::FsdpReduceDtype,
                 Key::ZeroQuantizedGradients,
-                ReduceDtype::Int8,
+                &[ReduceDtype::Int4, ReduceDtype::Int8],
                 &mut errors,
             ),
             all_gather_dtype: self.deepspeed_choice(
                 Key::FsdpAllGatherDtype,
                 Key::ZeroQuantizedWeights,
-                AllGatherDtype::Int8,
+                &[AllGatherDtype::Int8],
                 &mut errors,
             ),
             hpz_partition_size: self.uint(Key::FsdpHpzPartitionSize).unwrap_or(0) as usize,
