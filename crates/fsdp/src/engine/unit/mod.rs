@@ -310,8 +310,8 @@ impl FsdpUnit {
     }
 
     /// Backward is about to run: with `sync`, the unit's gradients are reduced (together
-    /// with `carried`, kept by earlier backwards without sync, whose parameters that had a
-    /// gradient are `carried_has_grad`); without, they are kept whole for the next one.
+    /// with `carried`: the gradients earlier backwards without sync kept, and which
+    /// parameters had one); without, they are kept whole for the next one.
     pub fn begin_backward(&self, sync: bool, carried: Option<(Buffer, Vec<bool>)>) {
         self.in_step().grads.begin_backward(sync, carried);
     }
