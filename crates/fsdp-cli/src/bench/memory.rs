@@ -358,8 +358,11 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
     let mut timed = 0f64;
     // Seconds in forward, backward and the optimizer step, over the timed steps.
     let mut phases = [0f64; 3];
+    // A step's bytes are counted from the end of the previous step's backward to the end of
+    // its own: the optimizer step issues the next forward's first gather, which that forward
+    // waits for, so each such span holds one step's collectives, all of them finished.
+    let mut sent_before = bytes_sent(&fsdp);
     for step in 0..=a.steps {
-        let sent_before = bytes_sent(&fsdp);
         let started = Instant::now();
         memory::reset_peak();
         let (mut forward_s, mut backward_s) = (0f64, 0f64);
@@ -385,6 +388,15 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             backward_s += forward_done.elapsed().as_secs_f64();
         }
         let backward_done = Instant::now();
+        let sent_now = bytes_sent(&fsdp);
+        if step > 0 {
+            sent += sent_now.0 - sent_before.0;
+            sent_across += sent_now.1 - sent_before.1;
+            sent_secondary += sent_now.2 - sent_before.2;
+            sent_hops.0 += sent_now.3 - sent_before.3;
+            sent_hops.1 += sent_now.4 - sent_before.4;
+        }
+        sent_before = sent_now;
         let peak = memory::peak_bytes();
         fsdp.clip_grad_norm(Some(1.0))?;
         let report = fsdp.step(&mut optimizer)?;
@@ -397,12 +409,6 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
             phases[2] += backward_done.elapsed().as_secs_f64();
             peak_above = peak_above.max(peak.saturating_sub(at_step));
             state = state.max(at_step.saturating_sub(base));
-            let (inside, across, secondary, hops_within, hops_across) = bytes_sent(&fsdp);
-            sent += inside - sent_before.0;
-            sent_across += across - sent_before.1;
-            sent_secondary += secondary - sent_before.2;
-            sent_hops.0 += hops_within - sent_before.3;
-            sent_hops.1 += hops_across - sent_before.4;
         }
     }
     let steps = a.steps.max(1) as f64;
