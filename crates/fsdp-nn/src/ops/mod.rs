@@ -89,6 +89,12 @@ pub fn bf16_from_f32(values: &[f32]) -> Vec<half::bf16> {
     simd::bf16_vec_from_f32(values)
 }
 
+/// [`bf16_from_f32`] of `parts` one after another in one vector: a send block rounded
+/// straight from several parameters' f32 shards, with no f32 copy of them first.
+pub fn bf16_from_f32_parts(parts: &[&[f32]]) -> Vec<half::bf16> {
+    simd::bf16_vec_from_parts(parts)
+}
+
 /// `src` rounded to bf16 into `dst` (of the same length, written only), with the vector
 /// instructions this CPU has, bit for bit `half::bf16::from_f32`: a gradient packed for a
 /// reduction in another dtype without an intermediate tensor.

@@ -404,9 +404,16 @@ pub(crate) unsafe fn append_written<T>(
 
 /// `src` rounded to bf16 in a new vector, written once (no zero fill first).
 pub(crate) fn bf16_vec_from_f32(src: &[f32]) -> Vec<half::bf16> {
-    let mut out = Vec::new();
-    // SAFETY: the kernel writes every element of a destination as long as `src`.
-    unsafe { append_written(&mut out, src.len(), |d| f32_to_bf16_uninit(src, d)) };
+    bf16_vec_from_parts(&[src])
+}
+
+/// `parts` one after another, rounded to bf16 in a new vector, each element written once.
+pub(crate) fn bf16_vec_from_parts(parts: &[&[f32]]) -> Vec<half::bf16> {
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for src in parts {
+        // SAFETY: the kernel writes every element of a destination as long as `src`.
+        unsafe { append_written(&mut out, src.len(), |d| f32_to_bf16_uninit(src, d)) };
+    }
     out
 }
 
@@ -419,6 +426,36 @@ pub(crate) fn extend_bf16_as_f32(src: &[half::bf16], out: &mut Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parts_concatenate_rounded_as_half_rounds_each_value() {
+        // Ties, a carry into the exponent, subnormals, infinities and NaN; parts of lengths
+        // that straddle the 16-lane kernels, one empty.
+        let special = [
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            f32::from_bits(0x3f7f_ffff),
+            1e-40,
+            -1e-45,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -0.0,
+            f32::MAX,
+        ];
+        let long: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
+        let parts: [&[f32]; 4] = [&special, &[], &long, &long[..17]];
+        let got = bf16_vec_from_parts(&parts);
+        let want: Vec<half::bf16> = parts
+            .concat()
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "element {i}");
+        }
+    }
 
     #[test]
     fn exp_is_within_two_ulp_and_underflows_to_zero() {

@@ -242,23 +242,6 @@ impl GradientVisitor for Runs<'_> {
     }
 }
 
-/// `parts` one after another, rounded to bf16 by the vector kernel (bit for bit
-/// `half::bf16::from_f32`): a bf16 all-gather's send block made from f32 shards with no f32
-/// copy first.
-pub(crate) fn bf16_concat(parts: &[&[f32]]) -> Vec<half::bf16> {
-    let len = parts.iter().map(|p| p.len()).sum();
-    let mut v = Vec::with_capacity(len);
-    let slots = &mut v.spare_capacity_mut()[..len];
-    let mut at = 0;
-    for part in parts {
-        fsdp_nn::ops::f32_to_bf16_into(part, &mut slots[at..at + part.len()]);
-        at += part.len();
-    }
-    // SAFETY: the parts wrote every element below `len`, one after another.
-    unsafe { v.set_len(len) };
-    v
-}
-
 /// `dst = src` (of one length) into memory that may be uninitialised.
 fn write_copy<T: Copy>(src: &[T], dst: &mut [MaybeUninit<T>]) {
     let n = dst.len().min(src.len());
@@ -435,35 +418,5 @@ mod tests {
         let mut pack = GradPack::new(DType::F32, 12, 2);
         let e = pack.add(&layout("big", 4), &grad).unwrap_err().to_string();
         assert!(e.contains("`big`") && e.contains("4..13"), "{e}");
-    }
-
-    #[test]
-    fn parts_concatenate_rounded_as_half_rounds_each_value() {
-        // Ties, a carry into the exponent, subnormals, infinities and NaN; parts of lengths
-        // that straddle the 16-lane kernels, one empty.
-        let special = [
-            1.0 + 2f32.powi(-8),
-            1.0 + 3.0 * 2f32.powi(-8),
-            f32::from_bits(0x3f7f_ffff),
-            1e-40,
-            -1e-45,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            -0.0,
-            f32::MAX,
-        ];
-        let long: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
-        let parts: [&[f32]; 4] = [&special, &[], &long, &long[..17]];
-        let got = bf16_concat(&parts);
-        let want: Vec<half::bf16> = parts
-            .concat()
-            .into_iter()
-            .map(half::bf16::from_f32)
-            .collect();
-        assert_eq!(got.len(), want.len());
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.to_bits(), w.to_bits(), "element {i}");
-        }
     }
 }

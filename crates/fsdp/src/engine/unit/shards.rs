@@ -9,7 +9,6 @@ use fsdp_comm::{Buffer, DType};
 
 use super::{FsdpUnit, InStep};
 use crate::engine::ShardStore;
-use crate::engine::buffers::bf16_concat;
 use crate::engine::collectives::{self, CommDtypes};
 use crate::engine::error::{EngineError, unit_name};
 use crate::engine::param::FsdpParam;
@@ -155,7 +154,7 @@ impl FsdpUnit {
             && !dtypes.gather_int8
             && let Some(rows) = self.store.rows_in_memory(&self.params, &keep)?
         {
-            return Ok(Buffer::BF16(bf16_concat(&rows)));
+            return Ok(Buffer::BF16(fsdp_nn::ops::bf16_from_f32_parts(&rows)));
         }
         let block = (self.store).block_of(self.index, &self.params, self.block(), keep)?;
         collectives::send_block(block, runs, dtypes)
