@@ -8,10 +8,14 @@
 //! A [`TwoHops`] owns its two groups and issues on them from one thread, job after job in the
 //! order they were submitted, so every member issues its hops in one order whatever the
 //! timing; the second hop of one job runs while the first hop of the next one is in flight.
+//! Dropping it finishes the jobs submitted (as dropping a group finishes its queued work), so
+//! its groups go with it: an MPI world whose last owner went is finalized before the process
+//! exits, even with a collective no one waited for.
 //! [`MachineHops`] keeps gathers and reductions apart (one [`TwoHops`] each), because a
 //! program issues them from places whose order against each other is its own.
 
 use std::sync::{Arc, OnceLock, mpsc};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::buffer::Buffer;
@@ -47,7 +51,10 @@ pub struct TwoHops {
     within: Arc<dyn Communicator>,
     /// The processes at this one's place on every machine.
     across: Arc<dyn Communicator>,
-    jobs: mpsc::Sender<Job>,
+    /// Closed when dropped, which ends the threads once they finished every job.
+    jobs: Option<mpsc::Sender<Job>>,
+    /// The thread issuing hops and the one landing second hops, joined when dropped.
+    threads: Vec<JoinHandle<()>>,
     rank: usize,
 }
 
@@ -64,7 +71,7 @@ impl TwoHops {
         };
         let (jobs, queued) = mpsc::channel::<Job>();
         let (landing, landed) = mpsc::channel::<Landing>();
-        std::thread::Builder::new()
+        let issuing = std::thread::Builder::new()
             .name(format!("fsdp-two-hops-{rank}"))
             .spawn(move || {
                 for job in queued {
@@ -79,7 +86,7 @@ impl TwoHops {
                 }
             })
             .map_err(spawn_failed)?;
-        std::thread::Builder::new()
+        let lands = std::thread::Builder::new()
             .name(format!("fsdp-two-hops-landing-{rank}"))
             .spawn(move || {
                 for l in landed {
@@ -92,7 +99,8 @@ impl TwoHops {
         Ok(TwoHops {
             within,
             across,
-            jobs,
+            jobs: Some(jobs),
+            threads: vec![issuing, lands],
             rank,
         })
     }
@@ -132,7 +140,11 @@ impl TwoHops {
             reply,
             ran: ran.clone(),
         };
-        if self.jobs.send(job).is_err() {
+        if self
+            .jobs
+            .as_ref()
+            .is_none_or(|jobs| jobs.send(job).is_err())
+        {
             return Work::ready(Err(CommError::Closed { rank: self.rank }));
         }
         Work::from_channel_timed(rx, self.rank, ran)
@@ -191,6 +203,16 @@ impl TwoHops {
             },
             move |from_machine| Ok(across.all_to_all(between(from_machine)?)),
         )
+    }
+}
+
+impl Drop for TwoHops {
+    fn drop(&mut self) {
+        // Each job's wait is bounded by its groups' timeout.
+        self.jobs.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
     }
 }
 

@@ -56,6 +56,7 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
         "collectives" => collectives(&g),
         "mesh" => mesh(g),
         "join" => join(&g),
+        "hops-left-in-flight" => hops_left_in_flight(g),
         "hung" => {
             if g.rank() == 1 {
                 std::thread::sleep(Duration::from_secs(30));
@@ -211,6 +212,24 @@ fn mesh(g: MpiGroup) -> Result<(), String> {
     check_hybrid_mesh(g.as_ref())?;
     check_two_hops(g.as_ref(), 2)?;
     g.barrier().wait().map_err(err)
+}
+
+/// Two-hop gathers issued and never waited for, their handles and the groups dropped at
+/// once while the last rank has not issued yet (an engine's next-step gather at the end of
+/// a program): dropping the hops finishes them, so the world's last owner goes and MPI is
+/// finalized before the process exits.
+fn hops_left_in_flight(g: MpiGroup) -> Result<(), String> {
+    let (rank, n) = (g.rank(), g.size());
+    let g: std::sync::Arc<dyn Communicator> = std::sync::Arc::new(g);
+    let hops = fsdp_comm::TwoHops::new(g.as_ref(), 2).map_err(err)?;
+    if rank == n - 1 {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for _ in 0..3 {
+        drop(hops.all_gather(Buffer::from(vec![rank as f32; 1000])));
+    }
+    drop((hops, g));
+    Ok(())
 }
 
 fn join(g: &MpiGroup) -> Result<(), String> {
@@ -385,6 +404,15 @@ fn every_collective_and_dtype_over_mpi_with_equal_bits_on_every_rank() {
 #[test]
 fn mesh_from_comm_split_with_collectives_in_flight_on_each_dimension() {
     let Some(cmd) = mpirun(4, "mesh", &[]) else {
+        return;
+    };
+    let (code, out, _) = run(cmd, Duration::from_secs(60));
+    assert_ranks_ok(4, code, &out);
+}
+
+#[test]
+fn two_hop_collectives_left_in_flight_finish_before_mpi_is_finalized() {
+    let Some(cmd) = mpirun(4, "hops-left-in-flight", &[]) else {
         return;
     };
     let (code, out, _) = run(cmd, Duration::from_secs(60));
