@@ -1,7 +1,9 @@
 //! `fsdp_no_reshard_after_forward`: the units it names stay gathered from forward to
 //! backward (the timeline shows no all-gather before their backward), training is bitwise
 //! what it is without, the plan counts their memory, and a pattern matching no unit, or a
-//! strategy that keeps every unit gathered anyway, is an error naming the setting.
+//! strategy that keeps every unit gathered anyway, is an error naming the setting. A unit
+//! released after forward refills before its backward only the parameters a backward
+//! formula reads (not the embeddings' tables).
 
 use fsdp::config::{FsdpPlugin, Layer, ShardingStrategy, StateDictType};
 use fsdp::engine::UnitPlan;
@@ -75,6 +77,61 @@ fn kept_units_are_not_gathered_again_for_backward_and_train_bitwise_alike() {
         kept_gathers["bert.encoder.layer.1"],
         plain_gathers["bert.encoder.layer.1"]
     );
+}
+
+/// Per unit, the parameters its refills before backward wrote (every trace file of `trace`),
+/// each with the bytes the refill events reported in all.
+fn refills(
+    trace: &std::path::Path,
+) -> std::collections::BTreeMap<String, (std::collections::BTreeSet<String>, u64)> {
+    let mut by_unit = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(trace).unwrap() {
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(e.unwrap().path()).unwrap()).unwrap();
+        for ev in doc["traceEvents"].as_array().unwrap() {
+            if ev["cat"] == "refill" {
+                let unit = ev["args"]["unit"].as_str().unwrap().to_string();
+                let (names, bytes) = by_unit
+                    .entry(unit)
+                    .or_insert((std::collections::BTreeSet::new(), 0));
+                for p in ev["args"]["params"].as_array().unwrap() {
+                    names.insert(p.as_str().unwrap().to_string());
+                }
+                *bytes += ev["args"]["bytes"].as_u64().unwrap();
+            }
+        }
+    }
+    by_unit
+}
+
+#[test]
+fn a_unit_released_after_forward_refills_only_what_its_backward_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    train(None, tmp.path());
+    let info = crate::common::tiny::model(0.0).info();
+    let params = info.all_params();
+    let numel = |name: &str| params.iter().find(|p| p.name == name).unwrap().numel() as u64;
+    let refilled = refills(tmp.path());
+    // 3 steps on 2 ranks: each unit released after forward refills 6 times.
+    let (embeddings, bytes) = &refilled["bert.embeddings"];
+    let norms = [
+        "bert.embeddings.LayerNorm.bias",
+        "bert.embeddings.LayerNorm.weight",
+    ];
+    assert_eq!(
+        embeddings.iter().map(String::as_str).collect::<Vec<_>>(),
+        norms,
+        "the tables (read in backward only as ids) stay released: {refilled:?}"
+    );
+    assert_eq!(*bytes, 6 * 4 * norms.iter().map(|n| numel(n)).sum::<u64>());
+    let (layer, bytes) = &refilled["bert.encoder.layer.0"];
+    let all: Vec<&str> = params
+        .iter()
+        .map(|p| p.name.as_str())
+        .filter(|n| n.starts_with("bert.encoder.layer.0."))
+        .collect();
+    assert_eq!(layer.len(), all.len(), "{layer:?}");
+    assert_eq!(*bytes, 6 * 4 * all.iter().map(|n| numel(n)).sum::<u64>());
 }
 
 #[test]

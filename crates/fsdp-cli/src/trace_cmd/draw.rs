@@ -18,9 +18,10 @@ const LEGEND: f64 = 40.0;
 const CHAR: f64 = 7.0;
 
 /// What each category is called in the legend and drawn in.
-const KINDS: [(&str, &str, [u8; 3]); 6] = [
+const KINDS: [(&str, &str, [u8; 3]); 7] = [
     ("forward", "forward", [0x4c, 0x78, 0xa8]),
     ("backward", "backward", [0x54, 0xa2, 0x4b]),
+    ("refill", "refilling parameters", [0x9c, 0xd0, 0x8f]),
     ("optimizer", "optimizer step", [0xf5, 0x85, 0x18]),
     ("wait", "waiting for a collective", [0xe4, 0x57, 0x56]),
     ("all_gather", "all-gather", [0xb2, 0x79, 0xa2]),

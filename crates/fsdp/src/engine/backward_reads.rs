@@ -1,9 +1,9 @@
-//! Which full parameters backward will read, from the graph before it runs: a unit released
-//! after its forward re-gathers only those for its backward. An embedding table is read in
-//! forward only (its backward adds the output's gradient into rows by id), and the language
-//! model head fused into its loss computed its gradients in forward, so the unit holding a
-//! tied word embedding (MiniLM's 47 MB, SmolLM2's 113 MB) need not be gathered again for
-//! backward at all.
+//! Which full parameters backward will read, from the graph before it runs: a unit gathered
+//! since its forward releases the others at once, and a unit released after its forward
+//! refills only those before its backward. An embedding table is read in forward only (its
+//! backward adds the output's gradient into rows by id), and the language model head fused
+//! into its loss computed its gradients in forward, so the unit holding a tied word
+//! embedding (MiniLM's 47 MB, SmolLM2's 113 MB) holds it through no part of backward.
 //!
 //! The ops known not to read an input in backward are listed here; every other op input is
 //! taken as read. A view (reshape, transpose, permute, narrow, broadcast) shares its input's

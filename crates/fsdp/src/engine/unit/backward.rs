@@ -53,24 +53,36 @@ impl FsdpUnit {
     /// Backward is planned and `read` holds the full parameters it will read: the unit's
     /// others are released now instead of after its backward, when it holds them (gathered
     /// since its forward: the root, units kept by SHARD_GRAD_OP or
-    /// `fsdp_no_reshard_after_forward`) and reshards after backward anyway. The root of a
-    /// model with a tied word embedding and its head fused into the loss holds the largest
-    /// tensor of all that way, which no backward formula reads. Units that recompute their
-    /// forward in backward, keep frozen parameters or never reshard keep everything.
+    /// `fsdp_no_reshard_after_forward`) and reshards after backward anyway, or not refilled
+    /// before its backward when it released them after forward (FULL_SHARD: an embeddings
+    /// unit's tables, of which backward reads only the ids). The root of a model with a tied
+    /// word embedding and its head fused into the loss holds the largest tensor of all that
+    /// way, which no backward formula reads. Units that recompute their forward in backward,
+    /// keep frozen parameters or never reshard keep or refill everything.
     pub fn release_unread(
         &self,
         cx: &RunContext,
         read: &HashSet<TensorId>,
     ) -> Result<(), EngineError> {
-        let s = self.in_step();
-        let releasing = s.sharded == ShardedState::Unsharded
-            && s.training != TrainingState::PostBackward
-            && s.checkpoint.is_none()
-            && self.reshards_after_backward();
-        if releasing {
-            let unread = s.full.iter();
-            let unread: Vec<&Tensor> = unread.filter(|t| !read.contains(&t.id())).collect();
-            cx.plane.release(&unread, cx.poison)?;
+        let s = &mut *self.in_step();
+        if s.training == TrainingState::PostBackward
+            || s.checkpoint.is_some()
+            || !self.reshards_after_backward()
+        {
+            return Ok(());
+        }
+        match s.sharded {
+            ShardedState::Unsharded => {
+                let unread = s.full.iter();
+                let unread: Vec<&Tensor> = unread.filter(|t| !read.contains(&t.id())).collect();
+                cx.plane.release(&unread, cx.poison)?;
+            }
+            ShardedState::ReleasedAfterForward => {
+                for (unread, f) in s.unread_in_backward.iter_mut().zip(&s.full) {
+                    *unread = !read.contains(&f.id());
+                }
+            }
+            ShardedState::Sharded => {}
         }
         Ok(())
     }
@@ -95,13 +107,18 @@ impl FsdpUnit {
                     unit: self.name(),
                     state: "released while whole on this rank",
                 })?;
-            let layouts = self.gather_layouts.iter().zip(&self.looked_up);
-            for (f, (layout, looked_up)) in s.full.iter().zip(layouts) {
-                if !looked_up {
-                    cx.plane.refill(f, layout, &gathered, block, ranks)?;
+            let refilling = Instant::now();
+            let mut refilled = Vec::new();
+            for (i, f) in s.full.iter().enumerate() {
+                if !self.looked_up[i] && !s.unread_in_backward[i] {
+                    cx.plane
+                        .refill(f, &self.gather_layouts[i], &gathered, block, ranks)?;
+                    refilled.push(i);
                 }
             }
+            self.trace_refill(cx, refilling, &refilled);
         }
+        s.unread_in_backward.fill(false);
         // Backward reads a table looked up by rows only where a weight tied to it read it
         // whole (an embedding's backward reads no weight).
         for i in 0..s.full.len() {
@@ -112,6 +129,27 @@ impl FsdpUnit {
         s.training = TrainingState::PreBackward;
         s.sharded = ShardedState::Unsharded;
         Ok(true)
+    }
+
+    /// Records the refill of parameters `refilled` from `began` until now, naming them and
+    /// their bytes (the trace shows what backward re-gathered into parameter storage).
+    fn trace_refill(&self, cx: &RunContext, began: Instant, refilled: &[usize]) {
+        let Some(t) = cx.trace else { return };
+        let unit = self.trace_label();
+        let names: Vec<&str> = refilled
+            .iter()
+            .map(|&i| self.params[i].layout.name.as_str())
+            .collect();
+        let elements: usize = refilled
+            .iter()
+            .map(|&i| self.params[i].layout.numel())
+            .sum();
+        let args = serde_json::json!({
+            "unit": unit,
+            "params": names,
+            "bytes": elements * cx.dtypes.param.size(),
+        });
+        t.since(format!("refill {unit}"), "refill", began, args);
     }
 
     /// The complete gradient of parameter `i` arrived. Once the unit's last one is in, its

@@ -160,6 +160,9 @@ struct InStep {
     /// Per table looked up by rows: read whole this step (a weight tied to it), so backward
     /// may read it too and a refill gathers it whole again.
     read_whole: Vec<bool>,
+    /// Per parameter: released after forward and read by no backward formula of this step
+    /// (an embedding table), so it is not refilled before the unit's backward.
+    unread_in_backward: Vec<bool>,
 }
 
 impl InStep {
@@ -180,6 +183,7 @@ impl InStep {
             checkpoint: None,
             rows_held: vec![Vec::new(); params],
             read_whole: vec![false; params],
+            unread_in_backward: vec![false; params],
         }
     }
 
