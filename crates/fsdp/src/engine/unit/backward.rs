@@ -27,7 +27,7 @@ impl FsdpUnit {
             source,
         };
         let began = s.backward_began.take();
-        self.trace_span(cx, "backward", began);
+        self.trace_span(cx, "backward", began, &[]);
         let pending = match s.grads.complete(self)? {
             Completed::Nothing => return Ok(None),
             Completed::Rows(rows) => collectives::reduce_compact(cx.mesh, rows),
@@ -65,6 +65,13 @@ impl FsdpUnit {
         read: &HashSet<TensorId>,
     ) -> Result<(), EngineError> {
         let s = &mut *self.in_step();
+        // A table holding only its looked-up rows (in a unit whose output forward never
+        // reported, so it was not released) is filled before backward reads it.
+        for i in 0..s.full.len() {
+            if read.contains(&s.full[i].id()) {
+                self.fill_by_rows(s, cx, i)?;
+            }
+        }
         if s.training == TrainingState::PostBackward
             || s.checkpoint.is_some()
             || !self.reshards_after_backward()

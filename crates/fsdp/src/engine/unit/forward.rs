@@ -46,6 +46,8 @@ impl FsdpUnit {
         if self.looked_up[i] {
             return self.read_table_whole(s, cx, i);
         }
+        s.access[i] = super::Access::Whole;
+        self.fill_by_rows(s, cx, i)?;
         self.full_param(s, i)
     }
 
@@ -186,11 +188,19 @@ impl FsdpUnit {
             1 => self.master_block()?,
             _ => Vec::new(),
         };
+        // A table the last step only looked up is written row by row from the block as
+        // forward looks its rows up, where the block goes when the unit is released.
+        let by_rows = match gathered.is_some() && cx.train && self.reshard_after_forward {
+            true => super::lock(&self.read_by_rows).clone(),
+            false => vec![false; self.params.len()],
+        };
         let mut full = Vec::with_capacity(self.params.len());
         for (i, p) in self.params.iter().enumerate() {
             let data = match &gathered {
                 // Its rows arrive as forward looks them up.
-                _ if self.looked_up[i] => cx.plane.zeros(p.layout.numel(), cx.dtypes.param)?,
+                _ if self.looked_up[i] || by_rows[i] => {
+                    cx.plane.zeros(p.layout.numel(), cx.dtypes.param)?
+                }
                 Some(g) => cx.plane.unpack(g, &self.gather_layouts[i], block, ranks)?,
                 None => {
                     let values = &whole[p.layout.offset..p.layout.offset + p.layout.numel()];
@@ -211,6 +221,20 @@ impl FsdpUnit {
             };
             full.push(tensor);
         }
+        if by_rows.contains(&true) {
+            if cx.poison {
+                // Rows never looked up read as NaN, so a whole read that missed them shows.
+                let tables: Vec<&Tensor> = full
+                    .iter()
+                    .zip(&by_rows)
+                    .filter(|t| *t.1)
+                    .map(|t| t.0)
+                    .collect();
+                cx.plane.release(&tables, true)?;
+            }
+            s.block = gathered;
+        }
+        s.by_rows = by_rows;
         s.anchor = Some(anchor);
         s.full = full;
         s.training = TrainingState::Forward;
@@ -232,7 +256,7 @@ impl FsdpUnit {
         let s = &mut *self.in_step();
         s.hooked = true;
         let began = s.forward_began.take();
-        self.trace_span(cx, "forward", began);
+        self.trace_span(cx, "forward", began, &s.by_rows);
         if !cx.train {
             // Evaluation: no backward will need the parameters again.
             let release = self.reshard_after_forward && !cx.hold;

@@ -123,6 +123,22 @@ pub(crate) struct FsdpUnit {
     /// (the first unit forward gathers), so the step opens with it under way: the next
     /// step's gather in flight when it begins, dropped when the shards change.
     ahead: Mutex<Option<Gather>>,
+    /// Per parameter gathered whole: the last training step read it only by rows (an
+    /// embedding's lookup), so the next one, where the unit reshards after forward, writes
+    /// only the rows it looks up out of the gathered block instead of unpacking the table.
+    read_by_rows: Mutex<Vec<bool>>,
+}
+
+/// How a step's forward read a parameter gathered whole.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Access {
+    /// Not at all.
+    #[default]
+    None,
+    /// Only by rows (an embedding's lookup).
+    Rows,
+    /// Whole (any other op; or backward reads it).
+    Whole,
 }
 
 /// A gather in flight and when it was issued.
@@ -163,6 +179,13 @@ struct InStep {
     /// Per parameter: released after forward and read by no backward formula of this step
     /// (an embedding table), so it is not refilled before the unit's backward.
     unread_in_backward: Vec<bool>,
+    /// Per parameter gathered whole: how forward read it this step.
+    access: Vec<Access>,
+    /// Per parameter gathered whole: left unpacked, holding only the rows looked up so far
+    /// (in `rows_held`), written from `block` ([`FsdpUnit::read_by_rows`]).
+    by_rows: Vec<bool>,
+    /// The gathered block, kept while a parameter is `by_rows` (until the unit's release).
+    block: Option<Buffer>,
 }
 
 impl InStep {
@@ -184,6 +207,9 @@ impl InStep {
             rows_held: vec![Vec::new(); params],
             read_whole: vec![false; params],
             unread_in_backward: vec![false; params],
+            access: vec![Access::None; params],
+            by_rows: vec![false; params],
+            block: None,
         }
     }
 
@@ -227,7 +253,17 @@ impl FsdpUnit {
     pub fn reset_step(&self) {
         let mut fresh = InStep::new(self.params.len());
         fresh.gather = lock(&self.ahead).take();
-        *self.in_step() = fresh;
+        let last = std::mem::replace(&mut *self.in_step(), fresh);
+        self.remember_access(&last);
+    }
+
+    /// Keeps how the step `last` read the unit's parameters for the next one's forward
+    /// ([`FsdpUnit::read_by_rows`]), unless it read none.
+    fn remember_access(&self, last: &InStep) {
+        if last.access.iter().any(|&a| a != Access::None) {
+            let rows = last.access.iter().map(|&a| a == Access::Rows);
+            *lock(&self.read_by_rows) = rows.collect();
+        }
     }
 
     /// Issues the all-gather of the next step's forward now (the shards being final until
@@ -243,7 +279,10 @@ impl FsdpUnit {
     /// begins.
     pub fn try_reset_step(&self) {
         match self.in_step.try_lock() {
-            Ok(mut s) => *s = InStep::new(self.params.len()),
+            Ok(mut s) => {
+                let last = std::mem::replace(&mut *s, InStep::new(self.params.len()));
+                self.remember_access(&last);
+            }
             Err(std::sync::TryLockError::Poisoned(e)) => {
                 *e.into_inner() = InStep::new(self.params.len());
             }
@@ -251,16 +290,24 @@ impl FsdpUnit {
         }
     }
 
-    /// Records the unit's `what` (`forward`, `backward`) from `began` until now.
-    fn trace_span(&self, cx: &RunContext, what: &'static str, began: Option<Instant>) {
+    /// Records the unit's `what` (`forward`, `backward`) from `began` until now; a forward
+    /// names the tables it wrote only the looked-up rows of (`by_rows`).
+    fn trace_span(
+        &self,
+        cx: &RunContext,
+        what: &'static str,
+        began: Option<Instant>,
+        by_rows: &[bool],
+    ) {
         if let (Some(t), Some(began)) = (cx.trace, began) {
             let unit = self.trace_label();
-            t.since(
-                format!("{what} {unit}"),
-                what,
-                began,
-                serde_json::json!({ "unit": unit }),
-            );
+            let mut args = serde_json::json!({ "unit": unit });
+            let tables = by_rows.iter().zip(&self.params).filter(|&(&b, _)| b);
+            let tables: Vec<&str> = tables.map(|(_, p)| p.layout.name.as_str()).collect();
+            if !tables.is_empty() {
+                args["by_rows"] = serde_json::json!(tables);
+            }
+            t.since(format!("{what} {unit}"), what, began, args);
         }
     }
 
@@ -353,6 +400,8 @@ fn reshard(s: &mut InStep, cx: &RunContext) -> Result<(), EngineError> {
     let params: Vec<&Tensor> = s.full.iter().collect();
     cx.plane.release(&params, cx.poison)?;
     s.rows_held.iter_mut().for_each(Vec::clear);
+    s.by_rows.fill(false);
+    s.block = None;
     Ok(())
 }
 

@@ -38,6 +38,7 @@ impl FsdpUnit {
         let gather_runs = crate::engine::plan::runs(&gather_layouts, gathered_whole).into();
         let grad_runs = crate::engine::plan::runs(&grad_layouts, |l| l.requires_grad).into();
         let in_step = Mutex::new(InStep::new(params.len()));
+        let read_by_rows = Mutex::new(vec![false; params.len()]);
         FsdpUnit {
             path,
             index,
@@ -55,6 +56,7 @@ impl FsdpUnit {
             grad_block,
             in_step,
             ahead: Mutex::new(None),
+            read_by_rows,
         }
     }
 

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::{FsdpUnit, InStep, RunContext};
+use fsdp_comm::Buffer;
+
+use super::{Access, FsdpUnit, InStep, RunContext};
 use crate::engine::collectives;
 use crate::engine::error::EngineError;
 use crate::engine::plan::ShardLayout;
@@ -20,6 +22,12 @@ impl FsdpUnit {
     pub fn look_up(&self, cx: &RunContext, i: usize, ids: &Tensor) -> Result<Tensor, EngineError> {
         let s = &mut *self.in_step();
         if !self.looked_up[i] {
+            if s.access[i] == Access::None {
+                s.access[i] = Access::Rows;
+            }
+            if s.by_rows[i] {
+                self.write_block_rows(s, cx, i, ids)?;
+            }
             return self.full_param(s, i);
         }
         let ids = ids.flatten_all()?.to_dtype(candle_core::DType::I64)?;
@@ -66,6 +74,80 @@ impl FsdpUnit {
             }
         }
         self.full_param(s, i)
+    }
+
+    /// Writes the rows `ids` of table `i` that it does not hold yet out of the gathered block
+    /// kept for it ([`InStep::by_rows`]).
+    fn write_block_rows(
+        &self,
+        s: &mut InStep,
+        cx: &RunContext,
+        i: usize,
+        ids: &Tensor,
+    ) -> Result<(), EngineError> {
+        let layout = &self.gather_layouts[i];
+        let rows = layout.shape.first().copied().unwrap_or(0);
+        let ids = ids.flatten_all()?.to_dtype(candle_core::DType::I64)?;
+        let held = &mut s.rows_held[i];
+        if held.is_empty() {
+            held.resize(rows, false);
+        }
+        // Rows out of range are left to the lookup, which names them.
+        let mut placed = Vec::new();
+        for id in ids.to_vec1::<i64>()? {
+            if let Ok(row) = usize::try_from(id)
+                && row < rows
+                && !held[row]
+            {
+                held[row] = true;
+                placed.push((row, placed.len()));
+            }
+        }
+        if placed.is_empty() {
+            return Ok(());
+        }
+        let wanted = placed.iter().map(|&(row, _)| row);
+        let values = s
+            .block
+            .as_ref()
+            .and_then(|b| rows_of_block(b, layout, self.gather_block, wanted))
+            .ok_or_else(|| EngineError::State {
+                name: format!("the gathered block of {}", self.name()),
+                problem: format!("it does not hold the looked-up rows of `{}`", layout.name),
+            })?;
+        cx.plane
+            .write_rows(&s.full[i], &placed, &values, layout.row_elems)
+    }
+
+    /// Writes the rows table `i` does not hold yet when it holds only those looked up
+    /// ([`InStep::by_rows`]): all of them, out of the gathered block kept for it.
+    pub(super) fn fill_by_rows(
+        &self,
+        s: &mut InStep,
+        cx: &RunContext,
+        i: usize,
+    ) -> Result<(), EngineError> {
+        if !s.by_rows[i] {
+            return Ok(());
+        }
+        let block = s.block.as_ref().ok_or_else(|| EngineError::State {
+            name: format!("the gathered block of {}", self.name()),
+            problem: format!(
+                "it is gone before `{}` was read whole",
+                self.params[i].layout.name
+            ),
+        })?;
+        let ranks = self.ranks(cx.mesh.shard_size());
+        cx.plane.refill(
+            &s.full[i],
+            &self.gather_layouts[i],
+            block,
+            self.gather_block,
+            ranks,
+        )?;
+        s.by_rows[i] = false;
+        s.rows_held[i].clear();
+        Ok(())
     }
 
     /// Table `i` read whole (a weight tied to it): gathered whole once this step (again by a
@@ -116,4 +198,33 @@ impl FsdpUnit {
         held.resize(p.layout.shape.first().copied().unwrap_or(0), true);
         Ok(())
     }
+}
+
+/// The values of rows `wanted` of the parameter `layout` places in an all-gathered unit of
+/// `block` elements per rank, one after another; `None` where one is outside it.
+fn rows_of_block(
+    gathered: &Buffer,
+    layout: &ShardLayout,
+    block: usize,
+    wanted: impl Iterator<Item = usize>,
+) -> Option<Buffer> {
+    fn pick<T: Copy>(
+        v: &[T],
+        layout: &ShardLayout,
+        block: usize,
+        wanted: impl Iterator<Item = usize>,
+    ) -> Option<Vec<T>> {
+        let mut out = Vec::new();
+        for row in wanted {
+            out.extend_from_slice(layout.gathered_row(v, block, row)?);
+        }
+        Some(out)
+    }
+    Some(match gathered {
+        Buffer::F32(v) => Buffer::F32(pick(v, layout, block, wanted)?),
+        Buffer::F64(v) => Buffer::F64(pick(v, layout, block, wanted)?),
+        Buffer::BF16(v) => Buffer::BF16(pick(v, layout, block, wanted)?),
+        Buffer::F16(v) => Buffer::F16(pick(v, layout, block, wanted)?),
+        _ => return None,
+    })
 }
