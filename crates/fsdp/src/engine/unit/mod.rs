@@ -137,7 +137,7 @@ enum Access {
     None,
     /// Only by rows (an embedding's lookup).
     Rows,
-    /// Whole (any other op; or backward reads it).
+    /// Whole (any other op).
     Whole,
 }
 

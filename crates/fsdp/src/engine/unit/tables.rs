@@ -1,6 +1,7 @@
-//! A unit's tables looked up by rows ([`super::super::table_rows`]) within a step: rows
-//! exchanged as forward looks them up, and the whole table gathered where a weight tied to it
-//! reads it whole.
+//! A unit's tables looked up by rows within a step: a row-sparse table's rows exchanged as
+//! forward looks them up ([`super::super::table_rows`]), and the whole table gathered where a
+//! weight tied to it reads it whole; a table gathered whole that the last step only looked up
+//! gets its looked-up rows out of the gathered block, and the rest only if read whole.
 
 use std::time::Instant;
 
