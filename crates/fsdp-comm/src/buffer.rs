@@ -140,6 +140,21 @@ impl Buffer {
         }, cuda => None)
     }
 
+    /// The host elements of `ranges`, one after another, in a new buffer of the same type;
+    /// `None` for a device buffer or a range past the end.
+    pub fn copy_ranges(
+        &self,
+        ranges: impl IntoIterator<Item = std::ops::Range<usize>>,
+    ) -> Option<Buffer> {
+        with_host_vec!(self, v => {
+            let mut out = Vec::new();
+            for r in ranges {
+                out.extend_from_slice(v.get(r)?);
+            }
+            Some(Buffer::from(out))
+        }, cuda => None)
+    }
+
     /// The host elements seen as `rows` × `cols` equal blocks, row after row, copied column
     /// after column (block (r, c) moves to (c, r)); `None` for a device buffer or a length
     /// that `rows * cols` does not divide.

@@ -69,12 +69,15 @@ impl View<'_> {
             return chosen;
         }
         let switched_on = self.flag(deepspeed);
+        if !self.explicit(key) {
+            return if switched_on { on[0] } else { T::ALL[0] };
+        }
         let agrees = if switched_on {
             on.contains(&chosen)
         } else {
             chosen == T::ALL[0]
         };
-        if self.explicit(key) && !agrees {
+        if !agrees {
             errors.push(ConfigError::Inconsistent {
                 keys: vec![key.name(), deepspeed.name()],
                 message: format!(
@@ -83,13 +86,8 @@ impl View<'_> {
                     self.describe(deepspeed)
                 ),
             });
-            return chosen;
         }
-        match (self.explicit(key), switched_on) {
-            (true, _) => chosen,
-            (false, true) => on[0],
-            (false, false) => T::ALL[0],
-        }
+        chosen
     }
 
     /// "`key: value` (origin)" for messages.

@@ -130,22 +130,17 @@ impl ShardLayout {
         (start, ((rank + 1) * self.rows_per_rank).min(rows))
     }
 
-    /// Row `row` of the full parameter in an all-gathered unit (rank r's shard block of
-    /// `block` elements at `r * block`), where [`ShardLayout::unpack`] reads it; `None` past
-    /// its rows or the block.
-    pub fn gathered_row<'a, T>(
-        &self,
-        gathered: &'a [T],
-        block: usize,
-        row: usize,
-    ) -> Option<&'a [T]> {
+    /// Where row `row` of the full parameter lies in an all-gathered unit (rank r's shard
+    /// block of `block` elements at `r * block`), as [`ShardLayout::unpack`] reads it; `None`
+    /// past its rows.
+    pub fn gathered_row(&self, block: usize, row: usize) -> Option<std::ops::Range<usize>> {
         let rows = self.shape.first().copied().unwrap_or(1);
         if row >= rows || self.rows_per_rank == 0 {
             return None;
         }
         let rank = row / self.rows_per_rank;
         let start = rank * block + self.offset + (row % self.rows_per_rank) * self.row_elems;
-        gathered.get(start..start + self.row_elems)
+        Some(start..start + self.row_elems)
     }
 }
 

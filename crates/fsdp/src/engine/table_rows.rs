@@ -97,7 +97,7 @@ pub(crate) fn exchange(
 
 /// The distinct rows among `ids` that `held` does not mark, sorted; an id outside the table
 /// (`held.len()` rows) is an error naming it.
-fn wanted(ids: &[i64], held: &[bool]) -> Result<Vec<usize>, String> {
+pub(crate) fn wanted(ids: &[i64], held: &[bool]) -> Result<Vec<usize>, String> {
     let mut out = Vec::new();
     for &id in ids {
         let row = usize::try_from(id)

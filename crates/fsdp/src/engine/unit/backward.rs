@@ -11,6 +11,7 @@ use super::grads::{Completed, GradTarget};
 use super::{FsdpUnit, InStep, RunContext, ShardedState, TrainingState, reshard};
 use crate::engine::collectives::{self, PendingReduce};
 use crate::engine::error::EngineError;
+use crate::engine::plan::ShardLayout;
 use crate::engine::sparse_rows::RowSparsePlan;
 
 impl FsdpUnit {
@@ -115,15 +116,13 @@ impl FsdpUnit {
                     state: "released while whole on this rank",
                 })?;
             let refilling = Instant::now();
-            let mut refilled = Vec::new();
             for (i, f) in s.full.iter().enumerate() {
-                if !self.looked_up[i] && !s.unread_in_backward[i] {
+                if refilled(self, s, i) {
                     cx.plane
                         .refill(f, &self.gather_layouts[i], &gathered, block, ranks)?;
-                    refilled.push(i);
                 }
             }
-            self.trace_refill(cx, refilling, &refilled);
+            self.trace_refill(cx, refilling, s);
         }
         s.unread_in_backward.fill(false);
         // Backward reads a table looked up by rows only where a weight tied to it read it
@@ -138,22 +137,18 @@ impl FsdpUnit {
         Ok(true)
     }
 
-    /// Records the refill of parameters `refilled` from `began` until now, naming them and
-    /// their bytes (the trace shows what backward re-gathered into parameter storage).
-    fn trace_refill(&self, cx: &RunContext, began: Instant, refilled: &[usize]) {
+    /// Records the refill before backward from `began` until now, naming the parameters
+    /// refilled and their bytes (the trace shows what backward re-gathered into parameter
+    /// storage).
+    fn trace_refill(&self, cx: &RunContext, began: Instant, s: &InStep) {
         let Some(t) = cx.trace else { return };
         let unit = self.trace_label();
-        let names: Vec<&str> = refilled
-            .iter()
-            .map(|&i| self.params[i].layout.name.as_str())
-            .collect();
-        let elements: usize = refilled
-            .iter()
-            .map(|&i| self.params[i].layout.numel())
-            .sum();
+        let params = (0..self.params.len()).filter(|&i| refilled(self, s, i));
+        let params: Vec<&ShardLayout> = params.map(|i| &self.params[i].layout).collect();
+        let elements: usize = params.iter().map(|l| l.numel()).sum();
         let args = serde_json::json!({
             "unit": unit,
-            "params": names,
+            "params": params.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
             "bytes": elements * cx.dtypes.param.size(),
         });
         t.since(format!("refill {unit}"), "refill", began, args);
@@ -252,4 +247,10 @@ fn row_sparse_plan(unit: &FsdpUnit, cx: &RunContext) -> Option<RowSparsePlan> {
         unit.grad_block,
         cx.mesh.shard_size(),
     )
+}
+
+/// Whether `unit`'s pre-backward refills its parameter `i`: gathered whole, and read by some
+/// backward formula of the step (or backward was not planned).
+fn refilled(unit: &FsdpUnit, s: &InStep, i: usize) -> bool {
+    !unit.looked_up[i] && !s.unread_in_backward[i]
 }

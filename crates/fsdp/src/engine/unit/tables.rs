@@ -7,8 +7,6 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use fsdp_comm::Buffer;
-
 use super::{Access, FsdpUnit, InStep, RunContext};
 use crate::engine::collectives;
 use crate::engine::error::EngineError;
@@ -87,35 +85,33 @@ impl FsdpUnit {
         ids: &Tensor,
     ) -> Result<(), EngineError> {
         let layout = &self.gather_layouts[i];
-        let rows = layout.shape.first().copied().unwrap_or(0);
         let ids = ids.flatten_all()?.to_dtype(candle_core::DType::I64)?;
         let held = &mut s.rows_held[i];
         if held.is_empty() {
-            held.resize(rows, false);
+            held.resize(layout.shape.first().copied().unwrap_or(0), false);
         }
-        // Rows out of range are left to the lookup, which names them.
-        let mut placed = Vec::new();
-        for id in ids.to_vec1::<i64>()? {
-            if let Ok(row) = usize::try_from(id)
-                && row < rows
-                && !held[row]
-            {
-                held[row] = true;
-                placed.push((row, placed.len()));
-            }
-        }
-        if placed.is_empty() {
+        // An id outside the table is left to the lookup, which names it.
+        let Ok(wanted) = table_rows::wanted(&ids.to_vec1::<i64>()?, held) else {
+            return Ok(());
+        };
+        if wanted.is_empty() {
             return Ok(());
         }
-        let wanted = placed.iter().map(|&(row, _)| row);
+        for &row in &wanted {
+            held[row] = true;
+        }
+        let ranges = wanted
+            .iter()
+            .map(|&row| layout.gathered_row(self.gather_block, row));
         let values = s
             .block
             .as_ref()
-            .and_then(|b| rows_of_block(b, layout, self.gather_block, wanted))
+            .and_then(|b| b.copy_ranges(ranges.collect::<Option<Vec<_>>>()?))
             .ok_or_else(|| EngineError::State {
                 name: format!("the gathered block of {}", self.name()),
                 problem: format!("it does not hold the looked-up rows of `{}`", layout.name),
             })?;
+        let placed: Vec<(usize, usize)> = wanted.into_iter().zip(0..).collect();
         cx.plane
             .write_rows(&s.full[i], &placed, &values, layout.row_elems)
     }
@@ -199,33 +195,4 @@ impl FsdpUnit {
         held.resize(p.layout.shape.first().copied().unwrap_or(0), true);
         Ok(())
     }
-}
-
-/// The values of rows `wanted` of the parameter `layout` places in an all-gathered unit of
-/// `block` elements per rank, one after another; `None` where one is outside it.
-fn rows_of_block(
-    gathered: &Buffer,
-    layout: &ShardLayout,
-    block: usize,
-    wanted: impl Iterator<Item = usize>,
-) -> Option<Buffer> {
-    fn pick<T: Copy>(
-        v: &[T],
-        layout: &ShardLayout,
-        block: usize,
-        wanted: impl Iterator<Item = usize>,
-    ) -> Option<Vec<T>> {
-        let mut out = Vec::new();
-        for row in wanted {
-            out.extend_from_slice(layout.gathered_row(v, block, row)?);
-        }
-        Some(out)
-    }
-    Some(match gathered {
-        Buffer::F32(v) => Buffer::F32(pick(v, layout, block, wanted)?),
-        Buffer::F64(v) => Buffer::F64(pick(v, layout, block, wanted)?),
-        Buffer::BF16(v) => Buffer::BF16(pick(v, layout, block, wanted)?),
-        Buffer::F16(v) => Buffer::F16(pick(v, layout, block, wanted)?),
-        _ => return None,
-    })
 }
