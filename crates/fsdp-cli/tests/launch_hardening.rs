@@ -282,6 +282,47 @@ fn a_hung_rank_is_named_by_the_ranks_that_timed_out_and_the_report() {
 }
 
 #[test]
+fn a_failure_report_stays_whole_while_another_rank_writes() {
+    // Rank 1 writes a line without an end, a byte at a time, while rank 0 fails: each byte
+    // reaches the console at once, yet none may land inside the launcher's report. A race
+    // (it landed there in about half the runs before the report was written whole), so
+    // it runs a few times.
+    for _ in 0..4 {
+        let run = launch(
+            &[
+                "--num_processes",
+                "2",
+                "sh",
+                "-c",
+                "if [ \"$RANK\" = 0 ]; then sleep 0.3; for i in $(seq 20); do echo \"last words $i\"; done; exit 3; \
+                 else i=0; while [ $i -lt 5000000 ]; do printf . >&2; i=$((i+1)); done; fi",
+            ],
+            Duration::from_secs(30),
+        );
+        let start = &run.out[..run.out.len().min(4000)];
+        assert_eq!(run.code, Some(3), "{start}");
+        let lines: Vec<&str> = run.out.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.contains("stopping the other workers"))
+            .unwrap_or_else(|| panic!("no report: {start}"));
+        let report = &lines[at..(at + 22).min(lines.len())];
+        let expected: Vec<String> = ["last output of rank 0:".to_string()]
+            .into_iter()
+            .chain((1..=20).map(|i| format!("  last words {i}")))
+            .collect();
+        assert!(
+            report[0].starts_with("[fsdp launch] rank 0 "),
+            "{report:#?}"
+        );
+        assert_eq!(report.len(), 22, "{report:#?}");
+        for (line, want) in report[1..].iter().zip(&expected) {
+            assert_eq!(*line, format!("[fsdp launch] {want}"), "{report:#?}");
+        }
+    }
+}
+
+#[test]
 fn restarts_keep_every_attempts_logs() {
     let dir = tempfile::tempdir().unwrap();
     let run = launch(

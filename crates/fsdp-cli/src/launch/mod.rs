@@ -70,8 +70,7 @@ pub fn run(mut args: LaunchArgs) -> Result<i32> {
     let plan = Plan::new(&config, &args)?;
     let say = |msg: String| {
         if !args.quiet {
-            relay::end_open_line();
-            eprintln!("[fsdp launch] {msg}");
+            relay::say(&msg);
         }
     };
     for (key, setting, reason) in config.not_applicable() {

@@ -111,13 +111,23 @@ impl Relay {
 /// into each other — while a partial line (a progress bar) still shows at once.
 static OPEN_LINE: Mutex<Option<(usize, bool)>> = Mutex::new(None);
 
-/// Ends whatever worker line is open on the console, so a message of the launcher's own
-/// starts on a line of its own.
-pub(super) fn end_open_line() {
+/// Writes a message of the launcher's own to its standard error, every line prefixed
+/// `[fsdp launch] `: an open worker line is ended first, and the message goes out whole
+/// while no worker can write, so no worker output lands inside it.
+pub(super) fn say(message: &str) {
     let mut open = OPEN_LINE.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, to_stderr)) = open.take() {
         console_write(to_stderr, b"\n");
     }
+    console_write(true, launcher_lines(message).as_bytes());
+}
+
+/// `message` with `[fsdp launch] ` before each of its lines, ending in a newline.
+fn launcher_lines(message: &str) -> String {
+    message
+        .lines()
+        .map(|line| format!("[fsdp launch] {line}\n"))
+        .collect()
 }
 
 /// The console side: the prefix at each line start.
@@ -229,5 +239,13 @@ mod tests {
         let mut t = Tail::default();
         t.push(b"caf\xe9\nprogress 1%\rprogress 2%\rdone\n");
         assert_eq!(t.lines(), ["caf\u{fffd}", "done"]);
+    }
+
+    #[test]
+    fn a_launcher_message_prefixes_each_of_its_lines() {
+        assert_eq!(
+            launcher_lines("rank 0 failed\nlast output:\n  error: x"),
+            "[fsdp launch] rank 0 failed\n[fsdp launch] last output:\n[fsdp launch]   error: x\n"
+        );
     }
 }

@@ -104,17 +104,18 @@ fn supervise(workers: &mut [Worker], exits: &Exits, say: &dyn Fn(String)) -> Res
         } else {
             format!(" (still running: rank {})", running.join(", "))
         };
-        super::relay::end_open_line();
-        eprintln!(
-            "[fsdp launch] rank {rank} (pid {}) {how}; stopping the other workers{still}.",
+        // One message, so no worker's output lands between its lines.
+        let mut report = format!(
+            "rank {rank} (pid {}) {how}; stopping the other workers{still}.",
             w.pid
         );
         if !last.is_empty() {
-            eprintln!("[fsdp launch] last output of rank {rank}:");
+            report.push_str(&format!("\nlast output of rank {rank}:"));
             for line in &last {
-                eprintln!("[fsdp launch]   {line}");
+                report.push_str(&format!("\n  {line}"));
             }
         }
+        super::relay::say(&report);
         stop_all(workers, exits, libc::SIGTERM);
         return Ok(Outcome::Failed(code));
     }
