@@ -121,6 +121,30 @@ impl Buffer {
         }
     }
 
+    /// Room for an in-place all-gather's output ([`crate::Communicator::all_gather_in_place`]):
+    /// `size` blocks of `k` elements of which `write` writes block `rank` (given as
+    /// uninitialised memory), the others left for the gather to write, so a rank's own block
+    /// is produced where the gathered buffer holds it instead of being copied there.
+    ///
+    /// # Safety
+    /// `write` must write every element of the slice it is given, and the buffer must go to
+    /// an in-place all-gather before anything reads it (its other blocks are uninitialised
+    /// until then; dropping it unread is fine).
+    pub unsafe fn for_gather_in_place<T: BufferElement>(
+        size: usize,
+        rank: usize,
+        k: usize,
+        write: impl FnOnce(&mut [std::mem::MaybeUninit<T>]),
+    ) -> Buffer {
+        let total = size * k;
+        let mut v: Vec<T> = Vec::with_capacity(total);
+        write(&mut v.spare_capacity_mut()[rank * k..(rank + 1) * k]);
+        // SAFETY: the capacity is `total`; block `rank` is written (the caller's promise), and
+        // the caller lets only the gather, which writes every other block, read the rest.
+        unsafe { v.set_len(total) };
+        T::into_buffer(v)
+    }
+
     /// The host vector of element type `T`, or the buffer back when it holds another type.
     pub fn into_vec<T: BufferElement>(self) -> Result<Vec<T>, Buffer> {
         T::from_buffer(self)

@@ -30,6 +30,30 @@ pub trait Communicator: Send + Sync {
     /// [`Communicator::all_gather`] written into `output` (resized to fit where the backend
     /// can); returns both buffers for reuse.
     fn all_gather_into(&self, input: Buffer, output: Buffer) -> Work<(Buffer, Buffer)>;
+    /// [`Communicator::all_gather`] into `output` (`size` × k elements) whose block
+    /// `rank` (`rank*k..(rank+1)*k`) already holds this member's input: the other blocks are
+    /// written, this member's is not copied (PyTorch's `all_gather_into_tensor` with the input
+    /// a view of the output). Members may mix it with [`Communicator::all_gather`]. This
+    /// default copies the block out and gathers it; backends that can skip the copy override
+    /// it.
+    fn all_gather_in_place(&self, output: Buffer) -> Work<Buffer> {
+        let (size, rank) = (self.size(), self.rank());
+        if !output.len().is_multiple_of(size) {
+            return Work::ready(Err(in_place_length(self.global_rank(), output.len(), size)));
+        }
+        let k = output.len() / size;
+        match output.copy_range(rank * k..(rank + 1) * k) {
+            Some(input) => self.all_gather_into(input, output).map(|(_, out)| Ok(out)),
+            None => Work::ready(Err(CommError::InvalidArgument {
+                rank: self.global_rank(),
+                op: "all_gather_in_place".into(),
+                reason: format!(
+                    "{} groups gather device memory only out of place",
+                    self.backend()
+                ),
+            })),
+        }
+    }
     /// Reduces `input` (`size` × k elements) across members; member r gets elements
     /// `r*k..(r+1)*k`. The input is freed as soon as the collective is done with it.
     fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Work<Buffer>;
@@ -88,6 +112,15 @@ pub trait Communicator: Send + Sync {
                 self.backend()
             ),
         })
+    }
+}
+
+/// The error of an in-place all-gather whose output does not split into one block per member.
+pub(crate) fn in_place_length(rank: usize, len: usize, size: usize) -> CommError {
+    CommError::InvalidArgument {
+        rank,
+        op: "all_gather_in_place".into(),
+        reason: format!("an output of {len} elements does not split into {size} equal blocks"),
     }
 }
 

@@ -250,6 +250,12 @@ impl ProcessGroup {
         self.submit(move |e| e.all_gather_into(input, output))
     }
 
+    /// [`ProcessGroup::all_gather`] into `output`, whose block `rank` already holds this
+    /// rank's input (see [`crate::Communicator::all_gather_in_place`]).
+    pub fn all_gather_in_place<T: Element>(&self, output: Vec<T>) -> Work<Vec<T>> {
+        self.submit(move |e| e.all_gather_in_place(output))
+    }
+
     /// [`ProcessGroup::reduce_scatter`] into a caller's buffer; `input` is used as scratch.
     /// Returns (input, output) for reuse.
     pub fn reduce_scatter_into<T: Element>(

@@ -93,6 +93,16 @@ impl Communicator for ProcessGroup {
         )
     }
 
+    fn all_gather_in_place(&self, output: Buffer) -> Work<Buffer> {
+        on_host!(
+            self,
+            "all_gather_in_place",
+            output,
+            |e, v| e.all_gather_in_place(v),
+            Buffer::from
+        )
+    }
+
     fn reduce_scatter_into(
         &self,
         input: Buffer,

@@ -213,6 +213,29 @@ fn two_hop_collectives_match_their_definitions_over_one_to_three_machines() {
 }
 
 #[test]
+fn an_in_place_all_gather_keeps_each_block_and_refuses_an_output_that_does_not_split() {
+    // The trait's default (copy the block out, gather it) on in-process ranks.
+    let results = on_members(LocalGroup::create(3), |g| {
+        let r = g.rank();
+        let mut output = vec![-1i32; 6];
+        output[2 * r..2 * r + 2].copy_from_slice(&[10 * r as i32, 10 * r as i32 + 1]);
+        let gathered = g.all_gather_in_place(Buffer::from(output)).wait().unwrap();
+        let bad = g.all_gather_in_place(Buffer::from(vec![0i32; 7])).wait();
+        (
+            gathered.into_vec::<i32>().unwrap(),
+            bad.unwrap_err().to_string(),
+        )
+    });
+    for (gathered, bad) in results {
+        assert_eq!(gathered, [0, 1, 10, 11, 20, 21]);
+        assert!(
+            bad.contains("all_gather_in_place") && bad.contains("7 elements"),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
 fn single_rank_and_meshes() {
     let one = SingleRank::new(3);
     let (input, out) = one

@@ -382,6 +382,36 @@ fn communicator() -> Result<(), String> {
         gathered.as_slice::<f32>().ok_or("dtype")?,
         &want,
     )?;
+    // In place: this rank's block already in the output, the others' slots stale; even
+    // ranks gather in place, odd ones out of place, in one collective.
+    let gathered = if rank % 2 == 0 {
+        let mut output = vec![f32::NAN; 7 * n];
+        output[rank * 7..(rank + 1) * 7].copy_from_slice(&data::<f32>(rank, 7));
+        c.all_gather_in_place(Buffer::from(output))
+    } else {
+        c.all_gather(Buffer::from(data::<f32>(rank, 7)))
+    }
+    .wait()
+    .map_err(err)?;
+    expect_eq(
+        "dyn all_gather in place",
+        gathered.as_slice::<f32>().ok_or("dtype")?,
+        &want,
+    )?;
+    // The room made for it, the block written into uninitialised memory.
+    let room = unsafe {
+        Buffer::for_gather_in_place::<bf16>(n, rank, 5, |slot| {
+            for (d, v) in slot.iter_mut().zip(&mine) {
+                d.write(*v);
+            }
+        })
+    };
+    let gathered = c.all_gather_in_place(room).wait().map_err(err)?;
+    expect_eq(
+        "dyn all_gather in place, bf16",
+        gathered.as_slice::<bf16>().ok_or("dtype")?,
+        &all.concat(),
+    )?;
     let full: Vec<f32> = data::<f32>(rank, 4 * n);
     let (_, part) = c
         .reduce_scatter_into(Buffer::from(full), Buffer::F32(Vec::new()), ReduceOp::Sum)

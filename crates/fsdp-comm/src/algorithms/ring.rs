@@ -123,6 +123,27 @@ impl Engine {
         self.gather_parts(Op::AllGather, input, out, &counts)
     }
 
+    /// See [`crate::ProcessGroup::all_gather_in_place`]: the ring of
+    /// [`Engine::all_gather_into`] without the copy of this rank's block.
+    pub fn all_gather_in_place<T: Element>(&mut self, mut out: Vec<T>) -> Result<Vec<T>> {
+        let n = self.size;
+        if !out.len().is_multiple_of(n) {
+            return Err(crate::communicator::in_place_length(
+                self.me(),
+                out.len(),
+                n,
+            ));
+        }
+        let h = self.begin::<T>(Op::AllGather, out.len(), None);
+        if n > 1 {
+            let parts = split(out.len(), n);
+            // SAFETY: the all-gather writes only received elements.
+            let whole = unsafe { as_uninit_mut(&mut out) };
+            self.ring_all_gather(h, whole, &parts, 0)?;
+        }
+        Ok(out)
+    }
+
     /// See [`crate::ProcessGroup::all_gather_v`].
     pub fn all_gather_v<T: Element>(
         &mut self,

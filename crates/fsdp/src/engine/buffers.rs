@@ -243,7 +243,7 @@ impl GradientVisitor for Runs<'_> {
 }
 
 /// `dst = src` (of one length) into memory that may be uninitialised.
-fn write_copy<T: Copy>(src: &[T], dst: &mut [MaybeUninit<T>]) {
+pub(crate) fn write_copy<T: Copy>(src: &[T], dst: &mut [MaybeUninit<T>]) {
     let n = dst.len().min(src.len());
     // SAFETY: both are valid for `n` elements and cannot overlap (`dst` is borrowed
     // mutably); `MaybeUninit<T>` has `T`'s layout.

@@ -86,6 +86,12 @@ impl FsdpUnit {
         if self.ranks(mesh.shard_size()) < 2 || self.gather_block == 0 {
             return Ok(None);
         }
+        if mesh.machines.is_none()
+            && let Some(output) =
+                self.gathered_room(dtypes, mesh.shard.size(), mesh.shard.rank())?
+        {
+            return Ok(Some(mesh.shard.all_gather_in_place(output)));
+        }
         let send = self.gathered_send(dtypes)?;
         Ok(Some(collectives::all_gather(mesh, send)))
     }

@@ -136,6 +136,41 @@ impl FsdpUnit {
         self.send_of(dtypes, &self.gather_runs, |i| !self.looked_up[i])
     }
 
+    /// The unit's gathered buffer with this rank's block written in place from its shards
+    /// in memory (in f32, or rounded to bf16), for an in-place all-gather over `size` ranks:
+    /// the block is not made first and then copied there. `None` where the block is made
+    /// otherwise (read from disk, quantized to int8, gathered in another dtype).
+    pub fn gathered_room(
+        &self,
+        dtypes: CommDtypes,
+        size: usize,
+        rank: usize,
+    ) -> Result<Option<Buffer>, EngineError> {
+        let keep = |i: usize| !self.looked_up[i];
+        if dtypes.gather_int8 || !matches!(dtypes.param, DType::F32 | DType::BF16) {
+            return Ok(None);
+        }
+        let Some(rows) = self.store.rows_in_memory(&self.params, keep)? else {
+            return Ok(None);
+        };
+        let k = self.gather_block;
+        debug_assert_eq!(rows.iter().map(|r| r.len()).sum::<usize>(), k);
+        // SAFETY: each writer below writes its whole slot: the rows are the block's `k`
+        // elements, one after another; the buffer goes straight to the gather.
+        Ok(Some(match dtypes.param {
+            DType::BF16 => unsafe {
+                Buffer::for_gather_in_place(size, rank, k, |slot| {
+                    for_each_run(slot, &rows, fsdp_nn::ops::f32_to_bf16_into)
+                })
+            },
+            _ => unsafe {
+                Buffer::for_gather_in_place(size, rank, k, |slot| {
+                    for_each_run(slot, &rows, crate::engine::buffers::write_copy)
+                })
+            },
+        }))
+    }
+
     /// This rank's padded rows of parameter `i` alone, as an all-gather of it sends them in
     /// `dtypes`.
     pub fn param_send(&self, i: usize, dtypes: CommDtypes) -> Result<Buffer, EngineError> {
@@ -213,4 +248,18 @@ pub(crate) fn grad_elements(p: &FsdpParam, g: &ShardLayout) -> std::ops::Range<u
         0
     };
     g.offset..g.offset + owned
+}
+
+/// Writes each of `rows` into the next stretch of `slot` with `write` (the rows fill it).
+fn for_each_run<T>(
+    slot: &mut [std::mem::MaybeUninit<T>],
+    rows: &[&[f32]],
+    write: impl Fn(&[f32], &mut [std::mem::MaybeUninit<T>]),
+) {
+    let mut rest = slot;
+    for row in rows {
+        let (dst, tail) = rest.split_at_mut(row.len());
+        write(row, dst);
+        rest = tail;
+    }
 }
