@@ -646,9 +646,9 @@ fn bench_collectives_prints_a_table_and_json() {
     assert_eq!(transports, want);
     for run in runs {
         let results = run["results"].as_array().unwrap();
-        // 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB for each of the five ops.
-        assert_eq!(results.len(), 25);
-        let ops: Vec<&str> = results[..5]
+        // 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB for each of the six ops.
+        assert_eq!(results.len(), 30);
+        let ops: Vec<&str> = results[..6]
             .iter()
             .map(|r| r["op"].as_str().unwrap())
             .collect();
@@ -657,6 +657,7 @@ fn bench_collectives_prints_a_table_and_json() {
             [
                 "all_reduce",
                 "all_gather",
+                "all_gather_in_place",
                 "reduce_scatter",
                 "all_to_all",
                 "broadcast"
@@ -672,7 +673,7 @@ fn bench_collectives_prints_a_table_and_json() {
     // shm's bus bandwidth over each other transport's, per op and size.
     assert_eq!(
         doc["ratios"].as_array().unwrap().len(),
-        25 * (want.len() - 1)
+        30 * (want.len() - 1)
     );
 }
 

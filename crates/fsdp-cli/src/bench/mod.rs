@@ -29,8 +29,8 @@ pub struct BenchArgs {
 
 #[derive(Subcommand)]
 enum BenchWhat {
-    /// Median time and bandwidth of all_reduce, all_gather, reduce_scatter and broadcast
-    /// (f32) between local processes, sizes 4 KiB to 64 MiB; prints a table and JSON.
+    /// Median time and bandwidth of all_reduce, all_gather (out of place and in place),
+    /// reduce_scatter, all_to_all and broadcast (f32) between local processes, sizes 4 KiB to 64 MiB; prints a table and JSON.
     Collectives(collectives::CollectiveArgs),
     /// The engine's matrix products as layers call them (forward, both backward products) on
     /// square and transformer shapes, f32 or bf16, one thread: GFLOP/s and % of the core's
