@@ -122,7 +122,7 @@ impl Buffer {
     }
 
     /// Room for an in-place all-gather's output ([`crate::Communicator::all_gather_in_place`]):
-    /// `size` blocks of `k` elements of which `write` writes block `rank` (given as
+    /// `size` blocks of `k` elements of which `write` writes block `rank` (< `size`; given as
     /// uninitialised memory), the others left for the gather to write, so a rank's own block
     /// is produced where the gathered buffer holds it instead of being copied there.
     ///

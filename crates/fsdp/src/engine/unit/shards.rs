@@ -154,9 +154,12 @@ impl FsdpUnit {
             return Ok(None);
         };
         let k = self.gather_block;
-        debug_assert_eq!(rows.iter().map(|r| r.len()).sum::<usize>(), k);
+        if rows.iter().map(|r| r.len()).sum::<usize>() != k {
+            // Not the block the gather expects: the send path reports it.
+            return Ok(None);
+        }
         // SAFETY: each writer below writes its whole slot: the rows are the block's `k`
-        // elements, one after another; the buffer goes straight to the gather.
+        // elements (checked above), one after another; the buffer goes straight to the gather.
         Ok(Some(match dtypes.param {
             DType::BF16 => unsafe {
                 Buffer::for_gather_in_place(size, rank, k, |slot| {
