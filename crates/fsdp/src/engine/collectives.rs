@@ -75,6 +75,12 @@ pub(crate) fn all_gather(mesh: &Mesh, send: Buffer) -> Work<Buffer> {
     }
 }
 
+/// The group a unit's all-gather runs on in place ([`Communicator::all_gather_in_place`]):
+/// the shard group, unless the gather takes two hops across machines ([`all_gather`]).
+pub(crate) fn in_place_group(mesh: &Mesh) -> Option<&Arc<dyn Communicator>> {
+    mesh.machines.is_none().then_some(&mesh.shard)
+}
+
 /// This rank's `packed` rows (its parameters' shards, `runs` long each) as an all-gather in
 /// `dtypes` sends them: cast to `dtypes.param`, or quantized to int8 blocks with
 /// `dtypes.gather_int8` ([`Codec::INT8`]) apart by `runs`.

@@ -86,11 +86,10 @@ impl FsdpUnit {
         if self.ranks(mesh.shard_size()) < 2 || self.gather_block == 0 {
             return Ok(None);
         }
-        if mesh.machines.is_none()
-            && let Some(output) =
-                self.gathered_room(dtypes, mesh.shard.size(), mesh.shard.rank())?
+        if let Some(group) = collectives::in_place_group(mesh)
+            && let Some(room) = self.gathered_room(dtypes, group.size(), group.rank())?
         {
-            return Ok(Some(mesh.shard.all_gather_in_place(output)));
+            return Ok(Some(group.all_gather_in_place(room)));
         }
         let send = self.gathered_send(dtypes)?;
         Ok(Some(collectives::all_gather(mesh, send)))
