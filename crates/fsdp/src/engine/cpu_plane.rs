@@ -44,14 +44,13 @@ impl DataPlane for CpuPlane {
     }
 
     fn zeros(&self, numel: usize, dtype: DType) -> Result<Storage, EngineError> {
-        // Zeroed allocations come as untouched pages (calloc, or a fresh mapping when
-        // large): only the pages rows are written to are ever faulted in.
-        let halves = || vec![0u16; numel];
+        // Untouched zero pages: only the pages rows are written to are ever faulted in.
+        use crate::memory::lazily_zeroed;
         Ok(Storage::Cpu(match dtype {
-            DType::F32 => CpuStorage::F32(vec![0.0; numel]),
-            DType::F64 => CpuStorage::F64(vec![0.0; numel]),
-            DType::BF16 => CpuStorage::BF16(bytemuck::allocation::cast_vec(halves())),
-            DType::F16 => CpuStorage::F16(bytemuck::allocation::cast_vec(halves())),
+            DType::F32 => CpuStorage::F32(lazily_zeroed(numel)),
+            DType::F64 => CpuStorage::F64(lazily_zeroed(numel)),
+            DType::BF16 => CpuStorage::BF16(lazily_zeroed(numel)),
+            DType::F16 => CpuStorage::F16(lazily_zeroed(numel)),
             other => {
                 return Err(EngineError::Unsupported {
                     setting: format!("computing in {other:?}"),

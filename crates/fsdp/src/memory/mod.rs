@@ -13,10 +13,12 @@
 
 mod activations;
 mod large_blocks;
+mod lazy_zeros;
 mod parked_pages;
 
 #[doc(hidden)] // `fsdp estimate-memory`
 pub use activations::ActivationShape;
+pub(crate) use lazy_zeros::lazily_zeroed;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ops::Range;
