@@ -120,6 +120,7 @@ impl Segment {
             }
             if progressed {
                 last_progress = Instant::now();
+                looked_again = false;
                 continue;
             }
             if let Some((origin, msg)) = self.aborted() {
@@ -133,7 +134,8 @@ impl Segment {
             let waiting_on = pending.clone().next().unwrap_or(0);
             if let Some(p) = pending.find(|p| lost(*p)) {
                 // What the peer wrote before it ended stays in the rings: a peer that sent its
-                // part and exited between this pass and the check is read in one more pass.
+                // part and exited between this pass and the check is read in one more pass
+                // (lost only when a pass after seeing it gone moves nothing).
                 if looked_again {
                     return Err(TransferError::Lost(p));
                 }
