@@ -26,10 +26,8 @@ fn zero_lazily<T: bytemuck::Zeroable + Copy>(v: &mut Vec<T>, len: usize) {
     let start = v.as_mut_ptr().cast::<u8>();
     let (first, pages) = super::parked_pages::whole_pages(start as usize, bytes);
     // SAFETY: [first, first + pages) is whole pages inside `v`'s allocation, borrowed
-    // mutably here; MADV_DONTNEED on private anonymous memory (the allocator's) keeps them
-    // mapped, reading as zeros.
-    let returned = pages > 0
-        && unsafe { libc::madvise(first as *mut libc::c_void, pages, libc::MADV_DONTNEED) } == 0;
+    // mutably here.
+    let returned = pages > 0 && unsafe { super::return_pages(first, pages) };
     // SAFETY: inside the allocation (capacity >= len); afterwards every byte of the first
     // `len` elements is zero, a valid `T`.
     unsafe {

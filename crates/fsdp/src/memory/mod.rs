@@ -398,14 +398,23 @@ pub(crate) fn release_pages<T: bytemuck::Zeroable>(v: &mut Vec<T>) {
     // SAFETY: [first, first + len) lies inside `v`'s elements, borrowed mutably here, and
     // holds whole pages of its allocation; parking leaves the range mapped, reading zeros.
     if !(large_block(capacity) && unsafe { parked_pages::park(first, len) } == len) {
-        // SAFETY: as above; MADV_DONTNEED on private anonymous memory keeps the mapping valid
-        // (pages read back as zeros).
-        let rc = unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_DONTNEED) };
-        if rc != 0 {
+        // SAFETY: as above.
+        if !unsafe { return_pages(first, len) } {
             return;
         }
     }
     note_released(allocation, len);
+}
+
+/// Returns the whole pages `[first, first + len)` to the system (`MADV_DONTNEED`): they stay
+/// mapped and read as zeros until written. False where the system refused.
+///
+/// # Safety
+/// The range must be whole pages of private anonymous memory (the allocator's) that the
+/// caller may overwrite.
+unsafe fn return_pages(first: usize, len: usize) -> bool {
+    // SAFETY: the caller's; MADV_DONTNEED on private anonymous memory keeps the mapping valid.
+    unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_DONTNEED) == 0 }
 }
 
 /// Before the caller overwrites all of elements `range` of `v` (inside its capacity, set or
