@@ -160,6 +160,50 @@ pub fn reduce_pair_into<T: Element>(dst: &mut [MaybeUninit<T>], a: &[T], b: &[T]
     }
 }
 
+/// [`reduce_pair_into`] with stores that bypass the cache where the CPU has them (f32 sums
+/// and averages on x86_64; the rest as [`reduce_pair_into`]): bit for bit its result.
+pub(crate) fn reduce_pair_streaming<T: Element>(
+    dst: &mut [MaybeUninit<T>],
+    a: &[T],
+    b: &[T],
+    op: ReduceOp,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if T::DTYPE == DType::F32 && matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+        use std::arch::x86_64::{_mm_add_ps, _mm_loadu_ps, _mm_sfence, _mm_stream_ps};
+        let n = dst.len().min(a.len()).min(b.len());
+        // SAFETY: `T` is f32 (its wire tag says so: only f32 carries it).
+        let (dst, a, b) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<MaybeUninit<f32>>(), n),
+                std::slice::from_raw_parts(a.as_ptr().cast::<f32>(), n),
+                std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), n),
+            )
+        };
+        let head = dst.as_ptr().align_offset(16).min(n);
+        reduce_pair_into(&mut dst[..head], &a[..head], &b[..head], op);
+        let body = (n - head) / 4 * 4;
+        // SAFETY: SSE is part of x86_64; `dst[head..]` is 16-byte aligned and all three hold
+        // `head + body` elements; unaligned loads.
+        unsafe {
+            let (d, x, y) = (
+                dst.as_mut_ptr().add(head).cast::<f32>(),
+                a.as_ptr().add(head),
+                b.as_ptr().add(head),
+            );
+            for i in (0..body).step_by(4) {
+                let sum = _mm_add_ps(_mm_loadu_ps(x.add(i)), _mm_loadu_ps(y.add(i)));
+                _mm_stream_ps(d.add(i), sum);
+            }
+            _mm_sfence();
+        }
+        let rest = head + body;
+        reduce_pair_into(&mut dst[rest..n], &a[rest..n], &b[rest..n], op);
+        return;
+    }
+    reduce_pair_into(dst, a, b, op)
+}
+
 /// `s` where it is greater than `d`, else `d` (so a NaN `s` keeps `d`).
 #[inline]
 fn max_of<T: Element>(d: T, s: T) -> T {
@@ -193,6 +237,42 @@ pub(crate) fn write_copy<T: Copy>(dst: &mut [MaybeUninit<T>], src: &[T]) {
     // SAFETY: both are valid for `n` elements, and they cannot overlap: `dst` is borrowed
     // mutably.
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<T>(), n) }
+}
+
+/// Copies `src` into `dst` (the same length) with stores that bypass the cache where the
+/// CPU has them: for destinations much larger than the cache, which the copy would only
+/// fill with lines evicted unread (and read each line first to write it).
+pub(crate) fn stream_copy(dst: &mut [MaybeUninit<u8>], src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let n = dst.len().min(src.len());
+        let head = dst.as_ptr().align_offset(16).min(n);
+        write_copy(&mut dst[..head], &src[..head]);
+        let body = (n - head) / 64 * 64;
+        // SAFETY: SSE2 is part of x86_64; `dst[head..]` is 16-byte aligned and both slices
+        // hold `head + body` bytes; unaligned loads from `src`.
+        unsafe {
+            let (d, s) = (
+                dst.as_mut_ptr().add(head).cast::<__m128i>(),
+                src.as_ptr().add(head).cast::<__m128i>(),
+            );
+            for i in (0..body / 16).step_by(4) {
+                let a = _mm_loadu_si128(s.add(i));
+                let b = _mm_loadu_si128(s.add(i + 1));
+                let c = _mm_loadu_si128(s.add(i + 2));
+                let e = _mm_loadu_si128(s.add(i + 3));
+                _mm_stream_si128(d.add(i), a);
+                _mm_stream_si128(d.add(i + 1), b);
+                _mm_stream_si128(d.add(i + 2), c);
+                _mm_stream_si128(d.add(i + 3), e);
+            }
+            _mm_sfence();
+        }
+        write_copy(&mut dst[head + body..n], &src[head + body..n]);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    write_copy(dst, src);
 }
 
 /// `buf` as elements to be written, for code that also writes into uninitialised memory.
@@ -254,5 +334,62 @@ mod tests {
         // SAFETY: the reduction wrote all four.
         unsafe { got.set_len(4) };
         assert_eq!(got, want);
+    }
+
+    /// What the streaming writes leave is what the cached ones do, bit for bit, at every
+    /// misalignment of the destination (its 16-byte-aligned middle streamed, the edges not)
+    /// and lengths on either side of a vector's width.
+    #[test]
+    fn streaming_writes_are_the_cached_writes_bit_for_bit() {
+        let bits = |v: &[MaybeUninit<f32>]| {
+            // SAFETY: every element was initialised before the writes under test.
+            v.iter()
+                .map(|x| unsafe { x.assume_init() }.to_bits())
+                .collect::<Vec<_>>()
+        };
+        let lengths = [0, 1, 3, 4, 5, 15, 16, 17, 63, 64, 65, 1000, 4099];
+        for skip in 0..4 {
+            for &len in &lengths {
+                let (a, b) = (awkward(3, len + skip), awkward(4, len));
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                    let mut want = vec![MaybeUninit::new(7.0f32); len + skip];
+                    reduce_pair_into(&mut want[skip..], &a[skip..], &b, op);
+                    let mut got = vec![MaybeUninit::new(7.0f32); len + skip];
+                    reduce_pair_streaming(&mut got[skip..], &a[skip..], &b, op);
+                    assert_eq!(bits(&got), bits(&want), "{op:?}, length {len}, skip {skip}");
+                }
+            }
+        }
+        // Other element types take the cached path: the same result.
+        let (x, y) = ([1.5f64, -2.0, 3.25], [0.5f64, 2.0, f64::NAN]);
+        let mut got = [MaybeUninit::new(0.0f64); 3];
+        reduce_pair_streaming(&mut got, &x, &y, ReduceOp::Sum);
+        // SAFETY: initialised above.
+        let got = got.map(|v| unsafe { v.assume_init() });
+        assert_eq!((got[0], got[1]), (2.0, 0.0));
+        assert!(got[2].is_nan());
+
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
+        for skip in 0..17 {
+            for &len in lengths.iter().chain(&[4096 - skip, 5000 - skip]) {
+                let mut dst = vec![MaybeUninit::new(0xAAu8); len + skip + 3];
+                stream_copy(&mut dst[skip..skip + len], &src[..len]);
+                // SAFETY: initialised above.
+                let dst: Vec<u8> = dst.iter().map(|v| unsafe { v.assume_init() }).collect();
+                assert!(
+                    dst[..skip].iter().all(|&v| v == 0xAA),
+                    "before, skip {skip}"
+                );
+                assert_eq!(
+                    &dst[skip..skip + len],
+                    &src[..len],
+                    "length {len}, skip {skip}"
+                );
+                assert!(
+                    dst[skip + len..].iter().all(|&v| v == 0xAA),
+                    "after, skip {skip}"
+                );
+            }
+        }
     }
 }
