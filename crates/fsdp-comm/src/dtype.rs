@@ -144,17 +144,25 @@ pub fn reduce_into<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp) {
     }
 }
 
-/// Writes `a` combined with `b` element-wise into `dst`: [`reduce_into`] of `b` into a copy
-/// of `a`, bit for bit, without the copy. `dst` need not be initialised: every element of it
-/// is written.
-pub fn reduce_pair_into<T: Element>(dst: &mut [MaybeUninit<T>], a: &[T], b: &[T], op: ReduceOp) {
+/// Writes `a` combined with `b` element-wise into `dst`, finished: [`reduce_into`] of `b`
+/// into a copy of `a` and then [`finish_avg`] over `ranks`, bit for bit, without the copy or
+/// a second pass (an average is divided as it is written). `dst` need not be initialised:
+/// every element of it is written.
+pub fn reduce_pair_into<T: Element>(
+    dst: &mut [MaybeUninit<T>],
+    a: &[T],
+    b: &[T],
+    op: ReduceOp,
+    ranks: usize,
+) {
     fn each<T: Element>(dst: &mut [MaybeUninit<T>], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
         dst.iter_mut().zip(a.iter().zip(b)).for_each(|(d, (x, y))| {
             d.write(f(*x, *y));
         });
     }
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => each(dst, a, b, T::add),
+        ReduceOp::Sum => each(dst, a, b, T::add),
+        ReduceOp::Avg => each(dst, a, b, |x, y| T::div(T::add(x, y), ranks)),
         ReduceOp::Max => each(dst, a, b, max_of),
         ReduceOp::Min => each(dst, a, b, min_of),
     }
@@ -167,10 +175,13 @@ pub(crate) fn reduce_pair_streaming<T: Element>(
     a: &[T],
     b: &[T],
     op: ReduceOp,
+    ranks: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if T::DTYPE == DType::F32 && matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
-        use std::arch::x86_64::{_mm_add_ps, _mm_loadu_ps, _mm_sfence, _mm_stream_ps};
+        use std::arch::x86_64::{
+            _mm_add_ps, _mm_div_ps, _mm_loadu_ps, _mm_set1_ps, _mm_sfence, _mm_stream_ps,
+        };
         let n = dst.len().min(a.len()).min(b.len());
         // SAFETY: `T` is f32 (its wire tag says so: only f32 carries it).
         let (dst, a, b) = unsafe {
@@ -181,7 +192,7 @@ pub(crate) fn reduce_pair_streaming<T: Element>(
             )
         };
         let head = dst.as_ptr().align_offset(16).min(n);
-        reduce_pair_into(&mut dst[..head], &a[..head], &b[..head], op);
+        reduce_pair_into(&mut dst[..head], &a[..head], &b[..head], op, ranks);
         let body = (n - head) / 4 * 4;
         // SAFETY: SSE is part of x86_64; `dst[head..]` is 16-byte aligned and all three hold
         // `head + body` elements; unaligned loads.
@@ -191,17 +202,27 @@ pub(crate) fn reduce_pair_streaming<T: Element>(
                 a.as_ptr().add(head),
                 b.as_ptr().add(head),
             );
+            // Divided as `finish_avg` divides an f32: by the group size as an f32.
+            let divisor = _mm_set1_ps(ranks as f32);
+            let average = op == ReduceOp::Avg;
             for i in (0..body).step_by(4) {
                 let sum = _mm_add_ps(_mm_loadu_ps(x.add(i)), _mm_loadu_ps(y.add(i)));
-                _mm_stream_ps(d.add(i), sum);
+                _mm_stream_ps(
+                    d.add(i),
+                    if average {
+                        _mm_div_ps(sum, divisor)
+                    } else {
+                        sum
+                    },
+                );
             }
             _mm_sfence();
         }
         let rest = head + body;
-        reduce_pair_into(&mut dst[rest..n], &a[rest..n], &b[rest..n], op);
+        reduce_pair_into(&mut dst[rest..n], &a[rest..n], &b[rest..n], op, ranks);
         return;
     }
-    reduce_pair_into(dst, a, b, op)
+    reduce_pair_into(dst, a, b, op, ranks)
 }
 
 /// `s` where it is greater than `d`, else `d` (so a NaN `s` keeps `d`).
@@ -319,8 +340,9 @@ mod tests {
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
             let mut want = a.clone();
             reduce_into(&mut want, &b, op);
+            finish_avg(&mut want, op, 3);
             let mut got = vec![MaybeUninit::new(7.0); a.len()];
-            reduce_pair_into(&mut got, &a, &b, op);
+            reduce_pair_into(&mut got, &a, &b, op, 3);
             // SAFETY: every element was initialised (7.0) before the reduction wrote it.
             let got: Vec<f32> = got.iter().map(|v| unsafe { v.assume_init() }).collect();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -330,7 +352,7 @@ mod tests {
         let mut want = x.clone();
         reduce_into(&mut want, &y, ReduceOp::Sum);
         let mut got = Vec::with_capacity(4);
-        reduce_pair_into(&mut got.spare_capacity_mut()[..4], &x, &y, ReduceOp::Sum);
+        reduce_pair_into(&mut got.spare_capacity_mut()[..4], &x, &y, ReduceOp::Sum, 2);
         // SAFETY: the reduction wrote all four.
         unsafe { got.set_len(4) };
         assert_eq!(got, want);
@@ -353,9 +375,9 @@ mod tests {
                 let (a, b) = (awkward(3, len + skip), awkward(4, len));
                 for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
                     let mut want = vec![MaybeUninit::new(7.0f32); len + skip];
-                    reduce_pair_into(&mut want[skip..], &a[skip..], &b, op);
+                    reduce_pair_into(&mut want[skip..], &a[skip..], &b, op, 3);
                     let mut got = vec![MaybeUninit::new(7.0f32); len + skip];
-                    reduce_pair_streaming(&mut got[skip..], &a[skip..], &b, op);
+                    reduce_pair_streaming(&mut got[skip..], &a[skip..], &b, op, 3);
                     assert_eq!(bits(&got), bits(&want), "{op:?}, length {len}, skip {skip}");
                 }
             }
@@ -363,7 +385,7 @@ mod tests {
         // Other element types take the cached path: the same result.
         let (x, y) = ([1.5f64, -2.0, 3.25], [0.5f64, 2.0, f64::NAN]);
         let mut got = [MaybeUninit::new(0.0f64); 3];
-        reduce_pair_streaming(&mut got, &x, &y, ReduceOp::Sum);
+        reduce_pair_streaming(&mut got, &x, &y, ReduceOp::Sum, 2);
         // SAFETY: initialised above.
         let got = got.map(|v| unsafe { v.assume_init() });
         assert_eq!((got[0], got[1]), (2.0, 0.0));

@@ -30,8 +30,8 @@ impl Engine {
 
     /// Ring reduce-scatter over `parts` (the chunk boundaries); on return this rank's part
     /// `rank` holds the reduction of every rank's part `rank` — in `buf`, or, given `out`
-    /// (that part's length, possibly uninitialised), in `out` (the last step reduces into
-    /// it, sparing a copy, and writes every element).
+    /// (that part's length, possibly uninitialised), in `out`, finished (the last step
+    /// reduces into it, sparing a copy, writes every element and divides an average).
     fn ring_reduce_scatter<T: Element>(
         &mut self,
         h: Header,
@@ -54,7 +54,7 @@ impl Engine {
             None => self.ring_step(h, last as u32, buf, send, own, op),
             Some(out) => {
                 let (prev, next) = (self.prev(), self.next());
-                let sink = Self::reducing_to(prev, last as u32, &buf[own.0..own.1], out, op);
+                let sink = Self::reducing_to(prev, last as u32, &buf[own.0..own.1], out, (op, n));
                 let outs = [(next, last as u32, as_bytes(&buf[send.0..send.1]))];
                 self.transfer(h, &outs, vec![sink])
             }
@@ -225,14 +225,14 @@ impl Engine {
             // its memory is only reserved, and it holds elements once all are written.
             let spare = emptied_for(&mut out, k);
             self.ring_reduce_scatter(h, &mut input, &parts, op, Some(spare))?;
-            // SAFETY: the reduce-scatter wrote all `k` elements (above).
+            // SAFETY: the reduce-scatter wrote all `k` elements (above), finished.
             unsafe { out.set_len(k) };
         } else {
             let (a, b) = parts[self.rank];
             out.clear();
             out.extend_from_slice(&input[a..b]);
+            finish_avg(&mut out, op, n);
         }
-        finish_avg(&mut out, op, n);
         Ok((input, out))
     }
 }

@@ -435,15 +435,16 @@ impl Engine {
         })
     }
 
-    /// A receive that writes `own` reduced with what arrives into `dst` (same length), bit
-    /// for bit what [`Engine::reducing`] into a copy of `own` gives. `dst` may be
-    /// uninitialised: once the transfer returns `Ok` every element of it is written.
+    /// A receive that writes `own` reduced with what arrives into `dst` (same length) and
+    /// finished (an average divided by `ranks`), bit for bit what [`Engine::reducing`] into a
+    /// copy of `own` and then [`crate::finish_avg`] give. `dst` may be uninitialised: once
+    /// the transfer returns `Ok` every element of it is written.
     pub(crate) fn reducing_to<'a, T: Element>(
         peer: usize,
         step: u32,
         own: &'a [T],
         dst: &'a mut [MaybeUninit<T>],
-        op: ReduceOp,
+        (op, ranks): (ReduceOp, usize),
     ) -> In<'a> {
         let reduce = if size_of_val(dst) >= STREAM_BYTES {
             reduce_pair_streaming::<T>
@@ -452,7 +453,7 @@ impl Engine {
         };
         Self::elements(peer, step, dst.len(), move |start, src: &[T]| {
             let end = start + src.len();
-            reduce(&mut dst[start..end], &own[start..end], src, op)
+            reduce(&mut dst[start..end], &own[start..end], src, op, ranks)
         })
     }
 
