@@ -630,7 +630,15 @@ fn bench_collectives_prints_a_table_and_json() {
     };
     let out = fsdp(dir.path())
         .args(["bench", "collectives", "--transport", &want.join(",")])
-        .args(["--iters", "2", "--max_mib", "1", "--json"])
+        .args([
+            "--iters",
+            "2",
+            "--max_mib",
+            "1",
+            "--reduce_op",
+            "avg",
+            "--json",
+        ])
         .arg(&json)
         .output()
         .unwrap();
@@ -669,6 +677,8 @@ fn bench_collectives_prints_a_table_and_json() {
                 .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0)
         );
         assert!(run["memcpy_gbps"].as_f64().unwrap() > 0.0);
+        // The workers reduced as asked (they report what they ran).
+        assert_eq!(run["reduce_op"], "avg");
     }
     // shm's bus bandwidth over each other transport's, per op and size.
     assert_eq!(

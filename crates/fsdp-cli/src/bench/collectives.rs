@@ -42,12 +42,41 @@ pub struct CollectiveArgs {
     /// (`mpi` needs a build with the `mpi` feature and Open MPI's mpirun); `both` is shm,tcp.
     #[arg(long, default_value = "both")]
     transport: String,
+    /// What the all-reduce and the reduce-scatter compute: sum, or avg (the mean, as the
+    /// engine reduces gradients).
+    #[arg(long = "reduce_op", value_enum, default_value_t = Reduction::Sum)]
+    reduce_op: Reduction,
     /// Write the JSON results to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
     /// Internal: run as one of the benchmark's workers.
     #[arg(long, hide = true)]
     worker: bool,
+}
+
+/// The reductions `--reduce_op` offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Reduction {
+    /// The sum over ranks.
+    Sum,
+    /// The mean over ranks.
+    Avg,
+}
+
+impl Reduction {
+    fn op(self) -> ReduceOp {
+        match self {
+            Reduction::Sum => ReduceOp::Sum,
+            Reduction::Avg => ReduceOp::Avg,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Reduction::Sum => "sum",
+            Reduction::Avg => "avg",
+        }
+    }
 }
 
 /// Runs `fsdp bench collectives`: the workers, or the measurement inside one.
@@ -130,6 +159,8 @@ fn run_workers(a: &CollectiveArgs, transport: &str) -> Result<String> {
         &a.max_mib.to_string(),
         "--num_processes",
         &a.num_processes.to_string(),
+        "--reduce_op",
+        a.reduce_op.name(),
     ]
     .map(String::from);
     let env = [("FSDP_COMM_BACKEND", transport)];
@@ -171,7 +202,7 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 "all_reduce",
                 2.0 * (nf - 1.0) / nf,
                 Box::new(|| {
-                    *full.borrow_mut() = pg.all_reduce(take(&full), ReduceOp::Sum).wait()?;
+                    *full.borrow_mut() = pg.all_reduce(take(&full), a.reduce_op.op()).wait()?;
                     Ok(())
                 }),
             ),
@@ -198,7 +229,7 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 (nf - 1.0) / nf,
                 Box::new(|| {
                     let (i, o) = pg
-                        .reduce_scatter_into(take(&gathered), take(&scattered), ReduceOp::Sum)
+                        .reduce_scatter_into(take(&gathered), take(&scattered), a.reduce_op.op())
                         .wait()?;
                     (*gathered.borrow_mut(), *scattered.borrow_mut()) = (i, o);
                     Ok(())
@@ -299,6 +330,7 @@ fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &s
         "dtype": "f32",
         "num_processes": n,
         "iters": a.iters,
+        "reduce_op": a.reduce_op.name(),
         "memcpy_gbps": memcpy,
         "results": rows.iter().map(|r| serde_json::json!({
             "op": r.op, "bytes": r.bytes, "time_us": r.time.as_secs_f64() * 1e6,
