@@ -144,6 +144,21 @@ pub fn reduce_into<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp) {
     }
 }
 
+/// [`reduce_into`] and then [`finish_avg`] over `ranks`, in one pass: bit for bit the two.
+pub(crate) fn reduce_into_finished<T: Element>(
+    dst: &mut [T],
+    src: &[T],
+    op: ReduceOp,
+    ranks: usize,
+) {
+    if op == ReduceOp::Avg {
+        let average = |(d, s): (&mut T, &T)| *d = T::div(T::add(*d, *s), ranks);
+        dst.iter_mut().zip(src).for_each(average);
+    } else {
+        reduce_into(dst, src, op);
+    }
+}
+
 /// Writes `a` combined with `b` element-wise into `dst`, finished: [`reduce_into`] of `b`
 /// into a copy of `a` and then [`finish_avg`] over `ranks`, bit for bit, without the copy or
 /// a second pass (an average is divided as it is written). `dst` need not be initialised:
@@ -347,6 +362,9 @@ mod tests {
             let got: Vec<f32> = got.iter().map(|v| unsafe { v.assume_init() }).collect();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{op:?}");
+            let mut in_place = a.clone();
+            reduce_into_finished(&mut in_place, &b, op, 3);
+            assert_eq!(bits(&in_place), bits(&want), "{op:?} in place");
         }
         let (x, y) = (vec![bf16::from_f32(1.0); 4], vec![bf16::from_f32(1e-3); 4]);
         let mut want = x.clone();

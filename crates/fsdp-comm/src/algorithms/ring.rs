@@ -12,26 +12,27 @@ use super::direct::DIRECT_ALL_REDUCE_BYTES;
 
 impl Engine {
     /// One reduce-scatter step: send `buf[send]` to the next rank while reducing the previous
-    /// rank's part into `buf[recv]` with `op`.
+    /// rank's part into `buf[recv]` with `op`, finished where `finish` gives the group size
+    /// (the last step).
     fn ring_step<T: Element>(
         &mut self,
         h: Header,
         step: u32,
         buf: &mut [T],
-        send: (usize, usize),
-        recv: (usize, usize),
-        op: ReduceOp,
+        (send, recv): ((usize, usize), (usize, usize)),
+        reduce: (ReduceOp, Option<usize>),
     ) -> Result<()> {
         let (next, prev) = (self.next(), self.prev());
         let (send_part, recv_part) = disjoint(buf, send, recv);
-        let sink = Self::reducing(prev, step, recv_part, op);
+        let sink = Self::reducing(prev, step, recv_part, reduce);
         self.transfer(h, &[(next, step, as_bytes(send_part))], vec![sink])
     }
 
     /// Ring reduce-scatter over `parts` (the chunk boundaries); on return this rank's part
-    /// `rank` holds the reduction of every rank's part `rank` — in `buf`, or, given `out`
-    /// (that part's length, possibly uninitialised), in `out`, finished (the last step
-    /// reduces into it, sparing a copy, writes every element and divides an average).
+    /// `rank` holds the finished reduction of every rank's part `rank` (an average divided
+    /// as the last step writes it) — in `buf`, or, given `out` (that part's length, possibly
+    /// uninitialised), in `out` (the last step reduces into it, sparing a copy, and writes
+    /// every element).
     fn ring_reduce_scatter<T: Element>(
         &mut self,
         h: Header,
@@ -45,13 +46,13 @@ impl Engine {
         for s in 0..last {
             let send = (self.rank + 2 * n - 1 - s) % n;
             let recv = (self.rank + 2 * n - 2 - s) % n;
-            self.ring_step(h, s as u32, buf, parts[send], parts[recv], op)?;
+            self.ring_step(h, s as u32, buf, (parts[send], parts[recv]), (op, None))?;
         }
         // The last step receives this rank's own part.
         let send = parts[(self.rank + 1) % n];
         let own = parts[self.rank];
         match out {
-            None => self.ring_step(h, last as u32, buf, send, own, op),
+            None => self.ring_step(h, last as u32, buf, (send, own), (op, Some(n))),
             Some(out) => {
                 let (prev, next) = (self.prev(), self.next());
                 let sink = Self::reducing_to(prev, last as u32, &buf[own.0..own.1], out, (op, n));
@@ -100,8 +101,6 @@ impl Engine {
         }
         let parts = split(buf.len(), n);
         self.ring_reduce_scatter(h, &mut buf, &parts, op, None)?;
-        let (a, b) = parts[self.rank];
-        finish_avg(&mut buf[a..b], op, n);
         // SAFETY: the all-gather writes only received elements.
         let whole = unsafe { as_uninit_mut(&mut buf) };
         self.ring_all_gather(h, whole, &parts, n as u32)?;

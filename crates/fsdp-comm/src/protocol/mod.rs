@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::dtype::{
-    DType, Element, ReduceOp, as_uninit_mut, reduce_into, reduce_pair_into, reduce_pair_streaming,
-    stream_copy, uninit_bytes_mut, write_copy,
+    DType, Element, ReduceOp, as_uninit_mut, reduce_into, reduce_into_finished, reduce_pair_into,
+    reduce_pair_streaming, stream_copy, uninit_bytes_mut, write_copy,
 };
 use crate::error::{CommError, Result};
 use crate::shm::{InFrame, OutFrame, Segment, Sink, TransferError};
@@ -423,15 +423,20 @@ impl Engine {
         }
     }
 
-    /// A receive that reduces into `dst`.
+    /// A receive that reduces into `dst`, finished where `finish` gives the group size (an
+    /// average divided as it is written: the last step of a reduction).
     pub(crate) fn reducing<'a, T: Element>(
         peer: usize,
         step: u32,
         dst: &'a mut [T],
-        op: ReduceOp,
+        (op, finish): (ReduceOp, Option<usize>),
     ) -> In<'a> {
         Self::elements(peer, step, dst.len(), move |start, src: &[T]| {
-            reduce_into(&mut dst[start..start + src.len()], src, op)
+            let dst = &mut dst[start..start + src.len()];
+            match finish {
+                Some(ranks) => reduce_into_finished(dst, src, op, ranks),
+                None => reduce_into(dst, src, op),
+            }
         })
     }
 
