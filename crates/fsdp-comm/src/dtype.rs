@@ -208,9 +208,8 @@ pub(crate) fn reduce_pair_streaming<T: Element>(
                 std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), n),
             )
         };
-        let head = dst.as_ptr().align_offset(16).min(n);
+        let (head, body) = vector_split(dst.as_ptr(), n, 4);
         reduce_pair_into(&mut dst[..head], &a[..head], &b[..head], op, ranks);
-        let body = (n - head) / 4 * 4;
         // SAFETY: SSE is part of x86_64; `dst[head..]` is 16-byte aligned and all three hold
         // `head + body` elements; unaligned loads.
         unsafe {
@@ -277,6 +276,15 @@ pub(crate) fn write_copy<T: Copy>(dst: &mut [MaybeUninit<T>], src: &[T]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<T>(), n) }
 }
 
+/// How `n` elements from `dst` split for 16-byte vector stores of `lanes` elements: the
+/// elements before its first 16-byte boundary (all `n` where there is none), then the most
+/// whole vectors that follow; the rest is the tail.
+#[cfg(target_arch = "x86_64")]
+fn vector_split<T>(dst: *const T, n: usize, lanes: usize) -> (usize, usize) {
+    let head = dst.align_offset(16).min(n);
+    (head, (n - head) / lanes * lanes)
+}
+
 /// Copies `src` into `dst` (the same length) with stores that bypass the cache where the
 /// CPU has them: for destinations much larger than the cache, which the copy would only
 /// fill with lines evicted unread (and read each line first to write it).
@@ -285,9 +293,8 @@ pub(crate) fn stream_copy(dst: &mut [MaybeUninit<u8>], src: &[u8]) {
     {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
         let n = dst.len().min(src.len());
-        let head = dst.as_ptr().align_offset(16).min(n);
+        let (head, body) = vector_split(dst.as_ptr(), n, 16);
         write_copy(&mut dst[..head], &src[..head]);
-        let body = (n - head) / 64 * 64;
         // SAFETY: SSE2 is part of x86_64; `dst[head..]` is 16-byte aligned and both slices
         // hold `head + body` bytes; unaligned loads from `src`.
         unsafe {
@@ -295,15 +302,8 @@ pub(crate) fn stream_copy(dst: &mut [MaybeUninit<u8>], src: &[u8]) {
                 dst.as_mut_ptr().add(head).cast::<__m128i>(),
                 src.as_ptr().add(head).cast::<__m128i>(),
             );
-            for i in (0..body / 16).step_by(4) {
-                let a = _mm_loadu_si128(s.add(i));
-                let b = _mm_loadu_si128(s.add(i + 1));
-                let c = _mm_loadu_si128(s.add(i + 2));
-                let e = _mm_loadu_si128(s.add(i + 3));
-                _mm_stream_si128(d.add(i), a);
-                _mm_stream_si128(d.add(i + 1), b);
-                _mm_stream_si128(d.add(i + 2), c);
-                _mm_stream_si128(d.add(i + 3), e);
+            for i in 0..body / 16 {
+                _mm_stream_si128(d.add(i), _mm_loadu_si128(s.add(i)));
             }
             _mm_sfence();
         }
