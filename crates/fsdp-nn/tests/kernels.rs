@@ -1031,6 +1031,119 @@ fn grouped_query_and_causal_attention() {
 /// candle's backward (patched in vendor/candle-core to store a node's first gradient instead of
 /// adding it to zeros) still sums every path: fan-in through add, mul and a fused op, a
 /// variable used twice by one op, and a broadcast whose gradient arrives strided.
+/// Packed rows `t` `[tokens, w]` laid into their padded batch `[batch, len, w]` (zeros in
+/// the padding), and the padded batch's real rows back out: both candle ops, so gradients
+/// flow through them.
+fn padded(t: &Tensor, seqs: &ops::PackedSequences) -> Result<Tensor> {
+    let (tokens, w) = t.dims2()?;
+    let (batch, len) = (seqs.sequences(), seqs.padded_len());
+    let mut from = vec![tokens as u32; batch * len];
+    for (packed, &row) in seqs.padded_rows().iter().enumerate() {
+        from[row as usize] = packed as u32;
+    }
+    let from = Tensor::from_vec(from, batch * len, t.device())?;
+    Tensor::cat(&[t, &t.zeros_like()?.narrow(0, 0, 1)?], 0)?
+        .index_select(&from, 0)?
+        .reshape((batch, len, w))
+}
+
+fn real_rows(t: &Tensor, seqs: &ops::PackedSequences) -> Result<Tensor> {
+    let (b, s, w) = t.dims3()?;
+    let rows = Tensor::from_vec(seqs.padded_rows().to_vec(), seqs.tokens(), t.device())?;
+    t.reshape((b * s, w))?.index_select(&rows, 0)
+}
+
+/// Attention over packed sequences computes, on every real token, what attention over the
+/// padded batch with a padding mask computes (values and gradients, with dropout drawing the
+/// padded batch's masks, causal or not, grouped-query or not, a causal block boundary
+/// crossed), against composed candle ops and finite differences; packed dropout keeps the
+/// padded tensor's mask bit for bit.
+#[test]
+fn packed_sequences_attend_and_drop_out_as_their_padded_batch() {
+    let lengths = [3, 70, 1, 66];
+    let seqs = ops::PackedSequences::from_lengths(&lengths, 70).unwrap();
+    let (b, s, d, t) = (lengths.len(), 70, 4, seqs.tokens());
+    let pad: Vec<f64> = (0..b * s)
+        .map(|i| {
+            if i % s >= lengths[i / s] {
+                f32::MIN as f64
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let pad = Tensor::from_vec(pad, (b, 1, 1, s), &Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        for (heads, kv_heads, causal) in [(4, 4, false), (4, 2, true), (4, 1, false)] {
+            let h = ops::AttentionHeads {
+                heads,
+                kv_heads,
+                causal,
+            };
+            for dropout in [None, Some((0.25, 3u64))] {
+                let inputs = [
+                    rand(&[t, heads * d], 61, 2.0, dtype),
+                    rand(&[t, kv_heads * d], 62, 2.0, dtype),
+                    rand(&[t, kv_heads * d], 63, 2.0, dtype),
+                ];
+                against_composed(
+                    &format!("varlen attention {dtype:?} {h:?} dropout {dropout:?}"),
+                    &|x| ops::varlen_attention(&x[0], &x[1], &x[2], h, &seqs, dropout),
+                    &|x| {
+                        let [q, k, v] = [0, 1, 2].map(|i| padded(&x[i], &seqs).unwrap());
+                        real_rows(&composed_gqa(&q, &k, &v, h, Some(&pad), dropout)?, &seqs)
+                    },
+                    &inputs,
+                    tol,
+                );
+            }
+        }
+        let x = rand(&[t, 24], 64, 1.0, dtype);
+        let want = real_rows(
+            &ops::dropout(&padded(&x, &seqs).unwrap(), 0.3, 11).unwrap(),
+            &seqs,
+        )
+        .unwrap();
+        let got = ops::dropout_packed(&x, 0.3, 11, &seqs).unwrap();
+        assert_eq!(max_rel_diff(&got, &want), 0.0, "packed dropout {dtype:?}");
+        against_composed(
+            &format!("packed dropout {dtype:?}"),
+            &|x| ops::dropout_packed(&x[0], 0.3, 11, &seqs),
+            &|x| real_rows(&ops::dropout(&padded(&x[0], &seqs)?, 0.3, 11)?, &seqs),
+            &[x],
+            f64::MIN_POSITIVE, // exact: the same draws, the same products
+        );
+    }
+    let h = ops::AttentionHeads {
+        heads: 4,
+        kv_heads: 2,
+        causal: true,
+    };
+    let small = ops::PackedSequences::from_lengths(&[2, 5, 3], 6).unwrap();
+    against_finite_differences(
+        "varlen attention",
+        &|x| ops::varlen_attention(&x[0], &x[1], &x[2], h, &small, Some((0.2, 5))),
+        &[
+            rand(&[10, 8], 65, 1.0, DType::F64),
+            rand(&[10, 4], 66, 1.0, DType::F64),
+            rand(&[10, 4], 67, 1.0, DType::F64),
+        ],
+    );
+    // bf16 attends in f32 and rounds once: within bf16's rounding of the f32 result.
+    half_tracks_f32(
+        "varlen attention",
+        DType::BF16,
+        &|x| ops::varlen_attention(&x[0], &x[1], &x[2], h, &seqs, Some((0.1, 7))),
+        &[
+            rand(&[t, 16], 68, 1.0, DType::F32),
+            rand(&[t, 8], 69, 1.0, DType::F32),
+            rand(&[t, 8], 70, 1.0, DType::F32),
+        ],
+        3e-2,
+    );
+}
+
 #[test]
 fn backward_sums_gradients_over_every_path() {
     let x = Var::from_tensor(&rand(&[3, 4], 41, 1.0, DType::F64)).unwrap();

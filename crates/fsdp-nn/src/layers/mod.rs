@@ -487,6 +487,20 @@ impl Dropout {
         }
     }
 
+    /// Packed rows `x` `[tokens, width]` with the dropout their padded batch would get
+    /// ([`ops::dropout_packed`]) when `seed` is set.
+    pub fn apply_packed(
+        &self,
+        x: &Tensor,
+        seed: Option<u64>,
+        seqs: &ops::PackedSequences,
+    ) -> Result<Tensor> {
+        match self.seed(seed) {
+            Some((p, site)) => ops::dropout_packed(x, p, site, seqs),
+            None => Ok(x.clone()),
+        }
+    }
+
     /// The seed of this site's mask for step seed `seed`.
     pub fn seed(&self, seed: Option<u64>) -> Option<(f64, u64)> {
         match seed {

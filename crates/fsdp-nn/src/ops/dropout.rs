@@ -4,6 +4,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+use std::sync::Arc;
+
+use super::packed::PackedSequences;
 use super::{Float, contiguous, float_dispatch, tensor, with_slice};
 
 use crate::rng::{dropout_keep_into, dropout_threshold};
@@ -11,6 +14,9 @@ use crate::rng::{dropout_keep_into, dropout_threshold};
 struct Dropout {
     p: f64,
     seed: u64,
+    /// For packed rows of `width` elements: each row's row in the padded layout whose
+    /// element numbers the draws follow (`None`: the tensor's own numbering).
+    padded_rows: Option<(Arc<[u32]>, usize)>,
 }
 
 /// Elements whose draws are made at a time (a stack buffer of flags).
@@ -22,10 +28,25 @@ impl Dropout {
         let threshold = dropout_threshold(self.p);
         let mut keep = [false; DRAWS];
         let mut out = Vec::with_capacity(x.len());
-        for (c, chunk) in x.chunks(DRAWS).enumerate() {
+        let mut draw = |first: u64, chunk: &[T], out: &mut Vec<T>| {
             let keep = &mut keep[..chunk.len()];
-            dropout_keep_into(self.seed, (c * DRAWS) as u64, threshold, keep);
-            T::scale_kept(chunk, keep, scale, &mut out);
+            dropout_keep_into(self.seed, first, threshold, keep);
+            T::scale_kept(chunk, keep, scale, out);
+        };
+        match &self.padded_rows {
+            None => {
+                for (c, chunk) in x.chunks(DRAWS).enumerate() {
+                    draw((c * DRAWS) as u64, chunk, &mut out);
+                }
+            }
+            Some((rows, width)) => {
+                for (row, &padded) in x.chunks(*width).zip(rows.iter()) {
+                    let first = padded as u64 * *width as u64;
+                    for (c, chunk) in row.chunks(DRAWS).enumerate() {
+                        draw(first + (c * DRAWS) as u64, chunk, &mut out);
+                    }
+                }
+            }
         }
         out
     }
@@ -214,7 +235,38 @@ pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     if !super::has_kernels(x) {
         return super::composed::dropout(x, p, seed);
     }
-    x.contiguous()?.apply_op1(Dropout { p, seed })
+    x.contiguous()?.apply_op1(Dropout {
+        p,
+        seed,
+        padded_rows: None,
+    })
+}
+
+/// [`dropout`] of packed rows `x` `[tokens, width]` that keeps the padded batch's mask: the
+/// element of row `t` at column `j` is dropped as element `(padded_rows[t], j)` of the
+/// padded `[batch * padded_len, width]` tensor would be.
+pub fn dropout_packed(x: &Tensor, p: f64, seed: u64, seqs: &PackedSequences) -> Result<Tensor> {
+    let (tokens, width) = x.dims2()?;
+    if tokens != seqs.tokens() {
+        candle_core::bail!(
+            "dropout_packed: {tokens} rows for {} packed tokens",
+            seqs.tokens()
+        );
+    }
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("dropout probability {p} is not in [0, 1)");
+    }
+    if p == 0.0 {
+        return Ok(x.clone());
+    }
+    if !super::has_kernels(x) {
+        candle_core::bail!("dropout_packed: packed sequences are computed on the CPU only");
+    }
+    x.contiguous()?.apply_op1(Dropout {
+        p,
+        seed,
+        padded_rows: Some((seqs.shared_padded_rows(), width)),
+    })
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ mod linear_cross_entropy;
 mod lora;
 mod matmul;
 mod norm;
+mod packed;
 mod quantized_linear;
 mod rope;
 mod simd;
@@ -26,15 +27,17 @@ mod swiglu;
 
 pub use attention::{
     AttentionHeads, grouped_query_attention, packed_attention, scaled_dot_product_attention,
+    varlen_attention,
 };
 pub use cross_entropy::{CrossEntropy, Reduction, cross_entropy};
-pub use dropout::dropout;
+pub use dropout::{dropout, dropout_packed};
 pub use embedding::embedding;
 pub use gelu::{GeluApprox, bias_gelu, gelu};
 pub use linear::{conv1d, linear, linear_gelu, linear_no_bias, linear_no_bias_add};
 pub use linear_cross_entropy::linear_cross_entropy;
 pub use lora::lora_update;
 pub use norm::{add_layer_norm, layer_norm, rms_norm};
+pub use packed::PackedSequences;
 pub use quantized_linear::quantized_linear;
 pub use rope::{RopeAngles, RopeLayout, RopeScaling, RopeTable, rope, rope_with};
 pub use softmax::softmax_last_dim;

@@ -16,12 +16,14 @@ mod op;
 
 pub use op::{
     AttentionHeads, grouped_query_attention, packed_attention, scaled_dot_product_attention,
+    varlen_attention,
 };
 
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, Layout, Result, Tensor};
 
+use super::packed::PackedSequences;
 use super::{Float, gemm_acc_into, gemm_into, with_slice};
 use crate::rng::{dropout_keep_into, dropout_threshold};
 
@@ -45,6 +47,9 @@ struct Sdpa {
     scale: f64,
     mask: Option<Mask>,
     dropout: Option<(f64, u64)>,
+    /// Sequences laid end to end (`[1, tokens, width]` operands): each attends within
+    /// itself; `Dims::seq` is then the padded length the dropout draws and saved rows follow.
+    packed: Option<PackedSequences>,
     /// Log-sum-exp of every score row, saved by forward for backward.
     lse: Mutex<Vec<f64>>,
 }
@@ -101,30 +106,20 @@ enum GradOut<'a, T> {
 }
 
 impl<T> GradOut<'_, T> {
-    /// From row `r` of `b`'s head `h` (a K/V head for `which` 1 and 2) in the gradient of
-    /// operand `which` (0 q, 1 k, 2 v), and the elements between its rows.
-    fn at(
-        &mut self,
-        which: usize,
-        b: usize,
-        h: usize,
-        r: usize,
-        op: &Sdpa,
-        dims: Dims,
-    ) -> (&mut [T], usize) {
+    /// From row `r` (of all the operand's rows) of head `h` (a K/V head for `which` 1 and
+    /// 2) in the gradient of operand `which` (0 q, 1 k, 2 v), and the elements between its
+    /// rows.
+    fn at(&mut self, which: usize, r: usize, h: usize, op: &Sdpa, dims: Dims) -> (&mut [T], usize) {
         let d = dims.head_dim;
         match self {
             GradOut::Packed(buf) => {
                 let width = op.heads * d;
                 let row = 3 * width;
-                (
-                    &mut buf[(b * dims.seq + r) * row + which * width + h * d..],
-                    row,
-                )
+                (&mut buf[r * row + which * width + h * d..], row)
             }
             GradOut::Separate(bufs) => {
                 let row = if which == 0 { op.heads } else { op.kv_heads } * d;
-                (&mut bufs[which][(b * dims.seq + r) * row + h * d..], row)
+                (&mut bufs[which][r * row + h * d..], row)
             }
         }
     }
@@ -176,7 +171,49 @@ fn view<'a, T: Float>(
     })
 }
 
+/// Where sequence `b` of an attention call lies.
+#[derive(Clone, Copy)]
+struct Extent {
+    /// Its tokens.
+    len: usize,
+    /// Added to its row numbers when reading an operand's view (whose batch stride places a
+    /// padded batch's sequences; packed ones have none).
+    view_row: usize,
+    /// Its first row among the output's rows.
+    out_row: usize,
+}
+
 impl Sdpa {
+    /// Where sequence `b` of a call whose (padded) length is `seq` lies.
+    fn extent(&self, b: usize, seq: usize) -> Extent {
+        match &self.packed {
+            None => Extent {
+                len: seq,
+                view_row: 0,
+                out_row: b * seq,
+            },
+            Some(p) => Extent {
+                len: p.len(b),
+                view_row: p.start(b),
+                out_row: p.start(b),
+            },
+        }
+    }
+
+    /// Rows of every operand and of the output.
+    fn rows(&self, dims: Dims) -> usize {
+        match &self.packed {
+            None => dims.batch * dims.seq,
+            Some(p) => p.tokens(),
+        }
+    }
+
+    /// A view's stride between sequences: none for packed operands, whose sequences are
+    /// placed by their rows.
+    fn batch_stride(&self, stride: usize) -> usize {
+        if self.packed.is_some() { 0 } else { stride }
+    }
+
     /// The K/V head that query head `h` reads.
     fn kv_head(&self, h: usize) -> usize {
         h / (self.heads / self.kv_heads)
@@ -212,19 +249,19 @@ impl Sdpa {
         q: &View<T>,
         k: &View<T>,
         mask: Option<&[T::Acc]>,
-        (b, h): (usize, usize),
+        (b, h, at): (usize, usize, Extent),
         dims: Dims,
         block: Block,
         s: &mut [T::Acc],
     ) {
-        let d = dims.head_dim;
+        let (d, r) = (dims.head_dim, at.view_row);
         gemm_acc_into(
             (block.rows(), block.keys, d),
             s,
             block.keys,
             false,
-            (q.head(b, h, block.r0, d), q.row, 1),
-            (k.head(b, self.kv_head(h), 0, d), 1, k.row),
+            (q.head(b, h, r + block.r0, d), q.row, 1),
+            (k.head(b, self.kv_head(h), r, d), 1, k.row),
             self.scale,
         );
         if let (Some(m), Some(spec)) = (mask, &self.mask) {
@@ -325,15 +362,16 @@ impl Sdpa {
             head_dim: d,
         } = dims;
         let width = self.heads * d;
-        let mut out = vec![T::of(0.0); batch * seq * width];
+        let mut out = vec![T::of(0.0); self.rows(dims) * width];
         let mut lse = vec![0f64; batch * self.heads * seq];
         let mut s = vec![T::Acc::of(0.0); seq * seq];
         let run = |mask: Option<&[T::Acc]>| {
             for b in 0..batch {
+                let ext = self.extent(b, seq);
                 for h in 0..self.heads {
-                    for block in self.blocks(seq) {
+                    for block in self.blocks(ext.len) {
                         let s = &mut s[..block.rows() * block.keys];
-                        self.scores(q, k, mask, (b, h), dims, block, s);
+                        self.scores(q, k, mask, (b, h, ext), dims, block, s);
                         let at = (b * self.heads + h) * seq;
                         self.probabilities(s, &mut lse[at + block.r0..at + block.r1], block, true);
                         self.drop(b, h, seq, block, s);
@@ -344,13 +382,13 @@ impl Sdpa {
                             block.rows(),
                             d,
                             block.keys,
-                            &mut out[(b * seq + block.r0) * width + h * d..],
+                            &mut out[(ext.out_row + block.r0) * width + h * d..],
                             width,
                             false,
                             &p,
                             block.keys,
                             1,
-                            v.head(b, self.kv_head(h), 0, d),
+                            v.head(b, self.kv_head(h), ext.view_row, d),
                             v.row,
                             1,
                             1.0,
@@ -396,13 +434,15 @@ impl Sdpa {
         let (o_acc, g_acc) = (T::to_acc(o), T::to_acc(g));
         let run = |mask: Option<&[T::Acc]>| {
             for b in 0..batch {
+                let ext = self.extent(b, seq);
+                let r = ext.view_row;
                 for h in 0..self.heads {
                     let kvh = self.kv_head(h);
-                    for block in self.blocks(seq) {
+                    for block in self.blocks(ext.len) {
                         let n = block.keys;
                         let (p, dp) = (&mut p[..block.rows() * n], &mut dp[..block.rows() * n]);
-                        let at = (b * seq + block.r0) * width + h * d;
-                        self.scores(q, k, mask, (b, h), dims, block, p);
+                        let at = (ext.out_row + block.r0) * width + h * d;
+                        self.scores(q, k, mask, (b, h, ext), dims, block, p);
                         let l = (b * self.heads + h) * seq;
                         self.probabilities(p, &mut lse[l + block.r0..l + block.r1], block, false);
                         // dV += P'^T dO, with P' the dropped-out probabilities.
@@ -413,7 +453,7 @@ impl Sdpa {
                         } else {
                             T::from_acc(p)
                         };
-                        let (dv, dv_row) = out.at(2, b, kvh, 0, self, dims);
+                        let (dv, dv_row) = out.at(2, ext.out_row, kvh, self, dims);
                         gemm_acc_into(
                             (n, d, block.rows()),
                             dv,
@@ -431,7 +471,7 @@ impl Sdpa {
                             n,
                             false,
                             (&g[at..], width, 1),
-                            (v.head(b, kvh, 0, d), 1, v.row),
+                            (v.head(b, kvh, r, d), 1, v.row),
                             1.0,
                         );
                         // D_i = sum_j P'_ij dP'_ij = dO_i . O_i
@@ -464,24 +504,24 @@ impl Sdpa {
                         }
                         // dQ = scale dS K; dK += scale dS^T Q
                         let ds = T::from_acc(dp);
-                        let (dq, dq_row) = out.at(0, b, h, block.r0, self, dims);
+                        let (dq, dq_row) = out.at(0, ext.out_row + block.r0, h, self, dims);
                         gemm_acc_into(
                             (block.rows(), d, n),
                             dq,
                             dq_row,
                             false,
                             (&ds, n, 1),
-                            (k.head(b, kvh, 0, d), k.row, 1),
+                            (k.head(b, kvh, r, d), k.row, 1),
                             self.scale,
                         );
-                        let (dk, dk_row) = out.at(1, b, kvh, 0, self, dims);
+                        let (dk, dk_row) = out.at(1, ext.out_row, kvh, self, dims);
                         gemm_acc_into(
                             (n, d, block.rows()),
                             dk,
                             dk_row,
                             true,
                             (&ds, 1, n),
-                            (q.head(b, h, block.r0, d), q.row, 1),
+                            (q.head(b, h, r + block.r0, d), q.row, 1),
                             self.scale,
                         );
                     }

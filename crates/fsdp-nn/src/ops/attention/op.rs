@@ -9,7 +9,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape
 
 use std::sync::Mutex;
 
-use super::{Dims, GradOut, Mask, Sdpa, View, dims3, view};
+use super::{Dims, GradOut, Mask, PackedSequences, Sdpa, View, dims3, view};
 use crate::ops::{Float, float_dispatch, tensor, with_slice};
 
 /// Attention on three operands q, k, v.
@@ -29,10 +29,16 @@ impl CustomOp3 for Sdpa {
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims(dims3(l1)?, dims3(l2)?, dims3(l3)?)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
+            let operand = |s, l| {
+                view::<T>(s, l, 0, self.name()).map(|mut v| {
+                    v.batch = self.batch_stride(v.batch);
+                    v
+                })
+            };
             let out = self.forward::<T>(
-                &view(s1, l1, 0, self.name())?,
-                &view(s2, l2, 0, self.name())?,
-                &view(s3, l3, 0, self.name())?,
+                &operand(s1, l1)?,
+                &operand(s2, l2)?,
+                &operand(s3, l3)?,
                 dims,
             )?;
             Ok((T::storage(out), l1.shape().clone()))
@@ -49,7 +55,7 @@ impl CustomOp3 for Sdpa {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = self.dims(q_t.dims3()?, k_t.dims3()?, v_t.dims3()?)?;
         let (s, qw, kw) = (
-            dims.seq,
+            self.batch_stride(dims.seq),
             self.heads * dims.head_dim,
             self.kv_heads * dims.head_dim,
         );
@@ -182,11 +188,23 @@ impl Sdpa {
                 self.kv_heads
             )));
         }
-        Ok(Dims {
-            batch,
-            seq,
-            head_dim,
-        })
+        match &self.packed {
+            None => Ok(Dims {
+                batch,
+                seq,
+                head_dim,
+            }),
+            Some(p) if batch == 1 && seq == p.tokens() => Ok(Dims {
+                batch: p.sequences(),
+                seq: p.padded_len(),
+                head_dim,
+            }),
+            Some(p) => Err(candle_core::Error::Msg(format!(
+                "sdpa: packed operands of {} tokens must be [1, {}, width] (got [{batch}, {seq}, {qw}])",
+                p.tokens(),
+                p.tokens()
+            ))),
+        }
     }
 }
 
@@ -252,6 +270,7 @@ fn sdpa_op(
         scale: 1.0 / ((width / heads) as f64).sqrt(),
         mask,
         dropout: dropout.filter(|(p, _)| *p > 0.0),
+        packed: None,
         lse: Mutex::new(Vec::new()),
     })
 }
@@ -270,6 +289,40 @@ pub fn scaled_dot_product_attention(
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
     grouped_query_attention(q, k, v, AttentionHeads::full(heads), mask, dropout)
+}
+
+/// [`grouped_query_attention`] of packed sequences: `q` `[tokens, heads * head_dim]`, `k`
+/// and `v` `[tokens, kv_heads * head_dim]` (rows may be strided), each sequence of `seqs`
+/// attending within itself; dropout `(probability, seed)` draws the masks of the padded
+/// batch `seqs` came from. Returns `[tokens, heads * head_dim]`: on every token, what the
+/// padded call with a padding mask computes, up to the order of its sums.
+pub fn varlen_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: AttentionHeads,
+    seqs: &PackedSequences,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    if !super::super::has_kernels(q) {
+        candle_core::bail!("varlen_attention: packed sequences are computed on the CPU only");
+    }
+    let (tokens, width) = q.dims2()?;
+    let rows = |t: &Tensor| -> Result<Tensor> {
+        let (n, w) = t.dims2()?;
+        t.reshape((1, n, w))
+    };
+    let mut op = sdpa_op(
+        (seqs.sequences(), seqs.padded_len(), width),
+        q.dtype(),
+        heads,
+        None,
+        dropout,
+    )?;
+    op.packed = Some(seqs.clone());
+    rows(q)?
+        .apply_op3(&rows(k)?, &rows(v)?, op)?
+        .reshape((tokens, width))
 }
 
 /// Attention with `heads.kv_heads` K/V heads serving `heads.heads` query heads, causal or
