@@ -150,6 +150,11 @@ struct Args {
     /// whole table.
     #[arg(long)]
     sparse_embeddings: bool,
+    /// Compute every batch padded to its longest example and masked, as transformers does,
+    /// instead of its real tokens end to end (the same values, sums over tokens in another
+    /// order).
+    #[arg(long)]
+    padded_batches: bool,
 }
 
 /// `relative` under the current folder, else under the repository this example was built
@@ -287,6 +292,7 @@ fn main() -> Result<()> {
 
     // The model, its pretrained encoder and a fresh head, sharded over the job.
     let mut model = BertForSequenceClassification::new(config.clone())?;
+    model.bert.pack_sequences = !args.padded_batches;
     if args.sparse_embeddings {
         let words = &mut model.bert.embeddings.word_embeddings;
         *words = words.clone().sparse(true);

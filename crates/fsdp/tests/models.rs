@@ -317,3 +317,131 @@ fn gpt2_dropout_only_in_training_mode_reproducible_and_differentiable() {
     zero.dropout_seed = Some(12);
     assert_eq!(logits(&zero), eval);
 }
+
+/// A right-padded batch computed packed (its real tokens end to end) gives the logits, the
+/// sequence output on real tokens and every gradient the padded, masked computation gives,
+/// dropout on (its masks are the padded batch's); padding comes back as zeros; a mask that
+/// is not right padding is computed padded, bit for bit as with packing off.
+#[test]
+fn bert_packed_batches_compute_what_padded_batches_compute() {
+    let mut config = tiny_bert();
+    config.hidden_dropout_prob = 0.1;
+    config.attention_probs_dropout_prob = 0.1;
+    let mut model = BertForSequenceClassification::new(config).unwrap();
+    model.bert.dropout_seed = Some(7);
+    let params = LocalParams::init(&model.info(), 5, DType::F32, &Device::Cpu).unwrap();
+    let lengths = [6usize, 2, 4];
+    let cpu = &Device::Cpu;
+    let ids: Vec<u32> = (0..18)
+        .map(|i| {
+            if i % 6 < lengths[i / 6] {
+                1 + (i as u32 * 7) % 39
+            } else {
+                0
+            }
+        })
+        .collect();
+    let ids = Tensor::from_vec(ids, (3, 6), cpu).unwrap();
+    let mask: Vec<u32> = (0..18).map(|i| (i % 6 < lengths[i / 6]) as u32).collect();
+    let mask = Tensor::from_vec(mask, (3, 6), cpu).unwrap();
+    let types = Tensor::from_vec((0..18u32).map(|i| (i / 3) % 2).collect(), (3, 6), cpu).unwrap();
+    let labels = Tensor::new(&[2u32, 0, 1], cpu).unwrap();
+    let run = |m: &BertForSequenceClassification, mask: &Tensor| {
+        let logits = m.forward(&params, &ids, Some(mask), Some(&types)).unwrap();
+        let loss = composed_cross_entropy(&logits, &labels);
+        let grads = loss.backward().unwrap();
+        let grads: HashMap<String, Vec<f32>> = params
+            .vars()
+            .iter()
+            .map(|(name, var)| {
+                let g = grads
+                    .get(var)
+                    .unwrap_or_else(|| panic!("no gradient for {name}"));
+                (name.clone(), g.flatten_all().unwrap().to_vec1().unwrap())
+            })
+            .collect();
+        (
+            logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            grads,
+        )
+    };
+    let (packed_logits, packed_grads) = run(&model, &mask);
+    model.bert.pack_sequences = false;
+    let (padded_logits, padded_grads) = run(&model, &mask);
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * scale + 1e-7,
+                "{what}[{i}]: packed {x}, padded {y} (largest {scale})"
+            );
+        }
+    };
+    close(&packed_logits, &padded_logits, "logits");
+    assert_ne!(
+        packed_logits,
+        {
+            model.bert.dropout_seed = Some(8);
+            run(&model, &mask).0
+        },
+        "dropout is on"
+    );
+    for (name, g) in &padded_grads {
+        if name.ends_with("attention.self.key.bias") {
+            // Its true gradient is zero (a key bias adds the same to every score of a row):
+            // both are rounding noise.
+            continue;
+        }
+        close(&packed_grads[name], g, name);
+    }
+    // The sequence output: the padded one on real tokens, zeros past each sequence's end.
+    let mut bert = model.bert.clone();
+    bert.dropout_seed = Some(7);
+    let seq = |b: &BertModel| {
+        let (h, _) = b.forward(&params, &ids, Some(&mask), Some(&types)).unwrap();
+        h.to_vec3::<f32>().unwrap()
+    };
+    let padded = seq(&bert);
+    bert.pack_sequences = true;
+    let packed = seq(&bert);
+    for (b, &n) in lengths.iter().enumerate() {
+        for l in 0..6 {
+            if l < n {
+                close(&packed[b][l], &padded[b][l], &format!("hidden[{b}][{l}]"));
+            } else {
+                assert!(
+                    packed[b][l].iter().all(|&v| v == 0.0),
+                    "padding at [{b}][{l}]"
+                );
+            }
+        }
+    }
+    // Left padding is not packed: bit for bit the padded computation.
+    let left = Tensor::new(
+        &[
+            [0u32, 0, 1, 1, 1, 1],
+            [1, 1, 1, 1, 1, 1],
+            [0, 1, 1, 1, 1, 1],
+        ],
+        cpu,
+    )
+    .unwrap();
+    model.bert.dropout_seed = Some(7);
+    model.bert.pack_sequences = true;
+    let on = run(&model, &left);
+    model.bert.pack_sequences = false;
+    let off = run(&model, &left);
+    assert_eq!(on.0, off.0);
+    assert_eq!(on.1, off.1);
+}
+
+/// Mean cross-entropy of `logits` `[n, c]` against `labels` `[n]` from plain candle ops.
+fn composed_cross_entropy(logits: &Tensor, labels: &Tensor) -> Tensor {
+    let logp = logits
+        .broadcast_sub(&logits.max_keepdim(1).unwrap())
+        .unwrap();
+    let lse = logp.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap();
+    let logp = logp.broadcast_sub(&lse).unwrap();
+    let picked = logp.gather(&labels.unsqueeze(1).unwrap(), 1).unwrap();
+    (picked.mean_all().unwrap() * -1.0).unwrap()
+}

@@ -162,7 +162,11 @@ pub fn run(a: LayerArgs) -> Result<()> {
     let w = Tensor::randn(0f32, 1.0, (a.batch, a.seq, a.hidden), &device)?.to_dtype(dtype)?;
 
     let mut rows: Vec<(String, f64, f64, f64, f64)> = Vec::new();
-    let layer = |t: &Tensor| l.forward(p, (t, None, None)).map_err(anyhow::Error::from);
+    let unmasked = fsdp::models::bert::TokenLayout::Padded(None);
+    let layer = |t: &Tensor| {
+        l.forward(p, (t, &unmasked, None))
+            .map_err(anyhow::Error::from)
+    };
     let (fwd_med, fwd_min) = time(a.reps, || layer(&x_t).map(|_| ()))?;
     let (all_med, all_min) = time(a.reps, || {
         let y = layer(&x_t)?;

@@ -9,11 +9,32 @@ use crate::nn::composite_module;
 use crate::nn::layers::{Dropout, Embedding, LayerNorm, Linear};
 use crate::nn::module::{Forward, Module, ModuleInfo, Params, join};
 use crate::nn::ops;
+use crate::nn::ops::PackedSequences;
 
-/// The input of a BERT encoder layer (and of the modules inside it): hidden states
-/// [batch, seq, hidden], an optional additive mask [batch, 1, 1, seq], and the step's dropout
-/// seed (`None` in evaluation mode).
-pub type LayerInput<'a> = (&'a Tensor, Option<&'a Tensor>, Option<u64>);
+/// How a batch's tokens lie in the hidden states the layers pass on.
+#[derive(Debug, Clone)]
+pub enum TokenLayout {
+    /// `[batch, seq, hidden]`, with an optional additive mask `[batch, 1, 1, seq]` (0 where
+    /// attended, the dtype's lowest value on padding).
+    Padded(Option<Tensor>),
+    /// `[tokens, hidden]`: the real tokens of a right-padded batch end to end, each
+    /// sequence attending within itself; dropout draws the padded batch's masks.
+    Packed(PackedSequences),
+}
+
+impl TokenLayout {
+    /// `x` through `dropout` (`None`: evaluation mode) as this layout's padded batch would be.
+    fn dropout(&self, dropout: &Dropout, x: &Tensor, seed: Option<u64>) -> Result<Tensor> {
+        match self {
+            TokenLayout::Padded(_) => dropout.apply(x, seed),
+            TokenLayout::Packed(seqs) => dropout.apply_packed(x, seed, seqs),
+        }
+    }
+}
+
+/// The input of a BERT encoder layer (and of the modules inside it): hidden states laid out
+/// as the [`TokenLayout`] says, and the step's dropout seed (`None` in evaluation mode).
+pub type LayerInput<'a> = (&'a Tensor, &'a TokenLayout, Option<u64>);
 
 /// Word + position + token-type embeddings, LayerNorm, dropout (`BertEmbeddings`).
 #[derive(Debug, Clone)]
@@ -70,13 +91,23 @@ composite_module!(
     ]
 );
 
-impl<'a> Forward<(&'a Tensor, Option<&'a Tensor>, Option<u64>)> for BertEmbeddings {
+/// What the embeddings read: token ids `[batch, seq]`, optional token types, the packing of
+/// the batch's real tokens (`None`: every position embedded, `[batch, seq, hidden]` out), and
+/// the dropout seed.
+pub type EmbeddingsInput<'a> = (
+    &'a Tensor,
+    Option<&'a Tensor>,
+    Option<&'a PackedSequences>,
+    Option<u64>,
+);
+
+impl<'a> Forward<EmbeddingsInput<'a>> for BertEmbeddings {
     type Output = Tensor;
 
     fn forward(
         &self,
         p: &dyn Params,
-        (ids, types, seed): (&Tensor, Option<&Tensor>, Option<u64>),
+        (ids, types, packed, seed): EmbeddingsInput<'a>,
     ) -> Result<Tensor> {
         let (batch, seq) = ids.dims2()?;
         if seq > self.max_positions {
@@ -86,17 +117,29 @@ impl<'a> Forward<(&'a Tensor, Option<&'a Tensor>, Option<u64>)> for BertEmbeddin
             )));
         }
         let device = ids.device();
-        let words = self.word_embeddings.call(p, ids)?;
-        let positions = Tensor::arange(0u32, seq as u32, device)?;
-        let pos = self.position_embeddings.call(p, &positions)?;
         let types = match types {
             Some(t) => t.clone(),
             None => Tensor::zeros((batch, seq), DType::U32, device)?,
         };
-        let typ = self.token_type_embeddings.call(p, &types)?;
-        let emb = (words.broadcast_add(&pos)? + typ)?;
+        let Some(seqs) = packed else {
+            let words = self.word_embeddings.call(p, ids)?;
+            let positions = Tensor::arange(0u32, seq as u32, device)?;
+            let pos = self.position_embeddings.call(p, &positions)?;
+            let typ = self.token_type_embeddings.call(p, &types)?;
+            let emb = (words.broadcast_add(&pos)? + typ)?;
+            let hidden = self.layer_norm.call(p, &emb)?;
+            return self.dropout.apply(&hidden, seed);
+        };
+        // The real tokens only: each row's ids, position and type picked out of the batch.
+        let rows = Tensor::from_slice(seqs.padded_rows(), seqs.tokens(), device)?;
+        let real = |t: &Tensor| t.flatten_all()?.index_select(&rows, 0);
+        let words = self.word_embeddings.call(p, &real(ids)?)?;
+        let positions = Tensor::from_vec(seqs.positions(), seqs.tokens(), device)?;
+        let pos = self.position_embeddings.call(p, &positions)?;
+        let typ = self.token_type_embeddings.call(p, &real(&types)?)?;
+        let emb = ((words + pos)? + typ)?;
         let hidden = self.layer_norm.call(p, &emb)?;
-        self.dropout.apply(&hidden, seed)
+        self.dropout.apply_packed(&hidden, seed, seqs)
     }
 }
 
@@ -119,13 +162,22 @@ composite_module!(BertSelfAttention, "BertSelfAttention", [query, key, value]);
 impl<'a> Forward<LayerInput<'a>> for BertSelfAttention {
     type Output = Tensor;
 
-    fn forward(&self, p: &dyn Params, (hidden, mask, seed): LayerInput<'a>) -> Result<Tensor> {
+    fn forward(&self, p: &dyn Params, (hidden, layout, seed): LayerInput<'a>) -> Result<Tensor> {
         // Three GEMMs, not one over stacked weights: a stacked copy of the weights would stay
         // alive in the graph until backward, outside what FSDP frees after the forward.
         let q = self.query.call(p, hidden)?;
         let k = self.key.call(p, hidden)?;
         let v = self.value.call(p, hidden)?;
-        ops::scaled_dot_product_attention(&q, &k, &v, self.heads, mask, self.dropout.seed(seed))
+        let dropout = self.dropout.seed(seed);
+        match layout {
+            TokenLayout::Padded(mask) => {
+                ops::scaled_dot_product_attention(&q, &k, &v, self.heads, mask.as_ref(), dropout)
+            }
+            TokenLayout::Packed(seqs) => {
+                let heads = ops::AttentionHeads::full(self.heads);
+                ops::varlen_attention(&q, &k, &v, heads, seqs, dropout)
+            }
+        }
     }
 }
 
@@ -180,16 +232,19 @@ impl Module for BertResidualOutput {
     }
 }
 
-impl<'a> Forward<(&'a Tensor, &'a Tensor, Option<u64>)> for BertResidualOutput {
+/// A residual sub-layer's input: its input, the residual, their layout and the dropout seed.
+pub type ResidualInput<'a> = (&'a Tensor, &'a Tensor, &'a TokenLayout, Option<u64>);
+
+impl<'a> Forward<ResidualInput<'a>> for BertResidualOutput {
     type Output = Tensor;
 
     fn forward(
         &self,
         p: &dyn Params,
-        (x, residual, seed): (&Tensor, &Tensor, Option<u64>),
+        (x, residual, layout, seed): ResidualInput<'a>,
     ) -> Result<Tensor> {
         let y = self.dense.call(p, x)?;
-        let y = self.dropout.apply(&y, seed)?;
+        let y = layout.dropout(&self.dropout, &y, seed)?;
         self.layer_norm.call(p, (&y, residual))
     }
 }
@@ -211,7 +266,7 @@ impl<'a> Forward<LayerInput<'a>> for BertAttention {
 
     fn forward(&self, p: &dyn Params, input: LayerInput<'a>) -> Result<Tensor> {
         let ctx = self.self_attention.call(p, input)?;
-        self.output.call(p, (&ctx, input.0, input.2))
+        self.output.call(p, (&ctx, input.0, input.1, input.2))
     }
 }
 
@@ -284,6 +339,6 @@ impl<'a> Forward<LayerInput<'a>> for BertLayer {
     fn forward(&self, p: &dyn Params, input: LayerInput<'a>) -> Result<Tensor> {
         let attn = self.attention.call(p, input)?;
         let inter = self.intermediate.call(p, &attn)?;
-        self.output.call(p, (&inter, &attn, input.2))
+        self.output.call(p, (&inter, &attn, input.1, input.2))
     }
 }

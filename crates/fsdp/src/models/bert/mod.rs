@@ -12,7 +12,7 @@ use candle_core::{D, Result, Tensor};
 pub use config::BertConfig;
 pub use layer::{
     BertAttention, BertEmbeddings, BertIntermediate, BertLayer, BertResidualOutput,
-    BertSelfAttention, LayerInput,
+    BertSelfAttention, EmbeddingsInput, LayerInput, ResidualInput, TokenLayout,
 };
 
 use crate::nn::composite_module;
@@ -20,6 +20,7 @@ use crate::nn::layers::Linear;
 use crate::nn::module::{
     Forward, Model, Module, ModuleInfo, Params, Recompute, call_checkpointable, join,
 };
+use crate::nn::ops::PackedSequences;
 
 /// What BERT reads: token ids [batch, seq], an optional attention mask (1 = attend) and
 /// optional token types (default all zeros).
@@ -65,16 +66,14 @@ impl Module for BertEncoder {
 impl<'a> Forward<LayerInput<'a>> for BertEncoder {
     type Output = Tensor;
 
-    fn forward(&self, p: &dyn Params, (hidden, mask, seed): LayerInput<'a>) -> Result<Tensor> {
+    fn forward(&self, p: &dyn Params, (hidden, layout, seed): LayerInput<'a>) -> Result<Tensor> {
         let mut hidden = hidden.clone();
         for layer in &self.layer {
             let recompute = || -> Recompute {
-                let (layer, mask) = (layer.clone(), mask.cloned());
-                Arc::new(move |p: &dyn Params, x: &Tensor| {
-                    layer.forward(p, (x, mask.as_ref(), seed))
-                })
+                let (layer, layout) = (layer.clone(), layout.clone());
+                Arc::new(move |p: &dyn Params, x: &Tensor| layer.forward(p, (x, &layout, seed)))
             };
-            let plain = || layer.call(p, (&hidden, mask, seed));
+            let plain = || layer.call(p, (&hidden, layout, seed));
             hidden = call_checkpointable(p, layer.path(), &hidden, recompute, plain)?;
         }
         Ok(hidden)
@@ -91,13 +90,48 @@ pub struct BertPooler {
 
 composite_module!(BertPooler, "BertPooler", [dense]);
 
-impl Forward<&Tensor> for BertPooler {
+impl Forward<(&Tensor, &TokenLayout)> for BertPooler {
     type Output = Tensor;
 
-    fn forward(&self, p: &dyn Params, hidden: &Tensor) -> Result<Tensor> {
-        let first = hidden.narrow(1, 0, 1)?.squeeze(1)?;
+    fn forward(&self, p: &dyn Params, (hidden, layout): (&Tensor, &TokenLayout)) -> Result<Tensor> {
+        let first = match layout {
+            TokenLayout::Padded(_) => hidden.narrow(1, 0, 1)?.squeeze(1)?,
+            TokenLayout::Packed(seqs) => {
+                let rows = Tensor::from_vec(seqs.first_rows(), seqs.sequences(), hidden.device())?;
+                hidden.index_select(&rows, 0)?
+            }
+        };
         self.dense.call(p, &first)?.tanh()
     }
+}
+
+/// The real-token lengths of a right-padded `attention_mask` `[batch, seq]` (each row ones,
+/// then zeros, at least one one), or `None` for any other mask.
+fn right_padded_lengths(mask: &Tensor) -> Result<Option<Vec<usize>>> {
+    let rows: Vec<Vec<f32>> = mask.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let n = row.iter().take_while(|&&m| m == 1.0).count();
+            (n > 0 && row[n..].iter().all(|&m| m == 0.0)).then_some(n)
+        })
+        .collect())
+}
+
+/// `[tokens, hidden]` packed rows laid back into their padded batch `[batch, seq, hidden]`,
+/// zeros past each sequence's end.
+fn unpack(hidden: &Tensor, seqs: &PackedSequences) -> Result<Tensor> {
+    let (tokens, width) = hidden.dims2()?;
+    let (batch, seq) = (seqs.sequences(), seqs.padded_len());
+    let mut from = vec![tokens as u32; batch * seq];
+    for (packed, &row) in seqs.padded_rows().iter().enumerate() {
+        from[row as usize] = packed as u32;
+    }
+    let from = Tensor::from_vec(from, batch * seq, hidden.device())?;
+    let zero = Tensor::zeros((1, width), hidden.dtype(), hidden.device())?;
+    Tensor::cat(&[hidden, &zero], 0)?
+        .index_select(&from, 0)?
+        .reshape((batch, seq, width))
 }
 
 /// The encoder: embeddings, layers, pooler. Its path is `bert` inside task models, empty for
@@ -110,6 +144,11 @@ pub struct BertModel {
     /// Training mode: dropout is active, with masks drawn from this seed (set a new one each
     /// step, e.g. from the run seed, rank and step). `None` is evaluation mode.
     pub dropout_seed: Option<u64>,
+    /// Whether a right-padded batch (an `attention_mask` of ones, then zeros, per row) is
+    /// computed on its real tokens only, end to end, instead of padded and masked: the same
+    /// values (dropout draws the padded batch's masks) up to the order of sums over tokens,
+    /// without the padding's work. On by default, on the CPU.
+    pub pack_sequences: bool,
     /// Embeddings.
     pub embeddings: BertEmbeddings,
     /// Layers.
@@ -144,6 +183,7 @@ impl BertModel {
             },
             path: prefix.to_string(),
             dropout_seed: None,
+            pack_sequences: true,
             config,
         })
     }
@@ -181,28 +221,82 @@ impl Model for BertModel {
     }
 }
 
+impl BertModel {
+    /// The packing of `input`'s real tokens, when it is computed packed.
+    fn packing(&self, input: &BertInput<'_>) -> Result<Option<PackedSequences>> {
+        let Some(mask) = input.attention_mask else {
+            return Ok(None);
+        };
+        if !self.pack_sequences || !input.input_ids.device().is_cpu() {
+            return Ok(None);
+        }
+        let seq = input.input_ids.dim(1)?;
+        match right_padded_lengths(mask)? {
+            Some(lengths) if lengths.iter().any(|&n| n < seq) => {
+                Ok(Some(PackedSequences::from_lengths(&lengths, seq)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The last layer's hidden states, their layout and the pooled output.
+    fn encode(
+        &self,
+        p: &dyn Params,
+        input: BertInput<'_>,
+    ) -> Result<(Tensor, TokenLayout, Tensor)> {
+        let seed = self.dropout_seed;
+        let packed = self.packing(&input)?;
+        let hidden = self.embeddings.call(
+            p,
+            (input.input_ids, input.token_type_ids, packed.as_ref(), seed),
+        )?;
+        let layout = match packed {
+            Some(seqs) => TokenLayout::Packed(seqs),
+            // Additive mask: 0 where attended, the dtype's lowest value elsewhere (as
+            // transformers).
+            None => TokenLayout::Padded(match input.attention_mask {
+                None => None,
+                Some(m) => {
+                    let (batch, seq) = input.input_ids.dims2()?;
+                    let dtype = hidden.dtype();
+                    let lowest = crate::models::mask_lowest(dtype);
+                    let m = m.to_dtype(dtype)?.reshape((batch, 1, 1, seq))?;
+                    Some(((m.ones_like()? - m)? * lowest)?)
+                }
+            }),
+        };
+        let hidden = self.encoder.call(p, (&hidden, &layout, seed))?;
+        let pooled = self.pooler.call(p, (&hidden, &layout))?;
+        Ok((hidden, layout, pooled))
+    }
+}
+
 impl<'a> Forward<BertInput<'a>> for BertModel {
     type Output = (Tensor, Tensor);
 
+    /// Sequence output `[batch, seq, hidden]` (zeros past each sequence's end when computed
+    /// packed) and pooled output `[batch, hidden]`.
     fn forward(&self, p: &dyn Params, input: BertInput<'a>) -> Result<(Tensor, Tensor)> {
-        let seed = self.dropout_seed;
-        let hidden = self
-            .embeddings
-            .call(p, (input.input_ids, input.token_type_ids, seed))?;
-        let (batch, seq) = input.input_ids.dims2()?;
-        // Additive mask: 0 where attended, the dtype's lowest value elsewhere (as transformers).
-        let mask = match input.attention_mask {
-            None => None,
-            Some(m) => {
-                let dtype = hidden.dtype();
-                let lowest = crate::models::mask_lowest(dtype);
-                let m = m.to_dtype(dtype)?.reshape((batch, 1, 1, seq))?;
-                Some(((m.ones_like()? - m)? * lowest)?)
-            }
+        let (hidden, layout, pooled) = self.encode(p, input)?;
+        let hidden = match &layout {
+            TokenLayout::Padded(_) => hidden,
+            TokenLayout::Packed(seqs) => unpack(&hidden, seqs)?,
         };
-        let hidden = self.encoder.call(p, (&hidden, mask.as_ref(), seed))?;
-        let pooled = self.pooler.call(p, &hidden)?;
         Ok((hidden, pooled))
+    }
+}
+
+/// A [`BertInput`] for which only the pooled output is wanted (a sequence classifier's):
+/// packed hidden states are not laid back into the padded batch.
+#[derive(Debug, Clone, Copy)]
+pub struct PooledOnly<'a>(pub BertInput<'a>);
+
+impl<'a> Forward<PooledOnly<'a>> for BertModel {
+    type Output = Tensor;
+
+    fn forward(&self, p: &dyn Params, input: PooledOnly<'a>) -> Result<Tensor> {
+        Ok(self.encode(p, input.0)?.2)
     }
 }
 
@@ -275,7 +369,7 @@ impl<'a> Forward<BertInput<'a>> for BertForSequenceClassification {
     type Output = Tensor;
 
     fn forward(&self, p: &dyn Params, input: BertInput<'a>) -> Result<Tensor> {
-        let (_, pooled) = self.bert.call(p, input)?;
+        let pooled = self.bert.call(p, PooledOnly(input))?;
         self.classifier.call(p, &pooled)
     }
 }
