@@ -1031,22 +1031,8 @@ fn grouped_query_and_causal_attention() {
 /// candle's backward (patched in vendor/candle-core to store a node's first gradient instead of
 /// adding it to zeros) still sums every path: fan-in through add, mul and a fused op, a
 /// variable used twice by one op, and a broadcast whose gradient arrives strided.
-/// Packed rows `t` `[tokens, w]` laid into their padded batch `[batch, len, w]` (zeros in
-/// the padding), and the padded batch's real rows back out: both candle ops, so gradients
-/// flow through them.
-fn padded(t: &Tensor, seqs: &ops::PackedSequences) -> Result<Tensor> {
-    let (tokens, w) = t.dims2()?;
-    let (batch, len) = (seqs.sequences(), seqs.padded_len());
-    let mut from = vec![tokens as u32; batch * len];
-    for (packed, &row) in seqs.padded_rows().iter().enumerate() {
-        from[row as usize] = packed as u32;
-    }
-    let from = Tensor::from_vec(from, batch * len, t.device())?;
-    Tensor::cat(&[t, &t.zeros_like()?.narrow(0, 0, 1)?], 0)?
-        .index_select(&from, 0)?
-        .reshape((batch, len, w))
-}
-
+/// The real rows of a padded batch `t` `[batch, len, w]` (the inverse of
+/// [`ops::PackedSequences::pad`]).
 fn real_rows(t: &Tensor, seqs: &ops::PackedSequences) -> Result<Tensor> {
     let (b, s, w) = t.dims3()?;
     let rows = Tensor::from_vec(seqs.padded_rows().to_vec(), seqs.tokens(), t.device())?;
@@ -1091,7 +1077,7 @@ fn packed_sequences_attend_and_drop_out_as_their_padded_batch() {
                     &format!("varlen attention {dtype:?} {h:?} dropout {dropout:?}"),
                     &|x| ops::varlen_attention(&x[0], &x[1], &x[2], h, &seqs, dropout),
                     &|x| {
-                        let [q, k, v] = [0, 1, 2].map(|i| padded(&x[i], &seqs).unwrap());
+                        let [q, k, v] = [0, 1, 2].map(|i| seqs.pad(&x[i]).unwrap());
                         real_rows(&composed_gqa(&q, &k, &v, h, Some(&pad), dropout)?, &seqs)
                     },
                     &inputs,
@@ -1101,7 +1087,7 @@ fn packed_sequences_attend_and_drop_out_as_their_padded_batch() {
         }
         let x = rand(&[t, 24], 64, 1.0, dtype);
         let want = real_rows(
-            &ops::dropout(&padded(&x, &seqs).unwrap(), 0.3, 11).unwrap(),
+            &ops::dropout(&seqs.pad(&x).unwrap(), 0.3, 11).unwrap(),
             &seqs,
         )
         .unwrap();
@@ -1110,7 +1096,7 @@ fn packed_sequences_attend_and_drop_out_as_their_padded_batch() {
         against_composed(
             &format!("packed dropout {dtype:?}"),
             &|x| ops::dropout_packed(&x[0], 0.3, 11, &seqs),
-            &|x| real_rows(&ops::dropout(&padded(&x[0], &seqs)?, 0.3, 11)?, &seqs),
+            &|x| real_rows(&ops::dropout(&seqs.pad(&x[0])?, 0.3, 11)?, &seqs),
             &[x],
             f64::MIN_POSITIVE, // exact: the same draws, the same products
         );

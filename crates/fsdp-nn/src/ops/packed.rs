@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use candle_core::Result;
+use candle_core::{Result, Tensor};
 
 /// Where each sequence of a packed batch lies, and which padded row each packed row was.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,6 +99,28 @@ impl PackedSequences {
             .collect()
     }
 
+    /// Packed rows `[tokens, width]` laid back into their padded batch
+    /// `[sequences, padded_len, width]`, zeros past each sequence's end (candle ops: gradients
+    /// flow back to the rows).
+    pub fn pad(&self, rows: &Tensor) -> Result<Tensor> {
+        let (tokens, width) = rows.dims2()?;
+        if tokens != self.tokens() {
+            candle_core::bail!(
+                "packed sequences: {tokens} rows for {} tokens",
+                self.tokens()
+            );
+        }
+        let mut from = vec![tokens as u32; self.sequences() * self.padded_len];
+        for (packed, &row) in self.padded_rows.iter().enumerate() {
+            from[row as usize] = packed as u32;
+        }
+        let from = Tensor::from_vec(from, self.sequences() * self.padded_len, rows.device())?;
+        let zero = Tensor::zeros((1, width), rows.dtype(), rows.device())?;
+        Tensor::cat(&[rows, &zero], 0)?
+            .index_select(&from, 0)?
+            .reshape((self.sequences(), self.padded_len, width))
+    }
+
     /// The packed row of each sequence's first token.
     pub fn first_rows(&self) -> Vec<u32> {
         self.starts[..self.sequences()]
@@ -120,6 +142,24 @@ mod tests {
         assert_eq!(p.positions(), vec![0, 1, 0, 1, 2, 3, 0]);
         assert_eq!(p.first_rows(), vec![0, 2, 6]);
         assert_eq!((p.start(1), p.len(1)), (2, 4));
+    }
+
+    #[test]
+    fn padding_packed_rows_puts_each_row_back_and_zeros_past_the_ends() {
+        let p = PackedSequences::from_lengths(&[2, 3], 3).unwrap();
+        let rows = Tensor::arange(1f32, 11.0, &candle_core::Device::Cpu)
+            .unwrap()
+            .reshape((5, 2))
+            .unwrap();
+        let padded: Vec<Vec<Vec<f32>>> = p.pad(&rows).unwrap().to_vec3().unwrap();
+        assert_eq!(
+            padded,
+            [
+                [[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]],
+                [[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]]
+            ]
+        );
+        assert!(p.pad(&rows.narrow(0, 0, 4).unwrap()).is_err());
     }
 
     #[test]

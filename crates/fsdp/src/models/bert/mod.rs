@@ -118,22 +118,6 @@ fn right_padded_lengths(mask: &Tensor) -> Result<Option<Vec<usize>>> {
         .collect())
 }
 
-/// `[tokens, hidden]` packed rows laid back into their padded batch `[batch, seq, hidden]`,
-/// zeros past each sequence's end.
-fn unpack(hidden: &Tensor, seqs: &PackedSequences) -> Result<Tensor> {
-    let (tokens, width) = hidden.dims2()?;
-    let (batch, seq) = (seqs.sequences(), seqs.padded_len());
-    let mut from = vec![tokens as u32; batch * seq];
-    for (packed, &row) in seqs.padded_rows().iter().enumerate() {
-        from[row as usize] = packed as u32;
-    }
-    let from = Tensor::from_vec(from, batch * seq, hidden.device())?;
-    let zero = Tensor::zeros((1, width), hidden.dtype(), hidden.device())?;
-    Tensor::cat(&[hidden, &zero], 0)?
-        .index_select(&from, 0)?
-        .reshape((batch, seq, width))
-}
-
 /// The encoder: embeddings, layers, pooler. Its path is `bert` inside task models, empty for
 /// a bare `BertModel`.
 #[derive(Debug, Clone)]
@@ -281,7 +265,7 @@ impl<'a> Forward<BertInput<'a>> for BertModel {
         let (hidden, layout, pooled) = self.encode(p, input)?;
         let hidden = match &layout {
             TokenLayout::Padded(_) => hidden,
-            TokenLayout::Packed(seqs) => unpack(&hidden, seqs)?,
+            TokenLayout::Packed(seqs) => seqs.pad(&hidden)?,
         };
         Ok((hidden, pooled))
     }
