@@ -12,8 +12,8 @@ use super::direct::DIRECT_ALL_REDUCE_BYTES;
 
 impl Engine {
     /// One reduce-scatter step: send `buf[send]` to the next rank while reducing the previous
-    /// rank's part into `buf[recv]` with `op`, finished where `finish` gives the group size
-    /// (the last step).
+    /// rank's part into `buf[recv]` with `reduce`'s op, finished (an average divided) where
+    /// it also gives the group size (the last step).
     fn ring_step<T: Element>(
         &mut self,
         h: Header,

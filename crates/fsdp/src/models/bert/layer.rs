@@ -117,29 +117,39 @@ impl<'a> Forward<EmbeddingsInput<'a>> for BertEmbeddings {
             )));
         }
         let device = ids.device();
-        let types = match types {
-            Some(t) => t.clone(),
-            None => Tensor::zeros((batch, seq), DType::U32, device)?,
+        // What is looked up: every position of the batch, or (packed) each real token's id,
+        // position and type picked out of it.
+        let (ids, positions, types) = match packed {
+            None => (
+                ids.clone(),
+                Tensor::arange(0u32, seq as u32, device)?,
+                match types {
+                    Some(t) => t.clone(),
+                    None => Tensor::zeros((batch, seq), DType::U32, device)?,
+                },
+            ),
+            Some(seqs) => {
+                let rows = Tensor::from_slice(seqs.padded_rows(), seqs.tokens(), device)?;
+                let real = |t: &Tensor| t.flatten_all()?.index_select(&rows, 0);
+                (
+                    real(ids)?,
+                    Tensor::from_vec(seqs.positions(), seqs.tokens(), device)?,
+                    match types {
+                        Some(t) => real(t)?,
+                        None => Tensor::zeros(seqs.tokens(), DType::U32, device)?,
+                    },
+                )
+            }
         };
-        let Some(seqs) = packed else {
-            let words = self.word_embeddings.call(p, ids)?;
-            let positions = Tensor::arange(0u32, seq as u32, device)?;
-            let pos = self.position_embeddings.call(p, &positions)?;
-            let typ = self.token_type_embeddings.call(p, &types)?;
-            let emb = (words.broadcast_add(&pos)? + typ)?;
-            let hidden = self.layer_norm.call(p, &emb)?;
-            return self.dropout.apply(&hidden, seed);
-        };
-        // The real tokens only: each row's ids, position and type picked out of the batch.
-        let rows = Tensor::from_slice(seqs.padded_rows(), seqs.tokens(), device)?;
-        let real = |t: &Tensor| t.flatten_all()?.index_select(&rows, 0);
-        let words = self.word_embeddings.call(p, &real(ids)?)?;
-        let positions = Tensor::from_vec(seqs.positions(), seqs.tokens(), device)?;
+        let words = self.word_embeddings.call(p, &ids)?;
         let pos = self.position_embeddings.call(p, &positions)?;
-        let typ = self.token_type_embeddings.call(p, &real(&types)?)?;
-        let emb = ((words + pos)? + typ)?;
+        let typ = self.token_type_embeddings.call(p, &types)?;
+        let emb = (words.broadcast_add(&pos)? + typ)?;
         let hidden = self.layer_norm.call(p, &emb)?;
-        self.dropout.apply_packed(&hidden, seed, seqs)
+        match packed {
+            None => self.dropout.apply(&hidden, seed),
+            Some(seqs) => self.dropout.apply_packed(&hidden, seed, seqs),
+        }
     }
 }
 
