@@ -14,6 +14,11 @@ mod skip;
 /// name it alike.
 #[cfg(test)]
 extern crate self as fsdp_nn;
+/// The numeric comparisons the test crates use (random tensors, per-element errors,
+/// gradients of a function), shared by the unit tests.
+#[cfg(test)]
+#[path = "../tests/support/numerics.rs"]
+mod numerics;
 /// The unit tests allocate through the workspace's poisoning allocator: a kernel that
 /// returns memory it never wrote shows garbage instead of fresh pages' zeros.
 #[cfg(test)]

@@ -7,12 +7,17 @@ mod bf16_choice;
 mod bf16_gemm;
 mod composed;
 mod cross_entropy;
+#[cfg(feature = "cuda")]
+mod cuda_kernels;
 mod dropout;
 mod embedding;
 mod gelu;
 mod half_float;
 #[cfg(target_arch = "x86_64")]
 pub mod instruction_loops;
+/// Plans of the CUDA kernels, run on a GPU and (in tests) on the CPU emulator.
+#[cfg(any(test, feature = "cuda"))]
+mod kernel_plan;
 mod linear;
 mod linear_cross_entropy;
 mod lora;
@@ -47,6 +52,20 @@ pub use swiglu::swiglu;
 /// as compositions of candle's ops (`composed.rs`).
 fn has_kernels(x: &Tensor) -> bool {
     x.device().is_cpu()
+}
+
+/// Whether fsdp-nn's own CUDA kernels (`kernels/*.cu`) serve `x`: a CUDA tensor of a type
+/// they are built for. Only the norms have them yet; the other ops compose candle's.
+fn has_cuda_kernels(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        x.device().is_cuda() && kernel_plan::suffix(x.dtype()).is_some()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        false
+    }
 }
 
 /// Which kernels run f32 and f64 matrix products on this CPU (the `gemm` crate's, chosen at

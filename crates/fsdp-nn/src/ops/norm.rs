@@ -3,7 +3,12 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{Float, composed, contiguous, float_dispatch, has_kernels, rows, tensor, with_slice};
+use super::{
+    Float, composed, contiguous, float_dispatch, has_cuda_kernels, has_kernels, rows, tensor,
+    with_slice,
+};
+#[cfg(feature = "cuda")]
+use super::{cuda_kernels, kernel_plan::NormShape};
 
 /// Per-row mean and 1/std (mean 0 for RMSNorm).
 fn row_stats<T: Float>(row: &[T], eps: f64, center: bool) -> (f64, f64) {
@@ -93,6 +98,27 @@ pub(super) fn norm_bwd<T: Float>(
     )
 }
 
+/// The kernels' description of a norm over the last dimension of `shape`.
+#[cfg(feature = "cuda")]
+fn gpu_norm(
+    shape: &Shape,
+    dtype: candle_core::DType,
+    eps: f64,
+    layer: bool,
+    residual: bool,
+) -> NormShape {
+    let (rows, d) = rows(shape);
+    NormShape {
+        rows,
+        d,
+        dtype,
+        center: layer,
+        residual,
+        beta: layer,
+        eps,
+    }
+}
+
 struct LayerNorm {
     eps: f64,
 }
@@ -122,6 +148,29 @@ impl CustomOp3 for LayerNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let shape = gpu_norm(l1.shape(), s1.dtype(), self.eps, true, false);
+        check_param(self.name(), l2.shape().elem_count(), shape.d)?;
+        check_param(self.name(), l3.shape().elem_count(), shape.d)?;
+        let y = cuda_kernels::norm_forward(
+            shape,
+            (s1, l1.start_offset()),
+            None,
+            (s2, l2.start_offset()),
+            Some((s3, l3.start_offset())),
+        )?;
+        Ok((y, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x_t: &Tensor,
@@ -130,6 +179,16 @@ impl CustomOp3 for LayerNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x_t.device().is_cuda() {
+            let shape = gpu_norm(x_t.shape(), x_t.dtype(), self.eps, true, false);
+            let (dx, dgamma, dbeta) = cuda_kernels::norm_backward(shape, x_t, None, g_t, grad)?;
+            return Ok((
+                Some(dx),
+                Some(dgamma),
+                dbeta.map(|b| b.reshape(b_t.shape())).transpose()?,
+            ));
+        }
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(g_t, self.name(), |gamma| {
@@ -146,7 +205,7 @@ impl CustomOp3 for LayerNorm {
 /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * gamma + beta`
 /// (biased variance, as PyTorch), with a hand-written backward for all three inputs.
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
-    if !has_kernels(x) {
+    if !has_kernels(x) && !has_cuda_kernels(x) {
         return composed::layer_norm(x, gamma, beta, eps);
     }
     x.contiguous()?
@@ -193,6 +252,36 @@ impl CustomOp3 for AddLayerNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            candle_core::bail!(
+                "{}: input {:?} and residual {:?} differ",
+                self.name(),
+                l1.dims(),
+                l2.dims()
+            );
+        }
+        let shape = gpu_norm(l1.shape(), s1.dtype(), self.eps, true, true);
+        check_param(self.name(), l3.shape().elem_count(), 2 * shape.d)?;
+        let y = cuda_kernels::norm_forward(
+            shape,
+            (s1, l1.start_offset()),
+            Some((s2, l2.start_offset())),
+            (s3, l3.start_offset()),
+            Some((s3, l3.start_offset() + shape.d)),
+        )?;
+        Ok((y, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x_t: &Tensor,
@@ -201,6 +290,18 @@ impl CustomOp3 for AddLayerNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x_t.device().is_cuda() {
+            let shape = gpu_norm(x_t.shape(), x_t.dtype(), self.eps, true, true);
+            let gamma = gb_t.get(0)?;
+            let (ds, dgamma, dbeta) =
+                cuda_kernels::norm_backward(shape, x_t, Some(r_t), &gamma, grad)?;
+            let dbeta = dbeta.ok_or_else(|| {
+                candle_core::Error::Msg(format!("{}: no shift gradient", self.name()))
+            })?;
+            let dgb = Tensor::stack(&[dgamma, dbeta], 0)?.reshape(gb_t.shape())?;
+            return Ok((Some(ds.clone()), Some(ds), Some(dgb)));
+        }
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(r_t, self.name(), |r| {
@@ -232,7 +333,7 @@ pub fn add_layer_norm(
     beta: &Tensor,
     eps: f64,
 ) -> Result<Tensor> {
-    if !has_kernels(x) {
+    if !has_kernels(x) && !has_cuda_kernels(x) {
         return composed::add_layer_norm(x, residual, gamma, beta, eps);
     }
     let d = gamma.elem_count();
@@ -266,6 +367,26 @@ impl CustomOp2 for RmsNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let shape = gpu_norm(l1.shape(), s1.dtype(), self.eps, false, false);
+        check_param(self.name(), l2.shape().elem_count(), shape.d)?;
+        let y = cuda_kernels::norm_forward(
+            shape,
+            (s1, l1.start_offset()),
+            None,
+            (s2, l2.start_offset()),
+            None,
+        )?;
+        Ok((y, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x_t: &Tensor,
@@ -273,6 +394,12 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x_t.device().is_cuda() {
+            let shape = gpu_norm(x_t.shape(), x_t.dtype(), self.eps, false, false);
+            let (dx, dw, _) = cuda_kernels::norm_backward(shape, x_t, None, w_t, grad)?;
+            return Ok((Some(dx), Some(dw)));
+        }
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(w_t, self.name(), |w| {
@@ -288,7 +415,7 @@ impl CustomOp2 for RmsNorm {
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if !has_kernels(x) {
+    if !has_kernels(x) && !has_cuda_kernels(x) {
         return composed::rms_norm(x, weight, eps);
     }
     x.contiguous()?

@@ -50,13 +50,15 @@ pub fn eval(f: &Fun<'_>, inputs: &[Tensor]) -> (Tensor, Vec<Tensor>) {
 /// behind a large one; the root mean square of the reference floors the denominator where
 /// an element is near zero by cancellation (a sum of terms of the tensor's typical size).
 pub fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    let values = |t: &Tensor| -> Vec<f64> {
-        let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-        t.to_vec1().unwrap()
-    };
-    let (a, b) = (values(a), values(b));
+    let (a, b) = (f64_values(a), f64_values(b));
     assert_eq!(a.len(), b.len());
     per_element_error(&a, &b)
+}
+
+/// Every element of `t`, in order, as f64.
+pub fn f64_values(t: &Tensor) -> Vec<f64> {
+    let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    t.to_vec1().unwrap()
 }
 
 /// [`max_rel_diff`] on plain values.

@@ -4,9 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-#[path = "../../../tests/support/numerics.rs"]
-mod numerics;
-use numerics::{Fun, eval, max_rel_diff as error, rand};
+use crate::numerics::{Fun, eval, max_rel_diff as error, rand};
 
 use super::super::{
     self as ops, AttentionHeads, CrossEntropy, GeluApprox, Reduction, RopeLayout, RopeTable,
@@ -116,6 +114,28 @@ fn norms_activations_and_softmax(check: Checker<'_>) {
         &|t| ops::rms_norm(&t[0], &t[1], 1e-6),
         &|t| super::rms_norm(&t[0], &t[1], 1e-6),
         &[x.clone(), g.clone()],
+    );
+    // Rows wider than a CUDA block's threads and more rows than one chunk of the kernels'
+    // parameter-gradient sums.
+    let (wide, wide_r) = (
+        rand(&[130, 300], 11, 2.0, DType::F32),
+        rand(&[130, 300], 12, 1.0, DType::F32),
+    );
+    let (wide_g, wide_b) = (
+        rand(&[300], 13, 1.5, DType::F32),
+        rand(&[300], 14, 0.5, DType::F32),
+    );
+    check(
+        "add_layer_norm (wide)",
+        &|t| ops::add_layer_norm(&t[0], &t[1], &t[2], &t[3], 1e-5),
+        &|t| super::add_layer_norm(&t[0], &t[1], &t[2], &t[3], 1e-5),
+        &[wide.clone(), wide_r, wide_g.clone(), wide_b],
+    );
+    check(
+        "rms_norm (wide)",
+        &|t| ops::rms_norm(&t[0], &t[1], 1e-6),
+        &|t| super::rms_norm(&t[0], &t[1], 1e-6),
+        &[wide, wide_g],
     );
     let (h, bias) = (
         rand(&[4, 24], 5, 3.0, DType::F32),

@@ -1,0 +1,113 @@
+// Runs a launch plan of fsdp-nn's CUDA kernels on the CPU emulator (cuda_emulator.hpp), for
+// the Rust tests that compare the kernels with the CPU ops. Usage: `driver PLAN DIR`. PLAN's
+// lines: `buffer I BYTES` (DIR/bufI.bin, or zeros where it is missing), then `launch NAME GX GY
+// GZ BX BY BZ ARG...` with each ARG `bI` (buffer I), `null`, `iN` (an int) or `fHEX` (a float's
+// bits). Every buffer is written back to DIR/bufI.out. Errors go to stderr with exit code 1.
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "../norm.cu"
+
+struct Arg {
+    void* p = nullptr;
+    int i = 0;
+    float f = 0.0f;
+};
+using Kernel = std::function<void(const std::vector<Arg>&)>;
+
+#define P(k, T) static_cast<T>(a.at(k).p)
+#define REGISTER_NORM(T, S)                                                                    \
+    table["fsdp_norm_forward_" #S] = [](const std::vector<Arg>& a) {                           \
+        fsdp_norm_forward_##S(P(0, const T*), P(1, const T*), P(2, const T*), P(3, const T*),  \
+                              P(4, T*), a.at(5).i, a.at(6).f, a.at(7).i);                      \
+    };                                                                                         \
+    table["fsdp_norm_backward_rows_" #S] = [](const std::vector<Arg>& a) {                     \
+        fsdp_norm_backward_rows_##S(P(0, const T*), P(1, const T*), P(2, const T*),            \
+                                    P(3, const T*), P(4, T*), P(5, float*), a.at(6).i,         \
+                                    a.at(7).f, a.at(8).i);                                     \
+    };                                                                                         \
+    table["fsdp_norm_param_partials_" #S] = [](const std::vector<Arg>& a) {                    \
+        fsdp_norm_param_partials_##S(P(0, const T*), P(1, const T*), P(2, const T*),           \
+                                     P(3, const float*), P(4, float*), a.at(5).i, a.at(6).i,   \
+                                     a.at(7).i);                                               \
+    };                                                                                         \
+    table["fsdp_norm_param_totals_" #S] = [](const std::vector<Arg>& a) {                      \
+        fsdp_norm_param_totals_##S(P(0, const float*), P(1, T*), P(2, T*), a.at(3).i,          \
+                                   a.at(4).i);                                                 \
+    };
+
+static std::map<std::string, Kernel> kernels() {
+    std::map<std::string, Kernel> table;
+    REGISTER_NORM(float, f32)
+    REGISTER_NORM(bf16, bf16)
+    return table;
+}
+
+static void fail(const std::string& what) {
+    std::cerr << "kernel emulator: " << what << "\n";
+    exit(1);
+}
+
+int main(int argc, char** argv) {
+    if (argc != 3) fail("usage: driver PLAN DIR");
+    const std::string dir = argv[2];
+    std::ifstream plan(argv[1]);
+    if (!plan) fail(std::string("cannot read ") + argv[1]);
+    const auto table = kernels();
+    std::map<int, std::vector<char>> buffers;
+    std::string line;
+    while (std::getline(plan, line)) {
+        std::istringstream in(line);
+        std::string word;
+        if (!(in >> word)) continue;
+        if (word == "buffer") {
+            int index;
+            size_t bytes;
+            if (!(in >> index >> bytes)) fail("bad line: " + line);
+            std::vector<char> data(bytes, 0);
+            std::ifstream file(dir + "/buf" + std::to_string(index) + ".bin", std::ios::binary);
+            if (file && !file.read(data.data(), bytes)) fail("short buffer file for " + line);
+            buffers[index] = std::move(data);
+        } else if (word == "launch") {
+            std::string name;
+            dim3 grid, block;
+            if (!(in >> name >> grid.x >> grid.y >> grid.z >> block.x >> block.y >> block.z))
+                fail("bad line: " + line);
+            auto kernel = table.find(name);
+            if (kernel == table.end()) fail("no kernel " + name);
+            std::vector<Arg> args;
+            while (in >> word) {
+                Arg arg;
+                if (word == "null") {
+                } else if (word[0] == 'b') {
+                    auto b = buffers.find(std::stoi(word.substr(1)));
+                    if (b == buffers.end()) fail("no buffer " + word);
+                    arg.p = b->second.data();
+                } else if (word[0] == 'i') {
+                    arg.i = std::stoi(word.substr(1));
+                } else if (word[0] == 'f') {
+                    uint32_t bits = (uint32_t)std::stoul(word.substr(1), nullptr, 16);
+                    memcpy(&arg.f, &bits, 4);
+                } else {
+                    fail("bad argument " + word);
+                }
+                args.push_back(arg);
+            }
+            fsdp_emulator::launch(grid, block, [&] { kernel->second(args); });
+        } else {
+            fail("bad line: " + line);
+        }
+    }
+    for (auto& [index, data] : buffers) {
+        std::ofstream out(dir + "/buf" + std::to_string(index) + ".out", std::ios::binary);
+        if (!out.write(data.data(), data.size())) fail("cannot write buffer " + std::to_string(index));
+    }
+    return 0;
+}

@@ -1,0 +1,308 @@
+//! The CUDA kernels' plans run on the CPU emulator (`kernels/emulator`: each GPU thread an OS
+//! thread, barriers and warp shuffles emulated) against the fused ops on the CPU: values and
+//! every gradient, f32 within 1e-5 of each element's size and bf16 within 2e-2 (one rounding
+//! of f32 arithmetic against one of f64). This checks the kernels' logic and the plans that
+//! launch them; only a GPU shows that they run there (`every_op_on_a_gpu_matches_the_cpu`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::{DType, Tensor, Var};
+
+use super::{KernelArg, Launch, NormShape, backward, forward};
+use crate::ops;
+
+use crate::numerics::{f64_values, per_element_error, rand};
+
+/// The emulator's driver, built once for this test binary.
+struct Emulator {
+    dir: tempfile::TempDir,
+    driver: PathBuf,
+    runs: AtomicUsize,
+}
+
+/// The emulator, or `None` where no C++ compiler is installed.
+fn emulator() -> Option<&'static Emulator> {
+    static BUILT: OnceLock<Option<Emulator>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().expect("a temporary folder");
+            let driver = dir.path().join("driver");
+            let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emulator/driver.cpp");
+            let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+            let built = Command::new(&compiler)
+                .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Werror"])
+                .arg("-DFSDP_CUDA_EMULATOR")
+                .arg(&source)
+                .arg("-o")
+                .arg(&driver)
+                .output();
+            match built {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => panic!("running {compiler}: {e}"),
+                Ok(out) => {
+                    assert!(
+                        out.status.success(),
+                        "building the kernel emulator failed:\n{}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    Some(Emulator {
+                        dir,
+                        driver,
+                        runs: AtomicUsize::new(0),
+                    })
+                }
+            }
+        })
+        .as_ref()
+}
+
+impl Emulator {
+    /// Runs `plan` over `buffers` (bytes by index; scratch buffers given as zeros) and
+    /// returns them as the kernels left them.
+    fn run(&self, plan: &[Launch], buffers: &BTreeMap<usize, Vec<u8>>) -> BTreeMap<usize, Vec<u8>> {
+        let run = self.runs.fetch_add(1, Ordering::Relaxed);
+        let dir = self.dir.path().join(format!("run{run}"));
+        std::fs::create_dir(&dir).unwrap();
+        let mut text = String::new();
+        for (i, bytes) in buffers {
+            std::fs::write(dir.join(format!("buf{i}.bin")), bytes).unwrap();
+            text += &format!("buffer {i} {}\n", bytes.len());
+        }
+        for l in plan {
+            let [gx, gy, gz] = l.grid;
+            let [bx, by, bz] = l.block;
+            text += &format!("launch {} {gx} {gy} {gz} {bx} {by} {bz}", l.kernel);
+            for a in &l.args {
+                text += &match a {
+                    KernelArg::Buffer(i) => format!(" b{i}"),
+                    KernelArg::Null => " null".to_string(),
+                    KernelArg::Int(v) => format!(" i{v}"),
+                    KernelArg::Float(v) => format!(" f{:08x}", v.to_bits()),
+                };
+            }
+            text += "\n";
+        }
+        let plan_file = dir.join("plan");
+        std::fs::write(&plan_file, text).unwrap();
+        let out = Command::new(&self.driver)
+            .arg(&plan_file)
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "the emulated kernels failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        buffers
+            .keys()
+            .map(|i| (*i, std::fs::read(dir.join(format!("buf{i}.out"))).unwrap()))
+            .collect()
+    }
+}
+
+/// A tensor's elements as the bytes a kernel reads (f32 or bf16, little-endian).
+fn bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+        other => panic!("no kernel buffers of {other:?}"),
+    }
+}
+
+/// A kernel's output bytes as f64 values.
+fn values(bytes: &[u8], dtype: DType) -> Vec<f64> {
+    match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f64())
+            .collect(),
+        other => panic!("no kernel buffers of {other:?}"),
+    }
+}
+
+/// Which norm a case runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Norm {
+    Layer,
+    AddLayer,
+    Rms,
+}
+
+/// One norm on `[rows, d]` in `dtype`: the emulated kernels' output and gradients against
+/// the CPU op's.
+fn check_norm(emulator: &Emulator, norm: Norm, rows: usize, d: usize, dtype: DType) {
+    let case = format!("{norm:?} norm, {rows} x {d}, {dtype:?}");
+    let seed = (rows * 1000 + d) as u64;
+    let t = |shape: &[usize], s: u64, scale: f64| rand(shape, seed + s, scale, dtype);
+    // An offset mean, as activations have, so the variance is not a sum of squares alone.
+    let x = (t(&[rows, d], 1, 2.0) + 0.75).unwrap();
+    let residual = t(&[rows, d], 2, 1.0);
+    let gamma = (t(&[d], 3, 0.5) + 1.0).unwrap();
+    let beta = t(&[d], 4, 0.5);
+    let grad = t(&[rows, d], 5, 1.0);
+    let eps = if norm == Norm::Rms { 1e-6 } else { 1e-5 };
+
+    // The CPU op, and its gradients for an upstream gradient `grad`.
+    let vars: Vec<Var> = [&x, &residual, &gamma, &beta]
+        .iter()
+        .map(|v| Var::from_tensor(v).unwrap())
+        .collect();
+    let [vx, vr, vg, vb] = [0, 1, 2, 3].map(|i| vars[i].as_tensor().clone());
+    let y = match norm {
+        Norm::Layer => ops::layer_norm(&vx, &vg, &vb, eps),
+        Norm::AddLayer => ops::add_layer_norm(&vx, &vr, &vg, &vb, eps),
+        Norm::Rms => ops::rms_norm(&vx, &vg, eps),
+    }
+    .unwrap();
+    let grads = (&y * &grad).unwrap().sum_all().unwrap().backward().unwrap();
+
+    let shape = NormShape {
+        rows,
+        d,
+        dtype,
+        center: norm != Norm::Rms,
+        residual: norm == Norm::AddLayer,
+        beta: norm != Norm::Rms,
+        eps,
+    };
+    let size = dtype.size_in_bytes();
+    let inputs = |plan_x: usize, plan_residual: usize, plan_gamma: usize| {
+        let mut b = BTreeMap::from([(plan_x, bytes(&x)), (plan_gamma, bytes(&gamma))]);
+        if shape.residual {
+            b.insert(plan_residual, bytes(&residual));
+        }
+        b
+    };
+
+    // Forward: the output buffer starts as garbage, so an element never written shows.
+    let mut buffers = inputs(forward::X, forward::RESIDUAL, forward::GAMMA);
+    if shape.beta {
+        buffers.insert(forward::BETA, bytes(&beta));
+    }
+    buffers.insert(forward::Y, vec![0x7f; rows * d * size]);
+    let out = emulator.run(&shape.forward().unwrap(), &buffers);
+    let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+    let check = |what: &str, got: &[u8], want: &Tensor| {
+        let err = per_element_error(&values(got, dtype), &f64_values(want));
+        assert!(err < tol, "{case}: {what} off by {err:e} (tol {tol:e})");
+    };
+    check("output", &out[&forward::Y], &y);
+
+    // Backward.
+    let mut buffers = inputs(backward::X, backward::RESIDUAL, backward::GAMMA);
+    buffers.insert(backward::GRAD, bytes(&grad));
+    buffers.insert(backward::DX, vec![0x7f; rows * d * size]);
+    buffers.insert(backward::ROW_STATS, vec![0; 2 * rows * 4]);
+    buffers.insert(backward::PARTIALS, vec![0; 2 * shape.chunks() * d * 4]);
+    buffers.insert(backward::DGAMMA, vec![0x7f; d * size]);
+    if shape.beta {
+        buffers.insert(backward::DBETA, vec![0x7f; d * size]);
+    }
+    let out = emulator.run(&shape.backward().unwrap(), &buffers);
+    let grad_of = |v: &Var| grads.get(v.as_tensor()).unwrap().clone();
+    check("input gradient", &out[&backward::DX], &grad_of(&vars[0]));
+    if shape.residual {
+        check("residual gradient", &out[&backward::DX], &grad_of(&vars[1]));
+    }
+    check(
+        "scale gradient",
+        &out[&backward::DGAMMA],
+        &grad_of(&vars[2]),
+    );
+    if shape.beta {
+        check("shift gradient", &out[&backward::DBETA], &grad_of(&vars[3]));
+    }
+}
+
+/// Every norm kernel on shapes that cover one warp with idle lanes (d 16), several warps
+/// (40, 300: each thread two elements, the last warp partly idle), many chunks of rows for
+/// the parameter gradients (130 rows), in f32 and bf16.
+#[test]
+fn norm_kernels_on_the_emulator_match_the_cpu_ops() {
+    let Some(emulator) = emulator() else {
+        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
+        return;
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        for norm in [Norm::Layer, Norm::AddLayer, Norm::Rms] {
+            for (rows, d) in [(3, 16), (5, 40), (4, 300), (130, 24)] {
+                check_norm(emulator, norm, rows, d, dtype);
+            }
+        }
+    }
+}
+
+/// The plans: one block per row with whole warps covering the row once (at most 256
+/// threads); the parameter gradients' two passes over the columns; optional inputs null;
+/// nothing launched for an empty tensor; types without kernels and counts past 32 bits
+/// refused by name.
+#[test]
+fn norm_plans_launch_what_the_kernels_expect() {
+    let shape = NormShape {
+        rows: 200,
+        d: 600,
+        dtype: DType::BF16,
+        center: false,
+        residual: false,
+        beta: false,
+        eps: 1e-6,
+    };
+    let fwd = shape.forward().unwrap();
+    assert_eq!(fwd.len(), 1);
+    assert_eq!(fwd[0].kernel, "fsdp_norm_forward_bf16");
+    assert_eq!((fwd[0].grid, fwd[0].block), ([200, 1, 1], [256, 1, 1]));
+    assert_eq!(fwd[0].args[1], KernelArg::Null);
+    assert_eq!(fwd[0].args[3], KernelArg::Null);
+    assert_eq!(fwd[0].args[7], KernelArg::Int(0));
+    let bwd = shape.backward().unwrap();
+    let names: Vec<&str> = bwd.iter().map(|l| l.kernel.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "fsdp_norm_backward_rows_bf16",
+            "fsdp_norm_param_partials_bf16",
+            "fsdp_norm_param_totals_bf16"
+        ]
+    );
+    assert_eq!(shape.chunks(), 4);
+    assert_eq!(bwd[1].grid, [3, 4, 1]);
+    assert_eq!(bwd[2].grid, [3, 1, 1]);
+    assert_eq!(bwd[2].args[2], KernelArg::Null);
+    let small = NormShape { d: 20, ..shape };
+    assert_eq!(small.forward().unwrap()[0].block, [32, 1, 1]);
+
+    let empty = NormShape { rows: 0, ..shape };
+    assert!(empty.forward().unwrap().is_empty() && empty.backward().unwrap().is_empty());
+    let f16 = NormShape {
+        dtype: DType::F16,
+        ..shape
+    };
+    let e = f16.forward().unwrap_err().to_string();
+    assert!(e.contains("forward") && e.contains("F16"), "{e}");
+    let huge = NormShape {
+        rows: 1 << 31,
+        ..shape
+    };
+    let e = huge.backward().unwrap_err().to_string();
+    assert!(e.contains("32-bit"), "{e}");
+}
