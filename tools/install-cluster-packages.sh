@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs, once and quietly, the Debian packages the cluster tests and the `mpi` feature use:
 # Open MPI (mpirun, and its headers and libraries for rsmpi), libclang (rsmpi's bindgen), and
-# SLURM with munge (tools/slurm-cluster.sh starts a cluster of them for the tests).
+# SLURM with munge (tools/slurm-cluster.sh starts a cluster of them for the tests), and a C++20
+# compiler (g++) for the CPU emulator that tests fsdp-nn's CUDA kernels.
 # Idempotent: does nothing when everything is there. Needs root (apt-get); without it, says
 # what is missing, and the tests that need it skip (a build with --all-features needs MPI).
 set -uo pipefail
@@ -20,6 +21,7 @@ have_libclang() {
   return 1
 }
 have_libclang || need+=(libclang-dev)
+command -v c++ >/dev/null 2>&1 || need+=(g++)
 for b in slurmctld:slurmctld slurmd:slurmd srun:slurm-client munged:munge; do
   command -v "${b%%:*}" >/dev/null 2>&1 || need+=("${b#*:}")
 done
