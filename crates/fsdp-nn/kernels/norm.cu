@@ -12,42 +12,12 @@
 //   ceil(d / blockDim.x) summing the chunks in order. Every sum has a fixed order: the same
 //   inputs give the same bits on every run.
 
-#ifdef FSDP_CUDA_EMULATOR
-#include "emulator/cuda_emulator.hpp"
-#else
-#include <cuda_bf16.h>
-#endif
-
-typedef __nv_bfloat16 bf16;
-
-static __device__ __forceinline__ float load(const float* p, long i) { return p[i]; }
-static __device__ __forceinline__ float load(const bf16* p, long i) { return __bfloat162float(p[i]); }
-static __device__ __forceinline__ void store(float* p, long i, float v) { p[i] = v; }
-static __device__ __forceinline__ void store(bf16* p, long i, float v) { p[i] = __float2bfloat16(v); }
-
-// `v` rounded to the element type `T` (the residual sum is a tensor of `T` on the CPU).
-static __device__ __forceinline__ float rounded(const float*, float v) { return v; }
-static __device__ __forceinline__ float rounded(const bf16*, float v) {
-    return __bfloat162float(__float2bfloat16(v));
-}
+#include "common.cuh"
 
 // Element `i` of the normalised input: `x`, or `x + residual` rounded to `T`.
 template <typename T>
 static __device__ __forceinline__ float input(const T* x, const T* residual, long i) {
     return residual == nullptr ? load(x, i) : rounded(x, load(x, i) + load(residual, i));
-}
-
-// The sum of `v` over the block's threads, returned to every thread. `scratch` holds 32
-// floats of shared memory; it may be reused by the next call.
-static __device__ float block_sum(float v, float* scratch) {
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffff, v, m, 32);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();  // a previous call's readers are done with `scratch`
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x / 32) ? scratch[lane] : 0.0f;
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffff, v, m, 32);
-    return v;
 }
 
 // Row `row`'s mean (0 without `center`) and 1/sqrt(var + eps), on every thread.

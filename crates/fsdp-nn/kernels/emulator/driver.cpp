@@ -13,6 +13,7 @@
 #include <sstream>
 #include <string>
 
+#include "../activations.cu"
 #include "../norm.cu"
 
 struct Arg {
@@ -43,10 +44,36 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
                                    a.at(4).i);                                                 \
     };
 
+#define REGISTER_ACTIVATIONS(T, S)                                                             \
+    table["fsdp_swiglu_forward_" #S] = [](const std::vector<Arg>& a) {                         \
+        fsdp_swiglu_forward_##S(P(0, const T*), P(1, const T*), P(2, T*), a.at(3).i);          \
+    };                                                                                         \
+    table["fsdp_swiglu_backward_" #S] = [](const std::vector<Arg>& a) {                        \
+        fsdp_swiglu_backward_##S(P(0, const T*), P(1, const T*), P(2, const T*), P(3, T*),     \
+                                 P(4, T*), a.at(5).i);                                         \
+    };                                                                                         \
+    table["fsdp_gelu_forward_" #S] = [](const std::vector<Arg>& a) {                           \
+        fsdp_gelu_forward_##S(P(0, const T*), P(1, const T*), P(2, T*), a.at(3).i, a.at(4).i,  \
+                              a.at(5).i);                                                      \
+    };                                                                                         \
+    table["fsdp_gelu_backward_" #S] = [](const std::vector<Arg>& a) {                          \
+        fsdp_gelu_backward_##S(P(0, const T*), P(1, const T*), P(2, const T*), P(3, T*),       \
+                               a.at(4).i, a.at(5).i, a.at(6).i);                               \
+    };                                                                                         \
+    table["fsdp_column_partials_" #S] = [](const std::vector<Arg>& a) {                        \
+        fsdp_column_partials_##S(P(0, const T*), P(1, float*), a.at(2).i, a.at(3).i,           \
+                                 a.at(4).i);                                                   \
+    };                                                                                         \
+    table["fsdp_column_totals_" #S] = [](const std::vector<Arg>& a) {                          \
+        fsdp_column_totals_##S(P(0, const float*), P(1, T*), a.at(2).i, a.at(3).i);            \
+    };
+
 static std::map<std::string, Kernel> kernels() {
     std::map<std::string, Kernel> table;
     REGISTER_NORM(float, f32)
     REGISTER_NORM(bf16, bf16)
+    REGISTER_ACTIVATIONS(float, f32)
+    REGISTER_ACTIVATIONS(bf16, bf16)
     return table;
 }
 

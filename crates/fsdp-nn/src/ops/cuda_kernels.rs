@@ -1,6 +1,6 @@
 //! fsdp-nn's own CUDA kernels on a GPU: their PTX (built from `kernels/*.cu` by build.rs with
-//! nvcc), launched as [`super::kernel_plan`] plans them on the device's stream, and the norms'
-//! forward and backward through them. Their logic is tested on the CPU emulator
+//! nvcc), launched as [`super::kernel_plan`] plans them on the device's stream, with the ops'
+//! operands bound and their outputs allocated. Their logic is tested on the CPU emulator
 //! (`kernel_plan/tests.rs`); on a GPU by `every_op_on_a_gpu_matches_the_cpu`.
 
 use std::collections::BTreeMap;
@@ -14,15 +14,20 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
 
-use super::kernel_plan::{KernelArg, Launch, NormShape, backward, forward};
+use super::kernel_plan::{KernelArg, Launch, Module};
 
 /// The PTX modules, one per `kernels/*.cu` file, as `const`s named after the files.
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 }
 
-/// The name a module is loaded under on each device.
-const NORM_MODULE: &str = "fsdp_nn_norm";
+/// The name a module is loaded under on each device, and its PTX.
+fn module(m: Module) -> (&'static str, &'static str) {
+    match m {
+        Module::Norm => ("fsdp_nn_norm", ptx::NORM),
+        Module::Activations => ("fsdp_nn_activations", ptx::ACTIVATIONS),
+    }
+}
 
 fn cuda_error(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
     candle_core::Error::Cuda(Box::new(e))
@@ -36,7 +41,8 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
         Float(f32),
     }
     for launch in plan {
-        let func = dev.get_or_load_custom_func(&launch.kernel, NORM_MODULE, ptx::NORM)?;
+        let (name, ptx) = module(launch.module);
+        let func = dev.get_or_load_custom_func(&launch.kernel, name, ptx)?;
         let values = launch
             .args
             .iter()
@@ -74,181 +80,191 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
     Ok(())
 }
 
-/// A plan's buffers bound to device memory, kept readable and writable until the launches
-/// are queued.
-struct Bound<'a> {
-    pointers: BTreeMap<usize, u64>,
-    guards: Vec<SyncOnDrop<'a>>,
-    stream: &'a CudaStream,
+/// An operand of a plan: device storage and the index of its first element.
+pub(crate) type Operand<'a> = (&'a CudaStorage, usize);
+
+/// A buffer a plan writes: its index, its element count, and whether it is f32 scratch
+/// rather than of the op's tensor type.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Output {
+    pub index: usize,
+    pub len: usize,
+    pub scratch: bool,
 }
 
-impl<'a> Bound<'a> {
-    fn new(stream: &'a CudaStream) -> Bound<'a> {
-        Bound {
-            pointers: BTreeMap::new(),
-            guards: Vec::new(),
-            stream,
+impl Output {
+    /// An output of the op's type.
+    pub fn tensor(index: usize, len: usize) -> Output {
+        Output {
+            index,
+            len,
+            scratch: false,
         }
     }
 
-    /// Binds plan buffer `index` to `storage`'s elements from `start` on.
-    fn input<T: CudaDType + DeviceRepr + 'static>(
-        &mut self,
-        index: usize,
-        storage: &'a CudaStorage,
-        start: usize,
-    ) -> Result<()> {
-        let (ptr, guard) = storage.as_cuda_slice::<T>()?.device_ptr(self.stream);
-        self.pointers
-            .insert(index, ptr + (start * std::mem::size_of::<T>()) as u64);
-        self.guards.push(guard);
-        Ok(())
-    }
-
-    /// Binds plan buffer `index` to `slice`, which the kernels write.
-    fn output<T: 'static>(&mut self, index: usize, slice: &'a mut CudaSlice<T>) {
-        let (ptr, guard) = slice.device_ptr_mut(self.stream);
-        self.pointers.insert(index, ptr);
-        self.guards.push(guard);
+    /// f32 scratch.
+    pub fn scratch(index: usize, len: usize) -> Output {
+        Output {
+            index,
+            len,
+            scratch: true,
+        }
     }
 }
 
-/// `t`'s device storage and layout; `what` names it in errors.
-fn on_device<'a>(
-    storage: &'a Storage,
-    layout: &Layout,
-    what: &str,
-) -> Result<(&'a CudaStorage, usize)> {
+/// Runs `plan` for tensors of `dtype` on `inputs`' device, with `inputs` bound and
+/// `outputs` allocated (the plan writes every element of each); returns the outputs by
+/// index.
+pub(crate) fn execute(
+    dtype: DType,
+    plan: &[Launch],
+    inputs: &[(usize, Operand<'_>)],
+    outputs: &[Output],
+) -> Result<BTreeMap<usize, CudaStorage>> {
+    fn as_type<T: CudaDType + DeviceRepr + 'static>(
+        plan: &[Launch],
+        inputs: &[(usize, Operand<'_>)],
+        outputs: &[Output],
+    ) -> Result<BTreeMap<usize, CudaStorage>> {
+        enum Slice<T> {
+            Tensor(CudaSlice<T>),
+            Scratch(CudaSlice<f32>),
+        }
+        let Some((_, (first, _))) = inputs.first() else {
+            candle_core::bail!("a CUDA kernel plan without inputs has no device");
+        };
+        let dev = first.device().clone();
+        let stream = dev.cuda_stream();
+        let mut slices = outputs
+            .iter()
+            .map(|o| {
+                // SAFETY: the plan writes every element of each output before a later kernel
+                // or the caller reads it (the kernels' contract, tested on the emulator with
+                // outputs that start as garbage).
+                Ok(if o.scratch {
+                    Slice::Scratch(unsafe { dev.alloc::<f32>(o.len)? })
+                } else {
+                    Slice::Tensor(unsafe { dev.alloc::<T>(o.len)? })
+                })
+            })
+            .collect::<Result<Vec<Slice<T>>>>()?;
+        {
+            let mut pointers = BTreeMap::new();
+            let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
+            for (index, (storage, start)) in inputs {
+                if storage.device().id() != dev.id() {
+                    candle_core::bail!("a CUDA kernel's operands are on different GPUs");
+                }
+                let (ptr, guard) = input_pointer::<T>(storage, &stream)?;
+                pointers.insert(*index, ptr + (start * std::mem::size_of::<T>()) as u64);
+                guards.push(guard);
+            }
+            for (o, slice) in outputs.iter().zip(slices.iter_mut()) {
+                let (ptr, guard) = match slice {
+                    Slice::Tensor(s) => s.device_ptr_mut(&stream),
+                    Slice::Scratch(s) => s.device_ptr_mut(&stream),
+                };
+                pointers.insert(o.index, ptr);
+                guards.push(guard);
+            }
+            run(&dev, plan, &pointers)?;
+        }
+        Ok(outputs
+            .iter()
+            .zip(slices)
+            .map(|(o, slice)| {
+                let storage = match slice {
+                    Slice::Tensor(s) => CudaStorage::wrap_cuda_slice(s, dev.clone()),
+                    Slice::Scratch(s) => CudaStorage::wrap_cuda_slice(s, dev.clone()),
+                };
+                (o.index, storage)
+            })
+            .collect())
+    }
+    match dtype {
+        DType::F32 => as_type::<f32>(plan, inputs, outputs),
+        DType::BF16 => as_type::<half::bf16>(plan, inputs, outputs),
+        other => candle_core::bail!("no CUDA kernel for {other:?}"),
+    }
+}
+
+/// The device address of `storage`'s elements of `T` (an error for another type).
+fn input_pointer<'a, T: CudaDType + 'static>(
+    storage: &'a CudaStorage,
+    stream: &'a CudaStream,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    Ok(storage.as_cuda_slice::<T>()?.device_ptr(stream))
+}
+
+/// `storage`'s elements from `layout`'s start, which must be contiguous on a GPU; `what`
+/// names it in errors.
+fn operand<'a>(storage: &'a Storage, layout: &Layout, what: &str) -> Result<Operand<'a>> {
     match storage {
-        Storage::Cuda(s) if layout.is_contiguous() => Ok((s, layout.start_offset())),
-        Storage::Cuda(_) => candle_core::bail!("{what}: the CUDA kernel needs it contiguous"),
+        Storage::Cuda(s) => device_operand(s, layout, what),
         _ => candle_core::bail!("{what}: not on a CUDA device"),
     }
 }
 
-/// An operand of a norm: storage and the offset of its first element.
-pub(crate) type Operand<'a> = (&'a CudaStorage, usize);
-
-/// The norm `shape` of `x` (plus `residual`), scaled by `gamma` and shifted by `beta`, on
-/// `x`'s GPU.
-pub(crate) fn norm_forward(
-    shape: NormShape,
-    x: Operand<'_>,
-    residual: Option<Operand<'_>>,
-    gamma: Operand<'_>,
-    beta: Option<Operand<'_>>,
-) -> Result<CudaStorage> {
-    fn as_type<T: CudaDType + DeviceRepr + 'static>(
-        shape: NormShape,
-        x: Operand<'_>,
-        residual: Option<Operand<'_>>,
-        gamma: Operand<'_>,
-        beta: Option<Operand<'_>>,
-    ) -> Result<CudaStorage> {
-        let dev = x.0.device().clone();
-        let stream = dev.cuda_stream();
-        // SAFETY: the forward kernel writes every element of `y` (one block per row, each
-        // thread its columns) before anything reads it.
-        let mut y = unsafe { dev.alloc::<T>(shape.rows * shape.d)? };
-        {
-            let mut bound = Bound::new(&stream);
-            bound.input::<T>(forward::X, x.0, x.1)?;
-            if let Some(r) = residual {
-                bound.input::<T>(forward::RESIDUAL, r.0, r.1)?;
-            }
-            bound.input::<T>(forward::GAMMA, gamma.0, gamma.1)?;
-            if let Some(b) = beta {
-                bound.input::<T>(forward::BETA, b.0, b.1)?;
-            }
-            bound.output(forward::Y, &mut y);
-            run(&dev, &shape.forward()?, &bound.pointers)?;
-        }
-        Ok(CudaStorage::wrap_cuda_slice(y, dev))
+/// A custom op's device operand: `storage`'s elements from `layout`'s start, which must be
+/// contiguous; `what` names it in errors.
+pub(crate) fn device_operand<'a>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    what: &str,
+) -> Result<Operand<'a>> {
+    if !layout.is_contiguous() {
+        candle_core::bail!("{what}: the CUDA kernel needs it contiguous");
     }
-    match shape.dtype {
-        DType::F32 => as_type::<f32>(shape, x, residual, gamma, beta),
-        DType::BF16 => as_type::<half::bf16>(shape, x, residual, gamma, beta),
-        other => candle_core::bail!("fused norms: no CUDA kernel for {other:?}"),
-    }
+    Ok((storage, layout.start_offset()))
 }
 
-/// The gradients of a norm on the GPU: the input's (also the residual's), the scale's, and
-/// the shift's where `shape.beta`. `gamma` is the scale's `[d]` elements (a view is fine).
-pub(crate) fn norm_backward(
-    shape: NormShape,
-    x: &Tensor,
-    residual: Option<&Tensor>,
-    gamma: &Tensor,
-    grad: &Tensor,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    fn as_type<T: CudaDType + DeviceRepr + 'static>(
-        shape: NormShape,
-        x: &Tensor,
-        residual: Option<&Tensor>,
-        gamma: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-        let x = x.contiguous()?;
-        let (xs, xl) = x.storage_and_layout();
-        let x_op = on_device(&xs, xl, "norm input")?;
-        let dev = x_op.0.device().clone();
-        let stream = dev.cuda_stream();
-        let grad = grad.contiguous()?;
-        let (gs, gl) = grad.storage_and_layout();
-        let grad_op = on_device(&gs, gl, "norm output gradient")?;
-        let gamma = gamma.contiguous()?;
-        let (ps, pl) = gamma.storage_and_layout();
-        let gamma_op = on_device(&ps, pl, "norm scale")?;
-        let residual = residual.map(|r| r.contiguous()).transpose()?;
-        let residual_storage = residual.as_ref().map(|r| r.storage_and_layout());
-        let residual_op = match &residual_storage {
-            Some((rs, rl)) => Some(on_device(rs, rl, "norm residual")?),
-            None => None,
-        };
-        let (rows, d) = (shape.rows, shape.d);
-        // SAFETY (all four): the row kernel writes every element of `dx` and both stats of
-        // every row, the partials kernel every partial, the totals kernel every element of
-        // `dgamma` (and of `dbeta` where bound), each before a later kernel or the caller
-        // reads it.
-        let mut dx = unsafe { dev.alloc::<T>(rows * d)? };
-        let mut stats = unsafe { dev.alloc::<f32>(2 * rows)? };
-        let mut partials = unsafe { dev.alloc::<f32>(2 * shape.chunks() * d)? };
-        let mut dgamma = unsafe { dev.alloc::<T>(d)? };
-        let mut dbeta = if shape.beta {
-            Some(unsafe { dev.alloc::<T>(d)? })
-        } else {
-            None
-        };
-        {
-            let mut bound = Bound::new(&stream);
-            bound.input::<T>(backward::X, x_op.0, x_op.1)?;
-            if let Some(r) = residual_op {
-                bound.input::<T>(backward::RESIDUAL, r.0, r.1)?;
-            }
-            bound.input::<T>(backward::GAMMA, gamma_op.0, gamma_op.1)?;
-            bound.input::<T>(backward::GRAD, grad_op.0, grad_op.1)?;
-            bound.output(backward::DX, &mut dx);
-            bound.output(backward::ROW_STATS, &mut stats);
-            bound.output(backward::PARTIALS, &mut partials);
-            bound.output(backward::DGAMMA, &mut dgamma);
-            if let Some(dbeta) = dbeta.as_mut() {
-                bound.output(backward::DBETA, dbeta);
-            }
-            run(&dev, &shape.backward()?, &bound.pointers)?;
-        }
-        let tensor = |slice: CudaSlice<T>, shape: Shape| {
-            let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
-            Tensor::from_storage(storage, shape, BackpropOp::none(), false)
-        };
-        Ok((
-            tensor(dx, x.shape().clone()),
-            tensor(dgamma, gamma.shape().clone()),
-            dbeta.map(|b| tensor(b, gamma.shape().clone())),
-        ))
-    }
-    match shape.dtype {
-        DType::F32 => as_type::<f32>(shape, x, residual, gamma, grad),
-        DType::BF16 => as_type::<half::bf16>(shape, x, residual, gamma, grad),
-        other => candle_core::bail!("fused norms: no CUDA kernel for {other:?}"),
-    }
+/// [`execute`] over tensors (made contiguous first) for a backward pass: `inputs` by plan
+/// index, each named for errors.
+pub(crate) fn execute_on_tensors(
+    plan: &[Launch],
+    inputs: &[(usize, &Tensor, &str)],
+    outputs: &[Output],
+) -> Result<BTreeMap<usize, CudaStorage>> {
+    let Some((_, first, _)) = inputs.first() else {
+        candle_core::bail!("a CUDA kernel plan without inputs has no device");
+    };
+    let dtype = first.dtype();
+    let contiguous = inputs
+        .iter()
+        .map(|(_, t, _)| t.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    let held: Vec<_> = contiguous.iter().map(|t| t.storage_and_layout()).collect();
+    let operands = held
+        .iter()
+        .zip(inputs)
+        .map(|((storage, layout), (index, _, what))| Ok((*index, operand(storage, layout, what)?)))
+        .collect::<Result<Vec<_>>>()?;
+    execute(dtype, plan, &operands, outputs)
+}
+
+/// Output `index` of `outputs` as a tensor of `shape` with no graph (a gradient).
+pub(crate) fn take_tensor(
+    outputs: &mut BTreeMap<usize, CudaStorage>,
+    index: usize,
+    shape: &Shape,
+) -> Result<Tensor> {
+    let storage = outputs
+        .remove(&index)
+        .ok_or_else(|| candle_core::Error::Msg(format!("kernel output {index} missing")))?;
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape.clone(),
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+/// Output `index` of `outputs` as the storage a custom op's forward returns.
+pub(crate) fn take_storage(
+    outputs: &mut BTreeMap<usize, CudaStorage>,
+    index: usize,
+) -> Result<CudaStorage> {
+    outputs
+        .remove(&index)
+        .ok_or_else(|| candle_core::Error::Msg(format!("kernel output {index} missing")))
 }

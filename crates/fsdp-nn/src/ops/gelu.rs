@@ -4,7 +4,61 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Float, composed, contiguous, float_dispatch, has_kernels, rows, tensor, with_slice};
+use super::{
+    Float, composed, contiguous, float_dispatch, has_cuda_kernels, has_kernels, rows, tensor,
+    with_slice,
+};
+#[cfg(feature = "cuda")]
+use super::{
+    cuda_kernels::{self, Output, device_operand, take_storage, take_tensor},
+    kernel_plan::{ElementShape, gelu as plan},
+};
+
+/// `gelu(x (+ bias))` on their GPU.
+#[cfg(feature = "cuda")]
+fn gpu_forward(
+    approx: GeluApprox,
+    (x, xl): (&candle_core::CudaStorage, &Layout),
+    bias: Option<(&candle_core::CudaStorage, &Layout)>,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    let shape = ElementShape::over(xl.shape(), x.dtype());
+    let mut inputs = vec![(plan::X, device_operand(x, xl, "gelu input")?)];
+    if let Some((b, bl)) = bias {
+        inputs.push((plan::BIAS, device_operand(b, bl, "gelu bias")?));
+    }
+    let launches = shape.gelu_forward(bias.is_some(), approx == GeluApprox::Tanh)?;
+    let y = Output::tensor(plan::Y, xl.shape().elem_count());
+    let mut out = cuda_kernels::execute(shape.dtype, &launches, &inputs, &[y])?;
+    Ok((take_storage(&mut out, plan::Y)?, xl.shape().clone()))
+}
+
+/// The gradients of `gelu(x (+ bias))` on their GPU: the input's, and the bias's where given.
+#[cfg(feature = "cuda")]
+fn gpu_backward(
+    approx: GeluApprox,
+    x: &Tensor,
+    bias: Option<&Tensor>,
+    grad: &Tensor,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let shape = ElementShape::over(x.shape(), x.dtype());
+    let mut inputs = vec![
+        (plan::X, x, "gelu input"),
+        (plan::Y, grad, "gelu output gradient"),
+    ];
+    inputs.extend(bias.map(|b| (plan::BIAS, b, "gelu bias")));
+    let mut outputs = vec![Output::tensor(plan::DX, x.elem_count())];
+    if bias.is_some() {
+        outputs.push(Output::scratch(plan::PARTIALS, shape.chunks() * shape.d));
+        outputs.push(Output::tensor(plan::DBIAS, shape.d));
+    }
+    let launches = shape.gelu_backward(bias.is_some(), approx == GeluApprox::Tanh)?;
+    let mut out = cuda_kernels::execute_on_tensors(&launches, &inputs, &outputs)?;
+    let dx = take_tensor(&mut out, plan::DX, x.shape())?;
+    let dbias = bias
+        .map(|b| take_tensor(&mut out, plan::DBIAS, b.shape()))
+        .transpose()?;
+    Ok((dx, dbias))
+}
 
 /// Which GELU formula.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +153,20 @@ impl CustomOp1 for Gelu {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        gpu_forward(self.0, (s, l), None)
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if arg.device().is_cuda() {
+            return Ok(Some(gpu_backward(self.0, arg, None, grad)?.0));
+        }
         float_dispatch!(arg.dtype(), self.name(), T => {
             with_slice::<T, _>(arg, self.name(), |x| {
                 with_slice::<T, _>(grad, self.name(), |g| {
@@ -114,7 +181,7 @@ impl CustomOp1 for Gelu {
 
 /// GELU with a hand-written backward.
 pub fn gelu(x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
-    if !has_kernels(x) {
+    if !has_kernels(x) && !has_cuda_kernels(x) {
         return composed::gelu(x, approx == GeluApprox::Tanh);
     }
     x.contiguous()?.apply_op1(Gelu(approx))
@@ -151,6 +218,25 @@ impl CustomOp2 for BiasGelu {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (_, d) = rows(l1.shape());
+        if l2.shape().elem_count() != d {
+            candle_core::bail!(
+                "{}: bias has {} elements, last dimension is {d}",
+                self.name(),
+                l2.shape().elem_count()
+            );
+        }
+        gpu_forward(self.0, (s1, l1), Some((s2, l2)))
+    }
+
     fn bwd(
         &self,
         x_t: &Tensor,
@@ -158,6 +244,11 @@ impl CustomOp2 for BiasGelu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x_t.device().is_cuda() {
+            let (dx, db) = gpu_backward(self.0, x_t, Some(b_t), grad)?;
+            return Ok((Some(dx), db));
+        }
         float_dispatch!(x_t.dtype(), self.name(), T => {
             with_slice::<T, _>(x_t, self.name(), |x| {
                 with_slice::<T, _>(b_t, self.name(), |b| {
@@ -176,7 +267,7 @@ impl CustomOp2 for BiasGelu {
 
 /// `gelu(x + bias)` with the bias broadcast over the last dimension, in one pass.
 pub fn bias_gelu(x: &Tensor, bias: &Tensor, approx: GeluApprox) -> Result<Tensor> {
-    if !has_kernels(x) {
+    if !has_kernels(x) && !has_cuda_kernels(x) {
         return composed::bias_gelu(x, bias, approx == GeluApprox::Tanh);
     }
     x.contiguous()?

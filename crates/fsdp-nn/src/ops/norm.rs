@@ -3,12 +3,14 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
+#[cfg(feature = "cuda")]
+use super::cuda_kernels::{self, Output, device_operand, take_storage, take_tensor};
+#[cfg(feature = "cuda")]
+use super::kernel_plan::{NormShape, backward, forward};
 use super::{
     Float, composed, contiguous, float_dispatch, has_cuda_kernels, has_kernels, rows, tensor,
     with_slice,
 };
-#[cfg(feature = "cuda")]
-use super::{cuda_kernels, kernel_plan::NormShape};
 
 /// Per-row mean and 1/std (mean 0 for RMSNorm).
 fn row_stats<T: Float>(row: &[T], eps: f64, center: bool) -> (f64, f64) {
@@ -119,6 +121,61 @@ fn gpu_norm(
     }
 }
 
+/// The norm `shape` of `x` (plus `residual`), scaled by `gamma` and shifted by `beta`, on
+/// their GPU.
+#[cfg(feature = "cuda")]
+fn gpu_norm_forward(
+    shape: NormShape,
+    x: cuda_kernels::Operand<'_>,
+    residual: Option<cuda_kernels::Operand<'_>>,
+    gamma: cuda_kernels::Operand<'_>,
+    beta: Option<cuda_kernels::Operand<'_>>,
+) -> Result<candle_core::CudaStorage> {
+    let mut inputs = vec![(forward::X, x), (forward::GAMMA, gamma)];
+    inputs.extend(residual.map(|r| (forward::RESIDUAL, r)));
+    inputs.extend(beta.map(|b| (forward::BETA, b)));
+    let y = Output::tensor(forward::Y, shape.rows * shape.d);
+    let mut out = cuda_kernels::execute(shape.dtype, &shape.forward()?, &inputs, &[y])?;
+    take_storage(&mut out, forward::Y)
+}
+
+/// The gradients of a norm on the GPU: the input's (also the residual's), the scale's, and
+/// the shift's where `shape.beta`. `gamma` is the scale's `[d]` elements (a view is fine).
+#[cfg(feature = "cuda")]
+fn gpu_norm_backward(
+    shape: NormShape,
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    gamma: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    use backward as b;
+    let mut inputs = vec![
+        (b::X, x, "norm input"),
+        (b::GAMMA, gamma, "norm scale"),
+        (b::GRAD, grad, "norm output gradient"),
+    ];
+    inputs.extend(residual.map(|r| (b::RESIDUAL, r, "norm residual")));
+    let (rows, d) = (shape.rows, shape.d);
+    let mut outputs = vec![
+        Output::tensor(b::DX, rows * d),
+        Output::scratch(b::ROW_STATS, 2 * rows),
+        Output::scratch(b::PARTIALS, 2 * shape.chunks() * d),
+        Output::tensor(b::DGAMMA, d),
+    ];
+    if shape.beta {
+        outputs.push(Output::tensor(b::DBETA, d));
+    }
+    let mut out = cuda_kernels::execute_on_tensors(&shape.backward()?, &inputs, &outputs)?;
+    let dx = take_tensor(&mut out, b::DX, x.shape())?;
+    let dgamma = take_tensor(&mut out, b::DGAMMA, gamma.shape())?;
+    let dbeta = match shape.beta {
+        true => Some(take_tensor(&mut out, b::DBETA, gamma.shape())?),
+        false => None,
+    };
+    Ok((dx, dgamma, dbeta))
+}
+
 struct LayerNorm {
     eps: f64,
 }
@@ -161,12 +218,12 @@ impl CustomOp3 for LayerNorm {
         let shape = gpu_norm(l1.shape(), s1.dtype(), self.eps, true, false);
         check_param(self.name(), l2.shape().elem_count(), shape.d)?;
         check_param(self.name(), l3.shape().elem_count(), shape.d)?;
-        let y = cuda_kernels::norm_forward(
+        let y = gpu_norm_forward(
             shape,
-            (s1, l1.start_offset()),
+            device_operand(s1, l1, self.name())?,
             None,
-            (s2, l2.start_offset()),
-            Some((s3, l3.start_offset())),
+            device_operand(s2, l2, self.name())?,
+            Some(device_operand(s3, l3, self.name())?),
         )?;
         Ok((y, l1.shape().clone()))
     }
@@ -182,7 +239,7 @@ impl CustomOp3 for LayerNorm {
         #[cfg(feature = "cuda")]
         if x_t.device().is_cuda() {
             let shape = gpu_norm(x_t.shape(), x_t.dtype(), self.eps, true, false);
-            let (dx, dgamma, dbeta) = cuda_kernels::norm_backward(shape, x_t, None, g_t, grad)?;
+            let (dx, dgamma, dbeta) = gpu_norm_backward(shape, x_t, None, g_t, grad)?;
             return Ok((
                 Some(dx),
                 Some(dgamma),
@@ -272,12 +329,13 @@ impl CustomOp3 for AddLayerNorm {
         }
         let shape = gpu_norm(l1.shape(), s1.dtype(), self.eps, true, true);
         check_param(self.name(), l3.shape().elem_count(), 2 * shape.d)?;
-        let y = cuda_kernels::norm_forward(
+        let (gb, start) = device_operand(s3, l3, self.name())?;
+        let y = gpu_norm_forward(
             shape,
-            (s1, l1.start_offset()),
-            Some((s2, l2.start_offset())),
-            (s3, l3.start_offset()),
-            Some((s3, l3.start_offset() + shape.d)),
+            device_operand(s1, l1, self.name())?,
+            Some(device_operand(s2, l2, self.name())?),
+            (gb, start),
+            Some((gb, start + shape.d)),
         )?;
         Ok((y, l1.shape().clone()))
     }
@@ -294,8 +352,7 @@ impl CustomOp3 for AddLayerNorm {
         if x_t.device().is_cuda() {
             let shape = gpu_norm(x_t.shape(), x_t.dtype(), self.eps, true, true);
             let gamma = gb_t.get(0)?;
-            let (ds, dgamma, dbeta) =
-                cuda_kernels::norm_backward(shape, x_t, Some(r_t), &gamma, grad)?;
+            let (ds, dgamma, dbeta) = gpu_norm_backward(shape, x_t, Some(r_t), &gamma, grad)?;
             let dbeta = dbeta.ok_or_else(|| {
                 candle_core::Error::Msg(format!("{}: no shift gradient", self.name()))
             })?;
@@ -377,11 +434,11 @@ impl CustomOp2 for RmsNorm {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let shape = gpu_norm(l1.shape(), s1.dtype(), self.eps, false, false);
         check_param(self.name(), l2.shape().elem_count(), shape.d)?;
-        let y = cuda_kernels::norm_forward(
+        let y = gpu_norm_forward(
             shape,
-            (s1, l1.start_offset()),
+            device_operand(s1, l1, self.name())?,
             None,
-            (s2, l2.start_offset()),
+            device_operand(s2, l2, self.name())?,
             None,
         )?;
         Ok((y, l1.shape().clone()))
@@ -397,7 +454,7 @@ impl CustomOp2 for RmsNorm {
         #[cfg(feature = "cuda")]
         if x_t.device().is_cuda() {
             let shape = gpu_norm(x_t.shape(), x_t.dtype(), self.eps, false, false);
-            let (dx, dw, _) = cuda_kernels::norm_backward(shape, x_t, None, w_t, grad)?;
+            let (dx, dw, _) = gpu_norm_backward(shape, x_t, None, w_t, grad)?;
             return Ok((Some(dx), Some(dw)));
         }
         float_dispatch!(x_t.dtype(), self.name(), T => {

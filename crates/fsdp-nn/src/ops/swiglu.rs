@@ -6,7 +6,14 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Float, composed, contiguous, float_dispatch, has_kernels, tensor, with_slice};
+use super::{
+    Float, composed, contiguous, float_dispatch, has_cuda_kernels, has_kernels, tensor, with_slice,
+};
+#[cfg(feature = "cuda")]
+use super::{
+    cuda_kernels::{self, Output, device_operand, take_storage, take_tensor},
+    kernel_plan::{ElementShape, swiglu as plan},
+};
 
 /// `(silu(g), silu'(g))` in f64: `silu(g) = g σ(g)`, `silu'(g) = σ(g) (1 + g (1 - σ(g)))`.
 #[inline]
@@ -73,6 +80,32 @@ impl CustomOp2 for SwiGlu {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            candle_core::bail!(
+                "{}: gate {:?} and up {:?} differ in shape",
+                self.name(),
+                l1.dims(),
+                l2.dims()
+            );
+        }
+        let shape = ElementShape::over(l1.shape(), s1.dtype());
+        let inputs = [
+            (plan::GATE, device_operand(s1, l1, self.name())?),
+            (plan::UP, device_operand(s2, l2, self.name())?),
+        ];
+        let y = Output::tensor(plan::Y, l1.shape().elem_count());
+        let mut out = cuda_kernels::execute(shape.dtype, &shape.swiglu_forward()?, &inputs, &[y])?;
+        Ok((take_storage(&mut out, plan::Y)?, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         gate_t: &Tensor,
@@ -80,6 +113,23 @@ impl CustomOp2 for SwiGlu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if gate_t.device().is_cuda() {
+            let shape = ElementShape::over(gate_t.shape(), gate_t.dtype());
+            let n = gate_t.elem_count();
+            let inputs = [
+                (plan::GATE, gate_t, "swiglu gate"),
+                (plan::UP, up_t, "swiglu up"),
+                (plan::Y, grad, "swiglu output gradient"),
+            ];
+            let outputs = [Output::tensor(plan::DGATE, n), Output::tensor(plan::DUP, n)];
+            let mut out =
+                cuda_kernels::execute_on_tensors(&shape.swiglu_backward()?, &inputs, &outputs)?;
+            return Ok((
+                Some(take_tensor(&mut out, plan::DGATE, gate_t.shape())?),
+                Some(take_tensor(&mut out, plan::DUP, up_t.shape())?),
+            ));
+        }
         float_dispatch!(gate_t.dtype(), self.name(), T => {
             with_slice::<T, _>(gate_t, self.name(), |gate| {
                 with_slice::<T, _>(up_t, self.name(), |up| {
@@ -102,7 +152,7 @@ impl CustomOp2 for SwiGlu {
 /// silu`), `gate` and `up` of one shape. f32 and f64 compute in their own precision; bf16
 /// and f16 in f32, rounded once.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if !has_kernels(gate) {
+    if !has_kernels(gate) && !has_cuda_kernels(gate) {
         return composed::swiglu(gate, up);
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)

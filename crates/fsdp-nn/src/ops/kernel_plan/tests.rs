@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Tensor, Var};
 
-use super::{KernelArg, Launch, NormShape, backward, forward};
+use crate::ops::GeluApprox;
+
+use super::{ElementShape, KernelArg, Launch, NormShape, backward, forward, gelu, swiglu};
 use crate::ops;
 
 use crate::numerics::{f64_values, per_element_error, rand};
@@ -140,6 +142,59 @@ fn values(bytes: &[u8], dtype: DType) -> Vec<f64> {
     }
 }
 
+/// The CPU op `f` at `inputs`: its output and each input's gradient for the upstream
+/// gradient `grad` (zeros for an input `f` does not use).
+fn on_the_cpu(
+    f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[&Tensor],
+    grad: &Tensor,
+) -> (Tensor, Vec<Tensor>) {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&tensors).unwrap();
+    let grads = (&y * grad).unwrap().sum_all().unwrap().backward().unwrap();
+    let of = |v: &Var| match grads.get(v.as_tensor()) {
+        Some(g) => g.clone(),
+        None => v.as_tensor().zeros_like().unwrap(),
+    };
+    (y, vars.iter().map(of).collect())
+}
+
+/// The buffers of one plan: inputs from tensors, outputs filled with `0x7f` bytes (an element
+/// a kernel never writes shows as garbage), scratch with zeros.
+#[derive(Default)]
+struct Buffers(BTreeMap<usize, Vec<u8>>);
+
+impl Buffers {
+    fn input(mut self, index: usize, t: &Tensor) -> Self {
+        self.0.insert(index, bytes(t));
+        self
+    }
+
+    fn output(mut self, index: usize, elements: usize, dtype: DType) -> Self {
+        self.0
+            .insert(index, vec![0x7f; elements * dtype.size_in_bytes()]);
+        self
+    }
+
+    fn scratch(mut self, index: usize, f32s: usize) -> Self {
+        self.0.insert(index, vec![0; f32s * 4]);
+        self
+    }
+}
+
+/// Holds a kernel's output bytes to the CPU op's tensor: f32 within 1e-5 of each element's
+/// size, bf16 within 2e-2.
+fn assert_close(case: &str, what: &str, got: &[u8], want: &Tensor) {
+    let dtype = want.dtype();
+    let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+    let err = per_element_error(&values(got, dtype), &f64_values(want));
+    assert!(err < tol, "{case}: {what} off by {err:e} (tol {tol:e})");
+}
+
 /// Which norm a case runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Norm {
@@ -161,20 +216,15 @@ fn check_norm(emulator: &Emulator, norm: Norm, rows: usize, d: usize, dtype: DTy
     let beta = t(&[d], 4, 0.5);
     let grad = t(&[rows, d], 5, 1.0);
     let eps = if norm == Norm::Rms { 1e-6 } else { 1e-5 };
-
-    // The CPU op, and its gradients for an upstream gradient `grad`.
-    let vars: Vec<Var> = [&x, &residual, &gamma, &beta]
-        .iter()
-        .map(|v| Var::from_tensor(v).unwrap())
-        .collect();
-    let [vx, vr, vg, vb] = [0, 1, 2, 3].map(|i| vars[i].as_tensor().clone());
-    let y = match norm {
-        Norm::Layer => ops::layer_norm(&vx, &vg, &vb, eps),
-        Norm::AddLayer => ops::add_layer_norm(&vx, &vr, &vg, &vb, eps),
-        Norm::Rms => ops::rms_norm(&vx, &vg, eps),
-    }
-    .unwrap();
-    let grads = (&y * &grad).unwrap().sum_all().unwrap().backward().unwrap();
+    let (y, grads) = on_the_cpu(
+        |t| match norm {
+            Norm::Layer => ops::layer_norm(&t[0], &t[2], &t[3], eps),
+            Norm::AddLayer => ops::add_layer_norm(&t[0], &t[1], &t[2], &t[3], eps),
+            Norm::Rms => ops::rms_norm(&t[0], &t[2], eps),
+        },
+        &[&x, &residual, &gamma, &beta],
+        &grad,
+    );
 
     let shape = NormShape {
         rows,
@@ -185,52 +235,45 @@ fn check_norm(emulator: &Emulator, norm: Norm, rows: usize, d: usize, dtype: DTy
         beta: norm != Norm::Rms,
         eps,
     };
-    let size = dtype.size_in_bytes();
-    let inputs = |plan_x: usize, plan_residual: usize, plan_gamma: usize| {
-        let mut b = BTreeMap::from([(plan_x, bytes(&x)), (plan_gamma, bytes(&gamma))]);
+    let with_inputs = |b: Buffers, (x_at, residual_at, gamma_at): (usize, usize, usize)| {
+        let b = b.input(x_at, &x).input(gamma_at, &gamma);
         if shape.residual {
-            b.insert(plan_residual, bytes(&residual));
+            b.input(residual_at, &residual)
+        } else {
+            b
         }
-        b
     };
 
-    // Forward: the output buffer starts as garbage, so an element never written shows.
-    let mut buffers = inputs(forward::X, forward::RESIDUAL, forward::GAMMA);
-    if shape.beta {
-        buffers.insert(forward::BETA, bytes(&beta));
-    }
-    buffers.insert(forward::Y, vec![0x7f; rows * d * size]);
-    let out = emulator.run(&shape.forward().unwrap(), &buffers);
-    let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-    let check = |what: &str, got: &[u8], want: &Tensor| {
-        let err = per_element_error(&values(got, dtype), &f64_values(want));
-        assert!(err < tol, "{case}: {what} off by {err:e} (tol {tol:e})");
-    };
-    check("output", &out[&forward::Y], &y);
-
-    // Backward.
-    let mut buffers = inputs(backward::X, backward::RESIDUAL, backward::GAMMA);
-    buffers.insert(backward::GRAD, bytes(&grad));
-    buffers.insert(backward::DX, vec![0x7f; rows * d * size]);
-    buffers.insert(backward::ROW_STATS, vec![0; 2 * rows * 4]);
-    buffers.insert(backward::PARTIALS, vec![0; 2 * shape.chunks() * d * 4]);
-    buffers.insert(backward::DGAMMA, vec![0x7f; d * size]);
-    if shape.beta {
-        buffers.insert(backward::DBETA, vec![0x7f; d * size]);
-    }
-    let out = emulator.run(&shape.backward().unwrap(), &buffers);
-    let grad_of = |v: &Var| grads.get(v.as_tensor()).unwrap().clone();
-    check("input gradient", &out[&backward::DX], &grad_of(&vars[0]));
-    if shape.residual {
-        check("residual gradient", &out[&backward::DX], &grad_of(&vars[1]));
-    }
-    check(
-        "scale gradient",
-        &out[&backward::DGAMMA],
-        &grad_of(&vars[2]),
+    use forward as f;
+    let mut buffers = with_inputs(Buffers::default(), (f::X, f::RESIDUAL, f::GAMMA)).output(
+        f::Y,
+        rows * d,
+        dtype,
     );
     if shape.beta {
-        check("shift gradient", &out[&backward::DBETA], &grad_of(&vars[3]));
+        buffers = buffers.input(f::BETA, &beta);
+    }
+    let out = emulator.run(&shape.forward().unwrap(), &buffers.0);
+    assert_close(&case, "output", &out[&f::Y], &y);
+
+    use backward as b;
+    let mut buffers = with_inputs(Buffers::default(), (b::X, b::RESIDUAL, b::GAMMA))
+        .input(b::GRAD, &grad)
+        .output(b::DX, rows * d, dtype)
+        .scratch(b::ROW_STATS, 2 * rows)
+        .scratch(b::PARTIALS, 2 * shape.chunks() * d)
+        .output(b::DGAMMA, d, dtype);
+    if shape.beta {
+        buffers = buffers.output(b::DBETA, d, dtype);
+    }
+    let out = emulator.run(&shape.backward().unwrap(), &buffers.0);
+    assert_close(&case, "input gradient", &out[&b::DX], &grads[0]);
+    if shape.residual {
+        assert_close(&case, "residual gradient", &out[&b::DX], &grads[1]);
+    }
+    assert_close(&case, "scale gradient", &out[&b::DGAMMA], &grads[2]);
+    if shape.beta {
+        assert_close(&case, "shift gradient", &out[&b::DBETA], &grads[3]);
     }
 }
 
@@ -248,6 +291,97 @@ fn norm_kernels_on_the_emulator_match_the_cpu_ops() {
             for (rows, d) in [(3, 16), (5, 40), (4, 300), (130, 24)] {
                 check_norm(emulator, norm, rows, d, dtype);
             }
+        }
+    }
+}
+
+/// SwiGLU, GELU and `bias_gelu` (both forms) on `[rows, d]` in `dtype`: the emulated
+/// kernels against the CPU ops, values and every gradient.
+fn check_activations(emulator: &Emulator, rows: usize, d: usize, dtype: DType) {
+    let seed = (rows * 1000 + d) as u64;
+    let t = |shape: &[usize], s: u64, scale: f64| rand(shape, seed + s, scale, dtype);
+    let (a, b, bias, grad) = (
+        t(&[rows, d], 1, 4.0),
+        t(&[rows, d], 2, 2.0),
+        t(&[d], 3, 1.0),
+        t(&[rows, d], 4, 1.0),
+    );
+    let shape = ElementShape::over(a.shape(), dtype);
+    assert_eq!((shape.rows, shape.d), (rows, d));
+    let n = rows * d;
+
+    let case = format!("swiglu, {rows} x {d}, {dtype:?}");
+    let (y, grads) = on_the_cpu(|t| ops::swiglu(&t[0], &t[1]), &[&a, &b], &grad);
+    let inputs = Buffers::default()
+        .input(swiglu::GATE, &a)
+        .input(swiglu::UP, &b);
+    let out = emulator.run(
+        &shape.swiglu_forward().unwrap(),
+        &inputs.output(swiglu::Y, n, dtype).0,
+    );
+    assert_close(&case, "output", &out[&swiglu::Y], &y);
+    let inputs = Buffers::default()
+        .input(swiglu::GATE, &a)
+        .input(swiglu::UP, &b);
+    let buffers = inputs
+        .input(swiglu::Y, &grad)
+        .output(swiglu::DGATE, n, dtype)
+        .output(swiglu::DUP, n, dtype);
+    let out = emulator.run(&shape.swiglu_backward().unwrap(), &buffers.0);
+    assert_close(&case, "gate gradient", &out[&swiglu::DGATE], &grads[0]);
+    assert_close(&case, "up gradient", &out[&swiglu::DUP], &grads[1]);
+
+    for approx in [GeluApprox::Erf, GeluApprox::Tanh] {
+        let tanh = approx == GeluApprox::Tanh;
+        for with_bias in [false, true] {
+            let case = format!("gelu {approx:?}, bias {with_bias}, {rows} x {d}, {dtype:?}");
+            let (y, grads) = on_the_cpu(
+                |t| {
+                    if with_bias {
+                        ops::bias_gelu(&t[0], &t[1], approx)
+                    } else {
+                        ops::gelu(&t[0], approx)
+                    }
+                },
+                &[&a, &bias],
+                &grad,
+            );
+            let inputs = || {
+                let b = Buffers::default().input(gelu::X, &a);
+                if with_bias {
+                    b.input(gelu::BIAS, &bias)
+                } else {
+                    b
+                }
+            };
+            let plan = shape.gelu_forward(with_bias, tanh).unwrap();
+            let out = emulator.run(&plan, &inputs().output(gelu::Y, n, dtype).0);
+            assert_close(&case, "output", &out[&gelu::Y], &y);
+            let buffers = inputs()
+                .input(gelu::Y, &grad)
+                .output(gelu::DX, n, dtype)
+                .scratch(gelu::PARTIALS, shape.chunks() * d)
+                .output(gelu::DBIAS, d, dtype);
+            let out = emulator.run(&shape.gelu_backward(with_bias, tanh).unwrap(), &buffers.0);
+            assert_close(&case, "input gradient", &out[&gelu::DX], &grads[0]);
+            if with_bias {
+                assert_close(&case, "bias gradient", &out[&gelu::DBIAS], &grads[1]);
+            }
+        }
+    }
+}
+
+/// The activation kernels on one row of a few elements (a grid with idle threads), and on
+/// more rows than one chunk of the bias gradient's sums, in f32 and bf16.
+#[test]
+fn activation_kernels_on_the_emulator_match_the_cpu_ops() {
+    let Some(emulator) = emulator() else {
+        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
+        return;
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, d) in [(1, 7), (130, 24)] {
+            check_activations(emulator, rows, d, dtype);
         }
     }
 }
