@@ -14,7 +14,11 @@ fn main() {
 fn build_kernels() {
     let out_dir = std::path::PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let built = cudaforge::KernelBuilder::new()
-        .source_files(["kernels/norm.cu", "kernels/activations.cu"])
+        .source_files([
+            "kernels/norm.cu",
+            "kernels/activations.cu",
+            "kernels/rope.cu",
+        ])
         .arg("-std=c++17")
         .arg("-O3")
         .build_ptx()

@@ -3,17 +3,12 @@
 // Intermediate values the CPU op rounds to the tensor's type (the biased input of
 // `bias_gelu`) are rounded here too.
 //
-// Launch geometry (`crates/fsdp-nn/src/ops/kernel_plan.rs`): element kernels loop over the
+// Launch geometry (`crates/fsdp-nn/src/ops/kernel_plan/`): element kernels loop over the
 // elements with a stride of the whole grid (any grid and block size); the bias gradient's
 // column sums run as `column_partials` on grid (ceil(d / blockDim.x), chunks) and
 // `column_totals` on grid ceil(d / blockDim.x), in a fixed order.
 
 #include "common.cuh"
-
-// The first element this thread takes and the grid's stride.
-#define GRID_STRIDE_LOOP(i, n)                                                                  \
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                        \
-         i += (long)gridDim.x * blockDim.x)
 
 static __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 

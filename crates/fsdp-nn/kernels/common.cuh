@@ -34,3 +34,8 @@ static __device__ float block_sum(float v, float* scratch) {
     for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffff, v, m, 32);
     return v;
 }
+
+// Element `i` over `0..n`, each thread taking the elements a whole grid apart.
+#define GRID_STRIDE_LOOP(i, n)                                                                  \
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                        \
+         i += (long)gridDim.x * blockDim.x)

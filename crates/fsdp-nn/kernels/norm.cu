@@ -4,7 +4,7 @@
 // sum rounded to the tensor's type (`add_layer_norm`). Nothing is kept from forward: the
 // backward recomputes each row's mean and 1/std from its inputs, as the CPU op does.
 //
-// Launch geometry (`crates/fsdp-nn/src/ops/cuda_kernels.rs` plans it; the emulator test runs
+// Launch geometry (`crates/fsdp-nn/src/ops/kernel_plan/` plans it; the emulator test runs
 // the same plan on the CPU):
 // * row kernels: one block per row (grid.x = rows), blockDim.x a multiple of 32, at most 1024;
 // * parameter gradients: `partials` on grid (ceil(d / blockDim.x), chunks), one thread per

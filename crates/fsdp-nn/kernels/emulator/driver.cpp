@@ -15,6 +15,7 @@
 
 #include "../activations.cu"
 #include "../norm.cu"
+#include "../rope.cu"
 
 struct Arg {
     void* p = nullptr;
@@ -68,12 +69,21 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
         fsdp_column_totals_##S(P(0, const float*), P(1, T*), a.at(2).i, a.at(3).i);            \
     };
 
+#define REGISTER_ROPE(T, S)                                                                    \
+    table["fsdp_rope_" #S] = [](const std::vector<Arg>& a) {                                   \
+        fsdp_rope_##S(P(0, const T*), P(1, const float*), P(2, const float*), P(3, T*),        \
+                      a.at(4).i, a.at(5).i, a.at(6).i, a.at(7).i, a.at(8).i, a.at(9).i,        \
+                      a.at(10).f);                                                             \
+    };
+
 static std::map<std::string, Kernel> kernels() {
     std::map<std::string, Kernel> table;
     REGISTER_NORM(float, f32)
     REGISTER_NORM(bf16, bf16)
     REGISTER_ACTIVATIONS(float, f32)
     REGISTER_ACTIVATIONS(bf16, bf16)
+    REGISTER_ROPE(float, f32)
+    REGISTER_ROPE(bf16, bf16)
     return table;
 }
 

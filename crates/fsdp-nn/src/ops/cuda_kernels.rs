@@ -26,6 +26,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
     match m {
         Module::Norm => ("fsdp_nn_norm", ptx::NORM),
         Module::Activations => ("fsdp_nn_activations", ptx::ACTIVATIONS),
+        Module::Rope => ("fsdp_nn_rope", ptx::ROPE),
     }
 }
 
@@ -112,9 +113,9 @@ impl Output {
     }
 }
 
-/// Runs `plan` for tensors of `dtype` on `inputs`' device, with `inputs` bound and
-/// `outputs` allocated (the plan writes every element of each); returns the outputs by
-/// index.
+/// Runs `plan` for tensors of `dtype` on `inputs`' device, with `inputs` bound (of any
+/// type: each kernel states its operands' types) and `outputs` allocated, of `dtype` or f32
+/// scratch (the plan writes every element of each); returns the outputs by index.
 pub(crate) fn execute(
     dtype: DType,
     plan: &[Launch],
@@ -155,8 +156,9 @@ pub(crate) fn execute(
                 if storage.device().id() != dev.id() {
                     candle_core::bail!("a CUDA kernel's operands are on different GPUs");
                 }
-                let (ptr, guard) = input_pointer::<T>(storage, &stream)?;
-                pointers.insert(*index, ptr + (start * std::mem::size_of::<T>()) as u64);
+                let (ptr, guard) = input_pointer(storage, &stream)?;
+                let offset = start * storage.dtype().size_in_bytes();
+                pointers.insert(*index, ptr + offset as u64);
                 guards.push(guard);
             }
             for (o, slice) in outputs.iter().zip(slices.iter_mut()) {
@@ -188,17 +190,36 @@ pub(crate) fn execute(
     }
 }
 
-/// The device address of `storage`'s elements of `T` (an error for another type).
-fn input_pointer<'a, T: CudaDType + 'static>(
+/// The device address of `storage`'s elements, whatever their type.
+fn input_pointer<'a>(
     storage: &'a CudaStorage,
     stream: &'a CudaStream,
 ) -> Result<(u64, SyncOnDrop<'a>)> {
-    Ok(storage.as_cuda_slice::<T>()?.device_ptr(stream))
+    fn of<'a, T: CudaDType + 'static>(
+        storage: &'a CudaStorage,
+        stream: &'a CudaStream,
+    ) -> Result<(u64, SyncOnDrop<'a>)> {
+        Ok(storage.as_cuda_slice::<T>()?.device_ptr(stream))
+    }
+    match storage.dtype() {
+        DType::F32 => of::<f32>(storage, stream),
+        DType::BF16 => of::<half::bf16>(storage, stream),
+        DType::F16 => of::<half::f16>(storage, stream),
+        DType::F64 => of::<f64>(storage, stream),
+        DType::U32 => of::<u32>(storage, stream),
+        DType::I64 => of::<i64>(storage, stream),
+        DType::U8 => of::<u8>(storage, stream),
+        other => candle_core::bail!("no CUDA kernel takes {other:?} operands"),
+    }
 }
 
 /// `storage`'s elements from `layout`'s start, which must be contiguous on a GPU; `what`
 /// names it in errors.
-fn operand<'a>(storage: &'a Storage, layout: &Layout, what: &str) -> Result<Operand<'a>> {
+pub(crate) fn operand<'a>(
+    storage: &'a Storage,
+    layout: &Layout,
+    what: &str,
+) -> Result<Operand<'a>> {
     match storage {
         Storage::Cuda(s) => device_operand(s, layout, what),
         _ => candle_core::bail!("{what}: not on a CUDA device"),
@@ -248,15 +269,17 @@ pub(crate) fn take_tensor(
     index: usize,
     shape: &Shape,
 ) -> Result<Tensor> {
-    let storage = outputs
-        .remove(&index)
-        .ok_or_else(|| candle_core::Error::Msg(format!("kernel output {index} missing")))?;
-    Ok(Tensor::from_storage(
+    Ok(gradient_tensor(take_storage(outputs, index)?, shape))
+}
+
+/// `storage` as a tensor of `shape` with no graph (a gradient a backward returns).
+pub(crate) fn gradient_tensor(storage: CudaStorage, shape: &Shape) -> Tensor {
+    Tensor::from_storage(
         Storage::Cuda(storage),
         shape.clone(),
         BackpropOp::none(),
         false,
-    ))
+    )
 }
 
 /// Output `index` of `outputs` as the storage a custom op's forward returns.

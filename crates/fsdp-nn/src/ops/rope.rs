@@ -11,6 +11,11 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::{Float, contiguous, float_dispatch, tensor, with_slice};
+#[cfg(feature = "cuda")]
+use super::{
+    cuda_kernels::{self, Operand, Output, device_operand, operand, take_storage},
+    kernel_plan::{RopeShape, rope_buffers},
+};
 
 /// `rope_scaling` of a transformers `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -141,6 +146,8 @@ impl RopeTable {
             cos: cos.into(),
             sin: sin.into(),
             rows: positions.len(),
+            #[cfg(feature = "cuda")]
+            on_gpus: Default::default(),
         }
     }
 }
@@ -152,12 +159,33 @@ pub struct RopeAngles {
     cos: Arc<[f32]>,
     sin: Arc<[f32]>,
     rows: usize,
+    /// cos and sin copied to each GPU that asked, once: every layer's rope reuses them.
+    #[cfg(feature = "cuda")]
+    on_gpus: Arc<std::sync::Mutex<Vec<GpuAngles>>>,
 }
+
+/// A GPU's copy of the angles: the device, cos, sin.
+#[cfg(feature = "cuda")]
+type GpuAngles = (candle_core::cuda_backend::DeviceId, Tensor, Tensor);
 
 impl RopeAngles {
     /// cos and sin, `[positions, head_dim / 2]` each, and the number of positions.
     pub(super) fn parts(&self) -> (&[f32], &[f32], usize) {
         (&self.cos, &self.sin, self.rows)
+    }
+
+    /// cos and sin on the GPU `dev`, copied there at its first call.
+    #[cfg(feature = "cuda")]
+    fn on_gpu(&self, dev: &candle_core::CudaDevice) -> Result<(Tensor, Tensor)> {
+        let mut copies = self.on_gpus.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, cos, sin)) = copies.iter().find(|(id, ..)| *id == dev.id()) {
+            return Ok((cos.clone(), sin.clone()));
+        }
+        let device = candle_core::Device::Cuda(dev.clone());
+        let cos = Tensor::from_slice(&self.cos, self.cos.len(), &device)?;
+        let sin = Tensor::from_slice(&self.sin, self.sin.len(), &device)?;
+        copies.push((dev.id(), cos.clone(), sin.clone()));
+        Ok((cos, sin))
     }
 }
 
@@ -214,6 +242,44 @@ impl Rope {
             }
         }
         out
+    }
+
+    /// The rotation (or, `backward`, its transpose) of `x` of `dims` on its GPU.
+    #[cfg(feature = "cuda")]
+    fn on_gpu(
+        &self,
+        x: Operand<'_>,
+        dims: &[usize],
+        dtype: candle_core::DType,
+        backward: bool,
+    ) -> Result<candle_core::CudaStorage> {
+        let (batch, heads, seq, head_dim) = self.extents(dims);
+        let shape = RopeShape {
+            batch,
+            heads,
+            seq,
+            head_dim,
+            dtype,
+            per_batch: self.angles.rows != seq,
+            seq_first: self.layout == RopeLayout::SeqFirst,
+        };
+        let (cos, sin) = self.angles.on_gpu(x.0.device())?;
+        let (cos_storage, cos_layout) = cos.storage_and_layout();
+        let (sin_storage, sin_layout) = sin.storage_and_layout();
+        let inputs = [
+            (rope_buffers::X, x),
+            (
+                rope_buffers::COS,
+                operand(&cos_storage, cos_layout, "rope cos")?,
+            ),
+            (
+                rope_buffers::SIN,
+                operand(&sin_storage, sin_layout, "rope sin")?,
+            ),
+        ];
+        let y = Output::tensor(rope_buffers::Y, dims.iter().product());
+        let mut out = cuda_kernels::execute(dtype, &shape.plan(backward)?, &inputs, &[y])?;
+        take_storage(&mut out, rope_buffers::Y)
     }
 
     fn check(&self, dims: &[usize]) -> Result<()> {
@@ -311,8 +377,28 @@ impl CustomOp1 for Rope {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.check(l.shape().dims())?;
+        let x = device_operand(s, l, self.name())?;
+        let y = self.on_gpu(x, l.shape().dims(), s.dtype(), false)?;
+        Ok((y, l.shape().clone()))
+    }
+
     /// The rotation is orthogonal: the gradient turns back by the same angles.
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if arg.device().is_cuda() {
+            let grad = grad.contiguous()?;
+            let (storage, layout) = grad.storage_and_layout();
+            let g = operand(&storage, layout, "rope output gradient")?;
+            let dx = self.on_gpu(g, arg.dims(), arg.dtype(), true)?;
+            return Ok(Some(cuda_kernels::gradient_tensor(dx, arg.shape())));
+        }
         float_dispatch!(arg.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| {
                 tensor(T::rotate(self, g, arg.dims(), -1.0), arg.shape(), arg).map(Some)
@@ -331,7 +417,7 @@ pub fn rope(x: &Tensor, table: &RopeTable, positions: &[u32]) -> Result<Tensor> 
 
 /// [`rope`] with angles made once (`RopeTable::angles_at`) on an input of either layout.
 pub fn rope_with(x: &Tensor, angles: &RopeAngles, layout: RopeLayout) -> Result<Tensor> {
-    if !super::has_kernels(x) {
+    if !super::has_kernels(x) && !super::has_cuda_kernels(x) {
         let (cos, sin, positions) = angles.parts();
         return super::composed::rope(x, cos, sin, positions, layout == RopeLayout::SeqFirst);
     }

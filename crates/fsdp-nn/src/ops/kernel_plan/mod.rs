@@ -7,9 +7,11 @@ use candle_core::{DType, Result};
 
 mod activations;
 mod norm;
+mod rope;
 
 pub(crate) use activations::{ElementShape, gelu, swiglu};
 pub(crate) use norm::{NormShape, backward, forward};
+pub(crate) use rope::{RopeShape, buffers as rope_buffers};
 
 /// One argument of a kernel launch.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,6 +33,8 @@ pub(crate) enum Module {
     Norm,
     /// `activations.cu`: SwiGLU, GELU, column sums.
     Activations,
+    /// `rope.cu`: rotary position embedding.
+    Rope,
 }
 
 /// One kernel launch.

@@ -12,9 +12,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Tensor, Var};
 
-use crate::ops::GeluApprox;
+use crate::ops::{GeluApprox, RopeLayout, RopeScaling, RopeTable};
 
-use super::{ElementShape, KernelArg, Launch, NormShape, backward, forward, gelu, swiglu};
+use super::{
+    ElementShape, KernelArg, Launch, NormShape, RopeShape, backward, forward, gelu, rope_buffers,
+    swiglu,
+};
 use crate::ops;
 
 use crate::numerics::{f64_values, per_element_error, rand};
@@ -382,6 +385,67 @@ fn activation_kernels_on_the_emulator_match_the_cpu_ops() {
     for dtype in [DType::F32, DType::BF16] {
         for (rows, d) in [(1, 7), (130, 24)] {
             check_activations(emulator, rows, d, dtype);
+        }
+    }
+}
+
+/// Rope in both layouts, with positions shared by the batch and per sequence (Llama 3.1's
+/// scaled frequencies), in f32 and bf16: the emulated kernel against the CPU op, values and
+/// gradient.
+#[test]
+fn rope_kernel_on_the_emulator_matches_the_cpu_op() {
+    let Some(emulator) = emulator() else {
+        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
+        return;
+    };
+    let scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 32.0,
+    };
+    let table = RopeTable::new(16, 500000.0, Some(scaling)).unwrap();
+    let (batch, heads, seq, head_dim) = (2, 3, 5, 16);
+    let shared: Vec<u32> = (0..5).collect();
+    let per_sequence: Vec<u32> = (0..5).chain(40..45).collect();
+    let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    for dtype in [DType::F32, DType::BF16] {
+        for layout in [RopeLayout::HeadsFirst, RopeLayout::SeqFirst] {
+            for positions in [&shared, &per_sequence] {
+                let case = format!("rope {layout:?}, {} positions, {dtype:?}", positions.len());
+                let angles = table.angles_at(positions);
+                let dims = match layout {
+                    RopeLayout::HeadsFirst => [batch, heads, seq, head_dim],
+                    RopeLayout::SeqFirst => [batch, seq, heads, head_dim],
+                };
+                let x = rand(&dims, 1, 2.0, dtype);
+                let grad = rand(&dims, 2, 1.0, dtype);
+                let (y, grads) =
+                    on_the_cpu(|t| ops::rope_with(&t[0], &angles, layout), &[&x], &grad);
+                let shape = RopeShape {
+                    batch,
+                    heads,
+                    seq,
+                    head_dim,
+                    dtype,
+                    per_batch: positions.len() != seq,
+                    seq_first: layout == RopeLayout::SeqFirst,
+                };
+                let (cos, sin, _) = angles.parts();
+                let run = |input: &Tensor, backward: bool| {
+                    let mut buffers = Buffers::default().input(rope_buffers::X, input).output(
+                        rope_buffers::Y,
+                        x.elem_count(),
+                        dtype,
+                    );
+                    buffers.0.insert(rope_buffers::COS, f32_bytes(cos));
+                    buffers.0.insert(rope_buffers::SIN, f32_bytes(sin));
+                    let out = emulator.run(&shape.plan(backward).unwrap(), &buffers.0);
+                    out[&rope_buffers::Y].clone()
+                };
+                assert_close(&case, "output", &run(&x, false), &y);
+                assert_close(&case, "gradient", &run(&grad, true), &grads[0]);
+            }
         }
     }
 }
