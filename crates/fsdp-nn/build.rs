@@ -18,6 +18,7 @@ fn build_kernels() {
             "kernels/norm.cu",
             "kernels/activations.cu",
             "kernels/rope.cu",
+            "kernels/attention.cu",
         ])
         .arg("-std=c++17")
         .arg("-O3")

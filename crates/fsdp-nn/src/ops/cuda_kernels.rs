@@ -27,6 +27,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
         Module::Norm => ("fsdp_nn_norm", ptx::NORM),
         Module::Activations => ("fsdp_nn_activations", ptx::ACTIVATIONS),
         Module::Rope => ("fsdp_nn_rope", ptx::ROPE),
+        Module::Attention => ("fsdp_nn_attention", ptx::ATTENTION),
     }
 }
 
@@ -39,6 +40,7 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
     enum Value {
         Pointer(u64),
         Int(i32),
+        Long(i64),
         Float(f32),
     }
     for launch in plan {
@@ -55,6 +57,7 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
                 }
                 KernelArg::Null => Ok(Value::Pointer(0)),
                 KernelArg::Int(v) => Ok(Value::Int(*v)),
+                KernelArg::Long(v) => Ok(Value::Long(*v)),
                 KernelArg::Float(v) => Ok(Value::Float(*v)),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -63,6 +66,7 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
             match v {
                 Value::Pointer(p) => args.arg(p),
                 Value::Int(i) => args.arg(i),
+                Value::Long(l) => args.arg(l),
                 Value::Float(f) => args.arg(f),
             };
         }

@@ -12,6 +12,8 @@
 //!
 //! This module is the computation; `op.rs` makes it candle ops and the public functions.
 
+#[cfg(feature = "cuda")]
+mod gpu;
 mod op;
 
 pub use op::{
@@ -52,6 +54,9 @@ struct Sdpa {
     packed: Option<PackedSequences>,
     /// Log-sum-exp of every score row, saved by forward for backward.
     lse: Mutex<Vec<f64>>,
+    /// The same on a GPU: `[batch, heads, seq]` f32 on the device (`gpu.rs`).
+    #[cfg(feature = "cuda")]
+    gpu_lse: Mutex<Option<Tensor>>,
 }
 
 /// The extents of one attention call.

@@ -45,6 +45,19 @@ impl CustomOp3 for Sdpa {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.gpu_forward(s1, l1, s2, l2, s3, l3)
+    }
+
     fn bwd(
         &self,
         q_t: &Tensor,
@@ -53,6 +66,10 @@ impl CustomOp3 for Sdpa {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if q_t.device().is_cuda() {
+            return self.gpu_backward(q_t, k_t, v_t, res, grad);
+        }
         let dims = self.dims(q_t.dims3()?, k_t.dims3()?, v_t.dims3()?)?;
         let (s, qw, kw) = (
             self.batch_stride(dims.seq),
@@ -172,7 +189,7 @@ impl AttentionHeads {
 
 impl Sdpa {
     /// The call's extents from the shapes of q, k and v, checked against the head counts.
-    fn dims(
+    pub(super) fn dims(
         &self,
         (batch, seq, qw): (usize, usize, usize),
         k: (usize, usize, usize),
@@ -272,6 +289,8 @@ fn sdpa_op(
         dropout: dropout.filter(|(p, _)| *p > 0.0),
         packed: None,
         lse: Mutex::new(Vec::new()),
+        #[cfg(feature = "cuda")]
+        gpu_lse: Mutex::new(None),
     })
 }
 
@@ -339,7 +358,7 @@ pub fn grouped_query_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if !super::super::has_kernels(q) {
+    if !super::super::has_kernels(q) && !on_gpu_kernels(q, heads.heads, dropout)? {
         return super::super::composed::attention(
             q,
             k,
@@ -352,6 +371,25 @@ pub fn grouped_query_attention(
     }
     let op = sdpa_op(q.dims3()?, q.dtype(), heads, mask, dropout)?;
     q.apply_op3(k, v, op)
+}
+
+/// Whether `q`'s attention runs on fsdp-nn's CUDA kernels: a GPU tensor of a type they
+/// take, heads they fit, no dropout (the composed ops draw it).
+fn on_gpu_kernels(q: &Tensor, heads: usize, dropout: Option<(f64, u64)>) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    {
+        let width = q.dims3()?.2;
+        Ok(super::super::has_cuda_kernels(q)
+            && dropout.is_none_or(|(p, _)| p == 0.0)
+            && heads > 0
+            && width.is_multiple_of(heads)
+            && crate::ops::kernel_plan::AttentionShape::fits(width / heads))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, heads, dropout);
+        Ok(false)
+    }
 }
 
 /// [`scaled_dot_product_attention`] on a fused projection `qkv` `[batch, seq, 3 * width]`
@@ -371,6 +409,11 @@ pub fn packed_attention(
     if !super::super::has_kernels(qkv) {
         let width = qkv.dim(2)? / 3;
         let part = |i: usize| qkv.narrow(2, i * width, width);
+        // The GPU kernels read the three parts in place (their rows are strided).
+        let probe = part(0)?;
+        if on_gpu_kernels(&probe, heads.heads, dropout)? {
+            return grouped_query_attention(&probe, &part(1)?, &part(2)?, heads, mask, dropout);
+        }
         return super::super::composed::attention(
             &part(0)?,
             &part(1)?,

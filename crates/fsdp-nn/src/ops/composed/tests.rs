@@ -11,14 +11,16 @@ use super::super::{
 };
 
 /// `f` on `device` against `reference` on the CPU at `inputs` (f32) and at the same inputs
-/// in bf16, values and gradients; `f32_tol` for f32.
+/// in bf16, values and gradients; `f32_tol` for f32. With `bf16_in_f32` the bf16 case's
+/// reference computes in f32 on the bf16 values: a GPU kernel rounds at other points than
+/// the CPU's bf16 op, so both are held to the exact result instead of to each other.
 fn compare(
     name: &str,
     f: &Fun<'_>,
     device: &Device,
     reference: &Fun<'_>,
     inputs: &[Tensor],
-    f32_tol: f64,
+    (f32_tol, bf16_in_f32): (f64, bool),
 ) {
     for (dtype, tol) in [(DType::F32, f32_tol), (DType::BF16, 2e-2)] {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(dtype).unwrap()).collect();
@@ -27,14 +29,24 @@ fn compare(
             .map(|t| t.to_device(device).unwrap())
             .collect();
         let (va, ga) = eval(f, &on_device);
-        let (vb, gb) = eval(reference, &inputs);
+        // The types to expect are the reference's in `dtype` (a loss of bf16 logits is f32).
+        let (typed, typed_grads) = eval(reference, &inputs);
+        let (vb, gb) = if bf16_in_f32 && dtype == DType::BF16 {
+            let wide: Vec<Tensor> = inputs
+                .iter()
+                .map(|t| t.to_dtype(DType::F32).unwrap())
+                .collect();
+            eval(reference, &wide)
+        } else {
+            (typed.clone(), typed_grads.clone())
+        };
         assert!(
             va.device().same_device(device),
             "{name}: the output left {device:?}"
         );
         assert_eq!(
             va.dtype(),
-            vb.dtype(),
+            typed.dtype(),
             "{name} {dtype:?}: output types differ"
         );
         let d = error(&va, &vb);
@@ -45,7 +57,7 @@ fn compare(
         for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
             assert_eq!(
                 a.dtype(),
-                b.dtype(),
+                typed_grads[i].dtype(),
                 "{name} {dtype:?}: gradient {i}'s type"
             );
             let d = error(a, b);
@@ -73,7 +85,7 @@ fn every_op(check: Checker<'_>) {
 #[test]
 fn compositions_match_the_fused_ops() {
     every_op(&|name, fused, composed, inputs| {
-        compare(name, composed, &Device::Cpu, fused, inputs, 1e-5)
+        compare(name, composed, &Device::Cpu, fused, inputs, (1e-5, false))
     });
 }
 
@@ -85,7 +97,7 @@ fn every_op_on_a_gpu_matches_the_cpu() {
     let Some(gpu) = crate::device::gpu_for_tests() else {
         return;
     };
-    every_op(&|name, op, _, inputs| compare(name, op, &gpu, op, inputs, 1e-5));
+    every_op(&|name, op, _, inputs| compare(name, op, &gpu, op, inputs, (1e-5, true)));
 }
 
 fn norms_activations_and_softmax(check: Checker<'_>) {
@@ -353,7 +365,36 @@ fn attention(check: Checker<'_>) {
             let m = mask.to_dtype(t[0].dtype())?;
             super::attention(&t[0], &t[1], &t[2], (4, 4), false, Some(&m), Some((0.2, 3)))
         },
-        &[q.clone(), k, v],
+        &[q.clone(), k.clone(), v.clone()],
+    );
+    // The mask without dropout (what the CUDA kernels compute), and heads of 64 over 40
+    // positions (two elements a lane, several blocks of rows).
+    check(
+        "scaled_dot_product_attention (mask)",
+        &|t| {
+            let m = mask.to_device(t[0].device())?.to_dtype(t[0].dtype())?;
+            ops::scaled_dot_product_attention(&t[0], &t[1], &t[2], 4, Some(&m), None)
+        },
+        &|t| {
+            let m = mask.to_dtype(t[0].dtype())?;
+            super::attention(&t[0], &t[1], &t[2], (4, 4), false, Some(&m), None)
+        },
+        &[q.clone(), k.clone(), v.clone()],
+    );
+    let wide = AttentionHeads {
+        heads: 2,
+        kv_heads: 1,
+        causal: true,
+    };
+    check(
+        "grouped_query_attention (wide heads)",
+        &|t| ops::grouped_query_attention(&t[0], &t[1], &t[2], wide, None, None),
+        &|t| super::attention(&t[0], &t[1], &t[2], (2, 1), true, None, None),
+        &[
+            rand(&[1, 40, 128], 47, 1.0, DType::F32),
+            rand(&[1, 40, 64], 48, 1.0, DType::F32),
+            rand(&[1, 40, 64], 49, 1.0, DType::F32),
+        ],
     );
     check(
         "packed_attention",

@@ -6,10 +6,12 @@
 use candle_core::{DType, Result};
 
 mod activations;
+mod attention;
 mod norm;
 mod rope;
 
 pub(crate) use activations::{ElementShape, gelu, swiglu};
+pub(crate) use attention::{AttentionShape, buffers as attention_buffers};
 pub(crate) use norm::{NormShape, backward, forward};
 pub(crate) use rope::{RopeShape, buffers as rope_buffers};
 
@@ -22,6 +24,8 @@ pub(crate) enum KernelArg {
     Null,
     /// A 32-bit integer.
     Int(i32),
+    /// A 64-bit integer (`long` in the kernels: strides).
+    Long(i64),
     /// A 32-bit float.
     Float(f32),
 }
@@ -35,6 +39,8 @@ pub(crate) enum Module {
     Activations,
     /// `rope.cu`: rotary position embedding.
     Rope,
+    /// `attention.cu`: scaled dot-product attention.
+    Attention,
 }
 
 /// One kernel launch.

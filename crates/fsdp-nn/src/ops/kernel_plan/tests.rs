@@ -12,11 +12,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Tensor, Var};
 
-use crate::ops::{GeluApprox, RopeLayout, RopeScaling, RopeTable};
+use crate::ops::{AttentionHeads, GeluApprox, RopeLayout, RopeScaling, RopeTable};
 
 use super::{
-    ElementShape, KernelArg, Launch, NormShape, RopeShape, backward, forward, gelu, rope_buffers,
-    swiglu,
+    AttentionShape, ElementShape, KernelArg, Launch, NormShape, RopeShape, attention_buffers,
+    backward, forward, gelu, rope_buffers, swiglu,
 };
 use crate::ops;
 
@@ -40,6 +40,7 @@ fn emulator() -> Option<&'static Emulator> {
             let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
             let built = Command::new(&compiler)
                 .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Werror"])
+                .arg("-Wno-unknown-pragmas")
                 .arg("-DFSDP_CUDA_EMULATOR")
                 .arg(&source)
                 .arg("-o")
@@ -86,6 +87,7 @@ impl Emulator {
                     KernelArg::Buffer(i) => format!(" b{i}"),
                     KernelArg::Null => " null".to_string(),
                     KernelArg::Int(v) => format!(" i{v}"),
+                    KernelArg::Long(v) => format!(" l{v}"),
                     KernelArg::Float(v) => format!(" f{:08x}", v.to_bits()),
                 };
             }
@@ -146,15 +148,22 @@ fn values(bytes: &[u8], dtype: DType) -> Vec<f64> {
 }
 
 /// The CPU op `f` at `inputs`: its output and each input's gradient for the upstream
-/// gradient `grad` (zeros for an input `f` does not use).
+/// gradient `grad` (zeros for an input `f` does not use). bf16 inputs are computed in f32
+/// (exactly their values): a bf16 kernel is held to the result its inputs have, not to the
+/// CPU's own bf16 roundings, which differ from a GPU's in where they round.
 fn on_the_cpu(
     f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
     inputs: &[&Tensor],
     grad: &Tensor,
 ) -> (Tensor, Vec<Tensor>) {
+    let widened = |t: &Tensor| match t.dtype() {
+        DType::BF16 => t.to_dtype(DType::F32).unwrap(),
+        _ => t.clone(),
+    };
+    let grad = &widened(grad);
     let vars: Vec<Var> = inputs
         .iter()
-        .map(|t| Var::from_tensor(t).unwrap())
+        .map(|t| Var::from_tensor(&widened(t)).unwrap())
         .collect();
     let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let y = f(&tensors).unwrap();
@@ -189,10 +198,9 @@ impl Buffers {
     }
 }
 
-/// Holds a kernel's output bytes to the CPU op's tensor: f32 within 1e-5 of each element's
-/// size, bf16 within 2e-2.
-fn assert_close(case: &str, what: &str, got: &[u8], want: &Tensor) {
-    let dtype = want.dtype();
+/// Holds a kernel's output bytes of `dtype` to the CPU op's tensor: f32 within 1e-5 of each
+/// element's size, bf16 within 2e-2.
+fn assert_close(case: &str, what: &str, got: &[u8], dtype: DType, want: &Tensor) {
     let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
     let err = per_element_error(&values(got, dtype), &f64_values(want));
     assert!(err < tol, "{case}: {what} off by {err:e} (tol {tol:e})");
@@ -257,7 +265,7 @@ fn check_norm(emulator: &Emulator, norm: Norm, rows: usize, d: usize, dtype: DTy
         buffers = buffers.input(f::BETA, &beta);
     }
     let out = emulator.run(&shape.forward().unwrap(), &buffers.0);
-    assert_close(&case, "output", &out[&f::Y], &y);
+    assert_close(&case, "output", &out[&f::Y], dtype, &y);
 
     use backward as b;
     let mut buffers = with_inputs(Buffers::default(), (b::X, b::RESIDUAL, b::GAMMA))
@@ -270,13 +278,13 @@ fn check_norm(emulator: &Emulator, norm: Norm, rows: usize, d: usize, dtype: DTy
         buffers = buffers.output(b::DBETA, d, dtype);
     }
     let out = emulator.run(&shape.backward().unwrap(), &buffers.0);
-    assert_close(&case, "input gradient", &out[&b::DX], &grads[0]);
+    assert_close(&case, "input gradient", &out[&b::DX], dtype, &grads[0]);
     if shape.residual {
-        assert_close(&case, "residual gradient", &out[&b::DX], &grads[1]);
+        assert_close(&case, "residual gradient", &out[&b::DX], dtype, &grads[1]);
     }
-    assert_close(&case, "scale gradient", &out[&b::DGAMMA], &grads[2]);
+    assert_close(&case, "scale gradient", &out[&b::DGAMMA], dtype, &grads[2]);
     if shape.beta {
-        assert_close(&case, "shift gradient", &out[&b::DBETA], &grads[3]);
+        assert_close(&case, "shift gradient", &out[&b::DBETA], dtype, &grads[3]);
     }
 }
 
@@ -322,7 +330,7 @@ fn check_activations(emulator: &Emulator, rows: usize, d: usize, dtype: DType) {
         &shape.swiglu_forward().unwrap(),
         &inputs.output(swiglu::Y, n, dtype).0,
     );
-    assert_close(&case, "output", &out[&swiglu::Y], &y);
+    assert_close(&case, "output", &out[&swiglu::Y], dtype, &y);
     let inputs = Buffers::default()
         .input(swiglu::GATE, &a)
         .input(swiglu::UP, &b);
@@ -331,8 +339,14 @@ fn check_activations(emulator: &Emulator, rows: usize, d: usize, dtype: DType) {
         .output(swiglu::DGATE, n, dtype)
         .output(swiglu::DUP, n, dtype);
     let out = emulator.run(&shape.swiglu_backward().unwrap(), &buffers.0);
-    assert_close(&case, "gate gradient", &out[&swiglu::DGATE], &grads[0]);
-    assert_close(&case, "up gradient", &out[&swiglu::DUP], &grads[1]);
+    assert_close(
+        &case,
+        "gate gradient",
+        &out[&swiglu::DGATE],
+        dtype,
+        &grads[0],
+    );
+    assert_close(&case, "up gradient", &out[&swiglu::DUP], dtype, &grads[1]);
 
     for approx in [GeluApprox::Erf, GeluApprox::Tanh] {
         let tanh = approx == GeluApprox::Tanh;
@@ -359,16 +373,16 @@ fn check_activations(emulator: &Emulator, rows: usize, d: usize, dtype: DType) {
             };
             let plan = shape.gelu_forward(with_bias, tanh).unwrap();
             let out = emulator.run(&plan, &inputs().output(gelu::Y, n, dtype).0);
-            assert_close(&case, "output", &out[&gelu::Y], &y);
+            assert_close(&case, "output", &out[&gelu::Y], dtype, &y);
             let buffers = inputs()
                 .input(gelu::Y, &grad)
                 .output(gelu::DX, n, dtype)
                 .scratch(gelu::PARTIALS, shape.chunks() * d)
                 .output(gelu::DBIAS, d, dtype);
             let out = emulator.run(&shape.gelu_backward(with_bias, tanh).unwrap(), &buffers.0);
-            assert_close(&case, "input gradient", &out[&gelu::DX], &grads[0]);
+            assert_close(&case, "input gradient", &out[&gelu::DX], dtype, &grads[0]);
             if with_bias {
-                assert_close(&case, "bias gradient", &out[&gelu::DBIAS], &grads[1]);
+                assert_close(&case, "bias gradient", &out[&gelu::DBIAS], dtype, &grads[1]);
             }
         }
     }
@@ -443,9 +457,195 @@ fn rope_kernel_on_the_emulator_matches_the_cpu_op() {
                     let out = emulator.run(&shape.plan(backward).unwrap(), &buffers.0);
                     out[&rope_buffers::Y].clone()
                 };
-                assert_close(&case, "output", &run(&x, false), &y);
-                assert_close(&case, "gradient", &run(&grad, true), &grads[0]);
+                assert_close(&case, "output", &run(&x, false), dtype, &y);
+                assert_close(&case, "gradient", &run(&grad, true), dtype, &grads[0]);
             }
+        }
+    }
+}
+
+/// One attention case: `heads` over `[batch, seq]`, optionally causal, with a padding mask
+/// hiding the last `masked` keys of the second sequence, and with q, k, v read in place from
+/// one fused `[batch, seq, 3 * width]` projection (`fused`, equal head counts) or given apart.
+struct AttentionCase {
+    batch: usize,
+    seq: usize,
+    heads: AttentionHeads,
+    head_dim: usize,
+    masked: usize,
+    fused: bool,
+}
+
+fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
+    use attention_buffers as ab;
+    let AttentionCase {
+        batch,
+        seq,
+        heads,
+        head_dim,
+        masked,
+        fused,
+    } = *c;
+    let case = format!(
+        "attention {heads:?}, {batch} x {seq}, head_dim {head_dim}, {masked} masked, fused {fused}, {dtype:?}"
+    );
+    let (qw, kw) = (heads.heads * head_dim, heads.kv_heads * head_dim);
+    let seed = (seq * 100 + head_dim) as u64;
+    let t = |shape: &[usize], s: u64| rand(shape, seed + s, 1.5, dtype);
+    let mask = (masked > 0).then(|| {
+        let mut m = vec![0f32; batch * seq];
+        for key in seq - masked..seq {
+            m[seq + key] = -1e4;
+        }
+        Tensor::from_vec(m, (batch, 1, 1, seq), &candle_core::Device::Cpu).unwrap()
+    });
+    let grad = t(&[batch, seq, qw], 9);
+    // The CPU op and its gradients: of q, k and v, or of the fused projection.
+    let (inputs, (y, grads)) = if fused {
+        let qkv = t(&[batch, seq, 3 * qw], 1);
+        let cpu = on_the_cpu(
+            |t| ops::packed_attention(&t[0], heads.heads, heads.causal, mask.as_ref(), None),
+            &[&qkv],
+            &grad,
+        );
+        (vec![qkv], cpu)
+    } else {
+        let (q, k, v) = (
+            t(&[batch, seq, qw], 1),
+            t(&[batch, seq, kw], 2),
+            t(&[batch, seq, kw], 3),
+        );
+        let cpu = on_the_cpu(
+            |t| ops::grouped_query_attention(&t[0], &t[1], &t[2], heads, mask.as_ref(), None),
+            &[&q, &k, &v],
+            &grad,
+        );
+        (vec![q, k, v], cpu)
+    };
+    // Operand bytes and strides: the fused projection's rows hold q, k, v side by side, each
+    // bound at its own offset (as a GPU pointer into a view would be).
+    let size = dtype.size_in_bytes();
+    let (operands, strides): (Vec<Vec<u8>>, Vec<(usize, usize)>) = if fused {
+        let all = bytes(&inputs[0]);
+        let at = |part: usize| all[part * qw * size..].to_vec();
+        (vec![at(0), at(1), at(2)], vec![(seq * 3 * qw, 3 * qw); 3])
+    } else {
+        (
+            inputs.iter().map(bytes).collect(),
+            vec![(seq * qw, qw), (seq * kw, kw), (seq * kw, kw)],
+        )
+    };
+    let shape = AttentionShape {
+        batch,
+        seq,
+        heads: heads.heads,
+        kv_heads: heads.kv_heads,
+        head_dim,
+        dtype,
+        causal: heads.causal,
+        scale: 1.0 / (head_dim as f64).sqrt(),
+        q: strides[0],
+        k: strides[1],
+        v: strides[2],
+        mask: mask.as_ref().map(|_| [batch, 1, 1, seq]),
+    };
+    let mut buffers = Buffers::default();
+    for (index, data) in [ab::Q, ab::K, ab::V].into_iter().zip(operands) {
+        buffers.0.insert(index, data);
+    }
+    if let Some(m) = &mask {
+        buffers = buffers.input(ab::MASK, m);
+    }
+    let rows = batch * heads.heads * seq;
+    let forward_buffers = Buffers(buffers.0.clone())
+        .output(ab::OUT, batch * seq * qw, dtype)
+        .scratch(ab::LSE, rows);
+    let out = emulator.run(&shape.forward().unwrap(), &forward_buffers.0);
+    assert_close(&case, "output", &out[&ab::OUT], dtype, &y);
+
+    let mut backward_buffers = buffers
+        .input(ab::DOUT, &grad)
+        .scratch(ab::DELTA, rows)
+        .output(ab::DQ, batch * seq * qw, dtype)
+        .output(ab::DK, batch * seq * kw, dtype)
+        .output(ab::DV, batch * seq * kw, dtype);
+    backward_buffers.0.insert(ab::OUT, out[&ab::OUT].clone());
+    backward_buffers.0.insert(ab::LSE, out[&ab::LSE].clone());
+    let plan = shape.backward((seq * qw, qw), (seq * kw, kw)).unwrap();
+    let out = emulator.run(&plan, &backward_buffers.0);
+    let want: Vec<Tensor> = if fused {
+        (0..3)
+            .map(|i| grads[0].narrow(2, i * qw, qw).unwrap())
+            .collect()
+    } else {
+        grads
+    };
+    for (i, (index, name)) in [(ab::DQ, "q"), (ab::DK, "k"), (ab::DV, "v")]
+        .into_iter()
+        .enumerate()
+    {
+        assert_close(
+            &case,
+            &format!("{name} gradient"),
+            &out[&index],
+            dtype,
+            &want[i],
+        );
+    }
+}
+
+/// Attention on the emulator against the CPU op, values and the three gradients, in f32 and
+/// bf16: multi-head, grouped-query 4:2 causal with heads wider than a warp (40: two elements
+/// a lane, some lanes idle) and a last block of rows half full, multi-query with a padding
+/// mask, and q, k, v read in place from a fused projection, causal and masked.
+#[test]
+fn attention_kernels_on_the_emulator_match_the_cpu_op() {
+    let Some(emulator) = emulator() else {
+        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
+        return;
+    };
+    let gqa = |heads, kv_heads, causal| AttentionHeads {
+        heads,
+        kv_heads,
+        causal,
+    };
+    let cases = [
+        AttentionCase {
+            batch: 2,
+            seq: 6,
+            heads: gqa(2, 2, false),
+            head_dim: 8,
+            masked: 0,
+            fused: false,
+        },
+        AttentionCase {
+            batch: 1,
+            seq: 9,
+            heads: gqa(4, 2, true),
+            head_dim: 40,
+            masked: 0,
+            fused: false,
+        },
+        AttentionCase {
+            batch: 2,
+            seq: 5,
+            heads: gqa(4, 1, false),
+            head_dim: 16,
+            masked: 2,
+            fused: false,
+        },
+        AttentionCase {
+            batch: 2,
+            seq: 7,
+            heads: gqa(2, 2, true),
+            head_dim: 12,
+            masked: 3,
+            fused: true,
+        },
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for c in &cases {
+            check_attention(emulator, c, dtype);
         }
     }
 }

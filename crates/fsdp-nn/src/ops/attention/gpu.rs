@@ -1,0 +1,141 @@
+//! [`Sdpa`] on a CUDA device without dropout: fsdp-nn's attention kernels
+//! (`kernels/attention.cu`), which keep each score row's log-sum-exp on the device for
+//! backward (`Sdpa::gpu_lse`) instead of any `[seq, seq]` matrix.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CudaStorage, Layout, Result, Shape, Tensor};
+
+use super::{Dims, Sdpa, dims3};
+use crate::ops::cuda_kernels::{
+    self, Operand, Output, gradient_tensor, operand, take_storage, take_tensor,
+};
+use crate::ops::kernel_plan::{AttentionShape, attention_buffers as ab};
+
+/// An operand's (batch, row) element strides; its rows must be contiguous.
+fn strides(l: &Layout, what: &str) -> Result<(usize, usize)> {
+    match l.stride() {
+        [batch, row, 1] => Ok((*batch, *row)),
+        other => candle_core::bail!(
+            "sdpa on a GPU: {what} must be [batch, seq, width] with contiguous rows (strides {other:?})"
+        ),
+    }
+}
+
+impl Sdpa {
+    /// The kernels' description of this call on `dims`, operands at the given strides.
+    fn gpu_shape(
+        &self,
+        dims: Dims,
+        dtype: candle_core::DType,
+        strides: [(usize, usize); 3],
+    ) -> Result<AttentionShape> {
+        if self.packed.is_some() || self.dropout.is_some() {
+            candle_core::bail!(
+                "sdpa on a GPU: packed sequences and dropout are computed by the composed ops"
+            );
+        }
+        let [q, k, v] = strides;
+        Ok(AttentionShape {
+            batch: dims.batch,
+            seq: dims.seq,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: dims.head_dim,
+            dtype,
+            causal: self.causal,
+            scale: self.scale,
+            q,
+            k,
+            v,
+            mask: self.mask.as_ref().map(|m| m.dims),
+        })
+    }
+
+    /// The forward of q, k, v (rows may be strided) on their GPU; keeps the log-sum-exps.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gpu_forward(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dims = self.dims(dims3(l1)?, dims3(l2)?, dims3(l3)?)?;
+        let all = [strides(l1, "q")?, strides(l2, "k")?, strides(l3, "v")?];
+        let shape = self.gpu_shape(dims, s1.dtype(), all)?;
+        let mask = self.mask.as_ref().map(|m| m.values.storage_and_layout());
+        let mut inputs: Vec<(usize, Operand<'_>)> = vec![
+            (ab::Q, (s1, l1.start_offset())),
+            (ab::K, (s2, l2.start_offset())),
+            (ab::V, (s3, l3.start_offset())),
+        ];
+        if let Some((storage, layout)) = &mask {
+            inputs.push((ab::MASK, operand(storage, layout, "sdpa mask")?));
+        }
+        let rows = dims.batch * self.heads * dims.seq;
+        let width = self.heads * dims.head_dim;
+        let outputs = [
+            Output::tensor(ab::OUT, dims.batch * dims.seq * width),
+            Output::scratch(ab::LSE, rows),
+        ];
+        let mut out = cuda_kernels::execute(s1.dtype(), &shape.forward()?, &inputs, &outputs)?;
+        let lse = gradient_tensor(take_storage(&mut out, ab::LSE)?, &Shape::from(rows));
+        *self.gpu_lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        let y = take_storage(&mut out, ab::OUT)?;
+        Ok((y, Shape::from((dims.batch, dims.seq, width))))
+    }
+
+    /// dQ, dK, dV on the GPU from the output `res`, its gradient and forward's
+    /// log-sum-exps.
+    pub(super) fn gpu_backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dims = self.dims(q.dims3()?, k.dims3()?, v.dims3()?)?;
+        let (s, qw, kw) = (
+            dims.seq,
+            self.heads * dims.head_dim,
+            self.kv_heads * dims.head_dim,
+        );
+        // Every operand is made contiguous by `execute_on_tensors`.
+        let dense = [(s * qw, qw), (s * kw, kw), (s * kw, kw)];
+        let shape = self.gpu_shape(dims, q.dtype(), dense)?;
+        let lse = self
+            .gpu_lse
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("sdpa: backward before forward".into()))?;
+        let mut inputs = vec![
+            (ab::Q, q, "sdpa q"),
+            (ab::K, k, "sdpa k"),
+            (ab::V, v, "sdpa v"),
+            (ab::OUT, res, "sdpa output"),
+            (ab::DOUT, grad, "sdpa output gradient"),
+            (ab::LSE, &lse, "sdpa log-sum-exps"),
+        ];
+        if let Some(m) = &self.mask {
+            inputs.push((ab::MASK, &m.values, "sdpa mask"));
+        }
+        let b = dims.batch;
+        let outputs = [
+            Output::scratch(ab::DELTA, b * self.heads * s),
+            Output::tensor(ab::DQ, b * s * qw),
+            Output::tensor(ab::DK, b * s * kw),
+            Output::tensor(ab::DV, b * s * kw),
+        ];
+        let plan = shape.backward(dense[0], dense[1])?;
+        let mut out = cuda_kernels::execute_on_tensors(&plan, &inputs, &outputs)?;
+        Ok((
+            Some(take_tensor(&mut out, ab::DQ, q.shape())?),
+            Some(take_tensor(&mut out, ab::DK, k.shape())?),
+            Some(take_tensor(&mut out, ab::DV, v.shape())?),
+        ))
+    }
+}

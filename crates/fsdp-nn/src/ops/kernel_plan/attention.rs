@@ -1,0 +1,187 @@
+//! Attention's plans (`kernels/attention.cu`).
+
+use candle_core::{DType, Result};
+
+use super::{KernelArg, Launch, Module, checked_name, optional};
+
+/// The buffers of attention's plans, by index.
+pub(crate) mod buffers {
+    /// Queries, `[batch, seq, heads * head_dim]` at [`super::AttentionShape::q`]'s strides.
+    pub const Q: usize = 0;
+    /// Keys, `[batch, seq, kv_heads * head_dim]` at `k`'s strides.
+    pub const K: usize = 1;
+    /// Values, as keys at `v`'s strides.
+    pub const V: usize = 2;
+    /// The additive f32 mask, contiguous over its `[batch|1, heads|1, seq|1, seq|1]` dims.
+    pub const MASK: usize = 3;
+    /// The output, contiguous `[batch, seq, heads * head_dim]`.
+    pub const OUT: usize = 4;
+    /// f32: each score row's log-sum-exp, `[batch, heads, seq]` (forward writes it).
+    pub const LSE: usize = 5;
+    /// The output's gradient, contiguous as `OUT`.
+    pub const DOUT: usize = 6;
+    /// f32 scratch: each row's `dO . O`, `[batch, heads, seq]`.
+    pub const DELTA: usize = 7;
+    /// The queries' gradient, at the strides `backward` is given.
+    pub const DQ: usize = 8;
+    /// The keys' gradient, at the strides `backward` is given for K/V.
+    pub const DK: usize = 9;
+    /// The values' gradient, as `DK`.
+    pub const DV: usize = 10;
+}
+
+/// Warps (query or key rows) per block.
+const WARPS: u32 = 4;
+/// Head dimensions one lane holds at most (`MAX_PER_LANE` in the kernel).
+const MAX_HEAD_DIM: usize = 256;
+
+/// An operand's element strides: of a batch, and of a row (`[batch, seq, width]`, rows
+/// contiguous).
+pub(crate) type Strides = (usize, usize);
+
+/// One attention call without dropout.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: DType,
+    pub causal: bool,
+    pub scale: f64,
+    pub q: Strides,
+    pub k: Strides,
+    pub v: Strides,
+    /// The mask's dims broadcast to `[batch, heads, seq, seq]` (each 1 or full), if any.
+    pub mask: Option<[usize; 4]>,
+}
+
+impl AttentionShape {
+    /// Whether the kernels take heads of `head_dim` elements.
+    pub fn fits(head_dim: usize) -> bool {
+        (1..=MAX_HEAD_DIM).contains(&head_dim)
+    }
+
+    fn kernel(&self, name: &str) -> Result<String> {
+        if !Self::fits(self.head_dim) {
+            candle_core::bail!(
+                "attention_{name}: head_dim {} is not in 1..={MAX_HEAD_DIM}",
+                self.head_dim
+            );
+        }
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            candle_core::bail!(
+                "attention_{name}: {} query heads do not share {} K/V heads evenly",
+                self.heads,
+                self.kv_heads
+            );
+        }
+        let out = self.batch * self.seq * self.heads * self.head_dim;
+        let grid = [self.batch, self.heads, self.seq.div_ceil(WARPS as usize)];
+        if grid[0] > 65535 || grid[1] > 65535 {
+            candle_core::bail!(
+                "attention_{name}: {} sequences of {} heads exceed the kernels' grid",
+                self.batch,
+                self.heads
+            );
+        }
+        checked_name(&format!("attention_{name}"), self.dtype, &[out, grid[2]])
+    }
+
+    /// The mask's element strides per (batch, head, query, key), 0 where it broadcasts.
+    fn mask_strides(&self) -> [i64; 4] {
+        let Some(dims) = self.mask else {
+            return [0; 4];
+        };
+        let mut strides = [0i64; 4];
+        let mut next = 1i64;
+        for axis in (0..4).rev() {
+            if dims[axis] != 1 {
+                strides[axis] = next;
+                next *= dims[axis] as i64;
+            }
+        }
+        strides
+    }
+
+    fn launch(&self, kernel: String, rows_of: usize, args: Vec<KernelArg>) -> Launch {
+        let blocks = self.seq.div_ceil(WARPS as usize) as u32;
+        Launch {
+            module: Module::Attention,
+            kernel,
+            grid: [blocks, rows_of as u32, self.batch as u32],
+            block: [WARPS * 32, 1, 1],
+            args,
+        }
+    }
+
+    /// The arguments every kernel ends with: sizes, causality, scale and strides.
+    fn tail(&self) -> Vec<KernelArg> {
+        let int = |v: usize| KernelArg::Int(v as i32);
+        let long = |v: usize| KernelArg::Long(v as i64);
+        let mut args = vec![
+            int(self.seq),
+            int(self.heads),
+            int(self.kv_heads),
+            int(self.head_dim),
+            KernelArg::Int(i32::from(self.causal)),
+            KernelArg::Float(self.scale as f32),
+        ];
+        for (batch, row) in [self.q, self.k, self.v] {
+            args.extend([long(batch), long(row)]);
+        }
+        args.extend(self.mask_strides().map(KernelArg::Long));
+        args
+    }
+
+    fn inputs(&self) -> Vec<KernelArg> {
+        use buffers::*;
+        vec![
+            KernelArg::Buffer(Q),
+            KernelArg::Buffer(K),
+            KernelArg::Buffer(V),
+            optional(self.mask.is_some(), MASK),
+        ]
+    }
+
+    /// Forward: `OUT` and `LSE` (`batch * heads * seq` f32); none for an empty call.
+    pub fn forward(&self) -> Result<Vec<Launch>> {
+        use buffers::*;
+        let kernel = self.kernel("forward")?;
+        if self.batch * self.seq == 0 {
+            return Ok(Vec::new());
+        }
+        let mut args = self.inputs();
+        args.extend([KernelArg::Buffer(OUT), KernelArg::Buffer(LSE)]);
+        args.extend(self.tail());
+        Ok(vec![self.launch(kernel, self.heads, args)])
+    }
+
+    /// Backward from `OUT`, `DOUT` and forward's `LSE`: `DQ` at strides `dq`, `DK` and `DV` at
+    /// `dkv` (`DELTA` holds `batch * heads * seq` f32); none for an empty call.
+    pub fn backward(&self, dq: Strides, dkv: Strides) -> Result<Vec<Launch>> {
+        use buffers::*;
+        let names = [
+            self.kernel("backward_queries")?,
+            self.kernel("backward_keys")?,
+        ];
+        if self.batch * self.seq == 0 {
+            return Ok(Vec::new());
+        }
+        let [queries, keys] = names;
+        let long = |v: usize| KernelArg::Long(v as i64);
+        let mut first = self.inputs();
+        first.extend([OUT, DOUT, LSE, DELTA, DQ].map(KernelArg::Buffer));
+        first.extend([long(dq.0), long(dq.1)]);
+        first.extend(self.tail());
+        let mut second = self.inputs();
+        second.extend([DOUT, LSE, DELTA, DK, DV].map(KernelArg::Buffer));
+        second.extend([long(dkv.0), long(dkv.1)]);
+        second.extend(self.tail());
+        Ok(vec![
+            self.launch(queries, self.heads, first),
+            self.launch(keys, self.kv_heads, second),
+        ])
+    }
+}
