@@ -1,5 +1,6 @@
-// Element-wise activations, forward and backward, for f32 and bf16 tensors with f32
-// arithmetic: what `fsdp_nn::ops::{swiglu, gelu, bias_gelu}` compute on a CUDA device.
+// Element-wise ops, forward and backward, for f32 and bf16 tensors with f32 arithmetic: what
+// `fsdp_nn::ops::{swiglu, gelu, bias_gelu, dropout}` compute on a CUDA device (dropout's
+// masks are the CPU's draws).
 // Intermediate values the CPU op rounds to the tensor's type (the biased input of
 // `bias_gelu`) are rounded here too.
 //
@@ -63,6 +64,13 @@ static __device__ void gelu_backward(const T* x, const T* bias, const T* g, T* d
     }
 }
 
+// y = x * scale where draw i survives, else 0 (its own backward, on the output's gradient).
+template <typename T>
+static __device__ void dropout(const T* x, T* y, int n, unsigned long long seed,
+                               unsigned long long threshold, float scale) {
+    GRID_STRIDE_LOOP(i, n) { store(y, i, kept(seed, i, threshold) ? load(x, i) * scale : 0.0f); }
+}
+
 // partials[chunk][col] = the sum of m[row][col] over the chunk's rows, in row order.
 template <typename T>
 static __device__ void column_partials(const T* m, float* partials, int rows, int d,
@@ -103,6 +111,11 @@ static __device__ void column_totals(const float* partials, T* out, int chunks, 
     extern "C" __global__ void fsdp_gelu_backward_##SUFFIX(                                      \
         const T* x, const T* bias, const T* g, T* dx, int n, int d, int tanh_form) {             \
         gelu_backward(x, bias, g, dx, n, d, tanh_form);                                          \
+    }                                                                                            \
+    extern "C" __global__ void fsdp_dropout_##SUFFIX(const T* x, T* y, int n,                   \
+                                                     unsigned long long seed,                    \
+                                                     unsigned long long threshold, float scale) { \
+        dropout(x, y, n, seed, threshold, scale);                                                \
     }                                                                                            \
     extern "C" __global__ void fsdp_column_partials_##SUFFIX(const T* m, float* partials,        \
                                                              int rows, int d,                    \

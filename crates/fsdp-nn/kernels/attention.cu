@@ -1,6 +1,8 @@
 // Scaled dot-product attention, forward and backward, for f32 and bf16 `[batch, seq,
 // heads * head_dim]` operands with f32 scores, softmax and sums: what
-// `fsdp_nn::ops::grouped_query_attention` computes on a CUDA device without dropout. One warp
+// `fsdp_nn::ops::grouped_query_attention` computes on a CUDA device. Dropout on the
+// probabilities draws the CPU op's masks: probability (i, j) of head (b, h) is draw
+// `((b * heads + h) * seq + i) * seq + j`. One warp
 // per query row (forward, dQ) or per key row (dK, dV), each lane holding head dimensions
 // `lane, lane + 32, ...` (head_dim at most 256); the softmax runs online over the keys, so no
 // `[seq, seq]` matrix is ever stored: forward keeps each row's log-sum-exp for backward, which
@@ -27,6 +29,20 @@ static __device__ __forceinline__ float warp_sum(float v) {
 struct Strides {
     long q_batch, q_row, k_batch, k_row, v_batch, v_row;
     long m_batch, m_head, m_query, m_key;
+};
+
+// Dropout on the probabilities: its seed, the draws' threshold (0: none) and the survivors'
+// scale.
+struct Dropout {
+    unsigned long long seed, threshold;
+    float scale;
+
+    // The factor probability (i, j) of head (b, h) is multiplied by: 0 or the scale.
+    __device__ __forceinline__ float factor(long b, long h, long i, long j, int heads, int seq) const {
+        if (threshold == 0) return 1.0f;
+        const unsigned long long draw = (((unsigned long long)b * heads + h) * seq + i) * seq + j;
+        return kept(seed, draw, threshold) ? scale : 0.0f;
+    }
 };
 
 // A head row's elements held by this lane.
@@ -70,7 +86,8 @@ static __device__ __forceinline__ float score(float qk, float scale, const float
 template <typename T>
 static __device__ void attention_forward(const T* q, const T* k, const T* v, const float* mask,
                                          T* out, float* lse, int seq, int heads, int kv_heads,
-                                         int head_dim, int causal, float scale, Strides st) {
+                                         int head_dim, int causal, float scale, Strides st,
+                                         Dropout drop) {
     const long i = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const long h = blockIdx.y, b = blockIdx.z;
     if (i >= seq) return;  // the whole warp
@@ -89,8 +106,9 @@ static __device__ void attention_forward(const T* q, const T* k, const T* v, con
         const float correction = expf(m - m_new), p = expf(s - m_new);
         load_row(v + b * st.v_batch + j * st.v_row + g * head_dim, head_dim, vj);
         l = l * correction + p;
+        const float kept_p = p * drop.factor(b, h, i, j, heads, seq);
 #pragma unroll
-        for (int r = 0; r < MAX_PER_LANE; r++) acc[r] = acc[r] * correction + p * vj[r];
+        for (int r = 0; r < MAX_PER_LANE; r++) acc[r] = acc[r] * correction + kept_p * vj[r];
         m = m_new;
     }
     store_row(out + (b * seq + i) * (long)heads * head_dim + h * head_dim, head_dim, acc, 1.0f / l);
@@ -98,7 +116,7 @@ static __device__ void attention_forward(const T* q, const T* k, const T* v, con
 }
 
 // Backward, first pass, a warp per query row: dQ_i = scale * sum_j dS_ij K_j with
-// dS_ij = P_ij (dO_i . V_j - D_i) and D_i = dO_i . O_i, which it keeps in `delta` for the
+// dS_ij = P_ij (d_ij dO_i . V_j - D_i), d_ij the dropout factor, and D_i = dO_i . O_i, which it keeps in `delta` for the
 // second pass. `out` and `dout` are contiguous `[batch, seq, heads * head_dim]`; dQ is written
 // with q's strides `dq_batch`, `dq_row`.
 template <typename T>
@@ -107,7 +125,7 @@ static __device__ void attention_backward_queries(const T* q, const T* k, const 
                                                   const float* lse, float* delta, T* dq,
                                                   long dq_batch, long dq_row, int seq, int heads,
                                                   int kv_heads, int head_dim, int causal,
-                                                  float scale, Strides st) {
+                                                  float scale, Strides st, Dropout drop) {
     const long i = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const long h = blockIdx.y, b = blockIdx.z;
     if (i >= seq) return;
@@ -127,7 +145,7 @@ static __device__ void attention_backward_queries(const T* q, const T* k, const 
         load_row(k + b * st.k_batch + j * st.k_row + g * head_dim, head_dim, kj);
         load_row(v + b * st.v_batch + j * st.v_row + g * head_dim, head_dim, vj);
         const float p = expf(score(dot(qi, kj), scale, mask, st, b, h, i, j) - lse_i);
-        const float ds = p * (dot(doi, vj) - d_i);
+        const float ds = p * (dot(doi, vj) * drop.factor(b, h, i, j, heads, seq) - d_i);
 #pragma unroll
         for (int r = 0; r < MAX_PER_LANE; r++) acc[r] += ds * kj[r];
     }
@@ -136,7 +154,7 @@ static __device__ void attention_backward_queries(const T* q, const T* k, const 
 }
 
 // Backward, second pass, a warp per key row j of K/V head g: over every query row that sees
-// it, of every query head g serves, dV_j = sum P_ij dO_i and dK_j = scale * sum dS_ij Q_i.
+// it, of every query head g serves, dV_j = sum d_ij P_ij dO_i and dK_j = scale * sum dS_ij Q_i.
 // dK and dV are written with strides `dkv_batch`, `dkv_row`.
 template <typename T>
 static __device__ void attention_backward_keys(const T* q, const T* k, const T* v,
@@ -144,7 +162,7 @@ static __device__ void attention_backward_keys(const T* q, const T* k, const T* 
                                                const float* delta, T* dk, T* dv, long dkv_batch,
                                                long dkv_row, int seq, int heads, int kv_heads,
                                                int head_dim, int causal, float scale,
-                                               Strides st) {
+                                               Strides st, Dropout drop) {
     const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const long g = blockIdx.y, b = blockIdx.z;
     if (j >= seq) return;
@@ -161,10 +179,11 @@ static __device__ void attention_backward_keys(const T* q, const T* k, const T* 
             load_row(dout + (b * seq + i) * (long)heads * head_dim + h * head_dim, head_dim, doi);
             const long row = (b * heads + h) * seq + i;
             const float p = expf(score(dot(qi, kj), scale, mask, st, b, h, i, j) - lse[row]);
-            const float ds = p * (dot(doi, vj) - delta[row]);
+            const float factor = drop.factor(b, h, i, j, heads, seq);
+            const float ds = p * (dot(doi, vj) * factor - delta[row]);
 #pragma unroll
             for (int r = 0; r < MAX_PER_LANE; r++) {
-                dv_acc[r] += p * doi[r];
+                dv_acc[r] += p * factor * doi[r];
                 dk_acc[r] += ds * qi[r];
             }
         }
@@ -178,27 +197,33 @@ static __device__ void attention_backward_keys(const T* q, const T* k, const T* 
         long m_head, long m_query, long m_key
 #define STRIDES                                                                                  \
     Strides { q_batch, q_row, k_batch, k_row, v_batch, v_row, m_batch, m_head, m_query, m_key }
+#define DROPOUT_PARAMS unsigned long long seed, unsigned long long threshold, float keep_scale
+#define DROPOUT                                                                                  \
+    Dropout { seed, threshold, keep_scale }
 
 #define ATTENTION_KERNELS(T, SUFFIX)                                                             \
     extern "C" __global__ void fsdp_attention_forward_##SUFFIX(                                  \
         const T* q, const T* k, const T* v, const float* mask, T* out, float* lse, int seq,      \
-        int heads, int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS) {         \
+        int heads, int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS,           \
+        DROPOUT_PARAMS) {                                                                        \
         attention_forward(q, k, v, mask, out, lse, seq, heads, kv_heads, head_dim, causal,       \
-                          scale, STRIDES);                                                       \
+                          scale, STRIDES, DROPOUT);                                              \
     }                                                                                            \
     extern "C" __global__ void fsdp_attention_backward_queries_##SUFFIX(                         \
         const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,      \
         const float* lse, float* delta, T* dq, long dq_batch, long dq_row, int seq, int heads,   \
-        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS) {                    \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
         attention_backward_queries(q, k, v, mask, out, dout, lse, delta, dq, dq_batch, dq_row,   \
-                                   seq, heads, kv_heads, head_dim, causal, scale, STRIDES);      \
+                                   seq, heads, kv_heads, head_dim, causal, scale, STRIDES,       \
+                                   DROPOUT);                                                     \
     }                                                                                            \
     extern "C" __global__ void fsdp_attention_backward_keys_##SUFFIX(                            \
         const T* q, const T* k, const T* v, const float* mask, const T* dout, const float* lse,  \
         const float* delta, T* dk, T* dv, long dkv_batch, long dkv_row, int seq, int heads,      \
-        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS) {                    \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
         attention_backward_keys(q, k, v, mask, dout, lse, delta, dk, dv, dkv_batch, dkv_row,     \
-                                seq, heads, kv_heads, head_dim, causal, scale, STRIDES);         \
+                                seq, heads, kv_heads, head_dim, causal, scale, STRIDES,          \
+                                DROPOUT);                                                        \
     }
 
 ATTENTION_KERNELS(float, f32)

@@ -39,3 +39,17 @@ static __device__ float block_sum(float v, float* scratch) {
 #define GRID_STRIDE_LOOP(i, n)                                                                  \
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                        \
          i += (long)gridDim.x * blockDim.x)
+
+// SplitMix64's output function (`fsdp_nn::rng::mix64`).
+static __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Whether dropout's draw `index` under `seed` survives, given the probability's threshold
+// on a draw's top 53 bits: the CPU's `dropout_keep`, so both drop the same elements.
+static __device__ __forceinline__ bool kept(unsigned long long seed, unsigned long long index,
+                                            unsigned long long threshold) {
+    return (mix64(seed ^ (index * 0x9E3779B97F4A7C15ull)) >> 11) >= threshold;
+}

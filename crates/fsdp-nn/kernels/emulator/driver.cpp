@@ -1,8 +1,8 @@
 // Runs a launch plan of fsdp-nn's CUDA kernels on the CPU emulator (cuda_emulator.hpp), for
 // the Rust tests that compare the kernels with the CPU ops. Usage: `driver PLAN DIR`. PLAN's
 // lines: `buffer I BYTES` (DIR/bufI.bin, or zeros where it is missing), then `launch NAME GX GY
-// GZ BX BY BZ ARG...` with each ARG `bI` (buffer I), `null`, `iN` (an int), `lN` (a long) or
-// `fHEX` (a float's bits). Every buffer is written back to DIR/bufI.out. Errors go to stderr
+// GZ BX BY BZ ARG...` with each ARG `bI` (buffer I), `null`, `iN` (an int), `lN` (a long),
+// `uN` (an unsigned long long) or `fHEX` (a float's bits). Every buffer is written back to DIR/bufI.out. Errors go to stderr
 // with exit code 1. (`#pragma unroll`, CUDA's, is no pragma to the host compiler.)
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +23,7 @@ struct Arg {
     void* p = nullptr;
     int i = 0;
     long l = 0;
+    unsigned long long u = 0;
     float f = 0.0f;
 };
 using Kernel = std::function<void(const std::vector<Arg>&)>;
@@ -64,6 +65,9 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
         fsdp_gelu_backward_##S(P(0, const T*), P(1, const T*), P(2, const T*), P(3, T*),       \
                                a.at(4).i, a.at(5).i, a.at(6).i);                               \
     };                                                                                         \
+    table["fsdp_dropout_" #S] = [](const std::vector<Arg>& a) {                                \
+        fsdp_dropout_##S(P(0, const T*), P(1, T*), a.at(2).i, a.at(3).u, a.at(4).u, a.at(5).f); \
+    };                                                                                         \
     table["fsdp_column_partials_" #S] = [](const std::vector<Arg>& a) {                        \
         fsdp_column_partials_##S(P(0, const T*), P(1, float*), a.at(2).i, a.at(3).i,           \
                                  a.at(4).i);                                                   \
@@ -82,24 +86,27 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
 #define L(k) a.at(k).l
 #define STRIDE_ARGS(k) L(k), L(k + 1), L(k + 2), L(k + 3), L(k + 4), L(k + 5), L(k + 6), L(k + 7), \
                        L(k + 8), L(k + 9)
+#define DROPOUT_ARGS(k) a.at(k).u, a.at(k + 1).u, a.at(k + 2).f
 #define REGISTER_ATTENTION(T, S)                                                               \
     table["fsdp_attention_forward_" #S] = [](const std::vector<Arg>& a) {                      \
         fsdp_attention_forward_##S(P(0, const T*), P(1, const T*), P(2, const T*),             \
                                    P(3, const float*), P(4, T*), P(5, float*), a.at(6).i,      \
                                    a.at(7).i, a.at(8).i, a.at(9).i, a.at(10).i, a.at(11).f,    \
-                                   STRIDE_ARGS(12));                                           \
+                                   STRIDE_ARGS(12), DROPOUT_ARGS(22));                         \
     };                                                                                         \
     table["fsdp_attention_backward_queries_" #S] = [](const std::vector<Arg>& a) {             \
         fsdp_attention_backward_queries_##S(                                                   \
             P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
             P(5, const T*), P(6, const float*), P(7, float*), P(8, T*), L(9), L(10), a.at(11).i, \
-            a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17));     \
+            a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
+            DROPOUT_ARGS(27));                                                                 \
     };                                                                                         \
     table["fsdp_attention_backward_keys_" #S] = [](const std::vector<Arg>& a) {                \
         fsdp_attention_backward_keys_##S(                                                      \
             P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
             P(5, const float*), P(6, const float*), P(7, T*), P(8, T*), L(9), L(10), a.at(11).i, \
-            a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17));     \
+            a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
+            DROPOUT_ARGS(27));                                                                 \
     };
 
 static std::map<std::string, Kernel> kernels() {
@@ -159,6 +166,8 @@ int main(int argc, char** argv) {
                     arg.i = std::stoi(word.substr(1));
                 } else if (word[0] == 'l') {
                     arg.l = std::stol(word.substr(1));
+                } else if (word[0] == 'u') {
+                    arg.u = std::stoull(word.substr(1));
                 } else if (word[0] == 'f') {
                     uint32_t bits = (uint32_t)std::stoul(word.substr(1), nullptr, 16);
                     memcpy(&arg.f, &bits, 4);

@@ -41,6 +41,7 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
         Pointer(u64),
         Int(i32),
         Long(i64),
+        U64(u64),
         Float(f32),
     }
     for launch in plan {
@@ -58,6 +59,7 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
                 KernelArg::Null => Ok(Value::Pointer(0)),
                 KernelArg::Int(v) => Ok(Value::Int(*v)),
                 KernelArg::Long(v) => Ok(Value::Long(*v)),
+                KernelArg::U64(v) => Ok(Value::U64(*v)),
                 KernelArg::Float(v) => Ok(Value::Float(*v)),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -67,6 +69,7 @@ fn run(dev: &CudaDevice, plan: &[Launch], pointers: &BTreeMap<usize, u64>) -> Re
                 Value::Pointer(p) => args.arg(p),
                 Value::Int(i) => args.arg(i),
                 Value::Long(l) => args.arg(l),
+                Value::U64(u) => args.arg(u),
                 Value::Float(f) => args.arg(f),
             };
         }

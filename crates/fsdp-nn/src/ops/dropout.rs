@@ -11,6 +11,12 @@ use super::{Float, contiguous, float_dispatch, tensor, with_slice};
 
 use crate::rng::{dropout_keep_into, dropout_threshold};
 
+#[cfg(feature = "cuda")]
+use super::{
+    cuda_kernels::{self, Operand, Output, device_operand, operand, take_storage},
+    kernel_plan::{ElementShape, dropout as plan},
+};
+
 struct Dropout {
     p: f64,
     seed: u64,
@@ -202,6 +208,26 @@ mod bf16_vector {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl Dropout {
+    /// The mask applied to `x` of `shape` on its GPU (forward, or backward on the output's
+    /// gradient): the CPU's draws, so both drop the same elements.
+    fn on_gpu(
+        &self,
+        x: Operand<'_>,
+        shape: &Shape,
+        dtype: candle_core::DType,
+    ) -> Result<candle_core::CudaStorage> {
+        if self.padded_rows.is_some() {
+            candle_core::bail!("dropout_packed: packed rows are computed on the CPU only");
+        }
+        let plan = ElementShape::over(shape, dtype).dropout(self.p, self.seed)?;
+        let y = Output::tensor(plan::Y, shape.elem_count());
+        let mut out = cuda_kernels::execute(dtype, &plan, &[(plan::X, x)], &[y])?;
+        take_storage(&mut out, plan::Y)
+    }
+}
+
 impl CustomOp1 for Dropout {
     fn name(&self) -> &'static str {
         "seeded-dropout"
@@ -214,7 +240,25 @@ impl CustomOp1 for Dropout {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = self.on_gpu(device_operand(s, l, self.name())?, l.shape(), s.dtype())?;
+        Ok((y, l.shape().clone()))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if grad.device().is_cuda() {
+            let grad = grad.contiguous()?;
+            let (storage, layout) = grad.storage_and_layout();
+            let g = operand(&storage, layout, "dropout output gradient")?;
+            let dx = self.on_gpu(g, arg.shape(), grad.dtype())?;
+            return Ok(Some(cuda_kernels::gradient_tensor(dx, arg.shape())));
+        }
         float_dispatch!(grad.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| tensor(self.apply(g), arg.shape(), arg).map(Some))
         })
@@ -232,7 +276,7 @@ pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     if p == 0.0 {
         return Ok(x.clone());
     }
-    if !super::has_kernels(x) {
+    if !super::has_kernels(x) && !super::has_cuda_kernels(x) {
         return super::composed::dropout(x, p, seed);
     }
     x.contiguous()?.apply_op1(Dropout {

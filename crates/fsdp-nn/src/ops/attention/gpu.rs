@@ -1,4 +1,4 @@
-//! [`Sdpa`] on a CUDA device without dropout: fsdp-nn's attention kernels
+//! [`Sdpa`] on a CUDA device: fsdp-nn's attention kernels
 //! (`kernels/attention.cu`), which keep each score row's log-sum-exp on the device for
 //! backward (`Sdpa::gpu_lse`) instead of any `[seq, seq]` matrix.
 
@@ -29,10 +29,8 @@ impl Sdpa {
         dtype: candle_core::DType,
         strides: [(usize, usize); 3],
     ) -> Result<AttentionShape> {
-        if self.packed.is_some() || self.dropout.is_some() {
-            candle_core::bail!(
-                "sdpa on a GPU: packed sequences and dropout are computed by the composed ops"
-            );
+        if self.packed.is_some() {
+            candle_core::bail!("sdpa on a GPU: packed sequences are computed on the CPU only");
         }
         let [q, k, v] = strides;
         Ok(AttentionShape {
@@ -48,6 +46,7 @@ impl Sdpa {
             k,
             v,
             mask: self.mask.as_ref().map(|m| m.dims),
+            dropout: self.dropout,
         })
     }
 

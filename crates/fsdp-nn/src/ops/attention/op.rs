@@ -358,7 +358,7 @@ pub fn grouped_query_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if !super::super::has_kernels(q) && !on_gpu_kernels(q, heads.heads, dropout)? {
+    if !super::super::has_kernels(q) && !on_gpu_kernels(q, heads.heads)? {
         return super::super::composed::attention(
             q,
             k,
@@ -374,20 +374,19 @@ pub fn grouped_query_attention(
 }
 
 /// Whether `q`'s attention runs on fsdp-nn's CUDA kernels: a GPU tensor of a type they
-/// take, heads they fit, no dropout (the composed ops draw it).
-fn on_gpu_kernels(q: &Tensor, heads: usize, dropout: Option<(f64, u64)>) -> Result<bool> {
+/// take, heads they fit.
+fn on_gpu_kernels(q: &Tensor, heads: usize) -> Result<bool> {
     #[cfg(feature = "cuda")]
     {
         let width = q.dims3()?.2;
         Ok(super::super::has_cuda_kernels(q)
-            && dropout.is_none_or(|(p, _)| p == 0.0)
             && heads > 0
             && width.is_multiple_of(heads)
             && crate::ops::kernel_plan::AttentionShape::fits(width / heads))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, heads, dropout);
+        let _ = (q, heads);
         Ok(false)
     }
 }
@@ -411,7 +410,7 @@ pub fn packed_attention(
         let part = |i: usize| qkv.narrow(2, i * width, width);
         // The GPU kernels read the three parts in place (their rows are strided).
         let probe = part(0)?;
-        if on_gpu_kernels(&probe, heads.heads, dropout)? {
+        if on_gpu_kernels(&probe, heads.heads)? {
             return grouped_query_attention(&probe, &part(1)?, &part(2)?, heads, mask, dropout);
         }
         return super::super::composed::attention(

@@ -1,10 +1,11 @@
-//! The element-wise activations' plans: SwiGLU and GELU (`kernels/activations.cu`).
+//! The element-wise ops' plans: SwiGLU, GELU and dropout (`kernels/activations.cu`).
 
 use candle_core::{DType, Result, Shape};
 
 use super::{
     KernelArg, Launch, Module, ROWS_PER_CHUNK, checked_name, chunks, column_blocks, optional,
 };
+use crate::rng::dropout_threshold;
 
 /// The buffers of SwiGLU's plans, by index.
 pub(crate) mod swiglu {
@@ -34,6 +35,14 @@ pub(crate) mod gelu {
     pub const PARTIALS: usize = 4;
     /// The bias's gradient, `[d]`.
     pub const DBIAS: usize = 5;
+}
+
+/// The buffers of dropout's plan, by index.
+pub(crate) mod dropout {
+    /// The input (forward) or the output's gradient (backward), `[n]`.
+    pub const X: usize = 0;
+    /// The output (forward) or the input's gradient (backward), `[n]`.
+    pub const Y: usize = 1;
 }
 
 /// Threads per block of the element kernels.
@@ -165,6 +174,21 @@ impl ElementShape {
             }
             plan
         }))
+    }
+
+    /// Dropout with probability `p` (in (0, 1)) under `seed`: forward, and backward on the
+    /// output's gradient (the same mask and scale).
+    pub fn dropout(&self, p: f64, seed: u64) -> Result<Vec<Launch>> {
+        let kernel = self.kernel("dropout")?;
+        let args = vec![
+            KernelArg::Buffer(dropout::X),
+            KernelArg::Buffer(dropout::Y),
+            KernelArg::Int(self.n() as i32),
+            KernelArg::U64(seed),
+            KernelArg::U64(dropout_threshold(p)),
+            KernelArg::Float((1.0 / (1.0 - p)) as f32),
+        ];
+        Ok(self.unless_empty(|| vec![self.elements(kernel, args)]))
     }
 
     fn with_n(&self, mut args: Vec<KernelArg>) -> Vec<KernelArg> {

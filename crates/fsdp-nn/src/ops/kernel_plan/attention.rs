@@ -1,8 +1,9 @@
-//! Attention's plans (`kernels/attention.cu`).
+//! Attention's plans (`kernels/attention.cu`), dropout on the probabilities included.
 
 use candle_core::{DType, Result};
 
 use super::{KernelArg, Launch, Module, checked_name, optional};
+use crate::rng::dropout_threshold;
 
 /// The buffers of attention's plans, by index.
 pub(crate) mod buffers {
@@ -39,7 +40,7 @@ const MAX_HEAD_DIM: usize = 256;
 /// contiguous).
 pub(crate) type Strides = (usize, usize);
 
-/// One attention call without dropout.
+/// One attention call.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AttentionShape {
     pub batch: usize,
@@ -55,6 +56,8 @@ pub(crate) struct AttentionShape {
     pub v: Strides,
     /// The mask's dims broadcast to `[batch, heads, seq, seq]` (each 1 or full), if any.
     pub mask: Option<[usize; 4]>,
+    /// Dropout on the probabilities, `(probability, seed)`, if any.
+    pub dropout: Option<(f64, u64)>,
 }
 
 impl AttentionShape {
@@ -132,6 +135,15 @@ impl AttentionShape {
             args.extend([long(batch), long(row)]);
         }
         args.extend(self.mask_strides().map(KernelArg::Long));
+        let (seed, threshold, scale) = match self.dropout {
+            Some((p, seed)) if p > 0.0 => (seed, dropout_threshold(p), 1.0 / (1.0 - p)),
+            _ => (0, 0, 1.0),
+        };
+        args.extend([
+            KernelArg::U64(seed),
+            KernelArg::U64(threshold),
+            KernelArg::Float(scale as f32),
+        ]);
         args
     }
 

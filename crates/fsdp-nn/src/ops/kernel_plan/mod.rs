@@ -10,7 +10,7 @@ mod attention;
 mod norm;
 mod rope;
 
-pub(crate) use activations::{ElementShape, gelu, swiglu};
+pub(crate) use activations::{ElementShape, dropout, gelu, swiglu};
 pub(crate) use attention::{AttentionShape, buffers as attention_buffers};
 pub(crate) use norm::{NormShape, backward, forward};
 pub(crate) use rope::{RopeShape, buffers as rope_buffers};
@@ -26,6 +26,8 @@ pub(crate) enum KernelArg {
     Int(i32),
     /// A 64-bit integer (`long` in the kernels: strides).
     Long(i64),
+    /// An unsigned 64-bit integer (`unsigned long long`: seeds and draw thresholds).
+    U64(u64),
     /// A 32-bit float.
     Float(f32),
 }

@@ -16,7 +16,7 @@ use crate::ops::{AttentionHeads, GeluApprox, RopeLayout, RopeScaling, RopeTable}
 
 use super::{
     AttentionShape, ElementShape, KernelArg, Launch, NormShape, RopeShape, attention_buffers,
-    backward, forward, gelu, rope_buffers, swiglu,
+    backward, dropout, forward, gelu, rope_buffers, swiglu,
 };
 use crate::ops;
 
@@ -88,6 +88,7 @@ impl Emulator {
                     KernelArg::Null => " null".to_string(),
                     KernelArg::Int(v) => format!(" i{v}"),
                     KernelArg::Long(v) => format!(" l{v}"),
+                    KernelArg::U64(v) => format!(" u{v}"),
                     KernelArg::Float(v) => format!(" f{:08x}", v.to_bits()),
                 };
             }
@@ -388,6 +389,43 @@ fn check_activations(emulator: &Emulator, rows: usize, d: usize, dtype: DType) {
     }
 }
 
+/// Dropout on the emulator drops exactly the elements the CPU op drops (its draws), and
+/// scales the rest as it does; backward applies the same mask to the gradient.
+#[test]
+fn dropout_kernel_on_the_emulator_drops_what_the_cpu_op_drops() {
+    let Some(emulator) = emulator() else {
+        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
+        return;
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        for (p, seed) in [(0.1, 7), (0.5, 12345)] {
+            let case = format!("dropout {p}, seed {seed}, {dtype:?}");
+            let x = rand(&[37, 29], seed, 2.0, dtype);
+            let grad = rand(&[37, 29], seed + 1, 1.0, dtype);
+            let (y, grads) = on_the_cpu(|t| ops::dropout(&t[0], p, seed), &[&x], &grad);
+            let shape = ElementShape::over(x.shape(), dtype);
+            let plan = shape.dropout(p, seed).unwrap();
+            let run = |input: &Tensor| {
+                let buffers = Buffers::default().input(dropout::X, input).output(
+                    dropout::Y,
+                    x.elem_count(),
+                    dtype,
+                );
+                emulator.run(&plan, &buffers.0)[&dropout::Y].clone()
+            };
+            let out = run(&x);
+            assert_close(&case, "output", &out, dtype, &y);
+            let zeros = |v: &[f64]| v.iter().map(|e| *e == 0.0).collect::<Vec<_>>();
+            assert_eq!(
+                zeros(&values(&out, dtype)),
+                zeros(&f64_values(&y)),
+                "{case}: masks differ"
+            );
+            assert_close(&case, "gradient", &run(&grad), dtype, &grads[0]);
+        }
+    }
+}
+
 /// The activation kernels on one row of a few elements (a grid with idle threads), and on
 /// more rows than one chunk of the bias gradient's sums, in f32 and bf16.
 #[test]
@@ -465,8 +503,9 @@ fn rope_kernel_on_the_emulator_matches_the_cpu_op() {
 }
 
 /// One attention case: `heads` over `[batch, seq]`, optionally causal, with a padding mask
-/// hiding the last `masked` keys of the second sequence, and with q, k, v read in place from
-/// one fused `[batch, seq, 3 * width]` projection (`fused`, equal head counts) or given apart.
+/// hiding the last `masked` keys of the second sequence, q, k, v read in place from one fused
+/// `[batch, seq, 3 * width]` projection (`fused`, equal head counts) or given apart, and
+/// optionally dropout.
 struct AttentionCase {
     batch: usize,
     seq: usize,
@@ -474,6 +513,8 @@ struct AttentionCase {
     head_dim: usize,
     masked: usize,
     fused: bool,
+    /// Dropout on the probabilities, `(probability, seed)`.
+    dropout: Option<(f64, u64)>,
 }
 
 fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
@@ -485,9 +526,10 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
         head_dim,
         masked,
         fused,
+        dropout,
     } = *c;
     let case = format!(
-        "attention {heads:?}, {batch} x {seq}, head_dim {head_dim}, {masked} masked, fused {fused}, {dtype:?}"
+        "attention {heads:?}, {batch} x {seq}, head_dim {head_dim}, {masked} masked, fused {fused}, dropout {dropout:?}, {dtype:?}"
     );
     let (qw, kw) = (heads.heads * head_dim, heads.kv_heads * head_dim);
     let seed = (seq * 100 + head_dim) as u64;
@@ -504,7 +546,7 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
     let (inputs, (y, grads)) = if fused {
         let qkv = t(&[batch, seq, 3 * qw], 1);
         let cpu = on_the_cpu(
-            |t| ops::packed_attention(&t[0], heads.heads, heads.causal, mask.as_ref(), None),
+            |t| ops::packed_attention(&t[0], heads.heads, heads.causal, mask.as_ref(), dropout),
             &[&qkv],
             &grad,
         );
@@ -516,7 +558,7 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
             t(&[batch, seq, kw], 3),
         );
         let cpu = on_the_cpu(
-            |t| ops::grouped_query_attention(&t[0], &t[1], &t[2], heads, mask.as_ref(), None),
+            |t| ops::grouped_query_attention(&t[0], &t[1], &t[2], heads, mask.as_ref(), dropout),
             &[&q, &k, &v],
             &grad,
         );
@@ -548,6 +590,7 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
         k: strides[1],
         v: strides[2],
         mask: mask.as_ref().map(|_| [batch, 1, 1, seq]),
+        dropout,
     };
     let mut buffers = Buffers::default();
     for (index, data) in [ab::Q, ab::K, ab::V].into_iter().zip(operands) {
@@ -597,7 +640,7 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
 /// Attention on the emulator against the CPU op, values and the three gradients, in f32 and
 /// bf16: multi-head, grouped-query 4:2 causal with heads wider than a warp (40: two elements
 /// a lane, some lanes idle) and a last block of rows half full, multi-query with a padding
-/// mask, and q, k, v read in place from a fused projection, causal and masked.
+/// mask, q, k, v read in place from a fused projection, causal and masked, and dropout.
 #[test]
 fn attention_kernels_on_the_emulator_match_the_cpu_op() {
     let Some(emulator) = emulator() else {
@@ -609,39 +652,23 @@ fn attention_kernels_on_the_emulator_match_the_cpu_op() {
         kv_heads,
         causal,
     };
+    let case = |batch, seq, heads, head_dim, masked, fused, dropout| AttentionCase {
+        batch,
+        seq,
+        heads,
+        head_dim,
+        masked,
+        fused,
+        dropout,
+    };
     let cases = [
-        AttentionCase {
-            batch: 2,
-            seq: 6,
-            heads: gqa(2, 2, false),
-            head_dim: 8,
-            masked: 0,
-            fused: false,
-        },
-        AttentionCase {
-            batch: 1,
-            seq: 9,
-            heads: gqa(4, 2, true),
-            head_dim: 40,
-            masked: 0,
-            fused: false,
-        },
-        AttentionCase {
-            batch: 2,
-            seq: 5,
-            heads: gqa(4, 1, false),
-            head_dim: 16,
-            masked: 2,
-            fused: false,
-        },
-        AttentionCase {
-            batch: 2,
-            seq: 7,
-            heads: gqa(2, 2, true),
-            head_dim: 12,
-            masked: 3,
-            fused: true,
-        },
+        case(2, 6, gqa(2, 2, false), 8, 0, false, None),
+        case(1, 9, gqa(4, 2, true), 40, 0, false, None),
+        case(2, 5, gqa(4, 1, false), 16, 2, false, None),
+        case(2, 7, gqa(2, 2, true), 12, 3, true, None),
+        // Dropout draws the CPU's masks: grouped-query causal, and fused with a mask.
+        case(2, 9, gqa(4, 2, true), 40, 0, false, Some((0.25, 17))),
+        case(2, 7, gqa(2, 2, false), 12, 3, true, Some((0.5, 3))),
     ];
     for dtype in [DType::F32, DType::BF16] {
         for c in &cases {
