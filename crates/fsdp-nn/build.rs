@@ -19,6 +19,7 @@ fn build_kernels() {
             "kernels/activations.cu",
             "kernels/rope.cu",
             "kernels/attention.cu",
+            "kernels/cross_entropy.cu",
         ])
         .arg("-std=c++17")
         .arg("-O3")

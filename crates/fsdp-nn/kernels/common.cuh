@@ -35,6 +35,19 @@ static __device__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// The largest `v` over the block's threads, returned to every thread (`scratch` as
+// `block_sum`'s).
+static __device__ float block_max(float v, float* scratch) {
+    for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, m, 32));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / 32) ? scratch[lane] : -INFINITY;
+    for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, m, 32));
+    return v;
+}
+
 // Element `i` over `0..n`, each thread taking the elements a whole grid apart.
 #define GRID_STRIDE_LOOP(i, n)                                                                  \
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                        \

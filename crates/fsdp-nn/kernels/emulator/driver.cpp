@@ -16,6 +16,7 @@
 
 #include "../activations.cu"
 #include "../attention.cu"
+#include "../cross_entropy.cu"
 #include "../norm.cu"
 #include "../rope.cu"
 
@@ -109,6 +110,17 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
             DROPOUT_ARGS(27));                                                                 \
     };
 
+#define REGISTER_CROSS_ENTROPY(T, S)                                                           \
+    table["fsdp_cross_entropy_forward_" #S] = [](const std::vector<Arg>& a) {                  \
+        fsdp_cross_entropy_forward_##S(P(0, const T*), P(1, const long*), P(2, float*),        \
+                                       P(3, float*), a.at(4).i, L(5), a.at(6).f);              \
+    };                                                                                         \
+    table["fsdp_cross_entropy_backward_" #S] = [](const std::vector<Arg>& a) {                 \
+        fsdp_cross_entropy_backward_##S(P(0, const T*), P(1, const long*), P(2, const float*), \
+                                        P(3, T*), L(4), a.at(5).i, L(6), a.at(7).f,            \
+                                        a.at(8).f);                                            \
+    };
+
 static std::map<std::string, Kernel> kernels() {
     std::map<std::string, Kernel> table;
     REGISTER_NORM(float, f32)
@@ -119,6 +131,11 @@ static std::map<std::string, Kernel> kernels() {
     REGISTER_ROPE(bf16, bf16)
     REGISTER_ATTENTION(float, f32)
     REGISTER_ATTENTION(bf16, bf16)
+    REGISTER_CROSS_ENTROPY(float, f32)
+    REGISTER_CROSS_ENTROPY(bf16, bf16)
+    table["fsdp_sum_rows_f32"] = [](const std::vector<Arg>& a) {
+        fsdp_sum_rows_f32(P(0, const float*), P(1, float*), a.at(2).i, a.at(3).f);
+    };
     return table;
 }
 

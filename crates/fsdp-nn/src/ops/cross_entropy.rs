@@ -58,7 +58,7 @@ fn targets(s: &CpuStorage, l: &Layout) -> Result<Vec<i64>> {
 }
 
 impl CrossEntropy {
-    fn check(&self, t: i64, c: usize) -> Result<()> {
+    pub(super) fn check(&self, t: i64, c: usize) -> Result<()> {
         if t != self.ignore_index && (t < 0 || t as usize >= c) {
             return Err(candle_core::Error::Msg(format!(
                 "cross_entropy: target {t} is outside 0..{c}"
@@ -219,6 +219,10 @@ impl CustomOp2 for CrossEntropyOp {
 /// # Ok::<(), fsdp_nn::candle::Error>(())
 /// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, settings: CrossEntropy) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::has_cuda_kernels(logits) {
+        return super::gpu_losses::cross_entropy(logits, targets, settings);
+    }
     if !super::has_kernels(logits) {
         return super::composed::cross_entropy(
             logits,

@@ -28,6 +28,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
         Module::Activations => ("fsdp_nn_activations", ptx::ACTIVATIONS),
         Module::Rope => ("fsdp_nn_rope", ptx::ROPE),
         Module::Attention => ("fsdp_nn_attention", ptx::ATTENTION),
+        Module::CrossEntropy => ("fsdp_nn_cross_entropy", ptx::CROSS_ENTROPY),
     }
 }
 

@@ -171,6 +171,10 @@ pub fn linear_cross_entropy(
     targets: &Tensor,
     settings: CrossEntropy,
 ) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::has_cuda_kernels(hidden) {
+        return super::gpu_losses::linear_cross_entropy(hidden, weight, targets, settings);
+    }
     if !super::has_kernels(hidden) {
         let logits = super::composed::project(hidden, weight, true, None, None)?;
         return super::composed::cross_entropy(

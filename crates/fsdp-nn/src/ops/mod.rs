@@ -12,6 +12,8 @@ mod cuda_kernels;
 mod dropout;
 mod embedding;
 mod gelu;
+#[cfg(feature = "cuda")]
+mod gpu_losses;
 mod half_float;
 #[cfg(target_arch = "x86_64")]
 pub mod instruction_loops;

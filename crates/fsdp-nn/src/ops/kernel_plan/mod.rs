@@ -7,11 +7,13 @@ use candle_core::{DType, Result};
 
 mod activations;
 mod attention;
+mod cross_entropy;
 mod norm;
 mod rope;
 
 pub(crate) use activations::{ElementShape, dropout, gelu, swiglu};
 pub(crate) use attention::{AttentionShape, buffers as attention_buffers};
+pub(crate) use cross_entropy::{CrossEntropyShape, buffers as cross_entropy_buffers};
 pub(crate) use norm::{NormShape, backward, forward};
 pub(crate) use rope::{RopeShape, buffers as rope_buffers};
 
@@ -43,6 +45,8 @@ pub(crate) enum Module {
     Rope,
     /// `attention.cu`: scaled dot-product attention.
     Attention,
+    /// `cross_entropy.cu`: cross-entropy of logit rows.
+    CrossEntropy,
 }
 
 /// One kernel launch.
