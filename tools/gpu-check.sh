@@ -7,7 +7,8 @@
 #                                text (28 MB: carry that folder)
 #   tools/gpu-check.sh           there: inventory, each binary's GPU tests with
 #                                FSDP_REQUIRE_GPU=1 (a missing GPU or library fails them),
-#                                then gpt2_example launched on the GPU against the CPU;
+#                                the attention kernels' speed beside PyTorch's SDPA, then
+#                                gpt2_example launched on the GPU against the CPU;
 #                                everything it prints also lands in $OUT/gpu-check.log
 # Each step is bounded (STEP_TIMEOUT, 150 s); the script goes on after a failed step and
 # exits non-zero if any failed.
@@ -38,7 +39,7 @@ for l in sys.stdin:
   build fsdp-comm-integration -p fsdp-comm --features nccl --test integration
   build fsdp-integration -p fsdp --features cuda --test integration
   # The launcher and an example to launch with use_cpu: false, and the example's text.
-  cargo build --release --quiet -p fsdp-cli --features cuda,nccl
+  cargo build --release --quiet -p fsdp-cli --features cuda,nccl,bench
   cargo build --release --quiet -p fsdp --features cuda --example gpt2_example
   for bin in target/release/fsdp target/release/examples/gpt2_example; do
     strip -o "$dir/$(basename "$bin")" "$bin"
@@ -108,10 +109,22 @@ export FSDP_REQUIRE_GPU=1
 # fsdp-nn's unit tests: the device probe, every op on the GPU against the CPU, and the bf16
 # GEMM's AMX kernel where this host has AMX.
 step "fsdp-nn: every op on the GPU against the CPU" "$bins/fsdp-nn-lib" device:: every_op_on_a_gpu
-# (Not the CUDA kernels' emulator tests: they build from the source tree, and ran on the CPU.)
-step "fsdp-nn: the other unit tests (bf16 GEMM, AMX where present)" "$bins/fsdp-nn-lib" --skip every_op_on_a_gpu --skip kernel_plan::tests::norm_kernels_on
+# (Not the CUDA kernels' emulator tests, `*_on_the_emulator_*`: they build their driver from
+# the source tree, and run on any CPU.)
+step "fsdp-nn: the other unit tests (bf16 GEMM, AMX where present)" "$bins/fsdp-nn-lib" --skip every_op_on_a_gpu --skip on_the_emulator
 step "fsdp: the engine on the GPU (host-staged) trains as on the CPU" "$bins/fsdp-integration" engine_in_process::training_on_a_gpu_matches_the_cpu
 step "fsdp-comm: NCCL collectives" "$bins/fsdp-comm-integration" nccl_collectives_on_gpus
+
+# The attention kernels' speed on the GPU beside PyTorch's SDPA on the same shapes
+# (SmolLM2-135M's heads, 4 sequences of 2048), bf16 and f32: figures for docs/BENCHMARKS.md.
+attention_speed() {
+  local dt
+  for dt in bf16 f32; do
+    "$bins/fsdp" bench attention --device cuda --dtype "$dt" --batch 4 --seq 2048 --reps 3 || return 1
+    python3 tools/bench_attention_torch.py --device cuda --dtype "$dt" --batch 4 --seq 2048 \
+      --reps 3 || echo "(no PyTorch anchor here)"
+  done
+}
 
 # The launcher end to end: gpt2_example (byte-level GPT-2 on VADER's sentences, 20 steps)
 # with the guide's config on 1 and 2 processes, use_cpu: true and false (2 processes share
@@ -150,7 +163,8 @@ sys.exit(0 if all(abs(a - b) <= 2e-3 for a, b in zip(cpu, gpu)) else 1)
 PY
 }
 export out bins dir
-export -f launched compare_launches
+export -f launched compare_launches attention_speed
+step "attention kernels: speed beside PyTorch SDPA" attention_speed
 step "launch: gpt2_example on 1 process, GPU against CPU" compare_launches 1
 step "launch: gpt2_example on 2 processes sharing the GPU, against CPU" compare_launches 2
 echo "gpu-check: $([ "$failed" -eq 0 ] && echo passed || echo FAILED)"

@@ -2,8 +2,9 @@
 //! K/V heads read in place, the masked half skipped) against the two ways a model could run it
 //! without: the same fused op on K/V repeated to every query head under an additive causal
 //! mask (what the engine had before), and transformers' eager formula composed from candle
-//! ops (`repeat_kv`, `Q K^T`, mask, softmax, `P V`). Forward and forward+backward on one
-//! thread; prints a table and one JSON line.
+//! ops (`repeat_kv`, `Q K^T`, mask, softmax, `P V`). Forward and forward+backward on one CPU
+//! thread, or (`--device cuda`, a build with `cuda`) on GPU 0, where the fused op is
+//! fsdp-nn's CUDA kernels; prints a table and one JSON line.
 
 use anyhow::Result;
 use clap::Args;
@@ -36,6 +37,9 @@ pub struct AttentionArgs {
     /// Timed repetitions (after two warm-ups); the minimum is reported.
     #[arg(long, default_value_t = 10)]
     reps: usize,
+    /// `cpu` (one thread) or `cuda` (GPU 0; a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
 }
 
 type Attend<'a> = dyn Fn(&Tensor, &Tensor, &Tensor) -> fsdp::nn::candle::Result<Tensor> + 'a;
@@ -91,18 +95,25 @@ pub fn run(a: AttentionArgs) -> Result<()> {
     } else {
         DType::F32
     };
-    let (qw, kw) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-    let input = |w: usize| -> Result<Var> {
-        let t = Tensor::randn(0f32, 1.0, (a.batch, a.seq, w), &Device::Cpu)?.to_dtype(dtype)?;
-        Ok(Var::from_tensor(&t)?)
+    let device = match a.device.as_str() {
+        "cuda" => fsdp::nn::device::cuda(0)?,
+        _ => Device::Cpu,
     };
+    let (qw, kw) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+    let random = |w: usize| -> Result<Tensor> {
+        let t = Tensor::randn(0f32, 1.0, (a.batch, a.seq, w), &Device::Cpu)?;
+        Ok(t.to_dtype(dtype)?.to_device(&device)?)
+    };
+    let input = |w: usize| -> Result<Var> { Ok(Var::from_tensor(&random(w)?)?) };
     let (q, k, v) = (input(qw)?, input(kw)?, input(kw)?);
-    let grad_out = Tensor::randn(0f32, 1.0, (a.batch, a.seq, qw), &Device::Cpu)?.to_dtype(dtype)?;
+    let grad_out = random(qw)?;
     let s = a.seq;
     let causal: Vec<f32> = (0..s * s)
         .map(|i| if i % s > i / s { f32::MIN } else { 0.0 })
         .collect();
-    let mask = Tensor::from_vec(causal, (1, 1, s, s), &Device::Cpu)?.to_dtype(dtype)?;
+    let mask = Tensor::from_vec(causal, (1, 1, s, s), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(&device)?;
     let heads = AttentionHeads {
         heads: a.heads,
         kv_heads: a.kv_heads,
@@ -121,15 +132,16 @@ pub fn run(a: AttentionArgs) -> Result<()> {
         )
     };
     let composed = |q: &Tensor, k: &Tensor, v: &Tensor| eager(q, k, v, &mask, &a);
+    // A GPU's work is queued: each timed call waits for it to finish.
     let forward = |f: &Attend| -> Result<()> {
         f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
-        Ok(())
+        Ok(device.synchronize()?)
     };
     let train = |f: &Attend| -> Result<()> {
         let y = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
         let g = (y * &grad_out)?.sum_all()?.backward()?;
         anyhow::ensure!(g.get(&q).is_some(), "no gradient");
-        Ok(())
+        Ok(device.synchronize()?)
     };
     // The loss `sum(y * g)` and its backward, timed alone and taken off the training rows.
     let loss = best(a.reps, || {
@@ -151,8 +163,12 @@ pub fn run(a: AttentionArgs) -> Result<()> {
     // Useful FLOPs: Q K^T and P V over the causal half (row i has i + 1 keys); training is
     // counted as 3x forward, the convention of model FLOPs.
     let forward_flops = 4.0 * (a.batch * a.heads * a.head_dim) as f64 * (s * (s + 1) / 2) as f64;
+    let on = match a.device.as_str() {
+        "cuda" => "GPU 0",
+        _ => "1 thread",
+    };
     println!(
-        "causal attention, q [{}, {s}, {} x {}], {} K/V heads, {} (1 thread)",
+        "causal attention, q [{}, {s}, {} x {}], {} K/V heads, {} ({on})",
         a.batch, a.heads, a.head_dim, a.kv_heads, a.dtype
     );
     println!(
@@ -180,6 +196,7 @@ pub fn run(a: AttentionArgs) -> Result<()> {
         "bench": "attention",
         "batch": a.batch, "seq": s, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
         "dtype": a.dtype,
+        "device": a.device,
         "threads": 1,
         "forward_flops": forward_flops,
         "results": rows.iter().map(|(name, f, t)| serde_json::json!({
