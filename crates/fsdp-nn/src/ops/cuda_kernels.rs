@@ -221,6 +221,21 @@ fn input_pointer<'a>(
     }
 }
 
+/// An error unless every operand named in `operands` is of the first one's type: a kernel
+/// reads its tensor operands as one element type (other operands, a mask or a table of
+/// angles, have their own fixed types).
+pub(crate) fn same_types(op: &str, operands: &[(&str, DType)]) -> Result<()> {
+    let Some((first, want)) = operands.first() else {
+        return Ok(());
+    };
+    match operands.iter().find(|(_, d)| d != want) {
+        Some((name, got)) => {
+            candle_core::bail!("{op}: {name} is {got:?} where {first} is {want:?}")
+        }
+        None => Ok(()),
+    }
+}
+
 /// `storage`'s elements from `layout`'s start, which must be contiguous on a GPU; `what`
 /// names it in errors.
 pub(crate) fn operand<'a>(
@@ -298,4 +313,21 @@ pub(crate) fn take_storage(
     outputs
         .remove(&index)
         .ok_or_else(|| candle_core::Error::Msg(format!("kernel output {index} missing")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Operands of mixed types are refused before any kernel reads one as the other, naming
+    /// the op and both operands.
+    #[test]
+    fn operands_of_another_type_are_refused_by_name() {
+        let same = [("q", DType::BF16), ("k", DType::BF16), ("v", DType::BF16)];
+        assert!(same_types("sdpa", &same).is_ok());
+        assert!(same_types("sdpa", &[]).is_ok());
+        let mixed = [("q", DType::BF16), ("k", DType::BF16), ("v", DType::F32)];
+        let e = same_types("sdpa", &mixed).unwrap_err().to_string();
+        assert!(e.contains("sdpa: v is F32 where q is BF16"), "{e}");
+    }
 }

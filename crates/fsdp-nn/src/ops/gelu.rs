@@ -21,6 +21,9 @@ fn gpu_forward(
     (x, xl): (&candle_core::CudaStorage, &Layout),
     bias: Option<(&candle_core::CudaStorage, &Layout)>,
 ) -> Result<(candle_core::CudaStorage, Shape)> {
+    let mut types = vec![("input", x.dtype())];
+    types.extend(bias.map(|(b, _)| ("bias", b.dtype())));
+    cuda_kernels::same_types("gelu", &types)?;
     let shape = ElementShape::over(xl.shape(), x.dtype());
     let mut inputs = vec![(plan::X, device_operand(x, xl, "gelu input")?)];
     if let Some((b, bl)) = bias {

@@ -131,6 +131,10 @@ fn gpu_norm_forward(
     gamma: cuda_kernels::Operand<'_>,
     beta: Option<cuda_kernels::Operand<'_>>,
 ) -> Result<candle_core::CudaStorage> {
+    let mut types = vec![("input", x.0.dtype()), ("scale", gamma.0.dtype())];
+    types.extend(residual.map(|r| ("residual", r.0.dtype())));
+    types.extend(beta.map(|b| ("shift", b.0.dtype())));
+    cuda_kernels::same_types("fused norm", &types)?;
     let mut inputs = vec![(forward::X, x), (forward::GAMMA, gamma)];
     inputs.extend(residual.map(|r| (forward::RESIDUAL, r)));
     inputs.extend(beta.map(|b| (forward::BETA, b)));
@@ -150,6 +154,13 @@ fn gpu_norm_backward(
     grad: &Tensor,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     use backward as b;
+    let mut types = vec![
+        ("input", x.dtype()),
+        ("scale", gamma.dtype()),
+        ("gradient", grad.dtype()),
+    ];
+    types.extend(residual.map(|r| ("residual", r.dtype())));
+    cuda_kernels::same_types("fused norm backward", &types)?;
     let mut inputs = vec![
         (b::X, x, "norm input"),
         (b::GAMMA, gamma, "norm scale"),

@@ -96,6 +96,7 @@ impl CustomOp2 for SwiGlu {
                 l2.dims()
             );
         }
+        cuda_kernels::same_types(self.name(), &[("gate", s1.dtype()), ("up", s2.dtype())])?;
         let shape = ElementShape::over(l1.shape(), s1.dtype());
         let inputs = [
             (plan::GATE, device_operand(s1, l1, self.name())?),
@@ -115,6 +116,12 @@ impl CustomOp2 for SwiGlu {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         #[cfg(feature = "cuda")]
         if gate_t.device().is_cuda() {
+            let types = [
+                ("gate", gate_t.dtype()),
+                ("up", up_t.dtype()),
+                ("gradient", grad.dtype()),
+            ];
+            cuda_kernels::same_types(self.name(), &types)?;
             let shape = ElementShape::over(gate_t.shape(), gate_t.dtype());
             let n = gate_t.elem_count();
             let inputs = [

@@ -61,6 +61,8 @@ impl Sdpa {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
+        let types = [("q", s1.dtype()), ("k", s2.dtype()), ("v", s3.dtype())];
+        cuda_kernels::same_types("sdpa", &types)?;
         let dims = self.dims(dims3(l1)?, dims3(l2)?, dims3(l3)?)?;
         let all = [strides(l1, "q")?, strides(l2, "k")?, strides(l3, "v")?];
         let shape = self.gpu_shape(dims, s1.dtype(), all)?;
@@ -96,6 +98,14 @@ impl Sdpa {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let types = [
+            ("q", q.dtype()),
+            ("k", k.dtype()),
+            ("v", v.dtype()),
+            ("output", res.dtype()),
+            ("output gradient", grad.dtype()),
+        ];
+        cuda_kernels::same_types("sdpa backward", &types)?;
         let dims = self.dims(q.dims3()?, k.dims3()?, v.dims3()?)?;
         let (s, qw, kw) = (
             dims.seq,

@@ -179,8 +179,8 @@ fn on_the_cpu(
     (y, vars.iter().map(of).collect())
 }
 
-/// The buffers of one plan: inputs from tensors, outputs filled with `0x7f` bytes (an element
-/// a kernel never writes shows as garbage), scratch with zeros.
+/// The buffers of one plan: inputs from tensors, outputs and scratch filled with `0x7f` bytes
+/// (an element a kernel never writes, or reads before writing, shows as garbage).
 #[derive(Default)]
 struct Buffers(BTreeMap<usize, Vec<u8>>);
 
@@ -196,8 +196,9 @@ impl Buffers {
         self
     }
 
+    /// f32 scratch the plan writes before it reads it, garbage too.
     fn scratch(mut self, index: usize, f32s: usize) -> Self {
-        self.0.insert(index, vec![0; f32s * 4]);
+        self.0.insert(index, vec![0x7f; f32s * 4]);
         self
     }
 }
