@@ -108,10 +108,10 @@ done
 export FSDP_REQUIRE_GPU=1
 # fsdp-nn's unit tests: the device probe, every op on the GPU against the CPU, and the bf16
 # GEMM's AMX kernel where this host has AMX.
-step "fsdp-nn: every op on the GPU against the CPU" "$bins/fsdp-nn-lib" device:: every_op_on_a_gpu
+step "fsdp-nn: every op and the NF4 base on the GPU against the CPU" "$bins/fsdp-nn-lib" device:: on_a_gpu
 # (Not the CUDA kernels' emulator tests, `*_on_the_emulator_*`: they build their driver from
 # the source tree, and run on any CPU.)
-step "fsdp-nn: the other unit tests (bf16 GEMM, AMX where present)" "$bins/fsdp-nn-lib" --skip every_op_on_a_gpu --skip on_the_emulator
+step "fsdp-nn: the other unit tests (bf16 GEMM, AMX where present)" "$bins/fsdp-nn-lib" --skip on_a_gpu --skip on_the_emulator
 step "fsdp: the engine on the GPU (host-staged) trains as on the CPU" "$bins/fsdp-integration" engine_in_process::training_on_a_gpu_matches_the_cpu
 step "fsdp-comm: NCCL collectives" "$bins/fsdp-comm-integration" nccl_collectives_on_gpus
 

@@ -20,6 +20,7 @@ fn build_kernels() {
             "kernels/rope.cu",
             "kernels/attention.cu",
             "kernels/cross_entropy.cu",
+            "kernels/quant.cu",
         ])
         .arg("-std=c++17")
         .arg("-O3")

@@ -89,6 +89,7 @@ T shfl_xor(T v, int lane_mask, int width) {
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
+#define __constant__
 
 inline void __syncthreads() { fsdp_emulator::block_barrier->arrive_and_wait(); }
 

@@ -18,6 +18,7 @@
 #include "../attention.cu"
 #include "../cross_entropy.cu"
 #include "../norm.cu"
+#include "../quant.cu"
 #include "../rope.cu"
 
 struct Arg {
@@ -133,6 +134,10 @@ static std::map<std::string, Kernel> kernels() {
     REGISTER_ATTENTION(bf16, bf16)
     REGISTER_CROSS_ENTROPY(float, f32)
     REGISTER_CROSS_ENTROPY(bf16, bf16)
+    table["fsdp_nf4_dequantize_f32"] = [](const std::vector<Arg>& a) {
+        fsdp_nf4_dequantize_f32(P(0, const unsigned char*), P(1, float*), a.at(2).i, a.at(3).i,
+                                a.at(4).i);
+    };
     table["fsdp_sum_rows_f32"] = [](const std::vector<Arg>& a) {
         fsdp_sum_rows_f32(P(0, const float*), P(1, float*), a.at(2).i, a.at(3).f);
     };

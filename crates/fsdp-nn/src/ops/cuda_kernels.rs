@@ -29,6 +29,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
         Module::Rope => ("fsdp_nn_rope", ptx::ROPE),
         Module::Attention => ("fsdp_nn_attention", ptx::ATTENTION),
         Module::CrossEntropy => ("fsdp_nn_cross_entropy", ptx::CROSS_ENTROPY),
+        Module::Quant => ("fsdp_nn_quant", ptx::QUANT),
     }
 }
 

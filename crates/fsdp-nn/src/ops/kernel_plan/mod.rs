@@ -9,12 +9,14 @@ mod activations;
 mod attention;
 mod cross_entropy;
 mod norm;
+mod quant;
 mod rope;
 
 pub(crate) use activations::{ElementShape, dropout, gelu, swiglu};
 pub(crate) use attention::{AttentionShape, buffers as attention_buffers};
 pub(crate) use cross_entropy::{CrossEntropyShape, buffers as cross_entropy_buffers};
 pub(crate) use norm::{NormShape, backward, forward};
+pub(crate) use quant::{Nf4Shape, buffers as quant_buffers};
 pub(crate) use rope::{RopeShape, buffers as rope_buffers};
 
 /// One argument of a kernel launch.
@@ -47,6 +49,8 @@ pub(crate) enum Module {
     Attention,
     /// `cross_entropy.cu`: cross-entropy of logit rows.
     CrossEntropy,
+    /// `quant.cu`: dequantizing NF4 weights.
+    Quant,
 }
 
 /// One kernel launch.
