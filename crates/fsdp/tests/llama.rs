@@ -11,10 +11,16 @@ use candle_core::{DType, Device, Tensor};
 use fsdp::models::{LlamaConfig, LlamaForCausalLM};
 use fsdp::nn::{LocalParams, Model, Module};
 
+/// A fixture's folder: in the source tree the binary was built from, or (a test binary
+/// carried to another machine, as tools/gpu-check.sh does) under the working directory's
+/// checkout.
 fn fixture(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/llama")
-        .join(case)
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/llama");
+    let here = Path::new("crates/fsdp/tests/data/llama");
+    match built.is_dir() || !here.is_dir() {
+        true => built.join(case),
+        false => here.join(case),
+    }
 }
 
 /// Largest |a - b| over max(|b|) (relative to the reference's scale).
@@ -55,81 +61,143 @@ fn model_and_params(case: &str) -> (LlamaForCausalLM, LocalParams) {
     (model, params)
 }
 
+/// The four fixture models: grouped-query with a tied head, multi-head with biases and linear
+/// rope scaling, Qwen2, and llama3 rope scaling with an explicit head_dim.
+const CASES: [&str; 4] = [
+    "gqa_tied",
+    "mha_biases_linear_rope",
+    "qwen2",
+    "llama3_rope_head_dim",
+];
+
+/// `case`'s model with `params` on `device` against transformers' `expected` outputs (keys
+/// under `prefix`): logits on the real tokens, the loss from the logits and with the head
+/// fused into it, and every parameter's gradient of each, within `tol`.
+fn check_case(
+    case: &str,
+    (model, params): (&LlamaForCausalLM, &LocalParams),
+    expected: &std::collections::HashMap<String, Tensor>,
+    (prefix, tol): (&str, f64),
+    device: &Device,
+) {
+    let dtype = params.vars().values().next().unwrap().dtype();
+    let want = |key: &str| &expected[&format!("{prefix}{key}")];
+    let on = |t: &Tensor| t.to_device(device).unwrap();
+    let ids = on(&expected["input_ids"].to_dtype(DType::U32).unwrap());
+    let (mask, labels) = (on(&expected["attention_mask"]), on(&expected["labels"]));
+    let logits = model.forward(params, &ids, Some(&mask)).unwrap();
+    assert!(
+        logits.device().same_device(device),
+        "{case}: logits left {device:?}"
+    );
+    let loss = model.loss(&logits, &labels).unwrap();
+    let logits = logits.to_device(&Device::Cpu).unwrap();
+    // Logits at padded positions are not compared: transformers attends there too, but
+    // nothing reads them (their labels are -100).
+    let real = |t: &Tensor| {
+        Tensor::cat(
+            &[
+                t.get(0).unwrap(),
+                t.get(1).unwrap().narrow(0, 0, 6).unwrap(),
+            ],
+            0,
+        )
+        .unwrap()
+    };
+    let d = rel_diff(&real(&logits), &real(want("logits")));
+    assert!(
+        d < tol,
+        "{case} {dtype:?} on {device:?}: logits differ by {d:e}"
+    );
+    // The loss of the logits, and the loss with the head fused into it (no logits).
+    let fused = model
+        .forward_loss(params, &ids, Some(&mask), &labels)
+        .unwrap();
+    for (how, loss) in [("from logits", loss), ("fused", fused)] {
+        let d = rel_diff(
+            &loss.reshape(1).unwrap().to_device(&Device::Cpu).unwrap(),
+            want("loss"),
+        );
+        assert!(
+            d < tol,
+            "{case} {dtype:?} on {device:?}: loss {how} differs by {d:e}"
+        );
+        let grads = loss.backward().unwrap();
+        for (name, var) in params.vars() {
+            let grad = grads.get(var).unwrap().to_device(&Device::Cpu).unwrap();
+            let d = rel_diff(&grad, want(&format!("grad.{name}")));
+            assert!(
+                d < tol,
+                "{case} {dtype:?} on {device:?}: gradient of {name} ({how}) differs by {d:e}"
+            );
+        }
+    }
+    let reference = expected
+        .keys()
+        .filter(|k| k.starts_with(&format!("{prefix}grad.")))
+        .count();
+    assert_eq!(
+        params.vars().len(),
+        reference,
+        "{case}: every parameter transformers has"
+    );
+}
+
+fn expected(case: &str) -> std::collections::HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture(case).join("expected.safetensors"), &Device::Cpu)
+        .unwrap()
+}
+
+/// `params` as `dtype` on `device`.
+fn moved(
+    model: &LlamaForCausalLM,
+    params: &LocalParams,
+    dtype: DType,
+    device: &Device,
+) -> LocalParams {
+    let tensors = params
+        .tensors()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_dtype(dtype).unwrap().to_device(device).unwrap()))
+        .collect();
+    LocalParams::from_tensors(&model.info(), tensors).unwrap()
+}
+
 #[test]
 fn logits_loss_and_gradients_match_transformers() {
-    for case in [
-        "gqa_tied",
-        "mha_biases_linear_rope",
-        "qwen2",
-        "llama3_rope_head_dim",
-    ] {
+    for case in CASES {
         let (model, f32_params) = model_and_params(case);
-        let expected = candle_core::safetensors::load(
-            fixture(case).join("expected.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let expected = expected(case);
         // f32 against transformers' f32; f64 against its f64 with RMSNorm, softmax and loss in
         // f64 too and the same f32 rotary cos/sin (see the fixture script): there only the
         // formulas could differ.
         for (dtype, prefix, tol) in [(DType::F32, "", 1e-5), (DType::F64, "f64.", 1e-10)] {
-            let widened = f32_params
-                .tensors()
-                .into_iter()
-                .map(|(k, v)| (k, v.to_dtype(dtype).unwrap()))
-                .collect();
-            let params = LocalParams::from_tensors(&model.info(), widened).unwrap();
-            let want = |key: &str| &expected[&format!("{prefix}{key}")];
-            let ids = expected["input_ids"].to_dtype(DType::U32).unwrap();
-            let logits = model
-                .forward(&params, &ids, Some(&expected["attention_mask"]))
-                .unwrap();
-            let loss = model.loss(&logits, &expected["labels"]).unwrap();
-            // Logits at padded positions are not compared: transformers attends there too, but
-            // nothing reads them (their labels are -100).
-            let real = |t: &Tensor| {
-                Tensor::cat(
-                    &[
-                        t.get(0).unwrap(),
-                        t.get(1).unwrap().narrow(0, 0, 6).unwrap(),
-                    ],
-                    0,
-                )
-                .unwrap()
-            };
-            let d = rel_diff(&real(&logits), &real(want("logits")));
-            assert!(d < tol, "{case} {dtype:?}: logits differ by {d:e}");
-            // The loss of the logits, and the loss with the head fused into it (no logits).
-            let fused = model
-                .forward_loss(
-                    &params,
-                    &ids,
-                    Some(&expected["attention_mask"]),
-                    &expected["labels"],
-                )
-                .unwrap();
-            for (how, loss) in [("from logits", loss), ("fused", fused)] {
-                let d = rel_diff(&loss.reshape(1).unwrap(), want("loss"));
-                assert!(d < tol, "{case} {dtype:?}: loss {how} differs by {d:e}");
-                let grads = loss.backward().unwrap();
-                for (name, var) in params.vars() {
-                    let d = rel_diff(grads.get(var).unwrap(), want(&format!("grad.{name}")));
-                    assert!(
-                        d < tol,
-                        "{case} {dtype:?}: gradient of {name} ({how}) differs by {d:e}"
-                    );
-                }
-            }
-            let reference = expected
-                .keys()
-                .filter(|k| k.starts_with(&format!("{prefix}grad.")))
-                .count();
-            assert_eq!(
-                params.vars().len(),
-                reference,
-                "{case}: every parameter transformers has"
+            let params = moved(&model, &f32_params, dtype, &Device::Cpu);
+            check_case(
+                case,
+                (&model, &params),
+                &expected,
+                (prefix, tol),
+                &Device::Cpu,
             );
         }
+    }
+}
+
+/// The same on a GPU, in f32 within 1e-5: fsdp-nn's CUDA kernels (RMSNorm, rope, SwiGLU,
+/// grouped-query causal attention under a padding mask, cross-entropy and the head fused with
+/// it) against transformers. Skips without a usable GPU; fails under `FSDP_REQUIRE_GPU=1`
+/// (tools/gpu-check.sh).
+#[test]
+fn logits_loss_and_gradients_on_a_gpu_match_transformers() {
+    let gpu = match fsdp::nn::device::cuda(0) {
+        Ok(gpu) => gpu,
+        Err(e) => return skipped_gpu!("{e}"),
+    };
+    for case in CASES {
+        let (model, f32_params) = model_and_params(case);
+        let params = moved(&model, &f32_params, DType::F32, &gpu);
+        check_case(case, (&model, &params), &expected(case), ("", 1e-5), &gpu);
     }
 }
 
