@@ -117,11 +117,14 @@ step "fsdp: Llama-family models on the GPU against transformers" "$bins/fsdp-int
 step "fsdp-comm: NCCL collectives" "$bins/fsdp-comm-integration" nccl_collectives_on_gpus
 
 # The attention kernels' speed on the GPU beside PyTorch's SDPA on the same shapes
-# (SmolLM2-135M's heads, 4 sequences of 2048), bf16 and f32: figures for docs/BENCHMARKS.md.
+# (SmolLM2-135M's heads, 4 sequences of 2048), bf16 and f32, the tiled kernels and (rows) the
+# row kernels: figures for docs/BENCHMARKS.md.
 attention_speed() {
   local dt
   for dt in bf16 f32; do
     "$bins/fsdp" bench attention --device cuda --dtype "$dt" --batch 4 --seq 2048 --reps 3 || return 1
+    FSDP_CUDA_ATTENTION=rows "$bins/fsdp" bench attention --device cuda --dtype "$dt" --batch 4 \
+      --seq 2048 --reps 3 | grep -E "grouped-query causal|GPU 0" || return 1
     python3 tools/bench_attention_torch.py --device cuda --dtype "$dt" --batch 4 --seq 2048 \
       --reps 3 || echo "(no PyTorch anchor here)"
   done

@@ -192,6 +192,200 @@ static __device__ void attention_backward_keys(const T* q, const T* k, const T* 
     store_row(dv + b * dkv_batch + j * dkv_row + g * head_dim, head_dim, dv_acc, 1.0f);
 }
 
+// ---- Heads of 64: a thread per row, the other operand's rows in shared-memory tiles ----
+// Each thread keeps its row's vectors in registers (fully unrolled loops over the 64
+// dimensions) and reads the tile's rows as broadcasts (every thread the same element), so a
+// score costs 64 multiply-adds and no shuffles. Rows of a tile are padded to 65 floats: the
+// cooperative loads (and a thread reading its own row) hit distinct banks.
+#define HD 64
+#define PAD 65
+
+// Rows `first..first + count` of one head (`head_at` elements into each row) of `src`, rows
+// `row_stride` apart, into `tile` as f32, the block's threads loading consecutive elements.
+template <typename T>
+static __device__ __forceinline__ void load_tile(float (*tile)[PAD], const T* src, long row_stride,
+                                                 long first, int count) {
+    for (int e = threadIdx.x; e < count * HD; e += blockDim.x) {
+        const int r = e / HD, d = e % HD;
+        tile[r][d] = load(src + (first + r) * row_stride, d);
+    }
+}
+
+// Forward: a block of 64 query rows of head (b, h), key tiles of 64.
+template <typename T>
+static __device__ void attention_forward_64(const T* q, const T* k, const T* v, const float* mask,
+                                            T* out, float* lse, int seq, int heads, int kv_heads,
+                                            int causal, float scale, Strides st, Dropout drop) {
+    __shared__ float ks[64][PAD];
+    __shared__ float vs[64][PAD];
+    const long h = blockIdx.y, b = blockIdx.z, g = h / (heads / kv_heads);
+    const long first = (long)blockIdx.x * 64, i = first + threadIdx.x;
+    const bool active = i < seq;
+    float qi[HD], acc[HD];
+#pragma unroll
+    for (int d = 0; d < HD; d++) {
+        qi[d] = active ? load(q + b * st.q_batch + i * st.q_row + h * HD, d) : 0.0f;
+        acc[d] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    const long last = causal ? (first + 64 < seq ? first + 64 : seq) : seq;
+    for (long j0 = 0; j0 < last; j0 += 64) {
+        const int count = last - j0 < 64 ? (int)(last - j0) : 64;
+        __syncthreads();  // the previous tile's readers are done
+        load_tile(ks, k + b * st.k_batch + g * HD, st.k_row, j0, count);
+        load_tile(vs, v + b * st.v_batch + g * HD, st.v_row, j0, count);
+        __syncthreads();
+        if (!active) continue;
+        const long visible = causal ? i + 1 - j0 : count;
+        const int end = visible < count ? (int)visible : count;
+        for (int jj = 0; jj < end; jj++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int d = 0; d < HD; d++) s += qi[d] * ks[jj][d];
+            s = score(s, scale, mask, st, b, h, i, j0 + jj);
+            const float m_new = fmaxf(m, s);
+            if (m_new == -INFINITY) continue;  // every key so far masked out entirely
+            if (m_new > m) {
+                const float correction = expf(m - m_new);
+                l *= correction;
+#pragma unroll
+                for (int d = 0; d < HD; d++) acc[d] *= correction;
+                m = m_new;
+            }
+            const float p = expf(s - m);
+            l += p;
+            const float kept_p = p * drop.factor(b, h, i, j0 + jj, heads, seq);
+#pragma unroll
+            for (int d = 0; d < HD; d++) acc[d] += kept_p * vs[jj][d];
+        }
+    }
+    if (!active) return;
+    T* o = out + (b * seq + i) * (long)heads * HD + h * HD;
+#pragma unroll
+    for (int d = 0; d < HD; d++) store(o, d, acc[d] / l);
+    lse[(b * heads + h) * seq + i] = m + logf(l);
+}
+
+// Backward, first pass: a block of 64 query rows of head (b, h) (their q in shared memory),
+// key tiles of 32; as `attention_backward_queries`.
+template <typename T>
+static __device__ void attention_backward_queries_64(
+    const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,
+    const float* lse, float* delta, T* dq, long dq_batch, long dq_row, int seq, int heads,
+    int kv_heads, int causal, float scale, Strides st, Dropout drop) {
+    __shared__ float qs[64][PAD];
+    __shared__ float ks[32][PAD];
+    __shared__ float vs[32][PAD];
+    const long h = blockIdx.y, b = blockIdx.z, g = h / (heads / kv_heads);
+    const long first = (long)blockIdx.x * 64, i = first + threadIdx.x;
+    const bool active = i < seq;
+    const int rows = seq - first < 64 ? (int)(seq - first) : 64;
+    load_tile(qs, q + b * st.q_batch + h * HD, st.q_row, first, rows);
+    float doi[HD], acc[HD];
+    float d_i = 0.0f;
+    const long o_at = (b * seq + i) * (long)heads * HD + h * HD;
+#pragma unroll
+    for (int d = 0; d < HD; d++) {
+        doi[d] = active ? load(dout + o_at, d) : 0.0f;
+        d_i += active ? doi[d] * load(out + o_at, d) : 0.0f;
+        acc[d] = 0.0f;
+    }
+    const float lse_i = active ? lse[(b * heads + h) * seq + i] : 0.0f;
+    const long last = causal ? (first + 64 < seq ? first + 64 : seq) : seq;
+    for (long j0 = 0; j0 < last; j0 += 32) {
+        const int count = last - j0 < 32 ? (int)(last - j0) : 32;
+        __syncthreads();
+        load_tile(ks, k + b * st.k_batch + g * HD, st.k_row, j0, count);
+        load_tile(vs, v + b * st.v_batch + g * HD, st.v_row, j0, count);
+        __syncthreads();
+        if (!active) continue;
+        const long visible = causal ? i + 1 - j0 : count;
+        const int end = visible < count ? (int)visible : count;
+        const int t = threadIdx.x;
+        for (int jj = 0; jj < end; jj++) {
+            float s = 0.0f, dp = 0.0f;
+#pragma unroll
+            for (int d = 0; d < HD; d++) {
+                s += qs[t][d] * ks[jj][d];
+                dp += doi[d] * vs[jj][d];
+            }
+            const float p = expf(score(s, scale, mask, st, b, h, i, j0 + jj) - lse_i);
+            const float ds = p * (dp * drop.factor(b, h, i, j0 + jj, heads, seq) - d_i);
+#pragma unroll
+            for (int d = 0; d < HD; d++) acc[d] += ds * ks[jj][d];
+        }
+    }
+    if (!active) return;
+    T* row = dq + b * dq_batch + i * dq_row + h * HD;
+#pragma unroll
+    for (int d = 0; d < HD; d++) store(row, d, acc[d] * scale);
+    delta[(b * heads + h) * seq + i] = d_i;
+}
+
+// Backward, second pass: a block of 32 key rows of K/V head (b, g) (their k and v in shared
+// memory), query tiles of 32 of every head g serves; as `attention_backward_keys`.
+template <typename T>
+static __device__ void attention_backward_keys_64(
+    const T* q, const T* k, const T* v, const float* mask, const T* dout, const float* lse,
+    const float* delta, T* dk, T* dv, long dkv_batch, long dkv_row, int seq, int heads,
+    int kv_heads, int causal, float scale, Strides st, Dropout drop) {
+    __shared__ float kjs[32][PAD];
+    __shared__ float vjs[32][PAD];
+    __shared__ float qs[32][PAD];
+    __shared__ float dos[32][PAD];
+    __shared__ float lses[32];
+    __shared__ float deltas[32];
+    const long g = blockIdx.y, b = blockIdx.z;
+    const long first = (long)blockIdx.x * 32, j = first + threadIdx.x;
+    const bool active = j < seq;
+    const int rows = seq - first < 32 ? (int)(seq - first) : 32;
+    load_tile(kjs, k + b * st.k_batch + g * HD, st.k_row, first, rows);
+    load_tile(vjs, v + b * st.v_batch + g * HD, st.v_row, first, rows);
+    float dk_acc[HD], dv_acc[HD];
+#pragma unroll
+    for (int d = 0; d < HD; d++) dk_acc[d] = dv_acc[d] = 0.0f;
+    const int group = heads / kv_heads;
+    const int t = threadIdx.x;
+    for (long h = g * group; h < (g + 1) * group; h++) {
+        for (long i0 = causal ? first : 0; i0 < seq; i0 += 32) {
+            const int count = seq - i0 < 32 ? (int)(seq - i0) : 32;
+            __syncthreads();
+            load_tile(qs, q + b * st.q_batch + h * HD, st.q_row, i0, count);
+            load_tile(dos, dout + b * (long)seq * heads * HD + h * HD, (long)heads * HD, i0, count);
+            for (int r = threadIdx.x; r < count; r += blockDim.x) {
+                lses[r] = lse[(b * heads + h) * seq + i0 + r];
+                deltas[r] = delta[(b * heads + h) * seq + i0 + r];
+            }
+            __syncthreads();
+            if (!active) continue;
+            for (int ii = 0; ii < count; ii++) {
+                const long i = i0 + ii;
+                if (causal && i < j) continue;
+                float s = 0.0f, dp = 0.0f;
+#pragma unroll
+                for (int d = 0; d < HD; d++) {
+                    s += qs[ii][d] * kjs[t][d];
+                    dp += dos[ii][d] * vjs[t][d];
+                }
+                const float p = expf(score(s, scale, mask, st, b, h, i, j) - lses[ii]);
+                const float factor = drop.factor(b, h, i, j, heads, seq);
+                const float ds = p * (dp * factor - deltas[ii]);
+#pragma unroll
+                for (int d = 0; d < HD; d++) {
+                    dv_acc[d] += p * factor * dos[ii][d];
+                    dk_acc[d] += ds * qs[ii][d];
+                }
+            }
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (int d = 0; d < HD; d++) {
+        store(dk + b * dkv_batch + j * dkv_row + g * HD, d, dk_acc[d] * scale);
+        store(dv + b * dkv_batch + j * dkv_row + g * HD, d, dv_acc[d]);
+    }
+}
+
 #define STRIDE_PARAMS                                                                            \
     long q_batch, long q_row, long k_batch, long k_row, long v_batch, long v_row, long m_batch,  \
         long m_head, long m_query, long m_key
@@ -226,5 +420,31 @@ static __device__ void attention_backward_keys(const T* q, const T* k, const T* 
                                 DROPOUT);                                                        \
     }
 
+#define ATTENTION_64_KERNELS(T, SUFFIX)                                                          \
+    extern "C" __global__ void fsdp_attention_forward64_##SUFFIX(                                \
+        const T* q, const T* k, const T* v, const float* mask, T* out, float* lse, int seq,      \
+        int heads, int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS,           \
+        DROPOUT_PARAMS) {                                                                        \
+        attention_forward_64(q, k, v, mask, out, lse, seq, heads, kv_heads, causal, scale,       \
+                             STRIDES, DROPOUT);                                                  \
+    }                                                                                            \
+    extern "C" __global__ void fsdp_attention_backward_queries64_##SUFFIX(                       \
+        const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,      \
+        const float* lse, float* delta, T* dq, long dq_batch, long dq_row, int seq, int heads,   \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
+        attention_backward_queries_64(q, k, v, mask, out, dout, lse, delta, dq, dq_batch,        \
+                                      dq_row, seq, heads, kv_heads, causal, scale, STRIDES,      \
+                                      DROPOUT);                                                  \
+    }                                                                                            \
+    extern "C" __global__ void fsdp_attention_backward_keys64_##SUFFIX(                          \
+        const T* q, const T* k, const T* v, const float* mask, const T* dout, const float* lse,  \
+        const float* delta, T* dk, T* dv, long dkv_batch, long dkv_row, int seq, int heads,      \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
+        attention_backward_keys_64(q, k, v, mask, dout, lse, delta, dk, dv, dkv_batch, dkv_row,  \
+                                   seq, heads, kv_heads, causal, scale, STRIDES, DROPOUT);       \
+    }
+
 ATTENTION_KERNELS(float, f32)
 ATTENTION_KERNELS(bf16, bf16)
+ATTENTION_64_KERNELS(float, f32)
+ATTENTION_64_KERNELS(bf16, bf16)

@@ -122,6 +122,28 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
                                         a.at(8).f);                                            \
     };
 
+#define REGISTER_ATTENTION_64(T, S)                                                            \
+    table["fsdp_attention_forward64_" #S] = [](const std::vector<Arg>& a) {                    \
+        fsdp_attention_forward64_##S(P(0, const T*), P(1, const T*), P(2, const T*),           \
+                                     P(3, const float*), P(4, T*), P(5, float*), a.at(6).i,    \
+                                     a.at(7).i, a.at(8).i, a.at(9).i, a.at(10).i, a.at(11).f,  \
+                                     STRIDE_ARGS(12), DROPOUT_ARGS(22));                       \
+    };                                                                                         \
+    table["fsdp_attention_backward_queries64_" #S] = [](const std::vector<Arg>& a) {           \
+        fsdp_attention_backward_queries64_##S(                                                 \
+            P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
+            P(5, const T*), P(6, const float*), P(7, float*), P(8, T*), L(9), L(10), a.at(11).i, \
+            a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
+            DROPOUT_ARGS(27));                                                                 \
+    };                                                                                         \
+    table["fsdp_attention_backward_keys64_" #S] = [](const std::vector<Arg>& a) {              \
+        fsdp_attention_backward_keys64_##S(                                                    \
+            P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
+            P(5, const float*), P(6, const float*), P(7, T*), P(8, T*), L(9), L(10), a.at(11).i, \
+            a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
+            DROPOUT_ARGS(27));                                                                 \
+    };
+
 static std::map<std::string, Kernel> kernels() {
     std::map<std::string, Kernel> table;
     REGISTER_NORM(float, f32)
@@ -132,6 +154,8 @@ static std::map<std::string, Kernel> kernels() {
     REGISTER_ROPE(bf16, bf16)
     REGISTER_ATTENTION(float, f32)
     REGISTER_ATTENTION(bf16, bf16)
+    REGISTER_ATTENTION_64(float, f32)
+    REGISTER_ATTENTION_64(bf16, bf16)
     REGISTER_CROSS_ENTROPY(float, f32)
     REGISTER_CROSS_ENTROPY(bf16, bf16)
     table["fsdp_nf4_dequantize_f32"] = [](const std::vector<Arg>& a) {

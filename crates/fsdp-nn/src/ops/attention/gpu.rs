@@ -47,6 +47,7 @@ impl Sdpa {
             v,
             mask: self.mask.as_ref().map(|m| m.dims),
             dropout: self.dropout,
+            tiled: AttentionShape::tiles(dims.head_dim),
         })
     }
 

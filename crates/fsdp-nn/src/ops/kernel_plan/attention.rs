@@ -31,8 +31,11 @@ pub(crate) mod buffers {
     pub const DV: usize = 10;
 }
 
-/// Warps (query or key rows) per block.
+/// Warps (query or key rows) per block of the row kernels.
 const WARPS: u32 = 4;
+/// Rows per block of the tiled kernels (heads of 64): forward and the query pass; the key
+/// pass's blocks are half as many rows.
+const TILE_ROWS: u32 = 64;
 /// Head dimensions one lane holds at most (`MAX_PER_LANE` in the kernel).
 const MAX_HEAD_DIM: usize = 256;
 
@@ -58,6 +61,9 @@ pub(crate) struct AttentionShape {
     pub mask: Option<[usize; 4]>,
     /// Dropout on the probabilities, `(probability, seed)`, if any.
     pub dropout: Option<(f64, u64)>,
+    /// The tiled kernels (heads of 64: a thread per row, tiles in shared memory) rather than
+    /// the row kernels (a warp per row, any head size up to 256).
+    pub tiled: bool,
 }
 
 impl AttentionShape {
@@ -66,7 +72,19 @@ impl AttentionShape {
         (1..=MAX_HEAD_DIM).contains(&head_dim)
     }
 
+    /// Whether heads of `head_dim` run on the tiled kernels: heads of 64 do, unless
+    /// `FSDP_CUDA_ATTENTION=rows` asks for the row kernels (to time one against the other).
+    pub fn tiles(head_dim: usize) -> bool {
+        head_dim == 64 && std::env::var("FSDP_CUDA_ATTENTION").as_deref() != Ok("rows")
+    }
+
     fn kernel(&self, name: &str) -> Result<String> {
+        if self.tiled && self.head_dim != 64 {
+            candle_core::bail!(
+                "attention_{name}: the tiled kernels take heads of 64, not {}",
+                self.head_dim
+            );
+        }
         if !Self::fits(self.head_dim) {
             candle_core::bail!(
                 "attention_{name}: head_dim {} is not in 1..={MAX_HEAD_DIM}",
@@ -89,7 +107,12 @@ impl AttentionShape {
                 self.heads
             );
         }
-        checked_name(&format!("attention_{name}"), self.dtype, &[out, grid[2]])
+        let variant = if self.tiled { "64" } else { "" };
+        checked_name(
+            &format!("attention_{name}{variant}"),
+            self.dtype,
+            &[out, grid[2]],
+        )
     }
 
     /// The mask's element strides per (batch, head, query, key), 0 where it broadcasts.
@@ -108,13 +131,30 @@ impl AttentionShape {
         strides
     }
 
-    fn launch(&self, kernel: String, rows_of: usize, args: Vec<KernelArg>) -> Launch {
-        let blocks = self.seq.div_ceil(WARPS as usize) as u32;
+    /// A launch over the rows of `rows_of` heads; `key_pass` is backward's pass over keys.
+    fn launch(
+        &self,
+        kernel: String,
+        rows_of: usize,
+        key_pass: bool,
+        args: Vec<KernelArg>,
+    ) -> Launch {
+        let rows_per_block = match (self.tiled, key_pass) {
+            (false, _) => WARPS,
+            (true, false) => TILE_ROWS,
+            (true, true) => TILE_ROWS / 2,
+        };
+        let threads = if self.tiled {
+            rows_per_block
+        } else {
+            WARPS * 32
+        };
+        let blocks = self.seq.div_ceil(rows_per_block as usize) as u32;
         Launch {
             module: Module::Attention,
             kernel,
             grid: [blocks, rows_of as u32, self.batch as u32],
-            block: [WARPS * 32, 1, 1],
+            block: [threads, 1, 1],
             args,
         }
     }
@@ -167,7 +207,7 @@ impl AttentionShape {
         let mut args = self.inputs();
         args.extend([KernelArg::Buffer(OUT), KernelArg::Buffer(LSE)]);
         args.extend(self.tail());
-        Ok(vec![self.launch(kernel, self.heads, args)])
+        Ok(vec![self.launch(kernel, self.heads, false, args)])
     }
 
     /// Backward from `OUT`, `DOUT` and forward's `LSE`: `DQ` at strides `dq`, `DK` and `DV` at
@@ -192,8 +232,8 @@ impl AttentionShape {
         second.extend([long(dkv.0), long(dkv.1)]);
         second.extend(self.tail());
         Ok(vec![
-            self.launch(queries, self.heads, first),
-            self.launch(keys, self.kv_heads, second),
+            self.launch(queries, self.heads, false, first),
+            self.launch(keys, self.kv_heads, true, second),
         ])
     }
 }

@@ -595,6 +595,7 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
         v: strides[2],
         mask: mask.as_ref().map(|_| [batch, 1, 1, seq]),
         dropout,
+        tiled: false,
     };
     let mut buffers = Buffers::default();
     for (index, data) in [ab::Q, ab::K, ab::V].into_iter().zip(operands) {
@@ -603,15 +604,42 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
     if let Some(m) = &mask {
         buffers = buffers.input(ab::MASK, m);
     }
-    let rows = batch * heads.heads * seq;
+    // Heads of 64 take the tiled kernels (as on a GPU); the others the row kernels.
+    let shape = AttentionShape {
+        tiled: head_dim == 64,
+        ..shape
+    };
+    let case = format!("{case}, tiled {}", shape.tiled);
+    run_attention(emulator, &case, &shape, buffers, (&y, &grads, &grad), fused);
+}
+
+/// One attention plan on the emulator against the CPU op's output and gradients.
+fn run_attention(
+    emulator: &Emulator,
+    case: &str,
+    shape: &AttentionShape,
+    buffers: Buffers,
+    (y, grads, grad): (&Tensor, &[Tensor], &Tensor),
+    fused: bool,
+) {
+    use attention_buffers as ab;
+    let AttentionShape {
+        batch,
+        seq,
+        dtype,
+        head_dim,
+        ..
+    } = *shape;
+    let (qw, kw) = (shape.heads * head_dim, shape.kv_heads * head_dim);
+    let rows = batch * shape.heads * seq;
     let forward_buffers = Buffers(buffers.0.clone())
         .output(ab::OUT, batch * seq * qw, dtype)
         .scratch(ab::LSE, rows);
     let out = emulator.run(&shape.forward().unwrap(), &forward_buffers.0);
-    assert_close(&case, "output", &out[&ab::OUT], dtype, &y);
+    assert_close(case, "output", &out[&ab::OUT], dtype, y);
 
     let mut backward_buffers = buffers
-        .input(ab::DOUT, &grad)
+        .input(ab::DOUT, grad)
         .scratch(ab::DELTA, rows)
         .output(ab::DQ, batch * seq * qw, dtype)
         .output(ab::DK, batch * seq * kw, dtype)
@@ -625,14 +653,14 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
             .map(|i| grads[0].narrow(2, i * qw, qw).unwrap())
             .collect()
     } else {
-        grads
+        grads.to_vec()
     };
     for (i, (index, name)) in [(ab::DQ, "q"), (ab::DK, "k"), (ab::DV, "v")]
         .into_iter()
         .enumerate()
     {
         assert_close(
-            &case,
+            case,
             &format!("{name} gradient"),
             &out[&index],
             dtype,
@@ -644,7 +672,8 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
 /// Attention on the emulator against the CPU op, values and the three gradients, in f32 and
 /// bf16: multi-head, grouped-query 4:2 causal with heads wider than a warp (40: two elements
 /// a lane, some lanes idle) and a last block of rows half full, multi-query with a padding
-/// mask, q, k, v read in place from a fused projection, causal and masked, and dropout.
+/// mask, q, k, v read in place from a fused projection, causal and masked, and dropout; heads
+/// of 64 on the tiled kernels too.
 #[test]
 fn attention_kernels_on_the_emulator_match_the_cpu_op() {
     let Some(emulator) = emulator() else {
@@ -673,6 +702,10 @@ fn attention_kernels_on_the_emulator_match_the_cpu_op() {
         // Dropout draws the CPU's masks: grouped-query causal, and fused with a mask.
         case(2, 9, gqa(4, 2, true), 40, 0, false, Some((0.25, 17))),
         case(2, 7, gqa(2, 2, false), 12, 3, true, Some((0.5, 3))),
+        // Heads of 64 run the tiled kernels: several tiles of rows and keys, the last ones
+        // partial, causal grouped-query, fused with a mask and dropout.
+        case(1, 70, gqa(2, 1, true), 64, 0, false, None),
+        case(2, 37, gqa(1, 1, true), 64, 4, true, Some((0.2, 9))),
     ];
     for dtype in [DType::F32, DType::BF16] {
         for c in &cases {
@@ -806,6 +839,77 @@ fn nf4_dequantize_kernel_on_the_emulator_gives_the_cpus_weight() {
             .to_string()
             .contains("whole NF4 blocks")
     );
+}
+
+/// Attention's plans: heads of 64 on the tiled kernels (64 rows a block, the key pass 32) unless
+/// `FSDP_CUDA_ATTENTION=rows`, other heads on the row kernels (4 warps a block); heads past
+/// 256, uneven groups and tiled kernels for other head sizes refused by name.
+#[test]
+fn attention_plans_pick_the_kernels_their_heads_fit() {
+    let rows_asked = std::env::var("FSDP_CUDA_ATTENTION").as_deref() == Ok("rows");
+    assert_eq!(AttentionShape::tiles(64), !rows_asked);
+    assert!(!AttentionShape::tiles(40) && !AttentionShape::tiles(128));
+    let shape = AttentionShape {
+        batch: 2,
+        seq: 100,
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: DType::BF16,
+        causal: true,
+        scale: 0.125,
+        q: (100 * 384, 384),
+        k: (100 * 128, 128),
+        v: (100 * 128, 128),
+        mask: None,
+        dropout: None,
+        tiled: true,
+    };
+    let plan = shape.backward((100 * 384, 384), (100 * 128, 128)).unwrap();
+    let geometry: Vec<(&str, [u32; 3], [u32; 3])> = plan
+        .iter()
+        .map(|l| (l.kernel.as_str(), l.grid, l.block))
+        .collect();
+    assert_eq!(
+        geometry,
+        [
+            (
+                "fsdp_attention_backward_queries64_bf16",
+                [2, 6, 2],
+                [64, 1, 1]
+            ),
+            ("fsdp_attention_backward_keys64_bf16", [4, 2, 2], [32, 1, 1]),
+        ]
+    );
+    let rows = AttentionShape {
+        tiled: false,
+        ..shape
+    };
+    let forward = rows.forward().unwrap();
+    assert_eq!(forward[0].kernel, "fsdp_attention_forward_bf16");
+    assert_eq!(
+        (forward[0].grid, forward[0].block),
+        ([25, 6, 2], [128, 1, 1])
+    );
+    let e = AttentionShape {
+        head_dim: 40,
+        ..shape
+    }
+    .forward()
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tiled kernels take heads of 64"), "{e}");
+    let wide = AttentionShape {
+        head_dim: 300,
+        tiled: false,
+        ..shape
+    };
+    assert!(wide.forward().unwrap_err().to_string().contains("1..=256"));
+    let uneven = AttentionShape {
+        kv_heads: 4,
+        ..shape
+    };
+    assert!(uneven.forward().unwrap_err().to_string().contains("evenly"));
 }
 
 /// The plans: one block per row with whole warps covering the row once (at most 256
