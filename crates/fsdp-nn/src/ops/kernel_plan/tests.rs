@@ -32,10 +32,11 @@ struct Emulator {
     runs: AtomicUsize,
 }
 
-/// The emulator, or `None` where no C++ compiler is installed.
+/// The emulator, or `None` where no C++ compiler is installed (the calling test's skip
+/// recorded).
 fn emulator() -> Option<&'static Emulator> {
     static BUILT: OnceLock<Option<Emulator>> = OnceLock::new();
-    BUILT
+    let built = BUILT
         .get_or_init(|| {
             let dir = tempfile::tempdir().expect("a temporary folder");
             let driver = dir.path().join("driver");
@@ -66,7 +67,11 @@ fn emulator() -> Option<&'static Emulator> {
                 }
             }
         })
-        .as_ref()
+        .as_ref();
+    if built.is_none() {
+        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
+    }
+    built
 }
 
 impl Emulator {
@@ -299,7 +304,6 @@ fn check_norm(emulator: &Emulator, norm: Norm, rows: usize, d: usize, dtype: DTy
 #[test]
 fn norm_kernels_on_the_emulator_match_the_cpu_ops() {
     let Some(emulator) = emulator() else {
-        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
         return;
     };
     for dtype in [DType::F32, DType::BF16] {
@@ -398,7 +402,6 @@ fn check_activations(emulator: &Emulator, rows: usize, d: usize, dtype: DType) {
 #[test]
 fn dropout_kernel_on_the_emulator_drops_what_the_cpu_op_drops() {
     let Some(emulator) = emulator() else {
-        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
         return;
     };
     for dtype in [DType::F32, DType::BF16] {
@@ -435,7 +438,6 @@ fn dropout_kernel_on_the_emulator_drops_what_the_cpu_op_drops() {
 #[test]
 fn activation_kernels_on_the_emulator_match_the_cpu_ops() {
     let Some(emulator) = emulator() else {
-        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
         return;
     };
     for dtype in [DType::F32, DType::BF16] {
@@ -451,7 +453,6 @@ fn activation_kernels_on_the_emulator_match_the_cpu_ops() {
 #[test]
 fn rope_kernel_on_the_emulator_matches_the_cpu_op() {
     let Some(emulator) = emulator() else {
-        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
         return;
     };
     let scaling = RopeScaling::Llama3 {
@@ -677,7 +678,6 @@ fn run_attention(
 #[test]
 fn attention_kernels_on_the_emulator_match_the_cpu_op() {
     let Some(emulator) = emulator() else {
-        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
         return;
     };
     let gqa = |heads, kv_heads, causal| AttentionHeads {
@@ -721,7 +721,6 @@ fn attention_kernels_on_the_emulator_match_the_cpu_op() {
 fn cross_entropy_kernels_on_the_emulator_match_the_cpu_op() {
     use cross_entropy_buffers as cb;
     let Some(emulator) = emulator() else {
-        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
         return;
     };
     for dtype in [DType::F32, DType::BF16] {
@@ -806,7 +805,6 @@ fn cross_entropy_kernels_on_the_emulator_match_the_cpu_op() {
 fn nf4_dequantize_kernel_on_the_emulator_gives_the_cpus_weight() {
     use crate::quant::{Packing, QuantFormat};
     let Some(emulator) = emulator() else {
-        skipped!("no C++ compiler (c++, or $CXX) to build the CUDA kernel emulator");
         return;
     };
     let (rows, cols) = (7, 192);
