@@ -9,9 +9,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::cross_entropy::{CrossEntropy, Reduction};
 use super::cuda_kernels::{self, Output, take_tensor};
 use super::kernel_plan::{CrossEntropyShape, cross_entropy_buffers as cb};
+use super::{CrossEntropy, Reduction};
 
 /// Logit elements made at once by the fused head (rows of the vocabulary's width).
 const CHUNK_ELEMS: usize = 8 << 20;
