@@ -35,7 +35,9 @@ inline std::barrier<>* block_barrier = nullptr;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<uint64_t> exchange;
 
-// Runs `kernel()` once per thread of every block of `grid`, blocks in order.
+// Runs `kernel()` once per thread of every block of `grid`, blocks in order: one OS thread per
+// thread of a block, each running its part of every block in turn, a barrier between blocks
+// (so one block's shared memory is done with before the next one's starts).
 template <typename F>
 void launch(dim3 grid, dim3 block, F kernel) {
     const unsigned threads = block.x * block.y * block.z;
@@ -44,25 +46,26 @@ void launch(dim3 grid, dim3 block, F kernel) {
     grid_dim = grid;
     block_dim = block;
     exchange.assign(threads, 0);
-    for (unsigned bz = 0; bz < grid.z; bz++)
-        for (unsigned by = 0; by < grid.y; by++)
-            for (unsigned bx = 0; bx < grid.x; bx++) {
-                std::barrier<> bar(threads);
-                block_barrier = &bar;
-                warp_barriers.clear();
-                for (unsigned w = 0; w < threads / 32; w++)
-                    warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
-                std::vector<std::thread> pool;
-                pool.reserve(threads);
-                for (unsigned t = 0; t < threads; t++)
-                    pool.emplace_back([&, t] {
-                        linear_tid = t;
-                        thread_idx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+    std::barrier<> bar(threads), between_blocks(threads);
+    block_barrier = &bar;
+    warp_barriers.clear();
+    for (unsigned w = 0; w < threads / 32; w++)
+        warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (unsigned t = 0; t < threads; t++)
+        pool.emplace_back([&, t] {
+            linear_tid = t;
+            thread_idx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+            for (unsigned bz = 0; bz < grid.z; bz++)
+                for (unsigned by = 0; by < grid.y; by++)
+                    for (unsigned bx = 0; bx < grid.x; bx++) {
                         block_idx = dim3(bx, by, bz);
                         kernel();
-                    });
-                for (auto& th : pool) th.join();
-            }
+                        between_blocks.arrive_and_wait();
+                    }
+        });
+    for (auto& th : pool) th.join();
 }
 
 template <typename T>
