@@ -190,6 +190,18 @@ pub fn gelu(x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu(approx))
 }
 
+/// An error unless the bias (`l2`) has one element per column of the input (`l1`).
+fn check_bias(op: &str, l1: &Layout, l2: &Layout) -> Result<()> {
+    let (_, d) = rows(l1.shape());
+    if l2.shape().elem_count() != d {
+        candle_core::bail!(
+            "{op}: bias has {} elements, last dimension is {d}",
+            l2.shape().elem_count()
+        );
+    }
+    Ok(())
+}
+
 struct BiasGelu(GeluApprox);
 
 impl CustomOp2 for BiasGelu {
@@ -204,14 +216,7 @@ impl CustomOp2 for BiasGelu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (_, d) = rows(l1.shape());
-        if l2.shape().elem_count() != d {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: bias has {} elements, last dimension is {d}",
-                self.name(),
-                l2.shape().elem_count()
-            )));
-        }
+        check_bias(self.name(), l1, l2)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
             let x = contiguous::<T>(s1, l1, self.name())?;
             let b = contiguous::<T>(s2, l2, self.name())?;
@@ -229,14 +234,7 @@ impl CustomOp2 for BiasGelu {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (_, d) = rows(l1.shape());
-        if l2.shape().elem_count() != d {
-            candle_core::bail!(
-                "{}: bias has {} elements, last dimension is {d}",
-                self.name(),
-                l2.shape().elem_count()
-            );
-        }
+        check_bias(self.name(), l1, l2)?;
         gpu_forward(self.0, (s1, l1), Some((s2, l2)))
     }
 

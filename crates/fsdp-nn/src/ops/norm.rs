@@ -28,6 +28,18 @@ fn row_stats<T: Float>(row: &[T], eps: f64, center: bool) -> (f64, f64) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
+/// An error unless the residual (`l2`) has the input's (`l1`) shape.
+fn check_residual(op: &str, l1: &Layout, l2: &Layout) -> Result<()> {
+    if l1.shape() != l2.shape() {
+        candle_core::bail!(
+            "{op}: input {:?} and residual {:?} differ",
+            l1.dims(),
+            l2.dims()
+        );
+    }
+    Ok(())
+}
+
 fn check_param(op: &str, len: usize, d: usize) -> Result<()> {
     if len != d {
         return Err(candle_core::Error::Msg(format!(
@@ -300,14 +312,7 @@ impl CustomOp3 for AddLayerNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if l1.shape() != l2.shape() {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: input {:?} and residual {:?} differ",
-                self.name(),
-                l1.dims(),
-                l2.dims()
-            )));
-        }
+        check_residual(self.name(), l1, l2)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
             let x = contiguous::<T>(s1, l1, self.name())?;
             let r = contiguous::<T>(s2, l2, self.name())?;
@@ -330,14 +335,7 @@ impl CustomOp3 for AddLayerNorm {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if l1.shape() != l2.shape() {
-            candle_core::bail!(
-                "{}: input {:?} and residual {:?} differ",
-                self.name(),
-                l1.dims(),
-                l2.dims()
-            );
-        }
+        check_residual(self.name(), l1, l2)?;
         let shape = gpu_norm(l1.shape(), s1.dtype(), self.eps, true, true);
         check_param(self.name(), l3.shape().elem_count(), 2 * shape.d)?;
         let (gb, start) = device_operand(s3, l3, self.name())?;

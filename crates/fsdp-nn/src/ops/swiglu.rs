@@ -49,6 +49,18 @@ pub(super) fn backward_scalar<T: Float>(
     }
 }
 
+/// An error unless `gate` (`l1`) and `up` (`l2`) have one shape.
+fn check_shapes(op: &str, l1: &Layout, l2: &Layout) -> Result<()> {
+    if l1.shape() != l2.shape() {
+        candle_core::bail!(
+            "{op}: gate {:?} and up {:?} differ in shape",
+            l1.dims(),
+            l2.dims()
+        );
+    }
+    Ok(())
+}
+
 struct SwiGlu;
 
 impl CustomOp2 for SwiGlu {
@@ -63,14 +75,7 @@ impl CustomOp2 for SwiGlu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if l1.shape() != l2.shape() {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: gate {:?} and up {:?} differ in shape",
-                self.name(),
-                l1.dims(),
-                l2.dims()
-            )));
-        }
+        check_shapes(self.name(), l1, l2)?;
         float_dispatch!(s1.dtype(), self.name(), T => {
             let gate = contiguous::<T>(s1, l1, self.name())?;
             let up = contiguous::<T>(s2, l2, self.name())?;
@@ -88,14 +93,7 @@ impl CustomOp2 for SwiGlu {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if l1.shape() != l2.shape() {
-            candle_core::bail!(
-                "{}: gate {:?} and up {:?} differ in shape",
-                self.name(),
-                l1.dims(),
-                l2.dims()
-            );
-        }
+        check_shapes(self.name(), l1, l2)?;
         cuda_kernels::same_types(self.name(), &[("gate", s1.dtype()), ("up", s2.dtype())])?;
         let shape = ElementShape::over(l1.shape(), s1.dtype());
         let inputs = [
