@@ -134,5 +134,11 @@ fn worker(fault: Option<&str>) -> Result<()> {
             .collect();
         println!("ranks (rank:local@machine): {}", layout.join(" "));
     }
-    crate::test_train::train(pg, faulty("die-in-step:"))
+    crate::test_train::train(pg, faulty("die-in-step:"))?;
+    // Every group is gone, so under MPI this process has finalized MPI: saying so lets a
+    // launcher's complaint that it exited without finalizing be told from the truth.
+    if fsdp_comm::mpi_finalized() {
+        println!("rank {}: MPI finalized", world.rank);
+    }
+    Ok(())
 }

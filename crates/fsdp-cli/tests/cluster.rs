@@ -59,11 +59,13 @@ fn run(mut cmd: Command, limit: Duration) -> (Option<i32>, String, Duration) {
 
 #[test]
 fn mpirun_starts_a_job_that_trains_like_one_process() {
-    let Some(cmd) = mpirun(2, &common::port(), &["test", "--worker"]) else {
+    if !common::has_mpirun() {
         skipped!("no mpirun (install Debian's openmpi-bin)");
         return;
-    };
-    let (code, out, _) = run(cmd, Duration::from_secs(60));
+    }
+    let worker = || mpirun(2, &common::port(), &["test", "--worker"]).unwrap();
+    let out = common::finish_mpirun(2, Duration::from_secs(60), worker);
+    let (code, out) = (out.code, out.out);
     assert_eq!(code, Some(0), "{out}");
     assert!(
         out.contains("ranks (rank:local@machine): 0:0@0 1:1@0"),
@@ -102,13 +104,21 @@ fn mpirun_trains_over_mpi_when_asked_and_on_shared_memory_by_default() {
         ),
         (&[][..], 2, "transport shm"),
     ] {
-        let Some(cmd) = mpirun_with(n, &common::port(), env, &["test", "--worker"]) else {
+        if !common::has_mpirun() {
             skipped!("no mpirun (install Debian's openmpi-bin)");
             return;
-        };
-        let (code, out, _) = run(cmd, Duration::from_secs(90));
+        }
+        let worker = || mpirun_with(n, &common::port(), env, &["test", "--worker"]).unwrap();
+        let out = common::finish_mpirun(n, Duration::from_secs(90), worker);
+        let (code, out) = (out.code, out.out);
         assert_eq!(code, Some(0), "{env:?}: {out}");
         assert!(out.contains(backend), "{env:?}: {backend}:\n{out}");
+        // Each process over MPI finalized it when its groups went; the others never started it.
+        let finalized = (0..n)
+            .filter(|r| out.contains(&format!("rank {r}: MPI finalized")))
+            .count();
+        let want = if backend == "transport mpi" { n } else { 0 };
+        assert_eq!(finalized, want, "{env:?}: {out}");
         assert!(
             out.contains(&format!("training ok: 8 steps on {n} processes")),
             "{env:?}: {out}"
@@ -223,4 +233,29 @@ fn ranks_on_different_backends_fail_saying_why() {
         "{out}"
     );
     assert!(took < Duration::from_secs(20), "{took:?}: {out}");
+}
+
+/// Only a job that Open MPI failed as "exiting improperly" although every rank said it
+/// finalized MPI counts as its runtime's exit race (and runs again); a rank that did not
+/// finalize, or any other failure, is the job's own.
+#[test]
+fn only_open_mpis_exit_race_after_every_rank_finalized_is_rerun() {
+    let improperly =
+        "mpirun has exited due to process rank 1 with PID 0 on\nnode vm exiting improperly.";
+    let job = |code: i32, ranks: &[usize], tail: &str| common::Run {
+        code: Some(code),
+        out: ranks
+            .iter()
+            .map(|r| format!("rank {r}: MPI finalized\n"))
+            .chain([tail.to_string()])
+            .collect(),
+        elapsed: Duration::ZERO,
+    };
+    assert!(common::open_mpi_exit_race(&job(1, &[0, 1], improperly), 2));
+    assert!(!common::open_mpi_exit_race(&job(1, &[0], improperly), 2));
+    assert!(!common::open_mpi_exit_race(
+        &job(1, &[0, 1], "rank 1 failed"),
+        2
+    ));
+    assert!(!common::open_mpi_exit_race(&job(0, &[0, 1], ""), 2));
 }

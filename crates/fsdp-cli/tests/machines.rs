@@ -288,8 +288,7 @@ fn mpirun_across_two_machines_trains_over_mpi_and_over_tcp() {
         ("HYBRID_SHARD", "auto", "transport mpi"),
         ("HYBRID_SHARD", "tcp", "transport tcp"),
     ] {
-        let port = common::port();
-        let mut args = vec![
+        let args = [
             "--allow-run-as-root",
             "--oversubscribe",
             "--bind-to",
@@ -308,23 +307,27 @@ fn mpirun_across_two_machines_trains_over_mpi_and_over_tcp() {
             "btl_tcp_if_include",
             &subnet,
         ];
-        let env = [
-            format!("MASTER_ADDR={}", machines.addrs[0]),
-            format!("MASTER_PORT={port}"),
-            format!("FSDP_SHARDING_STRATEGY={strategy}"),
-            format!("FSDP_COMM_BACKEND={backend}"),
-        ];
-        for e in &env {
-            args.extend(["-x", e.as_str()]);
-        }
-        args.extend([EXE, "test", "--worker"]);
-        let run = finish(
-            machines.command(0, "mpirun", &args).spawn().unwrap(),
-            Duration::from_secs(120),
-        );
+        let run = common::finish_mpirun(4, Duration::from_secs(120), || {
+            let mut cmd = machines.command(0, "mpirun", &args);
+            for e in [
+                format!("MASTER_ADDR={}", machines.addrs[0]),
+                format!("MASTER_PORT={}", common::port()),
+                format!("FSDP_SHARDING_STRATEGY={strategy}"),
+                format!("FSDP_COMM_BACKEND={backend}"),
+            ] {
+                cmd.arg("-x").arg(e);
+            }
+            cmd.args([EXE, "test", "--worker"]);
+            cmd
+        });
         let what = format!("{strategy} over {backend}");
         assert_eq!(run.code, Some(0), "{what}: {}", run.out);
         assert!(run.out.contains(transport), "{what}: {}", run.out);
+        let finalized = (0..4)
+            .filter(|r| run.out.contains(&format!("rank {r}: MPI finalized")))
+            .count();
+        let want = if transport == "transport mpi" { 4 } else { 0 };
+        assert_eq!(finalized, want, "{what}: {}", run.out);
         assert!(
             run.out
                 .contains("ranks (rank:local@machine): 0:0@0 1:1@0 2:0@1 3:1@1")

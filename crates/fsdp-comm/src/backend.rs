@@ -18,6 +18,19 @@ use crate::world::WorldInfo;
 /// Whether this build has the MPI communicator (feature `mpi`).
 pub const MPI_BUILT: bool = cfg!(feature = "mpi");
 
+/// Whether this process started MPI and has finalized it since (always false in a build
+/// without the `mpi` feature): `mpi::finalized`, callable whatever the build's features.
+pub fn mpi_finalized() -> bool {
+    #[cfg(feature = "mpi")]
+    {
+        crate::mpi::finalized()
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        false
+    }
+}
+
 /// The engine a job's ranks will use, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Selection {

@@ -39,7 +39,9 @@ mod work;
 mod world;
 
 pub use address::{ListenAddress, listen_address};
-pub use backend::{Joined, MPI_BUILT, Selection, join_job, select as select_backend};
+pub use backend::{
+    Joined, MPI_BUILT, Selection, join_job, mpi_finalized, select as select_backend,
+};
 pub use buffer::{Buffer, BufferElement};
 pub use communicator::{Communicator, CommunicatorExt, SingleRank};
 pub use dtype::{DType, Element, ReduceOp, finish_avg, reduce_into};

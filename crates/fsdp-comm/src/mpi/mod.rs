@@ -35,6 +35,16 @@ use crate::world::started_under_mpi;
 /// Set once MPI was started in this process (MPI can be initialized once per process).
 static STARTED: AtomicBool = AtomicBool::new(false);
 
+/// Set once this process finalized MPI (its last MPI group went).
+static FINALIZED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process started MPI and has finalized it since: every MPI group it made has
+/// gone, and MPI's runtime was told the process is done. A program that must not exit with
+/// MPI still open (Open MPI's `mpirun` fails a job whose process did) can check it last.
+pub fn finalized() -> bool {
+    FINALIZED.load(Ordering::SeqCst)
+}
+
 /// Bytes of a join record: a length and up to 256 bytes of the join's name.
 const RECORD: usize = 4 + 256;
 

@@ -9,11 +9,13 @@
 //! not finalized (a finalize would wait for the call forever).
 
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::FINALIZED;
 use super::types::{Reductions, datatype, error_text};
 use crate::buffer::Buffer;
 use crate::dtype::ReduceOp;
@@ -572,7 +574,9 @@ impl MpiThread {
             for mut c in self.comms.into_iter().flatten() {
                 ffi::MPI_Comm_free(&mut c);
             }
-            ffi::MPI_Finalize();
+            if ffi::MPI_Finalize() == 0 {
+                FINALIZED.store(true, Ordering::SeqCst);
+            }
         }
     }
 }
