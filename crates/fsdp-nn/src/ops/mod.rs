@@ -56,8 +56,9 @@ fn has_kernels(x: &Tensor) -> bool {
     x.device().is_cpu()
 }
 
-/// Whether fsdp-nn's own CUDA kernels (`kernels/*.cu`) serve `x`: a CUDA tensor of a type
-/// they are built for. Only the norms have them yet; the other ops compose candle's.
+/// Whether fsdp-nn's own CUDA paths (`kernels/*.cu`, and LoRA's update on cuBLAS) serve
+/// `x`: a CUDA tensor of a type they are built for (f32, bf16). Embedding and softmax, and
+/// other types, compose candle's ops.
 fn has_cuda_kernels(x: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
     {
