@@ -25,6 +25,7 @@ fn build_kernels() {
         "attention",
         "cross_entropy",
         "quant",
+        "embedding",
     ];
     let ptx_dir = shared_ptx_dir(&out_dir);
     let built = cudaforge::KernelBuilder::new()

@@ -17,6 +17,7 @@
 #include "../activations.cu"
 #include "../attention.cu"
 #include "../cross_entropy.cu"
+#include "../embedding.cu"
 #include "../norm.cu"
 #include "../quant.cu"
 #include "../rope.cu"
@@ -122,6 +123,12 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
                                         a.at(8).f);                                            \
     };
 
+#define REGISTER_EMBEDDING(T, S)                                                               \
+    table["fsdp_embedding_backward_" #S] = [](const std::vector<Arg>& a) {                     \
+        fsdp_embedding_backward_##S(P(0, const T*), P(1, const int*), P(2, const int*),         \
+                                    P(3, T*), a.at(4).i, a.at(5).i);                           \
+    };
+
 #define REGISTER_ATTENTION_64(T, S)                                                            \
     table["fsdp_attention_forward64_" #S] = [](const std::vector<Arg>& a) {                    \
         fsdp_attention_forward64_##S(P(0, const T*), P(1, const T*), P(2, const T*),           \
@@ -156,6 +163,8 @@ static std::map<std::string, Kernel> kernels() {
     REGISTER_ATTENTION(bf16, bf16)
     REGISTER_ATTENTION_64(float, f32)
     REGISTER_ATTENTION_64(bf16, bf16)
+    REGISTER_EMBEDDING(float, f32)
+    REGISTER_EMBEDDING(bf16, bf16)
     REGISTER_CROSS_ENTROPY(float, f32)
     REGISTER_CROSS_ENTROPY(bf16, bf16)
     table["fsdp_nf4_dequantize_f32"] = [](const std::vector<Arg>& a) {

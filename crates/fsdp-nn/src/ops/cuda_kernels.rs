@@ -30,6 +30,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
         Module::Attention => ("fsdp_nn_attention", ptx::ATTENTION),
         Module::CrossEntropy => ("fsdp_nn_cross_entropy", ptx::CROSS_ENTROPY),
         Module::Quant => ("fsdp_nn_quant", ptx::QUANT),
+        Module::Embedding => ("fsdp_nn_embedding", ptx::EMBEDDING),
     }
 }
 

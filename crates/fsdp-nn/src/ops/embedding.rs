@@ -1,6 +1,9 @@
 //! Embedding lookup with PyTorch's `padding_idx`: the padding row is read like any other, but
 //! receives no gradient (Hugging Face BERT's `pad_token_id` row stays as loaded). Backward
-//! adds each position's gradient into its row of a fresh table-sized buffer.
+//! adds each position's gradient into its row of a fresh table-sized buffer. On a GPU the
+//! ids are checked on the host, the rows gathered by candle's `index_select`, and backward
+//! runs `kernels/embedding.cu`: each row's positions, grouped on the host, added in the
+//! CPU's order (the CPU's bits, no atomics).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
@@ -78,6 +81,22 @@ impl CustomOp2 for Embedding {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        is: &candle_core::CudaStorage,
+        il: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, d) = wl.shape().dims2()?;
+        // An id past the table would read outside it on the device: checked here first.
+        ids_from_storage(&is.to_cpu_storage()?, il, rows, self.name())?;
+        let mut dims = il.dims().to_vec();
+        dims.push(d);
+        Ok((ws.index_select(is, wl, il, 0)?, Shape::from(dims)))
+    }
+
     fn bwd(
         &self,
         weight: &Tensor,
@@ -86,6 +105,15 @@ impl CustomOp2 for Embedding {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (rows, d) = weight.dims2()?;
+        #[cfg(feature = "cuda")]
+        if weight.device().is_cuda() {
+            let ids = ids_of(
+                &ids.to_device(&candle_core::Device::Cpu)?,
+                rows,
+                self.name(),
+            )?;
+            return self.cuda_bwd(weight, &ids, grad).map(|dw| (Some(dw), None));
+        }
         let ids = ids_of(ids, rows, self.name())?;
         float_dispatch!(grad.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| {
@@ -106,10 +134,43 @@ impl CustomOp2 for Embedding {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl Embedding {
+    /// The table's gradient on the GPU for the (host) `ids`.
+    fn cuda_bwd(&self, weight: &Tensor, ids: &[usize], grad: &Tensor) -> Result<Tensor> {
+        use super::cuda_kernels::{self, Output, take_tensor};
+        use super::kernel_plan::{EmbeddingShape, embedding_buffers as plan, positions_by_row};
+        let (rows, d) = weight.dims2()?;
+        let types = [("table", weight.dtype()), ("gradient", grad.dtype())];
+        cuda_kernels::same_types(self.name(), &types)?;
+        let (starts, mut positions) = positions_by_row(ids, rows, self.padding_idx);
+        if positions.is_empty() {
+            positions.push(0); // never read; a device buffer of no elements has no address
+        }
+        let dev = weight.device();
+        let starts = Tensor::from_vec(starts, rows + 1, dev)?;
+        let positions = Tensor::new(positions.as_slice(), dev)?;
+        let shape = EmbeddingShape {
+            rows,
+            d,
+            positions: ids.len(),
+            dtype: grad.dtype(),
+        };
+        let inputs = [
+            (plan::GRAD, grad, "embedding output gradient"),
+            (plan::STARTS, &starts, "embedding row starts"),
+            (plan::POSITIONS, &positions, "embedding positions"),
+        ];
+        let outputs = [Output::tensor(plan::DW, rows * d)];
+        let mut out = cuda_kernels::execute_on_tensors(&shape.backward()?, &inputs, &outputs)?;
+        take_tensor(&mut out, plan::DW, weight.shape())
+    }
+}
+
 /// Rows of `weight` [rows, dim] for integer `ids` of any shape (output `ids.shape + [dim]`);
 /// the `padding_idx` row, if any, gets no gradient (PyTorch's `nn.Embedding(padding_idx=)`).
 pub fn embedding(weight: &Tensor, ids: &Tensor, padding_idx: Option<usize>) -> Result<Tensor> {
-    if !super::has_kernels(weight) {
+    if !super::has_kernels(weight) && !super::has_cuda_kernels(weight) {
         return super::composed::embedding(weight, ids, padding_idx);
     }
     weight

@@ -8,6 +8,7 @@ use candle_core::{DType, Result};
 mod activations;
 mod attention;
 mod cross_entropy;
+mod embedding;
 mod norm;
 mod quant;
 mod rope;
@@ -15,6 +16,7 @@ mod rope;
 pub(crate) use activations::{ElementShape, dropout, gelu, swiglu};
 pub(crate) use attention::{AttentionShape, buffers as attention_buffers};
 pub(crate) use cross_entropy::{CrossEntropyShape, buffers as cross_entropy_buffers};
+pub(crate) use embedding::{EmbeddingShape, buffers as embedding_buffers, positions_by_row};
 pub(crate) use norm::{NormShape, backward, forward};
 pub(crate) use quant::{Nf4Shape, buffers as quant_buffers};
 pub(crate) use rope::{RopeShape, buffers as rope_buffers};
@@ -51,6 +53,8 @@ pub(crate) enum Module {
     CrossEntropy,
     /// `quant.cu`: dequantizing NF4 weights.
     Quant,
+    /// `embedding.cu`: the embedding table's gradient.
+    Embedding,
 }
 
 /// One kernel launch.

@@ -220,5 +220,6 @@ fn assert_close(case: &str, what: &str, got: &[u8], dtype: DType, want: &Tensor)
 mod attention;
 mod cross_entropy;
 mod elementwise;
+mod embedding;
 mod norm;
 mod quant;
