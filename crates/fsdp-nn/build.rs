@@ -26,6 +26,7 @@ fn build_kernels() {
         "cross_entropy",
         "quant",
         "embedding",
+        "softmax",
     ];
     let ptx_dir = shared_ptx_dir(&out_dir);
     let built = cudaforge::KernelBuilder::new()

@@ -21,6 +21,7 @@
 #include "../norm.cu"
 #include "../quant.cu"
 #include "../rope.cu"
+#include "../softmax.cu"
 
 struct Arg {
     void* p = nullptr;
@@ -129,6 +130,14 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
                                     P(3, T*), a.at(4).i, a.at(5).i);                           \
     };
 
+#define REGISTER_SOFTMAX(T, S)                                                                 \
+    table["fsdp_softmax_forward_" #S] = [](const std::vector<Arg>& a) {                        \
+        fsdp_softmax_forward_##S(P(0, const T*), P(1, T*), a.at(2).i);                         \
+    };                                                                                         \
+    table["fsdp_softmax_backward_" #S] = [](const std::vector<Arg>& a) {                       \
+        fsdp_softmax_backward_##S(P(0, const T*), P(1, const T*), P(2, T*), a.at(3).i);        \
+    };
+
 #define REGISTER_ATTENTION_64(T, S)                                                            \
     table["fsdp_attention_forward64_" #S] = [](const std::vector<Arg>& a) {                    \
         fsdp_attention_forward64_##S(P(0, const T*), P(1, const T*), P(2, const T*),           \
@@ -163,6 +172,8 @@ static std::map<std::string, Kernel> kernels() {
     REGISTER_ATTENTION(bf16, bf16)
     REGISTER_ATTENTION_64(float, f32)
     REGISTER_ATTENTION_64(bf16, bf16)
+    REGISTER_SOFTMAX(float, f32)
+    REGISTER_SOFTMAX(bf16, bf16)
     REGISTER_EMBEDDING(float, f32)
     REGISTER_EMBEDDING(bf16, bf16)
     REGISTER_CROSS_ENTROPY(float, f32)

@@ -31,6 +31,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
         Module::CrossEntropy => ("fsdp_nn_cross_entropy", ptx::CROSS_ENTROPY),
         Module::Quant => ("fsdp_nn_quant", ptx::QUANT),
         Module::Embedding => ("fsdp_nn_embedding", ptx::EMBEDDING),
+        Module::Softmax => ("fsdp_nn_softmax", ptx::SOFTMAX),
     }
 }
 

@@ -57,8 +57,8 @@ fn has_kernels(x: &Tensor) -> bool {
 }
 
 /// Whether fsdp-nn's own CUDA paths (`kernels/*.cu`, and LoRA's update on cuBLAS) serve
-/// `x`: a CUDA tensor of a type they are built for (f32, bf16). Softmax, and other types,
-/// compose candle's ops.
+/// `x`: a CUDA tensor of a type they are built for (f32, bf16); other types compose
+/// candle's ops.
 fn has_cuda_kernels(x: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
     {

@@ -12,6 +12,7 @@ mod embedding;
 mod norm;
 mod quant;
 mod rope;
+mod softmax;
 
 pub(crate) use activations::{ElementShape, dropout, gelu, swiglu};
 pub(crate) use attention::{AttentionShape, buffers as attention_buffers};
@@ -20,6 +21,7 @@ pub(crate) use embedding::{EmbeddingShape, buffers as embedding_buffers, positio
 pub(crate) use norm::{NormShape, backward, forward};
 pub(crate) use quant::{Nf4Shape, buffers as quant_buffers};
 pub(crate) use rope::{RopeShape, buffers as rope_buffers};
+pub(crate) use softmax::{SoftmaxShape, buffers as softmax_buffers};
 
 /// One argument of a kernel launch.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,6 +57,8 @@ pub(crate) enum Module {
     Quant,
     /// `embedding.cu`: the embedding table's gradient.
     Embedding,
+    /// `softmax.cu`: softmax over rows.
+    Softmax,
 }
 
 /// One kernel launch.

@@ -223,3 +223,4 @@ mod elementwise;
 mod embedding;
 mod norm;
 mod quant;
+mod softmax;
