@@ -5,6 +5,8 @@
 //! runs `kernels/embedding.cu`: each row's positions, grouped on the host, added in the
 //! CPU's order (the CPU's bits, no atomics).
 
+use std::sync::Mutex;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
@@ -12,6 +14,28 @@ use super::{Float, contiguous, float_dispatch, tensor, with_slice};
 
 struct Embedding {
     padding_idx: Option<usize>,
+    /// The ids as forward read and checked them, for backward (on a GPU they were copied to
+    /// the host once).
+    ids: Mutex<Option<Vec<usize>>>,
+}
+
+impl Embedding {
+    /// The ids forward kept, else `ids` read (and checked) anew.
+    fn ids_for_backward(&self, ids: &Tensor, rows: usize) -> Result<Vec<usize>> {
+        let kept = self.ids.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match kept {
+            Some(ids) => Ok(ids),
+            None => ids_of(
+                &ids.to_device(&candle_core::Device::Cpu)?,
+                rows,
+                self.name(),
+            ),
+        }
+    }
+
+    fn keep(&self, ids: Vec<usize>) {
+        *self.ids.lock().unwrap_or_else(|e| e.into_inner()) = Some(ids);
+    }
 }
 
 /// The ids in a contiguous integer tensor, checked against the table's `rows`.
@@ -71,14 +95,16 @@ impl CustomOp2 for Embedding {
         let ids = ids_from_storage(is, il, rows, self.name())?;
         let mut dims = il.dims().to_vec();
         dims.push(d);
-        float_dispatch!(ws.dtype(), self.name(), T => {
+        let rows_read = float_dispatch!(ws.dtype(), self.name(), T => {
             let w = contiguous::<T>(ws, wl, self.name())?;
             let mut out = Vec::with_capacity(ids.len() * d);
             for &id in &ids {
                 out.extend_from_slice(&w[id * d..(id + 1) * d]);
             }
             Ok((T::storage(out), Shape::from(dims)))
-        })
+        });
+        self.keep(ids);
+        rows_read
     }
 
     #[cfg(feature = "cuda")]
@@ -91,7 +117,12 @@ impl CustomOp2 for Embedding {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, d) = wl.shape().dims2()?;
         // An id past the table would read outside it on the device: checked here first.
-        ids_from_storage(&is.to_cpu_storage()?, il, rows, self.name())?;
+        self.keep(ids_from_storage(
+            &is.to_cpu_storage()?,
+            il,
+            rows,
+            self.name(),
+        )?);
         let mut dims = il.dims().to_vec();
         dims.push(d);
         Ok((ws.index_select(is, wl, il, 0)?, Shape::from(dims)))
@@ -105,16 +136,11 @@ impl CustomOp2 for Embedding {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (rows, d) = weight.dims2()?;
+        let ids = self.ids_for_backward(ids, rows)?;
         #[cfg(feature = "cuda")]
         if weight.device().is_cuda() {
-            let ids = ids_of(
-                &ids.to_device(&candle_core::Device::Cpu)?,
-                rows,
-                self.name(),
-            )?;
             return self.cuda_bwd(weight, &ids, grad).map(|dw| (Some(dw), None));
         }
-        let ids = ids_of(ids, rows, self.name())?;
         float_dispatch!(grad.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| {
                 // Summed in the gradient's type in position order, as PyTorch's CPU kernel.
@@ -173,7 +199,11 @@ pub fn embedding(weight: &Tensor, ids: &Tensor, padding_idx: Option<usize>) -> R
     if !super::has_kernels(weight) && !super::has_cuda_kernels(weight) {
         return super::composed::embedding(weight, ids, padding_idx);
     }
-    weight
-        .contiguous()?
-        .apply_op2(&ids.contiguous()?, Embedding { padding_idx })
+    weight.contiguous()?.apply_op2(
+        &ids.contiguous()?,
+        Embedding {
+            padding_idx,
+            ids: Mutex::new(None),
+        },
+    )
 }
