@@ -380,6 +380,14 @@ pub fn init_global_threadpool() {
 }
 
 fn default_num_threads() -> usize {
+    // fsdp-rs: computed once. `num_cpus::get_physical` reads and parses /proc/cpuinfo, and
+    // every CPU matmul asks for the thread count: without RAYON_NUM_THREADS set that was a
+    // read of /proc/cpuinfo per product.
+    static DEFAULT: OnceLock<usize> = OnceLock::new();
+    *DEFAULT.get_or_init(detect_num_threads)
+}
+
+fn detect_num_threads() -> usize {
     let physical = {
         #[cfg(target_os = "macos")]
         {
