@@ -11,8 +11,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use super::GeluApprox;
 
 use super::{
-    Float, composed, contiguous, float_dispatch, gemm_into, gemm_new, has_kernels, tensor,
-    with_slice,
+    Float, composed, contiguous, float_dispatch, gemm_into, gemm_new, has_cuda_kernels,
+    has_kernels, tensor, with_slice,
 };
 
 /// How a weight is stored.
@@ -305,7 +305,7 @@ pub(super) fn on_rows(
 /// `x W^T + b` over the last dimension of `x` (any leading shape), `W` `[out, in]`, `b` `[out]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if !has_kernels(x) {
-        return composed::project(x, w, true, Some(b), None);
+        return project_elsewhere(x, w, true, b, None);
     }
     over_last_dim(x, (w, b), WeightLayout::OutIn, None)
 }
@@ -401,7 +401,7 @@ impl CustomOp3 for LinearNoBiasAdd {
 /// `gelu(x W^T + b)` over the last dimension of `x`, as one op.
 pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Result<Tensor> {
     if !has_kernels(x) {
-        return composed::project(x, w, true, Some(b), Some(approx == GeluApprox::Tanh));
+        return project_elsewhere(x, w, true, b, Some(approx));
     }
     over_last_dim(x, (w, b), WeightLayout::OutIn, Some(approx))
 }
@@ -410,7 +410,38 @@ pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor, approx: GeluApprox) -> Re
 /// optionally followed by GELU, as one op.
 pub fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor, gelu: Option<GeluApprox>) -> Result<Tensor> {
     if !has_kernels(x) {
-        return composed::project(x, w, false, Some(b), gelu.map(|a| a == GeluApprox::Tanh));
+        return project_elsewhere(x, w, false, b, gelu);
     }
     over_last_dim(x, (w, b), WeightLayout::InOut, gelu)
+}
+
+/// A projection with a bias where the CPU's fused op does not serve `x`: on a GPU in f32 or
+/// bf16 with GELU, [`product_then_bias_gelu`]; otherwise candle's ops (the bias alone is one
+/// broadcast add, which keeps nothing for backward).
+fn project_elsewhere(
+    x: &Tensor,
+    w: &Tensor,
+    w_out_in: bool,
+    b: &Tensor,
+    gelu: Option<GeluApprox>,
+) -> Result<Tensor> {
+    match gelu {
+        Some(approx) if has_cuda_kernels(x) => product_then_bias_gelu(x, w, w_out_in, b, approx),
+        _ => composed::project(x, w, w_out_in, Some(b), gelu.map(|a| a == GeluApprox::Tanh)),
+    }
+}
+
+/// `gelu(x W^T + b)` (or `x W + b`) as the device's product (cuBLAS on a GPU) followed by
+/// the fused bias-and-GELU op, one kernel that keeps only the product for its backward;
+/// candle's composition keeps the biased sum (in f32) and runs the add and GELU as passes of
+/// their own. Computes on any device (tested on the CPU against the fused projection).
+pub(super) fn product_then_bias_gelu(
+    x: &Tensor,
+    w: &Tensor,
+    w_out_in: bool,
+    b: &Tensor,
+    approx: GeluApprox,
+) -> Result<Tensor> {
+    let product = composed::project(x, w, w_out_in, None, None)?;
+    super::gelu::bias_gelu(&product, b, approx)
 }

@@ -220,6 +220,23 @@ fn projections(check: Checker<'_>) {
         &[x.clone(), w.clone(), b.clone()],
     );
     let w_in_out = rand(&[8, 6], 15, 0.5, DType::F32);
+    // A GPU's projections with GELU: the product, then the fused bias-and-GELU kernel.
+    for (approx, w_out_in, w) in [
+        (GeluApprox::Tanh, true, &w),
+        (GeluApprox::Erf, false, &w_in_out),
+    ] {
+        check(
+            "product then bias_gelu",
+            &|t| match w_out_in {
+                true => ops::linear_gelu(&t[0], &t[1], &t[2], approx),
+                false => ops::conv1d(&t[0], &t[1], &t[2], Some(approx)),
+            },
+            &|t| {
+                super::super::linear::product_then_bias_gelu(&t[0], &t[1], w_out_in, &t[2], approx)
+            },
+            &[x.clone(), w.clone(), b.clone()],
+        );
+    }
     for gelu in [None, Some(GeluApprox::Erf)] {
         check(
             "conv1d",
