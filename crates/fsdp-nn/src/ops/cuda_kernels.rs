@@ -298,6 +298,20 @@ pub(crate) fn take_tensor(
     Ok(gradient_tensor(take_storage(outputs, index)?, shape))
 }
 
+/// The input gradient of shape `shape` that `f` computes on the GPU from the output gradient
+/// `grad` (made contiguous; `what` names it in errors): an element-wise op's backward.
+pub(crate) fn gradient_by(
+    grad: &Tensor,
+    what: &str,
+    shape: &Shape,
+    f: impl FnOnce(Operand<'_>) -> Result<CudaStorage>,
+) -> Result<Tensor> {
+    let grad = grad.contiguous()?;
+    let (storage, layout) = grad.storage_and_layout();
+    let dx = f(operand(&storage, layout, what)?)?;
+    Ok(gradient_tensor(dx, shape))
+}
+
 /// `storage` as a tensor of `shape` with no graph (a gradient a backward returns).
 pub(crate) fn gradient_tensor(storage: CudaStorage, shape: &Shape) -> Tensor {
     Tensor::from_storage(

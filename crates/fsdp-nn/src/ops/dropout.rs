@@ -13,7 +13,7 @@ use crate::rng::{dropout_keep_into, dropout_threshold};
 
 #[cfg(feature = "cuda")]
 use super::{
-    cuda_kernels::{self, Operand, Output, device_operand, operand, take_storage},
+    cuda_kernels::{self, Operand, Output, device_operand, take_storage},
     kernel_plan::{ElementShape, dropout as plan},
 };
 
@@ -253,11 +253,11 @@ impl CustomOp1 for Dropout {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if grad.device().is_cuda() {
-            let grad = grad.contiguous()?;
-            let (storage, layout) = grad.storage_and_layout();
-            let g = operand(&storage, layout, "dropout output gradient")?;
-            let dx = self.on_gpu(g, arg.shape(), grad.dtype())?;
-            return Ok(Some(cuda_kernels::gradient_tensor(dx, arg.shape())));
+            let dx =
+                cuda_kernels::gradient_by(grad, "dropout output gradient", arg.shape(), |g| {
+                    self.on_gpu(g, arg.shape(), grad.dtype())
+                })?;
+            return Ok(Some(dx));
         }
         float_dispatch!(grad.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| tensor(self.apply(g), arg.shape(), arg).map(Some))

@@ -393,11 +393,10 @@ impl CustomOp1 for Rope {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if arg.device().is_cuda() {
-            let grad = grad.contiguous()?;
-            let (storage, layout) = grad.storage_and_layout();
-            let g = operand(&storage, layout, "rope output gradient")?;
-            let dx = self.on_gpu(g, arg.dims(), arg.dtype(), true)?;
-            return Ok(Some(cuda_kernels::gradient_tensor(dx, arg.shape())));
+            let dx = cuda_kernels::gradient_by(grad, "rope output gradient", arg.shape(), |g| {
+                self.on_gpu(g, arg.dims(), arg.dtype(), true)
+            })?;
+            return Ok(Some(dx));
         }
         float_dispatch!(arg.dtype(), self.name(), T => {
             with_slice::<T, _>(grad, self.name(), |g| {
