@@ -29,9 +29,10 @@ mod trace;
 /// vanished machine's connections timing out) and almost no CPU, in threads side by side:
 /// as separate tests each held one of libtest's threads (two on a 2-core machine) for its
 /// whole wait. Each makes its own daemons, namespaces and ports; a failure of any fails
-/// this test with that scenario's panic message.
+/// this test with that scenario's panic message. Named to sort first: libtest starts tests
+/// in name order, so its wait overlaps the CPU-bound tests instead of ending the run alone.
 #[test]
-fn scenarios_that_mostly_wait_run_side_by_side() {
+fn all_scenarios_that_mostly_wait_run_side_by_side() {
     let scenarios: [(&str, fn()); 3] = [
         (
             "slurm::srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node",

@@ -75,7 +75,7 @@ fn vanish_worker() {
     }
 }
 
-/// Run by `scenarios_that_mostly_wait_run_side_by_side`.
+/// Run by `all_scenarios_that_mostly_wait_run_side_by_side`.
 pub fn a_machine_that_vanishes_mid_transfer_is_named_within_seconds() {
     let Some(machines) = Machines::or_skip() else {
         return;

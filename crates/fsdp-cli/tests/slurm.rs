@@ -204,7 +204,7 @@ fn assert_trained(run: &Run, n: usize) {
     );
 }
 
-/// Run by `scenarios_that_mostly_wait_run_side_by_side`.
+/// Run by `all_scenarios_that_mostly_wait_run_side_by_side`.
 pub fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
     let Some(cluster) = Cluster::or_skip(&[]) else {
         return;
@@ -299,7 +299,7 @@ pub fn srun_sbatch_and_fsdp_launch_in_an_allocation_on_one_node() {
     common::assert_gone(&pids, Duration::from_secs(10), &run.out);
 }
 
-/// Run by `scenarios_that_mostly_wait_run_side_by_side`.
+/// Run by `all_scenarios_that_mostly_wait_run_side_by_side`.
 pub fn srun_across_two_nodes_on_a_real_network() {
     let Some(machines) = Machines::or_skip() else {
         return;
