@@ -221,8 +221,7 @@ mod tests {
     /// The products ask candle for the thread count each time, and candle found it by
     /// reading /proc/cpuinfo on every call unless `RAYON_NUM_THREADS` was set (the launcher
     /// sets it; a program started by hand or an in-process test did not): a read per product
-    /// (bert_reference's 30 steps took 1.7 s instead of 0.25 s). The vendored copy detects it
-    /// once.
+    /// (vendor/README.md, the sixth change). The vendored copy detects it once.
     #[test]
     fn products_read_no_file_for_their_thread_count() {
         if std::env::var_os("RAYON_NUM_THREADS").is_some() {
