@@ -114,6 +114,7 @@ step "fsdp-nn: every op and the NF4 base on the GPU against the CPU" "$bins/fsdp
 step "fsdp-nn: the other unit tests (bf16 GEMM, AMX where present)" "$bins/fsdp-nn-lib" --skip on_a_gpu --skip on_the_emulator
 step "fsdp: the engine on the GPU (host-staged) trains as on the CPU" "$bins/fsdp-integration" engine_in_process::training_on_a_gpu_matches_the_cpu
 step "fsdp: Llama-family models on the GPU against transformers" "$bins/fsdp-integration" llama::logits_loss_and_gradients_on_a_gpu
+step "fsdp: BERT's packed batches on the GPU against the CPU's padded ones" "$bins/fsdp-integration" models::bert_packed_batches_on_a_gpu
 step "fsdp-comm: NCCL collectives" "$bins/fsdp-comm-integration" nccl_collectives_on_gpus
 
 # The attention kernels' speed on the GPU beside PyTorch's SDPA on the same shapes

@@ -1,6 +1,6 @@
 // Element-wise ops, forward and backward, for f32 and bf16 tensors with f32 arithmetic: what
-// `fsdp_nn::ops::{swiglu, gelu, bias_gelu, dropout}` compute on a CUDA device (dropout's
-// masks are the CPU's draws).
+// `fsdp_nn::ops::{swiglu, gelu, bias_gelu, dropout, dropout_packed}` compute on a CUDA device
+// (dropout's masks are the CPU's draws).
 // Intermediate values the CPU op rounds to the tensor's type (the biased input of
 // `bias_gelu`) are rounded here too.
 //
@@ -64,11 +64,21 @@ static __device__ void gelu_backward(const T* x, const T* bias, const T* g, T* d
     }
 }
 
-// y = x * scale where draw i survives, else 0 (its own backward, on the output's gradient).
+// y = x * scale where element i's draw survives, else 0 (its own backward, on the output's
+// gradient). Element i draws i; with `padded_rows` (packed rows of `width` elements), the
+// element of row r at column c draws what element (padded_rows[r], c) of the padded batch
+// would.
 template <typename T>
-static __device__ void dropout(const T* x, T* y, int n, unsigned long long seed,
-                               unsigned long long threshold, float scale) {
-    GRID_STRIDE_LOOP(i, n) { store(y, i, kept(seed, i, threshold) ? load(x, i) * scale : 0.0f); }
+static __device__ void dropout(const T* x, T* y, const unsigned* padded_rows, int n, int width,
+                               unsigned long long seed, unsigned long long threshold,
+                               float scale) {
+    GRID_STRIDE_LOOP(i, n) {
+        const unsigned long long draw =
+            padded_rows == nullptr
+                ? (unsigned long long)i
+                : (unsigned long long)padded_rows[i / width] * width + i % width;
+        store(y, i, kept(seed, draw, threshold) ? load(x, i) * scale : 0.0f);
+    }
 }
 
 // partials[chunk][col] = the sum of m[row][col] over the chunk's rows, in row order.
@@ -112,10 +122,10 @@ static __device__ void column_totals(const float* partials, T* out, int chunks, 
         const T* x, const T* bias, const T* g, T* dx, int n, int d, int tanh_form) {             \
         gelu_backward(x, bias, g, dx, n, d, tanh_form);                                          \
     }                                                                                            \
-    extern "C" __global__ void fsdp_dropout_##SUFFIX(const T* x, T* y, int n,                   \
-                                                     unsigned long long seed,                    \
-                                                     unsigned long long threshold, float scale) { \
-        dropout(x, y, n, seed, threshold, scale);                                                \
+    extern "C" __global__ void fsdp_dropout_##SUFFIX(                                           \
+        const T* x, T* y, const unsigned* padded_rows, int n, int width,                         \
+        unsigned long long seed, unsigned long long threshold, float scale) {                    \
+        dropout(x, y, padded_rows, n, width, seed, threshold, scale);                            \
     }                                                                                            \
     extern "C" __global__ void fsdp_column_partials_##SUFFIX(const T* m, float* partials,        \
                                                              int rows, int d,                    \

@@ -11,8 +11,14 @@
 // dimension). Every output element is written by one warp, in a fixed order: the same inputs
 // give the same bits.
 //
+// Packed sequences (`fsdp_nn::ops::varlen_attention`: `starts` given, sequences laid end to
+// end, batch strides 0): sequence b is rows starts[b]..starts[b + 1] of every operand and of
+// the output and attends within itself; `seq` is then the padded batch's length, which the
+// saved log-sum-exps and the dropout draws follow, as on the CPU.
+//
 // Launch geometry (`crates/fsdp-nn/src/ops/kernel_plan/`): blocks of `blockDim.x / 32` warps,
-// grid (ceil(seq / warps), heads (or kv_heads for dK/dV), batch).
+// grid (ceil(seq / warps), heads (or kv_heads for dK/dV), batch); rows past a packed
+// sequence's end do nothing.
 
 #include "common.cuh"
 
@@ -44,6 +50,17 @@ struct Dropout {
         return kept(seed, draw, threshold) ? scale : 0.0f;
     }
 };
+
+// Where sequence b lies: its tokens, its first row in the operands (after their batch
+// stride) and in the output; padded operands hold `seq` rows each.
+struct Extent {
+    long len, row, out;
+};
+
+static __device__ __forceinline__ Extent extent(const unsigned* starts, long b, int seq) {
+    if (starts == nullptr) return Extent{seq, 0, b * seq};
+    return Extent{(long)starts[b + 1] - (long)starts[b], (long)starts[b], (long)starts[b]};
+}
 
 // A head row's elements held by this lane.
 template <typename T>
@@ -87,31 +104,32 @@ template <typename T>
 static __device__ void attention_forward(const T* q, const T* k, const T* v, const float* mask,
                                          T* out, float* lse, int seq, int heads, int kv_heads,
                                          int head_dim, int causal, float scale, Strides st,
-                                         Dropout drop) {
+                                         Dropout drop, const unsigned* starts) {
     const long i = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const long h = blockIdx.y, b = blockIdx.z;
-    if (i >= seq) return;  // the whole warp
+    const Extent e = extent(starts, b, seq);
+    if (i >= e.len) return;  // the whole warp
     const long g = h / (heads / kv_heads);
     float qi[MAX_PER_LANE], kj[MAX_PER_LANE], vj[MAX_PER_LANE], acc[MAX_PER_LANE];
-    load_row(q + b * st.q_batch + i * st.q_row + h * head_dim, head_dim, qi);
+    load_row(q + b * st.q_batch + (e.row + i) * st.q_row + h * head_dim, head_dim, qi);
 #pragma unroll
     for (int r = 0; r < MAX_PER_LANE; r++) acc[r] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    const long keys = causal ? i + 1 : seq;
+    const long keys = causal ? i + 1 : e.len;
     for (long j = 0; j < keys; j++) {
-        load_row(k + b * st.k_batch + j * st.k_row + g * head_dim, head_dim, kj);
+        load_row(k + b * st.k_batch + (e.row + j) * st.k_row + g * head_dim, head_dim, kj);
         const float s = score(dot(qi, kj), scale, mask, st, b, h, i, j);
         const float m_new = fmaxf(m, s);
         if (m_new == -INFINITY) continue;  // every key so far masked out entirely
         const float correction = expf(m - m_new), p = expf(s - m_new);
-        load_row(v + b * st.v_batch + j * st.v_row + g * head_dim, head_dim, vj);
+        load_row(v + b * st.v_batch + (e.row + j) * st.v_row + g * head_dim, head_dim, vj);
         l = l * correction + p;
         const float kept_p = p * drop.factor(b, h, i, j, heads, seq);
 #pragma unroll
         for (int r = 0; r < MAX_PER_LANE; r++) acc[r] = acc[r] * correction + kept_p * vj[r];
         m = m_new;
     }
-    store_row(out + (b * seq + i) * (long)heads * head_dim + h * head_dim, head_dim, acc, 1.0f / l);
+    store_row(out + (e.out + i) * (long)heads * head_dim + h * head_dim, head_dim, acc, 1.0f / l);
     if (threadIdx.x % 32 == 0) lse[(b * heads + h) * seq + i] = m + logf(l);
 }
 
@@ -125,31 +143,33 @@ static __device__ void attention_backward_queries(const T* q, const T* k, const 
                                                   const float* lse, float* delta, T* dq,
                                                   long dq_batch, long dq_row, int seq, int heads,
                                                   int kv_heads, int head_dim, int causal,
-                                                  float scale, Strides st, Dropout drop) {
+                                                  float scale, Strides st, Dropout drop,
+                                                  const unsigned* starts) {
     const long i = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const long h = blockIdx.y, b = blockIdx.z;
-    if (i >= seq) return;
+    const Extent e = extent(starts, b, seq);
+    if (i >= e.len) return;
     const long g = h / (heads / kv_heads);
     float qi[MAX_PER_LANE], doi[MAX_PER_LANE], kj[MAX_PER_LANE], vj[MAX_PER_LANE];
     float acc[MAX_PER_LANE];
-    load_row(q + b * st.q_batch + i * st.q_row + h * head_dim, head_dim, qi);
-    const long o_at = (b * seq + i) * (long)heads * head_dim + h * head_dim;
+    load_row(q + b * st.q_batch + (e.row + i) * st.q_row + h * head_dim, head_dim, qi);
+    const long o_at = (e.out + i) * (long)heads * head_dim + h * head_dim;
     load_row(dout + o_at, head_dim, doi);
     load_row(out + o_at, head_dim, acc);  // O_i, only for D_i
     const float d_i = dot(doi, acc);
     const float lse_i = lse[(b * heads + h) * seq + i];
 #pragma unroll
     for (int r = 0; r < MAX_PER_LANE; r++) acc[r] = 0.0f;
-    const long keys = causal ? i + 1 : seq;
+    const long keys = causal ? i + 1 : e.len;
     for (long j = 0; j < keys; j++) {
-        load_row(k + b * st.k_batch + j * st.k_row + g * head_dim, head_dim, kj);
-        load_row(v + b * st.v_batch + j * st.v_row + g * head_dim, head_dim, vj);
+        load_row(k + b * st.k_batch + (e.row + j) * st.k_row + g * head_dim, head_dim, kj);
+        load_row(v + b * st.v_batch + (e.row + j) * st.v_row + g * head_dim, head_dim, vj);
         const float p = expf(score(dot(qi, kj), scale, mask, st, b, h, i, j) - lse_i);
         const float ds = p * (dot(doi, vj) * drop.factor(b, h, i, j, heads, seq) - d_i);
 #pragma unroll
         for (int r = 0; r < MAX_PER_LANE; r++) acc[r] += ds * kj[r];
     }
-    store_row(dq + b * dq_batch + i * dq_row + h * head_dim, head_dim, acc, scale);
+    store_row(dq + b * dq_batch + (e.row + i) * dq_row + h * head_dim, head_dim, acc, scale);
     if (threadIdx.x % 32 == 0) delta[(b * heads + h) * seq + i] = d_i;
 }
 
@@ -162,21 +182,22 @@ static __device__ void attention_backward_keys(const T* q, const T* k, const T* 
                                                const float* delta, T* dk, T* dv, long dkv_batch,
                                                long dkv_row, int seq, int heads, int kv_heads,
                                                int head_dim, int causal, float scale,
-                                               Strides st, Dropout drop) {
+                                               Strides st, Dropout drop, const unsigned* starts) {
     const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const long g = blockIdx.y, b = blockIdx.z;
-    if (j >= seq) return;
+    const Extent e = extent(starts, b, seq);
+    if (j >= e.len) return;
     const int group = heads / kv_heads;
     float kj[MAX_PER_LANE], vj[MAX_PER_LANE], qi[MAX_PER_LANE], doi[MAX_PER_LANE];
     float dk_acc[MAX_PER_LANE], dv_acc[MAX_PER_LANE];
-    load_row(k + b * st.k_batch + j * st.k_row + g * head_dim, head_dim, kj);
-    load_row(v + b * st.v_batch + j * st.v_row + g * head_dim, head_dim, vj);
+    load_row(k + b * st.k_batch + (e.row + j) * st.k_row + g * head_dim, head_dim, kj);
+    load_row(v + b * st.v_batch + (e.row + j) * st.v_row + g * head_dim, head_dim, vj);
 #pragma unroll
     for (int r = 0; r < MAX_PER_LANE; r++) dk_acc[r] = dv_acc[r] = 0.0f;
     for (long h = g * group; h < (g + 1) * group; h++) {
-        for (long i = causal ? j : 0; i < seq; i++) {
-            load_row(q + b * st.q_batch + i * st.q_row + h * head_dim, head_dim, qi);
-            load_row(dout + (b * seq + i) * (long)heads * head_dim + h * head_dim, head_dim, doi);
+        for (long i = causal ? j : 0; i < e.len; i++) {
+            load_row(q + b * st.q_batch + (e.row + i) * st.q_row + h * head_dim, head_dim, qi);
+            load_row(dout + (e.out + i) * (long)heads * head_dim + h * head_dim, head_dim, doi);
             const long row = (b * heads + h) * seq + i;
             const float p = expf(score(dot(qi, kj), scale, mask, st, b, h, i, j) - lse[row]);
             const float factor = drop.factor(b, h, i, j, heads, seq);
@@ -188,8 +209,8 @@ static __device__ void attention_backward_keys(const T* q, const T* k, const T* 
             }
         }
     }
-    store_row(dk + b * dkv_batch + j * dkv_row + g * head_dim, head_dim, dk_acc, scale);
-    store_row(dv + b * dkv_batch + j * dkv_row + g * head_dim, head_dim, dv_acc, 1.0f);
+    store_row(dk + b * dkv_batch + (e.row + j) * dkv_row + g * head_dim, head_dim, dk_acc, scale);
+    store_row(dv + b * dkv_batch + (e.row + j) * dkv_row + g * head_dim, head_dim, dv_acc, 1.0f);
 }
 
 // ---- Heads of 64: a thread per row, the other operand's rows in shared-memory tiles ----
@@ -215,25 +236,28 @@ static __device__ __forceinline__ void load_tile(float (*tile)[PAD], const T* sr
 template <typename T>
 static __device__ void attention_forward_64(const T* q, const T* k, const T* v, const float* mask,
                                             T* out, float* lse, int seq, int heads, int kv_heads,
-                                            int causal, float scale, Strides st, Dropout drop) {
+                                            int causal, float scale, Strides st, Dropout drop,
+                                            const unsigned* starts) {
     __shared__ float ks[64][PAD];
     __shared__ float vs[64][PAD];
     const long h = blockIdx.y, b = blockIdx.z, g = h / (heads / kv_heads);
+    const Extent e = extent(starts, b, seq);
     const long first = (long)blockIdx.x * 64, i = first + threadIdx.x;
-    const bool active = i < seq;
+    if (first >= e.len) return;  // the whole block: past a packed sequence's end
+    const bool active = i < e.len;
     float qi[HD], acc[HD];
 #pragma unroll
     for (int d = 0; d < HD; d++) {
-        qi[d] = active ? load(q + b * st.q_batch + i * st.q_row + h * HD, d) : 0.0f;
+        qi[d] = active ? load(q + b * st.q_batch + (e.row + i) * st.q_row + h * HD, d) : 0.0f;
         acc[d] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    const long last = causal ? (first + 64 < seq ? first + 64 : seq) : seq;
+    const long last = causal ? (first + 64 < e.len ? first + 64 : e.len) : e.len;
     for (long j0 = 0; j0 < last; j0 += 64) {
         const int count = last - j0 < 64 ? (int)(last - j0) : 64;
         __syncthreads();  // the previous tile's readers are done
-        load_tile(ks, k + b * st.k_batch + g * HD, st.k_row, j0, count);
-        load_tile(vs, v + b * st.v_batch + g * HD, st.v_row, j0, count);
+        load_tile(ks, k + b * st.k_batch + e.row * st.k_row + g * HD, st.k_row, j0, count);
+        load_tile(vs, v + b * st.v_batch + e.row * st.v_row + g * HD, st.v_row, j0, count);
         __syncthreads();
         if (!active) continue;
         const long visible = causal ? i + 1 - j0 : count;
@@ -260,7 +284,7 @@ static __device__ void attention_forward_64(const T* q, const T* k, const T* v, 
         }
     }
     if (!active) return;
-    T* o = out + (b * seq + i) * (long)heads * HD + h * HD;
+    T* o = out + (e.out + i) * (long)heads * HD + h * HD;
 #pragma unroll
     for (int d = 0; d < HD; d++) store(o, d, acc[d] / l);
     lse[(b * heads + h) * seq + i] = m + logf(l);
@@ -272,18 +296,20 @@ template <typename T>
 static __device__ void attention_backward_queries_64(
     const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,
     const float* lse, float* delta, T* dq, long dq_batch, long dq_row, int seq, int heads,
-    int kv_heads, int causal, float scale, Strides st, Dropout drop) {
+    int kv_heads, int causal, float scale, Strides st, Dropout drop, const unsigned* starts) {
     __shared__ float qs[64][PAD];
     __shared__ float ks[32][PAD];
     __shared__ float vs[32][PAD];
     const long h = blockIdx.y, b = blockIdx.z, g = h / (heads / kv_heads);
+    const Extent e = extent(starts, b, seq);
     const long first = (long)blockIdx.x * 64, i = first + threadIdx.x;
-    const bool active = i < seq;
-    const int rows = seq - first < 64 ? (int)(seq - first) : 64;
-    load_tile(qs, q + b * st.q_batch + h * HD, st.q_row, first, rows);
+    if (first >= e.len) return;  // the whole block
+    const bool active = i < e.len;
+    const int rows = e.len - first < 64 ? (int)(e.len - first) : 64;
+    load_tile(qs, q + b * st.q_batch + e.row * st.q_row + h * HD, st.q_row, first, rows);
     float doi[HD], acc[HD];
     float d_i = 0.0f;
-    const long o_at = (b * seq + i) * (long)heads * HD + h * HD;
+    const long o_at = (e.out + i) * (long)heads * HD + h * HD;
 #pragma unroll
     for (int d = 0; d < HD; d++) {
         doi[d] = active ? load(dout + o_at, d) : 0.0f;
@@ -291,12 +317,12 @@ static __device__ void attention_backward_queries_64(
         acc[d] = 0.0f;
     }
     const float lse_i = active ? lse[(b * heads + h) * seq + i] : 0.0f;
-    const long last = causal ? (first + 64 < seq ? first + 64 : seq) : seq;
+    const long last = causal ? (first + 64 < e.len ? first + 64 : e.len) : e.len;
     for (long j0 = 0; j0 < last; j0 += 32) {
         const int count = last - j0 < 32 ? (int)(last - j0) : 32;
         __syncthreads();
-        load_tile(ks, k + b * st.k_batch + g * HD, st.k_row, j0, count);
-        load_tile(vs, v + b * st.v_batch + g * HD, st.v_row, j0, count);
+        load_tile(ks, k + b * st.k_batch + e.row * st.k_row + g * HD, st.k_row, j0, count);
+        load_tile(vs, v + b * st.v_batch + e.row * st.v_row + g * HD, st.v_row, j0, count);
         __syncthreads();
         if (!active) continue;
         const long visible = causal ? i + 1 - j0 : count;
@@ -316,7 +342,7 @@ static __device__ void attention_backward_queries_64(
         }
     }
     if (!active) return;
-    T* row = dq + b * dq_batch + i * dq_row + h * HD;
+    T* row = dq + b * dq_batch + (e.row + i) * dq_row + h * HD;
 #pragma unroll
     for (int d = 0; d < HD; d++) store(row, d, acc[d] * scale);
     delta[(b * heads + h) * seq + i] = d_i;
@@ -328,7 +354,7 @@ template <typename T>
 static __device__ void attention_backward_keys_64(
     const T* q, const T* k, const T* v, const float* mask, const T* dout, const float* lse,
     const float* delta, T* dk, T* dv, long dkv_batch, long dkv_row, int seq, int heads,
-    int kv_heads, int causal, float scale, Strides st, Dropout drop) {
+    int kv_heads, int causal, float scale, Strides st, Dropout drop, const unsigned* starts) {
     __shared__ float kjs[32][PAD];
     __shared__ float vjs[32][PAD];
     __shared__ float qs[32][PAD];
@@ -336,22 +362,24 @@ static __device__ void attention_backward_keys_64(
     __shared__ float lses[32];
     __shared__ float deltas[32];
     const long g = blockIdx.y, b = blockIdx.z;
+    const Extent e = extent(starts, b, seq);
     const long first = (long)blockIdx.x * 32, j = first + threadIdx.x;
-    const bool active = j < seq;
-    const int rows = seq - first < 32 ? (int)(seq - first) : 32;
-    load_tile(kjs, k + b * st.k_batch + g * HD, st.k_row, first, rows);
-    load_tile(vjs, v + b * st.v_batch + g * HD, st.v_row, first, rows);
+    if (first >= e.len) return;  // the whole block
+    const bool active = j < e.len;
+    const int rows = e.len - first < 32 ? (int)(e.len - first) : 32;
+    load_tile(kjs, k + b * st.k_batch + e.row * st.k_row + g * HD, st.k_row, first, rows);
+    load_tile(vjs, v + b * st.v_batch + e.row * st.v_row + g * HD, st.v_row, first, rows);
     float dk_acc[HD], dv_acc[HD];
 #pragma unroll
     for (int d = 0; d < HD; d++) dk_acc[d] = dv_acc[d] = 0.0f;
     const int group = heads / kv_heads;
     const int t = threadIdx.x;
     for (long h = g * group; h < (g + 1) * group; h++) {
-        for (long i0 = causal ? first : 0; i0 < seq; i0 += 32) {
-            const int count = seq - i0 < 32 ? (int)(seq - i0) : 32;
+        for (long i0 = causal ? first : 0; i0 < e.len; i0 += 32) {
+            const int count = e.len - i0 < 32 ? (int)(e.len - i0) : 32;
             __syncthreads();
-            load_tile(qs, q + b * st.q_batch + h * HD, st.q_row, i0, count);
-            load_tile(dos, dout + b * (long)seq * heads * HD + h * HD, (long)heads * HD, i0, count);
+            load_tile(qs, q + b * st.q_batch + e.row * st.q_row + h * HD, st.q_row, i0, count);
+            load_tile(dos, dout + e.out * (long)heads * HD + h * HD, (long)heads * HD, i0, count);
             for (int r = threadIdx.x; r < count; r += blockDim.x) {
                 lses[r] = lse[(b * heads + h) * seq + i0 + r];
                 deltas[r] = delta[(b * heads + h) * seq + i0 + r];
@@ -381,8 +409,8 @@ static __device__ void attention_backward_keys_64(
     if (!active) return;
 #pragma unroll
     for (int d = 0; d < HD; d++) {
-        store(dk + b * dkv_batch + j * dkv_row + g * HD, d, dk_acc[d] * scale);
-        store(dv + b * dkv_batch + j * dkv_row + g * HD, d, dv_acc[d]);
+        store(dk + b * dkv_batch + (e.row + j) * dkv_row + g * HD, d, dk_acc[d] * scale);
+        store(dv + b * dkv_batch + (e.row + j) * dkv_row + g * HD, d, dv_acc[d]);
     }
 }
 
@@ -391,7 +419,10 @@ static __device__ void attention_backward_keys_64(
         long m_head, long m_query, long m_key
 #define STRIDES                                                                                  \
     Strides { q_batch, q_row, k_batch, k_row, v_batch, v_row, m_batch, m_head, m_query, m_key }
-#define DROPOUT_PARAMS unsigned long long seed, unsigned long long threshold, float keep_scale
+// Dropout's, then the packed sequences' starts (null for a padded batch).
+#define TAIL_PARAMS                                                                              \
+    unsigned long long seed, unsigned long long threshold, float keep_scale,                     \
+        const unsigned* starts
 #define DROPOUT                                                                                  \
     Dropout { seed, threshold, keep_scale }
 
@@ -399,49 +430,50 @@ static __device__ void attention_backward_keys_64(
     extern "C" __global__ void fsdp_attention_forward_##SUFFIX(                                  \
         const T* q, const T* k, const T* v, const float* mask, T* out, float* lse, int seq,      \
         int heads, int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS,           \
-        DROPOUT_PARAMS) {                                                                        \
+        TAIL_PARAMS) {                                                                           \
         attention_forward(q, k, v, mask, out, lse, seq, heads, kv_heads, head_dim, causal,       \
-                          scale, STRIDES, DROPOUT);                                              \
+                          scale, STRIDES, DROPOUT, starts);                                      \
     }                                                                                            \
     extern "C" __global__ void fsdp_attention_backward_queries_##SUFFIX(                         \
         const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,      \
         const float* lse, float* delta, T* dq, long dq_batch, long dq_row, int seq, int heads,   \
-        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, TAIL_PARAMS) {       \
         attention_backward_queries(q, k, v, mask, out, dout, lse, delta, dq, dq_batch, dq_row,   \
                                    seq, heads, kv_heads, head_dim, causal, scale, STRIDES,       \
-                                   DROPOUT);                                                     \
+                                   DROPOUT, starts);                                             \
     }                                                                                            \
     extern "C" __global__ void fsdp_attention_backward_keys_##SUFFIX(                            \
         const T* q, const T* k, const T* v, const float* mask, const T* dout, const float* lse,  \
         const float* delta, T* dk, T* dv, long dkv_batch, long dkv_row, int seq, int heads,      \
-        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, TAIL_PARAMS) {       \
         attention_backward_keys(q, k, v, mask, dout, lse, delta, dk, dv, dkv_batch, dkv_row,     \
                                 seq, heads, kv_heads, head_dim, causal, scale, STRIDES,          \
-                                DROPOUT);                                                        \
+                                DROPOUT, starts);                                                \
     }
 
 #define ATTENTION_64_KERNELS(T, SUFFIX)                                                          \
     extern "C" __global__ void fsdp_attention_forward64_##SUFFIX(                                \
         const T* q, const T* k, const T* v, const float* mask, T* out, float* lse, int seq,      \
         int heads, int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS,           \
-        DROPOUT_PARAMS) {                                                                        \
+        TAIL_PARAMS) {                                                                           \
         attention_forward_64(q, k, v, mask, out, lse, seq, heads, kv_heads, causal, scale,       \
-                             STRIDES, DROPOUT);                                                  \
+                             STRIDES, DROPOUT, starts);                                          \
     }                                                                                            \
     extern "C" __global__ void fsdp_attention_backward_queries64_##SUFFIX(                       \
         const T* q, const T* k, const T* v, const float* mask, const T* out, const T* dout,      \
         const float* lse, float* delta, T* dq, long dq_batch, long dq_row, int seq, int heads,   \
-        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, TAIL_PARAMS) {       \
         attention_backward_queries_64(q, k, v, mask, out, dout, lse, delta, dq, dq_batch,        \
                                       dq_row, seq, heads, kv_heads, causal, scale, STRIDES,      \
-                                      DROPOUT);                                                  \
+                                      DROPOUT, starts);                                          \
     }                                                                                            \
     extern "C" __global__ void fsdp_attention_backward_keys64_##SUFFIX(                          \
         const T* q, const T* k, const T* v, const float* mask, const T* dout, const float* lse,  \
         const float* delta, T* dk, T* dv, long dkv_batch, long dkv_row, int seq, int heads,      \
-        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, DROPOUT_PARAMS) {    \
+        int kv_heads, int head_dim, int causal, float scale, STRIDE_PARAMS, TAIL_PARAMS) {       \
         attention_backward_keys_64(q, k, v, mask, dout, lse, delta, dk, dv, dkv_batch, dkv_row,  \
-                                   seq, heads, kv_heads, causal, scale, STRIDES, DROPOUT);       \
+                                   seq, heads, kv_heads, causal, scale, STRIDES, DROPOUT,        \
+                                   starts);                                                      \
     }
 
 ATTENTION_KERNELS(float, f32)

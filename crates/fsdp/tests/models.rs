@@ -319,18 +319,9 @@ fn gpt2_dropout_only_in_training_mode_reproducible_and_differentiable() {
     assert_eq!(logits(&zero), eval);
 }
 
-/// A right-padded batch computed packed (its real tokens end to end) gives the logits, the
-/// sequence output on real tokens and every gradient the padded, masked computation gives,
-/// dropout on (its masks are the padded batch's); padding comes back as zeros; a mask that
-/// is not right padding is computed padded, bit for bit as with packing off.
-#[test]
-fn bert_packed_batches_compute_what_padded_batches_compute() {
-    let mut config = tiny_bert();
-    config.hidden_dropout_prob = 0.1;
-    config.attention_probs_dropout_prob = 0.1;
-    let mut model = BertForSequenceClassification::new(config).unwrap();
-    model.bert.dropout_seed = Some(7);
-    let params = LocalParams::init(&model.info(), 5, DType::F32, &Device::Cpu).unwrap();
+/// Tiny BERT's right-padded batch of 3 sequences of 6, 2 and 4 tokens on the CPU: ids,
+/// attention mask, token types and labels.
+fn padded_bert_batch() -> [Tensor; 4] {
     let lengths = [6usize, 2, 4];
     let cpu = &Device::Cpu;
     let ids: Vec<u32> = (0..18)
@@ -347,28 +338,63 @@ fn bert_packed_batches_compute_what_padded_batches_compute() {
     let mask = Tensor::from_vec(mask, (3, 6), cpu).unwrap();
     let types = Tensor::from_vec((0..18u32).map(|i| (i / 3) % 2).collect(), (3, 6), cpu).unwrap();
     let labels = Tensor::new(&[2u32, 0, 1], cpu).unwrap();
+    [ids, mask, types, labels]
+}
+
+/// `model`'s logits and every parameter's gradient of its loss on `batch` (ids, mask, token
+/// types, labels), computed where `params` live, read back as f32.
+fn bert_logits_and_grads(
+    model: &BertForSequenceClassification,
+    params: &LocalParams,
+    [ids, mask, types, labels]: &[Tensor; 4],
+) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
+    let device = params.vars().values().next().unwrap().device().clone();
+    let on = |t: &Tensor| t.to_device(&device).unwrap();
+    let logits = model
+        .forward(params, &on(ids), Some(&on(mask)), Some(&on(types)))
+        .unwrap();
+    let loss = cross_entropy(&logits, &on(labels), CrossEntropy::default()).unwrap();
+    let grads = loss.backward().unwrap();
+    let grads: HashMap<String, Vec<f32>> = params
+        .vars()
+        .iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var)
+                .unwrap_or_else(|| panic!("no gradient for {name}"));
+            (name.clone(), g.flatten_all().unwrap().to_vec1().unwrap())
+        })
+        .collect();
+    (
+        logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        grads,
+    )
+}
+
+/// A right-padded batch computed packed (its real tokens end to end) gives the logits, the
+/// sequence output on real tokens and every gradient the padded, masked computation gives,
+/// dropout on (its masks are the padded batch's); padding comes back as zeros; a mask that
+/// is not right padding is computed padded, bit for bit as with packing off.
+#[test]
+fn bert_packed_batches_compute_what_padded_batches_compute() {
+    let mut config = tiny_bert();
+    config.hidden_dropout_prob = 0.1;
+    config.attention_probs_dropout_prob = 0.1;
+    let mut model = BertForSequenceClassification::new(config).unwrap();
+    model.bert.dropout_seed = Some(7);
+    let params = LocalParams::init(&model.info(), 5, DType::F32, &Device::Cpu).unwrap();
+    let lengths = [6usize, 2, 4];
+    let cpu = &Device::Cpu;
+    let batch = padded_bert_batch();
+    let [ids, mask, types, _] = &batch;
     let run = |m: &BertForSequenceClassification, mask: &Tensor| {
-        let logits = m.forward(&params, &ids, Some(mask), Some(&types)).unwrap();
-        let loss = cross_entropy(&logits, &labels, CrossEntropy::default()).unwrap();
-        let grads = loss.backward().unwrap();
-        let grads: HashMap<String, Vec<f32>> = params
-            .vars()
-            .iter()
-            .map(|(name, var)| {
-                let g = grads
-                    .get(var)
-                    .unwrap_or_else(|| panic!("no gradient for {name}"));
-                (name.clone(), g.flatten_all().unwrap().to_vec1().unwrap())
-            })
-            .collect();
-        (
-            logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            grads,
-        )
+        let mut batch = batch.clone();
+        batch[1] = mask.clone();
+        bert_logits_and_grads(m, &params, &batch)
     };
-    let (packed_logits, packed_grads) = run(&model, &mask);
+    let (packed_logits, packed_grads) = run(&model, mask);
     model.bert.pack_sequences = false;
-    let (padded_logits, padded_grads) = run(&model, &mask);
+    let (padded_logits, padded_grads) = run(&model, mask);
     let close = |a: &[f32], b: &[f32], what: &str| {
         let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
@@ -383,7 +409,7 @@ fn bert_packed_batches_compute_what_padded_batches_compute() {
         packed_logits,
         {
             model.bert.dropout_seed = Some(8);
-            run(&model, &mask).0
+            run(&model, mask).0
         },
         "dropout is on"
     );
@@ -399,7 +425,7 @@ fn bert_packed_batches_compute_what_padded_batches_compute() {
     let mut bert = model.bert.clone();
     bert.dropout_seed = Some(7);
     let seq = |b: &BertModel| {
-        let (h, _) = b.forward(&params, &ids, Some(&mask), Some(&types)).unwrap();
+        let (h, _) = b.forward(&params, ids, Some(mask), Some(types)).unwrap();
         h.to_vec3::<f32>().unwrap()
     };
     let padded = seq(&bert);
@@ -434,4 +460,49 @@ fn bert_packed_batches_compute_what_padded_batches_compute() {
     let off = run(&model, &left);
     assert_eq!(on.0, off.0);
     assert_eq!(on.1, off.1);
+}
+
+/// The same on a GPU in f32: tiny BERT computing the right-padded batch packed there (fsdp-nn's
+/// kernels for packed attention and packed dropout, dropout on) gives the logits and every
+/// gradient the CPU gives computing it padded and masked, within 1e-5. Skips without a usable
+/// GPU; fails under `FSDP_REQUIRE_GPU=1` (tools/gpu-check.sh).
+#[test]
+fn bert_packed_batches_on_a_gpu_compute_what_the_cpu_computes_padded() {
+    let gpu = match fsdp::nn::device::cuda(0) {
+        Ok(gpu) => gpu,
+        Err(e) => return skipped_gpu!("{e}"),
+    };
+    let mut config = tiny_bert();
+    config.hidden_dropout_prob = 0.1;
+    config.attention_probs_dropout_prob = 0.1;
+    let mut model = BertForSequenceClassification::new(config).unwrap();
+    model.bert.dropout_seed = Some(7);
+    let info = model.info();
+    let params = LocalParams::init(&info, 5, DType::F32, &Device::Cpu).unwrap();
+    let moved = params
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| (name, t.to_device(&gpu).unwrap()))
+        .collect();
+    let on_gpu = LocalParams::from_tensors(&info, moved).unwrap();
+    let batch = padded_bert_batch();
+    let (logits, grads) = bert_logits_and_grads(&model, &on_gpu, &batch);
+    model.bert.pack_sequences = false;
+    let (want_logits, want_grads) = bert_logits_and_grads(&model, &params, &batch);
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * scale + 1e-7,
+                "{what}[{i}]: packed on the GPU {x}, padded on the CPU {y} (largest {scale})"
+            );
+        }
+    };
+    close(&logits, &want_logits, "logits");
+    for (name, g) in &want_grads {
+        // The key biases' true gradient is zero: both are rounding noise.
+        if !name.ends_with("attention.self.key.bias") {
+            close(&grads[name], g, name);
+        }
+    }
 }

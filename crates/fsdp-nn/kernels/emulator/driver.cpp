@@ -70,7 +70,8 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
                                a.at(4).i, a.at(5).i, a.at(6).i);                               \
     };                                                                                         \
     table["fsdp_dropout_" #S] = [](const std::vector<Arg>& a) {                                \
-        fsdp_dropout_##S(P(0, const T*), P(1, T*), a.at(2).i, a.at(3).u, a.at(4).u, a.at(5).f); \
+        fsdp_dropout_##S(P(0, const T*), P(1, T*), P(2, const unsigned*), a.at(3).i, a.at(4).i, \
+                         a.at(5).u, a.at(6).u, a.at(7).f);                                     \
     };                                                                                         \
     table["fsdp_column_partials_" #S] = [](const std::vector<Arg>& a) {                        \
         fsdp_column_partials_##S(P(0, const T*), P(1, float*), a.at(2).i, a.at(3).i,           \
@@ -90,27 +91,28 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
 #define L(k) a.at(k).l
 #define STRIDE_ARGS(k) L(k), L(k + 1), L(k + 2), L(k + 3), L(k + 4), L(k + 5), L(k + 6), L(k + 7), \
                        L(k + 8), L(k + 9)
-#define DROPOUT_ARGS(k) a.at(k).u, a.at(k + 1).u, a.at(k + 2).f
+// Dropout's arguments, then the packed sequences' starts.
+#define TAIL_ARGS(k) a.at(k).u, a.at(k + 1).u, a.at(k + 2).f, P(k + 3, const unsigned*)
 #define REGISTER_ATTENTION(T, S)                                                               \
     table["fsdp_attention_forward_" #S] = [](const std::vector<Arg>& a) {                      \
         fsdp_attention_forward_##S(P(0, const T*), P(1, const T*), P(2, const T*),             \
                                    P(3, const float*), P(4, T*), P(5, float*), a.at(6).i,      \
                                    a.at(7).i, a.at(8).i, a.at(9).i, a.at(10).i, a.at(11).f,    \
-                                   STRIDE_ARGS(12), DROPOUT_ARGS(22));                         \
+                                   STRIDE_ARGS(12), TAIL_ARGS(22));                            \
     };                                                                                         \
     table["fsdp_attention_backward_queries_" #S] = [](const std::vector<Arg>& a) {             \
         fsdp_attention_backward_queries_##S(                                                   \
             P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
             P(5, const T*), P(6, const float*), P(7, float*), P(8, T*), L(9), L(10), a.at(11).i, \
             a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
-            DROPOUT_ARGS(27));                                                                 \
+            TAIL_ARGS(27));                                                                    \
     };                                                                                         \
     table["fsdp_attention_backward_keys_" #S] = [](const std::vector<Arg>& a) {                \
         fsdp_attention_backward_keys_##S(                                                      \
             P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
             P(5, const float*), P(6, const float*), P(7, T*), P(8, T*), L(9), L(10), a.at(11).i, \
             a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
-            DROPOUT_ARGS(27));                                                                 \
+            TAIL_ARGS(27));                                                                    \
     };
 
 #define REGISTER_CROSS_ENTROPY(T, S)                                                           \
@@ -143,21 +145,21 @@ using Kernel = std::function<void(const std::vector<Arg>&)>;
         fsdp_attention_forward64_##S(P(0, const T*), P(1, const T*), P(2, const T*),           \
                                      P(3, const float*), P(4, T*), P(5, float*), a.at(6).i,    \
                                      a.at(7).i, a.at(8).i, a.at(9).i, a.at(10).i, a.at(11).f,  \
-                                     STRIDE_ARGS(12), DROPOUT_ARGS(22));                       \
+                                     STRIDE_ARGS(12), TAIL_ARGS(22));                          \
     };                                                                                         \
     table["fsdp_attention_backward_queries64_" #S] = [](const std::vector<Arg>& a) {           \
         fsdp_attention_backward_queries64_##S(                                                 \
             P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
             P(5, const T*), P(6, const float*), P(7, float*), P(8, T*), L(9), L(10), a.at(11).i, \
             a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
-            DROPOUT_ARGS(27));                                                                 \
+            TAIL_ARGS(27));                                                                    \
     };                                                                                         \
     table["fsdp_attention_backward_keys64_" #S] = [](const std::vector<Arg>& a) {              \
         fsdp_attention_backward_keys64_##S(                                                    \
             P(0, const T*), P(1, const T*), P(2, const T*), P(3, const float*), P(4, const T*), \
             P(5, const float*), P(6, const float*), P(7, T*), P(8, T*), L(9), L(10), a.at(11).i, \
             a.at(12).i, a.at(13).i, a.at(14).i, a.at(15).i, a.at(16).f, STRIDE_ARGS(17),       \
-            DROPOUT_ARGS(27));                                                                 \
+            TAIL_ARGS(27));                                                                    \
     };
 
 static std::map<std::string, Kernel> kernels() {

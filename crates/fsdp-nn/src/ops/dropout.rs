@@ -218,12 +218,27 @@ impl Dropout {
         shape: &Shape,
         dtype: candle_core::DType,
     ) -> Result<candle_core::CudaStorage> {
-        if self.padded_rows.is_some() {
-            candle_core::bail!("dropout_packed: packed rows are computed on the CPU only");
-        }
-        let plan = ElementShape::over(shape, dtype).dropout(self.p, self.seed)?;
+        use candle_core::backend::BackendDevice;
+        let element = ElementShape::over(shape, dtype);
+        let padded_rows = match &self.padded_rows {
+            Some((rows, width)) if (rows.len(), *width) == (element.rows, element.d) => {
+                Some(x.0.device().storage_from_slice(rows)?)
+            }
+            Some((rows, width)) => candle_core::bail!(
+                "dropout_packed: {} rows of {} elements for {} packed rows of {width}",
+                element.rows,
+                element.d,
+                rows.len()
+            ),
+            None => None,
+        };
+        let plan = element.dropout(self.p, self.seed, padded_rows.is_some())?;
         let y = Output::tensor(plan::Y, shape.elem_count());
-        let mut out = cuda_kernels::execute(dtype, &plan, &[(plan::X, x)], &[y])?;
+        let mut inputs = vec![(plan::X, x)];
+        if let Some(rows) = &padded_rows {
+            inputs.push((plan::PADDED_ROWS, (rows, 0)));
+        }
+        let mut out = cuda_kernels::execute(dtype, &plan, &inputs, &[y])?;
         take_storage(&mut out, plan::Y)
     }
 }
@@ -303,8 +318,8 @@ pub fn dropout_packed(x: &Tensor, p: f64, seed: u64, seqs: &PackedSequences) -> 
     if p == 0.0 {
         return Ok(x.clone());
     }
-    if !super::has_kernels(x) {
-        candle_core::bail!("dropout_packed: packed sequences are computed on the CPU only");
+    if !super::has_kernels(x) && !super::has_cuda_kernels(x) {
+        return super::composed::dropout_packed(x, p, seed, seqs);
     }
     x.contiguous()?.apply_op1(Dropout {
         p,

@@ -1,11 +1,12 @@
 //! [`Sdpa`] on a CUDA device: fsdp-nn's attention kernels
 //! (`kernels/attention.cu`), which keep each score row's log-sum-exp on the device for
-//! backward (`Sdpa::gpu_lse`) instead of any `[seq, seq]` matrix.
+//! backward (`Sdpa::gpu_lse`) instead of any `[seq, seq]` matrix, over a padded batch or over
+//! packed sequences (`varlen_attention`).
 
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CudaStorage, Layout, Result, Shape, Tensor};
 
-use super::{Dims, Sdpa, dims3};
+use super::{Dims, PackedSequences, Sdpa, dims3};
 use crate::ops::cuda_kernels::{
     self, Operand, Output, gradient_tensor, operand, take_storage, take_tensor,
 };
@@ -21,18 +22,22 @@ fn strides(l: &Layout, what: &str) -> Result<(usize, usize)> {
     }
 }
 
+/// Each packed sequence's first row, then the number of rows: the kernels' `STARTS`.
+fn starts(p: &PackedSequences) -> Vec<u32> {
+    // `PackedSequences` numbers its rows in u32.
+    (0..=p.sequences()).map(|b| p.start(b) as u32).collect()
+}
+
 impl Sdpa {
-    /// The kernels' description of this call on `dims`, operands at the given strides.
+    /// The kernels' description of this call on `dims`, operands at the given strides (a
+    /// packed call's have no batch stride).
     fn gpu_shape(
         &self,
         dims: Dims,
         dtype: candle_core::DType,
         strides: [(usize, usize); 3],
     ) -> Result<AttentionShape> {
-        if self.packed.is_some() {
-            candle_core::bail!("sdpa on a GPU: packed sequences are computed on the CPU only");
-        }
-        let [q, k, v] = strides;
+        let [q, k, v] = strides.map(|(batch, row)| (self.batch_stride(batch), row));
         Ok(AttentionShape {
             batch: dims.batch,
             seq: dims.seq,
@@ -48,6 +53,7 @@ impl Sdpa {
             mask: self.mask.as_ref().map(|m| m.dims),
             dropout: self.dropout,
             tiled: AttentionShape::tiles(dims.head_dim),
+            packed: self.packed.is_some(),
         })
     }
 
@@ -68,6 +74,10 @@ impl Sdpa {
         let all = [strides(l1, "q")?, strides(l2, "k")?, strides(l3, "v")?];
         let shape = self.gpu_shape(dims, s1.dtype(), all)?;
         let mask = self.mask.as_ref().map(|m| m.values.storage_and_layout());
+        let starts = match &self.packed {
+            Some(p) => Some(s1.device().storage_from_slice(&starts(p))?),
+            None => None,
+        };
         let mut inputs: Vec<(usize, Operand<'_>)> = vec![
             (ab::Q, (s1, l1.start_offset())),
             (ab::K, (s2, l2.start_offset())),
@@ -76,17 +86,20 @@ impl Sdpa {
         if let Some((storage, layout)) = &mask {
             inputs.push((ab::MASK, operand(storage, layout, "sdpa mask")?));
         }
+        if let Some(starts) = &starts {
+            inputs.push((ab::STARTS, (starts, 0)));
+        }
         let rows = dims.batch * self.heads * dims.seq;
         let width = self.heads * dims.head_dim;
         let outputs = [
-            Output::tensor(ab::OUT, dims.batch * dims.seq * width),
+            Output::tensor(ab::OUT, self.rows(dims) * width),
             Output::scratch(ab::LSE, rows),
         ];
         let mut out = cuda_kernels::execute(s1.dtype(), &shape.forward()?, &inputs, &outputs)?;
         let lse = gradient_tensor(take_storage(&mut out, ab::LSE)?, &Shape::from(rows));
         *self.gpu_lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         let y = take_storage(&mut out, ab::OUT)?;
-        Ok((y, Shape::from((dims.batch, dims.seq, width))))
+        Ok((y, l1.shape().clone()))
     }
 
     /// dQ, dK, dV on the GPU from the output `res`, its gradient and forward's
@@ -113,8 +126,10 @@ impl Sdpa {
             self.heads * dims.head_dim,
             self.kv_heads * dims.head_dim,
         );
-        // Every operand is made contiguous by `execute_on_tensors`.
-        let dense = [(s * qw, qw), (s * kw, kw), (s * kw, kw)];
+        // Every operand is made contiguous by `execute_on_tensors` (packed ones have no batch
+        // stride).
+        let dense = [(s * qw, qw), (s * kw, kw), (s * kw, kw)]
+            .map(|(batch, row)| (self.batch_stride(batch), row));
         let shape = self.gpu_shape(dims, q.dtype(), dense)?;
         let lse = self
             .gpu_lse
@@ -133,12 +148,18 @@ impl Sdpa {
         if let Some(m) = &self.mask {
             inputs.push((ab::MASK, &m.values, "sdpa mask"));
         }
-        let b = dims.batch;
+        let starts = match &self.packed {
+            Some(p) => Some(Tensor::new(starts(p), q.device())?),
+            None => None,
+        };
+        if let Some(starts) = &starts {
+            inputs.push((ab::STARTS, starts, "packed sequences' starts"));
+        }
         let outputs = [
-            Output::scratch(ab::DELTA, b * self.heads * s),
-            Output::tensor(ab::DQ, b * s * qw),
-            Output::tensor(ab::DK, b * s * kw),
-            Output::tensor(ab::DV, b * s * kw),
+            Output::scratch(ab::DELTA, dims.batch * self.heads * s),
+            Output::tensor(ab::DQ, q.elem_count()),
+            Output::tensor(ab::DK, k.elem_count()),
+            Output::tensor(ab::DV, v.elem_count()),
         ];
         let plan = shape.backward(dense[0], dense[1])?;
         let mut out = cuda_kernels::execute_on_tensors(&plan, &inputs, &outputs)?;

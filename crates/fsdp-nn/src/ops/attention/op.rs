@@ -314,7 +314,9 @@ pub fn scaled_dot_product_attention(
 /// and `v` `[tokens, kv_heads * head_dim]` (rows may be strided), each sequence of `seqs`
 /// attending within itself; dropout `(probability, seed)` draws the masks of the padded
 /// batch `seqs` came from. Returns `[tokens, heads * head_dim]`: on every token, what the
-/// padded call with a padding mask computes, up to the order of its sums.
+/// padded call with a padding mask computes, up to the order of its sums. On the CPU and (f32,
+/// bf16) on a CUDA device it attends over the real tokens only; elsewhere it composes candle's
+/// ops over the padded batch.
 pub fn varlen_attention(
     q: &Tensor,
     k: &Tensor,
@@ -323,10 +325,18 @@ pub fn varlen_attention(
     seqs: &PackedSequences,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if !super::super::has_kernels(q) {
-        candle_core::bail!("varlen_attention: packed sequences are computed on the CPU only");
-    }
     let (tokens, width) = q.dims2()?;
+    if !super::super::has_kernels(q) && !on_gpu_kernels(q, width, heads.heads) {
+        return super::super::composed::varlen_attention(
+            q,
+            k,
+            v,
+            (heads.heads, heads.kv_heads),
+            heads.causal,
+            seqs,
+            dropout,
+        );
+    }
     let rows = |t: &Tensor| -> Result<Tensor> {
         let (n, w) = t.dims2()?;
         t.reshape((1, n, w))
@@ -358,7 +368,7 @@ pub fn grouped_query_attention(
     mask: Option<&Tensor>,
     dropout: Option<(f64, u64)>,
 ) -> Result<Tensor> {
-    if !super::super::has_kernels(q) && !on_gpu_kernels(q, heads.heads)? {
+    if !super::super::has_kernels(q) && !on_gpu_kernels(q, q.dims3()?.2, heads.heads) {
         return super::super::composed::attention(
             q,
             k,
@@ -373,21 +383,20 @@ pub fn grouped_query_attention(
     q.apply_op3(k, v, op)
 }
 
-/// Whether `q`'s attention runs on fsdp-nn's CUDA kernels: a GPU tensor of a type they
-/// take, heads they fit.
-fn on_gpu_kernels(q: &Tensor, heads: usize) -> Result<bool> {
+/// Whether attention on `q` (`width` columns of `heads` heads) runs on fsdp-nn's CUDA
+/// kernels: a GPU tensor of a type they take, heads they fit.
+fn on_gpu_kernels(q: &Tensor, width: usize, heads: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
-        let width = q.dims3()?.2;
-        Ok(super::super::has_cuda_kernels(q)
+        super::super::has_cuda_kernels(q)
             && heads > 0
             && width.is_multiple_of(heads)
-            && crate::ops::kernel_plan::AttentionShape::fits(width / heads))
+            && crate::ops::kernel_plan::AttentionShape::fits(width / heads)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, heads);
-        Ok(false)
+        let _ = (q, width, heads);
+        false
     }
 }
 
@@ -410,7 +419,7 @@ pub fn packed_attention(
         let part = |i: usize| qkv.narrow(2, i * width, width);
         // The GPU kernels read the three parts in place (their rows are strided).
         let probe = part(0)?;
-        if on_gpu_kernels(&probe, heads.heads)? {
+        if on_gpu_kernels(&probe, width, heads.heads) {
             return grouped_query_attention(&probe, &part(1)?, &part(2)?, heads, mask, dropout);
         }
         return super::super::composed::attention(

@@ -9,6 +9,7 @@ use candle_core::{D, DType, Device, Tensor};
 
 use candle_core::Result;
 
+use super::PackedSequences;
 use crate::rng::dropout_keep;
 
 /// `x` in f32 (a no-op for f32).
@@ -153,6 +154,52 @@ fn dropout_scale(shape: &[usize], p: f64, seed: u64, device: &Device) -> Result<
 pub(super) fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     let scale = dropout_scale(x.dims(), p, seed, x.device())?;
     (f32(x)? * scale)?.to_dtype(x.dtype())
+}
+
+/// The real rows of a padded `[sequences, padded_len, width]` tensor, packed.
+fn packed_rows(padded: &Tensor, seqs: &PackedSequences) -> Result<Tensor> {
+    let (b, len, width) = padded.dims3()?;
+    let rows = Tensor::from_slice(seqs.padded_rows(), seqs.tokens(), padded.device())?;
+    padded.reshape((b * len, width))?.index_select(&rows, 0)
+}
+
+/// Dropout of packed rows `x` `[tokens, width]` with the padded batch's mask: dropout of the
+/// padded batch, its real rows taken back.
+pub(super) fn dropout_packed(
+    x: &Tensor,
+    p: f64,
+    seed: u64,
+    seqs: &PackedSequences,
+) -> Result<Tensor> {
+    packed_rows(&dropout(&seqs.pad(x)?, p, seed)?, seqs)
+}
+
+/// Attention of packed sequences: the padded batch's attention under a mask hiding each
+/// sequence's padding (the padded rows' dropout draws), its real rows taken back.
+pub(super) fn varlen_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: (usize, usize),
+    causal: bool,
+    seqs: &PackedSequences,
+    dropout: Option<(f64, u64)>,
+) -> Result<Tensor> {
+    let len = seqs.padded_len();
+    let hidden: Vec<f32> = (0..seqs.sequences())
+        .flat_map(|b| (0..len).map(move |j| (b, j)))
+        .map(|(b, j)| {
+            if j < seqs.len(b) {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(hidden, (seqs.sequences(), 1, 1, len), q.device())?;
+    let (q, k, v) = (seqs.pad(q)?, seqs.pad(k)?, seqs.pad(v)?);
+    let out = attention(&q, &k, &v, heads, causal, Some(&mask), dropout)?;
+    packed_rows(&out, seqs)
 }
 
 /// Cross-entropy of `logits` `[N, C]` (taken in f32) against `targets` `[N]`: PyTorch's,

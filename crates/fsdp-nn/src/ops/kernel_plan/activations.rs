@@ -43,6 +43,8 @@ pub(crate) mod dropout {
     pub const X: usize = 0;
     /// The output (forward) or the input's gradient (backward), `[n]`.
     pub const Y: usize = 1;
+    /// u32: for packed rows, each row's row in the padded batch, `[rows]`.
+    pub const PADDED_ROWS: usize = 2;
 }
 
 /// Threads per block of the element kernels.
@@ -177,13 +179,16 @@ impl ElementShape {
     }
 
     /// Dropout with probability `p` (in (0, 1)) under `seed`: forward, and backward on the
-    /// output's gradient (the same mask and scale).
-    pub fn dropout(&self, p: f64, seed: u64) -> Result<Vec<Launch>> {
+    /// output's gradient (the same mask and scale). With `packed`, the rows are packed
+    /// sequences' and draw the padded batch's mask (`PADDED_ROWS` says where each lay).
+    pub fn dropout(&self, p: f64, seed: u64, packed: bool) -> Result<Vec<Launch>> {
         let kernel = self.kernel("dropout")?;
         let args = vec![
             KernelArg::Buffer(dropout::X),
             KernelArg::Buffer(dropout::Y),
+            optional(packed, dropout::PADDED_ROWS),
             KernelArg::Int(self.n() as i32),
+            KernelArg::Int(self.d as i32),
             KernelArg::U64(seed),
             KernelArg::U64(dropout_threshold(p)),
             KernelArg::Float((1.0 / (1.0 - p)) as f32),

@@ -29,6 +29,8 @@ pub(crate) mod buffers {
     pub const DK: usize = 9;
     /// The values' gradient, as `DK`.
     pub const DV: usize = 10;
+    /// u32: packed sequences' first rows, then the number of rows (`batch + 1` entries).
+    pub const STARTS: usize = 11;
 }
 
 /// Warps (query or key rows) per block of the row kernels.
@@ -64,6 +66,10 @@ pub(crate) struct AttentionShape {
     /// The tiled kernels (heads of 64: a thread per row, tiles in shared memory) rather than
     /// the row kernels (a warp per row, any head size up to 256).
     pub tiled: bool,
+    /// Packed sequences (`varlen_attention`): `batch` sequences laid end to end, whose rows
+    /// `STARTS` gives, each attending within itself; `seq` is the padded length the saved
+    /// log-sum-exps and the dropout draws follow, and the operands' batch strides are 0.
+    pub packed: bool,
 }
 
 impl AttentionShape {
@@ -89,6 +95,12 @@ impl AttentionShape {
             candle_core::bail!(
                 "attention_{name}: head_dim {} is not in 1..={MAX_HEAD_DIM}",
                 self.head_dim
+            );
+        }
+        if self.packed && [self.q.0, self.k.0, self.v.0] != [0; 3] {
+            candle_core::bail!(
+                "attention_{name}: packed sequences' operands have no batch stride (got {:?})",
+                [self.q.0, self.k.0, self.v.0]
             );
         }
         if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
@@ -183,6 +195,7 @@ impl AttentionShape {
             KernelArg::U64(seed),
             KernelArg::U64(threshold),
             KernelArg::Float(scale as f32),
+            optional(self.packed, buffers::STARTS),
         ]);
         args
     }
@@ -218,6 +231,13 @@ impl AttentionShape {
             self.kernel("backward_queries")?,
             self.kernel("backward_keys")?,
         ];
+        if self.packed && (dq.0, dkv.0) != (0, 0) {
+            candle_core::bail!(
+                "attention_backward: packed sequences' gradients have no batch stride (got {} and {})",
+                dq.0,
+                dkv.0
+            );
+        }
         if self.batch * self.seq == 0 {
             return Ok(Vec::new());
         }

@@ -131,7 +131,8 @@ pub struct BertModel {
     /// Whether a right-padded batch (an `attention_mask` of ones, then zeros, per row) is
     /// computed on its real tokens only, end to end, instead of padded and masked: the same
     /// values (dropout draws the padded batch's masks) up to the order of sums over tokens,
-    /// without the padding's work. On by default, on the CPU.
+    /// without the padding's work. On by default, on every device (on a GPU, attention over
+    /// packed sequences runs on fsdp-nn's kernels in f32 and bf16).
     pub pack_sequences: bool,
     /// Embeddings.
     pub embeddings: BertEmbeddings,
@@ -211,7 +212,7 @@ impl BertModel {
         let Some(mask) = input.attention_mask else {
             return Ok(None);
         };
-        if !self.pack_sequences || !input.input_ids.device().is_cpu() {
+        if !self.pack_sequences {
             return Ok(None);
         }
         let seq = input.input_ids.dim(1)?;

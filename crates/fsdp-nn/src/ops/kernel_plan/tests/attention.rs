@@ -92,6 +92,7 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
         mask: mask.as_ref().map(|_| [batch, 1, 1, seq]),
         dropout,
         tiled: false,
+        packed: false,
     };
     let mut buffers = Buffers::default();
     for (index, data) in [ab::Q, ab::K, ab::V].into_iter().zip(operands) {
@@ -109,7 +110,8 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
     run_attention(emulator, &case, &shape, buffers, (&y, &grads, &grad), fused);
 }
 
-/// One attention plan on the emulator against the CPU op's output and gradients.
+/// One attention plan on the emulator against the CPU op's output and gradients (of q, k, v,
+/// or of the fused projection).
 fn run_attention(
     emulator: &Emulator,
     case: &str,
@@ -128,8 +130,12 @@ fn run_attention(
     } = *shape;
     let (qw, kw) = (shape.heads * head_dim, shape.kv_heads * head_dim);
     let rows = batch * shape.heads * seq;
+    // Token rows: the padded batch's, or the packed sequences' (whose operands have no
+    // batch stride).
+    let tokens = y.elem_count() / qw;
+    let batch_stride = |width: usize| if shape.packed { 0 } else { seq * width };
     let forward_buffers = Buffers(buffers.0.clone())
-        .output(ab::OUT, batch * seq * qw, dtype)
+        .output(ab::OUT, tokens * qw, dtype)
         .scratch(ab::LSE, rows);
     let out = emulator.run(&shape.forward().unwrap(), &forward_buffers.0);
     assert_close(case, "output", &out[&ab::OUT], dtype, y);
@@ -137,12 +143,14 @@ fn run_attention(
     let mut backward_buffers = buffers
         .input(ab::DOUT, grad)
         .scratch(ab::DELTA, rows)
-        .output(ab::DQ, batch * seq * qw, dtype)
-        .output(ab::DK, batch * seq * kw, dtype)
-        .output(ab::DV, batch * seq * kw, dtype);
+        .output(ab::DQ, tokens * qw, dtype)
+        .output(ab::DK, tokens * kw, dtype)
+        .output(ab::DV, tokens * kw, dtype);
     backward_buffers.0.insert(ab::OUT, out[&ab::OUT].clone());
     backward_buffers.0.insert(ab::LSE, out[&ab::LSE].clone());
-    let plan = shape.backward((seq * qw, qw), (seq * kw, kw)).unwrap();
+    let plan = shape
+        .backward((batch_stride(qw), qw), (batch_stride(kw), kw))
+        .unwrap();
     let out = emulator.run(&plan, &backward_buffers.0);
     let want: Vec<Tensor> = if fused {
         (0..3)
@@ -163,6 +171,66 @@ fn run_attention(
             &want[i],
         );
     }
+}
+
+/// Packed sequences (`varlen_attention`) of `lengths` tokens out of a padded batch of
+/// `padded_len`, on the emulator against the CPU op: values and the three gradients, with
+/// dropout drawing the padded batch's masks where given; heads of 64 on the tiled kernels.
+fn check_varlen_attention(
+    emulator: &Emulator,
+    (lengths, padded_len): (&[usize], usize),
+    heads: AttentionHeads,
+    head_dim: usize,
+    dropout: Option<(f64, u64)>,
+    dtype: DType,
+) {
+    use attention_buffers as ab;
+    let seqs = ops::PackedSequences::from_lengths(lengths, padded_len).unwrap();
+    let case = format!(
+        "varlen attention {heads:?}, lengths {lengths:?} of {padded_len}, head_dim {head_dim}, dropout {dropout:?}, {dtype:?}"
+    );
+    let (qw, kw, n) = (
+        heads.heads * head_dim,
+        heads.kv_heads * head_dim,
+        seqs.tokens(),
+    );
+    let t = |shape: &[usize], s: u64| rand(shape, (n * 10 + head_dim) as u64 + s, 1.5, dtype);
+    let (q, k, v, grad) = (
+        t(&[n, qw], 1),
+        t(&[n, kw], 2),
+        t(&[n, kw], 3),
+        t(&[n, qw], 4),
+    );
+    let (y, grads) = on_the_cpu(
+        |t| ops::varlen_attention(&t[0], &t[1], &t[2], heads, &seqs, dropout),
+        &[&q, &k, &v],
+        &grad,
+    );
+    let shape = AttentionShape {
+        batch: seqs.sequences(),
+        seq: padded_len,
+        heads: heads.heads,
+        kv_heads: heads.kv_heads,
+        head_dim,
+        dtype,
+        causal: heads.causal,
+        scale: 1.0 / (head_dim as f64).sqrt(),
+        q: (0, qw),
+        k: (0, kw),
+        v: (0, kw),
+        mask: None,
+        dropout,
+        tiled: head_dim == 64,
+        packed: true,
+    };
+    let mut buffers = Buffers::default()
+        .input(ab::Q, &q)
+        .input(ab::K, &k)
+        .input(ab::V, &v);
+    let starts = (0..=seqs.sequences()).flat_map(|b| (seqs.start(b) as u32).to_le_bytes());
+    buffers.0.insert(ab::STARTS, starts.collect());
+    let case = format!("{case}, tiled {}", shape.tiled);
+    run_attention(emulator, &case, &shape, buffers, (&y, &grads, &grad), false);
 }
 
 /// Attention on the emulator against the CPU op, values and the three gradients, in f32 and
@@ -209,6 +277,37 @@ fn attention_kernels_on_the_emulator_match_the_cpu_op() {
     }
 }
 
+/// Packed sequences on the emulator against the CPU's `varlen_attention`, in f32 and bf16:
+/// grouped-query with heads wider than a warp and dropout, causal multi-head, and heads of
+/// 64 on the tiled kernels with sequences longer than a block of rows and one of a single
+/// token (a block's rows spanning sequences' ends, blocks past a sequence's end idle).
+#[test]
+fn packed_attention_kernels_on_the_emulator_match_the_cpu_op() {
+    let Some(emulator) = emulator() else {
+        return;
+    };
+    let gqa = |heads, kv_heads, causal| AttentionHeads {
+        heads,
+        kv_heads,
+        causal,
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        let short: (&[usize], usize) = (&[3, 7, 1, 5], 8);
+        check_varlen_attention(
+            emulator,
+            short,
+            gqa(4, 2, false),
+            40,
+            Some((0.3, 11)),
+            dtype,
+        );
+        check_varlen_attention(emulator, short, gqa(2, 2, true), 12, None, dtype);
+        let long: (&[usize], usize) = (&[70, 1, 33], 72);
+        check_varlen_attention(emulator, long, gqa(2, 1, false), 64, Some((0.2, 4)), dtype);
+        check_varlen_attention(emulator, long, gqa(2, 2, true), 64, None, dtype);
+    }
+}
+
 /// Attention's plans: heads of 64 on the tiled kernels (64 rows a block, the key pass 32) unless
 /// `FSDP_CUDA_ATTENTION=rows`, other heads on the row kernels (4 warps a block); heads past
 /// 256, uneven groups and tiled kernels for other head sizes refused by name.
@@ -232,6 +331,7 @@ fn attention_plans_pick_the_kernels_their_heads_fit() {
         mask: None,
         dropout: None,
         tiled: true,
+        packed: false,
     };
     let plan = shape.backward((100 * 384, 384), (100 * 128, 128)).unwrap();
     let geometry: Vec<(&str, [u32; 3], [u32; 3])> = plan

@@ -85,26 +85,45 @@ fn check_activations(emulator: &Emulator, rows: usize, d: usize, dtype: DType) {
 }
 
 /// Dropout on the emulator drops exactly the elements the CPU op drops (its draws), and
-/// scales the rest as it does; backward applies the same mask to the gradient.
+/// scales the rest as it does; backward applies the same mask to the gradient. Packed rows
+/// (`dropout_packed`: sequences of 3, 5 and 1 tokens out of a padded batch of 6) draw the
+/// padded batch's mask, as on the CPU.
 #[test]
 fn dropout_kernel_on_the_emulator_drops_what_the_cpu_op_drops() {
     let Some(emulator) = emulator() else {
         return;
     };
+    let seqs = ops::PackedSequences::from_lengths(&[3, 5, 1], 6).unwrap();
+    let padded_rows: Vec<u8> = seqs
+        .padded_rows()
+        .iter()
+        .flat_map(|r| r.to_le_bytes())
+        .collect();
     for dtype in [DType::F32, DType::BF16] {
-        for (p, seed) in [(0.1, 7), (0.5, 12345)] {
-            let case = format!("dropout {p}, seed {seed}, {dtype:?}");
-            let x = rand(&[37, 29], seed, 2.0, dtype);
-            let grad = rand(&[37, 29], seed + 1, 1.0, dtype);
-            let (y, grads) = on_the_cpu(|t| ops::dropout(&t[0], p, seed), &[&x], &grad);
+        for (p, seed, packed) in [(0.1, 7, false), (0.5, 12345, false), (0.3, 99, true)] {
+            let case = format!("dropout {p}, seed {seed}, packed {packed}, {dtype:?}");
+            let rows = if packed { seqs.tokens() } else { 37 };
+            let x = rand(&[rows, 29], seed, 2.0, dtype);
+            let grad = rand(&[rows, 29], seed + 1, 1.0, dtype);
+            let (y, grads) = on_the_cpu(
+                |t| match packed {
+                    true => ops::dropout_packed(&t[0], p, seed, &seqs),
+                    false => ops::dropout(&t[0], p, seed),
+                },
+                &[&x],
+                &grad,
+            );
             let shape = ElementShape::over(x.shape(), dtype);
-            let plan = shape.dropout(p, seed).unwrap();
+            let plan = shape.dropout(p, seed, packed).unwrap();
             let run = |input: &Tensor| {
-                let buffers = Buffers::default().input(dropout::X, input).output(
+                let mut buffers = Buffers::default().input(dropout::X, input).output(
                     dropout::Y,
                     x.elem_count(),
                     dtype,
                 );
+                if packed {
+                    buffers.0.insert(dropout::PADDED_ROWS, padded_rows.clone());
+                }
                 emulator.run(&plan, &buffers.0)[&dropout::Y].clone()
             };
             let out = run(&x);
