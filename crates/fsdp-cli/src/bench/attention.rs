@@ -2,14 +2,19 @@
 //! K/V heads read in place, the masked half skipped) against the two ways a model could run it
 //! without: the same fused op on K/V repeated to every query head under an additive causal
 //! mask (what the engine had before), and transformers' eager formula composed from candle
-//! ops (`repeat_kv`, `Q K^T`, mask, softmax, `P V`). Forward and forward+backward on one CPU
-//! thread, or (`--device cuda`, a build with `cuda`) on GPU 0, where the fused op is
-//! fsdp-nn's CUDA kernels; prints a table and one JSON line.
+//! ops (`repeat_kv`, `Q K^T`, mask, softmax, `P V`); and the same sequences laid end to end
+//! (`ops::varlen_attention`, packed batches' path), whose cost over the batched call is the
+//! packing's. Forward and forward+backward on one CPU thread, or (`--device cuda`, a build
+//! with `cuda`) on GPU 0, where the fused ops are fsdp-nn's CUDA kernels; prints a table and
+//! one JSON line.
 
 use anyhow::Result;
 use clap::Args;
 use fsdp::nn::candle::{D, DType, Device, Tensor, Var};
-use fsdp::nn::ops::{AttentionHeads, grouped_query_attention, scaled_dot_product_attention};
+use fsdp::nn::ops::{
+    AttentionHeads, PackedSequences, grouped_query_attention, scaled_dot_product_attention,
+    varlen_attention,
+};
 
 use super::best;
 
@@ -132,6 +137,15 @@ pub fn run(a: AttentionArgs) -> Result<()> {
         )
     };
     let composed = |q: &Tensor, k: &Tensor, v: &Tensor| eager(q, k, v, &mask, &a);
+    let seqs = PackedSequences::from_lengths(&vec![s; a.batch], s)?;
+    let packed = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        let rows = |t: &Tensor| {
+            let w = t.dim(2)?;
+            t.reshape((a.batch * s, w))
+        };
+        varlen_attention(&rows(q)?, &rows(k)?, &rows(v)?, heads, &seqs, None)?
+            .reshape((a.batch, s, qw))
+    };
     // A GPU's work is queued: each timed call waits for it to finish.
     let forward = |f: &Attend| -> Result<()> {
         f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
@@ -147,10 +161,11 @@ pub fn run(a: AttentionArgs) -> Result<()> {
     let loss = best(a.reps, || {
         train(&|q: &Tensor, _: &Tensor, _: &Tensor| Ok(q.clone()))
     })?;
-    let cases: [(&str, &Attend); 3] = [
+    let cases: [(&str, &Attend); 4] = [
         ("grouped-query causal", &gqa),
         ("repeated K/V + causal mask", &repeated),
         ("composed candle ops", &composed),
+        ("packed sequences (varlen)", &packed),
     ];
     let mut rows = Vec::new();
     for (name, f) in cases {
