@@ -112,7 +112,13 @@ pub fn cuda(ordinal: usize) -> Result<Device, DeviceError> {
         candle_core::cuda_backend::set_gemm_reduced_precision_f32(false);
         let opened = std::panic::catch_unwind(|| Device::new_cuda(ordinal));
         match opened {
-            Ok(Ok(device)) => Ok(device),
+            Ok(Ok(device)) => {
+                keep_freed_memory(&device).map_err(|reason| DeviceError::Unavailable {
+                    ordinal,
+                    reason: format!("keeping freed memory in its allocator's pool: {reason}"),
+                })?;
+                Ok(device)
+            }
             Ok(Err(e)) => Err(DeviceError::Unavailable {
                 ordinal,
                 reason: e.to_string(),
@@ -126,6 +132,80 @@ pub fn cuda(ordinal: usize) -> Result<Device, DeviceError> {
     }
     #[cfg(not(feature = "cuda"))]
     Err(DeviceError::NotBuilt { ordinal })
+}
+
+/// The memory pool candle's allocations on `device` come from (cudarc allocates
+/// stream-ordered, `cuMemAllocAsync`, where the device has pools), or `None` without one.
+#[cfg(feature = "cuda")]
+fn memory_pool(
+    device: &Device,
+) -> Result<Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool>, String> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let stream = device
+        .as_cuda_device()
+        .map_err(|e| e.to_string())?
+        .cuda_stream();
+    let context = stream.context();
+    if !context.has_async_alloc() {
+        return Ok(None);
+    }
+    context.bind_to_thread().map_err(|e| e.to_string())?;
+    // SAFETY: the device is the open context's own.
+    let pool = unsafe { result::device::get_mem_pool(context.cu_device()) };
+    pool.map(Some).map_err(|e| e.to_string())
+}
+
+/// Makes `device`'s allocator keep freed memory for reuse instead of handing it back to the
+/// driver at every synchronisation (the pool's default release threshold is 0), so a step
+/// that frees and allocates the same buffers unit after unit does not map device memory
+/// anew each time (a caching allocator's behaviour; the footprint stays at the step's peak).
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(device: &Device) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let Some(pool) = memory_pool(device)? else {
+        return Ok(());
+    };
+    let mut keep = u64::MAX;
+    let attribute = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // SAFETY: a valid pool; the release threshold is a u64 (cuMemPoolSetAttribute).
+    unsafe { result::mem_pool::set_attribute(pool, attribute, (&raw mut keep).cast()) }
+        .map_err(|e| e.to_string())
+}
+
+/// How many freed bytes `device`'s allocator keeps past a synchronisation (its pool's
+/// release threshold; [`cuda`] sets it to keep all), or `None` where it allocates without a
+/// pool.
+pub fn cuda_pool_release_threshold(device: &Device) -> Result<Option<u64>, DeviceError> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::{result, sys};
+        let failed = |reason: String| DeviceError::Unavailable {
+            ordinal: ordinal_of(device),
+            reason,
+        };
+        let Some(pool) = memory_pool(device).map_err(failed)? else {
+            return Ok(None);
+        };
+        let mut threshold = 0u64;
+        let attribute = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        // SAFETY: a valid pool; the release threshold is a u64 (cuMemPoolGetAttribute).
+        unsafe { result::mem_pool::get_attribute(pool, attribute, (&raw mut threshold).cast()) }
+            .map_err(|e| failed(e.to_string()))?;
+        Ok(Some(threshold))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(DeviceError::NotBuilt {
+        ordinal: ordinal_of(device),
+    })
+}
+
+/// `device`'s GPU number (0 for the CPU).
+fn ordinal_of(device: &Device) -> usize {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id }
+        | candle_core::DeviceLocation::Metal { gpu_id } => gpu_id,
+        candle_core::DeviceLocation::Cpu => 0,
+    }
 }
 
 /// The GPU this crate's tests compare on, or `None` once the skip is recorded.
@@ -158,7 +238,11 @@ mod tests {
                     e.to_string().contains(&format!("sees {n} CUDA device")),
                     "{e}"
                 );
-                assert!(cuda(0).is_ok_and(|d| d.is_cuda()));
+                let gpu = cuda(0).expect("the first GPU opens");
+                assert!(gpu.is_cuda());
+                // Freed memory stays in the allocator's pool past synchronisations.
+                let kept = cuda_pool_release_threshold(&gpu).unwrap();
+                assert!(matches!(kept, None | Some(u64::MAX)), "{kept:?}");
             }
         }
     }
