@@ -239,6 +239,10 @@ fn state_traffic_and_peak_follow_each_strategy() {
             "FULL_SHARD should peak below SHARD_GRAD_OP"
         );
     }
+    // FULL_SHARD's peak moves by up to about a unit from run to run with when the
+    // collectives' thread lets go of its buffers (4 layers: 9.9-11.0 MB, 8 layers: 10.3-11.3
+    // MB, unit 3.2 MB; one run under the test suite's load grew by 3.0 MB), so each strategy's
+    // growth is held to the unit, not to the other's growth.
     let full_growth = peak(&eight, 0) - peak(&four, 0);
     let grad_op_growth = peak(&eight, 1) - peak(&four, 1);
     assert!(
@@ -246,8 +250,8 @@ fn state_traffic_and_peak_follow_each_strategy() {
         "FULL_SHARD's peak grew by {full_growth} bytes with 4 more layers (unit {unit})"
     );
     assert!(
-        grad_op_growth > full_growth + unit,
-        "SHARD_GRAD_OP keeps every unit gathered: its peak should grow with depth ({grad_op_growth} vs {full_growth})"
+        grad_op_growth > 1.5 * unit,
+        "SHARD_GRAD_OP keeps every unit gathered: its peak should grow with depth ({grad_op_growth} bytes with 4 more layers, unit {unit})"
     );
 }
 
