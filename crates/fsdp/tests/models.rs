@@ -319,6 +319,18 @@ fn gpt2_dropout_only_in_training_mode_reproducible_and_differentiable() {
     assert_eq!(logits(&zero), eval);
 }
 
+/// Asserts `got` within 1e-5 of `want`'s largest element, naming the element `what[i]` and
+/// the two computations compared.
+fn within_1e5(got: &[f32], want: &[f32], what: &str, (a, b): (&str, &str)) {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * scale + 1e-7,
+            "{what}[{i}]: {a} {x}, {b} {y} (largest {scale})"
+        );
+    }
+}
+
 /// Tiny BERT's right-padded batch of 3 sequences of 6, 2 and 4 tokens on the CPU: ids,
 /// attention mask, token types and labels.
 fn padded_bert_batch() -> [Tensor; 4] {
@@ -395,15 +407,7 @@ fn bert_packed_batches_compute_what_padded_batches_compute() {
     let (packed_logits, packed_grads) = run(&model, mask);
     model.bert.pack_sequences = false;
     let (padded_logits, padded_grads) = run(&model, mask);
-    let close = |a: &[f32], b: &[f32], what: &str| {
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!(
-                (x - y).abs() <= 1e-5 * scale + 1e-7,
-                "{what}[{i}]: packed {x}, padded {y} (largest {scale})"
-            );
-        }
-    };
+    let close = |a: &[f32], b: &[f32], what: &str| within_1e5(a, b, what, ("packed", "padded"));
     close(&packed_logits, &padded_logits, "logits");
     assert_ne!(
         packed_logits,
@@ -490,13 +494,7 @@ fn bert_packed_batches_on_a_gpu_compute_what_the_cpu_computes_padded() {
     model.bert.pack_sequences = false;
     let (want_logits, want_grads) = bert_logits_and_grads(&model, &params, &batch);
     let close = |a: &[f32], b: &[f32], what: &str| {
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!(
-                (x - y).abs() <= 1e-5 * scale + 1e-7,
-                "{what}[{i}]: packed on the GPU {x}, padded on the CPU {y} (largest {scale})"
-            );
-        }
+        within_1e5(a, b, what, ("packed on the GPU", "padded on the CPU"))
     };
     close(&logits, &want_logits, "logits");
     for (name, g) in &want_grads {

@@ -233,6 +233,15 @@ fn check_varlen_attention(
     run_attention(emulator, &case, &shape, buffers, (&y, &grads, &grad), false);
 }
 
+/// `heads` query heads sharing `kv_heads` K/V heads, causal or not.
+fn gqa(heads: usize, kv_heads: usize, causal: bool) -> AttentionHeads {
+    AttentionHeads {
+        heads,
+        kv_heads,
+        causal,
+    }
+}
+
 /// Attention on the emulator against the CPU op, values and the three gradients, in f32 and
 /// bf16: multi-head, grouped-query 4:2 causal with heads wider than a warp (40: two elements
 /// a lane, some lanes idle) and a last block of rows half full, multi-query with a padding
@@ -242,11 +251,6 @@ fn check_varlen_attention(
 fn attention_kernels_on_the_emulator_match_the_cpu_op() {
     let Some(emulator) = emulator() else {
         return;
-    };
-    let gqa = |heads, kv_heads, causal| AttentionHeads {
-        heads,
-        kv_heads,
-        causal,
     };
     let case = |batch, seq, heads, head_dim, masked, fused, dropout| AttentionCase {
         batch,
@@ -285,11 +289,6 @@ fn attention_kernels_on_the_emulator_match_the_cpu_op() {
 fn packed_attention_kernels_on_the_emulator_match_the_cpu_op() {
     let Some(emulator) = emulator() else {
         return;
-    };
-    let gqa = |heads, kv_heads, causal| AttentionHeads {
-        heads,
-        kv_heads,
-        causal,
     };
     for dtype in [DType::F32, DType::BF16] {
         let short: (&[usize], usize) = (&[3, 7, 1, 5], 8);
