@@ -82,6 +82,13 @@ impl PackedSequences {
         self.sequences() == 0
     }
 
+    /// Each sequence's first packed row, then the number of rows (`sequences() + 1` entries),
+    /// as u32 like [`Self::padded_rows`] (what the CUDA kernels read).
+    pub fn row_starts(&self) -> Vec<u32> {
+        // Rows are numbered in u32 (checked in `from_lengths`).
+        self.starts.iter().map(|&s| s as u32).collect()
+    }
+
     /// Each packed row's row in the padded `[batch * padded_len]` layout.
     pub fn padded_rows(&self) -> &[u32] {
         &self.padded_rows

@@ -6,7 +6,7 @@
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CudaStorage, Layout, Result, Shape, Tensor};
 
-use super::{Dims, PackedSequences, Sdpa, dims3};
+use super::{Dims, Sdpa, dims3};
 use crate::ops::cuda_kernels::{
     self, Operand, Output, gradient_tensor, operand, take_storage, take_tensor,
 };
@@ -20,12 +20,6 @@ fn strides(l: &Layout, what: &str) -> Result<(usize, usize)> {
             "sdpa on a GPU: {what} must be [batch, seq, width] with contiguous rows (strides {other:?})"
         ),
     }
-}
-
-/// Each packed sequence's first row, then the number of rows: the kernels' `STARTS`.
-fn starts(p: &PackedSequences) -> Vec<u32> {
-    // `PackedSequences` numbers its rows in u32.
-    (0..=p.sequences()).map(|b| p.start(b) as u32).collect()
 }
 
 impl Sdpa {
@@ -75,7 +69,7 @@ impl Sdpa {
         let shape = self.gpu_shape(dims, s1.dtype(), all)?;
         let mask = self.mask.as_ref().map(|m| m.values.storage_and_layout());
         let starts = match &self.packed {
-            Some(p) => Some(s1.device().storage_from_slice(&starts(p))?),
+            Some(p) => Some(s1.device().storage_from_slice(&p.row_starts())?),
             None => None,
         };
         let mut inputs: Vec<(usize, Operand<'_>)> = vec![
@@ -149,7 +143,7 @@ impl Sdpa {
             inputs.push((ab::MASK, &m.values, "sdpa mask"));
         }
         let starts = match &self.packed {
-            Some(p) => Some(Tensor::new(starts(p), q.device())?),
+            Some(p) => Some(Tensor::new(p.row_starts(), q.device())?),
             None => None,
         };
         if let Some(starts) = &starts {

@@ -80,19 +80,12 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
     let shape = AttentionShape {
         batch,
         seq,
-        heads: heads.heads,
-        kv_heads: heads.kv_heads,
-        head_dim,
-        dtype,
-        causal: heads.causal,
-        scale: 1.0 / (head_dim as f64).sqrt(),
         q: strides[0],
         k: strides[1],
         v: strides[2],
         mask: mask.as_ref().map(|_| [batch, 1, 1, seq]),
         dropout,
-        tiled: false,
-        packed: false,
+        ..call_of(heads, head_dim, dtype)
     };
     let mut buffers = Buffers::default();
     for (index, data) in [ab::Q, ab::K, ab::V].into_iter().zip(operands) {
@@ -101,11 +94,6 @@ fn check_attention(emulator: &Emulator, c: &AttentionCase, dtype: DType) {
     if let Some(m) = &mask {
         buffers = buffers.input(ab::MASK, m);
     }
-    // Heads of 64 take the tiled kernels (as on a GPU); the others the row kernels.
-    let shape = AttentionShape {
-        tiled: head_dim == 64,
-        ..shape
-    };
     let case = format!("{case}, tiled {}", shape.tiled);
     run_attention(emulator, &case, &shape, buffers, (&y, &grads, &grad), fused);
 }
@@ -209,28 +197,43 @@ fn check_varlen_attention(
     let shape = AttentionShape {
         batch: seqs.sequences(),
         seq: padded_len,
+        q: (0, qw),
+        k: (0, kw),
+        v: (0, kw),
+        dropout,
+        packed: true,
+        ..call_of(heads, head_dim, dtype)
+    };
+    let buffers = Buffers::default()
+        .input(ab::Q, &q)
+        .input(ab::K, &k)
+        .input(ab::V, &v)
+        .u32s(ab::STARTS, &seqs.row_starts());
+    let case = format!("{case}, tiled {}", shape.tiled);
+    run_attention(emulator, &case, &shape, buffers, (&y, &grads, &grad), false);
+}
+
+/// An attention call of `heads` over heads of `head_dim` in `dtype`, scaled as the CPU op
+/// scales; heads of 64 take the tiled kernels (as on a GPU), the others the row kernels. The
+/// caller sets the extents, strides, mask, dropout and packing (none here).
+fn call_of(heads: AttentionHeads, head_dim: usize, dtype: DType) -> AttentionShape {
+    AttentionShape {
+        batch: 0,
+        seq: 0,
         heads: heads.heads,
         kv_heads: heads.kv_heads,
         head_dim,
         dtype,
         causal: heads.causal,
         scale: 1.0 / (head_dim as f64).sqrt(),
-        q: (0, qw),
-        k: (0, kw),
-        v: (0, kw),
+        q: (0, 0),
+        k: (0, 0),
+        v: (0, 0),
         mask: None,
-        dropout,
+        dropout: None,
         tiled: head_dim == 64,
-        packed: true,
-    };
-    let mut buffers = Buffers::default()
-        .input(ab::Q, &q)
-        .input(ab::K, &k)
-        .input(ab::V, &v);
-    let starts = (0..=seqs.sequences()).flat_map(|b| (seqs.start(b) as u32).to_le_bytes());
-    buffers.0.insert(ab::STARTS, starts.collect());
-    let case = format!("{case}, tiled {}", shape.tiled);
-    run_attention(emulator, &case, &shape, buffers, (&y, &grads, &grad), false);
+        packed: false,
+    }
 }
 
 /// `heads` query heads sharing `kv_heads` K/V heads, causal or not.

@@ -94,11 +94,6 @@ fn dropout_kernel_on_the_emulator_drops_what_the_cpu_op_drops() {
         return;
     };
     let seqs = ops::PackedSequences::from_lengths(&[3, 5, 1], 6).unwrap();
-    let padded_rows: Vec<u8> = seqs
-        .padded_rows()
-        .iter()
-        .flat_map(|r| r.to_le_bytes())
-        .collect();
     for dtype in [DType::F32, DType::BF16] {
         for (p, seed, packed) in [(0.1, 7, false), (0.5, 12345, false), (0.3, 99, true)] {
             let case = format!("dropout {p}, seed {seed}, packed {packed}, {dtype:?}");
@@ -122,7 +117,7 @@ fn dropout_kernel_on_the_emulator_drops_what_the_cpu_op_drops() {
                     dtype,
                 );
                 if packed {
-                    buffers.0.insert(dropout::PADDED_ROWS, padded_rows.clone());
+                    buffers = buffers.u32s(dropout::PADDED_ROWS, seqs.padded_rows());
                 }
                 emulator.run(&plan, &buffers.0)[&dropout::Y].clone()
             };

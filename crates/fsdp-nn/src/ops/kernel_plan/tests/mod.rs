@@ -202,6 +202,13 @@ impl Buffers {
         self
     }
 
+    /// u32 values (little-endian), as index buffers are read.
+    fn u32s(mut self, index: usize, values: &[u32]) -> Self {
+        self.0
+            .insert(index, values.iter().flat_map(|v| v.to_le_bytes()).collect());
+        self
+    }
+
     /// f32 scratch the plan writes before it reads it, garbage too.
     fn scratch(mut self, index: usize, f32s: usize) -> Self {
         self.0.insert(index, vec![0x7f; f32s * 4]);
