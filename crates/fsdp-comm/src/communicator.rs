@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::buffer::{Buffer, BufferElement};
 use crate::dtype::ReduceOp;
 use crate::error::{CommError, Result};
+use crate::shm::SharedBlocks;
 use crate::work::Work;
 
 /// Collectives over a group of ranks. Every member calls the same collectives in the same
@@ -97,6 +98,14 @@ pub trait Communicator: Send + Sync {
     fn join(&self, what: &str, timeout: Duration) -> Result<()>;
     /// Payload bytes this member has sent so far (to compare with an algorithm's theory).
     fn bytes_sent(&self) -> u64;
+    /// One block of `block_bytes` per member in `slots` slots, in memory every member maps
+    /// ([`crate::SharedBlocks`]: collectives that copy each byte once). Every member calls it,
+    /// in the same order as its other `shared_blocks` calls, with the same arguments. `None`
+    /// where the members share no memory (TCP, MPI, NCCL, threads as ranks): the default.
+    fn shared_blocks(&self, block_bytes: usize, slots: usize) -> Result<Option<SharedBlocks>> {
+        let _ = (block_bytes, slots);
+        Ok(None)
+    }
     /// Cuts the group into a 2-D mesh (hybrid sharding): groups of `shard_size`
     /// consecutive ranks (this member's comes first) and the groups of the members at the
     /// same place in each (second). Every member calls it. The default refuses.

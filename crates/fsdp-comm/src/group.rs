@@ -10,10 +10,10 @@ use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::options::GroupOptions;
 use crate::protocol::{Engine, Net};
-use crate::rendezvous::{connect_mesh, setup_shm};
-use crate::shm::Segment;
+use crate::rendezvous::{BlocksRendezvous, connect_mesh, setup_shared_blocks, setup_shm};
+use crate::shm::{Segment, SharedBlocks};
 use crate::store::{StoreClient, StoreServer};
-use crate::transport::Links;
+use crate::transport::{Inbox, Links};
 use crate::work::Work;
 use crate::world::WorldInfo;
 
@@ -35,6 +35,11 @@ pub struct ProcessGroup {
     joins: AtomicU64,
     transport: &'static str,
     bytes_sent: Arc<AtomicU64>,
+    /// The shared-memory segment and the links' inbox (peers lost), where data goes through
+    /// shared memory: what [`ProcessGroup::shared_blocks`] waits with.
+    shm: Option<(Arc<Segment>, Arc<Inbox>)>,
+    /// `shared_blocks` calls so far (each one's store keys).
+    blocks_made: AtomicU64,
 }
 
 impl ProcessGroup {
@@ -138,6 +143,7 @@ impl ProcessGroup {
             what: "starting peer links".into(),
             message: e.to_string(),
         })?;
+        let shared = shm.clone().map(|seg| (seg, links.inbox.clone()));
         let net = match shm {
             Some(seg) => {
                 let waker_seg = seg.clone();
@@ -179,6 +185,8 @@ impl ProcessGroup {
             joins: AtomicU64::new(0),
             transport,
             bytes_sent,
+            shm: shared,
+            blocks_made: AtomicU64::new(0),
         })
     }
 
@@ -339,6 +347,34 @@ impl ProcessGroup {
             }
         }
         Ok(())
+    }
+
+    /// One block of `block_bytes` per rank in `slots` slots that every rank maps
+    /// ([`SharedBlocks`]: collectives that copy each byte once); `None` where this group's data
+    /// does not go through shared memory. Every rank calls it in the same order as its other
+    /// `shared_blocks` calls, with the same arguments (different ones are a `Mismatch`).
+    pub fn shared_blocks(&self, block_bytes: usize, slots: usize) -> Result<Option<SharedBlocks>> {
+        let (Some((seg, inbox)), Some(store)) = (&self.shm, &self.store) else {
+            return Ok(None);
+        };
+        if block_bytes == 0 || slots == 0 {
+            return Err(CommError::InvalidArgument {
+                rank: self.global_rank(),
+                op: "shared_blocks".into(),
+                reason: format!("{block_bytes} bytes in {slots} slots: both must be positive"),
+            });
+        }
+        let id = self.blocks_made.fetch_add(1, Ordering::SeqCst);
+        let group = BlocksRendezvous {
+            store,
+            name: &self.name,
+            me: self.rank,
+            members: &self.global_ranks,
+            options: &self.options,
+            seg: seg.clone(),
+            inbox: inbox.clone(),
+        };
+        setup_shared_blocks(group, id, block_bytes, slots).map(Some)
     }
 
     /// Sends `buf` to rank `dst`.

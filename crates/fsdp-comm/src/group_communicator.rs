@@ -180,6 +180,14 @@ impl Communicator for ProcessGroup {
         ProcessGroup::bytes_sent(self)
     }
 
+    fn shared_blocks(
+        &self,
+        block_bytes: usize,
+        slots: usize,
+    ) -> Result<Option<crate::SharedBlocks>> {
+        ProcessGroup::shared_blocks(self, block_bytes, slots)
+    }
+
     fn split_2d(
         &self,
         shard_size: usize,

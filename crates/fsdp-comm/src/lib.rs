@@ -53,6 +53,7 @@ pub use mesh::Mesh;
 pub use options::{
     ABORT_KEY, BackendChoice, GroupOptions, SECRET_ENV, TransportChoice, parse_seconds,
 };
+pub use shm::SharedBlocks;
 pub use shm::remove_segments_of as remove_shm_segments_of;
 pub use store::{StoreClient, StoreServer};
 pub use two_hops::{MachineHops, TwoHops};

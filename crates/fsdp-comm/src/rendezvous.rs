@@ -1,6 +1,7 @@
 //! Joining a group through the rendezvous store: claiming a rank, agreeing on the size,
 //! connecting every pair of members (with the job secret in each greeting), and setting up
-//! the shared-memory segment when every member runs on this host.
+//! the shared-memory segment when every member runs on this host, and later the shared blocks
+//! its collectives that copy once use.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
 use crate::options::{GroupOptions, TRANSPORT_ENV, TransportChoice};
-use crate::shm::Segment;
+use crate::shm::{BlocksGroup, Segment, SharedBlocks};
 use crate::store::{StoreClient, Waited, constant_time_eq};
 
 const HELLO_MAGIC: &[u8; 8] = b"FSDPHELO";
@@ -110,6 +111,69 @@ pub(crate) fn setup_shm(
         store.set(&format!("{name}/shm_mapped/{me}"), b"1")?;
         Ok(Some(Arc::new(seg)))
     }
+}
+
+/// What a group brings to [`setup_shared_blocks`]: its store, name, members and this rank's
+/// place among them, options, segment and links' inbox.
+pub(crate) struct BlocksRendezvous<'a> {
+    pub store: &'a StoreClient,
+    pub name: &'a str,
+    pub me: usize,
+    pub members: &'a [usize],
+    pub options: &'a GroupOptions,
+    pub seg: Arc<Segment>,
+    pub inbox: Arc<crate::transport::Inbox>,
+}
+
+/// Makes the group's `id`th [`SharedBlocks`]: each rank creates its file, publishes its path
+/// in the store, maps every rank's, and unlinks its own once every rank has mapped it (on
+/// every error path too).
+pub(crate) fn setup_shared_blocks(
+    group: BlocksRendezvous<'_>,
+    id: u64,
+    block_bytes: usize,
+    slots: usize,
+) -> Result<SharedBlocks> {
+    let (store, me, members) = (group.store, group.me, group.members);
+    let (rank, n) = (members[me], members.len());
+    let prefix = format!("{}/blocks/{id}", group.name);
+    let path = crate::shm::segment_path(&format!("{}-blocks{id}-{me}", group.name));
+    SharedBlocks::create_file(&path, n, block_bytes, slots).map_err(|e| CommError::Io {
+        rank,
+        what: format!("creating shared blocks {}", path.display()),
+        message: e.to_string(),
+    })?;
+    let unlink = Unlink(path.clone());
+    store.set(
+        &format!("{prefix}/path/{me}"),
+        path.to_string_lossy().as_bytes(),
+    )?;
+    let keys: Vec<String> = (0..n).map(|i| format!("{prefix}/path/{i}")).collect();
+    wait_or_stopped(store, &keys, rank, members, group.options)?;
+    let mut paths = Vec::with_capacity(n);
+    for key in &keys {
+        let value = store.get(key)?.unwrap_or_default();
+        paths.push(std::path::PathBuf::from(
+            String::from_utf8_lossy(&value).into_owned(),
+        ));
+    }
+    let blocks = SharedBlocks::open_all(
+        BlocksGroup {
+            seg: group.seg,
+            inbox: group.inbox,
+            me,
+            global_ranks: members,
+            timeout: group.options.timeout,
+        },
+        &paths,
+        block_bytes,
+        slots,
+    )?;
+    store.set(&format!("{prefix}/mapped/{me}"), b"1")?;
+    let keys: Vec<String> = (0..n).map(|i| format!("{prefix}/mapped/{i}")).collect();
+    wait_or_stopped(store, &keys, rank, members, group.options)?;
+    drop(unlink);
+    Ok(blocks)
 }
 
 /// Removes a file when dropped (on success and on every error path).

@@ -209,6 +209,45 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
                 }
             }
         }
+        "shared_blocks" => shared_blocks(),
+        "shared_blocks_mismatch" => {
+            let pg = group()?;
+            let bytes = if pg.rank() == 0 { 4096 } else { 8192 };
+            match pg.shared_blocks(bytes, 2) {
+                Ok(_) => Err("blocks of different sizes were accepted".into()),
+                Err(e) => {
+                    println!("ERROR: {e}");
+                    Ok(())
+                }
+            }
+        }
+        "shared_blocks_peer_dies" | "shared_blocks_peer_hangs" => {
+            let pg = group()?;
+            let mut blocks = pg
+                .shared_blocks(1 << 20, 2)
+                .map_err(|e| e.to_string())?
+                .ok_or("no shared blocks over shared memory")?;
+            if pg.rank() == 1 {
+                if scenario.ends_with("dies") {
+                    std::process::exit(17);
+                }
+                std::thread::sleep(Duration::from_secs(20));
+                return Ok(());
+            }
+            let started = Instant::now();
+            let mut out = vec![0f32; (1 << 20) / 4 * pg.size()];
+            match blocks.all_gather_into(&mut out) {
+                Ok(_) => Err("an all-gather without its peer passed".into()),
+                Err(e) => {
+                    println!("ERROR after {:?}: {e}", started.elapsed());
+                    // The group stops with it: its next collective fails at once.
+                    match pg.barrier().wait() {
+                        Ok(()) => Err("the group still worked after the failure".into()),
+                        Err(_) => Ok(()),
+                    }
+                }
+            }
+        }
         "init_only" => group().map(|_| ()),
         "init_error" => match group() {
             Ok(_) => Err("expected initialisation to fail".into()),
@@ -221,6 +260,98 @@ fn run_scenario(scenario: &str) -> Result<(), String> {
         "nccl" => nccl_collectives(),
         other => Err(format!("unknown scenario {other}")),
     }
+}
+
+/// The shared blocks' all-gather and reduce-scatter over many rounds, with one slot and with
+/// three, while rank 0 now and then reads late (an owner that rewrote a block before every
+/// peer read it would show here as another round's values), against their definitions bit
+/// for bit; over TCP there are none; nothing of this process is left in /dev/shm.
+fn shared_blocks() -> Result<(), String> {
+    let pg = group()?;
+    let (n, me) = (pg.size(), pg.rank());
+    let over_tcp = std::env::var("FSDP_COMM_TRANSPORT").is_ok_and(|t| t == "tcp");
+    // An odd size: blocks are not whole pages.
+    let elems = 1000 * n + 12 * n;
+    let made = |slots| {
+        pg.shared_blocks(elems * 4, slots)
+            .map_err(|e| e.to_string())
+    };
+    let (Some(one), Some(three)) = (made(1)?, made(3)?) else {
+        return match over_tcp || n == 1 {
+            true => Ok(()),
+            false => Err("no shared blocks over shared memory".into()),
+        };
+    };
+    if over_tcp {
+        return Err("shared blocks over TCP".into());
+    }
+    let prefix = format!("fsdp-{}-", std::process::id());
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(&prefix))
+        .collect();
+    if !left.is_empty() {
+        return Err(format!("left in /dev/shm: {left:?}"));
+    }
+    let at = |r: usize, round: usize, i: usize| value(r * 1000 + round, i) as f32;
+    for mut blocks in [one, three] {
+        for round in 0..30 {
+            let mine: Vec<f32> = (0..elems).map(|i| at(me, round, i)).collect();
+            blocks.write_block(&mine).map_err(|e| e.to_string())?;
+            if me == 0 && round % 5 == 2 {
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            let mut out = vec![f32::NAN; elems * n];
+            blocks
+                .all_gather_into(&mut out)
+                .map_err(|e| e.to_string())?;
+            for r in 0..n {
+                let got = &out[r * elems..(r + 1) * elems];
+                if r == me {
+                    if !got.iter().all(|v| v.is_nan()) {
+                        return Err(format!("round {round}: this rank's own place was written"));
+                    }
+                    continue;
+                }
+                let want: Vec<f32> = (0..elems).map(|i| at(r, round, i)).collect();
+                expect_eq(&format!("round {round}: block of rank {r}"), got, &want)?;
+            }
+            let op = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max][round % 3];
+            let inputs: Vec<f32> = (0..elems).map(|i| at(me, round + 100, i)).collect();
+            blocks.write_block(&inputs).map_err(|e| e.to_string())?;
+            let k = elems / n;
+            let mut part = vec![0f32; k];
+            blocks
+                .reduce_scatter_into(&mut part, op)
+                .map_err(|e| e.to_string())?;
+            let want: Vec<f32> = (0..k)
+                .map(|i| {
+                    let mut acc = at(0, round + 100, me * k + i);
+                    for r in 1..n {
+                        let v = at(r, round + 100, me * k + i);
+                        acc = if op == ReduceOp::Max {
+                            acc.max(v)
+                        } else {
+                            acc + v
+                        };
+                    }
+                    if op == ReduceOp::Avg {
+                        acc / n as f32
+                    } else {
+                        acc
+                    }
+                })
+                .collect();
+            expect_eq(
+                &format!("round {round}: reduce-scatter ({op:?})"),
+                &part,
+                &want,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 fn expect_error(f: impl Fn(&ProcessGroup) -> fsdp_comm::Result<()>) -> Result<(), String> {
@@ -498,6 +629,70 @@ fn sixteen_mib_collectives_over_both_transports() {
             ));
         }
     }
+}
+
+#[test]
+fn shared_blocks_gather_and_reduce_each_round_as_defined_over_shared_memory_only() {
+    for world in [1, 2, 3, 4] {
+        assert_all_ok(&run_all(
+            "shared_blocks",
+            world,
+            transport("shm"),
+            Duration::from_secs(120),
+        ));
+    }
+    assert_all_ok(&run_all(
+        "shared_blocks",
+        2,
+        transport("tcp"),
+        Duration::from_secs(60),
+    ));
+}
+
+#[test]
+fn shared_blocks_of_different_sizes_are_refused_naming_both() {
+    let outcomes = run_all(
+        "shared_blocks_mismatch",
+        2,
+        transport("shm"),
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&outcomes);
+    let errors = errors_of(&outcomes);
+    assert!(
+        errors.iter().any(|e| e.contains(
+            "this rank called shared_blocks(4096 bytes, 2 slots, 2 ranks), rank 1 called shared_blocks(8192 bytes, 2 slots, 2 ranks)"
+        )),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn a_shared_blocks_peer_that_dies_or_hangs_is_named_within_seconds() {
+    let started = Instant::now();
+    let outcomes = run_all(
+        "shared_blocks_peer_dies",
+        2,
+        transport("shm"),
+        Duration::from_secs(30),
+    );
+    assert_eq!(outcomes[1].code, Some(17), "{}", dump(&outcomes));
+    assert_eq!(outcomes[0].code, Some(0), "{}", dump(&outcomes));
+    let e = &errors_of(&outcomes)[0];
+    assert!(
+        e.contains("connection to rank 1 lost during reading a peer's shared block (round 1)"),
+        "{e}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
+    rank_0_times_out(
+        "shared_blocks_peer_hangs",
+        transport("shm"),
+        "rank 0: reading a peer's shared block (round 1), waiting for ranks [1] timed out after 1s",
+    );
 }
 
 #[test]

@@ -13,8 +13,11 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::Duration;
 
+mod blocks;
 mod transfer;
 
+pub(crate) use blocks::BlocksGroup;
+pub use blocks::SharedBlocks;
 pub use transfer::{InFrame, OutFrame, Sink, TransferError};
 
 const MAGIC: u64 = 0x4653_4450_5348_4d31; // "FSDPSHM1"
