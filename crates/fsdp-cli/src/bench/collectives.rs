@@ -123,7 +123,13 @@ fn launch(a: &CollectiveArgs) -> Result<()> {
             );
             println!("\n{a_name} / {b_name} bus bandwidth:");
             let (x, y) = (first["results"].as_array(), other["results"].as_array());
-            for (rx, ry) in x.into_iter().flatten().zip(y.into_iter().flatten()) {
+            // Rows of the same op and size (shared blocks' rows are the shared memory's own).
+            let pairs = x.into_iter().flatten().filter_map(|rx| {
+                let same =
+                    |ry: &&serde_json::Value| ry["op"] == rx["op"] && ry["bytes"] == rx["bytes"];
+                y.into_iter().flatten().find(same).map(|ry| (rx, ry))
+            });
+            for (rx, ry) in pairs {
                 let ratio = rx["busbw_gbps"].as_f64().unwrap_or(0.0)
                     / ry["busbw_gbps"].as_f64().unwrap_or(f64::NAN);
                 println!(
@@ -196,8 +202,15 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
         let take = |c: &std::cell::RefCell<Buffer>| {
             std::mem::replace(&mut *c.borrow_mut(), Buffer::F32(Vec::new()))
         };
+        // Over shared memory, blocks every rank maps: the collectives that copy once (made
+        // by every rank, outside the timing).
+        let blocks = |bytes| {
+            pg.shared_blocks(bytes, 2)
+                .map(|b| b.map(std::cell::RefCell::new))
+        };
+        let (gather_blocks, reduce_blocks) = (blocks(shard * 4)?, blocks(shard * n * 4)?);
         type Case<'a> = (&'static str, f64, Box<dyn Fn() -> Result<()> + 'a>);
-        let cases: Vec<Case> = vec![
+        let mut cases: Vec<Case> = vec![
             (
                 "all_reduce",
                 2.0 * (nf - 1.0) / nf,
@@ -254,6 +267,34 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
                 }),
             ),
         ];
+        if let (Some(gb), Some(rb)) = (&gather_blocks, &reduce_blocks) {
+            cases.push((
+                // This rank's block written in its shared block; each peer's copied out of
+                // the owner's once.
+                "all_gather_shared",
+                (nf - 1.0) / nf,
+                Box::new(|| {
+                    let Buffer::F32(out) = &mut *gathered.borrow_mut() else {
+                        bail!("the gathered buffer is f32");
+                    };
+                    gb.borrow_mut().all_gather_into(out)?;
+                    Ok(())
+                }),
+            ));
+            cases.push((
+                // This rank's input in its shared block; its part of every rank's summed
+                // straight out of theirs.
+                "reduce_scatter_shared",
+                (nf - 1.0) / nf,
+                Box::new(|| {
+                    let Buffer::F32(out) = &mut *scattered.borrow_mut() else {
+                        bail!("the scattered buffer is f32");
+                    };
+                    rb.borrow_mut().reduce_scatter_into(out, a.reduce_op.op())?;
+                    Ok(())
+                }),
+            ));
+        }
         for (op, bus_factor, f) in cases {
             let time = time_op(pg.as_ref(), a.iters, &*f)?;
             let algbw = bytes as f64 / time.as_secs_f64() / 1e9;
