@@ -357,11 +357,14 @@ impl ProcessGroup {
         let (Some((seg, inbox)), Some(store)) = (&self.shm, &self.store) else {
             return Ok(None);
         };
-        if block_bytes == 0 || slots == 0 {
+        let max = crate::shm::MAX_SLOTS;
+        if block_bytes == 0 || slots == 0 || slots > max {
             return Err(CommError::InvalidArgument {
                 rank: self.global_rank(),
                 op: "shared_blocks".into(),
-                reason: format!("{block_bytes} bytes in {slots} slots: both must be positive"),
+                reason: format!(
+                    "{block_bytes} bytes in {slots} slots: bytes must be positive, slots 1 to {max}"
+                ),
             });
         }
         let id = self.blocks_made.fetch_add(1, Ordering::SeqCst);
@@ -373,6 +376,7 @@ impl ProcessGroup {
             options: &self.options,
             seg: seg.clone(),
             inbox: inbox.clone(),
+            bytes_sent: self.bytes_sent.clone(),
         };
         setup_shared_blocks(group, id, block_bytes, slots).map(Some)
     }

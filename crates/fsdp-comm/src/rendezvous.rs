@@ -123,6 +123,7 @@ pub(crate) struct BlocksRendezvous<'a> {
     pub options: &'a GroupOptions,
     pub seg: Arc<Segment>,
     pub inbox: Arc<crate::transport::Inbox>,
+    pub bytes_sent: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Makes the group's `id`th [`SharedBlocks`]: each rank creates its file, publishes its path
@@ -144,18 +145,26 @@ pub(crate) fn setup_shared_blocks(
         message: e.to_string(),
     })?;
     let unlink = Unlink(path.clone());
-    store.set(
-        &format!("{prefix}/path/{me}"),
-        path.to_string_lossy().as_bytes(),
-    )?;
+    // Each rank's arguments travel with its path, so every rank refuses different ones alike
+    // before mapping anything.
+    let asked = format!("shared_blocks({block_bytes} bytes, {slots} slots, {n} ranks)");
+    let entry = format!("{asked}\n{}", path.to_string_lossy());
+    store.set(&format!("{prefix}/path/{me}"), entry.as_bytes())?;
     let keys: Vec<String> = (0..n).map(|i| format!("{prefix}/path/{i}")).collect();
     wait_or_stopped(store, &keys, rank, members, group.options)?;
     let mut paths = Vec::with_capacity(n);
-    for key in &keys {
-        let value = store.get(key)?.unwrap_or_default();
-        paths.push(std::path::PathBuf::from(
-            String::from_utf8_lossy(&value).into_owned(),
-        ));
+    for (i, key) in keys.iter().enumerate() {
+        let value = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).into_owned();
+        let (theirs, path) = value.split_once('\n').unwrap_or(("?", ""));
+        if theirs != asked {
+            return Err(CommError::Mismatch {
+                rank,
+                peer: members[i],
+                mine: asked,
+                theirs: theirs.to_string(),
+            });
+        }
+        paths.push(std::path::PathBuf::from(path));
     }
     let blocks = SharedBlocks::open_all(
         BlocksGroup {
@@ -164,6 +173,7 @@ pub(crate) fn setup_shared_blocks(
             me,
             global_ranks: members,
             timeout: group.options.timeout,
+            bytes_sent: group.bytes_sent,
         },
         &paths,
         block_bytes,

@@ -296,6 +296,7 @@ fn shared_blocks() -> Result<(), String> {
         return Err(format!("left in /dev/shm: {left:?}"));
     }
     let at = |r: usize, round: usize, i: usize| value(r * 1000 + round, i) as f32;
+    out_of_order_rounds(&pg, elems, at)?;
     for mut blocks in [one, three] {
         for round in 0..30 {
             let mine: Vec<f32> = (0..elems).map(|i| at(me, round, i)).collect();
@@ -352,6 +353,57 @@ fn shared_blocks() -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Rounds read in another order than published, a round released unread, a slot refused
+/// while this rank still holds its round, and the bytes the group counts as sent.
+fn out_of_order_rounds(
+    pg: &ProcessGroup,
+    elems: usize,
+    at: impl Fn(usize, usize, usize) -> f32,
+) -> Result<(), String> {
+    let (n, me) = (pg.size(), pg.rank());
+    let mut blocks = pg
+        .shared_blocks(elems * 4, 2)
+        .map_err(|e| e.to_string())?
+        .ok_or("no blocks")?;
+    let sent_before = pg.bytes_sent();
+    let mut rounds = Vec::new();
+    for round in 0..2 {
+        let mine: Vec<f32> = (0..elems).map(|i| at(me, 500 + round, i)).collect();
+        blocks.write_block(&mine).map_err(|e| e.to_string())?;
+        rounds.push(blocks.publish((n - 1) * elems * 4));
+    }
+    let sent = pg.bytes_sent() - sent_before;
+    if sent != ((n - 1) * elems * 4 * 2) as u64 {
+        return Err(format!("{sent} bytes counted as sent for two rounds"));
+    }
+    if blocks.can_publish() || blocks.next_block().is_ok() {
+        return Err("a third round was let overwrite the first, still unread".into());
+    }
+    // The second round first, then the first: each reads its own values.
+    for (k, &round) in rounds.iter().enumerate().rev() {
+        let got = blocks
+            .read_all(round, |all| {
+                all.iter()
+                    .map(|b| f32::from_le_bytes([b[4], b[5], b[6], b[7]]))
+                    .collect::<Vec<f32>>()
+            })
+            .map_err(|e| e.to_string())?;
+        let want: Vec<f32> = (0..n).map(|r| at(r, 500 + k, 1)).collect();
+        expect_eq(&format!("round {round} read out of order"), &got, &want)?;
+    }
+    // A round published and released without being read frees its slot just the same.
+    let mine: Vec<f32> = (0..elems).map(|i| at(me, 600, i)).collect();
+    blocks.write_block(&mine).map_err(|e| e.to_string())?;
+    let skipped = blocks.publish(0);
+    blocks.release(skipped);
+    blocks.write_block(&mine).map_err(|e| e.to_string())?;
+    let next = blocks.publish(0);
+    blocks.write_block(&mine).map_err(|e| e.to_string())?;
+    let last = blocks.publish(0);
+    blocks.release(next);
+    blocks.read(last, |_, _| ()).map_err(|e| e.to_string())
 }
 
 fn expect_error(f: impl Fn(&ProcessGroup) -> fsdp_comm::Result<()>) -> Result<(), String> {

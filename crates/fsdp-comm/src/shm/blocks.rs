@@ -5,7 +5,8 @@
 //!
 //! Each rank's block has `slots` copies, used in turn by the rounds it publishes: round `k`
 //! (from 1) lives in slot `(k - 1) % slots`. A header per rank holds the last round its owner
-//! published and, per reader, the last round that reader finished reading, so an owner never
+//! published and, per reader and slot, the last round that reader finished reading there (its
+//! owner among the readers), so an owner never
 //! rewrites a slot a peer may still be reading and a reader never reads a round its owner has
 //! not finished writing. Waits spin, yield, then sleep on the group segment's doorbell; they
 //! end with an error when the group aborts, a peer's process is gone, or the group's timeout
@@ -26,9 +27,11 @@ use crate::transport::Inbox;
 const MAGIC: u64 = 0x4653_4450_424c_4b31; // "FSDPBLK1"
 const PAGE: usize = 4096;
 /// Header words: magic, ranks, block bytes, slots (offsets 0..32), then the published round
-/// at 64 and one cache line per reader from 128.
+/// at 64 and one cache line per reader from 128: the last round it read in each slot.
 const PUBLISHED: usize = 64;
 const READERS: usize = 128;
+/// The most slots a reader's cache line has words for.
+pub const MAX_SLOTS: usize = 8;
 
 fn header_bytes(n: usize) -> usize {
     (READERS + 64 * n).next_multiple_of(PAGE)
@@ -128,6 +131,8 @@ pub struct SharedBlocks {
     /// Rounds this rank has published.
     published: u64,
     timeout: Duration,
+    /// The group's count of payload bytes sent.
+    bytes_sent: Arc<AtomicU64>,
 }
 
 // SAFETY: the mappings are shared memory ordered by the header's atomics: an owner writes a
@@ -143,6 +148,7 @@ pub(crate) struct BlocksGroup<'a> {
     pub me: usize,
     pub global_ranks: &'a [usize],
     pub timeout: Duration,
+    pub bytes_sent: Arc<AtomicU64>,
 }
 
 impl SharedBlocks {
@@ -221,6 +227,7 @@ impl SharedBlocks {
             slots,
             published: 0,
             timeout: group.timeout,
+            bytes_sent: group.bytes_sent,
         })
     }
 
@@ -253,14 +260,42 @@ impl SharedBlocks {
         self.maps[owner].word(PUBLISHED)
     }
 
-    fn read_by(&self, owner: usize, reader: usize) -> &AtomicU64 {
-        self.maps[owner].word(READERS + 64 * reader)
+    /// The last round `reader` finished reading in the slot `round` uses, of `owner`'s block.
+    fn read_by(&self, owner: usize, reader: usize, round: u64) -> &AtomicU64 {
+        let slot = (round - 1) as usize % self.slots;
+        self.maps[owner].word(READERS + 64 * reader + 8 * slot)
+    }
+
+    /// Whether this rank may publish its next round: it is done reading the round that last
+    /// used that slot (every rank decides alike when every rank publishes and reads the same
+    /// rounds in the same order; a peer still reading is waited for by
+    /// [`SharedBlocks::next_block`]).
+    pub fn can_publish(&self) -> bool {
+        let round = self.published + 1;
+        match round.checked_sub(self.slots as u64).filter(|r| *r > 0) {
+            Some(reused) => {
+                self.read_by(self.me, self.me, round)
+                    .load(Ordering::Relaxed)
+                    >= reused
+            }
+            None => true,
+        }
     }
 
     /// This rank's block for the next round, to write before [`SharedBlocks::publish`]:
     /// waits until every peer has read the round that last used its slot.
     pub fn next_block(&mut self) -> Result<&mut [u8]> {
         let round = self.published + 1;
+        if !self.can_publish() {
+            return Err(CommError::InvalidArgument {
+                rank: self.global_ranks[self.me],
+                op: "shared_blocks next_block".into(),
+                reason: format!(
+                    "round {round} would overwrite round {}, which this rank has not finished reading",
+                    round - self.slots as u64
+                ),
+            });
+        }
         if let Some(reused) = round.checked_sub(self.slots as u64).filter(|r| *r > 0) {
             let me = self.me;
             let peers: Vec<usize> = (0..self.ranks()).filter(|&p| p != me).collect();
@@ -269,7 +304,7 @@ impl SharedBlocks {
                 round,
                 &peers,
                 Need::All,
-                |b, p| b.read_by(me, p).load(Ordering::Acquire) >= reused,
+                |b, p| b.read_by(me, p, round).load(Ordering::Acquire) >= reused,
             )?;
         }
         let off = self.slot_of(round);
@@ -282,8 +317,11 @@ impl SharedBlocks {
     }
 
     /// Publishes what [`SharedBlocks::next_block`] returned as this rank's block of the next
-    /// round, and returns that round.
-    pub fn publish(&mut self) -> u64 {
+    /// round, and returns that round; `sent` is how many of its bytes the peers will read in
+    /// all (the group's count of bytes sent, which the theory of the rings' traffic is
+    /// compared with).
+    pub fn publish(&mut self, sent: usize) -> u64 {
+        self.bytes_sent.fetch_add(sent as u64, Ordering::Relaxed);
         self.published += 1;
         self.published_by(self.me)
             .store(self.published, Ordering::Release);
@@ -343,6 +381,9 @@ impl SharedBlocks {
             )));
         }
         read(self.me, self.block(self.me, round));
+        if report {
+            self.report_read(self.me, round);
+        }
         let mut pending: Vec<usize> = (0..self.ranks()).filter(|&p| p != self.me).collect();
         let ready = |b: &SharedBlocks, p: usize| b.published_by(p).load(Ordering::Acquire) >= round;
         while !pending.is_empty() {
@@ -365,16 +406,17 @@ impl SharedBlocks {
         Ok(())
     }
 
-    /// Tells every peer this rank is done with its block of `round` (after a read that did not
-    /// report them).
-    fn release(&self, round: u64) {
-        for p in (0..self.ranks()).filter(|&p| p != self.me) {
+    /// Tells every rank this rank is done with its block of `round` (after a read that did
+    /// not report them, or instead of reading a round at all: every rank must release each
+    /// round it publishes, read or not, before the slot comes round again).
+    pub fn release(&self, round: u64) {
+        for p in 0..self.ranks() {
             self.report_read(p, round);
         }
     }
 
     fn report_read(&self, owner: usize, round: u64) {
-        let word = self.read_by(owner, self.me);
+        let word = self.read_by(owner, self.me, round);
         if word.load(Ordering::Relaxed) < round {
             word.store(round, Ordering::Release);
             self.seg.ring_doorbell(owner);
@@ -478,7 +520,7 @@ impl SharedBlocks {
         )?;
         // SAFETY: `Element`s are plain data: any bytes written are valid elements.
         let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), len) };
-        let round = self.publish();
+        let round = self.publish((self.ranks() - 1) * self.block_bytes);
         let (me, bb) = (self.me, self.block_bytes);
         self.read(round, |r, block| {
             if r != me {
@@ -500,7 +542,7 @@ impl SharedBlocks {
             part * self.ranks(),
             self.block_bytes,
         )?;
-        let round = self.publish();
+        let round = self.publish((self.ranks() - 1) * part);
         let (me, n) = (self.me, self.ranks());
         self.read_all(round, |blocks| {
             let parts: Vec<&[T]> = blocks

@@ -17,7 +17,7 @@ mod blocks;
 mod transfer;
 
 pub(crate) use blocks::BlocksGroup;
-pub use blocks::SharedBlocks;
+pub use blocks::{MAX_SLOTS, SharedBlocks};
 pub use transfer::{InFrame, OutFrame, Sink, TransferError};
 
 const MAGIC: u64 = 0x4653_4450_5348_4d31; // "FSDPSHM1"
