@@ -13,7 +13,6 @@
 //! passes. Every file is unlinked as soon as every rank has mapped it.
 
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,14 +53,7 @@ struct Mapping {
 impl Mapping {
     /// Creates the file at `path` (exclusive, mode 0600) with `len` bytes and maps it.
     fn create(path: &Path, len: usize) -> std::io::Result<Mapping> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)?;
-        file.set_len(len as u64)?;
-        Mapping::map(&file, len)
+        Mapping::map(&super::create_file(path, len)?, len)
     }
 
     /// Maps the file at `path` whole, whatever its length (at least a header's).
@@ -77,27 +69,10 @@ impl Mapping {
     }
 
     fn map(file: &std::fs::File, len: usize) -> std::io::Result<Mapping> {
-        use std::os::fd::AsRawFd;
         // Populated: the pages are allocated (by their owner, who maps its file first) and
         // entered in this process's page tables now, so no collective takes a page fault.
-        // SAFETY: mapping a file we hold open, with its full length.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Mapping {
-            base: base.cast(),
-            len,
-        })
+        let base = super::map_shared(file, len, libc::MAP_POPULATE)?;
+        Ok(Mapping { base, len })
     }
 
     fn word(&self, off: usize) -> &AtomicU64 {

@@ -90,16 +90,10 @@ unsafe impl Sync for Segment {}
 
 impl Segment {
     /// Creates and maps a new segment file (exclusive, mode 0600).
-    pub fn create(path: &PathBuf, n: usize, me: usize) -> std::io::Result<Segment> {
+    pub fn create(path: &std::path::Path, n: usize, me: usize) -> std::io::Result<Segment> {
         let capacity = ring_capacity(n);
         let len = segment_bytes(n, capacity);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)?;
-        file.set_len(len as u64)?;
+        let file = create_file(path, len)?;
         let seg = Segment::map(&file, len, n, capacity, me)?;
         seg.u64_at(0).store(MAGIC, Ordering::Release);
         Ok(seg)
@@ -131,23 +125,9 @@ impl Segment {
         capacity: usize,
         me: usize,
     ) -> std::io::Result<Segment> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: mapping a file we hold open, with its full length.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
+        let base = map_shared(file, len, 0)?;
         Ok(Segment {
-            base: base.cast(),
+            base,
             len,
             n,
             capacity,
@@ -318,6 +298,39 @@ impl Drop for Segment {
             libc::munmap(self.base.cast(), self.len);
         }
     }
+}
+
+/// A new file of `len` bytes at `path`: exclusive (an existing one is an error), mode 0600.
+fn create_file(path: &std::path::Path, len: usize) -> std::io::Result<std::fs::File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.set_len(len as u64)?;
+    Ok(file)
+}
+
+/// Maps the first `len` bytes of `file` shared, readable and writable, with `flags` added
+/// (`MAP_POPULATE`).
+fn map_shared(file: &std::fs::File, len: usize, flags: libc::c_int) -> std::io::Result<*mut u8> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: mapping a file the caller holds open; the mapping outlives the descriptor.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | flags,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(base.cast())
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, max: Duration) {
