@@ -98,6 +98,13 @@ pub trait Communicator: Send + Sync {
     fn join(&self, what: &str, timeout: Duration) -> Result<()>;
     /// Payload bytes this member has sent so far (to compare with an algorithm's theory).
     fn bytes_sent(&self) -> u64;
+    /// Completes once every collective this member issued on the group before it has run
+    /// (it moves nothing): what work done outside the group's queue waits for to keep the
+    /// queue's order (a gather read from [`crate::SharedBlocks`] after the reductions issued
+    /// before it). The default, for backends without such a queue, is complete at once.
+    fn fence(&self) -> Work<()> {
+        Work::ready(Ok(()))
+    }
     /// One block of `block_bytes` per member in `slots` slots, in memory every member maps
     /// ([`crate::SharedBlocks`]: collectives that copy each byte once). Every member calls it,
     /// in the same order as its other `shared_blocks` calls, with the same arguments. `None`

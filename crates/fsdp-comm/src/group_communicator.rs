@@ -180,6 +180,10 @@ impl Communicator for ProcessGroup {
         ProcessGroup::bytes_sent(self)
     }
 
+    fn fence(&self) -> Work<()> {
+        self.submit(|_| Ok(()))
+    }
+
     fn shared_blocks(
         &self,
         block_bytes: usize,
