@@ -227,6 +227,16 @@ fn state_traffic_and_peak_follow_each_strategy() {
         "{full}"
     );
     let unit = field(full, "largest_unit_bytes");
+    // Gathers go through shared memory's blocks: three slots of a layer's block on each
+    // rank (half a layer: 2 ranks), outside the counted heap.
+    for r in &four {
+        let shared = field(r, "shared_gather_bytes");
+        let sharded = r["strategy"] != "NO_SHARD";
+        assert!(
+            (shared > 0.0) == sharded && shared <= 1.5 * unit,
+            "shared memory for gathers {shared} (unit {unit}): {r}"
+        );
+    }
     let peak = |rs: &[serde_json::Value], i: usize| field(&rs[i], "peak_above_state_bytes");
     for rs in [&four, &eight] {
         assert!(

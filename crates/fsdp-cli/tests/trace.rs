@@ -93,6 +93,12 @@ fn a_launched_job_writes_each_ranks_timeline_and_plot_draws_a_step() {
                     assert!(e["args"]["bytes"].as_u64().unwrap() > 0, "{e}");
                 }
             }
+            // The ranks share this host: units are gathered through shared memory's blocks.
+            let shared = |e: &&&serde_json::Value| e["args"]["through"] == "shared memory";
+            assert!(
+                inside("all_gather").iter().any(shared),
+                "rank {rank}, step {n}: no gather went through shared memory"
+            );
             assert_eq!(inside("optimizer").len(), 1, "rank {rank}, step {n}");
         }
     }

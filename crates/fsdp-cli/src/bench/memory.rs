@@ -500,6 +500,7 @@ fn worker(a: &MemoryArgs, strategy: &str) -> Result<()> {
                 "params_bytes": plan.units.iter().map(|u| u.numel() * 4).sum::<usize>(),
                 "samples_per_s": samples_per_s,
                 "peak_rss_bytes": worst(3),
+                "shared_gather_bytes": fsdp.shared_gather_bytes(),
                 "units": plan.units.len(),
                 "rank0_forward_ms": per_step_ms[0],
                 "rank0_backward_ms": per_step_ms[1],

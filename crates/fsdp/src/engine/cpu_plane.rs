@@ -11,6 +11,7 @@ use super::cpu_floats::float_pair;
 use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::plan::ShardLayout;
+use super::shared_gather::Gathered;
 
 /// The data plane of tensors in host memory.
 pub(crate) struct CpuPlane;
@@ -18,7 +19,7 @@ pub(crate) struct CpuPlane;
 impl DataPlane for CpuPlane {
     fn unpack(
         &self,
-        gathered: &Buffer,
+        gathered: &Gathered<'_>,
         layout: &ShardLayout,
         block: usize,
         ranks: usize,
@@ -87,7 +88,7 @@ impl DataPlane for CpuPlane {
         &self,
         param: &Tensor,
         layout: &ShardLayout,
-        gathered: &Buffer,
+        gathered: &Gathered<'_>,
         block: usize,
         ranks: usize,
     ) -> Result<(), EngineError> {
@@ -124,43 +125,52 @@ impl DataPlane for CpuPlane {
     }
 }
 
-/// The full parameter `layout` out of a gathered block, as a CPU storage of its dtype.
+/// The full parameter `layout` out of a gathered unit, as a CPU storage of its dtype.
 pub(super) fn unpack_storage(
-    gathered: &Buffer,
+    gathered: &Gathered<'_>,
     layout: &ShardLayout,
     block: usize,
     ranks: usize,
 ) -> Result<CpuStorage, EngineError> {
-    Ok(match gathered {
-        Buffer::F32(v) => CpuStorage::F32(unpacked(v, 0.0, layout, block, ranks)),
-        Buffer::F64(v) => CpuStorage::F64(unpacked(v, 0.0, layout, block, ranks)),
-        Buffer::BF16(v) => CpuStorage::BF16(unpacked(v, half::bf16::ZERO, layout, block, ranks)),
-        Buffer::F16(v) => CpuStorage::F16(unpacked(v, half::f16::ZERO, layout, block, ranks)),
-        other => {
-            return Err(EngineError::UnsupportedTensor {
-                op: "unshard",
-                what: format!("the gathered block of `{}`", layout.name),
-                found: format!("{:?}", other.dtype()),
-                expected: "float parameters",
-            });
-        }
+    let bad = || EngineError::UnsupportedTensor {
+        op: "unshard",
+        what: format!("the gathered blocks of `{}`", layout.name),
+        found: format!("{:?} x {ranks} ranks", gathered.dtype()),
+        expected: "float parameters, a block per rank",
+    };
+    Ok(match gathered.dtype() {
+        DType::F32 => CpuStorage::F32(unpacked(
+            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
+            0.0,
+            layout,
+        )),
+        DType::F64 => CpuStorage::F64(unpacked(
+            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
+            0.0,
+            layout,
+        )),
+        DType::BF16 => CpuStorage::BF16(unpacked(
+            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
+            half::bf16::ZERO,
+            layout,
+        )),
+        DType::F16 => CpuStorage::F16(unpacked(
+            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
+            half::f16::ZERO,
+            layout,
+        )),
+        _ => return Err(bad()),
     })
 }
 
-/// Parameter `layout`'s values out of a gathered block, in a buffer that takes parked pages
-/// (a released parameter's) before it is written, written once (appended, not zero-filled
-/// and then overwritten).
-fn unpacked<T: bytemuck::Pod>(
-    gathered: &[T],
-    zero: T,
-    layout: &ShardLayout,
-    block: usize,
-    ranks: usize,
-) -> Vec<T> {
+/// Parameter `layout`'s values out of every rank's gathered block, in a buffer that takes
+/// parked pages (a released parameter's) before it is written, written once (appended, not
+/// zero-filled and then overwritten).
+fn unpacked<T: bytemuck::Pod>(blocks: &[&[T]], zero: T, layout: &ShardLayout) -> Vec<T> {
     let n = layout.numel();
     let mut out = Vec::<T>::with_capacity(n);
     crate::memory::prefill_pages(&mut out, 0..n);
-    for piece in layout.gathered_pieces(gathered, block, ranks) {
+    for piece in layout.pieces_in(blocks) {
         out.extend_from_slice(piece);
     }
     // The pieces are the parameter's rows, `n` elements; a storage shorter than its shape
@@ -209,12 +219,34 @@ impl InplaceOp1 for Release {
     }
 }
 
-/// Writes a parameter's rows from an all-gathered block back into its released storage.
+/// Writes a parameter's rows from an all-gathered unit back into its released storage.
 struct Refill<'a> {
     layout: &'a ShardLayout,
-    gathered: &'a Buffer,
+    gathered: &'a Gathered<'a>,
     block: usize,
     ranks: usize,
+}
+
+impl Refill<'_> {
+    fn refill<T: fsdp_comm::BufferElement + bytemuck::Pod>(
+        &self,
+        v: &mut Vec<T>,
+        start: usize,
+    ) -> candle_core::Result<()> {
+        let n = self.layout.numel();
+        let Some(blocks) = self.gathered.blocks_of::<T>(self.block, self.ranks) else {
+            return Err(candle_core::Error::Msg(format!(
+                "fsdp-refill: `{}` is {:?} but was gathered as {:?}",
+                self.layout.name,
+                T::DTYPE,
+                self.gathered.dtype()
+            )));
+        };
+        crate::memory::prefill_pages(v, start..start + n);
+        self.layout.unpack_blocks(&blocks, &mut v[start..start + n]);
+        crate::memory::note_refilled(v.as_ptr().cast());
+        Ok(())
+    }
 }
 
 impl InplaceOp1 for Refill<'_> {
@@ -223,24 +255,18 @@ impl InplaceOp1 for Refill<'_> {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        let (start, n) = (l.start_offset(), self.layout.numel());
-        let dtype = s.dtype();
-        float_pair!(
-            s,
-            self.gathered,
-            |v, g| {
-                crate::memory::prefill_pages(v, start..start + n);
-                self.layout
-                    .unpack(g, self.block, self.ranks, &mut v[start..start + n]);
-                crate::memory::note_refilled(v.as_ptr().cast());
-                Ok(())
-            },
-            Err(candle_core::Error::Msg(format!(
-                "fsdp-refill: `{}` is {dtype:?} but was gathered as {:?}",
+        let start = l.start_offset();
+        match s {
+            CpuStorage::F32(v) => self.refill(v, start),
+            CpuStorage::F64(v) => self.refill(v, start),
+            CpuStorage::BF16(v) => self.refill(v, start),
+            CpuStorage::F16(v) => self.refill(v, start),
+            other => Err(candle_core::Error::Msg(format!(
+                "fsdp-refill: `{}` is {:?}, not a float",
                 self.layout.name,
-                self.gathered.dtype()
-            )))
-        )
+                other.dtype()
+            ))),
+        }
     }
 }
 

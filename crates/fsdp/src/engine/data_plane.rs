@@ -12,14 +12,15 @@ use fsdp_comm::{Buffer, DType};
 use super::buffers::GradPack;
 use super::error::EngineError;
 use super::plan::ShardLayout;
+use super::shared_gather::Gathered;
 
 /// The device-specific moves of a step (see the module doc).
 pub(crate) trait DataPlane: Send + Sync {
-    /// Parameter `layout` out of a gathered block (every rank's `block` elements in rank
+    /// Parameter `layout` out of a gathered unit (every rank's `block` elements in rank
     /// order), as storage of the block's element type.
     fn unpack(
         &self,
-        gathered: &Buffer,
+        gathered: &Gathered<'_>,
         layout: &ShardLayout,
         block: usize,
         ranks: usize,
@@ -49,12 +50,12 @@ pub(crate) trait DataPlane: Send + Sync {
     /// stay memory-safe.
     fn release(&self, params: &[&Tensor], poison: bool) -> Result<(), EngineError>;
 
-    /// Writes a released parameter's values back from a gathered block.
+    /// Writes a released parameter's values back from a gathered unit.
     fn refill(
         &self,
         param: &Tensor,
         layout: &ShardLayout,
-        gathered: &Buffer,
+        gathered: &Gathered<'_>,
         block: usize,
         ranks: usize,
     ) -> Result<(), EngineError>;

@@ -23,6 +23,7 @@ use super::intake::WeightIntake;
 use super::offload::Placement;
 use super::param::FsdpParam;
 use super::plan::{ShardLayout, UnitKind, UnitPlan};
+use super::shared_gather::GatherBlocks;
 use super::step::{ReducedGrads, StepOptions, StepParams, StepShared};
 use super::unit::{FsdpUnit, IGNORED_MODULES, Prefetch};
 use super::{ShardStore, StateOnDisk};
@@ -56,6 +57,9 @@ pub struct Fsdp {
     pub(crate) placement: Placement,
     /// What moves parameters and gradients in the compute device's memory.
     plane: Arc<dyn DataPlane>,
+    /// The shard group's shared blocks that units are gathered through where they can
+    /// (every rank on this host).
+    gather_blocks: Option<Arc<GatherBlocks>>,
     pub(crate) grad_index: Arc<GradIndex>,
     state_dict_type: StateDictType,
     checkpoint_format: CheckpointFormat,
@@ -199,6 +203,9 @@ impl Fsdp {
                 grad_index.insert(p.layout.name.clone(), place);
             }
         }
+        let blocks: Vec<usize> = units.iter().map(|u| u.gather_block).collect();
+        let on_disk = matches!(shard_store, ShardStore::Disk(_));
+        let gather_blocks = GatherBlocks::for_units(&mesh, dtypes, &blocks, on_disk)?;
         let unhooked_reported = units.iter().map(|_| AtomicBool::new(false)).collect();
         let tracer = match &plugin.trace_dir {
             Some(dir) => Some(Arc::new(Tracer::create(dir, mesh.rank()).map_err(
@@ -222,6 +229,7 @@ impl Fsdp {
             units,
             placement,
             plane,
+            gather_blocks,
             grad_index: Arc::new(grad_index),
             state_dict_type: plugin.state_dict_type,
             checkpoint_format: plugin.checkpoint_format,
@@ -262,6 +270,13 @@ impl Fsdp {
     /// The disk tier's folder and what it has moved, when state is offloaded to disk.
     pub fn offload(&self) -> Option<(&std::path::Path, super::OffloadStats)> {
         self.state_on_disk.as_ref().map(StateOnDisk::stats)
+    }
+
+    /// This rank's bytes of shared memory that units are gathered through (0 where the
+    /// shard group's ranks share no memory, or gathers cannot go through it): resident
+    /// outside the heap, so not in the counting allocator's figures.
+    pub fn shared_gather_bytes(&self) -> usize {
+        self.gather_blocks.as_ref().map_or(0, |b| b.bytes())
     }
 
     /// The mesh: `shard` (the ranks a parameter is split over) and `replicate`.
@@ -325,7 +340,7 @@ impl Fsdp {
         }
         let shared = StepShared::new(
             self.mesh.clone(),
-            self.plane.clone(),
+            (self.plane.clone(), self.gather_blocks.clone()),
             self.units.clone(),
             self.prefetch.clone(),
             opts,
@@ -440,7 +455,8 @@ impl Fsdp {
                 unit.update(reduced, has_grad, optimizer)?;
             }
             if Some(u) == first {
-                self.units[u].gather_ahead(&self.mesh, self.dtypes)?;
+                let blocks = self.gather_blocks.as_ref();
+                self.units[u].gather_ahead(&self.mesh, self.dtypes, blocks)?;
             }
         }
         if let Some(t) = &self.tracer {

@@ -2,7 +2,8 @@
 //! modules, tied-parameter checks, dim-0 shard layout, memory estimate); one sharded
 //! parameter (`param`); the unit, owning its shards and its lifecycle in a step as a state
 //! machine, with prefetch decided in one place (`unit`); the unit's collectives in the
-//! dtypes given (`collectives`); the graph ops that hook autograd (`hooks`); float element
+//! dtypes given (`collectives`), gathers through shared memory's blocks (`shared_gather`);
+//! the graph ops that hook autograd (`hooks`); float element
 //! access both share (`cpu_floats`); initial weights into shards (`intake`); one step
 //! driving the units (`step`); debug checks (`debug`); reduced gradients by name (`grads`);
 //! fp16 loss scaling agreed over ranks (`grad_scaler`); storage and compute devices
@@ -34,6 +35,7 @@ mod plan_text;
 mod plan_traffic;
 mod quantized_blocks;
 mod secondary;
+mod shared_gather;
 mod sparse_rows;
 mod staged_plane;
 mod state_by_name;

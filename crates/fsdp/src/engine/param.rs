@@ -172,11 +172,31 @@ impl ShardLayout {
         block: usize,
         ranks: usize,
     ) -> impl Iterator<Item = &'a [T]> + 'a {
-        (0..ranks).map(move |r| {
-            let (start, end) = self.rows_of(r);
-            let base = r * block + self.offset;
-            &gathered[base..base + (end - start) * self.row_elems]
-        })
+        (0..ranks).map(move |r| &gathered[r * block..][self.piece_of(r)])
+    }
+
+    /// [`ShardLayout::gathered_pieces`] out of every rank's block apart (`blocks[r]`: rank
+    /// r's).
+    pub fn pieces_in<'a, T>(&'a self, blocks: &'a [&'a [T]]) -> impl Iterator<Item = &'a [T]> + 'a {
+        blocks
+            .iter()
+            .enumerate()
+            .map(move |(r, block)| &block[self.piece_of(r)])
+    }
+
+    /// [`ShardLayout::unpack`] out of every rank's block apart (`blocks[r]`: rank r's).
+    pub fn unpack_blocks<T: Copy>(&self, blocks: &[&[T]], out: &mut [T]) {
+        let mut at = 0;
+        for piece in self.pieces_in(blocks) {
+            out[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+        }
+    }
+
+    /// Where rank `r`'s rows of the parameter sit in rank `r`'s block.
+    fn piece_of(&self, r: usize) -> Range<usize> {
+        let (start, end) = self.rows_of(r);
+        self.offset..self.offset + (end - start) * self.row_elems
     }
 
     /// The inverse of [`ShardLayout::unpack`]: scatters the full `values` into `ranks` shard

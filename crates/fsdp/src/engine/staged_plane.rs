@@ -14,6 +14,7 @@ use super::cpu_plane::{CpuPlane, WriteRows, unpack_storage};
 use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::plan::ShardLayout;
+use super::shared_gather::Gathered;
 
 /// The data plane of a GPU fed through host memory (see the module doc).
 pub(crate) struct HostStagedPlane {
@@ -42,7 +43,7 @@ impl HostStagedPlane {
 impl DataPlane for HostStagedPlane {
     fn unpack(
         &self,
-        gathered: &Buffer,
+        gathered: &Gathered<'_>,
         layout: &ShardLayout,
         block: usize,
         ranks: usize,
@@ -89,7 +90,7 @@ impl DataPlane for HostStagedPlane {
         &self,
         param: &Tensor,
         layout: &ShardLayout,
-        gathered: &Buffer,
+        gathered: &Gathered<'_>,
         block: usize,
         ranks: usize,
     ) -> Result<(), EngineError> {

@@ -18,6 +18,7 @@ use super::error::EngineError;
 use super::frozen_release::FrozenReleases;
 use super::grads::UnreducedUnits;
 use super::hooks::{Checkpoint, StepHooks};
+use super::shared_gather::GatherBlocks;
 use super::unit::{FsdpUnit, Moment, Prefetch, RunContext};
 use super::{GradBlock, ShardStore};
 use crate::nn::Recompute;
@@ -98,6 +99,8 @@ pub(crate) struct StepShared {
     units: Vec<Arc<FsdpUnit>>,
     mesh: Mesh,
     plane: Arc<dyn DataPlane>,
+    /// The shard group's shared blocks that gathers go through where they can.
+    gather_blocks: Option<Arc<GatherBlocks>>,
     index: HashMap<String, (usize, usize)>,
     by_path: HashMap<String, usize>,
     /// Units activation checkpointing applies to: non-root units with no unit inside.
@@ -112,7 +115,7 @@ pub(crate) struct StepShared {
 impl StepShared {
     pub fn new(
         mesh: Mesh,
-        plane: Arc<dyn DataPlane>,
+        (plane, gather_blocks): (Arc<dyn DataPlane>, Option<Arc<GatherBlocks>>),
         units: Vec<Arc<FsdpUnit>>,
         prefetch: Prefetch,
         opts: StepOptions,
@@ -145,6 +148,7 @@ impl StepShared {
             me: me.clone(),
             mesh,
             plane,
+            gather_blocks,
             index,
             by_path,
             checkpointable,
@@ -177,6 +181,7 @@ impl StepShared {
             train: self.opts.train,
             hold: self.opts.hold,
             trace: self.opts.trace.as_deref(),
+            shared: self.gather_blocks.as_ref(),
         }
     }
 

@@ -8,10 +8,13 @@ use std::time::Instant;
 use candle_core::{Tensor, TensorId};
 
 use super::grads::{Completed, GradTarget};
-use super::{FsdpUnit, InStep, RunContext, ShardedState, TrainingState, reshard};
+use super::{
+    FsdpUnit, GatheredUnit, InFlight, InStep, RunContext, ShardedState, TrainingState, reshard,
+};
 use crate::engine::collectives::{self, PendingReduce};
 use crate::engine::error::EngineError;
 use crate::engine::plan::ShardLayout;
+use crate::engine::shared_gather::Gathered;
 use crate::engine::sparse_rows::RowSparsePlan;
 
 impl FsdpUnit {
@@ -116,10 +119,20 @@ impl FsdpUnit {
                     state: "released while whole on this rank",
                 })?;
             let refilling = Instant::now();
-            for (i, f) in s.full.iter().enumerate() {
-                if refilled(self, s, i) {
-                    cx.plane
-                        .refill(f, &self.gather_layouts[i], &gathered, block, ranks)?;
+            let this = &*s;
+            let refill_all = |g: &Gathered<'_>| -> Result<(), EngineError> {
+                for (i, f) in this.full.iter().enumerate() {
+                    if refilled(self, this, i) {
+                        cx.plane
+                            .refill(f, &self.gather_layouts[i], g, block, ranks)?;
+                    }
+                }
+                Ok(())
+            };
+            match gathered {
+                GatheredUnit::Joined(b) => refill_all(&Gathered::Joined(&b))?,
+                GatheredUnit::Shared(round) => {
+                    self.read_shared(cx, round, "before its backward", refill_all)?
                 }
             }
             self.trace_refill(cx, refilling, s);
@@ -216,7 +229,8 @@ impl FsdpUnit {
         } else {
             None
         };
-        if let Some((w, _)) = s.gather.take() {
+        // (A round of the shared blocks is released as it drops.)
+        if let Some((InFlight::Ring(w), _)) = s.gather.take() {
             w.wait().map_err(|source| EngineError::Collective {
                 op: "unused prefetch".into(),
                 unit: self.name(),

@@ -2,17 +2,20 @@
 //! parameters (or ahead, by a prefetch), its full parameters made graph nodes, and released
 //! after its forward when it reshards.
 
-use std::sync::{Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use candle_core::{Shape, Tensor, Var};
-use fsdp_comm::{Buffer, Mesh, Work};
+use fsdp_comm::{Buffer, Mesh};
 
-use super::{FsdpUnit, InStep, RunContext, ShardedState, TrainingState, reshard};
+use super::{
+    FsdpUnit, GatheredUnit, InFlight, InStep, RunContext, ShardedState, TrainingState, reshard,
+};
 use crate::engine::collectives::{self, CommDtypes};
 use crate::engine::error::EngineError;
 use crate::engine::hooks::{PreBackward, StepHooks, Unshard};
 use crate::engine::quantized_blocks::Codec;
+use crate::engine::shared_gather::{GatherBlocks, Gathered, SharedRound, joined};
 
 impl FsdpUnit {
     /// Forward reads parameter `i`: refused where the unit may not be read (released after
@@ -69,30 +72,37 @@ impl FsdpUnit {
         // Backward's gather of a unit released after forward, from the secondary group.
         let released = s.sharded == ShardedState::ReleasedAfterForward;
         let work = match (s.secondary.take(), &cx.mesh.secondary) {
-            (Some(share), Some(group)) if released => Some(group.all_gather(share)),
-            _ => self.gather_shards(cx.mesh, cx.dtypes)?,
+            (Some(share), Some(group)) if released => Some(InFlight::Ring(group.all_gather(share))),
+            _ => self.gather_shards(cx.mesh, cx.dtypes, cx.shared)?,
         };
         s.gather = work.map(|work| (work, Instant::now()));
         Ok(())
     }
 
-    /// Issues the all-gather of the unit's shards over the mesh's shard group; `None` where
-    /// the unit is not gathered (one rank holds it whole, or only tables looked up by rows).
+    /// Issues the all-gather of the unit's shards over the mesh's shard group (through
+    /// `shared`, the group's shared blocks, where they take it); `None` where the unit is not
+    /// gathered (one rank holds it whole, or only tables looked up by rows).
     pub(super) fn gather_shards(
         &self,
         mesh: &Mesh,
         dtypes: CommDtypes,
-    ) -> Result<Option<Work<Buffer>>, EngineError> {
+        shared: Option<&Arc<GatherBlocks>>,
+    ) -> Result<Option<InFlight>, EngineError> {
         if self.ranks(mesh.shard_size()) < 2 || self.gather_block == 0 {
             return Ok(None);
+        }
+        if let Some(blocks) = shared
+            && let Some(round) = self.shared_gather(blocks, dtypes)?
+        {
+            return Ok(Some(InFlight::Shared(round)));
         }
         if let Some(group) = collectives::in_place_group(mesh)
             && let Some(room) = self.gathered_room(dtypes, group.size(), group.rank())?
         {
-            return Ok(Some(group.all_gather_in_place(room)));
+            return Ok(Some(InFlight::Ring(group.all_gather_in_place(room))));
         }
         let send = self.gathered_send(dtypes)?;
-        Ok(Some(collectives::all_gather(mesh, send)))
+        Ok(Some(InFlight::Ring(collectives::all_gather(mesh, send))))
     }
 
     /// Starts reading the unit's shards from its store when its gather is still to come
@@ -119,41 +129,107 @@ impl FsdpUnit {
         Ok(())
     }
 
-    /// The gathered block (waits for the gather in flight, issuing it first if needed);
-    /// `None` when the shard dimension is this rank alone. With `keep`, this rank's share of
-    /// it stays for backward's gather from the secondary group.
+    /// The gathered blocks (waits for a ring's gather in flight, issuing it first if
+    /// needed; a shared round is waited for as it is read); `None` when the shard dimension is
+    /// this rank alone. With `keep`, this rank's share of them stays for backward's gather
+    /// from the secondary group.
     pub(super) fn gathered(
         &self,
         s: &mut InStep,
         cx: &RunContext,
         when: &str,
         keep: bool,
-    ) -> Result<Option<Buffer>, EngineError> {
+    ) -> Result<Option<GatheredUnit>, EngineError> {
         self.unshard(s, cx)?;
         let Some((work, issued)) = s.gather.take() else {
             return Ok(None);
         };
+        let work = match work {
+            InFlight::Ring(work) => work,
+            InFlight::Shared(round) if !keep => return Ok(Some(GatheredUnit::Shared(round))),
+            InFlight::Shared(round) => {
+                let joined = self.read_shared(cx, round, when, |g| Ok(joined(g)))?;
+                let share = &cx.mesh.secondary;
+                if let Some(group) = share {
+                    s.secondary = crate::engine::secondary::share(&joined, group.as_ref());
+                }
+                return Ok(Some(GatheredUnit::Joined(joined)));
+            }
+        };
         let waited = Instant::now();
-        let (gathered, ran) = work
-            .wait_timed()
-            .map_err(|source| EngineError::Collective {
-                op: format!("all-gather {when}"),
-                unit: self.name(),
-                source,
-            })?;
-        if let Some(t) = cx.trace {
-            let bytes = gathered.len() * gathered.dtype().size();
-            let at = t.unix_us(issued);
-            let args = serde_json::json!({ "bytes": bytes, "when": when, "issued": at });
-            let unit = self.trace_label();
-            let ran = ran.unwrap_or((issued, Instant::now()));
-            t.collective("all-gather", "all_gather", unit, ran, waited, args);
-        }
+        let (gathered, ran) = work.wait_timed().map_err(self.gather_failed(when))?;
+        let bytes = gathered.len() * gathered.dtype().size();
+        let ran = ran.unwrap_or((issued, Instant::now()));
+        self.trace_gather(cx, (when, None), (issued, ran), waited, bytes);
         if let (true, Some(group)) = (keep, &cx.mesh.secondary) {
             s.secondary = crate::engine::secondary::share(&gathered, group.as_ref());
         }
         self.decoded(cx, gathered, &self.gather_runs, when)
-            .map(Some)
+            .map(|g| Some(GatheredUnit::Joined(g)))
+    }
+
+    /// Reads a round of the shared blocks with `read` (waiting for every rank's block),
+    /// recording the wait as the unit's all-gather `when` in the trace.
+    pub(super) fn read_shared<R>(
+        &self,
+        cx: &RunContext,
+        round: SharedRound,
+        when: &str,
+        read: impl FnOnce(&Gathered<'_>) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let (issued, asked) = (round.issued, Instant::now());
+        let mut bytes = 0;
+        let read = |g: &Gathered<'_>| {
+            bytes = g.bytes();
+            read(g)
+        };
+        let (waited, result) = round.read(read).map_err(self.gather_failed(when))?;
+        let through = Some("shared memory");
+        self.trace_gather(
+            cx,
+            (when, through),
+            (issued, (issued, waited)),
+            asked,
+            bytes,
+        );
+        result
+    }
+
+    /// The error of the unit's all-gather `when`.
+    fn gather_failed(&self, when: &str) -> impl Fn(fsdp_comm::CommError) -> EngineError {
+        let (op, unit) = (format!("all-gather {when}"), self.name());
+        move |source| EngineError::Collective {
+            op: op.clone(),
+            unit: unit.clone(),
+            source,
+        }
+    }
+
+    /// Records the unit's all-gather `when` (through shared memory or the ring) in the
+    /// trace: issued at `issued`, it ran over `ran`, the compute thread waited from `waited`.
+    fn trace_gather(
+        &self,
+        cx: &RunContext,
+        (when, through): (&str, Option<&str>),
+        (issued, ran): (Instant, (Instant, Instant)),
+        waited: Instant,
+        bytes: usize,
+    ) {
+        if let Some(t) = cx.trace {
+            let at = t.unix_us(issued);
+            let mut args = serde_json::json!({ "bytes": bytes, "when": when, "issued": at });
+            if let Some(through) = through {
+                args["through"] = through.into();
+            }
+            t.collective(
+                "all-gather",
+                "all_gather",
+                self.trace_label(),
+                ran,
+                waited,
+                args,
+            );
+        }
     }
 
     /// A gathered block (of parameters in `runs`) in the compute dtype: decoded when the
@@ -199,19 +275,45 @@ impl FsdpUnit {
             true => super::lock(&self.read_by_rows).clone(),
             false => vec![false; self.params.len()],
         };
-        let mut full = Vec::with_capacity(self.params.len());
-        for (i, p) in self.params.iter().enumerate() {
-            let data = match &gathered {
+        // Every parameter's storage: unpacked from the gathered blocks (straight out of the
+        // shared blocks, where the gather went through them), or whole on this rank.
+        let storages = |g: Option<&Gathered<'_>>| -> Result<Vec<_>, EngineError> {
+            let each = self.params.iter().enumerate().map(|(i, p)| match g {
                 // Its rows arrive as forward looks them up.
                 _ if self.looked_up[i] || by_rows[i] => {
-                    cx.plane.zeros(p.layout.numel(), cx.dtypes.param)?
+                    cx.plane.zeros(p.layout.numel(), cx.dtypes.param)
                 }
-                Some(g) => cx.plane.unpack(g, &self.gather_layouts[i], block, ranks)?,
+                Some(g) => cx.plane.unpack(g, &self.gather_layouts[i], block, ranks),
                 None => {
                     let values = &whole[p.layout.offset..p.layout.offset + p.layout.numel()];
-                    cx.plane.whole(values, cx.dtypes.param)?
+                    cx.plane.whole(values, cx.dtypes.param)
                 }
-            };
+            });
+            each.collect()
+        };
+        let gathered = match gathered {
+            // Kept for the rows written later: joined into one buffer.
+            Some(GatheredUnit::Shared(round)) if by_rows.contains(&true) => {
+                let joined =
+                    self.read_shared(cx, round, "before its forward", |g| Ok(joined(g)))?;
+                Some(GatheredUnit::Joined(joined))
+            }
+            other => other,
+        };
+        let (datas, gathered) = match gathered {
+            None => (storages(None)?, None),
+            Some(GatheredUnit::Joined(b)) => (storages(Some(&Gathered::Joined(&b)))?, Some(b)),
+            Some(GatheredUnit::Shared(round)) => {
+                let read = |g: &Gathered<'_>| storages(Some(g));
+                (
+                    self.read_shared(cx, round, "before its forward", read)?,
+                    None,
+                )
+            }
+        };
+        let mut full = Vec::with_capacity(self.params.len());
+        for (p, data) in self.params.iter().zip(datas) {
+            let i = full.len();
             let op = Unshard {
                 data: Mutex::new(Some(data)),
                 shape: Shape::from(p.layout.shape.clone()),

@@ -19,6 +19,7 @@ use super::data_plane::DataPlane;
 use super::error::EngineError;
 use super::param::FsdpParam;
 use super::plan::{ShardLayout, UnitKind};
+use super::shared_gather::{GatherBlocks, SharedRound};
 use crate::trace::Tracer;
 
 mod backward;
@@ -72,6 +73,8 @@ pub(crate) struct RunContext<'a> {
     pub hold: bool,
     /// Where the step's timeline is recorded.
     pub trace: Option<&'a Tracer>,
+    /// The shard group's shared blocks that gathers go through where they can.
+    pub shared: Option<&'a Arc<GatherBlocks>>,
 }
 
 /// A unit as the engine keeps it: its parameters' shards between steps (in its store: memory,
@@ -141,8 +144,21 @@ enum Access {
     Whole,
 }
 
+/// A gather in flight: over the ring, or published through the shared blocks.
+pub(crate) enum InFlight {
+    Ring(Work<Buffer>),
+    Shared(SharedRound),
+}
+
+/// A unit's gathered blocks, waited for: one buffer of every rank's, or a round of the shared
+/// blocks still to be read.
+pub(crate) enum GatheredUnit {
+    Joined(Buffer),
+    Shared(SharedRound),
+}
+
 /// A gather in flight and when it was issued.
-type Gather = (Work<Buffer>, Instant);
+type Gather = (InFlight, Instant);
 
 /// A unit's state within one step: fresh when the step begins, dropped when it ends.
 struct InStep {
@@ -268,8 +284,13 @@ impl FsdpUnit {
 
     /// Issues the all-gather of the next step's forward now (the shards being final until
     /// then), unless the unit is not gathered at all.
-    pub fn gather_ahead(&self, mesh: &Mesh, dtypes: CommDtypes) -> Result<(), EngineError> {
-        let gather = self.gather_shards(mesh, dtypes)?;
+    pub fn gather_ahead(
+        &self,
+        mesh: &Mesh,
+        dtypes: CommDtypes,
+        shared: Option<&Arc<GatherBlocks>>,
+    ) -> Result<(), EngineError> {
+        let gather = self.gather_shards(mesh, dtypes, shared)?;
         *lock(&self.ahead) = gather.map(|work| (work, Instant::now()));
         Ok(())
     }

@@ -3,7 +3,7 @@
 //! sends them and as checkpoints and the optimizer read and write them.
 
 use std::borrow::Cow;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use fsdp_comm::{Buffer, DType};
 
@@ -13,6 +13,7 @@ use crate::engine::collectives::{self, CommDtypes};
 use crate::engine::error::{EngineError, unit_name};
 use crate::engine::param::FsdpParam;
 use crate::engine::plan::{ShardLayout, UnitKind};
+use crate::engine::shared_gather::{BlockSlot, GatherBlocks, SharedRound};
 use crate::optim::Optimizer;
 
 /// The path the unit of ignored modules' parameters goes by (no module has it).
@@ -146,20 +147,13 @@ impl FsdpUnit {
         size: usize,
         rank: usize,
     ) -> Result<Option<Buffer>, EngineError> {
-        let keep = |i: usize| !self.looked_up[i];
-        if dtypes.gather_int8 || !matches!(dtypes.param, DType::F32 | DType::BF16) {
-            return Ok(None);
-        }
-        let Some(rows) = self.store.rows_in_memory(&self.params, keep)? else {
+        let Some(rows) = self.rows_for_block(dtypes)? else {
             return Ok(None);
         };
         let k = self.gather_block;
-        if rows.iter().map(|r| r.len()).sum::<usize>() != k {
-            // Not the block the gather expects: the send path reports it.
-            return Ok(None);
-        }
         // SAFETY: each writer below writes its whole slot: the rows are the block's `k`
-        // elements (checked above), one after another; the buffer goes straight to the gather.
+        // elements (checked by `rows_for_block`), one after another; the buffer goes
+        // straight to the gather.
         Ok(Some(match dtypes.param {
             DType::BF16 => unsafe {
                 Buffer::for_gather_in_place(size, rank, k, |slot| {
@@ -172,6 +166,47 @@ impl FsdpUnit {
                 })
             },
         }))
+    }
+
+    /// Publishes this rank's block through the shard group's shared blocks, written there
+    /// from its shards as [`FsdpUnit::gathered_room`] writes it; `None` where the block is
+    /// made otherwise or the blocks cannot take it now (the ring gathers it).
+    pub fn shared_gather(
+        &self,
+        blocks: &Arc<GatherBlocks>,
+        dtypes: CommDtypes,
+    ) -> Result<Option<SharedRound>, EngineError> {
+        let Some(rows) = self.rows_for_block(dtypes)? else {
+            return Ok(None);
+        };
+        let issued = blocks.issue(self.gather_block, |slot| match slot {
+            BlockSlot::F32(slot) => for_each_run(slot, &rows, crate::engine::buffers::write_copy),
+            BlockSlot::BF16(slot) => for_each_run(slot, &rows, fsdp_nn::ops::f32_to_bf16_into),
+        });
+        issued.map_err(|source| EngineError::Collective {
+            op: "all-gather through shared memory".into(),
+            unit: self.name(),
+            source,
+        })
+    }
+
+    /// The rows this rank's block of a gather in `dtypes` is written from in place (the
+    /// shards in memory of the parameters gathered whole, `gather_block` elements in all);
+    /// `None` where the block is made otherwise (read from disk, quantized to int8, gathered
+    /// in a dtype other than f32 and bf16).
+    fn rows_for_block(&self, dtypes: CommDtypes) -> Result<Option<Vec<&[f32]>>, EngineError> {
+        let keep = |i: usize| !self.looked_up[i];
+        if dtypes.gather_int8 || !matches!(dtypes.param, DType::F32 | DType::BF16) {
+            return Ok(None);
+        }
+        let Some(rows) = self.store.rows_in_memory(&self.params, keep)? else {
+            return Ok(None);
+        };
+        if rows.iter().map(|r| r.len()).sum::<usize>() != self.gather_block {
+            // Not the block the gather expects: the send path reports it.
+            return Ok(None);
+        }
+        Ok(Some(rows))
     }
 
     /// This rank's padded rows of parameter `i` alone, as an all-gather of it sends them in

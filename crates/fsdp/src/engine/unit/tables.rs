@@ -11,6 +11,7 @@ use super::{Access, FsdpUnit, InStep, RunContext};
 use crate::engine::collectives;
 use crate::engine::error::EngineError;
 use crate::engine::plan::ShardLayout;
+use crate::engine::shared_gather::Gathered;
 use crate::engine::table_rows;
 
 impl FsdpUnit {
@@ -138,7 +139,7 @@ impl FsdpUnit {
         cx.plane.refill(
             &s.full[i],
             &self.gather_layouts[i],
-            block,
+            &Gathered::Joined(block),
             self.gather_block,
             ranks,
         )?;
@@ -188,8 +189,13 @@ impl FsdpUnit {
             ..p.layout.clone()
         };
         let ranks = self.ranks(cx.mesh.shard_size());
-        cx.plane
-            .refill(&s.full[i], &alone, &gathered, runs[0], ranks)?;
+        cx.plane.refill(
+            &s.full[i],
+            &alone,
+            &Gathered::Joined(&gathered),
+            runs[0],
+            ranks,
+        )?;
         let held = &mut s.rows_held[i];
         held.clear();
         held.resize(p.layout.shape.first().copied().unwrap_or(0), true);
