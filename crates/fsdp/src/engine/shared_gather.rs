@@ -16,9 +16,11 @@ use fsdp_comm::{Buffer, CommError, Communicator, DType, Mesh, SharedBlocks, Work
 use super::collectives::{CommDtypes, in_place_group};
 use super::error::EngineError;
 
-/// How many of a unit's gathers may be published and not yet read on this rank: one being
-/// read, one prefetched, one issued ahead of the next step.
-const SLOTS: usize = 3;
+/// How many gathers may be published and not yet read on this rank: the one being read and
+/// the one prefetched or issued ahead of the next step. (With the default prefetch every
+/// sharded unit of the main job goes through two slots as through three; a third costs a
+/// block more of memory on every rank, and its RSS counts the peers' too.)
+const SLOTS: usize = 2;
 
 /// The shard group's shared blocks for gathers, sized for the units that use them.
 pub(crate) struct GatherBlocks {
