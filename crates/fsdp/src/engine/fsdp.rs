@@ -203,7 +203,9 @@ impl Fsdp {
                 grad_index.insert(p.layout.name.clone(), place);
             }
         }
-        let blocks: Vec<usize> = units.iter().map(|u| u.gather_block).collect();
+        // The units gathered over the shard group (not the ignored modules', whole everywhere).
+        let sharded = units.iter().filter(|u| u.kind == UnitKind::Sharded);
+        let blocks: Vec<usize> = sharded.map(|u| u.gather_block).collect();
         let on_disk = matches!(shard_store, ShardStore::Disk(_));
         let gather_blocks = GatherBlocks::for_units(&mesh, dtypes, &blocks, on_disk)?;
         let unhooked_reported = units.iter().map(|_| AtomicBool::new(false)).collect();
