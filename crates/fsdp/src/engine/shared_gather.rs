@@ -17,9 +17,8 @@ use super::collectives::{CommDtypes, in_place_group};
 use super::error::EngineError;
 
 /// How many gathers may be published and not yet read on this rank: the one being read and
-/// the one prefetched or issued ahead of the next step. (With the default prefetch every
-/// sharded unit of the main job goes through two slots as through three; a third costs a
-/// block more of memory on every rank, and its RSS counts the peers' too.)
+/// the one prefetched or issued ahead of the next step (a third would keep one more block
+/// resident on every rank, and in every process's RSS once per rank).
 const SLOTS: usize = 2;
 
 /// The shard group's shared blocks for gathers, sized for the units that use them.
