@@ -738,6 +738,10 @@ fn estimate_memory_prints_units_and_per_rank_bytes() {
         (0.24..0.32).contains(&ratio),
         "int8 / f32 bytes {ratio}:\n{t}\n{q}"
     );
+    // On one host f32 gathers go through shared memory (its bytes said); int8 ones do not.
+    let shared = "shared memory for gathers on one host: about ";
+    assert!(t.contains(shared), "{t}");
+    assert!(!q.contains(shared), "{q}");
     // A secondary partition of 2 moves backward's gathers into its group, and says so.
     let out = fsdp(dir.path())
         .args(["estimate-memory", "--num_processes", "4", "--model_config"])
@@ -848,7 +852,12 @@ fn estimate_memory_covers_llama_configs() {
                 )),
             "{t}"
         );
-        assert_eq!(lines.len(), 5 + 33, "{t}");
+        // On one host (the default launch) gathers go through shared memory.
+        assert!(
+            lines[4].starts_with("shared memory for gathers on one host: about "),
+            "{t}"
+        );
+        assert_eq!(lines.len(), 6 + 33, "{t}");
         per_rank.push(
             t.lines()
                 .find(|l| l.contains("per rank: params"))

@@ -42,6 +42,19 @@ impl MemoryEstimate {
 }
 
 impl UnitPlan {
+    /// About how many bytes of shared memory each rank keeps for gathers through it
+    /// ([`crate::engine::Fsdp::shared_gather_bytes`]) where every rank of the shard group
+    /// shares one host, the gathers being in elements of `element_bytes` (4 for f32, 2 for
+    /// bf16); 0 for a shard group of one rank. (A unit's block here includes tables gathered
+    /// by rows, which the engine leaves out.)
+    pub fn shared_gather_bytes(&self, element_bytes: usize) -> usize {
+        if self.group_size < 2 {
+            return 0;
+        }
+        let blocks: Vec<usize> = self.units.iter().map(Unit::shard_numel).collect();
+        super::shared_gather::shared_bytes(&blocks, element_bytes)
+    }
+
     /// Bytes per rank for f32 master weights, f32 gradients and AdamW's two f32 moments.
     pub fn memory_estimate(&self) -> MemoryEstimate {
         let f = 4usize;

@@ -82,13 +82,10 @@ impl GatherBlocks {
             && matches!(dtypes.param, DType::F32 | DType::BF16)
             && mesh.secondary.is_none()
             && !on_disk;
-        let mut sizes: Vec<usize> = blocks.iter().copied().filter(|&b| b > 0).collect();
-        if group.size() < 2 || !written_in_place || sizes.is_empty() {
+        if group.size() < 2 || !written_in_place {
             return Ok(None);
         }
-        sizes.sort_unstable();
-        let median = sizes[sizes.len() / 2];
-        let Some(&capacity) = sizes.iter().rev().find(|&&b| b <= 2 * median) else {
+        let Some(capacity) = block_capacity(blocks) else {
             return Ok(None);
         };
         let bytes = capacity * dtypes.param.size();
@@ -113,7 +110,7 @@ impl GatherBlocks {
     /// from the engine's start, outside the heap the counting allocator sees. A process's RSS
     /// counts every rank's blocks it maps (`ranks` times this).
     pub fn bytes(&self) -> usize {
-        SLOTS * self.capacity * self.dtype.size()
+        shared_bytes(&[self.capacity], self.dtype.size())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SharedBlocks> {
@@ -189,6 +186,21 @@ impl Drop for SharedRound {
     }
 }
 
+/// The elements each slot holds for units of `blocks` elements per rank: the largest block
+/// up to twice the median (`None` where no unit is gathered).
+pub(crate) fn block_capacity(blocks: &[usize]) -> Option<usize> {
+    let mut sizes: Vec<usize> = blocks.iter().copied().filter(|&b| b > 0).collect();
+    sizes.sort_unstable();
+    let median = *sizes.get(sizes.len() / 2)?;
+    sizes.iter().rev().find(|&&b| b <= 2 * median).copied()
+}
+
+/// Bytes of shared memory each rank keeps for gathers through it, for units of `blocks`
+/// elements per rank gathered in elements of `element_bytes`.
+pub(crate) fn shared_bytes(blocks: &[usize], element_bytes: usize) -> usize {
+    block_capacity(blocks).map_or(0, |c| SLOTS * c * element_bytes)
+}
+
 /// Every rank's block of a gathered unit joined into one buffer (for a consumer that keeps
 /// it).
 pub(crate) fn joined(gathered: &Gathered<'_>) -> Buffer {
@@ -240,5 +252,23 @@ impl<'a> Gathered<'a> {
             Gathered::Joined(buffer) => buffer.dtype(),
             Gathered::Apart(_, dtype) => *dtype,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_blocks_hold_the_largest_unit_up_to_twice_the_median() {
+        // A vocabulary-sized unit keeps the ring; the layers fit.
+        assert_eq!(block_capacity(&[10, 10, 10, 100]), Some(10));
+        assert_eq!(block_capacity(&[10, 12, 20]), Some(20));
+        assert_eq!(block_capacity(&[10, 12, 25]), Some(12));
+        // Units with nothing to gather do not count.
+        assert_eq!(block_capacity(&[0, 0, 5]), Some(5));
+        assert_eq!(block_capacity(&[0, 0]), None);
+        assert_eq!(shared_bytes(&[10, 12, 20], 4), 2 * 20 * 4);
+        assert_eq!(shared_bytes(&[], 4), 0);
     }
 }
