@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{SPIN_FOR, Segment, YIELD_FOR};
+use super::Segment;
 use crate::dtype::{Element, ReduceOp, reduce_into_finished, reduce_pair_streaming};
 use crate::error::{CommError, Result};
 use crate::transport::Inbox;
@@ -433,23 +433,18 @@ impl SharedBlocks {
                     message,
                 });
             }
-            let waiting: Vec<usize> = peers.iter().copied().filter(|&p| !ready(self, p)).collect();
-            let failed = if let Some(&p) = waiting.iter().find(|&&p| self.inbox.is_lost(p)) {
+            let waiting = peers.iter().copied().filter(|&p| !ready(self, p));
+            let failed = if let Some(p) = waiting.clone().find(|&p| self.inbox.is_lost(p)) {
                 Some(CommError::PeerLost {
                     rank,
                     peer: self.global_ranks[p],
                     op: Some(format!("{what} (round {round})")),
                 })
             } else if start.elapsed() >= self.timeout {
+                let ranks: Vec<usize> = waiting.map(|p| self.global_ranks[p]).collect();
                 Some(CommError::Timeout {
                     rank,
-                    what: format!(
-                        "{what} (round {round}), waiting for ranks {:?}",
-                        waiting
-                            .iter()
-                            .map(|&p| self.global_ranks[p])
-                            .collect::<Vec<_>>()
-                    ),
+                    what: format!("{what} (round {round}), waiting for ranks {ranks:?}"),
                     timeout: self.timeout,
                 })
             } else {
@@ -460,15 +455,7 @@ impl SharedBlocks {
                 self.seg.abort(self.me, &error.to_string());
                 return Err(error);
             }
-            let idle = start.elapsed();
-            if idle < SPIN_FOR {
-                std::hint::spin_loop();
-            } else if idle < YIELD_FOR {
-                std::thread::yield_now();
-            } else {
-                self.seg
-                    .sleep(seen, Duration::from_millis(100), || done(self));
-            }
+            self.seg.back_off(start.elapsed(), seen, || done(self));
         }
     }
 

@@ -202,6 +202,19 @@ impl Segment {
         sleeping.store(0, Ordering::SeqCst);
     }
 
+    /// Waits a little for progress after `idle` without any: spins briefly (the peer is
+    /// usually about to publish), then yields, then sleeps on this rank's doorbell (seen at
+    /// `seen`; `recheck` as in [`Segment::sleep`]) so an idle rank costs no CPU.
+    pub fn back_off(&self, idle: Duration, seen: u32, recheck: impl FnOnce() -> bool) {
+        if idle < SPIN_FOR {
+            std::hint::spin_loop();
+        } else if idle < YIELD_FOR {
+            std::thread::yield_now();
+        } else {
+            self.sleep(seen, Duration::from_millis(100), recheck);
+        }
+    }
+
     /// Records the first failure of the group and wakes every rank.
     pub fn abort(&self, origin: usize, message: &str) {
         let flag = self.u32_at(8);

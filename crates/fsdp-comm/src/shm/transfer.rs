@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{PIECE, SPIN_FOR, Segment, YIELD_FOR};
+use super::{PIECE, Segment};
 
 /// Where received payload bytes go: called with each piece and its offset in the payload.
 pub type Sink<'a> = Box<dyn FnMut(usize, &[u8]) + 'a>;
@@ -145,24 +145,13 @@ impl Segment {
             if last_progress.elapsed() >= timeout {
                 return Err(TransferError::Timeout(waiting_on));
             }
-            // Spin briefly (the peer is usually about to publish), then yield, then sleep on
-            // the doorbell so an idle rank costs no CPU.
-            let idle = last_progress.elapsed();
-            if idle < SPIN_FOR {
-                std::hint::spin_loop();
-                continue;
-            }
-            if idle < YIELD_FOR {
-                std::thread::yield_now();
-                continue;
-            }
             let can_move = || {
                 outs.iter()
                     .any(|o| o.written != Some(usize::MAX) && self.space(o.peer) > 0)
                     || ins.iter().any(|i| !i.done && self.available(i.peer) > 0)
                     || self.aborted().is_some()
             };
-            self.sleep(seen, Duration::from_millis(100), can_move);
+            self.back_off(last_progress.elapsed(), seen, can_move);
         }
     }
 
