@@ -108,27 +108,14 @@ pub fn run(args: EstimateArgs) -> Result<()> {
         mib(plan.memory_estimate().total() as u64 + activations)
     );
     println!("{}", traffic_line(&plan, &config, n));
-    // Gathers through shared memory: every rank on one host, gathered in f32 or bf16 from
-    // shards in memory, no secondary partition.
-    let fsdp_settings = &config.fsdp;
-    let gathered_bytes = match fsdp_settings.mixed_precision {
-        fsdp::config::MixedPrecision::No => Some(4),
-        fsdp::config::MixedPrecision::Bf16 => Some(2),
-        fsdp::config::MixedPrecision::Fp16 => None,
-    };
-    let one_host = config.launch.num_machines <= 1
-        && fsdp_settings.all_gather_dtype == fsdp::config::AllGatherDtype::Auto
-        && fsdp_settings.hpz_partition_size <= 1
-        && fsdp_settings.offload_dir.is_none();
-    if let (true, Some(element_bytes)) = (one_host, gathered_bytes) {
-        let shared = plan.shared_gather_bytes(element_bytes);
-        if shared > 0 {
-            println!(
-                "shared memory for gathers on one host: about {:.1} MiB per rank (two slots of the largest unit block up to twice the median; each process's RSS counts every rank's, {:.1} MiB)",
-                mib(shared as u64),
-                mib((shared * n) as u64)
-            );
-        }
+    // Gathers through shared memory where every rank is on one host.
+    let shared = plan.shared_gather_bytes(&config.fsdp);
+    if config.launch.num_machines <= 1 && shared > 0 {
+        println!(
+            "shared memory for gathers on one host: about {:.1} MiB per rank (two slots of the largest unit block up to twice the median; each process's RSS counts every rank's, {:.1} MiB)",
+            mib(shared as u64),
+            mib((shared * n) as u64)
+        );
     }
     println!(
         "units{}:",

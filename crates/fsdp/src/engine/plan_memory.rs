@@ -2,7 +2,10 @@
 //! gathered and reduced at backward's peak, what state kept on disk streams through memory,
 //! for `fsdp estimate-memory`, the engine's log and the memory benchmark's formula.
 
+use super::collectives::CommDtypes;
 use super::plan::{ShardLayout, Unit, UnitPlan};
+use super::shared_gather;
+use crate::config::FsdpPlugin;
 use crate::config::ShardingStrategy;
 
 /// Per-rank bytes of model state, for f32 master weights and AdamW (and, gathered, in the
@@ -43,16 +46,19 @@ impl MemoryEstimate {
 
 impl UnitPlan {
     /// About how many bytes of shared memory each rank keeps for gathers through it
-    /// ([`crate::engine::Fsdp::shared_gather_bytes`]) where every rank of the shard group
-    /// shares one host, the gathers being in elements of `element_bytes` (4 for f32, 2 for
-    /// bf16); 0 for a shard group of one rank. (A unit's block here includes tables gathered
-    /// by rows, which the engine leaves out.)
-    pub fn shared_gather_bytes(&self, element_bytes: usize) -> usize {
-        if self.group_size < 2 {
+    /// ([`crate::engine::Fsdp::shared_gather_bytes`]) under `plugin` where every rank of the
+    /// shard group shares one host; 0 for a shard group of one rank, or gathers that cannot go
+    /// through it. (A unit's block here includes tables gathered by rows, which the engine
+    /// leaves out, and any `fsdp_offload_dir` counts as shards on disk.)
+    pub fn shared_gather_bytes(&self, plugin: &FsdpPlugin) -> usize {
+        let dtypes = CommDtypes::for_plugin(plugin);
+        let secondary = plugin.hpz_partition_size > 1;
+        let on_disk = plugin.offload_dir.is_some();
+        if self.group_size < 2 || !shared_gather::through_blocks(dtypes, secondary, on_disk) {
             return 0;
         }
         let blocks: Vec<usize> = self.units.iter().map(Unit::shard_numel).collect();
-        super::shared_gather::shared_bytes(&blocks, element_bytes)
+        shared_gather::shared_bytes(&blocks, dtypes.param.size())
     }
 
     /// Bytes per rank for f32 master weights, f32 gradients and AdamW's two f32 moments.

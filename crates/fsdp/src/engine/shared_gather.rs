@@ -78,11 +78,7 @@ impl GatherBlocks {
         let Some(group) = in_place_group(mesh) else {
             return Ok(None);
         };
-        let written_in_place = !dtypes.gather_int8
-            && matches!(dtypes.param, DType::F32 | DType::BF16)
-            && mesh.secondary.is_none()
-            && !on_disk;
-        if group.size() < 2 || !written_in_place {
+        if group.size() < 2 || !through_blocks(dtypes, mesh.secondary.is_some(), on_disk) {
             return Ok(None);
         }
         let Some(capacity) = block_capacity(blocks) else {
@@ -184,6 +180,16 @@ impl Drop for SharedRound {
     fn drop(&mut self) {
         self.blocks.lock().release(self.round);
     }
+}
+
+/// Whether gathers in `dtypes` can go through shared memory's blocks: written in place (f32
+/// or bf16, not int8 blocks) from shards in memory (not `on_disk`), without a secondary
+/// partition (whose share is kept from a joined buffer).
+pub(crate) fn through_blocks(dtypes: CommDtypes, secondary: bool, on_disk: bool) -> bool {
+    !dtypes.gather_int8
+        && matches!(dtypes.param, DType::F32 | DType::BF16)
+        && !secondary
+        && !on_disk
 }
 
 /// The elements each slot holds for units of `blocks` elements per rank: the largest block
