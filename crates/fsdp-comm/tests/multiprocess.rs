@@ -297,8 +297,19 @@ fn shared_blocks() -> Result<(), String> {
     }
     let at = |r: usize, round: usize, i: usize| value(r * 1000 + round, i) as f32;
     out_of_order_rounds(&pg, elems, at)?;
-    for mut blocks in [one, three] {
-        for round in 0..30 {
+    // Gathers of 4 MiB or more are written past the cache: blocks that large too (an odd
+    // number of elements, so peers' places in the output are not vector-aligned).
+    let large_elems = 300_007 * n;
+    let large = pg
+        .shared_blocks(large_elems * 4, 2)
+        .map_err(|e| e.to_string())?
+        .ok_or("no large blocks")?;
+    for (mut blocks, elems, rounds) in [
+        (one, elems, 30),
+        (three, elems, 30),
+        (large, large_elems, 3),
+    ] {
+        for round in 0..rounds {
             let mine: Vec<f32> = (0..elems).map(|i| at(me, round, i)).collect();
             blocks.write_block(&mine).map_err(|e| e.to_string())?;
             if me == 0 && round % 5 == 2 {

@@ -164,7 +164,7 @@ pub(crate) const PIECE_BYTES: usize = 1 << 20;
 /// Receives that write at least this many bytes into their destination write them past the
 /// cache (where the CPU can): a destination this large mostly leaves the cache before anyone
 /// reads it, and a cached store first reads each line it is about to overwrite.
-const STREAM_BYTES: usize = 4 << 20;
+pub(crate) const STREAM_BYTES: usize = 4 << 20;
 
 /// The pieces of a transfer of `len` bytes: (index, byte range); one empty piece for `len` 0.
 fn pieces(len: usize) -> impl Iterator<Item = (u32, std::ops::Range<usize>)> {

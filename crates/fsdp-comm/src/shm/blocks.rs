@@ -19,8 +19,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::Segment;
-use crate::dtype::{Element, ReduceOp, reduce_into_finished, reduce_pair_streaming};
+use crate::dtype::{
+    Element, ReduceOp, as_uninit_mut, reduce_into_finished, reduce_pair_streaming, stream_copy,
+};
 use crate::error::{CommError, Result};
+use crate::protocol::STREAM_BYTES;
 use crate::transport::Inbox;
 
 const MAGIC: u64 = 0x4653_4450_424c_4b31; // "FSDPBLK1"
@@ -484,9 +487,16 @@ impl SharedBlocks {
         let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), len) };
         let round = self.publish((self.ranks() - 1) * self.block_bytes);
         let (me, bb) = (self.me, self.block_bytes);
+        // As the rings' receives: a gathered buffer this large leaves the cache before it is
+        // read, so it is written past it.
+        let streaming = len >= STREAM_BYTES;
         self.read(round, |r, block| {
-            if r != me {
-                out[r * bb..(r + 1) * bb].copy_from_slice(block);
+            let place = &mut out[r * bb..(r + 1) * bb];
+            match (r == me, streaming) {
+                (true, _) => {}
+                // SAFETY: only initialised bytes are written.
+                (false, true) => stream_copy(unsafe { as_uninit_mut(place) }, block),
+                (false, false) => place.copy_from_slice(block),
             }
         })?;
         Ok(round)
