@@ -644,6 +644,19 @@ fn bench_collectives_prints_a_table_and_json() {
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("busbw_GB/s"), "{}", text(&out));
+    // Each transport's largest size as a share of memcpy alone and with every rank copying.
+    let shares = "bus bandwidth at 1048576 bytes as a share of memcpy alone / all copying at once";
+    assert_eq!(
+        text(&out).matches(shares).count(),
+        want.len(),
+        "{}",
+        text(&out)
+    );
+    let share_rows = text(&out)
+        .lines()
+        .filter(|l| l.trim_start().starts_with("all_reduce") && l.trim_end().ends_with('%'))
+        .count();
+    assert_eq!(share_rows, want.len(), "{}", text(&out));
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let runs = doc["runs"].as_array().unwrap();
@@ -681,6 +694,7 @@ fn bench_collectives_prints_a_table_and_json() {
                 .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0)
         );
         assert!(run["memcpy_gbps"].as_f64().unwrap() > 0.0);
+        assert!(run["memcpy_together_gbps"].as_f64().unwrap() > 0.0);
         // The workers reduced as asked (they report what they ran).
         assert_eq!(run["reduce_op"], "avg");
     }

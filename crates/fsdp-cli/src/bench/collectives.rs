@@ -307,12 +307,29 @@ fn worker(a: &CollectiveArgs) -> Result<()> {
             });
         }
     }
+    // Memory speed as collectives meet it: every rank copying at once (where the ranks
+    // share a memory, they share its bandwidth), then one copying alone.
+    pg.barrier().wait()?;
+    let together = pg
+        .all_reduce_vec(vec![memcpy_gbps(64 << 20) / n as f64], ReduceOp::Sum)
+        .wait()?[0];
+    pg.barrier().wait()?;
     if pg.rank() == 0 {
-        let memcpy = memcpy_gbps(64 << 20);
+        let memcpy = Memcpy {
+            alone: memcpy_gbps(64 << 20),
+            together,
+        };
         report(&rows, memcpy, n, a, pg.backend())?;
     }
     pg.barrier().wait()?;
     Ok(())
+}
+
+/// Single-thread copy bandwidth of 64 MiB (GB/s): one rank copying while the others wait,
+/// and a rank's mean while every rank copies at once.
+struct Memcpy {
+    alone: f64,
+    together: f64,
 }
 
 /// Time per op as NCCL-tests measures it: `iters` repetitions back to back after one
@@ -348,7 +365,13 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / times[5] / 1e9
 }
 
-fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &str) -> Result<()> {
+fn report(
+    rows: &[Row],
+    memcpy: Memcpy,
+    n: usize,
+    a: &CollectiveArgs,
+    transport: &str,
+) -> Result<()> {
     println!("fsdp-comm collectives, f32, {n} processes, transport: {transport}");
     println!(
         "{:>15} {:>10} {:>12} {:>12} {:>12}",
@@ -364,7 +387,20 @@ fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &s
             r.busbw
         );
     }
-    println!("memcpy (1 thread, 64 MiB): {memcpy:.2} GB/s");
+    println!(
+        "memcpy (1 thread, 64 MiB): {:.2} GB/s alone, {:.2} GB/s a rank with all {n} copying at once",
+        memcpy.alone, memcpy.together
+    );
+    let largest = rows.iter().map(|r| r.bytes).max().unwrap_or(0);
+    println!("bus bandwidth at {largest} bytes as a share of memcpy alone / all copying at once:");
+    for r in rows.iter().filter(|r| r.bytes == largest) {
+        println!(
+            "{:>15} {:>9.0}% {:>9.0}%",
+            r.op,
+            100.0 * r.busbw / memcpy.alone,
+            100.0 * r.busbw / memcpy.together
+        );
+    }
     let json = serde_json::json!({
         "benchmark": "collectives",
         "transport": transport,
@@ -372,7 +408,8 @@ fn report(rows: &[Row], memcpy: f64, n: usize, a: &CollectiveArgs, transport: &s
         "num_processes": n,
         "iters": a.iters,
         "reduce_op": a.reduce_op.name(),
-        "memcpy_gbps": memcpy,
+        "memcpy_gbps": memcpy.alone,
+        "memcpy_together_gbps": memcpy.together,
         "results": rows.iter().map(|r| serde_json::json!({
             "op": r.op, "bytes": r.bytes, "time_us": r.time.as_secs_f64() * 1e6,
             "algbw_gbps": r.algbw, "busbw_gbps": r.busbw,
