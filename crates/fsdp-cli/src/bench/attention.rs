@@ -86,7 +86,7 @@ fn eager(
 
 /// Runs `fsdp bench attention`.
 pub fn run(a: AttentionArgs) -> Result<()> {
-    if super::rerun_with_threads(1, "attention")? {
+    if super::rerun_as_in_training(1, "attention")? {
         return Ok(());
     }
     anyhow::ensure!(

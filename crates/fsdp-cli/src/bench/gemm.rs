@@ -145,7 +145,7 @@ fn parse_shape(s: &str) -> Result<Shape> {
 
 /// Runs `fsdp bench gemm`.
 pub fn run(a: GemmArgs) -> Result<()> {
-    if super::rerun_with_threads(1, "gemm")? {
+    if super::rerun_as_in_training(1, "gemm")? {
         return Ok(());
     }
     let dtype = if a.dtype == "bf16" {

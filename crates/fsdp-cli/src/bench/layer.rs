@@ -140,11 +140,9 @@ fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
 
 /// Runs `fsdp bench layer`.
 pub fn run(a: LayerArgs) -> Result<()> {
-    if super::rerun_with_threads(a.threads, "layer")? {
+    if super::rerun_as_in_training(a.threads, "layer")? {
         return Ok(());
     }
-    // As in training under the engine (Fsdp::new does the same).
-    fsdp::memory::retain_freed_memory();
     let device = Device::Cpu;
     let model = BertModel::new(config(&a), "")?;
     let dtype = if a.dtype == "bf16" {

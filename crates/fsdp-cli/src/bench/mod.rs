@@ -91,11 +91,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
 }
 
-/// candle sizes its thread pools from `RAYON_NUM_THREADS` at first use, so a benchmark on a
-/// given number of threads re-runs itself with it set: true when that run was made (and
+/// Kernels timed as training runs them: on `threads` threads (candle sizes its thread pools
+/// from `RAYON_NUM_THREADS` at first use, so the benchmark re-runs itself with it set), with
+/// glibc keeping freed memory as a training process does
+/// ([`fsdp::memory::retain_freed_memory`]; with glibc's defaults, a kernel's fresh outputs of
+/// 128 KiB and more were faulted in anew at every call). True when that run was made (and
 /// succeeded), false when this is that run.
-fn rerun_with_threads(threads: usize, what: &str) -> Result<bool> {
+fn rerun_as_in_training(threads: usize, what: &str) -> Result<bool> {
     if std::env::var("RAYON_NUM_THREADS").ok() == Some(threads.to_string()) {
+        fsdp::memory::retain_freed_memory();
         return Ok(false);
     }
     let status = std::process::Command::new(std::env::current_exe()?)

@@ -43,7 +43,7 @@ fn composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> fsdp::nn::candle::Result<
 
 /// Runs `fsdp bench rope`.
 pub fn run(a: RopeArgs) -> Result<()> {
-    if super::rerun_with_threads(1, "rope")? {
+    if super::rerun_as_in_training(1, "rope")? {
         return Ok(());
     }
     let dtype = if a.dtype == "bf16" {

@@ -30,7 +30,7 @@ type Gated<'a> = dyn Fn(&Tensor, &Tensor) -> fsdp::nn::candle::Result<Tensor> + 
 
 /// Runs `fsdp bench swiglu`.
 pub fn run(a: SwigluArgs) -> Result<()> {
-    if super::rerun_with_threads(1, "swiglu")? {
+    if super::rerun_as_in_training(1, "swiglu")? {
         return Ok(());
     }
     let dtype = if a.dtype == "bf16" {
