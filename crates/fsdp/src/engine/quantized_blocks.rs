@@ -23,8 +23,11 @@ use half::{bf16, f16};
 
 use crate::config::ReduceDtype;
 
-/// The largest block a codec uses (the scratch a block is dequantized into).
+/// The largest block a codec uses.
 const MAX_BLOCK: usize = 128;
+
+/// Values dequantized at a time before they are stored (a multiple of every codec's block).
+const DECODE_CHUNK: usize = 16 * MAX_BLOCK;
 
 /// How values cross the wire: symmetric integers of one width, one f32 scale per `block`
 /// values of one parameter.
@@ -108,49 +111,7 @@ impl Codec {
     /// [`Codec::encode`] into `out`, zeroed, of [`Codec::encoded_len`] bytes.
     fn encode_into(self, values: &[f32], runs: &[usize], out: &mut [u8]) {
         for (v, b) in self.spans(runs) {
-            self.encode_run(&values[v], &mut out[b]);
-        }
-    }
-
-    /// One run's blocks into `out`, zeroed, of [`Codec::run_len`] bytes.
-    fn encode_run(self, values: &[f32], out: &mut [u8]) {
-        let blocks = values.len().div_ceil(self.block);
-        let (scales, quantized) = out.split_at_mut(blocks * 4);
-        for ((block, scale), q) in values
-            .chunks(self.block)
-            .zip(scales.chunks_exact_mut(4))
-            .zip(quantized.chunks_mut(self.payload(self.block)))
-        {
-            // Two plain passes the compiler vectorises: the largest magnitude, and whether
-            // every value is finite (a NaN or an infinity makes the scale NaN).
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let finite = block.iter().all(|v| v.is_finite());
-            let step = if finite {
-                amax / self.levels()
-            } else {
-                f32::NAN
-            };
-            scale.copy_from_slice(&step.to_le_bytes());
-            if step > 0.0 {
-                let inv = 1.0 / step;
-                // |v * inv| <= the largest level: rounded half away from zero by adding half
-                // a step with the value's sign and truncating (`as` saturates, so nothing
-                // wraps).
-                let level = |v: f32| {
-                    let r = v * inv;
-                    (r + 0.5f32.copysign(r)) as i8 as u8
-                };
-                if self.bits == 8 {
-                    for (q, v) in q.iter_mut().zip(block) {
-                        *q = level(*v);
-                    }
-                } else {
-                    for (q, pair) in q.iter_mut().zip(block.chunks(2)) {
-                        let high = pair.get(1).map_or(0, |v| level(*v) << 4);
-                        *q = (level(pair[0]) & 0x0f) | high;
-                    }
-                }
-            }
+            encode_run(self, &values[v], &mut out[b]);
         }
     }
 
@@ -201,8 +162,8 @@ impl Codec {
         Ok(sum)
     }
 
-    /// Dequantizes one rank's `encoded` block of `runs` into `out`, a quantization block at
-    /// a time through `store` (which writes a block's f32 values in `out`'s type).
+    /// Dequantizes one rank's `encoded` block of `runs` into `out`, [`DECODE_CHUNK`] values
+    /// at a time through `store` (which writes f32 values in `out`'s type).
     fn decode_into<T>(
         self,
         encoded: &[u8],
@@ -210,30 +171,18 @@ impl Codec {
         out: &mut [T],
         store: impl Fn(&[f32], &mut [T]),
     ) {
-        let mut values = [0f32; MAX_BLOCK];
+        let mut values = [0f32; DECODE_CHUNK];
         for (v, b) in self.spans(runs) {
             let (encoded, out) = (&encoded[b], &mut out[v.clone()]);
             let (scales, quantized) = encoded.split_at(v.len().div_ceil(self.block) * 4);
-            for ((scale, q), out) in scales
-                .chunks_exact(4)
-                .zip(quantized.chunks(self.payload(self.block)))
-                .zip(out.chunks_mut(self.block))
+            let blocks_a_chunk = DECODE_CHUNK / self.block;
+            for ((scales, q), out) in scales
+                .chunks(4 * blocks_a_chunk)
+                .zip(quantized.chunks(self.payload(DECODE_CHUNK)))
+                .zip(out.chunks_mut(DECODE_CHUNK))
             {
-                let step = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
                 let values = &mut values[..out.len()];
-                if self.bits == 8 {
-                    for (v, &q) in values.iter_mut().zip(q) {
-                        *v = f32::from(q as i8) * step;
-                    }
-                } else {
-                    // Each nibble sign-extended: shifted to the byte's top, then back.
-                    for (pair, &q) in values.chunks_mut(2).zip(q) {
-                        pair[0] = f32::from(((q << 4) as i8) >> 4) * step;
-                        if let Some(high) = pair.get_mut(1) {
-                            *high = f32::from((q as i8) >> 4) * step;
-                        }
-                    }
-                }
+                decode_blocks(self, scales, q, values);
                 store(values, out);
             }
         }
@@ -289,6 +238,108 @@ impl Codec {
                 ));
             }
         })
+    }
+}
+
+fsdp_nn::multiversion! {
+    /// One run's blocks into `out` (zeroed, of [`Codec::run_len`] bytes): for each block of
+    /// `values`, its scale (the largest magnitude
+    /// over the largest level, NaN where a value is not finite) and its values' levels,
+    /// rounded half away from zero. One pass finds the largest magnitude and whether every
+    /// value is finite (for finite values the order of their magnitudes' bits is the order of
+    /// the magnitudes), one rounds: both vectorise.
+    fn encode_run(codec: Codec, values: &[f32], out: &mut [u8]) {
+        let blocks = values.len().div_ceil(codec.block);
+        let (scales, quantized) = out.split_at_mut(blocks * 4);
+        for ((block, scale), q) in values
+            .chunks(codec.block)
+            .zip(scales.chunks_exact_mut(4))
+            .zip(quantized.chunks_mut(codec.payload(codec.block)))
+        {
+            let top = block.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+            let step = if top < f32::INFINITY.to_bits() {
+                f32::from_bits(top) / codec.levels()
+            } else {
+                f32::NAN
+            };
+            scale.copy_from_slice(&step.to_le_bytes());
+            if step > 0.0 {
+                let inv = 1.0 / step;
+                let round = |v: f32| {
+                    let r = v * inv;
+                    r + 0.5f32.copysign(r)
+                };
+                if inv.is_finite() {
+                    // Every value is finite and |v * inv| <= the largest level (under 127.5
+                    // after rounding), so the rounded level converts to an i32 as a saturating
+                    // cast would, and its low byte is the level's i8: a plain conversion,
+                    // which vectorises where the saturating one does not.
+                    // SAFETY: finite and within ±128, as above.
+                    let level = |v: f32| unsafe { round(v).to_int_unchecked::<i32>() as u8 };
+                    quantize_block(codec.bits, block, q, level);
+                } else {
+                    // A block of subnormals, whose step's inverse overflows: divided instead.
+                    let level = |v: f32| {
+                        let r = v / step;
+                        (r + 0.5f32.copysign(r)) as i8 as u8
+                    };
+                    quantize_block(codec.bits, block, q, level);
+                }
+            }
+        }
+    }
+}
+
+/// `block`'s levels (each value through `level`, its i8's byte) into `q`: one a byte for 8
+/// bits, two a byte (the first in the low nibble) for 4.
+#[inline(always)]
+fn quantize_block(bits: u8, block: &[f32], q: &mut [u8], level: impl Fn(f32) -> u8) {
+    if bits == 8 {
+        for (q, v) in q.iter_mut().zip(block) {
+            *q = level(*v);
+        }
+        return;
+    }
+    let mut levels = [0u8; MAX_BLOCK];
+    for (l, v) in levels.iter_mut().zip(block) {
+        *l = level(*v);
+    }
+    let levels = &levels[..block.len()];
+    let pairs = levels.chunks_exact(2);
+    if let [last] = pairs.remainder() {
+        q[block.len() / 2] = last & 0x0f;
+    }
+    for (q, pair) in q.iter_mut().zip(pairs) {
+        *q = (pair[0] & 0x0f) | (pair[1] << 4);
+    }
+}
+
+fsdp_nn::multiversion! {
+    /// Dequantizes consecutive blocks of one run into `values` (as many as it holds): each
+    /// level times its block's scale in `scales` (f32, little-endian), the levels in `q`.
+    fn decode_blocks(codec: Codec, scales: &[u8], q: &[u8], values: &mut [f32]) {
+        for ((scale, q), values) in scales
+            .chunks_exact(4)
+            .zip(q.chunks(codec.payload(codec.block)))
+            .zip(values.chunks_mut(codec.block))
+        {
+            let step = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+            if codec.bits == 8 {
+                for (v, &q) in values.iter_mut().zip(q) {
+                    *v = f32::from(q as i8) * step;
+                }
+            } else {
+                // Each nibble sign-extended: shifted to the byte's top, then back.
+                let mut levels = [0i8; MAX_BLOCK];
+                for (pair, &q) in levels.chunks_exact_mut(2).zip(q) {
+                    pair[0] = ((q << 4) as i8) >> 4;
+                    pair[1] = (q as i8) >> 4;
+                }
+                for (v, &l) in values.iter_mut().zip(&levels) {
+                    *v = f32::from(l) * step;
+                }
+            }
+        }
     }
 }
 

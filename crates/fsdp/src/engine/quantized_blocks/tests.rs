@@ -240,31 +240,39 @@ fn both_widths_round_trip_within_half_a_step_on_odd_runs() {
         let v: Vec<f32> = (0..k)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0 * if i % 3 == 0 { 1e-3 } else { 1.0 })
             .collect();
-        let wire = codec.encode(&v, &runs);
-        assert_eq!(wire.len(), codec.encoded_len(&runs));
-        let got = as_f32(
-            codec
-                .decode_gathered(&Buffer::U8(wire.clone()), &runs, 1, DType::F32)
-                .unwrap(),
-        );
-        for (values, _) in codec.spans(&runs) {
-            for blk in values
-                .clone()
-                .step_by(b)
-                .map(|s| s..(s + b).min(values.end))
-            {
-                let amax = v[blk.clone()].iter().fold(0f32, |m, x| m.max(x.abs()));
-                let half = amax / codec.levels() / 2.0 * (1.0 + 1e-5);
-                for i in blk {
-                    assert!(
-                        (got[i] - v[i]).abs() <= half,
-                        "{codec:?} {i}: {} for {}",
-                        got[i],
-                        v[i]
-                    );
+        // Within half a step of each block; subnormal blocks too (their step's inverse
+        // overflows f32), where the step itself is rounded to a multiple of 2^-149.
+        let round_trips = |v: &[f32], slack: f32| {
+            let wire = codec.encode(v, &runs);
+            assert_eq!(wire.len(), codec.encoded_len(&runs));
+            let got = as_f32(
+                codec
+                    .decode_gathered(&Buffer::U8(wire), &runs, 1, DType::F32)
+                    .unwrap(),
+            );
+            for (values, _) in codec.spans(&runs) {
+                for blk in values
+                    .clone()
+                    .step_by(b)
+                    .map(|s| s..(s + b).min(values.end))
+                {
+                    let amax = v[blk.clone()].iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let half = amax / codec.levels() / 2.0 * (1.0 + 1e-5) + slack;
+                    for i in blk {
+                        assert!(
+                            (got[i] - v[i]).abs() <= half,
+                            "{codec:?} {i}: {} for {}",
+                            got[i],
+                            v[i]
+                        );
+                    }
                 }
             }
-        }
+        };
+        round_trips(&v, 0.0);
+        let subnormal: Vec<f32> = v.iter().map(|x| x * 1e-40).collect();
+        assert!(subnormal.iter().all(|x| !x.is_normal()));
+        round_trips(&subnormal, 8.0 * f32::from_bits(1) * codec.levels());
         let mut bad = v.clone();
         bad[b + 3] = f32::NAN;
         let got = as_f32(
