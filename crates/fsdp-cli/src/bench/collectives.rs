@@ -1,8 +1,9 @@
 //! `fsdp bench collectives`: collective bandwidth between processes (on this machine, or
 //! across machines when tools/bench-machines.sh starts its workers), with NCCL-tests
 //! conventions (algorithm bandwidth = bytes / time; bus bandwidth scaled by
-//! 2(n-1)/n for all-reduce and (n-1)/n for all-gather, reduce-scatter and all-to-all), next to a memcpy
-//! baseline measured in the same run. Transports: our shared memory and TCP ring (workers
+//! 2(n-1)/n for all-reduce and (n-1)/n for all-gather, reduce-scatter and all-to-all), next to
+//! memcpy baselines measured in the same run (one rank copying alone, and every rank at once,
+//! as a collective's ranks copy). Transports: our shared memory and TCP ring (workers
 //! started like `fsdp launch` starts them), and MPI (feature `mpi`; workers started by
 //! `mpirun`, Open MPI's own shared-memory path the anchor for ours).
 
