@@ -26,7 +26,7 @@ use crate::config::ReduceDtype;
 /// The largest block a codec uses.
 const MAX_BLOCK: usize = 128;
 
-/// Values dequantized at a time before they are stored (a multiple of every codec's block).
+/// Values dequantized at a time before they are stored (whole blocks of them).
 const DECODE_CHUNK: usize = 16 * MAX_BLOCK;
 
 /// How values cross the wire: symmetric integers of one width, one f32 scale per `block`
@@ -175,11 +175,13 @@ impl Codec {
         for (v, b) in self.spans(runs) {
             let (encoded, out) = (&encoded[b], &mut out[v.clone()]);
             let (scales, quantized) = encoded.split_at(v.len().div_ceil(self.block) * 4);
-            let blocks_a_chunk = DECODE_CHUNK / self.block;
+            // Whole blocks a chunk.
+            let blocks = DECODE_CHUNK / self.block;
+            let chunk = blocks * self.block;
             for ((scales, q), out) in scales
-                .chunks(4 * blocks_a_chunk)
-                .zip(quantized.chunks(self.payload(DECODE_CHUNK)))
-                .zip(out.chunks_mut(DECODE_CHUNK))
+                .chunks(4 * blocks)
+                .zip(quantized.chunks(self.payload(chunk)))
+                .zip(out.chunks_mut(chunk))
             {
                 let values = &mut values[..out.len()];
                 decode_blocks(self, scales, q, values);
@@ -243,11 +245,10 @@ impl Codec {
 
 fsdp_nn::multiversion! {
     /// One run's blocks into `out` (zeroed, of [`Codec::run_len`] bytes): for each block of
-    /// `values`, its scale (the largest magnitude
-    /// over the largest level, NaN where a value is not finite) and its values' levels,
-    /// rounded half away from zero. One pass finds the largest magnitude and whether every
-    /// value is finite (for finite values the order of their magnitudes' bits is the order of
-    /// the magnitudes), one rounds: both vectorise.
+    /// `values`, its scale (the largest magnitude over the largest level, NaN where a value is
+    /// not finite) and its values' levels, rounded half away from zero. One pass finds the
+    /// largest magnitude and whether every value is finite (for finite values the order of
+    /// their magnitudes' bits is the order of the magnitudes), one rounds: both vectorise.
     fn encode_run(codec: Codec, values: &[f32], out: &mut [u8]) {
         let blocks = values.len().div_ceil(codec.block);
         let (scales, quantized) = out.split_at_mut(blocks * 4);
