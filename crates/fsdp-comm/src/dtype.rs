@@ -285,6 +285,12 @@ fn vector_split<T>(dst: *const T, n: usize, lanes: usize) -> (usize, usize) {
     (head, (n - head) / lanes * lanes)
 }
 
+/// Collectives that write at least this many bytes into their destination write them past
+/// the cache ([`stream_copy`], [`reduce_pair_streaming`]): a destination this large mostly
+/// leaves the cache before anyone reads it, and a cached store first reads each line it is
+/// about to overwrite.
+pub(crate) const STREAM_BYTES: usize = 4 << 20;
+
 /// Copies `src` into `dst` (the same length) with stores that bypass the cache where the
 /// CPU has them: for destinations much larger than the cache, which the copy would only
 /// fill with lines evicted unread (and read each line first to write it).

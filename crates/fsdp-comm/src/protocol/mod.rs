@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::dtype::{
-    DType, Element, ReduceOp, as_uninit_mut, reduce_into, reduce_into_finished, reduce_pair_into,
-    reduce_pair_streaming, stream_copy, uninit_bytes_mut, write_copy,
+    DType, Element, ReduceOp, STREAM_BYTES, as_uninit_mut, reduce_into, reduce_into_finished,
+    reduce_pair_into, reduce_pair_streaming, stream_copy, uninit_bytes_mut, write_copy,
 };
 use crate::error::{CommError, Result};
 use crate::shm::{InFrame, OutFrame, Segment, Sink, TransferError};
@@ -160,11 +160,6 @@ pub struct Engine {
 /// each piece is whole elements): 1 MiB is 8 ms at 1 Gbit/s, long against the copies it
 /// hides, short against a 64 MiB transfer.
 pub(crate) const PIECE_BYTES: usize = 1 << 20;
-
-/// Receives that write at least this many bytes into their destination write them past the
-/// cache (where the CPU can): a destination this large mostly leaves the cache before anyone
-/// reads it, and a cached store first reads each line it is about to overwrite.
-pub(crate) const STREAM_BYTES: usize = 4 << 20;
 
 /// The pieces of a transfer of `len` bytes: (index, byte range); one empty piece for `len` 0.
 fn pieces(len: usize) -> impl Iterator<Item = (u32, std::ops::Range<usize>)> {

@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use super::Segment;
 use crate::dtype::{
-    Element, ReduceOp, as_uninit_mut, reduce_into_finished, reduce_pair_streaming, stream_copy,
+    Element, ReduceOp, STREAM_BYTES, as_uninit_mut, reduce_into_finished, reduce_pair_streaming,
+    stream_copy,
 };
 use crate::error::{CommError, Result};
-use crate::protocol::STREAM_BYTES;
 use crate::transport::Inbox;
 
 const MAGIC: u64 = 0x4653_4450_424c_4b31; // "FSDPBLK1"
