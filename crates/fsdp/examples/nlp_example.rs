@@ -243,7 +243,13 @@ fn peak_rss_mib() -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
+/// glibc's heap for everything under 32 MiB, kept mappings for the rest (the 47 MB word
+/// embeddings' gathered block and gradient pack, which glibc would map anew every step).
+#[global_allocator]
+static ALLOC: fsdp::accelerator::HeapTrainingAllocator = fsdp::accelerator::HeapTrainingAllocator;
+
 fn main() -> Result<()> {
+    fsdp::accelerator::HeapTrainingAllocator::mark_installed();
     let args = Args::parse();
     let started = Instant::now();
     let mut plugin = FsdpPlugin::builder();

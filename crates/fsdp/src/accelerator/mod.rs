@@ -74,7 +74,7 @@ use fsdp_comm::{Communicator, CommunicatorExt};
 /// their own, kept for reuse only below the resident peak; live bytes counted) and the
 /// memory figures a program reports: here so that a program imports them from the
 /// `accelerator`, as Accelerate's memory utilities are its own.
-pub use crate::memory::{TrainingAllocator, peak_rss_bytes, resident_bytes};
+pub use crate::memory::{HeapTrainingAllocator, TrainingAllocator, peak_rss_bytes, resident_bytes};
 pub use builder::{AcceleratorBuilder, FullStateDictConfig, ProjectConfiguration};
 pub use error::AcceleratorError;
 pub use gather::Gatherable;

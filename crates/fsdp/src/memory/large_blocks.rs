@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use super::PAGE;
 
 /// Allocations of at least this many bytes (and an alignment of at most a page) get a
-/// mapping of their own.
+/// mapping of their own under [`super::TrainingAllocator`].
 pub(super) const LARGE: usize = 1 << 20;
 
 /// Freed blocks kept at most (a fixed table: the allocator cannot allocate).
@@ -54,9 +54,10 @@ fn blocks() -> std::sync::MutexGuard<'static, Blocks> {
     BLOCKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Whether an allocation of `size` bytes aligned to `align` is served here.
-pub(super) fn is_large(size: usize, align: usize) -> bool {
-    size >= LARGE && align <= PAGE
+/// Whether an allocation of `size` bytes aligned to `align` is served here by an allocator
+/// taking blocks of `from` bytes and more.
+pub(super) fn is_large(size: usize, align: usize, from: usize) -> bool {
+    size >= from && align <= PAGE
 }
 
 /// `size` rounded up to whole pages: a block's length.

@@ -29,7 +29,8 @@ static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicI64 = AtomicI64::new(0);
 static RELEASED: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
-/// Whether [`TrainingAllocator`] is installed and marked: large allocations are its blocks.
+/// Whether [`TrainingAllocator`] or [`HeapTrainingAllocator`] is installed and marked: large
+/// allocations are its blocks.
 static TRAINING: AtomicBool = AtomicBool::new(false);
 
 /// Bytes returned to the system inside live allocations: released less what of it is parked
@@ -138,26 +139,69 @@ pub struct CountingAllocator;
 /// ```
 pub struct TrainingAllocator;
 
+/// The largest request glibc serves from its heap (larger ones it maps and unmaps at every
+/// call; its mapping threshold cannot be raised above this on 64-bit systems).
+pub(crate) const HEAP_LARGEST: usize = 32 << 20;
+
+/// [`TrainingAllocator`] for the allocations glibc's heap cannot keep: those of 32 MiB and more
+/// (which glibc maps and unmaps at every call, so each costs a page fault per 4 KiB every
+/// time) on kept mappings, everything smaller from glibc's heap as
+/// [`retain_freed_memory`] tunes it. For jobs whose repeated allocations are mostly under 32
+/// MiB, where the heap serves them without faults and [`TrainingAllocator`]'s mappings of
+/// every block from 1 MiB cost more than they save (nlp_example's 47 MB embeddings unit:
+/// docs/BENCHMARKS.md). Install and mark it as [`TrainingAllocator`].
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: fsdp::accelerator::HeapTrainingAllocator = fsdp::accelerator::HeapTrainingAllocator;
+/// ```
+pub struct HeapTrainingAllocator;
+
+impl HeapTrainingAllocator {
+    /// Marks the allocator as installed (call once from `main`), as
+    /// [`CountingAllocator::mark_installed`].
+    pub fn mark_installed() {
+        mark_large_blocks_from(HEAP_LARGEST);
+    }
+
+    /// Bytes of freed large blocks kept for reuse now (resident, not live).
+    pub fn kept_bytes() -> usize {
+        large_blocks::kept_bytes()
+    }
+}
+
+/// The large blocks' threshold of the installed allocator, once marked (0: none marked).
+static LARGE_FROM: AtomicUsize = AtomicUsize::new(0);
+
+/// Marks an allocator serving blocks of `from` bytes and more as installed.
+fn mark_large_blocks_from(from: usize) {
+    CountingAllocator::mark_installed();
+    LARGE_FROM.store(from, Ordering::Relaxed);
+    TRAINING.store(true, Ordering::Relaxed);
+}
+
 fn note_alloc(size: usize) {
     let live = LIVE.fetch_add(size, Ordering::Relaxed) + size;
     let resident = live as i64 - returned_bytes() as i64;
     PEAK.fetch_max(resident, Ordering::Relaxed);
 }
 
-/// Large blocks from [`large_blocks`], the rest from the system: what [`TrainingAllocator`]
-/// counts.
-struct LargeBlocksOrSystem;
+/// Blocks of `FROM` bytes and more from [`large_blocks`], the rest from the system: what
+/// [`TrainingAllocator`] (`FROM` = [`large_blocks::LARGE`]) and [`HeapTrainingAllocator`]
+/// (`FROM` = [`HEAP_LARGEST`]) count. Which way an allocation went follows from its layout
+/// alone, so it is freed the way it came.
+struct LargeBlocksOrSystem<const FROM: usize>;
 
-fn large(layout: Layout) -> bool {
-    large_blocks::is_large(layout.size(), layout.align())
+fn large<const FROM: usize>(layout: Layout) -> bool {
+    large_blocks::is_large(layout.size(), layout.align(), FROM)
 }
 
 // SAFETY: large layouts get whole page-aligned mappings of at least their size (alignment at
 // most a page, checked by `large`) and go back to `large_blocks` with the same layout; the
 // rest is forwarded to `System` unchanged.
-unsafe impl GlobalAlloc for LargeBlocksOrSystem {
+unsafe impl<const FROM: usize> GlobalAlloc for LargeBlocksOrSystem<FROM> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if large(layout) {
+        if large::<FROM>(layout) {
             return large_blocks::allocate(layout.size(), false);
         }
         // SAFETY: forwarded with the caller's layout.
@@ -165,7 +209,7 @@ unsafe impl GlobalAlloc for LargeBlocksOrSystem {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if large(layout) {
+        if large::<FROM>(layout) {
             return large_blocks::allocate(layout.size(), true);
         }
         // SAFETY: forwarded with the caller's layout.
@@ -173,7 +217,7 @@ unsafe impl GlobalAlloc for LargeBlocksOrSystem {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        if large(layout) {
+        if large::<FROM>(layout) {
             return large_blocks::free(ptr, layout.size());
         }
         // SAFETY: forwarded with the caller's pointer and layout.
@@ -183,7 +227,7 @@ unsafe impl GlobalAlloc for LargeBlocksOrSystem {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: the caller guarantees `new_size`, rounded up to `layout.align()`, fits isize.
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
-        match (large(layout), large(new_layout)) {
+        match (large::<FROM>(layout), large::<FROM>(new_layout)) {
             (true, true) => {
                 let p = large_blocks::resize(ptr, layout.size(), new_size);
                 if !p.is_null() {
@@ -203,7 +247,7 @@ unsafe impl GlobalAlloc for LargeBlocksOrSystem {
     }
 }
 
-impl LargeBlocksOrSystem {
+impl<const FROM: usize> LargeBlocksOrSystem<FROM> {
     /// Reallocation by copying: a new block, the common bytes, the old one freed.
     ///
     /// # Safety
@@ -304,7 +348,11 @@ macro_rules! counting_over {
 }
 
 counting_over!(CountingAllocator, System);
-counting_over!(TrainingAllocator, LargeBlocksOrSystem);
+counting_over!(
+    TrainingAllocator,
+    LargeBlocksOrSystem::<{ large_blocks::LARGE }>
+);
+counting_over!(HeapTrainingAllocator, LargeBlocksOrSystem::<HEAP_LARGEST>);
 
 impl CountingAllocator {
     /// Marks the allocator as installed (call once from `main`), so [`counting`] can tell
@@ -318,8 +366,7 @@ impl TrainingAllocator {
     /// Marks the allocator as installed (call once from `main`), as
     /// [`CountingAllocator::mark_installed`].
     pub fn mark_installed() {
-        CountingAllocator::mark_installed();
-        TRAINING.store(true, Ordering::Relaxed);
+        mark_large_blocks_from(large_blocks::LARGE);
     }
 
     /// Bytes of freed large blocks kept for reuse now (resident, not live).
@@ -379,9 +426,11 @@ pub(crate) fn note_refilled(allocation: *const u8) {
     forget_released(allocation as usize);
 }
 
-/// Whether an allocation of `capacity` bytes is one of [`TrainingAllocator`]'s large blocks.
+/// Whether an allocation of `capacity` bytes is one of the installed [`TrainingAllocator`]'s
+/// (or [`HeapTrainingAllocator`]'s) large blocks.
 fn large_block(capacity: usize) -> bool {
-    TRAINING.load(Ordering::Relaxed) && large_blocks::is_large(capacity, 1)
+    TRAINING.load(Ordering::Relaxed)
+        && large_blocks::is_large(capacity, 1, LARGE_FROM.load(Ordering::Relaxed))
 }
 
 /// Releases the whole pages inside `v`'s elements: parked for the next parameter when its
