@@ -8,27 +8,17 @@
 
 use fsdp::memory::{self, HeapTrainingAllocator};
 
+#[path = "common/large_blocks.rs"]
+mod large_blocks;
+
 #[global_allocator]
 static ALLOC: HeapTrainingAllocator = HeapTrainingAllocator;
 
 const MIB: usize = 1 << 20;
 
 fn reuses_a_freed_block_of_32_mib_and_more() {
-    let first = vec![0xABu8; 40 * MIB];
-    let address = first.as_ptr();
-    let kept_before = HeapTrainingAllocator::kept_bytes();
-    drop(first);
-    assert!(HeapTrainingAllocator::kept_bytes() >= kept_before + 40 * MIB);
-    let again = vec![0u8; 40 * MIB];
-    assert_eq!(
-        again.as_ptr(),
-        address,
-        "the freed block serves its size again"
-    );
-    assert!(
-        again.iter().all(|&b| b == 0),
-        "a zeroed request is zeroed on reuse"
-    );
+    large_blocks::reuses_a_freed_block(40 * MIB, HeapTrainingAllocator::kept_bytes);
+    large_blocks::reuses_a_freed_block(32 * MIB, HeapTrainingAllocator::kept_bytes);
 }
 
 fn keeps_smaller_requests_on_the_heap() {
