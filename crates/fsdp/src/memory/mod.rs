@@ -29,9 +29,6 @@ static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicI64 = AtomicI64::new(0);
 static RELEASED: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
-/// Whether [`TrainingAllocator`] or [`HeapTrainingAllocator`] is installed and marked: large
-/// allocations are its blocks.
-static TRAINING: AtomicBool = AtomicBool::new(false);
 
 /// Bytes returned to the system inside live allocations: released less what of it is parked
 /// (moved out, still resident, waiting for the next parameter).
@@ -170,14 +167,14 @@ impl HeapTrainingAllocator {
     }
 }
 
-/// The large blocks' threshold of the installed allocator, once marked (0: none marked).
+/// The large blocks' threshold of the installed and marked [`TrainingAllocator`] or
+/// [`HeapTrainingAllocator`] (0: neither marked, no allocation is a large block).
 static LARGE_FROM: AtomicUsize = AtomicUsize::new(0);
 
 /// Marks an allocator serving blocks of `from` bytes and more as installed.
 fn mark_large_blocks_from(from: usize) {
     CountingAllocator::mark_installed();
     LARGE_FROM.store(from, Ordering::Relaxed);
-    TRAINING.store(true, Ordering::Relaxed);
 }
 
 fn note_alloc(size: usize) {
@@ -429,8 +426,8 @@ pub(crate) fn note_refilled(allocation: *const u8) {
 /// Whether an allocation of `capacity` bytes is one of the installed [`TrainingAllocator`]'s
 /// (or [`HeapTrainingAllocator`]'s) large blocks.
 fn large_block(capacity: usize) -> bool {
-    TRAINING.load(Ordering::Relaxed)
-        && large_blocks::is_large(capacity, 1, LARGE_FROM.load(Ordering::Relaxed))
+    let from = LARGE_FROM.load(Ordering::Relaxed);
+    from > 0 && large_blocks::is_large(capacity, 1, from)
 }
 
 /// Releases the whole pages inside `v`'s elements: parked for the next parameter when its
