@@ -152,15 +152,20 @@ impl FsdpParam {
     }
 }
 
+/// `pieces` one after another into `out`.
+fn copy_pieces<'a, T: Copy + 'a>(pieces: impl Iterator<Item = &'a [T]>, out: &mut [T]) {
+    let mut at = 0;
+    for piece in pieces {
+        out[at..at + piece.len()].copy_from_slice(piece);
+        at += piece.len();
+    }
+}
+
 impl ShardLayout {
     /// Copies the full parameter out of an all-gathered unit (rank r's shard block of `block`
     /// elements at `r * block`, `ranks` blocks) into `out`, leaving the padding rows out.
     pub fn unpack<T: Copy>(&self, gathered: &[T], block: usize, ranks: usize, out: &mut [T]) {
-        let mut at = 0;
-        for piece in self.gathered_pieces(gathered, block, ranks) {
-            out[at..at + piece.len()].copy_from_slice(piece);
-            at += piece.len();
-        }
+        copy_pieces(self.gathered_pieces(gathered, block, ranks), out);
     }
 
     /// The full parameter's rows in an all-gathered unit, rank by rank, in order: what
@@ -186,11 +191,7 @@ impl ShardLayout {
 
     /// [`ShardLayout::unpack`] out of every rank's block apart (`blocks[r]`: rank r's).
     pub fn unpack_blocks<T: Copy>(&self, blocks: &[&[T]], out: &mut [T]) {
-        let mut at = 0;
-        for piece in self.pieces_in(blocks) {
-            out[at..at + piece.len()].copy_from_slice(piece);
-            at += piece.len();
-        }
+        copy_pieces(self.pieces_in(blocks), out);
     }
 
     /// Where rank `r`'s rows of the parameter sit in rank `r`'s block.
