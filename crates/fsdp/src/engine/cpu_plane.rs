@@ -138,45 +138,36 @@ pub(super) fn unpack_storage(
         found: format!("{:?} x {ranks} ranks", gathered.dtype()),
         expected: "float parameters, a block per rank",
     };
-    Ok(match gathered.dtype() {
-        DType::F32 => CpuStorage::F32(unpacked(
-            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
-            0.0,
-            layout,
-        )),
-        DType::F64 => CpuStorage::F64(unpacked(
-            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
-            0.0,
-            layout,
-        )),
-        DType::BF16 => CpuStorage::BF16(unpacked(
-            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
-            half::bf16::ZERO,
-            layout,
-        )),
-        DType::F16 => CpuStorage::F16(unpacked(
-            &gathered.blocks_of(block, ranks).ok_or_else(bad)?,
-            half::f16::ZERO,
-            layout,
-        )),
-        _ => return Err(bad()),
-    })
+    let storage = match gathered.dtype() {
+        DType::F32 => unpacked(gathered, layout, block, ranks).map(CpuStorage::F32),
+        DType::F64 => unpacked(gathered, layout, block, ranks).map(CpuStorage::F64),
+        DType::BF16 => unpacked(gathered, layout, block, ranks).map(CpuStorage::BF16),
+        DType::F16 => unpacked(gathered, layout, block, ranks).map(CpuStorage::F16),
+        _ => None,
+    };
+    storage.ok_or_else(bad)
 }
 
 /// Parameter `layout`'s values out of every rank's gathered block, in a buffer that takes
 /// parked pages (a released parameter's) before it is written, written once (appended, not
-/// zero-filled and then overwritten).
-fn unpacked<T: bytemuck::Pod>(blocks: &[&[T]], zero: T, layout: &ShardLayout) -> Vec<T> {
+/// zero-filled and then overwritten); `None` where the blocks are not of `T`.
+fn unpacked<T: fsdp_comm::BufferElement + bytemuck::Pod>(
+    gathered: &Gathered<'_>,
+    layout: &ShardLayout,
+    block: usize,
+    ranks: usize,
+) -> Option<Vec<T>> {
+    let blocks = gathered.blocks_of::<T>(block, ranks)?;
     let n = layout.numel();
     let mut out = Vec::<T>::with_capacity(n);
     crate::memory::prefill_pages(&mut out, 0..n);
-    for piece in layout.pieces_in(blocks) {
+    for piece in layout.pieces_in(&blocks) {
         out.extend_from_slice(piece);
     }
     // The pieces are the parameter's rows, `n` elements; a storage shorter than its shape
     // must never reach candle's unchecked kernels, whatever a layout says.
-    out.resize(n, zero);
-    out
+    out.resize(n, T::zeroed());
+    Some(out)
 }
 
 /// Releases a full parameter's memory in place, keeping the storage's length (candle's
